@@ -1,0 +1,7 @@
+"""`python -m ferrobatch serve|generate|chat`."""
+
+import sys
+
+from ferrobatch.cli import main
+
+sys.exit(main())

@@ -1,0 +1,182 @@
+"""Command line: `ferrobatch serve | generate | chat` (also `python -m ferrobatch ...`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from typing import Any
+
+from ferrobatch.config import EngineConfig
+from ferrobatch.sampling_params import SamplingParams
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="smollm2",
+                   help="'smollm2' (embedded), a .gguf file or a Hugging Face model directory")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: per device)")
+    g.add_argument("--max-num-seqs", type=int, default=128,
+                   help="most sequences in one step's batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="token budget of one step (prefill chunks + decodes)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context window (prompt + output); default min(model, 8192)")
+    g.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="KV cache size in GiB (default 1 on CPU; on GPU a memory fraction)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    g.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="waiting requests beyond which new ones get 429 / an error 429")
+
+
+def _config(a: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=a.model, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
+        kv_cache_gb=a.kv_cache_gb, gpu_memory_utilization=a.gpu_memory_utilization,
+        block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
+        scheduling_policy=a.scheduling_policy, max_queued_requests=a.max_queued_requests)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ferrobatch", description="Continuous-batching LLM "
+                                     "serving engine: OpenAI HTTP + WebSocket, msgpack/TCP.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve a model over HTTP (OpenAI + WebSocket) and TCP",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    s.add_argument("--port", type=int, default=8000, help="HTTP + WebSocket port")
+    s.add_argument("--tcp-port", type=int, default=8001, help="msgpack/TCP port (-1: off)")
+    s.add_argument("--api-key", default=os.environ.get("FERROBATCH_API_KEY"),
+                   help="require this key (Bearer token / TCP hello) on every route but /health; "
+                        "default $FERROBATCH_API_KEY")
+    s.add_argument("--served-model-name", default=None, help="model id reported to clients")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds to let in-flight requests finish on SIGINT/SIGTERM")
+    _engine_args(s)
+
+    for name, helptext in (("generate", "generate a completion for one prompt"),
+                           ("chat", "chat with the model in the terminal")):
+        g = sub.add_parser(name, help=helptext,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        if name == "generate":
+            g.add_argument("prompt", help="prompt text")
+        g.add_argument("--max-tokens", type=int, default=128 if name == "generate" else 256)
+        g.add_argument("--temperature", type=float, default=0.0)
+        g.add_argument("--top-p", type=float, default=1.0)
+        g.add_argument("--top-k", type=int, default=0)
+        g.add_argument("--seed", type=int, default=None)
+        g.add_argument("--system", default=None, help="system prompt (chat)")
+        _engine_args(g)
+    return parser
+
+
+async def _serve(a: argparse.Namespace) -> int:
+    from ferrobatch.engine.async_engine import AsyncEngine
+    from ferrobatch.serve.server import Server
+
+    engine = AsyncEngine(_config(a))
+    print(f"ferrobatch: loading {a.model} ...", flush=True)
+    await engine.start()
+    server = Server(engine, api_key=a.api_key, served_model_name=a.served_model_name)
+    try:
+        await server.start(a.host, a.port, None if a.tcp_port < 0 else a.tcp_port)
+    except OSError as exc:
+        print(f"ferrobatch: cannot listen: {exc}", file=sys.stderr)
+        await engine.shutdown()
+        return 1
+    base = f"http://{a.host}:{server.port}"
+    print(f"ferrobatch: serving {server.state.model_name} (max_model_len "
+          f"{engine.max_model_len}, {engine.stats().get('num_blocks')} KV blocks)")
+    print(f"  OpenAI HTTP : {base}/v1  (completions, chat/completions, models)")
+    print(f"  WebSocket   : ws://{a.host}:{server.port}/v1/ws")
+    if server.tcp_port is not None:
+        print(f"  msgpack/TCP : {a.host}:{server.tcp_port}")
+    print(f"  health {base}/health  ready {base}/ready  metrics {base}/metrics", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    dead = asyncio.create_task(_wait_dead(engine))
+    await asyncio.wait([asyncio.create_task(stop.wait()), dead],
+                       return_when=asyncio.FIRST_COMPLETED)
+    failed = dead.done()
+    print("ferrobatch: engine failed, shutting down" if failed
+          else f"ferrobatch: draining (up to {a.drain_timeout:g}s) ...", flush=True)
+    await server.stop(drain_timeout_s=0 if failed else a.drain_timeout)
+    await engine.shutdown()
+    print("ferrobatch: stopped", flush=True)
+    return 1 if failed else 0
+
+
+async def _wait_dead(engine: Any) -> None:
+    while engine.is_running:
+        await asyncio.sleep(0.5)
+
+
+async def _stream_one(engine: Any, params: SamplingParams, prompt: str | None = None,
+                      messages: Any = None) -> str:
+    text = []
+    async for out in engine.generate(prompt, params, messages=messages):
+        piece = out.outputs[0].text if out.outputs else ""
+        text.append(piece)
+        print(piece, end="", flush=True)
+        if out.finished and out.error:
+            print(f"\n[error: {out.error}]", file=sys.stderr)
+    print()
+    return "".join(text)
+
+
+async def _generate(a: argparse.Namespace) -> int:
+    from ferrobatch.engine.async_engine import AsyncEngine
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                            top_k=a.top_k, seed=a.seed, output_kind="delta")
+    async with AsyncEngine(_config(a)) as engine:
+        await _stream_one(engine, params, prompt=a.prompt)
+    return 0
+
+
+async def _chat(a: argparse.Namespace) -> int:
+    from ferrobatch.engine.async_engine import AsyncEngine
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                            top_k=a.top_k, seed=a.seed, output_kind="delta")
+    history: list[dict[str, str]] = []
+    if a.system:
+        history.append({"role": "system", "content": a.system})
+    async with AsyncEngine(_config(a)) as engine:
+        print("ferrobatch chat: empty line or Ctrl-D to quit", flush=True)
+        while True:
+            try:
+                line = await asyncio.to_thread(input, "> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            history.append({"role": "user", "content": line})
+            reply = await _stream_one(engine, params, messages=history)
+            history.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run = {"serve": _serve, "generate": _generate, "chat": _chat}[args.command]
+        return asyncio.run(run(args))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"ferrobatch: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""Python clients for the WebSocket and TCP doors (one protocol, two transports).
+
+    async with await TCPClient.connect("127.0.0.1", 8001) as c:
+        async for msg in c.generate("Once upon a time", max_tokens=16):
+            if msg["type"] == "delta":
+                print(msg["text"], end="", flush=True)
+
+    async with await WSClient.connect("ws://127.0.0.1:8000/v1/ws") as c:
+        result = await c.complete(messages=[{"role": "user", "content": "Hi"}], max_tokens=16)
+
+Many generations can run at once on one connection; each `generate` yields that request's
+messages (`delta`..., then one of `done`, `cancelled`, `error`). Leaving the loop early cancels it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import struct
+from typing import Any, AsyncIterator
+
+import msgpack
+
+TERMINAL = ("done", "cancelled", "error")
+MAX_FRAME_BYTES = 1 << 20
+_LEN = struct.Struct(">I")
+
+
+class _Multiplexer:
+    def __init__(self) -> None:
+        self._queues: dict[Any, asyncio.Queue] = {}
+        self._ids = itertools.count(1)
+        self._reader: asyncio.Task | None = None
+        self._closed = False
+        self.unrouted: asyncio.Queue = asyncio.Queue()   # errors with no (known) id
+
+    async def _send(self, msg: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    async def _recv(self) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def _start_reader(self) -> None:
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = await self._recv()
+                if msg is None:
+                    break
+                q = self._queues.get(msg.get("id")) if isinstance(msg, dict) else None
+                (q or self.unrouted).put_nowait(msg)
+        except (ConnectionError, asyncio.IncompleteReadError, OSError):
+            pass
+        finally:
+            self._closed = True
+            for rid, q in list(self._queues.items()):
+                q.put_nowait({"type": "error", "id": rid, "code": 0,
+                              "message": "connection closed"})
+
+    async def generate(self, prompt: str | list[int] | None = None, *,
+                       messages: list[dict[str, Any]] | None = None, id: Any = None,
+                       **params: Any) -> AsyncIterator[dict[str, Any]]:
+        """Start one generation and yield its messages until the terminal one."""
+        if self._closed:
+            raise ConnectionError("connection closed")
+        rid = id if id is not None else f"c{next(self._ids)}"
+        if rid in self._queues:
+            raise ValueError(f"id {rid!r} is already in use")
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = q
+        msg: dict[str, Any] = {"type": "generate", "id": rid, "params": params}
+        if messages is not None:
+            msg["messages"] = messages
+        else:
+            msg["prompt"] = prompt
+        finished = False
+        try:
+            await self._send(msg)
+            while True:
+                m = await q.get()
+                finished = m.get("type") in TERMINAL
+                yield m
+                if finished:
+                    return
+        finally:
+            if not finished and not self._closed:
+                try:
+                    await self._send({"type": "cancel", "id": rid})
+                except (ConnectionError, OSError):
+                    pass
+            self._queues.pop(rid, None)
+
+    async def complete(self, prompt: str | list[int] | None = None, **kw: Any) -> dict[str, Any]:
+        """Run one generation to the end: {text, token_ids, finish_reason, usage} per index."""
+        texts: dict[int, list[str]] = {}
+        ids: dict[int, list[int]] = {}
+        async for m in self.generate(prompt, **kw):
+            t = m["type"]
+            if t == "delta":
+                texts.setdefault(m.get("index", 0), []).append(m["text"])
+                ids.setdefault(m.get("index", 0), []).extend(m["token_ids"])
+            elif t == "done":
+                return {"text": "".join(texts.get(0, [])), "token_ids": ids.get(0, []),
+                        "texts": ["".join(texts.get(i, [])) for i in range(len(
+                            m.get("finish_reasons") or [0]))],
+                        "finish_reason": m["finish_reason"],
+                        "finish_reasons": m.get("finish_reasons"), "usage": m["usage"]}
+            elif t == "cancelled":
+                return {"text": "".join(texts.get(0, [])), "token_ids": ids.get(0, []),
+                        "finish_reason": "abort", "usage": None}
+            else:
+                raise RuntimeError(f"generation failed ({m.get('code')}): {m.get('message')}")
+        raise ConnectionError("connection closed")
+
+    async def cancel(self, rid: Any) -> None:
+        await self._send({"type": "cancel", "id": rid})
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Any:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+
+class WSClient(_Multiplexer):
+    """WebSocket client; `binary=True` sends and receives msgpack frames instead of JSON."""
+
+    def __init__(self, session: Any, ws: Any, binary: bool) -> None:
+        super().__init__()
+        self._session = session
+        self._ws = ws
+        self._binary = binary
+
+    @classmethod
+    async def connect(cls, url: str, *, api_key: str | None = None,
+                      binary: bool = False) -> "WSClient":
+        import aiohttp
+        session = aiohttp.ClientSession()
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        try:
+            ws = await session.ws_connect(url, headers=headers, heartbeat=20,
+                                          max_msg_size=MAX_FRAME_BYTES)
+        except BaseException:
+            await session.close()
+            raise
+        client = cls(session, ws, binary)
+        client._start_reader()
+        return client
+
+    async def _send(self, msg: dict[str, Any]) -> None:
+        if self._binary:
+            await self._ws.send_bytes(msgpack.packb(msg, use_bin_type=True))
+        else:
+            await self._ws.send_str(json.dumps(msg))
+
+    async def _recv(self) -> dict[str, Any] | None:
+        import aiohttp
+        msg = await self._ws.receive()
+        if msg.type == aiohttp.WSMsgType.TEXT:
+            return json.loads(msg.data)
+        if msg.type == aiohttp.WSMsgType.BINARY:
+            return msgpack.unpackb(msg.data, raw=False, strict_map_key=True, max_ext_len=0)
+        return None
+
+    async def close(self) -> None:
+        await self._ws.close()
+        await self._session.close()
+        if self._reader is not None:
+            await asyncio.gather(self._reader, return_exceptions=True)
+
+
+class TCPClient(_Multiplexer):
+    """Length-prefixed msgpack over TCP; `connect` performs the hello handshake."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        super().__init__()
+        self._r = reader
+        self._w = writer
+        self.server_hello: dict[str, Any] = {}
+
+    @classmethod
+    async def connect(cls, host: str = "127.0.0.1", port: int = 8001, *,
+                      api_key: str | None = None) -> "TCPClient":
+        reader, writer = await asyncio.open_connection(host, port)
+        client = cls(reader, writer)
+        hello: dict[str, Any] = {"type": "hello", "version": 1}
+        if api_key is not None:
+            hello["api_key"] = api_key
+        await client._send(hello)
+        reply = await client._recv()
+        if not reply or reply.get("type") != "hello":
+            writer.close()
+            raise ConnectionError(f"handshake refused: {reply}")
+        client.server_hello = reply
+        client._start_reader()
+        return client
+
+    async def _send(self, msg: dict[str, Any]) -> None:
+        body = msgpack.packb(msg, use_bin_type=True)
+        self._w.write(_LEN.pack(len(body)) + body)
+        await self._w.drain()
+
+    async def _recv(self) -> dict[str, Any] | None:
+        try:
+            (n,) = _LEN.unpack(await self._r.readexactly(4))
+            if n > MAX_FRAME_BYTES:
+                raise ConnectionError(f"server frame of {n} bytes is too large")
+            body = await self._r.readexactly(n)
+        except asyncio.IncompleteReadError:
+            return None
+        return msgpack.unpackb(body, raw=False, strict_map_key=True, max_ext_len=0)
+
+    async def close(self) -> None:
+        self._w.close()
+        try:
+            await self._w.wait_closed()
+        except (ConnectionError, OSError):
+            pass
+        if self._reader is not None:
+            await asyncio.gather(self._reader, return_exceptions=True)

@@ -1,0 +1,109 @@
+"""EngineConfig: every engine knob, validated once, frozen afterwards.
+
+The defaults are tuned for the CPU path (the embedded SmolLM2 on a laptop): a 1 GiB KV budget,
+16-token blocks and a 512-token step budget keep inter-token latency low on two cores. On a GPU the
+KV budget comes from `gpu_memory_utilization` unless `kv_cache_gb` or `num_blocks` is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+POLICIES = ("fcfs", "priority")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Configuration of one engine (model, KV cache, scheduler, admission limits)."""
+
+    model: str = "smollm2"
+    device: str = "auto"                 # "auto" -> cuda when available, else cpu
+    dtype: str | None = None             # None -> the runtime's default for the device
+    attn_backend: str | None = None      # None -> the runtime picks (torch reference on CPU)
+
+    # KV cache
+    block_size: int = 16
+    kv_cache_gb: float | None = None     # None -> 1 GiB on CPU, gpu_memory_utilization on GPU
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None        # explicit override of the KV sizing (tests, benchmarks)
+    enable_prefix_caching: bool = True
+
+    # Scheduler
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None     # None -> min(model context, 8192)
+    scheduling_policy: str = "fcfs"      # "fcfs" or "priority" (lower value runs first)
+    max_preemptions: int = 8
+    intake_capacity: int = 4096
+
+    # Admission limits (validated before anything is allocated)
+    max_queued_requests: int = 1024      # accepted but not yet scheduled; beyond -> QueueFullError
+    max_n: int = 16
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 256
+    max_stop_token_ids: int = 64
+    max_logit_bias: int = 300
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a non-empty string")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "intake_capacity",
+                     "max_queued_requests", "max_n", "max_stop_strings", "max_stop_string_len",
+                     "max_stop_token_ids", "max_logit_bias"):
+            positive_int(name)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if isinstance(self.max_preemptions, bool) or not isinstance(self.max_preemptions, int) \
+                or self.max_preemptions < 0:
+            raise ValueError(f"max_preemptions must be an integer >= 0, got {self.max_preemptions!r}")
+        if self.num_blocks is not None:
+            positive_int("num_blocks")
+            if self.num_blocks < 2:
+                raise ValueError("num_blocks must be >= 2 (block 0 is the reserved null block)")
+        if self.max_model_len is not None:
+            positive_int("max_model_len")
+        if self.kv_cache_gb is not None and not (
+                isinstance(self.kv_cache_gb, (int, float)) and math.isfinite(self.kv_cache_gb)
+                and self.kv_cache_gb > 0):
+            raise ValueError(f"kv_cache_gb must be a positive number, got {self.kv_cache_gb!r}")
+        if not (0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got "
+                             f"{self.scheduling_policy!r}")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "EngineConfig":
+        """Build from keyword options, rejecting unknown names with a clear message."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; "
+                            f"known: {', '.join(sorted(known))}")
+        return cls(**options)
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        try:
+            import torch
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        except ImportError:  # pragma: no cover - torch is a hard dependency
+            return "cpu"
+
+    def kv_budget_bytes_cpu(self) -> int:
+        """KV cache bytes to allocate on CPU (1 GiB unless `kv_cache_gb` says otherwise)."""
+        return int((self.kv_cache_gb if self.kv_cache_gb is not None else 1.0) * (1 << 30))

@@ -1,0 +1,413 @@
+"""AsyncEngine: the asyncio face of the engine.
+
+    async with AsyncEngine(model="smollm2") as engine:
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=8), request_id="a"):
+            print(out.outputs[0].text)
+
+Accepting a request (`add_request`) validates and tokenizes it, then pushes it onto the Rust
+intake; nothing is allocated for a request that fails validation. The step thread hands each
+step's output back once (`_on_step`), where tokens are detokenized, stop strings are checked
+and each request's stream is woken. A request leaves every table exactly when the scheduler has
+reported the terminal event of each of its sequences (`_release`, the one release path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any, AsyncIterator, Sequence
+
+from ferrobatch.config import EngineConfig
+from ferrobatch.engine.errors import DuplicateRequestError, EngineDeadError, QueueFullError
+from ferrobatch.engine.inputs import check_prompt_text, check_token_ids, normalize_messages
+from ferrobatch.engine.observer import EngineObserver
+from ferrobatch.engine.request_state import RequestState
+from ferrobatch.engine.step_loop import StepLoop
+from ferrobatch.outputs import RequestOutput
+from ferrobatch.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class RequestStream:
+    """Async iterator over one request's outputs; `abort()` cancels it."""
+
+    def __init__(self, engine: "AsyncEngine", state: RequestState) -> None:
+        self._engine = engine
+        self._state = state
+
+    @property
+    def request_id(self) -> str:
+        return self._state.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._state.prompt_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self._state.final_emitted
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        st = self._state
+        while True:
+            out = st.build_output()
+            if out is not None:
+                return out
+            if st.final_emitted:
+                raise StopAsyncIteration
+            st.event.clear()
+            await st.event.wait()
+
+    def abort(self) -> None:
+        """Cancel the request unless it has already finished (idempotent)."""
+        if not self._state.user_finished:
+            self._engine._abort_state(self._state, "abort")
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, *, loaded_model: Any = None,
+                 **options: Any) -> None:
+        if config is not None and options:
+            raise TypeError("pass either an EngineConfig or keyword options, not both")
+        self.config = config if config is not None else EngineConfig.from_options(**options)
+        self._loaded = loaded_model
+        self._core: Any = None
+        self._loop_thread: StepLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._requests: dict[int, RequestState] = {}
+        self._by_name: dict[str, int] = {}
+        self._unscheduled: set[int] = set()
+        self._ids = itertools.count(1)
+        self._observers: list[EngineObserver] = []
+        self._dead: BaseException | None = None
+        self._stopped = False
+        self._stats: dict[str, Any] = {}
+        self.counters = {"accepted": 0, "released": 0, "rejected": 0, "stop": 0, "length": 0,
+                         "abort": 0, "error": 0}
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> "AsyncEngine":
+        if self._core is not None:
+            return self
+        from ferrobatch.engine.core import EngineCore
+        self._loop = asyncio.get_running_loop()
+        self._core = await asyncio.to_thread(EngineCore.build, self.config, self._loaded)
+        self._stats = self._core.stats()
+        self._loop_thread = StepLoop(self._core, self._loop, self._on_step, self._on_fatal)
+        self._loop_thread.start()
+        return self
+
+    async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
+        """Stop the engine: wait up to `drain_timeout_s` for in-flight requests, abort the rest."""
+        if self._loop_thread is None or self._stopped:
+            return
+        if drain_timeout_s > 0 and self._requests and self._dead is None:
+            try:
+                await asyncio.wait_for(self.wait_idle(), drain_timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        for st in list(self._requests.values()):
+            self._abort_state(st, "abort")
+        if self._requests and self._dead is None:
+            try:
+                await asyncio.wait_for(self.wait_idle(), 10.0)
+            except asyncio.TimeoutError:
+                pass
+        self._stopped = True
+        await asyncio.to_thread(self._loop_thread.stop)
+        self._fail_all("the engine was shut down", "abort")
+
+    async def __aenter__(self) -> "AsyncEngine":
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.shutdown()
+
+    # -- properties used by the doors ----------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self._core.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._core.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._core.vocab_size
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._core.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return (self._core is not None and self._dead is None and not self._stopped
+                and self._loop_thread is not None and self._loop_thread.alive)
+
+    @property
+    def dead_reason(self) -> str | None:
+        if self._dead is not None:
+            return f"{type(self._dead).__name__}: {self._dead}"
+        return "the engine is stopped" if self._stopped else None
+
+    def add_observer(self, observer: EngineObserver) -> None:
+        self._observers.append(observer)
+
+    def stats(self) -> dict[str, Any]:
+        """Latest scheduler snapshot (taken on the step thread) plus engine-side counts."""
+        s = dict(self._stats)
+        s["num_open_requests"] = len(self._requests)
+        s["num_unscheduled_requests"] = len(self._unscheduled)
+        return s
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def render_chat(self, messages: Any) -> str:
+        msgs = normalize_messages(messages)
+        return self._core.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+
+    def add_request(self, prompt: Prompt | None = None, params: SamplingParams | None = None,
+                    request_id: str | None = None, *, messages: Any = None) -> RequestStream:
+        """Validate, tokenize and submit; raises ValueError (bad input), QueueFullError or
+        EngineDeadError before anything is allocated."""
+        if not self.is_running:
+            raise EngineDeadError(self.dead_reason or "the engine is not started")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
+        if request_id is not None and (not isinstance(request_id, str) or not request_id
+                                       or len(request_id) > 256):
+            raise ValueError("request_id must be a non-empty string of at most 256 characters")
+        if request_id is not None and request_id in self._by_name:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
+        if len(self._unscheduled) >= self.config.max_queued_requests:
+            self.counters["rejected"] += 1
+            raise QueueFullError(f"{len(self._unscheduled)} requests are already waiting; "
+                                 "retry later")
+        core, cfg = self._core, self.config
+        if messages is not None:
+            if prompt is not None:
+                raise ValueError("pass either a prompt or messages, not both")
+            prompt = self.render_chat(messages)
+        if isinstance(prompt, str):
+            text: str | None = check_prompt_text(prompt)
+            ids = list(core.tokenizer.encode(prompt))
+            if not ids:
+                raise ValueError("prompt must not be empty")
+            check_token_ids(ids, core.vocab_size, core.max_model_len)
+        elif prompt is None:
+            raise ValueError("a prompt (text or token ids) or messages is required")
+        else:
+            text = None
+            ids = check_token_ids(prompt, core.vocab_size, core.max_model_len)
+        max_tokens = params.check_against(
+            prompt_len=len(ids), max_model_len=core.max_model_len, vocab_size=core.vocab_size,
+            max_n=cfg.max_n, max_stop_strings=cfg.max_stop_strings,
+            max_stop_string_len=cfg.max_stop_string_len,
+            max_stop_token_ids=cfg.max_stop_token_ids, max_logit_bias=cfg.max_logit_bias)
+
+        req_id = next(self._ids)
+        name = request_id if request_id is not None else f"req-{req_id}"
+        detoks = [core.new_detokenizer(ids, params) for _ in range(params.n)]
+        state = RequestState(req_id, name, text, ids, params, max_tokens, detoks, time.monotonic())
+        core.submit(req_id, ids, params, max_tokens, state)   # may raise QueueFullError
+        self._requests[req_id] = state
+        self._by_name[name] = req_id
+        self._unscheduled.add(req_id)
+        self.counters["accepted"] += 1
+        return RequestStream(self, state)
+
+    async def generate(self, prompt: Prompt | None = None, params: SamplingParams | None = None,
+                       request_id: str | None = None, *,
+                       messages: Any = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs; leaving the loop early aborts the request."""
+        stream = self.add_request(prompt, params, request_id, messages=messages)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> bool:
+        """Abort an in-flight request by id; True if it was found. The KV is freed within a step."""
+        req_id = self._by_name.get(request_id)
+        if req_id is None:
+            return False
+        self._abort_state(self._requests[req_id], "abort")
+        return True
+
+    def _abort_state(self, st: RequestState, reason: str, seq_index: int = -1) -> None:
+        if st.all_terminal or st.req_id not in self._requests:
+            return
+        if seq_index == -1:
+            if st.abort_sent:
+                return
+            st.abort_sent = True
+        if self.is_running:
+            self._core.abort(st.req_id, seq_index, reason)
+
+    # -- the per-step hand-off (asyncio thread) ------------------------------------------------
+
+    def _on_step(self, result: Any) -> None:
+        try:
+            self._apply_step(result)
+        except BaseException as exc:  # noqa: BLE001 - a bug here must not leave a zombie engine
+            self._on_fatal(exc)
+
+    def _apply_step(self, r: Any) -> None:
+        now = time.monotonic()
+        self._stats = r.stats
+        requests = self._requests
+        if self._unscheduled and r.scheduled_req_ids:
+            for rid in self._unscheduled.intersection(r.scheduled_req_ids):
+                self._unscheduled.discard(rid)
+                st = requests[rid]
+                st.scheduled_time = now
+                for o in self._observers:
+                    o.on_scheduled(now - st.arrival_time, len(st.prompt_token_ids))
+        touched: dict[int, RequestState] = {}
+        itls: list[float] = []
+        num_tokens = 0
+        for rid, si, tok, code in zip(r.req_ids, r.seq_indices, r.token_ids, r.finish_reasons):
+            st = requests.get(rid)
+            if st is None:
+                raise RuntimeError(f"scheduler reported unknown request {rid}")
+            if rid not in touched:
+                touched[rid] = st
+            if tok >= 0:
+                num_tokens += 1
+                self._add_token(st, si, tok)
+            if code:
+                st.terminal_event(si, code, r.error_messages.get(rid))
+        for st in touched.values():
+            if st.num_generated and st.last_token_time != now:
+                if st.first_token_time is None:
+                    st.first_token_time = now
+                    for o in self._observers:
+                        o.on_first_token(now - st.arrival_time)
+                elif st.last_token_time is not None:
+                    itls.append(now - st.last_token_time)
+                st.last_token_time = now
+            st.event.set()
+            if st.all_terminal:
+                self._release(st, now)
+        if num_tokens:
+            for o in self._observers:
+                o.on_step_tokens(num_tokens, itls)
+
+    def _add_token(self, st: RequestState, si: int, tok: int) -> None:
+        try:
+            stopped = st.add_token(si, tok)
+        except Exception as exc:  # noqa: BLE001 - a detokenizer failure fails this request only
+            st.finish_seq_locally(si, "error", f"detokenization failed: {exc}")
+            for s in st.seqs:
+                st.finish_seq_locally(s.index, "error")
+            self._abort_state(st, "error")
+            return
+        if stopped:
+            self._abort_state(st, "stop", si)
+
+    def _release(self, st: RequestState, now: float) -> None:
+        """The one release path: called once, when every sequence has had its terminal event."""
+        if self._requests.pop(st.req_id, None) is None:
+            return
+        self._by_name.pop(st.request_id, None)
+        self._unscheduled.discard(st.req_id)
+        self._core.forget(st.req_id)
+        st.finish_time = now
+        reasons = [s.finish_reason or "error" for s in st.seqs]
+        reason = next((x for x in ("error", "abort") if x in reasons), reasons[0])
+        self.counters["released"] += 1
+        self.counters[reason] += 1
+        for o in self._observers:
+            o.on_finished(reason, now - st.arrival_time, len(st.prompt_token_ids),
+                          st.num_generated)
+        st.event.set()
+
+    def _on_fatal(self, exc: BaseException) -> None:
+        if self._dead is None:
+            self._dead = exc
+        self._fail_all(f"engine failure: {type(exc).__name__}: {exc}", "error")
+        if self._loop_thread is not None and self._loop_thread.alive:
+            self._loop_thread._stopping.set()
+
+    def _fail_all(self, message: str, reason: str) -> None:
+        """The scheduler will report nothing more: end every open stream now."""
+        now = time.monotonic()
+        for st in list(self._requests.values()):
+            for s in st.seqs:
+                st.finish_seq_locally(s.index, reason, message if reason == "error" else None)
+                if not s.terminal:
+                    s.terminal = True
+                    st.num_terminal += 1
+            self._release(st, now)
+
+    # -- accounting and readiness --------------------------------------------------------------
+
+    def check_accounting(self) -> dict[str, Any]:
+        """Cheap consistency check of the request tables; raises RuntimeError when broken."""
+        c = self.counters
+        open_ = len(self._requests)
+        problems = []
+        if c["accepted"] - c["released"] != open_:
+            problems.append(f"accepted {c['accepted']} - released {c['released']} != open {open_}")
+        if len(self._by_name) != open_:
+            problems.append(f"{len(self._by_name)} names for {open_} open requests")
+        if not self._unscheduled <= self._requests.keys():
+            problems.append("unscheduled ids not in the request table")
+        if c["released"] != sum(c[k] for k in ("stop", "length", "abort", "error")):
+            problems.append("released requests without a finish reason")
+        if problems:
+            raise RuntimeError("engine accounting broken: " + "; ".join(problems))
+        return {"open": open_, **c, "tracked_extras": self._core.num_tracked() if self._core else 0}
+
+    def is_idle(self) -> bool:
+        return not self._requests
+
+    async def wait_idle(self, poll_s: float = 0.005) -> None:
+        while self._requests:
+            await asyncio.sleep(poll_s)
+
+    async def check_idle_clean(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        """Wait until idle, then verify: no request left anywhere and every KV block free."""
+        await asyncio.wait_for(self.wait_idle(), timeout_s)
+        acc = self.check_accounting()
+        if acc["tracked_extras"]:
+            raise RuntimeError(f"{acc['tracked_extras']} requests still tracked by the core")
+        s = self._stats
+        if s.get("num_running", 0) or s.get("num_waiting", 0):
+            raise RuntimeError(f"scheduler not idle: {s}")
+        if self._core is not None and not self._core.all_blocks_free(s):
+            raise RuntimeError(f"KV blocks still held at idle: {s}")
+        return acc
+
+    async def check_ready(self, timeout_s: float = 30.0) -> bool:
+        """A real one-token generation through the whole engine."""
+        if not self.is_running:
+            return False
+        try:
+            stream = self.add_request([self._core.ready_token_id],
+                                      SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                                     output_kind="final"))
+        except Exception:  # noqa: BLE001 - busy or dead: not ready
+            return False
+
+        async def first() -> bool:
+            async for out in stream:
+                return out.outputs[0].finish_reason == "length"
+            return False
+
+        try:
+            return await asyncio.wait_for(first(), timeout_s)
+        except (asyncio.TimeoutError, Exception):  # noqa: BLE001
+            return False
+        finally:
+            stream.abort()

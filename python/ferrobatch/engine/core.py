@@ -1,0 +1,200 @@
+"""EngineCore: the Rust scheduler, the model runner and the sampler, glued into one `step()`.
+
+`step()` runs on the step thread only. Everything else here (`submit`, `abort`, `forget`) runs on
+the asyncio thread and touches only the scheduler's thread-safe intake or swaps whole dicts
+(copy-on-write), so the two threads never share a mutable Python structure.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ferrobatch.config import EngineConfig
+from ferrobatch.engine.errors import QueueFullError
+from ferrobatch.sampling_params import SamplingParams
+
+DEFAULT_MAX_MODEL_LEN = 8192
+_EMPTY_I32 = np.zeros(0, dtype=np.int32)
+
+
+@dataclass
+class StepResult:
+    """One step's whole output, handed to the asyncio loop in one piece (plain lists)."""
+
+    req_ids: list[int]
+    seq_indices: list[int]
+    token_ids: list[int]
+    finish_reasons: list[int]
+    error_messages: dict[int, str]
+    scheduled_req_ids: list[int]
+    stats: dict[str, Any]
+    step_time_s: float
+
+
+def _torch_dtype(name: str | None) -> Any:
+    if name is None:
+        return None
+    import torch
+    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+             "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16}
+    if name not in table:
+        raise ValueError(f"dtype must be one of {sorted(table)}, got {name!r}")
+    return table[name]
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: Any, scheduler: Any, runner: Any,
+                 sampler: Any, max_model_len: int) -> None:
+        self.config = config
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.scheduler = scheduler
+        self.intake = scheduler.intake()
+        self.runner = runner
+        self.sampler = sampler
+        self.max_model_len = max_model_len
+        self.vocab_size = int(loaded.config.vocab_size)
+        self.model_name = config.model
+        self.num_blocks = int(runner.num_blocks)
+        bos = self.tokenizer.bos_token_id
+        self.ready_token_id = int(bos) if bos is not None else 0
+        self._extras: dict[int, Any] = {}     # copy-on-write: replaced, never mutated in place
+
+    @classmethod
+    def build(cls, config: EngineConfig, loaded: Any = None) -> "EngineCore":
+        """Load the model (unless given), size the KV cache, create scheduler, runner, sampler."""
+        from ferrobatch._scheduler import Scheduler
+        from ferrobatch.model.loader import load_model
+        from ferrobatch.runtime.kv_cache import num_blocks_for_budget, num_blocks_for_gpu
+        from ferrobatch.runtime.model_runner import ModelRunner
+        from ferrobatch.runtime.sampler import Sampler
+
+        device = config.resolved_device()
+        if loaded is None:
+            loaded = load_model(config.model, device=device, dtype=_torch_dtype(config.dtype))
+        if loaded.tokenizer is None:
+            raise ValueError(f"model {config.model!r} has no tokenizer; it cannot be served")
+        device = str(loaded.device)
+        mcfg = loaded.config
+        max_model_len = min(int(mcfg.max_position_embeddings), DEFAULT_MAX_MODEL_LEN)
+        if config.max_model_len is not None:
+            if config.max_model_len > mcfg.max_position_embeddings:
+                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                                 f"context of {mcfg.max_position_embeddings} tokens")
+            max_model_len = config.max_model_len
+        if config.num_blocks is not None:
+            num_blocks = config.num_blocks
+        elif loaded.device.type == "cuda" and config.kv_cache_gb is None:
+            num_blocks = num_blocks_for_gpu(mcfg, config.block_size, loaded.dtype,
+                                            config.gpu_memory_utilization, loaded.device)
+        else:
+            num_blocks = num_blocks_for_budget(mcfg, config.block_size, loaded.dtype,
+                                               config.kv_budget_bytes_cpu())
+        runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=config.block_size,
+                             device=device, attn_backend=config.attn_backend)
+        eos = list(loaded.tokenizer.eos_token_ids)
+        sampler = Sampler(int(mcfg.vocab_size), eos, loaded.device)
+        scheduler = Scheduler(
+            num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
+            vocab_size=int(mcfg.vocab_size), eos_token_ids=eos,
+            enable_prefix_caching=config.enable_prefix_caching, policy=config.scheduling_policy,
+            max_preemptions=config.max_preemptions, intake_capacity=config.intake_capacity)
+        return cls(config, loaded, scheduler, runner, sampler, max_model_len)
+
+    # -- asyncio thread --------------------------------------------------------------------------
+
+    def new_detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> Any:
+        from ferrobatch.model.detokenizer import IncrementalDetokenizer
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop,
+                                      skip_special_tokens=params.skip_special_tokens)
+
+    def submit(self, req_id: int, ids: list[int], p: SamplingParams, max_tokens: int,
+               state: Any) -> None:
+        from ferrobatch._scheduler import QueueFullError as RustQueueFull
+        if p.needs_token_history or p.logit_bias:
+            from ferrobatch.runtime.sampler import RequestExtras
+            state.extras = RequestExtras(ids, [[] for _ in range(p.n)], p.logit_bias, None)
+            self._extras = {**self._extras, req_id: state.extras}
+        try:
+            self.intake.submit(
+                req_id, ids, max_tokens=max_tokens, min_tokens=p.min_tokens,
+                ignore_eos=p.ignore_eos, stop_token_ids=list(p.stop_token_ids), n=p.n,
+                priority=p.priority, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                min_p=p.min_p, repetition_penalty=p.repetition_penalty,
+                presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                seed=p.seed)
+        except RustQueueFull as exc:
+            self.forget(req_id)
+            raise QueueFullError(f"the engine's intake queue is full: {exc}") from None
+        except BaseException:
+            self.forget(req_id)
+            raise
+
+    def abort(self, req_id: int, seq_index: int, reason: str) -> None:
+        self.intake.abort(req_id, seq_index, reason)
+
+    def forget(self, req_id: int) -> None:
+        if req_id in self._extras:
+            extras = dict(self._extras)
+            del extras[req_id]
+            self._extras = extras
+
+    def num_tracked(self) -> int:
+        return len(self._extras)
+
+    def wake(self) -> None:
+        self.intake.notify()
+
+    def all_blocks_free(self, stats: dict[str, Any]) -> bool:
+        free = stats.get("num_free_blocks")
+        return free is None or free >= self.num_blocks - 1
+
+    def stats(self) -> dict[str, Any]:
+        s = dict(self.scheduler.stats())
+        s.setdefault("num_blocks", self.num_blocks)
+        return s
+
+    # -- step thread -----------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def wait_for_work(self, timeout_s: float) -> bool:
+        return self.intake.wait_for_work(timeout_s)
+
+    def step(self) -> StepResult | None:
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        extras = self._extras
+        if batch.num_samples > 0:
+            logits = self.runner.execute(batch)
+            sampled = self.sampler.sample(logits, batch, extras).token_ids
+            sampled = np.ascontiguousarray(sampled, dtype=np.int32)
+        else:
+            if batch.num_tokens > 0:
+                self.runner.execute(batch)      # a prefill chunk that samples nothing yet
+            sampled = _EMPTY_I32
+        out = self.scheduler.update(sampled)
+        req_ids = out.req_ids
+        if extras and len(req_ids):
+            self._record_history(extras, out)
+        if not len(req_ids) and batch.num_seqs == 0:
+            return None
+        return StepResult(req_ids.tolist(), out.seq_indices.tolist(), out.token_ids.tolist(),
+                          out.finish_reasons.tolist(), dict(out.error_messages),
+                          batch.seq_req_ids.tolist(), self.stats(), time.perf_counter() - t0)
+
+    @staticmethod
+    def _record_history(extras: dict[int, Any], out: Any) -> None:
+        """Token history for the sampler's penalties, kept only for requests that use them."""
+        mask = np.isin(out.req_ids, np.fromiter(extras.keys(), dtype=np.uint64)) \
+            & (out.token_ids >= 0)
+        for rid, si, tok in zip(out.req_ids[mask].tolist(), out.seq_indices[mask].tolist(),
+                                out.token_ids[mask].tolist()):
+            extras[rid].output_token_ids[si].append(tok)

@@ -1,0 +1,171 @@
+"""RequestState: the asyncio-side life of one request, from submit to its last terminal event.
+
+Invariants:
+- Each of the request's `n` sequences receives exactly one terminal event from the scheduler
+  (`terminal`); the request leaves the engine's tables once all of them have (`all_terminal`).
+- A sequence may finish *locally* earlier (a stop string matched, a detokenizer error): its stream
+  ends at once and tokens that still arrive for it are dropped; the scheduler is told to abort it.
+- Text goes through the incremental detokenizer, which holds back any suffix that could be the
+  start of a stop string, so no prefix of a stop string ever reaches a stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ferrobatch.outputs import CompletionOutput, RequestOutput
+from ferrobatch.sampling_params import SamplingParams
+
+FINISH_NAMES = {1: "stop", 2: "length", 3: "abort", 4: "error"}
+
+
+class SeqState:
+    __slots__ = ("index", "detok", "token_ids", "text", "sent_tokens", "sent_text",
+                 "finish_reason", "stop_reason", "terminal", "reported")
+
+    def __init__(self, index: int, detok: Any) -> None:
+        self.index = index
+        self.detok = detok
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.sent_tokens = 0          # delta bookkeeping: how much the consumer has seen
+        self.sent_text = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.terminal = False         # the scheduler reported this sequence's terminal event
+        self.reported = False         # the consumer has seen the finish
+
+
+class RequestState:
+    """Per-request bookkeeping, touched only on the asyncio thread."""
+
+    __slots__ = ("req_id", "request_id", "prompt", "prompt_token_ids", "params", "max_tokens",
+                 "seqs", "event", "num_terminal", "abort_sent", "error", "arrival_time",
+                 "scheduled_time", "first_token_time", "last_token_time", "finish_time",
+                 "num_generated", "final_emitted", "extras")
+
+    def __init__(self, req_id: int, request_id: str, prompt: str | None,
+                 prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
+                 detoks: list[Any], now: float) -> None:
+        self.req_id = req_id
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.max_tokens = max_tokens
+        self.seqs = [SeqState(i, d) for i, d in enumerate(detoks)]
+        self.event = asyncio.Event()
+        self.num_terminal = 0
+        self.abort_sent = False
+        self.error: str | None = None
+        self.arrival_time = now
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.num_generated = 0
+        self.final_emitted = False
+        self.extras: Any = None       # the sampler's per-request extras, when it needs them
+
+    # -- events from the step hand-off ---------------------------------------------------------
+
+    def add_token(self, seq_index: int, token: int) -> bool:
+        """Append one sampled token; returns True when a stop string ended the sequence."""
+        seq = self.seqs[seq_index]
+        if seq.finish_reason is not None:
+            return False                  # locally finished: the abort is on its way
+        seq.token_ids.append(token)
+        self.num_generated += 1
+        step = seq.detok.add(token)
+        if step.text:
+            seq.text += step.text
+        if step.stopped:
+            seq.finish_reason = "stop"
+            rest = seq.detok.output_text[len(seq.text):]
+            matched = next((s for s in self.params.stop if rest.startswith(s)), None)
+            seq.stop_reason = matched
+            if matched is not None and self.params.include_stop_str_in_output:
+                seq.text += matched
+            return True
+        return False
+
+    def finish_seq_locally(self, seq_index: int, reason: str, message: str | None = None) -> None:
+        seq = self.seqs[seq_index]
+        if seq.finish_reason is None:
+            seq.finish_reason = reason
+            if message and self.error is None:
+                self.error = message
+
+    def terminal_event(self, seq_index: int, code: int, message: str | None) -> None:
+        """The scheduler's one terminal event for this sequence."""
+        seq = self.seqs[seq_index]
+        if seq.terminal:
+            raise RuntimeError(f"request {self.request_id}: sequence {seq_index} reported "
+                               f"terminal twice")
+        seq.terminal = True
+        self.num_terminal += 1
+        if seq.finish_reason is not None:
+            return                        # it already ended locally (stop string, error)
+        reason = FINISH_NAMES.get(code, "error")
+        if reason in ("stop", "length"):
+            tail = seq.detok.flush()      # text held back for a stop string that never came
+            if tail:
+                seq.text += tail
+            if reason == "stop" and seq.token_ids:
+                last = seq.token_ids[-1]
+                if last in self.params.stop_token_ids:
+                    seq.stop_reason = last
+        seq.finish_reason = reason
+        if reason == "error" and self.error is None:
+            self.error = message or "the request failed in the engine"
+
+    @property
+    def all_terminal(self) -> bool:
+        return self.num_terminal == len(self.seqs)
+
+    @property
+    def user_finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+    # -- what the consumer sees ----------------------------------------------------------------
+
+    def build_output(self) -> RequestOutput | None:
+        """Everything new since the last call, shaped by `params.output_kind`; None if nothing."""
+        kind = self.params.output_kind
+        finished = self.user_finished
+        if self.final_emitted or (kind == "final" and not finished):
+            return None
+        outs: list[CompletionOutput] = []
+        for s in self.seqs:
+            new_finish = s.finish_reason is not None and not s.reported
+            if kind == "delta":
+                if len(s.token_ids) == s.sent_tokens and len(s.text) == s.sent_text \
+                        and not new_finish:
+                    continue
+                outs.append(CompletionOutput(s.index, s.text[s.sent_text:],
+                                             s.token_ids[s.sent_tokens:], s.finish_reason,
+                                             s.stop_reason, len(s.token_ids)))
+            else:
+                outs.append(CompletionOutput(s.index, s.text, list(s.token_ids),
+                                             s.finish_reason, s.stop_reason, len(s.token_ids)))
+            s.sent_tokens = len(s.token_ids)
+            s.sent_text = len(s.text)
+            if s.finish_reason is not None:
+                s.reported = True
+        if not outs and not finished:
+            return None
+        if finished:
+            self.final_emitted = True
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
+                             finished=finished, error=self.error, metrics=self.timings())
+
+    def timings(self) -> dict[str, float]:
+        m: dict[str, float] = {"arrival_time": self.arrival_time}
+        if self.first_token_time is not None:
+            m["ttft_s"] = self.first_token_time - self.arrival_time
+        if self.scheduled_time is not None:
+            m["queue_time_s"] = self.scheduled_time - self.arrival_time
+        if self.finish_time is not None:
+            m["e2e_s"] = self.finish_time - self.arrival_time
+        return m

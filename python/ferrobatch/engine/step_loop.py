@@ -1,0 +1,61 @@
+"""StepLoop: the dedicated engine thread.
+
+It runs `core.step()` (schedule -> model -> sampler -> update) back to back while there is work,
+sleeps in the intake's `wait_for_work` (GIL released) when there is none, and hands each step's
+whole output to the asyncio loop with exactly one `call_soon_threadsafe`. It does no
+per-request Python work. Any exception — including a Rust panic, which is a BaseException — is
+engine-fatal: it is handed to the loop once and the thread exits (no zombie engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, Callable
+
+IDLE_WAIT_S = 0.5
+
+
+class StepLoop:
+    def __init__(self, core: Any, loop: asyncio.AbstractEventLoop,
+                 on_step: Callable[[Any], None], on_fatal: Callable[[BaseException], None]) -> None:
+        self._core = core
+        self._loop = loop
+        self._on_step = on_step
+        self._on_fatal = on_fatal
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ferrobatch-step", daemon=True)
+        self.num_steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> bool:
+        """Ask the thread to exit after its current step; returns True once it has."""
+        self._stopping.set()
+        self._core.wake()
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        core, stopping = self._core, self._stopping
+        try:
+            while not stopping.is_set():
+                if not core.has_unfinished() and not core.wait_for_work(IDLE_WAIT_S):
+                    continue
+                result = core.step()
+                self.num_steps += 1
+                if result is not None:
+                    self._hand_off(self._on_step, result)
+        except BaseException as exc:  # noqa: BLE001 - a panic must not leave a zombie engine
+            self._hand_off(self._on_fatal, exc)
+
+    def _hand_off(self, fn: Callable[[Any], None], arg: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, arg)
+        except RuntimeError:
+            pass  # the event loop is closed: nobody is listening any more

@@ -1,0 +1,46 @@
+"""Request outputs, shaped like vLLM's so its users feel at home."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's `n` sequences.
+
+    `text`/`token_ids` are the whole output so far ("cumulative"/"final") or only what is new
+    since the previous yield ("delta"). `finish_reason` is None while running, else one of
+    "stop", "length", "abort", "error". `stop_reason` is the stop string or stop token id that
+    ended the sequence, if any.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_output_tokens: int = 0   # tokens generated so far by this sequence (not just this delta)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What `AsyncEngine.generate` yields and `LLM.generate` returns, one per request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    error: str | None = None           # set when finish_reason is "error"
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

@@ -1,0 +1,169 @@
+"""SamplingParams: how to sample one request (vLLM-compatible names), validated on construction.
+
+Range checks live here; checks that need the model (vocabulary size, context length, engine caps)
+live in `SamplingParams.check_against` and run before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+OUTPUT_KINDS = ("cumulative", "delta", "final")
+MAX_SEED = 2**63 - 1
+MAX_PRIORITY = 2**31 - 1
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of one request.
+
+    `temperature=0` is greedy. `top_k` 0 or -1 disables top-k. `max_tokens=None` fills the
+    context window. `priority`: lower runs first under the "priority" policy. `output_kind`
+    chooses what `AsyncEngine.generate` yields: the whole text so far ("cumulative"), only what is
+    new since the previous yield ("delta"), or a single final output ("final").
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    priority: int = 0
+    output_kind: str = "cumulative"
+
+    def __post_init__(self) -> None:
+        def fix(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
+                             f"({self.max_tokens})")
+        if not _is_num(self.temperature) or not (0.0 <= self.temperature <= 100.0):
+            raise ValueError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= 0 (or -1 for off), got {self.top_k!r}")
+        if self.top_k == -1:
+            fix("top_k", 0)
+        if not _is_num(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_num(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if not _is_num(self.repetition_penalty) or not (0.0 < self.repetition_penalty <= 10.0):
+            raise ValueError(f"repetition_penalty must be a number in (0, 10], got "
+                             f"{self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_num(v) or not (-2.0 <= v <= 2.0):
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not (0 <= self.seed <= MAX_SEED)):
+            raise ValueError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) for s in stop):
+            raise ValueError("stop must be a string or a list of strings")
+        if any(s == "" for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        fix("stop", tuple(stop))
+        ids = self.stop_token_ids
+        if not isinstance(ids, (tuple, list)) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        fix("stop_token_ids", tuple(ids))
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("logit_bias must be a map of token id -> bias")
+            bias: dict[int, float] = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    tok = int(k)
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias key {k!r} is not a token id") from None
+                if tok < 0 or not _is_num(v) or not (-100.0 <= v <= 100.0):
+                    raise ValueError(f"logit_bias[{k!r}] must be a number in [-100, 100]")
+                bias[tok] = float(v)
+            fix("logit_bias", bias or None)
+        if not _is_int(self.priority) or abs(self.priority) > MAX_PRIORITY:
+            raise ValueError(f"priority must be a 32-bit integer, got {self.priority!r}")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            v = getattr(self, name)
+            if not math.isfinite(v):
+                raise ValueError(f"{name} must be finite")
+            fix(name, float(v))
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def needs_token_history(self) -> bool:
+        """True when the sampler needs this request's generated tokens (penalties)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def check_against(self, *, prompt_len: int, max_model_len: int, vocab_size: int,
+                      max_n: int, max_stop_strings: int, max_stop_string_len: int,
+                      max_stop_token_ids: int, max_logit_bias: int) -> int:
+        """Check the limits that depend on the engine; returns the effective max_tokens."""
+        if self.n > max_n:
+            raise ValueError(f"n must be <= {max_n}, got {self.n}")
+        if len(self.stop) > max_stop_strings:
+            raise ValueError(f"at most {max_stop_strings} stop strings are allowed, "
+                             f"got {len(self.stop)}")
+        if any(len(s) > max_stop_string_len for s in self.stop):
+            raise ValueError(f"stop strings must be at most {max_stop_string_len} characters")
+        if len(self.stop_token_ids) > max_stop_token_ids:
+            raise ValueError(f"at most {max_stop_token_ids} stop_token_ids are allowed")
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:4]} are outside the vocabulary "
+                             f"(size {vocab_size})")
+        if self.logit_bias:
+            if len(self.logit_bias) > max_logit_bias:
+                raise ValueError(f"logit_bias may hold at most {max_logit_bias} entries")
+            if any(t >= vocab_size for t in self.logit_bias):
+                raise ValueError(f"logit_bias keys must be token ids below {vocab_size}")
+        if prompt_len >= max_model_len:
+            raise ValueError(f"the prompt is {prompt_len} tokens long; this model's context "
+                             f"window is {max_model_len} tokens (prompt + output)")
+        room = max_model_len - prompt_len
+        if self.max_tokens is None:
+            if self.min_tokens > room:
+                raise ValueError(f"min_tokens ({self.min_tokens}) does not fit: only {room} "
+                                 f"tokens left in the {max_model_len}-token context")
+            return room
+        if self.max_tokens > room:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({self.max_tokens}) "
+                             f"exceeds the context window of {max_model_len} tokens")
+        return self.max_tokens

@@ -1,0 +1,199 @@
+"""HTTP door: OpenAI-compatible routes plus /health, /ready, /metrics and /v1/models.
+
+Every request is validated and submitted before the response starts, so bad input is a 4xx with
+the OpenAI error object. Once streaming, a client that goes away (a failed write, or the handler
+being cancelled) aborts the request; a `finally` aborts whatever is still running, always.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ferrobatch.serve.codec import loads_json
+from ferrobatch.serve.openai_protocol import (
+    OpenAIRequest, choice, envelope, parse_chat, parse_completion, usage)
+from ferrobatch.serve.protocol import ProtocolError, error_status
+from ferrobatch.serve.sse import SSEWriter
+from ferrobatch.serve.state import STATE
+
+READY_TIMEOUT_S = 30.0
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None,
+                   retry_after: int | None = None) -> web.Response:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return web.json_response({"error": {"message": message, "type": kind, "param": param,
+                                        "code": status}}, status=status, headers=headers)
+
+
+def exception_response(exc: BaseException) -> web.Response:
+    status, kind = error_status(exc)
+    message = str(exc) if status < 500 or status == 503 else "internal server error"
+    return error_response(status, message, kind, getattr(exc, "param", None),
+                          retry_after=getattr(exc, "retry_after_s", None) if status == 429 else None)
+
+
+async def read_json(request: web.Request) -> Any:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ProtocolError(f"request body exceeds {request.app._client_max_size} bytes",
+                            code=413) from None
+    return loads_json(raw)
+
+
+# -- OpenAI routes ---------------------------------------------------------------------------
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    return await _serve(request, parse_completion(await read_json(request), state.model_name))
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    return await _serve(request, parse_chat(await read_json(request), state.model_name))
+
+
+async def _serve(request: web.Request, req: OpenAIRequest) -> web.StreamResponse:
+    engine = request.app[STATE].engine
+    streams: list[Any] = []
+    try:
+        if req.kind == "chat":
+            streams.append(engine.add_request(None, req.params, messages=req.messages))
+        else:
+            for p in req.prompts:
+                streams.append(engine.add_request(p, req.params))
+        if req.stream:
+            return await _stream(request, req, streams)
+        return await _collect(req, streams)
+    finally:
+        for s in streams:
+            s.abort()
+
+
+async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, Any]]:
+    """(prompt index, output) from several request streams, as they arrive."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: Any) -> None:
+        try:
+            async for out in s:
+                await queue.put((i, out))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, out = await queue.get()
+            if out is None:
+                remaining -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _collect(req: OpenAIRequest, streams: list[Any]) -> web.Response:
+    n = req.params.n
+    texts: dict[int, str] = {}
+    reasons: dict[int, str | None] = {}
+    completion = 0
+    async for i, out in _merged(streams):
+        if out.error:
+            return error_response(500, out.error, "server_error")
+        for c in out.outputs:
+            texts[i * n + c.index] = c.text
+            reasons[i * n + c.index] = c.finish_reason
+            completion += len(c.token_ids)
+    prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
+    choices = [choice(req, k, texts[k], reasons[k], stream=False) for k in sorted(texts)]
+    return web.json_response(envelope(req, choices, chunk=False,
+                                      usage_=usage(prompt_tokens, completion)))
+
+
+async def _stream(request: web.Request, req: OpenAIRequest,
+                  streams: list[Any]) -> web.StreamResponse:
+    n = req.params.n
+    sse = SSEWriter(request)
+    completion = 0
+    try:
+        await sse.open()
+        if req.kind == "chat":
+            await sse.send(envelope(req, [
+                {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None} for k in range(n)], chunk=True))
+        async for i, out in _merged(streams):
+            if out.error:
+                await sse.send({"error": {"message": out.error, "type": "server_error",
+                                          "param": None, "code": 500}})
+                break
+            choices = []
+            for c in out.outputs:
+                completion += len(c.token_ids)
+                if c.text or c.finish_reason is not None:
+                    choices.append(choice(req, i * n + c.index, c.text, c.finish_reason,
+                                          stream=True))
+            if choices:
+                await sse.send(envelope(req, choices, chunk=True))
+        if req.include_usage:
+            prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
+            await sse.send(envelope(req, [], chunk=True,
+                                    usage_=usage(prompt_tokens, completion)))
+        await sse.close()
+    except ConnectionError:
+        pass                        # the client left: the finally in _serve aborts the request
+    return sse.response
+
+
+# -- service routes ----------------------------------------------------------------------------
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": state.created,
+        "owned_by": "ferrobatch", "root": state.engine.model_name,
+        "max_model_len": state.engine.max_model_len}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[STATE].engine
+    if engine.is_running:
+        return web.json_response({"status": "ok"})
+    return web.json_response({"status": "dead", "reason": engine.dead_reason}, status=503)
+
+
+async def ready(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    async with state.ready_lock:
+        ok = await state.engine.check_ready(READY_TIMEOUT_S)
+    if ok:
+        return web.json_response({"status": "ready"})
+    return web.json_response({"status": "not ready", "reason": state.engine.dead_reason},
+                             status=503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    registry = request.app[STATE].metrics.registry
+    return web.Response(body=generate_latest(registry),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)

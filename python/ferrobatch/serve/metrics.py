@@ -1,0 +1,96 @@
+"""Prometheus metrics (prefix `ferrobatch_`), in a registry of their own per server.
+
+Counters and histograms are fed by the engine's observer hooks; gauges and the scheduler's own
+cumulative counters (preemptions, prefix cache) are read from the engine's latest step snapshot
+at scrape time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ferrobatch.engine.observer import EngineObserver
+
+TTFT_BUCKETS = (.001, .005, .01, .02, .04, .06, .08, .1, .25, .5, .75, 1, 2.5, 5, 7.5, 10, 20,
+                40, 80, 160, 640, 2560)
+ITL_BUCKETS = (.01, .025, .05, .075, .1, .15, .2, .3, .4, .5, .75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+LATENCY_BUCKETS = (.3, .5, .8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960,
+                   1920, 7680)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class _SchedulerCollector:
+    def __init__(self, engine: Any, model: str) -> None:
+        self._engine = engine
+        self._model = model
+
+    def collect(self) -> Iterable[Any]:
+        s = self._engine.stats()
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"ferrobatch_{name}", doc, labels=labels)
+            g.add_metric([self._model], float(value))
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"ferrobatch_{name}", doc, labels=labels)
+            c.add_metric([self._model], float(value))
+            return c
+
+        yield gauge("num_requests_running", "Requests with sequences in the running batch.",
+                    s.get("num_running", 0))
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.",
+                    max(s.get("num_waiting", 0), s.get("num_unscheduled_requests", 0)))
+        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
+                    s.get("kv_cache_usage", 0.0))
+        yield counter("num_preemptions", "Preemptions since start.",
+                      s.get("num_preemptions_total", 0))
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.get("prefix_cache_queries_total", 0))
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      s.get("prefix_cache_hits_total", 0))
+
+
+class ServerMetrics(EngineObserver):
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, m = self.registry, model_name
+        lab = ["model_name"]
+        self.prompt_tokens = Counter("ferrobatch_prompt_tokens", "Prompt tokens of scheduled "
+                                     "requests.", lab, registry=r).labels(m)
+        self.generation_tokens = Counter("ferrobatch_generation_tokens", "Generated tokens.",
+                                         lab, registry=r).labels(m)
+        success = Counter("ferrobatch_request_success", "Finished requests by finish reason.",
+                          lab + ["finished_reason"], registry=r)
+        self.success = {reason: success.labels(m, reason) for reason in FINISH_REASONS}
+        self.ttft = Histogram("ferrobatch_time_to_first_token_seconds", "Time to first token.",
+                              lab, buckets=TTFT_BUCKETS, registry=r).labels(m)
+        self.itl = Histogram("ferrobatch_inter_token_latency_seconds", "Time between tokens of "
+                             "a request.", lab, buckets=ITL_BUCKETS, registry=r).labels(m)
+        self.e2e = Histogram("ferrobatch_e2e_request_latency_seconds", "Arrival to finish.",
+                             lab, buckets=LATENCY_BUCKETS, registry=r).labels(m)
+        self.queue = Histogram("ferrobatch_request_queue_time_seconds", "Arrival to first "
+                               "scheduled.", lab, buckets=LATENCY_BUCKETS, registry=r).labels(m)
+        r.register(_SchedulerCollector(engine, m))
+        engine.add_observer(self)
+
+    def on_scheduled(self, queue_time_s: float, num_prompt_tokens: int) -> None:
+        self.queue.observe(queue_time_s)
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def on_first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+
+    def on_step_tokens(self, num_tokens: int, inter_token_latencies: list[float]) -> None:
+        self.generation_tokens.inc(num_tokens)
+        for x in inter_token_latencies:
+            self.itl.observe(x)
+
+    def on_finished(self, finish_reason: str, e2e_s: float, num_prompt_tokens: int,
+                    num_generated: int) -> None:
+        self.success[finish_reason].inc()
+        self.e2e.observe(e2e_s)

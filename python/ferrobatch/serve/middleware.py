@@ -1,0 +1,46 @@
+"""aiohttp middlewares: API-key auth (constant-time) and OpenAI-shaped errors, never tracebacks."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+from aiohttp import web
+
+from ferrobatch.serve.http import error_response, exception_response
+
+log = logging.getLogger("ferrobatch.serve")
+OPEN_PATHS = frozenset({"/health"})
+
+
+def auth_middleware(api_key: str) -> web.middleware:
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path not in OPEN_PATHS:
+            got = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(got, expected):
+                return error_response(401, "invalid or missing API key (Authorization: Bearer "
+                                           "<key>)", "authentication_error")
+        return await handler(request)
+
+    return check
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        return error_response(exc.status, exc.reason or "error", kind)
+    except ConnectionError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - mapped to 4xx/5xx, never a traceback
+        status = exception_response(exc)
+        if status.status >= 500 and status.status != 503:
+            log.exception("unhandled error on %s", request.path)
+        return status

@@ -1,0 +1,135 @@
+"""OpenAI request parsing and response shapes for /v1/completions and /v1/chat/completions."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ferrobatch.sampling_params import SamplingParams
+from ferrobatch.serve.protocol import ProtocolError, sampling_params_from
+
+MAX_PROMPTS = 64
+
+
+@dataclass
+class OpenAIRequest:
+    kind: str                                  # "completion" or "chat"
+    prompts: list[Any]                         # text or token-id prompts (completions)
+    messages: Any                              # chat messages (chat)
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    model: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _check_common(body: Any, model_name: str) -> tuple[bool, bool, str]:
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ProtocolError("'model' must be a string", param="model")
+    if model not in (None, model_name):
+        raise ProtocolError(f"The model '{model}' does not exist; this server serves "
+                            f"'{model_name}'", code=404, param="model")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise ProtocolError("'stream' must be a boolean", param="stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise ProtocolError("'stream_options' must be an object", param="stream_options")
+    include_usage = bool(opts and opts.get("include_usage"))
+    if opts and not isinstance(opts.get("include_usage", False), bool):
+        raise ProtocolError("'stream_options.include_usage' must be a boolean")
+    if body.get("best_of") not in (None, 1, body.get("n", 1)):
+        raise ProtocolError("'best_of' other than n is not supported", param="best_of")
+    return stream, include_usage, model_name
+
+
+def parse_completion(body: Any, model_name: str) -> OpenAIRequest:
+    stream, include_usage, model = _check_common(body, model_name)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        prompts = list(prompt)
+    elif prompt is None or prompt == [] or prompt == "":
+        raise ProtocolError("'prompt' must not be empty", param="prompt")
+    else:
+        raise ProtocolError("'prompt' must be a string, a list of strings, a list of token ids "
+                            "or a list of token-id lists", param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise ProtocolError(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+    if body.get("echo"):
+        raise ProtocolError("'echo' is not supported", param="echo")
+    if body.get("logprobs") is not None:
+        raise ProtocolError("'logprobs' is not supported yet", param="logprobs")
+    if body.get("suffix"):
+        raise ProtocolError("'suffix' is not supported", param="suffix")
+    params = sampling_params_from(body, defaults={"max_tokens": 16},
+                                  output_kind="delta" if stream else "final")
+    return OpenAIRequest("completion", prompts, None, params, stream, include_usage, model,
+                         id=f"cmpl-{secrets.token_hex(12)}")
+
+
+def parse_chat(body: Any, model_name: str) -> OpenAIRequest:
+    stream, include_usage, model = _check_common(body, model_name)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ProtocolError("'messages' must be a non-empty list", param="messages")
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+        raise ProtocolError("'logprobs' is not supported yet", param="logprobs")
+    if body.get("tools") or body.get("functions"):
+        raise ProtocolError("tools / function calling is not supported", param="tools")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise ProtocolError("only response_format {'type': 'text'} is supported",
+                            param="response_format")
+    fields = dict(body)
+    mct = body.get("max_completion_tokens")
+    if mct is not None:
+        fields["max_tokens"] = mct
+    params = sampling_params_from(fields, defaults={"max_tokens": None},
+                                  output_kind="delta" if stream else "final")
+    return OpenAIRequest("chat", [], messages, params, stream, include_usage, model,
+                         id=f"chatcmpl-{secrets.token_hex(12)}")
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def choice(req: OpenAIRequest, index: int, text: str, finish_reason: str | None,
+           stream: bool) -> dict[str, Any]:
+    if req.kind == "completion":
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if stream:
+        delta: dict[str, Any] = {"content": text} if text else {}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": None, "finish_reason": finish_reason}
+
+
+def envelope(req: OpenAIRequest, choices: list[dict[str, Any]], *, chunk: bool,
+             usage_: dict[str, int] | None = None) -> dict[str, Any]:
+    if req.kind == "completion":
+        obj = "text_completion"
+    else:
+        obj = "chat.completion.chunk" if chunk else "chat.completion"
+    out: dict[str, Any] = {"id": req.id, "object": obj, "created": req.created,
+                           "model": req.model, "choices": choices}
+    if not chunk or req.include_usage:
+        out["usage"] = usage_
+    return out
+

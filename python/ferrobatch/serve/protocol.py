@@ -1,0 +1,158 @@
+"""The shared request vocabulary of every door: sampling fields, error codes, WS/TCP messages.
+
+One validation path for all doors: a field has the same name, type and range on HTTP, WebSocket
+and TCP, and a bad one gets the same message. Nothing here touches the engine.
+
+WebSocket / TCP messages (maps with a "type"):
+  client -> server: hello {version, api_key?}; generate {id, prompt | messages, params?};
+                    cancel {id}
+  server -> client: hello {version, model, limits}; delta {id, index, text, token_ids};
+                    done {id, finish_reason, finish_reasons, usage}; cancelled {id};
+                    error {id | None, code, message}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ferrobatch.engine.errors import DuplicateRequestError, EngineDeadError, QueueFullError
+from ferrobatch.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+MAX_ID_LEN = 128
+
+# Sampling fields accepted on every door (OpenAI names plus the usual vLLM extras).
+INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "priority")
+NUM_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+              "frequency_penalty")
+BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+SAMPLING_FIELDS = frozenset(INT_FIELDS + NUM_FIELDS + BOOL_FIELDS
+                            + ("stop", "stop_token_ids", "logit_bias"))
+
+
+class ProtocolError(ValueError):
+    """A client error with the HTTP-style status code to report (400 unless stated)."""
+
+    def __init__(self, message: str, code: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def sampling_params_from(fields: dict[str, Any], *, defaults: dict[str, Any] | None = None,
+                         **fixed: Any) -> SamplingParams:
+    """Type-check the sampling fields of `fields` (unknown keys ignored) and build the params."""
+    kw: dict[str, Any] = dict(defaults or {})
+    for name in SAMPLING_FIELDS:
+        if name not in fields or fields[name] is None:
+            continue
+        v = fields[name]
+        if name in INT_FIELDS and not _is_int(v):
+            raise ProtocolError(f"'{name}' must be an integer", param=name)
+        if name in NUM_FIELDS and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ProtocolError(f"'{name}' must be a number", param=name)
+        if name in BOOL_FIELDS and not isinstance(v, bool):
+            raise ProtocolError(f"'{name}' must be a boolean", param=name)
+        if name == "stop":
+            if isinstance(v, str):
+                v = [v]
+            if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+                raise ProtocolError("'stop' must be a string or a list of strings", param=name)
+            v = tuple(v)
+        if name == "stop_token_ids":
+            if not isinstance(v, list) or not all(_is_int(t) for t in v):
+                raise ProtocolError("'stop_token_ids' must be a list of integers", param=name)
+            v = tuple(v)
+        if name == "logit_bias" and not isinstance(v, dict):
+            raise ProtocolError("'logit_bias' must be a map of token id -> bias", param=name)
+        kw[name] = v
+    kw.update(fixed)
+    try:
+        return SamplingParams(**kw)
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from None
+
+
+def error_status(exc: BaseException) -> tuple[int, str]:
+    """(status code, OpenAI error type) of an exception raised while accepting a request."""
+    if isinstance(exc, ProtocolError):
+        kind = {401: "authentication_error", 404: "not_found_error",
+                413: "invalid_request_error", 429: "rate_limit_error"}.get(exc.code,
+                                                                           "invalid_request_error")
+        return exc.code, kind
+    if isinstance(exc, QueueFullError):
+        return 429, "rate_limit_error"
+    if isinstance(exc, EngineDeadError):
+        return 503, "server_error"
+    if isinstance(exc, (ValueError, DuplicateRequestError)):
+        return 400, "invalid_request_error"
+    return 500, "server_error"
+
+
+# -- WebSocket / TCP messages ------------------------------------------------------------------
+
+@dataclass
+class GenerateMsg:
+    id: str | int
+    prompt: Any
+    messages: Any
+    params: SamplingParams
+
+
+def check_id(v: Any) -> str | int:
+    if isinstance(v, str) and 0 < len(v) <= MAX_ID_LEN:
+        return v
+    if _is_int(v) and -(2**63) <= v < 2**64:
+        return v
+    raise ProtocolError(f"'id' must be a non-empty string (<= {MAX_ID_LEN} chars) or an integer")
+
+
+def parse_message(msg: Any) -> tuple[str, Any]:
+    """Validate one client message; returns (type, payload). ProtocolError when malformed."""
+    if not isinstance(msg, dict):
+        raise ProtocolError("each message must be a map with a 'type'")
+    kind = msg.get("type")
+    if kind == "hello":
+        version = msg.get("version")
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(f"unsupported protocol version {version!r}; this server speaks "
+                                f"version {PROTOCOL_VERSION}")
+        key = msg.get("api_key")
+        if key is not None and not isinstance(key, str):
+            raise ProtocolError("'api_key' must be a string")
+        return "hello", key
+    if kind == "cancel":
+        _only(msg, {"type", "id"})
+        return "cancel", check_id(msg.get("id"))
+    if kind == "generate":
+        _only(msg, {"type", "id", "prompt", "messages", "params"})
+        rid = check_id(msg.get("id"))
+        prompt, messages = msg.get("prompt"), msg.get("messages")
+        if (prompt is None) == (messages is None):
+            raise ProtocolError("'generate' needs exactly one of 'prompt' or 'messages'")
+        if prompt is not None and not isinstance(prompt, (str, list)):
+            raise ProtocolError("'prompt' must be a string or a list of token ids")
+        params = msg.get("params") or {}
+        if not isinstance(params, dict):
+            raise ProtocolError("'params' must be a map of sampling fields")
+        unknown = sorted(str(k) for k in params if k not in SAMPLING_FIELDS)
+        if unknown:
+            raise ProtocolError(f"unknown sampling field(s): {', '.join(unknown)}")
+        sp = sampling_params_from(params, output_kind="delta")
+        return "generate", GenerateMsg(rid, prompt, messages, sp)
+    raise ProtocolError(f"unknown message type {kind!r}; expected hello, generate or cancel")
+
+
+def _only(msg: dict, allowed: set[str]) -> None:
+    extra = sorted(str(k) for k in msg if k not in allowed)
+    if extra:
+        raise ProtocolError(f"unexpected field(s) in '{msg.get('type')}': {', '.join(extra)}")
+
+
+def error_msg(rid: Any, code: int, message: str) -> dict[str, Any]:
+    return {"type": "error", "id": rid, "code": code, "message": message}

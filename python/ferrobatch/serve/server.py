@@ -1,0 +1,81 @@
+"""Server: the HTTP app (OpenAI + WebSocket + service routes) and the TCP door around one engine.
+
+    server = Server(engine, api_key=None)
+    await server.start(host="127.0.0.1", port=8000, tcp_port=8001)
+    ...
+    await server.stop(drain_timeout_s=30)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+
+from ferrobatch.serve.http import add_routes
+from ferrobatch.serve.metrics import ServerMetrics
+from ferrobatch.serve.middleware import auth_middleware, error_middleware
+from ferrobatch.serve.state import STATE, ServerState
+from ferrobatch.serve.tcp import TCPServer
+from ferrobatch.serve.ws import ws_handler
+
+MAX_BODY_BYTES = 1 << 20
+
+
+def build_app(state: ServerState) -> web.Application:
+    middlewares = [error_middleware]
+    if state.api_key is not None:
+        middlewares.append(auth_middleware(state.api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    app[STATE] = state
+    add_routes(app)
+    app.router.add_get("/v1/ws", ws_handler)
+    return app
+
+
+class Server:
+    def __init__(self, engine: Any, *, api_key: str | None = None,
+                 served_model_name: str | None = None) -> None:
+        if api_key is not None and not api_key:
+            raise ValueError("api_key must not be empty")
+        self.state = ServerState(engine, api_key=api_key, served_model_name=served_model_name)
+        self.state.metrics = ServerMetrics(engine, self.state.model_name)
+        self.app = build_app(self.state)
+        self._runner: web.AppRunner | None = None
+        self._tcp: TCPServer | None = None
+        self.port: int | None = None
+        self.tcp_port: int | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 8000,
+                    tcp_port: int | None = None) -> None:
+        # handler_cancellation: a client that disconnects cancels its handler, which aborts
+        # its request (the streaming path also notices failed writes).
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]   # the real port when port=0
+        if tcp_port is not None:
+            self._tcp = TCPServer(self.state)
+            self.tcp_port = await self._tcp.start(host, tcp_port)
+
+    async def stop(self, drain_timeout_s: float = 0.0) -> None:
+        """Stop accepting, let in-flight requests finish up to the timeout, then close all."""
+        engine = self.state.engine
+        if self._runner is not None:
+            for site in list(self._runner.sites):
+                await site.stop()                 # no new connections
+        if self._tcp is not None:
+            self._tcp.stop_listening()
+        if drain_timeout_s > 0:
+            try:
+                await asyncio.wait_for(engine.wait_idle(), drain_timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        for session in list(self.state.sessions):
+            await session.close()
+        if self._tcp is not None:
+            await self._tcp.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()

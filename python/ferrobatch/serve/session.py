@@ -1,0 +1,130 @@
+"""Session: one WebSocket or TCP connection speaking the message protocol (transport-agnostic).
+
+Many generations run multiplexed, each pumped by its own task. Invariants:
+- a client id is active from an accepted `generate` until its `done`/`cancelled`/`error` is sent;
+- `cancelled` is sent only after the engine reported the abort, i.e. after the KV was freed;
+- `close()` (socket closed, EOF, server shutdown) aborts every active request of the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from typing import Any, Awaitable, Callable
+
+from ferrobatch.serve.protocol import (
+    PROTOCOL_VERSION, GenerateMsg, ProtocolError, error_msg, error_status, parse_message)
+
+MAX_ACTIVE_PER_CONNECTION = 1024
+Send = Callable[[dict[str, Any], bool], Awaitable[None]]   # (message, binary) -> None
+
+
+class Session:
+    def __init__(self, engine: Any, send: Send, *, api_key: str | None = None,
+                 require_hello: bool = False, limits: dict[str, Any] | None = None) -> None:
+        self._engine = engine
+        self._send = send
+        self._api_key = api_key
+        self._authed = api_key is None and not require_hello
+        self._require_hello = require_hello
+        self._limits = limits or {}
+        self._active: dict[Any, tuple[Any, asyncio.Task, bool]] = {}
+        self._cancelled: set[Any] = set()
+        self._closed = False
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    async def handle(self, raw: Any, binary: bool) -> None:
+        """Handle one decoded client message; protocol errors become `error` messages."""
+        rid = raw.get("id") if isinstance(raw, dict) else None
+        rid = rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
+        try:
+            kind, payload = parse_message(raw)
+            if kind == "hello":
+                self._hello(payload)
+                await self._send({"type": "hello", "version": PROTOCOL_VERSION,
+                                  "model": self._engine.model_name, "limits": self._limits},
+                                 binary)
+                return
+            if not self._authed:
+                raise ProtocolError("send 'hello' first" if self._require_hello
+                                    else "authentication required", code=401)
+            if kind == "generate":
+                self._generate(payload, binary)
+            else:
+                await self._cancel(payload, binary)
+        except Exception as exc:  # noqa: BLE001 - reported to the client, never raised
+            code, _ = error_status(exc)
+            msg = str(exc) if code < 500 else "internal server error"
+            await self._send(error_msg(rid, code, msg), binary)
+
+    def _hello(self, key: str | None) -> None:
+        if self._api_key is not None:
+            if key is None or not hmac.compare_digest(key.encode(), self._api_key.encode()):
+                raise ProtocolError("invalid or missing api_key", code=401)
+        self._authed = True
+
+    def _generate(self, msg: GenerateMsg, binary: bool) -> None:
+        if self._closed:
+            raise ProtocolError("connection is closing", code=503)
+        if msg.id in self._active:
+            raise ProtocolError(f"id {msg.id!r} is already in use on this connection")
+        if len(self._active) >= MAX_ACTIVE_PER_CONNECTION:
+            raise ProtocolError("too many active requests on this connection", code=429)
+        stream = self._engine.add_request(msg.prompt, msg.params, messages=msg.messages)
+        task = asyncio.get_running_loop().create_task(self._pump(msg.id, stream, binary))
+        self._active[msg.id] = (stream, task, binary)
+
+    async def _cancel(self, rid: Any, binary: bool) -> None:
+        entry = self._active.get(rid)
+        if entry is None:
+            raise ProtocolError(f"no active request with id {rid!r}", code=404)
+        self._cancelled.add(rid)
+        entry[0].abort()
+
+    async def _pump(self, rid: Any, stream: Any, binary: bool) -> None:
+        send = self._send
+        completion = 0
+        reasons: dict[int, str] = {}
+        error: str | None = None
+        try:
+            async for out in stream:
+                for c in out.outputs:
+                    if c.text or c.token_ids:
+                        completion += len(c.token_ids)
+                        await send({"type": "delta", "id": rid, "index": c.index,
+                                    "text": c.text, "token_ids": c.token_ids}, binary)
+                    if c.finish_reason is not None:
+                        reasons[c.index] = c.finish_reason
+                error = out.error or error
+            ordered = [reasons.get(i, "abort") for i in range(len(reasons) or 1)]
+            if rid in self._cancelled and all(r == "abort" for r in ordered):
+                await send({"type": "cancelled", "id": rid}, binary)
+            elif "error" in ordered:
+                await send(error_msg(rid, 500, error or "generation failed"), binary)
+            else:
+                await send({"type": "done", "id": rid, "finish_reason": ordered[0],
+                            "finish_reasons": ordered,
+                            "usage": {"prompt_tokens": len(stream.prompt_token_ids),
+                                      "completion_tokens": completion}}, binary)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        except Exception:  # noqa: BLE001 - the transport failed; the connection is going away
+            pass
+        finally:
+            stream.abort()
+            self._active.pop(rid, None)
+            self._cancelled.discard(rid)
+
+    async def close(self) -> None:
+        """Abort every active request of this connection and stop its pump tasks."""
+        self._closed = True
+        tasks = []
+        for stream, task, _ in list(self._active.values()):
+            stream.abort()
+            task.cancel()
+            tasks.append(task)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,37 @@
+"""ServerState: what every door shares (the engine, auth, limits, metrics, open sessions)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from ferrobatch.serve.codec import MAX_ARRAY_LEN, MAX_FRAME_BYTES
+
+
+@dataclass
+class ServerState:
+    engine: Any
+    api_key: str | None = None
+    metrics: Any = None
+    served_model_name: str | None = None
+    sessions: set = field(default_factory=set)
+    created: int = field(default_factory=lambda: int(time.time()))
+    ready_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.engine.model_name
+
+    @property
+    def limits(self) -> dict[str, Any]:
+        cfg = self.engine.config
+        return {"max_frame_bytes": MAX_FRAME_BYTES, "max_prompt_tokens": MAX_ARRAY_LEN,
+                "max_model_len": self.engine.max_model_len, "max_n": cfg.max_n,
+                "max_stop_strings": cfg.max_stop_strings}
+
+
+STATE = web.AppKey("ferrobatch", ServerState)
