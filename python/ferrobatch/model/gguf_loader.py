@@ -1,0 +1,189 @@
+"""GGUF file -> (ModelConfig, float32 state dict in Hugging Face naming, tokenizer metadata).
+
+llama.cpp stores Llama Q/K projection rows permuted for its interleaved RoPE; we undo that so the
+model can use the Hugging Face (half-split) rotation. Tied embeddings: no ``output.weight``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ferrobatch.model.config import ModelConfig
+from ferrobatch.model.dequant import dequantize_tensor
+
+_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2"}
+
+# GGUF per-block tensor name -> Hugging Face module name.
+_BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+@dataclass
+class GGUFTokenizerMetadata:
+    """The ``tokenizer.*`` fields of a GGUF file."""
+
+    model: str
+    pre: str | None
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    bos_token_id: int | None
+    eos_token_id: int | None
+    add_bos_token: bool
+    chat_template: str | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def reverse_llama_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undoes llama.cpp's Q/K row permutation: rows ``(head, half, pair)`` -> ``(head, pair, half)``."""
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+            .transpose(1, 2).reshape(weight.shape))
+
+
+def llama_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's forward Q/K permutation (HF layout -> GGUF layout); the inverse of the above."""
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+            .transpose(1, 2).reshape(weight.shape))
+
+
+def _field_value(reader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _string_array(reader, key: str) -> list[str]:
+    f = reader.fields.get(key)
+    if f is None:
+        return []
+    parts = f.parts
+    return [bytes(parts[i]).decode("utf-8", errors="replace") for i in f.data]
+
+
+def _read_config(reader, tensor_names: set[str]) -> ModelConfig:
+    gguf_arch = _field_value(reader, "general.architecture")
+    if gguf_arch not in _GGUF_ARCHS:
+        raise ValueError(
+            f"unsupported GGUF architecture {gguf_arch!r}; supported: {', '.join(_GGUF_ARCHS)}"
+        )
+    a = gguf_arch
+
+    def need(key: str) -> Any:
+        v = _field_value(reader, f"{a}.{key}")
+        if v is None:
+            raise ValueError(f"GGUF file lacks required metadata key {a}.{key}")
+        return v
+
+    hidden = int(need("embedding_length"))
+    num_heads = int(need("attention.head_count"))
+    vocab = _field_value(reader, f"{a}.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    head_dim = int(_field_value(reader, f"{a}.attention.key_length", hidden // num_heads))
+    rope_scaling = None
+    scaling_type = _field_value(reader, f"{a}.rope.scaling.type")
+    if scaling_type and scaling_type != "none":
+        rope_scaling = {
+            "rope_type": scaling_type,
+            "factor": float(_field_value(reader, f"{a}.rope.scaling.factor", 1.0)),
+            "original_max_position_embeddings": int(
+                _field_value(reader, f"{a}.rope.scaling.original_context_length", 0)),
+        }
+    return ModelConfig(
+        arch=_GGUF_ARCHS[gguf_arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(_field_value(reader, f"{a}.attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(_field_value(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field_value(reader, f"{a}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(_field_value(reader, f"{a}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=_field_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field_value(reader, "tokenizer.ggml.eos_token_id"),
+    )
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _BLOCK_TENSORS:
+        return f"model.layers.{parts[1]}.{_BLOCK_TENSORS[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _TOP_TENSORS:
+        return f"{_TOP_TENSORS[parts[0]]}.{parts[1]}"
+    return None
+
+
+def read_tokenizer_metadata(reader) -> GGUFTokenizerMetadata:
+    """Extracts the tokenizer fields (vocabulary, merges, token types, specials, chat template)."""
+    model = _field_value(reader, "tokenizer.ggml.model")
+    if model is None:
+        raise ValueError("GGUF file has no tokenizer (tokenizer.ggml.model missing)")
+    token_types_field = reader.fields.get("tokenizer.ggml.token_type")
+    token_types = [int(token_types_field.parts[i][0]) for i in token_types_field.data] \
+        if token_types_field is not None else []
+    return GGUFTokenizerMetadata(
+        model=model,
+        pre=_field_value(reader, "tokenizer.ggml.pre"),
+        tokens=_string_array(reader, "tokenizer.ggml.tokens"),
+        token_types=token_types,
+        merges=_string_array(reader, "tokenizer.ggml.merges"),
+        bos_token_id=_field_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field_value(reader, "tokenizer.ggml.eos_token_id"),
+        add_bos_token=bool(_field_value(reader, "tokenizer.ggml.add_bos_token", False)),
+        chat_template=_field_value(reader, "tokenizer.chat_template"),
+        extra={"add_eos_token": bool(_field_value(reader, "tokenizer.ggml.add_eos_token", False))},
+    )
+
+
+def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], GGUFTokenizerMetadata]:
+    """Reads a GGUF file into a float32 CPU state dict (HF names, Q/K un-permuted for Llama)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    from gguf import GGUFReader  # noqa: PLC0415
+
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"cannot read GGUF file {path}: {exc}") from exc
+    tensor_names = {t.name for t in reader.tensors}
+    config = _read_config(reader, tensor_names)
+    state: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        if name is None:
+            continue  # e.g. rope_freqs (not used) or tensors of other heads
+        weight = dequantize_tensor(tensor.data, int(tensor.tensor_type), tensor.tensor_type.name)
+        if config.arch == "llama" and ".q_proj." in name:
+            weight = reverse_llama_permute(weight, config.num_heads)
+        elif config.arch == "llama" and ".k_proj." in name:
+            weight = reverse_llama_permute(weight, config.num_kv_heads)
+        state[name] = weight
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError(
+            "GGUF files with rope_freqs (Llama-3.1 style rope scaling baked into a tensor) are not "
+            "supported yet; load the Hugging Face directory instead"
+        )
+    return config, state, read_tokenizer_metadata(reader)

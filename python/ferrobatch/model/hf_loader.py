@@ -1,0 +1,95 @@
+"""Hugging Face model directory -> (ModelConfig, state dict, Tokenizer | None).
+
+Expects ``config.json`` + ``*.safetensors`` (sharded or not) and, optionally, ``tokenizer.json``,
+``tokenizer_config.json`` (chat template, special tokens) and ``generation_config.json`` (EOS ids).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any
+
+import torch
+
+from ferrobatch.model.config import SUPPORTED_ARCHS, ModelConfig
+from ferrobatch.model.tokenizer import Tokenizer
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def _first_id(value: Any) -> int | None:
+    if isinstance(value, list):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    """Maps a Hugging Face ``config.json`` dict to ModelConfig; ValueError for other architectures."""
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_ARCHS:
+        raise ValueError(
+            f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(SUPPORTED_ARCHS)}"
+        )
+    try:
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return ModelConfig(
+            arch=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            bos_token_id=_first_id(cfg.get("bos_token_id")),
+            eos_token_id=_first_id(cfg.get("eos_token_id")),
+        )
+    except KeyError as exc:
+        raise ValueError(f"config.json lacks required key {exc.args[0]!r}") from exc
+
+
+def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:
+    """Loads config, safetensors weights (CPU) and the tokenizer of a Hugging Face directory."""
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    path = os.fspath(path)
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"no config.json in model directory {path}")
+    hf_cfg = _read_json(config_path)
+    config = config_from_hf(hf_cfg)
+    shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not shards:
+        raise FileNotFoundError(f"no *.safetensors weights in model directory {path}")
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state.update(load_file(shard, device="cpu"))
+    tokenizer = None
+    tokenizer_json = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(tokenizer_json):
+        tok_cfg_path = os.path.join(path, "tokenizer_config.json")
+        tok_cfg = _read_json(tok_cfg_path) if os.path.isfile(tok_cfg_path) else {}
+        gen_path = os.path.join(path, "generation_config.json")
+        gen_eos = _read_json(gen_path).get("eos_token_id") if os.path.isfile(gen_path) else None
+        gen_eos_ids = gen_eos if isinstance(gen_eos, list) else ([] if gen_eos is None else [gen_eos])
+        template_path = os.path.join(path, "chat_template.jinja")
+        if "chat_template" not in tok_cfg and os.path.isfile(template_path):
+            with open(template_path, encoding="utf-8") as f:
+                tok_cfg = {**tok_cfg, "chat_template": f.read()}
+        tokenizer = Tokenizer.from_hf_files(tokenizer_json, tok_cfg, gen_eos_ids)
+    return config, state, tokenizer

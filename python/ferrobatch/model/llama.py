@@ -1,0 +1,159 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) over one flat batch of tokens.
+
+A step's T tokens (decode tokens and prefill chunks of different sequences) go through every
+linear layer together; attention writes the new K/V into the paged cache at ``slot_mapping`` and
+reads each sequence's context through its block table (see ``runtime.attention``). Logits are
+computed only at ``logits_indices``. Q/K/V and gate/up projections are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferrobatch.model.config import ModelConfig
+from ferrobatch.model.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (computed in float32, like the reference implementation)."""
+
+    def __init__(self, hidden_size: int, eps: float, device=None, dtype=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    """GQA self-attention with fused QKV projection and RoPE."""
+
+    def __init__(self, config: ModelConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_heads, config.num_kv_heads, config.head_dim)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=config.attention_bias, device=device, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, device=device, dtype=dtype)
+
+    def forward(self, hidden, positions, rotary, kv_cache, attn_meta, backend) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        backend.write_kv(kv_cache, k, v, attn_meta)
+        out = backend.forward(q, kv_cache, attn_meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward with fused gate/up projection."""
+
+    def __init__(self, config: ModelConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False,
+                                      device=device, dtype=dtype)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False,
+                                   device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention + pre-norm MLP, each with a residual connection."""
+
+    def __init__(self, config: ModelConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.self_attn = LlamaAttention(config, device, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.mlp = LlamaMLP(config, device, dtype)
+
+    def forward(self, hidden, positions, rotary, kv_cache, attn_meta, backend) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary,
+                                         kv_cache, attn_meta, backend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder stack plus LM head; ``attn_backend`` decides how paged attention runs."""
+
+    def __init__(self, config: ModelConfig, attn_backend=None, device=None, dtype=None) -> None:
+        super().__init__()
+        self.config = config
+        self.attn_backend = attn_backend
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, device, dtype) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.rotary = RotaryEmbedding(config, device)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
+                                     device=device, dtype=dtype)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The output projection (the embedding matrix when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_meta, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Runs T tokens -> float32 logits ``[S, vocab]`` at ``logits_indices``."""
+        if self.attn_backend is None:
+            raise RuntimeError("LlamaForCausalLM.attn_backend is not set")
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, positions, self.rotary, kv_cache, attn_meta, self.attn_backend)
+        hidden = self.norm(hidden[logits_indices])
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copies weights named as in Hugging Face's LlamaForCausalLM (fuses q/k/v and gate/up).
+
+        Raises ValueError on a missing tensor or a shape mismatch.
+        """
+        def take(name: str) -> torch.Tensor:
+            if name not in state:
+                raise ValueError(f"checkpoint lacks tensor {name}")
+            return state[name]
+
+        def copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if tuple(param.shape) != tuple(value.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(param.shape)}")
+            param.copy_(value)
+
+        copy(self.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        copy(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
+        if self.lm_head is not None:
+            copy(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [take(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
+            copy(attn.qkv_proj.weight, torch.cat(qkv), f"{p}self_attn.qkv_proj.weight")
+            if attn.qkv_proj.bias is not None:
+                bias = [take(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
+                copy(attn.qkv_proj.bias, torch.cat(bias), f"{p}self_attn.qkv_proj.bias")
+            copy(attn.o_proj.weight, take(f"{p}self_attn.o_proj.weight"), f"{p}self_attn.o_proj.weight")
+            gate_up = torch.cat([take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")])
+            copy(mlp.gate_up_proj.weight, gate_up, f"{p}mlp.gate_up_proj.weight")
+            copy(mlp.down_proj.weight, take(f"{p}mlp.down_proj.weight"), f"{p}mlp.down_proj.weight")
+            copy(layer.input_layernorm.weight, take(f"{p}input_layernorm.weight"), f"{p}input_layernorm.weight")
+            copy(layer.post_attention_layernorm.weight, take(f"{p}post_attention_layernorm.weight"),
+                 f"{p}post_attention_layernorm.weight")

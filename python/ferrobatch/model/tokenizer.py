@@ -1,0 +1,158 @@
+"""Tokenizer: a ``tokenizers`` byte-level BPE built from GGUF metadata or a tokenizer.json.
+
+Special tokens written in the text (e.g. ``<|im_start|>``) are parsed as specials. The "smollm"
+(and "starcoder") pre-tokenizer isolates every digit before the GPT-2 split, like llama.cpp.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from ferrobatch.model.chat_template import render_chat_template
+
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+# End-of-generation markers (llama.cpp's EOG set); generation stops on any present in the vocabulary.
+_EOG_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|end|>",
+              "<end_of_turn>", "<|eom_id|>")
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    if pre in ("smollm", "starcoder", "refact"):
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    if pre in (None, "default", "gpt2", "gpt-2"):
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    regex = {"llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX, "qwen2": _QWEN2_REGEX}.get(pre)
+    if regex is None:
+        raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}")
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+class Tokenizer:
+    """Text <-> token ids, special tokens, end-of-generation ids and the chat template."""
+
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        add_bos_token: bool = False,
+        chat_template: str | None = None,
+        extra_eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        self._backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.add_bos_token = add_bos_token
+        self.chat_template = chat_template
+        eog = [] if eos_token_id is None else [eos_token_id]
+        for text in _EOG_TEXTS:
+            token_id = backend.token_to_id(text)
+            if token_id is not None and token_id not in eog:
+                eog.append(token_id)
+        eog += [i for i in extra_eos_token_ids if i not in eog]
+        self.eos_token_ids: list[int] = eog
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_gguf_metadata(cls, meta: Any) -> Tokenizer:
+        """Builds from ``GGUFTokenizerMetadata`` (byte-level BPE, ``tokenizer.ggml.model == "gpt2"``)."""
+        if meta.model != "gpt2":
+            raise ValueError(
+                f"unsupported GGUF tokenizer model {meta.model!r} (only byte-level BPE 'gpt2')"
+            )
+        vocab = {token: i for i, token in enumerate(meta.tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in meta.merges]
+        backend = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False))
+        backend.pre_tokenizer = _byte_level_pre_tokenizer(meta.pre)
+        backend.decoder = decoders.ByteLevel()
+        types = meta.token_types or [1] * len(meta.tokens)
+        added = [
+            AddedToken(meta.tokens[i], special=(t == _TOKEN_TYPE_CONTROL), normalized=False)
+            for i, t in enumerate(types) if t in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
+        ]
+        backend.add_special_tokens([a for a in added if a.special])
+        backend.add_tokens([a for a in added if not a.special])
+        return cls(backend, bos_token_id=meta.bos_token_id, eos_token_id=meta.eos_token_id,
+                   add_bos_token=meta.add_bos_token, chat_template=meta.chat_template)
+
+    @classmethod
+    def from_hf_files(
+        cls, tokenizer_json: str | os.PathLike, tokenizer_config: dict[str, Any] | None = None,
+        generation_eos_ids: Sequence[int] = (),
+    ) -> Tokenizer:
+        """Builds from a ``tokenizer.json`` plus the dict of ``tokenizer_config.json`` (if any)."""
+        backend = HFTokenizer.from_file(os.fspath(tokenizer_json))
+        cfg = tokenizer_config or {}
+
+        def token_id(key: str) -> int | None:
+            value = cfg.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            return backend.token_to_id(value) if isinstance(value, str) else None
+
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        return cls(backend, bos_token_id=token_id("bos_token"), eos_token_id=token_id("eos_token"),
+                   add_bos_token=bool(cfg.get("add_bos_token", False)), chat_template=template,
+                   extra_eos_token_ids=generation_eos_ids)
+
+    # -- API ----------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def backend(self) -> HFTokenizer:
+        """The underlying ``tokenizers.Tokenizer``."""
+        return self._backend
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; specials in the text are parsed; BOS added only if asked and the model wants it."""
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary string of one id."""
+        return self._backend.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **extra: Any) -> str:
+        """Renders a conversation to prompt text; ValueError on bad messages or a missing template."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; send a plain completion prompt")
+
+        def text(token_id: int | None) -> str:
+            return (self._backend.id_to_token(token_id) or "") if token_id is not None else ""
+
+        return render_chat_template(
+            self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+            bos_token=text(self.bos_token_id), eos_token=text(self.eos_token_id), **extra,
+        )

@@ -1,0 +1,1 @@
+"""Model runtime: paged KV cache, attention backends, model runner and sampler."""

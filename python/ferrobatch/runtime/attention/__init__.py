@@ -1,0 +1,48 @@
+"""Attention backends: ``get_attention_backend("auto" | "torch" | "cuda", device)``."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+
+from ferrobatch.runtime.attention.base import AttentionBackend, AttentionMetadata
+from ferrobatch.runtime.attention.torch_ref import TorchReferenceBackend
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "TorchReferenceBackend", "get_attention_backend"]
+
+logger = logging.getLogger(__name__)
+_BACKEND_NAMES = ("auto", "torch", "cuda")
+
+
+def _load_cuda_backend(block_size: int) -> AttentionBackend:
+    """Imports the CUDA backend lazily; raises ImportError/RuntimeError when unavailable."""
+    module = importlib.import_module("ferrobatch.runtime.attention.cuda")
+    available = getattr(module, "is_available", None)
+    if callable(available) and not available():
+        raise RuntimeError("CUDA attention kernels are not available (extension not built?)")
+    backend_cls = getattr(module, "CudaAttentionBackend", None)
+    if backend_cls is None:
+        raise ImportError("ferrobatch.runtime.attention.cuda defines no CudaAttentionBackend")
+    return backend_cls(block_size=block_size)
+
+
+def get_attention_backend(name: str | None, device: torch.device | str, *,
+                          block_size: int = 16) -> AttentionBackend:
+    """Picks an attention backend. ``None``/"auto": CUDA kernels on a CUDA device when they load,
+    else the torch reference (the reason is logged). "cuda" raises if the kernels cannot load."""
+    name = name or "auto"
+    if name not in _BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(_BACKEND_NAMES)}")
+    is_cuda = torch.device(device).type == "cuda"
+    if name == "cuda" and not is_cuda:
+        raise ValueError("attention backend 'cuda' needs a CUDA device")
+    if name in ("auto", "cuda") and is_cuda:
+        try:
+            return _load_cuda_backend(block_size)
+        except (ImportError, RuntimeError, OSError) as exc:
+            if name == "cuda":
+                raise RuntimeError(f"CUDA attention backend unavailable: {exc}") from exc
+            logger.warning("CUDA attention backend unavailable (%s); using the torch reference", exc)
+    return TorchReferenceBackend(block_size=block_size)

@@ -1,0 +1,71 @@
+"""Attention-backend interface: per-step metadata built once, K/V writes, paged attention.
+
+KV cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = K, 1 = V).
+Slot ``s`` is block ``s // block_size``, offset ``s % block_size``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Device tensors describing one flat step of ``num_tokens`` tokens over ``num_seqs`` sequences."""
+
+    slot_mapping: torch.Tensor  # int64 [T]
+    query_start_loc: torch.Tensor  # int32 [B+1]
+    seq_lens: torch.Tensor  # int32 [B]
+    block_tables: torch.Tensor  # int32 [B, M]
+    max_query_len: int
+    max_seq_len: int
+    num_tokens: int
+    num_seqs: int
+    query_start_loc_cpu: np.ndarray  # int32 [B+1]
+    seq_lens_cpu: np.ndarray  # int32 [B]
+
+
+def check_step_arrays(batch, block_size: int, num_blocks: int) -> None:
+    """Validates the step arrays' shapes and ranges (cheap, vectorized); ValueError on violation."""
+    num_tokens = int(batch.input_ids.shape[0])
+    qsl = np.asarray(batch.query_start_loc)
+    seq_lens = np.asarray(batch.seq_lens)
+    num_seqs = int(seq_lens.shape[0])
+    if qsl.shape != (num_seqs + 1,) or (num_seqs and (qsl[0] != 0 or qsl[-1] != num_tokens)):
+        raise ValueError("query_start_loc must have B+1 entries from 0 to num_tokens")
+    query_lens = np.diff(qsl)
+    if np.any(query_lens < 0) or np.any(query_lens > seq_lens):
+        raise ValueError("each sequence needs 0 <= query length <= seq_len")
+    if batch.block_tables.shape[0] != num_seqs or \
+            batch.block_tables.shape[1] * block_size < int(seq_lens.max(initial=0)):
+        raise ValueError("block_tables too small for seq_lens")
+    slots = np.asarray(batch.slot_mapping)
+    if slots.shape != (num_tokens,) or np.any(slots < 0) or np.any(slots >= num_blocks * block_size):
+        raise ValueError("slot_mapping out of range of the KV cache")
+
+
+class AttentionBackend(abc.ABC):
+    """Paged attention over a flat batch mixing prefill chunks and decode tokens."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def build_metadata(self, batch, device: torch.device | str) -> AttentionMetadata:
+        """Converts the step arrays (numpy, README contract) into device metadata, once per step."""
+
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        """Stores ``key``/``value`` ``[T, Hkv, D]`` at ``meta.slot_mapping`` in ``kv_cache``."""
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+        flat[0].index_copy_(0, meta.slot_mapping, key.to(kv_cache.dtype))
+        flat[1].index_copy_(0, meta.slot_mapping, value.to(kv_cache.dtype))
+
+    @abc.abstractmethod
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """Causal attention of ``query [T, Hq, D]`` over each sequence's cached context -> ``[T, Hq, D]``."""

@@ -1,0 +1,122 @@
+"""Vectorized torch reference attention (CPU and GPU; the oracle for CUDA kernels).
+
+Sequences are split into two groups, decode (one query token) and prefill (several), so a long
+prefill chunk does not pad every decode row. Each group gathers its context K/V from the paged
+cache through precomputed slot indices and runs one masked ``scaled_dot_product_attention``; GQA
+folds the query heads of a KV head into the query-length axis, so K/V are never repeated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ferrobatch.runtime.attention.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class SequenceGroup:
+    """Padded gather indices of a set of sequences (all tensors on device)."""
+
+    query_token_index: torch.Tensor  # int64 [G, Q]; padded rows point at a dummy row (T)
+    key_slots: torch.Tensor  # int64 [G, K]; padded columns point at slot 0
+    mask: torch.Tensor  # bool [G, 1, Q, K]; True = attend
+    num_queries: int  # Q
+    num_keys: int  # K
+
+
+@dataclass
+class TorchRefMetadata(AttentionMetadata):
+    """AttentionMetadata plus the reference backend's per-group gather indices."""
+
+    groups: list[SequenceGroup] = field(default_factory=list)
+
+
+def _build_group(seq_ids: np.ndarray, qsl: np.ndarray, seq_lens: np.ndarray,
+                 block_tables: np.ndarray, block_size: int, num_tokens: int,
+                 device: torch.device) -> SequenceGroup:
+    query_lens = (qsl[1:] - qsl[:-1])[seq_ids].astype(np.int64)
+    ctx_lens = seq_lens[seq_ids].astype(np.int64)
+    max_q, max_k = int(query_lens.max()), int(ctx_lens.max())
+    q_offsets = np.arange(max_q)[None, :]
+    valid_q = q_offsets < query_lens[:, None]
+    query_index = np.where(valid_q, qsl[seq_ids][:, None].astype(np.int64) + q_offsets, num_tokens)
+    k_offsets = np.arange(max_k)[None, :]
+    blocks = np.take_along_axis(block_tables[seq_ids].astype(np.int64),
+                                np.broadcast_to(k_offsets // block_size, (len(seq_ids), max_k)), 1)
+    valid_k = k_offsets < ctx_lens[:, None]
+    key_slots = np.where(valid_k, blocks * block_size + k_offsets % block_size, 0)
+    query_pos = (ctx_lens - query_lens)[:, None] + q_offsets  # [G, Q]
+    mask = (k_offsets[:, None, :] <= query_pos[:, :, None]) & valid_k[:, None, :]
+    mask[..., 0] |= ~valid_q  # padded query rows attend to one key (avoids NaN; discarded)
+    return SequenceGroup(
+        query_token_index=torch.from_numpy(query_index).to(device),
+        key_slots=torch.from_numpy(key_slots).to(device),
+        mask=torch.from_numpy(mask[:, None]).to(device),
+        num_queries=max_q,
+        num_keys=max_k,
+    )
+
+
+class TorchReferenceBackend(AttentionBackend):
+    """Gather + masked SDPA per group of sequences; no per-token Python loops."""
+
+    name = "torch"
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def build_metadata(self, batch, device) -> TorchRefMetadata:
+        device = torch.device(device)
+        qsl = np.asarray(batch.query_start_loc, dtype=np.int64)
+        seq_lens = np.asarray(batch.seq_lens, dtype=np.int64)
+        block_tables = np.asarray(batch.block_tables)
+        num_tokens = int(np.asarray(batch.input_ids).shape[0])
+        query_lens = qsl[1:] - qsl[:-1]
+        groups = []
+        for selected in (query_lens == 1, query_lens > 1):
+            seq_ids = np.flatnonzero(selected)
+            if seq_ids.size:
+                groups.append(_build_group(seq_ids, qsl, seq_lens, block_tables,
+                                           self.block_size, num_tokens, device))
+        return TorchRefMetadata(
+            slot_mapping=torch.from_numpy(np.asarray(batch.slot_mapping, dtype=np.int64)).to(device),
+            query_start_loc=torch.from_numpy(np.asarray(batch.query_start_loc, np.int32)).to(device),
+            seq_lens=torch.from_numpy(np.asarray(batch.seq_lens, np.int32)).to(device),
+            block_tables=torch.from_numpy(np.asarray(block_tables, np.int32)).to(device),
+            max_query_len=int(query_lens.max(initial=0)),
+            max_seq_len=int(seq_lens.max(initial=0)),
+            num_tokens=num_tokens,
+            num_seqs=int(seq_lens.shape[0]),
+            query_start_loc_cpu=np.asarray(batch.query_start_loc, np.int32),
+            seq_lens_cpu=np.asarray(batch.seq_lens, np.int32),
+            groups=groups,
+        )
+
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: TorchRefMetadata,
+                scale: float) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = query.shape
+        num_kv_heads = kv_cache.shape[-2]
+        group_size = num_heads // num_kv_heads
+        flat_cache = kv_cache.view(2, -1, num_kv_heads, head_dim)
+        padded_query = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
+        out = query.new_empty(num_tokens + 1, num_heads, head_dim)
+        for g in meta.groups:
+            num_seqs = g.query_token_index.shape[0]
+            # [G, Q, Hkv, group, D] -> [G, Hkv, group * Q, D]
+            q = padded_query[g.query_token_index].view(num_seqs, g.num_queries, num_kv_heads,
+                                                        group_size, head_dim)
+            q = q.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads,
+                                                 group_size * g.num_queries, head_dim)
+            k = flat_cache[0][g.key_slots].to(query.dtype).transpose(1, 2)  # [G, Hkv, K, D]
+            v = flat_cache[1][g.key_slots].to(query.dtype).transpose(1, 2)
+            mask = g.mask.expand(num_seqs, group_size, g.num_queries, g.num_keys)
+            mask = mask.reshape(num_seqs, 1, group_size * g.num_queries, g.num_keys)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            o = o.view(num_seqs, num_kv_heads, group_size, g.num_queries, head_dim)
+            o = o.permute(0, 3, 1, 2, 4).reshape(num_seqs * g.num_queries, num_heads, head_dim)
+            out.index_copy_(0, g.query_token_index.reshape(-1), o)
+        return out[:num_tokens]

@@ -1,0 +1,67 @@
+"""Paged KV cache tensors: one ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` per layer."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ferrobatch.model.config import ModelConfig
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers (K and V)."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return config.kv_bytes_per_token(element_size) * block_size
+
+
+def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                          budget_bytes: int) -> int:
+    """How many blocks fit in ``budget_bytes``; ValueError if fewer than 2 (null block + one)."""
+    num_blocks = int(budget_bytes // kv_block_bytes(config, block_size, dtype))
+    if num_blocks < 2:
+        raise ValueError(f"KV cache budget of {budget_bytes} bytes holds fewer than 2 blocks")
+    return num_blocks
+
+
+def num_blocks_for_gpu(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                       memory_fraction: float, device: torch.device) -> int:
+    """Blocks fitting in ``memory_fraction`` of the device memory still free *now* (call after the
+    weights are loaded and a warm-up pass has run, so activations' peak is already accounted)."""
+    if not 0.0 < memory_fraction <= 1.0:
+        raise ValueError(f"memory fraction must be in (0, 1], got {memory_fraction}")
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    torch.cuda.empty_cache()
+    peak_extra = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+    budget = int(free_bytes * memory_fraction) - peak_extra
+    return num_blocks_for_budget(config, block_size, dtype, budget)
+
+
+class KVCache:
+    """The per-layer paged KV tensors plus block copies (copy-on-write for parallel sampling)."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
+                 device: torch.device | str, dtype: torch.dtype) -> None:
+        if num_blocks < 2 or block_size < 1:
+            raise ValueError("KV cache needs num_blocks >= 2 and block_size >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.layers: list[torch.Tensor] = [
+            torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+
+    @property
+    def num_bytes(self) -> int:
+        """Total bytes held by the cache tensors."""
+        return sum(t.numel() * t.element_size() for t in self.layers)
+
+    def copy_blocks(self, pairs: np.ndarray | torch.Tensor) -> None:
+        """Copies block ``src`` to ``dst`` for every ``(src, dst)`` row, in every layer (K and V)."""
+        pairs = torch.as_tensor(np.asarray(pairs, dtype=np.int64).reshape(-1, 2))
+        if pairs.numel() == 0:
+            return
+        if int(pairs.min()) < 0 or int(pairs.max()) >= self.num_blocks:
+            raise ValueError("block_copies refers to a block outside the KV cache")
+        pairs = pairs.to(self.layers[0].device)
+        src, dst = pairs[:, 0], pairs[:, 1]
+        for layer in self.layers:
+            layer[:, dst] = layer[:, src]

@@ -1,0 +1,64 @@
+"""ModelRunner: one step's arrays -> tensors -> forward -> float32 logits at ``logits_indices``."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ferrobatch.runtime.attention import AttentionBackend, get_attention_backend
+from ferrobatch.runtime.attention.base import check_step_arrays
+from ferrobatch.runtime.kv_cache import KVCache
+
+
+def _to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    tensor = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
+
+
+class ModelRunner:
+    """Owns the KV cache and the attention backend; executes duck-typed StepBatch objects."""
+
+    def __init__(self, loaded, *, num_blocks: int, block_size: int,
+                 device: torch.device | str | None = None,
+                 attn_backend: AttentionBackend | str | None = None,
+                 validate_steps: bool = True) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.config = loaded.config
+        self.device = torch.device(device) if device is not None else loaded.device
+        if self.device != loaded.device:
+            raise ValueError(f"model is on {loaded.device}, runner asked for {self.device}")
+        if isinstance(attn_backend, AttentionBackend):
+            self.attn_backend = attn_backend
+        else:
+            self.attn_backend = get_attention_backend(attn_backend, self.device, block_size=block_size)
+        self.model.attn_backend = self.attn_backend
+        self.block_size = block_size
+        self.validate_steps = validate_steps
+        self.kv_cache = KVCache(self.config, num_blocks, block_size, self.device, loaded.dtype)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the KV cache (block 0 is the scheduler's null block)."""
+        return self.kv_cache.num_blocks
+
+    @torch.inference_mode()
+    def execute(self, batch) -> torch.Tensor:
+        """Applies ``batch.block_copies``, runs the forward, returns logits ``[S, vocab]`` float32."""
+        copies = getattr(batch, "block_copies", None)
+        if copies is not None and len(copies):
+            self.kv_cache.copy_blocks(copies)
+        num_samples = int(np.asarray(batch.logits_indices).shape[0])
+        if int(np.asarray(batch.input_ids).shape[0]) == 0:
+            return torch.empty(num_samples, self.config.vocab_size, device=self.device)
+        if self.validate_steps:
+            check_step_arrays(batch, self.block_size, self.kv_cache.num_blocks)
+            if int(np.asarray(batch.positions).max()) >= self.config.max_position_embeddings:
+                raise ValueError("a position exceeds the model's max_position_embeddings")
+        meta = self.attn_backend.build_metadata(batch, self.device)
+        input_ids = _to_device(batch.input_ids, self.device, torch.int64)
+        positions = _to_device(batch.positions, self.device, torch.int64)
+        logits_indices = _to_device(batch.logits_indices, self.device, torch.int64)
+        return self.model(input_ids, positions, self.kv_cache.layers, meta, logits_indices)

@@ -1,0 +1,203 @@
+"""Batched sampler on the model's device: penalties, logit bias, temperature, top-k/top-p/min-p,
+per-request seeds and logprobs, all driven by the step's per-sample arrays.
+
+Greedy rows take the exact argmax of the (penalised) logits. A seeded row draws its token with the
+exponential-race trick (``argmax(p / q)``, ``q ~ Exp(1)``) from a generator keyed by
+``(seed, sample_output_lens)``, so its token depends only on that key and its own logits row, never
+on the rest of the batch. Logprobs are ``log_softmax`` of the raw model logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK63 = (1 << 63) - 1
+
+
+@dataclass
+class RequestExtras:
+    """Per-request data the step arrays do not carry (looked up by request id)."""
+
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: list[list[int]] | None = None  # per seq_index
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None  # top-N alternatives; 0 = sampled token only
+
+
+@dataclass
+class SamplerOutput:
+    """Sampled ids ``[S]`` and, when any row asked, logprobs ``[S]`` plus top-N ``[S, N]``."""
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray | None = None
+    top_logprob_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+
+
+def seed_for_step(seed: int, output_len: int) -> int:
+    """Generator seed of one sampling draw: a mix of the request seed and the token position."""
+    return ((int(seed) * 6364136223846793005) ^ ((int(output_len) + 1) * _GOLDEN)) & _MASK63
+
+
+class Sampler:
+    """Turns logits ``[S, V]`` into one token per row following the batch's sampling arrays."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int], device: torch.device | str,
+                 seed: int | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.eos_token_ids = torch.tensor(list(eos_token_ids), dtype=torch.int64, device=self.device)
+        self.generator = torch.Generator(device=self.device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def _row_tensor(self, batch, name: str, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(getattr(batch, name))).to(self.device, dtype)
+
+    # -- logits processing --------------------------------------------------------------------
+    def _token_counts(self, batch, extras, rows: np.ndarray, with_prompt: bool) -> torch.Tensor:
+        """``[S, V]`` counts of output tokens (plus prompt tokens when asked) for ``rows``."""
+        counts = torch.zeros(len(batch.sample_req_ids), self.vocab_size, device=self.device)
+        row_ids, token_ids = [], []
+        for row in rows:
+            ext = extras.get(int(batch.sample_req_ids[row])) if extras else None
+            if ext is None:
+                continue
+            tokens = list(ext.prompt_token_ids) if with_prompt else []
+            if ext.output_token_ids is not None:
+                seq_index = int(batch.sample_seq_indices[row])
+                if seq_index < len(ext.output_token_ids):
+                    tokens += list(ext.output_token_ids[seq_index])
+            row_ids.append(np.full(len(tokens), row, dtype=np.int64))
+            token_ids.append(np.asarray(tokens, dtype=np.int64))
+        if row_ids:
+            index = (torch.from_numpy(np.concatenate(row_ids)).to(self.device),
+                     torch.from_numpy(np.concatenate(token_ids)).to(self.device))
+            counts.index_put_(index, torch.ones(index[0].shape[0], device=self.device), accumulate=True)
+        return counts
+
+    def _apply_penalties(self, logits: torch.Tensor, batch, extras) -> None:
+        rep = np.asarray(batch.repetition_penalty)
+        pres = np.asarray(batch.presence_penalty)
+        freq = np.asarray(batch.frequency_penalty)
+        rep_rows = np.flatnonzero(rep != 1.0)
+        if rep_rows.size:
+            seen = self._token_counts(batch, extras, rep_rows, with_prompt=True) > 0
+            penalty = self._row_tensor(batch, "repetition_penalty", torch.float32)[:, None]
+            penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+            logits.copy_(torch.where(seen, penalised, logits))
+        additive_rows = np.flatnonzero((pres != 0.0) | (freq != 0.0))
+        if additive_rows.size:
+            counts = self._token_counts(batch, extras, additive_rows, with_prompt=False)
+            logits -= self._row_tensor(batch, "frequency_penalty", torch.float32)[:, None] * counts
+            logits -= self._row_tensor(batch, "presence_penalty", torch.float32)[:, None] * (counts > 0)
+
+    def _apply_logit_bias(self, logits: torch.Tensor, batch, extras) -> None:
+        rows, tokens, values = [], [], []
+        for row, req_id in enumerate(batch.sample_req_ids):
+            ext = extras.get(int(req_id))
+            if ext is not None and ext.logit_bias:
+                for token, bias in ext.logit_bias.items():
+                    if not 0 <= int(token) < self.vocab_size:
+                        raise ValueError(f"logit_bias token id {token} outside the vocabulary")
+                    rows.append(row)
+                    tokens.append(int(token))
+                    values.append(float(bias))
+        if rows:
+            index = (torch.tensor(rows, device=self.device), torch.tensor(tokens, device=self.device))
+            logits.index_put_(index, torch.tensor(values, device=self.device), accumulate=True)
+
+    def _mask_top_k_top_p(self, logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) -> torch.Tensor:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(self.vocab_size, device=self.device)[None, :]
+        k = torch.from_numpy(np.where(top_k > 0, np.minimum(top_k, self.vocab_size), self.vocab_size))
+        remove = ranks >= k.to(self.device)[:, None]
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        p = torch.from_numpy(top_p.astype(np.float32)).to(self.device)[:, None]
+        remove |= mass_before > p  # keeps the smallest prefix reaching top_p (at least one token)
+        return logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+
+    def _draw(self, probs: torch.Tensor, seeds: np.ndarray, output_lens: np.ndarray) -> torch.Tensor:
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row in np.flatnonzero(seeds >= 0):
+            gen = torch.Generator(device=self.device).manual_seed(
+                seed_for_step(seeds[row], output_lens[row]))
+            noise[row] = torch.empty(self.vocab_size, device=self.device).exponential_(generator=gen)
+        return (probs / noise).argmax(dim=-1)
+
+    # -- API ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, batch,
+               extras: Mapping[int, RequestExtras] | None = None) -> SamplerOutput:
+        """Samples one token per row of ``logits [S, V]`` (float32) using the batch's arrays."""
+        num_samples = logits.shape[0]
+        if num_samples == 0:
+            return SamplerOutput(token_ids=np.empty(0, dtype=np.int32))
+        extras = extras or {}
+        raw_logits = logits.float()
+        temperature = np.asarray(batch.temperature, dtype=np.float32)
+        has_penalties = bool(np.any(np.asarray(batch.repetition_penalty) != 1.0)
+                             or np.any(np.asarray(batch.presence_penalty) != 0.0)
+                             or np.any(np.asarray(batch.frequency_penalty) != 0.0))
+        has_bias = any(e.logit_bias for e in extras.values())
+        suppress = np.asarray(batch.suppress_eos).astype(bool)
+        all_greedy = bool(np.all(temperature <= 0.0))
+        if all_greedy and not (has_penalties or has_bias or suppress.any()):
+            tokens = raw_logits.argmax(dim=-1)
+        else:
+            logits = raw_logits.clone()
+            if has_bias:
+                self._apply_logit_bias(logits, batch, extras)
+            if has_penalties:
+                self._apply_penalties(logits, batch, extras)
+            if suppress.any() and self.eos_token_ids.numel():
+                rows = torch.from_numpy(np.flatnonzero(suppress)).to(self.device)
+                logits[rows[:, None], self.eos_token_ids[None, :]] = float("-inf")
+            tokens = logits.argmax(dim=-1)
+            if not all_greedy:
+                tokens = torch.where(
+                    torch.from_numpy(temperature <= 0.0).to(self.device), tokens,
+                    self._sample_random(logits, batch, temperature))
+        return self._with_logprobs(tokens, raw_logits, batch, extras)
+
+    def _sample_random(self, logits: torch.Tensor, batch, temperature: np.ndarray) -> torch.Tensor:
+        safe_t = torch.from_numpy(np.where(temperature > 0.0, temperature, 1.0)).to(self.device)
+        scaled = logits / safe_t[:, None]
+        top_k = np.asarray(batch.top_k)
+        top_p = np.asarray(batch.top_p, dtype=np.float32)
+        if np.any(top_k > 0) or np.any(top_p < 1.0):
+            scaled = self._mask_top_k_top_p(scaled, top_k, top_p)
+        probs = scaled.softmax(dim=-1)
+        min_p = np.asarray(batch.min_p, dtype=np.float32)
+        if np.any(min_p > 0.0):
+            threshold = torch.from_numpy(min_p).to(self.device)[:, None] * probs.max(-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        return self._draw(probs, np.asarray(batch.seed), np.asarray(batch.sample_output_lens))
+
+    def _with_logprobs(self, tokens: torch.Tensor, raw_logits: torch.Tensor, batch,
+                       extras: Mapping[int, RequestExtras]) -> SamplerOutput:
+        wanted = [extras[int(r)].logprobs for r in batch.sample_req_ids
+                  if int(r) in extras and extras[int(r)].logprobs is not None]
+        token_ids = tokens.to(torch.int32).cpu().numpy()
+        if not wanted:
+            return SamplerOutput(token_ids=token_ids)
+        logprobs = raw_logits.log_softmax(dim=-1)
+        sampled = logprobs.gather(1, tokens[:, None].long())[:, 0]
+        top_n = max(wanted)
+        top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (
+            logprobs[:, :0], torch.empty(tokens.shape[0], 0, dtype=torch.int64, device=self.device))
+        return SamplerOutput(
+            token_ids=token_ids,
+            logprobs=sampled.cpu().numpy().astype(np.float32),
+            top_logprob_ids=top_ids.to(torch.int32).cpu().numpy(),
+            top_logprobs=top_values.cpu().numpy().astype(np.float32),
+        )

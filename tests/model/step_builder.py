@@ -1,0 +1,184 @@
+"""A toy paged scheduler for tests: emits the README's step arrays (duck-typed StepBatch).
+
+It hands out blocks in shuffled order, chunks prefills under a token budget, shares full prompt
+blocks between sequences with equal prefixes (prefix reuse), and mixes decode and prefill rows.
+Per-token Python loops are fine here: this is a test helper, not the hot path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class ToySequence:
+    req_id: int
+    tokens: list[int]
+    prompt_len: int
+    max_new_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in shared blocks
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def finished(self) -> bool:
+        return len(self.tokens) - self.prompt_len >= self.max_new_tokens
+
+
+@dataclass
+class StepBatch:
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    block_copies: np.ndarray
+    seq_req_ids: np.ndarray
+    seq_indices: np.ndarray
+    logits_indices: np.ndarray
+    sample_req_ids: np.ndarray
+    sample_seq_indices: np.ndarray
+    sample_output_lens: np.ndarray
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    repetition_penalty: np.ndarray
+    presence_penalty: np.ndarray
+    frequency_penalty: np.ndarray
+    seed: np.ndarray
+    suppress_eos: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.logits_indices.shape[0])
+
+
+def sampling_arrays(num_samples: int, **overrides) -> dict[str, np.ndarray]:
+    """Default (greedy, everything off) per-sample arrays, with optional overrides."""
+    arrays = {
+        "sample_output_lens": np.zeros(num_samples, np.int32),
+        "temperature": np.zeros(num_samples, np.float32),
+        "top_k": np.zeros(num_samples, np.int32),
+        "top_p": np.ones(num_samples, np.float32),
+        "min_p": np.zeros(num_samples, np.float32),
+        "repetition_penalty": np.ones(num_samples, np.float32),
+        "presence_penalty": np.zeros(num_samples, np.float32),
+        "frequency_penalty": np.zeros(num_samples, np.float32),
+        "seed": np.full(num_samples, -1, np.int64),
+        "suppress_eos": np.zeros(num_samples, np.uint8),
+        "sample_req_ids": np.arange(num_samples, dtype=np.uint64),
+        "sample_seq_indices": np.zeros(num_samples, np.int32),
+    }
+    for name, value in overrides.items():
+        arrays[name] = np.asarray(value, dtype=arrays[name].dtype)
+    return arrays
+
+
+class ToyScheduler:
+    """Greedy toy scheduler over a shuffled free list of KV blocks (block 0 = null)."""
+
+    def __init__(self, num_blocks: int, block_size: int, token_budget: int = 64, seed: int = 0):
+        self.block_size = block_size
+        self.token_budget = token_budget
+        rng = np.random.default_rng(seed)
+        self.free_blocks = [int(b) for b in rng.permutation(np.arange(1, num_blocks))]
+        self.sequences: list[ToySequence] = []
+        self.prefix_blocks: dict[tuple[int, ...], int] = {}  # full-block token prefix -> block id
+
+    def add(self, req_id: int, prompt: list[int], max_new_tokens: int) -> ToySequence:
+        seq = ToySequence(req_id, list(prompt), len(prompt), max_new_tokens)
+        # Prefix reuse: share full prompt blocks already computed by another sequence; always
+        # leave at least one prompt token to compute so the step produces logits.
+        bs = self.block_size
+        for i in range((len(prompt) - 1) // bs):
+            block = self.prefix_blocks.get(tuple(prompt[: (i + 1) * bs]))
+            if block is None:
+                break
+            seq.block_ids.append(block)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_ids) * bs
+        self.sequences.append(seq)
+        return seq
+
+    def _ensure_blocks(self, seq: ToySequence, num_tokens: int) -> None:
+        while len(seq.block_ids) * self.block_size < num_tokens:
+            seq.block_ids.append(self.free_blocks.pop())
+
+    def schedule(self) -> StepBatch | None:
+        budget = self.token_budget
+        rows = []  # (seq, start, count)
+        for seq in self.sequences:
+            if seq.finished or budget == 0:
+                continue
+            count = min(len(seq.tokens) - seq.num_computed_tokens, budget)
+            self._ensure_blocks(seq, seq.num_computed_tokens + count)
+            rows.append((seq, seq.num_computed_tokens, count))
+            budget -= count
+        if not rows:
+            return None
+        bs = self.block_size
+        ids, pos, slots, qsl, seq_lens, logits_idx, sample_seqs = [], [], [], [0], [], [], []
+        for seq, start, count in rows:
+            for p in range(start, start + count):
+                ids.append(seq.tokens[p])
+                pos.append(p)
+                slots.append(seq.block_ids[p // bs] * bs + p % bs)
+            qsl.append(qsl[-1] + count)
+            seq_lens.append(start + count)
+            if start + count == len(seq.tokens):
+                logits_idx.append(qsl[-1] - 1)
+                sample_seqs.append(seq)
+        max_blocks = max(len(s.block_ids) for s, _, _ in rows)
+        tables = np.zeros((len(rows), max_blocks), np.int32)
+        for i, (seq, _, _) in enumerate(rows):
+            tables[i, : len(seq.block_ids)] = seq.block_ids
+        self._scheduled = rows
+        self._sampled_seqs = sample_seqs
+        arrays = sampling_arrays(
+            len(sample_seqs),
+            sample_req_ids=[s.req_id for s in sample_seqs],
+            sample_output_lens=[len(s.output_ids) for s in sample_seqs])
+        return StepBatch(
+            input_ids=np.asarray(ids, np.int32), positions=np.asarray(pos, np.int32),
+            slot_mapping=np.asarray(slots, np.int32), query_start_loc=np.asarray(qsl, np.int32),
+            seq_lens=np.asarray(seq_lens, np.int32), block_tables=tables,
+            block_copies=np.zeros((0, 2), np.int32),
+            seq_req_ids=np.asarray([s.req_id for s, _, _ in rows], np.uint64),
+            seq_indices=np.zeros(len(rows), np.int32),
+            logits_indices=np.asarray(logits_idx, np.int32), **arrays)
+
+    def update(self, sampled: np.ndarray) -> None:
+        bs = self.block_size
+        for seq, start, count in self._scheduled:
+            seq.num_computed_tokens = start + count
+            for i in range(start // bs, (start + count) // bs):  # newly full blocks become shareable
+                if (i + 1) * bs <= seq.prompt_len:
+                    self.prefix_blocks.setdefault(tuple(seq.tokens[: (i + 1) * bs]), seq.block_ids[i])
+        for seq, token in zip(self._sampled_seqs, sampled, strict=True):
+            seq.tokens.append(int(token))
+
+
+def run_to_completion(runner, sampler, scheduler: ToyScheduler, max_steps: int = 10_000) -> None:
+    """Steps the toy scheduler until every sequence has its tokens."""
+    for _ in range(max_steps):
+        batch = scheduler.schedule()
+        if batch is None:
+            return
+        logits = runner.execute(batch)
+        scheduler.update(sampler.sample(logits, batch).token_ids)
+    raise RuntimeError("toy scheduler did not finish")
