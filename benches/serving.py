@@ -1,0 +1,390 @@
+"""Online serving benchmark (vLLM `bench serve` conventions) over the OpenAI HTTP API.
+
+    # launch each server in turn on a free loopback port, sweep request rates, compare:
+    python benches/serving.py --servers ferrobatch,hf --workload cpu-serve \
+        --request-rates 0.5,1,2,4,inf --num-prompts 40 --json benches/results/cpu/serving.json
+
+    # or measure a server that is already running:
+    python benches/serving.py --base-url http://127.0.0.1:8000 --request-rates 2
+
+Arrivals are a Poisson process (exponential gaps, seeded; `inf` = all at once); each request is a
+streaming `POST /v1/completions` with token-id prompts, `max_tokens` = its output length,
+`ignore_eos`, greedy, `stream_options.include_usage`. Metrics as vLLM defines them: TTFT = first
+chunk with choices; ITL = every later inter-chunk gap; TPOT = (e2e - ttft) / (tokens - 1); E2EL;
+output tokens from the usage chunk. Servers:
+  ferrobatch  `python -m ferrobatch serve` (SmolLM2 on CPU)
+  hf          benches/hf_server.py: transformers' ContinuousBatchingManager behind the same API
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+
+from common import REPO, load_1min, machine_info, write_json  # noqa: E402
+from workloads import WORKLOADS, Request, build_requests, summarize  # noqa: E402
+
+PY = sys.executable
+
+
+@dataclass
+class ReqResult:
+    ok: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    start: float = 0.0
+
+
+async def one_request(session, url: str, model: str, r: Request, timeout_s: float) -> ReqResult:
+    import aiohttp
+    body = {"model": model, "prompt": list(r.prompt_ids), "max_tokens": r.output_len,
+            "temperature": 0.0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    res = ReqResult(prompt_len=len(r.prompt_ids))
+    st = time.perf_counter()
+    res.start = st
+    last = st
+    usage_tokens = None
+    chunks = 0
+    try:
+        async with session.post(url, json=body,
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return res
+            buf = b""
+            async for raw in resp.content.iter_any():
+                buf += raw
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    for line in event.split(b"\n"):
+                        line = line.strip()
+                        if not line or line.startswith(b":"):
+                            continue
+                        if line.startswith(b"data:"):
+                            line = line[5:].strip()
+                        if line == b"[DONE]":
+                            continue
+                        data = json.loads(line)
+                        if "error" in data:
+                            res.error = str(data["error"])[:200]
+                            return res
+                        now = time.perf_counter()
+                        choices = data.get("choices")
+                        if choices:
+                            c = choices[0]
+                            if c.get("text") or c.get("finish_reason") is None:
+                                if chunks == 0:
+                                    res.ttft = now - st
+                                else:
+                                    res.itl.append(now - last)
+                                last = now
+                                chunks += 1
+                        if data.get("usage"):
+                            usage_tokens = data["usage"].get("completion_tokens")
+        res.latency = last - st
+        res.output_tokens = usage_tokens if usage_tokens is not None else chunks
+        res.ok = chunks > 0
+        if not res.ok:
+            res.error = "no token received"
+    except Exception as exc:  # noqa: BLE001 - every failure is counted, never fatal
+        res.error = f"{type(exc).__name__}: {exc}"[:200]
+    return res
+
+
+async def run_rate(url: str, model: str, reqs: list[Request], rate: float, seed: int,
+                   max_concurrency: int | None, timeout_s: float, progress: bool) -> dict:
+    import aiohttp
+    rng = np.random.default_rng(seed)
+    if np.isinf(rate):
+        gaps = np.zeros(len(reqs))
+    else:
+        gaps = rng.exponential(1.0 / rate, size=len(reqs))
+        gaps[0] = 0.0
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(reqs), desc=f"rate {rate}", unit="req", file=sys.stderr)
+    inflight = 0
+    max_inflight = 0
+
+    async def fire(session, r):
+        nonlocal inflight, max_inflight
+        async def go():
+            nonlocal inflight, max_inflight
+            inflight += 1
+            max_inflight = max(max_inflight, inflight)
+            try:
+                return await one_request(session, url, model, r, timeout_s)
+            finally:
+                inflight -= 1
+                if bar is not None:
+                    bar.update(1)
+        if sem is None:
+            return await go()
+        async with sem:
+            return await go()
+
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        tasks = []
+        t0 = time.perf_counter()
+        for r, g in zip(reqs, gaps):
+            if g > 0:
+                await asyncio.sleep(g)
+            tasks.append(asyncio.create_task(fire(session, r)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    return metrics(results, duration, rate, max_inflight)
+
+
+def _stats(xs: list[float], scale: float = 1000.0) -> dict:
+    if not xs:
+        return {"mean": None, "median": None, "p99": None, "std": None}
+    a = np.asarray(xs) * scale
+    return {"mean": float(a.mean()), "median": float(np.median(a)),
+            "p99": float(np.percentile(a, 99)), "std": float(a.std())}
+
+
+def metrics(results: list[ReqResult], duration: float, rate: float, max_inflight: int) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itls = [x for r in ok for x in r.itl]
+    errors = sorted({r.error for r in results if not r.ok})[:5]
+    return {
+        "request_rate": "inf" if np.isinf(rate) else rate,
+        "completed": len(ok), "failed": len(results) - len(ok), "errors": errors,
+        "duration_s": duration, "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "max_concurrent_requests": max_inflight,
+        "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats(tpots),
+        "itl_ms": _stats(itls), "e2el_ms": _stats([r.latency for r in ok]),
+    }
+
+
+def print_block(server: str, m: dict) -> None:
+    def f(x):
+        return "-" if x is None else f"{x:.2f}"
+    print(f"============ Serving Benchmark Result: {server} @ {m['request_rate']} req/s ============")
+    print(f"Successful requests:                     {m['completed']}")
+    print(f"Failed requests:                         {m['failed']}")
+    print(f"Benchmark duration (s):                  {m['duration_s']:.2f}")
+    print(f"Request throughput (req/s):              {m['request_throughput']:.2f}")
+    print(f"Output token throughput (tok/s):         {m['output_throughput']:.2f}")
+    print(f"Total Token throughput (tok/s):          {m['total_token_throughput']:.2f}")
+    print(f"Max concurrent requests:                 {m['max_concurrent_requests']}")
+    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"),
+                      ("e2el_ms", "E2EL")):
+        s = m[key]
+        print(f"Mean / Median / P99 {name} (ms):".ljust(41)
+              + f"{f(s['mean'])} / {f(s['median'])} / {f(s['p99'])}")
+    if m["errors"]:
+        print(f"Errors: {m['errors']}")
+
+
+# -- launching servers -------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(kind: str, port: int, args) -> list[str]:
+    if kind == "ferrobatch":
+        return [PY, "-m", "ferrobatch", "serve", "--model", args.model, "--host", "127.0.0.1",
+                "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
+                *args.ferrobatch_args.split()]
+    if kind == "hf":
+        cmd = [PY, str(REPO / "benches" / "hf_server.py"), "--model", args.model,
+               "--port", str(port), "--max-num-seqs", str(args.max_num_seqs)]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        return cmd
+    raise SystemExit(f"unknown server {kind!r} (ferrobatch | hf)")
+
+
+async def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    import aiohttp
+    t0 = time.perf_counter()
+    async with aiohttp.ClientSession() as s:
+        while time.perf_counter() - t0 < timeout_s:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}")
+            try:
+                async with s.get(base + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status == 200:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            await asyncio.sleep(0.5)
+    raise TimeoutError(f"server at {base} not ready after {timeout_s} s")
+
+
+async def model_name(base: str, fallback: str) -> str:
+    import aiohttp
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(base + "/v1/models") as r:
+                data = await r.json()
+                return data["data"][0]["id"]
+    except Exception:  # noqa: BLE001
+        return fallback
+
+
+async def bench_server(name: str, base: str, reqs: list[Request], rates: list[float], args) -> list:
+    url = base + args.endpoint
+    model = await model_name(base, args.model)
+    # Warm-up (not measured): two short requests.
+    warm = [Request(r.prompt_ids[:16], 4) for r in reqs[:2]]
+    await run_rate(url, model, warm, float("inf"), 0, None, args.timeout, False)
+    out = []
+    for rate in rates:
+        load = load_1min()
+        m = await run_rate(url, model, reqs, rate, args.seed, args.max_concurrency, args.timeout,
+                           not args.no_progress)
+        m.update(server=name, loadavg_1m_before=load, loadavg_1m_after=load_1min())
+        print_block(name, m)
+        out.append(m)
+    return out
+
+
+def plot(results: list[dict], path: str) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    servers = sorted({m["server"] for m in results})
+    for s in servers:
+        ms = [m for m in results if m["server"] == s and m["request_rate"] != "inf"]
+        if not ms:
+            continue
+        x = [m["request_rate"] for m in ms]
+        axes[0].plot(x, [m["ttft_ms"]["p99"] for m in ms], "o-", label=f"{s} p99")
+        axes[0].plot(x, [m["ttft_ms"]["median"] for m in ms], "x--", label=f"{s} median")
+        axes[1].plot(x, [m["tpot_ms"]["p99"] for m in ms], "o-", label=f"{s} p99")
+        axes[1].plot(x, [m["tpot_ms"]["median"] for m in ms], "x--", label=f"{s} median")
+        axes[2].plot(x, [m["output_throughput"] for m in ms], "o-", label=s)
+    axes[0].axhline(1000, color="grey", linestyle=":", linewidth=0.8)
+    axes[0].set_yscale("log")
+    for ax, title, unit in zip(axes, ("TTFT", "TPOT", "output throughput"),
+                               ("ms", "ms", "tok/s")):
+        ax.set_xlabel("request rate (req/s, Poisson)")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+async def amain(args) -> int:
+    w = WORKLOADS[args.workload]
+    reqs = build_requests(w)
+    n = args.num_prompts or len(reqs)
+    reqs = [reqs[i % len(reqs)] for i in range(n)]
+    rates = [float(x) for x in args.request_rates.split(",")]
+    info = machine_info()
+    print(f"workload {w.name}: {n} requests ({summarize(reqs)['output_tokens']} output tokens); "
+          f"rates {rates}; load(1m) {info['loadavg_1m_at_start']}", flush=True)
+    results: list[dict] = []
+    if args.base_url:
+        results += await bench_server(args.base_url, args.base_url.rstrip("/"), reqs, rates, args)
+    for kind in [s for s in (args.servers or "").split(",") if s]:
+        port = free_port()
+        cmd = server_command(kind, port, args)
+        env = dict(os.environ, PYTHONPATH=str(REPO / "python"), HF_HUB_OFFLINE="1")
+        if args.threads:
+            env["OMP_NUM_THREADS"] = str(args.threads)
+        print(f"launching {kind}: {' '.join(cmd)}", flush=True)
+        log = open(Path(args.log_dir) / f"server_{kind}.log", "w") if args.log_dir else \
+            subprocess.DEVNULL
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            await wait_ready(base, proc, args.startup_timeout)
+            results += await bench_server(kind, base, reqs, rates, args)
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    out = {"workload": {"name": w.name, "model": args.model, "num_prompts": n,
+                        **summarize(reqs)},
+           "machine": {**info, "loadavg_1m_at_end": load_1min()},
+           "max_num_seqs": args.max_num_seqs,
+           "command": "python " + " ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
+           "results": results}
+    if args.json:
+        p = args.plot or str(Path(args.json).with_suffix("")) + "_latency.png"
+        made = plot(results, p)
+        if made:
+            out["plot"] = os.path.relpath(made, REPO)
+        write_json(args.json, out)
+        print(f"json: {args.json}")
+    return 0 if all(m["failed"] == 0 for m in results) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-url", help="an already running server (loopback)")
+    ap.add_argument("--servers", help="launch these in turn: ferrobatch,hf")
+    ap.add_argument("--endpoint", default="/v1/completions")
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--workload", default="cpu-serve", choices=sorted(WORKLOADS))
+    ap.add_argument("--num-prompts", type=int)
+    ap.add_argument("--request-rates", default="1,2,inf")
+    ap.add_argument("--max-concurrency", type=int)
+    ap.add_argument("--max-num-seqs", type=int, default=16, help="server concurrency cap (both)")
+    ap.add_argument("--ferrobatch-args", default="", help="extra `ferrobatch serve` flags")
+    ap.add_argument("--threads", type=int, help="torch threads of the launched servers")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--json")
+    ap.add_argument("--plot")
+    ap.add_argument("--log-dir")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    if not args.base_url and not args.servers:
+        ap.error("give --base-url or --servers")
+    if args.base_url and not args.base_url.startswith(("http://127.0.0.1", "http://localhost")):
+        ap.error("loopback only")
+    return asyncio.run(amain(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""Offline throughput: the same seeded requests through several systems, one after another.
+
+    python benches/throughput.py --workload cpu-small \
+        --systems ferrobatch,ferrobatch-static,hf-static,hf-continuous \
+        --json benches/results/cpu/throughput_cpu-small.json
+
+Systems (append `@N` to override the batch size / concurrency cap, e.g. `hf-static@16`):
+  ferrobatch         the engine as shipped (all requests submitted at once, continuous batching)
+  ferrobatch-static  the same engine fed max_num_seqs requests at a time, next group only when the
+                     whole group is done (the ablation of iteration-level refill)
+  hf-static          transformers `generate` on fixed left-padded batches (arrival order)
+  hf-continuous      transformers' ContinuousBatchingManager (per-request max_new_tokens)
+
+EOS is ignored everywhere; each request produces exactly its requested tokens, and only those
+count as output (static batching's extra tokens are reported as `wasted_tokens`). Model loading
+and a short warm-up are excluded from the timings. See README "Results" for measured numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (REPO, format_table, load_1min, machine_info, ratio_table,  # noqa: E402
+                    write_json)
+from workloads import WORKLOADS, Request, Workload, build_requests, summarize  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SYSTEMS = ("ferrobatch", "ferrobatch-static", "hf-static", "hf-continuous")
+DEFAULT_MAX_BATCHED_TOKENS = 512
+
+
+def parse_systems(spec: str) -> list[tuple[str, str, int | None]]:
+    out = []
+    for item in [s.strip() for s in spec.split(",") if s.strip()]:
+        base, _, n = item.partition("@")
+        if base not in SYSTEMS:
+            raise SystemExit(f"unknown system {base!r}; known: {', '.join(SYSTEMS)}")
+        out.append((item, base, int(n) if n else None))
+    return out
+
+
+def warmup_requests(reqs: list[Request]) -> list[Request]:
+    return [Request(r.prompt_ids[:32], min(r.output_len, 4)) for r in reqs[:2]]
+
+
+class Progress:
+    def __init__(self, total: int, desc: str, enabled: bool) -> None:
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=True,
+                            dynamic_ncols=True)
+
+    def __call__(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Systems:
+    """Loads each family's model once and frees it when no later system needs it."""
+
+    def __init__(self, w: Workload, args) -> None:
+        self.w, self.args = w, args
+        self.fb = {}          # cap -> FerrobatchRunner
+        self.hf_model = None
+        self.setup_s: dict[str, float] = {}
+
+    def ferrobatch(self, cap: int):
+        if cap not in self.fb:
+            from fb_systems import FerrobatchRunner
+            extra = {"max_num_batched_tokens": self.args.max_num_batched_tokens}
+            self.fb[cap] = FerrobatchRunner(self.w, cap, **extra)
+            self.setup_s[f"ferrobatch@{cap}"] = self.fb[cap].load_s
+        return self.fb[cap]
+
+    def hf(self):
+        if self.hf_model is None:
+            from hf_baselines import build_hf_model
+            t0 = time.perf_counter()
+            self.hf_model = build_hf_model(self.w, self.args.device or self.w.device)
+            self.setup_s["hf"] = time.perf_counter() - t0
+        return self.hf_model
+
+    def release_unneeded(self, remaining: list[tuple[str, str, int | None]]) -> None:
+        caps = {self.cap_of(base, n) for _, base, n in remaining if base.startswith("ferrobatch")}
+        for cap in list(self.fb):
+            if cap not in caps:
+                self.fb.pop(cap).close()
+        if self.hf_model is not None and not any(b.startswith("hf") for _, b, _ in remaining):
+            self.hf_model = None
+        gc.collect()
+
+    def cap_of(self, base: str, n: int | None) -> int:
+        if n is not None:
+            return n
+        if base == "hf-static":
+            return self.args.hf_static_batch_size or self.w.hf_static_batch_size
+        return self.args.max_num_seqs or self.w.max_num_seqs
+
+    def run(self, base: str, n: int | None, reqs: list[Request], progress) -> dict:
+        cap = self.cap_of(base, n)
+        if base in ("ferrobatch", "ferrobatch-static"):
+            return self.ferrobatch(cap).run(reqs, static=(base == "ferrobatch-static"),
+                                            progress=progress)
+        if base == "hf-static":
+            from hf_baselines import run_hf_static
+            return run_hf_static(self.hf(), reqs, cap, progress=progress)
+        from hf_baselines import hf_cb_config, run_hf_continuous
+        model = self.hf()
+        cfg = hf_cb_config(_with_cap(self.w, cap), reqs, self.args.max_num_batched_tokens)
+        return run_hf_continuous(model, reqs, cfg, progress=progress)
+
+
+def _with_cap(w: Workload, cap: int) -> Workload:
+    import dataclasses
+    return dataclasses.replace(w, max_num_seqs=cap)
+
+
+def summarize_run(name: str, base: str, cap: int, res: dict, reqs: list[Request],
+                  load_before: float | None) -> dict:
+    el = res["elapsed_s"]
+    prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
+    occ = res.get("occupancy") or []
+    row = {
+        "system": name, "batch_cap": cap,
+        "elapsed_s": el,
+        "output_tokens_per_s": res["output_tokens"] / el,
+        "requests_per_s": len(reqs) / el,
+        "total_tokens_per_s": (res["output_tokens"] + prompt_tokens) / el,
+        "num_requests": len(reqs), "prompt_tokens": prompt_tokens,
+        "output_tokens": res["output_tokens"],
+        "generated_tokens": res.get("generated_tokens"),
+        "wasted_tokens": res.get("wasted_tokens"),
+        "num_steps": res.get("num_steps"),
+        "mean_occupancy": (sum(occ) / len(occ)) if occ else None,
+        "loadavg_1m_before": load_before, "loadavg_1m_after": load_1min(),
+        "params": res.get("params", {}),
+    }
+    if occ:
+        row["occupancy_per_step"] = occ
+    if res.get("running"):
+        row["running_per_step"] = res["running"]
+    if res.get("batch_rows"):
+        row["rows_per_step"] = res["batch_rows"]
+    return row
+
+
+def plot_occupancy(rows: list[dict], w: Workload, path: str) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no occupancy plot (pip install matplotlib)",
+              file=sys.stderr)
+        return None
+    series = [r for r in rows if r.get("occupancy_per_step")]
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    for r in series:
+        occ = r["occupancy_per_step"]
+        label = f"{r['system']} ({r['output_tokens_per_s']:.0f} tok/s, {len(occ)} steps)"
+        ax.step(range(len(occ)), occ, where="post", label=label, linewidth=1.0)
+    cap = max(r["batch_cap"] for r in series)
+    ax.axhline(cap, color="grey", linestyle=":", linewidth=0.8)
+    ax.set_xlabel("decode step")
+    ax.set_ylabel("sequences producing a token")
+    ax.set_title(f"Batch occupancy per step — {w.name} ({w.model}, cap {cap})")
+    ax.set_ylim(0, cap * 1.1)
+    ax.legend(loc="upper right", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="cpu-small", choices=sorted(WORKLOADS))
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--plot", help="batch-occupancy PNG (default: next to --json)")
+    ap.add_argument("--num-requests", type=int, help="run only the first N requests (dev runs)")
+    ap.add_argument("--max-num-seqs", type=int, help="override the workload's concurrency cap")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_BATCHED_TOKENS,
+                    help="per-step token budget (ferrobatch and hf-continuous)")
+    ap.add_argument("--hf-static-batch-size", type=int, help="override the workload's hf-static batch")
+    ap.add_argument("--device", help="override the workload's device for the HF baselines")
+    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    w = WORKLOADS[args.workload]
+    reqs = build_requests(w)
+    if args.num_requests:
+        reqs = reqs[:args.num_requests]
+    systems = parse_systems(args.systems)
+    info = machine_info()
+    summary = summarize(reqs)
+    print(f"workload {w.name}: {w.description}\n  model {w.model} ({w.dtype}, {w.device}); "
+          f"{summary['num_requests']} requests, {summary['prompt_tokens']} prompt tokens, "
+          f"{summary['output_tokens']} output tokens, digest {summary['digest']}\n"
+          f"  machine: {info.get('cpu_model')} x{info.get('cpu_count')}, torch "
+          f"{info.get('torch')} ({info.get('torch_threads')} threads), load(1m) "
+          f"{info.get('loadavg_1m_at_start')}", flush=True)
+
+    sysm = Systems(w, args)
+    rows = []
+    for i, (name, base, n) in enumerate(systems):
+        cap = sysm.cap_of(base, n)
+        if not args.no_warmup:
+            sysm.run(base, n, warmup_requests(reqs), None)
+        load_before = load_1min()
+        bar = Progress(len(reqs), name, not args.no_progress)
+        try:
+            res = sysm.run(base, n, reqs, bar)
+        finally:
+            bar.close()
+        row = summarize_run(name, base, cap, res, reqs, load_before)
+        rows.append(row)
+        print(f"  {name}: {row['output_tokens_per_s']:.1f} output tok/s, "
+              f"{row['requests_per_s']:.3f} req/s, {row['elapsed_s']:.1f} s", flush=True)
+        sysm.release_unneeded(systems[i + 1:])
+
+    cols = [("system", "system", ""), ("batch_cap", "cap", "d"),
+            ("requests_per_s", "req/s", ".3f"), ("output_tokens_per_s", "out tok/s", ".1f"),
+            ("total_tokens_per_s", "total tok/s", ".1f"), ("elapsed_s", "time s", ".1f"),
+            ("num_steps", "steps", "d"), ("mean_occupancy", "mean occ", ".1f"),
+            ("wasted_tokens", "wasted tok", "d"), ("loadavg_1m_before", "load1m", ".2f")]
+    print()
+    print(format_table(rows, cols))
+    print()
+    print(ratio_table(rows))
+
+    out = {"workload": {"name": w.name, "description": w.description, "model": w.model,
+                        "dtype": w.dtype, "device": w.device, "seed": w.seed,
+                        "max_num_seqs": args.max_num_seqs or w.max_num_seqs,
+                        "max_num_batched_tokens": args.max_num_batched_tokens,
+                        "hf_static_batch_size": args.hf_static_batch_size or w.hf_static_batch_size,
+                        **summary},
+           "machine": {**info, "loadavg_1m_at_end": load_1min()},
+           "setup_s": sysm.setup_s,
+           "command": "python " + " ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
+           "results": rows}
+    plot = args.plot
+    if plot is None and args.json:
+        plot = str(Path(args.json).with_suffix("")) + "_occupancy.png"
+    if plot:
+        made = plot_occupancy(rows, w, plot)
+        if made:
+            out["plot"] = os.path.relpath(made, REPO)
+            print(f"\nplot: {made}")
+    if args.json:
+        write_json(args.json, out)
+        print(f"json: {args.json}")
+    sysm.release_unneeded([])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
