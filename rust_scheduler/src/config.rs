@@ -1,0 +1,127 @@
+//! Scheduler configuration, validated once at construction.
+//!
+//! Invariants of a validated [`SchedulerConfig`]:
+//! - `num_blocks >= 2` (block 0 is the reserved null block, at least one usable block);
+//! - every size, budget and capacity is `>= 1`; `num_blocks * block_size` fits in `i32`
+//!   (slot ids are int32 in the step arrays);
+//! - every EOS id lies in `[0, vocab_size)`.
+
+use crate::error::SchedError;
+
+/// Order in which waiting requests are admitted and running ones are preempted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// First come, first served; the newest running sequence is preempted first.
+    Fcfs,
+    /// Lower `priority` value first (ties by arrival); the lowest-priority (highest value),
+    /// newest running sequence is preempted first.
+    Priority,
+}
+
+impl Policy {
+    /// Parses `"fcfs"` or `"priority"`.
+    pub fn parse(s: &str) -> Result<Self, SchedError> {
+        match s {
+            "fcfs" => Ok(Policy::Fcfs),
+            "priority" => Ok(Policy::Priority),
+            other => Err(SchedError::InvalidConfig(format!(
+                "policy must be \"fcfs\" or \"priority\", got {other:?}"
+            ))),
+        }
+    }
+}
+
+/// Static configuration of a [`crate::scheduler::Scheduler`].
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Total KV blocks, including the reserved null block 0.
+    pub num_blocks: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Most sequences in one step.
+    pub max_num_seqs: usize,
+    /// Most tokens computed in one step (the token budget).
+    pub max_num_batched_tokens: usize,
+    /// Longest sequence (prompt + output) a request may reach.
+    pub max_model_len: usize,
+    /// Token ids must lie in `[0, vocab_size)`.
+    pub vocab_size: usize,
+    /// Ids that finish a sequence (unless `ignore_eos`).
+    pub eos_token_ids: Vec<i32>,
+    /// Reuse computed full blocks across requests.
+    pub enable_prefix_caching: bool,
+    /// Admission / preemption order.
+    pub policy: Policy,
+    /// A sequence preempted more than this many times fails with an error.
+    pub max_preemptions: u32,
+    /// Capacity of the bounded intake queue (submits + aborts).
+    pub intake_capacity: usize,
+    /// Cap on prompt tokens one sequence computes per step (0 = only the step budget caps it).
+    pub long_prefill_token_threshold: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            num_blocks: 1024,
+            block_size: 16,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            max_model_len: 8192,
+            vocab_size: 32000,
+            eos_token_ids: Vec::new(),
+            enable_prefix_caching: true,
+            policy: Policy::Fcfs,
+            max_preemptions: 8,
+            intake_capacity: 4096,
+            long_prefill_token_threshold: 0,
+        }
+    }
+}
+
+impl SchedulerConfig {
+    /// Checks every field; returns a message naming the first bad one.
+    pub fn validate(&self) -> Result<(), SchedError> {
+        let bad = |m: String| Err(SchedError::InvalidConfig(m));
+        if self.num_blocks < 2 {
+            return bad(format!("num_blocks must be >= 2 (block 0 is reserved), got {}", self.num_blocks));
+        }
+        for (name, v) in [
+            ("block_size", self.block_size),
+            ("max_num_seqs", self.max_num_seqs),
+            ("max_num_batched_tokens", self.max_num_batched_tokens),
+            ("max_model_len", self.max_model_len),
+            ("vocab_size", self.vocab_size),
+            ("intake_capacity", self.intake_capacity),
+        ] {
+            if v == 0 {
+                return bad(format!("{name} must be >= 1"));
+            }
+        }
+        let slots = self.num_blocks.checked_mul(self.block_size);
+        if slots.is_none_or(|s| s > i32::MAX as usize) {
+            return bad("num_blocks * block_size must fit in int32".to_string());
+        }
+        if self.max_model_len > i32::MAX as usize || self.vocab_size > i32::MAX as usize {
+            return bad("max_model_len and vocab_size must fit in int32".to_string());
+        }
+        for &e in &self.eos_token_ids {
+            if e < 0 || e as usize >= self.vocab_size {
+                return bad(format!("eos token id {e} is outside [0, {})", self.vocab_size));
+            }
+        }
+        Ok(())
+    }
+
+    /// Blocks needed to hold `num_tokens` tokens.
+    #[inline]
+    pub fn blocks_for(&self, num_tokens: usize) -> usize {
+        num_tokens.div_ceil(self.block_size)
+    }
+
+    /// Usable blocks (all but the null block).
+    #[inline]
+    pub fn usable_blocks(&self) -> usize {
+        self.num_blocks - 1
+    }
+}

@@ -1,0 +1,27 @@
+//! ferrobatch's Rust core: lock-free intake, paged KV block pool with prefix caching, and the
+//! continuous-batching scheduler that emits each step as flat arrays.
+//!
+//! Layering: `config`/`request` (data) -> `queue`/`intake` (any thread) -> `block_pool`/
+//! `prefix_cache` (KV memory) -> `scheduler` (+ `integrity`) -> `batch` (step arrays) -> `py`
+//! (the only pyo3 file, behind the `python` feature).
+
+pub mod batch;
+pub mod block_pool;
+pub mod config;
+pub mod error;
+pub mod intake;
+mod integrity;
+pub mod prefix_cache;
+pub mod queue;
+pub mod request;
+pub mod scheduler;
+
+#[cfg(feature = "python")]
+mod py;
+
+pub use batch::{StepBatch, StepOutput};
+pub use config::{Policy, SchedulerConfig};
+pub use error::{IntegrityError, SchedError};
+pub use intake::Intake;
+pub use request::{FinishReason, NewRequest, SamplingParams};
+pub use scheduler::{Scheduler, Stats};

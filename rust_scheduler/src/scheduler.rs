@@ -1,0 +1,670 @@
+//! The continuous-batching scheduler: `schedule()` builds one step, `update()` applies its
+//! sampled tokens.
+//!
+//! Each sequence carries `num_computed_tokens` toward `num_tokens`; that one counter covers
+//! chunked prefill, prefix-cache hits and recompute after preemption. `schedule()` drains the
+//! intake, then spends the token budget on running sequences first (1 token, or the next prompt
+//! chunk), preempting by recompute when blocks run out (largest (priority, arrival) key first),
+//! then admits waiting sequences in key order. `update()` advances the scheduled sequences,
+//! caches their newly full blocks, forks `n > 1` children, appends tokens, applies stop rules
+//! and frees finished sequences at once. Terminal events from `schedule()` (aborts, preemption
+//! cap failures) are reported by the following `update()`.
+//!
+//! Invariants (checked by [`Scheduler::check_integrity`], see `integrity.rs`):
+//! - every live sequence is in exactly one of `waiting` / `running`, and in its request group;
+//! - a waiting sequence holds no blocks; between steps a running one holds exactly
+//!   `ceil(num_computed / block_size)` blocks and has `num_computed < num_tokens`;
+//! - each block's ref count equals the number of block tables holding it;
+//! - every submitted sequence gets exactly one terminal event.
+
+use crate::batch::{StepBatch, StepOutput};
+use crate::block_pool::BlockPool;
+use crate::config::{Policy, SchedulerConfig};
+use crate::error::SchedError;
+use crate::intake::{Command, Intake};
+use crate::prefix_cache::{extend_hashes, salt_digest};
+use crate::request::{FinishReason, NewRequest, RequestGroup, RequestShared, SeqStatus, Sequence};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+
+/// Waiting-set key: (priority, arrival, seq_index, handle); lower goes first.
+pub(crate) type Key = (i64, u64, u32, u32);
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Scheduled {
+    pub handle: u32,
+    pub num_new: usize,
+}
+
+/// Counters reported by [`Scheduler::stats`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Stats {
+    /// Waiting sequences.
+    pub num_waiting: usize,
+    /// Running sequences.
+    pub num_running: usize,
+    /// Free blocks without a cached hash.
+    pub num_free_blocks: usize,
+    /// Free blocks holding a reusable cached block.
+    pub num_cached_blocks: usize,
+    /// Blocks with ref count > 0.
+    pub num_used_blocks: usize,
+    /// Total blocks (including the null block).
+    pub num_blocks: usize,
+    /// used / (num_blocks - 1).
+    pub kv_cache_usage: f64,
+    /// Preemptions since start.
+    pub num_preemptions_total: u64,
+    /// Prompt tokens looked up in the prefix cache.
+    pub prefix_cache_queries_total: u64,
+    /// Prompt tokens found in the prefix cache.
+    pub prefix_cache_hits_total: u64,
+    /// Prompt (and recomputed) tokens computed.
+    pub num_prompt_tokens_total: u64,
+    /// Tokens sampled.
+    pub num_generation_tokens_total: u64,
+    /// Intake commands not yet drained.
+    pub intake_queue_len: usize,
+}
+
+/// The step-side scheduler (owns all request and block state).
+pub struct Scheduler {
+    pub(crate) cfg: Arc<SchedulerConfig>,
+    pub(crate) intake: Intake,
+    pub(crate) pool: BlockPool,
+    pub(crate) seqs: Vec<Option<Sequence>>,
+    free_handles: Vec<u32>,
+    dead_handles: Vec<u32>,
+    pub(crate) groups: HashMap<u64, RequestGroup>,
+    pub(crate) waiting: BTreeSet<Key>,
+    pub(crate) running: Vec<u32>,
+    next_arrival: u64,
+    pub(crate) scheduled: Vec<Scheduled>,
+    batch: StepBatch,
+    output: StepOutput,
+    pending: StepOutput,
+    pub(crate) awaiting_update: bool,
+    retired: Vec<u64>,
+    hits_scratch: Vec<u32>,
+    num_preemptions_total: u64,
+    num_prompt_tokens_total: u64,
+    num_generation_tokens_total: u64,
+}
+
+impl Scheduler {
+    /// A scheduler for a validated configuration.
+    pub fn new(cfg: SchedulerConfig) -> Result<Self, SchedError> {
+        cfg.validate()?;
+        let cfg = Arc::new(cfg);
+        Ok(Scheduler {
+            intake: Intake::new(cfg.clone()),
+            pool: BlockPool::new(cfg.num_blocks, cfg.enable_prefix_caching),
+            seqs: Vec::new(),
+            free_handles: Vec::new(),
+            dead_handles: Vec::new(),
+            groups: HashMap::new(),
+            waiting: BTreeSet::new(),
+            running: Vec::with_capacity(cfg.max_num_seqs),
+            next_arrival: 0,
+            scheduled: Vec::with_capacity(cfg.max_num_seqs),
+            batch: StepBatch::default(),
+            output: StepOutput::default(),
+            pending: StepOutput::default(),
+            awaiting_update: false,
+            retired: Vec::new(),
+            hits_scratch: Vec::new(),
+            num_preemptions_total: 0,
+            num_prompt_tokens_total: 0,
+            num_generation_tokens_total: 0,
+            cfg,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    /// A handle for submitting / aborting from any thread.
+    pub fn intake(&self) -> Intake {
+        self.intake.clone()
+    }
+
+    /// Shortcut for `intake().submit(req)`.
+    pub fn submit(&self, req: NewRequest) -> Result<(), SchedError> {
+        self.intake.submit(req)
+    }
+
+    /// True while sequences are waiting or running, or commands are queued.
+    pub fn has_unfinished(&self) -> bool {
+        !self.groups.is_empty() || self.intake.queue_len() > 0
+    }
+
+    /// The batch built by the last `schedule()`.
+    pub fn batch(&self) -> &StepBatch {
+        &self.batch
+    }
+
+    /// The events of the last `update()`.
+    pub fn output(&self) -> &StepOutput {
+        &self.output
+    }
+
+    /// Current counters.
+    pub fn stats(&self) -> Stats {
+        let used = self.pool.num_used();
+        Stats {
+            num_waiting: self.waiting.len(),
+            num_running: self.running.len(),
+            num_free_blocks: self.pool.num_free() - self.pool.num_cached_free(),
+            num_cached_blocks: self.pool.num_cached_free(),
+            num_used_blocks: used,
+            num_blocks: self.cfg.num_blocks,
+            kv_cache_usage: used as f64 / self.cfg.usable_blocks() as f64,
+            num_preemptions_total: self.num_preemptions_total,
+            prefix_cache_queries_total: self.pool.cache.queries_total,
+            prefix_cache_hits_total: self.pool.cache.hits_total,
+            num_prompt_tokens_total: self.num_prompt_tokens_total,
+            num_generation_tokens_total: self.num_generation_tokens_total,
+            intake_queue_len: self.intake.queue_len(),
+        }
+    }
+
+    #[inline]
+    pub(crate) fn seq(&self, h: u32) -> &Sequence {
+        self.seqs[h as usize].as_ref().expect("live handle")
+    }
+
+    #[inline]
+    fn seq_mut(&mut self, h: u32) -> &mut Sequence {
+        self.seqs[h as usize].as_mut().expect("live handle")
+    }
+
+    fn new_handle(&mut self, s: Sequence) -> u32 {
+        match self.free_handles.pop() {
+            Some(h) => {
+                self.seqs[h as usize] = Some(s);
+                h
+            }
+            None => {
+                self.seqs.push(Some(s));
+                (self.seqs.len() - 1) as u32
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- intake
+
+    fn drain_intake(&mut self) {
+        let mut cmds = Vec::new();
+        self.intake.drain(|c| cmds.push(c));
+        for c in cmds {
+            match c {
+                Command::Submit(r) => self.add_request(*r),
+                Command::Abort { request_id, seq_index, reason } => self.abort(request_id, seq_index, reason),
+            }
+        }
+        self.running.retain(|&h| self.seqs[h as usize].is_some());
+    }
+
+    fn add_request(&mut self, r: NewRequest) {
+        debug_assert!(!self.groups.contains_key(&r.request_id));
+        let arrival = self.next_arrival;
+        self.next_arrival += 1;
+        let shared = Arc::new(RequestShared {
+            request_id: r.request_id,
+            prompt_len: r.prompt.len(),
+            max_tokens: r.max_tokens,
+            min_tokens: r.min_tokens,
+            ignore_eos: r.ignore_eos,
+            stop_token_ids: r.stop_token_ids,
+            priority: if self.cfg.policy == Policy::Priority { r.priority } else { 0 },
+            arrival,
+            salt: salt_digest(r.cache_salt.as_deref()),
+            sampling: r.sampling,
+        });
+        let seq = Sequence {
+            req: shared,
+            seq_index: 0,
+            tokens: r.prompt,
+            num_computed_tokens: 0,
+            blocks: Vec::new(),
+            block_hashes: Vec::new(),
+            num_preemptions: 0,
+            status: SeqStatus::Waiting,
+            unforked: (1..r.n as u32).collect(),
+            num_registered: 0,
+        };
+        let h = self.new_handle(seq);
+        self.waiting.insert(self.seq(h).key(h));
+        self.groups.insert(r.request_id, RequestGroup { seqs: vec![h] });
+    }
+
+    /// Applies an abort now (unknown ids / finished sequences are ignored). Running sequences
+    /// are left in `running` as dead handles; callers prune `running`.
+    fn abort(&mut self, request_id: u64, seq_index: Option<u32>, reason: FinishReason) {
+        let Some(group) = self.groups.get(&request_id) else { return };
+        let handles = group.seqs.clone();
+        for h in handles {
+            match seq_index {
+                None => self.terminate(h, reason, None),
+                Some(k) => {
+                    let s = self.seq_mut(h);
+                    if s.seq_index == k {
+                        if s.unforked.is_empty() {
+                            self.terminate(h, reason, None);
+                        } else {
+                            // The carrier takes over the next unforked index.
+                            let old_key = s.key(h);
+                            let next = s.unforked.remove(0);
+                            s.seq_index = next;
+                            let new_key = s.key(h);
+                            if s.status == SeqStatus::Waiting {
+                                self.waiting.remove(&old_key);
+                                self.waiting.insert(new_key);
+                            }
+                            self.pending.push(request_id, k, -1, reason);
+                        }
+                    } else if let Some(pos) = s.unforked.iter().position(|&u| u == k) {
+                        s.unforked.remove(pos);
+                        self.pending.push(request_id, k, -1, reason);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reports a terminal event (into the pending events) for the sequence and, if it is a
+    /// carrier, for its unforked indices; then releases it.
+    fn terminate(&mut self, h: u32, reason: FinishReason, error: Option<String>) {
+        let s = self.seqs[h as usize].as_ref().expect("live handle");
+        let rid = s.req.request_id;
+        self.pending.push(rid, s.seq_index, -1, reason);
+        for &k in &s.unforked {
+            self.pending.push(rid, k, -1, reason);
+        }
+        if let Some(msg) = error {
+            self.pending.error_messages.push((rid, msg));
+        }
+        self.release(h);
+    }
+
+    /// Frees a sequence's blocks and handle slot (the one release path; not idempotent by
+    /// design: callers hold live handles only).
+    fn release(&mut self, h: u32) {
+        let s = self.seqs[h as usize].take().expect("release of a live handle");
+        if s.status == SeqStatus::Waiting {
+            let removed = self.waiting.remove(&s.key(h));
+            debug_assert!(removed);
+        }
+        for &b in s.blocks.iter().rev() {
+            self.pool.decref(b);
+        }
+        self.dead_handles.push(h);
+        let rid = s.req.request_id;
+        if let Some(g) = self.groups.get_mut(&rid) {
+            g.seqs.retain(|&x| x != h);
+            if g.seqs.is_empty() {
+                self.groups.remove(&rid);
+                self.retired.push(rid);
+            }
+        }
+    }
+
+    fn end_of_phase(&mut self) {
+        self.free_handles.append(&mut self.dead_handles);
+        self.intake.retire(&mut self.retired);
+    }
+
+    // ---------------------------------------------------------------- schedule
+
+    /// Frees a running sequence's blocks and sends it back to waiting (or fails it past the
+    /// preemption cap). The caller removes it from `running`.
+    fn preempt(&mut self, h: u32) {
+        self.num_preemptions_total += 1;
+        let max = self.cfg.max_preemptions;
+        let s = self.seq_mut(h);
+        s.num_preemptions += 1;
+        if s.num_preemptions > max {
+            let msg = format!(
+                "request {} sequence {} was preempted {} times (limit {}): the KV cache is too small for the load",
+                s.req.request_id, s.seq_index, s.num_preemptions, max
+            );
+            self.terminate(h, FinishReason::Error, Some(msg));
+            return;
+        }
+        let blocks = std::mem::take(&mut s.blocks);
+        s.num_computed_tokens = 0;
+        s.num_registered = 0;
+        s.status = SeqStatus::Waiting;
+        let key = s.key(h);
+        for &b in blocks.iter().rev() {
+            self.pool.decref(b);
+        }
+        self.waiting.insert(key);
+    }
+
+    /// Allocates what sequence `h` needs to compute `num_new` more tokens (including a
+    /// copy-on-write of a shared partial block); false (and no change) if the pool is short.
+    fn try_allocate(&mut self, h: u32, num_new: usize) -> bool {
+        let bs = self.cfg.block_size;
+        let s = self.seqs[h as usize].as_mut().expect("live handle");
+        let start = s.num_computed_tokens;
+        let new_blocks = (start + num_new).div_ceil(bs).saturating_sub(s.blocks.len());
+        let cow = start % bs != 0 && self.pool.refcount(s.blocks[start / bs]) > 1;
+        if self.pool.num_free() < new_blocks + cow as usize {
+            return false;
+        }
+        if cow {
+            let src = s.blocks[start / bs];
+            let dst = self.pool.alloc().expect("checked free count");
+            s.blocks[start / bs] = dst;
+            self.pool.decref(src);
+            self.batch.block_copies.extend_from_slice(&[src as i32, dst as i32]);
+        }
+        for _ in 0..new_blocks {
+            let b = self.pool.alloc().expect("checked free count");
+            s.blocks.push(b);
+        }
+        true
+    }
+
+    fn chunk(&self, remaining: usize, budget: usize) -> usize {
+        let mut n = remaining.min(budget);
+        if self.cfg.long_prefill_token_threshold > 0 {
+            n = n.min(self.cfg.long_prefill_token_threshold);
+        }
+        n
+    }
+
+    /// Drains the intake and builds the next step's batch. Errors if the previous step's
+    /// `update()` has not been called.
+    pub fn schedule(&mut self) -> Result<&StepBatch, SchedError> {
+        if self.awaiting_update {
+            return Err(SchedError::Protocol(
+                "schedule() called twice: update() must be called after every schedule()".into(),
+            ));
+        }
+        self.drain_intake();
+        self.batch.clear();
+        self.scheduled.clear();
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut preempted = false;
+        if self.cfg.policy == Policy::Priority {
+            let seqs = &self.seqs;
+            self.running.sort_unstable_by_key(|&h| seqs[h as usize].as_ref().map(|s| s.key(h)));
+        }
+
+        // Running sequences first.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let h = self.running[i];
+            let s = self.seq(h);
+            let num_new = self.chunk(s.num_tokens() - s.num_computed_tokens, budget);
+            debug_assert!(num_new >= 1);
+            let mut ok = false;
+            loop {
+                if self.try_allocate(h, num_new) {
+                    ok = true;
+                    break;
+                }
+                // Victim: the largest key among the not-yet-scheduled running sequences.
+                let (vi, _) = self.running[i..]
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &v)| (i + j, self.seq(v).key(v)))
+                    .max_by_key(|&(_, k)| k)
+                    .expect("current sequence is a candidate");
+                let victim = self.running.remove(vi);
+                self.preempt(victim);
+                preempted = true;
+                if vi == i {
+                    break;
+                }
+            }
+            if ok {
+                self.scheduled.push(Scheduled { handle: h, num_new });
+                budget -= num_new;
+                i += 1;
+            }
+        }
+
+        // Then waiting ones, in key order (none after a preemption this step). Slots count the
+        // children that running carriers will fork.
+        let mut slots: usize = if preempted {
+            0
+        } else {
+            self.running.iter().map(|&h| 1 + self.seq(h).unforked.len()).sum()
+        };
+        while !preempted && budget > 0 {
+            let Some(&key) = self.waiting.first() else { break };
+            let h = key.3;
+            let want_slots = 1 + self.seq(h).unforked.len();
+            if slots + want_slots > self.cfg.max_num_seqs {
+                break;
+            }
+            let (num_new, need, cached) = self.plan_admission(h, budget);
+            let revive = self.hits_scratch.iter().filter(|&&b| self.pool.refcount(b) == 0).count();
+            if self.pool.num_free() < need + revive {
+                break;
+            }
+            self.waiting.remove(&key);
+            let hits = std::mem::take(&mut self.hits_scratch);
+            for &b in &hits {
+                self.pool.incref(b);
+            }
+            let s = self.seqs[h as usize].as_mut().expect("live handle");
+            s.blocks.clear();
+            s.blocks.extend_from_slice(&hits);
+            s.num_computed_tokens = cached;
+            s.num_registered = hits.len();
+            s.status = SeqStatus::Running;
+            let num_tokens = s.num_tokens() as u64;
+            for _ in 0..need {
+                let b = self.pool.alloc().expect("checked free count");
+                self.seqs[h as usize].as_mut().expect("live").blocks.push(b);
+            }
+            self.hits_scratch = hits;
+            if self.pool.caching() {
+                self.pool.cache.queries_total += num_tokens;
+                self.pool.cache.hits_total += cached as u64;
+            }
+            self.running.push(h);
+            self.scheduled.push(Scheduled { handle: h, num_new });
+            budget -= num_new;
+            slots += want_slots;
+        }
+
+        self.end_of_phase();
+        self.fill_batch();
+        self.awaiting_update = true;
+        Ok(&self.batch)
+    }
+
+    /// Prefix lookup for waiting sequence `h` into `hits_scratch`; returns
+    /// (tokens to compute now, fresh blocks needed, cached tokens).
+    fn plan_admission(&mut self, h: u32, budget: usize) -> (usize, usize, usize) {
+        let bs = self.cfg.block_size;
+        self.hits_scratch.clear();
+        let caching = self.pool.caching();
+        let s = self.seqs[h as usize].as_mut().expect("live handle");
+        if caching {
+            // Never the whole sequence: at least one token is always computed.
+            let limit = (s.num_tokens() - 1) / bs;
+            extend_hashes(&mut s.block_hashes, &s.tokens, bs, s.req.salt, limit);
+            for &hash in &s.block_hashes[..limit.min(s.block_hashes.len())] {
+                match self.pool.lookup(hash) {
+                    Some(b) => self.hits_scratch.push(b),
+                    None => break,
+                }
+            }
+        }
+        let cached = self.hits_scratch.len() * bs;
+        let s = self.seq(h);
+        let num_new = self.chunk(s.num_tokens() - cached, budget);
+        let need = (cached + num_new).div_ceil(bs) - self.hits_scratch.len();
+        (num_new, need, cached)
+    }
+
+    fn fill_batch(&mut self) {
+        let bs = self.cfg.block_size as i32;
+        let b = &mut self.batch;
+        b.max_blocks_per_seq =
+            self.scheduled.iter().map(|x| self.seqs[x.handle as usize].as_ref().map_or(0, |s| s.blocks.len())).max().unwrap_or(1).max(1);
+        b.query_start_loc.push(0);
+        for x in &self.scheduled {
+            let s = self.seqs[x.handle as usize].as_ref().expect("scheduled handle");
+            let start = s.num_computed_tokens;
+            let end = start + x.num_new;
+            b.input_ids.extend_from_slice(&s.tokens[start..end]);
+            for p in start..end {
+                b.positions.push(p as i32);
+                b.slot_mapping.push(s.blocks[p / bs as usize] as i32 * bs + (p as i32 % bs));
+            }
+            if x.num_new == 1 && s.num_tokens() > s.req.prompt_len && end == s.num_tokens() {
+                b.num_decode_tokens += 1;
+            } else {
+                b.num_prefill_tokens += x.num_new;
+            }
+            b.query_start_loc.push(b.input_ids.len() as i32);
+            b.seq_lens.push(end as i32);
+            b.block_tables.extend(s.blocks.iter().map(|&x| x as i32));
+            b.block_tables.resize(b.seq_lens.len() * b.max_blocks_per_seq, 0);
+            b.seq_req_ids.push(s.req.request_id);
+            b.seq_indices.push(s.seq_index as i32);
+            if end == s.num_tokens() {
+                let row = b.input_ids.len() as i32 - 1;
+                let r = &s.req;
+                let out_len = s.output_len();
+                let suppress = (!r.ignore_eos && out_len < r.min_tokens) as u8;
+                for idx in std::iter::once(s.seq_index).chain(s.unforked.iter().copied()) {
+                    b.logits_indices.push(row);
+                    b.sample_req_ids.push(r.request_id);
+                    b.sample_seq_indices.push(idx as i32);
+                    b.sample_output_lens.push(out_len as i32);
+                    let p = &r.sampling;
+                    b.temperature.push(p.temperature);
+                    b.top_k.push(p.top_k);
+                    b.top_p.push(p.top_p);
+                    b.min_p.push(p.min_p);
+                    b.repetition_penalty.push(p.repetition_penalty);
+                    b.presence_penalty.push(p.presence_penalty);
+                    b.frequency_penalty.push(p.frequency_penalty);
+                    b.seed.push(p.seed);
+                    b.suppress_eos.push(suppress);
+                }
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- update
+
+    /// Applies the sampled tokens (one per `logits_indices` row of the last batch) and returns
+    /// the step's events. On error nothing changes and `update()` may be retried.
+    pub fn update(&mut self, sampled: &[i32]) -> Result<&StepOutput, SchedError> {
+        if !self.awaiting_update {
+            return Err(SchedError::Protocol("update() called without a preceding schedule()".into()));
+        }
+        let want = self.batch.num_samples();
+        if sampled.len() != want {
+            return Err(SchedError::Protocol(format!(
+                "update() got {} sampled tokens but the last batch has num_samples = {want}",
+                sampled.len()
+            )));
+        }
+        let vocab = self.cfg.vocab_size;
+        if let Some((i, &t)) = sampled.iter().enumerate().find(|(_, &t)| t < 0 || t as usize >= vocab) {
+            return Err(SchedError::Protocol(format!("sampled token {t} at index {i} is outside [0, {vocab})")));
+        }
+        self.awaiting_update = false;
+        self.output.clear();
+        std::mem::swap(&mut self.output, &mut self.pending);
+        self.num_prompt_tokens_total += self.batch.num_prefill_tokens as u64;
+        self.num_generation_tokens_total += want as u64;
+        let bs = self.cfg.block_size;
+        let mut row = 0;
+        let scheduled = std::mem::take(&mut self.scheduled);
+        for x in &scheduled {
+            let h = x.handle;
+            let caching = self.pool.caching();
+            let s = self.seqs[h as usize].as_mut().expect("scheduled handle");
+            s.num_computed_tokens += x.num_new;
+            if caching {
+                let full = s.num_computed_tokens / bs;
+                if full > s.num_registered {
+                    extend_hashes(&mut s.block_hashes, &s.tokens, bs, s.req.salt, full);
+                    for k in s.num_registered..full {
+                        self.pool.register(s.blocks[k], s.block_hashes[k]);
+                    }
+                    s.num_registered = full;
+                }
+            }
+            if s.num_computed_tokens < s.num_tokens() {
+                continue; // a prompt chunk: nothing sampled
+            }
+            let children = std::mem::take(&mut s.unforked);
+            let first = sampled[row];
+            let mut rows = 1;
+            for k in children {
+                let c = self.fork(h, k);
+                self.append(c, sampled[row + rows]);
+                rows += 1;
+            }
+            self.append(h, first);
+            row += rows;
+        }
+        self.scheduled = scheduled;
+        debug_assert_eq!(row, want);
+        self.running.retain(|&h| self.seqs[h as usize].is_some());
+        self.end_of_phase();
+        Ok(&self.output)
+    }
+
+    /// A new running sequence with index `k` sharing all of `h`'s blocks.
+    fn fork(&mut self, h: u32, k: u32) -> u32 {
+        let p = self.seq(h);
+        let child = Sequence {
+            req: p.req.clone(),
+            seq_index: k,
+            tokens: p.tokens.clone(),
+            num_computed_tokens: p.num_computed_tokens,
+            blocks: p.blocks.clone(),
+            block_hashes: p.block_hashes.clone(),
+            num_preemptions: 0,
+            status: SeqStatus::Running,
+            unforked: Vec::new(),
+            num_registered: p.num_registered,
+        };
+        for &b in &child.blocks {
+            self.pool.incref(b);
+        }
+        let rid = child.req.request_id;
+        let c = self.new_handle(child);
+        self.running.push(c);
+        if let Some(g) = self.groups.get_mut(&rid) {
+            g.seqs.push(c);
+        }
+        c
+    }
+
+    /// Appends a sampled token and applies the stop rules; finished sequences are released.
+    fn append(&mut self, h: u32, token: i32) {
+        let max_model_len = self.cfg.max_model_len;
+        let s = self.seqs[h as usize].as_mut().expect("live handle");
+        let r = &s.req;
+        let out_before = s.output_len();
+        s.tokens.push(token);
+        let is_eos = !r.ignore_eos && self.cfg.eos_token_ids.contains(&token);
+        let reason = if (is_eos || r.stop_token_ids.contains(&token)) && out_before >= r.min_tokens {
+            FinishReason::Stop
+        } else if out_before + 1 >= r.max_tokens || s.tokens.len() >= max_model_len {
+            FinishReason::Length
+        } else {
+            FinishReason::Running
+        };
+        self.output.push(r.request_id, s.seq_index, token, reason);
+        if reason != FinishReason::Running {
+            self.release(h);
+        }
+    }
+}
