@@ -1,7 +1,7 @@
 """The ferrobatch systems of the offline benchmark: `ferrobatch` and `ferrobatch-static`.
 
-Both drive the real `ferrobatch.AsyncEngine` (Rust scheduler, model runner, sampler, step thread,
-incremental detokenization — the engine as shipped) with token-id prompts and
+Both drive the real engine through `ferrobatch.LLM.generate` (Rust scheduler, model runner,
+sampler, step thread, incremental detokenization — the engine as shipped) with token-id prompts and
 `SamplingParams(max_tokens=n, ignore_eos=True, temperature=0)`.
 
 - `ferrobatch`: every request is submitted at once; the engine re-forms the batch every step
@@ -18,7 +18,6 @@ snapshot taken after the step: `num_running`).
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import time
 from typing import Callable
@@ -57,63 +56,53 @@ class StepRecorder:
 
 
 class FerrobatchRunner:
-    """Owns one AsyncEngine (and its event loop) for a sequence of measured runs."""
+    """Owns one `ferrobatch.LLM` (engine + its loop thread) for a sequence of measured runs."""
 
     def __init__(self, w: Workload, max_num_seqs: int, **extra_options) -> None:
-        import ferrobatch  # noqa: F401  (fail early with a clear import error)
-        from ferrobatch.engine.async_engine import AsyncEngine
+        from ferrobatch import LLM
 
         self.w = w
-        self.options = dict(model=model_ref(w), device=w.device, dtype=w.dtype,
-                            max_num_seqs=max_num_seqs, **w.engine_options, **extra_options)
-        self.loop = asyncio.new_event_loop()
-        self.engine = AsyncEngine(**self.options)
+        self.options = dict(device=w.device, dtype=w.dtype, max_num_seqs=max_num_seqs,
+                            **w.engine_options, **extra_options)
         t0 = time.perf_counter()
-        self.loop.run_until_complete(self.engine.start())
+        self.llm = LLM(model_ref(w), **self.options)
         self.load_s = time.perf_counter() - t0
+        self.engine = self.llm.engine
         self.recorder = StepRecorder(self.engine)   # duck-typed EngineObserver
         self.engine.add_observer(self.recorder)
         self.max_num_seqs = max_num_seqs
 
-    async def _one(self, r: Request, check: bool = True) -> int:
-        from ferrobatch.sampling_params import SamplingParams
-        p = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0,
-                           output_kind="final")
-        last = None
-        async for out in self.engine.generate(list(r.prompt_ids), p):
-            last = out
-        if last is None or last.error:
-            raise RuntimeError(f"ferrobatch request failed: {getattr(last, 'error', None)}")
-        o = last.outputs[0]
-        if check and (o.finish_reason != "length" or o.num_output_tokens != r.output_len):
-            raise RuntimeError(f"ferrobatch generated {o.num_output_tokens} tokens "
-                               f"({o.finish_reason}), expected {r.output_len}")
-        return o.num_output_tokens
-
-    async def _run(self, reqs: list[Request], static: bool,
-                   progress: Callable[[int], None] | None) -> float:
-        async def tracked(r: Request) -> int:
-            n = await self._one(r)
-            if progress:
-                progress(1)
-            return n
-
-        t0 = time.perf_counter()
-        if static:
-            for i in range(0, len(reqs), self.max_num_seqs):
-                await asyncio.gather(*(tracked(r) for r in reqs[i:i + self.max_num_seqs]))
-        else:
-            await asyncio.gather(*(tracked(r) for r in reqs))
-        return time.perf_counter() - t0
+    def _generate(self, reqs: list[Request], use_tqdm: bool) -> None:
+        from ferrobatch import SamplingParams
+        params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0)
+                  for r in reqs]
+        outs = self.llm.generate([list(r.prompt_ids) for r in reqs], params, use_tqdm=use_tqdm)
+        for r, out in zip(reqs, outs):
+            o = out.outputs[0] if out.outputs else None
+            if out.error or o is None or o.finish_reason != "length" \
+                    or len(o.token_ids) != r.output_len:
+                raise RuntimeError(
+                    f"ferrobatch request {out.request_id}: error={out.error!r}, "
+                    f"finish={getattr(o, 'finish_reason', None)}, "
+                    f"{len(o.token_ids) if o else 0} tokens, expected {r.output_len}")
 
     def run(self, reqs: list[Request], static: bool = False,
             progress: Callable[[int], None] | None = None) -> dict:
         self.recorder.reset()
         self.recorder.enabled = True
         steps0 = self._num_steps()
+        t0 = time.perf_counter()
         try:
-            elapsed = self.loop.run_until_complete(self._run(reqs, static, progress))
+            if static:
+                for i in range(0, len(reqs), self.max_num_seqs):
+                    group = reqs[i:i + self.max_num_seqs]
+                    self._generate(group, use_tqdm=False)
+                    if progress:
+                        progress(len(group))
+            else:
+                self._generate(reqs, use_tqdm=progress is not None)
         finally:
+            elapsed = time.perf_counter() - t0
             self.recorder.enabled = False
         total = sum(r.output_len for r in reqs)
         rec = self.recorder
@@ -123,25 +112,21 @@ class FerrobatchRunner:
                 "num_sampling_steps": len(rec.tokens),
                 "occupancy": list(rec.tokens), "running": list(rec.running),
                 "step_times": [b - a for a, b in zip(rec.t, rec.t[1:])],
-                "params": {"mode": "static (group of max_num_seqs, wait, next)" if static
-                           else "continuous", **{k: v for k, v in self.options.items()
-                                                 if k != "model"},
-                           "model": self.w.model}}
+                "params": {"mode": "static (groups of max_num_seqs, wait for the whole group)"
+                           if static else "continuous", "model": self.w.model,
+                           "api": "ferrobatch.LLM.generate", **self.options}}
 
     def _num_steps(self) -> int | None:
         lt = getattr(self.engine, "_loop_thread", None)
         return getattr(lt, "num_steps", None)
 
     def close(self) -> None:
+        self.llm.close()
+        self.llm = self.engine = None
+        gc.collect()
         try:
-            self.loop.run_until_complete(self.engine.shutdown())
-        finally:
-            self.loop.close()
-            self.engine = None
-            gc.collect()
-            try:
-                import torch
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-            except ImportError:
-                pass
+            import torch
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except ImportError:
+            pass
