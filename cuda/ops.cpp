@@ -1,0 +1,25 @@
+// Registers the kernels as torch ops: torch.ops.ferrobatch.<name>.
+//
+// Schemas mark every written tensor as mutated (Tensor(a!)) and return (), so autograd/functionalization
+// and CUDA-graph capture see the side effects. Only a CUDA implementation is registered: calling an
+// op on CPU tensors fails with torch's "no kernel for CPU" error instead of doing something silent.
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(ferrobatch, m) {
+  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.def(
+      "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor(b!) partial_out, Tensor(c!) partial_lse, float scale, "
+      "int num_splits) -> ()");
+  m.def(
+      "paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor query_start_loc, float scale, int max_query_len) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ferrobatch, CUDA, m) {
+  m.impl("reshape_and_cache", &ferrobatch::reshape_and_cache);
+  m.impl("paged_decode_attention", &ferrobatch::paged_decode_attention);
+  m.impl("paged_prefill_attention", &ferrobatch::paged_prefill_attention);
+}

@@ -1,0 +1,43 @@
+// ferrobatch CUDA ops: host-side entry points (defined in the .cu files, registered in ops.cpp).
+//
+// All ops write into caller-provided tensors and return nothing, allocate nothing and never
+// synchronize with the host, so a decode step that calls them can be captured in a CUDA graph.
+// They launch on the current CUDA stream of the tensors' device.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace ferrobatch {
+
+// Scatter this step's new keys/values into the paged cache.
+//   key, value:    [T, Hkv, D] (bf16/fp16/fp32; any token/head strides, head_dim contiguous)
+//   kv_cache:      [2, num_blocks, block_size, Hkv, D], same dtype (written)
+//   slot_mapping:  [T] int32 or int64, block_id * block_size + offset; a negative slot skips the
+//                  token (padding rows of a CUDA-graph batch).
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                       const at::Tensor& slot_mapping);
+
+// Paged decode attention, one query token per sequence (flash-decoding split-KV).
+//   out:          [B, Hq, D] contiguous, dtype of q (written)
+//   q:            [B, Hq, D] (any token/head strides, head_dim contiguous)
+//   block_tables: [B, M] int32; seq_lens: [B] int32 (context incl. the new token; <= 0 => out = 0)
+//   partial_out:  [B_ws >= B, Hq, S_max, D] fp32 workspace; partial_lse: [B_ws, Hq, S_max] fp32
+//   num_splits:   KV splits per sequence, 1 <= num_splits <= S_max (1 = no reduce pass)
+void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            at::Tensor& partial_out, at::Tensor& partial_lse, double scale,
+                            int64_t num_splits);
+
+// Causal attention for a flat batch of variable-length query chunks over the paged cache (prefill
+// chunks, decode tokens, or both mixed). Keys/values of the new tokens must already be in the cache.
+//   out, q:          [T, Hq, D] (out written; any token/head strides, head_dim contiguous)
+//   query_start_loc: [B+1] int32; seq_lens: [B] int32; block_tables: [B, M] int32
+//   max_query_len:   host-side max of the per-sequence query lengths (sizes the grid)
+void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             const at::Tensor& query_start_loc, double scale,
+                             int64_t max_query_len);
+
+}  // namespace ferrobatch

@@ -1,0 +1,191 @@
+"""CUDA attention backend: ferrobatch's paged kernels (``cuda/``) as ``torch.ops.ferrobatch.*``.
+
+* ``write_kv``  -> ``reshape_and_cache`` (slot -1 skips a row, for padded CUDA-graph batches).
+* ``forward``   -> decode-only steps (every sequence has one query token): split-KV paged decode
+  kernel + reduce; any step with a prefill chunk: the paged prefill/mixed kernel (causal over the
+  cached context plus the chunk).
+
+The kernels are compiled on first use (see ``ferrobatch.runtime.cuda_ops``); ``cuda_available()``
+says whether that can work here and why not. ``get_attention_backend("auto"|"cuda"|"torch")``
+picks this backend on CUDA devices; the choice is logged at construction.
+
+Supported: bf16 / fp16 / fp32, head_dim 64 or 128, num_heads / num_kv_heads <= 8. Other shapes
+raise ValueError at the first forward (use the torch backend for them).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ferrobatch.runtime import cuda_ops
+from ferrobatch.runtime.attention.base import AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CudaPagedBackend", "CudaAttentionBackend", "CudaMetadata", "cuda_available",
+           "is_available"]
+
+MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+def cuda_available(device: torch.device | int | None = None) -> tuple[bool, str]:
+    """``(ok, reason)``: whether the CUDA kernels can be built/loaded for ``device`` here."""
+    if not torch.cuda.is_available():
+        return False, "torch.cuda.is_available() is False (no CUDA device or a CPU-only torch)"
+    if isinstance(device, torch.device) and device.type != "cuda":
+        return False, f"device {device} is not a CUDA device"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < MIN_COMPUTE_CAPABILITY:
+        return False, f"compute capability {cap[0]}.{cap[1]} < 8.0 is not supported"
+    if cuda_ops.ops_loaded():
+        return True, "ferrobatch CUDA ops already loaded"
+    try:
+        src = cuda_ops.cuda_source_dir()
+    except FileNotFoundError as exc:
+        return False, str(exc)
+    tk = cuda_ops.find_cuda_toolkit()
+    if tk is None:
+        return False, (f"nvcc not found (set CUDA_HOME, or pip install nvidia-cuda-nvcc matching "
+                       f"torch's CUDA {torch.version.cuda})")
+    return True, f"sources {src}, nvcc {tk.version} at {tk.nvcc}"
+
+
+def is_available() -> bool:
+    """Bool form of ``cuda_available()`` (logs the reason when False)."""
+    ok, reason = cuda_available()
+    if not ok:
+        logger.warning("CUDA attention kernels unavailable: %s", reason)
+    return ok
+
+
+@dataclass
+class CudaMetadata(AttentionMetadata):
+    """AttentionMetadata plus the decode kernel's split count.
+
+    ``num_splits`` None lets ``forward`` choose from (num_seqs, Hkv, max_seq_len, SM count); a
+    CUDA-graph runner fixes it per batch bucket (the kernel partitions each sequence on the device,
+    so one value is valid for every seq_lens).
+    """
+
+    num_splits: int | None = None
+
+
+def _device_tensor(array, dtype: np.dtype, device: torch.device) -> torch.Tensor:
+    host = torch.from_numpy(np.ascontiguousarray(array, dtype=dtype))
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+class CudaPagedBackend(AttentionBackend):
+    """Paged attention through ferrobatch's CUDA kernels."""
+
+    name = "cuda"
+
+    def __init__(self, block_size: int = 16, device: torch.device | str | int | None = None,
+                 max_splits: int = 32) -> None:
+        ok, reason = cuda_available(device if not isinstance(device, str) else torch.device(device))
+        if not ok:
+            raise RuntimeError(f"CUDA attention backend unavailable: {reason}")
+        self.block_size = block_size
+        self.max_splits = max_splits
+        dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
+        self.library = cuda_ops.load_ops(dev)
+        self.sm_count = cuda_ops.num_sms(dev)
+        self._workspaces: dict[tuple[int, int], cuda_ops.DecodeWorkspace] = {}
+        logger.info("attention backend: cuda (ferrobatch paged kernels, sm_%s, %d SMs, %s)",
+                    cuda_ops.device_arch(dev), self.sm_count, self.library)
+
+    # ---- capabilities -------------------------------------------------------------------------
+    @staticmethod
+    def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> str | None:
+        """None when the kernels handle this shape/dtype, else the reason they don't."""
+        if head_dim not in cuda_ops.SUPPORTED_HEAD_DIMS:
+            return f"head_dim {head_dim} not in {cuda_ops.SUPPORTED_HEAD_DIMS}"
+        if num_kv_heads <= 0 or num_heads % num_kv_heads:
+            return f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+        if num_heads // num_kv_heads > cuda_ops.MAX_GQA_RATIO:
+            return f"GQA ratio {num_heads // num_kv_heads} > {cuda_ops.MAX_GQA_RATIO}"
+        if dtype not in cuda_ops.SUPPORTED_DTYPES:
+            return f"dtype {dtype} not supported"
+        return None
+
+    # ---- workspace ----------------------------------------------------------------------------
+    def reserve_workspace(self, max_batch: int, num_heads: int, head_dim: int,
+                          max_splits: int | None = None) -> cuda_ops.DecodeWorkspace:
+        """Allocates (or grows) the split-KV workspace; call before capturing CUDA graphs so that
+        no allocation happens inside a capture and every graph sees the same buffers."""
+        max_splits = max_splits or self.max_splits
+        key = (num_heads, head_dim)
+        ws = self._workspaces.get(key)
+        if ws is None or ws.partial_out.shape[0] < max_batch or ws.max_splits < max_splits:
+            rows = max(max_batch, ws.partial_out.shape[0] if ws is not None else 0)
+            splits = max(max_splits, ws.max_splits if ws is not None else 0)
+            ws = cuda_ops.DecodeWorkspace.allocate(rows, num_heads, head_dim, splits, self.device)
+            self._workspaces[key] = ws
+        return ws
+
+    # ---- AttentionBackend ---------------------------------------------------------------------
+    def build_metadata(self, batch, device) -> CudaMetadata:
+        device = torch.device(device)
+        qsl = np.asarray(batch.query_start_loc)
+        seq_lens = np.asarray(batch.seq_lens)
+        num_tokens = int(np.asarray(batch.input_ids).shape[0])
+        query_lens = np.diff(qsl.astype(np.int64))
+        return CudaMetadata(
+            slot_mapping=_device_tensor(batch.slot_mapping, np.int64, device),
+            query_start_loc=_device_tensor(qsl, np.int32, device),
+            seq_lens=_device_tensor(seq_lens, np.int32, device),
+            block_tables=_device_tensor(batch.block_tables, np.int32, device),
+            max_query_len=int(query_lens.max(initial=0)),
+            max_seq_len=int(seq_lens.max(initial=0)),
+            num_tokens=num_tokens,
+            num_seqs=int(seq_lens.shape[0]),
+            query_start_loc_cpu=np.asarray(qsl, np.int32),
+            seq_lens_cpu=np.asarray(seq_lens, np.int32),
+        )
+
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        if key.dtype != kv_cache.dtype:
+            key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
+        cuda_ops.reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
+
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = query.shape
+        num_kv_heads = kv_cache.shape[-2]
+        reason = self.supports(num_heads, num_kv_heads, head_dim, kv_cache.dtype)
+        if reason is not None:
+            raise ValueError(f"CUDA attention backend: {reason}; use attention backend 'torch'")
+        in_dtype = query.dtype
+        if in_dtype != kv_cache.dtype:
+            query = query.to(kv_cache.dtype)
+        if meta.max_query_len <= 1 and num_tokens == meta.num_seqs:
+            splits = getattr(meta, "num_splits", None)
+            if splits is None:
+                splits = cuda_ops.choose_num_splits(meta.num_seqs, num_kv_heads, meta.max_seq_len,
+                                                    self.sm_count, max_splits=self.max_splits)
+            ws = None
+            if splits > 1:
+                ws = self._workspaces.get((num_heads, head_dim))
+                if ws is None or not ws.fits(num_tokens, num_heads, head_dim) or ws.max_splits < splits:
+                    ws = self.reserve_workspace(num_tokens, num_heads, head_dim, max(splits, self.max_splits))
+            out = cuda_ops.paged_decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens,
+                                                  scale, num_splits=splits, workspace=ws)
+        else:
+            out = cuda_ops.paged_prefill_attention(query, kv_cache, meta.block_tables,
+                                                   meta.seq_lens, meta.query_start_loc, scale,
+                                                   meta.max_query_len)
+        return out if out.dtype == in_dtype else out.to(in_dtype)
+
+
+# The name the model runtime's get_attention_backend() looks up.
+CudaAttentionBackend = CudaPagedBackend

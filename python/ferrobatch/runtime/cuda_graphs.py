@@ -1,0 +1,256 @@
+"""CUDA graphs for decode-only steps at padded batch-size buckets.
+
+A decode step (every sequence contributes exactly one token) has the same kernel sequence for a
+given batch size, whatever the sequences' lengths, because the attention kernels take lengths and
+block tables from device memory and partition the context on the device. So one graph per batch
+*bucket* (1, 2, 4, ..., 256) is captured once and replayed for every decode step whose batch fits:
+
+* static device buffers hold ``input_ids``, ``positions``, ``slot_mapping``, ``seq_lens``,
+  ``query_start_loc`` and ``block_tables`` for the largest bucket; a bucket's graph reads views of
+  their first ``bucket`` rows;
+* a step with ``n`` sequences uses the smallest bucket ``>= n``; rows ``n..bucket`` are padding:
+  ``slot_mapping = -1`` (reshape_and_cache skips them: the cache, even the null block, is never
+  written), ``seq_lens = 0`` (the decode kernel reads no K/V for them and writes zeros),
+  ``block_tables = 0`` (the null block), ``input_ids = positions = 0``;
+* the split-KV count of each bucket is fixed at capture from an upper bound of the context length
+  (the kernel derives each sequence's chunks from its actual length, so this stays correct);
+* outputs are the captured graph's static output tensor, sliced to ``n`` rows (valid until the
+  next replay).
+
+Engine integration (choosing graph vs eager per step, warm-up at start) is a later step; the
+padding/bucket logic here is pure numpy and unit-tested on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PAD_SLOT = -1
+PAD_SEQ_LEN = 0
+PAD_BLOCK = 0
+
+
+def bucket_for(num_seqs: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> int | None:
+    """Smallest bucket >= ``num_seqs`` (None when the batch is larger than every bucket)."""
+    if num_seqs < 1:
+        return None
+    for b in sorted(buckets):
+        if b >= num_seqs:
+            return b
+    return None
+
+
+@dataclass
+class PaddedDecodeBatch:
+    """Host arrays of one decode step padded to a bucket (all length ``bucket``)."""
+
+    input_ids: np.ndarray      # int64 [bucket]
+    positions: np.ndarray      # int64 [bucket]
+    slot_mapping: np.ndarray   # int64 [bucket], PAD_SLOT on padding
+    seq_lens: np.ndarray       # int32 [bucket], PAD_SEQ_LEN on padding
+    block_tables: np.ndarray   # int32 [bucket, max_blocks], PAD_BLOCK past each table / on padding
+    num_seqs: int
+    bucket: int
+
+
+def is_decode_only(batch) -> bool:
+    """Whether a StepBatch-like object has exactly one query token per sequence."""
+    qsl = np.asarray(batch.query_start_loc)
+    n = int(np.asarray(batch.seq_lens).shape[0])
+    return n > 0 and qsl.shape == (n + 1,) and bool(np.all(np.diff(qsl) == 1))
+
+
+def pad_decode_batch(batch, bucket: int, max_blocks: int) -> PaddedDecodeBatch:
+    """Pads a decode-only StepBatch-like object (README arrays) to ``bucket`` rows.
+
+    ValueError when the step is not decode-only, is larger than the bucket, or its block tables
+    are wider than ``max_blocks``.
+    """
+    if not is_decode_only(batch):
+        raise ValueError("CUDA graphs only serve decode-only steps (one token per sequence)")
+    seq_lens = np.asarray(batch.seq_lens)
+    n = int(seq_lens.shape[0])
+    if n > bucket:
+        raise ValueError(f"{n} sequences do not fit bucket {bucket}")
+    tables = np.asarray(batch.block_tables)
+    if tables.ndim != 2 or tables.shape[0] != n:
+        raise ValueError("block_tables must be [num_seqs, M]")
+    width = tables.shape[1]
+    if width > max_blocks:
+        # Block 0 is the null block, never handed out: columns holding only 0 are table padding
+        # and may be dropped; a real block past the static width may not.
+        if np.any(tables[:, max_blocks:] != PAD_BLOCK):
+            raise ValueError(f"block tables need more than the graphs' {max_blocks} columns")
+        tables = tables[:, :max_blocks]
+        width = max_blocks
+    out = PaddedDecodeBatch(
+        input_ids=np.zeros(bucket, np.int64),
+        positions=np.zeros(bucket, np.int64),
+        slot_mapping=np.full(bucket, PAD_SLOT, np.int64),
+        seq_lens=np.full(bucket, PAD_SEQ_LEN, np.int32),
+        block_tables=np.full((bucket, max_blocks), PAD_BLOCK, np.int32),
+        num_seqs=n,
+        bucket=bucket,
+    )
+    out.input_ids[:n] = np.asarray(batch.input_ids)
+    out.positions[:n] = np.asarray(batch.positions)
+    out.slot_mapping[:n] = np.asarray(batch.slot_mapping)
+    out.seq_lens[:n] = seq_lens
+    out.block_tables[:n, :width] = tables
+    return out
+
+
+@dataclass
+class StaticDecodeInputs:
+    """Device views (first ``bucket`` rows) of the static buffers that a captured graph reads."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    block_tables: torch.Tensor
+    bucket: int
+    num_splits: int
+    max_seq_len: int
+
+    def attention_metadata(self):
+        """CudaMetadata over the static buffers (host-side fields fixed at capture)."""
+        from ferrobatch.runtime.attention.cuda import CudaMetadata
+        return CudaMetadata(
+            slot_mapping=self.slot_mapping,
+            query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens,
+            block_tables=self.block_tables,
+            max_query_len=1,
+            max_seq_len=self.max_seq_len,
+            num_tokens=self.bucket,
+            num_seqs=self.bucket,
+            query_start_loc_cpu=np.arange(self.bucket + 1, dtype=np.int32),
+            seq_lens_cpu=np.full(self.bucket, self.max_seq_len, np.int32),
+            num_splits=self.num_splits,
+        )
+
+
+class DecodeGraphRunner:
+    """Captures ``forward(static_inputs) -> Tensor`` once per bucket and replays it.
+
+    ``forward`` must only launch device work on the current stream (no host syncs, no ``.item()``,
+    no new CUDA allocations after warm-up except through torch's caching allocator, which capture
+    redirects into the graph pool). Its output's first dimension is the batch (e.g. logits
+    ``[bucket, vocab]``). Reserve the attention backend's split-KV workspace for
+    ``max(buckets)`` rows before ``capture()``.
+    """
+
+    def __init__(self, forward: Callable[[StaticDecodeInputs], torch.Tensor], *,
+                 max_blocks_per_seq: int, max_seq_len: int, device: torch.device | str,
+                 num_splits_for: Callable[[int], int] | None = None,
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+        if not buckets or min(buckets) < 1:
+            raise ValueError("buckets must be positive batch sizes")
+        self.forward = forward
+        self.buckets = tuple(sorted(set(buckets)))
+        self.max_blocks = max_blocks_per_seq
+        self.max_seq_len = max_seq_len
+        self.device = torch.device(device)
+        self.num_splits_for = num_splits_for or (lambda _bucket: 1)
+        big = self.buckets[-1]
+        dev = self.device
+        self._input_ids = torch.zeros(big, dtype=torch.int64, device=dev)
+        self._positions = torch.zeros(big, dtype=torch.int64, device=dev)
+        self._slot_mapping = torch.full((big,), PAD_SLOT, dtype=torch.int64, device=dev)
+        self._seq_lens = torch.zeros(big, dtype=torch.int32, device=dev)
+        self._query_start_loc = torch.arange(big + 1, dtype=torch.int32, device=dev)
+        self._block_tables = torch.zeros(big, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._pool = None
+
+    def static_inputs(self, bucket: int) -> StaticDecodeInputs:
+        return StaticDecodeInputs(
+            input_ids=self._input_ids[:bucket],
+            positions=self._positions[:bucket],
+            slot_mapping=self._slot_mapping[:bucket],
+            seq_lens=self._seq_lens[:bucket],
+            query_start_loc=self._query_start_loc[:bucket + 1],
+            block_tables=self._block_tables[:bucket],
+            bucket=bucket,
+            num_splits=int(self.num_splits_for(bucket)),
+            max_seq_len=self.max_seq_len,
+        )
+
+    @property
+    def captured_buckets(self) -> tuple[int, ...]:
+        return tuple(sorted(self._graphs))
+
+    def capture(self, warmup_iters: int = 2) -> None:
+        """Captures every bucket, largest first (smaller graphs reuse the shared memory pool).
+
+        The static buffers hold padding (every row a no-op) while capturing, so warm-up and capture
+        never write the KV cache."""
+        if self.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need a CUDA device")
+        self._slot_mapping.fill_(PAD_SLOT)
+        self._seq_lens.zero_()
+        self._block_tables.zero_()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for bucket in reversed(self.buckets):
+                inputs = self.static_inputs(bucket)
+                for _ in range(warmup_iters):
+                    self.forward(inputs)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        for bucket in reversed(self.buckets):
+            inputs = self.static_inputs(bucket)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self.forward(inputs)
+            if self._pool is None:
+                self._pool = graph.pool()
+            self._graphs[bucket] = graph
+            self._outputs[bucket] = out
+        torch.cuda.synchronize(self.device)
+        logger.info("captured decode CUDA graphs for batch buckets %s", self.captured_buckets)
+
+    def can_run(self, batch) -> bool:
+        """Decode-only, fits a captured bucket and the static block-table width."""
+        if not self._graphs or not is_decode_only(batch):
+            return False
+        n = int(np.asarray(batch.seq_lens).shape[0])
+        return bucket_for(n, self.captured_buckets) is not None and \
+            np.asarray(batch.block_tables).shape[1] <= self.max_blocks and \
+            int(np.max(np.asarray(batch.seq_lens), initial=0)) <= self.max_seq_len
+
+    def run(self, batch) -> torch.Tensor:
+        """Copies the padded step into the static buffers, replays, returns ``output[:num_seqs]``."""
+        n = int(np.asarray(batch.seq_lens).shape[0])
+        bucket = bucket_for(n, self.captured_buckets)
+        if bucket is None:
+            raise ValueError(f"no captured bucket holds {n} sequences")
+        if int(np.max(np.asarray(batch.seq_lens), initial=0)) > self.max_seq_len:
+            raise ValueError("a sequence is longer than the graphs' max_seq_len")
+        padded = pad_decode_batch(batch, bucket, self.max_blocks)
+        self._copy_in(padded)
+        self._graphs[bucket].replay()
+        return self._outputs[bucket][:n]
+
+    def _copy_in(self, p: PaddedDecodeBatch) -> None:
+        b = p.bucket
+        pairs = ((self._input_ids, p.input_ids), (self._positions, p.positions),
+                 (self._slot_mapping, p.slot_mapping), (self._seq_lens, p.seq_lens),
+                 (self._block_tables, p.block_tables))
+        for dst, src in pairs:
+            host = torch.from_numpy(src)
+            if self.device.type == "cuda":
+                host = host.pin_memory()
+            dst[:b].copy_(host, non_blocking=True)
