@@ -603,15 +603,13 @@ impl Scheduler {
                 continue; // a prompt chunk: nothing sampled
             }
             let children = std::mem::take(&mut s.unforked);
-            let first = sampled[row];
-            let mut rows = 1;
-            for k in children {
-                let c = self.fork(h, k);
-                self.append(c, sampled[row + rows]);
-                rows += 1;
+            let forked: Vec<u32> = children.into_iter().map(|k| self.fork(h, k)).collect();
+            self.append(h, sampled[row]);
+            row += 1;
+            for c in forked {
+                self.append(c, sampled[row]);
+                row += 1;
             }
-            self.append(h, first);
-            row += rows;
         }
         self.scheduled = scheduled;
         debug_assert_eq!(row, want);
