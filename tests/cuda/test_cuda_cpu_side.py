@@ -1,0 +1,181 @@
+"""CPU-side checks of the CUDA path: CUDA-graph padding/buckets, split-KV planning, the backend's
+behaviour without a GPU, and that the package carries the kernel sources. No GPU needed."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from ferrobatch.runtime import cuda_ops
+from ferrobatch.runtime.cuda_graphs import (
+    DEFAULT_BUCKETS,
+    PAD_SLOT,
+    bucket_for,
+    is_decode_only,
+    pad_decode_batch,
+)
+
+
+def _decode_batch(n: int, width: int = 4, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    seq_lens = rng.integers(1, width * 16 + 1, size=n).astype(np.int32)
+    tables = np.zeros((n, width), np.int32)
+    for i, L in enumerate(seq_lens):
+        nb = (L + 15) // 16
+        tables[i, :nb] = rng.integers(1, 1000, size=nb)
+    pos = seq_lens - 1
+    return SimpleNamespace(
+        input_ids=rng.integers(0, 100, size=n).astype(np.int32),
+        positions=pos.astype(np.int32),
+        slot_mapping=(tables[np.arange(n), pos // 16] * 16 + pos % 16).astype(np.int32),
+        query_start_loc=np.arange(n + 1, dtype=np.int32),
+        seq_lens=seq_lens,
+        block_tables=tables,
+    )
+
+
+@pytest.mark.parametrize("n,expected", [(1, 1), (2, 2), (3, 4), (5, 8), (16, 16), (17, 32),
+                                        (200, 256), (256, 256), (257, None), (0, None)])
+def test_bucket_for(n, expected):
+    assert bucket_for(n, DEFAULT_BUCKETS) == expected
+
+
+def test_buckets_are_the_issue_list():
+    assert DEFAULT_BUCKETS == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@pytest.mark.parametrize("n", [1, 3, 7, 8, 100])
+def test_pad_decode_batch(n):
+    b = _decode_batch(n)
+    bucket = bucket_for(n)
+    p = pad_decode_batch(b, bucket, max_blocks=6)
+    assert p.bucket == bucket and p.num_seqs == n
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+        arr = getattr(p, name)
+        assert arr.shape == (bucket,)
+        np.testing.assert_array_equal(arr[:n], getattr(b, name))
+    # padding rows: no cache write, no context, null blocks
+    assert np.all(p.slot_mapping[n:] == PAD_SLOT)
+    assert np.all(p.seq_lens[n:] == 0)
+    assert np.all(p.block_tables[n:] == 0)
+    assert np.all(p.input_ids[n:] == 0) and np.all(p.positions[n:] == 0)
+    np.testing.assert_array_equal(p.block_tables[:n, :4], b.block_tables)
+    assert np.all(p.block_tables[:n, 4:] == 0)
+    assert p.slot_mapping.dtype == np.int64 and p.seq_lens.dtype == np.int32
+    assert p.block_tables.dtype == np.int32
+
+
+def test_pad_rejects_non_decode_and_oversize():
+    b = _decode_batch(4)
+    with pytest.raises(ValueError):
+        pad_decode_batch(b, 2, max_blocks=6)  # does not fit the bucket
+    with pytest.raises(ValueError):
+        pad_decode_batch(b, 4, max_blocks=2)  # real blocks past the static width
+    b.query_start_loc = np.array([0, 1, 3, 4, 5], np.int32)  # one sequence has 2 query tokens
+    assert not is_decode_only(b)
+    with pytest.raises(ValueError):
+        pad_decode_batch(b, 8, max_blocks=6)
+
+
+def test_pad_drops_null_columns():
+    b = _decode_batch(3, width=4)
+    b.block_tables = np.concatenate([b.block_tables, np.zeros((3, 5), np.int32)], axis=1)
+    p = pad_decode_batch(b, 4, max_blocks=4)
+    np.testing.assert_array_equal(p.block_tables[:3], b.block_tables[:, :4])
+
+
+# ------------------------------------------------------------------ split-KV planning (host side)
+def _kernel_partition(seq_len: int, num_splits: int) -> list[tuple[int, int]]:
+    """Mirror of decode_chunk() in cuda/decode_attention.cu (kMinChunk 128, align 64)."""
+    c = max(math.ceil(seq_len / num_splits), 128)
+    c = math.ceil(c / 64) * 64
+    return [(s * c, min(seq_len, (s + 1) * c)) for s in range(num_splits) if s * c < seq_len]
+
+
+@pytest.mark.parametrize("seq_len", [1, 63, 128, 129, 1000, 4097, 8191, 131072])
+@pytest.mark.parametrize("splits", [1, 2, 5, 16, 32])
+def test_kernel_partition_covers_context(seq_len, splits):
+    parts = _kernel_partition(seq_len, splits)
+    assert 1 <= len(parts) <= splits
+    assert parts[0][0] == 0 and parts[-1][1] == seq_len
+    assert all(a < b for a, b in parts)
+    assert all(parts[i][1] == parts[i + 1][0] for i in range(len(parts) - 1))
+
+
+def test_partition_mirror_matches_kernel_source():
+    src = (cuda_ops.cuda_source_dir() / "decode_attention.cu").read_text()
+    assert "constexpr int kMinChunk = 128;" in src and "constexpr int kChunkAlign = 64;" in src
+
+
+@pytest.mark.parametrize("batch,hkv,ctx,sms,expected_range", [
+    (1, 8, 8192, 132, (32, 32)),     # tiny batch, long context: many splits (capped)
+    (1, 8, 100, 132, (1, 1)),        # short context: splitting is useless
+    (256, 8, 8192, 132, (1, 1)),     # 2048 CTAs already fill the GPU
+    (16, 8, 1024, 132, (5, 8)),
+])
+def test_choose_num_splits(batch, hkv, ctx, sms, expected_range):
+    s = cuda_ops.choose_num_splits(batch, hkv, ctx, sms)
+    lo, hi = expected_range
+    assert lo <= s <= hi
+    assert s <= math.ceil(ctx / 128)
+
+
+# ------------------------------------------------------------------ backend without CUDA
+def test_cuda_backend_module_imports_and_reports():
+    from ferrobatch.runtime.attention import cuda as cuda_backend
+
+    ok, reason = cuda_backend.cuda_available()
+    assert isinstance(ok, bool) and isinstance(reason, str) and reason
+    assert cuda_backend.CudaAttentionBackend is cuda_backend.CudaPagedBackend
+    if not torch.cuda.is_available():
+        assert not ok
+        with pytest.raises(RuntimeError, match="unavailable"):
+            cuda_backend.CudaPagedBackend(block_size=16)
+
+
+def test_supports_matrix():
+    from ferrobatch.runtime.attention.cuda import CudaPagedBackend
+
+    assert CudaPagedBackend.supports(9, 3, 64, torch.bfloat16) is None      # SmolLM2
+    assert CudaPagedBackend.supports(32, 8, 128, torch.float16) is None     # Llama-3-8B
+    assert CudaPagedBackend.supports(64, 8, 128, torch.float32) is None     # GQA 8
+    assert CudaPagedBackend.supports(32, 2, 128, torch.bfloat16) is not None  # GQA 16
+    assert CudaPagedBackend.supports(8, 8, 96, torch.bfloat16) is not None    # head_dim 96
+
+
+def test_auto_backend_on_cpu_is_torch():
+    from ferrobatch.runtime.attention import get_attention_backend
+
+    assert get_attention_backend("auto", "cpu").name == "torch"
+    with pytest.raises(ValueError):
+        get_attention_backend("cuda", "cpu")
+
+
+def test_sources_ship_inside_the_package():
+    """The wheel takes the kernels from ferrobatch/_cuda_src (pyproject [tool.maturin] include)."""
+    import ferrobatch
+
+    pkg_src = __import__("pathlib").Path(ferrobatch.__file__).parent / "_cuda_src"
+    for name in cuda_ops.SOURCE_FILES + cuda_ops.HEADER_FILES:
+        assert (pkg_src / name).is_file(), f"{pkg_src / name} missing"
+    assert cuda_ops.cuda_source_dir().resolve() == pkg_src.resolve()
+
+
+def test_build_dir_is_cached_per_arch_and_sources(tmp_path, monkeypatch):
+    monkeypatch.setenv("FERROBATCH_CACHE_DIR", str(tmp_path))
+    a = cuda_ops.build_dir_for("90", cuda_ops.cuda_source_dir())
+    b = cuda_ops.build_dir_for("80", cuda_ops.cuda_source_dir())
+    assert a != b and a.parent == tmp_path / "torch_extensions" and "sm90" in a.name
+
+
+def test_nvcc_command_targets_sm90_only(tmp_path):
+    tk = cuda_ops.CudaToolkit(home=tmp_path, nvcc=tmp_path / "nvcc", version=(13, 2),
+                              include_dirs=(tmp_path,))
+    cmd = cuda_ops.nvcc_compile_command(tk, tmp_path / "x.cu", tmp_path / "x.o", arch="90")
+    assert "-gencode=arch=compute_90,code=sm_90" in cmd and "-c" in cmd
+    assert "--use_fast_math" in cmd and "-O3" in cmd
+    assert not any(f.startswith("-arch") for f in cmd)

@@ -1,0 +1,226 @@
+"""Each CUDA kernel against a float64 reference on fresh random inputs (needs a GPU: -m gpu).
+
+Coverage per the kernel issue: batch sizes 1..256, context lengths that are not multiples of the
+block size, GQA ratios 1/4/8, head dims 64/128, bf16/fp16 (+fp32), block tables in shuffled order,
+outputs poisoned with NaN first so an unwritten element fails, split-KV on and off.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from paged_utils import assert_close, make_batch, poison, random_cache, reference_attention
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def _ctx_lens(rng, batch: int, max_ctx: int, block_size: int) -> np.ndarray:
+    """Mostly non-multiples of the block size, plus the edge cases 1, bs-1, bs+1."""
+    lens = rng.integers(1, max_ctx + 1, size=batch)
+    edge = [1, block_size - 1, block_size + 1, max_ctx]
+    lens[: min(batch, len(edge))] = edge[: min(batch, len(edge))]
+    lens = np.maximum(lens, 1)
+    if batch > 4:
+        lens[lens % block_size == 0] += 1
+    return lens
+
+
+# ---------------------------------------------------------------------------------- cache write
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim,num_kv_heads", [(64, 3), (128, 8), (128, 1)])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_reshape_and_cache(cuda_ops, dtype, head_dim, num_kv_heads, slot_dtype):
+    rng = np.random.default_rng(1)
+    block_size, num_blocks, T = 16, 97, 300
+    g = _gen(2)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g,
+                        device=DEV).to(dtype)
+    # A strided key/value, as when split from a fused qkv projection.
+    fused = torch.randn(T, num_kv_heads * 3, head_dim, generator=g, device=DEV).to(dtype)
+    key, value = fused[:, :num_kv_heads], fused[:, 2 * num_kv_heads:]
+    slots = rng.choice(np.arange(block_size, num_blocks * block_size), size=T, replace=False)
+    slots[rng.random(T) < 0.1] = -1  # padded rows: must not write anywhere
+    expected = cache.clone()
+    valid = torch.from_numpy(slots >= 0).to(DEV)
+    idx = torch.from_numpy(slots).to(DEV)
+    flat = expected.view(2, -1, num_kv_heads, head_dim)
+    flat[0].index_copy_(0, idx[valid], key[valid])
+    flat[1].index_copy_(0, idx[valid], value[valid])
+    cuda_ops.reshape_and_cache(key, value, cache, idx.to(slot_dtype))
+    torch.cuda.synchronize()
+    assert torch.equal(cache, expected)
+
+
+# ---------------------------------------------------------------------------------- decode
+DECODE_CASES = [
+    # batch, max_ctx, block_size
+    (1, 1, 16),
+    (1, 8191, 16),
+    (3, 700, 16),
+    (16, 1500, 32),
+    (64, 1025, 16),
+    (131, 300, 8),
+    (256, 600, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_kv_heads,group", [(4, 1), (2, 4), (1, 8), (3, 3)])
+@pytest.mark.parametrize("batch,max_ctx,block_size", DECODE_CASES)
+def test_decode_attention(cuda_ops, dtype, head_dim, num_kv_heads, group, batch, max_ctx, block_size):
+    seed = zlib.crc32(repr((str(dtype), head_dim, num_kv_heads, group, batch, max_ctx)).encode())
+    rng = np.random.default_rng(seed)
+    lens = _ctx_lens(rng, batch, max_ctx, block_size)
+    pb = make_batch(rng, lens, np.ones(batch, np.int64), block_size)
+    gen = _gen(seed)
+    cache = random_cache(pb, num_kv_heads, head_dim, dtype, DEV, gen)
+    Hq = num_kv_heads * group
+    q = torch.randn(batch, Hq, head_dim, generator=gen, device=DEV).to(dtype)
+    scale = 1.0 / math.sqrt(head_dim)
+    ref = reference_attention(q, cache, pb, scale)
+    bt = torch.from_numpy(pb.block_tables).to(DEV)
+    sl = torch.from_numpy(pb.seq_lens).to(DEV)
+    sms = cuda_ops.num_sms()
+    auto = cuda_ops.choose_num_splits(batch, num_kv_heads, int(lens.max()), sms)
+    for splits in sorted({1, auto, 7, 32}):
+        out = poison(q.shape, dtype, DEV)
+        ws = cuda_ops.DecodeWorkspace.allocate(batch + 5, Hq, head_dim, 32, DEV)
+        ws.partial_out.fill_(float("nan"))
+        ws.partial_lse.fill_(float("nan"))
+        cuda_ops.paged_decode_attention(q, cache, bt, sl, scale, num_splits=splits, workspace=ws,
+                                        out=out)
+        torch.cuda.synchronize()
+        assert_close(out, ref, dtype, f"decode splits={splits}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32])
+@pytest.mark.parametrize("head_dim,num_kv_heads,group", [(64, 3, 3), (128, 8, 4)])
+def test_decode_attention_fp32(cuda_ops, dtype, head_dim, num_kv_heads, group):
+    rng = np.random.default_rng(5)
+    lens = _ctx_lens(rng, 9, 2000, 16)
+    pb = make_batch(rng, lens, np.ones(9, np.int64), 16)
+    gen = _gen(5)
+    cache = random_cache(pb, num_kv_heads, head_dim, dtype, DEV, gen)
+    q = torch.randn(9, num_kv_heads * group, head_dim, generator=gen, device=DEV)
+    ref = reference_attention(q, cache, pb, 0.125)
+    bt, sl = torch.from_numpy(pb.block_tables).to(DEV), torch.from_numpy(pb.seq_lens).to(DEV)
+    for splits in (1, 6):
+        out = poison(q.shape, dtype, DEV)
+        cuda_ops.paged_decode_attention(q, cache, bt, sl, 0.125, num_splits=splits, out=out)
+        torch.cuda.synchronize()
+        assert_close(out, ref, dtype, f"fp32 decode splits={splits}")
+
+
+def test_decode_strided_query_and_zero_length_rows(cuda_ops):
+    """q as a view of a fused qkv tensor; seq_len 0 rows (CUDA-graph padding) give zeros."""
+    rng = np.random.default_rng(9)
+    Hkv, G, D, B = 2, 4, 128, 6
+    lens = np.array([37, 1, 250, 16, 17, 999])
+    pb = make_batch(rng, lens, np.ones(B, np.int64), 16)
+    gen = _gen(9)
+    cache = random_cache(pb, Hkv, D, torch.bfloat16, DEV, gen)
+    qkv = torch.randn(B, (G + 2) * Hkv, D, generator=gen, device=DEV).to(torch.bfloat16)
+    q = qkv[:, : G * Hkv]
+    ref = reference_attention(q.contiguous(), cache, pb, 0.1)
+    sl = torch.from_numpy(pb.seq_lens).to(DEV)
+    sl[[1, 4]] = 0
+    bt = torch.from_numpy(pb.block_tables).to(DEV)
+    for splits in (1, 4):
+        out = poison(q.shape, torch.bfloat16, DEV)
+        cuda_ops.paged_decode_attention(q, cache, bt, sl, 0.1, num_splits=splits, out=out)
+        torch.cuda.synchronize()
+        live = [0, 2, 3, 5]
+        assert_close(out[live], ref[live], torch.bfloat16, f"strided q splits={splits}")
+        assert torch.equal(out[[1, 4]], torch.zeros_like(out[[1, 4]]))
+
+
+# ---------------------------------------------------------------------------------- prefill / mixed
+PREFILL_CASES = [
+    # (context lengths after the step, query lengths)
+    ([5], [5]),                                   # fresh short prompt
+    ([300], [300]),                               # fresh prompt, several tiles
+    ([1000, 77], [129, 77]),                      # chunk after prior context + fresh prompt
+    ([513, 40, 1, 260, 2048], [1, 40, 1, 3, 100]),  # mixed: decode rows next to prefill chunks
+    (list(range(17, 17 + 40 * 13, 13)), [1 + (i * 7) % 33 for i in range(40)]),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_kv_heads,group", [(4, 1), (2, 4), (1, 8), (3, 3)])
+@pytest.mark.parametrize("case", range(len(PREFILL_CASES)))
+def test_prefill_attention(cuda_ops, dtype, head_dim, num_kv_heads, group, case):
+    lens, qlens = PREFILL_CASES[case]
+    seed = zlib.crc32(repr((str(dtype), head_dim, num_kv_heads, group, case)).encode())
+    rng = np.random.default_rng(seed)
+    block_size = 16 if case % 2 == 0 else 32
+    pb = make_batch(rng, lens, qlens, block_size)
+    gen = _gen(seed)
+    cache = random_cache(pb, num_kv_heads, head_dim, dtype, DEV, gen)
+    Hq = num_kv_heads * group
+    q = torch.randn(pb.num_tokens, Hq, head_dim, generator=gen, device=DEV).to(dtype)
+    scale = 1.0 / math.sqrt(head_dim)
+    ref = reference_attention(q, cache, pb, scale)
+    out = poison(q.shape, dtype, DEV)
+    cuda_ops.paged_prefill_attention(
+        q, cache, torch.from_numpy(pb.block_tables).to(DEV), torch.from_numpy(pb.seq_lens).to(DEV),
+        torch.from_numpy(pb.query_start_loc).to(DEV), scale, int(pb.query_lens.max()), out=out)
+    torch.cuda.synchronize()
+    assert_close(out, ref, dtype, f"prefill case {case}")
+
+
+def test_decode_and_prefill_kernels_agree(cuda_ops):
+    """The prefill kernel on a decode-only batch must match the decode kernel."""
+    rng = np.random.default_rng(11)
+    lens = _ctx_lens(rng, 33, 3000, 16)
+    pb = make_batch(rng, lens, np.ones(33, np.int64), 16)
+    gen = _gen(11)
+    cache = random_cache(pb, 8, 128, torch.bfloat16, DEV, gen)
+    q = torch.randn(33, 32, 128, generator=gen, device=DEV).to(torch.bfloat16)
+    bt, sl = torch.from_numpy(pb.block_tables).to(DEV), torch.from_numpy(pb.seq_lens).to(DEV)
+    a = cuda_ops.paged_decode_attention(q, cache, bt, sl, 0.08, num_splits=5)
+    b = cuda_ops.paged_prefill_attention(q, cache, bt, sl, torch.from_numpy(pb.query_start_loc).to(DEV),
+                                         0.08, 1)
+    torch.cuda.synchronize()
+    assert float((a.double() - b.double()).norm() / b.double().norm()) < 1e-2
+
+
+# ---------------------------------------------------------------------------------- backend
+def test_backend_matches_torch_reference(cuda_ops):
+    """CudaPagedBackend vs the model runtime's TorchReferenceBackend on the same mixed step."""
+    from ferrobatch.runtime.attention.cuda import CudaPagedBackend
+    from ferrobatch.runtime.attention.torch_ref import TorchReferenceBackend
+
+    rng = np.random.default_rng(21)
+    block_size, Hkv, G, D = 16, 3, 3, 64
+    for qlens in ([1] * 12, [1, 7, 1, 33, 1, 2]):
+        lens = rng.integers(40, 400, size=len(qlens))
+        pb = make_batch(rng, lens, qlens, block_size)
+        gen = _gen(int(lens.sum()))
+        cache_a = random_cache(pb, Hkv, D, torch.bfloat16, DEV, gen)
+        cache_b = cache_a.clone()
+        T = pb.num_tokens
+        q = torch.randn(T, Hkv * G, D, generator=gen, device=DEV).to(torch.bfloat16)
+        k = torch.randn(T, Hkv, D, generator=gen, device=DEV).to(torch.bfloat16)
+        v = torch.randn(T, Hkv, D, generator=gen, device=DEV).to(torch.bfloat16)
+        cuda_be, ref_be = CudaPagedBackend(block_size=block_size), TorchReferenceBackend(block_size)
+        ma, mb = cuda_be.build_metadata(pb, DEV), ref_be.build_metadata(pb, DEV)
+        cuda_be.write_kv(cache_a, k, v, ma)
+        ref_be.write_kv(cache_b, k, v, mb)
+        assert torch.equal(cache_a, cache_b)
+        out = cuda_be.forward(q, cache_a, ma, 0.125)
+        ref = ref_be.forward(q.float(), cache_b.float(), mb, 0.125)
+        torch.cuda.synchronize()
+        assert_close(out, ref.double(), torch.bfloat16, f"backend qlens={qlens}")
