@@ -71,12 +71,14 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, *, loaded_model: Any = None,
-                 **options: Any) -> None:
+                 core: Any = None, **options: Any) -> None:
+        """`loaded_model`: an already loaded model to share; `core`: a prebuilt object with
+        EngineCore's interface (embedding the engine elsewhere, tests)."""
         if config is not None and options:
             raise TypeError("pass either an EngineConfig or keyword options, not both")
         self.config = config if config is not None else EngineConfig.from_options(**options)
         self._loaded = loaded_model
-        self._core: Any = None
+        self._core: Any = core
         self._loop_thread: StepLoop | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._requests: dict[int, RequestState] = {}
@@ -93,11 +95,12 @@ class AsyncEngine:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> "AsyncEngine":
-        if self._core is not None:
+        if self._loop_thread is not None:
             return self
-        from ferrobatch.engine.core import EngineCore
         self._loop = asyncio.get_running_loop()
-        self._core = await asyncio.to_thread(EngineCore.build, self.config, self._loaded)
+        if self._core is None:
+            from ferrobatch.engine.core import EngineCore
+            self._core = await asyncio.to_thread(EngineCore.build, self.config, self._loaded)
         self._stats = self._core.stats()
         self._loop_thread = StepLoop(self._core, self._loop, self._on_step, self._on_fatal)
         self._loop_thread.start()

@@ -136,12 +136,14 @@ class RequestState:
         finished = self.user_finished
         if self.final_emitted or (kind == "final" and not finished):
             return None
+        changed = [len(s.token_ids) != s.sent_tokens or len(s.text) != s.sent_text
+                   or (s.finish_reason is not None and not s.reported) for s in self.seqs]
+        if not any(changed):
+            return None
         outs: list[CompletionOutput] = []
-        for s in self.seqs:
-            new_finish = s.finish_reason is not None and not s.reported
+        for s, new in zip(self.seqs, changed):
             if kind == "delta":
-                if len(s.token_ids) == s.sent_tokens and len(s.text) == s.sent_text \
-                        and not new_finish:
+                if not new:
                     continue
                 outs.append(CompletionOutput(s.index, s.text[s.sent_text:],
                                              s.token_ids[s.sent_tokens:], s.finish_reason,
@@ -153,8 +155,6 @@ class RequestState:
             s.sent_text = len(s.text)
             if s.finish_reason is not None:
                 s.reported = True
-        if not outs and not finished:
-            return None
         if finished:
             self.final_emitted = True
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,

@@ -1,0 +1,179 @@
+"""FakeCore: an in-test stand-in for EngineCore (no model, no Rust), for fast engine/server tests.
+
+It speaks EngineCore's interface and honours the scheduler contract: every sequence of every
+accepted request gets exactly one terminal event (1 stop, 2 length, 3 abort, 4 error), aborts
+are applied at the next step, and `update` semantics are mimicked in `step()`.
+
+The "model" echoes its prompt: sequence `i` of a request emits the prompt's tokens cyclically,
+starting `i` tokens in. The tokenizer is one character per token (ids = code points < 512);
+token 3 is EOS.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ferrobatch.engine.core import StepResult
+
+EOS = 3
+
+
+class CharTokenizer:
+    bos_token_id = None
+    eos_token_ids = [EOS]
+    vocab_size = 512
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [min(ord(c), 511) for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i == EOS))
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+@dataclass
+class _Req:
+    rid: int
+    prompt: list[int]
+    max_tokens: int
+    ignore_eos: bool
+    n: int
+    stop_ids: tuple
+    produced: list[int] = field(default_factory=list)
+    done: list[bool] = field(default_factory=list)
+    scheduled: bool = False
+
+
+class FakeCore:
+    model_name = "fake"
+    vocab_size = 512
+    ready_token_id = ord("r")
+
+    def __init__(self, *, max_model_len: int = 256, step_delay_s: float = 0.002,
+                 max_running: int = 64, num_blocks: int = 64) -> None:
+        self.tokenizer = CharTokenizer()
+        self.max_model_len = max_model_len
+        self.step_delay_s = step_delay_s
+        self.max_running = max_running
+        self.num_blocks = num_blocks
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._reqs: dict[int, _Req] = {}
+        self._order: list[int] = []
+        self.fail_next_step: BaseException | None = None
+        self.fail_submit: BaseException | None = None
+        self.submitted = 0
+        self.aborts: list[tuple[int, int, str]] = []
+
+    # asyncio side
+    def new_detokenizer(self, prompt_ids, params):
+        from ferrobatch.model.detokenizer import IncrementalDetokenizer
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop,
+                                      skip_special_tokens=params.skip_special_tokens)
+
+    def submit(self, req_id, ids, p, max_tokens, state) -> None:
+        if self.fail_submit is not None:
+            exc, self.fail_submit = self.fail_submit, None
+            raise exc
+        self.submitted += 1
+        self._inbox.put(("submit", _Req(req_id, list(ids), max_tokens, p.ignore_eos, p.n,
+                                        tuple(p.stop_token_ids), [0] * p.n, [False] * p.n)))
+        self._wake.set()
+
+    def abort(self, req_id, seq_index, reason) -> None:
+        self.aborts.append((req_id, seq_index, reason))
+        self._inbox.put(("abort", (req_id, seq_index, reason)))
+        self._wake.set()
+
+    def forget(self, req_id) -> None:
+        pass
+
+    def num_tracked(self) -> int:
+        return 0
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def all_blocks_free(self, stats) -> bool:
+        return stats["num_free_blocks"] == self.num_blocks - 1
+
+    def stats(self) -> dict[str, Any]:
+        running = sum(1 for r in self._reqs.values() if r.scheduled)
+        return {"num_running": running, "num_waiting": len(self._reqs) - running,
+                "num_free_blocks": self.num_blocks - 1 - len(self._reqs),
+                "num_blocks": self.num_blocks, "kv_cache_usage": len(self._reqs) / self.num_blocks,
+                "num_preemptions_total": 0, "prefix_cache_queries_total": 0,
+                "prefix_cache_hits_total": 0}
+
+    # step thread
+    def has_unfinished(self) -> bool:
+        return bool(self._reqs) or not self._inbox.empty()
+
+    def wait_for_work(self, timeout_s: float) -> bool:
+        got = self._wake.wait(timeout_s)
+        self._wake.clear()
+        return got
+
+    def step(self) -> StepResult | None:
+        if self.fail_next_step is not None:
+            exc, self.fail_next_step = self.fail_next_step, None
+            raise exc
+        ev: list[tuple[int, int, int, int]] = []
+        errors: dict[int, str] = {}
+        while True:
+            try:
+                kind, x = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "submit":
+                self._reqs[x.rid] = x
+                self._order.append(x.rid)
+            else:
+                rid, si, reason = x
+                r = self._reqs.get(rid)
+                if r is None:
+                    continue
+                code = {"abort": 3, "stop": 1, "error": 4}[reason]
+                for i in range(r.n) if si < 0 else [si]:
+                    if not r.done[i]:
+                        r.done[i] = True
+                        ev.append((rid, i, -1, code))
+                        if code == 4:
+                            errors[rid] = "aborted with error"
+        scheduled = []
+        for rid in list(self._order):
+            r = self._reqs[rid]
+            if not r.scheduled and len(scheduled) >= self.max_running:
+                continue
+            r.scheduled = True
+            scheduled.append(rid)
+            for i in range(r.n):
+                if r.done[i]:
+                    continue
+                k = r.produced[i]
+                tok = r.prompt[(k + i) % len(r.prompt)]
+                r.produced[i] += 1
+                code = 0
+                if (tok == EOS and not r.ignore_eos) or tok in r.stop_ids:
+                    code = 1
+                elif r.produced[i] >= r.max_tokens:
+                    code = 2
+                if code:
+                    r.done[i] = True
+                ev.append((rid, i, tok, code))
+        for rid in [rid for rid in self._order if all(self._reqs[rid].done)]:
+            self._order.remove(rid)
+            del self._reqs[rid]
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        if not ev and not scheduled:
+            return None
+        return StepResult([e[0] for e in ev], [e[1] for e in ev], [e[2] for e in ev],
+                          [e[3] for e in ev], errors, scheduled, self.stats(), self.step_delay_s)

@@ -1,0 +1,200 @@
+"""AsyncEngine semantics on FakeCore: outputs, stop strings, n > 1, aborts, failures, accounting."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fake_core import EOS
+from ferrobatch.engine.errors import EngineDeadError, QueueFullError
+from ferrobatch.sampling_params import SamplingParams
+
+
+async def run(engine, prompt, rid=None, **kw):
+    outs = []
+    async for out in engine.generate(prompt, SamplingParams(**kw), request_id=rid):
+        outs.append(out)
+    return outs
+
+
+async def test_cumulative_output(fake_engine):
+    outs = await run(fake_engine, "hello", max_tokens=7, temperature=0.0)
+    final = outs[-1]
+    assert final.finished and final.outputs[0].finish_reason == "length"
+    assert final.outputs[0].text == "hellohe"
+    assert final.outputs[0].token_ids == [ord(c) for c in "hellohe"]
+    assert final.prompt_token_ids == [ord(c) for c in "hello"]
+    assert all(not o.finished for o in outs[:-1])
+
+
+async def test_delta_and_final_kinds(fake_engine):
+    deltas = await run(fake_engine, "abc", max_tokens=5, output_kind="delta")
+    assert "".join(o.outputs[0].text for o in deltas) == "abcab"
+    assert sum(len(o.outputs[0].token_ids) for o in deltas) == 5
+    finals = await run(fake_engine, "abc", max_tokens=5, output_kind="final")
+    assert len(finals) == 1 and finals[0].outputs[0].text == "abcab"
+
+
+async def test_stop_string_never_streamed(fake_engine):
+    deltas = await run(fake_engine, "abcXYZdef", max_tokens=50, stop=["XYZ", "nope"],
+                       output_kind="delta")
+    pieces = [o.outputs[0].text for o in deltas]
+    assert "".join(pieces) == "abc"
+    assert not any("X" in p for p in pieces)
+    last = deltas[-1].outputs[0]
+    assert last.finish_reason == "stop" and last.stop_reason == "XYZ"
+
+
+async def test_stop_prefix_released_when_no_match(fake_engine):
+    outs = await run(fake_engine, "abXY", max_tokens=4, stop=["XYZ"], output_kind="delta")
+    assert "".join(o.outputs[0].text for o in outs) == "abXY"
+    assert outs[-1].outputs[0].finish_reason == "length"
+
+
+async def test_include_stop_str(fake_engine):
+    outs = await run(fake_engine, "abcXYZdef", max_tokens=50, stop=["XYZ"],
+                     include_stop_str_in_output=True)
+    assert outs[-1].outputs[0].text == "abcXYZ"
+
+
+async def test_n_greater_than_one(fake_engine):
+    outs = await run(fake_engine, "abcd", max_tokens=3, n=3)
+    final = outs[-1]
+    assert [c.index for c in final.outputs] == [0, 1, 2]
+    assert [c.text for c in final.outputs] == ["abc", "bcd", "cda"]
+    assert all(c.finish_reason == "length" for c in final.outputs)
+
+
+async def test_eos_ignore_eos_and_stop_token_ids(fake_engine):
+    outs = await run(fake_engine, "ab" + chr(EOS) + "cd", max_tokens=10)
+    c = outs[-1].outputs[0]
+    assert c.finish_reason == "stop" and c.text == "ab" and c.token_ids[-1] == EOS
+    outs = await run(fake_engine, "ab" + chr(EOS) + "cd", max_tokens=6, ignore_eos=True)
+    assert outs[-1].outputs[0].finish_reason == "length"
+    outs = await run(fake_engine, "abcd", max_tokens=10, stop_token_ids=[ord("c")])
+    c = outs[-1].outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == ord("c")
+
+
+async def test_abort_frees_and_reports(fake_engine):
+    stream = fake_engine.add_request("x" * 10, SamplingParams(max_tokens=200), "long")
+    first = await stream.__anext__()
+    assert not first.finished
+    assert fake_engine.abort("long")
+    outs = [o async for o in stream]
+    assert outs[-1].outputs[0].finish_reason == "abort"
+    await fake_engine.check_idle_clean()
+    assert fake_engine.counters["abort"] == 1
+    assert not fake_engine.abort("long")           # unknown afterwards
+
+
+async def test_leaving_generate_aborts(fake_engine):
+    agen = fake_engine.generate("y" * 5, SamplingParams(max_tokens=250), request_id="gone")
+    async for _ in agen:
+        break
+    await agen.aclose()
+    await fake_engine.check_idle_clean()
+    assert fake_engine.counters["abort"] == 1
+
+
+@pytest.mark.parametrize("prompt,kw,match", [
+    ("", {}, "empty"),
+    ([], {}, "empty"),
+    ([1, 2, 100000], {}, "vocabulary"),
+    ([1, True], {}, "integers"),
+    ("a" * 300, {}, "context window"),
+    ("abc", {"max_tokens": 254}, "exceeds"),
+    ("abc", {"n": 17}, "n must be"),
+    ("abc", {"stop": ["s"] * 17}, "stop strings"),
+    ("abc", {"stop_token_ids": [600]}, "vocabulary"),
+])
+async def test_validation_before_allocation(fake_engine, prompt, kw, match):
+    core = fake_engine._core
+    before = core.submitted
+    with pytest.raises(ValueError, match=match):
+        fake_engine.add_request(prompt, SamplingParams(**kw))
+    assert core.submitted == before
+    assert fake_engine.check_accounting()["open"] == 0
+
+
+@pytest.mark.parametrize("kw", [
+    {"temperature": -1}, {"temperature": float("nan")}, {"top_p": 0}, {"top_p": 1.5},
+    {"top_k": -2}, {"max_tokens": 0}, {"n": 0}, {"min_tokens": 5, "max_tokens": 2},
+    {"seed": -1}, {"stop": [""]}, {"repetition_penalty": 0}, {"max_tokens": 1.5},
+])
+def test_sampling_params_reject(kw):
+    with pytest.raises(ValueError):
+        SamplingParams(**kw)
+
+
+async def test_duplicate_request_id(fake_engine):
+    s = fake_engine.add_request("abc", SamplingParams(max_tokens=100), "dup")
+    with pytest.raises(ValueError, match="already in flight"):
+        fake_engine.add_request("abc", SamplingParams(max_tokens=1), "dup")
+    s.abort()
+    async for _ in s:
+        pass
+
+
+async def test_queue_full(fake_engine):
+    fake_engine.config = fake_engine.config.replace(max_queued_requests=2)
+    streams = [fake_engine.add_request("abc", SamplingParams(max_tokens=3)) for _ in range(2)]
+    with pytest.raises(QueueFullError):
+        fake_engine.add_request("abc", SamplingParams(max_tokens=3))
+    for s in streams:
+        async for _ in s:
+            pass
+    assert fake_engine.counters["rejected"] == 1
+
+
+async def test_detokenizer_failure_fails_one_request(fake_engine):
+    bad = fake_engine.add_request("abcdef", SamplingParams(max_tokens=50), "bad")
+    good = fake_engine.add_request("abcdef", SamplingParams(max_tokens=5), "good")
+
+    class Boom:
+        def add(self, tok):
+            raise UnicodeDecodeError("utf-8", b"", 0, 1, "boom")
+
+    bad._state.seqs[0].detok = Boom()
+    bad_outs = [o async for o in bad]
+    good_outs = [o async for o in good]
+    assert bad_outs[-1].outputs[0].finish_reason == "error"
+    assert "detokenization failed" in bad_outs[-1].error
+    assert good_outs[-1].outputs[0].text == "abcde"
+    await fake_engine.check_idle_clean()
+    assert fake_engine.counters["error"] == 1
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("kaput"), type("PanicException",
+                                                               (BaseException,), {})("panic")])
+async def test_fatal_error_ends_every_stream(fake_engine, exc):
+    streams = [fake_engine.add_request("abc", SamplingParams(max_tokens=200)) for _ in range(3)]
+    await asyncio.sleep(0.02)
+    fake_engine._core.fail_next_step = exc
+    fake_engine._core.wake()
+    for s in streams:
+        outs = [o async for o in s]
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "error"
+        assert "engine failure" in outs[-1].error
+    assert not fake_engine.is_running
+    assert "kaput" in fake_engine.dead_reason or "panic" in fake_engine.dead_reason
+    with pytest.raises(EngineDeadError):
+        fake_engine.add_request("abc")
+    assert not await fake_engine.check_ready(1.0)
+    assert fake_engine.check_accounting()["open"] == 0
+
+
+async def test_ready_and_many_concurrent(fake_engine):
+    assert await fake_engine.check_ready(5.0)
+
+    async def one(i):
+        outs = await run(fake_engine, f"p{i:03d}", max_tokens=4 + i % 5, output_kind="delta")
+        return "".join(o.outputs[0].text for o in outs), outs[-1].outputs[0].num_output_tokens
+
+    results = await asyncio.gather(*(one(i) for i in range(60)))
+    for i, (text, ntok) in enumerate(results):
+        want = (f"p{i:03d}" * 3)[:4 + i % 5]
+        assert text == want and ntok == len(want)
+    await fake_engine.check_idle_clean()
+    assert fake_engine.counters["length"] == 61
