@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# THE one GPU check of the CUDA kernels (issue #5). On the GPU machine, from the checkout root:
+#
+#     source .device/env.sh && bash benches/gpu_check.sh
+#
+# (.device/ is made beforehand on the dev machine by `bash ../shared/device/prepare.sh`.)
+# Steps, each with its own time limit so the whole run fits in ~8 minutes:
+#   1. environment (GPU, clocks, torch/CUDA versions, nvcc)                        -> env.txt
+#   2. JIT-build the kernels for this GPU (sm_90 on H200), ptxas register report   -> build.log, ptxas.txt
+#   3. pytest -m gpu tests/gpu (kernels vs float64 reference, CUDA graphs, e2e)    -> gpu_tests.log/.xml
+#   4. decode-attention bandwidth benchmark (+ measured copy rate)                 -> attention_bandwidth.{txt,json}
+#   5. summary table                                                                -> summary.txt
+# Everything goes to $OUT (the device tool returns it) and to benches/results/gpu-<stamp>/.
+# A step that fails is recorded and the script continues; the exit code is non-zero if any failed.
+set -uo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+stamp=$(date -u +%Y%m%dT%H%M%SZ)
+OUT=${OUT:-$root/benches/results/gpu-$stamp}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+export FERROBATCH_CACHE_DIR=${FERROBATCH_CACHE_DIR:-/tmp/ferrobatch-cache}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+# Use the installed wheel when it imports; otherwise the source tree (kernels then come from cuda/).
+if ! $PY -c "import ferrobatch.runtime.cuda_ops" >/dev/null 2>&1; then
+  export PYTHONPATH=$root/python${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+declare -A status
+run_step() {  # name timeout_s logfile cmd...
+  local name=$1 limit=$2 log=$3; shift 3
+  local t0=$SECONDS
+  echo "=== [$name] $* (limit ${limit}s)" | tee -a "$OUT/steps.txt"
+  timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
+  local rc=$?
+  status[$name]="rc=$rc $((SECONDS - t0))s"
+  echo "=== [$name] ${status[$name]}" | tee -a "$OUT/steps.txt"
+  tail -n 5 "$log"
+  return $rc
+}
+
+failed=0
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem --format=csv || true
+  $PY -c "import torch, sys; print('python', sys.version.split()[0]); print('torch', torch.__version__, 'cuda', torch.version.cuda); p = torch.cuda.get_device_properties(0); print(p.name, 'cc', f'{p.major}.{p.minor}', 'SMs', p.multi_processor_count, 'L2', getattr(p, 'L2_cache_size', '?'))"
+  command -v nvcc && nvcc --version | tail -2
+  $PY -c "import ferrobatch, ferrobatch.runtime.cuda_ops as o; print('ferrobatch', ferrobatch.__file__); print('sources', o.cuda_source_dir()); print('toolkit', o.find_cuda_toolkit())"
+  git -C "$root" log --oneline -1 2>/dev/null || true
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+run_step build 360 "$OUT/build.log" $PY -m ferrobatch.runtime.cuda_ops --build --verbose || failed=1
+grep -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT/build.log" \
+  | sed -E 's/ptxas info *: //' | paste - - - >"$OUT/ptxas.txt" 2>/dev/null || true
+
+if [[ ${status[build]} == rc=0* ]]; then
+  run_step tests 300 "$OUT/gpu_tests.log" $PY -m pytest -m gpu -q -p no:cacheprovider -rfEs \
+    --junitxml="$OUT/gpu_tests.xml" tests/gpu || failed=1
+  run_step bench 180 "$OUT/attention_bandwidth.txt" $PY benches/attention_bandwidth.py \
+    --measure-copy --json "$OUT/attention_bandwidth.json" || failed=1
+else
+  echo "build failed: skipping tests and bench" | tee -a "$OUT/steps.txt"
+  failed=1
+fi
+
+{
+  echo "ferrobatch GPU check $stamp  ($(head -n 2 "$OUT/env.txt" | tail -n 1))"
+  for k in build tests bench; do echo "  $k: ${status[$k]:-not run}"; done
+  echo "--- tests"
+  grep -E "passed|failed|error" "$OUT/gpu_tests.log" 2>/dev/null | tail -n 3
+  grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.log" 2>/dev/null | head -n 15
+  echo "--- decode attention bandwidth (bf16, block 16)"
+  sed -n '/^shape /,$p' "$OUT/attention_bandwidth.txt" 2>/dev/null
+  echo "--- registers (ptxas) of the decode kernels, bf16"
+  grep -E "paged_decode_kernelI13__nv_bfloat16" "$OUT/ptxas.txt" 2>/dev/null \
+    | sed -E 's/.*kernelI13__nv_bfloat16Li([0-9]+)ELi([0-9]+)ELb([01]).*Used ([0-9]+) registers.*/  D=\1 GP=\2 direct=\3: \4 regs/' | sort -u
+} >"$OUT/summary.txt"
+
+# keep a copy in the repo tree (on the GPU machine the tree is discarded; $OUT comes back)
+if [[ $OUT != "$root/benches/results/"* ]]; then
+  mkdir -p "$root/benches/results/gpu-$stamp" && cp -r "$OUT"/. "$root/benches/results/gpu-$stamp/" 2>/dev/null || true
+fi
+cat "$OUT/summary.txt"
+exit $failed
