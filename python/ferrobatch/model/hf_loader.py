@@ -38,6 +38,10 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         raise ValueError(
             f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(SUPPORTED_ARCHS)}"
         )
+    # transformers >= 5 writes rope settings as one "rope_parameters" dict
+    rope = dict(cfg.get("rope_parameters") or {})
+    rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     try:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -51,8 +55,8 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),

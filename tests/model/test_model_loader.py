@@ -1,0 +1,156 @@
+"""Loaders: GGUF dequantization and Q/K permutation, HF directories vs transformers, random shapes, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from step_builder import ToyScheduler
+
+from ferrobatch.model.dequant import dequantize_tensor
+from ferrobatch.model.gguf_loader import llama_permute, reverse_llama_permute
+from ferrobatch.model.loader import load_model
+from ferrobatch.model.random_init import RANDOM_SHAPES
+from ferrobatch.runtime.model_runner import ModelRunner
+
+
+def test_torch_dequant_matches_gguf_reference(smollm2_gguf_path):
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize, quantize
+
+    reader = GGUFReader(smollm2_gguf_path)
+    checked = set()
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name in checked:
+            continue
+        checked.add(tensor.tensor_type.name)
+        ours = dequantize_tensor(tensor.data, int(tensor.tensor_type), tensor.tensor_type.name)
+        np.testing.assert_array_equal(ours.numpy(), dequantize(tensor.data, tensor.tensor_type))
+    assert checked == {"Q8_0", "Q4_1", "F32"}
+    weights = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    for qtype in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
+                  GGMLQuantizationType.F16):
+        packed = quantize(weights, qtype)
+        np.testing.assert_array_equal(dequantize_tensor(packed, int(qtype), qtype.name).numpy(),
+                                      dequantize(packed, qtype))
+
+
+def test_qk_permutation_round_trip():
+    weight = torch.randn(3 * 8, 5)
+    assert torch.equal(llama_permute(reverse_llama_permute(weight, 3), 3), weight)
+    assert torch.equal(reverse_llama_permute(llama_permute(weight, 3), 3), weight)
+    assert not torch.equal(reverse_llama_permute(weight, 3), weight)
+
+
+def test_smollm2_config(loaded_smollm2):
+    c = loaded_smollm2.config
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == \
+        (30, 576, 9, 3, 64, 49152)
+    assert c.tie_word_embeddings and c.rope_theta == 100000.0
+    assert loaded_smollm2.model.lm_head_weight is loaded_smollm2.model.embed_tokens.weight
+    assert loaded_smollm2.chat_template and loaded_smollm2.dtype == torch.float32
+
+
+def test_random_shape_loads_without_tokenizer_and_runs():
+    loaded = load_model("random:smollm2-135m")
+    assert loaded.source == "random" and loaded.config == RANDOM_SHAPES["smollm2-135m"]
+    runner = ModelRunner(loaded, num_blocks=16, block_size=16)
+    sched = ToyScheduler(16, 16)
+    sched.add(0, [1, 2, 3, 4, 5], 1)
+    logits = runner.execute(sched.schedule())
+    assert logits.shape == (1, 49152) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("name, error", [
+    ("random:gpt-17", ValueError),
+    ("/nonexistent/model.gguf", FileNotFoundError),
+    ("no-such-model", FileNotFoundError),
+])
+def test_clear_errors(name, error):
+    with pytest.raises(error):
+        load_model(name)
+
+
+def test_non_gguf_file_and_bad_hf_dirs(tmp_path):
+    text_file = tmp_path / "weights.bin"
+    text_file.write_bytes(b"\0" * 16)
+    with pytest.raises(ValueError, match="gguf"):
+        load_model(str(text_file))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="unsupported model_type"):
+        load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="lacks required key"):
+        load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIGS["llama"]))
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_model(str(tmp_path))
+
+
+def test_unsupported_gguf_architecture(tmp_path):
+    import gguf
+
+    path = str(tmp_path / "tiny.gguf")
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'"):
+        load_model(path)
+
+
+TINY_CONFIGS = {
+    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64,
+                  intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+                  max_position_embeddings=256, tie_word_embeddings=False),
+    "llama3-rope": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64,
+                        intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=1, vocab_size=128, rms_norm_eps=1e-5,
+                        rope_theta=500000.0, max_position_embeddings=256, tie_word_embeddings=True,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 16}),
+    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64,
+                  intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, rms_norm_eps=1e-6, rope_theta=10000.0,
+                  max_position_embeddings=256, tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_hf_directory_matches_transformers_logits(tmp_path, name):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(**TINY_CONFIGS[name])
+    reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.normal_(0.0, 0.1)
+    reference.save_pretrained(tmp_path, safe_serialization=True)
+    loaded = load_model(str(tmp_path))
+    assert loaded.tokenizer is None and loaded.config.arch == TINY_CONFIGS[name]["model_type"]
+    prompts = [list(range(3, 40)), list(range(50, 53))]
+    runner = ModelRunner(loaded, num_blocks=32, block_size=4)
+    sched = ToyScheduler(32, 4, token_budget=16)
+    for i, p in enumerate(prompts):
+        sched.add(i, p, 1)
+    logits = {}
+    while (batch := sched.schedule()) is not None:
+        out = runner.execute(batch)
+        for row, req in enumerate(batch.sample_req_ids):
+            logits[int(req)] = out[row]
+        sched.update(out.argmax(-1).numpy())
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            want = reference(torch.tensor([p])).logits[0, -1]
+            torch.testing.assert_close(logits[i], want, rtol=1e-4, atol=1e-4)
+    assert os.path.isfile(tmp_path / "config.json")

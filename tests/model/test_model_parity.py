@@ -1,0 +1,109 @@
+"""Greedy parity with transformers on the shipped SmolLM2 GGUF, token for token.
+
+Both models get the same token ids (transformers' GGUF tokenizer does not isolate digits).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import NUM_NEW_TOKENS
+from step_builder import ToyScheduler
+
+from ferrobatch.runtime.model_runner import ModelRunner
+from ferrobatch.runtime.sampler import Sampler
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 512
+
+
+@pytest.fixture(scope="module")
+def runner(loaded_smollm2):
+    return ModelRunner(loaded_smollm2, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, attn_backend="torch")
+
+
+@pytest.fixture(scope="module")
+def sampler(loaded_smollm2):
+    return Sampler(loaded_smollm2.config.vocab_size, loaded_smollm2.tokenizer.eos_token_ids, "cpu")
+
+
+def _step_until_done(runner, sampler, scheduler, on_step=None) -> None:
+    for step in range(10_000):
+        batch = scheduler.schedule()
+        if batch is None:
+            return
+        if on_step is not None:
+            on_step(step, scheduler)
+            batch = scheduler.schedule()
+            if batch is None:
+                return
+        logits = runner.execute(batch)
+        assert logits.dtype == torch.float32 and logits.shape == (batch.num_samples, runner.config.vocab_size)
+        scheduler.update(sampler.sample(logits, batch).token_ids)
+
+
+def test_prompt_set_is_varied(parity_prompts, hf_greedy_outputs):
+    assert len(parity_prompts) >= 16
+    assert max(map(len, parity_prompts)) > 3 * BLOCK_SIZE  # spans several blocks
+    assert min(map(len, parity_prompts)) < 8
+    assert all(len(o) == NUM_NEW_TOKENS for o in hf_greedy_outputs)
+
+
+def test_each_prompt_alone_matches_transformers(runner, sampler, parity_prompts, hf_greedy_outputs):
+    mismatches = []
+    for i, (prompt, expected) in enumerate(zip(parity_prompts, hf_greedy_outputs)):
+        scheduler = ToyScheduler(NUM_BLOCKS, BLOCK_SIZE, token_budget=4096, seed=i)
+        seq = scheduler.add(i, prompt, NUM_NEW_TOKENS)
+        _step_until_done(runner, sampler, scheduler)
+        if seq.output_ids != expected:
+            mismatches.append((i, seq.output_ids, expected))
+    assert not mismatches
+
+
+def test_all_prompts_in_one_batch_with_chunked_prefill_and_prefix_hit(
+        runner, sampler, parity_prompts, hf_greedy_outputs):
+    """Half the prompts start at once; the rest join mid-flight (they reuse the chat system
+    prompt's cached blocks); prefills are chunked by a 40-token budget next to decodes."""
+    scheduler = ToyScheduler(NUM_BLOCKS, BLOCK_SIZE, token_budget=40, seed=123)
+    order = np.random.default_rng(0).permutation(len(parity_prompts))
+    first, later = order[: len(order) // 2], order[len(order) // 2:]
+    seqs = {int(i): scheduler.add(int(i), parity_prompts[i], NUM_NEW_TOKENS) for i in first}
+
+    def add_later(step, sched):
+        if step == 12:
+            for i in later:
+                seqs[int(i)] = sched.add(int(i), parity_prompts[i], NUM_NEW_TOKENS)
+
+    _step_until_done(runner, sampler, scheduler, on_step=add_later)
+    assert any(s.num_cached_tokens > 0 for s in seqs.values()), "no prefix-cache hit happened"
+    mismatches = [i for i, s in seqs.items() if s.output_ids != hf_greedy_outputs[i]]
+    assert not mismatches
+
+
+def test_real_scheduler_drives_the_model(loaded_smollm2, sampler, parity_prompts, hf_greedy_outputs):
+    scheduler_mod = pytest.importorskip("ferrobatch._scheduler")
+    sched = scheduler_mod.Scheduler(
+        num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_seqs=16, max_num_batched_tokens=64,
+        max_model_len=1024, vocab_size=loaded_smollm2.config.vocab_size,
+        eos_token_ids=loaded_smollm2.tokenizer.eos_token_ids)
+    runner = ModelRunner(loaded_smollm2, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    intake = sched.intake()
+    chosen = range(0, len(parity_prompts), 2)
+    for i in chosen:
+        intake.submit(i, parity_prompts[i], max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs: dict[int, list[int]] = {i: [] for i in chosen}
+    finished: set[int] = set()
+    for _ in range(2_000):
+        batch = sched.schedule()
+        logits = runner.execute(batch)
+        result = sched.update(sampler.sample(logits, batch).token_ids)
+        for req_id, token, reason in zip(result.req_ids, result.token_ids, result.finish_reasons):
+            if token >= 0:
+                outputs[int(req_id)].append(int(token))
+            if reason != 0:
+                finished.add(int(req_id))
+        if finished == set(chosen):
+            break
+    assert finished == set(chosen)
+    assert {i: outputs[i] for i in chosen} == {i: hf_greedy_outputs[i] for i in chosen}
