@@ -11,7 +11,9 @@ Arrivals are a Poisson process (exponential gaps, seeded; `inf` = all at once); 
 streaming `POST /v1/completions` with token-id prompts, `max_tokens` = its output length,
 `ignore_eos`, greedy, `stream_options.include_usage`. Metrics as vLLM defines them: TTFT = first
 chunk with choices; ITL = every later inter-chunk gap; TPOT = (e2e - ttft) / (tokens - 1); E2EL;
-output tokens from the usage chunk. Servers:
+output tokens from the usage chunk. `--doors http,ws,tcp` also measures ferrobatch's WebSocket and
+msgpack/TCP doors (through `ferrobatch.client`, one multiplexed connection, `delta` messages play
+the part of chunks). Servers:
   ferrobatch  `python -m ferrobatch serve` (SmolLM2 on CPU)
   hf          benches/hf_server.py: transformers' ContinuousBatchingManager behind the same API
 """
@@ -109,8 +111,46 @@ async def one_request(session, url: str, model: str, r: Request, timeout_s: floa
     return res
 
 
+async def one_request_door(client, r: Request, timeout_s: float) -> ReqResult:
+    """One generation over ferrobatch's WebSocket or msgpack/TCP door (ferrobatch.client):
+    TTFT = first `delta`, ITL = gaps between deltas, tokens = `done.usage.completion_tokens`."""
+    res = ReqResult(prompt_len=len(r.prompt_ids))
+    st = time.perf_counter()
+    res.start = st
+    last = st
+    chunks = 0
+
+    async def consume():
+        nonlocal last, chunks
+        async for m in client.generate(list(r.prompt_ids), max_tokens=r.output_len,
+                                       ignore_eos=True, temperature=0.0):
+            t = m.get("type")
+            now = time.perf_counter()
+            if t == "delta":
+                if chunks == 0:
+                    res.ttft = now - st
+                else:
+                    res.itl.append(now - last)
+                last = now
+                chunks += 1
+            elif t == "done":
+                res.output_tokens = int((m.get("usage") or {}).get("completion_tokens", chunks))
+                res.ok = chunks > 0
+            elif t in ("error", "cancelled"):
+                res.error = f"{t}: {m.get('message', '')}"[:200]
+    try:
+        await asyncio.wait_for(consume(), timeout_s)
+    except Exception as exc:  # noqa: BLE001
+        res.error = f"{type(exc).__name__}: {exc}"[:200]
+    res.latency = last - st
+    if not res.ok and not res.error:
+        res.error = "no terminal message"
+    return res
+
+
 async def run_rate(url: str, model: str, reqs: list[Request], rate: float, seed: int,
-                   max_concurrency: int | None, timeout_s: float, progress: bool) -> dict:
+                   max_concurrency: int | None, timeout_s: float, progress: bool,
+                   door_client=None) -> dict:
     import aiohttp
     rng = np.random.default_rng(seed)
     if np.isinf(rate):
@@ -133,6 +173,8 @@ async def run_rate(url: str, model: str, reqs: list[Request], rate: float, seed:
             inflight += 1
             max_inflight = max(max_inflight, inflight)
             try:
+                if door_client is not None:
+                    return await one_request_door(door_client, r, timeout_s)
                 return await one_request(session, url, model, r, timeout_s)
             finally:
                 inflight -= 1
@@ -213,11 +255,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(kind: str, port: int, args) -> list[str]:
+def server_command(kind: str, port: int, args, tcp_port: int | None = None) -> list[str]:
     if kind == "ferrobatch":
         return [PY, "-m", "ferrobatch", "serve", "--model", args.model, "--host", "127.0.0.1",
-                "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
-                *args.ferrobatch_args.split()]
+                "--port", str(port), "--tcp-port", str(tcp_port or free_port()),
+                "--max-num-seqs", str(args.max_num_seqs), *args.ferrobatch_args.split()]
     if kind == "hf":
         cmd = [PY, str(REPO / "benches" / "hf_server.py"), "--model", args.model,
                "--port", str(port), "--max-num-seqs", str(args.max_num_seqs)]
@@ -255,20 +297,38 @@ async def model_name(base: str, fallback: str) -> str:
         return fallback
 
 
-async def bench_server(name: str, base: str, reqs: list[Request], rates: list[float], args) -> list:
+async def open_door(door: str, base: str, tcp_port: int | None):
+    from ferrobatch.client import TCPClient, WSClient
+    if door == "ws":
+        return await WSClient.connect(base.replace("http://", "ws://") + "/v1/ws")
+    if door == "tcp":
+        return await TCPClient.connect("127.0.0.1", tcp_port)
+    raise ValueError(door)
+
+
+async def bench_server(name: str, base: str, reqs: list[Request], rates: list[float], args,
+                       doors: tuple[str, ...] = ("http",), tcp_port: int | None = None) -> list:
     url = base + args.endpoint
     model = await model_name(base, args.model)
-    # Warm-up (not measured): two short requests.
-    warm = [Request(r.prompt_ids[:16], 4) for r in reqs[:2]]
-    await run_rate(url, model, warm, float("inf"), 0, None, args.timeout, False)
     out = []
-    for rate in rates:
-        load = load_1min()
-        m = await run_rate(url, model, reqs, rate, args.seed, args.max_concurrency, args.timeout,
-                           not args.no_progress)
-        m.update(server=name, loadavg_1m_before=load, loadavg_1m_after=load_1min())
-        print_block(name, m)
-        out.append(m)
+    for door in doors:
+        client = None if door == "http" else await open_door(door, base, tcp_port)
+        label = name if door == "http" else f"{name}-{door}"
+        try:
+            # Warm-up (not measured): two short requests.
+            warm = [Request(r.prompt_ids[:16], 4) for r in reqs[:2]]
+            await run_rate(url, model, warm, float("inf"), 0, None, args.timeout, False, client)
+            for rate in rates:
+                load = load_1min()
+                m = await run_rate(url, model, reqs, rate, args.seed, args.max_concurrency,
+                                   args.timeout, not args.no_progress, client)
+                m.update(server=label, door=door, loadavg_1m_before=load,
+                         loadavg_1m_after=load_1min())
+                print_block(label, m)
+                out.append(m)
+        finally:
+            if client is not None:
+                await client.close()
     return out
 
 
@@ -280,8 +340,10 @@ def plot(results: list[dict], path: str) -> str | None:
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return None
+    if not any(m["request_rate"] != "inf" for m in results):
+        return None
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    servers = sorted({m["server"] for m in results})
+    servers = list(dict.fromkeys(m["server"] for m in results))
     for s in servers:
         ms = [m for m in results if m["server"] == s and m["request_rate"] != "inf"]
         if not ms:
@@ -321,8 +383,8 @@ async def amain(args) -> int:
     if args.base_url:
         results += await bench_server(args.base_url, args.base_url.rstrip("/"), reqs, rates, args)
     for kind in [s for s in (args.servers or "").split(",") if s]:
-        port = free_port()
-        cmd = server_command(kind, port, args)
+        port, tcp_port = free_port(), free_port()
+        cmd = server_command(kind, port, args, tcp_port)
         env = dict(os.environ, PYTHONPATH=str(REPO / "python"), HF_HUB_OFFLINE="1")
         if args.threads:
             env["OMP_NUM_THREADS"] = str(args.threads)
@@ -334,7 +396,8 @@ async def amain(args) -> int:
         try:
             base = f"http://127.0.0.1:{port}"
             await wait_ready(base, proc, args.startup_timeout)
-            results += await bench_server(kind, base, reqs, rates, args)
+            doors = tuple(args.doors.split(",")) if kind == "ferrobatch" else ("http",)
+            results += await bench_server(kind, base, reqs, rates, args, doors, tcp_port)
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
@@ -363,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base-url", help="an already running server (loopback)")
     ap.add_argument("--servers", help="launch these in turn: ferrobatch,hf")
     ap.add_argument("--endpoint", default="/v1/completions")
+    ap.add_argument("--doors", default="http",
+                    help="ferrobatch doors to measure: http,ws,tcp (hf has http only)")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--workload", default="cpu-serve", choices=sorted(WORKLOADS))
     ap.add_argument("--num-prompts", type=int)

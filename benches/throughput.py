@@ -168,7 +168,10 @@ def plot_occupancy(rows: list[dict], w: Workload, path: str) -> str | None:
         print("matplotlib is not installed: no occupancy plot (pip install matplotlib)",
               file=sys.stderr)
         return None
-    series = [r for r in rows if r.get("occupancy_per_step")]
+    series = [r for r in rows if r.get("occupancy_per_step")
+              and r["system"].startswith("ferrobatch")]
+    hf = [r for r in rows if r.get("occupancy_per_step") and r["system"].startswith("hf-static")]
+    series += hf[:1]      # one static HF batch size is enough to show padding waste
     if not series:
         return None
     fig, ax = plt.subplots(figsize=(10, 4.2))
@@ -178,8 +181,8 @@ def plot_occupancy(rows: list[dict], w: Workload, path: str) -> str | None:
         ax.step(range(len(occ)), occ, where="post", label=label, linewidth=1.0)
     cap = max(r["batch_cap"] for r in series)
     ax.axhline(cap, color="grey", linestyle=":", linewidth=0.8)
-    ax.set_xlabel("decode step")
-    ax.set_ylabel("sequences producing a token")
+    ax.set_xlabel("step (steps that sampled at least one token)")
+    ax.set_ylabel("sequences producing a wanted token")
     ax.set_title(f"Batch occupancy per step — {w.name} ({w.model}, cap {cap})")
     ax.set_ylim(0, cap * 1.1)
     ax.legend(loc="upper right", fontsize=8)

@@ -81,9 +81,10 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
              model="smollm2", dtype="float32", device="cpu", num_requests=48,
              prompt_len=(160, 1024), output_len=(96, 384), length_dist="chat",
              max_num_seqs=16, hf_static_batch_size=8),
-    Workload("cpu-serve", "online serving on CPU: prompts U[32,256], outputs U[16,128]",
+    Workload("cpu-serve", "online serving on CPU: chat-turn sized prompts U[32,128], "
+             "outputs U[16,128]",
              model="smollm2", dtype="float32", device="cpu", num_requests=64,
-             prompt_len=(32, 256), output_len=(16, 128), max_num_seqs=16,
+             prompt_len=(32, 128), output_len=(16, 128), max_num_seqs=16,
              hf_static_batch_size=8),
     Workload("gpu-8b", "256 requests, prompts U[128,1024], outputs U[32,512], Llama-3-8B shape",
              model="random:llama3-8b", dtype="bfloat16", device="cuda", num_requests=256,
