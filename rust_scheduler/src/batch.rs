@@ -155,7 +155,13 @@ impl StepOutput {
         self.req_ids.is_empty()
     }
 
-    pub(crate) fn push(&mut self, req: u64, seq: u32, token: i32, reason: crate::request::FinishReason) {
+    pub(crate) fn push(
+        &mut self,
+        req: u64,
+        seq: u32,
+        token: i32,
+        reason: crate::request::FinishReason,
+    ) {
         self.req_ids.push(req);
         self.seq_indices.push(seq as i32);
         self.token_ids.push(token);

@@ -40,7 +40,10 @@ pub struct BlockPool {
 impl BlockPool {
     /// A pool of `num_blocks` blocks (block 0 reserved); all usable blocks start free.
     pub fn new(num_blocks: usize, enable_prefix_caching: bool) -> Self {
-        assert!(num_blocks >= 2 && num_blocks < NIL as usize, "num_blocks out of range");
+        assert!(
+            num_blocks >= 2 && num_blocks < NIL as usize,
+            "num_blocks out of range"
+        );
         let mut p = BlockPool {
             refcnt: vec![0; num_blocks],
             hash: vec![None; num_blocks],
@@ -232,7 +235,10 @@ impl BlockPool {
                 return err(format!("free list holds invalid block {b}"));
             }
             if !self.in_free[b as usize] || self.refcnt[b as usize] != 0 {
-                return err(format!("free block {b} has refcount {} / flag off", self.refcnt[b as usize]));
+                return err(format!(
+                    "free block {b} has refcount {} / flag off",
+                    self.refcnt[b as usize]
+                ));
             }
             if self.prev[b as usize] != prev {
                 return err(format!("free list back link broken at block {b}"));
@@ -262,17 +268,25 @@ impl BlockPool {
             }
             if let Some(h) = self.hash[b] {
                 if self.cache.get(h) != Some(b as u32) {
-                    return err(format!("block {b} carries a hash the prefix cache does not map to it"));
+                    return err(format!(
+                        "block {b} carries a hash the prefix cache does not map to it"
+                    ));
                 }
             }
         }
         let plain_free = self.num_free - self.num_cached_free;
         if plain_free + self.num_cached_free + used != n - 1 {
-            return err(format!("free {plain_free} + cached {} + used {used} != {}", self.num_cached_free, n - 1));
+            return err(format!(
+                "free {plain_free} + cached {} + used {used} != {}",
+                self.num_cached_free,
+                n - 1
+            ));
         }
         for (&h, &b) in self.cache.iter() {
             if b as usize >= n || self.hash[b as usize] != Some(h) {
-                return err(format!("prefix cache maps a hash to block {b} which does not carry it"));
+                return err(format!(
+                    "prefix cache maps a hash to block {b} which does not carry it"
+                ));
             }
         }
         Ok(())

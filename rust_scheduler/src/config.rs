@@ -84,7 +84,10 @@ impl SchedulerConfig {
     pub fn validate(&self) -> Result<(), SchedError> {
         let bad = |m: String| Err(SchedError::InvalidConfig(m));
         if self.num_blocks < 2 {
-            return bad(format!("num_blocks must be >= 2 (block 0 is reserved), got {}", self.num_blocks));
+            return bad(format!(
+                "num_blocks must be >= 2 (block 0 is reserved), got {}",
+                self.num_blocks
+            ));
         }
         for (name, v) in [
             ("block_size", self.block_size),
@@ -107,7 +110,10 @@ impl SchedulerConfig {
         }
         for &e in &self.eos_token_ids {
             if e < 0 || e as usize >= self.vocab_size {
-                return bad(format!("eos token id {e} is outside [0, {})", self.vocab_size));
+                return bad(format!(
+                    "eos token id {e} is outside [0, {})",
+                    self.vocab_size
+                ));
             }
         }
         Ok(())

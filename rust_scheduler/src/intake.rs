@@ -55,7 +55,9 @@ impl Intake {
         req.validate(&self.cfg)?;
         let id = req.request_id;
         if !self.live.lock().insert(id) {
-            return Err(SchedError::InvalidRequest(format!("request id {id} is already in use")));
+            return Err(SchedError::InvalidRequest(format!(
+                "request id {id} is already in use"
+            )));
         }
         if self.queue.push(Command::Submit(Box::new(req))).is_err() {
             self.live.lock().remove(&id);
@@ -66,12 +68,23 @@ impl Intake {
 
     /// Enqueues an abort (idempotent: unknown or finished ids are ignored when drained).
     /// `reason` must be Abort, Stop or Error.
-    pub fn abort(&self, request_id: u64, seq_index: Option<u32>, reason: FinishReason) -> Result<(), SchedError> {
+    pub fn abort(
+        &self,
+        request_id: u64,
+        seq_index: Option<u32>,
+        reason: FinishReason,
+    ) -> Result<(), SchedError> {
         if matches!(reason, FinishReason::Running | FinishReason::Length) {
-            return Err(SchedError::InvalidRequest("abort reason must be abort, stop or error".into()));
+            return Err(SchedError::InvalidRequest(
+                "abort reason must be abort, stop or error".into(),
+            ));
         }
         self.queue
-            .push(Command::Abort { request_id, seq_index, reason })
+            .push(Command::Abort {
+                request_id,
+                seq_index,
+                reason,
+            })
             .map_err(|_| SchedError::QueueFull(self.queue.len()))
     }
 

@@ -47,7 +47,9 @@ impl Scheduler {
             match s.status {
                 SeqStatus::Waiting => {
                     if !s.blocks.is_empty() || s.num_computed_tokens != 0 {
-                        return err(format!("waiting sequence {h} holds blocks or computed tokens"));
+                        return err(format!(
+                            "waiting sequence {h} holds blocks or computed tokens"
+                        ));
                     }
                     if !self.waiting.contains(&s.key(h)) {
                         return err(format!("waiting sequence {h} is not in the waiting set"));
@@ -64,10 +66,15 @@ impl Scheduler {
                     };
                     if let Some(w) = want {
                         if s.blocks.len() != w {
-                            return err(format!("running sequence {h} holds {} blocks, expected {w}", s.blocks.len()));
+                            return err(format!(
+                                "running sequence {h} holds {} blocks, expected {w}",
+                                s.blocks.len()
+                            ));
                         }
                         if s.num_computed_tokens >= s.tokens.len() {
-                            return err(format!("running sequence {h} has nothing left to compute"));
+                            return err(format!(
+                                "running sequence {h} has nothing left to compute"
+                            ));
                         }
                     } else if s.blocks.len() < s.num_computed_tokens.div_ceil(bs) {
                         return err(format!("scheduled sequence {h} lacks blocks"));
@@ -103,7 +110,12 @@ impl Scheduler {
             return err("a sequence is in the running list twice".into());
         }
         for &h in &self.running {
-            if self.seqs.get(h as usize).and_then(|s| s.as_ref()).is_none_or(|s| s.status != SeqStatus::Running) {
+            if self
+                .seqs
+                .get(h as usize)
+                .and_then(|s| s.as_ref())
+                .is_none_or(|s| s.status != SeqStatus::Running)
+            {
                 return err(format!("running list holds dead or waiting handle {h}"));
             }
         }

@@ -35,12 +35,22 @@ pub fn salt_digest(salt: Option<&str>) -> u64 {
 
 /// Extends `hashes` with the hashes of every full block of `tokens` not hashed yet,
 /// up to (not including) block `limit_blocks`.
-pub fn extend_hashes(hashes: &mut Vec<u128>, tokens: &[i32], block_size: usize, salt: u64, limit_blocks: usize) {
+pub fn extend_hashes(
+    hashes: &mut Vec<u128>,
+    tokens: &[i32],
+    block_size: usize,
+    salt: u64,
+    limit_blocks: usize,
+) {
     let full = (tokens.len() / block_size).min(limit_blocks);
     while hashes.len() < full {
         let k = hashes.len();
         let parent = if k == 0 { None } else { Some(hashes[k - 1]) };
-        hashes.push(block_hash(parent, salt, &tokens[k * block_size..(k + 1) * block_size]));
+        hashes.push(block_hash(
+            parent,
+            salt,
+            &tokens[k * block_size..(k + 1) * block_size],
+        ));
     }
 }
 
@@ -106,7 +116,10 @@ mod tests {
         let a = block_hash(None, 0, &[1, 2, 3, 4]);
         assert_eq!(a, block_hash(None, 0, &[1, 2, 3, 4]));
         assert_ne!(a, block_hash(None, salt_digest(Some("x")), &[1, 2, 3, 4]));
-        assert_ne!(block_hash(Some(a), 0, &[5, 6, 7, 8]), block_hash(Some(a + 1), 0, &[5, 6, 7, 8]));
+        assert_ne!(
+            block_hash(Some(a), 0, &[5, 6, 7, 8]),
+            block_hash(Some(a + 1), 0, &[5, 6, 7, 8])
+        );
         assert_ne!(salt_digest(Some("a")), salt_digest(Some("b")));
         let mut h = Vec::new();
         extend_hashes(&mut h, &[1, 2, 3, 4, 5, 6, 7, 8, 9], 4, 0, usize::MAX);

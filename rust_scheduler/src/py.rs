@@ -37,14 +37,18 @@ fn int_arg(obj: &Bound<'_, PyAny>, name: &str, lo: i64, hi: i64) -> PyResult<i64
         .extract()
         .map_err(|_| PyValueError::new_err(format!("{name} must be an int in [{lo}, {hi}]")))?;
     if v < lo || v > hi {
-        return Err(PyValueError::new_err(format!("{name} must be in [{lo}, {hi}], got {v}")));
+        return Err(PyValueError::new_err(format!(
+            "{name} must be in [{lo}, {hi}], got {v}"
+        )));
     }
     Ok(v)
 }
 
 fn range(v: i64, name: &str, lo: i64, hi: i64) -> PyResult<i64> {
     if v < lo || v > hi {
-        return Err(PyValueError::new_err(format!("{name} must be in [{lo}, {hi}], got {v}")));
+        return Err(PyValueError::new_err(format!(
+            "{name} must be in [{lo}, {hi}], got {v}"
+        )));
     }
     Ok(v)
 }
@@ -62,7 +66,9 @@ fn request_id_arg(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
 fn token_ids(obj: &Bound<'_, PyAny>, name: &str, vocab: usize, out: &mut Vec<i32>) -> PyResult<()> {
     out.clear();
     let bad = |i: usize, t: i64| {
-        PyValueError::new_err(format!("{name}: token id {t} at index {i} is outside [0, {vocab})"))
+        PyValueError::new_err(format!(
+            "{name}: token id {t} at index {i} is outside [0, {vocab})"
+        ))
     };
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
         for (i, &t) in a.as_array().iter().enumerate() {
@@ -76,10 +82,14 @@ fn token_ids(obj: &Bound<'_, PyAny>, name: &str, vocab: usize, out: &mut Vec<i32
     let v: Vec<i64> = if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
         a.as_array().to_vec()
     } else if obj.is_instance_of::<pyo3::types::PyString>() {
-        return Err(PyValueError::new_err(format!("{name} must be a sequence of ints, not str")));
+        return Err(PyValueError::new_err(format!(
+            "{name} must be a sequence of ints, not str"
+        )));
     } else {
         obj.extract::<Vec<i64>>().map_err(|_| {
-            PyValueError::new_err(format!("{name} must be a list or 1-D int32/int64 array of ints"))
+            PyValueError::new_err(format!(
+                "{name} must be a list or 1-D int32/int64 array of ints"
+            ))
         })?
     };
     for (i, &t) in v.iter().enumerate() {
@@ -128,7 +138,12 @@ impl PyIntake {
         let cfg = self.inner.config();
         let id = request_id_arg(request_id)?;
         let mut prompt = Vec::new();
-        token_ids(prompt_token_ids, "prompt_token_ids", cfg.vocab_size, &mut prompt)?;
+        token_ids(
+            prompt_token_ids,
+            "prompt_token_ids",
+            cfg.vocab_size,
+            &mut prompt,
+        )?;
         let max_tokens = int_arg(max_tokens, "max_tokens", 1, i32::MAX as i64)? as usize;
         let mut r = NewRequest::new(id, prompt, max_tokens);
         if let Some(m) = min_tokens {
@@ -175,12 +190,20 @@ impl PyIntake {
             "abort" => FinishReason::Abort,
             "stop" => FinishReason::Stop,
             "error" => FinishReason::Error,
-            r => return Err(PyValueError::new_err(format!("reason must be \"abort\", \"stop\" or \"error\", got {r:?}"))),
+            r => {
+                return Err(PyValueError::new_err(format!(
+                    "reason must be \"abort\", \"stop\" or \"error\", got {r:?}"
+                )))
+            }
         };
         let seq = match seq_index {
             -1 => None,
             k if (0..=u32::MAX as i64).contains(&k) => Some(k as u32),
-            k => return Err(PyValueError::new_err(format!("seq_index must be -1 or >= 0, got {k}"))),
+            k => {
+                return Err(PyValueError::new_err(format!(
+                    "seq_index must be -1 or >= 0, got {k}"
+                )))
+            }
         };
         self.inner.abort(id, seq, reason).map_err(to_py)
     }
@@ -192,7 +215,11 @@ impl PyIntake {
         let timeout = match timeout_s {
             None => None,
             Some(t) if t.is_finite() && t >= 0.0 => Some(Duration::from_secs_f64(t.min(1e9))),
-            Some(t) => return Err(PyValueError::new_err(format!("timeout_s must be finite and >= 0, got {t}"))),
+            Some(t) => {
+                return Err(PyValueError::new_err(format!(
+                    "timeout_s must be finite and >= 0, got {t}"
+                )))
+            }
         };
         let intake = self.inner.clone();
         Ok(py.detach(move || intake.wait_for_work(timeout)))
@@ -257,7 +284,10 @@ impl PyStepBatch {
             slot_mapping: arr!(py, b.slot_mapping),
             query_start_loc: arr!(py, b.query_start_loc),
             seq_lens: arr!(py, b.seq_lens),
-            block_tables: PyArray1::from_slice(py, &b.block_tables).reshape([nb, m])?.into_any().unbind(),
+            block_tables: PyArray1::from_slice(py, &b.block_tables)
+                .reshape([nb, m])?
+                .into_any()
+                .unbind(),
             block_copies: PyArray1::from_slice(py, &b.block_copies)
                 .reshape([b.num_copies(), 2])?
                 .into_any()
@@ -292,7 +322,11 @@ impl PyStepBatch {
     fn __repr__(&self) -> String {
         format!(
             "StepBatch(num_tokens={}, num_seqs={}, num_samples={}, prefill={}, decode={})",
-            self.num_tokens, self.num_seqs, self.num_samples, self.num_prefill_tokens, self.num_decode_tokens
+            self.num_tokens,
+            self.num_seqs,
+            self.num_samples,
+            self.num_prefill_tokens,
+            self.num_decode_tokens
         )
     }
 }
@@ -350,13 +384,21 @@ impl PyScheduler {
     ) -> PyResult<Self> {
         let mut eos = Vec::new();
         for e in eos_token_ids.unwrap_or_default() {
-            eos.push(i32::try_from(e).map_err(|_| PyValueError::new_err(format!("eos token id {e} out of range")))?);
+            eos.push(
+                i32::try_from(e)
+                    .map_err(|_| PyValueError::new_err(format!("eos token id {e} out of range")))?,
+            );
         }
         let cfg = SchedulerConfig {
             num_blocks: range(num_blocks, "num_blocks", 0, i32::MAX as i64)? as usize,
             block_size: range(block_size, "block_size", 0, i32::MAX as i64)? as usize,
             max_num_seqs: range(max_num_seqs, "max_num_seqs", 0, i32::MAX as i64)? as usize,
-            max_num_batched_tokens: range(max_num_batched_tokens, "max_num_batched_tokens", 0, i32::MAX as i64)? as usize,
+            max_num_batched_tokens: range(
+                max_num_batched_tokens,
+                "max_num_batched_tokens",
+                0,
+                i32::MAX as i64,
+            )? as usize,
             max_model_len: range(max_model_len, "max_model_len", 0, i32::MAX as i64)? as usize,
             vocab_size: range(vocab_size, "vocab_size", 0, i32::MAX as i64)? as usize,
             eos_token_ids: eos,
@@ -364,14 +406,24 @@ impl PyScheduler {
             policy: Policy::parse(policy).map_err(to_py)?,
             max_preemptions: range(max_preemptions, "max_preemptions", 0, u32::MAX as i64)? as u32,
             intake_capacity: range(intake_capacity, "intake_capacity", 1, 1 << 24)? as usize,
-            long_prefill_token_threshold: range(long_prefill_token_threshold, "long_prefill_token_threshold", 0, i32::MAX as i64)? as usize,
+            long_prefill_token_threshold: range(
+                long_prefill_token_threshold,
+                "long_prefill_token_threshold",
+                0,
+                i32::MAX as i64,
+            )? as usize,
         };
-        Ok(PyScheduler { inner: CoreScheduler::new(cfg).map_err(to_py)?, sampled: Vec::new() })
+        Ok(PyScheduler {
+            inner: CoreScheduler::new(cfg).map_err(to_py)?,
+            sampled: Vec::new(),
+        })
     }
 
     /// A thread-safe submit/abort handle sharing this scheduler's queue.
     fn intake(&self) -> PyIntake {
-        PyIntake { inner: self.inner.intake() }
+        PyIntake {
+            inner: self.inner.intake(),
+        }
     }
 
     /// Drain the intake and build the next step (GIL released while building).
@@ -397,7 +449,8 @@ impl PyScheduler {
             r?;
         }
         let (inner, toks) = (&mut self.inner, &self.sampled);
-        py.detach(|| inner.update(toks).map(|_| ())).map_err(to_py)?;
+        py.detach(|| inner.update(toks).map(|_| ()))
+            .map_err(to_py)?;
         let o = self.inner.output();
         let msgs = PyDict::new(py);
         for (id, m) in &o.error_messages {
@@ -440,7 +493,9 @@ impl PyScheduler {
 
     /// Raise RuntimeError describing the first broken invariant, if any.
     fn check_integrity(&self) -> PyResult<()> {
-        self.inner.check_integrity().map_err(|e| PyRuntimeError::new_err(e.to_string()))
+        self.inner
+            .check_integrity()
+            .map_err(|e| PyRuntimeError::new_err(e.to_string()))
     }
 
     #[getter]

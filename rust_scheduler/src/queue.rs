@@ -6,14 +6,19 @@
 //! sleeps in [`IntakeQueue::wait_for_work`] until something is pushed.
 //!
 //! Wake-up protocol (no lost wake-ups; model-checked by `tests/loom_intake.rs`):
-//! - pusher: `queue.push`, then `pending += 1` (SeqCst), then if `sleepers > 0` (SeqCst):
-//!   lock the mutex and `notify_all`;
-//! - waiter: `sleepers += 1` (SeqCst), lock the mutex, and while `pending <= 0` and no
-//!   `notify()` is outstanding, wait on the condvar (which releases the mutex atomically).
+//! - pusher: `queue.push`, then `pending += 1`, then reads `sleepers`; if > 0: lock the mutex
+//!   and `notify_all`;
+//! - waiter: `sleepers += 1`, lock the mutex, and while `pending <= 0` (read) and no `notify()`
+//!   is outstanding, wait on the condvar (which releases the mutex atomically).
 //!
-//! If the waiter's check misses a push, that check precedes the push's `pending += 1` in the
-//! SeqCst order, so the pusher's later load sees `sleepers > 0`; its notify then needs the mutex,
-//! which the waiter only gives up by sleeping, so the notify cannot fall between check and sleep.
+//! Both "reads" are read-modify-writes (`fetch_add(0)`), which always read the latest value and
+//! synchronize with the RMW they read from. So if the waiter's read of `pending` misses a push,
+//! it precedes that push's `pending += 1` in modification order and happens-before it; hence
+//! the waiter's `sleepers += 1` happens-before the pusher's read, which sees `sleepers > 0`.
+//! The pusher's notify then needs the mutex, which the waiter only gives up by sleeping, so the
+//! notify cannot fall between the waiter's check and its sleep. (A plain SeqCst store/load
+//! pair would also do on real hardware, but loom models SeqCst as AcqRel and rightly rejects
+//! that Dekker pattern under its model; RMWs make the argument hold under both.)
 //! `pending` counts pushed-and-not-drained commands; it is incremented after the push, so it may
 //! lag (never lead) the queue: `pending > 0` always means there is a command to drain.
 //!
@@ -86,7 +91,10 @@ mod sync {
     }
     impl<T> Bounded<T> {
         pub fn new(cap: usize) -> Self {
-            Bounded { q: loom::sync::Mutex::new(VecDeque::new()), cap }
+            Bounded {
+                q: loom::sync::Mutex::new(VecDeque::new()),
+                cap,
+            }
         }
         pub fn push(&self, v: T) -> Result<(), T> {
             let mut q = self.q.lock().unwrap();
@@ -138,7 +146,9 @@ pub struct IntakeQueue<T> {
 
 impl<T> Clone for IntakeQueue<T> {
     fn clone(&self) -> Self {
-        IntakeQueue { inner: self.inner.clone() }
+        IntakeQueue {
+            inner: self.inner.clone(),
+        }
     }
 }
 
@@ -163,7 +173,8 @@ impl<T> IntakeQueue<T> {
         let i = &*self.inner;
         i.queue.push(cmd)?;
         i.pending.fetch_add(1, Ordering::SeqCst);
-        if i.sleepers.load(Ordering::SeqCst) > 0 {
+        // An RMW (not a load): it reads the latest `sleepers`, see the module header.
+        if i.sleepers.fetch_add(0, Ordering::SeqCst) > 0 {
             i.bell.ring();
         }
         Ok(())
@@ -207,7 +218,10 @@ impl<T> IntakeQueue<T> {
         }
         i.sleepers.fetch_add(1, Ordering::SeqCst);
         i.bell.sleep_while(
-            || i.pending.load(Ordering::SeqCst) <= 0 && !i.notified.swap(false, Ordering::SeqCst),
+            || {
+                i.pending.fetch_add(0, Ordering::SeqCst) <= 0
+                    && !i.notified.swap(false, Ordering::SeqCst)
+            },
             timeout,
         );
         i.sleepers.fetch_sub(1, Ordering::SeqCst);
@@ -217,7 +231,7 @@ impl<T> IntakeQueue<T> {
     /// Wakes every waiter (or the next one to wait, if none waits now); used at shutdown.
     pub fn notify(&self) {
         let i = &*self.inner;
-        i.notified.store(true, Ordering::SeqCst);
+        i.notified.swap(true, Ordering::SeqCst); // RMW, like every flag access here
         i.bell.ring();
     }
 }

@@ -117,8 +117,11 @@ impl NewRequest {
         if self.prompt.is_empty() {
             return bad(format!("request {id}: prompt_token_ids is empty"));
         }
-        if let Some((i, &t)) =
-            self.prompt.iter().enumerate().find(|(_, &t)| t < 0 || t as usize >= cfg.vocab_size)
+        if let Some((i, &t)) = self
+            .prompt
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t < 0 || t as usize >= cfg.vocab_size)
         {
             return bad(format!(
                 "request {id}: prompt token id {t} at index {i} is outside [0, {})",
@@ -157,21 +160,40 @@ impl NewRequest {
                 cfg.max_num_seqs, self.n
             ));
         }
-        if let Some(&t) = self.stop_token_ids.iter().find(|&&t| t < 0 || t as usize >= cfg.vocab_size) {
-            return bad(format!("request {id}: stop token id {t} is outside [0, {})", cfg.vocab_size));
+        if let Some(&t) = self
+            .stop_token_ids
+            .iter()
+            .find(|&&t| t < 0 || t as usize >= cfg.vocab_size)
+        {
+            return bad(format!(
+                "request {id}: stop token id {t} is outside [0, {})",
+                cfg.vocab_size
+            ));
         }
         let s = &self.sampling;
         if !(s.temperature.is_finite() && s.temperature >= 0.0) {
-            return bad(format!("request {id}: temperature must be finite and >= 0, got {}", s.temperature));
+            return bad(format!(
+                "request {id}: temperature must be finite and >= 0, got {}",
+                s.temperature
+            ));
         }
         if s.top_k < 0 {
-            return bad(format!("request {id}: top_k must be >= 0 (0 = off), got {}", s.top_k));
+            return bad(format!(
+                "request {id}: top_k must be >= 0 (0 = off), got {}",
+                s.top_k
+            ));
         }
         if !(s.top_p > 0.0 && s.top_p <= 1.0) {
-            return bad(format!("request {id}: top_p must be in (0, 1], got {}", s.top_p));
+            return bad(format!(
+                "request {id}: top_p must be in (0, 1], got {}",
+                s.top_p
+            ));
         }
         if !(0.0..=1.0).contains(&s.min_p) {
-            return bad(format!("request {id}: min_p must be in [0, 1], got {}", s.min_p));
+            return bad(format!(
+                "request {id}: min_p must be in [0, 1], got {}",
+                s.min_p
+            ));
         }
         if !(s.repetition_penalty.is_finite() && s.repetition_penalty > 0.0) {
             return bad(format!(
@@ -179,7 +201,10 @@ impl NewRequest {
                 s.repetition_penalty
             ));
         }
-        for (name, v) in [("presence_penalty", s.presence_penalty), ("frequency_penalty", s.frequency_penalty)] {
+        for (name, v) in [
+            ("presence_penalty", s.presence_penalty),
+            ("frequency_penalty", s.frequency_penalty),
+        ] {
             if !(-2.0..=2.0).contains(&v) {
                 return bad(format!("request {id}: {name} must be in [-2, 2], got {v}"));
             }

@@ -201,7 +201,11 @@ impl Scheduler {
         for c in cmds {
             match c {
                 Command::Submit(r) => self.add_request(*r),
-                Command::Abort { request_id, seq_index, reason } => self.abort(request_id, seq_index, reason),
+                Command::Abort {
+                    request_id,
+                    seq_index,
+                    reason,
+                } => self.abort(request_id, seq_index, reason),
             }
         }
         self.running.retain(|&h| self.seqs[h as usize].is_some());
@@ -218,7 +222,11 @@ impl Scheduler {
             min_tokens: r.min_tokens,
             ignore_eos: r.ignore_eos,
             stop_token_ids: r.stop_token_ids,
-            priority: if self.cfg.policy == Policy::Priority { r.priority } else { 0 },
+            priority: if self.cfg.policy == Policy::Priority {
+                r.priority
+            } else {
+                0
+            },
             arrival,
             salt: salt_digest(r.cache_salt.as_deref()),
             sampling: r.sampling,
@@ -237,13 +245,16 @@ impl Scheduler {
         };
         let h = self.new_handle(seq);
         self.waiting.insert(self.seq(h).key(h));
-        self.groups.insert(r.request_id, RequestGroup { seqs: vec![h] });
+        self.groups
+            .insert(r.request_id, RequestGroup { seqs: vec![h] });
     }
 
     /// Applies an abort now (unknown ids / finished sequences are ignored). Running sequences
     /// are left in `running` as dead handles; callers prune `running`.
     fn abort(&mut self, request_id: u64, seq_index: Option<u32>, reason: FinishReason) {
-        let Some(group) = self.groups.get(&request_id) else { return };
+        let Some(group) = self.groups.get(&request_id) else {
+            return;
+        };
         let handles = group.seqs.clone();
         for h in handles {
             match seq_index {
@@ -292,7 +303,9 @@ impl Scheduler {
     /// Frees a sequence's blocks and handle slot (the one release path; not idempotent by
     /// design: callers hold live handles only).
     fn release(&mut self, h: u32) {
-        let s = self.seqs[h as usize].take().expect("release of a live handle");
+        let s = self.seqs[h as usize]
+            .take()
+            .expect("release of a live handle");
         if s.status == SeqStatus::Waiting {
             let removed = self.waiting.remove(&s.key(h));
             debug_assert!(removed);
@@ -350,7 +363,9 @@ impl Scheduler {
         let bs = self.cfg.block_size;
         let s = self.seqs[h as usize].as_mut().expect("live handle");
         let start = s.num_computed_tokens;
-        let new_blocks = (start + num_new).div_ceil(bs).saturating_sub(s.blocks.len());
+        let new_blocks = (start + num_new)
+            .div_ceil(bs)
+            .saturating_sub(s.blocks.len());
         let cow = start % bs != 0 && self.pool.refcount(s.blocks[start / bs]) > 1;
         if self.pool.num_free() < new_blocks + cow as usize {
             return false;
@@ -360,7 +375,9 @@ impl Scheduler {
             let dst = self.pool.alloc().expect("checked free count");
             s.blocks[start / bs] = dst;
             self.pool.decref(src);
-            self.batch.block_copies.extend_from_slice(&[src as i32, dst as i32]);
+            self.batch
+                .block_copies
+                .extend_from_slice(&[src as i32, dst as i32]);
         }
         for _ in 0..new_blocks {
             let b = self.pool.alloc().expect("checked free count");
@@ -392,7 +409,8 @@ impl Scheduler {
         let mut preempted = false;
         if self.cfg.policy == Policy::Priority {
             let seqs = &self.seqs;
-            self.running.sort_unstable_by_key(|&h| seqs[h as usize].as_ref().map(|s| s.key(h)));
+            self.running
+                .sort_unstable_by_key(|&h| seqs[h as usize].as_ref().map(|s| s.key(h)));
         }
 
         // Running sequences first.
@@ -434,17 +452,26 @@ impl Scheduler {
         let mut slots: usize = if preempted {
             0
         } else {
-            self.running.iter().map(|&h| 1 + self.seq(h).unforked.len()).sum()
+            self.running
+                .iter()
+                .map(|&h| 1 + self.seq(h).unforked.len())
+                .sum()
         };
         while !preempted && budget > 0 {
-            let Some(&key) = self.waiting.first() else { break };
+            let Some(&key) = self.waiting.first() else {
+                break;
+            };
             let h = key.3;
             let want_slots = 1 + self.seq(h).unforked.len();
             if slots + want_slots > self.cfg.max_num_seqs {
                 break;
             }
             let (num_new, need, cached) = self.plan_admission(h, budget);
-            let revive = self.hits_scratch.iter().filter(|&&b| self.pool.refcount(b) == 0).count();
+            let revive = self
+                .hits_scratch
+                .iter()
+                .filter(|&&b| self.pool.refcount(b) == 0)
+                .count();
             if self.pool.num_free() < need + revive {
                 break;
             }
@@ -509,17 +536,29 @@ impl Scheduler {
     fn fill_batch(&mut self) {
         let bs = self.cfg.block_size as i32;
         let b = &mut self.batch;
-        b.max_blocks_per_seq =
-            self.scheduled.iter().map(|x| self.seqs[x.handle as usize].as_ref().map_or(0, |s| s.blocks.len())).max().unwrap_or(1).max(1);
+        b.max_blocks_per_seq = self
+            .scheduled
+            .iter()
+            .map(|x| {
+                self.seqs[x.handle as usize]
+                    .as_ref()
+                    .map_or(0, |s| s.blocks.len())
+            })
+            .max()
+            .unwrap_or(1)
+            .max(1);
         b.query_start_loc.push(0);
         for x in &self.scheduled {
-            let s = self.seqs[x.handle as usize].as_ref().expect("scheduled handle");
+            let s = self.seqs[x.handle as usize]
+                .as_ref()
+                .expect("scheduled handle");
             let start = s.num_computed_tokens;
             let end = start + x.num_new;
             b.input_ids.extend_from_slice(&s.tokens[start..end]);
             for p in start..end {
                 b.positions.push(p as i32);
-                b.slot_mapping.push(s.blocks[p / bs as usize] as i32 * bs + (p as i32 % bs));
+                b.slot_mapping
+                    .push(s.blocks[p / bs as usize] as i32 * bs + (p as i32 % bs));
             }
             if x.num_new == 1 && s.num_tokens() > s.req.prompt_len && end == s.num_tokens() {
                 b.num_decode_tokens += 1;
@@ -529,7 +568,8 @@ impl Scheduler {
             b.query_start_loc.push(b.input_ids.len() as i32);
             b.seq_lens.push(end as i32);
             b.block_tables.extend(s.blocks.iter().map(|&x| x as i32));
-            b.block_tables.resize(b.seq_lens.len() * b.max_blocks_per_seq, 0);
+            b.block_tables
+                .resize(b.seq_lens.len() * b.max_blocks_per_seq, 0);
             b.seq_req_ids.push(s.req.request_id);
             b.seq_indices.push(s.seq_index as i32);
             if end == s.num_tokens() {
@@ -563,7 +603,9 @@ impl Scheduler {
     /// the step's events. On error nothing changes and `update()` may be retried.
     pub fn update(&mut self, sampled: &[i32]) -> Result<&StepOutput, SchedError> {
         if !self.awaiting_update {
-            return Err(SchedError::Protocol("update() called without a preceding schedule()".into()));
+            return Err(SchedError::Protocol(
+                "update() called without a preceding schedule()".into(),
+            ));
         }
         let want = self.batch.num_samples();
         if sampled.len() != want {
@@ -573,8 +615,14 @@ impl Scheduler {
             )));
         }
         let vocab = self.cfg.vocab_size;
-        if let Some((i, &t)) = sampled.iter().enumerate().find(|(_, &t)| t < 0 || t as usize >= vocab) {
-            return Err(SchedError::Protocol(format!("sampled token {t} at index {i} is outside [0, {vocab})")));
+        if let Some((i, &t)) = sampled
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t < 0 || t as usize >= vocab)
+        {
+            return Err(SchedError::Protocol(format!(
+                "sampled token {t} at index {i} is outside [0, {vocab})"
+            )));
         }
         self.awaiting_update = false;
         self.output.clear();
@@ -653,7 +701,8 @@ impl Scheduler {
         let out_before = s.output_len();
         s.tokens.push(token);
         let is_eos = !r.ignore_eos && self.cfg.eos_token_ids.contains(&token);
-        let reason = if (is_eos || r.stop_token_ids.contains(&token)) && out_before >= r.min_tokens {
+        let reason = if (is_eos || r.stop_token_ids.contains(&token)) && out_before >= r.min_tokens
+        {
             FinishReason::Stop
         } else if out_before + 1 >= r.max_tokens || s.tokens.len() >= max_model_len {
             FinishReason::Length
