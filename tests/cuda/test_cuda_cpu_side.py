@@ -90,9 +90,8 @@ def test_pad_drops_null_columns():
 
 # ------------------------------------------------------------------ split-KV planning (host side)
 def _kernel_partition(seq_len: int, num_splits: int) -> list[tuple[int, int]]:
-    """Mirror of decode_chunk() in cuda/decode_attention.cu (kMinChunk 128, align 64)."""
-    c = max(math.ceil(seq_len / num_splits), 128)
-    c = math.ceil(c / 64) * 64
+    """The splits the decode kernel gives a sequence (cuda_ops.decode_chunk mirrors decode_chunk())."""
+    c = cuda_ops.decode_chunk(seq_len, num_splits)
     return [(s * c, min(seq_len, (s + 1) * c)) for s in range(num_splits) if s * c < seq_len]
 
 
@@ -104,24 +103,27 @@ def test_kernel_partition_covers_context(seq_len, splits):
     assert parts[0][0] == 0 and parts[-1][1] == seq_len
     assert all(a < b for a, b in parts)
     assert all(parts[i][1] == parts[i + 1][0] for i in range(len(parts) - 1))
+    assert all(b - a <= cuda_ops.decode_chunk(seq_len, splits) for a, b in parts)
 
 
 def test_partition_mirror_matches_kernel_source():
     src = (cuda_ops.cuda_source_dir() / "decode_attention.cu").read_text()
-    assert "constexpr int kMinChunk = 128;" in src and "constexpr int kChunkAlign = 64;" in src
+    assert f"constexpr int kMinChunk = {cuda_ops.DECODE_MIN_CHUNK};" in src
+    assert f"constexpr int kChunkAlign = {cuda_ops.DECODE_CHUNK_ALIGN};" in src
 
 
-@pytest.mark.parametrize("batch,hkv,ctx,sms,expected_range", [
-    (1, 8, 8192, 132, (32, 32)),     # tiny batch, long context: many splits (capped)
-    (1, 8, 100, 132, (1, 1)),        # short context: splitting is useless
-    (256, 8, 8192, 132, (1, 1)),     # 2048 CTAs already fill the GPU
-    (16, 8, 1024, 132, (5, 8)),
-])
-def test_choose_num_splits(batch, hkv, ctx, sms, expected_range):
-    s = cuda_ops.choose_num_splits(batch, hkv, ctx, sms)
-    lo, hi = expected_range
-    assert lo <= s <= hi
-    assert s <= math.ceil(ctx / 128)
+@pytest.mark.parametrize("batch", [1, 2, 16, 64, 128, 256])
+@pytest.mark.parametrize("hkv", [1, 3, 8])
+@pytest.mark.parametrize("ctx", [1, 100, 512, 1024, 4096, 8192, 32768])
+def test_choose_num_splits(batch, hkv, ctx):
+    sms = 132
+    s = cuda_ops.choose_num_splits(batch, hkv, ctx, sms, max_splits=32)
+    assert 1 <= s <= 32
+    assert s <= max(1, math.ceil(ctx / cuda_ops.DECODE_MIN_CHUNK))  # no empty splits
+    if ctx <= cuda_ops.DECODE_MIN_CHUNK:
+        assert s == 1
+    if batch * hkv < sms and ctx >= 4096:  # small batch, long context: spread over the GPU
+        assert batch * hkv * s >= min(sms, batch * hkv * 32)
 
 
 # ------------------------------------------------------------------ backend without CUDA

@@ -49,8 +49,18 @@ def hf_greedy(smollm2_cuda):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path, loaded = smollm2_cuda
     directory, filename = os.path.split(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=filename, dtype=torch.float32).to("cuda").eval()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, gguf_file=filename, dtype=torch.float32)
+    except Exception:  # noqa: BLE001 - fall back to transformers' own GGUF checkpoint reader
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        config = transformers.AutoConfig.from_pretrained(directory, gguf_file=filename)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+        model.load_state_dict(tensors, strict=False)
+        model.tie_weights()
+    model = model.to("cuda").eval()
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
     outs = []
     with torch.inference_mode():

@@ -233,7 +233,29 @@ def load_ops(device: torch.device | int | None = None, verbose: bool = False) ->
     """
     if not torch.cuda.is_available():
         raise RuntimeError("CUDA is not available in this torch build / on this machine")
-    arch = device_arch(device)
+    return build_and_load(device_arch(device), verbose=verbose)
+
+
+def _cudart_link_flags(tk: CudaToolkit, build_dir: Path) -> list[str]:
+    """Link flags for a PyPI-layout toolkit (``lib/`` with only ``libcudart.so.<major>``, no
+    ``lib64/``): torch links ``-L$CUDA_HOME/lib64 -lcudart``, so point -L at a folder holding an
+    unversioned ``libcudart.so`` link. System toolkits need nothing."""
+    if (tk.home / "lib64" / "libcudart.so").exists():
+        return []
+    candidates = sorted((tk.home / "lib").glob("libcudart.so*"))
+    if not candidates:
+        return []
+    link_dir = build_dir / "cudart_link"
+    link_dir.mkdir(parents=True, exist_ok=True)
+    link = link_dir / "libcudart.so"
+    if not link.exists():
+        link.symlink_to(candidates[-1])
+    return [f"-L{link_dir}", f"-Wl,-rpath,{candidates[-1].parent}"]
+
+
+def build_and_load(arch: str, verbose: bool = False) -> str:
+    """Builds the extension for compute capability ``arch`` (e.g. ``"90"``) and loads it into this
+    process (registering ``torch.ops.ferrobatch.*``). Needs nvcc and ninja, not a GPU."""
     with _lock:
         if arch in _loaded:
             return _loaded[arch]
@@ -263,7 +285,8 @@ def load_ops(device: torch.device | int | None = None, verbose: bool = False) ->
                 sources=[str(src_dir / f) for f in SOURCE_FILES],
                 extra_cflags=["-O3"],
                 extra_cuda_cflags=[f for f in nvcc_flags(arch) if not f.startswith("-gencode")],
-                extra_include_paths=[str(src_dir)],
+                extra_include_paths=[str(src_dir), *map(str, tk.include_dirs)],
+                extra_ldflags=_cudart_link_flags(tk, build_dir),
                 build_directory=str(build_dir),
                 is_python_module=False,
                 verbose=verbose,
@@ -296,18 +319,44 @@ def num_sms(device: torch.device | int | None = None) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count: int,
-                      max_splits: int = 32, ctas_per_sm: int = 4, min_chunk: int = 128) -> int:
-    """KV splits per sequence so that ``batch * num_kv_heads * splits`` CTAs fill the GPU.
+# Mirror of the kernel's per-sequence partition (decode_chunk() in cuda/decode_attention.cu).
+DECODE_MIN_CHUNK = 128
+DECODE_CHUNK_ALIGN = 64
 
-    Pure function of host ints (no device access), so a CUDA-graph capture can fix it per batch
-    bucket from an upper bound of ``max_seq_len``. Splits shorter than ``min_chunk`` tokens are
-    not worth their reduce traffic; the kernel re-derives each sequence's chunks on the device.
+
+def decode_chunk(seq_len: int, num_splits: int) -> int:
+    """Tokens per KV split for a sequence of ``seq_len`` (same formula as the kernel)."""
+    c = max(-(-max(seq_len, 1) // num_splits), DECODE_MIN_CHUNK)
+    return -(-c // DECODE_CHUNK_ALIGN) * DECODE_CHUNK_ALIGN
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count: int,
+                      max_splits: int = 32, ctas_per_sm: int = 3) -> int:
+    """KV splits per sequence for the decode kernel (1 = no split, no reduce pass).
+
+    Models the kernel as ``ceil(ctas / slots)`` waves of CTAs that each stream one chunk, with
+    ``slots = sm_count * ctas_per_sm`` resident CTAs (3 per SM at the GP=4 kernels' 168 registers),
+    and picks the split count with the least ``waves * chunk`` (+ a small cost per extra split for
+    the partial-output round trip and the reduce launch). This avoids both an under-filled GPU at
+    small batch and a nearly empty last wave. Pure function of host ints, so a CUDA-graph capture
+    can fix it per batch bucket from an upper bound of ``max_seq_len``; the kernel re-derives each
+    sequence's actual chunks on the device.
     """
     work_items = max(1, batch * num_kv_heads)
-    want = math.ceil(sm_count * ctas_per_sm / work_items)
-    useful = max(1, math.ceil(max(1, max_seq_len) / min_chunk))
-    return int(max(1, min(want, useful, max_splits)))
+    slots = max(1, sm_count * ctas_per_sm)
+    seq_len = max(1, max_seq_len)
+    best, best_cost = 1, None
+    for splits in range(1, max(1, max_splits) + 1):
+        chunk = decode_chunk(seq_len, splits)
+        used = -(-seq_len // chunk)
+        if used < splits:  # the partition would leave splits empty: same as a smaller count
+            continue
+        waves = -(-(work_items * used) // slots)
+        # A split costs ~6% extra traffic (fp32 partials written + read by the reduce) and a launch.
+        cost = waves * chunk * (1.0 if splits == 1 else 1.06) + (0 if splits == 1 else 32)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = splits, cost
+    return best
 
 
 @dataclass
@@ -368,6 +417,8 @@ def _main(argv: list[str] | None = None) -> int:
     import argparse
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--build", action="store_true", help="compile and load the ops now")
+    parser.add_argument("--arch", default=None,
+                        help="build for this compute capability (e.g. 90) without needing a GPU")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -375,7 +426,11 @@ def _main(argv: list[str] | None = None) -> int:
     print("sources", cuda_source_dir())
     print("toolkit", find_cuda_toolkit())
     if args.build:
-        print("loaded", load_ops(verbose=args.verbose))
+        path = (build_and_load(args.arch, verbose=args.verbose) if args.arch
+                else load_ops(verbose=args.verbose))
+        print("loaded", path)
+        print("ops", [n for n in ("reshape_and_cache", "paged_decode_attention",
+                                  "paged_prefill_attention") if hasattr(torch.ops.ferrobatch, n)])
     return 0
 
 
