@@ -118,3 +118,20 @@ def test_kv_cache_sizing_and_block_copies():
         torch.testing.assert_close(new[:, 2], old[:, 2])
     with pytest.raises(ValueError):
         cache.copy_blocks(np.array([[0, 10]]))
+
+
+def test_warm_up_batch_runs_and_cpu_block_count():
+    from ferrobatch.model.loader import LoadedModel, build_model
+    from ferrobatch.runtime.model_runner import ModelRunner, _warm_up_batch, num_kv_blocks
+
+    config = ModelConfig(arch="llama", vocab_size=50, hidden_size=32, intermediate_size=48,
+                         num_layers=2, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                         max_position_embeddings=128)
+    model = build_model(config, None, device=torch.device("cpu"), dtype=torch.float32)
+    loaded = LoadedModel("tiny", config, model, None, None, "random")
+    batch, blocks_needed = _warm_up_batch(37, BLOCK_SIZE, config.vocab_size)
+    runner = ModelRunner(loaded, num_blocks=blocks_needed, block_size=BLOCK_SIZE)
+    assert torch.isfinite(runner.execute(batch)).all()
+    budget = 7 * 2 * 2 * NUM_KV_HEADS * HEAD_DIM * 4 * BLOCK_SIZE
+    assert num_kv_blocks(loaded, block_size=BLOCK_SIZE, max_num_batched_tokens=64,
+                         cpu_kv_cache_bytes=budget) == 7

@@ -29,8 +29,9 @@ def num_blocks_for_gpu(config: ModelConfig, block_size: int, dtype: torch.dtype,
     weights are loaded and a warm-up pass has run, so activations' peak is already accounted)."""
     if not 0.0 < memory_fraction <= 1.0:
         raise ValueError(f"memory fraction must be in (0, 1], got {memory_fraction}")
-    free_bytes, _ = torch.cuda.mem_get_info(device)
     torch.cuda.empty_cache()
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    # activations of the warm-up pass were freed, but the next steps will need them again
     peak_extra = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
     budget = int(free_bytes * memory_fraction) - peak_extra
     return num_blocks_for_budget(config, block_size, dtype, budget)

@@ -62,3 +62,37 @@ class ModelRunner:
         positions = _to_device(batch.positions, self.device, torch.int64)
         logits_indices = _to_device(batch.logits_indices, self.device, torch.int64)
         return self.model(input_ids, positions, self.kv_cache.layers, meta, logits_indices)
+
+
+def _warm_up_batch(num_tokens: int, block_size: int, vocab_size: int):
+    """One sequence prefilling ``num_tokens`` tokens into blocks 1..N (block 0 = null)."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    num_blocks = -(-num_tokens // block_size)
+    positions = np.arange(num_tokens, dtype=np.int32)
+    return SimpleNamespace(
+        input_ids=(positions % vocab_size).astype(np.int32), positions=positions,
+        slot_mapping=(positions + block_size).astype(np.int32),
+        query_start_loc=np.array([0, num_tokens], np.int32), seq_lens=np.array([num_tokens], np.int32),
+        block_tables=np.arange(1, num_blocks + 1, dtype=np.int32)[None, :],
+        block_copies=np.zeros((0, 2), np.int32), logits_indices=np.array([num_tokens - 1], np.int32),
+    ), num_blocks + 1
+
+
+def num_kv_blocks(loaded, *, block_size: int, max_num_batched_tokens: int,
+                  cpu_kv_cache_bytes: int = 1 << 30, gpu_memory_fraction: float = 0.9,
+                  attn_backend: AttentionBackend | str | None = None) -> int:
+    """KV blocks to allocate: on CPU from ``cpu_kv_cache_bytes``; on GPU from ``gpu_memory_fraction``
+    of the memory left after the weights and a warm-up forward of ``max_num_batched_tokens``."""
+    from ferrobatch.runtime.kv_cache import num_blocks_for_budget, num_blocks_for_gpu  # noqa: PLC0415
+
+    if loaded.device.type != "cuda":
+        return num_blocks_for_budget(loaded.config, block_size, loaded.dtype, cpu_kv_cache_bytes)
+    batch, warm_blocks = _warm_up_batch(max_num_batched_tokens, block_size, loaded.config.vocab_size)
+    torch.cuda.reset_peak_memory_stats(loaded.device)
+    runner = ModelRunner(loaded, num_blocks=warm_blocks, block_size=block_size, attn_backend=attn_backend)
+    runner.execute(batch)
+    torch.cuda.synchronize(loaded.device)
+    del runner
+    loaded.model.attn_backend = None
+    return num_blocks_for_gpu(loaded.config, block_size, loaded.dtype, gpu_memory_fraction, loaded.device)
