@@ -1,0 +1,109 @@
+"""Render the result JSONs of throughput.py / serving.py / engine_overhead.py as Markdown tables
+(what README "Results" shows), so no number is copied by hand.
+
+    python benches/report.py benches/results/cpu/*.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _f(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def throughput_md(d: dict) -> str:
+    w = d["workload"]
+    m = d["machine"]
+    rows = d["results"]
+    lines = [f"**{w['name']}** — {w['num_requests']} requests, {w['prompt_tokens']} prompt / "
+             f"{w['output_tokens']} output tokens (digest `{w['digest']}`), model `{w['model']}` "
+             f"{w['dtype']}; cap (max_num_seqs) {w['max_num_seqs']}, step budget "
+             f"{w['max_num_batched_tokens']} tokens. {m['date_utc']}, {m.get('cpu_model')} "
+             f"x{m.get('cpu_count')}, torch {m.get('torch')} ({m.get('torch_threads')} threads), "
+             f"transformers {m.get('transformers')}, git `{m.get('git_rev')}`; load(1m) "
+             f"{_f(m.get('loadavg_1m_at_start'), '.2f')} at start, "
+             f"{_f(m.get('loadavg_1m_at_end'), '.2f')} at end.", "",
+             "| system | batch / cap | out tok/s | req/s | total tok/s | time (s) | steps | "
+             "mean occupancy | wasted tokens | load(1m) before |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['system']} | {r['batch_cap']} | {r['output_tokens_per_s']:.1f} | "
+                     f"{r['requests_per_s']:.3f} | {r['total_tokens_per_s']:.1f} | "
+                     f"{r['elapsed_s']:.1f} | {_f(r.get('num_steps'), 'd')} | "
+                     f"{_f(r.get('mean_occupancy'), '.1f')} | {_f(r.get('wasted_tokens'), 'd')} | "
+                     f"{_f(r.get('loadavg_1m_before'), '.2f')} |")
+    names = [r["system"] for r in rows]
+    lines += ["", "Ratios of output tokens/s (row / column):", "",
+              "| | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for r in rows:
+        cells = [f"{r['output_tokens_per_s'] / c['output_tokens_per_s']:.2f}x" for c in rows]
+        lines.append(f"| {r['system']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def serving_md(d: dict) -> str:
+    m = d["machine"]
+    w = d["workload"]
+    lines = [f"**serving** — workload `{w['name']}` ({w['num_prompts']} requests per rate, "
+             f"{w['output_tokens']} output tokens), server cap max_num_seqs {d['max_num_seqs']}. "
+             f"{m['date_utc']}, load(1m) {_f(m.get('loadavg_1m_at_start'), '.2f')} at start, "
+             f"{_f(m.get('loadavg_1m_at_end'), '.2f')} at end.", "",
+             "| server | rate (req/s) | ok / failed | req/s | out tok/s | TTFT mean / p50 / p99 "
+             "(ms) | TPOT mean / p50 / p99 (ms) | ITL p50 / p99 (ms) | E2EL p50 / p99 (ms) | "
+             "load(1m) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in d["results"]:
+        t, p, i, e = r["ttft_ms"], r["tpot_ms"], r["itl_ms"], r["e2el_ms"]
+        lines.append(
+            f"| {r['server']} | {r['request_rate']} | {r['completed']} / {r['failed']} | "
+            f"{r['request_throughput']:.2f} | {r['output_throughput']:.1f} | "
+            f"{_f(t['mean'], '.0f')} / {_f(t['median'], '.0f')} / {_f(t['p99'], '.0f')} | "
+            f"{_f(p['mean'], '.0f')} / {_f(p['median'], '.0f')} / {_f(p['p99'], '.0f')} | "
+            f"{_f(i['median'], '.0f')} / {_f(i['p99'], '.0f')} | "
+            f"{_f(e['median'], '.0f')} / {_f(e['p99'], '.0f')} | "
+            f"{_f(r.get('loadavg_1m_before'), '.2f')} |")
+    return "\n".join(lines)
+
+
+def overhead_md(d: dict) -> str:
+    m = d["machine"]
+    lines = [f"**engine overhead** — {d['method']}; L1={d['l1']}, L2={d['l2']}, prompts of "
+             f"{d['prompt_len']} tokens. {m['date_utc']}, torch threads {m.get('torch_threads')}, "
+             f"load(1m) {_f(m.get('loadavg_1m_at_start'), '.2f')} at start, "
+             f"{_f(m.get('loadavg_1m_at_end'), '.2f')} at end.", "",
+             "| system | running | µs / step | steps/s | µs / step / seq | core: schedule / "
+             "sampler / update (µs) | load(1m) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in d["results"]:
+        core = "-"
+        if r.get("core_schedule_us") is not None:
+            core = (f"{r['core_schedule_us']:.0f} / {r['core_sampler_us']:.0f} / "
+                    f"{r['core_update_us']:.0f}")
+        lines.append(f"| {r['system']} | {r['running']} | {r['us_per_step']:.0f} | "
+                     f"{_f(r.get('steps_per_s'), '.1f')} | {r['us_per_step_per_seq']:.2f} | "
+                     f"{core} | {_f(r.get('loadavg_1m_before'), '.2f')} |")
+    return "\n".join(lines)
+
+
+def render(path: str) -> str:
+    d = json.loads(Path(path).read_text())
+    if "method" in d:
+        body = overhead_md(d)
+    elif d["results"] and "request_rate" in d["results"][0]:
+        body = serving_md(d)
+    else:
+        body = throughput_md(d)
+    return f"{body}\n\nCommand: `{d.get('command', '?')}`\n"
+
+
+def main() -> int:
+    for p in sys.argv[1:]:
+        print(f"<!-- {p} -->")
+        print(render(p))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
