@@ -1,0 +1,378 @@
+//! Hand-built scheduler scenarios with exact expectations.
+
+mod common;
+use common::*;
+use rust_scheduler::*;
+
+fn cfg(num_blocks: usize, block_size: usize, budget: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        num_blocks,
+        block_size,
+        max_num_batched_tokens: budget,
+        max_model_len: 64,
+        vocab_size: 50,
+        eos_token_ids: vec![0],
+        ..SchedulerConfig::default()
+    }
+}
+
+fn req(id: u64, prompt: Vec<i32>, max_tokens: usize) -> NewRequest {
+    NewRequest::new(id, prompt, max_tokens)
+}
+
+/// Manual step: schedule, feed `tokens` (one per sample), return events.
+fn feed(s: &mut Scheduler, tokens: &[i32]) -> Vec<(u64, i32, i32, u8)> {
+    s.schedule().unwrap();
+    let o = s.update(tokens).unwrap();
+    let ev = (0..o.len())
+        .map(|i| {
+            (
+                o.req_ids[i],
+                o.seq_indices[i],
+                o.token_ids[i],
+                o.finish_reasons[i],
+            )
+        })
+        .collect();
+    s.check_integrity().unwrap();
+    ev
+}
+
+fn drain(s: &mut Scheduler, r: &mut FakeRunner) -> Vec<(u64, i32, i32, u8)> {
+    let mut all = vec![];
+    for _ in 0..1000 {
+        if !s.has_unfinished() {
+            return all;
+        }
+        all.extend(step(s, r).1);
+    }
+    panic!("did not finish");
+}
+
+#[test]
+fn chunked_prefill_does_not_stall_decodes() {
+    let mut s = Scheduler::new(cfg(64, 4, 4)).unwrap();
+    let mut r = FakeRunner::new(&s);
+    s.submit(req(1, vec![1, 2], 10)).unwrap();
+    let (b, ev) = step(&mut s, &mut r);
+    assert_eq!((b.num_tokens(), b.num_samples()), (2, 1));
+    assert_eq!(ev.len(), 1);
+    s.submit(req(2, (1..=10).collect(), 5)).unwrap();
+    let mut chunks = vec![];
+    for _ in 0..4 {
+        let (b, _) = step(&mut s, &mut r);
+        assert_eq!(b.seq_req_ids[0], 1, "the decode is scheduled first");
+        assert_eq!(b.num_decode_tokens, 1);
+        chunks.push(b.num_prefill_tokens);
+        assert!(b.num_tokens() <= 4);
+    }
+    assert_eq!(chunks, vec![3, 3, 3, 1]);
+}
+
+#[test]
+fn long_prefill_threshold_caps_chunks() {
+    let mut c = cfg(64, 4, 100);
+    c.long_prefill_token_threshold = 3;
+    let mut s = Scheduler::new(c).unwrap();
+    let mut r = FakeRunner::new(&s);
+    s.submit(req(1, (1..=7).collect(), 2)).unwrap();
+    let sizes: Vec<usize> = (0..3)
+        .map(|_| step(&mut s, &mut r).0.num_tokens())
+        .collect();
+    assert_eq!(sizes, vec![3, 3, 1]);
+}
+
+#[test]
+fn prefix_hit_computes_only_the_rest_and_same_output() {
+    let mut s = Scheduler::new(cfg(64, 4, 64)).unwrap();
+    let mut r = FakeRunner::new(&s);
+    let prompt: Vec<i32> = (1..=9).collect();
+    s.submit(req(1, prompt.clone(), 3)).unwrap();
+    let a = drain(&mut s, &mut r);
+    s.submit(req(2, prompt.clone(), 3)).unwrap();
+    let (b, first) = step(&mut s, &mut r);
+    assert_eq!(
+        b.num_tokens(),
+        1,
+        "8 of 9 prompt tokens come from the cache"
+    );
+    assert_eq!(b.positions, vec![8]);
+    let st = s.stats();
+    assert_eq!(st.prefix_cache_hits_total, 8);
+    assert_eq!(st.prefix_cache_queries_total, 18);
+    let mut b_all = first;
+    b_all.extend(drain(&mut s, &mut r));
+    let toks = |ev: &[(u64, i32, i32, u8)], id| {
+        ev.iter()
+            .filter(|e| e.0 == id)
+            .map(|e| e.2)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        toks(&a, 1),
+        toks(&b_all, 2),
+        "a prefix hit changes nothing computed"
+    );
+    // A prompt that is exactly two full blocks reuses only the first: >= 1 token is computed.
+    s.submit(req(3, (1..=8).collect(), 1)).unwrap();
+    assert_eq!(step(&mut s, &mut r).0.num_tokens(), 4);
+    // A different salt shares nothing.
+    let mut q = req(4, prompt, 1);
+    q.cache_salt = Some("tenant-b".into());
+    s.submit(q).unwrap();
+    assert_eq!(step(&mut s, &mut r).0.num_tokens(), 9);
+    drain(&mut s, &mut r);
+    assert_eq!(s.stats().num_used_blocks, 0);
+}
+
+#[test]
+fn caching_off_recomputes_everything() {
+    let mut c = cfg(64, 4, 64);
+    c.enable_prefix_caching = false;
+    let mut s = Scheduler::new(c).unwrap();
+    let mut r = FakeRunner::new(&s);
+    s.submit(req(1, (1..=9).collect(), 1)).unwrap();
+    drain(&mut s, &mut r);
+    s.submit(req(2, (1..=9).collect(), 1)).unwrap();
+    assert_eq!(step(&mut s, &mut r).0.num_tokens(), 9);
+    assert_eq!(s.stats().num_cached_blocks, 0);
+}
+
+#[test]
+fn preemption_recomputes_and_output_is_unchanged() {
+    // 6 usable blocks of 2 tokens; two requests that each grow to 10 tokens cannot both fit.
+    let mut s = Scheduler::new(cfg(7, 2, 64)).unwrap();
+    let mut r = FakeRunner::new(&s);
+    let p = RefParams {
+        max_tokens: 6,
+        min_tokens: 0,
+        ignore_eos: true,
+        stop_ids: vec![],
+    };
+    for id in 1..=2 {
+        let mut q = req(id, vec![id as i32 + 1, 7, 9, 11], 6);
+        q.ignore_eos = true;
+        s.submit(q).unwrap();
+    }
+    let ev = drain(&mut s, &mut r);
+    assert!(s.stats().num_preemptions_total >= 1);
+    for id in 1..=2u64 {
+        let got: Vec<i32> = ev.iter().filter(|e| e.0 == id).map(|e| e.2).collect();
+        let (want, why) = reference(&[id as i32 + 1, 7, 9, 11], 0, &p, &[0], 50, 64);
+        assert_eq!(got, want);
+        assert_eq!(
+            ev.iter()
+                .filter(|e| e.0 == id && e.3 != 0)
+                .map(|e| e.3)
+                .collect::<Vec<_>>(),
+            vec![why]
+        );
+    }
+    assert_eq!(s.stats().num_used_blocks, 0);
+}
+
+#[test]
+fn preemption_cap_fails_with_a_reason() {
+    let mut c = cfg(7, 2, 64);
+    c.max_preemptions = 0;
+    let mut s = Scheduler::new(c).unwrap();
+    let mut r = FakeRunner::new(&s);
+    for id in 1..=2 {
+        let mut q = req(id, vec![5, 7, 9, 11], 6);
+        q.ignore_eos = true;
+        s.submit(q).unwrap();
+    }
+    let mut msgs = vec![];
+    let mut ev = vec![];
+    while s.has_unfinished() {
+        ev.extend(step(&mut s, &mut r).1);
+        msgs.extend(s.output().error_messages.clone());
+    }
+    let failed: Vec<_> = ev.iter().filter(|e| e.3 == 4).collect();
+    assert_eq!(failed.len(), 1);
+    assert_eq!(failed[0].0, 2, "the newest request is the victim");
+    assert_eq!(failed[0].2, -1);
+    assert!(msgs[0].1.contains("preempted"), "{msgs:?}");
+}
+
+#[test]
+fn rejects_what_can_never_fit_or_is_malformed() {
+    let mut c = cfg(5, 4, 64); // 4 usable blocks = 16 tokens
+    c.max_num_seqs = 4;
+    let s = Scheduler::new(c).unwrap();
+    let bad = |q: NewRequest| matches!(s.submit(q), Err(SchedError::InvalidRequest(_)));
+    assert!(bad(req(1, vec![], 1)));
+    assert!(bad(req(1, vec![50], 1)));
+    assert!(bad(req(1, vec![-1], 1)));
+    assert!(bad(req(1, vec![1], 0)));
+    assert!(bad(req(1, vec![1; 60], 10)), "over max_model_len");
+    assert!(bad(req(1, vec![1; 16], 2)), "needs 5 blocks, pool has 4");
+    let mut q = req(1, vec![1], 1);
+    q.n = 5;
+    assert!(bad(q));
+    let mut q = req(1, vec![1], 1);
+    q.sampling.top_p = 0.0;
+    assert!(bad(q));
+    assert!(
+        s.submit(req(1, vec![1; 15], 2)).is_ok(),
+        "exactly fits (last token never computed)"
+    );
+    assert!(bad(req(1, vec![1], 1)), "duplicate live id");
+    assert_eq!(s.stats().num_waiting, 0, "nothing drained yet");
+}
+
+#[test]
+fn queue_full_is_reported_and_recoverable() {
+    let mut c = cfg(16, 4, 64);
+    c.intake_capacity = 2;
+    let mut s = Scheduler::new(c).unwrap();
+    s.submit(req(1, vec![1], 1)).unwrap();
+    s.submit(req(2, vec![1], 1)).unwrap();
+    assert!(matches!(
+        s.submit(req(3, vec![1], 1)),
+        Err(SchedError::QueueFull(_))
+    ));
+    assert!(!s.intake().is_live(3), "a rejected id is not reserved");
+    feed(&mut s, &[4, 4]);
+    s.submit(req(3, vec![1], 1)).unwrap();
+}
+
+#[test]
+fn abort_mid_prefill_and_mid_decode_frees_everything_once() {
+    let mut s = Scheduler::new(cfg(64, 4, 4)).unwrap();
+    s.submit(req(1, (1..=10).collect(), 5)).unwrap();
+    s.submit(req(2, vec![3, 4], 5)).unwrap();
+    feed(&mut s, &[]); // 4 tokens of request 1, nothing sampled
+    let i = s.intake();
+    i.abort(1, None, FinishReason::Abort).unwrap();
+    i.abort(1, None, FinishReason::Abort).unwrap(); // idempotent
+    i.abort(99, None, FinishReason::Abort).unwrap(); // unknown
+    let ev = feed(&mut s, &[7]);
+    assert!(ev.contains(&(1, 0, -1, 3)));
+    assert_eq!(ev.iter().filter(|e| e.0 == 1).count(), 1);
+    i.abort(2, None, FinishReason::Stop).unwrap(); // a stop string found by the engine
+    let ev = feed(&mut s, &[]);
+    assert_eq!(ev, vec![(2, 0, -1, 1)]);
+    assert!(!s.has_unfinished());
+    assert_eq!(s.stats().num_used_blocks, 0);
+    assert!(!i.is_live(1) && !i.is_live(2));
+}
+
+#[test]
+fn n_greater_than_one_shares_prompt_and_copies_on_write() {
+    let mut s = Scheduler::new(cfg(64, 4, 64)).unwrap();
+    let mut r = FakeRunner::new(&s);
+    let mut q = req(1, vec![1, 2, 3, 4, 5, 6], 4);
+    q.n = 3;
+    q.ignore_eos = true;
+    s.submit(q).unwrap();
+    let (b, ev) = step(&mut s, &mut r);
+    assert_eq!(b.num_tokens(), 6, "prompt computed once");
+    assert_eq!(b.logits_indices, vec![5, 5, 5]);
+    assert_eq!(b.sample_seq_indices, vec![0, 1, 2]);
+    assert_eq!(ev.len(), 3);
+    assert_eq!(
+        s.stats().num_used_blocks,
+        2,
+        "children share the prompt's blocks"
+    );
+    let (b, _) = step(&mut s, &mut r);
+    assert_eq!(
+        b.num_copies(),
+        2,
+        "two of three writers copy the shared partial block"
+    );
+    let ev = drain(&mut s, &mut r);
+    let p = RefParams {
+        max_tokens: 4,
+        min_tokens: 0,
+        ignore_eos: true,
+        stop_ids: vec![],
+    };
+    for k in 0..3 {
+        let (want, _) = reference(&[1, 2, 3, 4, 5, 6], k, &p, &[0], 50, 64);
+        let got: Vec<i32> = ev.iter().filter(|e| e.1 == k).map(|e| e.2).collect();
+        assert_eq!(got[..], want[2..]);
+    }
+    assert_eq!(s.stats().num_used_blocks, 0);
+}
+
+#[test]
+fn abort_one_unforked_child_before_the_fork() {
+    let mut s = Scheduler::new(cfg(64, 4, 64)).unwrap();
+    let mut q = req(1, vec![1, 2, 3], 2);
+    q.n = 3;
+    s.submit(q).unwrap();
+    s.intake().abort(1, Some(0), FinishReason::Abort).unwrap();
+    s.schedule().unwrap();
+    assert_eq!(s.batch().sample_seq_indices, vec![1, 2]);
+    let o = s.update(&[5, 6]).unwrap().clone();
+    assert_eq!(o.req_ids.len(), 3);
+    assert_eq!((o.seq_indices[0], o.finish_reasons[0]), (0, 3));
+    s.check_integrity().unwrap();
+}
+
+#[test]
+fn min_tokens_and_stop_rules() {
+    let mut s = Scheduler::new(cfg(64, 4, 64)).unwrap();
+    let mut q = req(1, vec![1, 2], 10);
+    q.min_tokens = 2;
+    q.stop_token_ids = vec![9];
+    s.submit(q).unwrap();
+    s.schedule().unwrap();
+    assert_eq!(s.batch().suppress_eos, vec![1]);
+    assert_eq!(
+        s.update(&[0]).unwrap().finish_reasons,
+        vec![0],
+        "EOS before min_tokens"
+    );
+    s.schedule().unwrap();
+    assert_eq!(s.batch().suppress_eos, vec![1]);
+    assert_eq!(s.batch().sample_output_lens, vec![1]);
+    assert_eq!(
+        s.update(&[9]).unwrap().finish_reasons,
+        vec![0],
+        "stop id before min_tokens"
+    );
+    s.schedule().unwrap();
+    assert_eq!(s.batch().suppress_eos, vec![0]);
+    assert_eq!(s.update(&[9]).unwrap().finish_reasons, vec![1]);
+    // ignore_eos: EOS never stops, max_tokens does.
+    let mut q = req(2, vec![1], 2);
+    q.ignore_eos = true;
+    s.submit(q).unwrap();
+    assert_eq!(feed(&mut s, &[0]), vec![(2, 0, 0, 0)]);
+    assert_eq!(feed(&mut s, &[0]), vec![(2, 0, 0, 2)]);
+    // max_model_len reports length.
+    s.submit(req(3, vec![1; 62], 2)).unwrap();
+    feed(&mut s, &[4]);
+    assert_eq!(feed(&mut s, &[4]), vec![(3, 0, 4, 2)]);
+}
+
+#[test]
+fn priority_policy_admits_lowest_value_first() {
+    let mut c = cfg(64, 4, 64);
+    c.policy = Policy::Priority;
+    c.max_num_seqs = 1;
+    let mut s = Scheduler::new(c).unwrap();
+    for (id, prio) in [(1, 5), (2, -1), (3, 0)] {
+        let mut q = req(id, vec![1], 1);
+        q.priority = prio;
+        s.submit(q).unwrap();
+    }
+    let order: Vec<u64> = (0..3).map(|_| feed(&mut s, &[4])[0].0).collect();
+    assert_eq!(order, vec![2, 3, 1]);
+}
+
+#[test]
+fn protocol_errors_change_nothing() {
+    let mut s = Scheduler::new(cfg(64, 4, 64)).unwrap();
+    assert!(matches!(s.update(&[]), Err(SchedError::Protocol(_))));
+    s.submit(req(1, vec![1], 3)).unwrap();
+    s.schedule().unwrap();
+    assert!(matches!(s.schedule(), Err(SchedError::Protocol(_))));
+    assert!(matches!(s.update(&[1, 2]), Err(SchedError::Protocol(_))));
+    assert!(matches!(s.update(&[50]), Err(SchedError::Protocol(_))));
+    s.check_integrity().unwrap();
+    assert_eq!(s.update(&[1]).unwrap().len(), 1);
+}
