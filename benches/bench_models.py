@@ -47,3 +47,38 @@ def model_ref(w: Workload) -> str:
     if w.model == "random:tiny":
         return materialize_tiny_hf_dir()
     return w.model
+
+
+def word_level_tokenizer(vocab_size: int, bos_token_id: int | None, eos_token_id: int | None):
+    """A `tokenizers` word-level tokenizer covering every id of a random-weight model (token i
+    decodes to "w{i}"), wrapped in ferrobatch's Tokenizer. Detokenizing it is cheaper than BPE,
+    so this slightly favours the engine; it exists only because the engine refuses to serve a
+    model without a tokenizer and `random:<shape>` models (other than smollm2-135m) have none."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    from ferrobatch.model.tokenizer import Tokenizer
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    backend = HFTokenizer(models.WordLevel(vocab, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return Tokenizer(backend, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+
+
+def ferrobatch_loaded_model(w: Workload):
+    """None (let the engine load `w.model` itself), or, for a `random:<shape>` model without a
+    tokenizer, the engine's own loaded model with a word-level tokenizer attached."""
+    if not w.model.startswith("random:") or w.model == "random:tiny":
+        return None
+    import torch
+
+    from ferrobatch.model.loader import load_model
+
+    device = w.device if w.device != "cuda" or torch.cuda.is_available() else "cpu"
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16}[w.dtype]
+    loaded = load_model(w.model, device=device, dtype=dtype)
+    if loaded.tokenizer is None:
+        c = loaded.config
+        loaded.tokenizer = word_level_tokenizer(c.vocab_size, c.bos_token_id, c.eos_token_id)
+    return loaded

@@ -22,7 +22,7 @@ import gc
 import time
 from typing import Callable
 
-from bench_models import model_ref
+from bench_models import ferrobatch_loaded_model, model_ref
 from workloads import Request, Workload
 
 class StepRecorder:
@@ -65,7 +65,7 @@ class FerrobatchRunner:
         self.options = dict(device=w.device, dtype=w.dtype, max_num_seqs=max_num_seqs,
                             **w.engine_options, **extra_options)
         t0 = time.perf_counter()
-        self.llm = LLM(model_ref(w), **self.options)
+        self.llm = LLM(model_ref(w), loaded_model=ferrobatch_loaded_model(w), **self.options)
         self.load_s = time.perf_counter() - t0
         self.engine = self.llm.engine
         self.recorder = StepRecorder(self.engine)   # duck-typed EngineObserver
