@@ -11,24 +11,43 @@ import torch
 from step_builder import ToyScheduler
 
 from ferrobatch.model.dequant import dequantize_tensor
+from ferrobatch.model.gguf_file import GGUFFile
 from ferrobatch.model.gguf_loader import llama_permute, reverse_llama_permute
 from ferrobatch.model.loader import load_model
 from ferrobatch.model.random_init import RANDOM_SHAPES
 from ferrobatch.runtime.model_runner import ModelRunner
 
 
+def test_gguf_file_parser_agrees_with_gguf_reader(smollm2_gguf_path):
+    from gguf import GGUFReader
+
+    ours = GGUFFile(smollm2_gguf_path)
+    reference = GGUFReader(smollm2_gguf_path)
+    assert [t.name for t in reference.tensors] == list(ours.tensors)
+    for tensor in reference.tensors:
+        mine = ours.tensors[tensor.name]
+        assert mine.type_id == int(tensor.tensor_type)
+        assert mine.shape == tuple(reversed([int(d) for d in tensor.shape]))
+        assert np.array_equal(np.asarray(tensor.data).view(np.uint8).reshape(-1), mine.data.reshape(-1))
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                "tokenizer.chat_template", "llama.rope.freq_base", "llama.attention.head_count_kv"):
+        assert reference.fields[key].contents() == ours.metadata[key], key
+
+
 def test_torch_dequant_matches_gguf_reference(smollm2_gguf_path):
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    reader = GGUFReader(smollm2_gguf_path)
     checked = set()
-    for tensor in reader.tensors:
-        if tensor.tensor_type.name in checked:
+    for tensor in GGUFFile(smollm2_gguf_path).tensors.values():
+        if tensor.type_name in checked:
             continue
-        checked.add(tensor.tensor_type.name)
-        ours = dequantize_tensor(tensor.data, int(tensor.tensor_type), tensor.tensor_type.name)
-        np.testing.assert_array_equal(ours.numpy(), dequantize(tensor.data, tensor.tensor_type))
+        checked.add(tensor.type_name)
+        ours = dequantize_tensor(tensor.data, tensor.type_id, tensor.type_name)
+        assert tuple(ours.shape) == tensor.shape
+        qtype = GGMLQuantizationType(tensor.type_id)
+        raw = tensor.data.view(np.float32) if qtype == GGMLQuantizationType.F32 else tensor.data
+        np.testing.assert_array_equal(ours.numpy(), dequantize(raw, qtype))
     assert checked == {"Q8_0", "Q4_1", "F32"}
     weights = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
     for qtype in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
@@ -79,6 +98,10 @@ def test_non_gguf_file_and_bad_hf_dirs(tmp_path):
     text_file.write_bytes(b"\0" * 16)
     with pytest.raises(ValueError, match="gguf"):
         load_model(str(text_file))
+    fake_gguf = tmp_path / "fake.gguf"
+    fake_gguf.write_bytes(b"NOPE" + b"\0" * 64)
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load_model(str(fake_gguf))
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_model(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))

@@ -43,13 +43,17 @@ def dequantize_tensor(data: np.ndarray, type_id: int, type_name: str) -> torch.T
 
     Raises ValueError for a quantization type neither path supports.
     """
-    if type_id == 0:  # F32
-        return torch.from_numpy(np.array(data, dtype=np.float32))
-    if type_id == 1:  # F16
-        return torch.from_numpy(np.array(data, dtype=np.float16)).float()
+    data = np.asarray(data)
+    if type_id in (0, 1):  # F32 / F16, given typed or as raw bytes
+        dtype = np.float32 if type_id == 0 else np.float16
+        values = data.view(dtype) if data.dtype == np.uint8 else data.astype(dtype, copy=False)
+        return torch.from_numpy(np.array(values, dtype=np.float32))
     if type_id in _BLOCK_SHAPES:
         raw = torch.from_numpy(np.array(data, dtype=np.uint8))
-        return _dequant_blocks(raw, type_id)
+        if raw.dim() == 1:
+            return _dequant_blocks(raw[None], type_id)[0]
+        return _dequant_blocks(raw.reshape(-1, raw.shape[-1]), type_id).reshape(
+            *raw.shape[:-1], -1)
     from gguf.quants import dequantize  # noqa: PLC0415 - slow generic fallback only
 
     try:

@@ -14,6 +14,7 @@ import torch
 
 from ferrobatch.model.config import ModelConfig
 from ferrobatch.model.dequant import dequantize_tensor
+from ferrobatch.model.gguf_file import GGUFFile
 
 _GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2"}
 
@@ -62,22 +63,11 @@ def llama_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(weight.shape))
 
 
-def _field_value(reader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+def _field_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.metadata.get(key, default)
 
 
-def _string_array(reader, key: str) -> list[str]:
-    f = reader.fields.get(key)
-    if f is None:
-        return []
-    parts = f.parts
-    return [bytes(parts[i]).decode("utf-8", errors="replace") for i in f.data]
-
-
-def _read_config(reader, tensor_names: set[str]) -> ModelConfig:
+def _read_config(reader: GGUFFile, tensor_names: set[str]) -> ModelConfig:
     gguf_arch = _field_value(reader, "general.architecture")
     if gguf_arch not in _GGUF_ARCHS:
         raise ValueError(
@@ -95,7 +85,7 @@ def _read_config(reader, tensor_names: set[str]) -> ModelConfig:
     num_heads = int(need("attention.head_count"))
     vocab = _field_value(reader, f"{a}.vocab_size")
     if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+        vocab = len(reader.metadata.get("tokenizer.ggml.tokens", ()))
     head_dim = int(_field_value(reader, f"{a}.attention.key_length", hidden // num_heads))
     rope_scaling = None
     scaling_type = _field_value(reader, f"{a}.rope.scaling.type")
@@ -135,20 +125,17 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def read_tokenizer_metadata(reader) -> GGUFTokenizerMetadata:
+def read_tokenizer_metadata(reader: GGUFFile) -> GGUFTokenizerMetadata:
     """Extracts the tokenizer fields (vocabulary, merges, token types, specials, chat template)."""
     model = _field_value(reader, "tokenizer.ggml.model")
     if model is None:
         raise ValueError("GGUF file has no tokenizer (tokenizer.ggml.model missing)")
-    token_types_field = reader.fields.get("tokenizer.ggml.token_type")
-    token_types = [int(token_types_field.parts[i][0]) for i in token_types_field.data] \
-        if token_types_field is not None else []
     return GGUFTokenizerMetadata(
         model=model,
         pre=_field_value(reader, "tokenizer.ggml.pre"),
-        tokens=_string_array(reader, "tokenizer.ggml.tokens"),
-        token_types=token_types,
-        merges=_string_array(reader, "tokenizer.ggml.merges"),
+        tokens=list(_field_value(reader, "tokenizer.ggml.tokens", [])),
+        token_types=[int(t) for t in _field_value(reader, "tokenizer.ggml.token_type", [])],
+        merges=list(_field_value(reader, "tokenizer.ggml.merges", [])),
         bos_token_id=_field_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field_value(reader, "tokenizer.ggml.eos_token_id"),
         add_bos_token=bool(_field_value(reader, "tokenizer.ggml.add_bos_token", False)),
@@ -162,20 +149,18 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    from gguf import GGUFReader  # noqa: PLC0415
-
     try:
-        reader = GGUFReader(path)
-    except (ValueError, OSError) as exc:
+        reader = GGUFFile(path)
+    except OSError as exc:
         raise ValueError(f"cannot read GGUF file {path}: {exc}") from exc
-    tensor_names = {t.name for t in reader.tensors}
+    tensor_names = set(reader.tensors)
     config = _read_config(reader, tensor_names)
     state: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in reader.tensors.values():
         name = _hf_name(tensor.name)
         if name is None:
             continue  # e.g. rope_freqs (not used) or tensors of other heads
-        weight = dequantize_tensor(tensor.data, int(tensor.tensor_type), tensor.tensor_type.name)
+        weight = dequantize_tensor(tensor.data, tensor.type_id, tensor.type_name)
         if config.arch == "llama" and ".q_proj." in name:
             weight = reverse_llama_permute(weight, config.num_heads)
         elif config.arch == "llama" and ".k_proj." in name:

@@ -83,11 +83,10 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor] | None, *,
 
 
 def _load_gguf_tokenizer(path: str) -> Tokenizer:
-    from gguf import GGUFReader  # noqa: PLC0415
-
+    from ferrobatch.model.gguf_file import GGUFFile  # noqa: PLC0415
     from ferrobatch.model.gguf_loader import read_tokenizer_metadata  # noqa: PLC0415
 
-    return Tokenizer.from_gguf_metadata(read_tokenizer_metadata(GGUFReader(path)))
+    return Tokenizer.from_gguf_metadata(read_tokenizer_metadata(GGUFFile(path)))
 
 
 def load_model(name_or_path: str, *, device: str | torch.device = "cpu",
