@@ -32,6 +32,9 @@ def test_matches_llama_cpp_on_all_oracle_strings(tokenizer):
     assert len(cases) >= 100
     mismatches = [c["text"] for c in cases if tokenizer.encode(c["text"]) != c["ids_parse_special"]]
     assert mismatches == []
+    as_text = [c["text"] for c in cases if tokenizer.encode(c["text"], parse_special=False) != c["ids"]]
+    assert as_text == []
+    assert any(c["ids"] != c["ids_parse_special"] for c in cases)
     # the oracle covers what matters: digits, unicode, whitespace and special tokens
     texts = "".join(c["text"] for c in cases)
     assert any(ch.isdigit() for ch in texts) and "<|im_start|>" in texts and "\t" in texts

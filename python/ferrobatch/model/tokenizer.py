@@ -60,6 +60,7 @@ class Tokenizer:
         extra_eos_token_ids: Sequence[int] = (),
     ) -> None:
         self._backend = backend
+        self._plain_text_backend: HFTokenizer | None = None  # specials encoded as text; built lazily
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.add_bos_token = add_bos_token
@@ -128,9 +129,16 @@ class Tokenizer:
         """The underlying ``tokenizers.Tokenizer``."""
         return self._backend
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``; specials in the text are parsed; BOS added only if asked and the model wants it."""
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids of ``text``. Special-token text (``<|im_start|>``) becomes the special id unless
+        ``parse_special`` is False; BOS is prepended only if asked and the model wants it."""
+        backend = self._backend
+        if not parse_special:
+            if self._plain_text_backend is None:
+                self._plain_text_backend = HFTokenizer.from_str(self._backend.to_str())
+                self._plain_text_backend.encode_special_tokens = True
+            backend = self._plain_text_backend
+        ids = backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
