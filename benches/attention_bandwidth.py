@@ -151,16 +151,14 @@ def bench_one(torch, ops, backend_mod, shape: str, batch: int, ctx: int, args, l
     torch_us = None
     if kv_bytes <= args.torch_ref_max_gb * 1e9:
         torch_us = time_torch_reference(torch, backend_mod, q, cache, tables[0], batch, ctx, bs, scale)
-    del g, cache, tables, ws
-    torch.cuda.empty_cache()
     return Row(shape, batch, ctx, splits, kv_bytes, t * 1e6, gbps, gbps / args.copy_rate,
                torch_us, (torch_us / (t * 1e6)) if torch_us else None)
 
 
 def time_torch_reference(torch, backend_mod, q, cache, table, batch, ctx, bs, scale) -> float:
-    import numpy as np
     from types import SimpleNamespace
 
+    import numpy as np
     from ferrobatch.runtime.attention.torch_ref import TorchReferenceBackend
 
     tab = table.cpu().numpy()
@@ -187,8 +185,9 @@ def time_torch_reference(torch, backend_mod, q, cache, table, batch, ctx, bs, sc
 
 
 def format_table(rows: list[Row], copy_rate: float) -> str:
-    lines = [f"{'shape':<13} {'batch':>5} {'ctx':>5} {'splits':>6} {'us/call':>9} {'GB/s':>7} "
-             f"{'%copy':>6} {'torch us':>9} {'x torch':>7}"]
+    header = (f"{'shape':<13} {'batch':>5} {'ctx':>5} {'splits':>6} {'us/call':>9} {'GB/s':>7} "
+              f"{'%copy':>6} {'torch us':>9} {'x torch':>7}")
+    lines = [header]
     for r in rows:
         lines.append(
             f"{r.shape:<13} {r.batch:>5} {r.context:>5} {r.num_splits:>6} {r.us_per_call:>9.1f} "
@@ -238,6 +237,7 @@ def main(argv=None) -> int:
                 r = bench_one(torch, ops, backend_mod, shape, batch, ctx, args, l2,
                               props.multi_processor_count)
                 rows.append(r)
+                torch.cuda.empty_cache()  # the config's caches are garbage now
                 print(f"{shape} b={batch} ctx={ctx} splits={r.num_splits}: {r.us_per_call:.1f} us "
                       f"{r.gbps:.0f} GB/s ({100 * r.pct_of_copy:.1f}%)", flush=True)
     table = format_table(rows, args.copy_rate)

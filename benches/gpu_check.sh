@@ -9,7 +9,9 @@
 #   2. JIT-build the kernels for this GPU (sm_90 on H200), ptxas register report   -> build.log, ptxas.txt
 #   3. pytest -m gpu tests/gpu (kernels vs float64 reference, CUDA graphs, e2e)    -> gpu_tests.log/.xml
 #   4. decode-attention bandwidth benchmark (+ measured copy rate)                 -> attention_bandwidth.{txt,json}
-#   5. summary table                                                                -> summary.txt
+#   5. compute-sanitizer memcheck on a few small kernel tests (no caching allocator, so an
+#      out-of-bounds access hits unallocated memory), if the tool is there  -> sanitizer.log
+#   6. summary table                                                                -> summary.txt
 # Everything goes to $OUT (the device tool returns it) and to benches/results/gpu-<stamp>/.
 # A step that fails is recorded and the script continues; the exit code is non-zero if any failed.
 set -uo pipefail
@@ -63,6 +65,13 @@ if [[ ${status[build]} == rc=0* ]]; then
     --junitxml="$OUT/gpu_tests.xml" tests/gpu || failed=1
   run_step bench 180 "$OUT/attention_bandwidth.txt" $PY benches/attention_bandwidth.py \
     --measure-copy --json "$OUT/attention_bandwidth.json" || failed=1
+  if command -v compute-sanitizer >/dev/null 2>&1; then
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 run_step sanitizer 150 "$OUT/sanitizer.log" \
+      compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+      $PY -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_kernels.py -k \
+      "3-700-16-2-4-128-dtype0 or 7-1000-12-3-3-64-dtype1 or 3-2-4-128-dtype0 or 4-3-3-64-dtype0 or slot_dtype0-128-8-dtype0 or zero_length" \
+      || failed=1
+  fi
 else
   echo "build failed: skipping tests and bench" | tee -a "$OUT/steps.txt"
   failed=1
@@ -70,10 +79,12 @@ fi
 
 {
   echo "ferrobatch GPU check $stamp  ($(head -n 2 "$OUT/env.txt" | tail -n 1))"
-  for k in build tests bench; do echo "  $k: ${status[$k]:-not run}"; done
+  for k in build tests bench sanitizer; do echo "  $k: ${status[$k]:-not run}"; done
   echo "--- tests"
   grep -E "passed|failed|error" "$OUT/gpu_tests.log" 2>/dev/null | tail -n 3
   grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.log" 2>/dev/null | head -n 15
+  echo "--- sanitizer"
+  grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer.log" 2>/dev/null | tail -n 3
   echo "--- decode attention bandwidth (bf16, block 16)"
   sed -n '/^shape /,$p' "$OUT/attention_bandwidth.txt" 2>/dev/null
   echo "--- registers (ptxas) of the decode kernels, bf16"

@@ -80,6 +80,7 @@ struct DecodeParams {
   int64_t kv_stride_kv, kv_stride_block, kv_stride_tok, kv_stride_head;
   int64_t bt_stride;
   int num_heads, group, block_size, num_splits, max_splits;
+  int block_shift;  // log2(block_size) when it is a power of two (the usual case), else -1
   float scale_log2;
 };
 
@@ -150,7 +151,7 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
     for (int u = 0; u < U; ++u) {
       const int t = base + u * NGRP + grp;
       if (t < end) {
-        const int bi = t / bs;
+        const int bi = p.block_shift >= 0 ? (t >> p.block_shift) : t / bs;  // uniform branch
         const int64_t row = static_cast<int64_t>(bt[bi]) * p.kv_stride_block +
                             static_cast<int64_t>(t - bi * bs) * p.kv_stride_tok;
         kr[u] = load_kv16(kbase + row);
@@ -306,6 +307,13 @@ __global__ void __launch_bounds__(D) paged_decode_reduce_kernel(const DecodePara
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
+int block_shift_of(int block_size) {
+  if (block_size <= 0 || (block_size & (block_size - 1)) != 0) return -1;
+  int shift = 0;
+  while ((1 << shift) < block_size) ++shift;
+  return shift;
+}
+
 template <typename T, int D, int GP>
 void launch_decode(const DecodeParams& p, int B, int Hkv, int Hq, cudaStream_t stream) {
   const dim3 grid(p.num_splits, Hkv, B);
@@ -407,6 +415,7 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   p.num_heads = static_cast<int>(Hq);
   p.group = static_cast<int>(G);
   p.block_size = static_cast<int>(kv_cache.size(2));
+  p.block_shift = block_shift_of(p.block_size);
   p.num_splits = static_cast<int>(num_splits);
   p.max_splits = num_splits > 1 ? static_cast<int>(partial_out.size(2)) : 1;
   p.scale_log2 = static_cast<float>(scale) * kLog2e;

@@ -52,6 +52,7 @@ struct PrefillParams {
   int64_t kv_stride_kv, kv_stride_block, kv_stride_tok, kv_stride_head;
   int64_t bt_stride;
   int group, block_size;
+  int block_shift;  // log2(block_size) when a power of two, else -1
   float scale_log2;
 };
 
@@ -135,7 +136,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
       const int t = kv0 + kt;
       float kf[VEC], vf[VEC];
       if (t < kv_end) {
-        const int bi = t / p.block_size;
+        const int bi = p.block_shift >= 0 ? (t >> p.block_shift) : t / p.block_size;
         const T* row = kv + static_cast<int64_t>(bt[bi]) * p.kv_stride_block +
                        static_cast<int64_t>(t - bi * p.block_size) * p.kv_stride_tok + c;
         unpack<T>(load_kv16(row), kf);
@@ -219,6 +220,13 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+int block_shift_of(int block_size) {
+  if (block_size <= 0 || (block_size & (block_size - 1)) != 0) return -1;
+  int shift = 0;
+  while ((1 << shift) < block_size) ++shift;
+  return shift;
+}
 
 template <typename T, int D, int GP>
 void launch_prefill(const PrefillParams& p, int B, int Hkv, int64_t max_query_len,
@@ -311,6 +319,7 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Ten
   p.bt_stride = block_tables.stride(0);
   p.group = static_cast<int>(G);
   p.block_size = static_cast<int>(kv_cache.size(2));
+  p.block_shift = block_shift_of(p.block_size);
   p.scale_log2 = static_cast<float>(scale) * kLog2e;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int iB = static_cast<int>(B), iHkv = static_cast<int>(Hkv), iD = static_cast<int>(D);

@@ -13,7 +13,13 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from paged_utils import assert_close, make_batch, poison, random_cache, reference_attention
+from paged_utils import (
+    assert_close,
+    make_batch,
+    poison,
+    random_cache,
+    reference_attention,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -71,6 +77,7 @@ DECODE_CASES = [
     (16, 1500, 32),
     (64, 1025, 16),
     (131, 300, 8),
+    (7, 1000, 12),   # block size that is not a power of two (division path)
     (256, 600, 16),
 ]
 

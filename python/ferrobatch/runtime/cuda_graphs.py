@@ -24,8 +24,8 @@ padding/bucket logic here is pure numpy and unit-tested on CPU.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-import math
 import os
 import re
 import shutil
@@ -70,7 +69,7 @@ class CudaToolkit:
 def _nvcc_version(nvcc: Path) -> tuple[int, int] | None:
     try:
         out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True,
-                             timeout=60).stdout
+                             timeout=60, check=False).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     match = re.search(r"release (\d+)\.(\d+)", out)
@@ -99,8 +98,8 @@ def find_cuda_toolkit() -> CudaToolkit | None:
         from torch.utils import cpp_extension
         if cpp_extension.CUDA_HOME:
             homes.append(Path(cpp_extension.CUDA_HOME))
-    except Exception:  # noqa: BLE001 - torch builds without cpp_extension support
-        pass
+    except Exception as exc:  # noqa: BLE001 - torch builds without cpp_extension support
+        logger.debug("torch.utils.cpp_extension unavailable: %s", exc)
     homes += _pip_cuda_homes()
     which = shutil.which("nvcc")
     if which:
@@ -291,7 +290,7 @@ def build_and_load(arch: str, verbose: bool = False) -> str:
                 is_python_module=False,
                 verbose=verbose,
             )
-        except Exception as exc:  # noqa: BLE001 - surface compiler output as one clear error
+        except Exception as exc:
             raise RuntimeError(f"building ferrobatch CUDA ops failed: {exc}") from exc
         finally:
             if saved_arch_list is None:
@@ -368,7 +367,7 @@ class DecodeWorkspace:
 
     @classmethod
     def allocate(cls, max_batch: int, num_heads: int, head_dim: int, max_splits: int,
-                 device: torch.device | str) -> "DecodeWorkspace":
+                 device: torch.device | str) -> DecodeWorkspace:
         return cls(torch.empty(max_batch, num_heads, max_splits, head_dim, dtype=torch.float32,
                                device=device),
                    torch.empty(max_batch, num_heads, max_splits, dtype=torch.float32, device=device))

@@ -26,8 +26,13 @@ from ferrobatch.runtime.attention.base import AttentionBackend, AttentionMetadat
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CudaPagedBackend", "CudaAttentionBackend", "CudaMetadata", "cuda_available",
-           "is_available"]
+__all__ = [
+    "CudaAttentionBackend",
+    "CudaMetadata",
+    "CudaPagedBackend",
+    "cuda_available",
+    "is_available",
+]
 
 MIN_COMPUTE_CAPABILITY = (8, 0)
 
