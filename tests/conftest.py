@@ -28,7 +28,6 @@ def smollm2_gguf_path() -> str:
 def loaded_smollm2(smollm2_gguf_path):
     """The embedded model loaded once on CPU in float32 (a LoadedModel; do not mutate weights)."""
     import torch
-
     from ferrobatch.model.loader import load_model
 
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))

@@ -7,11 +7,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from step_builder import ToyScheduler
-
 from ferrobatch.model.config import ModelConfig
 from ferrobatch.runtime.attention import TorchReferenceBackend, get_attention_backend
 from ferrobatch.runtime.kv_cache import KVCache, kv_block_bytes, num_blocks_for_budget
+from step_builder import ToyScheduler
 
 NUM_KV_HEADS, NUM_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 6, 16, 4, 64
 
@@ -122,7 +121,11 @@ def test_kv_cache_sizing_and_block_copies():
 
 def test_warm_up_batch_runs_and_cpu_block_count():
     from ferrobatch.model.loader import LoadedModel, build_model
-    from ferrobatch.runtime.model_runner import ModelRunner, _warm_up_batch, num_kv_blocks
+    from ferrobatch.runtime.model_runner import (
+        ModelRunner,
+        _warm_up_batch,
+        num_kv_blocks,
+    )
 
     config = ModelConfig(arch="llama", vocab_size=50, hidden_size=32, intermediate_size=48,
                          num_layers=2, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
@@ -135,3 +138,34 @@ def test_warm_up_batch_runs_and_cpu_block_count():
     budget = 7 * 2 * 2 * NUM_KV_HEADS * HEAD_DIM * 4 * BLOCK_SIZE
     assert num_kv_blocks(loaded, block_size=BLOCK_SIZE, max_num_batched_tokens=64,
                          cpu_kv_cache_bytes=budget) == 7
+
+
+def test_auto_backend_plugs_in_cuda_module_and_falls_back(monkeypatch):
+    import sys
+    import types
+
+    from ferrobatch.runtime.attention.base import AttentionBackend
+
+    class FakeCudaBackend(TorchReferenceBackend):
+        name = "cuda"
+
+        def __init__(self, block_size, device):
+            super().__init__(block_size)
+            self.device = device
+
+        @staticmethod
+        def supports(num_heads, num_kv_heads, head_dim, dtype):
+            return None if head_dim in (64, 128) else f"head_dim {head_dim}"
+
+    fake = types.ModuleType("ferrobatch.runtime.attention.cuda")
+    fake.is_available = lambda: True
+    fake.CudaAttentionBackend = FakeCudaBackend
+    monkeypatch.setitem(sys.modules, "ferrobatch.runtime.attention.cuda", fake)
+    chosen = get_attention_backend("auto", "cuda", block_size=8, model_shape=(8, 2, 64, torch.bfloat16))
+    assert isinstance(chosen, AttentionBackend) and chosen.name == "cuda" and chosen.block_size == 8
+    fallback = get_attention_backend("auto", "cuda", model_shape=(8, 2, 96, torch.bfloat16))
+    assert fallback.name == "torch"
+    with pytest.raises(RuntimeError, match="head_dim 96"):
+        get_attention_backend("cuda", "cuda", model_shape=(8, 2, 96, torch.bfloat16))
+    fake.is_available = lambda: False
+    assert get_attention_backend("auto", "cuda").name == "torch"

@@ -8,14 +8,13 @@ import os
 import numpy as np
 import pytest
 import torch
-from step_builder import ToyScheduler
-
 from ferrobatch.model.dequant import dequantize_tensor
 from ferrobatch.model.gguf_file import GGUFFile
 from ferrobatch.model.gguf_loader import llama_permute, reverse_llama_permute
 from ferrobatch.model.loader import load_model
 from ferrobatch.model.random_init import RANDOM_SHAPES
 from ferrobatch.runtime.model_runner import ModelRunner
+from step_builder import ToyScheduler
 
 
 def test_gguf_file_parser_agrees_with_gguf_reader(smollm2_gguf_path):
@@ -131,21 +130,21 @@ def test_unsupported_gguf_architecture(tmp_path):
 
 
 TINY_CONFIGS = {
-    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64,
-                  intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=128, rms_norm_eps=1e-5, rope_theta=10000.0,
-                  max_position_embeddings=256, tie_word_embeddings=False),
-    "llama3-rope": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64,
-                        intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=1, vocab_size=128, rms_norm_eps=1e-5,
-                        rope_theta=500000.0, max_position_embeddings=256, tie_word_embeddings=True,
-                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                  "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                  "max_position_embeddings": 256, "tie_word_embeddings": False},
+    "llama3-rope": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                        "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                        "num_key_value_heads": 1, "vocab_size": 128, "rms_norm_eps": 1e-5,
+                        "rope_theta": 500000.0, "max_position_embeddings": 256, "tie_word_embeddings": True,
+                        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0,
-                                      "original_max_position_embeddings": 16}),
-    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64,
-                  intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=128, rms_norm_eps=1e-6, rope_theta=10000.0,
-                  max_position_embeddings=256, tie_word_embeddings=False),
+                                      "original_max_position_embeddings": 16}},
+    "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64,
+                  "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                  "max_position_embeddings": 256, "tie_word_embeddings": False},
 }
 
 

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import NUM_NEW_TOKENS
-from step_builder import ToyScheduler
-
 from ferrobatch.runtime.model_runner import ModelRunner
 from ferrobatch.runtime.sampler import Sampler
+from step_builder import ToyScheduler
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 512

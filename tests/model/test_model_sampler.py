@@ -7,9 +7,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from step_builder import sampling_arrays
-
 from ferrobatch.runtime.sampler import RequestExtras, Sampler
+from step_builder import sampling_arrays
 
 VOCAB = 64
 EOS = [3, 7]
@@ -55,7 +54,7 @@ def test_top_k_keeps_only_k_best_with_renormalised_probs(sampler, logits):
     draws = _draw_many(sampler, logits, 20_000, top_k=np.full(20_000, 3))
     top3 = set(logits.topk(3).indices.tolist())
     assert set(draws.tolist()) == top3
-    expected = logits[list(sorted(top3))].softmax(-1).numpy()
+    expected = logits[sorted(top3)].softmax(-1).numpy()
     observed = np.bincount(draws, minlength=VOCAB)[sorted(top3)] / draws.size
     assert np.abs(observed - expected).max() < 0.02
 

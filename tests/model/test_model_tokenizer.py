@@ -6,7 +6,6 @@ import json
 import os
 
 import pytest
-
 from ferrobatch.model.chat_template import render_chat_template
 from ferrobatch.model.detokenizer import IncrementalDetokenizer
 
@@ -133,3 +132,18 @@ def test_partial_stop_prefix_is_released_when_disambiguated(tokenizer):
     emitted = "".join(detok.add(i).text for i in ids)
     assert emitted == "stop at ENDING? no: at "  # "END" may still become "END!"
     assert detok.flush() == "END"
+
+
+def test_tokenizer_json_path_agrees_with_gguf_path(tokenizer, tmp_path):
+    from ferrobatch.model.tokenizer import Tokenizer
+
+    (tmp_path / "tokenizer.json").write_text(tokenizer.backend.to_str(), encoding="utf-8")
+    config = {"chat_template": tokenizer.chat_template, "eos_token": "<|im_end|>",
+              "bos_token": {"content": "<|im_start|>"}, "add_bos_token": False}
+    from_json = Tokenizer.from_hf_files(tmp_path / "tokenizer.json", config, generation_eos_ids=[0])
+    assert from_json.eos_token_id == 2 and from_json.bos_token_id == 1
+    assert from_json.eos_token_ids[0] == 2 and 0 in from_json.eos_token_ids
+    for case in _oracle_cases()[::7]:
+        assert from_json.encode(case["text"]) == case["ids_parse_special"]
+    messages = [{"role": "user", "content": "2+2?"}]
+    assert from_json.apply_chat_template(messages) == tokenizer.apply_chat_template(messages)

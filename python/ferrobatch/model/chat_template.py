@@ -62,7 +62,7 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
     normalized = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ValueError(f"messages[{i}] must be an object")
+            raise ValueError(f"messages[{i}] must be an object")  # noqa: TRY004 (user input)
         role = message.get("role")
         if role not in _ALLOWED_ROLES:
             raise ValueError(f"messages[{i}].role must be one of {sorted(_ALLOWED_ROLES)}, got {role!r}")

@@ -54,10 +54,10 @@ def dequantize_tensor(data: np.ndarray, type_id: int, type_name: str) -> torch.T
             return _dequant_blocks(raw[None], type_id)[0]
         return _dequant_blocks(raw.reshape(-1, raw.shape[-1]), type_id).reshape(
             *raw.shape[:-1], -1)
-    from gguf.quants import dequantize  # noqa: PLC0415 - slow generic fallback only
+    from gguf.quants import dequantize
 
     try:
-        from gguf import GGMLQuantizationType  # noqa: PLC0415
+        from gguf import GGMLQuantizationType
 
         values = dequantize(np.asarray(data), GGMLQuantizationType(type_id))
     except (NotImplementedError, ValueError) as exc:

@@ -7,8 +7,8 @@ that could be the beginning of a stop string is held back until it is disambigua
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 _PROMPT_CONTEXT_TOKENS = 6
 _REPLACEMENT_CHAR = "\ufffd"

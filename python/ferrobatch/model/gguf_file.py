@@ -68,7 +68,7 @@ class GGUFFile:
     """Parsed GGUF header: ``metadata`` (key -> Python value) and ``tensors`` (name -> info)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: PLC0415
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         self.path = os.fspath(path)
         with open(self.path, "rb") as f:

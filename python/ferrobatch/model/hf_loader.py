@@ -69,7 +69,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
 
 def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:
     """Loads config, safetensors weights (CPU) and the tokenizer of a Hugging Face directory."""
-    from safetensors.torch import load_file  # noqa: PLC0415
+    from safetensors.torch import load_file
 
     path = os.fspath(path)
     config_path = os.path.join(path, "config.json")

@@ -83,8 +83,8 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor] | None, *,
 
 
 def _load_gguf_tokenizer(path: str) -> Tokenizer:
-    from ferrobatch.model.gguf_file import GGUFFile  # noqa: PLC0415
-    from ferrobatch.model.gguf_loader import read_tokenizer_metadata  # noqa: PLC0415
+    from ferrobatch.model.gguf_file import GGUFFile
+    from ferrobatch.model.gguf_loader import read_tokenizer_metadata
 
     return Tokenizer.from_gguf_metadata(read_tokenizer_metadata(GGUFFile(path)))
 
@@ -108,14 +108,14 @@ def load_model(name_or_path: str, *, device: str | torch.device = "cpu",
                            tokenizer.chat_template if tokenizer else None, source="random")
     path = smollm2_gguf_path() if name_or_path == SMOLLM2_ALIAS else os.path.expanduser(name_or_path)
     if os.path.isdir(path):
-        from ferrobatch.model.hf_loader import load_hf_dir  # noqa: PLC0415
+        from ferrobatch.model.hf_loader import load_hf_dir
 
         config, state, tokenizer = load_hf_dir(path)
         source = path
     elif os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ValueError(f"unsupported model file {path}: expected a .gguf file or a model directory")
-        from ferrobatch.model.gguf_loader import load_gguf  # noqa: PLC0415
+        from ferrobatch.model.gguf_loader import load_gguf
 
         config, state, meta = load_gguf(path)
         tokenizer = Tokenizer.from_gguf_metadata(meta)

@@ -7,7 +7,8 @@ Special tokens written in the text (e.g. ``<|im_start|>``) are parsed as special
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer

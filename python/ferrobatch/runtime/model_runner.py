@@ -33,7 +33,9 @@ class ModelRunner:
         if isinstance(attn_backend, AttentionBackend):
             self.attn_backend = attn_backend
         else:
-            self.attn_backend = get_attention_backend(attn_backend, self.device, block_size=block_size)
+            shape = (self.config.num_heads, self.config.num_kv_heads, self.config.head_dim, loaded.dtype)
+            self.attn_backend = get_attention_backend(attn_backend, self.device, block_size=block_size,
+                                                      model_shape=shape)
         self.model.attn_backend = self.attn_backend
         self.block_size = block_size
         self.validate_steps = validate_steps
@@ -66,7 +68,7 @@ class ModelRunner:
 
 def _warm_up_batch(num_tokens: int, block_size: int, vocab_size: int):
     """One sequence prefilling ``num_tokens`` tokens into blocks 1..N (block 0 = null)."""
-    from types import SimpleNamespace  # noqa: PLC0415
+    from types import SimpleNamespace
 
     num_blocks = -(-num_tokens // block_size)
     positions = np.arange(num_tokens, dtype=np.int32)
@@ -84,7 +86,7 @@ def num_kv_blocks(loaded, *, block_size: int, max_num_batched_tokens: int,
                   attn_backend: AttentionBackend | str | None = None) -> int:
     """KV blocks to allocate: on CPU from ``cpu_kv_cache_bytes``; on GPU from ``gpu_memory_fraction``
     of the memory left after the weights and a warm-up forward of ``max_num_batched_tokens``."""
-    from ferrobatch.runtime.kv_cache import num_blocks_for_budget, num_blocks_for_gpu  # noqa: PLC0415
+    from ferrobatch.runtime.kv_cache import num_blocks_for_budget, num_blocks_for_gpu
 
     if loaded.device.type != "cuda":
         return num_blocks_for_budget(loaded.config, block_size, loaded.dtype, cpu_kv_cache_bytes)

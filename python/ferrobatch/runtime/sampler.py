@@ -9,8 +9,8 @@ on the rest of the batch. Logprobs are ``log_softmax`` of the raw model logits.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 import torch

@@ -16,8 +16,10 @@ logger = logging.getLogger(__name__)
 _BACKEND_NAMES = ("auto", "torch", "cuda")
 
 
-def _load_cuda_backend(block_size: int) -> AttentionBackend:
-    """Imports the CUDA backend lazily; raises ImportError/RuntimeError when unavailable."""
+def _load_cuda_backend(block_size: int, device: torch.device,
+                       model_shape: tuple[int, int, int, torch.dtype] | None) -> AttentionBackend:
+    """Imports the CUDA backend lazily; raises ImportError/RuntimeError when unavailable or when
+    its kernels do not cover ``model_shape`` (num_heads, num_kv_heads, head_dim, dtype)."""
     module = importlib.import_module("ferrobatch.runtime.attention.cuda")
     available = getattr(module, "is_available", None)
     if callable(available) and not available():
@@ -25,13 +27,20 @@ def _load_cuda_backend(block_size: int) -> AttentionBackend:
     backend_cls = getattr(module, "CudaAttentionBackend", None)
     if backend_cls is None:
         raise ImportError("ferrobatch.runtime.attention.cuda defines no CudaAttentionBackend")
-    return backend_cls(block_size=block_size)
+    supports = getattr(backend_cls, "supports", None)
+    if model_shape is not None and callable(supports):
+        reason = supports(*model_shape)
+        if reason is not None:
+            raise RuntimeError(f"CUDA kernels do not support this model: {reason}")
+    return backend_cls(block_size=block_size, device=device)
 
 
-def get_attention_backend(name: str | None, device: torch.device | str, *,
-                          block_size: int = 16) -> AttentionBackend:
-    """Picks an attention backend. ``None``/"auto": CUDA kernels on a CUDA device when they load,
-    else the torch reference (the reason is logged). "cuda" raises if the kernels cannot load."""
+def get_attention_backend(name: str | None, device: torch.device | str, *, block_size: int = 16,
+                          model_shape: tuple[int, int, int, torch.dtype] | None = None
+                          ) -> AttentionBackend:
+    """Picks an attention backend. ``None``/"auto": CUDA kernels on a CUDA device when they load
+    (and cover ``model_shape`` = (num_heads, num_kv_heads, head_dim, dtype) if given), else the
+    torch reference (the reason is logged). "cuda" raises if the kernels cannot be used."""
     name = name or "auto"
     if name not in _BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(_BACKEND_NAMES)}")
@@ -40,7 +49,7 @@ def get_attention_backend(name: str | None, device: torch.device | str, *,
         raise ValueError("attention backend 'cuda' needs a CUDA device")
     if name in ("auto", "cuda") and is_cuda:
         try:
-            return _load_cuda_backend(block_size)
+            return _load_cuda_backend(block_size, torch.device(device), model_shape)
         except (ImportError, RuntimeError, OSError) as exc:
             if name == "cuda":
                 raise RuntimeError(f"CUDA attention backend unavailable: {exc}") from exc
