@@ -66,7 +66,7 @@ if [[ ${status[build]} == rc=0* ]]; then
   run_step bench 180 "$OUT/attention_bandwidth.txt" $PY benches/attention_bandwidth.py \
     --measure-copy --json "$OUT/attention_bandwidth.json" || failed=1
   if command -v compute-sanitizer >/dev/null 2>&1; then
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 run_step sanitizer 150 "$OUT/sanitizer.log" \
+    run_step sanitizer 150 "$OUT/sanitizer.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
       compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
       $PY -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_kernels.py -k \
       "3-700-16-2-4-128-dtype0 or 7-1000-12-3-3-64-dtype1 or 3-2-4-128-dtype0 or 4-3-3-64-dtype0 or slot_dtype0-128-8-dtype0 or zero_length" \

@@ -8,8 +8,10 @@ import numpy as np
 import torch
 
 # Relative error bound ||out - ref|| / ||ref|| per output dtype, against a float64 reference on the
-# same (already rounded) inputs: bf16 output rounding alone is ~2^-9 per element.
-REL_TOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 2e-5}
+# same (already rounded) inputs. The kernels accumulate in fp32, so the error is dominated by the
+# final rounding of the output: at most 2^-8 relative per element for bf16, 2^-11 for fp16. The
+# bounds are ~2x those, tight enough that dropping or double-counting one key out of ~1000 fails.
+REL_TOL = {torch.bfloat16: 8e-3, torch.float16: 2e-3, torch.float32: 2e-5}
 
 
 @dataclass
@@ -113,7 +115,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype, what: str) -> None
     # Also per row: a single wrong sequence must not hide in a large batch's norm.
     per_row = (out.double() - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1).clamp_min(1e-30)
     worst = float(per_row.max())
-    assert worst < 4 * REL_TOL[dtype], f"{what}: worst row relative error {worst:.3e}"
+    assert worst < 2 * REL_TOL[dtype], f"{what}: worst row relative error {worst:.3e}"
 
 
 def poison(shape, dtype, device) -> torch.Tensor:
