@@ -152,8 +152,8 @@ class EngineCore:
         self.intake.notify()
 
     def all_blocks_free(self, stats: dict[str, Any]) -> bool:
-        free = stats.get("num_free_blocks")
-        return free is None or free >= self.num_blocks - 1
+        """No block owned by a request (prefix-cached blocks are reusable, hence free)."""
+        return stats.get("num_used_blocks", 0) == 0
 
     def stats(self) -> dict[str, Any]:
         s = dict(self.scheduler.stats())

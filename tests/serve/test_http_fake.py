@@ -1,0 +1,243 @@
+"""HTTP door on FakeCore: OpenAI shapes, SSE, validation, auth, backpressure, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+
+async def post(r, path, body, headers=None, raw=None):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(r.base + path, json=body if raw is None else None, data=raw,
+                          headers=headers) as resp:
+            return resp.status, dict(resp.headers), await resp.text()
+
+
+async def sse_events(r, path, body):
+    events = []
+    async with aiohttp.ClientSession() as s:
+        async with s.post(r.base + path, json=body) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            buf = b""
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+            for block in buf.decode().split("\n\n"):
+                if block.startswith("data: "):
+                    events.append(block[6:])
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+async def test_completion_non_streaming(fake_server):
+    status, _, text = await post(fake_server, "/v1/completions",
+                                 {"model": "fake", "prompt": "hello", "max_tokens": 7})
+    assert status == 200
+    body = json.loads(text)
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["choices"] == [{"index": 0, "text": "hellohe", "logprobs": None,
+                                "finish_reason": "length"}]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+
+
+async def test_completion_multi_prompt_and_n(fake_server):
+    status, _, text = await post(fake_server, "/v1/completions",
+                                 {"prompt": [[97, 98, 99], [120, 121]], "max_tokens": 2, "n": 2})
+    assert status == 200
+    body = json.loads(text)
+    assert [c["text"] for c in body["choices"]] == ["ab", "bc", "xy", "yx"]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["usage"]["completion_tokens"] == 8
+
+
+async def test_completion_stream_with_usage(fake_server):
+    events = await sse_events(fake_server, "/v1/completions", {
+        "prompt": "abcXYZ", "max_tokens": 20, "stop": "XYZ", "stream": True,
+        "stream_options": {"include_usage": True}})
+    text = "".join(c["text"] for e in events for c in e["choices"])
+    assert text == "abc"
+    assert all(e["usage"] is None for e in events[:-1])
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["prompt_tokens"] == 6
+    finals = [c for e in events for c in e["choices"] if c["finish_reason"]]
+    assert [c["finish_reason"] for c in finals] == ["stop"]
+    assert len({e["id"] for e in events}) == 1
+
+
+async def test_chat_stream_shape(fake_server):
+    events = await sse_events(fake_server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True})
+    assert events[0]["object"] == "chat.completion.chunk"
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    content = "".join(c["delta"].get("content", "") for e in events[1:] for c in e["choices"])
+    assert content == "<use"
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert "usage" not in events[-1]
+
+
+async def test_chat_non_streaming(fake_server):
+    status, _, text = await post(fake_server, "/v1/chat/completions", {
+        "messages": [{"role": "system", "content": "s"},
+                     {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "max_completion_tokens": 3})
+    body = json.loads(text)
+    assert status == 200 and body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "<sy"}
+
+
+BAD = [
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 10**9}, 400, "context window"),
+    ({"prompt": "hi", "max_tokens": "5"}, 400, "integer"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "top_p": 1.01}, 400, "top_p"),
+    ({"prompt": "hi", "top_k": -5}, 400, "top_k"),
+    ({"prompt": "hi", "n": 1000}, 400, "n must be"),
+    ({"prompt": "hi", "stop": ["a"] * 40}, 400, "stop"),
+    ({"prompt": "hi", "stop": 5}, 400, "stop"),
+    ({"prompt": [1, 2, 99999]}, 400, "vocabulary"),
+    ({"prompt": [1, -2]}, 400, "vocabulary"),
+    ({"prompt": "a" * 400}, 400, "context window"),
+    ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
+    ({"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "hi", "seed": -1}, 400, "seed"),
+    ({"prompt": "hi", "ignore_eos": 1}, 400, "boolean"),
+    ({"prompt": "hi", "stop_token_ids": [1, 10**6]}, 400, "vocabulary"),
+    ([1, 2], 400, "JSON object"),
+]
+
+
+@pytest.mark.parametrize("body,status,needle", BAD)
+async def test_bad_completion_requests(fake_server, body, status, needle):
+    got, _, text = await post(fake_server, "/v1/completions", body)
+    err = json.loads(text)["error"]
+    assert got == status and needle in err["message"], err
+    assert set(err) == {"message", "type", "param", "code"}
+    assert fake_server.engine.check_accounting()["open"] == 0
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "content"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": "hi"}, "messages"),
+])
+async def test_bad_chat_requests(fake_server, body, needle):
+    got, _, text = await post(fake_server, "/v1/chat/completions", body)
+    assert got == 400 and needle in json.loads(text)["error"]["message"]
+
+
+async def test_bad_json_and_oversized_body(fake_server):
+    got, _, text = await post(fake_server, "/v1/completions", None, raw=b"{nope",
+                              headers={"Content-Type": "application/json"})
+    assert got == 400 and "invalid JSON" in json.loads(text)["error"]["message"]
+    got, _, text = await post(fake_server, "/v1/completions", None, raw=b"x" * (2 << 20))
+    assert got == 413 and json.loads(text)["error"]["code"] == 413
+    got, _, text = await post(fake_server, "/v1/nothing", {})
+    assert got == 404 and "error" in json.loads(text)
+
+
+@pytest.mark.parametrize("fake_server", [{"api_key": "sekret"}], indirect=True)
+async def test_api_key(fake_server):
+    got, _, _ = await post(fake_server, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+    assert got == 401
+    got, _, _ = await post(fake_server, "/v1/completions", {"prompt": "hi", "max_tokens": 1},
+                           headers={"Authorization": "Bearer wrong"})
+    assert got == 401
+    got, _, _ = await post(fake_server, "/v1/completions", {"prompt": "hi", "max_tokens": 1},
+                           headers={"Authorization": "Bearer sekret"})
+    assert got == 200
+    async with aiohttp.ClientSession() as s:
+        async with s.get(fake_server.base + "/health") as resp:
+            assert resp.status == 200                 # liveness needs no key
+        async with s.get(fake_server.base + "/v1/models") as resp:
+            assert resp.status == 401
+
+
+@pytest.mark.parametrize("fake_server", [{"config": {"max_queued_requests": 2},
+                                          "core": {"max_running": 1}}], indirect=True)
+async def test_queue_full_is_429(fake_server):
+    engine = fake_server.engine
+    async with aiohttp.ClientSession() as s:
+        long = []
+        for _ in range(3):                  # one runs, two wait: the queue is then full
+            long.append(asyncio.create_task(s.post(fake_server.base + "/v1/completions",
+                                                   json={"prompt": "x", "max_tokens": 100})))
+            n = len(long)
+            while engine.check_accounting()["open"] < n:
+                await asyncio.sleep(0.002)
+        assert len(engine._unscheduled) >= 2
+        async with s.post(fake_server.base + "/v1/completions",
+                          json={"prompt": "x", "max_tokens": 1}) as resp:
+            assert resp.status == 429 and resp.headers["Retry-After"] == "1"
+            assert (await resp.json())["error"]["type"] == "rate_limit_error"
+        for t in long:
+            resp = await t
+            assert resp.status == 200
+            resp.release()
+
+
+async def test_disconnect_mid_stream_aborts(fake_server):
+    engine = fake_server.engine
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(fake_server.base + "/v1/completions",
+                            json={"prompt": "abc", "max_tokens": 200, "stream": True})
+        await resp.content.readline()
+        assert engine.check_accounting()["open"] == 1
+        resp.close()                                  # drop the connection mid-stream
+    await engine.check_idle_clean(5.0)
+    assert engine.counters["abort"] == 1
+
+
+async def test_disconnect_while_waiting_non_streaming(fake_server):
+    engine = fake_server.engine
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.create_task(s.post(fake_server.base + "/v1/completions",
+                                          json={"prompt": "abc", "max_tokens": 250}))
+        await asyncio.sleep(0.1)
+        task.cancel()
+    await engine.check_idle_clean(5.0)
+    assert engine.counters["abort"] == 1
+
+
+async def test_models_health_ready_metrics(fake_server):
+    async with aiohttp.ClientSession() as s:
+        async with s.get(fake_server.base + "/v1/models") as resp:
+            data = (await resp.json())["data"]
+            assert data[0]["id"] == "fake" and data[0]["object"] == "model"
+        async with s.get(fake_server.base + "/ready") as resp:
+            assert resp.status == 200
+        await post(fake_server, "/v1/completions", {"prompt": "abc", "max_tokens": 3})
+        async with s.get(fake_server.base + "/metrics") as resp:
+            assert resp.headers["Content-Type"].startswith("text/plain")
+            text = await resp.text()
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total",
+                 "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                 "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket"):
+        assert f"ferrobatch_{name}" in text, name
+    assert 'ferrobatch_request_success_total{finished_reason="length",model_name="fake"} 2.0' \
+        in text
+    assert 'ferrobatch_generation_tokens_total{model_name="fake"} 4.0' in text
+
+
+async def test_engine_death_marks_not_ready(fake_server):
+    engine = fake_server.engine
+    engine._core.fail_next_step = RuntimeError("device lost")
+    got, _, text = await post(fake_server, "/v1/completions", {"prompt": "abc",
+                                                               "max_tokens": 50})
+    assert got == 500 and "device lost" in json.loads(text)["error"]["message"]
+    async with aiohttp.ClientSession() as s:
+        for path in ("/health", "/ready"):
+            async with s.get(fake_server.base + path) as resp:
+                assert resp.status == 503
+    got, _, text = await post(fake_server, "/v1/completions", {"prompt": "abc"})
+    assert got == 503
