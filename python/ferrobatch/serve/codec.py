@@ -36,7 +36,9 @@ def unpack(data: bytes) -> Any:
     except ProtocolError:
         raise
     except Exception as exc:  # noqa: BLE001 - any decoding failure is the client's
-        raise ProtocolError(f"invalid msgpack frame: {type(exc).__name__}") from None
+        detail = str(exc)[:120] if isinstance(exc, ValueError) else type(exc).__name__
+        raise ProtocolError(f"invalid msgpack frame: {detail} (ext types and binary data "
+                            "are not accepted)") from None
 
 
 _packer_opts = {"use_bin_type": True}

@@ -1,0 +1,184 @@
+"""WebSocket and TCP doors on FakeCore: multiplexing, cancel, close-aborts, hostile input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+
+import aiohttp
+import msgpack
+import pytest
+
+from ferrobatch.client import TCPClient, WSClient
+
+
+async def clients(r, which):
+    if which == "ws-json":
+        return await WSClient.connect(r.ws_url)
+    if which == "ws-msgpack":
+        return await WSClient.connect(r.ws_url, binary=True)
+    return await TCPClient.connect("127.0.0.1", r.tcp_port)
+
+
+DOORS = ["ws-json", "ws-msgpack", "tcp"]
+
+
+@pytest.mark.parametrize("door", DOORS)
+async def test_multiplexed_generations(fake_server, door):
+    async with await clients(fake_server, door) as c:
+        results = await asyncio.gather(*(c.complete(f"q{i:02d}", max_tokens=3 + i % 4)
+                                         for i in range(20)))
+        chat = await c.complete(messages=[{"role": "user", "content": "yo"}], max_tokens=4)
+        n2 = await c.complete("abcd", max_tokens=2, n=2)
+    for i, res in enumerate(results):
+        want = (f"q{i:02d}" * 3)[:3 + i % 4]
+        assert res["text"] == want and res["finish_reason"] == "length"
+        assert res["usage"] == {"prompt_tokens": 3, "completion_tokens": len(want)}
+    assert chat["text"] == "<use"
+    assert n2["texts"] == ["ab", "bc"] and n2["finish_reasons"] == ["length", "length"]
+    assert n2["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("door", DOORS)
+async def test_cancel_then_cancelled_after_free(fake_server, door):
+    engine = fake_server.engine
+    async with await clients(fake_server, door) as c:
+        seen = []
+        async for m in c.generate("abc", id="x1", max_tokens=250):
+            seen.append(m["type"])
+            if len(seen) == 2:
+                await c.cancel("x1")
+        assert seen[-1] == "cancelled" and "done" not in seen
+        assert engine.check_accounting()["open"] == 0     # freed before "cancelled" was sent
+        bad = [m async for m in c.generate("abc", max_tokens=0)]
+        assert bad[-1]["type"] == "error" and bad[-1]["code"] == 400
+    await engine.check_idle_clean()
+
+
+@pytest.mark.parametrize("door", DOORS)
+async def test_closing_connection_aborts_its_requests(fake_server, door):
+    engine = fake_server.engine
+    c = await clients(fake_server, door)
+    gens = [c.generate(f"z{i}", max_tokens=250) for i in range(5)]
+    for g in gens:
+        await g.__anext__()
+    assert engine.check_accounting()["open"] == 5
+    await c.close()
+    await engine.check_idle_clean(5.0)
+    assert engine.counters["abort"] == 5
+
+
+async def test_ws_hostile_frames(fake_server):
+    async with aiohttp.ClientSession() as s:
+        async with s.ws_connect(fake_server.ws_url) as ws:
+            async def ask(payload, binary=False):
+                if binary:
+                    await ws.send_bytes(payload)
+                    return msgpack.unpackb((await ws.receive()).data)
+                await ws.send_str(payload)
+                return json.loads((await ws.receive()).data)
+
+            cases = [
+                ("{not json", "invalid JSON"),
+                ("[1, 2]", "map"),
+                ('{"type": "fly"}', "unknown message type"),
+                ('{"type": "generate", "prompt": "a"}', "'id'"),
+                ('{"type": "generate", "id": "a", "prompt": "x", "params": {"temperature": '
+                 'NaN}}', "NaN"),
+                ('{"type": "generate", "id": "a", "prompt": "x", "params": {"bogus": 1}}',
+                 "unknown sampling field"),
+                ('{"type": "generate", "id": "a", "prompt": "x", "params": {"top_p": 7}}',
+                 "top_p"),
+                ('{"type": "generate", "id": "a", "prompt": 5}', "prompt"),
+                ('{"type": "generate", "id": "a", "prompt": "x", "messages": []}',
+                 "exactly one"),
+                ('{"type": "cancel", "id": "nope"}', "no active request"),
+                ("[" * 100000 + "]" * 100000, "invalid JSON"),
+            ]
+            for payload, needle in cases:
+                reply = await ask(payload)
+                assert reply["type"] == "error" and needle in reply["message"], (payload, reply)
+            ext = msgpack.packb({"type": "generate", "id": 1,
+                                 "prompt": msgpack.ExtType(5, b"pickle")})
+            reply = await ask(ext, binary=True)
+            assert reply["type"] == "error" and "ext type" in reply["message"]
+            reply = await ask(b"\xc1", binary=True)
+            assert reply["type"] == "error" and "msgpack" in reply["message"]
+            reply = await ask(msgpack.packb({1.5: "x"}), binary=True)
+            assert reply["type"] == "error"
+            # still healthy afterwards
+            await ws.send_str(json.dumps({"type": "generate", "id": "ok", "prompt": "hey",
+                                          "params": {"max_tokens": 2}}))
+            kinds = []
+            while not kinds or kinds[-1] != "done":
+                kinds.append(json.loads((await ws.receive()).data)["type"])
+            assert kinds[-1] == "done"
+
+
+async def raw_tcp(r):
+    reader, writer = await asyncio.open_connection("127.0.0.1", r.tcp_port)
+
+    async def send(obj=None, raw=None):
+        body = raw if raw is not None else msgpack.packb(obj)
+        writer.write(struct.pack(">I", len(body)) + body)
+        await writer.drain()
+
+    async def recv():
+        (n,) = struct.unpack(">I", await reader.readexactly(4))
+        return msgpack.unpackb(await reader.readexactly(n))
+
+    return reader, writer, send, recv
+
+
+async def test_tcp_hostile_frames(fake_server):
+    reader, writer, send, recv = await raw_tcp(fake_server)
+    await send({"type": "generate", "id": 1, "prompt": "x"})
+    assert (await recv())["code"] == 401                       # hello first
+    await send({"type": "hello", "version": 99})
+    assert "version" in (await recv())["message"]
+    await send({"type": "hello", "version": 1})
+    hello = await recv()
+    assert hello["type"] == "hello" and hello["model"] == "fake"
+    assert hello["limits"]["max_frame_bytes"] == 1 << 20
+    await send(raw=msgpack.packb([1] * 70000))                 # array over the limit
+    assert (await recv())["type"] == "error"
+    await send(raw=b"\x92\x01")                                 # truncated object
+    assert "msgpack" in (await recv())["message"]
+    await send(raw=msgpack.packb({"type": "generate", "id": 1, "prompt": b"bytes"}))
+    assert (await recv())["type"] == "error"
+    await send({"type": "generate", "id": 2, "prompt": [1, 2, 10**6]})
+    assert "vocabulary" in (await recv())["message"]
+    await send({"type": "generate", "id": True, "prompt": "x"})
+    assert "'id'" in (await recv())["message"]
+    # an unreadable stream: the server reports and closes
+    writer.write(struct.pack(">I", 50 << 20))
+    await writer.drain()
+    err = await recv()
+    assert err["code"] == 413
+    assert await reader.read() == b""
+    writer.close()
+
+
+@pytest.mark.parametrize("fake_server", [{"api_key": "k1"}], indirect=True)
+async def test_tcp_and_ws_auth(fake_server):
+    with pytest.raises(ConnectionError):
+        await TCPClient.connect("127.0.0.1", fake_server.tcp_port, api_key="wrong")
+    async with await TCPClient.connect("127.0.0.1", fake_server.tcp_port, api_key="k1") as c:
+        assert (await c.complete("abc", max_tokens=2))["text"] == "ab"
+    with pytest.raises(aiohttp.WSServerHandshakeError):
+        await WSClient.connect(fake_server.ws_url)
+    async with await WSClient.connect(fake_server.ws_url, api_key="k1") as c:
+        assert (await c.complete("abc", max_tokens=2))["text"] == "ab"
+
+
+async def test_duplicate_id_on_connection(fake_server):
+    async with await TCPClient.connect("127.0.0.1", fake_server.tcp_port) as c:
+        g = c.generate("abc", id="same", max_tokens=200)
+        await g.__anext__()
+        await c._send({"type": "generate", "id": "same", "prompt": "abc"})
+        msg = await g.__anext__()
+        while msg["type"] == "delta":
+            msg = await g.__anext__()
+        assert msg["type"] == "error" and "already in use" in msg["message"]
+        await g.aclose()
