@@ -1,0 +1,134 @@
+"""Typed stub of the native module `ferrobatch._scheduler` (rust_scheduler/src/py.rs).
+
+Contract of the step arrays: README.md, "The step, in arrays".
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+class QueueFullError(RuntimeError):
+    """The bounded intake queue is full; retry later (HTTP 429)."""
+
+class Intake:
+    """Thread-safe submit/abort handle (cheap to share; usable from any thread)."""
+
+    def submit(
+        self,
+        request_id: int,
+        prompt_token_ids: Sequence[int] | npt.NDArray[np.int32] | npt.NDArray[np.int64],
+        *,
+        max_tokens: int,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
+        stop_token_ids: Sequence[int] | None = None,
+        n: int = 1,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        seed: int | None = None,
+    ) -> None:
+        """Validate and enqueue; never blocks. Raises ValueError (bad input, can never fit,
+        duplicate live id) or QueueFullError."""
+    def abort(self, request_id: int, seq_index: int = -1, reason: str = "abort") -> None:
+        """Abort one sequence or all (-1). reason: "abort" (3), "stop" (1) or "error" (4).
+        Unknown / finished ids are ignored. Raises QueueFullError if the queue is full."""
+    def wait_for_work(self, timeout_s: float | None = None) -> bool:
+        """Block (GIL released) until a command is queued (True), notify() or timeout (False)."""
+    def notify(self) -> None:
+        """Wake waiters (shutdown)."""
+    def __len__(self) -> int:
+        """Commands queued and not yet drained."""
+
+class StepBatch:
+    input_ids: npt.NDArray[np.int32]
+    positions: npt.NDArray[np.int32]
+    slot_mapping: npt.NDArray[np.int32]
+    query_start_loc: npt.NDArray[np.int32]
+    seq_lens: npt.NDArray[np.int32]
+    block_tables: npt.NDArray[np.int32]  # [B, max_blocks_per_seq], padded with 0
+    block_copies: npt.NDArray[np.int32]  # [C, 2] (src, dst)
+    seq_req_ids: npt.NDArray[np.uint64]
+    seq_indices: npt.NDArray[np.int32]
+    logits_indices: npt.NDArray[np.int32]
+    sample_req_ids: npt.NDArray[np.uint64]
+    sample_seq_indices: npt.NDArray[np.int32]
+    sample_output_lens: npt.NDArray[np.int32]
+    temperature: npt.NDArray[np.float32]
+    top_k: npt.NDArray[np.int32]
+    top_p: npt.NDArray[np.float32]
+    min_p: npt.NDArray[np.float32]
+    repetition_penalty: npt.NDArray[np.float32]
+    presence_penalty: npt.NDArray[np.float32]
+    frequency_penalty: npt.NDArray[np.float32]
+    seed: npt.NDArray[np.int64]
+    suppress_eos: npt.NDArray[np.uint8]
+    num_tokens: int
+    num_seqs: int
+    num_samples: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    max_blocks_per_seq: int
+
+class StepOutput:
+    req_ids: npt.NDArray[np.uint64]
+    seq_indices: npt.NDArray[np.int32]
+    token_ids: npt.NDArray[np.int32]  # -1: no token
+    finish_reasons: npt.NDArray[np.uint8]  # 0 running, 1 stop, 2 length, 3 abort, 4 error
+    error_messages: dict[int, str]
+    num_events: int
+    def __len__(self) -> int: ...
+
+class Scheduler:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int = 8192,
+        *,
+        vocab_size: int,
+        eos_token_ids: Sequence[int] | None = None,
+        enable_prefix_caching: bool = True,
+        policy: str = "fcfs",
+        max_preemptions: int = 8,
+        intake_capacity: int = 4096,
+        long_prefill_token_threshold: int = 0,
+    ) -> None: ...
+    def intake(self) -> Intake: ...
+    def schedule(self) -> StepBatch:
+        """Drain the intake and build the next step (GIL released). ValueError if the previous
+        step's update() is missing."""
+    def update(self, sampled: npt.NDArray[np.int32] | npt.NDArray[np.int64] | Sequence[int]) -> StepOutput:
+        """Apply one sampled token per logits row of the last batch; ValueError on a length
+        mismatch or out-of-range token (nothing changes then)."""
+    def has_unfinished(self) -> bool: ...
+    def stats(self) -> dict[str, int | float]: ...
+    def check_integrity(self) -> None:
+        """Raise RuntimeError describing a broken invariant."""
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> list[int]: ...
+    @property
+    def enable_prefix_caching(self) -> bool: ...
+    @property
+    def policy(self) -> str: ...
