@@ -19,3 +19,16 @@ async def fake_engine():
         await engine.check_idle_clean()
     await engine.shutdown()
     engine.check_accounting()
+
+
+REAL_ENGINE_OPTIONS = dict(num_blocks=384, max_num_seqs=64, max_num_batched_tokens=512,
+                           max_model_len=2048, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def real_llm(loaded_smollm2):
+    """One LLM on the real SmolLM2 (shared weights, a small KV cache) per test module."""
+    from ferrobatch.engine.llm import LLM
+    llm = LLM("smollm2", loaded_model=loaded_smollm2, **REAL_ENGINE_OPTIONS)
+    yield llm
+    llm.close()

@@ -101,6 +101,9 @@ class FakeCore:
     def wake(self) -> None:
         self._wake.set()
 
+    def check_integrity(self) -> None:
+        pass
+
     def all_blocks_free(self, stats) -> bool:
         return stats["num_free_blocks"] == self.num_blocks - 1
 

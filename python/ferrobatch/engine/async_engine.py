@@ -390,6 +390,8 @@ class AsyncEngine:
             raise RuntimeError(f"scheduler not idle: {s}")
         if self._core is not None and not self._core.all_blocks_free(s):
             raise RuntimeError(f"KV blocks still held at idle: {s}")
+        if self._core is not None and self.is_running:
+            self._core.check_integrity()
         return acc
 
     async def check_ready(self, timeout_s: float = 30.0) -> bool:

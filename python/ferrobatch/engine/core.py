@@ -155,6 +155,10 @@ class EngineCore:
         """No block owned by a request (prefix-cached blocks are reusable, hence free)."""
         return stats.get("num_used_blocks", 0) == 0
 
+    def check_integrity(self) -> None:
+        """The scheduler's invariant check; call only while the engine is idle."""
+        self.scheduler.check_integrity()
+
     def stats(self) -> dict[str, Any]:
         s = dict(self.scheduler.stats())
         s.setdefault("num_blocks", self.num_blocks)
