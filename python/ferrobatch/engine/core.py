@@ -64,6 +64,8 @@ class EngineCore:
         bos = self.tokenizer.bos_token_id
         self.ready_token_id = int(bos) if bos is not None else 0
         self._extras: dict[int, Any] = {}     # copy-on-write: replaced, never mutated in place
+        from ferrobatch._scheduler import QueueFullError
+        self._rust_queue_full = QueueFullError
 
     @classmethod
     def build(cls, config: EngineConfig, loaded: Any = None) -> "EngineCore":
@@ -116,7 +118,6 @@ class EngineCore:
 
     def submit(self, req_id: int, ids: list[int], p: SamplingParams, max_tokens: int,
                state: Any) -> None:
-        from ferrobatch._scheduler import QueueFullError as RustQueueFull
         if p.needs_token_history or p.logit_bias:
             from ferrobatch.runtime.sampler import RequestExtras
             state.extras = RequestExtras(ids, [[] for _ in range(p.n)], p.logit_bias, None)
@@ -129,7 +130,7 @@ class EngineCore:
                 min_p=p.min_p, repetition_penalty=p.repetition_penalty,
                 presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                 seed=p.seed)
-        except RustQueueFull as exc:
+        except self._rust_queue_full as exc:
             self.forget(req_id)
             raise QueueFullError(f"the engine's intake queue is full: {exc}") from None
         except BaseException:

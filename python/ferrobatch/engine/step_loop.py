@@ -14,6 +14,7 @@ import threading
 from typing import Any, Callable
 
 IDLE_WAIT_S = 0.5
+IDLE_BACKOFF_S = 0.001
 
 
 class StepLoop:
@@ -51,6 +52,8 @@ class StepLoop:
                 self.num_steps += 1
                 if result is not None:
                     self._hand_off(self._on_step, result)
+                else:
+                    core.wait_for_work(IDLE_BACKOFF_S)   # nothing schedulable yet: don't spin
         except BaseException as exc:  # noqa: BLE001 - a panic must not leave a zombie engine
             self._hand_off(self._on_fatal, exc)
 

@@ -1,0 +1,226 @@
+"""Every door end to end on the real SmolLM2 + Rust scheduler, one server for the module (CPU).
+
+The official `openai` SDK talks to the HTTP door on loopback; the package's own clients talk to
+the WebSocket (JSON and msgpack) and TCP doors. After each test the engine must be idle with
+every KV block free and the request tables empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import aiohttp
+import openai
+import pytest
+import pytest_asyncio
+
+from conftest import start_server, stop_server
+from ferrobatch.client import TCPClient, WSClient
+from ferrobatch.engine.async_engine import AsyncEngine
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+OPTIONS = dict(num_blocks=384, max_num_seqs=64, max_num_batched_tokens=512,
+               max_model_len=2048, device="cpu")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def real(loaded_smollm2):
+    engine = AsyncEngine(loaded_model=loaded_smollm2, **OPTIONS)
+    r = await start_server(engine, served_model_name="smollm2")
+    yield r
+    await stop_server(r)
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def sdk(real):
+    client = openai.AsyncOpenAI(base_url=real.base + "/v1", api_key="unused", max_retries=0)
+    yield client
+    await client.close()
+    await real.engine.check_idle_clean(10.0)
+
+
+async def test_sdk_models_and_completion(real, sdk):
+    models = await sdk.models.list()
+    assert [m.id for m in models.data] == ["smollm2"]
+    c = await sdk.completions.create(model="smollm2", prompt="The capital of France is",
+                                     max_tokens=6, temperature=0)
+    assert c.object == "text_completion" and "Paris" in c.choices[0].text
+    assert c.usage.completion_tokens <= 6 and c.usage.prompt_tokens == 5
+    stream = await sdk.completions.create(model="smollm2", prompt="The capital of France is",
+                                          max_tokens=6, temperature=0, stream=True,
+                                          stream_options={"include_usage": True})
+    text, usage = "", None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+        if chunk.usage:
+            usage = chunk.usage
+    assert text == c.choices[0].text and usage.completion_tokens == c.usage.completion_tokens
+
+
+async def test_sdk_chat_stream_and_non_stream(real, sdk):
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    full = await sdk.chat.completions.create(model="smollm2", messages=msgs, max_tokens=8,
+                                             temperature=0)
+    assert full.choices[0].message.role == "assistant"
+    stream = await sdk.chat.completions.create(model="smollm2", messages=msgs, max_tokens=8,
+                                               temperature=0, stream=True,
+                                               stream_options={"include_usage": True})
+    parts, reasons, usage = [], [], None
+    async for chunk in stream:
+        for ch in chunk.choices:
+            parts.append(ch.delta.content or "")
+            if ch.finish_reason:
+                reasons.append(ch.finish_reason)
+        usage = chunk.usage or usage
+    assert "".join(parts) == full.choices[0].message.content
+    assert reasons == [full.choices[0].finish_reason]
+    assert usage.completion_tokens == full.usage.completion_tokens
+    n3 = await sdk.chat.completions.create(model="smollm2", messages=msgs, max_tokens=4,
+                                           n=3, temperature=1.0, seed=3)
+    assert sorted(ch.index for ch in n3.choices) == [0, 1, 2]
+    assert n3.usage.completion_tokens <= 12
+
+
+async def test_sdk_errors_are_openai_errors(real, sdk):
+    with pytest.raises(openai.BadRequestError) as e:
+        await sdk.completions.create(model="smollm2", prompt="hi", max_tokens=5000)
+    assert "context window" in e.value.message
+    with pytest.raises(openai.BadRequestError):
+        await sdk.completions.create(model="smollm2", prompt=[1, 2, 999999], max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        await sdk.chat.completions.create(model="smollm2", messages=[], max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        await sdk.completions.create(model="nope", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        await sdk.completions.create(model="smollm2", prompt="hi", temperature=-1)
+
+
+async def test_stop_string_never_streamed(real, sdk):
+    prompt = "List the days of the week: Monday, Tuesday,"
+    base = await sdk.completions.create(model="smollm2", prompt=prompt, max_tokens=12,
+                                        temperature=0)
+    text = base.choices[0].text
+    words = re.findall(r"[A-Za-z]{4,}", text)
+    assert words, text
+    stop = words[0][:-1]
+    stream = await sdk.completions.create(model="smollm2", prompt=prompt, max_tokens=12,
+                                          temperature=0, stop=[stop], stream=True)
+    pieces = [ch.choices[0].text async for ch in stream if ch.choices]
+    got = "".join(pieces)
+    assert got == text[:text.index(stop)]
+    assert stop not in got
+
+
+async def test_fifty_concurrent_streams_across_doors(real, sdk):
+    async def http(i):
+        s = await sdk.completions.create(model="smollm2", prompt=f"Item {i}:", max_tokens=4,
+                                         temperature=0.7, seed=i, stream=True, extra_body={
+                                             "ignore_eos": True},
+                                         stream_options={"include_usage": True})
+        usage = None
+        async for ch in s:
+            usage = ch.usage or usage
+        return usage.completion_tokens
+
+    async def door(client, i):
+        res = await client.complete(f"Item {i}:", max_tokens=4, ignore_eos=True,
+                                    temperature=0.7, seed=i)
+        assert len(res["token_ids"]) == 4
+        return res["usage"]["completion_tokens"]
+
+    ws = await WSClient.connect(real.ws_url)
+    wsb = await WSClient.connect(real.ws_url, binary=True)
+    tcp = await TCPClient.connect("127.0.0.1", real.tcp_port)
+    try:
+        jobs = [http(i) for i in range(20)] + [door(ws, i) for i in range(12)] + \
+               [door(wsb, i) for i in range(12)] + [door(tcp, i) for i in range(12)]
+        counts = await asyncio.wait_for(asyncio.gather(*jobs), 240)
+    finally:
+        for c in (ws, wsb, tcp):
+            await c.close()
+    assert counts == [4] * 56
+
+
+async def test_cancel_and_disconnect_free_blocks_on_every_door(real, sdk):
+    engine = real.engine
+
+    async def idle_and_free():
+        await engine.check_idle_clean(10.0)
+        assert engine.stats()["num_used_blocks"] == 0
+
+    before = engine.counters["abort"]
+    # HTTP: drop the connection mid-stream
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(real.base + "/v1/completions", json={
+            "prompt": "Tell me a story.", "max_tokens": 300, "ignore_eos": True,
+            "stream": True})
+        await resp.content.readline()
+        resp.close()
+    await idle_and_free()
+    # WS and TCP: cancel, then close with work in flight
+    for make in (lambda: WSClient.connect(real.ws_url),
+                 lambda: TCPClient.connect("127.0.0.1", real.tcp_port)):
+        c = await make()
+        kinds = []
+        async for m in c.generate("Tell me a story.", id="s", max_tokens=300, ignore_eos=True):
+            kinds.append(m["type"])
+            if len(kinds) == 1:
+                await c.cancel("s")
+        assert kinds[-1] == "cancelled"
+        assert engine.stats()["num_used_blocks"] == 0 or engine.check_accounting()["open"] == 0
+        g = c.generate("Another story.", max_tokens=300, ignore_eos=True)
+        await g.__anext__()
+        await c.close()
+        await idle_and_free()
+    assert engine.counters["abort"] - before == 5
+
+
+async def test_continuous_batching_short_request_finishes_first(real):
+    done_order = []
+    async with aiohttp.ClientSession() as s:
+        async def run(name, max_tokens):
+            async with s.post(real.base + "/v1/completions", json={
+                    "prompt": f"{name}: tell me everything", "max_tokens": max_tokens,
+                    "ignore_eos": True, "temperature": 0}) as resp:
+                assert resp.status == 200
+                await resp.json()
+            done_order.append(name)
+
+        longs = [asyncio.create_task(run(f"long{i}", 32)) for i in range(3)]
+        while real.engine.stats().get("num_running", 0) < 3:
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        await run("short", 2)
+        short_s = time.monotonic() - t0
+        await asyncio.gather(*longs)
+    assert done_order[0] == "short", done_order
+    assert short_s < 30
+
+
+async def test_health_ready_metrics(real, sdk):
+    await sdk.completions.create(model="smollm2", prompt="Hello", max_tokens=3, temperature=0)
+    async with aiohttp.ClientSession() as s:
+        async with s.get(real.base + "/health") as r:
+            assert r.status == 200
+        async with s.get(real.base + "/ready") as r:
+            assert r.status == 200 and (await r.json())["status"] == "ready"
+        async with s.get(real.base + "/metrics") as r:
+            text = await r.text()
+
+    def value(name):
+        m = re.search(rf"^ferrobatch_{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        assert m, name
+        return float(m.group(1))
+
+    assert value("generation_tokens_total") > 0 and value("prompt_tokens_total") > 0
+    assert value("time_to_first_token_seconds_count") > 0
+    assert value("e2e_request_latency_seconds_count") > 0
+    assert value("inter_token_latency_seconds_count") > 0
+    assert value("prefix_cache_queries_total") >= value("prefix_cache_hits_total")
+    assert 0.0 <= value("kv_cache_usage_perc") <= 1.0
+    assert value("num_requests_running") == 0
+    assert 'finished_reason="abort"' in text
