@@ -1,0 +1,66 @@
+"""The CLI: complete --help, and `python -m ferrobatch serve` draining on SIGINT then exiting 0."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+
+from ferrobatch.cli import build_parser
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_help_is_complete(capsys):
+    for cmd, flags in [("serve", ["--host", "--port", "--tcp-port", "--api-key", "--model",
+                                  "--max-num-seqs", "--max-num-batched-tokens", "--kv-cache-gb",
+                                  "--max-queued-requests", "--drain-timeout"]),
+                       ("generate", ["--max-tokens", "--temperature", "--model"]),
+                       ("chat", ["--max-tokens", "--system"])]:
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([cmd, "--help"])
+        out = capsys.readouterr().out
+        for flag in flags:
+            assert flag in out, (cmd, flag)
+    args = build_parser().parse_args(["serve"])
+    assert args.host == "127.0.0.1"            # loopback by default
+
+
+async def test_serve_drains_on_sigint(smollm2_gguf_path):
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), PYTHONUNBUFFERED="1")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "ferrobatch", "serve", "--model", "smollm2", "--device", "cpu",
+        "--port", "0", "--tcp-port", "0", "--kv-cache-gb", "0.05", "--max-num-seqs", "8",
+        "--drain-timeout", "60", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+        cwd=ROOT)
+    lines = []
+    try:
+        port = None
+        while port is None:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 180)).decode()
+            assert line, "server exited early:\n" + "".join(lines)
+            lines.append(line)
+            m = re.search(r"OpenAI HTTP : http://127\.0\.0\.1:(\d+)/v1", line)
+            port = int(m.group(1)) if m else None
+        async with aiohttp.ClientSession() as s:
+            req = asyncio.create_task(s.post(f"http://127.0.0.1:{port}/v1/completions", json={
+                "prompt": "Hello", "max_tokens": 12, "ignore_eos": True}))
+            await asyncio.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            resp = await req
+            body = await resp.json()
+        assert resp.status == 200 and body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == 12
+        rest = (await asyncio.wait_for(proc.stdout.read(), 60)).decode()
+        assert await proc.wait() == 0, "".join(lines) + rest
+        assert "draining" in rest and "stopped" in rest
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
