@@ -15,6 +15,7 @@ pub mod prefix_cache;
 pub mod queue;
 pub mod request;
 pub mod scheduler;
+mod update;
 
 #[cfg(feature = "python")]
 mod py;

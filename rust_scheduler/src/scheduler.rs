@@ -10,7 +10,8 @@
 //! and frees finished sequences at once. Terminal events from `schedule()` (aborts, preemption
 //! cap failures) are reported by the following `update()`.
 //!
-//! Invariants (checked by [`Scheduler::check_integrity`], see `integrity.rs`):
+//! `update()` lives in `update.rs`. Invariants (checked by
+//! [`Scheduler::check_integrity`], see `integrity.rs`):
 //! - every live sequence is in exactly one of `waiting` / `running`, and in its request group;
 //! - a waiting sequence holds no blocks; between steps a running one holds exactly
 //!   `ceil(num_computed / block_size)` blocks and has `num_computed < num_tokens`;
@@ -73,22 +74,23 @@ pub struct Scheduler {
     pub(crate) intake: Intake,
     pub(crate) pool: BlockPool,
     pub(crate) seqs: Vec<Option<Sequence>>,
-    free_handles: Vec<u32>,
-    dead_handles: Vec<u32>,
+    pub(crate) free_handles: Vec<u32>,
+    pub(crate) dead_handles: Vec<u32>,
     pub(crate) groups: HashMap<u64, RequestGroup>,
     pub(crate) waiting: BTreeSet<Key>,
     pub(crate) running: Vec<u32>,
-    next_arrival: u64,
+    pub(crate) next_arrival: u64,
     pub(crate) scheduled: Vec<Scheduled>,
-    batch: StepBatch,
-    output: StepOutput,
-    pending: StepOutput,
+    pub(crate) batch: StepBatch,
+    pub(crate) output: StepOutput,
+    pub(crate) pending: StepOutput,
     pub(crate) awaiting_update: bool,
-    retired: Vec<u64>,
-    hits_scratch: Vec<u32>,
-    num_preemptions_total: u64,
-    num_prompt_tokens_total: u64,
-    num_generation_tokens_total: u64,
+    pub(crate) retired: Vec<u64>,
+    pub(crate) hits_scratch: Vec<u32>,
+    pub(crate) max_blocks: usize,
+    pub(crate) num_preemptions_total: u64,
+    pub(crate) num_prompt_tokens_total: u64,
+    pub(crate) num_generation_tokens_total: u64,
 }
 
 impl Scheduler {
@@ -113,6 +115,7 @@ impl Scheduler {
             awaiting_update: false,
             retired: Vec::new(),
             hits_scratch: Vec::new(),
+            max_blocks: 0,
             num_preemptions_total: 0,
             num_prompt_tokens_total: 0,
             num_generation_tokens_total: 0,
@@ -176,11 +179,11 @@ impl Scheduler {
     }
 
     #[inline]
-    fn seq_mut(&mut self, h: u32) -> &mut Sequence {
+    pub(crate) fn seq_mut(&mut self, h: u32) -> &mut Sequence {
         self.seqs[h as usize].as_mut().expect("live handle")
     }
 
-    fn new_handle(&mut self, s: Sequence) -> u32 {
+    pub(crate) fn new_handle(&mut self, s: Sequence) -> u32 {
         match self.free_handles.pop() {
             Some(h) => {
                 self.seqs[h as usize] = Some(s);
@@ -302,7 +305,7 @@ impl Scheduler {
 
     /// Frees a sequence's blocks and handle slot (the one release path; not idempotent by
     /// design: callers hold live handles only).
-    fn release(&mut self, h: u32) {
+    pub(crate) fn release(&mut self, h: u32) {
         let s = self.seqs[h as usize]
             .take()
             .expect("release of a live handle");
@@ -324,7 +327,7 @@ impl Scheduler {
         }
     }
 
-    fn end_of_phase(&mut self) {
+    pub(crate) fn end_of_phase(&mut self) {
         self.free_handles.append(&mut self.dead_handles);
         self.intake.retire(&mut self.retired);
     }
@@ -405,6 +408,7 @@ impl Scheduler {
         self.drain_intake();
         self.batch.clear();
         self.scheduled.clear();
+        self.max_blocks = 0;
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut preempted = false;
         if self.cfg.policy == Policy::Priority {
@@ -441,6 +445,7 @@ impl Scheduler {
                 }
             }
             if ok {
+                self.max_blocks = self.max_blocks.max(self.seq(h).blocks.len());
                 self.scheduled.push(Scheduled { handle: h, num_new });
                 budget -= num_new;
                 i += 1;
@@ -497,6 +502,7 @@ impl Scheduler {
                 self.pool.cache.hits_total += cached as u64;
             }
             self.running.push(h);
+            self.max_blocks = self.max_blocks.max(self.seq(h).blocks.len());
             self.scheduled.push(Scheduled { handle: h, num_new });
             budget -= num_new;
             slots += want_slots;
@@ -536,17 +542,7 @@ impl Scheduler {
     fn fill_batch(&mut self) {
         let bs = self.cfg.block_size as i32;
         let b = &mut self.batch;
-        b.max_blocks_per_seq = self
-            .scheduled
-            .iter()
-            .map(|x| {
-                self.seqs[x.handle as usize]
-                    .as_ref()
-                    .map_or(0, |s| s.blocks.len())
-            })
-            .max()
-            .unwrap_or(1)
-            .max(1);
+        b.max_blocks_per_seq = self.max_blocks.max(1);
         b.query_start_loc.push(0);
         for x in &self.scheduled {
             let s = self.seqs[x.handle as usize]
@@ -594,124 +590,6 @@ impl Scheduler {
                     b.suppress_eos.push(suppress);
                 }
             }
-        }
-    }
-
-    // ---------------------------------------------------------------- update
-
-    /// Applies the sampled tokens (one per `logits_indices` row of the last batch) and returns
-    /// the step's events. On error nothing changes and `update()` may be retried.
-    pub fn update(&mut self, sampled: &[i32]) -> Result<&StepOutput, SchedError> {
-        if !self.awaiting_update {
-            return Err(SchedError::Protocol(
-                "update() called without a preceding schedule()".into(),
-            ));
-        }
-        let want = self.batch.num_samples();
-        if sampled.len() != want {
-            return Err(SchedError::Protocol(format!(
-                "update() got {} sampled tokens but the last batch has num_samples = {want}",
-                sampled.len()
-            )));
-        }
-        let vocab = self.cfg.vocab_size;
-        if let Some((i, &t)) = sampled
-            .iter()
-            .enumerate()
-            .find(|(_, &t)| t < 0 || t as usize >= vocab)
-        {
-            return Err(SchedError::Protocol(format!(
-                "sampled token {t} at index {i} is outside [0, {vocab})"
-            )));
-        }
-        self.awaiting_update = false;
-        self.output.clear();
-        std::mem::swap(&mut self.output, &mut self.pending);
-        self.num_prompt_tokens_total += self.batch.num_prefill_tokens as u64;
-        self.num_generation_tokens_total += want as u64;
-        let bs = self.cfg.block_size;
-        let mut row = 0;
-        let scheduled = std::mem::take(&mut self.scheduled);
-        for x in &scheduled {
-            let h = x.handle;
-            let caching = self.pool.caching();
-            let s = self.seqs[h as usize].as_mut().expect("scheduled handle");
-            s.num_computed_tokens += x.num_new;
-            if caching {
-                let full = s.num_computed_tokens / bs;
-                if full > s.num_registered {
-                    extend_hashes(&mut s.block_hashes, &s.tokens, bs, s.req.salt, full);
-                    for k in s.num_registered..full {
-                        self.pool.register(s.blocks[k], s.block_hashes[k]);
-                    }
-                    s.num_registered = full;
-                }
-            }
-            if s.num_computed_tokens < s.num_tokens() {
-                continue; // a prompt chunk: nothing sampled
-            }
-            let children = std::mem::take(&mut s.unforked);
-            let forked: Vec<u32> = children.into_iter().map(|k| self.fork(h, k)).collect();
-            self.append(h, sampled[row]);
-            row += 1;
-            for c in forked {
-                self.append(c, sampled[row]);
-                row += 1;
-            }
-        }
-        self.scheduled = scheduled;
-        debug_assert_eq!(row, want);
-        self.running.retain(|&h| self.seqs[h as usize].is_some());
-        self.end_of_phase();
-        Ok(&self.output)
-    }
-
-    /// A new running sequence with index `k` sharing all of `h`'s blocks.
-    fn fork(&mut self, h: u32, k: u32) -> u32 {
-        let p = self.seq(h);
-        let child = Sequence {
-            req: p.req.clone(),
-            seq_index: k,
-            tokens: p.tokens.clone(),
-            num_computed_tokens: p.num_computed_tokens,
-            blocks: p.blocks.clone(),
-            block_hashes: p.block_hashes.clone(),
-            num_preemptions: 0,
-            status: SeqStatus::Running,
-            unforked: Vec::new(),
-            num_registered: p.num_registered,
-        };
-        for &b in &child.blocks {
-            self.pool.incref(b);
-        }
-        let rid = child.req.request_id;
-        let c = self.new_handle(child);
-        self.running.push(c);
-        if let Some(g) = self.groups.get_mut(&rid) {
-            g.seqs.push(c);
-        }
-        c
-    }
-
-    /// Appends a sampled token and applies the stop rules; finished sequences are released.
-    fn append(&mut self, h: u32, token: i32) {
-        let max_model_len = self.cfg.max_model_len;
-        let s = self.seqs[h as usize].as_mut().expect("live handle");
-        let r = &s.req;
-        let out_before = s.output_len();
-        s.tokens.push(token);
-        let is_eos = !r.ignore_eos && self.cfg.eos_token_ids.contains(&token);
-        let reason = if (is_eos || r.stop_token_ids.contains(&token)) && out_before >= r.min_tokens
-        {
-            FinishReason::Stop
-        } else if out_before + 1 >= r.max_tokens || s.tokens.len() >= max_model_len {
-            FinishReason::Length
-        } else {
-            FinishReason::Running
-        };
-        self.output.push(r.request_id, s.seq_index, token, reason);
-        if reason != FinishReason::Running {
-            self.release(h);
         }
     }
 }

@@ -1,0 +1,133 @@
+//! `Scheduler::update`: applies one step's sampled tokens.
+//!
+//! For each scheduled sequence: advance `num_computed_tokens`, offer newly full blocks to the
+//! prefix cache (only now, after their K/V were written), and if the step reached the end of
+//! the sequence's tokens, fork pending `n > 1` children (sharing every block, ref counts
+//! incremented) and append one sampled token to each, applying the stop rules. Finished
+//! sequences are released in the same step. Terminal events queued by `schedule()` (aborts,
+//! preemption-cap failures) come first in the output. Validation happens before any change,
+//! so a rejected `update()` can be retried.
+
+use crate::batch::StepOutput;
+use crate::error::SchedError;
+use crate::prefix_cache::extend_hashes;
+use crate::request::{FinishReason, SeqStatus, Sequence};
+use crate::scheduler::Scheduler;
+
+impl Scheduler {
+    /// Applies the sampled tokens (one per `logits_indices` row of the last batch) and returns
+    /// the step's events. On error nothing changes and `update()` may be retried.
+    pub fn update(&mut self, sampled: &[i32]) -> Result<&StepOutput, SchedError> {
+        if !self.awaiting_update {
+            return Err(SchedError::Protocol(
+                "update() called without a preceding schedule()".into(),
+            ));
+        }
+        let want = self.batch.num_samples();
+        if sampled.len() != want {
+            return Err(SchedError::Protocol(format!(
+                "update() got {} sampled tokens but the last batch has num_samples = {want}",
+                sampled.len()
+            )));
+        }
+        let vocab = self.cfg.vocab_size;
+        if let Some((i, &t)) = sampled
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t < 0 || t as usize >= vocab)
+        {
+            return Err(SchedError::Protocol(format!(
+                "sampled token {t} at index {i} is outside [0, {vocab})"
+            )));
+        }
+        self.awaiting_update = false;
+        self.output.clear();
+        std::mem::swap(&mut self.output, &mut self.pending);
+        self.num_prompt_tokens_total += self.batch.num_prefill_tokens as u64;
+        self.num_generation_tokens_total += want as u64;
+        let bs = self.cfg.block_size;
+        let mut row = 0;
+        let scheduled = std::mem::take(&mut self.scheduled);
+        for x in &scheduled {
+            let h = x.handle;
+            let caching = self.pool.caching();
+            let s = self.seqs[h as usize].as_mut().expect("scheduled handle");
+            s.num_computed_tokens += x.num_new;
+            if caching {
+                let full = s.num_computed_tokens / bs;
+                if full > s.num_registered {
+                    extend_hashes(&mut s.block_hashes, &s.tokens, bs, s.req.salt, full);
+                    for k in s.num_registered..full {
+                        self.pool.register(s.blocks[k], s.block_hashes[k]);
+                    }
+                    s.num_registered = full;
+                }
+            }
+            if s.num_computed_tokens < s.num_tokens() {
+                continue; // a prompt chunk: nothing sampled
+            }
+            let children = std::mem::take(&mut s.unforked);
+            let forked: Vec<u32> = children.into_iter().map(|k| self.fork(h, k)).collect();
+            self.append(h, sampled[row]);
+            row += 1;
+            for c in forked {
+                self.append(c, sampled[row]);
+                row += 1;
+            }
+        }
+        self.scheduled = scheduled;
+        debug_assert_eq!(row, want);
+        self.running.retain(|&h| self.seqs[h as usize].is_some());
+        self.end_of_phase();
+        Ok(&self.output)
+    }
+
+    /// A new running sequence with index `k` sharing all of `h`'s blocks.
+    fn fork(&mut self, h: u32, k: u32) -> u32 {
+        let p = self.seq(h);
+        let child = Sequence {
+            req: p.req.clone(),
+            seq_index: k,
+            tokens: p.tokens.clone(),
+            num_computed_tokens: p.num_computed_tokens,
+            blocks: p.blocks.clone(),
+            block_hashes: p.block_hashes.clone(),
+            num_preemptions: 0,
+            status: SeqStatus::Running,
+            unforked: Vec::new(),
+            num_registered: p.num_registered,
+        };
+        for &b in &child.blocks {
+            self.pool.incref(b);
+        }
+        let rid = child.req.request_id;
+        let c = self.new_handle(child);
+        self.running.push(c);
+        if let Some(g) = self.groups.get_mut(&rid) {
+            g.seqs.push(c);
+        }
+        c
+    }
+
+    /// Appends a sampled token and applies the stop rules; finished sequences are released.
+    fn append(&mut self, h: u32, token: i32) {
+        let max_model_len = self.cfg.max_model_len;
+        let s = self.seqs[h as usize].as_mut().expect("live handle");
+        let r = &s.req;
+        let out_before = s.output_len();
+        s.tokens.push(token);
+        let is_eos = !r.ignore_eos && self.cfg.eos_token_ids.contains(&token);
+        let reason = if (is_eos || r.stop_token_ids.contains(&token)) && out_before >= r.min_tokens
+        {
+            FinishReason::Stop
+        } else if out_before + 1 >= r.max_tokens || s.tokens.len() >= max_model_len {
+            FinishReason::Length
+        } else {
+            FinishReason::Running
+        };
+        self.output.push(r.request_id, s.seq_index, token, reason);
+        if reason != FinishReason::Running {
+            self.release(h);
+        }
+    }
+}
