@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine_support import REAL_ENGINE_OPTIONS
 from fake_core import FakeCore
 from ferrobatch.config import EngineConfig
 from ferrobatch.engine.async_engine import AsyncEngine
@@ -19,10 +20,6 @@ async def fake_engine():
         await engine.check_idle_clean()
     await engine.shutdown()
     engine.check_accounting()
-
-
-REAL_ENGINE_OPTIONS = dict(num_blocks=384, max_num_seqs=64, max_num_batched_tokens=512,
-                           max_model_len=2048, device="cpu")
 
 
 @pytest.fixture(scope="module")

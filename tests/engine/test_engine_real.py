@@ -10,7 +10,7 @@ from ferrobatch.engine.async_engine import AsyncEngine
 from ferrobatch.outputs import RequestOutput
 from ferrobatch.sampling_params import SamplingParams
 
-from conftest import REAL_ENGINE_OPTIONS
+from engine_support import REAL_ENGINE_OPTIONS
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 

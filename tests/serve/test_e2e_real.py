@@ -16,14 +16,14 @@ import openai
 import pytest
 import pytest_asyncio
 
-from conftest import start_server, stop_server
+from engine_support import REAL_ENGINE_OPTIONS
+from serve_support import start_server, stop_server
 from ferrobatch.client import TCPClient, WSClient
 from ferrobatch.engine.async_engine import AsyncEngine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-OPTIONS = dict(num_blocks=384, max_num_seqs=64, max_num_batched_tokens=512,
-               max_model_len=2048, device="cpu")
+OPTIONS = REAL_ENGINE_OPTIONS
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

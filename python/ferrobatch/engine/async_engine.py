@@ -270,13 +270,16 @@ class AsyncEngine:
         self._stats = r.stats
         requests = self._requests
         if self._unscheduled and r.scheduled_req_ids:
+            step_start = now - r.step_time_s
             for rid in self._unscheduled.intersection(r.scheduled_req_ids):
                 self._unscheduled.discard(rid)
                 st = requests[rid]
-                st.scheduled_time = now
+                st.scheduled_time = max(step_start, st.arrival_time)
                 for o in self._observers:
-                    o.on_scheduled(now - st.arrival_time, len(st.prompt_token_ids))
+                    o.on_scheduled(st.scheduled_time - st.arrival_time,
+                                   len(st.prompt_token_ids))
         touched: dict[int, RequestState] = {}
+        with_tokens: set[int] = set()
         itls: list[float] = []
         num_tokens = 0
         for rid, si, tok, code in zip(r.req_ids, r.seq_indices, r.token_ids, r.finish_reasons):
@@ -287,11 +290,12 @@ class AsyncEngine:
                 touched[rid] = st
             if tok >= 0:
                 num_tokens += 1
+                with_tokens.add(rid)
                 self._add_token(st, si, tok)
             if code:
                 st.terminal_event(si, code, r.error_messages.get(rid))
-        for st in touched.values():
-            if st.num_generated and st.last_token_time != now:
+        for rid, st in touched.items():
+            if rid in with_tokens:
                 if st.first_token_time is None:
                     st.first_token_time = now
                     for o in self._observers:

@@ -1,0 +1,29 @@
+"""Starting and stopping a real Server on ephemeral ports (shared by the serve tests)."""
+
+from __future__ import annotations
+
+from ferrobatch.engine.async_engine import AsyncEngine
+from ferrobatch.serve.server import Server
+
+
+class Running:
+    """A started server plus handy addresses."""
+
+    def __init__(self, server: Server, engine: AsyncEngine) -> None:
+        self.server = server
+        self.engine = engine
+        self.base = f"http://127.0.0.1:{server.port}"
+        self.ws_url = f"ws://127.0.0.1:{server.port}/v1/ws"
+        self.tcp_port = server.tcp_port
+
+
+async def start_server(engine: AsyncEngine, **kw) -> Running:
+    await engine.start()
+    server = Server(engine, **kw)
+    await server.start("127.0.0.1", 0, tcp_port=0)
+    return Running(server, engine)
+
+
+async def stop_server(r: Running) -> None:
+    await r.server.stop()
+    await r.engine.shutdown()
