@@ -2,7 +2,7 @@
 
 Sequences are split into two groups, decode (one query token) and prefill (several), so a long
 prefill chunk does not pad every decode row. Each group gathers its context K/V from the paged
-cache through precomputed slot indices and runs one masked ``scaled_dot_product_attention``; GQA
+cache a whole block at a time (through its block table) and runs one masked ``scaled_dot_product_attention``; GQA
 folds the query heads of a KV head into the query-length axis, so K/V are never repeated.
 """
 
@@ -22,10 +22,10 @@ class SequenceGroup:
     """Padded gather indices of a set of sequences (all tensors on device)."""
 
     query_token_index: torch.Tensor  # int64 [G, Q]; padded rows point at a dummy row (T)
-    key_slots: torch.Tensor  # int64 [G, K]; padded columns point at slot 0
+    key_blocks: torch.Tensor  # int64 [G, K / block_size]; whole blocks are gathered (padding: 0)
     mask: torch.Tensor  # bool [G, 1, Q, K]; True = attend
     num_queries: int  # Q
-    num_keys: int  # K
+    num_keys: int  # K (a multiple of block_size)
 
 
 @dataclass
@@ -40,21 +40,21 @@ def _build_group(seq_ids: np.ndarray, qsl: np.ndarray, seq_lens: np.ndarray,
                  device: torch.device) -> SequenceGroup:
     query_lens = (qsl[1:] - qsl[:-1])[seq_ids].astype(np.int64)
     ctx_lens = seq_lens[seq_ids].astype(np.int64)
-    max_q, max_k = int(query_lens.max()), int(ctx_lens.max())
+    max_q = int(query_lens.max())
+    num_key_blocks = -(-int(ctx_lens.max()) // block_size)
+    max_k = num_key_blocks * block_size
     q_offsets = np.arange(max_q)[None, :]
     valid_q = q_offsets < query_lens[:, None]
     query_index = np.where(valid_q, qsl[seq_ids][:, None].astype(np.int64) + q_offsets, num_tokens)
     k_offsets = np.arange(max_k)[None, :]
-    blocks = np.take_along_axis(block_tables[seq_ids].astype(np.int64),
-                                np.broadcast_to(k_offsets // block_size, (len(seq_ids), max_k)), 1)
+    key_blocks = block_tables[seq_ids, :num_key_blocks].astype(np.int64)
     valid_k = k_offsets < ctx_lens[:, None]
-    key_slots = np.where(valid_k, blocks * block_size + k_offsets % block_size, 0)
     query_pos = (ctx_lens - query_lens)[:, None] + q_offsets  # [G, Q]
     mask = (k_offsets[:, None, :] <= query_pos[:, :, None]) & valid_k[:, None, :]
     mask[..., 0] |= ~valid_q  # padded query rows attend to one key (avoids NaN; discarded)
     return SequenceGroup(
         query_token_index=torch.from_numpy(query_index).to(device),
-        key_slots=torch.from_numpy(key_slots).to(device),
+        key_blocks=torch.from_numpy(np.ascontiguousarray(key_blocks)).to(device),
         mask=torch.from_numpy(mask[:, None]).to(device),
         num_queries=max_q,
         num_keys=max_k,
@@ -101,7 +101,6 @@ class TorchReferenceBackend(AttentionBackend):
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = kv_cache.shape[-2]
         group_size = num_heads // num_kv_heads
-        flat_cache = kv_cache.view(2, -1, num_kv_heads, head_dim)
         padded_query = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
         out = query.new_empty(num_tokens + 1, num_heads, head_dim)
         for g in meta.groups:
@@ -111,8 +110,10 @@ class TorchReferenceBackend(AttentionBackend):
                                                         group_size, head_dim)
             q = q.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads,
                                                  group_size * g.num_queries, head_dim)
-            k = flat_cache[0][g.key_slots].to(query.dtype).transpose(1, 2)  # [G, Hkv, K, D]
-            v = flat_cache[1][g.key_slots].to(query.dtype).transpose(1, 2)
+            # whole-block gather: [G, K / bs, bs, Hkv, D] -> [G, Hkv, K, D]
+            k = kv_cache[0][g.key_blocks].view(num_seqs, g.num_keys, num_kv_heads, head_dim)
+            v = kv_cache[1][g.key_blocks].view(num_seqs, g.num_keys, num_kv_heads, head_dim)
+            k, v = k.to(query.dtype).transpose(1, 2), v.to(query.dtype).transpose(1, 2)
             mask = g.mask.expand(num_seqs, group_size, g.num_queries, g.num_keys)
             mask = mask.reshape(num_seqs, 1, group_size * g.num_queries, g.num_keys)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
