@@ -123,3 +123,31 @@ async def test_async_engine_stream_abort_and_shutdown(loaded_smollm2, real_llm):
     # shutdown aborted the open request and joined the step thread
     assert not engine.is_running and engine.check_accounting()["open"] == 0
     await asyncio.sleep(0)
+
+
+async def test_non_finite_logits_fail_only_that_request(loaded_smollm2, real_llm):
+    async with AsyncEngine(loaded_model=loaded_smollm2, **REAL_ENGINE_OPTIONS) as engine:
+        runner = engine._core.runner
+        poisoned: set[int] = set()
+        execute = runner.execute
+
+        def poisoning_execute(batch):
+            logits = execute(batch).clone()
+            for row, rid in enumerate(batch.sample_req_ids.tolist()):
+                if rid in poisoned:
+                    logits[row] = float("nan")
+            return logits
+
+        runner.execute = poisoning_execute
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        bad = engine.add_request("Hello there", params)
+        poisoned.add(bad._state.req_id)
+        good = engine.add_request("Hello there", params)
+        bad_out = [o async for o in bad][-1]
+        good_out = [o async for o in good][-1]
+        assert bad_out.outputs[0].finish_reason == "error" and "non-finite" in bad_out.error
+        assert bad_out.outputs[0].token_ids == []
+        assert good_out.outputs[0].finish_reason == "length"
+        assert len(good_out.outputs[0].token_ids) == 6
+        await engine.check_idle_clean()
+        assert engine.counters["error"] == 1 and engine.is_running

@@ -278,6 +278,13 @@ class AsyncEngine:
                 for o in self._observers:
                     o.on_scheduled(st.scheduled_time - st.arrival_time,
                                    len(st.prompt_token_ids))
+        for rid in getattr(r, "failed_req_ids", ()):
+            st = requests.get(rid)
+            if st is not None:                    # its abort("error") is already queued
+                st.abort_sent = True
+                for s in st.seqs:
+                    st.finish_seq_locally(s.index, "error", "the model produced non-finite "
+                                                            "logits for this request")
         touched: dict[int, RequestState] = {}
         with_tokens: set[int] = set()
         itls: list[float] = []

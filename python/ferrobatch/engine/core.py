@@ -8,10 +8,11 @@ the asyncio thread and touches only the scheduler's thread-safe intake or swaps 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from ferrobatch.config import EngineConfig
 from ferrobatch.engine.errors import QueueFullError
@@ -33,6 +34,7 @@ class StepResult:
     scheduled_req_ids: list[int]
     stats: dict[str, Any]
     step_time_s: float
+    failed_req_ids: list[int] = field(default_factory=list)   # e.g. non-finite logits
 
 
 def _torch_dtype(name: str | None) -> Any:
@@ -177,8 +179,13 @@ class EngineCore:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         extras = self._extras
+        failed: list[int] = []
         if batch.num_samples > 0:
             logits = self.runner.execute(batch)
+            finite = torch.isfinite(logits).all(dim=-1)
+            if not bool(finite.all()):
+                failed = self._fail_rows(batch, finite)
+                logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
             sampled = self.sampler.sample(logits, batch, extras).token_ids
             sampled = np.ascontiguousarray(sampled, dtype=np.int32)
         else:
@@ -193,7 +200,17 @@ class EngineCore:
             return None
         return StepResult(req_ids.tolist(), out.seq_indices.tolist(), out.token_ids.tolist(),
                           out.finish_reasons.tolist(), dict(out.error_messages),
-                          batch.seq_req_ids.tolist(), self.stats(), time.perf_counter() - t0)
+                          batch.seq_req_ids.tolist(), self.stats(), time.perf_counter() - t0,
+                          failed)
+
+    def _fail_rows(self, batch: Any, finite: Any) -> list[int]:
+        """Rows with NaN/inf logits fail their request only: abort it with "error" (the row is
+        zeroed for the sampler and its token dropped on the asyncio side)."""
+        bad = (~finite).cpu().numpy()
+        failed = sorted(set(np.asarray(batch.sample_req_ids)[bad].tolist()))
+        for rid in failed:
+            self.intake.abort(rid, -1, "error")
+        return failed
 
     @staticmethod
     def _record_history(extras: dict[int, Any], out: Any) -> None:
