@@ -182,3 +182,28 @@ async def test_duplicate_id_on_connection(fake_server):
             msg = await g.__anext__()
         assert msg["type"] == "error" and "already in use" in msg["message"]
         await g.aclose()
+
+
+@pytest.mark.parametrize("door", ["ws-json", "tcp"])
+async def test_engine_death_reaches_every_stream(fake_server, door):
+    engine = fake_server.engine
+    async with await clients(fake_server, door) as c:
+        gens = [c.generate(f"d{i}", max_tokens=250) for i in range(3)]
+        for g in gens:
+            assert (await g.__anext__())["type"] == "delta"
+        engine._core.fail_next_step = RuntimeError("device lost")
+        engine._core.wake()
+        for g in gens:
+            last = [m async for m in g][-1]
+            assert last["type"] == "error" and last["code"] == 500
+            assert "device lost" in last["message"]
+        after = [m async for m in c.generate("x", max_tokens=2)]
+        assert after[-1]["type"] == "error" and after[-1]["code"] == 503
+    assert engine.check_accounting()["open"] == 0
+
+
+async def test_bad_chat_messages_on_ws(fake_server):
+    async with await WSClient.connect(fake_server.ws_url) as c:
+        for messages in ([], [{"role": "robot", "content": "x"}], [{"role": "user"}], "hi"):
+            last = [m async for m in c.generate(messages=messages, max_tokens=2)][-1]
+            assert last["type"] == "error" and last["code"] == 400, last

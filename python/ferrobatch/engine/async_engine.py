@@ -260,6 +260,8 @@ class AsyncEngine:
     # -- the per-step hand-off (asyncio thread) ------------------------------------------------
 
     def _on_step(self, result: Any) -> None:
+        if self._stopped:
+            return                     # shut down: the remaining requests were failed already
         try:
             self._apply_step(result)
         except BaseException as exc:  # noqa: BLE001 - a bug here must not leave a zombie engine

@@ -57,7 +57,7 @@ class Session:
                 await self._cancel(payload, binary)
         except Exception as exc:  # noqa: BLE001 - reported to the client, never raised
             code, _ = error_status(exc)
-            msg = str(exc) if code < 500 else "internal server error"
+            msg = str(exc) if code < 500 or code == 503 else "internal server error"
             await self._send(error_msg(rid, code, msg), binary)
 
     def _hello(self, key: str | None) -> None:
