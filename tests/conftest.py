@@ -30,5 +30,4 @@ def loaded_smollm2(smollm2_gguf_path):
     import torch
     from ferrobatch.model.loader import load_model
 
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
     return load_model(smollm2_gguf_path, device="cpu", dtype=torch.float32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -176,3 +177,22 @@ def test_hf_directory_matches_transformers_logits(tmp_path, name):
             want = reference(torch.tensor([p])).logits[0, -1]
             torch.testing.assert_close(logits[i], want, rtol=1e-4, atol=1e-4)
     assert os.path.isfile(tmp_path / "config.json")
+
+
+def test_rope_freq_factors_equal_llama3_scaling():
+    from ferrobatch.model.config import ModelConfig
+    from ferrobatch.model.rope import rope_inverse_frequencies
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    base = ModelConfig(arch="llama", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1,
+                       num_heads=1, num_kv_heads=1, head_dim=64, rope_theta=500000.0)
+    plain = rope_inverse_frequencies(base)
+    scaled = rope_inverse_frequencies(dataclasses.replace(base, rope_scaling=llama3))
+    factors = (plain / scaled).tolist()  # what llama.cpp stores in rope_freqs.weight
+    from_factors = rope_inverse_frequencies(
+        dataclasses.replace(base, rope_scaling={"rope_type": "freq_factors", "factors": factors}))
+    torch.testing.assert_close(from_factors, scaled)
+    assert not torch.allclose(scaled, plain)
+    with pytest.raises(ValueError, match="rope scaling type"):
+        rope_inverse_frequencies(dataclasses.replace(base, rope_scaling={"rope_type": "yarn"}))

@@ -6,6 +6,7 @@ model can use the Hugging Face (half-split) rotation. Tied embeddings: no ``outp
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,6 +156,11 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
         raise ValueError(f"cannot read GGUF file {path}: {exc}") from exc
     tensor_names = set(reader.tensors)
     config = _read_config(reader, tensor_names)
+    if "rope_freqs.weight" in reader.tensors:  # Llama-3.1 style scaling baked into per-dim factors
+        factors = reader.tensors["rope_freqs.weight"]
+        values = dequantize_tensor(factors.data, factors.type_id, factors.type_name).flatten()
+        config = dataclasses.replace(
+            config, rope_scaling={"rope_type": "freq_factors", "factors": values.tolist()})
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors.values():
         name = _hf_name(tensor.name)
@@ -166,9 +172,4 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
         elif config.arch == "llama" and ".k_proj." in name:
             weight = reverse_llama_permute(weight, config.num_kv_heads)
         state[name] = weight
-    if "rope_freqs.weight" in tensor_names:
-        raise ValueError(
-            "GGUF files with rope_freqs (Llama-3.1 style rope scaling baked into a tensor) are not "
-            "supported yet; load the Hugging Face directory instead"
-        )
     return config, state, read_tokenizer_metadata(reader)

@@ -18,6 +18,11 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return inv_freq
+    if rope_type == "freq_factors":  # llama.cpp's rope_freqs tensor: theta_i / factor_i
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope freq factors: expected {inv_freq.shape[0]} values, got {factors.shape[0]}")
+        return inv_freq / factors
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])
     if rope_type == "llama3":
@@ -32,7 +37,7 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: linear, llama3)")
+    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: linear, llama3, freq_factors)")
 
 
 class RotaryEmbedding(nn.Module):
