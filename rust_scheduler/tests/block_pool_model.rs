@@ -1,6 +1,7 @@
 //! Model-based property test of the block pool: random alloc / share / free / register /
 //! revive sequences against a plain reference model (ref counts, hash map, LRU list), with
 //! `check_integrity()` after every operation.
+#![cfg(not(loom))]
 
 use proptest::prelude::*;
 use rust_scheduler::block_pool::{BlockPool, NULL_BLOCK};

@@ -1,4 +1,5 @@
 //! Hand-built scheduler scenarios with exact expectations.
+#![cfg(not(loom))]
 
 mod common;
 use common::*;

@@ -1,6 +1,7 @@
 //! Model-based property test of the scheduler: random submit / step / abort sequences on tiny
 //! pools (preemption, chunking, prefix hits, n > 1 and copy-on-write all happen often), with
 //! `check_integrity()` after every operation and a reference generator as the oracle.
+#![cfg(not(loom))]
 
 mod common;
 use common::*;
