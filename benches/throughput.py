@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (REPO, format_table, load_1min, machine_info, ratio_table,  # noqa: E402
                     write_json)
-from workloads import WORKLOADS, Request, Workload, build_requests, summarize  # noqa: E402
+from workloads import (WORKLOADS, Request, Workload, build_requests,  # noqa: E402
+                       ideal_decode_steps, summarize)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -150,6 +151,9 @@ def summarize_run(name: str, base: str, cap: int, res: dict, reqs: list[Request]
         "loadavg_1m_before": load_before, "loadavg_1m_after": load_1min(),
         "params": res.get("params", {}),
     }
+    if base in ("ferrobatch", "ferrobatch-static", "hf-static"):
+        mode = "continuous" if base == "ferrobatch" else "static"
+        row["ideal_decode_steps"] = ideal_decode_steps(reqs, cap, mode)
     if occ:
         row["occupancy_per_step"] = occ
     if res.get("running"):
@@ -235,9 +239,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_warmup:
             sysm.run(base, n, warmup_requests(reqs), None)
         load_before = load_1min()
-        bar = Progress(len(reqs), name, not args.no_progress)
+        # ferrobatch (continuous) shows LLM.generate's own progress bar
+        own_bar = base == "ferrobatch"
+        bar = Progress(len(reqs), name, not args.no_progress and not own_bar)
         try:
-            res = sysm.run(base, n, reqs, bar)
+            res = sysm.run(base, n, reqs, None if args.no_progress else bar)
         finally:
             bar.close()
         row = summarize_run(name, base, cap, res, reqs, load_before)
@@ -245,11 +251,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name}: {row['output_tokens_per_s']:.1f} output tok/s, "
               f"{row['requests_per_s']:.3f} req/s, {row['elapsed_s']:.1f} s", flush=True)
         sysm.release_unneeded(systems[i + 1:])
+        if args.json:   # partial results survive an interrupted run
+            write_json(args.json, {"partial": True, "results": rows,
+                                   "command": " ".join(sys.argv)})
 
     cols = [("system", "system", ""), ("batch_cap", "cap", "d"),
             ("requests_per_s", "req/s", ".3f"), ("output_tokens_per_s", "out tok/s", ".1f"),
             ("total_tokens_per_s", "total tok/s", ".1f"), ("elapsed_s", "time s", ".1f"),
-            ("num_steps", "steps", "d"), ("mean_occupancy", "mean occ", ".1f"),
+            ("num_steps", "steps", "d"), ("ideal_decode_steps", "ideal", "d"),
+            ("mean_occupancy", "mean occ", ".1f"),
             ("wasted_tokens", "wasted tok", "d"), ("loadavg_1m_before", "load1m", ".2f")]
     print()
     print(format_table(rows, cols))
@@ -261,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                         "max_num_seqs": args.max_num_seqs or w.max_num_seqs,
                         "max_num_batched_tokens": args.max_num_batched_tokens,
                         "hf_static_batch_size": args.hf_static_batch_size or w.hf_static_batch_size,
+                        "ideal_decode_steps_longest_first": ideal_decode_steps(
+                            reqs, args.max_num_seqs or w.max_num_seqs, "longest-first"),
                         **summary},
            "machine": {**info, "loadavg_1m_at_end": load_1min()},
            "setup_s": sysm.setup_s,

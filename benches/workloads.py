@@ -147,3 +147,25 @@ def summarize(reqs: list[Request]) -> dict:
             "prompt_len_mean": float(p.mean()), "prompt_len_max": int(p.max()),
             "output_len_mean": float(o.mean()), "output_len_max": int(o.max()),
             "digest": requests_digest(reqs)}
+
+
+def ideal_decode_steps(reqs: list[Request], cap: int, mode: str) -> int:
+    """Decode steps an ideal scheduler needs with `cap` slots, one token per running request per
+    step (prefill not counted): "continuous" = FCFS refill as soon as a slot frees,
+    "longest-first" = the same admitting the longest max_tokens first, "static" = groups of
+    `cap` in arrival order, each group lasting as long as its longest request."""
+    import heapq
+    outs = [r.output_len for r in reqs]
+    if mode == "static":
+        return sum(max(outs[i:i + cap]) for i in range(0, len(outs), cap))
+    if mode == "longest-first":
+        outs = sorted(outs, reverse=True)
+    elif mode != "continuous":
+        raise ValueError(mode)
+    slots = [0] * min(cap, len(outs))
+    end = 0
+    for o in outs:
+        t = heapq.heappop(slots)
+        heapq.heappush(slots, t + o)
+        end = max(end, t + o)
+    return end
