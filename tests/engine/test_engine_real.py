@@ -1,16 +1,12 @@
-"""The engine on the real SmolLM2 with the Rust scheduler: LLM and AsyncEngine end to end (CPU)."""
+"""The synchronous LLM on the real SmolLM2 with the Rust scheduler, end to end on CPU."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from ferrobatch.engine.async_engine import AsyncEngine
 from ferrobatch.outputs import RequestOutput
 from ferrobatch.sampling_params import SamplingParams
 
-from engine_support import REAL_ENGINE_OPTIONS
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
@@ -101,53 +97,3 @@ def test_bad_input_is_rejected_before_any_work(real_llm):
         with pytest.raises(ValueError):
             real_llm.generate(prompt, params)
     assert engine.counters["accepted"] == before
-
-
-async def test_async_engine_stream_abort_and_shutdown(loaded_smollm2, real_llm):
-    # A second engine over the same weights: run it while the module's LLM is idle.
-    async with AsyncEngine(loaded_model=loaded_smollm2, **REAL_ENGINE_OPTIONS) as engine:
-        deltas = []
-        async for out in engine.generate("Write a long story about a dragon.",
-                                         SamplingParams(max_tokens=40, ignore_eos=True,
-                                                        output_kind="delta"),
-                                         request_id="dragon"):
-            deltas.append(out)
-            if len(deltas) == 3:
-                assert engine.abort("dragon")
-        assert deltas[-1].outputs[0].finish_reason == "abort"
-        assert len(deltas) < 40
-        await engine.check_idle_clean()
-        assert engine.stats()["num_used_blocks"] == 0
-        stream = engine.add_request("Hello", SamplingParams(max_tokens=100, ignore_eos=True))
-        await stream.__anext__()
-    # shutdown aborted the open request and joined the step thread
-    assert not engine.is_running and engine.check_accounting()["open"] == 0
-    await asyncio.sleep(0)
-
-
-async def test_non_finite_logits_fail_only_that_request(loaded_smollm2, real_llm):
-    async with AsyncEngine(loaded_model=loaded_smollm2, **REAL_ENGINE_OPTIONS) as engine:
-        runner = engine._core.runner
-        poisoned: set[int] = set()
-        execute = runner.execute
-
-        def poisoning_execute(batch):
-            logits = execute(batch).clone()
-            for row, rid in enumerate(batch.sample_req_ids.tolist()):
-                if rid in poisoned:
-                    logits[row] = float("nan")
-            return logits
-
-        runner.execute = poisoning_execute
-        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-        bad = engine.add_request("Hello there", params)
-        poisoned.add(bad._state.req_id)
-        good = engine.add_request("Hello there", params)
-        bad_out = [o async for o in bad][-1]
-        good_out = [o async for o in good][-1]
-        assert bad_out.outputs[0].finish_reason == "error" and "non-finite" in bad_out.error
-        assert bad_out.outputs[0].token_ids == []
-        assert good_out.outputs[0].finish_reason == "length"
-        assert len(good_out.outputs[0].token_ids) == 6
-        await engine.check_idle_clean()
-        assert engine.counters["error"] == 1 and engine.is_running
