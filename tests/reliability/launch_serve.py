@@ -1,6 +1,7 @@
 """`ferrobatch serve` with optional injected faults, for the process-level tests.
 
-FB_FAULT_AT_EXECUTE=N: the model runner's N-th forward raises (engine-fatal). The fault wraps
+FB_FAULT_AT_EXECUTE=N: the model runner's N-th forward raises (engine-fatal).
+FB_TINY=1: serve the 4-layer truncation of the model (harness.truncated_model), for speed. The fault wraps
 the runner EngineCore.build creates (a real seam); the CLI itself runs unchanged."""
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ _build = core_mod.EngineCore.build.__func__
 
 
 def _faulty_build(cls, config, loaded=None):
+    if loaded is None and os.environ.get("FB_TINY"):
+        import torch
+
+        from ferrobatch.model.loader import load_model
+        from harness import truncated_model
+        loaded = truncated_model(load_model(config.model, device="cpu", dtype=torch.float32))
     core = _build(cls, config, loaded)
     at = os.environ.get("FB_FAULT_AT_EXECUTE")
     if at:

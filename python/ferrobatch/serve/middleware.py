@@ -11,6 +11,23 @@ from ferrobatch.serve.http import error_response, exception_response
 
 log = logging.getLogger("ferrobatch.serve")
 OPEN_PATHS = frozenset({"/health"})
+DRAIN_OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+def drain_middleware(state) -> web.middleware:
+    """While the server drains, every new request but liveness/metrics gets 503 (Connection:
+    close); requests already streaming are not affected."""
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if state.draining and request.path not in DRAIN_OPEN_PATHS:
+            resp = error_response(503, "the server is shutting down; retry elsewhere",
+                                  "server_error")
+            resp.headers["Connection"] = "close"
+            return resp
+        return await handler(request)
+
+    return check
 
 
 def auth_middleware(api_key: str) -> web.middleware:

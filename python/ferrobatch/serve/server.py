@@ -15,7 +15,7 @@ from aiohttp import web
 
 from ferrobatch.serve.http import add_routes
 from ferrobatch.serve.metrics import ServerMetrics
-from ferrobatch.serve.middleware import auth_middleware, error_middleware
+from ferrobatch.serve.middleware import auth_middleware, drain_middleware, error_middleware
 from ferrobatch.serve.state import STATE, ServerState
 from ferrobatch.serve.tcp import TCPServer
 from ferrobatch.serve.ws import ws_handler
@@ -27,6 +27,7 @@ def build_app(state: ServerState) -> web.Application:
     middlewares = [error_middleware]
     if state.api_key is not None:
         middlewares.append(auth_middleware(state.api_key))
+    middlewares.append(drain_middleware(state))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
     add_routes(app)
@@ -61,18 +62,20 @@ class Server:
             self.tcp_port = await self._tcp.start(host, tcp_port)
 
     async def stop(self, drain_timeout_s: float = 0.0) -> None:
-        """Stop accepting, let in-flight requests finish up to the timeout, then close all."""
+        """Refuse new work (503, /ready too), let in-flight requests finish up to the timeout,
+        then stop listening and close every connection."""
         engine = self.state.engine
-        if self._runner is not None:
-            for site in list(self._runner.sites):
-                await site.stop()                 # no new connections
-        if self._tcp is not None:
-            self._tcp.stop_listening()
+        self.state.draining = True
         if drain_timeout_s > 0:
             try:
                 await asyncio.wait_for(engine.wait_idle(), drain_timeout_s)
             except asyncio.TimeoutError:
                 pass
+        if self._runner is not None:
+            for site in list(self._runner.sites):
+                await site.stop()                 # no new connections
+        if self._tcp is not None:
+            self._tcp.stop_listening()
         for session in list(self.state.sessions):
             await session.close()
         if self._tcp is not None:

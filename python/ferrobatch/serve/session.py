@@ -21,8 +21,10 @@ Send = Callable[[dict[str, Any], bool], Awaitable[None]]   # (message, binary) -
 
 class Session:
     def __init__(self, engine: Any, send: Send, *, api_key: str | None = None,
-                 require_hello: bool = False, limits: dict[str, Any] | None = None) -> None:
+                 require_hello: bool = False, limits: dict[str, Any] | None = None,
+                 draining: Callable[[], bool] = lambda: False) -> None:
         self._engine = engine
+        self._draining = draining
         self._send = send
         self._api_key = api_key
         self._authed = api_key is None and not require_hello
@@ -69,6 +71,8 @@ class Session:
     def _generate(self, msg: GenerateMsg, binary: bool) -> None:
         if self._closed:
             raise ProtocolError("connection is closing", code=503)
+        if self._draining():
+            raise ProtocolError("the server is shutting down; retry elsewhere", code=503)
         if msg.id in self._active:
             raise ProtocolError(f"id {msg.id!r} is already in use on this connection")
         if len(self._active) >= MAX_ACTIVE_PER_CONNECTION:

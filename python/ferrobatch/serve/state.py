@@ -21,6 +21,7 @@ class ServerState:
     sessions: set = field(default_factory=set)
     created: int = field(default_factory=lambda: int(time.time()))
     ready_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    draining: bool = False        # shutting down: in-flight work finishes, new work gets 503
 
     @property
     def model_name(self) -> str:

@@ -61,7 +61,7 @@ class TCPServer:
 
         state = self._state
         session = Session(state.engine, send, api_key=state.api_key, require_hello=True,
-                          limits=state.limits)
+                          limits=state.limits, draining=lambda: state.draining)
         state.sessions.add(session)
         try:
             while True:

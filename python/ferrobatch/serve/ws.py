@@ -35,7 +35,8 @@ async def ws_handler(request: web.Request) -> web.StreamResponse:
                 await ws.send_str(dumps_json(msg))
 
     # The HTTP upgrade already passed the API-key middleware, so no hello is needed here.
-    session = Session(state.engine, send, limits=state.limits)
+    session = Session(state.engine, send, limits=state.limits,
+                      draining=lambda: state.draining)
     state.sessions.add(session)
     try:
         async for msg in ws:
