@@ -57,3 +57,24 @@ async def test_non_finite_logits_fail_only_that_request(loaded_smollm2):
         assert len(good_out.outputs[0].token_ids) == 6
         await engine.check_idle_clean()
         assert engine.counters["error"] == 1 and engine.is_running
+
+
+async def test_priority_policy_orders_waiting_requests(loaded_smollm2):
+    options = dict(REAL_ENGINE_OPTIONS, max_num_seqs=1, scheduling_policy="priority")
+    async with AsyncEngine(loaded_model=loaded_smollm2, **options) as engine:
+        finished: list[str] = []
+
+        async def run(name: str, priority: int, max_tokens: int) -> None:
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
+                                    priority=priority)
+            async for _ in engine.generate(f"{name} says", params, request_id=name):
+                pass
+            finished.append(name)
+
+        first = asyncio.create_task(run("first", 0, 6))
+        while engine.stats().get("num_running", 0) < 1:
+            await asyncio.sleep(0.005)
+        later = [asyncio.create_task(run("low", 10, 2)), asyncio.create_task(run("high", -5, 2))]
+        await asyncio.gather(first, *later)
+        assert finished == ["first", "high", "low"]
+        await engine.check_idle_clean()
