@@ -18,7 +18,7 @@ from ferrobatch.serve.openai_protocol import (
     OpenAIRequest, choice, envelope, parse_chat, parse_completion, usage)
 from ferrobatch.serve.protocol import ProtocolError, error_status
 from ferrobatch.serve.sse import SSEWriter
-from ferrobatch.serve.state import STATE
+from ferrobatch.serve.state import MAX_BODY_BYTES, STATE
 
 READY_TIMEOUT_S = 30.0
 
@@ -41,7 +41,7 @@ async def read_json(request: web.Request) -> Any:
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise ProtocolError(f"request body exceeds {request.app._client_max_size} bytes",
+        raise ProtocolError(f"request body exceeds {MAX_BODY_BYTES} bytes",
                             code=413) from None
     return loads_json(raw)
 

@@ -16,11 +16,9 @@ from aiohttp import web
 from ferrobatch.serve.http import add_routes
 from ferrobatch.serve.metrics import ServerMetrics
 from ferrobatch.serve.middleware import auth_middleware, drain_middleware, error_middleware
-from ferrobatch.serve.state import STATE, ServerState
+from ferrobatch.serve.state import MAX_BODY_BYTES, STATE, ServerState
 from ferrobatch.serve.tcp import TCPServer
 from ferrobatch.serve.ws import ws_handler
-
-MAX_BODY_BYTES = 1 << 20
 
 
 def build_app(state: ServerState) -> web.Application:
@@ -56,7 +54,7 @@ class Server:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]   # the real port when port=0
+        self.port = self._runner.addresses[0][1]          # the real port when port=0
         if tcp_port is not None:
             self._tcp = TCPServer(self.state)
             self.tcp_port = await self._tcp.start(host, tcp_port)

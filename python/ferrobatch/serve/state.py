@@ -11,6 +11,8 @@ from aiohttp import web
 
 from ferrobatch.serve.codec import MAX_ARRAY_LEN, MAX_FRAME_BYTES
 
+MAX_BODY_BYTES = 1 << 20          # HTTP request bodies
+
 
 @dataclass
 class ServerState:
