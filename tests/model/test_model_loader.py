@@ -15,6 +15,7 @@ from ferrobatch.model.gguf_loader import llama_permute, reverse_llama_permute
 from ferrobatch.model.loader import load_model
 from ferrobatch.model.random_init import RANDOM_SHAPES
 from ferrobatch.runtime.model_runner import ModelRunner
+
 from step_builder import ToyScheduler
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import NUM_NEW_TOKENS
 from ferrobatch.runtime.model_runner import ModelRunner
 from ferrobatch.runtime.sampler import Sampler
+
+from parity_data import NUM_NEW_TOKENS
 from step_builder import ToyScheduler
 
 BLOCK_SIZE = 16

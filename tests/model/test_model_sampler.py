@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from ferrobatch.runtime.sampler import RequestExtras, Sampler
+
 from step_builder import sampling_arrays
 
 VOCAB = 64
