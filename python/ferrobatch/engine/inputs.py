@@ -25,7 +25,10 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
             raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
         role = m.get("role")
         if role not in ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+            # echo only a short role-like name: never reflect arbitrary client text
+            shown = (repr(role) if isinstance(role, str) and len(role) <= 16
+                     and role.isidentifier() else f"a {type(role).__name__}")
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {shown}")
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""
