@@ -101,6 +101,16 @@ impl SchedulerConfig {
                 return bad(format!("{name} must be >= 1"));
             }
         }
+        // Caps keep every up-front allocation small (no input can exhaust memory here).
+        for (name, v, cap) in [
+            ("num_blocks", self.num_blocks, 1usize << 22),
+            ("max_num_seqs", self.max_num_seqs, 1 << 16),
+            ("intake_capacity", self.intake_capacity, 1 << 20),
+        ] {
+            if v > cap {
+                return bad(format!("{name} must be <= {cap}, got {v}"));
+            }
+        }
         let slots = self.num_blocks.checked_mul(self.block_size);
         if slots.is_none_or(|s| s > i32::MAX as usize) {
             return bad("num_blocks * block_size must fit in int32".to_string());

@@ -291,7 +291,7 @@ def test_never_fits_duplicate_and_protocol_errors():
         s.update(np.full(b.num_samples, VOCAB, np.int32))
     s.update(np.zeros(b.num_samples, np.int64))  # int64 accepted too
     s.check_integrity()
-    for bad in (dict(num_blocks=1), dict(num_blocks=-3), dict(policy="lifo"), dict(block_size=0)):
+    for bad in (dict(num_blocks=1), dict(num_blocks=-3), dict(num_blocks=1 << 30), dict(policy="lifo"), dict(block_size=0)):
         kw = dict(num_blocks=8, vocab_size=VOCAB) | bad
         with pytest.raises(ValueError):
             Scheduler(**kw)
