@@ -233,7 +233,24 @@ def main(argv: list[str] | None = None) -> int:
           f"{info.get('loadavg_1m_at_start')}", flush=True)
 
     sysm = Systems(w, args)
-    rows = []
+    rows: list[dict] = []
+
+    def meta() -> dict:
+        return {
+            "workload": {"name": w.name, "description": w.description, "model": w.model,
+                         "dtype": w.dtype, "device": w.device, "seed": w.seed,
+                         "max_num_seqs": args.max_num_seqs or w.max_num_seqs,
+                         "max_num_batched_tokens": args.max_num_batched_tokens,
+                         "hf_static_batch_size": args.hf_static_batch_size
+                         or w.hf_static_batch_size,
+                         "ideal_decode_steps_longest_first": ideal_decode_steps(
+                             reqs, args.max_num_seqs or w.max_num_seqs, "longest-first"),
+                         **summary},
+            "machine": {**info, "loadavg_1m_at_end": load_1min()},
+            "setup_s": sysm.setup_s,
+            "command": "python " + " ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
+        }
+
     for i, (name, base, n) in enumerate(systems):
         cap = sysm.cap_of(base, n)
         if not args.no_warmup:
@@ -252,8 +269,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['requests_per_s']:.3f} req/s, {row['elapsed_s']:.1f} s", flush=True)
         sysm.release_unneeded(systems[i + 1:])
         if args.json:   # partial results survive an interrupted run
-            write_json(args.json, {"partial": True, "results": rows,
-                                   "command": " ".join(sys.argv)})
+            write_json(args.json, {**meta(), "partial": True, "results": rows})
 
     cols = [("system", "system", ""), ("batch_cap", "cap", "d"),
             ("requests_per_s", "req/s", ".3f"), ("output_tokens_per_s", "out tok/s", ".1f"),
@@ -266,18 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(ratio_table(rows))
 
-    out = {"workload": {"name": w.name, "description": w.description, "model": w.model,
-                        "dtype": w.dtype, "device": w.device, "seed": w.seed,
-                        "max_num_seqs": args.max_num_seqs or w.max_num_seqs,
-                        "max_num_batched_tokens": args.max_num_batched_tokens,
-                        "hf_static_batch_size": args.hf_static_batch_size or w.hf_static_batch_size,
-                        "ideal_decode_steps_longest_first": ideal_decode_steps(
-                            reqs, args.max_num_seqs or w.max_num_seqs, "longest-first"),
-                        **summary},
-           "machine": {**info, "loadavg_1m_at_end": load_1min()},
-           "setup_s": sysm.setup_s,
-           "command": "python " + " ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
-           "results": rows}
+    out = {**meta(), "results": rows}
     plot = args.plot
     if plot is None and args.json:
         plot = str(Path(args.json).with_suffix("")) + "_occupancy.png"
