@@ -404,7 +404,8 @@ class AsyncEngine:
         if self._core is not None and not self._core.all_blocks_free(s):
             raise RuntimeError(f"KV blocks still held at idle: {s}")
         if self._core is not None and self.is_running:
-            self._core.check_integrity()
+            await asyncio.wait_for(asyncio.wrap_future(
+                self._loop_thread.call(self._core.check_integrity)), timeout_s)
         return acc
 
     async def check_ready(self, timeout_s: float = 30.0) -> bool:

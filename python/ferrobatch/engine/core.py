@@ -159,7 +159,7 @@ class EngineCore:
         return stats.get("num_used_blocks", 0) == 0
 
     def check_integrity(self) -> None:
-        """The scheduler's invariant check; call only while the engine is idle."""
+        """The scheduler's invariant check; step thread only (see StepLoop.call)."""
         self.scheduler.check_integrity()
 
     def stats(self) -> dict[str, Any]:

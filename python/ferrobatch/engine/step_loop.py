@@ -10,7 +10,9 @@ engine-fatal: it is handed to the loop once and the thread exits (no zombie engi
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
+from concurrent.futures import Future
 from typing import Any, Callable
 
 IDLE_WAIT_S = 0.5
@@ -26,6 +28,7 @@ class StepLoop:
         self._on_fatal = on_fatal
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ferrobatch-step", daemon=True)
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self.num_steps = 0
 
     def start(self) -> None:
@@ -42,10 +45,29 @@ class StepLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` on the step thread between two steps (the scheduler is not thread-safe)."""
+        fut: Future = Future()
+        self._calls.put((fn, fut))
+        self._core.wake()
+        return fut
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - reported to the caller
+                fut.set_exception(exc)
+
     def _run(self) -> None:
         core, stopping = self._core, self._stopping
         try:
             while not stopping.is_set():
+                self._run_calls()
                 if not core.has_unfinished() and not core.wait_for_work(IDLE_WAIT_S):
                     continue
                 result = core.step()
