@@ -15,7 +15,8 @@ TORCH_LIBRARY(ferrobatch, m) {
       "int num_splits) -> ()");
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
-      "Tensor seq_lens, Tensor query_start_loc, float scale, int max_query_len) -> ()");
+      "Tensor seq_lens, Tensor query_start_loc, float scale, int max_query_len, "
+      "Tensor? seq_ids=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ferrobatch, CUDA, m) {

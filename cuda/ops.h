@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace ferrobatch {
 
@@ -35,9 +36,11 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
 //   out, q:          [T, Hq, D] (out written; any token/head strides, head_dim contiguous)
 //   query_start_loc: [B+1] int32; seq_lens: [B] int32; block_tables: [B, M] int32
 //   max_query_len:   host-side max of the per-sequence query lengths (sizes the grid)
+//   seq_ids:         optional int32 [S]: only these sequences are computed (only their rows of
+//                    out are written), e.g. the prefill sequences of a mixed batch
 void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
                              const at::Tensor& query_start_loc, double scale,
-                             int64_t max_query_len);
+                             int64_t max_query_len, const std::optional<at::Tensor>& seq_ids);
 
 }  // namespace ferrobatch

@@ -24,7 +24,9 @@
 // long prompts; it is right for chunked-prefill sizes and small models, and it is the oracle-checked
 // baseline that a tensor-core version (mma.sync m16n8k16 bf16 or sm_90a wgmma, K/V tiles via
 // cp.async / TMA) should replace. Decode tokens that ride in a mixed batch waste rows (one query
-// token per sequence fills GP of the 64 rows); pure-decode steps use decode_attention.cu instead.
+// token per sequence fills GP of the 64 rows), so the CUDA backend sends the decode rows of a mixed
+// batch to decode_attention.cu and only the prefill sequences here (`seq_ids` selects them: the
+// grid's z index maps through it, and only the selected sequences' rows of `out` are written).
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -47,6 +49,7 @@ struct PrefillParams {
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const int32_t* query_start_loc;
+  const int32_t* seq_ids;  // optional: blockIdx.z -> sequence index (a subset of the batch)
   int64_t q_stride_tok, q_stride_head;
   int64_t o_stride_tok, o_stride_head;
   int64_t kv_stride_kv, kv_stride_block, kv_stride_tok, kv_stride_head;
@@ -78,7 +81,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
 
   const int qtile = blockIdx.x;
   const int kvh = blockIdx.y;
-  const int b = blockIdx.z;
+  const int b = p.seq_ids != nullptr ? p.seq_ids[blockIdx.z] : static_cast<int>(blockIdx.z);
   const int tid = threadIdx.x;
   const int G = p.group;
 
@@ -263,7 +266,7 @@ void prefill_dim(const PrefillParams& p, int D, int B, int Hkv, int64_t mql, cud
 void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
                              const at::Tensor& query_start_loc, double scale,
-                             int64_t max_query_len) {
+                             int64_t max_query_len, const std::optional<at::Tensor>& seq_ids) {
   TORCH_CHECK(q.is_cuda() && out.is_cuda() && kv_cache.is_cuda() && block_tables.is_cuda() &&
                   seq_lens.is_cuda() && query_start_loc.is_cuda(),
               "paged_prefill_attention: all tensors must be on CUDA");
@@ -297,8 +300,16 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Ten
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.size(0) >= B &&
                   seq_lens.is_contiguous(),
               "seq_lens must be contiguous int32 [>=B]");
-  TORCH_CHECK(B <= 65535, "too many sequences for gridDim.z");
-  if (B == 0 || q.size(0) == 0 || max_query_len <= 0) return;
+  int64_t grid_z = B;
+  if (seq_ids.has_value()) {
+    const at::Tensor& ids = *seq_ids;
+    TORCH_CHECK(ids.is_cuda() && ids.scalar_type() == at::kInt && ids.dim() == 1 &&
+                    ids.is_contiguous(),
+                "seq_ids must be a contiguous int32 CUDA tensor");
+    grid_z = ids.size(0);  // values must lie in [0, B): not checked on the host (no sync)
+  }
+  TORCH_CHECK(grid_z <= 65535, "too many sequences for gridDim.z");
+  if (grid_z == 0 || q.size(0) == 0 || max_query_len <= 0) return;
 
   const c10::cuda::CUDAGuard guard(q.device());
   PrefillParams p;
@@ -308,6 +319,7 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Ten
   p.block_tables = block_tables.data_ptr<int32_t>();
   p.seq_lens = seq_lens.data_ptr<int32_t>();
   p.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  p.seq_ids = seq_ids.has_value() ? seq_ids->data_ptr<int32_t>() : nullptr;
   p.q_stride_tok = q.stride(0);
   p.q_stride_head = q.stride(1);
   p.o_stride_tok = out.stride(0);
@@ -322,7 +334,7 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Ten
   p.block_shift = block_shift_of(p.block_size);
   p.scale_log2 = static_cast<float>(scale) * kLog2e;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int iB = static_cast<int>(B), iHkv = static_cast<int>(Hkv), iD = static_cast<int>(D);
+  const int iB = static_cast<int>(grid_z), iHkv = static_cast<int>(Hkv), iD = static_cast<int>(D);
   switch (q.scalar_type()) {
     case at::kBFloat16: prefill_dim<__nv_bfloat16>(p, iD, iB, iHkv, max_query_len, stream); break;
     case at::kHalf: prefill_dim<__half>(p, iD, iB, iHkv, max_query_len, stream); break;

@@ -62,6 +62,11 @@ def compiled(tmp_path_factory):
     return {name: (rc, log) for name, (_cmd, rc, log) in results.items()}
 
 
+# The parallel nvcc run happens inside the first test that uses the fixture; on a loaded 2-core
+# machine it can take several minutes, more than the suite's default per-test timeout.
+pytestmark = pytest.mark.timeout(1500)
+
+
 def test_sources_present():
     names = {p.name for p in CUDA_DIR.iterdir()}
     for required in ("ops.cpp", "ops.h", "common.cuh", "reshape_and_cache.cu",

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 SCHEMAS = {
     "reshape_and_cache": "ferrobatch::reshape_and_cache(Tensor key, Tensor value, "
@@ -22,7 +22,8 @@ SCHEMAS = {
                               "int num_splits) -> ()",
     "paged_prefill_attention": "ferrobatch::paged_prefill_attention(Tensor(a!) out, Tensor q, "
                                "Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-                               "Tensor query_start_loc, float scale, int max_query_len) -> ()",
+                               "Tensor query_start_loc, float scale, int max_query_len, "
+                               "Tensor? seq_ids=None) -> ()",
 }
 
 

@@ -188,6 +188,29 @@ def test_prefill_attention(cuda_ops, dtype, head_dim, num_kv_heads, group, case)
     assert_close(out, ref, dtype, f"prefill case {case}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_seq_ids_subset_writes_only_its_rows(cuda_ops, dtype):
+    """seq_ids (the prefill sequences of a mixed batch) computes those sequences only."""
+    rng = np.random.default_rng(31)
+    lens, qlens = [513, 40, 1, 260, 2048, 77], [1, 40, 1, 3, 100, 1]
+    pb = make_batch(rng, lens, qlens, 16)
+    gen = _gen(31)
+    cache = random_cache(pb, 2, 128, dtype, DEV, gen)
+    q = torch.randn(pb.num_tokens, 8, 128, generator=gen, device=DEV).to(dtype)
+    ref = reference_attention(q, cache, pb, 0.09)
+    pre = np.flatnonzero(pb.query_lens > 1)
+    out = poison(q.shape, dtype, DEV)
+    cuda_ops.paged_prefill_attention(
+        q, cache, torch.from_numpy(pb.block_tables).to(DEV), torch.from_numpy(pb.seq_lens).to(DEV),
+        torch.from_numpy(pb.query_start_loc).to(DEV), 0.09, int(pb.query_lens[pre].max()), out=out,
+        seq_ids=torch.from_numpy(pre.astype(np.int32)).to(DEV))
+    torch.cuda.synchronize()
+    rows = np.concatenate([np.arange(pb.query_start_loc[i], pb.query_start_loc[i + 1]) for i in pre])
+    others = np.setdiff1d(np.arange(pb.num_tokens), rows)
+    assert_close(out[rows], ref[rows], dtype, "prefill seq_ids subset")
+    assert torch.isnan(out[others].float()).all(), "rows outside seq_ids were written"
+
+
 def test_decode_and_prefill_kernels_agree(cuda_ops):
     """The prefill kernel on a decode-only batch must match the decode kernel."""
     rng = np.random.default_rng(11)

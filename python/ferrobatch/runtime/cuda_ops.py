@@ -402,12 +402,17 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
 
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                            max_query_len: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of the flat ``q [T, Hq, D]`` (variable-length chunks) over the paged cache."""
+                            max_query_len: int, *, out: torch.Tensor | None = None,
+                            seq_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of the flat ``q [T, Hq, D]`` (variable-length chunks) over the paged cache.
+
+    ``seq_ids`` (int32, optional) restricts the work to those sequences: only their rows of ``out``
+    are written (``max_query_len`` is then the max over them)."""
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     torch.ops.ferrobatch.paged_prefill_attention(out, q, kv_cache, block_tables, seq_lens,
-                                                 query_start_loc, float(scale), int(max_query_len))
+                                                 query_start_loc, float(scale), int(max_query_len),
+                                                 seq_ids)
     return out
 
 

@@ -2,8 +2,10 @@
 
 * ``write_kv``  -> ``reshape_and_cache`` (slot -1 skips a row, for padded CUDA-graph batches).
 * ``forward``   -> decode-only steps (every sequence has one query token): split-KV paged decode
-  kernel + reduce; any step with a prefill chunk: the paged prefill/mixed kernel (causal over the
-  cached context plus the chunk).
+  kernel + reduce. Steps with prefill chunks: the paged prefill kernel (causal over the cached
+  context plus the chunk) for the prefill sequences, and in a mixed batch the decode kernel for
+  the decode rows (gathered, then scattered back): a decode row would otherwise occupy a whole
+  64-row query tile of the prefill kernel.
 
 The kernels are compiled on first use (see ``ferrobatch.runtime.cuda_ops``); ``cuda_available()``
 says whether that can work here and why not. ``get_attention_backend("auto"|"cuda"|"torch")``
@@ -77,6 +79,13 @@ class CudaMetadata(AttentionMetadata):
     """
 
     num_splits: int | None = None
+    # Mixed batches (prefill chunks + decode rows), precomputed once per step for all layers:
+    decode_token_idx: torch.Tensor | None = None     # int64 [n_dec] flat rows of decode sequences
+    decode_block_tables: torch.Tensor | None = None  # int32 [n_dec, M]
+    decode_seq_lens: torch.Tensor | None = None      # int32 [n_dec]
+    decode_max_seq_len: int = 0
+    prefill_seq_ids: torch.Tensor | None = None      # int32 [n_pre]
+    prefill_max_query_len: int = 0
 
 
 def _device_tensor(array, dtype: np.dtype, device: torch.device) -> torch.Tensor:
@@ -137,6 +146,21 @@ class CudaPagedBackend(AttentionBackend):
             self._workspaces[key] = ws
         return ws
 
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+                splits: int | None) -> torch.Tensor:
+        batch, num_heads, head_dim = q.shape
+        if splits is None:
+            splits = cuda_ops.choose_num_splits(batch, kv_cache.shape[-2], max_seq_len,
+                                                self.sm_count, max_splits=self.max_splits)
+        ws = None
+        if splits > 1:
+            ws = self._workspaces.get((num_heads, head_dim))
+            if ws is None or not ws.fits(batch, num_heads, head_dim) or ws.max_splits < splits:
+                ws = self.reserve_workspace(batch, num_heads, head_dim, max(splits, self.max_splits))
+        return cuda_ops.paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale,
+                                               num_splits=splits, workspace=ws)
+
     # ---- AttentionBackend ---------------------------------------------------------------------
     def build_metadata(self, batch, device) -> CudaMetadata:
         device = torch.device(device)
@@ -144,6 +168,20 @@ class CudaPagedBackend(AttentionBackend):
         seq_lens = np.asarray(batch.seq_lens)
         num_tokens = int(np.asarray(batch.input_ids).shape[0])
         query_lens = np.diff(qsl.astype(np.int64))
+        mixed = {}
+        is_dec = query_lens == 1
+        if is_dec.any() and not is_dec.all():
+            dec = np.flatnonzero(is_dec)
+            pre = np.flatnonzero(~is_dec)
+            tables = np.asarray(batch.block_tables)
+            mixed = {
+                "decode_token_idx": _device_tensor(qsl[dec], np.int64, device),
+                "decode_block_tables": _device_tensor(tables[dec], np.int32, device),
+                "decode_seq_lens": _device_tensor(seq_lens[dec], np.int32, device),
+                "decode_max_seq_len": int(seq_lens[dec].max()),
+                "prefill_seq_ids": _device_tensor(pre, np.int32, device),
+                "prefill_max_query_len": int(query_lens[pre].max()),
+            }
         return CudaMetadata(
             slot_mapping=_device_tensor(batch.slot_mapping, np.int64, device),
             query_start_loc=_device_tensor(qsl, np.int32, device),
@@ -155,6 +193,7 @@ class CudaPagedBackend(AttentionBackend):
             num_seqs=int(seq_lens.shape[0]),
             query_start_loc_cpu=np.asarray(qsl, np.int32),
             seq_lens_cpu=np.asarray(seq_lens, np.int32),
+            **mixed,
         )
 
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -174,17 +213,18 @@ class CudaPagedBackend(AttentionBackend):
         if in_dtype != kv_cache.dtype:
             query = query.to(kv_cache.dtype)
         if meta.max_query_len <= 1 and num_tokens == meta.num_seqs:
-            splits = getattr(meta, "num_splits", None)
-            if splits is None:
-                splits = cuda_ops.choose_num_splits(meta.num_seqs, num_kv_heads, meta.max_seq_len,
-                                                    self.sm_count, max_splits=self.max_splits)
-            ws = None
-            if splits > 1:
-                ws = self._workspaces.get((num_heads, head_dim))
-                if ws is None or not ws.fits(num_tokens, num_heads, head_dim) or ws.max_splits < splits:
-                    ws = self.reserve_workspace(num_tokens, num_heads, head_dim, max(splits, self.max_splits))
-            out = cuda_ops.paged_decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens,
-                                                  scale, num_splits=splits, workspace=ws)
+            out = self._decode(query, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len,
+                               scale, getattr(meta, "num_splits", None))
+        elif getattr(meta, "prefill_seq_ids", None) is not None:
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+            cuda_ops.paged_prefill_attention(query, kv_cache, meta.block_tables, meta.seq_lens,
+                                             meta.query_start_loc, scale,
+                                             meta.prefill_max_query_len, out=out,
+                                             seq_ids=meta.prefill_seq_ids)
+            out_dec = self._decode(query.index_select(0, meta.decode_token_idx), kv_cache,
+                                   meta.decode_block_tables, meta.decode_seq_lens,
+                                   meta.decode_max_seq_len, scale, None)
+            out.index_copy_(0, meta.decode_token_idx, out_dec)
         else:
             out = cuda_ops.paged_prefill_attention(query, kv_cache, meta.block_tables,
                                                    meta.seq_lens, meta.query_start_loc, scale,
