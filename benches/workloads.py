@@ -59,6 +59,8 @@ class Workload:
     length_dist: str = "uniform"   # "uniform" | "chat"
     # Engine knobs shared by `ferrobatch` and `ferrobatch-static` (the static batch size is
     # max_num_seqs, so the ablation changes only the refill policy, not the concurrency cap).
+    # It is below num_requests on purpose: with every request admitted at once there is nothing
+    # to refill and the ablation would measure nothing (use --max-num-seqs for peak numbers).
     max_num_seqs: int = 128
     # hf-static batch size (the best of a sweep on the target machine; see README "Results").
     hf_static_batch_size: int = 8
@@ -88,11 +90,11 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
              hf_static_batch_size=8),
     Workload("gpu-8b", "256 requests, prompts U[128,1024], outputs U[32,512], Llama-3-8B shape",
              model="random:llama3-8b", dtype="bfloat16", device="cuda", num_requests=256,
-             prompt_len=(128, 1024), output_len=(32, 512), max_num_seqs=256,
+             prompt_len=(128, 1024), output_len=(32, 512), max_num_seqs=128,
              hf_static_batch_size=64),
     Workload("gpu-small", "256 requests, prompts U[128,1024], outputs U[32,512], SmolLM2-135M shape",
              model="random:smollm2-135m", dtype="bfloat16", device="cuda", num_requests=256,
-             prompt_len=(128, 1024), output_len=(32, 512), max_num_seqs=256,
+             prompt_len=(128, 1024), output_len=(32, 512), max_num_seqs=128,
              hf_static_batch_size=64),
     Workload("gpu-chat", "1000 requests with the chat-like length mix, Llama-3-8B shape",
              model="random:llama3-8b", dtype="bfloat16", device="cuda", num_requests=1000,
