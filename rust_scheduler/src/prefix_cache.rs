@@ -7,22 +7,38 @@
 //! - every block with a hash is in the map (one block per hash).
 
 use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
 /// Hash of full block `index` of `tokens`, chained on `parent` (the previous block's hash).
 pub fn block_hash(parent: Option<u128>, salt: u64, block: &[i32]) -> u128 {
-    let mut buf = Vec::with_capacity(24 + block.len() * 4);
-    match parent {
-        Some(p) => buf.extend_from_slice(&p.to_le_bytes()),
-        None => {
-            buf.extend_from_slice(&[0xA5; 16]);
-            buf.extend_from_slice(&salt.to_le_bytes());
+    // Hashed bytes: parent (16) or marker + salt (24), then the tokens (little endian). Blocks
+    // of up to 64 tokens are laid out on the stack (no allocation on the step path).
+    const STACK_TOKENS: usize = 64;
+    let mut stack = [0u8; 24 + 4 * STACK_TOKENS];
+    let mut heap = Vec::new();
+    let buf: &mut [u8] = if block.len() <= STACK_TOKENS {
+        &mut stack[..24 + 4 * block.len()]
+    } else {
+        heap.resize(24 + 4 * block.len(), 0);
+        &mut heap
+    };
+    let head = match parent {
+        Some(p) => {
+            buf[..16].copy_from_slice(&p.to_le_bytes());
+            16
         }
+        None => {
+            buf[..16].fill(0xA5);
+            buf[16..24].copy_from_slice(&salt.to_le_bytes());
+            24
+        }
+    };
+    let len = head + 4 * block.len();
+    for (dst, t) in buf[head..len].chunks_exact_mut(4).zip(block) {
+        dst.copy_from_slice(&t.to_le_bytes());
     }
-    for t in block {
-        buf.extend_from_slice(&t.to_le_bytes());
-    }
-    xxh3_128(&buf)
+    xxh3_128(&buf[..len])
 }
 
 /// 64-bit digest of a cache salt (`0` = no salt).
@@ -54,10 +70,70 @@ pub fn extend_hashes(
     }
 }
 
+/// Hasher for the map's keys, which are already xxh3 digests: one folded multiply of the key
+/// with per-process random seeds (so crafted prompts cannot aim at buckets) instead of SipHash.
+#[derive(Debug, Clone)]
+pub struct DigestHasherBuilder {
+    k0: u64,
+    k1: u64,
+}
+
+impl Default for DigestHasherBuilder {
+    fn default() -> Self {
+        let r = std::collections::hash_map::RandomState::new();
+        DigestHasherBuilder {
+            k0: r.hash_one(0x5EED_u64) | 1,
+            k1: r.hash_one(0xC0DE_u64),
+        }
+    }
+}
+
+impl BuildHasher for DigestHasherBuilder {
+    type Hasher = DigestHasher;
+    #[inline]
+    fn build_hasher(&self) -> DigestHasher {
+        DigestHasher {
+            k0: self.k0,
+            k1: self.k1,
+            h: 0,
+        }
+    }
+}
+
+/// See [`DigestHasherBuilder`].
+#[derive(Debug)]
+pub struct DigestHasher {
+    k0: u64,
+    k1: u64,
+    h: u64,
+}
+
+impl Hasher for DigestHasher {
+    #[inline]
+    fn write_u128(&mut self, v: u128) {
+        let m = ((v as u64) ^ self.k0) as u128 * (((v >> 64) as u64) ^ self.k1) as u128;
+        self.h ^= (m as u64) ^ ((m >> 64) as u64);
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Not used by `u128` keys; kept correct for any other input.
+        for c in bytes.chunks(16) {
+            let mut b = [0u8; 16];
+            b[..c.len()].copy_from_slice(c);
+            self.write_u128(u128::from_le_bytes(b) ^ self.h as u128);
+        }
+    }
+
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.h
+    }
+}
+
 /// Map from block hash to the block holding it, with lookup statistics.
 #[derive(Debug, Default)]
 pub struct PrefixCache {
-    map: HashMap<u128, u32>,
+    map: HashMap<u128, u32, DigestHasherBuilder>,
     /// Prompt tokens looked up (vLLM's `prefix_cache_queries`).
     pub queries_total: u64,
     /// Of those, tokens found cached (vLLM's `prefix_cache_hits`).
@@ -127,6 +203,36 @@ mod tests {
         assert_eq!(h[0], a);
         extend_hashes(&mut h, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], 4, 0, 2);
         assert_eq!(h.len(), 2);
+    }
+
+    /// The allocation-free `block_hash` hashes exactly the bytes of the original layout.
+    #[test]
+    fn block_hash_matches_reference_layout() {
+        fn reference(parent: Option<u128>, salt: u64, block: &[i32]) -> u128 {
+            let mut buf = Vec::new();
+            match parent {
+                Some(p) => buf.extend_from_slice(&p.to_le_bytes()),
+                None => {
+                    buf.extend_from_slice(&[0xA5; 16]);
+                    buf.extend_from_slice(&salt.to_le_bytes());
+                }
+            }
+            for t in block {
+                buf.extend_from_slice(&t.to_le_bytes());
+            }
+            xxh3_128(&buf)
+        }
+        for len in [1usize, 4, 16, 63, 64, 65, 200] {
+            let block: Vec<i32> = (0..len as i32).map(|k| k * 7919 - 3).collect();
+            for parent in [None, Some(0x1234_5678_9abc_def0_u128 << 40)] {
+                for salt in [0, salt_digest(Some("s"))] {
+                    assert_eq!(
+                        block_hash(parent, salt, &block),
+                        reference(parent, salt, &block)
+                    );
+                }
+            }
+        }
     }
 
     #[test]

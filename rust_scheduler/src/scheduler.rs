@@ -87,6 +87,7 @@ pub struct Scheduler {
     pub(crate) awaiting_update: bool,
     pub(crate) retired: Vec<u64>,
     pub(crate) hits_scratch: Vec<u32>,
+    pub(crate) cmds_scratch: Vec<Command>,
     pub(crate) max_blocks: usize,
     pub(crate) num_preemptions_total: u64,
     pub(crate) num_prompt_tokens_total: u64,
@@ -115,6 +116,7 @@ impl Scheduler {
             awaiting_update: false,
             retired: Vec::new(),
             hits_scratch: Vec::new(),
+            cmds_scratch: Vec::new(),
             max_blocks: 0,
             num_preemptions_total: 0,
             num_prompt_tokens_total: 0,
@@ -199,9 +201,9 @@ impl Scheduler {
     // ---------------------------------------------------------------- intake
 
     fn drain_intake(&mut self) {
-        let mut cmds = Vec::new();
+        let mut cmds = std::mem::take(&mut self.cmds_scratch);
         self.intake.drain(|c| cmds.push(c));
-        for c in cmds {
+        for c in cmds.drain(..) {
             match c {
                 Command::Submit(r) => self.add_request(*r),
                 Command::Abort {
@@ -211,7 +213,11 @@ impl Scheduler {
                 } => self.abort(request_id, seq_index, reason),
             }
         }
-        self.running.retain(|&h| self.seqs[h as usize].is_some());
+        self.cmds_scratch = cmds;
+        // Only a release (pushing to `dead_handles`) can leave a dead handle in `running`.
+        if !self.dead_handles.is_empty() {
+            self.running.retain(|&h| self.seqs[h as usize].is_some());
+        }
     }
 
     fn add_request(&mut self, r: NewRequest) {
@@ -417,7 +423,9 @@ impl Scheduler {
                 .sort_unstable_by_key(|&h| seqs[h as usize].as_ref().map(|s| s.key(h)));
         }
 
-        // Running sequences first.
+        // Running sequences first. `slots` counts each scheduled one with the children it will
+        // fork; it is used only when every running sequence got scheduled (see below).
+        let mut slots: usize = 0;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let h = self.running[i];
@@ -445,7 +453,9 @@ impl Scheduler {
                 }
             }
             if ok {
-                self.max_blocks = self.max_blocks.max(self.seq(h).blocks.len());
+                let s = self.seqs[h as usize].as_ref().expect("live handle");
+                self.max_blocks = self.max_blocks.max(s.blocks.len());
+                slots += 1 + s.unforked.len();
                 self.scheduled.push(Scheduled { handle: h, num_new });
                 budget -= num_new;
                 i += 1;
@@ -453,15 +463,18 @@ impl Scheduler {
         }
 
         // Then waiting ones, in key order (none after a preemption this step). Slots count the
-        // children that running carriers will fork.
-        let mut slots: usize = if preempted {
-            0
-        } else {
-            self.running
-                .iter()
-                .map(|&h| 1 + self.seq(h).unforked.len())
-                .sum()
-        };
+        // children that running carriers will fork. Without a preemption, budget left over means
+        // the loop above scheduled every running sequence, so `slots` covers all of them.
+        debug_assert!(
+            preempted
+                || budget == 0
+                || slots
+                    == self
+                        .running
+                        .iter()
+                        .map(|&h| 1 + self.seq(h).unforked.len())
+                        .sum::<usize>()
+        );
         while !preempted && budget > 0 {
             let Some(&key) = self.waiting.first() else {
                 break;

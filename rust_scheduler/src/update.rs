@@ -77,7 +77,9 @@ impl Scheduler {
         }
         self.scheduled = scheduled;
         debug_assert_eq!(row, want);
-        self.running.retain(|&h| self.seqs[h as usize].is_some());
+        if !self.dead_handles.is_empty() {
+            self.running.retain(|&h| self.seqs[h as usize].is_some());
+        }
         self.end_of_phase();
         Ok(&self.output)
     }
