@@ -179,10 +179,14 @@ def plot_occupancy(rows: list[dict], w: Workload, path: str) -> str | None:
     if not series:
         return None
     fig, ax = plt.subplots(figsize=(10, 4.2))
-    for r in series:
+    styles = [("-", 2.0), ("--", 1.6), (":", 2.2)]
+    for k, r in enumerate(series):
         occ = r["occupancy_per_step"]
-        label = f"{r['system']} ({r['output_tokens_per_s']:.0f} tok/s, {len(occ)} steps)"
-        ax.step(range(len(occ)), occ, where="post", label=label, linewidth=1.0)
+        label = f"{r['system']} ({r['output_tokens_per_s']:.1f} tok/s, {len(occ)} steps)"
+        if r["system"].startswith("hf-static"):
+            label += "; computes all rows, rest is padding"
+        ls, lw = styles[k % len(styles)]
+        ax.step(range(len(occ)), occ, where="post", label=label, linewidth=lw, linestyle=ls)
     cap = max(r["batch_cap"] for r in series)
     ax.axhline(cap, color="grey", linestyle=":", linewidth=0.8)
     ax.set_xlabel("step (steps that sampled at least one token)")
@@ -213,7 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the plot of a result JSON")
     args = ap.parse_args(argv)
+    if args.replot:
+        import json
+        d = json.loads(Path(args.replot).read_text())
+        w = WORKLOADS[d["workload"]["name"]]
+        print(plot_occupancy(d["results"], w, args.plot
+                             or str(Path(args.replot).with_suffix("")) + "_occupancy.png"))
+        return 0
 
     if args.threads:
         import torch
