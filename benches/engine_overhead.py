@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, format_table, load_1min, machine_info, write_json  # noqa: E402
+from common import REPO, format_table, load_1min, machine_info, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -64,7 +64,7 @@ class StubRunner:
 
     def execute(self, batch):
         self.calls += 1
-        s = int(len(batch.logits_indices))
+        s = len(batch.logits_indices)
         if s > self._logits.shape[0]:
             self._logits = self._make(s)
         return self._logits[:s]
@@ -84,8 +84,8 @@ def num_blocks_for(n: int, max_len: int, block_size: int = 16) -> int:
 
 def ferrobatch_time(model_dir: str, n: int, out_len: int, stub: bool) -> tuple[float, dict]:
     """Wall time of LLM.generate for n requests of out_len tokens (engine already warm)."""
-    from ferrobatch import LLM, SamplingParams
     import ferrobatch.runtime.model_runner as mr
+    from ferrobatch import LLM, SamplingParams
 
     real = mr.ModelRunner
     if stub:
@@ -120,8 +120,8 @@ def ferrobatch_time(model_dir: str, n: int, out_len: int, stub: bool) -> tuple[f
 def core_breakdown(model_dir: str, n: int, steps: int = 30) -> dict:
     """A standalone EngineCore (real scheduler + sampler, stub runner, no step thread, no
     asyncio): N requests admitted, then `steps` full decode steps timed piece by piece."""
-    import numpy as np
     import ferrobatch.runtime.model_runner as mr
+    import numpy as np
     from ferrobatch import EngineConfig, SamplingParams
     from ferrobatch.engine.core import EngineCore
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from bench_models import ferrobatch_loaded_model, model_ref
 from workloads import Request, Workload
+
 
 class StepRecorder:
     """EngineObserver that records, per step that sampled tokens: time, tokens, running seqs."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from common import smollm2_gguf_path
 from workloads import ARCHS, Request, Workload

@@ -25,18 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from aiohttp import web  # noqa: E402
+from aiohttp import web
 
 
 def build(args):
     import dataclasses
 
     import torch
+    from hf_baselines import build_hf_model, hf_cb_config
     from transformers import GenerationConfig
-
-    from hf_baselines import build_hf_model
     from workloads import WORKLOADS, Request
-    from hf_baselines import hf_cb_config
 
     if args.threads:
         torch.set_num_threads(args.threads)

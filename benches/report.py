@@ -33,16 +33,16 @@ def throughput_md(d: dict) -> str:
     w = d["workload"]
     m = d["machine"]
     rows = d["results"]
-    lines = [f"**{w['name']}** — {w['num_requests']} requests, {w['prompt_tokens']} prompt / "
+    lines = [(f"**{w['name']}** — {w['num_requests']} requests, {w['prompt_tokens']} prompt / "
              f"{w['output_tokens']} output tokens (digest `{w['digest']}`), model `{w['model']}` "
              f"{w['dtype']}; cap (max_num_seqs) {w['max_num_seqs']}, step budget "
              f"{w['max_num_batched_tokens']} tokens. {m['date_utc']}, {m.get('cpu_model')} "
              f"x{m.get('cpu_count')}, torch {m.get('torch')} ({m.get('torch_threads')} threads), "
              f"transformers {m.get('transformers')}, git `{m.get('git_rev')}`; load(1m) "
              f"{_f(m.get('loadavg_1m_at_start'), '.2f')} at start, "
-             f"{_f(m.get('loadavg_1m_at_end'), '.2f')} at end.", "",
-             "| system | batch / cap | out tok/s | req/s | total tok/s | time (s) | steps | "
-             "ideal decode steps | mean occupancy | wasted tokens | load(1m) before |",
+             f"{_f(m.get('loadavg_1m_at_end'), '.2f')} at end."), "",
+             ("| system | batch / cap | out tok/s | req/s | total tok/s | time (s) | steps | "
+             "ideal decode steps | mean occupancy | wasted tokens | load(1m) before |"),
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['system']} | {r['batch_cap']} | {r['output_tokens_per_s']:.1f} | "
@@ -63,13 +63,13 @@ def throughput_md(d: dict) -> str:
 def serving_md(d: dict) -> str:
     m = d["machine"]
     w = d["workload"]
-    lines = [f"**serving** — workload `{w['name']}` ({w['num_prompts']} requests per rate, "
+    lines = [(f"**serving** — workload `{w['name']}` ({w['num_prompts']} requests per rate, "
              f"{w['output_tokens']} output tokens), server cap max_num_seqs {d['max_num_seqs']}. "
              f"{m['date_utc']}, load(1m) {_f(m.get('loadavg_1m_at_start'), '.2f')} at start, "
-             f"{_f(m.get('loadavg_1m_at_end'), '.2f')} at end.", "",
-             "| server | rate (req/s) | ok / failed | req/s | out tok/s | TTFT mean / p50 / p99 "
+             f"{_f(m.get('loadavg_1m_at_end'), '.2f')} at end."), "",
+             ("| server | rate (req/s) | ok / failed | req/s | out tok/s | TTFT mean / p50 / p99 "
              "(ms) | TPOT mean / p50 / p99 (ms) | ITL p50 / p99 (ms) | E2EL p50 / p99 (ms) | "
-             "load(1m) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "load(1m) |"), "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in d["results"]:
         t, p, i, e = r["ttft_ms"], r["tpot_ms"], r["itl_ms"], r["e2el_ms"]
         lines.append(
@@ -85,12 +85,12 @@ def serving_md(d: dict) -> str:
 
 def overhead_md(d: dict) -> str:
     m = d["machine"]
-    lines = [f"**engine overhead** — {d['method']}; L1={d['l1']}, L2={d['l2']}, prompts of "
+    lines = [(f"**engine overhead** — {d['method']}; L1={d['l1']}, L2={d['l2']}, prompts of "
              f"{d['prompt_len']} tokens. {m['date_utc']}, torch threads {m.get('torch_threads')}, "
              f"load(1m) {_f(m.get('loadavg_1m_at_start'), '.2f')} at start, "
-             f"{_f(m.get('loadavg_1m_at_end'), '.2f')} at end.", "",
-             "| system | running | µs / step | steps/s | µs / step / seq | core: schedule / "
-             "sampler / update (µs) | load(1m) |", "|---|---:|---:|---:|---:|---:|---:|"]
+             f"{_f(m.get('loadavg_1m_at_end'), '.2f')} at end."), "",
+             ("| system | running | µs / step | steps/s | µs / step / seq | core: schedule / "
+             "sampler / update (µs) | load(1m) |"), "|---|---:|---:|---:|---:|---:|---:|"]
     for r in d["results"]:
         core = "-"
         if r.get("core_schedule_us") is not None:

@@ -34,10 +34,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-
-from common import REPO, load_1min, machine_info, write_json  # noqa: E402
-from workloads import WORKLOADS, Request, build_requests, summarize  # noqa: E402
+import numpy as np
+from common import REPO, load_1min, machine_info, write_json
+from workloads import WORKLOADS, Request, build_requests, summarize
 
 PY = sys.executable
 
@@ -269,6 +268,16 @@ def server_command(kind: str, port: int, args, tcp_port: int | None = None) -> l
     raise SystemExit(f"unknown server {kind!r} (ferrobatch | hf)")
 
 
+def launch(cmd: list[str], env: dict, log_path: Path | None) -> subprocess.Popen:
+    """Start a server in its own session (so the whole process group can be stopped)."""
+    if log_path is None:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    with open(log_path, "w") as log:   # the child keeps its own copy of the descriptor
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
 async def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float) -> None:
     import aiohttp
     t0 = time.perf_counter()
@@ -289,10 +298,9 @@ async def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float) -> Non
 async def model_name(base: str, fallback: str) -> str:
     import aiohttp
     try:
-        async with aiohttp.ClientSession() as s:
-            async with s.get(base + "/v1/models") as r:
-                data = await r.json()
-                return data["data"][0]["id"]
+        async with aiohttp.ClientSession() as s, s.get(base + "/v1/models") as r:
+            data = await r.json()
+            return data["data"][0]["id"]
     except Exception:  # noqa: BLE001
         return fallback
 
@@ -389,10 +397,8 @@ async def amain(args) -> int:
         if args.threads:
             env["OMP_NUM_THREADS"] = str(args.threads)
         print(f"launching {kind}: {' '.join(cmd)}", flush=True)
-        log = open(Path(args.log_dir) / f"server_{kind}.log", "w") if args.log_dir else \
-            subprocess.DEVNULL
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        log_path = Path(args.log_dir) / f"server_{kind}.log" if args.log_dir else None
+        proc = launch(cmd, env, log_path)
         try:
             base = f"http://127.0.0.1:{port}"
             await wait_ready(base, proc, args.startup_timeout)

@@ -27,10 +27,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (REPO, format_table, load_1min, machine_info, ratio_table,  # noqa: E402
-                    write_json)
-from workloads import (WORKLOADS, Request, Workload, build_requests,  # noqa: E402
-                       ideal_decode_steps, summarize)
+from common import REPO, format_table, load_1min, machine_info, ratio_table, write_json
+from workloads import (
+    WORKLOADS,
+    Request,
+    Workload,
+    build_requests,
+    ideal_decode_steps,
+    summarize,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

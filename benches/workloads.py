@@ -20,19 +20,19 @@ import numpy as np
 # They mirror what ferrobatch accepts as `random:<name>`; the Hugging Face baselines build the same
 # shape with `LlamaConfig` (see hf_baselines.build_hf_model).
 ARCHS: dict[str, dict] = {
-    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                      head_dim=128, rope_theta=500000.0, max_position_embeddings=8192,
-                      tie_word_embeddings=False, rms_norm_eps=1e-5),
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                         head_dim=64, rope_theta=100000.0, max_position_embeddings=8192,
-                         tie_word_embeddings=True, rms_norm_eps=1e-5),
+    "llama3-8b": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+                  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                  "head_dim": 128, "rope_theta": 500000.0, "max_position_embeddings": 8192,
+                  "tie_word_embeddings": False, "rms_norm_eps": 1e-5},
+    "smollm2-135m": {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+                     "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                     "head_dim": 64, "rope_theta": 100000.0, "max_position_embeddings": 8192,
+                     "tie_word_embeddings": True, "rms_norm_eps": 1e-5},
     # Two layers, 64 wide: the smoke test's model (seconds on one core).
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128,
-                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=16, rope_theta=10000.0, max_position_embeddings=2048,
-                 tie_word_embeddings=False, rms_norm_eps=1e-5),
+    "tiny": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+             "tie_word_embeddings": False, "rms_norm_eps": 1e-5},
 }
 
 # Vocabulary of the embedded GGUF (SmolLM2-135M-Instruct).
