@@ -23,9 +23,14 @@ $(VENV)/.deps: pyproject.toml
 
 deps: $(VENV)/.deps
 
-# Build the Rust extension (abi3) into the source tree and install the package in editable mode.
-build: deps
+# Build the Rust extension (abi3) into the source tree and install the package in editable mode;
+# rebuilt only when the crate changes.
+EXT := python/ferrobatch/_scheduler.abi3.so
+$(EXT): $(VENV)/.deps Cargo.toml Cargo.lock rust_scheduler/Cargo.toml $(wildcard rust_scheduler/src/*.rs)
 	$(VENV)/bin/maturin develop --release -q
+	touch $@
+
+build: $(EXT)
 
 install: build
 
