@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
 # The CPU measurements of README "Results", exactly as run on 2026-11-30 (one command each, in
-# this order). Run from the repository root, ideally on an otherwise idle machine; every table
-# records the 1-minute load average before each system. `--threads 1`: see README "Results".
+# this order). Run from the repository root on an otherwise idle machine; every table records
+# the 1-minute load average before each system.
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 OUT=benches/results/cpu
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-# 1. Offline throughput: all systems in one run; hf-static at two batch sizes (the sweep).
+# 1. Online serving over HTTP, Poisson arrivals: ferrobatch serve vs transformers' CB server.
+$PY benches/serving.py --servers ferrobatch,hf --workload cpu-serve --num-prompts 12 \
+  --request-rates 0.1,0.2,0.4 --json $OUT/serving_cpu-serve.json
+
+# 2. Engine overhead (stub model) and the one-layer comparison with transformers' CB.
+$PY benches/engine_overhead.py --running 64,256,1024 --l1 16 --l2 48 \
+  --json $OUT/engine_overhead.json
+
+# 3. Offline throughput: all systems in one run; hf-static at two batch sizes (the sweep).
 $PY benches/throughput.py --workload cpu-small \
   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \
-  --threads 1 --json $OUT/throughput_cpu-small.json
+  --json $OUT/throughput_cpu-small.json
 
-# 2. Online serving over HTTP, Poisson arrivals: ferrobatch serve vs transformers' CB server.
-$PY benches/serving.py --servers ferrobatch,hf --workload cpu-serve --num-prompts 12 \
-  --request-rates 0.1,0.2,0.4 --threads 1 --json $OUT/serving_cpu-serve.json
-
-# 3. Engine overhead (stub model) and the one-layer comparison with transformers' CB.
-$PY benches/engine_overhead.py --running 64,256,1024 --l1 16 --l2 48 --threads 1 \
-  --json $OUT/engine_overhead.json
+# Earlier, on the loaded machine (load 6-11, one torch thread per process):
+# $PY benches/throughput.py --workload cpu-small \
+#   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \
+#   --threads 1 --json $OUT/throughput_cpu-small_loaded.json
