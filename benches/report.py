@@ -89,16 +89,13 @@ def overhead_md(d: dict) -> str:
              f"{d['prompt_len']} tokens. {m['date_utc']}, torch threads {m.get('torch_threads')}, "
              f"load(1m) {_f(m.get('loadavg_1m_at_start'), '.2f')} at start, "
              f"{_f(m.get('loadavg_1m_at_end'), '.2f')} at end."), "",
-             ("| system | running | µs / step | steps/s | µs / step / seq | core: schedule / "
-             "sampler / update (µs) | load(1m) |"), "|---|---:|---:|---:|---:|---:|---:|"]
+             ("| system | running | µs / step | steps/s | µs / step / seq | decode tok/s | "
+              "load(1m) |"), "|---|---:|---:|---:|---:|---:|---:|"]
     for r in d["results"]:
-        core = "-"
-        if r.get("core_schedule_us") is not None:
-            core = (f"{r['core_schedule_us']:.0f} / {r['core_sampler_us']:.0f} / "
-                    f"{r['core_update_us']:.0f}")
         lines.append(f"| {r['system']} | {r['running']} | {r['us_per_step']:.0f} | "
                      f"{_f(r.get('steps_per_s'), '.1f')} | {r['us_per_step_per_seq']:.2f} | "
-                     f"{core} | {_f(r.get('loadavg_1m_before'), '.2f')} |")
+                     f"{_f(r.get('decode_tokens_per_s'), '.0f')} | "
+                     f"{_f(r.get('loadavg_1m_before'), '.2f')} |")
     return "\n".join(lines)
 
 
