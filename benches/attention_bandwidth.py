@@ -159,6 +159,7 @@ def time_torch_reference(torch, backend_mod, q, cache, table, batch, ctx, bs, sc
     from types import SimpleNamespace
 
     import numpy as np
+
     from ferrobatch.runtime.attention.torch_ref import TorchReferenceBackend
 
     tab = table.cpu().numpy()

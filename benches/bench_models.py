@@ -54,9 +54,10 @@ def word_level_tokenizer(vocab_size: int, bos_token_id: int | None, eos_token_id
     decodes to "w{i}"), wrapped in ferrobatch's Tokenizer. Detokenizing it is cheaper than BPE,
     so this slightly favours the engine; it exists only because the engine refuses to serve a
     model without a tokenizer and `random:<shape>` models (other than smollm2-135m) have none."""
-    from ferrobatch.model.tokenizer import Tokenizer
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models, pre_tokenizers
+
+    from ferrobatch.model.tokenizer import Tokenizer
 
     vocab = {f"w{i}": i for i in range(vocab_size)}
     backend = HFTokenizer(models.WordLevel(vocab, unk_token="w0"))
@@ -70,6 +71,7 @@ def ferrobatch_loaded_model(w: Workload):
     if not w.model.startswith("random:") or w.model == "random:tiny":
         return None
     import torch
+
     from ferrobatch.model.loader import load_model
 
     device = w.device if w.device != "cuda" or torch.cuda.is_available() else "cpu"

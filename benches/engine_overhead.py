@@ -120,8 +120,9 @@ def ferrobatch_time(model_dir: str, n: int, out_len: int, stub: bool) -> tuple[f
 def core_breakdown(model_dir: str, n: int, steps: int = 30) -> dict:
     """A standalone EngineCore (real scheduler + sampler, stub runner, no step thread, no
     asyncio): N requests admitted, then `steps` full decode steps timed piece by piece."""
-    import ferrobatch.runtime.model_runner as mr
     import numpy as np
+
+    import ferrobatch.runtime.model_runner as mr
     from ferrobatch import EngineConfig, SamplingParams
     from ferrobatch.engine.core import EngineCore
 

@@ -32,8 +32,9 @@ def build(args):
     import dataclasses
 
     import torch
-    from hf_baselines import build_hf_model, hf_cb_config
     from transformers import GenerationConfig
+
+    from hf_baselines import build_hf_model, hf_cb_config
     from workloads import WORKLOADS, Request
 
     if args.threads:

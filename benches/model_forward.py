@@ -19,9 +19,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "model"))
 
+from step_builder import ToyScheduler
+
 from ferrobatch.model.loader import load_model
 from ferrobatch.runtime.model_runner import ModelRunner
-from step_builder import ToyScheduler
 
 SHAPES = [("decode", 1, 128), ("decode", 8, 128), ("decode", 32, 128),
           ("prefill", 1, 256), ("prefill", 4, 128)]

@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
+
 from common import REPO, load_1min, machine_info, write_json
 from workloads import WORKLOADS, Request, build_requests, summarize
 

@@ -28,6 +28,7 @@ def smollm2_gguf_path() -> str:
 def loaded_smollm2(smollm2_gguf_path):
     """The embedded model loaded once on CPU in float32 (a LoadedModel; do not mutate weights)."""
     import torch
+
     from ferrobatch.model.loader import load_model
 
     return load_model(smollm2_gguf_path, device="cpu", dtype=torch.float32)

@@ -18,7 +18,8 @@ import asyncio
 import itertools
 import json
 import struct
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import msgpack
 

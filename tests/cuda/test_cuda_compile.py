@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CUDA_DIR = ROOT / "cuda"
 
 sys.path.insert(0, str(ROOT / "python"))
-from ferrobatch.runtime import cuda_ops
+from ferrobatch.runtime import cuda_ops  # noqa: E402  (after the path insert)
 
 
 def _toolkit():

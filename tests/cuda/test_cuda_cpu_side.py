@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+
 from ferrobatch.runtime import cuda_ops
 from ferrobatch.runtime.cuda_graphs import (
     DEFAULT_BUCKETS,

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
 from engine_support import REAL_ENGINE_OPTIONS
 from fake_core import FakeCore
+
 from ferrobatch.config import EngineConfig
 from ferrobatch.engine.async_engine import AsyncEngine
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from engine_support import REAL_ENGINE_OPTIONS
+
 from ferrobatch.engine.async_engine import AsyncEngine
 from ferrobatch.sampling_params import SamplingParams
 

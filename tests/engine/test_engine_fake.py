@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from fake_core import EOS
+
 from ferrobatch.engine.errors import EngineDeadError, QueueFullError
 from ferrobatch.sampling_params import SamplingParams
 

@@ -7,7 +7,6 @@ import pytest
 from ferrobatch.outputs import RequestOutput
 from ferrobatch.sampling_params import SamplingParams
 
-
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 

@@ -112,8 +112,9 @@ def test_greedy_parity_cuda_backend_vs_transformers(smollm2_cuda, hf_greedy):
 def test_cuda_backend_matches_torch_backend_logits(smollm2_cuda):
     """Same step through both backends: logits agree to fp32 attention accuracy."""
     sys.path.insert(0, _MODEL_TESTS)
-    from ferrobatch.runtime.model_runner import ModelRunner
     from step_builder import ToyScheduler
+
+    from ferrobatch.runtime.model_runner import ModelRunner
 
     _, loaded = smollm2_cuda
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]

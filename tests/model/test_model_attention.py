@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from step_builder import ToyScheduler
+
 from ferrobatch.model.config import ModelConfig
 from ferrobatch.runtime.attention import TorchReferenceBackend, get_attention_backend
 from ferrobatch.runtime.kv_cache import KVCache, kv_block_bytes, num_blocks_for_budget
-
-from step_builder import ToyScheduler
 
 NUM_KV_HEADS, NUM_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 6, 16, 4, 64
 

@@ -9,14 +9,14 @@ import os
 import numpy as np
 import pytest
 import torch
+from step_builder import ToyScheduler
+
 from ferrobatch.model.dequant import dequantize_tensor
 from ferrobatch.model.gguf_file import GGUFFile
 from ferrobatch.model.gguf_loader import llama_permute, reverse_llama_permute
 from ferrobatch.model.loader import load_model
 from ferrobatch.model.random_init import RANDOM_SHAPES
 from ferrobatch.runtime.model_runner import ModelRunner
-
-from step_builder import ToyScheduler
 
 
 def test_gguf_file_parser_agrees_with_gguf_reader(smollm2_gguf_path):

@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from ferrobatch.runtime.model_runner import ModelRunner
-from ferrobatch.runtime.sampler import Sampler
-
 from parity_data import NUM_NEW_TOKENS
 from step_builder import ToyScheduler
+
+from ferrobatch.runtime.model_runner import ModelRunner
+from ferrobatch.runtime.sampler import Sampler
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 512

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from ferrobatch.runtime.sampler import RequestExtras, Sampler
-
 from step_builder import sampling_arrays
+
+from ferrobatch.runtime.sampler import RequestExtras, Sampler
 
 VOCAB = 64
 EOS = [3, 7]

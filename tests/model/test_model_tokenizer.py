@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+
 from ferrobatch.model.chat_template import render_chat_template
 from ferrobatch.model.detokenizer import IncrementalDetokenizer
 

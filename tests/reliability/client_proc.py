@@ -9,7 +9,6 @@ import asyncio
 import sys
 
 import aiohttp
-
 from harness import Outcome, http_stream, tcp_stream
 
 

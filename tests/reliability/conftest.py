@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from harness import FinishCounter, assert_engine_clean, serve, truncated_model, wait_engine_idle
+
 from ferrobatch.engine.async_engine import AsyncEngine
 
 

@@ -4,7 +4,8 @@ real seams, no test-only branches in product code."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch

@@ -10,6 +10,7 @@ import os
 import sys
 
 from faults import RunnerProxy
+
 from ferrobatch.cli import main
 from ferrobatch.engine import core as core_mod
 
@@ -19,9 +20,9 @@ _build = core_mod.EngineCore.build.__func__
 def _faulty_build(cls, config, loaded=None):
     if loaded is None and os.environ.get("FB_TINY"):
         import torch
+        from harness import truncated_model
 
         from ferrobatch.model.loader import load_model
-        from harness import truncated_model
         loaded = truncated_model(load_model(config.model, device="cpu", dtype=torch.float32))
     core = _build(cls, config, loaded)
     at = os.environ.get("FB_FAULT_AT_EXECUTE")

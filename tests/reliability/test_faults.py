@@ -19,10 +19,8 @@ import sys
 
 import aiohttp
 import pytest
-
 from faults import PanicLike, RunnerProxy, SamplerProxy, detok_fault
-from harness import (HERE, LOOPBACK, PROMPTS, ROOT, Outcome, RawTCP, http_stream, tcp_stream,
-                     ws_stream)
+from harness import HERE, LOOPBACK, PROMPTS, ROOT, Outcome, RawTCP, http_stream, tcp_stream, ws_stream
 
 ENGINE = dict(num_blocks=512, max_num_seqs=32, max_num_batched_tokens=512, max_model_len=1024)
 N = 10

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import struct
 import threading
 
 import aiohttp
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
 from fake_core import FakeCore
 from harness import RawTCP, serve
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 EXAMPLES = 50
 COUNT = {"tcp": 0, "ws": 0, "http": 0}

@@ -14,7 +14,6 @@ import asyncio
 import time
 
 import aiohttp
-
 from harness import PROMPTS, Outcome, RawTCP, process_snapshot, tcp_stream
 
 SEQS, QUEUED = 4, 8
@@ -47,7 +46,7 @@ async def test_overload_refuses_excess_at_once(oracle, tiny_model):
     rss, totals = [], {"offered": 0, "accepted": 0, "refused": 0}
     sampler = asyncio.create_task(sample())
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-        for wave in range(3):
+        for _wave in range(3):
             res = await asyncio.wait_for(asyncio.gather(*(one(s, i) for i in range(80))), 300)
             ok = [r for r in res if r[0] == 200]
             refused = [r for r in res if r[0] == 429]
@@ -65,7 +64,7 @@ async def test_overload_refuses_excess_at_once(oracle, tiny_model):
             rss.append(process_snapshot()["rss_mb"])
         # TCP door: same admission limit, refused with an error 429
         conns = [await RawTCP.connect(srv.tcp_port) for _ in range(2)]
-        for k, c in enumerate(conns):
+        for c in conns:
             for i in range(20):
                 await c.send({"type": "generate", "id": i, "prompt": PROMPTS[i % 8],
                               "params": {"max_tokens": 4, "ignore_eos": True}})

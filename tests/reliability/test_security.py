@@ -9,12 +9,12 @@ import os
 import re
 
 import aiohttp
-
+from fake_core import FakeCore
 from harness import ROOT, RawTCP
+
 from ferrobatch.cli import build_parser
 from ferrobatch.serve import middleware, session
 from ferrobatch.serve.server import Server
-from fake_core import FakeCore
 
 KEY = "s3cret-key"
 MARKER = "PROMPT-MARKER-7f3a"

@@ -17,7 +17,6 @@ import time
 
 import aiohttp
 import psutil
-
 from harness import HERE, LOOPBACK, PROMPTS, ROOT, Outcome, RawTCP, http_stream, tcp_stream, ws_stream
 
 MAX_TOKENS = 40

@@ -11,9 +11,18 @@ import time
 
 import aiohttp
 import pytest
-
-from harness import (PROMPTS, Outcome, assert_engine_clean, http_stream, process_snapshot,
-                     record_result, slope_mb_per_min, tcp_stream, wait_engine_idle, ws_stream)
+from harness import (
+    PROMPTS,
+    Outcome,
+    assert_engine_clean,
+    http_stream,
+    process_snapshot,
+    record_result,
+    slope_mb_per_min,
+    tcp_stream,
+    wait_engine_idle,
+    ws_stream,
+)
 
 ENGINE = dict(num_blocks=512, max_num_seqs=32, max_num_batched_tokens=512, max_model_len=1024,
               max_queued_requests=64)

@@ -27,9 +27,17 @@ from dataclasses import dataclass
 
 import aiohttp
 import pytest
-
-from harness import (HERE, PROMPTS, Outcome, assert_engine_clean, http_stream, process_snapshot,
-                     tcp_stream, wait_engine_idle, ws_stream)
+from harness import (
+    HERE,
+    PROMPTS,
+    Outcome,
+    assert_engine_clean,
+    http_stream,
+    process_snapshot,
+    tcp_stream,
+    wait_engine_idle,
+    ws_stream,
+)
 
 IDLE_AFTER_CUT_S = 2.0
 

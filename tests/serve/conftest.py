@@ -11,9 +11,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "engine"))
 
 from fake_core import FakeCore  # noqa: E402
+from serve_support import start_server, stop_server  # noqa: E402
+
 from ferrobatch.config import EngineConfig  # noqa: E402
 from ferrobatch.engine.async_engine import AsyncEngine  # noqa: E402
-from serve_support import start_server, stop_server  # noqa: E402
 
 
 @pytest.fixture

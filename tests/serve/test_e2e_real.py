@@ -15,9 +15,9 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
-
 from engine_support import REAL_ENGINE_OPTIONS
 from serve_support import start_server, stop_server
+
 from ferrobatch.client import TCPClient, WSClient
 from ferrobatch.engine.async_engine import AsyncEngine
 

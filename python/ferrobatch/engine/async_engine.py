@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from typing import Any, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from ferrobatch.config import EngineConfig
 from ferrobatch.engine.errors import DuplicateRequestError, EngineDeadError, QueueFullError

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_MESSAGES = 1024

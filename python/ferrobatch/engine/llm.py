@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ferrobatch.config import EngineConfig
 from ferrobatch.engine.async_engine import AsyncEngine

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 IDLE_WAIT_S = 0.5
 IDLE_BACKOFF_S = 0.001

@@ -8,14 +8,14 @@ being cancelled) aborts the request; a `finally` aborts whatever is still runnin
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ferrobatch.serve.codec import loads_json
-from ferrobatch.serve.openai_protocol import (
-    OpenAIRequest, choice, envelope, parse_chat, parse_completion, usage)
+from ferrobatch.serve.openai_protocol import OpenAIRequest, choice, envelope, parse_chat, parse_completion, usage
 from ferrobatch.serve.protocol import ProtocolError, error_status
 from ferrobatch.serve.sse import SSEWriter
 from ferrobatch.serve.state import MAX_BODY_BYTES, STATE

@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from ferrobatch.serve.protocol import (
-    PROTOCOL_VERSION, GenerateMsg, ProtocolError, error_msg, error_status, parse_message)
+    PROTOCOL_VERSION,
+    GenerateMsg,
+    ProtocolError,
+    error_msg,
+    error_status,
+    parse_message,
+)
 
 MAX_ACTIVE_PER_CONNECTION = 1024
 Send = Callable[[dict[str, Any], bool], Awaitable[None]]   # (message, binary) -> None
