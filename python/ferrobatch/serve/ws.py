@@ -40,22 +40,14 @@ async def ws_handler(request: web.Request) -> web.StreamResponse:
     state.sessions.add(session)
     try:
         async for msg in ws:
-            if msg.type == WSMsgType.TEXT:
-                binary = False
-                try:
-                    obj = loads_json(msg.data)
-                except ProtocolError as exc:
-                    await send(error_msg(None, exc.code, str(exc)), False)
-                    continue
-            elif msg.type == WSMsgType.BINARY:
-                binary = True
-                try:
-                    obj = unpack(msg.data)
-                except ProtocolError as exc:
-                    await send(error_msg(None, exc.code, str(exc)), True)
-                    continue
-            else:
+            if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
                 break                    # ERROR / CLOSE / CLOSING
+            binary = msg.type == WSMsgType.BINARY    # answer in the frame kind the client used
+            try:
+                obj = unpack(msg.data) if binary else loads_json(msg.data)
+            except ProtocolError as exc:
+                await send(error_msg(None, exc.code, str(exc)), binary)
+                continue
             await session.handle(obj, binary)
     except (ConnectionError, asyncio.CancelledError):
         pass
