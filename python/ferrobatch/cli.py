@@ -33,6 +33,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     g.add_argument("--max-queued-requests", type=int, default=1024,
                    help="waiting requests beyond which new ones get 429 / an error 429")
+    g.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "cuda"], default="auto",
+                   help="auto: CUDA kernels on a GPU, the Rust decode kernel on CPU (float32), "
+                   "else the torch reference")
 
 
 def _config(a: argparse.Namespace) -> EngineConfig:
@@ -41,7 +44,8 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
         kv_cache_gb=a.kv_cache_gb, gpu_memory_utilization=a.gpu_memory_utilization,
         block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
-        scheduling_policy=a.scheduling_policy, max_queued_requests=a.max_queued_requests)
+        scheduling_policy=a.scheduling_policy, max_queued_requests=a.max_queued_requests,
+        attn_backend=a.attention_backend)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,7 +98,8 @@ async def _serve(a: argparse.Namespace) -> int:
         return 1
     base = f"http://{a.host}:{server.port}"
     print(f"ferrobatch: serving {server.state.model_name} (max_model_len "
-          f"{engine.max_model_len}, {engine.stats().get('num_blocks')} KV blocks)")
+          f"{engine.max_model_len}, {engine.stats().get('num_blocks')} KV blocks, "
+          f"attention backend {engine.attention_backend})")
     print(f"  OpenAI HTTP : {base}/v1  (completions, chat/completions, models)")
     print(f"  WebSocket   : ws://{a.host}:{server.port}/v1/ws")
     if server.tcp_port is not None:

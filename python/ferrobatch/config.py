@@ -22,7 +22,7 @@ class EngineConfig:
     model: str = "smollm2"
     device: str = "auto"                 # "auto" -> cuda when available, else cpu
     dtype: str | None = None             # None -> the runtime's default for the device
-    attn_backend: str | None = None      # None -> the runtime picks (torch reference on CPU)
+    attn_backend: str | None = None      # auto | torch | cpu | cuda; None = auto (cuda / cpu kernels)
 
     # KV cache
     block_size: int = 16

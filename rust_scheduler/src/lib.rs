@@ -3,11 +3,14 @@
 //!
 //! Layering: `config`/`request` (data) -> `queue`/`intake` (any thread) -> `block_pool`/
 //! `prefix_cache` (KV memory) -> `scheduler` (+ `integrity`) -> `batch` (step arrays) -> `py`
-//! (the only pyo3 file, behind the `python` feature).
+//! (the scheduler's pyo3 bindings, behind the `python` feature).
+//! Beside the scheduler: `cpu_attention`, the CPU paged decode-attention kernel the Python model
+//! runner calls on every layer (binding: `py_attention`).
 
 pub mod batch;
 pub mod block_pool;
 pub mod config;
+pub mod cpu_attention;
 pub mod error;
 pub mod intake;
 mod integrity;
@@ -19,6 +22,8 @@ mod update;
 
 #[cfg(feature = "python")]
 mod py;
+#[cfg(feature = "python")]
+mod py_attention;
 
 pub use batch::{StepBatch, StepOutput};
 pub use config::{Policy, SchedulerConfig};

@@ -1,5 +1,6 @@
-//! PyO3 bindings (the only file importing pyo3): `Scheduler` (step side, `&mut`), `Intake`
-//! (submit/abort from any thread), `StepBatch` / `StepOutput` (numpy arrays), `QueueFullError`.
+//! PyO3 bindings of the scheduler: `Scheduler` (step side, `&mut`), `Intake` (submit/abort from
+//! any thread), `StepBatch` / `StepOutput` (numpy arrays), `QueueFullError`. (The CPU attention
+//! kernel's binding lives in `py_attention.rs`.)
 //!
 //! Rules: every user error becomes `ValueError` (or `QueueFullError`); broken invariants become
 //! `RuntimeError`; nothing reachable from Python input panics. `schedule()`, `update()` and
@@ -547,5 +548,9 @@ fn scheduler_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStepBatch>()?;
     m.add_class::<PyStepOutput>()?;
     m.add("QueueFullError", m.py().get_type::<QueueFullError>())?;
+    m.add_function(wrap_pyfunction!(
+        crate::py_attention::py_paged_decode_attention_f32,
+        m
+    )?)?;
     Ok(())
 }

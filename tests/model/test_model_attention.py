@@ -90,8 +90,16 @@ def test_torch_reference_matches_naive_attention(seed, dtype):
 
 
 def test_backend_selection_on_cpu():
-    assert get_attention_backend("auto", "cpu").name == "torch"
-    assert get_attention_backend(None, "cpu").name == "torch"
+    assert get_attention_backend("auto", "cpu").name == "cpu"
+    assert get_attention_backend(None, "cpu").name == "cpu"
+    assert get_attention_backend("torch", "cpu").name == "torch"
+    fp32, bf16 = (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, torch.float32), (8, 2, 64, torch.bfloat16)
+    assert get_attention_backend("auto", "cpu", model_shape=fp32).name == "cpu"
+    assert get_attention_backend("auto", "cpu", model_shape=bf16).name == "torch"
+    with pytest.raises(RuntimeError, match="float32 only"):
+        get_attention_backend("cpu", "cpu", model_shape=bf16)
+    with pytest.raises(ValueError):
+        get_attention_backend("cpu", "cuda")
     with pytest.raises(ValueError):
         get_attention_backend("cuda", "cpu")
     with pytest.raises(ValueError):

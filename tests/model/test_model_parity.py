@@ -18,9 +18,12 @@ BLOCK_SIZE = 16
 NUM_BLOCKS = 512
 
 
-@pytest.fixture(scope="module")
-def runner(loaded_smollm2):
-    return ModelRunner(loaded_smollm2, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, attn_backend="torch")
+@pytest.fixture(scope="module", params=["torch", "cpu"])
+def runner(request, loaded_smollm2):
+    """Both CPU attention backends: the torch reference and the Rust decode kernel (the model's
+    linear layers are oneDNN-prepacked by the first runner either way)."""
+    return ModelRunner(loaded_smollm2, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                       attn_backend=request.param)
 
 
 @pytest.fixture(scope="module")

@@ -144,6 +144,11 @@ class AsyncEngine:
         return self._core.max_model_len
 
     @property
+    def attention_backend(self) -> str:
+        """Name of the attention backend the model runs with ("cuda", "cpu" or "torch")."""
+        return self._core.runner.attn_backend.name
+
+    @property
     def vocab_size(self) -> int:
         return self._core.vocab_size
 

@@ -105,6 +105,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
                                      device=device, dtype=dtype)
+        # A faster module computing the same projection (set by runtime.cpu_linear), or None.
+        self.packed_lm_head: nn.Module | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -120,6 +122,8 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, positions, self.rotary, kv_cache, attn_meta, self.attn_backend)
         hidden = self.norm(hidden[logits_indices])
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
     @torch.no_grad()

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from ferrobatch.runtime.attention import AttentionBackend, get_attention_backend
 from ferrobatch.runtime.attention.base import check_step_arrays
+from ferrobatch.runtime.cpu_linear import pack_linear_layers, packing_unsupported
 from ferrobatch.runtime.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
 
 
 def _to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -23,7 +28,7 @@ class ModelRunner:
     def __init__(self, loaded, *, num_blocks: int, block_size: int,
                  device: torch.device | str | None = None,
                  attn_backend: AttentionBackend | str | None = None,
-                 validate_steps: bool = True) -> None:
+                 validate_steps: bool = True, pack_weights: bool = True) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.config
@@ -37,6 +42,11 @@ class ModelRunner:
             self.attn_backend = get_attention_backend(attn_backend, self.device, block_size=block_size,
                                                       model_shape=shape)
         self.model.attn_backend = self.attn_backend
+        logger.info("attention backend: %s (%s)", self.attn_backend.name, self.device)
+        if pack_weights and packing_unsupported(self.device, loaded.dtype) is None:
+            num_packed = pack_linear_layers(self.model)
+            if num_packed:
+                logger.info("linear layers: %d prepacked for oneDNN", num_packed)
         self.block_size = block_size
         self.validate_steps = validate_steps
         self.kv_cache = KVCache(self.config, num_blocks, block_size, self.device, loaded.dtype)

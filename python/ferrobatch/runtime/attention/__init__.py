@@ -1,4 +1,4 @@
-"""Attention backends: ``get_attention_backend("auto" | "torch" | "cuda", device)``."""
+"""Attention backends: ``get_attention_backend("auto" | "torch" | "cpu" | "cuda", device)``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ferrobatch.runtime.attention.torch_ref import TorchReferenceBackend
 __all__ = ["AttentionBackend", "AttentionMetadata", "TorchReferenceBackend", "get_attention_backend"]
 
 logger = logging.getLogger(__name__)
-_BACKEND_NAMES = ("auto", "torch", "cuda")
+_BACKEND_NAMES = ("auto", "torch", "cpu", "cuda")
 
 
 def _load_cuda_backend(block_size: int, device: torch.device,
@@ -35,18 +35,41 @@ def _load_cuda_backend(block_size: int, device: torch.device,
     return backend_cls(block_size=block_size, device=device)
 
 
+def _load_cpu_backend(block_size: int,
+                      model_shape: tuple[int, int, int, torch.dtype] | None) -> AttentionBackend:
+    """The Rust CPU decode kernel backend; RuntimeError when it does not cover ``model_shape``."""
+    from ferrobatch.runtime.attention.cpu import CpuPagedBackend, kernel_available
+
+    if not kernel_available():
+        raise RuntimeError("the compiled extension lacks the CPU attention kernel (rebuild it)")
+    reason = CpuPagedBackend.supports(*model_shape) if model_shape is not None else None
+    if reason is not None:
+        raise RuntimeError(reason)
+    return CpuPagedBackend(block_size=block_size)
+
+
 def get_attention_backend(name: str | None, device: torch.device | str, *, block_size: int = 16,
                           model_shape: tuple[int, int, int, torch.dtype] | None = None
                           ) -> AttentionBackend:
-    """Picks an attention backend. ``None``/"auto": CUDA kernels on a CUDA device when they load
-    (and cover ``model_shape`` = (num_heads, num_kv_heads, head_dim, dtype) if given), else the
-    torch reference (the reason is logged). "cuda" raises if the kernels cannot be used."""
+    """Picks an attention backend. ``None``/"auto": the CUDA kernels on a CUDA device, the Rust
+    CPU decode kernel on the CPU (float32), each when it loads and covers ``model_shape`` =
+    (num_heads, num_kv_heads, head_dim, dtype) if given; else the torch reference (the reason is
+    logged). "cuda" / "cpu" raise if their kernels cannot be used."""
     name = name or "auto"
     if name not in _BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(_BACKEND_NAMES)}")
     is_cuda = torch.device(device).type == "cuda"
     if name == "cuda" and not is_cuda:
         raise ValueError("attention backend 'cuda' needs a CUDA device")
+    if name == "cpu" and is_cuda:
+        raise ValueError("attention backend 'cpu' needs a CPU device")
+    if name in ("auto", "cpu") and not is_cuda:
+        try:
+            return _load_cpu_backend(block_size, model_shape)
+        except (ImportError, RuntimeError) as exc:
+            if name == "cpu":
+                raise RuntimeError(f"CPU attention backend unavailable: {exc}") from exc
+            logger.info("CPU attention kernel not used (%s); using the torch reference", exc)
     if name in ("auto", "cuda") and is_cuda:
         try:
             return _load_cuda_backend(block_size, torch.device(device), model_shape)

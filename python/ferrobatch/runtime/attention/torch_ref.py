@@ -65,6 +65,7 @@ class TorchReferenceBackend(AttentionBackend):
     """Gather + masked SDPA per group of sequences; no per-token Python loops."""
 
     name = "torch"
+    gathers_decode = True  # False: decode rows (query length 1) are left to a subclass
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -77,7 +78,8 @@ class TorchReferenceBackend(AttentionBackend):
         num_tokens = int(np.asarray(batch.input_ids).shape[0])
         query_lens = qsl[1:] - qsl[:-1]
         groups = []
-        for selected in (query_lens == 1, query_lens > 1):
+        selections = (query_lens == 1, query_lens > 1) if self.gathers_decode else (query_lens > 1,)
+        for selected in selections:
             seq_ids = np.flatnonzero(selected)
             if seq_ids.size:
                 groups.append(_build_group(seq_ids, qsl, seq_lens, block_tables,
@@ -99,25 +101,36 @@ class TorchReferenceBackend(AttentionBackend):
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: TorchRefMetadata,
                 scale: float) -> torch.Tensor:
         num_tokens, num_heads, head_dim = query.shape
-        num_kv_heads = kv_cache.shape[-2]
-        group_size = num_heads // num_kv_heads
-        padded_query = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
         out = query.new_empty(num_tokens + 1, num_heads, head_dim)
-        for g in meta.groups:
-            num_seqs = g.query_token_index.shape[0]
-            # [G, Q, Hkv, group, D] -> [G, Hkv, group * Q, D]
-            q = padded_query[g.query_token_index].view(num_seqs, g.num_queries, num_kv_heads,
-                                                        group_size, head_dim)
-            q = q.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads,
-                                                 group_size * g.num_queries, head_dim)
-            # whole-block gather: [G, K / bs, bs, Hkv, D] -> [G, Hkv, K, D]
-            k = kv_cache[0][g.key_blocks].view(num_seqs, g.num_keys, num_kv_heads, head_dim)
-            v = kv_cache[1][g.key_blocks].view(num_seqs, g.num_keys, num_kv_heads, head_dim)
-            k, v = k.to(query.dtype).transpose(1, 2), v.to(query.dtype).transpose(1, 2)
-            mask = g.mask.expand(num_seqs, group_size, g.num_queries, g.num_keys)
-            mask = mask.reshape(num_seqs, 1, group_size * g.num_queries, g.num_keys)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-            o = o.view(num_seqs, num_kv_heads, group_size, g.num_queries, head_dim)
-            o = o.permute(0, 3, 1, 2, 4).reshape(num_seqs * g.num_queries, num_heads, head_dim)
-            out.index_copy_(0, g.query_token_index.reshape(-1), o)
+        attend_groups(query, kv_cache, meta.groups, scale, out)
         return out[:num_tokens]
+
+
+def attend_groups(query: torch.Tensor, kv_cache: torch.Tensor, groups: list[SequenceGroup],
+                  scale: float, out: torch.Tensor) -> None:
+    """Writes the attention of every group's query rows into ``out [T + 1, Hq, D]`` (row T is the
+    padding sink); rows of tokens in no group are left untouched."""
+    if not groups:
+        return
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[-2]
+    group_size = num_heads // num_kv_heads
+    padded_query = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
+    for g in groups:
+        num_seqs = g.query_token_index.shape[0]
+        # [G, Q, Hkv, group, D] -> [G, Hkv, group * Q, D]
+        q = padded_query[g.query_token_index].view(num_seqs, g.num_queries, num_kv_heads,
+                                                    group_size, head_dim)
+        q = q.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads,
+                                             group_size * g.num_queries, head_dim)
+        # whole-block gather: [G, K / bs, bs, Hkv, D] -> [G, Hkv, K, D]
+        blocks = g.key_blocks.reshape(-1)
+        k = kv_cache[0].index_select(0, blocks).view(num_seqs, g.num_keys, num_kv_heads, head_dim)
+        v = kv_cache[1].index_select(0, blocks).view(num_seqs, g.num_keys, num_kv_heads, head_dim)
+        k, v = k.to(query.dtype).transpose(1, 2), v.to(query.dtype).transpose(1, 2)
+        mask = g.mask.expand(num_seqs, group_size, g.num_queries, g.num_keys)
+        mask = mask.reshape(num_seqs, 1, group_size * g.num_queries, g.num_keys)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        o = o.view(num_seqs, num_kv_heads, group_size, g.num_queries, head_dim)
+        o = o.permute(0, 3, 1, 2, 4).reshape(num_seqs * g.num_queries, num_heads, head_dim)
+        out.index_copy_(0, g.query_token_index.reshape(-1), o)

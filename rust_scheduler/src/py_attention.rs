@@ -1,0 +1,94 @@
+//! PyO3 binding of the CPU decode-attention kernel (`cpu_attention`): numpy views of torch CPU
+//! tensors in, results written into `out` in place, GIL released while it runs.
+//!
+//! Every shape or index problem is a `ValueError` (checked by `DecodeShape::validate` before any
+//! read); arrays must be C-contiguous float32 / int32.
+
+use crate::cpu_attention::{paged_decode_attention_f32, DecodeShape};
+use numpy::{
+    PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn, PyReadwriteArrayDyn,
+    PyUntypedArrayMethods,
+};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+fn dims<const N: usize>(name: &str, shape: &[usize]) -> PyResult<[usize; N]> {
+    shape.try_into().map_err(|_| {
+        PyValueError::new_err(format!(
+            "{name} must have {N} dimensions, got shape {shape:?}"
+        ))
+    })
+}
+
+/// The array's elements in C order; `ValueError` unless it is C-contiguous (a Fortran-ordered
+/// array would also give a slice, in the wrong order).
+fn c_slice<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
+    name: &str,
+    a: &'a numpy::PyReadonlyArray<'_, T, D>,
+) -> PyResult<&'a [T]> {
+    let not_c = || PyValueError::new_err(format!("{name} must be C-contiguous"));
+    if !a.is_c_contiguous() {
+        return Err(not_c());
+    }
+    a.as_slice().map_err(|_| not_c())
+}
+
+/// `paged_decode_attention_f32(q, k_cache, v_cache, block_tables, ctx_lens, out, scale,
+/// num_threads)`: q/out `[S, Hq, D]`, caches `[num_blocks, block_size, Hkv, D]` float32,
+/// block_tables `[S, max_blocks]` / ctx_lens `[S]` int32. Writes `out`; returns None.
+#[pyfunction]
+#[pyo3(name = "paged_decode_attention_f32")]
+#[allow(clippy::too_many_arguments)]
+pub fn py_paged_decode_attention_f32(
+    py: Python<'_>,
+    q: PyReadonlyArrayDyn<'_, f32>,
+    k_cache: PyReadonlyArrayDyn<'_, f32>,
+    v_cache: PyReadonlyArrayDyn<'_, f32>,
+    block_tables: PyReadonlyArray2<'_, i32>,
+    ctx_lens: PyReadonlyArray1<'_, i32>,
+    mut out: PyReadwriteArrayDyn<'_, f32>,
+    scale: f32,
+    num_threads: usize,
+) -> PyResult<()> {
+    let [num_seqs, num_heads, head_dim] = dims::<3>("q", q.shape())?;
+    let [num_blocks, block_size, num_kv_heads, cache_dim] = dims::<4>("k_cache", k_cache.shape())?;
+    if v_cache.shape() != k_cache.shape() {
+        return Err(PyValueError::new_err("v_cache must have k_cache's shape"));
+    }
+    if out.shape() != q.shape() {
+        return Err(PyValueError::new_err("out must have q's shape"));
+    }
+    if cache_dim != head_dim {
+        return Err(PyValueError::new_err(format!(
+            "head_dim of q ({head_dim}) and of the cache ({cache_dim}) differ"
+        )));
+    }
+    let [bt_rows, max_blocks_per_seq] = dims::<2>("block_tables", block_tables.shape())?;
+    if bt_rows != num_seqs {
+        return Err(PyValueError::new_err(
+            "block_tables needs one row per sequence",
+        ));
+    }
+    let shape = DecodeShape {
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        num_blocks,
+        block_size,
+        max_blocks_per_seq,
+    };
+    let q = c_slice("q", &q)?;
+    let k = c_slice("k_cache", &k_cache)?;
+    let v = c_slice("v_cache", &v_cache)?;
+    let bt = c_slice("block_tables", &block_tables)?;
+    let ctx = c_slice("ctx_lens", &ctx_lens)?;
+    if !out.is_c_contiguous() {
+        return Err(PyValueError::new_err("out must be C-contiguous"));
+    }
+    let out = out
+        .as_slice_mut()
+        .map_err(|_| PyValueError::new_err("out must be C-contiguous"))?;
+    py.detach(|| paged_decode_attention_f32(&shape, q, k, v, bt, ctx, out, scale, num_threads))
+        .map_err(|e| PyValueError::new_err(e.0))
+}

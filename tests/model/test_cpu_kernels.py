@@ -1,0 +1,153 @@
+"""The CPU fast paths against their references on fresh random inputs: the Rust paged decode
+attention kernel (vs the torch reference backend) and oneDNN-prepacked linear layers (vs
+``F.linear``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from test_model_attention import (
+    BLOCK_SIZE,
+    HEAD_DIM,
+    NUM_BLOCKS,
+    NUM_HEADS,
+    NUM_KV_HEADS,
+    _mixed_batch,
+    _naive_attention,
+)
+
+from ferrobatch._scheduler import paged_decode_attention_f32
+from ferrobatch.runtime.attention import TorchReferenceBackend
+from ferrobatch.runtime.attention.cpu import CpuPagedBackend
+from ferrobatch.runtime.cpu_linear import PackedLinear, pack_linear_layers, packing_unsupported
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_cpu_backend_matches_naive_attention_on_mixed_steps(seed):
+    torch.manual_seed(seed)
+    backend = CpuPagedBackend(block_size=BLOCK_SIZE)
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    saw_decode = False
+    for batch in _mixed_batch(seed):
+        meta = backend.build_metadata(batch, "cpu")
+        saw_decode |= meta.decode is not None
+        query = torch.randn(batch.num_tokens, NUM_HEADS, HEAD_DIM)
+        backend.write_kv(cache, torch.randn(batch.num_tokens, NUM_KV_HEADS, HEAD_DIM),
+                         torch.randn(batch.num_tokens, NUM_KV_HEADS, HEAD_DIM), meta)
+        got = backend.forward(query, cache, meta, HEAD_DIM ** -0.5)
+        want = _naive_attention(query, cache, batch, HEAD_DIM ** -0.5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert saw_decode, "no step had decode rows: the kernel was not exercised"
+
+
+def _random_decode_step(rng, num_seqs, num_heads, num_kv_heads, head_dim, block_size=16):
+    """Random contexts (mostly not block multiples) over shuffled, disjoint blocks."""
+    ctx = rng.integers(1, 700, num_seqs).astype(np.int32)
+    blocks_per_seq = -(-ctx // block_size)
+    num_blocks = int(blocks_per_seq.sum()) + 8
+    ids = rng.permutation(np.arange(1, num_blocks)).astype(np.int32)
+    table = np.zeros((num_seqs, int(blocks_per_seq.max())), np.int32)
+    offset = 0
+    for i, n in enumerate(blocks_per_seq):
+        table[i, :n] = ids[offset:offset + n]
+        offset += n
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)
+    query = torch.randn(num_seqs, num_heads, head_dim)
+    return query, cache, table, ctx
+
+
+def _reference_decode(query, cache, table, ctx, block_size, scale):
+    """The torch reference backend on the same decode step."""
+    from types import SimpleNamespace
+    n = len(ctx)
+    batch = SimpleNamespace(query_start_loc=np.arange(n + 1, dtype=np.int32), seq_lens=ctx,
+                            block_tables=table, input_ids=np.zeros(n, np.int32),
+                            slot_mapping=np.zeros(n, np.int32))
+    ref = TorchReferenceBackend(block_size)
+    return ref.forward(query, cache, ref.build_metadata(batch, "cpu"), scale)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3, 16, 64, 256])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (16, 2)])  # GQA ratios 1, 4, 8
+@pytest.mark.parametrize("head_dim", [64, 128, 40])  # 40: not a multiple of 8 (portable path)
+def test_decode_kernel_matches_torch_reference(num_seqs, heads, head_dim):
+    if num_seqs == 256 and head_dim != 64:
+        pytest.skip("the big batch once per GQA ratio is enough")
+    rng = np.random.default_rng(num_seqs * 1000 + heads[0] * 10 + heads[1] + head_dim)
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    query, cache, table, ctx = _random_decode_step(rng, num_seqs, *heads, head_dim)
+    scale = head_dim ** -0.5
+    for threads in (1, 2):
+        out = torch.full_like(query, float("nan"))  # poisoned: every element must be written
+        paged_decode_attention_f32(query.numpy(), cache[0].numpy(), cache[1].numpy(), table, ctx,
+                                   out.numpy(), scale, threads)
+        want = _reference_decode(query, cache, table, ctx, 16, scale)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=2e-6)
+
+
+def test_decode_kernel_rejects_bad_inputs_without_reading_them():
+    rng = np.random.default_rng(0)
+    query, cache, table, ctx = _random_decode_step(rng, 4, 8, 2, 64)
+    k, v, out = cache[0].numpy(), cache[1].numpy(), torch.empty_like(query).numpy()
+
+    def call(q=query.numpy(), table=table, ctx=ctx, out=out, k=k, v=v):
+        paged_decode_attention_f32(q, k, v, table, ctx, out, 0.125, 2)
+
+    bad_table = table.copy()
+    bad_table[2, 0] = cache.shape[1]  # one past the last block
+    with pytest.raises(ValueError, match="block id"):
+        call(table=bad_table)
+    with pytest.raises(ValueError, match="ctx_lens"):
+        call(ctx=np.where(np.arange(4) == 1, table.shape[1] * 16 + 1, ctx).astype(np.int32))
+    with pytest.raises(ValueError, match="ctx_lens"):
+        call(ctx=np.zeros(4, np.int32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        call(q=np.asfortranarray(query.numpy().reshape(4, 8, 64)[:, ::-1]))
+    with pytest.raises(ValueError, match="out must have"):
+        call(out=np.empty((3, 8, 64), np.float32))
+    with pytest.raises(ValueError, match="head_dim"):
+        call(k=np.zeros((cache.shape[1], 16, 2, 32), np.float32),
+             v=np.zeros((cache.shape[1], 16, 2, 32), np.float32))
+    with pytest.raises(ValueError, match="v_cache must have"):
+        call(v=v[:-1])
+    with pytest.raises(TypeError):
+        call(q=query.numpy().astype(np.float64))
+
+
+def test_packed_linear_matches_f_linear():
+    if packing_unsupported(torch.device("cpu"), torch.float32):
+        pytest.skip(packing_unsupported(torch.device("cpu"), torch.float32))
+    torch.manual_seed(0)
+    for rows in (1, 5, 16, 33, 512):
+        weight, bias = torch.randn(96, 80), torch.randn(96)
+        x = torch.randn(rows, 80)
+        for b in (None, bias):
+            torch.testing.assert_close(PackedLinear(weight, b)(x), F.linear(x, weight, b),
+                                       rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_pack_linear_layers_keeps_the_model_output(tied):
+    from ferrobatch.model.config import ModelConfig
+    from ferrobatch.model.llama import LlamaForCausalLM
+    if packing_unsupported(torch.device("cpu"), torch.float32):
+        pytest.skip(packing_unsupported(torch.device("cpu"), torch.float32))
+    torch.manual_seed(0)
+    config = ModelConfig(arch="llama", vocab_size=50, hidden_size=32, intermediate_size=48,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                         tie_word_embeddings=tied)
+    model = LlamaForCausalLM(config)
+    hidden = torch.randn(7, model.config.hidden_size)
+    layer = model.layers[0]
+    mlp_before = layer.mlp(hidden)
+    logits_before = F.linear(hidden, model.lm_head_weight)
+    num_linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert num_linears == 2 * 4 + (0 if tied else 1)
+    assert pack_linear_layers(model) == 2 * 4 + 1  # 4 per layer + the LM head
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert pack_linear_layers(model) == 0  # idempotent
+    torch.testing.assert_close(layer.mlp(hidden), mlp_before, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.packed_lm_head(hidden), logits_before, rtol=1e-5, atol=1e-5)
