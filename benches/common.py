@@ -11,6 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+# ferrobatch sets this on import (see python/ferrobatch/__init__.py); setting it here, before any
+# bench imports torch, gives every system of a run (and the servers it starts) the same OpenMP
+# spin-wait, so the comparison stays like for like.
+os.environ.setdefault("GOMP_SPINCOUNT", "3000")
+
 REPO = Path(__file__).resolve().parent.parent
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -49,6 +54,7 @@ def machine_info() -> dict:
         "cpu_count": os.cpu_count(),
         "cpu_model": _cpu_model(),
         "loadavg_1m_at_start": load_1min(),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
     }
     try:
         import torch

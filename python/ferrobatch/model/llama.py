@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferrobatch.model.config import ModelConfig
-from ferrobatch.model.rope import RotaryEmbedding
+from ferrobatch.model.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -44,13 +44,13 @@ class LlamaAttention(nn.Module):
                                   bias=config.attention_bias, device=device, dtype=dtype)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, device=device, dtype=dtype)
 
-    def forward(self, hidden, positions, rotary, kv_cache, attn_meta, backend) -> torch.Tensor:
+    def forward(self, hidden, rope_tables, kv_cache, attn_meta, backend) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, rope_tables)
         backend.write_kv(kv_cache, k, v, attn_meta)
         out = backend.forward(q, kv_cache, attn_meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -82,9 +82,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.mlp = LlamaMLP(config, device, dtype)
 
-    def forward(self, hidden, positions, rotary, kv_cache, attn_meta, backend) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary,
-                                         kv_cache, attn_meta, backend)
+    def forward(self, hidden, rope_tables, kv_cache, attn_meta, backend) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope_tables, kv_cache,
+                                         attn_meta, backend)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -119,8 +119,9 @@ class LlamaForCausalLM(nn.Module):
         if self.attn_backend is None:
             raise RuntimeError("LlamaForCausalLM.attn_backend is not set")
         hidden = self.embed_tokens(input_ids)
+        rope_tables = self.rotary.tables(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, positions, self.rotary, kv_cache, attn_meta, self.attn_backend)
+            hidden = layer(hidden, rope_tables, kv_cache, attn_meta, self.attn_backend)
         hidden = self.norm(hidden[logits_indices])
         if self.packed_lm_head is not None:
             return self.packed_lm_head(hidden).float()

@@ -52,11 +52,23 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cached", emb.cos(), persistent=False)
         self.register_buffer("sin_cached", emb.sin(), persistent=False)
 
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of each token's position, ``[T, 1, D]`` in ``dtype``: looked up once
+        per step and shared by every layer (see :func:`apply_rotary`)."""
+        cos = self.cos_cached[positions].to(dtype)[:, None, :]
+        sin = self.sin_cached[positions].to(dtype)[:, None, :]
+        return cos, sin
+
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        """Rotates ``query [T, Hq, D]`` and ``key [T, Hkv, D]`` in place of their positions."""
-        cos = self.cos_cached[positions].to(query.dtype)[:, None, :]
-        sin = self.sin_cached[positions].to(query.dtype)[:, None, :]
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        """Rotates ``query [T, Hq, D]`` and ``key [T, Hkv, D]`` by their positions."""
+        return apply_rotary(query, key, self.tables(positions, query.dtype))
+
+
+def apply_rotary(query: torch.Tensor, key: torch.Tensor,
+                 tables: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates ``query [T, Hq, D]`` and ``key [T, Hkv, D]`` with ``RotaryEmbedding.tables``."""
+    cos, sin = tables
+    return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
