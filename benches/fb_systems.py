@@ -63,8 +63,12 @@ class FerrobatchRunner:
         from ferrobatch import LLM
 
         self.w = w
-        self.options = dict(device=w.device, dtype=w.dtype, max_num_seqs=max_num_seqs,
-                            **w.engine_options, **extra_options)
+        # Prefix caching off: every system replays the *same* requests on this one engine, so
+        # with it on, the second system (e.g. ferrobatch-static after ferrobatch) would find
+        # every full prompt block of the first still cached and skip most of its prefill.
+        # Within one run the workloads' random prompts share no prefix, so nothing else changes.
+        options = {"enable_prefix_caching": False, **w.engine_options, **extra_options}
+        self.options = dict(device=w.device, dtype=w.dtype, max_num_seqs=max_num_seqs, **options)
         t0 = time.perf_counter()
         self.llm = LLM(model_ref(w), loaded_model=ferrobatch_loaded_model(w), **self.options)
         self.load_s = time.perf_counter() - t0

@@ -129,7 +129,7 @@ def hf_cb_config(w: Workload, reqs: list[Request], max_batch_tokens: int, page_s
         max_requests_per_batch=concurrent,
         use_cuda_graph=None if on_gpu else False,
         auto_switch_to_flash=on_gpu,
-        allow_block_sharing=False,   # random prompts share no prefix; ferrobatch's cache misses too
+        allow_block_sharing=False,   # random prompts share no prefix; ferrobatch's cache is off too
     )
 
 

@@ -111,7 +111,13 @@ def render(path: str) -> str:
 
 
 def main() -> int:
-    for p in sys.argv[1:]:
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("json", nargs="+", help="result JSONs of the benches")
+    for p in parser.parse_args().json:
+        if not Path(p).is_file():
+            parser.error(f"no such file: {p}")
         print(f"<!-- {p} -->")
         print(render(p))
     return 0

@@ -132,3 +132,20 @@ class Scheduler:
     def enable_prefix_caching(self) -> bool: ...
     @property
     def policy(self) -> str: ...
+
+def paged_decode_attention_f32(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    block_tables: np.ndarray,
+    ctx_lens: np.ndarray,
+    out: np.ndarray,
+    scale: float,
+    num_threads: int,
+) -> None:
+    """Decode attention over the paged cache, written into ``out`` (GIL released).
+
+    q / out ``[S, Hq, D]`` and caches ``[num_blocks, block_size, Hkv, D]`` float32,
+    block_tables ``[S, max_blocks]`` / ctx_lens ``[S]`` int32, all C-contiguous. ValueError
+    for any shape or block id that would read outside the arrays (checked before reading).
+    """
