@@ -11,11 +11,13 @@
 Medians of repeated runs; the two sides alternate so machine noise hits both alike.
 """
 
+# ruff: noqa: I001  (common must be imported before torch: it sets GOMP_SPINCOUNT)
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,6 +45,23 @@ def _median_ms(fn, repeats: int) -> float:
     return float(np.median(times)) * 1e3
 
 
+def _attend_all_layers(backend, meta, query, caches):
+    for cache in caches:
+        backend.forward(query, cache, meta, D ** -0.5)
+
+
+def _dense_all(weights, xs):
+    for layer in weights:
+        for w in layer:
+            F.linear(xs[w.shape[1]], w)
+
+
+def _packed_all(packed, xs):
+    for layer in packed:
+        for p in layer:
+            p(xs[p.in_features])
+
+
 def attention_rows(rows_list, ctx_list, repeats):
     rng = np.random.default_rng(0)
     out = []
@@ -61,13 +80,10 @@ def attention_rows(rows_list, ctx_list, repeats):
             result = {"rows": rows, "context": ctx,
                       "kv_mb_per_step": round(2 * rows * ctx * HKV * D * 4 * LAYERS / 2**20, 1)}
             backends = {"rust": CpuPagedBackend(BS), "torch": TorchReferenceBackend(BS)}
-            metas = {name: b.build_metadata(batch, "cpu") for name, b in backends.items()}
-
-            def run(name):
-                b, m = backends[name], metas[name]
-                return lambda: [b.forward(query, c, m, D ** -0.5) for c in caches]
+            runs = {name: partial(_attend_all_layers, b, b.build_metadata(batch, "cpu"), query, caches)
+                    for name, b in backends.items()}
             for name in ("rust", "torch", "rust", "torch"):  # alternate; keep the 2nd pair
-                result[f"{name}_ms"] = _median_ms(run(name), repeats)
+                result[f"{name}_ms"] = _median_ms(runs[name], repeats)
             result["speedup"] = result["torch_ms"] / result["rust_ms"]
             out.append(result)
             print(f"attention rows={rows} ctx={ctx}: rust {result['rust_ms']:.1f} ms, torch "
@@ -85,8 +101,7 @@ def linear_rows(m_list, repeats):
     out = []
     for m in m_list:
         xs = {k: torch.randn(m, k) for k in (HIDDEN, HQ * D, FFN)}
-        dense = lambda: [F.linear(xs[w.shape[1]], w) for layer in weights for w in layer]  # noqa: E731
-        pk = lambda: [p(xs[p.in_features]) for layer in packed for p in layer]  # noqa: E731
+        dense, pk = partial(_dense_all, weights, xs), partial(_packed_all, packed, xs)
         r = {"rows": m}
         for name, fn in (("packed", pk), ("f_linear", dense), ("packed", pk), ("f_linear", dense)):
             r[f"{name}_ms"] = _median_ms(fn, repeats)
