@@ -8,19 +8,24 @@ OUT=benches/results/cpu
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 # 1. Online serving over HTTP, Poisson arrivals: ferrobatch serve vs transformers' CB server.
-$PY benches/serving.py --servers ferrobatch,hf --workload cpu-serve --num-prompts 12 \
-  --request-rates 0.1,0.2,0.4 --json $OUT/serving_cpu-serve.json
+$PY benches/serving.py --servers ferrobatch,hf --workload cpu-serve --num-prompts 16 \
+  --request-rates 0.2,0.4,0.8 --json $OUT/serving_cpu-serve.json
 
 # 2. Engine overhead (stub model) and the one-layer comparison with transformers' CB.
 $PY benches/engine_overhead.py --running 64,256,1024 --l1 16 --l2 48 \
   --json $OUT/engine_overhead.json
 
-# 3. Offline throughput: all systems in one run; hf-static at two batch sizes (the sweep).
+# 3. Offline throughput: all systems in one run; hf-static at three batch sizes (the sweep);
+#    ferrobatch@32 vs ferrobatch-static@32 is a control (cap >= requests: the same schedule).
 $PY benches/throughput.py --workload cpu-small \
-  --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \
+  --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8,hf-static@32,ferrobatch@32,ferrobatch-static@32 \
   --json $OUT/throughput_cpu-small.json
 
-# Earlier, on the loaded machine (load 6-11, one torch thread per process):
+# 4. The CPU kernels against what they replace (Rust decode attention vs the torch reference,
+#    oneDNN-prepacked vs F.linear), SmolLM2 shapes.
+$PY benches/cpu_kernels.py --json $OUT/cpu_kernels.json
+
+# Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
 #   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \
 #   --threads 1 --json $OUT/throughput_cpu-small_loaded.json
