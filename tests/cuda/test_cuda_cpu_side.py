@@ -149,10 +149,11 @@ def test_supports_matrix():
     assert CudaPagedBackend.supports(8, 8, 96, torch.bfloat16) is not None    # head_dim 96
 
 
-def test_auto_backend_on_cpu_is_torch():
+def test_auto_backend_on_cpu_is_the_cpu_kernel_never_cuda():
     from ferrobatch.runtime.attention import get_attention_backend
 
-    assert get_attention_backend("auto", "cpu").name == "torch"
+    assert get_attention_backend("auto", "cpu").name == "cpu"   # the Rust decode kernel
+    assert get_attention_backend("auto", "cpu", model_shape=(9, 3, 64, torch.bfloat16)).name == "torch"
     with pytest.raises(ValueError):
         get_attention_backend("cuda", "cpu")
 
