@@ -20,7 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_help_is_complete(capsys):
     for cmd, flags in [("serve", ["--host", "--port", "--tcp-port", "--api-key", "--model",
                                   "--max-num-seqs", "--max-num-batched-tokens", "--kv-cache-gb",
-                                  "--max-queued-requests", "--drain-timeout"]),
+                                  "--max-queued-requests", "--drain-timeout",
+                                  "--attention-backend"]),
                        ("generate", ["--max-tokens", "--temperature", "--model"]),
                        ("chat", ["--max-tokens", "--system"])]:
         with pytest.raises(SystemExit):
@@ -48,6 +49,8 @@ async def test_serve_drains_on_sigint(smollm2_gguf_path):
             lines.append(line)
             m = re.search(r"OpenAI HTTP : http://127\.0\.0\.1:(\d+)/v1", line)
             port = int(m.group(1)) if m else None
+        # the banner names the attention backend in use (the Rust kernel for a float32 CPU model)
+        assert any("attention backend cpu" in line for line in lines), "".join(lines)
         async with aiohttp.ClientSession() as s:
             req = asyncio.create_task(s.post(f"http://127.0.0.1:{port}/v1/completions", json={
                 "prompt": "Hello", "max_tokens": 12, "ignore_eos": True}))
