@@ -41,7 +41,8 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables ``[max_positions, head_dim]`` indexed by token position."""
+    """Precomputed cos/sin tables ``[max_positions, head_dim]`` indexed by token position (a
+    module so they follow the model's device); see :meth:`tables` and :func:`apply_rotary`."""
 
     def __init__(self, config: ModelConfig, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -58,10 +59,6 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cached[positions].to(dtype)[:, None, :]
         sin = self.sin_cached[positions].to(dtype)[:, None, :]
         return cos, sin
-
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        """Rotates ``query [T, Hq, D]`` and ``key [T, Hkv, D]`` by their positions."""
-        return apply_rotary(query, key, self.tables(positions, query.dtype))
 
 
 def apply_rotary(query: torch.Tensor, key: torch.Tensor,
