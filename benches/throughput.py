@@ -192,11 +192,13 @@ def plot_occupancy(rows: list[dict], w: Workload, path: str) -> str | None:
             label += "; computes all rows, rest is padding"
         ls, lw = styles[k % len(styles)]
         ax.step(range(len(occ)), occ, where="post", label=label, linewidth=lw, linestyle=ls)
-    cap = max(r["batch_cap"] for r in series)
-    ax.axhline(cap, color="grey", linestyle=":", linewidth=0.8)
+    caps = sorted({r["batch_cap"] for r in series})
+    for cap in caps:
+        ax.axhline(cap, color="grey", linestyle=":", linewidth=0.8)
     ax.set_xlabel("step (steps that sampled at least one token)")
     ax.set_ylabel("sequences producing a wanted token")
-    ax.set_title(f"Batch occupancy per step — {w.name} ({w.model}, cap {cap})")
+    ax.set_title(f"Batch occupancy per step — {w.name} ({w.model}, "
+                 f"cap {' / '.join(str(c) for c in caps)})")
     ax.set_ylim(0, cap * 1.1)
     ax.legend(loc="upper right", fontsize=8)
     ax.grid(alpha=0.3)
