@@ -3,8 +3,8 @@
 At decode sizes (a few to a few dozen rows) a plain ``F.linear`` repacks its weight on every
 call and streams it at about half the memory bandwidth a one-row GEMV reaches; oneDNN's
 inner product with the weight reordered once into its blocked layout does not. Measured on the
-2-core EPYC dev box (``benches/results/cpu/README.md``): 1.7x faster at 16 rows, equal at 512
-(prefill chunks). Results agree with ``F.linear`` to float32 rounding (relative ~1e-6), not bit
+2-core EPYC dev box over SmolLM2's 30 layers plus LM head (``benches/cpu_kernels.py``, README
+"Results"): 1.6-1.8x faster at 4-16 rows, ~1.1x at 512 (prefill chunks). Results agree with ``F.linear`` to float32 rounding (relative ~1e-6), not bit
 for bit: the summation order differs.
 
 ``pack_linear_layers(model)`` swaps every ``nn.Linear`` for a :class:`PackedLinear` (the dense
