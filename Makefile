@@ -57,7 +57,7 @@ bench: build
 
 lint: deps
 	cargo fmt --all -- --check
-	cargo clippy --all-targets -- -D warnings
+	cargo clippy --all-targets --features python -- -D warnings
 	$(PY) -m pip install -q ruff && $(VENV)/bin/ruff check python tests benches
 
 clean:

@@ -149,3 +149,16 @@ def paged_decode_attention_f32(
     block_tables ``[S, max_blocks]`` / ctx_lens ``[S]`` int32, all C-contiguous. ValueError
     for any shape or block id that would read outside the arrays (checked before reading).
     """
+
+def linear_f32(
+    x: np.ndarray,
+    packed: np.ndarray,
+    bias: np.ndarray | None,
+    out: np.ndarray,
+    num_threads: int,
+) -> None:
+    """``out[M, N] = x[M, K] @ W.T + bias`` into ``out`` (GIL released), float32, C-contiguous.
+
+    ``packed`` is ``W`` as ``[ceil(N / 16), K, 16]`` (panel ``p``, row ``k`` holds
+    ``W[16p:16p+16, k]``, zeros past N); ``bias`` ``[N]`` or None. ValueError on any shape mismatch.
+    """

@@ -14,6 +14,7 @@
 //! Softmax is the online (running max) form per block of keys, in f32, like flash-decoding.
 
 use std::fmt;
+use std::sync::Mutex;
 
 /// Shapes of one decode-attention call.
 #[derive(Clone, Copy, Debug)]
@@ -101,7 +102,7 @@ impl DecodeShape {
 }
 
 /// Runs decode attention, splitting the sequences over up to `num_threads`
-/// threads (contiguous ranges balanced by context length). Errors instead of reading out of
+/// threads of the kernels' pool (`cpu_pool`) (contiguous ranges balanced by context length). Errors instead of reading out of
 /// bounds; see the module header for the layout.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention_f32(
@@ -161,12 +162,14 @@ fn run(
     let num_items = shape.num_seqs;
     let total_keys: usize =
         ctx_lens.iter().map(|&c| c as usize).sum::<usize>() * shape.num_kv_heads;
-    // Below ~2k (key, KV head) pairs a thread's start-up costs more than its share of the work.
+    // Below ~2k (key, KV head) pairs waking a worker costs more than its share of the work.
     let threads = num_threads.clamp(1, num_items).min(1 + total_keys / 2048);
-    if threads == 1 {
+    let pool = (threads > 1).then(|| crate::cpu_pool::global(threads));
+    let threads = pool.map_or(1, |pool| threads.min(pool.max_tasks()));
+    let Some(pool) = pool.filter(|_| threads > 1) else {
         kernel.run_items(0, out);
         return Ok(());
-    }
+    };
     // Split the sequences into `threads` contiguous ranges with about equal key counts.
     let per_thread = total_keys.div_ceil(threads);
     let mut bounds = vec![0usize];
@@ -178,21 +181,17 @@ fn run(
         }
     }
     bounds.push(num_items);
-    std::thread::scope(|scope| {
-        let mut rest: &mut [f32] = out;
-        let mut chunks = Vec::with_capacity(bounds.len() - 1);
-        for w in bounds.windows(2) {
-            let (head, tail) = rest.split_at_mut((w[1] - w[0]) * item_len);
-            chunks.push((w[0], head));
-            rest = tail;
-        }
-        let mut chunks = chunks.into_iter();
-        let first = chunks.next();
-        for (start, chunk) in chunks {
-            let kernel = &kernel;
-            scope.spawn(move || kernel.run_items(start, chunk));
-        }
-        if let Some((start, chunk)) = first {
+    // One disjoint output range per task; each task takes its own (the lock is uncontended).
+    let mut rest: &mut [f32] = out;
+    let mut chunks = Vec::with_capacity(bounds.len() - 1);
+    for w in bounds.windows(2) {
+        let (head, tail) = rest.split_at_mut((w[1] - w[0]) * item_len);
+        chunks.push(Mutex::new(Some((w[0], head))));
+        rest = tail;
+    }
+    pool.run(chunks.len(), &|t| {
+        let taken = chunks[t].lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some((start, chunk)) = taken {
             kernel.run_items(start, chunk);
         }
     });

@@ -5,12 +5,15 @@
 //! `prefix_cache` (KV memory) -> `scheduler` (+ `integrity`) -> `batch` (step arrays) -> `py`
 //! (the scheduler's pyo3 bindings, behind the `python` feature).
 //! Beside the scheduler: `cpu_attention`, the CPU paged decode-attention kernel the Python model
-//! runner calls on every layer (binding: `py_attention`).
+//! runner calls on every layer (binding: `py_attention`), and `cpu_linear`, the CPU linear-layer
+//! kernel over prepacked weights (binding: `py_linear`).
 
 pub mod batch;
 pub mod block_pool;
 pub mod config;
 pub mod cpu_attention;
+pub mod cpu_linear;
+pub mod cpu_pool;
 pub mod error;
 pub mod intake;
 mod integrity;
@@ -24,6 +27,8 @@ mod update;
 mod py;
 #[cfg(feature = "python")]
 mod py_attention;
+#[cfg(feature = "python")]
+mod py_linear;
 
 pub use batch::{StepBatch, StepOutput};
 pub use config::{Policy, SchedulerConfig};

@@ -1,6 +1,6 @@
 //! PyO3 bindings of the scheduler: `Scheduler` (step side, `&mut`), `Intake` (submit/abort from
-//! any thread), `StepBatch` / `StepOutput` (numpy arrays), `QueueFullError`. (The CPU attention
-//! kernel's binding lives in `py_attention.rs`.)
+//! any thread), `StepBatch` / `StepOutput` (numpy arrays), `QueueFullError`. (The CPU kernels'
+//! bindings live in `py_attention.rs` and `py_linear.rs`.)
 //!
 //! Rules: every user error becomes `ValueError` (or `QueueFullError`); broken invariants become
 //! `RuntimeError`; nothing reachable from Python input panics. `schedule()`, `update()` and
@@ -552,5 +552,6 @@ fn scheduler_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
         crate::py_attention::py_paged_decode_attention_f32,
         m
     )?)?;
+    m.add_function(wrap_pyfunction!(crate::py_linear::py_linear_f32, m)?)?;
     Ok(())
 }

@@ -1,6 +1,6 @@
 """The CPU fast paths against their references on fresh random inputs: the Rust paged decode
-attention kernel (vs the torch reference backend) and oneDNN-prepacked linear layers (vs
-``F.linear``)."""
+attention kernel (vs the torch reference backend) and the Rust linear-layer kernel over
+panel-packed weights (vs ``F.linear``)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,16 @@ from test_model_attention import (
     _naive_attention,
 )
 
-from ferrobatch._scheduler import paged_decode_attention_f32
+from ferrobatch._scheduler import linear_f32, paged_decode_attention_f32
 from ferrobatch.runtime.attention import TorchReferenceBackend
 from ferrobatch.runtime.attention.cpu import CpuPagedBackend
-from ferrobatch.runtime.cpu_linear import PackedLinear, pack_linear_layers, packing_unsupported
+from ferrobatch.runtime.cpu_linear import (
+    PanelLinear,
+    pack_linear_layers,
+    pack_panels,
+    packing_unsupported,
+)
+from ferrobatch.runtime.cpu_threads import torch_single_threaded
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
@@ -117,16 +123,68 @@ def test_decode_kernel_rejects_bad_inputs_without_reading_them():
         call(q=query.numpy().astype(np.float64))
 
 
-def test_packed_linear_matches_f_linear():
-    if packing_unsupported(torch.device("cpu"), torch.float32):
-        pytest.skip(packing_unsupported(torch.device("cpu"), torch.float32))
-    torch.manual_seed(0)
-    for rows in (1, 5, 16, 33, 512):
-        weight, bias = torch.randn(96, 80), torch.randn(96)
-        x = torch.randn(rows, 80)
-        for b in (None, bias):
-            torch.testing.assert_close(PackedLinear(weight, b)(x), F.linear(x, weight, b),
-                                       rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_panel_linear_matches_f_linear_on_fresh_inputs(threads):
+    # Row counts around the 6-row register tile and the rows-per-pass limit; out features that
+    # are not multiples of the 16-wide panel; with and without bias; a poisoned output buffer.
+    gen = torch.Generator().manual_seed(threads)
+    for rows in (1, 5, 6, 7, 16, 33, 512):
+        for out_features, in_features in ((96, 80), (17, 3), (200, 576)):
+            weight = torch.randn(out_features, in_features, generator=gen)
+            bias = torch.randn(out_features, generator=gen)
+            x = torch.randn(rows, in_features, generator=gen)
+            for b in (None, bias):
+                layer = PanelLinear(weight, b, num_threads=threads)
+                torch.testing.assert_close(layer(x), F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+    x3 = torch.randn(2, 3, 80, generator=gen)  # leading dims are kept
+    layer = PanelLinear(torch.randn(96, 80, generator=gen), num_threads=threads)
+    torch.testing.assert_close(layer(x3), F.linear(x3, layer_weight(layer)), rtol=1e-5, atol=1e-4)
+    assert layer(torch.empty(0, 80)).shape == (0, 96)
+
+
+def layer_weight(layer: PanelLinear) -> torch.Tensor:
+    """Unpacks a PanelLinear's weight back to ``[N, K]``."""
+    packed = layer.packed_weight
+    return packed.transpose(1, 2).reshape(-1, layer.in_features)[:layer.out_features]
+
+
+def test_pack_panels_layout():
+    weight = torch.arange(17 * 3, dtype=torch.float32).view(17, 3)
+    packed = pack_panels(weight)
+    assert packed.shape == (2, 3, 16)
+    assert packed[0, 2, 5] == weight[5, 2]
+    assert packed[1, 1, 0] == weight[16, 1]
+    assert torch.all(packed[1, :, 1:] == 0)  # padding past N
+
+
+def test_linear_kernel_rejects_bad_input():
+    weight = pack_panels(torch.randn(20, 8)).numpy()
+    x, out = np.ones((3, 8), np.float32), np.empty((3, 20), np.float32)
+    linear_f32(x, weight, None, out, 2)
+    with pytest.raises(ValueError, match="rows"):
+        linear_f32(x, weight, None, np.empty((2, 20), np.float32), 2)
+    with pytest.raises(ValueError, match="packed weight has shape"):
+        linear_f32(np.ones((3, 9), np.float32), weight, None, out, 2)
+    with pytest.raises(ValueError, match="packed weight has shape"):
+        linear_f32(x, weight, None, np.empty((3, 40), np.float32), 2)
+    with pytest.raises(ValueError, match="bias"):
+        linear_f32(x, weight, np.ones(3, np.float32), out, 2)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        linear_f32(np.ones((8, 3), np.float32).T, weight, None, out, 2)
+    with pytest.raises(TypeError):
+        linear_f32(x.astype(np.float64), weight, None, out, 2)
+    with pytest.raises(TypeError, match="float32"):
+        PanelLinear(torch.randn(4, 8))(torch.randn(2, 8, dtype=torch.float64))
+
+
+def test_torch_single_threaded_restores_the_count_even_on_error():
+    before = torch.get_num_threads()
+    with torch_single_threaded():
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError), torch_single_threaded():
+        raise RuntimeError("boom")
+    assert torch.get_num_threads() == before
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -146,8 +204,9 @@ def test_pack_linear_layers_keeps_the_model_output(tied):
     logits_before = F.linear(hidden, model.lm_head_weight)
     num_linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert num_linears == 2 * 4 + (0 if tied else 1)
-    assert pack_linear_layers(model) == 2 * 4 + 1  # 4 per layer + the LM head
+    assert pack_linear_layers(model, num_threads=2) == 2 * 4 + 1  # 4 per layer + the LM head
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert pack_linear_layers(model) == 0  # idempotent
+    assert pack_linear_layers(model, num_threads=3) == 0  # idempotent
+    assert {m.num_threads for m in model.modules() if isinstance(m, PanelLinear)} == {3}
     torch.testing.assert_close(layer.mlp(hidden), mlp_before, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.packed_lm_head(hidden), logits_before, rtol=1e-5, atol=1e-5)

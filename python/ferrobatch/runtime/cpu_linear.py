@@ -1,14 +1,17 @@
-"""Prepacked oneDNN weights for the CPU's float32 linear layers.
+"""Linear layers on the CPU (float32) in the Rust kernel, weights prepacked once into panels.
 
-At decode sizes (a few to a few dozen rows) a plain ``F.linear`` repacks its weight on every
-call and streams it at about half the memory bandwidth a one-row GEMV reaches; oneDNN's
-inner product with the weight reordered once into its blocked layout does not. Measured on the
-2-core EPYC dev box over SmolLM2's 30 layers plus LM head (``benches/cpu_kernels.py``, README
-"Results"): 1.6-1.8x faster at 4-16 rows, ~1.1x at 512 (prefill chunks). Results agree with ``F.linear`` to float32 rounding (relative ~1e-6), not bit
-for bit: the summation order differs.
+``PanelLinear`` computes ``y = x @ W.T + b`` with ``ferrobatch._scheduler.linear_f32`` (source
+``rust_scheduler/src/cpu_linear.rs``): ``W`` is stored as ``[ceil(N / 16), K, 16]`` column panels,
+each one contiguous stream that the kernel reads once per call while a 6x16 block of outputs
+sits in AVX2 registers; the work is split over the kernels' persistent thread pool
+(``cpu_pool.rs``), which is why the forward runs torch single-threaded
+(:mod:`ferrobatch.runtime.cpu_threads`). Measured on the 2-core EPYC dev box over SmolLM2's 30
+layers plus LM head, weights streaming from DRAM (``benches/cpu_kernels.py``, README "Results"):
+faster than oneDNN's prepacked inner product at every decode size and level with it at prefill
+sizes. Results agree with ``F.linear`` to float32 rounding (relative ~1e-6), not bit for bit.
 
-``pack_linear_layers(model)`` swaps every ``nn.Linear`` for a :class:`PackedLinear` (the dense
-weight is released, so memory stays the same) and gives the model a packed LM head.
+``pack_linear_layers(model, num_threads)`` swaps every ``nn.Linear`` for a :class:`PanelLinear`
+(the dense weight is released, so memory stays the same) and gives the model a packed LM head.
 """
 
 from __future__ import annotations
@@ -16,48 +19,80 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+PANEL_WIDTH = 16
+
 
 def packing_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
-    """None if linear layers on ``device``/``dtype`` can be prepacked, else the reason."""
+    """None if linear layers on ``device``/``dtype`` run faster prepacked, else the reason."""
     if device.type != "cpu":
         return f"prepacked weights are for the CPU (device {device})"
     if dtype != torch.float32:
         return f"prepacked weights are float32 only (dtype {dtype})"
-    if not torch.backends.mkldnn.is_available():
-        return "this torch build has no oneDNN (mkldnn)"
+    from ferrobatch import _scheduler
+    if not hasattr(_scheduler, "linear_f32"):
+        return "the compiled extension has no linear_f32 kernel (rebuild it)"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        # the kernel's portable path is slower than torch's BLAS
+        return f"the linear kernel needs AVX2 + FMA (this CPU: {capability})"
     return None
 
 
-class PackedLinear(nn.Module):
-    """``y = x @ W.T + b`` with ``W`` held in oneDNN's blocked layout (inference only)."""
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``W`` ``[N, K]`` -> ``[ceil(N / 16), K, 16]``: panel ``p``, row ``k`` = ``W[16p:16p+16, k]``,
+    zeros past ``N`` (the layout ``linear_f32`` reads)."""
+    n, k = weight.shape
+    panels = -(-n // PANEL_WIDTH)
+    padded = weight.new_zeros(panels * PANEL_WIDTH, k)
+    padded[:n] = weight
+    return padded.view(panels, PANEL_WIDTH, k).transpose(1, 2).contiguous()
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+
+class PanelLinear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` packed by :func:`pack_panels` (inference only, float32 CPU)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 num_threads: int = 1) -> None:
         super().__init__()
+        from ferrobatch._scheduler import linear_f32
+        self._kernel = linear_f32
         self.out_features, self.in_features = weight.shape
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-        self.bias = None if bias is None else bias.detach()
+        self.register_buffer("packed_weight", pack_panels(weight.detach().float()))
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self.num_threads = num_threads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise TypeError(f"PanelLinear takes float32 CPU input, got {x.dtype} on {x.device}")
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.empty(rows.shape[0], self.out_features)
+        bias = None if self.bias is None else self.bias.numpy()
+        self._kernel(rows.numpy(), self.packed_weight.numpy(), bias, out.numpy(), self.num_threads)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"packed=panels16, threads={self.num_threads}")
 
 
 @torch.no_grad()
-def pack_linear_layers(model: nn.Module) -> int:
-    """Replaces each ``nn.Linear`` under ``model`` by a :class:`PackedLinear` and, for a model with
-    a ``packed_lm_head`` slot, fills it (the packed ``lm_head``, or a packed copy of the tied
-    embedding matrix). Returns how many weights were packed (0 when already packed)."""
+def pack_linear_layers(model: nn.Module, num_threads: int = 1) -> int:
+    """Replaces each ``nn.Linear`` under ``model`` by a :class:`PanelLinear` using ``num_threads``
+    and, for a model with a ``packed_lm_head`` slot, fills it (the packed ``lm_head``, or a packed
+    copy of the tied embedding matrix). Returns how many weights were packed (0 when already
+    packed; the thread count of packed layers is updated)."""
     num_packed = 0
     wants_head = hasattr(model, "packed_lm_head") and model.packed_lm_head is None
     if wants_head and getattr(model, "lm_head", None) is None:  # tied to the embeddings
-        model.packed_lm_head = PackedLinear(model.lm_head_weight)
+        model.packed_lm_head = PanelLinear(model.lm_head_weight, num_threads=num_threads)
         num_packed += 1
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, linear in targets:
-        setattr(parent, name, PackedLinear(linear.weight, linear.bias))
+        setattr(parent, name, PanelLinear(linear.weight, linear.bias, num_threads))
     if wants_head and model.packed_lm_head is None:
         model.packed_lm_head = model.lm_head
+    for module in model.modules():
+        if isinstance(module, PanelLinear):
+            module.num_threads = num_threads
     return num_packed + len(targets)

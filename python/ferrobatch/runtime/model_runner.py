@@ -10,6 +10,7 @@ import torch
 from ferrobatch.runtime.attention import AttentionBackend, get_attention_backend
 from ferrobatch.runtime.attention.base import check_step_arrays
 from ferrobatch.runtime.cpu_linear import pack_linear_layers, packing_unsupported
+from ferrobatch.runtime.cpu_threads import torch_single_threaded
 from ferrobatch.runtime.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -43,10 +44,16 @@ class ModelRunner:
                                                       model_shape=shape)
         self.model.attn_backend = self.attn_backend
         logger.info("attention backend: %s (%s)", self.attn_backend.name, self.device)
-        if pack_weights and packing_unsupported(self.device, loaded.dtype) is None:
-            num_packed = pack_linear_layers(self.model)
-            if num_packed:
-                logger.info("linear layers: %d prepacked for oneDNN", num_packed)
+        # CPU float32: linear layers (and decode attention) in the Rust kernels, which then own
+        # the threads torch had; torch runs single-threaded during the forward (cpu_threads.py).
+        self.kernel_threads = torch.get_num_threads()
+        self.rust_linears = pack_weights and packing_unsupported(self.device, loaded.dtype) is None
+        if self.rust_linears:
+            num_packed = pack_linear_layers(self.model, self.kernel_threads)
+            if getattr(self.attn_backend, "num_threads", 0) is None:
+                self.attn_backend.num_threads = self.kernel_threads
+            logger.info("linear layers: %d prepacked for the Rust kernel, %d threads", num_packed,
+                        self.kernel_threads)
         self.block_size = block_size
         self.validate_steps = validate_steps
         self.kv_cache = KVCache(self.config, num_blocks, block_size, self.device, loaded.dtype)
@@ -73,6 +80,9 @@ class ModelRunner:
         input_ids = _to_device(batch.input_ids, self.device, torch.int64)
         positions = _to_device(batch.positions, self.device, torch.int64)
         logits_indices = _to_device(batch.logits_indices, self.device, torch.int64)
+        if self.rust_linears:
+            with torch_single_threaded():
+                return self.model(input_ids, positions, self.kv_cache.layers, meta, logits_indices)
         return self.model(input_ids, positions, self.kv_cache.layers, meta, logits_indices)
 
 

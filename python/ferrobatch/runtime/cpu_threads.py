@@ -1,0 +1,30 @@
+"""Who runs in parallel during a CPU forward: the Rust kernels, not torch.
+
+The Rust kernels (linear layers, decode attention) split their work over a pool of persistent
+threads that keep polling for the next call for a moment after each one (``cpu_pool.rs``).
+torch's OpenMP workers busy at the same time would make more runnable threads than cores, and
+the OS then time-slices a kernel's threads in milliseconds. So the CPU forward runs torch
+single-threaded (what is left to it are small elementwise ops) and hands the thread count torch
+had to the kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+@contextmanager
+def torch_single_threaded() -> Iterator[None]:
+    """torch's intra-op thread count is 1 inside, restored after (also on error)."""
+    before = torch.get_num_threads()
+    if before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

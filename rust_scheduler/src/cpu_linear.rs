@@ -1,0 +1,475 @@
+//! Linear layers on the CPU (float32): `out[M, N] = x[M, K] @ W^T + bias` for the rows of one
+//! serving step (one per decode sequence, up to a prefill chunk), with `W` prepacked once.
+//!
+//! Packed layout: `W` `[N, K]` becomes `packed` `[P, K, 16]`, `P = ceil(N / 16)`: panel `p`,
+//! row `k` holds `W[16p .. 16p + 16, k]`, zeros past `N` ([`pack`] builds it). A panel is one
+//! contiguous stream, so a step reads each weight from memory once per block of `MC` rows, in
+//! address order (what the hardware prefetcher follows best), and the tile kernel keeps a
+//! `6 x 16` block of the output in registers while it walks `K`.
+//!
+//! Invariants checked by [`LinearShape::validate`] before any read, so no index below leaves its
+//! slice: `x.len() == M * K`, `packed.len() == P * K * 16`, `out.len() == M * N`, `bias` empty
+//! or of length `N`.
+//! Work split: panels, in contiguous ranges, one range per task of the kernels' thread pool
+//! (`cpu_pool`); a thread writes only its own
+//! columns of `out` (disjoint column ranges, so the threads never write the same element).
+
+use std::fmt;
+
+/// Output columns per panel (two AVX2 vectors).
+pub const PANEL_WIDTH: usize = 16;
+/// Rows per register tile: 6 rows x 2 vectors = 12 accumulators of the 16 AVX2 registers.
+const TILE_ROWS: usize = 6;
+
+/// Shapes of one linear-layer call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinearShape {
+    /// rows of `x` and `out`
+    pub m: usize,
+    /// output features (rows of `W`)
+    pub n: usize,
+    /// input features
+    pub k: usize,
+}
+
+/// A shape that does not match the buffers it came with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinearInputError(pub String);
+
+impl fmt::Display for LinearInputError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for LinearInputError {}
+
+impl LinearShape {
+    /// Panels in the packed weight.
+    pub fn num_panels(&self) -> usize {
+        self.n.div_ceil(PANEL_WIDTH)
+    }
+
+    /// Checks the module header's length invariants.
+    pub fn validate(
+        &self,
+        x: &[f32],
+        packed: &[f32],
+        bias: &[f32],
+        out: &[f32],
+    ) -> Result<(), LinearInputError> {
+        if self.n == 0 || self.k == 0 {
+            return Err(LinearInputError(format!(
+                "in and out features must be positive (got K={}, N={})",
+                self.k, self.n
+            )));
+        }
+        let packed_len = self.num_panels() * self.k * PANEL_WIDTH;
+        for (name, len, want) in [
+            ("x", x.len(), self.m * self.k),
+            ("packed weight", packed.len(), packed_len),
+            ("out", out.len(), self.m * self.n),
+        ] {
+            if len != want {
+                return Err(LinearInputError(format!(
+                    "{name} has {len} elements, the shape needs {want}"
+                )));
+            }
+        }
+        if !bias.is_empty() && bias.len() != self.n {
+            return Err(LinearInputError(format!(
+                "bias has {} elements, expected {} (or none)",
+                bias.len(),
+                self.n
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Packs `W` `[n, k]` (row-major) into the panel layout of the module header.
+pub fn pack(w: &[f32], n: usize, k: usize) -> Result<Vec<f32>, LinearInputError> {
+    if w.len() != n * k {
+        return Err(LinearInputError(format!(
+            "weight has {} elements, [{n}, {k}] needs {}",
+            w.len(),
+            n * k
+        )));
+    }
+    let panels = n.div_ceil(PANEL_WIDTH);
+    let mut packed = vec![0f32; panels * k * PANEL_WIDTH];
+    for (col, row) in w.chunks_exact(k.max(1)).enumerate().take(n) {
+        let (p, j) = (col / PANEL_WIDTH, col % PANEL_WIDTH);
+        let panel = &mut packed[p * k * PANEL_WIDTH..][..k * PANEL_WIDTH];
+        for (kk, &value) in row.iter().enumerate() {
+            panel[kk * PANEL_WIDTH + j] = value;
+        }
+    }
+    Ok(packed)
+}
+
+/// `out = x @ W^T + bias` with `W` packed by [`pack`]; `bias` may be empty. Splits the panels
+/// over up to `num_threads` threads. Errors instead of reading out of bounds.
+pub fn linear_f32(
+    shape: &LinearShape,
+    x: &[f32],
+    packed: &[f32],
+    bias: &[f32],
+    out: &mut [f32],
+    num_threads: usize,
+) -> Result<(), LinearInputError> {
+    run(shape, x, packed, bias, out, num_threads, true)
+}
+
+/// [`linear_f32`] with the SIMD path allowed or not (tests compare both).
+fn run(
+    shape: &LinearShape,
+    x: &[f32],
+    packed: &[f32],
+    bias: &[f32],
+    out: &mut [f32],
+    num_threads: usize,
+    allow_simd: bool,
+) -> Result<(), LinearInputError> {
+    shape.validate(x, packed, bias, out)?;
+    if shape.m == 0 {
+        return Ok(());
+    }
+    let panels = shape.num_panels();
+    // Below ~256k multiply-adds (or ~1 MB of weights) a thread's start-up costs more than its share.
+    let work = shape.m.max(4) * shape.n * shape.k;
+    let threads = num_threads.clamp(1, panels).min(1 + work / (1 << 18));
+    let kernel = Kernel {
+        shape: *shape,
+        x,
+        packed,
+        bias,
+        out: OutPtr(out.as_mut_ptr()),
+        allow_simd,
+    };
+    if threads == 1 {
+        // SAFETY: one thread writes every column.
+        unsafe { kernel.run_panels(0, panels) };
+        return Ok(());
+    }
+    let pool = crate::cpu_pool::global(threads);
+    let threads = threads.min(pool.max_tasks());
+    let per_thread = panels.div_ceil(threads);
+    pool.run(threads, &|t| {
+        let (first, last) = (
+            (t * per_thread).min(panels),
+            ((t + 1) * per_thread).min(panels),
+        );
+        // SAFETY: task t writes only the columns of panels first..last, which no other task
+        // writes; `out` outlives the pool job (`run` returns after every task).
+        unsafe { kernel.run_panels(first, last) };
+    });
+    Ok(())
+}
+
+/// The output's base pointer, shared by threads that write disjoint columns.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: the threads holding it write disjoint elements (see `run`), and the buffer outlives them.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+struct Kernel<'a> {
+    shape: LinearShape,
+    x: &'a [f32],
+    packed: &'a [f32],
+    bias: &'a [f32],
+    out: OutPtr,
+    allow_simd: bool,
+}
+
+impl Kernel<'_> {
+    /// Output columns of panels `first..last`, every row.
+    ///
+    /// # Safety
+    /// No other thread may access those columns of `out` meanwhile.
+    unsafe fn run_panels(&self, first: usize, last: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if self.allow_simd
+                && std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+            {
+                // SAFETY: the CPU supports the features the function is compiled for.
+                unsafe { self.run_panels_avx2(first, last) };
+                return;
+            }
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.run_panels_impl::<false>(first, last) };
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run_panels_avx2(&self, first: usize, last: usize) {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.run_panels_impl::<true>(first, last) };
+    }
+
+    #[inline(always)]
+    unsafe fn run_panels_impl<const AVX2: bool>(&self, first: usize, last: usize) {
+        let LinearShape { m, n, k } = self.shape;
+        // Rows per pass over the weights: the x block (rows_per_pass * K floats) stays in L2
+        // while the panels stream by; more rows re-read x from L3 for every panel.
+        let rows_per_pass =
+            ((256 * 1024 / 4) / k).clamp(TILE_ROWS, 1 << 16) / TILE_ROWS * TILE_ROWS;
+        for row0 in (0..m).step_by(rows_per_pass) {
+            let rows = (m - row0).min(rows_per_pass);
+            for p in first..last {
+                let panel = &self.packed[p * k * PANEL_WIDTH..][..k * PANEL_WIDTH];
+                let col0 = p * PANEL_WIDTH;
+                let cols = (n - col0).min(PANEL_WIDTH);
+                let mut bias = [0f32; PANEL_WIDTH];
+                if !self.bias.is_empty() {
+                    bias[..cols].copy_from_slice(&self.bias[col0..col0 + cols]);
+                }
+                // ceil(rows / 6) tiles of near-equal height (16 rows = 6 + 5 + 5, not 6 + 6 + 4):
+                // a short tile does less work per weight it loads.
+                let num_tiles = rows.div_ceil(TILE_ROWS);
+                let mut r = row0;
+                for tile_index in 0..num_tiles {
+                    let tile_rows = (rows - (r - row0)) / (num_tiles - tile_index);
+                    let x = &self.x[r * k..(r + tile_rows) * k];
+                    let mut tile = [[0f32; PANEL_WIDTH]; TILE_ROWS];
+                    #[cfg(target_arch = "x86_64")]
+                    if AVX2 {
+                        // SAFETY: only reached from `run_panels_avx2`, i.e. on an AVX2+FMA CPU.
+                        unsafe { avx2::tile(tile_rows, x, k, panel, &bias, &mut tile) };
+                    }
+                    if !AVX2 {
+                        portable::tile(tile_rows, x, k, panel, &bias, &mut tile);
+                    }
+                    for (i, values) in tile.iter().take(tile_rows).enumerate() {
+                        // SAFETY: row r + i < m and columns col0..col0 + cols < n are inside
+                        // `out` (validated length m * n) and belong to this thread's panels.
+                        unsafe {
+                            let dst = self.out.0.add((r + i) * n + col0);
+                            std::ptr::copy_nonoverlapping(values.as_ptr(), dst, cols);
+                        }
+                    }
+                    r += tile_rows;
+                }
+                debug_assert_eq!(r, row0 + rows);
+            }
+        }
+    }
+}
+
+mod portable {
+    use super::{PANEL_WIDTH, TILE_ROWS};
+
+    /// `tile[i] = bias + x[i] @ panel` for the first `rows` rows of `x` (row stride `k`).
+    pub(super) fn tile(
+        rows: usize,
+        x: &[f32],
+        k: usize,
+        panel: &[f32],
+        bias: &[f32; PANEL_WIDTH],
+        tile: &mut [[f32; PANEL_WIDTH]; TILE_ROWS],
+    ) {
+        for (i, acc) in tile.iter_mut().take(rows).enumerate() {
+            *acc = *bias;
+            let x_row = &x[i * k..][..k];
+            for (&a, w) in x_row.iter().zip(panel.chunks_exact(PANEL_WIDTH)) {
+                for (c, &b) in acc.iter_mut().zip(w) {
+                    *c += a * b;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{PANEL_WIDTH, TILE_ROWS};
+    use std::arch::x86_64::*;
+
+    /// `tile[i] = bias + x[i] @ panel` for the first `rows` (1..=6) rows of `x` (row stride `k`).
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn tile(
+        rows: usize,
+        x: &[f32],
+        k: usize,
+        panel: &[f32],
+        bias: &[f32; PANEL_WIDTH],
+        tile: &mut [[f32; PANEL_WIDTH]; TILE_ROWS],
+    ) {
+        // SAFETY (all arms): the caller is on an AVX2+FMA CPU; `x` holds `rows * k` floats and
+        // `panel` `k * 16`, which `tile_rows` checks before its unchecked loads.
+        unsafe {
+            match rows {
+                1 => tile_rows::<1>(x, k, panel, bias, tile),
+                2 => tile_rows::<2>(x, k, panel, bias, tile),
+                3 => tile_rows::<3>(x, k, panel, bias, tile),
+                4 => tile_rows::<4>(x, k, panel, bias, tile),
+                5 => tile_rows::<5>(x, k, panel, bias, tile),
+                _ => tile_rows::<6>(x, k, panel, bias, tile),
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn tile_rows<const R: usize>(
+        x: &[f32],
+        k: usize,
+        panel: &[f32],
+        bias: &[f32; PANEL_WIDTH],
+        tile: &mut [[f32; PANEL_WIDTH]; TILE_ROWS],
+    ) {
+        assert!(x.len() >= R * k && panel.len() >= k * PANEL_WIDTH && R <= TILE_ROWS);
+        let (xp, wp) = (x.as_ptr(), panel.as_ptr());
+        // SAFETY: every load below is at x[r * k + kk] (r < R, kk < k) or panel[kk * 16 + 0..16],
+        // inside the slices by the assert; the CPU has AVX2+FMA (caller).
+        unsafe {
+            let b_lo = _mm256_loadu_ps(bias.as_ptr());
+            let b_hi = _mm256_loadu_ps(bias.as_ptr().add(8));
+            let mut lo = [b_lo; R];
+            let mut hi = [b_hi; R];
+            // The panel after this one follows it in memory: ask for its line at the same `k`
+            // now, so DRAM keeps streaming while this panel's later row tiles run from cache.
+            let next = wp.wrapping_add(k * PANEL_WIDTH);
+            for kk in 0..k {
+                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(kk * PANEL_WIDTH).cast());
+                let w_lo = _mm256_loadu_ps(wp.add(kk * PANEL_WIDTH));
+                let w_hi = _mm256_loadu_ps(wp.add(kk * PANEL_WIDTH + 8));
+                for r in 0..R {
+                    let a = _mm256_broadcast_ss(&*xp.add(r * k + kk));
+                    lo[r] = _mm256_fmadd_ps(a, w_lo, lo[r]);
+                    hi[r] = _mm256_fmadd_ps(a, w_hi, hi[r]);
+                }
+            }
+            for r in 0..R {
+                _mm256_storeu_ps(tile[r].as_mut_ptr(), lo[r]);
+                _mm256_storeu_ps(tile[r].as_mut_ptr().add(8), hi[r]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Lcg(u64);
+
+    impl Lcg {
+        fn next_f32(&mut self) -> f32 {
+            self.0 = self
+                .0
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        }
+        fn vec(&mut self, len: usize) -> Vec<f32> {
+            (0..len).map(|_| self.next_f32()).collect()
+        }
+    }
+
+    /// out[i, j] = bias[j] + sum_k x[i, k] w[j, k], in f64.
+    fn reference(x: &[f32], w: &[f32], bias: &[f32], m: usize, n: usize, k: usize) -> Vec<f64> {
+        let mut out = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let dot: f64 = (0..k)
+                    .map(|kk| x[i * k + kk] as f64 * w[j * k + kk] as f64)
+                    .sum();
+                out[i * n + j] = dot + bias.get(j).map_or(0.0, |&b| b as f64);
+            }
+        }
+        out
+    }
+
+    fn case(seed: u64, m: usize, n: usize, k: usize, with_bias: bool, threads: usize, simd: bool) {
+        let mut rng = Lcg(seed);
+        let (x, w) = (rng.vec(m * k), rng.vec(n * k));
+        let bias = if with_bias { rng.vec(n) } else { Vec::new() };
+        let packed = pack(&w, n, k).unwrap();
+        let mut out = vec![f32::NAN; m * n]; // poisoned: every element must be written
+        let shape = LinearShape { m, n, k };
+        run(&shape, &x, &packed, &bias, &mut out, threads, simd).unwrap();
+        let want = reference(&x, &w, &bias, m, n, k);
+        for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
+            let tol = 1e-5 * (k as f64).sqrt() * (1.0 + want.abs());
+            assert!(
+                (got as f64 - want).abs() <= tol,
+                "m={m} n={n} k={k} bias={with_bias} threads={threads} simd={simd}: \
+                 out[{i}] = {got}, reference {want}"
+            );
+        }
+    }
+
+    #[test]
+    fn matches_reference_across_shapes_threads_and_paths() {
+        let mut seed = 1;
+        for &(m, n, k) in &[
+            (1, 16, 1),
+            (1, 17, 3),
+            (2, 40, 64),
+            (5, 33, 100),
+            (6, 64, 576),
+            (7, 96, 57),
+            (13, 200, 33),
+            (16, 960, 576),
+            (33, 130, 260),
+            (70, 48, 1536),
+        ] {
+            for threads in [1, 2, 3, 8] {
+                for simd in [true, false] {
+                    for with_bias in [false, true] {
+                        seed += 1;
+                        case(seed, m, n, k, with_bias, threads, simd);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn many_rows_take_several_passes_over_the_weights() {
+        // K = 4096 gives 12 rows per pass, so 40 rows need 4 passes (the last a partial one).
+        case(99, 40, 40, 4096, true, 2, true);
+        case(98, 40, 40, 4096, true, 2, false);
+    }
+
+    #[test]
+    fn zero_rows_is_a_no_op() {
+        let packed = pack(&[1.0; 32], 16, 2).unwrap();
+        let shape = LinearShape { m: 0, n: 16, k: 2 };
+        linear_f32(&shape, &[], &packed, &[], &mut [], 2).unwrap();
+    }
+
+    #[test]
+    fn pack_lays_out_panels_with_zero_padding() {
+        // W [17, 2]: column j of the output is row j of W.
+        let w: Vec<f32> = (0..34).map(|v| v as f32).collect();
+        let packed = pack(&w, 17, 2).unwrap();
+        assert_eq!(packed.len(), 2 * 2 * PANEL_WIDTH);
+        assert_eq!(packed[0], 0.0); // W[0, 0]
+        assert_eq!(packed[1], 2.0); // W[1, 0]
+        assert_eq!(packed[PANEL_WIDTH], 1.0); // W[0, 1]
+        assert_eq!(packed[2 * PANEL_WIDTH], 32.0); // panel 1, k=0: W[16, 0]
+        assert_eq!(packed[2 * PANEL_WIDTH + 1], 0.0); // padding
+        assert!(pack(&w, 16, 2).is_err());
+    }
+
+    #[test]
+    fn rejects_mismatched_buffers() {
+        let packed = pack(&[0.5; 64], 16, 4).unwrap();
+        let shape = LinearShape { m: 2, n: 16, k: 4 };
+        let (x, mut out) = (vec![1.0; 8], vec![0.0; 32]);
+        assert!(linear_f32(&shape, &x[..7], &packed, &[], &mut out, 1).is_err());
+        assert!(linear_f32(&shape, &x, &packed[..63], &[], &mut out, 1).is_err());
+        assert!(linear_f32(&shape, &x, &packed, &[0.0; 3], &mut out, 1).is_err());
+        assert!(linear_f32(&shape, &x, &packed, &[], &mut out[..31], 1).is_err());
+        let zero_k = LinearShape { m: 2, n: 16, k: 0 };
+        assert!(linear_f32(&zero_k, &[], &[], &[], &mut out, 1).is_err());
+        linear_f32(&shape, &x, &packed, &[], &mut out, 1).unwrap();
+        assert!(out.iter().all(|&v| v == 2.0));
+    }
+}

@@ -1,0 +1,61 @@
+//! PyO3 binding of the CPU linear-layer kernel (`cpu_linear`): numpy views of torch CPU tensors
+//! in, the result written into `out` in place, GIL released while it runs.
+//!
+//! Every shape problem is a `ValueError` (checked by `LinearShape::validate` before any read);
+//! arrays must be C-contiguous float32.
+
+use crate::cpu_linear::{linear_f32, LinearShape, PANEL_WIDTH};
+use numpy::{
+    PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadwriteArray2, PyUntypedArrayMethods,
+};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+fn c_contiguous<T>(name: &str, ok: bool, slice: Result<T, numpy::AsSliceError>) -> PyResult<T> {
+    let not_c = || PyValueError::new_err(format!("{name} must be C-contiguous"));
+    if !ok {
+        return Err(not_c());
+    }
+    slice.map_err(|_| not_c())
+}
+
+/// `linear_f32(x, packed, bias, out, num_threads)`: `out[M, N] = x[M, K] @ W^T + bias` with `W`
+/// packed as `[ceil(N / 16), K, 16]` (panel `p`, row `k` = `W[16p..16p+16, k]`, zero padded);
+/// `bias` `[N]` or None. All float32. Writes `out`; returns None.
+#[pyfunction]
+#[pyo3(name = "linear_f32", signature = (x, packed, bias, out, num_threads))]
+pub fn py_linear_f32(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    packed: PyReadonlyArray3<'_, f32>,
+    bias: Option<PyReadonlyArray1<'_, f32>>,
+    mut out: PyReadwriteArray2<'_, f32>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let [m, k] = [x.shape()[0], x.shape()[1]];
+    let [out_m, n] = [out.shape()[0], out.shape()[1]];
+    let [panels, packed_k, width] = [packed.shape()[0], packed.shape()[1], packed.shape()[2]];
+    if out_m != m {
+        return Err(PyValueError::new_err(format!(
+            "out has {out_m} rows, x has {m}"
+        )));
+    }
+    if width != PANEL_WIDTH || packed_k != k || panels != n.div_ceil(PANEL_WIDTH) {
+        return Err(PyValueError::new_err(format!(
+            "packed weight has shape [{panels}, {packed_k}, {width}]; x [{m}, {k}] and out \
+             [{m}, {n}] need [{}, {k}, {PANEL_WIDTH}]",
+            n.div_ceil(PANEL_WIDTH)
+        )));
+    }
+    let x = c_contiguous("x", x.is_c_contiguous(), x.as_slice())?;
+    let packed = c_contiguous("packed", packed.is_c_contiguous(), packed.as_slice())?;
+    let bias = match &bias {
+        Some(b) => c_contiguous("bias", b.is_c_contiguous(), b.as_slice())?,
+        None => &[],
+    };
+    let out_c = out.is_c_contiguous();
+    let out = c_contiguous("out", out_c, out.as_slice_mut())?;
+    let shape = LinearShape { m, n, k };
+    py.detach(|| linear_f32(&shape, x, packed, bias, out, num_threads))
+        .map_err(|e| PyValueError::new_err(e.0))
+}
