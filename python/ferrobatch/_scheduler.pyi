@@ -162,3 +162,7 @@ def linear_f32(
     ``packed`` is ``W`` as ``[ceil(N / 16), K, 16]`` (panel ``p``, row ``k`` holds
     ``W[16p:16p+16, k]``, zeros past N); ``bias`` ``[N]`` or None. ValueError on any shape mismatch.
     """
+
+def rms_norm_f32(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> None:
+    """Each row of ``x`` ``[M, H]`` over its root mean square (+ eps) times ``weight`` ``[H]``,
+    into ``out`` ``[M, H]`` (GIL released). float32, C-contiguous; ValueError on a shape mismatch."""

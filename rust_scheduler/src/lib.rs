@@ -4,15 +4,17 @@
 //! Layering: `config`/`request` (data) -> `queue`/`intake` (any thread) -> `block_pool`/
 //! `prefix_cache` (KV memory) -> `scheduler` (+ `integrity`) -> `batch` (step arrays) -> `py`
 //! (the scheduler's pyo3 bindings, behind the `python` feature).
-//! Beside the scheduler: `cpu_attention`, the CPU paged decode-attention kernel the Python model
-//! runner calls on every layer (binding: `py_attention`), and `cpu_linear`, the CPU linear-layer
-//! kernel over prepacked weights (binding: `py_linear`).
+//! Beside the scheduler, the CPU kernels the Python model runner calls on every layer:
+//! `cpu_attention` (paged decode attention; binding `py_attention`), `cpu_linear` (linear layers
+//! over panel-packed weights) and `cpu_norm` (RMSNorm) (bindings `py_linear`). The first two
+//! split their work over `cpu_pool`, the kernels' persistent thread pool.
 
 pub mod batch;
 pub mod block_pool;
 pub mod config;
 pub mod cpu_attention;
 pub mod cpu_linear;
+pub mod cpu_norm;
 pub mod cpu_pool;
 pub mod error;
 pub mod intake;

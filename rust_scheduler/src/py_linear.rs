@@ -1,10 +1,11 @@
-//! PyO3 binding of the CPU linear-layer kernel (`cpu_linear`): numpy views of torch CPU tensors
+//! PyO3 bindings of the CPU linear-layer kernel (`cpu_linear`) and RMSNorm (`cpu_norm`): numpy views of torch CPU tensors
 //! in, the result written into `out` in place, GIL released while it runs.
 //!
 //! Every shape problem is a `ValueError` (checked by `LinearShape::validate` before any read);
 //! arrays must be C-contiguous float32.
 
 use crate::cpu_linear::{linear_f32, LinearShape, PANEL_WIDTH};
+use crate::cpu_norm::rms_norm_f32;
 use numpy::{
     PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadwriteArray2, PyUntypedArrayMethods,
 };
@@ -57,5 +58,32 @@ pub fn py_linear_f32(
     let out = c_contiguous("out", out_c, out.as_slice_mut())?;
     let shape = LinearShape { m, n, k };
     py.detach(|| linear_f32(&shape, x, packed, bias, out, num_threads))
+        .map_err(|e| PyValueError::new_err(e.0))
+}
+
+/// `rms_norm_f32(x, weight, eps, out)`: each row of `x` `[M, H]` divided by its root mean square
+/// (plus `eps`) times `weight` `[H]`, into `out` `[M, H]`. float32, C-contiguous.
+#[pyfunction]
+#[pyo3(name = "rms_norm_f32")]
+pub fn py_rms_norm_f32(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    weight: PyReadonlyArray1<'_, f32>,
+    eps: f32,
+    mut out: PyReadwriteArray2<'_, f32>,
+) -> PyResult<()> {
+    if out.shape() != x.shape() || x.shape()[1] != weight.shape()[0] {
+        return Err(PyValueError::new_err(format!(
+            "rms_norm: x {:?}, weight {:?} and out {:?} do not match",
+            x.shape(),
+            weight.shape(),
+            out.shape()
+        )));
+    }
+    let x = c_contiguous("x", x.is_c_contiguous(), x.as_slice())?;
+    let weight = c_contiguous("weight", weight.is_c_contiguous(), weight.as_slice())?;
+    let out_c = out.is_c_contiguous();
+    let out = c_contiguous("out", out_c, out.as_slice_mut())?;
+    py.detach(|| rms_norm_f32(x, weight, eps, out))
         .map_err(|e| PyValueError::new_err(e.0))
 }

@@ -35,10 +35,11 @@ def test_cpu_backend_matches_naive_attention_on_mixed_steps(seed):
     torch.manual_seed(seed)
     backend = CpuPagedBackend(block_size=BLOCK_SIZE)
     cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    saw_decode = False
+    saw_decode = saw_decode_only = False
     for batch in _mixed_batch(seed):
         meta = backend.build_metadata(batch, "cpu")
         saw_decode |= meta.decode is not None
+        saw_decode_only |= meta.decode is not None and meta.decode.every_token
         query = torch.randn(batch.num_tokens, NUM_HEADS, HEAD_DIM)
         backend.write_kv(cache, torch.randn(batch.num_tokens, NUM_KV_HEADS, HEAD_DIM),
                          torch.randn(batch.num_tokens, NUM_KV_HEADS, HEAD_DIM), meta)
@@ -46,6 +47,7 @@ def test_cpu_backend_matches_naive_attention_on_mixed_steps(seed):
         want = _naive_attention(query, cache, batch, HEAD_DIM ** -0.5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert saw_decode, "no step had decode rows: the kernel was not exercised"
+    assert saw_decode_only, "no decode-only step: the no-gather path was not exercised"
 
 
 def _random_decode_step(rng, num_seqs, num_heads, num_kv_heads, head_dim, block_size=16):
@@ -210,3 +212,27 @@ def test_pack_linear_layers_keeps_the_model_output(tied):
     assert {m.num_threads for m in model.modules() if isinstance(m, PanelLinear)} == {3}
     torch.testing.assert_close(layer.mlp(hidden), mlp_before, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.packed_lm_head(hidden), logits_before, rtol=1e-5, atol=1e-5)
+
+
+def test_rust_rms_norm_matches_the_model_norm():
+    from ferrobatch.model.llama import RMSNorm
+    from ferrobatch.runtime.cpu_norm import RustRMSNorm, swap_rms_norms
+    gen = torch.Generator().manual_seed(5)
+    for rows, hidden in ((1, 576), (7, 13), (300, 64)):
+        norm = RMSNorm(hidden, 1e-5)
+        norm.weight.data = torch.rand(hidden, generator=gen) + 0.5
+        x = torch.randn(rows, hidden, generator=gen) * 3
+        torch.testing.assert_close(RustRMSNorm(norm.weight, norm.eps)(x), norm(x),
+                                   rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(2, 3, 64, generator=gen)
+    norm = RMSNorm(64, 1e-6)
+    torch.testing.assert_close(RustRMSNorm(norm.weight, 1e-6)(x3), norm(x3), rtol=1e-5, atol=1e-5)
+    container = torch.nn.Sequential(RMSNorm(8, 1e-6), torch.nn.Sequential(RMSNorm(8, 1e-6)))
+    assert swap_rms_norms(container) == 2
+    assert swap_rms_norms(container) == 0
+    with pytest.raises(TypeError, match="float32"):
+        container[0](torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="do not match"):
+        from ferrobatch._scheduler import rms_norm_f32
+        rms_norm_f32(np.ones((2, 8), np.float32), np.ones(4, np.float32), 1e-6,
+                     np.empty((2, 8), np.float32))

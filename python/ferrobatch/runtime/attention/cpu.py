@@ -29,6 +29,7 @@ class DecodeRows:
     token_index: torch.Tensor  # int64 [S_dec]: row of each decode query in the flat batch
     block_tables: np.ndarray  # int32 [S_dec, max_blocks], C-contiguous
     ctx_lens: np.ndarray  # int32 [S_dec]
+    every_token: bool = False  # the step is all decode: token_index is 0..T-1
 
 
 @dataclass
@@ -76,19 +77,25 @@ class CpuPagedBackend(TorchReferenceBackend):
                 token_index=torch.from_numpy(qsl[decode_ids]),
                 block_tables=np.ascontiguousarray(tables, dtype=np.int32),
                 ctx_lens=np.ascontiguousarray(seq_lens, dtype=np.int32),
+                every_token=decode_ids.size == int(qsl[-1]),
             )
         return CpuPagedMetadata(**vars(meta), decode=decode)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: CpuPagedMetadata,
                 scale: float) -> torch.Tensor:
         num_tokens, num_heads, head_dim = query.shape
+        rows = meta.decode
+        threads = self.num_threads or torch.get_num_threads()
+        if rows is not None and rows.every_token:  # a decode-only step: no gather, no scatter
+            out = query.new_empty(query.shape)
+            self._kernel(query.contiguous().numpy(), kv_cache[0].numpy(), kv_cache[1].numpy(),
+                         rows.block_tables, rows.ctx_lens, out.numpy(), float(scale), threads)
+            return out
         out = query.new_empty(num_tokens + 1, num_heads, head_dim)
         attend_groups(query, kv_cache, meta.groups, scale, out)
-        rows = meta.decode
         if rows is not None:
             q = query.index_select(0, rows.token_index)
             o = torch.empty_like(q)
-            threads = self.num_threads or torch.get_num_threads()
             self._kernel(q.numpy(), kv_cache[0].numpy(), kv_cache[1].numpy(), rows.block_tables,
                          rows.ctx_lens, o.numpy(), float(scale), threads)
             out.index_copy_(0, rows.token_index, o)
