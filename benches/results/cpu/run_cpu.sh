@@ -22,7 +22,7 @@ $PY benches/throughput.py --workload cpu-small \
   --json $OUT/throughput_cpu-small.json
 
 # 4. The CPU kernels against what they replace (Rust decode attention vs the torch reference,
-#    oneDNN-prepacked vs F.linear), SmolLM2 shapes.
+#    Rust linear kernel vs oneDNN-prepacked vs F.linear), SmolLM2 shapes.
 $PY benches/cpu_kernels.py --json $OUT/cpu_kernels.json
 
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
