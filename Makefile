@@ -37,10 +37,11 @@ install: build
 test-rust:
 	cargo test --release -p rust_scheduler
 
-# loom model-checks the intake queue's wake-up protocol (bounded preemptions keep it fast).
+# loom model-checks the wake-up protocols of the intake queue and the CPU kernels' thread pool
+# (bounded preemptions keep it fast).
 test-loom:
 	RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom \
-	  cargo test --release -p rust_scheduler --test loom_intake
+	  cargo test --release -p rust_scheduler --test loom_intake --test loom_pool
 
 test-py: build
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -165,6 +165,8 @@ def summarize_run(name: str, base: str, cap: int, res: dict, reqs: list[Request]
         row["running_per_step"] = res["running"]
     if res.get("batch_rows"):
         row["rows_per_step"] = res["batch_rows"]
+    if res.get("step_times"):  # seconds between consecutive steps' sampled tokens
+        row["step_seconds"] = [round(t, 5) for t in res["step_times"]]
     return row
 
 

@@ -14,18 +14,88 @@
 //!   [`run`]: the caller returns only after `pending` is back to 0, i.e. after every worker has
 //!   finished with it, and workers read the job pointer only between seeing a new `epoch` and
 //!   decrementing `pending`.
-//! - No lost wake-up: a worker goes to sleep only after registering in `sleepers` and re-checking
-//!   `epoch` under `sleep_lock`; the caller bumps `epoch` before reading `sleepers`, and notifies
-//!   under `sleep_lock` (both sides SeqCst).
+//! - No lost wake-up, by the mutex alone: a worker re-checks `epoch` and registers as a sleeper
+//!   under `sleepers` (the mutex) and waits on `wake`, which releases it atomically; the caller
+//!   bumps `epoch` before it takes the same mutex to look for sleepers. Whichever takes the mutex
+//!   first, the worker either sees the new epoch or is counted and waiting when `notify_all` comes.
 //! - A panicking task does not leave the job dangling: every task runs under `catch_unwind`, the
 //!   caller still waits for all workers, then re-raises the panic on its own thread.
 
-use std::hint::spin_loop;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::AtomicBool;
-use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicUsize, Ordering::SeqCst};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::SeqCst};
+use sync::{spawn_worker, Arc, Condvar, Mutex, SpinClock};
+
+// Under `--cfg loom` (model check: `tests/loom_pool.rs`) the atomics, mutex, condvar and threads
+// come from loom, a poll yields to loom's scheduler, and the spin window is one poll, so the
+// model explores both the "still polling" and the "asleep" hand-offs.
+#[cfg(not(loom))]
+mod sync {
+    pub use std::sync::{atomic, Arc, Condvar, Mutex};
+    use std::time::Instant;
+
+    pub fn spawn_worker(index: usize, body: impl FnOnce() + Send + 'static) {
+        std::thread::Builder::new()
+            .name(format!("ferrobatch-cpu-{index}"))
+            .spawn(body)
+            .expect("spawning a CPU kernel worker thread");
+    }
+
+    /// Time since a worker's last job, checked every 256 polls.
+    pub struct SpinClock {
+        start: Instant,
+        polls: u32,
+    }
+
+    impl SpinClock {
+        pub fn start() -> SpinClock {
+            SpinClock {
+                start: Instant::now(),
+                polls: 0,
+            }
+        }
+        /// Polls once more; false once `window` has passed (or at once for a zero window).
+        pub fn keep_polling(&mut self, window: std::time::Duration) -> bool {
+            self.polls = self.polls.wrapping_add(1);
+            if window.is_zero() {
+                return false;
+            }
+            std::hint::spin_loop();
+            self.polls % 256 != 0 || self.start.elapsed() < window
+        }
+    }
+
+    pub fn pause() {
+        std::hint::spin_loop();
+    }
+}
+
+#[cfg(loom)]
+mod sync {
+    pub use loom::sync::{atomic, Arc, Condvar, Mutex};
+
+    pub fn spawn_worker(_index: usize, body: impl FnOnce() + Send + 'static) {
+        loom::thread::spawn(body);
+    }
+
+    pub struct SpinClock {
+        polled: bool,
+    }
+
+    impl SpinClock {
+        pub fn start() -> SpinClock {
+            SpinClock { polled: false }
+        }
+        pub fn keep_polling(&mut self, _window: std::time::Duration) -> bool {
+            loom::thread::yield_now();
+            !std::mem::replace(&mut self.polled, true)
+        }
+    }
+
+    pub fn pause() {
+        loom::thread::yield_now();
+    }
+}
 
 /// How long a worker keeps polling for the next job before it sleeps.
 pub const SPIN: Duration = Duration::from_micros(500);
@@ -42,8 +112,8 @@ struct Shared {
     pending: AtomicUsize,
     panicked: AtomicBool,
     shutdown: AtomicBool,
-    sleepers: AtomicUsize,
-    sleep_lock: Mutex<()>,
+    /// Workers waiting on `wake`.
+    sleepers: Mutex<usize>,
     wake: Condvar,
 }
 
@@ -63,16 +133,12 @@ impl Pool {
             pending: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
-            sleepers: AtomicUsize::new(0),
-            sleep_lock: Mutex::new(()),
+            sleepers: Mutex::new(0),
             wake: Condvar::new(),
         });
         for index in 1..=workers {
             let shared = Arc::clone(&shared);
-            std::thread::Builder::new()
-                .name(format!("ferrobatch-cpu-{index}"))
-                .spawn(move || worker_loop(&shared, index))
-                .expect("spawning a CPU kernel worker thread");
+            spawn_worker(index, move || worker_loop(&shared, index));
         }
         Pool {
             shared,
@@ -111,13 +177,12 @@ impl Pool {
         s.job.store(ptr, SeqCst);
         s.pending.store(self.workers, SeqCst);
         s.epoch.fetch_add(1, SeqCst);
-        if s.sleepers.load(SeqCst) > 0 {
-            let _lock = s.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
+        if *s.sleepers.lock().unwrap_or_else(|e| e.into_inner()) > 0 {
             s.wake.notify_all();
         }
         let mine = catch_unwind(AssertUnwindSafe(|| f(0)));
         while s.pending.load(SeqCst) != 0 {
-            spin_loop();
+            sync::pause();
         }
         s.job.store(std::ptr::null_mut(), SeqCst);
         let worker_panicked = s.panicked.swap(false, SeqCst);
@@ -137,7 +202,7 @@ impl Drop for Pool {
         let s = &*self.shared;
         s.shutdown.store(true, SeqCst);
         s.epoch.fetch_add(1, SeqCst);
-        let _lock = s.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _sleepers = s.sleepers.lock().unwrap_or_else(|e| e.into_inner());
         s.wake.notify_all();
     }
 }
@@ -147,23 +212,20 @@ fn worker_loop(s: &Shared, index: usize) {
     // must still take part in it.)
     let mut seen = 0;
     loop {
-        let start = Instant::now();
-        let mut polls = 0u32;
+        let mut clock = SpinClock::start();
         loop {
             if s.epoch.load(SeqCst) != seen {
                 break;
             }
-            polls = polls.wrapping_add(1);
-            if polls % 256 != 0 || start.elapsed() < SPIN {
-                spin_loop();
+            if clock.keep_polling(SPIN) {
                 continue;
             }
-            let mut lock = s.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
-            s.sleepers.fetch_add(1, SeqCst);
+            let mut sleepers = s.sleepers.lock().unwrap_or_else(|e| e.into_inner());
+            *sleepers += 1;
             while s.epoch.load(SeqCst) == seen {
-                lock = s.wake.wait(lock).unwrap_or_else(|e| e.into_inner());
+                sleepers = s.wake.wait(sleepers).unwrap_or_else(|e| e.into_inner());
             }
-            s.sleepers.fetch_sub(1, SeqCst);
+            *sleepers -= 1;
             break;
         }
         if s.shutdown.load(SeqCst) {
@@ -185,7 +247,7 @@ fn worker_loop(s: &Shared, index: usize) {
 /// The process-wide pool, sized on first use to `threads - 1` workers (later calls asking for
 /// more threads get at most that many: see [`Pool::max_tasks`]).
 pub fn global(threads: usize) -> &'static Pool {
-    static POOL: OnceLock<Pool> = OnceLock::new();
+    static POOL: std::sync::OnceLock<Pool> = std::sync::OnceLock::new();
     POOL.get_or_init(|| Pool::new(threads.max(available_threads()).saturating_sub(1)))
 }
 
@@ -194,7 +256,7 @@ pub fn available_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicU32;
