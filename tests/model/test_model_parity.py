@@ -21,7 +21,7 @@ NUM_BLOCKS = 512
 @pytest.fixture(scope="module", params=["torch", "cpu"])
 def runner(request, loaded_smollm2):
     """Both CPU attention backends: the torch reference and the Rust decode kernel (the model's
-    linear layers are oneDNN-prepacked by the first runner either way)."""
+    linear layers and norms are swapped for the Rust kernels by the first runner either way)."""
     return ModelRunner(loaded_smollm2, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
                        attn_backend=request.param)
 
