@@ -166,3 +166,7 @@ def linear_f32(
 def rms_norm_f32(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> None:
     """Each row of ``x`` ``[M, H]`` over its root mean square (+ eps) times ``weight`` ``[H]``,
     into ``out`` ``[M, H]`` (GIL released). float32, C-contiguous; ValueError on a shape mismatch."""
+
+def rotary_f32(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+    """Rotate-half RoPE of ``x`` ``[T, heads, D]`` in place with ``cos`` / ``sin`` ``[T, D]``
+    (GIL released), float32, C-contiguous; ValueError on a shape mismatch or odd D."""

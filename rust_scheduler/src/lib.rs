@@ -6,15 +6,16 @@
 //! (the scheduler's pyo3 bindings, behind the `python` feature).
 //! Beside the scheduler, the CPU kernels the Python model runner calls on every layer:
 //! `cpu_attention` (paged decode attention; binding `py_attention`), `cpu_linear` (linear layers
-//! over panel-packed weights) and `cpu_norm` (RMSNorm) (bindings `py_linear`). The first two
+//! over panel-packed weights) and `cpu_elementwise` (RMSNorm, RoPE) (bindings
+//! `py_linear`). The first two
 //! split their work over `cpu_pool`, the kernels' persistent thread pool.
 
 pub mod batch;
 pub mod block_pool;
 pub mod config;
 pub mod cpu_attention;
+pub mod cpu_elementwise;
 pub mod cpu_linear;
-pub mod cpu_norm;
 pub mod cpu_pool;
 pub mod error;
 pub mod intake;

@@ -1,13 +1,15 @@
-//! PyO3 bindings of the CPU linear-layer kernel (`cpu_linear`) and RMSNorm (`cpu_norm`): numpy views of torch CPU tensors
+//! PyO3 bindings of the CPU linear-layer kernel (`cpu_linear`) and the elementwise ops
+//! (`cpu_elementwise`): numpy views of torch CPU tensors
 //! in, the result written into `out` in place, GIL released while it runs.
 //!
 //! Every shape problem is a `ValueError` (checked by `LinearShape::validate` before any read);
 //! arrays must be C-contiguous float32.
 
+use crate::cpu_elementwise::{rms_norm_f32, rotary_f32};
 use crate::cpu_linear::{linear_f32, LinearShape, PANEL_WIDTH};
-use crate::cpu_norm::rms_norm_f32;
 use numpy::{
-    PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadwriteArray2, PyUntypedArrayMethods,
+    PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadwriteArray2, PyReadwriteArray3,
+    PyUntypedArrayMethods,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -85,5 +87,32 @@ pub fn py_rms_norm_f32(
     let out_c = out.is_c_contiguous();
     let out = c_contiguous("out", out_c, out.as_slice_mut())?;
     py.detach(|| rms_norm_f32(x, weight, eps, out))
+        .map_err(|e| PyValueError::new_err(e.0))
+}
+
+/// `rotary_f32(x, cos, sin)`: rotate-half RoPE of `x` `[T, heads, D]` in place, with `cos` /
+/// `sin` `[T, D]`. float32, C-contiguous.
+#[pyfunction]
+#[pyo3(name = "rotary_f32")]
+pub fn py_rotary_f32(
+    py: Python<'_>,
+    mut x: PyReadwriteArray3<'_, f32>,
+    cos: PyReadonlyArray2<'_, f32>,
+    sin: PyReadonlyArray2<'_, f32>,
+) -> PyResult<()> {
+    let (tokens, head_dim) = (x.shape()[0], x.shape()[2]);
+    if cos.shape() != [tokens, head_dim] || sin.shape() != cos.shape() {
+        return Err(PyValueError::new_err(format!(
+            "rotary: cos {:?} and sin {:?} must be [T, D] for x {:?}",
+            cos.shape(),
+            sin.shape(),
+            x.shape()
+        )));
+    }
+    let cos = c_contiguous("cos", cos.is_c_contiguous(), cos.as_slice())?;
+    let sin = c_contiguous("sin", sin.is_c_contiguous(), sin.as_slice())?;
+    let x_c = x.is_c_contiguous();
+    let x = c_contiguous("x", x_c, x.as_slice_mut())?;
+    py.detach(|| rotary_f32(x, head_dim, cos, sin))
         .map_err(|e| PyValueError::new_err(e.0))
 }

@@ -214,9 +214,12 @@ def test_pack_linear_layers_keeps_the_model_output(tied):
     torch.testing.assert_close(model.packed_lm_head(hidden), logits_before, rtol=1e-5, atol=1e-5)
 
 
-def test_rust_rms_norm_matches_the_model_norm():
-    from ferrobatch.model.llama import RMSNorm
-    from ferrobatch.runtime.cpu_norm import RustRMSNorm, swap_rms_norms
+def test_rust_elementwise_ops_match_the_model_modules():
+    from ferrobatch._scheduler import rms_norm_f32, rotary_f32
+    from ferrobatch.model.config import ModelConfig
+    from ferrobatch.model.llama import RMSNorm, SiluAndMul
+    from ferrobatch.model.rope import ApplyRotary, RotaryEmbedding
+    from ferrobatch.runtime.cpu_elementwise import RustApplyRotary, RustRMSNorm, swap_elementwise_ops
     gen = torch.Generator().manual_seed(5)
     for rows, hidden in ((1, 576), (7, 13), (300, 64)):
         norm = RMSNorm(hidden, 1e-5)
@@ -227,12 +230,34 @@ def test_rust_rms_norm_matches_the_model_norm():
     x3 = torch.randn(2, 3, 64, generator=gen)
     norm = RMSNorm(64, 1e-6)
     torch.testing.assert_close(RustRMSNorm(norm.weight, 1e-6)(x3), norm(x3), rtol=1e-5, atol=1e-5)
-    container = torch.nn.Sequential(RMSNorm(8, 1e-6), torch.nn.Sequential(RMSNorm(8, 1e-6)))
-    assert swap_rms_norms(container) == 2
-    assert swap_rms_norms(container) == 0
+    # RoPE on strided q / k views of a fused projection, at scattered positions
+    config = ModelConfig(arch="llama", vocab_size=50, hidden_size=64, intermediate_size=96,
+                         num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                         max_position_embeddings=4096)
+    tables = RotaryEmbedding(config).tables(torch.tensor([0, 5, 4095, 17]), torch.float32)
+    qkv = torch.randn(4, (4 + 2 + 2) * 16, generator=gen)
+    q, k = qkv[:, :64].view(4, 4, 16), qkv[:, 64:96].view(4, 2, 16)
+    before = qkv.clone()
+    want_q, want_k = ApplyRotary()(q, k, tables)
+    got_q, got_k = RustApplyRotary()(q, k, tables)
+    torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkv, before), "the inputs must not be rotated in place"
+    contiguous_q = q.contiguous()
+    RustApplyRotary()(contiguous_q, k.contiguous(), tables)
+    assert torch.equal(contiguous_q, q), "a contiguous input must not be rotated in place"
+    # the swap covers every kind, once
+    container = torch.nn.Sequential(RMSNorm(8, 1e-6), torch.nn.Sequential(SiluAndMul(), ApplyRotary()))
+    assert swap_elementwise_ops(container) == 2  # SiluAndMul stays in torch
+    assert swap_elementwise_ops(container) == 0
     with pytest.raises(TypeError, match="float32"):
         container[0](torch.randn(2, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match="do not match"):
-        from ferrobatch._scheduler import rms_norm_f32
         rms_norm_f32(np.ones((2, 8), np.float32), np.ones(4, np.float32), 1e-6,
                      np.empty((2, 8), np.float32))
+    with pytest.raises(ValueError, match="rotary"):
+        rotary_f32(np.ones((2, 1, 8), np.float32), np.ones((3, 8), np.float32),
+                   np.ones((3, 8), np.float32))
+    with pytest.raises(ValueError, match="even"):
+        rotary_f32(np.ones((2, 1, 7), np.float32), np.ones((2, 7), np.float32),
+                   np.ones((2, 7), np.float32))

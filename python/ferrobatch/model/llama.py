@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferrobatch.model.config import ModelConfig
-from ferrobatch.model.rope import RotaryEmbedding, apply_rotary
+from ferrobatch.model.rope import ApplyRotary, RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -30,6 +30,14 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class SiluAndMul(nn.Module):
+    """``silu(x[..., :I]) * x[..., I:]``: the SwiGLU activation on a fused gate/up output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
 class LlamaAttention(nn.Module):
     """GQA self-attention with fused QKV projection and RoPE."""
 
@@ -43,6 +51,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias, device=device, dtype=dtype)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, device=device, dtype=dtype)
+        self.rope = ApplyRotary()
 
     def forward(self, hidden, rope_tables, kv_cache, attn_meta, backend) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -50,7 +59,7 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, rope_tables)
+        q, k = self.rope(q, k, rope_tables)
         backend.write_kv(kv_cache, k, v, attn_meta)
         out = backend.forward(q, kv_cache, attn_meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -66,10 +75,10 @@ class LlamaMLP(nn.Module):
                                       device=device, dtype=dtype)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False,
                                    device=device, dtype=dtype)
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

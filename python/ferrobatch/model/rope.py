@@ -61,6 +61,14 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
+class ApplyRotary(nn.Module):
+    """:func:`apply_rotary` as a module, so a runtime can swap in a faster implementation."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor,
+                tables: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary(query, key, tables)
+
+
 def apply_rotary(query: torch.Tensor, key: torch.Tensor,
                  tables: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates ``query [T, Hq, D]`` and ``key [T, Hkv, D]`` with ``RotaryEmbedding.tables``."""

@@ -9,8 +9,8 @@ import torch
 
 from ferrobatch.runtime.attention import AttentionBackend, get_attention_backend
 from ferrobatch.runtime.attention.base import check_step_arrays
+from ferrobatch.runtime.cpu_elementwise import swap_elementwise_ops
 from ferrobatch.runtime.cpu_linear import pack_linear_layers, packing_unsupported
-from ferrobatch.runtime.cpu_norm import swap_rms_norms
 from ferrobatch.runtime.cpu_threads import torch_single_threaded
 from ferrobatch.runtime.kv_cache import KVCache
 
@@ -51,7 +51,7 @@ class ModelRunner:
         self.rust_linears = pack_weights and packing_unsupported(self.device, loaded.dtype) is None
         if self.rust_linears:
             num_packed = pack_linear_layers(self.model, self.kernel_threads)
-            swap_rms_norms(self.model)
+            swap_elementwise_ops(self.model)
             if getattr(self.attn_backend, "num_threads", 0) is None:
                 self.attn_backend.num_threads = self.kernel_threads
             logger.info("linear layers: %d prepacked for the Rust kernel, %d threads", num_packed,
