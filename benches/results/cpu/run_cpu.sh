@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The CPU measurements of README "Results", exactly as run on 2026-11-30 (one command each, in
-# this order). Run from the repository root on an otherwise idle machine; every table records
-# the 1-minute load average before each system.
+# The CPU measurements of README "Results", one command each, as run on 2026-11-30 (session 3
+# ran 3, 4, 1, then 3 again and 5 after the RoPE kernel; 2, the stub-model engine overhead, is
+# session 2's run). Run from the repository root on an otherwise idle machine; every table
+# records the 1-minute load average before each system.
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 OUT=benches/results/cpu
@@ -24,6 +25,11 @@ $PY benches/throughput.py --workload cpu-small \
 # 4. The CPU kernels against what they replace (Rust decode attention vs the torch reference,
 #    Rust linear kernel vs oneDNN-prepacked vs F.linear), SmolLM2 shapes.
 $PY benches/cpu_kernels.py --json $OUT/cpu_kernels.json
+
+# 5. The same serving workload through ferrobatch's three doors (OpenAI HTTP, WebSocket,
+#    msgpack/TCP) at 0.8 req/s, one door after another.
+$PY benches/serving.py --servers ferrobatch --doors http,ws,tcp --workload cpu-serve --num-prompts 16 \
+  --request-rates 0.8 --json $OUT/serving_cpu-serve_doors.json
 
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
