@@ -13,7 +13,7 @@
 //! reads each of its blocks once, all KV heads together (`[block_size, Hkv, D]` is contiguous).
 //! Softmax is the online (running max) form per block of keys, in f32, like flash-decoding.
 
-use std::fmt;
+use crate::cpu_error::KernelInputError;
 use std::sync::Mutex;
 
 /// Shapes of one decode-attention call.
@@ -28,20 +28,8 @@ pub struct DecodeShape {
     pub max_blocks_per_seq: usize,
 }
 
-/// A shape or index that would read outside the caller's buffers.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AttentionInputError(pub String);
-
-impl fmt::Display for AttentionInputError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for AttentionInputError {}
-
-fn bad(msg: String) -> Result<(), AttentionInputError> {
-    Err(AttentionInputError(msg))
+fn bad(msg: String) -> Result<(), KernelInputError> {
+    Err(KernelInputError(msg))
 }
 
 impl DecodeShape {
@@ -54,7 +42,7 @@ impl DecodeShape {
         block_tables: &[i32],
         ctx_lens: &[i32],
         out: &[f32],
-    ) -> Result<(), AttentionInputError> {
+    ) -> Result<(), KernelInputError> {
         let s = *self;
         if s.num_kv_heads == 0 || s.head_dim == 0 || s.block_size == 0 {
             return bad("num_kv_heads, head_dim and block_size must be positive".into());
@@ -115,7 +103,7 @@ pub fn paged_decode_attention_f32(
     out: &mut [f32],
     scale: f32,
     num_threads: usize,
-) -> Result<(), AttentionInputError> {
+) -> Result<(), KernelInputError> {
     run(
         shape,
         q,
@@ -143,7 +131,7 @@ fn run(
     scale: f32,
     num_threads: usize,
     allow_simd: bool,
-) -> Result<(), AttentionInputError> {
+) -> Result<(), KernelInputError> {
     shape.validate(q, k_cache, v_cache, block_tables, ctx_lens, out)?;
     if shape.num_seqs == 0 {
         return Ok(());

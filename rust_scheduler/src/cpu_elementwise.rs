@@ -2,15 +2,15 @@
 //! RMSNorm and the rotate-half RoPE. (SiLU-and-mul stays in torch: a polynomial-exp loop here
 //! measured 1.2-1.5x slower than torch's vectorized `silu` + `mul`.)
 //!
-//! Invariants checked before any read or write (a `LinearInputError` otherwise): every buffer
+//! Invariants checked before any read or write (a `KernelInputError` otherwise): every buffer
 //! holds whole rows of the widths its function names, and inputs and outputs agree on the row
 //! count. Single-threaded: a decode step's rows are a few KB, a prefill chunk's a few MB
 //! streamed once.
 
-use crate::cpu_linear::LinearInputError;
+use crate::cpu_error::KernelInputError;
 
-fn bad<T>(msg: String) -> Result<T, LinearInputError> {
-    Err(LinearInputError(msg))
+fn bad<T>(msg: String) -> Result<T, KernelInputError> {
+    Err(KernelInputError(msg))
 }
 
 /// Normalizes every row of `x` into `out`. Sums of squares are accumulated in f32 over 8 lanes
@@ -20,10 +20,10 @@ pub fn rms_norm_f32(
     weight: &[f32],
     eps: f32,
     out: &mut [f32],
-) -> Result<(), LinearInputError> {
+) -> Result<(), KernelInputError> {
     let hidden = weight.len();
     if hidden == 0 || x.len() % hidden != 0 || out.len() != x.len() {
-        return Err(LinearInputError(format!(
+        return Err(KernelInputError(format!(
             "rms_norm: x has {} elements and out {}, both must be whole rows of weight's {}",
             x.len(),
             out.len(),
@@ -57,7 +57,7 @@ pub fn rotary_f32(
     head_dim: usize,
     cos: &[f32],
     sin: &[f32],
-) -> Result<(), LinearInputError> {
+) -> Result<(), KernelInputError> {
     let rows = cos.len().checked_div(head_dim).unwrap_or(0);
     if head_dim == 0
         || head_dim % 2 != 0

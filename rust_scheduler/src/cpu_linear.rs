@@ -14,7 +14,7 @@
 //! (`cpu_pool`); a thread writes only its own
 //! columns of `out` (disjoint column ranges, so the threads never write the same element).
 
-use std::fmt;
+use crate::cpu_error::KernelInputError;
 
 /// Output columns per panel (two AVX2 vectors).
 pub const PANEL_WIDTH: usize = 16;
@@ -32,18 +32,6 @@ pub struct LinearShape {
     pub k: usize,
 }
 
-/// A shape that does not match the buffers it came with.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LinearInputError(pub String);
-
-impl fmt::Display for LinearInputError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for LinearInputError {}
-
 impl LinearShape {
     /// Panels in the packed weight.
     pub fn num_panels(&self) -> usize {
@@ -57,9 +45,9 @@ impl LinearShape {
         packed: &[f32],
         bias: &[f32],
         out: &[f32],
-    ) -> Result<(), LinearInputError> {
+    ) -> Result<(), KernelInputError> {
         if self.n == 0 || self.k == 0 {
-            return Err(LinearInputError(format!(
+            return Err(KernelInputError(format!(
                 "in and out features must be positive (got K={}, N={})",
                 self.k, self.n
             )));
@@ -71,13 +59,13 @@ impl LinearShape {
             ("out", out.len(), self.m * self.n),
         ] {
             if len != want {
-                return Err(LinearInputError(format!(
+                return Err(KernelInputError(format!(
                     "{name} has {len} elements, the shape needs {want}"
                 )));
             }
         }
         if !bias.is_empty() && bias.len() != self.n {
-            return Err(LinearInputError(format!(
+            return Err(KernelInputError(format!(
                 "bias has {} elements, expected {} (or none)",
                 bias.len(),
                 self.n
@@ -88,9 +76,9 @@ impl LinearShape {
 }
 
 /// Packs `W` `[n, k]` (row-major) into the panel layout of the module header.
-pub fn pack(w: &[f32], n: usize, k: usize) -> Result<Vec<f32>, LinearInputError> {
+pub fn pack(w: &[f32], n: usize, k: usize) -> Result<Vec<f32>, KernelInputError> {
     if w.len() != n * k {
-        return Err(LinearInputError(format!(
+        return Err(KernelInputError(format!(
             "weight has {} elements, [{n}, {k}] needs {}",
             w.len(),
             n * k
@@ -117,7 +105,7 @@ pub fn linear_f32(
     bias: &[f32],
     out: &mut [f32],
     num_threads: usize,
-) -> Result<(), LinearInputError> {
+) -> Result<(), KernelInputError> {
     run(shape, x, packed, bias, out, num_threads, true)
 }
 
@@ -130,7 +118,7 @@ fn run(
     out: &mut [f32],
     num_threads: usize,
     allow_simd: bool,
-) -> Result<(), LinearInputError> {
+) -> Result<(), KernelInputError> {
     shape.validate(x, packed, bias, out)?;
     if shape.m == 0 {
         return Ok(());

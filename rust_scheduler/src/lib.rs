@@ -8,13 +8,15 @@
 //! `cpu_attention` (paged decode attention; binding `py_attention`), `cpu_linear` (linear layers
 //! over panel-packed weights) and `cpu_elementwise` (RMSNorm, RoPE) (bindings
 //! `py_linear`). The first two
-//! split their work over `cpu_pool`, the kernels' persistent thread pool.
+//! split their work over `cpu_pool`, the kernels' persistent thread pool; all report bad input
+//! as `cpu_error::KernelInputError`.
 
 pub mod batch;
 pub mod block_pool;
 pub mod config;
 pub mod cpu_attention;
 pub mod cpu_elementwise;
+pub mod cpu_error;
 pub mod cpu_linear;
 pub mod cpu_pool;
 pub mod error;
