@@ -534,25 +534,7 @@ fn exp(x: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Tiny deterministic generator (tests only).
-    struct Lcg(u64);
-    impl Lcg {
-        fn next_f32(&mut self) -> f32 {
-            self.0 = self
-                .0
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        }
-        fn below(&mut self, n: usize) -> usize {
-            self.0 = self
-                .0
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((self.0 >> 33) as usize) % n
-        }
-    }
+    use crate::test_rng::Lcg;
 
     /// Naive two-pass softmax attention, in f64, over the same layout.
     fn reference(

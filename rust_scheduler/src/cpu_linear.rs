@@ -343,21 +343,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    struct Lcg(u64);
-
-    impl Lcg {
-        fn next_f32(&mut self) -> f32 {
-            self.0 = self
-                .0
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        }
-        fn vec(&mut self, len: usize) -> Vec<f32> {
-            (0..len).map(|_| self.next_f32()).collect()
-        }
-    }
+    use crate::test_rng::Lcg;
 
     /// out[i, j] = bias[j] + sum_k x[i, k] w[j, k], in f64.
     fn reference(x: &[f32], w: &[f32], bias: &[f32], m: usize, n: usize, k: usize) -> Vec<f64> {

@@ -26,6 +26,8 @@ pub mod prefix_cache;
 pub mod queue;
 pub mod request;
 pub mod scheduler;
+#[cfg(test)]
+mod test_rng;
 mod update;
 
 #[cfg(feature = "python")]
