@@ -261,3 +261,32 @@ def test_rust_elementwise_ops_match_the_model_modules():
     with pytest.raises(ValueError, match="even"):
         rotary_f32(np.ones((2, 1, 7), np.float32), np.ones((2, 7), np.float32),
                    np.ones((2, 7), np.float32))
+
+
+def test_runner_gives_the_cores_to_the_kernels_during_the_forward(loaded_smollm2):
+    """torch runs single-threaded inside the CPU forward, the kernels get the count torch had,
+    and torch's count is back afterwards."""
+    from step_builder import ToyScheduler
+
+    from ferrobatch.runtime.model_runner import ModelRunner
+    if packing_unsupported(torch.device("cpu"), torch.float32):
+        pytest.skip(packing_unsupported(torch.device("cpu"), torch.float32))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner = ModelRunner(loaded_smollm2, num_blocks=64, block_size=16, attn_backend="cpu")
+        assert runner.kernel_threads == 2 and runner.attn_backend.num_threads == 2
+        assert {m.num_threads for m in runner.model.modules() if isinstance(m, PanelLinear)} == {2}
+        seen = []
+        hook = runner.model.layers[0].register_forward_pre_hook(
+            lambda *_: seen.append(torch.get_num_threads()))
+        try:
+            sched = ToyScheduler(64, 16, token_budget=64)
+            sched.add(0, list(range(10, 30)), max_new_tokens=2)
+            runner.execute(sched.schedule())
+        finally:
+            hook.remove()
+        assert seen == [1]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
