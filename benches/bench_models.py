@@ -15,12 +15,11 @@ _TINY_DIRS: dict[tuple[int, int], str] = {}
 
 def materialize_tiny_hf_dir(seed: int = 0, num_layers: int = 2) -> str:
     """A tiny random Llama saved as a Hugging Face directory (config.json, safetensors, a
-    word-level tokenizer.json): both ferrobatch and transformers load these same weights."""
+    word-level, byte-level-decoded tokenizer.json): both ferrobatch and transformers load these same weights."""
     key = (seed, num_layers)
     if key in _TINY_DIRS:
         return _TINY_DIRS[key]
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     arch = dict(ARCHS["tiny"], num_hidden_layers=num_layers)
@@ -31,10 +30,7 @@ def materialize_tiny_hf_dir(seed: int = 0, num_layers: int = 2) -> str:
     d = tempfile.mkdtemp(prefix="ferrobatch-bench-tiny-")
     atexit.register(shutil.rmtree, d, True)
     model.save_pretrained(d)
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"w{i}": i for i in range(3, cfg.vocab_size)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = byte_level_word_backend(cfg.vocab_size, {"<pad>": 0, "<s>": 1, "</s>": 2})
     tok.save(os.path.join(d, "tokenizer.json"))
     with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
         json.dump({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}, f)
@@ -49,20 +45,36 @@ def model_ref(w: Workload) -> str:
     return w.model
 
 
-def word_level_tokenizer(vocab_size: int, bos_token_id: int | None, eos_token_id: int | None):
-    """A `tokenizers` word-level tokenizer covering every id of a random-weight model (token i
-    decodes to "w{i}"), wrapped in ferrobatch's Tokenizer. Detokenizing it is cheaper than BPE,
-    so this slightly favours the engine; it exists only because the engine refuses to serve a
-    model without a tokenizer and `random:<shape>` models (other than smollm2-135m) have none."""
+def byte_level_word_backend(vocab_size: int, specials: dict[str, int] | None = None):
+    """A `tokenizers` tokenizer covering every id < vocab_size: token i is the word " w{i}"
+    written as byte-level BPE writes it ("Ġw{i}"), decoded by the byte-level decoder. So it
+    detokenizes the way a real BPE vocabulary does (including the engine's token-byte-table fast
+    path) without needing merges. `specials`: name -> id, registered as special tokens."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import models, pre_tokenizers
 
+    specials = specials or {}
+    taken = set(specials.values())
+    vocab = dict(specials)
+    vocab.update({f"\u0120w{i}": i for i in range(vocab_size) if i not in taken})
+    backend = HFTokenizer(models.WordLevel(vocab, unk_token=next(iter(vocab))))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([      # " w12 w7" -> " w12", " w7"
+        pre_tokenizers.Split(Regex(" ?[^ ]+"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return backend
+
+
+def word_level_tokenizer(vocab_size: int, bos_token_id: int | None, eos_token_id: int | None):
+    """`byte_level_word_backend` wrapped in ferrobatch's Tokenizer: it exists only because the
+    engine refuses to serve a model without a tokenizer and `random:<shape>` models (other than
+    smollm2-135m) have none. Its per-token detokenization costs what a real BPE vocabulary's does
+    (a table look-up); only encoding text differs, and the benches send token ids."""
     from ferrobatch.model.tokenizer import Tokenizer
 
-    vocab = {f"w{i}": i for i in range(vocab_size)}
-    backend = HFTokenizer(models.WordLevel(vocab, unk_token="w0"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return Tokenizer(backend, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+    return Tokenizer(byte_level_word_backend(vocab_size), bos_token_id=bos_token_id,
+                     eos_token_id=eos_token_id)
 
 
 def ferrobatch_loaded_model(w: Workload):

@@ -13,7 +13,7 @@ Systems, each with N requests (8-token prompts, `ignore_eos`, greedy) all runnin
   hf-cb-1layer      transformers' ContinuousBatchingManager on the same one-layer weights.
 
 Per-step cost is measured differentially: run every request to L1 and to L2 output tokens
-(separate runs, same N); (T(L2) - T(L1)) / (L2 - L1) is the time of one decode step with N
+(separate runs, same N, alternating, `--repeat` times each; medians); (T(L2) - T(L1)) / (L2 - L1) is the time of one decode step with N
 running, with prefill, admission and start-up cancelled out. The stub's step is also broken down
 (schedule / runner / sampler / update / hand-off) by timing EngineCore's pieces directly.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -82,8 +83,10 @@ def num_blocks_for(n: int, max_len: int, block_size: int = 16) -> int:
 
 # -- ferrobatch --------------------------------------------------------------------------------
 
-def ferrobatch_time(model_dir: str, n: int, out_len: int, stub: bool) -> tuple[float, dict]:
-    """Wall time of LLM.generate for n requests of out_len tokens (engine already warm)."""
+def ferrobatch_times(model_dir: str, n: int, lengths: tuple[int, int], repeat: int,
+                     stub: bool) -> tuple[list[list[float]], dict]:
+    """Wall times of LLM.generate for n requests of each output length, on one warm engine,
+    the lengths alternating `repeat` times: ([times for lengths[0]], [times for lengths[1]])."""
     import ferrobatch.runtime.model_runner as mr
     from ferrobatch import LLM, SamplingParams
 
@@ -93,7 +96,7 @@ def ferrobatch_time(model_dir: str, n: int, out_len: int, stub: bool) -> tuple[f
     try:
         llm = LLM(model_dir, device="cpu", dtype="float32", max_num_seqs=n,
                   max_num_batched_tokens=max(512, n), enable_prefix_caching=False,
-                  num_blocks=num_blocks_for(n, PROMPT_LEN + out_len))
+                  num_blocks=num_blocks_for(n, PROMPT_LEN + max(lengths)))
     finally:
         mr.ModelRunner = real
     try:
@@ -102,17 +105,23 @@ def ferrobatch_time(model_dir: str, n: int, out_len: int, stub: bool) -> tuple[f
         params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0)
                   for r in warm]
         llm.generate([list(r.prompt_ids) for r in warm], params, use_tqdm=False)
-        reqs = make_requests(n, out_len, vocab)
-        params = [SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0.0)] * n
-        steps0 = llm.engine._loop_thread.num_steps
-        t0 = time.perf_counter()
-        outs = llm.generate([list(r.prompt_ids) for r in reqs], params, use_tqdm=False)
-        el = time.perf_counter() - t0
-        steps = llm.engine._loop_thread.num_steps - steps0
-        bad = [o for o in outs if len(o.outputs[0].token_ids) != out_len]
-        if bad:
-            raise RuntimeError(f"{len(bad)} requests generated the wrong number of tokens")
-        return el, {"steps": steps}
+        times: list[list[float]] = [[], []]
+        steps: list[int] = [0, 0]
+        for _ in range(repeat):
+            for k, out_len in enumerate(lengths):
+                reqs = make_requests(n, out_len, vocab)
+                params = [SamplingParams(max_tokens=out_len, ignore_eos=True,
+                                         temperature=0.0)] * n
+                steps0 = llm.engine._loop_thread.num_steps
+                t0 = time.perf_counter()
+                outs = llm.generate([list(r.prompt_ids) for r in reqs], params, use_tqdm=False)
+                times[k].append(time.perf_counter() - t0)
+                steps[k] = llm.engine._loop_thread.num_steps - steps0
+                bad = [o for o in outs if len(o.outputs[0].token_ids) != out_len]
+                if bad:
+                    raise RuntimeError(f"{len(bad)} requests generated the wrong number of "
+                                       "tokens")
+        return times, {"steps_short_run": steps[0], "steps_long_run": steps[1]}
     finally:
         llm.close()
 
@@ -169,7 +178,18 @@ def core_breakdown(model_dir: str, n: int, steps: int = 30) -> dict:
 
 # -- transformers ------------------------------------------------------------------------------
 
-def hf_time(model_dir: str, n: int, out_len: int) -> tuple[float, dict]:
+def hf_times(model_dir: str, n: int, lengths: tuple[int, int],
+             repeat: int) -> list[list[float]]:
+    """Like `ferrobatch_times`, for transformers' continuous batching (one manager per length:
+    its generation config carries max_new_tokens)."""
+    times: list[list[float]] = [[], []]
+    for _ in range(repeat):
+        for k, out_len in enumerate(lengths):
+            times[k].append(hf_time(model_dir, n, out_len))
+    return times
+
+
+def hf_time(model_dir: str, n: int, out_len: int) -> float:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.generation import ContinuousBatchingConfig
@@ -216,7 +236,7 @@ def hf_time(model_dir: str, n: int, out_len: int) -> tuple[float, dict]:
         finally:
             manager.stop(block=True, timeout=30)
             manager.destroy()
-    return el, {}
+    return el
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default="ferrobatch-stub,ferrobatch-1layer,hf-cb-1layer")
     ap.add_argument("--l1", type=int, default=16, help="short run's output tokens")
     ap.add_argument("--l2", type=int, default=80, help="long run's output tokens")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="timed runs per length (alternating); medians are used")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -242,18 +264,18 @@ def main(argv: list[str] | None = None) -> int:
         for system in args.systems.split(","):
             load = load_1min()
             extra: dict = {}
+            lengths = (args.l1, args.l2)
             if system == "hf-cb-1layer":
-                t1, _ = hf_time(model_dir, n, args.l1)
-                t2, _ = hf_time(model_dir, n, args.l2)
+                times = hf_times(model_dir, n, lengths, args.repeat)
             elif system in ("ferrobatch-stub", "ferrobatch-1layer"):
                 stub = system == "ferrobatch-stub"
-                t1, e1 = ferrobatch_time(model_dir, n, args.l1, stub)
-                t2, e2 = ferrobatch_time(model_dir, n, args.l2, stub)
-                extra = core_breakdown(model_dir, n) if stub else {}
-                extra["steps_long_run"] = e2.get("steps")
-                extra["steps_short_run"] = e1.get("steps")
+                times, extra = ferrobatch_times(model_dir, n, lengths, args.repeat, stub)
+                if stub:
+                    extra.update(core_breakdown(model_dir, n))
             else:
                 raise SystemExit(f"unknown system {system!r}")
+            t1, t2 = statistics.median(times[0]), statistics.median(times[1])
+            extra["t_short_all_s"], extra["t_long_all_s"] = times
             step_s = (t2 - t1) / (args.l2 - args.l1)
             row = {"system": system, "running": n, "t_short_s": t1, "t_long_s": t2,
                    "us_per_step": step_s * 1e6, "steps_per_s": 1.0 / step_s if step_s > 0 else None,
@@ -276,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(args.json, {
             "machine": {**info, "loadavg_1m_at_end": load_1min()},
-            "method": "differential: (T(L2) - T(L1)) / (L2 - L1), N requests all running",
+            "method": "differential: (T(L2) - T(L1)) / (L2 - L1), N requests all running; "
+                      f"T = median of {args.repeat} runs per length, lengths alternating",
+            "repeat": args.repeat,
             "l1": args.l1, "l2": args.l2, "prompt_len": PROMPT_LEN,
             "command": "python " + " ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
             "results": rows})

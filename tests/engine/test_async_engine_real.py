@@ -79,3 +79,24 @@ async def test_priority_policy_orders_waiting_requests(loaded_smollm2):
         await asyncio.gather(first, *later)
         assert finished == ["first", "high", "low"]
         await engine.check_idle_clean()
+
+
+def test_rows_all_finite_catches_one_bad_element_anywhere():
+    import torch
+
+    from ferrobatch.engine.core import rows_all_finite
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(37, 1000, generator=gen) * 30).to(dtype)
+        assert rows_all_finite(logits)
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            for _ in range(5):
+                r = int(torch.randint(37, (1,), generator=gen))
+                c = int(torch.randint(1000, (1,), generator=gen))
+                poisoned = logits.clone()
+                poisoned[r, c] = bad
+                assert not rows_all_finite(poisoned), (dtype, bad, r, c)
+    # finite values whose sum overflows: reported as "check exactly", never as finite-and-bad
+    huge = torch.full((2, 8), 3e38)
+    assert not rows_all_finite(huge) and bool(torch.isfinite(huge).all())

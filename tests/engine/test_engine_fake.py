@@ -198,3 +198,61 @@ async def test_ready_and_many_concurrent(fake_engine):
         assert text == want and ntok == len(want)
     await fake_engine.check_idle_clean()
     assert fake_engine.counters["length"] == 61
+
+
+# -- "final" consumers: deferred text, no per-step wake-ups ---------------------------------
+
+async def test_final_kind_defers_text_and_matches_streamed_text(fake_engine):
+    streamed = await run(fake_engine, "hello world", max_tokens=30, n=2, seed=3,
+                         temperature=1.0, output_kind="cumulative")
+    final = await run(fake_engine, "hello world", max_tokens=30, n=2, seed=3,
+                      temperature=1.0, output_kind="final")
+    assert len(final) == 1
+    for a, b in zip(streamed[-1].outputs, final[0].outputs):
+        assert a.text == b.text and a.token_ids == b.token_ids and len(b.token_ids) == 30
+        assert b.text == "".join(chr(t) for t in b.token_ids)
+
+
+async def test_final_consumer_is_woken_once(fake_engine):
+    stream = fake_engine.add_request("abc", SamplingParams(max_tokens=40, output_kind="final"))
+    state = stream._state
+    assert state.defer_text
+    sets = []
+    real_set = state.event.set
+    state.event.set = lambda: (sets.append(1), real_set())
+    outs = [o async for o in stream]
+    assert len(outs) == 1 and len(outs[0].outputs[0].token_ids) == 40
+    assert len(sets) == 1                       # woken at its finish, not on each of 40 steps
+    assert state.seqs[0].num_detokenized == 40
+
+
+async def test_aborted_final_request_carries_its_text(fake_engine):
+    stream = fake_engine.add_request("x" * 10, SamplingParams(max_tokens=200,
+                                                              output_kind="final"), "fin")
+    while not stream._state.seqs[0].token_ids:
+        await asyncio.sleep(0.001)
+    assert fake_engine.abort("fin")
+    outs = [o async for o in stream]
+    out = outs[-1].outputs[0]
+    assert out.finish_reason == "abort" and out.token_ids
+    assert out.text == "".join(chr(t) for t in out.token_ids)
+    await fake_engine.check_idle_clean()
+
+
+async def test_deferred_detokenizer_failure_fails_one_request(fake_engine):
+    bad = fake_engine.add_request("abcdef", SamplingParams(max_tokens=20, output_kind="final"))
+    good = fake_engine.add_request("abcdef", SamplingParams(max_tokens=5, output_kind="final"))
+
+    class Boom:
+        def add_many(self, ids):
+            raise UnicodeDecodeError("utf-8", b"", 0, 1, "boom")
+
+    bad._state.seqs[0].detok = Boom()
+    bad_outs = [o async for o in bad]
+    good_outs = [o async for o in good]
+    assert bad_outs[-1].outputs[0].finish_reason == "error"
+    assert "detokenization failed" in bad_outs[-1].error
+    assert len(bad_outs[-1].outputs[0].token_ids) == 20      # the tokens are not lost
+    assert good_outs[-1].outputs[0].text == "abcde"
+    await fake_engine.check_idle_clean()
+    assert fake_engine.is_running and fake_engine.counters["error"] == 1

@@ -148,3 +148,109 @@ def test_tokenizer_json_path_agrees_with_gguf_path(tokenizer, tmp_path):
         assert from_json.encode(case["text"]) == case["ids_parse_special"]
     messages = [{"role": "user", "content": "2+2?"}]
     assert from_json.apply_chat_template(messages) == tokenizer.apply_chat_template(messages)
+
+
+# -- the token byte table (fast incremental detokenization) ----------------------------------
+
+class _WithoutByteTable:
+    """The same tokenizer, seen without its byte table: forces the general detokenizer."""
+
+    def __init__(self, tokenizer):
+        self._t = tokenizer
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self._t.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _stream(detok, ids):
+    steps = [detok.add(i) for i in ids]
+    return [s.text for s in steps], [s.stopped for s in steps], detok.flush()
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_byte_table_is_proven_for_the_shipped_tokenizer(tokenizer, skip):
+    table = tokenizer.token_byte_table(skip)
+    assert table is not None and len(table) == tokenizer.vocab_size
+    assert table is tokenizer.token_byte_table(skip)          # built once
+    end = tokenizer.backend.token_to_id("<|im_end|>")
+    assert table[end] == (b"" if skip else b"<|im_end|>")
+    assert table[tokenizer.encode(" hello")[0]] == b" hello"
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("skip", [True, False])
+def test_fast_detokenizer_matches_the_general_one_on_random_ids(tokenizer, seed, skip):
+    # random ids hit partial UTF-8 byte tokens, special tokens and invalid byte runs
+    import random
+    rng = random.Random(seed)
+    vocab = tokenizer.vocab_size
+    ids = [rng.randrange(vocab) for _ in range(200)]
+    # and runs of single-byte tokens that split multi-byte characters in every way
+    ids += tokenizer.encode("東京 🦀 naïve") + [rng.randrange(vocab) for _ in range(50)]
+    stop = [tokenizer.decode(ids[100:103], skip_special_tokens=skip)[:3] or "zz"]
+    fast = IncrementalDetokenizer(tokenizer, stop=stop, skip_special_tokens=skip)
+    slow = IncrementalDetokenizer(_WithoutByteTable(tokenizer), stop=stop,
+                                  skip_special_tokens=skip)
+    assert fast._utf8 is not None and slow._utf8 is None
+    # the same text and the same stop; only *when* an invalid byte's U+FFFD is released may differ
+    # (the general path holds a trailing U+FFFD back one token, the byte table need not)
+    (fp, fs, ft), (sp, ss, st) = _stream(fast, ids), _stream(slow, ids)
+    assert "".join(fp) + ft == "".join(sp) + st
+    assert any(fs) == any(ss)
+    whole = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+    pieces, _, tail = _stream(whole, ids)
+    assert "".join(pieces) + tail == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("text", ["Hello, world! 🚀🚀 東京タワー", "emoji 👩‍💻 zwj 🦀", "a\n\tb  c"])
+def test_fast_detokenizer_is_never_later_than_the_general_one(tokenizer, text):
+    ids = tokenizer.encode(text)
+    stop = ["タワ"]
+    fp, fs, ft = _stream(IncrementalDetokenizer(tokenizer, stop=stop), ids)
+    sp, ss, st = _stream(IncrementalDetokenizer(_WithoutByteTable(tokenizer), stop=stop), ids)
+    assert "".join(fp) + ft == "".join(sp) + st and fs == ss
+    assert all("\ufffd" not in p for p in fp)
+    for k in range(len(ids)):              # after every token, at least as much text is out
+        assert "".join(fp[:k + 1]).startswith("".join(sp[:k + 1]))
+
+
+def test_byte_table_refused_for_a_non_byte_level_decoder():
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    from ferrobatch.model.token_bytes import build_token_byte_table
+
+    backend = HFTokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    backend.decoder = decoders.Metaspace()
+    assert build_token_byte_table(backend, True) is None
+
+
+def test_byte_table_refused_when_a_token_disagrees_with_decode():
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    from ferrobatch.model.token_bytes import build_token_byte_table
+
+    vocab = {"a": 0, "Ġb": 1}
+    backend = HFTokenizer(models.BPE(vocab, []))
+    backend.decoder = decoders.ByteLevel()
+    assert build_token_byte_table(backend, True) == [b"a", b" b"]
+    backend.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)])
+    assert build_token_byte_table(backend, True) is None      # not plain byte-level
+
+
+@pytest.mark.parametrize("general", [False, True])
+def test_add_many_equals_the_joined_pieces(tokenizer, general):
+    import random
+    rng = random.Random(7)
+    ids = tokenizer.encode("Prefix 東京 🦀 x") + [rng.randrange(tokenizer.vocab_size)
+                                                   for _ in range(120)]
+    tok = _WithoutByteTable(tokenizer) if general else tokenizer
+    one = IncrementalDetokenizer(tok, prompt_token_ids=[42, 43])
+    joined = "".join(one.add(i).text for i in ids) + one.flush()
+    many = IncrementalDetokenizer(tok, prompt_token_ids=[42, 43])
+    chunks = [ids[:5], ids[5:6], [], ids[6:70], ids[70:]]
+    assert "".join(many.add_many(c) for c in chunks) + many.flush() == joined
+    assert joined == tokenizer.decode(ids)
+    with pytest.raises(ValueError):
+        IncrementalDetokenizer(tok, stop=["x"]).add_many(ids)

@@ -318,9 +318,10 @@ class AsyncEngine:
                 elif st.last_token_time is not None:
                     itls.append(now - st.last_token_time)
                 st.last_token_time = now
-            st.event.set()
             if st.all_terminal:
-                self._release(st, now)
+                self._release(st, now)          # sets the event
+            elif st.wants_wakeup():
+                st.event.set()
         if num_tokens:
             for o in self._observers:
                 o.on_step_tokens(num_tokens, itls)

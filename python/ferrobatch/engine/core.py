@@ -37,6 +37,13 @@ class StepResult:
     failed_req_ids: list[int] = field(default_factory=list)   # e.g. non-finite logits
 
 
+def rows_all_finite(logits: torch.Tensor) -> bool:
+    """True when every logit is finite. A NaN or an infinity anywhere in a row makes that row's
+    sum non-finite, so one reduction (~20x cheaper than `isfinite` on CPU) proves the common
+    case; only a non-finite sum (a bad row, or a finite overflow) needs the exact check."""
+    return bool(torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)).all())
+
+
 def _torch_dtype(name: str | None) -> Any:
     if name is None:
         return None
@@ -83,6 +90,9 @@ class EngineCore:
             loaded = load_model(config.model, device=device, dtype=_torch_dtype(config.dtype))
         if loaded.tokenizer is None:
             raise ValueError(f"model {config.model!r} has no tokenizer; it cannot be served")
+        build_table = getattr(loaded.tokenizer, "token_byte_table", None)
+        if build_table is not None:
+            build_table(True)     # the detokenizer's fast path, built and checked up front
         device = str(loaded.device)
         mcfg = loaded.config
         max_model_len = min(int(mcfg.max_position_embeddings), DEFAULT_MAX_MODEL_LEN)
@@ -182,8 +192,8 @@ class EngineCore:
         failed: list[int] = []
         if batch.num_samples > 0:
             logits = self.runner.execute(batch)
-            finite = torch.isfinite(logits).all(dim=-1)
-            if not bool(finite.all()):
+            if not rows_all_finite(logits):
+                finite = torch.isfinite(logits).all(dim=-1)
                 failed = self._fail_rows(batch, finite)
                 logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
             sampled = self.sampler.sample(logits, batch, extras).token_ids

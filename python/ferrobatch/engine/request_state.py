@@ -7,6 +7,9 @@ Invariants:
   ends at once and tokens that still arrive for it are dropped; the scheduler is told to abort it.
 - Text goes through the incremental detokenizer, which holds back any suffix that could be the
   start of a stop string, so no prefix of a stop string ever reaches a stream.
+- A request whose consumer sees only the final output and that has no stop strings defers its
+  text (`defer_text`): tokens are only appended per step and detokenized in one call when the
+  text is next needed (its finish, or an output being built). Same text, one call per request.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ FINISH_NAMES = {1: "stop", 2: "length", 3: "abort", 4: "error"}
 
 class SeqState:
     __slots__ = ("index", "detok", "token_ids", "text", "sent_tokens", "sent_text",
-                 "finish_reason", "stop_reason", "terminal", "reported")
+                 "finish_reason", "stop_reason", "terminal", "reported", "num_detokenized")
 
     def __init__(self, index: int, detok: Any) -> None:
         self.index = index
@@ -35,6 +38,7 @@ class SeqState:
         self.stop_reason: str | int | None = None
         self.terminal = False         # the scheduler reported this sequence's terminal event
         self.reported = False         # the consumer has seen the finish
+        self.num_detokenized = 0      # token_ids[:num_detokenized] are in `text` (defer_text)
 
 
 class RequestState:
@@ -43,7 +47,7 @@ class RequestState:
     __slots__ = ("req_id", "request_id", "prompt", "prompt_token_ids", "params", "max_tokens",
                  "seqs", "event", "num_terminal", "abort_sent", "error", "arrival_time",
                  "scheduled_time", "first_token_time", "last_token_time", "finish_time",
-                 "num_generated", "final_emitted", "extras")
+                 "num_generated", "final_emitted", "extras", "defer_text")
 
     def __init__(self, req_id: int, request_id: str, prompt: str | None,
                  prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
@@ -67,6 +71,7 @@ class RequestState:
         self.num_generated = 0
         self.final_emitted = False
         self.extras: Any = None       # the sampler's per-request extras, when it needs them
+        self.defer_text = params.output_kind == "final" and not params.stop
 
     # -- events from the step hand-off ---------------------------------------------------------
 
@@ -77,7 +82,10 @@ class RequestState:
             return False                  # locally finished: the abort is on its way
         seq.token_ids.append(token)
         self.num_generated += 1
+        if self.defer_text:
+            return False
         step = seq.detok.add(token)
+        seq.num_detokenized += 1
         if step.text:
             seq.text += step.text
         if step.stopped:
@@ -109,7 +117,14 @@ class RequestState:
             return                        # it already ended locally (stop string, error)
         reason = FINISH_NAMES.get(code, "error")
         if reason in ("stop", "length"):
-            tail = seq.detok.flush()      # text held back for a stop string that never came
+            try:
+                self._catch_up_text(seq)
+                tail = seq.detok.flush()  # text held back for a stop string that never came
+            except Exception as exc:  # noqa: BLE001 - a detokenizer failure fails this request
+                seq.finish_reason = "error"
+                if self.error is None:
+                    self.error = f"detokenization failed: {exc}"
+                return
             if tail:
                 seq.text += tail
             if reason == "stop" and seq.token_ids:
@@ -119,6 +134,13 @@ class RequestState:
         seq.finish_reason = reason
         if reason == "error" and self.error is None:
             self.error = message or "the request failed in the engine"
+
+    def _catch_up_text(self, seq: SeqState) -> None:
+        """Detokenize the tokens a deferred sequence has not turned into text yet."""
+        if seq.num_detokenized < len(seq.token_ids):
+            pending = seq.token_ids[seq.num_detokenized:]
+            seq.num_detokenized = len(seq.token_ids)
+            seq.text += seq.detok.add_many(pending)
 
     @property
     def all_terminal(self) -> bool:
@@ -130,12 +152,30 @@ class RequestState:
 
     # -- what the consumer sees ----------------------------------------------------------------
 
+    def wants_wakeup(self) -> bool:
+        """Whether the consumer could see something new: a "final" consumer only cares once
+        every sequence has finished, so waking it every step would cost a task switch for
+        nothing (hundreds per step in offline batches)."""
+        if self.params.output_kind != "final":
+            return True
+        for s in self.seqs:
+            if s.finish_reason is None:
+                return False
+        return True
+
     def build_output(self) -> RequestOutput | None:
         """Everything new since the last call, shaped by `params.output_kind`; None if nothing."""
         kind = self.params.output_kind
         finished = self.user_finished
         if self.final_emitted or (kind == "final" and not finished):
             return None
+        if self.defer_text:
+            for s in self.seqs:
+                try:
+                    self._catch_up_text(s)
+                except Exception as exc:  # noqa: BLE001 - the text is lost, the tokens are not
+                    if self.error is None:
+                        self.error = f"detokenization failed: {exc}"
         changed = [len(s.token_ids) != s.sent_tokens or len(s.text) != s.sent_text
                    or (s.finish_reason is not None and not s.reported) for s in self.seqs]
         if not any(changed):

@@ -1,26 +1,36 @@
 """Incremental detokenization for streaming, with stop-string hold-back.
 
-Uses the prefix/read-offset scheme: each new token is decoded together with a few previous ones,
-and text is released only once it no longer ends in an incomplete UTF-8 sequence (U+FFFD). Text
-that could be the beginning of a stop string is held back until it is disambiguated.
+Two ways to turn tokens into text, same result:
+- byte-level BPE tokenizers with a proven token byte table (``Tokenizer.token_byte_table``): each
+  token's bytes go through an incremental UTF-8 decoder, which holds an incomplete character
+  until its last byte arrives — one table look-up per token, no call into the tokenizer;
+- any other tokenizer: the prefix/read-offset scheme, where each new token is decoded together with
+  a few previous ones and text is released only once it no longer ends in an incomplete UTF-8
+  sequence (U+FFFD).
+Text that could be the beginning of a stop string is held back until it is disambiguated.
 """
 
 from __future__ import annotations
 
+import codecs
+
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 _PROMPT_CONTEXT_TOKENS = 6
 _REPLACEMENT_CHAR = "\ufffd"
 
 
-@dataclass(frozen=True)
-class DetokenizerStep:
+class DetokenizerStep(NamedTuple):
     """What one token adds: ``text`` is safe to emit now; ``stopped`` means a stop string completed
-    (``text`` then ends right before it)."""
+    (``text`` then ends right before it). A tuple: one is made per generated token."""
 
     text: str
     stopped: bool = False
+
+
+_NOTHING = DetokenizerStep("")
+_STOPPED = DetokenizerStep("", True)
 
 
 class IncrementalDetokenizer:
@@ -30,6 +40,9 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        table_of = getattr(tokenizer, "token_byte_table", None)
+        self._byte_table = table_of(skip_special_tokens) if table_of is not None else None
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self._byte_table else None
         self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -48,6 +61,13 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def _decode_new_text(self, final: bool) -> str:
+        if self._utf8 is not None:
+            if final:
+                return self._utf8.decode(b"", True)
+            token_id = self._ids[-1]
+            table = self._byte_table
+            piece = table[token_id] if 0 <= token_id < len(table) else b""
+            return self._utf8.decode(piece, False)
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset:])
         if len(new_text) <= len(prefix_text) or (new_text.endswith(_REPLACEMENT_CHAR) and not final):
@@ -68,11 +88,15 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> DetokenizerStep:
         """Adds one generated token; returns the text that became safe to emit."""
         if self._stopped:
-            return DetokenizerStep("", True)
+            return _STOPPED
         self._ids.append(int(token_id))
         delta = self._decode_new_text(final=False)
         if not delta:
-            return DetokenizerStep("")
+            return _NOTHING
+        if not self._stop:                 # nothing to hold back: all new text is safe
+            self._text += delta
+            self._emitted = len(self._text)
+            return DetokenizerStep(delta)
         search_from = max(self._emitted, len(self._text) - self._max_stop_len + 1)
         self._text += delta
         if self._stop:
@@ -87,6 +111,24 @@ class IncrementalDetokenizer:
         piece = self._text[self._emitted:safe_end]
         self._emitted = safe_end
         return DetokenizerStep(piece)
+
+    def add_many(self, token_ids: Sequence[int]) -> str:
+        """Adds several tokens at once and returns their text (for a detokenizer without stop
+        strings: a consumer that only wants the final text). Equal to joining ``add``'s pieces."""
+        if self._stop:
+            raise ValueError("add_many is for detokenizers without stop strings")
+        if not token_ids:
+            return ""
+        if self._utf8 is not None:
+            table, size = self._byte_table, len(self._byte_table)
+            data = b"".join(table[t] if 0 <= t < size else b"" for t in token_ids)
+            delta = self._utf8.decode(data, False)
+        else:
+            self._ids.extend(int(t) for t in token_ids)
+            delta = self._decode_new_text(final=False)
+        self._text += delta
+        self._emitted = len(self._text)
+        return delta
 
     def flush(self) -> str:
         """Releases held-back text (and any trailing partial character) when the sequence ends."""

@@ -62,6 +62,7 @@ class Tokenizer:
     ) -> None:
         self._backend = backend
         self._plain_text_backend: HFTokenizer | None = None  # specials encoded as text; built lazily
+        self._byte_tables: dict[bool, list[bytes] | None] = {}  # skip_special_tokens -> table
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.add_bos_token = add_bos_token
@@ -147,6 +148,15 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_byte_table(self, skip_special_tokens: bool = True) -> list[bytes] | None:
+        """Each id's bytes in a decode (see ``token_bytes``), or None when this tokenizer is not
+        plain byte-level BPE; built and checked against ``decode`` on first use, then cached."""
+        key = bool(skip_special_tokens)
+        if key not in self._byte_tables:
+            from ferrobatch.model.token_bytes import build_token_byte_table
+            self._byte_tables[key] = build_token_byte_table(self._backend, key)
+        return self._byte_tables[key]
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of one id."""

@@ -186,7 +186,7 @@ class Sampler:
     def _with_logprobs(self, tokens: torch.Tensor, raw_logits: torch.Tensor, batch,
                        extras: Mapping[int, RequestExtras]) -> SamplerOutput:
         wanted = [extras[int(r)].logprobs for r in batch.sample_req_ids
-                  if int(r) in extras and extras[int(r)].logprobs is not None]
+                  if int(r) in extras and extras[int(r)].logprobs is not None] if extras else []
         token_ids = tokens.to(torch.int32).cpu().numpy()
         if not wanted:
             return SamplerOutput(token_ids=token_ids)
