@@ -290,3 +290,29 @@ def test_runner_gives_the_cores_to_the_kernels_during_the_forward(loaded_smollm2
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_prefill_attention_gets_the_kernel_threads_back(monkeypatch):
+    # inside the forward torch is single-threaded; the one long reference op, prefill attention,
+    # runs on the kernels' thread count, and the count is restored after it
+    import ferrobatch.runtime.attention.cpu as cpu_backend
+
+    seen = []
+    real = cpu_backend.attend_groups
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_backend, "attend_groups", recording)
+    backend = CpuPagedBackend(block_size=BLOCK_SIZE, num_threads=2)
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    with torch_single_threaded():
+        for batch in _mixed_batch(0):
+            meta = backend.build_metadata(batch, "cpu")
+            query = torch.randn(batch.num_tokens, NUM_HEADS, HEAD_DIM)
+            got = backend.forward(query, cache, meta, HEAD_DIM ** -0.5)
+            want = _naive_attention(query, cache, batch, HEAD_DIM ** -0.5)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert torch.get_num_threads() == 1
+    assert seen and all(n == 2 for n in seen)

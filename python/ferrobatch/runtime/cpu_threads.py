@@ -10,7 +10,9 @@ had to the kernels.
 Measured on the 2-core dev VM (SmolLM2, one 256-token prefill step): letting torch keep its two
 threads and the workers sleep after every call instead was slower in every part: 705-754 ms
 against 656-674 ms, the norms and RoPE themselves 1.4-1.7x slower on two threads; only the
-reference prefill attention gained (~91 vs ~110 ms).
+reference prefill attention gained (~91 vs ~110 ms). So that one op gets the kernels' threads
+back (``torch_threads``, in the CPU attention backend) while the pool's workers idle: it is one
+long call, where the workers' few hundred microseconds of polling do not matter.
 """
 
 from __future__ import annotations
@@ -22,14 +24,19 @@ import torch
 
 
 @contextmanager
-def torch_single_threaded() -> Iterator[None]:
-    """torch's intra-op thread count is 1 inside, restored after (also on error)."""
+def torch_threads(num_threads: int) -> Iterator[None]:
+    """torch's intra-op thread count is ``num_threads`` inside, restored after (also on error)."""
     before = torch.get_num_threads()
-    if before == 1:
+    if before == num_threads:
         yield
         return
-    torch.set_num_threads(1)
+    torch.set_num_threads(num_threads)
     try:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def torch_single_threaded():
+    """torch's intra-op thread count is 1 inside, restored after (also on error)."""
+    return torch_threads(1)

@@ -5,7 +5,10 @@ sequence's K/V into a padded copy before ``scaled_dot_product_attention``; here 
 (``ferrobatch._scheduler.paged_decode_attention_f32``, source ``rust_scheduler/src/cpu_attention.rs``)
 reads each block in place through the block table with an online softmax, splitting the
 (sequence, KV head) pairs over torch's intra-op thread count. Prefill chunks keep the reference
-path (compute-bound, and its padding is small there). float32 only: other dtypes use "torch".
+path (compute-bound, and its padding is small there), run on the kernels' thread count although
+the forward otherwise keeps torch single-threaded: a plain-Rust tiled prefill kernel was tried and
+reached 20-29 GFLOP/s on two threads, below SDPA's ~32 on one. float32 only: other dtypes use
+"torch".
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from ferrobatch.runtime.attention.torch_ref import (
     TorchRefMetadata,
     attend_groups,
 )
+from ferrobatch.runtime.cpu_threads import torch_threads
 
 
 @dataclass
@@ -92,7 +96,9 @@ class CpuPagedBackend(TorchReferenceBackend):
                          rows.block_tables, rows.ctx_lens, out.numpy(), float(scale), threads)
             return out
         out = query.new_empty(num_tokens + 1, num_heads, head_dim)
-        attend_groups(query, kv_cache, meta.groups, scale, out)
+        if meta.groups:    # prefill chunks: torch's SDPA, on the kernels' threads (cpu_threads.py)
+            with torch_threads(threads):
+                attend_groups(query, kv_cache, meta.groups, scale, out)
         if rows is not None:
             q = query.index_select(0, rows.token_index)
             o = torch.empty_like(q)
