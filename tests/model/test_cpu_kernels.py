@@ -292,10 +292,13 @@ def test_runner_gives_the_cores_to_the_kernels_during_the_forward(loaded_smollm2
         torch.set_num_threads(before)
 
 
-def test_prefill_attention_gets_the_kernel_threads_back(monkeypatch):
+@pytest.mark.parametrize("threshold,want_threads", [(0, 2), (1 << 40, 1)])
+def test_prefill_attention_gets_the_kernel_threads_back(monkeypatch, threshold, want_threads):
     # inside the forward torch is single-threaded; the one long reference op, prefill attention,
-    # runs on the kernels' thread count, and the count is restored after it
+    # runs on the kernels' thread count when it is big enough, and the count is restored after it
     import ferrobatch.runtime.attention.cpu as cpu_backend
+
+    monkeypatch.setattr(cpu_backend, "THREADED_PREFILL_PAIRS", threshold)
 
     seen = []
     real = cpu_backend.attend_groups
@@ -315,4 +318,4 @@ def test_prefill_attention_gets_the_kernel_threads_back(monkeypatch):
             want = _naive_attention(query, cache, batch, HEAD_DIM ** -0.5)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             assert torch.get_num_threads() == 1
-    assert seen and all(n == 2 for n in seen)
+    assert seen and all(n == want_threads for n in seen)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The CPU measurements of README "Results", one command each, as run on 2026-11-30 (session 3
-# ran 3, 4, 1, then 3 again and 5 after the RoPE kernel; 2, the stub-model engine overhead, is
-# session 2's run). Run from the repository root on an otherwise idle machine; every table
-# records the 1-minute load average before each system.
+# ran 3, 4, 1, then 3 again and 5 after the RoPE kernel; session 4 ran 2 after the engine's
+# hand-off cuts, then 6 and 7). Run from the repository root on an otherwise idle machine; every
+# table records the 1-minute load average before each system.
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 OUT=benches/results/cpu
@@ -30,6 +30,14 @@ $PY benches/cpu_kernels.py --json $OUT/cpu_kernels.json
 #    msgpack/TCP) at 0.8 req/s, one door after another.
 $PY benches/serving.py --servers ferrobatch --doors http,ws,tcp --workload cpu-serve --num-prompts 16 \
   --request-rates 0.8 --json $OUT/serving_cpu-serve_doors.json
+
+# 6. The four headline systems of 3 again, after session 4's engine changes (a shorter rerun).
+$PY benches/throughput.py --workload cpu-small \
+  --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous \
+  --json $OUT/throughput_cpu-small_rerun.json
+
+# 7. Time to first token of one long prompt (512-token prefill chunks), and its attention share.
+$PY benches/prefill_latency.py --lengths 256,1024,2048
 
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
