@@ -13,7 +13,9 @@ streaming `POST /v1/completions` with token-id prompts, `max_tokens` = its outpu
 chunk with choices; ITL = every later inter-chunk gap; TPOT = (e2e - ttft) / (tokens - 1); E2EL;
 output tokens from the usage chunk. `--doors http,ws,tcp` also measures ferrobatch's WebSocket and
 msgpack/TCP doors (through `ferrobatch.client`, one multiplexed connection, `delta` messages play
-the part of chunks). Servers:
+the part of chunks). Every (door, rate) run sends prompts no earlier run of the invocation sent
+(`workloads.fresh_prompts`: same lengths, token ids rotated), so a prefix cache cannot serve one
+run from another's blocks; all servers get the same prompts per run. Servers:
   ferrobatch  `python -m ferrobatch serve` (SmolLM2 on CPU)
   hf          benches/hf_server.py: transformers' ContinuousBatchingManager behind the same API
 """
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
 
 from common import REPO, load_1min, machine_info, write_json
-from workloads import WORKLOADS, Request, build_requests, summarize
+from workloads import WORKLOADS, Request, build_requests, fresh_prompts, summarize
 
 PY = sys.executable
 
@@ -320,16 +322,21 @@ async def bench_server(name: str, base: str, reqs: list[Request], rates: list[fl
     url = base + args.endpoint
     model = await model_name(base, args.model)
     out = []
-    for door in doors:
+    w = WORKLOADS[args.workload]
+    for d, door in enumerate(doors):
         client = None if door == "http" else await open_door(door, base, tcp_port)
         label = name if door == "http" else f"{name}-{door}"
         try:
-            # Warm-up (not measured): two short requests.
-            warm = [Request(r.prompt_ids[:16], 4) for r in reqs[:2]]
+            # Warm-up (not measured): two short requests, with ids no measured run uses.
+            warm = [Request(r.prompt_ids[:16], 4) for r in fresh_prompts(reqs[:2], w, 10_000)]
             await run_rate(url, model, warm, float("inf"), 0, None, args.timeout, False, client)
-            for rate in rates:
+            for k, rate in enumerate(rates):
+                # Every (door, rate) run sends prompts no earlier run sent: a server with a
+                # prefix cache must not answer a later run from an earlier one's blocks. The
+                # runs' prompts are the same for every server, so servers stay comparable.
+                run_reqs = fresh_prompts(reqs, w, 1 + d * len(rates) + k)
                 load = load_1min()
-                m = await run_rate(url, model, reqs, rate, args.seed, args.max_concurrency,
+                m = await run_rate(url, model, run_reqs, rate, args.seed, args.max_concurrency,
                                    args.timeout, not args.no_progress, client)
                 m.update(server=label, door=door, loadavg_1m_before=load,
                          loadavg_1m_after=load_1min())
@@ -381,9 +388,11 @@ def plot(results: list[dict], path: str) -> str | None:
 
 async def amain(args) -> int:
     w = WORKLOADS[args.workload]
-    reqs = build_requests(w)
-    n = args.num_prompts or len(reqs)
-    reqs = [reqs[i % len(reqs)] for i in range(n)]
+    base_reqs = build_requests(w)
+    n = args.num_prompts or len(base_reqs)
+    # beyond the workload's own requests, repeats get fresh token ids (no prefix-cache hits)
+    reqs = [fresh_prompts([base_reqs[i % len(base_reqs)]], w, i // len(base_reqs))[0]
+            for i in range(n)]
     rates = [float(x) for x in args.request_rates.split(",")]
     info = machine_info()
     print(f"workload {w.name}: {n} requests ({summarize(reqs)['output_tokens']} output tokens); "

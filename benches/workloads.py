@@ -134,6 +134,20 @@ def build_requests(w: Workload) -> list[Request]:
     return reqs
 
 
+def fresh_prompts(reqs: list[Request], w: Workload, run: int) -> list[Request]:
+    """The same requests (lengths, outputs) with token ids no earlier run has sent: each id is
+    rotated by `run` steps of a large stride within the workload's id range, so run k's prompts
+    share no prefix block with run j's (a server's prefix cache cannot serve a later run from an
+    earlier one). Run 0 is `reqs` unchanged."""
+    if run == 0:
+        return list(reqs)
+    lo = min(100, w.vocab_size // 4)
+    span = w.vocab_size - lo
+    shift = (run * 7919) % span or 1
+    return [Request(tuple(lo + (t - lo + shift) % span for t in r.prompt_ids), r.output_len)
+            for r in reqs]
+
+
 def requests_digest(reqs: list[Request]) -> str:
     h = hashlib.sha256()
     for r in reqs:

@@ -60,6 +60,28 @@ def test_serving_metrics_follow_vllm_definitions() -> None:
     assert m["tpot_ms"]["mean"] == pytest.approx(100.0)   # (0.5 - 0.1) / (5 - 1), ms
     assert m["ttft_ms"]["median"] == pytest.approx(150.0)
 
+
+def test_serving_runs_never_share_a_prompt_block() -> None:
+    # a server's prefix cache must not answer one run (rate, door) from another run's blocks
+    sys.path.insert(0, str(BENCHES))
+    try:
+        from workloads import WORKLOADS, build_requests, fresh_prompts
+    finally:
+        sys.path.remove(str(BENCHES))
+    w = WORKLOADS["cpu-serve"]
+    base = build_requests(w)
+    runs = [fresh_prompts(base, w, k) for k in range(6)]
+    assert runs[0] == base
+    first_blocks = [{r.prompt_ids[:16] for r in run} for run in runs]
+    for i in range(6):
+        for j in range(i + 1, 6):
+            assert not first_blocks[i] & first_blocks[j]
+    for run in runs[1:]:
+        assert [(len(r.prompt_ids), r.output_len) for r in run] == \
+            [(len(r.prompt_ids), r.output_len) for r in base]
+        assert all(100 <= t < w.vocab_size for r in run for t in r.prompt_ids)
+
+
 def test_engine_overhead_smoke(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
     proc = subprocess.run(
