@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The CPU measurements of README "Results", one command each, as run on 2026-11-30 (session 3
 # ran 3, 4, 1, then 3 again and 5 after the RoPE kernel; session 4 ran 2 after the engine's
-# hand-off cuts, then 6 and 7). Run from the repository root on an otherwise idle machine; every
+# hand-off cuts, then 6, 7, 1, 5 (with fresh prompts per run) and 8). Run from the repository root on an otherwise idle machine; every
 # table records the 1-minute load average before each system.
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 OUT=benches/results/cpu
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-# 1. Online serving over HTTP, Poisson arrivals: ferrobatch serve vs transformers' CB server.
-$PY benches/serving.py --servers ferrobatch,hf --workload cpu-serve --num-prompts 16 \
-  --request-rates 0.2,0.4,0.8 --json $OUT/serving_cpu-serve.json
+# 1. Online serving over HTTP, Poisson arrivals: ferrobatch serve vs transformers' CB server
+#    (session 4: 32 prompts per rate, fresh prompts per rate, up to "all at once").
+$PY benches/serving.py --servers ferrobatch,hf --workload cpu-serve --num-prompts 32 \
+  --request-rates 0.4,0.8,1.6,inf --json $OUT/serving_cpu-serve_long.json
 
 # 2. Engine overhead (stub model) and the one-layer comparison with transformers' CB.
 $PY benches/engine_overhead.py --running 64,256,1024 --l1 16 --l2 48 \
@@ -38,6 +39,11 @@ $PY benches/throughput.py --workload cpu-small \
 
 # 7. Time to first token of one long prompt (512-token prefill chunks), and its attention share.
 $PY benches/prefill_latency.py --lengths 256,1024,2048
+
+# 8. The chat-like length mix (log-normal prompts and answers, long tail), same four systems.
+$PY benches/throughput.py --workload cpu-chat \
+  --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous \
+  --json $OUT/throughput_cpu-chat.json
 
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
