@@ -13,7 +13,6 @@ Text that could be the beginning of a stop string is held back until it is disam
 from __future__ import annotations
 
 import codecs
-
 from collections.abc import Sequence
 from typing import NamedTuple
 
