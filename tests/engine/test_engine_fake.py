@@ -148,22 +148,32 @@ async def test_queue_full(fake_engine):
     assert fake_engine.counters["rejected"] == 1
 
 
-async def test_detokenizer_failure_fails_one_request(fake_engine):
-    bad = fake_engine.add_request("abcdef", SamplingParams(max_tokens=50), "bad")
-    good = fake_engine.add_request("abcdef", SamplingParams(max_tokens=5), "good")
+@pytest.mark.parametrize("kind,max_tokens,kept", [
+    ("cumulative", 50, None),    # streamed: the token in flight fails at once
+    ("final", 20, 20),           # deferred text: fails when the text is made, tokens kept
+])
+async def test_detokenizer_failure_fails_one_request(fake_engine, kind, max_tokens, kept):
+    bad = fake_engine.add_request("abcdef", SamplingParams(max_tokens=max_tokens,
+                                                           output_kind=kind), "bad")
+    good = fake_engine.add_request("abcdef", SamplingParams(max_tokens=5, output_kind=kind),
+                                   "good")
 
     class Boom:
         def add(self, tok):
             raise UnicodeDecodeError("utf-8", b"", 0, 1, "boom")
+
+        add_many = add
 
     bad._state.seqs[0].detok = Boom()
     bad_outs = [o async for o in bad]
     good_outs = [o async for o in good]
     assert bad_outs[-1].outputs[0].finish_reason == "error"
     assert "detokenization failed" in bad_outs[-1].error
+    if kept is not None:
+        assert len(bad_outs[-1].outputs[0].token_ids) == kept     # the tokens are not lost
     assert good_outs[-1].outputs[0].text == "abcde"
     await fake_engine.check_idle_clean()
-    assert fake_engine.counters["error"] == 1
+    assert fake_engine.is_running and fake_engine.counters["error"] == 1
 
 
 @pytest.mark.parametrize("exc", [RuntimeError("kaput"), type("PanicException",
@@ -237,22 +247,3 @@ async def test_aborted_final_request_carries_its_text(fake_engine):
     assert out.finish_reason == "abort" and out.token_ids
     assert out.text == "".join(chr(t) for t in out.token_ids)
     await fake_engine.check_idle_clean()
-
-
-async def test_deferred_detokenizer_failure_fails_one_request(fake_engine):
-    bad = fake_engine.add_request("abcdef", SamplingParams(max_tokens=20, output_kind="final"))
-    good = fake_engine.add_request("abcdef", SamplingParams(max_tokens=5, output_kind="final"))
-
-    class Boom:
-        def add_many(self, ids):
-            raise UnicodeDecodeError("utf-8", b"", 0, 1, "boom")
-
-    bad._state.seqs[0].detok = Boom()
-    bad_outs = [o async for o in bad]
-    good_outs = [o async for o in good]
-    assert bad_outs[-1].outputs[0].finish_reason == "error"
-    assert "detokenization failed" in bad_outs[-1].error
-    assert len(bad_outs[-1].outputs[0].token_ids) == 20      # the tokens are not lost
-    assert good_outs[-1].outputs[0].text == "abcde"
-    await fake_engine.check_idle_clean()
-    assert fake_engine.is_running and fake_engine.counters["error"] == 1
