@@ -9,6 +9,9 @@ Systems, each with N requests (8-token prompts, `ignore_eos`, greedy) all runnin
                     per-step hand-off to asyncio, incremental detokenization) with the model
                     runner replaced by a stub whose `execute` returns a preallocated logits slice
                     (no forward, no KV cache): the engine's own cost per step.
+  ferrobatch-stub-stream  the stub engine with every request consumed as a "delta" stream
+                    (`AsyncEngine.generate`): the per-token wake-up and output building a
+                    streaming door adds (its HTTP/WS encoding not included).
   ferrobatch-1layer the same engine with a real one-layer tiny Llama (hidden 64, vocab 512).
   hf-cb-1layer      transformers' ContinuousBatchingManager on the same one-layer weights.
 
@@ -124,6 +127,57 @@ def ferrobatch_times(model_dir: str, n: int, lengths: tuple[int, int], repeat: i
         return times, {"steps_short_run": steps[0], "steps_long_run": steps[1]}
     finally:
         llm.close()
+
+
+def stream_times(model_dir: str, n: int, lengths: tuple[int, int],
+                 repeat: int) -> tuple[list[list[float]], dict]:
+    """`ferrobatch_times` with the stub model, but every request consumed as a stream
+    (`AsyncEngine.generate`, output_kind "delta"): adds the per-token wake-up and output
+    building a streaming door pays (not the HTTP/WS encoding itself)."""
+    import asyncio
+
+    import ferrobatch.runtime.model_runner as mr
+    from ferrobatch.engine.async_engine import AsyncEngine
+    from ferrobatch.sampling_params import SamplingParams
+
+    async def run() -> list[list[float]]:
+        real = mr.ModelRunner
+        mr.ModelRunner = StubRunner
+        try:
+            engine = AsyncEngine(model=model_dir, device="cpu", dtype="float32", max_num_seqs=n,
+                                 max_num_batched_tokens=max(512, n),
+                                 enable_prefix_caching=False,
+                                 num_blocks=num_blocks_for(n, PROMPT_LEN + max(lengths)))
+            await engine.start()
+        finally:
+            mr.ModelRunner = real
+
+        async def one(prompt: list[int], out_len: int) -> int:
+            p = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0.0,
+                               output_kind="delta")
+            got = 0
+            async for out in engine.generate(prompt, p):
+                got += len(out.outputs[0].token_ids)
+            if got != out_len:
+                raise RuntimeError(f"a stream delivered {got} tokens, not {out_len}")
+            return got
+
+        try:
+            vocab = engine.vocab_size
+            await asyncio.gather(*(one(list(r.prompt_ids), 4)
+                                   for r in make_requests(min(n, 8), 4, vocab)))
+            times: list[list[float]] = [[], []]
+            for _ in range(repeat):
+                for k, out_len in enumerate(lengths):
+                    reqs = make_requests(n, out_len, vocab)
+                    t0 = time.perf_counter()
+                    await asyncio.gather(*(one(list(r.prompt_ids), out_len) for r in reqs))
+                    times[k].append(time.perf_counter() - t0)
+            return times
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(run()), {}
 
 
 def core_breakdown(model_dir: str, n: int, steps: int = 30) -> dict:
@@ -267,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             lengths = (args.l1, args.l2)
             if system == "hf-cb-1layer":
                 times = hf_times(model_dir, n, lengths, args.repeat)
+            elif system == "ferrobatch-stub-stream":
+                times, extra = stream_times(model_dir, n, lengths, args.repeat)
             elif system in ("ferrobatch-stub", "ferrobatch-1layer"):
                 stub = system == "ferrobatch-stub"
                 times, extra = ferrobatch_times(model_dir, n, lengths, args.repeat, stub)

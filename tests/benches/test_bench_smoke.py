@@ -86,13 +86,15 @@ def test_engine_overhead_smoke(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
     proc = subprocess.run(
         [sys.executable, str(BENCHES / "engine_overhead.py"), "--running", "4",
-         "--systems", "ferrobatch-stub,ferrobatch-1layer,hf-cb-1layer", "--l1", "2", "--l2", "6",
+         "--systems", "ferrobatch-stub,ferrobatch-stub-stream,ferrobatch-1layer,hf-cb-1layer",
+         "--l1", "2", "--l2", "6",
          "--repeat", "2", "--threads", "1", "--json", str(out)],
         check=False, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     rows = {r["system"]: r for r in data["results"]}
-    assert set(rows) == {"ferrobatch-stub", "ferrobatch-1layer", "hf-cb-1layer"}
+    assert set(rows) == {"ferrobatch-stub", "ferrobatch-stub-stream", "ferrobatch-1layer",
+                         "hf-cb-1layer"}
     for r in rows.values():
         assert len(r["t_short_all_s"]) == len(r["t_long_all_s"]) == 2
         assert r["running"] == 4 and r["us_per_step"] is not None

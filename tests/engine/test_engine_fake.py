@@ -247,3 +247,32 @@ async def test_aborted_final_request_carries_its_text(fake_engine):
     assert out.finish_reason == "abort" and out.token_ids
     assert out.text == "".join(chr(t) for t in out.token_ids)
     await fake_engine.check_idle_clean()
+
+
+@pytest.mark.parametrize("kind", ["delta", "cumulative"])
+def test_build_output_sees_every_change_and_nothing_else(kind):
+    # build_output skips its work when nothing changed (RequestState.version); every change a
+    # consumer can see must still produce an output
+    from fake_core import CharTokenizer
+
+    from ferrobatch.engine.request_state import RequestState
+    from ferrobatch.model.detokenizer import IncrementalDetokenizer
+
+    tok = CharTokenizer()
+    params = SamplingParams(max_tokens=8, n=2, output_kind=kind)
+    st = RequestState(1, "r", "ab", [97, 98], params, 8,
+                      [IncrementalDetokenizer(tok, [97, 98]) for _ in range(2)], 0.0)
+    assert st.build_output() is None                       # nothing yet
+    st.add_token(0, ord("x"))
+    out = st.build_output()
+    assert out is not None and out.outputs[0].text == "x"
+    assert st.build_output() is None                       # asked again: nothing new
+    st.add_token(1, ord("y"))
+    assert st.build_output().outputs[-1].text == "y"
+    st.finish_seq_locally(1, "error", "boom")              # a local finish, no new token
+    out = st.build_output()
+    assert out is not None and out.outputs[-1].finish_reason == "error"
+    st.terminal_event(0, 2, None)                          # the scheduler's finish ("length")
+    out = st.build_output()
+    assert out is not None and out.finished and out.outputs[0].finish_reason == "length"
+    assert st.build_output() is None

@@ -47,7 +47,8 @@ class RequestState:
     __slots__ = ("req_id", "request_id", "prompt", "prompt_token_ids", "params", "max_tokens",
                  "seqs", "event", "num_terminal", "abort_sent", "error", "arrival_time",
                  "scheduled_time", "first_token_time", "last_token_time", "finish_time",
-                 "num_generated", "final_emitted", "extras", "defer_text")
+                 "num_generated", "final_emitted", "extras", "defer_text", "version",
+                 "seen_version")
 
     def __init__(self, req_id: int, request_id: str, prompt: str | None,
                  prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
@@ -72,6 +73,10 @@ class RequestState:
         self.final_emitted = False
         self.extras: Any = None       # the sampler's per-request extras, when it needs them
         self.defer_text = params.output_kind == "final" and not params.stop
+        # bumped by every change a consumer can see (tokens, text, a finish); build_output skips
+        # its work when nothing changed since the output it last built
+        self.version = 0
+        self.seen_version = 0
 
     # -- events from the step hand-off ---------------------------------------------------------
 
@@ -82,6 +87,7 @@ class RequestState:
             return False                  # locally finished: the abort is on its way
         seq.token_ids.append(token)
         self.num_generated += 1
+        self.version += 1
         if self.defer_text:
             return False
         step = seq.detok.add(token)
@@ -102,6 +108,7 @@ class RequestState:
         seq = self.seqs[seq_index]
         if seq.finish_reason is None:
             seq.finish_reason = reason
+            self.version += 1
             if message and self.error is None:
                 self.error = message
 
@@ -113,6 +120,7 @@ class RequestState:
                                f"terminal twice")
         seq.terminal = True
         self.num_terminal += 1
+        self.version += 1
         if seq.finish_reason is not None:
             return                        # it already ended locally (stop string, error)
         reason = FINISH_NAMES.get(code, "error")
@@ -165,10 +173,13 @@ class RequestState:
 
     def build_output(self) -> RequestOutput | None:
         """Everything new since the last call, shaped by `params.output_kind`; None if nothing."""
+        if self.final_emitted or self.version == self.seen_version:
+            return None                   # nothing new (the consumer's usual second look)
         kind = self.params.output_kind
         finished = self.user_finished
-        if self.final_emitted or (kind == "final" and not finished):
+        if kind == "final" and not finished:
             return None
+        self.seen_version = self.version
         if self.defer_text:
             for s in self.seqs:
                 try:
