@@ -98,14 +98,13 @@ class IncrementalDetokenizer:
             return DetokenizerStep(delta)
         search_from = max(self._emitted, len(self._text) - self._max_stop_len + 1)
         self._text += delta
-        if self._stop:
-            hits = [i for i in (self._text.find(s, search_from) for s in self._stop) if i >= 0]
-            if hits:
-                end = min(hits)
-                piece = self._text[self._emitted:end]
-                self._emitted = len(self._text)
-                self._stopped = True
-                return DetokenizerStep(piece, True)
+        hits = [i for i in (self._text.find(s, search_from) for s in self._stop) if i >= 0]
+        if hits:
+            end = min(hits)
+            piece = self._text[self._emitted:end]
+            self._emitted = len(self._text)
+            self._stopped = True
+            return DetokenizerStep(piece, True)
         safe_end = len(self._text) - self._held_back_chars()
         piece = self._text[self._emitted:safe_end]
         self._emitted = safe_end

@@ -77,7 +77,8 @@ class CpuPagedBackend(TorchReferenceBackend):
     def build_metadata(self, batch, device) -> CpuPagedMetadata:
         meta = super().build_metadata(batch, device)
         qsl = np.asarray(batch.query_start_loc, dtype=np.int64)
-        decode_ids = np.flatnonzero(qsl[1:] - qsl[:-1] == 1)
+        query_lens = qsl[1:] - qsl[:-1]
+        decode_ids = np.flatnonzero(query_lens == 1)
         decode = None
         if decode_ids.size:
             seq_lens = np.asarray(batch.seq_lens)[decode_ids]
@@ -89,7 +90,6 @@ class CpuPagedBackend(TorchReferenceBackend):
                 ctx_lens=np.ascontiguousarray(seq_lens, dtype=np.int32),
                 every_token=decode_ids.size == int(qsl[-1]),
             )
-        query_lens = qsl[1:] - qsl[:-1]
         pairs = int((query_lens * np.asarray(batch.seq_lens))[query_lens > 1].sum())
         return CpuPagedMetadata(**vars(meta), decode=decode, prefill_pairs=pairs)
 
