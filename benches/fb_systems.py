@@ -1,4 +1,4 @@
-"""The ferrobatch systems of the offline benchmark: `ferrobatch` and `ferrobatch-static`.
+"""The ferrobatch systems of the offline benchmark: `ferrobatch`, `ferrobatch-static`, `-eager`.
 
 Both drive the real engine through `ferrobatch.LLM.generate` (Rust scheduler, model runner,
 sampler, step thread, incremental detokenization — the engine as shipped) with token-id prompts and
@@ -10,6 +10,8 @@ sampler, step thread, incremental detokenization — the engine as shipped) with
   requests at a time and waits until the whole group has finished before submitting the next
   group: freed slots stay empty until the longest request of the group is done. The engine has no
   static mode of its own, so this is the ablation of iteration-level refill, all else equal.
+- `ferrobatch-eager`: `ferrobatch` with `cuda_graphs=False` (on a GPU every decode step runs
+  eagerly instead of replaying a captured graph; on the CPU nothing differs).
 
 Per-step batch occupancy comes from the engine's public observer hook (`on_step_tokens`: tokens
 sampled in that step = sequences that produced a token) and `AsyncEngine.stats()` (scheduler
@@ -96,6 +98,7 @@ class FerrobatchRunner:
         self.recorder.reset()
         self.recorder.enabled = True
         steps0 = self._num_steps()
+        graph_steps0 = self._graph_steps()
         t0 = time.perf_counter()
         try:
             if static:
@@ -114,12 +117,18 @@ class FerrobatchRunner:
         steps = self._num_steps() - steps0 if steps0 is not None else None
         return {"elapsed_s": elapsed, "output_tokens": total, "generated_tokens": total,
                 "wasted_tokens": 0, "num_steps": steps,
+                "decode_graph_steps": self._graph_steps() - graph_steps0,
                 "num_sampling_steps": len(rec.tokens),
                 "occupancy": list(rec.tokens), "running": list(rec.running),
                 "step_times": [b - a for a, b in zip(rec.t, rec.t[1:])],
                 "params": {"mode": "static (groups of max_num_seqs, wait for the whole group)"
                            if static else "continuous", "model": self.w.model,
                            "api": "ferrobatch.LLM.generate", **self.options}}
+
+    def _graph_steps(self) -> int:
+        """Steps the model runner served by replaying a decode CUDA graph (0 on the CPU)."""
+        core = getattr(self.engine, "_core", None)
+        return int(getattr(getattr(core, "runner", None), "graph_steps", 0))
 
     def _num_steps(self) -> int | None:
         lt = getattr(self.engine, "_loop_thread", None)

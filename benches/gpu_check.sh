@@ -4,14 +4,18 @@
 #     source .device/env.sh && bash benches/gpu_check.sh
 #
 # (.device/ is made beforehand on the dev machine by `bash ../shared/device/prepare.sh`.)
-# Steps, each with its own time limit so the whole run fits in ~8 minutes:
+# Steps, most important first, each with its own time limit and all within one overall budget
+# (GPU_CHECK_BUDGET_S, default 540 s: a step never starts with less than 30 s left and is cut at
+# the budget, so the summary is always written before the device call's own time limit):
 #   1. environment (GPU, clocks, torch/CUDA versions, nvcc)                        -> env.txt
 #   2. JIT-build the kernels for this GPU (sm_90 on H200), ptxas register report   -> build.log, ptxas.txt
 #   3. pytest -m gpu tests/gpu (kernels vs float64 reference, CUDA graphs, e2e)    -> gpu_tests.log/.xml
 #   4. decode-attention bandwidth benchmark (+ measured copy rate)                 -> attention_bandwidth.{txt,json}
-#   5. compute-sanitizer memcheck on a few small kernel tests (no caching allocator, so an
+#   5. offline throughput, gpu-small with and without decode CUDA graphs (issue #6) -> throughput_gpu-small.{txt,json}
+#   6. offline throughput, gpu-8b (issue #6)                                        -> throughput_gpu-8b.{txt,json}
+#   7. compute-sanitizer memcheck on a few small kernel tests (no caching allocator, so an
 #      out-of-bounds access hits unallocated memory), if the tool is there  -> sanitizer.log
-#   6. summary table                                                                -> summary.txt
+#   8. summary table                                                                -> summary.txt
 # Everything goes to $OUT (the device tool returns it) and to benches/results/gpu-<stamp>/.
 # A step that fails is recorded and the script continues; the exit code is non-zero if any failed.
 set -uo pipefail
@@ -32,9 +36,17 @@ if ! $PY -c "import ferrobatch.runtime.cuda_ops" >/dev/null 2>&1; then
   export PYTHONPATH=$root/python${PYTHONPATH:+:$PYTHONPATH}
 fi
 
+budget=${GPU_CHECK_BUDGET_S:-540}
 declare -A status
 run_step() {  # name timeout_s logfile cmd...
   local name=$1 limit=$2 log=$3; shift 3
+  local left=$((budget - SECONDS))
+  if (( left < 30 )); then
+    status[$name]="skipped (budget: ${left}s left)"
+    echo "=== [$name] ${status[$name]}" | tee -a "$OUT/steps.txt"
+    return 1
+  fi
+  (( limit > left )) && limit=$left
   local t0=$SECONDS
   echo "=== [$name] $* (limit ${limit}s)" | tee -a "$OUT/steps.txt"
   timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
@@ -65,6 +77,14 @@ if [[ ${status[build]} == rc=0* ]]; then
     --junitxml="$OUT/gpu_tests.xml" tests/gpu || failed=1
   run_step bench 180 "$OUT/attention_bandwidth.txt" $PY benches/attention_bandwidth.py \
     --measure-copy --json "$OUT/attention_bandwidth.json" || failed=1
+  run_step small 150 "$OUT/throughput_gpu-small.txt" $PY benches/throughput.py \
+    --workload gpu-small --systems ferrobatch,ferrobatch-eager --no-progress \
+    --max-num-seqs 256 --max-num-batched-tokens 4096 \
+    --json "$OUT/throughput_gpu-small.json" || failed=1
+  run_step 8b 180 "$OUT/throughput_gpu-8b.txt" $PY benches/throughput.py \
+    --workload gpu-8b --systems ferrobatch --no-progress \
+    --max-num-seqs 256 --max-num-batched-tokens 8192 \
+    --json "$OUT/throughput_gpu-8b.json" || failed=1
   if command -v compute-sanitizer >/dev/null 2>&1; then
     run_step sanitizer 150 "$OUT/sanitizer.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
       compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
@@ -79,7 +99,7 @@ fi
 
 {
   echo "ferrobatch GPU check $stamp  ($(head -n 2 "$OUT/env.txt" | tail -n 1))"
-  for k in build tests bench sanitizer; do echo "  $k: ${status[$k]:-not run}"; done
+  for k in build tests bench small 8b sanitizer; do echo "  $k: ${status[$k]:-not run}"; done
   echo "--- tests"
   grep -E "passed|failed|error" "$OUT/gpu_tests.log" 2>/dev/null | tail -n 3
   grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.log" 2>/dev/null | head -n 15
@@ -87,6 +107,8 @@ fi
   grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer.log" 2>/dev/null | tail -n 3
   echo "--- decode attention bandwidth (bf16, block 16)"
   sed -n '/^shape /,$p' "$OUT/attention_bandwidth.txt" 2>/dev/null
+  echo "--- offline throughput (goals: gpu-small >= 40,000 and gpu-8b >= 6,000 output tok/s)"
+  grep -hE "^  ferrobatch" "$OUT/throughput_gpu-small.txt" "$OUT/throughput_gpu-8b.txt" 2>/dev/null
   echo "--- registers (ptxas) of the decode kernels, bf16"
   grep -E "paged_decode_kernelI13__nv_bfloat16" "$OUT/ptxas.txt" 2>/dev/null \
     | sed -E 's/.*kernelI13__nv_bfloat16Li([0-9]+)ELi([0-9]+)ELb([01]).*Used ([0-9]+) registers.*/  D=\1 GP=\2 direct=\3: \4 regs/' | sort -u

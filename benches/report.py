@@ -20,13 +20,14 @@ def _ideal(w: dict, r: dict) -> int | None:
     if r.get("ideal_decode_steps") is not None:
         return r["ideal_decode_steps"]
     base = r["system"].split("@")[0]
-    if base not in ("ferrobatch", "ferrobatch-static", "hf-static"):
+    if base not in ("ferrobatch", "ferrobatch-static", "ferrobatch-eager", "hf-static"):
         return None
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from workloads import WORKLOADS, build_requests, ideal_decode_steps
     reqs = build_requests(WORKLOADS[w["name"]])[:w["num_requests"]]
     return ideal_decode_steps(reqs, r["batch_cap"],
-                              "continuous" if base == "ferrobatch" else "static")
+                              "static" if base in ("ferrobatch-static", "hf-static")
+                              else "continuous")
 
 
 def throughput_md(d: dict) -> str:

@@ -8,6 +8,8 @@ Systems (append `@N` to override the batch size / concurrency cap, e.g. `hf-stat
   ferrobatch         the engine as shipped (all requests submitted at once, continuous batching)
   ferrobatch-static  the same engine fed max_num_seqs requests at a time, next group only when the
                      whole group is done (the ablation of iteration-level refill)
+  ferrobatch-eager   the engine without decode CUDA graphs (`--enforce-eager`; on the CPU the
+                     same as ferrobatch): the ablation of graph replay
   hf-static          transformers `generate` on fixed left-padded batches (arrival order)
   hf-continuous      transformers' ContinuousBatchingManager (per-request max_new_tokens)
 
@@ -41,7 +43,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-SYSTEMS = ("ferrobatch", "ferrobatch-static", "hf-static", "hf-continuous")
+SYSTEMS = ("ferrobatch", "ferrobatch-static", "ferrobatch-eager", "hf-static", "hf-continuous")
+DEFAULT_SYSTEMS = "ferrobatch,ferrobatch-static,hf-static,hf-continuous"
 DEFAULT_MAX_BATCHED_TOKENS = 512
 
 
@@ -81,17 +84,20 @@ class Systems:
 
     def __init__(self, w: Workload, args) -> None:
         self.w, self.args = w, args
-        self.fb = {}          # cap -> FerrobatchRunner
+        self.fb = {}          # (cap, eager) -> FerrobatchRunner
         self.hf_model = None
         self.setup_s: dict[str, float] = {}
 
-    def ferrobatch(self, cap: int):
-        if cap not in self.fb:
+    def ferrobatch(self, cap: int, eager: bool = False):
+        key = (cap, eager)
+        if key not in self.fb:
             from fb_systems import FerrobatchRunner
             extra = {"max_num_batched_tokens": self.args.max_num_batched_tokens}
-            self.fb[cap] = FerrobatchRunner(self.w, cap, **extra)
-            self.setup_s[f"ferrobatch@{cap}"] = self.fb[cap].load_s
-        return self.fb[cap]
+            if eager:
+                extra["cuda_graphs"] = False
+            self.fb[key] = FerrobatchRunner(self.w, cap, **extra)
+            self.setup_s[f"ferrobatch{'-eager' if eager else ''}@{cap}"] = self.fb[key].load_s
+        return self.fb[key]
 
     def hf(self):
         if self.hf_model is None:
@@ -102,10 +108,11 @@ class Systems:
         return self.hf_model
 
     def release_unneeded(self, remaining: list[tuple[str, str, int | None]]) -> None:
-        caps = {self.cap_of(base, n) for _, base, n in remaining if base.startswith("ferrobatch")}
-        for cap in list(self.fb):
-            if cap not in caps:
-                self.fb.pop(cap).close()
+        keys = {(self.cap_of(base, n), base == "ferrobatch-eager")
+                for _, base, n in remaining if base.startswith("ferrobatch")}
+        for key in list(self.fb):
+            if key not in keys:
+                self.fb.pop(key).close()
         if self.hf_model is not None and not any(b.startswith("hf") for _, b, _ in remaining):
             self.hf_model = None
         gc.collect()
@@ -119,9 +126,9 @@ class Systems:
 
     def run(self, base: str, n: int | None, reqs: list[Request], progress) -> dict:
         cap = self.cap_of(base, n)
-        if base in ("ferrobatch", "ferrobatch-static"):
-            return self.ferrobatch(cap).run(reqs, static=(base == "ferrobatch-static"),
-                                            progress=progress)
+        if base in ("ferrobatch", "ferrobatch-static", "ferrobatch-eager"):
+            return self.ferrobatch(cap, eager=base == "ferrobatch-eager").run(
+                reqs, static=(base == "ferrobatch-static"), progress=progress)
         if base == "hf-static":
             from hf_baselines import run_hf_static
             return run_hf_static(self.hf(), reqs, cap, progress=progress)
@@ -152,12 +159,13 @@ def summarize_run(name: str, base: str, cap: int, res: dict, reqs: list[Request]
         "generated_tokens": res.get("generated_tokens"),
         "wasted_tokens": res.get("wasted_tokens"),
         "num_steps": res.get("num_steps"),
+        "decode_graph_steps": res.get("decode_graph_steps"),
         "mean_occupancy": (sum(occ) / len(occ)) if occ else None,
         "loadavg_1m_before": load_before, "loadavg_1m_after": load_1min(),
         "params": res.get("params", {}),
     }
-    if base in ("ferrobatch", "ferrobatch-static", "hf-static"):
-        mode = "continuous" if base == "ferrobatch" else "static"
+    if base in ("ferrobatch", "ferrobatch-static", "ferrobatch-eager", "hf-static"):
+        mode = "static" if base in ("ferrobatch-static", "hf-static") else "continuous"
         row["ideal_decode_steps"] = ideal_decode_steps(reqs, cap, mode)
     if occ:
         row["occupancy_per_step"] = occ
@@ -214,7 +222,7 @@ def plot_occupancy(rows: list[dict], w: Workload, path: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="cpu-small", choices=sorted(WORKLOADS))
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--systems", default=DEFAULT_SYSTEMS)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--plot", help="batch-occupancy PNG (default: next to --json)")
     ap.add_argument("--num-requests", type=int, help="run only the first N requests (dev runs)")
@@ -278,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             sysm.run(base, n, warmup_requests(reqs), None)
         load_before = load_1min()
         # ferrobatch (continuous) shows LLM.generate's own progress bar
-        own_bar = base == "ferrobatch"
+        own_bar = base in ("ferrobatch", "ferrobatch-eager")
         bar = Progress(len(reqs), name, not args.no_progress and not own_bar)
         try:
             res = sysm.run(base, n, reqs, None if args.no_progress else bar)

@@ -36,6 +36,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "cuda"], default="auto",
                    help="auto: CUDA kernels on a GPU, the Rust decode kernel on CPU (float32), "
                    "else the torch reference")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every step eagerly (no decode CUDA graphs)")
 
 
 def _config(a: argparse.Namespace) -> EngineConfig:
@@ -45,7 +47,7 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         kv_cache_gb=a.kv_cache_gb, gpu_memory_utilization=a.gpu_memory_utilization,
         block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
         scheduling_policy=a.scheduling_policy, max_queued_requests=a.max_queued_requests,
-        attn_backend=a.attention_backend)
+        attn_backend=a.attention_backend, cuda_graphs=not a.enforce_eager)
 
 
 def build_parser() -> argparse.ArgumentParser:

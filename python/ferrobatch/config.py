@@ -23,6 +23,7 @@ class EngineConfig:
     device: str = "auto"                 # "auto" -> cuda when available, else cpu
     dtype: str | None = None             # None -> the runtime's default for the device
     attn_backend: str | None = None      # auto | torch | cpu | cuda; None = auto (cuda / cpu kernels)
+    cuda_graphs: bool = True             # CUDA: replay captured decode steps (False = eager only)
 
     # KV cache
     block_size: int = 16
@@ -61,6 +62,8 @@ class EngineConfig:
                      "max_queued_requests", "max_n", "max_stop_strings", "max_stop_string_len",
                      "max_stop_token_ids", "max_logit_bias"):
             positive_int(name)
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if isinstance(self.max_preemptions, bool) or not isinstance(self.max_preemptions, int) \

@@ -36,7 +36,7 @@ def test_decode_step_graph_replay_matches_eager(cuda_ops):
     backend.reserve_workspace(max(buckets), Hq, D, backend.max_splits)
 
     def step(inp):
-        meta = inp.attention_metadata()
+        meta = backend.static_decode_metadata(inp)
         backend.write_kv(cache, k_tab[inp.input_ids], v_tab[inp.input_ids], meta)
         return backend.forward(q_tab[inp.input_ids], cache, meta, scale)
 
@@ -66,3 +66,29 @@ def test_decode_step_graph_replay_matches_eager(cuda_ops):
         assert torch.equal(cache, eager_cache), f"n={n}: cache after replay differs from eager"
         assert out_graph.shape == out_eager.shape == (n, Hq, D)
         assert_close(out_graph, out_eager.double(), torch.bfloat16, f"graph vs eager n={n}")
+
+
+def test_engine_with_decode_graphs_matches_eager_engine(cuda_ops):
+    """Two engines on the same bf16 weights, one capturing decode graphs (the default on CUDA),
+    one eager: the same greedy tokens for a batch whose size shrinks through several buckets."""
+    from ferrobatch import LLM, SamplingParams
+    from ferrobatch.model.loader import load_model
+
+    try:
+        loaded = load_model("smollm2", device="cuda", dtype=torch.bfloat16)
+    except (ImportError, FileNotFoundError) as exc:
+        pytest.skip(f"SmolLM2 unavailable: {exc}")
+    prompts = ["The capital of France is", "def add(a, b):", "Once upon a time",
+               "1, 2, 3, 4,", "The speed of light", "Water boils at", "import numpy as np\n"]
+    params = [SamplingParams(max_tokens=8 + 5 * i, temperature=0.0, ignore_eos=True)
+              for i in range(len(prompts))]
+    outs = {}
+    for graphs in (True, False):
+        with LLM("smollm2", loaded_model=loaded, device="cuda", dtype="bfloat16", kv_cache_gb=1.0,
+                 max_num_seqs=16, cuda_graphs=graphs) as llm:
+            runner = llm.engine._core.runner
+            assert (runner.decode_graphs is not None) == graphs
+            outs[graphs] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            if graphs:
+                assert runner.graph_steps > 0
+    assert outs[True] == outs[False]

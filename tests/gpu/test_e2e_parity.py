@@ -74,7 +74,7 @@ def hf_greedy(smollm2_cuda):
     return prompts, outs
 
 
-def _run(loaded, backend: str, prompts, token_budget: int):
+def _run(loaded, backend: str, prompts, token_budget: int, graphs: bool = False):
     sys.path.insert(0, _MODEL_TESTS)
     try:
         from step_builder import ToyScheduler
@@ -85,6 +85,8 @@ def _run(loaded, backend: str, prompts, token_budget: int):
 
     runner = ModelRunner(loaded, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, attn_backend=backend)
     assert runner.attn_backend.name == backend
+    if graphs:
+        runner.capture_decode_graphs(max_num_seqs=len(prompts), max_model_len=1024)
     sampler = Sampler(loaded.config.vocab_size, loaded.tokenizer.eos_token_ids, "cuda")
     sched = ToyScheduler(NUM_BLOCKS, BLOCK_SIZE, token_budget=token_budget, seed=7)
     seqs = [sched.add(i, p, NUM_NEW_TOKENS) for i, p in enumerate(prompts)]
@@ -97,6 +99,9 @@ def _run(loaded, backend: str, prompts, token_budget: int):
         kinds.add("decode-only" if np.all(qlens == 1) else "prefill/mixed")
         logits = runner.execute(batch)
         sched.update(sampler.sample(logits, batch).token_ids)
+    if graphs:
+        assert runner.graph_steps > 0 and runner.graph_steps == runner.decode_graphs.replays
+        kinds.add("graph")
     return [s.output_ids for s in seqs], kinds
 
 
@@ -105,6 +110,17 @@ def test_greedy_parity_cuda_backend_vs_transformers(smollm2_cuda, hf_greedy):
     prompts, expected = hf_greedy
     got, kinds = _run(loaded, "cuda", prompts, token_budget=48)
     assert kinds == {"decode-only", "prefill/mixed"}, kinds
+    mismatches = [(i, g, e) for i, (g, e) in enumerate(zip(got, expected)) if g != e]
+    assert not mismatches, f"{len(mismatches)}/{len(prompts)} prompts differ: {mismatches[:2]}"
+
+
+def test_greedy_parity_with_decode_cuda_graphs(smollm2_cuda, hf_greedy):
+    """The same run with decode steps replayed from captured CUDA graphs (6 sequences: bucket 8
+    while all run, smaller buckets as they finish)."""
+    _, loaded = smollm2_cuda
+    prompts, expected = hf_greedy
+    got, kinds = _run(loaded, "cuda", prompts, token_budget=48, graphs=True)
+    assert kinds == {"decode-only", "prefill/mixed", "graph"}, kinds
     mismatches = [(i, g, e) for i, (g, e) in enumerate(zip(got, expected)) if g != e]
     assert not mismatches, f"{len(mismatches)}/{len(prompts)} prompts differ: {mismatches[:2]}"
 

@@ -7,6 +7,7 @@ the asyncio thread and touches only the scheduler's thread-safe intake or swaps 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,8 @@ import torch
 from ferrobatch.config import EngineConfig
 from ferrobatch.engine.errors import QueueFullError
 from ferrobatch.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 8192
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
@@ -111,6 +114,8 @@ class EngineCore:
                                                config.kv_budget_bytes_cpu())
         runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=config.block_size,
                              device=device, attn_backend=config.attn_backend)
+        if loaded.device.type == "cuda":
+            _maybe_capture_decode_graphs(config, runner, max_model_len)
         eos = list(loaded.tokenizer.eos_token_ids)
         sampler = Sampler(int(mcfg.vocab_size), eos, loaded.device)
         scheduler = Scheduler(
@@ -230,3 +235,28 @@ class EngineCore:
         for rid, si, tok in zip(out.req_ids[mask].tolist(), out.seq_indices[mask].tolist(),
                                 out.token_ids[mask].tolist()):
             extras[rid].output_token_ids[si].append(tok)
+
+
+def _maybe_capture_decode_graphs(config: EngineConfig, runner: Any, max_model_len: int) -> None:
+    """On CUDA: capture the decode-step graphs unless switched off or the backend cannot. A
+    failed capture is logged and the engine runs eagerly (slower, still correct)."""
+    if not config.cuda_graphs:
+        logger.info("decode CUDA graphs: off (cuda_graphs=False / --enforce-eager)")
+        return
+    if not runner.attn_backend.supports_decode_graphs:
+        logger.warning("decode CUDA graphs: off (attention backend %r cannot be captured)",
+                       runner.attn_backend.name)
+        return
+    t0 = time.perf_counter()
+    on_cuda = torch.device(runner.device).type == "cuda"
+    free_before = torch.cuda.mem_get_info(runner.device)[0] if on_cuda else 0
+    try:
+        buckets = runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
+    except Exception as exc:  # noqa: BLE001 - any capture failure: fall back to eager steps
+        runner.decode_graphs = None
+        logger.warning("decode CUDA graphs: capture failed, every step runs eagerly: %s: %s",
+                       type(exc).__name__, exc)
+        return
+    used = free_before - torch.cuda.mem_get_info(runner.device)[0] if on_cuda else 0
+    logger.info("decode CUDA graphs: %d buckets %s captured in %.1f s (%.0f MiB)", len(buckets),
+                list(buckets), time.perf_counter() - t0, used / 2**20)

@@ -17,8 +17,12 @@ block tables from device memory and partition the context on the device. So one 
 * outputs are the captured graph's static output tensor, sliced to ``n`` rows (valid until the
   next replay).
 
-Engine integration (choosing graph vs eager per step, warm-up at start) is a later step; the
-padding/bucket logic here is pure numpy and unit-tested on CPU.
+``ModelRunner.capture_decode_graphs`` captures the model's decode step at start-up (the engine does
+so on CUDA unless ``cuda_graphs=False`` / ``--enforce-eager``) and ``ModelRunner.execute`` replays
+a graph for every step that fits one. The attention backend turns the static buffers into its
+metadata (``AttentionBackend.static_decode_metadata``). ``emulate=True`` stands a plain re-run of
+the forward in for each graph, so the whole data flow (padding, static buffers, outputs reused
+across replays) is tested on the CPU; only capture itself needs the GPU.
 """
 
 from __future__ import annotations
@@ -33,9 +37,21 @@ import torch
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_GRAPH_BATCH = 512      # larger decode steps run eagerly
 PAD_SLOT = -1
 PAD_SEQ_LEN = 0
 PAD_BLOCK = 0
+
+
+def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Batch buckets for an engine running up to ``max_num_seqs`` sequences: 1, 2, 4, 8, 16, 24,
+    32, then every 16 (a step pads at most 15 rows past 32), capped at ``max_num_seqs`` and
+    MAX_GRAPH_BATCH; ``max_num_seqs`` itself is always a bucket when it is within the cap."""
+    if max_num_seqs < 1:
+        raise ValueError("max_num_seqs must be >= 1")
+    top = min(max_num_seqs, MAX_GRAPH_BATCH)
+    candidates = [1, 2, 4, 8, 16, 24, 32, *range(48, MAX_GRAPH_BATCH + 1, 16)]
+    return tuple(sorted({b for b in candidates if b < top} | {top}))
 
 
 def bucket_for(num_seqs: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> int | None:
@@ -122,26 +138,14 @@ class StaticDecodeInputs:
     num_splits: int
     max_seq_len: int
 
-    def attention_metadata(self):
-        """CudaMetadata over the static buffers (host-side fields fixed at capture)."""
-        from ferrobatch.runtime.attention.cuda import CudaMetadata
-        return CudaMetadata(
-            slot_mapping=self.slot_mapping,
-            query_start_loc=self.query_start_loc,
-            seq_lens=self.seq_lens,
-            block_tables=self.block_tables,
-            max_query_len=1,
-            max_seq_len=self.max_seq_len,
-            num_tokens=self.bucket,
-            num_seqs=self.bucket,
-            query_start_loc_cpu=np.arange(self.bucket + 1, dtype=np.int32),
-            seq_lens_cpu=np.full(self.bucket, self.max_seq_len, np.int32),
-            num_splits=self.num_splits,
-        )
 
 
 class DecodeGraphRunner:
     """Captures ``forward(static_inputs) -> Tensor`` once per bucket and replays it.
+
+    ``emulate=True`` (any device, for tests) captures nothing: "capture" runs the forward once to
+    create the bucket's output tensor and each replay runs it again on the same static inputs and
+    copies the result into that tensor, which is exactly what a graph's replay observes.
 
     ``forward`` must only launch device work on the current stream (no host syncs, no ``.item()``,
     no new CUDA allocations after warm-up except through torch's caching allocator, which capture
@@ -153,7 +157,7 @@ class DecodeGraphRunner:
     def __init__(self, forward: Callable[[StaticDecodeInputs], torch.Tensor], *,
                  max_blocks_per_seq: int, max_seq_len: int, device: torch.device | str,
                  num_splits_for: Callable[[int], int] | None = None,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, emulate: bool = False) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError("buckets must be positive batch sizes")
         self.forward = forward
@@ -170,7 +174,9 @@ class DecodeGraphRunner:
         self._seq_lens = torch.zeros(big, dtype=torch.int32, device=dev)
         self._query_start_loc = torch.arange(big + 1, dtype=torch.int32, device=dev)
         self._block_tables = torch.zeros(big, max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.emulate = emulate
+        self.replays = 0
+        self._graphs: dict[int, torch.cuda.CUDAGraph | _EmulatedGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._pool = None
 
@@ -196,11 +202,17 @@ class DecodeGraphRunner:
 
         The static buffers hold padding (every row a no-op) while capturing, so warm-up and capture
         never write the KV cache."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" and not self.emulate:
             raise RuntimeError("CUDA graphs need a CUDA device")
         self._slot_mapping.fill_(PAD_SLOT)
         self._seq_lens.zero_()
         self._block_tables.zero_()
+        if self.emulate:
+            for bucket in reversed(self.buckets):
+                graph = _EmulatedGraph(self.forward, self.static_inputs(bucket))
+                self._graphs[bucket] = graph
+                self._outputs[bucket] = graph.output
+            return
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -242,6 +254,7 @@ class DecodeGraphRunner:
         padded = pad_decode_batch(batch, bucket, self.max_blocks)
         self._copy_in(padded)
         self._graphs[bucket].replay()
+        self.replays += 1
         return self._outputs[bucket][:n]
 
     def _copy_in(self, p: PaddedDecodeBatch) -> None:
@@ -254,3 +267,17 @@ class DecodeGraphRunner:
             if self.device.type == "cuda":
                 host = host.pin_memory()
             dst[:b].copy_(host, non_blocking=True)
+
+
+class _EmulatedGraph:
+    """A stand-in for a captured graph (``DecodeGraphRunner(emulate=True)``): replay re-runs the
+    forward on the same static inputs into the same output tensor."""
+
+    def __init__(self, forward: Callable[[StaticDecodeInputs], torch.Tensor],
+                 inputs: StaticDecodeInputs) -> None:
+        self.forward = forward
+        self.inputs = inputs
+        self.output = forward(inputs)
+
+    def replay(self) -> None:
+        self.output.copy_(self.forward(self.inputs))

@@ -1,4 +1,8 @@
-"""ModelRunner: one step's arrays -> tensors -> forward -> float32 logits at ``logits_indices``."""
+"""ModelRunner: one step's arrays -> tensors -> forward -> float32 logits at ``logits_indices``.
+
+Decode-only steps replay a captured CUDA graph when ``capture_decode_graphs`` was called (the
+engine does so on CUDA); every other step runs the model eagerly.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from ferrobatch.runtime.attention.base import check_step_arrays
 from ferrobatch.runtime.cpu_elementwise import swap_elementwise_ops
 from ferrobatch.runtime.cpu_linear import pack_linear_layers, packing_unsupported
 from ferrobatch.runtime.cpu_threads import torch_single_threaded
+from ferrobatch.runtime.cuda_graphs import DecodeGraphRunner, decode_buckets
 from ferrobatch.runtime.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -59,15 +64,29 @@ class ModelRunner:
         self.block_size = block_size
         self.validate_steps = validate_steps
         self.kv_cache = KVCache(self.config, num_blocks, block_size, self.device, loaded.dtype)
+        self.decode_graphs: DecodeGraphRunner | None = None
+        self.graph_steps = 0       # steps served by a decode graph replay
+        self.eager_steps = 0       # steps run eagerly (prefill / mixed / too big / graphs off)
 
     @property
     def num_blocks(self) -> int:
         """Blocks in the KV cache (block 0 is the scheduler's null block)."""
         return self.kv_cache.num_blocks
 
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+                 logits_indices: torch.Tensor) -> torch.Tensor:
+        if self.rust_linears:
+            with torch_single_threaded():
+                return self.model(input_ids, positions, self.kv_cache.layers, meta, logits_indices)
+        return self.model(input_ids, positions, self.kv_cache.layers, meta, logits_indices)
+
     @torch.inference_mode()
-    def execute(self, batch) -> torch.Tensor:
-        """Applies ``batch.block_copies``, runs the forward, returns logits ``[S, vocab]`` float32."""
+    def execute(self, batch, *, allow_graph: bool = True) -> torch.Tensor:
+        """Applies ``batch.block_copies``, runs the forward, returns logits ``[S, vocab]`` float32.
+
+        A decode-only step that samples every row replays a decode graph when one fits
+        (``allow_graph=False`` forces the eager forward); the logits are then a view of the
+        graph's output buffer, valid until the next step."""
         copies = getattr(batch, "block_copies", None)
         if copies is not None and len(copies):
             self.kv_cache.copy_blocks(copies)
@@ -78,14 +97,54 @@ class ModelRunner:
             check_step_arrays(batch, self.block_size, self.kv_cache.num_blocks)
             if int(np.asarray(batch.positions).max()) >= self.config.max_position_embeddings:
                 raise ValueError("a position exceeds the model's max_position_embeddings")
+        if allow_graph and self.decode_graphs is not None and _samples_every_row(batch) \
+                and self.decode_graphs.can_run(batch):
+            self.graph_steps += 1
+            return self.decode_graphs.run(batch)
+        self.eager_steps += 1
         meta = self.attn_backend.build_metadata(batch, self.device)
         input_ids = _to_device(batch.input_ids, self.device, torch.int64)
         positions = _to_device(batch.positions, self.device, torch.int64)
         logits_indices = _to_device(batch.logits_indices, self.device, torch.int64)
-        if self.rust_linears:
-            with torch_single_threaded():
-                return self.model(input_ids, positions, self.kv_cache.layers, meta, logits_indices)
-        return self.model(input_ids, positions, self.kv_cache.layers, meta, logits_indices)
+        return self._forward(input_ids, positions, meta, logits_indices)
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, *,
+                              buckets: tuple[int, ...] | None = None,
+                              emulate: bool = False) -> tuple[int, ...]:
+        """Captures the model's decode step once per batch bucket (default
+        ``decode_buckets(max_num_seqs)``) for contexts up to ``max_model_len``; returns the
+        buckets. Needs a backend with ``static_decode_metadata`` (CUDA kernels; the torch
+        reference for ``emulate``). ``emulate=True`` replays by re-running the forward (tests on
+        any device: same data flow, no speed-up)."""
+        backend = self.attn_backend
+        if not emulate and not backend.supports_decode_graphs:
+            raise RuntimeError(f"attention backend {backend.name!r} cannot be captured in CUDA "
+                               f"graphs (use the 'cuda' backend, or run eagerly)")
+        buckets = tuple(buckets) if buckets else decode_buckets(max_num_seqs)
+        cfg = self.config
+        max_seq_len = min(int(max_model_len), int(cfg.max_position_embeddings))
+        backend.prepare_decode_graphs(max(buckets), cfg.num_heads, cfg.head_dim)
+        rows = torch.arange(max(buckets), dtype=torch.int64, device=self.device)
+
+        def decode_step(inputs) -> torch.Tensor:
+            meta = backend.static_decode_metadata(inputs)
+            return self._forward(inputs.input_ids, inputs.positions, meta, rows[:inputs.bucket])
+
+        graphs = DecodeGraphRunner(
+            decode_step, max_blocks_per_seq=-(-max_seq_len // self.block_size),
+            max_seq_len=max_seq_len, device=self.device, buckets=buckets, emulate=emulate,
+            num_splits_for=lambda b: backend.decode_graph_splits(b, cfg.num_kv_heads, max_seq_len))
+        with torch.inference_mode():
+            graphs.capture()
+        self.decode_graphs = graphs
+        return graphs.captured_buckets
+
+
+def _samples_every_row(batch) -> bool:
+    """logits_indices is 0..n-1: every row is sampled, in order (what a graph's output holds)."""
+    indices = np.asarray(batch.logits_indices)
+    n = int(np.asarray(batch.seq_lens).shape[0])
+    return indices.shape == (n,) and bool(np.array_equal(indices, np.arange(n)))
 
 
 def _warm_up_batch(num_tokens: int, block_size: int, vocab_size: int):

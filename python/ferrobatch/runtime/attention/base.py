@@ -29,6 +29,17 @@ class AttentionMetadata:
     seq_lens_cpu: np.ndarray  # int32 [B]
 
 
+@dataclass
+class StaticDecodeMetadata(AttentionMetadata):
+    """Metadata over a decode-graph runner's static buffers (``runtime.cuda_graphs``).
+
+    A padded decode-only step: rows past the real batch have ``slot_mapping`` -1 (write nothing)
+    and ``seq_lens`` 0 (attend to nothing, output zeros). The host-side fields (``max_seq_len``,
+    ``*_cpu``) are fixed when the graph is captured and are only upper bounds: a backend must take
+    each row's length from the ``seq_lens`` tensor.
+    """
+
+
 def check_step_arrays(batch, block_size: int, num_blocks: int) -> None:
     """Validates the step arrays' shapes and ranges (cheap, vectorized); ValueError on violation."""
     num_tokens = int(batch.input_ids.shape[0])
@@ -52,18 +63,42 @@ class AttentionBackend(abc.ABC):
     """Paged attention over a flat batch mixing prefill chunks and decode tokens."""
 
     name: str = "abstract"
+    # True: static_decode_metadata() gives metadata whose forward is capture-safe in a CUDA graph
+    # (no host reads of device data, lengths taken from device tensors).
+    supports_decode_graphs: bool = False
 
     @abc.abstractmethod
     def build_metadata(self, batch, device: torch.device | str) -> AttentionMetadata:
         """Converts the step arrays (numpy, README contract) into device metadata, once per step."""
 
+    def static_decode_metadata(self, inputs) -> AttentionMetadata:
+        """Metadata over a decode-graph runner's static buffers (a ``StaticDecodeInputs``: device
+        views of ``bucket`` rows, padding rows with slot -1 and seq_len 0), built once at capture
+        and reused by every replay."""
+        raise NotImplementedError(f"attention backend {self.name!r} cannot run decode steps from "
+                                  f"static (CUDA-graph) buffers")
+
+    def prepare_decode_graphs(self, max_batch: int, num_heads: int, head_dim: int) -> None:
+        """Allocates whatever a captured decode step needs for up to ``max_batch`` rows (called
+        before capture, so that nothing is allocated inside one). Nothing by default."""
+        return None
+
+    def decode_graph_splits(self, bucket: int, num_kv_heads: int, max_seq_len: int) -> int:
+        """Split-KV count fixed into the graph of one batch bucket (1: no split)."""
+        return 1
+
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  meta: AttentionMetadata) -> None:
-        """Stores ``key``/``value`` ``[T, Hkv, D]`` at ``meta.slot_mapping`` in ``kv_cache``."""
+        """Stores ``key``/``value`` ``[T, Hkv, D]`` at ``meta.slot_mapping`` in ``kv_cache``
+        (rows with slot -1, the padding of static decode steps, are skipped)."""
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
-        flat[0].index_copy_(0, meta.slot_mapping, key.to(kv_cache.dtype))
-        flat[1].index_copy_(0, meta.slot_mapping, value.to(kv_cache.dtype))
+        slots = meta.slot_mapping
+        if isinstance(meta, StaticDecodeMetadata):
+            real = torch.nonzero(slots >= 0).squeeze(1)
+            slots, key, value = slots[real], key[real], value[real]
+        flat[0].index_copy_(0, slots, key.to(kv_cache.dtype))
+        flat[1].index_copy_(0, slots, value.to(kv_cache.dtype))
 
     @abc.abstractmethod
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

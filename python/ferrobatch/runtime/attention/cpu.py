@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ferrobatch.runtime.attention.base import StaticDecodeMetadata
 from ferrobatch.runtime.attention.torch_ref import (
     TorchReferenceBackend,
     TorchRefMetadata,
@@ -95,6 +96,8 @@ class CpuPagedBackend(TorchReferenceBackend):
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: CpuPagedMetadata,
                 scale: float) -> torch.Tensor:
+        if isinstance(meta, StaticDecodeMetadata):     # emulated graph steps: the reference path
+            return super().forward(query, kv_cache, meta, scale)
         num_tokens, num_heads, head_dim = query.shape
         rows = meta.decode
         threads = self.num_threads or torch.get_num_threads()

@@ -99,6 +99,7 @@ class CudaPagedBackend(AttentionBackend):
     """Paged attention through ferrobatch's CUDA kernels."""
 
     name = "cuda"
+    supports_decode_graphs = True
 
     def __init__(self, block_size: int = 16, device: torch.device | str | int | None = None,
                  max_splits: int = 32) -> None:
@@ -160,6 +161,33 @@ class CudaPagedBackend(AttentionBackend):
                 ws = self.reserve_workspace(batch, num_heads, head_dim, max(splits, self.max_splits))
         return cuda_ops.paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale,
                                                num_splits=splits, workspace=ws)
+
+    # ---- decode CUDA graphs -------------------------------------------------------------------
+    def prepare_decode_graphs(self, max_batch: int, num_heads: int, head_dim: int) -> None:
+        self.reserve_workspace(max_batch, num_heads, head_dim, self.max_splits)
+
+    def decode_graph_splits(self, bucket: int, num_kv_heads: int, max_seq_len: int) -> int:
+        # The kernel partitions each sequence by its actual length on the device, so a count
+        # chosen for the longest possible context stays correct for every replay.
+        return cuda_ops.choose_num_splits(bucket, num_kv_heads, max_seq_len, self.sm_count,
+                                          max_splits=self.max_splits)
+
+    def static_decode_metadata(self, inputs) -> CudaMetadata:
+        """CudaMetadata over a graph runner's static buffers (padding rows: slot -1 is skipped by
+        reshape_and_cache, seq_len 0 makes the decode kernel write zeros)."""
+        return CudaMetadata(
+            slot_mapping=inputs.slot_mapping,
+            query_start_loc=inputs.query_start_loc,
+            seq_lens=inputs.seq_lens,
+            block_tables=inputs.block_tables,
+            max_query_len=1,
+            max_seq_len=inputs.max_seq_len,
+            num_tokens=inputs.bucket,
+            num_seqs=inputs.bucket,
+            query_start_loc_cpu=np.arange(inputs.bucket + 1, dtype=np.int32),
+            seq_lens_cpu=np.full(inputs.bucket, inputs.max_seq_len, np.int32),
+            num_splits=inputs.num_splits,
+        )
 
     # ---- AttentionBackend ---------------------------------------------------------------------
     def build_metadata(self, batch, device) -> CudaMetadata:

@@ -14,7 +14,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ferrobatch.runtime.attention.base import AttentionBackend, AttentionMetadata
+from ferrobatch.runtime.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    StaticDecodeMetadata,
+)
 
 
 @dataclass
@@ -98,8 +102,21 @@ class TorchReferenceBackend(AttentionBackend):
             groups=groups,
         )
 
+    def static_decode_metadata(self, inputs) -> StaticDecodeMetadata:
+        """Static decode buffers as metadata (the reference semantics of padded graph steps; not
+        capture-safe on CUDA: it gathers every row's whole block table and skips padding writes
+        through a host-synchronising ``nonzero``, so ``supports_decode_graphs`` stays False)."""
+        return StaticDecodeMetadata(
+            slot_mapping=inputs.slot_mapping, query_start_loc=inputs.query_start_loc,
+            seq_lens=inputs.seq_lens, block_tables=inputs.block_tables, max_query_len=1,
+            max_seq_len=inputs.max_seq_len, num_tokens=inputs.bucket, num_seqs=inputs.bucket,
+            query_start_loc_cpu=np.arange(inputs.bucket + 1, dtype=np.int32),
+            seq_lens_cpu=np.full(inputs.bucket, inputs.max_seq_len, np.int32))
+
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: TorchRefMetadata,
                 scale: float) -> torch.Tensor:
+        if isinstance(meta, StaticDecodeMetadata):
+            return static_decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens, scale)
         num_tokens, num_heads, head_dim = query.shape
         out = query.new_empty(num_tokens + 1, num_heads, head_dim)
         attend_groups(query, kv_cache, meta.groups, scale, out)
@@ -134,3 +151,25 @@ def attend_groups(query: torch.Tensor, kv_cache: torch.Tensor, groups: list[Sequ
         o = o.view(num_seqs, num_kv_heads, group_size, g.num_queries, head_dim)
         o = o.permute(0, 3, 1, 2, 4).reshape(num_seqs * g.num_queries, num_heads, head_dim)
         out.index_copy_(0, g.query_token_index.reshape(-1), o)
+
+
+def static_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per row over the row's first ``seq_lens[i]`` cached tokens, lengths read
+    from the tensor (never from the host); a row with length 0 gets zeros. ``[B, Hq, D]``."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group_size = num_heads // num_kv_heads
+    num_keys = block_tables.shape[1] * block_size
+    blocks = block_tables.reshape(-1).long()
+    k = kv_cache[0].index_select(0, blocks).view(num_seqs, num_keys, num_kv_heads, head_dim)
+    v = kv_cache[1].index_select(0, blocks).view(num_seqs, num_keys, num_kv_heads, head_dim)
+    k, v = k.to(query.dtype).transpose(1, 2), v.to(query.dtype).transpose(1, 2)
+    lengths = seq_lens.long()
+    has_context = lengths > 0
+    valid = torch.arange(num_keys, device=query.device)[None, :] < lengths[:, None]
+    valid[:, 0] |= ~has_context            # an empty row attends to one key (no NaN); zeroed below
+    q = query.view(num_seqs, num_kv_heads, group_size, head_dim)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    o = o * has_context.to(o.dtype)[:, None, None, None]
+    return o.reshape(num_seqs, num_heads, head_dim)
