@@ -40,6 +40,17 @@ class StaticDecodeMetadata(AttentionMetadata):
     """
 
 
+def static_decode_fields(inputs) -> dict:
+    """The AttentionMetadata fields over a decode-graph runner's static buffers
+    (``cuda_graphs.StaticDecodeInputs``); the host-side ones are the bounds fixed at capture."""
+    bucket = inputs.bucket
+    return dict(slot_mapping=inputs.slot_mapping, query_start_loc=inputs.query_start_loc,
+                seq_lens=inputs.seq_lens, block_tables=inputs.block_tables, max_query_len=1,
+                max_seq_len=inputs.max_seq_len, num_tokens=bucket, num_seqs=bucket,
+                query_start_loc_cpu=np.arange(bucket + 1, dtype=np.int32),
+                seq_lens_cpu=np.full(bucket, inputs.max_seq_len, np.int32))
+
+
 def check_step_arrays(batch, block_size: int, num_blocks: int) -> None:
     """Validates the step arrays' shapes and ranges (cheap, vectorized); ValueError on violation."""
     num_tokens = int(batch.input_ids.shape[0])

@@ -24,7 +24,11 @@ import numpy as np
 import torch
 
 from ferrobatch.runtime import cuda_ops
-from ferrobatch.runtime.attention.base import AttentionBackend, AttentionMetadata
+from ferrobatch.runtime.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    static_decode_fields,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -175,19 +179,7 @@ class CudaPagedBackend(AttentionBackend):
     def static_decode_metadata(self, inputs) -> CudaMetadata:
         """CudaMetadata over a graph runner's static buffers (padding rows: slot -1 is skipped by
         reshape_and_cache, seq_len 0 makes the decode kernel write zeros)."""
-        return CudaMetadata(
-            slot_mapping=inputs.slot_mapping,
-            query_start_loc=inputs.query_start_loc,
-            seq_lens=inputs.seq_lens,
-            block_tables=inputs.block_tables,
-            max_query_len=1,
-            max_seq_len=inputs.max_seq_len,
-            num_tokens=inputs.bucket,
-            num_seqs=inputs.bucket,
-            query_start_loc_cpu=np.arange(inputs.bucket + 1, dtype=np.int32),
-            seq_lens_cpu=np.full(inputs.bucket, inputs.max_seq_len, np.int32),
-            num_splits=inputs.num_splits,
-        )
+        return CudaMetadata(**static_decode_fields(inputs), num_splits=inputs.num_splits)
 
     # ---- AttentionBackend ---------------------------------------------------------------------
     def build_metadata(self, batch, device) -> CudaMetadata:

@@ -18,6 +18,7 @@ from ferrobatch.runtime.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     StaticDecodeMetadata,
+    static_decode_fields,
 )
 
 
@@ -106,12 +107,7 @@ class TorchReferenceBackend(AttentionBackend):
         """Static decode buffers as metadata (the reference semantics of padded graph steps; not
         capture-safe on CUDA: it gathers every row's whole block table and skips padding writes
         through a host-synchronising ``nonzero``, so ``supports_decode_graphs`` stays False)."""
-        return StaticDecodeMetadata(
-            slot_mapping=inputs.slot_mapping, query_start_loc=inputs.query_start_loc,
-            seq_lens=inputs.seq_lens, block_tables=inputs.block_tables, max_query_len=1,
-            max_seq_len=inputs.max_seq_len, num_tokens=inputs.bucket, num_seqs=inputs.bucket,
-            query_start_loc_cpu=np.arange(inputs.bucket + 1, dtype=np.int32),
-            seq_lens_cpu=np.full(inputs.bucket, inputs.max_seq_len, np.int32))
+        return StaticDecodeMetadata(**static_decode_fields(inputs))
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: TorchRefMetadata,
                 scale: float) -> torch.Tensor:
