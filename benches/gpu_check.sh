@@ -79,11 +79,11 @@ if [[ ${status[build]} == rc=0* ]]; then
     --measure-copy --json "$OUT/attention_bandwidth.json" || failed=1
   run_step small 150 "$OUT/throughput_gpu-small.txt" $PY benches/throughput.py \
     --workload gpu-small --systems ferrobatch,ferrobatch-eager --no-progress \
-    --max-num-seqs 256 --max-num-batched-tokens 4096 \
+    --max-num-seqs 256 \
     --json "$OUT/throughput_gpu-small.json" || failed=1
   run_step 8b 180 "$OUT/throughput_gpu-8b.txt" $PY benches/throughput.py \
     --workload gpu-8b --systems ferrobatch --no-progress \
-    --max-num-seqs 256 --max-num-batched-tokens 8192 \
+    --max-num-seqs 256 \
     --json "$OUT/throughput_gpu-8b.json" || failed=1
   if command -v compute-sanitizer >/dev/null 2>&1; then
     run_step sanitizer 150 "$OUT/sanitizer.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \

@@ -45,7 +45,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SYSTEMS = ("ferrobatch", "ferrobatch-static", "ferrobatch-eager", "hf-static", "hf-continuous")
 DEFAULT_SYSTEMS = "ferrobatch,ferrobatch-static,hf-static,hf-continuous"
-DEFAULT_MAX_BATCHED_TOKENS = 512
+DEFAULT_MAX_BATCHED_TOKENS = {"cpu": 512, "cuda": 8192}   # the engine's own per-device defaults
 
 
 def parse_systems(spec: str) -> list[tuple[str, str, int | None]]:
@@ -227,8 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", help="batch-occupancy PNG (default: next to --json)")
     ap.add_argument("--num-requests", type=int, help="run only the first N requests (dev runs)")
     ap.add_argument("--max-num-seqs", type=int, help="override the workload's concurrency cap")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_BATCHED_TOKENS,
-                    help="per-step token budget (ferrobatch and hf-continuous)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="per-step token budget (ferrobatch and hf-continuous); default 512 on "
+                    "CPU workloads, 8192 on GPU ones (the engine's defaults)")
     ap.add_argument("--hf-static-batch-size", type=int, help="override the workload's hf-static batch")
     ap.add_argument("--device", help="override the workload's device for the HF baselines")
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
@@ -248,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         import torch
         torch.set_num_threads(args.threads)
     w = WORKLOADS[args.workload]
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = DEFAULT_MAX_BATCHED_TOKENS["cuda" if w.device == "cuda"
+                                                                 else "cpu"]
     reqs = build_requests(w)
     if args.num_requests:
         reqs = reqs[:args.num_requests]

@@ -21,8 +21,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: per device)")
     g.add_argument("--max-num-seqs", type=int, default=128,
                    help="most sequences in one step's batch")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512,
-                   help="token budget of one step (prefill chunks + decodes)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (prefill chunks + decodes); default 512 on "
+                   "CPU, 8192 on GPU")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context window (prompt + output); default min(model, 8192)")
     g.add_argument("--kv-cache-gb", type=float, default=None,

@@ -198,18 +198,6 @@ def test_capture_needs_a_capable_backend():
     assert runner.decode_graphs is None
 
 
-def test_engine_config_and_cli_switch_graphs_off():
-    from ferrobatch.cli import _config, build_parser
-    from ferrobatch.config import EngineConfig
-
-    assert EngineConfig().cuda_graphs is True
-    with pytest.raises(ValueError, match="cuda_graphs"):
-        EngineConfig(cuda_graphs="no")
-    parser = build_parser()
-    assert _config(parser.parse_args(["serve"])).cuda_graphs is True
-    assert _config(parser.parse_args(["serve", "--enforce-eager"])).cuda_graphs is False
-
-
 def test_engine_capture_failure_falls_back_to_eager(caplog):
     from ferrobatch.config import EngineConfig
     from ferrobatch.engine.core import _maybe_capture_decode_graphs

@@ -120,7 +120,8 @@ class EngineCore:
         sampler = Sampler(int(mcfg.vocab_size), eos, loaded.device)
         scheduler = Scheduler(
             num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
+            max_num_batched_tokens=config.step_token_budget(loaded.device.type),
+            max_model_len=max_model_len,
             vocab_size=int(mcfg.vocab_size), eos_token_ids=eos,
             enable_prefix_caching=config.enable_prefix_caching, policy=config.scheduling_policy,
             max_preemptions=config.max_preemptions, intake_capacity=config.intake_capacity)

@@ -1,0 +1,44 @@
+"""EngineConfig: validation, unknown options, per-device defaults, and the CLI's mapping."""
+
+from __future__ import annotations
+
+import pytest
+
+from ferrobatch.cli import _config, build_parser
+from ferrobatch.config import EngineConfig
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"max_num_batched_tokens": -5}, "max_num_batched_tokens"),
+    ({"max_num_batched_tokens": True}, "max_num_batched_tokens"),
+    ({"block_size": 12}, "power of two"),
+    ({"num_blocks": 1}, "num_blocks"),
+    ({"device": "tpu"}, "device"),
+    ({"cuda_graphs": "no"}, "cuda_graphs"),
+    ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
+    ({"scheduling_policy": "lifo"}, "scheduling_policy"),
+])
+def test_bad_values_are_refused_with_the_field_named(options, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**options)
+
+
+def test_unknown_options_list_the_known_ones():
+    with pytest.raises(TypeError, match="max_num_seq.*known:.*max_num_seqs"):
+        EngineConfig.from_options(max_num_seq=4)
+
+
+def test_step_budget_defaults_per_device_unless_given():
+    cfg = EngineConfig()
+    assert cfg.max_num_batched_tokens is None
+    assert cfg.step_token_budget("cpu") == 512 and cfg.step_token_budget("cuda") == 8192
+    assert EngineConfig(max_num_batched_tokens=300).step_token_budget("cuda") == 300
+
+
+def test_cli_maps_engine_flags():
+    parser = build_parser()
+    default = _config(parser.parse_args(["serve"]))
+    assert default.cuda_graphs is True and default.max_num_batched_tokens is None
+    cfg = _config(parser.parse_args(["serve", "--enforce-eager", "--max-num-batched-tokens", "64"]))
+    assert cfg.cuda_graphs is False and cfg.max_num_batched_tokens == 64
