@@ -3,7 +3,7 @@
 #
 #     source .device/env.sh && bash benches/gpu_check.sh
 #
-# (.device/ is made beforehand on the dev machine by `bash ../shared/device/prepare.sh`.)
+# (.device/ is made beforehand on the dev machine by `bash ../shared/device/prepare.sh ninja`.)
 # Steps, most important first, each with its own time limit and all within one overall budget
 # (GPU_CHECK_BUDGET_S, default 540 s: a step never starts with less than 30 s left and is cut at
 # the budget, so the summary is always written before the device call's own time limit):
@@ -63,6 +63,8 @@ failed=0
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem --format=csv || true
   $PY -c "import torch, sys; print('python', sys.version.split()[0]); print('torch', torch.__version__, 'cuda', torch.version.cuda); p = torch.cuda.get_device_properties(0); print(p.name, 'cc', f'{p.major}.{p.minor}', 'SMs', p.multi_processor_count, 'L2', getattr(p, 'L2_cache_size', '?'))"
   command -v nvcc && nvcc --version | tail -2
+  $PY -c "import shutil; import ninja; print('ninja wheel', ninja.BIN_DIR, 'on PATH:', shutil.which('ninja'))" \
+    || echo "no ninja wheel: the JIT build needs ninja (bash ../shared/device/prepare.sh ninja)"
   $PY -c "import ferrobatch, ferrobatch.runtime.cuda_ops as o; print('ferrobatch', ferrobatch.__file__); print('sources', o.cuda_source_dir()); print('toolkit', o.find_cuda_toolkit())"
   git -C "$root" log --oneline -1 2>/dev/null || true
 } >"$OUT/env.txt" 2>&1

@@ -142,8 +142,10 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_kernel(const Pr
         const int bi = p.block_shift >= 0 ? (t >> p.block_shift) : t / p.block_size;
         const T* row = kv + static_cast<int64_t>(bt[bi]) * p.kv_stride_block +
                        static_cast<int64_t>(t - bi * p.block_size) * p.kv_stride_tok + c;
-        unpack<T>(load_kv16(row), kf);
-        unpack<T>(load_kv16(row + p.kv_stride_kv), vf);
+        // load_ro16, not the decode kernel's evict-first load_kv16: every query tile of a
+        // sequence re-reads its K/V, so these lines should stay in L2.
+        unpack<T>(load_ro16(row), kf);
+        unpack<T>(load_ro16(row + p.kv_stride_kv), vf);
       } else {
 #pragma unroll
         for (int i = 0; i < VEC; ++i) kf[i] = vf[i] = 0.f;

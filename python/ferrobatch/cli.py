@@ -19,8 +19,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="'smollm2' (embedded), a .gguf file or a Hugging Face model directory")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: per device)")
-    g.add_argument("--max-num-seqs", type=int, default=128,
-                   help="most sequences in one step's batch")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="most sequences in one step's batch (default 128 on CPU, 256 on GPU)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step (prefill chunks + decodes); default 512 on "
                    "CPU, 8192 on GPU")

@@ -3,7 +3,8 @@
 The defaults are tuned for the CPU path (the embedded SmolLM2 on a laptop): a 1 GiB KV budget,
 16-token blocks and a 512-token step budget keep inter-token latency low on two cores. On a GPU the
 KV budget comes from `gpu_memory_utilization` unless `kv_cache_gb` or `num_blocks` is given, and
-the step budget is 8192 tokens unless `max_num_batched_tokens` is given.
+the step limits are 256 sequences and 8192 tokens unless `max_num_seqs` /
+`max_num_batched_tokens` are given.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
 
     # Scheduler
-    max_num_seqs: int = 128
+    max_num_seqs: int | None = None      # None -> 128 on CPU, 256 on CUDA (sequences per step)
     max_num_batched_tokens: int | None = None   # None -> 512 on CPU, 8192 on CUDA (per step)
     max_model_len: int | None = None     # None -> min(model context, 8192)
     scheduling_policy: str = "fcfs"      # "fcfs" or "priority" (lower value runs first)
@@ -59,9 +60,10 @@ class EngineConfig:
             raise ValueError("model must be a non-empty string")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if self.max_num_batched_tokens is not None:
-            positive_int("max_num_batched_tokens")
-        for name in ("block_size", "max_num_seqs", "intake_capacity",
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) is not None:
+                positive_int(name)
+        for name in ("block_size", "intake_capacity",
                      "max_queued_requests", "max_n", "max_stop_strings", "max_stop_string_len",
                      "max_stop_token_ids", "max_logit_bias"):
             positive_int(name)
@@ -109,6 +111,12 @@ class EngineConfig:
             return "cuda" if torch.cuda.is_available() else "cpu"
         except ImportError:  # pragma: no cover - torch is a hard dependency
             return "cpu"
+
+    def step_seq_limit(self, device_type: str) -> int:
+        """Sequences per step: ``max_num_seqs``, or 128 on the CPU / 256 on a GPU when unset."""
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        return 256 if device_type == "cuda" else 128
 
     def step_token_budget(self, device_type: str) -> int:
         """Tokens per step: ``max_num_batched_tokens``, or the device's default when unset (512

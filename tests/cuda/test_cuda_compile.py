@@ -70,7 +70,9 @@ pytestmark = pytest.mark.timeout(1500)
 def test_sources_present():
     names = {p.name for p in CUDA_DIR.iterdir()}
     for required in ("ops.cpp", "ops.h", "common.cuh", "reshape_and_cache.cu",
-                     "decode_attention.cu", "prefill_attention.cu"):
+                     "decode_attention.cuh", "decode_attention.cu", "decode_attention_bf16.cu",
+                     "decode_attention_fp16.cu", "decode_attention_fp32.cu",
+                     "prefill_attention.cu"):
         assert required in names, f"cuda/{required} missing"
 
 

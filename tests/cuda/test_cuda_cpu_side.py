@@ -182,3 +182,26 @@ def test_nvcc_command_targets_sm90_only(tmp_path):
     assert "-gencode=arch=compute_90,code=sm_90" in cmd and "-c" in cmd
     assert "--use_fast_math" in cmd and "-O3" in cmd
     assert not any(f.startswith("-arch") for f in cmd)
+
+
+def test_workspace_captured_by_graphs_is_never_freed():
+    """A decode step bigger than the graphs' workspace (an eager step past the last bucket) must
+    not free the workspace whose addresses the captured graphs replay into."""
+    from ferrobatch.runtime.attention.cuda import CudaPagedBackend
+
+    backend = object.__new__(CudaPagedBackend)      # the constructor needs a GPU; the
+    backend.device = torch.device("cpu")             # workspace bookkeeping does not
+    backend.max_splits = 4
+    backend._workspaces = {}
+    backend._graph_workspaces_fixed = False
+    backend._retired_workspaces = []
+    first = backend.reserve_workspace(8, 4, 64)
+    assert backend.reserve_workspace(16, 4, 64) is not first
+    assert backend._retired_workspaces == []          # no graphs: the old one may go
+    backend.prepare_decode_graphs(32, 4, 64)
+    captured = backend._workspaces[(4, 64)]
+    assert captured.partial_out.shape[:3] == (32, 4, 4)
+    assert backend.reserve_workspace(20, 4, 64) is captured     # fits: no new allocation
+    bigger = backend.reserve_workspace(600, 4, 64)
+    assert bigger is not captured and bigger.partial_out.shape[0] == 600
+    assert backend._retired_workspaces == [captured]

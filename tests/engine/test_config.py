@@ -10,6 +10,7 @@ from ferrobatch.config import EngineConfig
 
 @pytest.mark.parametrize("options,match", [
     ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"max_num_seqs": 2.5}, "max_num_seqs"),
     ({"max_num_batched_tokens": -5}, "max_num_batched_tokens"),
     ({"max_num_batched_tokens": True}, "max_num_batched_tokens"),
     ({"block_size": 12}, "power of two"),
@@ -29,11 +30,13 @@ def test_unknown_options_list_the_known_ones():
         EngineConfig.from_options(max_num_seq=4)
 
 
-def test_step_budget_defaults_per_device_unless_given():
+def test_step_limits_default_per_device_unless_given():
     cfg = EngineConfig()
-    assert cfg.max_num_batched_tokens is None
+    assert cfg.max_num_batched_tokens is None and cfg.max_num_seqs is None
     assert cfg.step_token_budget("cpu") == 512 and cfg.step_token_budget("cuda") == 8192
-    assert EngineConfig(max_num_batched_tokens=300).step_token_budget("cuda") == 300
+    assert cfg.step_seq_limit("cpu") == 128 and cfg.step_seq_limit("cuda") == 256
+    given = EngineConfig(max_num_batched_tokens=300, max_num_seqs=7)
+    assert given.step_token_budget("cuda") == 300 and given.step_seq_limit("cuda") == 7
 
 
 def test_cli_maps_engine_flags():

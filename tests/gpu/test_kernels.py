@@ -32,9 +32,10 @@ def _gen(seed: int) -> torch.Generator:
 
 
 def _ctx_lens(rng, batch: int, max_ctx: int, block_size: int) -> np.ndarray:
-    """Mostly non-multiples of the block size, plus the edge cases 1, bs-1, bs+1."""
+    """Mostly non-multiples of the block size, plus the edge cases max_ctx (first, so a batch
+    of one runs the longest context), 1, bs-1, bs+1."""
     lens = rng.integers(1, max_ctx + 1, size=batch)
-    edge = [1, block_size - 1, block_size + 1, max_ctx]
+    edge = [max_ctx, 1, block_size - 1, block_size + 1]
     lens[: min(batch, len(edge))] = edge[: min(batch, len(edge))]
     lens = np.maximum(lens, 1)
     if batch > 4:
@@ -69,6 +70,9 @@ def test_reshape_and_cache(cuda_ops, dtype, head_dim, num_kv_heads, slot_dtype):
 
 
 # ---------------------------------------------------------------------------------- decode
+# (KV heads, query heads per KV head): every compiled group size (1, 2, 4, 8) and the padded
+# ones (3 -> 4, 6 -> 8)
+GQA_SHAPES = [(4, 1), (4, 2), (2, 4), (1, 8), (3, 3), (1, 6)]
 DECODE_CASES = [
     # batch, max_ctx, block_size
     (1, 1, 16),
@@ -84,7 +88,7 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("num_kv_heads,group", [(4, 1), (2, 4), (1, 8), (3, 3)])
+@pytest.mark.parametrize("num_kv_heads,group", GQA_SHAPES)
 @pytest.mark.parametrize("batch,max_ctx,block_size", DECODE_CASES)
 def test_decode_attention(cuda_ops, dtype, head_dim, num_kv_heads, group, batch, max_ctx, block_size):
     seed = zlib.crc32(repr((str(dtype), head_dim, num_kv_heads, group, batch, max_ctx)).encode())
@@ -166,7 +170,7 @@ PREFILL_CASES = [
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("num_kv_heads,group", [(4, 1), (2, 4), (1, 8), (3, 3)])
+@pytest.mark.parametrize("num_kv_heads,group", GQA_SHAPES)
 @pytest.mark.parametrize("case", range(len(PREFILL_CASES)))
 def test_prefill_attention(cuda_ops, dtype, head_dim, num_kv_heads, group, case):
     lens, qlens = PREFILL_CASES[case]

@@ -119,7 +119,8 @@ class EngineCore:
         eos = list(loaded.tokenizer.eos_token_ids)
         sampler = Sampler(int(mcfg.vocab_size), eos, loaded.device)
         scheduler = Scheduler(
-            num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+            num_blocks, block_size=config.block_size,
+            max_num_seqs=config.step_seq_limit(loaded.device.type),
             max_num_batched_tokens=config.step_token_budget(loaded.device.type),
             max_model_len=max_model_len,
             vocab_size=int(mcfg.vocab_size), eos_token_ids=eos,
@@ -252,7 +253,7 @@ def _maybe_capture_decode_graphs(config: EngineConfig, runner: Any, max_model_le
     on_cuda = torch.device(runner.device).type == "cuda"
     free_before = torch.cuda.mem_get_info(runner.device)[0] if on_cuda else 0
     try:
-        buckets = runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
+        buckets = runner.capture_decode_graphs(config.step_seq_limit("cuda"), max_model_len)
     except Exception as exc:  # noqa: BLE001 - any capture failure: fall back to eager steps
         runner.decode_graphs = None
         logger.warning("decode CUDA graphs: capture failed, every step runs eagerly: %s: %s",

@@ -32,8 +32,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE_FILES = ("ops.cpp", "reshape_and_cache.cu", "decode_attention.cu", "prefill_attention.cu")
-HEADER_FILES = ("ops.h", "common.cuh")
+# The decode kernels are compiled one dtype per file so that the build runs them in parallel.
+SOURCE_FILES = ("ops.cpp", "reshape_and_cache.cu", "decode_attention.cu", "decode_attention_bf16.cu",
+                "decode_attention_fp16.cu", "decode_attention_fp32.cu", "prefill_attention.cu")
+HEADER_FILES = ("ops.h", "common.cuh", "decode_attention.cuh")
 EXTENSION_NAME = "ferrobatch_cuda_ops"
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -252,6 +254,19 @@ def _cudart_link_flags(tk: CudaToolkit, build_dir: Path) -> list[str]:
     return [f"-L{link_dir}", f"-Wl,-rpath,{candidates[-1].parent}"]
 
 
+def _put_ninja_on_path() -> None:
+    """torch's JIT build runs ``ninja`` from PATH; the ``ninja`` wheel (a dependency) installs the
+    binary next to the interpreter, or under the install target's bin/ with ``pip --target``,
+    neither always on PATH. Prepend its directory when PATH has no ninja."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return     # torch's own error says to install it
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 def build_and_load(arch: str, verbose: bool = False) -> str:
     """Builds the extension for compute capability ``arch`` (e.g. ``"90"``) and loads it into this
     process (registering ``torch.ops.ferrobatch.*``). Needs nvcc and ninja, not a GPU."""
@@ -266,6 +281,7 @@ def build_and_load(arch: str, verbose: bool = False) -> str:
             raise RuntimeError(
                 "nvcc not found: set CUDA_HOME to a CUDA toolkit, or `pip install nvidia-cuda-nvcc` "
                 f"matching torch's CUDA {torch.version.cuda}")
+        _put_ninja_on_path()
         # torch reads CUDA_HOME at import; point it at the toolkit we found.
         cpp_extension.CUDA_HOME = str(tk.home)
         os.environ.setdefault("CUDA_HOME", str(tk.home))
@@ -318,7 +334,7 @@ def num_sms(device: torch.device | int | None = None) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# Mirror of the kernel's per-sequence partition (decode_chunk() in cuda/decode_attention.cu).
+# Mirror of the kernel's per-sequence partition (decode_chunk() in cuda/decode_attention.cuh).
 DECODE_MIN_CHUNK = 128
 DECODE_CHUNK_ALIGN = 64
 
@@ -394,7 +410,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                                                  q.device)
         po, pl = workspace.partial_out, workspace.partial_lse
     else:
-        po = pl = out.new_empty(0, dtype=torch.float32)  # unused in direct mode
+        # unused in direct mode (two tensors: the op's schema marks both as mutated)
+        po, pl = out.new_empty(0, dtype=torch.float32), out.new_empty(0, dtype=torch.float32)
     torch.ops.ferrobatch.paged_decode_attention(out, q, kv_cache, block_tables, seq_lens, po, pl,
                                                 float(scale), int(num_splits))
     return out

@@ -123,7 +123,8 @@ class ModelRunner:
         buckets = tuple(buckets) if buckets else decode_buckets(max_num_seqs)
         cfg = self.config
         max_seq_len = min(int(max_model_len), int(cfg.max_position_embeddings))
-        backend.prepare_decode_graphs(max(buckets), cfg.num_heads, cfg.head_dim)
+        # workspaces for every decode step the engine can run, eager ones past the last bucket too
+        backend.prepare_decode_graphs(max(max(buckets), max_num_seqs), cfg.num_heads, cfg.head_dim)
         rows = torch.arange(max(buckets), dtype=torch.int64, device=self.device)
 
         def decode_step(inputs) -> torch.Tensor:

@@ -119,6 +119,10 @@ class CudaPagedBackend(AttentionBackend):
         self.library = cuda_ops.load_ops(dev)
         self.sm_count = cuda_ops.num_sms(dev)
         self._workspaces: dict[tuple[int, int], cuda_ops.DecodeWorkspace] = {}
+        # Captured graphs hold raw addresses of the workspace current at capture: once graphs
+        # are prepared, a workspace replaced by a bigger one is kept alive here, never freed.
+        self._graph_workspaces_fixed = False
+        self._retired_workspaces: list[cuda_ops.DecodeWorkspace] = []
         logger.info("attention backend: cuda (ferrobatch paged kernels, sm_%s, %d SMs, %s)",
                     cuda_ops.device_arch(dev), self.sm_count, self.library)
 
@@ -147,6 +151,8 @@ class CudaPagedBackend(AttentionBackend):
         if ws is None or ws.partial_out.shape[0] < max_batch or ws.max_splits < max_splits:
             rows = max(max_batch, ws.partial_out.shape[0] if ws is not None else 0)
             splits = max(max_splits, ws.max_splits if ws is not None else 0)
+            if ws is not None and self._graph_workspaces_fixed:
+                self._retired_workspaces.append(ws)
             ws = cuda_ops.DecodeWorkspace.allocate(rows, num_heads, head_dim, splits, self.device)
             self._workspaces[key] = ws
         return ws
@@ -169,6 +175,7 @@ class CudaPagedBackend(AttentionBackend):
     # ---- decode CUDA graphs -------------------------------------------------------------------
     def prepare_decode_graphs(self, max_batch: int, num_heads: int, head_dim: int) -> None:
         self.reserve_workspace(max_batch, num_heads, head_dim, self.max_splits)
+        self._graph_workspaces_fixed = True
 
     def decode_graph_splits(self, bucket: int, num_kv_heads: int, max_seq_len: int) -> int:
         # The kernel partitions each sequence by its actual length on the device, so a count
