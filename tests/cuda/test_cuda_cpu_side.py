@@ -107,7 +107,7 @@ def test_kernel_partition_covers_context(seq_len, splits):
 
 
 def test_partition_mirror_matches_kernel_source():
-    src = (cuda_ops.cuda_source_dir() / "decode_attention.cu").read_text()
+    src = (cuda_ops.cuda_source_dir() / "decode_attention.cuh").read_text()
     assert f"constexpr int kMinChunk = {cuda_ops.DECODE_MIN_CHUNK};" in src
     assert f"constexpr int kChunkAlign = {cuda_ops.DECODE_CHUNK_ALIGN};" in src
 
