@@ -205,3 +205,22 @@ def test_workspace_captured_by_graphs_is_never_freed():
     bigger = backend.reserve_workspace(600, 4, 64)
     assert bigger is not captured and bigger.partial_out.shape[0] == 600
     assert backend._retired_workspaces == [captured]
+
+
+def test_build_progress_reports_finished_objects(tmp_path, caplog):
+    import time
+
+    from ferrobatch.runtime.cuda_ops import BuildProgress
+
+    with caplog.at_level("INFO", logger="ferrobatch.runtime.cuda_ops"):
+        progress = BuildProgress(tmp_path, 7, interval_s=0.05)
+        (tmp_path / "ops.o").write_bytes(b"")
+        (tmp_path / "decode_attention_bf16.cuda.o").write_bytes(b"")
+        (tmp_path / "build.ninja").write_text("")
+        deadline = time.monotonic() + 5
+        while "2/7 files done" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.02)
+        progress.stop()
+    assert "compiling CUDA kernels: 2/7 files done" in caplog.text
+    assert "(finished)" in caplog.text
+    assert not progress._thread.is_alive()

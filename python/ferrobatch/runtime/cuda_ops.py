@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -254,6 +255,32 @@ def _cudart_link_flags(tk: CudaToolkit, build_dir: Path) -> list[str]:
     return [f"-L{link_dir}", f"-Wl,-rpath,{candidates[-1].parent}"]
 
 
+class BuildProgress:
+    """Logs, every ``interval_s`` while the JIT build runs, how many of its object files exist
+    (ninja writes each when its compile finishes), so a first start is visibly not hung."""
+
+    def __init__(self, build_dir: Path, num_objects: int, interval_s: float = 20.0) -> None:
+        self.build_dir, self.num_objects, self.interval_s = build_dir, num_objects, interval_s
+        self.t0 = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cuda-build-progress", daemon=True)
+        self._thread.start()
+
+    def message(self) -> str:
+        done = sum(1 for _ in self.build_dir.glob("*.o"))
+        return (f"compiling CUDA kernels: {min(done, self.num_objects)}/{self.num_objects} files "
+                f"done, {time.monotonic() - self.t0:.0f} s")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            logger.warning(self.message())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        logger.info("%s (finished)", self.message())
+
+
 def _put_ninja_on_path() -> None:
     """torch's JIT build runs ``ninja`` from PATH; the ``ninja`` wheel (a dependency) installs the
     binary next to the interpreter, or under the install target's bin/ with ``pip --target``,
@@ -294,6 +321,12 @@ def build_and_load(arch: str, verbose: bool = False) -> str:
         os.environ["TORCH_CUDA_ARCH_LIST"] = f"{arch[:-1]}.{arch[-1]}"
         logger.info("building ferrobatch CUDA ops for sm_%s with %s (CUDA %s) in %s",
                     arch, tk.nvcc, tk.version, build_dir)
+        first_build = not (build_dir / f"{EXTENSION_NAME}.so").exists()
+        if first_build:
+            logger.warning("compiling ferrobatch's CUDA kernels for sm_%s: first use only, a few "
+                           "minutes (%d files in parallel); cached in %s", arch, len(SOURCE_FILES),
+                           build_dir)
+        progress = BuildProgress(build_dir, len(SOURCE_FILES)) if first_build else None
         try:
             path = cpp_extension.load(
                 name=EXTENSION_NAME,
@@ -309,6 +342,8 @@ def build_and_load(arch: str, verbose: bool = False) -> str:
         except Exception as exc:
             raise RuntimeError(f"building ferrobatch CUDA ops failed: {exc}") from exc
         finally:
+            if progress is not None:
+                progress.stop()
             if saved_arch_list is None:
                 os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
             else:
