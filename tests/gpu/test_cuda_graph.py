@@ -69,13 +69,15 @@ def test_decode_step_graph_replay_matches_eager(cuda_ops):
 
 
 def test_engine_with_decode_graphs_matches_eager_engine(cuda_ops):
-    """Two engines on the same bf16 weights, one capturing decode graphs (the default on CUDA),
-    one eager: the same greedy tokens for a batch whose size shrinks through several buckets."""
+    """Two engines on the same weights, one capturing decode graphs (the default on CUDA), one
+    eager: the same greedy tokens for a batch whose size shrinks through several buckets. float32:
+    a graph fixes its split-KV count for the longest context, so its attention sums in another
+    order than the eager step's; in bf16 that could flip a near-tie argmax, in fp32 it cannot."""
     from ferrobatch import LLM, SamplingParams
     from ferrobatch.model.loader import load_model
 
     try:
-        loaded = load_model("smollm2", device="cuda", dtype=torch.bfloat16)
+        loaded = load_model("smollm2", device="cuda", dtype=torch.float32)
     except (ImportError, FileNotFoundError) as exc:
         pytest.skip(f"SmolLM2 unavailable: {exc}")
     prompts = ["The capital of France is", "def add(a, b):", "Once upon a time",
@@ -84,7 +86,7 @@ def test_engine_with_decode_graphs_matches_eager_engine(cuda_ops):
               for i in range(len(prompts))]
     outs = {}
     for graphs in (True, False):
-        with LLM("smollm2", loaded_model=loaded, device="cuda", dtype="bfloat16", kv_cache_gb=1.0,
+        with LLM("smollm2", loaded_model=loaded, device="cuda", dtype="float32", kv_cache_gb=1.0,
                  max_num_seqs=16, cuda_graphs=graphs) as llm:
             runner = llm.engine._core.runner
             assert (runner.decode_graphs is not None) == graphs
