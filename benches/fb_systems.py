@@ -142,5 +142,6 @@ class FerrobatchRunner:
             import torch
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()   # the next engine sizes its KV cache afresh
         except ImportError:
             pass

@@ -261,10 +261,13 @@ def server_command(kind: str, port: int, args, tcp_port: int | None = None) -> l
     if kind == "ferrobatch":
         return [PY, "-m", "ferrobatch", "serve", "--model", args.model, "--host", "127.0.0.1",
                 "--port", str(port), "--tcp-port", str(tcp_port or free_port()),
-                "--max-num-seqs", str(args.max_num_seqs), *args.ferrobatch_args.split()]
+                "--max-num-seqs", str(args.max_num_seqs),
+                "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                *args.ferrobatch_args.split()]
     if kind == "hf":
         cmd = [PY, str(REPO / "benches" / "hf_server.py"), "--model", args.model,
-               "--port", str(port), "--max-num-seqs", str(args.max_num_seqs)]
+               "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
         return cmd
@@ -424,6 +427,7 @@ async def amain(args) -> int:
                         **summarize(reqs)},
            "machine": {**info, "loadavg_1m_at_end": load_1min()},
            "max_num_seqs": args.max_num_seqs,
+           "max_num_batched_tokens": args.max_num_batched_tokens,
            "command": "python " + " ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
            "results": results}
     if args.json:
@@ -450,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--request-rates", default="1,2,inf")
     ap.add_argument("--max-concurrency", type=int)
     ap.add_argument("--max-num-seqs", type=int, default=16, help="server concurrency cap (both)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512,
+                    help="per-step token budget (both servers)")
     ap.add_argument("--ferrobatch-args", default="", help="extra `ferrobatch serve` flags")
     ap.add_argument("--threads", type=int, help="torch threads of the launched servers")
     ap.add_argument("--seed", type=int, default=0)

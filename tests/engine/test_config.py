@@ -45,3 +45,27 @@ def test_cli_maps_engine_flags():
     assert default.cuda_graphs is True and default.max_num_batched_tokens is None
     cfg = _config(parser.parse_args(["serve", "--enforce-eager", "--max-num-batched-tokens", "64"]))
     assert cfg.cuda_graphs is False and cfg.max_num_batched_tokens == 64
+
+
+def test_gpu_kv_budget_leaves_the_warm_up_peak_and_the_reserve(monkeypatch):
+    import torch
+
+    from ferrobatch.engine.core import _gpu_reserve_bytes
+    from ferrobatch.model.config import ModelConfig
+    from ferrobatch.runtime.kv_cache import kv_block_bytes, num_blocks_for_gpu
+
+    config = ModelConfig(arch="llama", vocab_size=1000, hidden_size=64, intermediate_size=128,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    graphs, eager = EngineConfig(max_num_seqs=4), EngineConfig(max_num_seqs=4, cuda_graphs=False)
+    assert _gpu_reserve_bytes(eager, config) == 4 * 1000 * 32
+    assert _gpu_reserve_bytes(graphs, config) == 4 * 1000 * 32 + (1 + 2 + 4) * 1000 * 4
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 16 * gib))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * gib)
+    block = kv_block_bytes(config, 16, torch.bfloat16)
+    got = num_blocks_for_gpu(config, 16, torch.bfloat16, 0.5, "cuda", reserve_bytes=gib // 2)
+    assert got == (5 * gib - gib - gib // 2) // block          # half of free, less peak, reserve
+    with pytest.raises(ValueError, match="fewer than 2 blocks"):
+        num_blocks_for_gpu(config, 16, torch.bfloat16, 0.5, "cuda", reserve_bytes=4 * gib)

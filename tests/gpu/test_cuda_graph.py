@@ -72,7 +72,8 @@ def test_engine_with_decode_graphs_matches_eager_engine(cuda_ops):
     """Two engines on the same weights, one capturing decode graphs (the default on CUDA), one
     eager: the same greedy tokens for a batch whose size shrinks through several buckets. float32:
     a graph fixes its split-KV count for the longest context, so its attention sums in another
-    order than the eager step's; in bf16 that could flip a near-tie argmax, in fp32 it cannot."""
+    order than the eager step's; in bf16 that could flip a near-tie argmax, in fp32 that is very
+    unlikely."""
     from ferrobatch import LLM, SamplingParams
     from ferrobatch.model.loader import load_model
 

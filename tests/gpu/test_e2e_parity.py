@@ -115,8 +115,8 @@ def test_greedy_parity_cuda_backend_vs_transformers(smollm2_cuda, hf_greedy):
 
 
 def test_greedy_parity_with_decode_cuda_graphs(smollm2_cuda, hf_greedy):
-    """The same run with decode steps replayed from captured CUDA graphs (6 sequences: bucket 8
-    while all run, smaller buckets as they finish)."""
+    """The same run with decode steps replayed from captured CUDA graphs (6 sequences: buckets
+    1, 2, 4, 6; the 3- and 5-sequence steps replay padded graphs)."""
     _, loaded = smollm2_cuda
     prompts, expected = hf_greedy
     got, kinds = _run(loaded, "cuda", prompts, token_budget=48, graphs=True)

@@ -163,7 +163,8 @@ def test_only_steps_that_fit_a_graph_replay_one():
     from ferrobatch.runtime.model_runner import ModelRunner
 
     runner = ModelRunner(_tiny_loaded(), num_blocks=80, block_size=BLOCK_SIZE, attn_backend="torch")
-    runner.capture_decode_graphs(max_num_seqs=4, max_model_len=MAX_MODEL_LEN, emulate=True)
+    # 100 tokens: 13 block-table columns, the last one not full
+    runner.capture_decode_graphs(max_num_seqs=4, max_model_len=100, emulate=True)
     rng = np.random.default_rng(0)
 
     def fresh(lengths):
@@ -179,7 +180,9 @@ def test_only_steps_that_fit_a_graph_replay_one():
     partial = fresh([5, 6])
     partial.logits_indices = np.array([1], np.int32)        # not every row sampled
     assert runner.execute(partial).shape[0] == 1
-    runner.execute(fresh([MAX_MODEL_LEN + 1]))              # longer than the graphs' contexts
+    too_long = fresh([101])                                  # longer than the graphs' contexts
+    too_long.block_tables = too_long.block_tables[:, :13]   # though its table fits their width
+    runner.execute(too_long)
     prefill = fresh([6])
     prefill.input_ids = np.array([1, 2], np.int32)          # two query tokens: not decode-only
     prefill.positions = np.array([4, 5], np.int32)

@@ -84,8 +84,8 @@ class EngineCore:
         """Load the model (unless given), size the KV cache, create scheduler, runner, sampler."""
         from ferrobatch._scheduler import Scheduler
         from ferrobatch.model.loader import load_model
-        from ferrobatch.runtime.kv_cache import num_blocks_for_budget, num_blocks_for_gpu
-        from ferrobatch.runtime.model_runner import ModelRunner
+        from ferrobatch.runtime.kv_cache import num_blocks_for_budget
+        from ferrobatch.runtime.model_runner import ModelRunner, num_kv_blocks
         from ferrobatch.runtime.sampler import Sampler
 
         device = config.resolved_device()
@@ -107,8 +107,11 @@ class EngineCore:
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         elif loaded.device.type == "cuda" and config.kv_cache_gb is None:
-            num_blocks = num_blocks_for_gpu(mcfg, config.block_size, loaded.dtype,
-                                            config.gpu_memory_utilization, loaded.device)
+            num_blocks = num_kv_blocks(
+                loaded, block_size=config.block_size,
+                max_num_batched_tokens=config.step_token_budget("cuda"),
+                gpu_memory_fraction=config.gpu_memory_utilization,
+                attn_backend=config.attn_backend, reserve_bytes=_gpu_reserve_bytes(config, mcfg))
         else:
             num_blocks = num_blocks_for_budget(mcfg, config.block_size, loaded.dtype,
                                                config.kv_budget_bytes_cpu())
@@ -237,6 +240,17 @@ class EngineCore:
         for rid, si, tok in zip(out.req_ids[mask].tolist(), out.seq_indices[mask].tolist(),
                                 out.token_ids[mask].tolist()):
             extras[rid].output_token_ids[si].append(tok)
+
+
+def _gpu_reserve_bytes(config: EngineConfig, model_config: Any) -> int:
+    """GPU memory kept out of the KV cache besides the warm-up's activation peak: a full batch's
+    sampler working set (float32 logits, their copies and a sort's values + int64 indices: ~32
+    bytes per logit) and, with decode graphs, every bucket's float32 logits output."""
+    from ferrobatch.runtime.cuda_graphs import decode_buckets
+
+    seqs, vocab = config.step_seq_limit("cuda"), int(model_config.vocab_size)
+    graph_rows = sum(decode_buckets(seqs)) if config.cuda_graphs else 0
+    return seqs * vocab * 32 + graph_rows * vocab * 4
 
 
 def _maybe_capture_decode_graphs(config: EngineConfig, runner: Any, max_model_len: int) -> None:

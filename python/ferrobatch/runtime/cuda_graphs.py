@@ -3,7 +3,8 @@
 A decode step (every sequence contributes exactly one token) has the same kernel sequence for a
 given batch size, whatever the sequences' lengths, because the attention kernels take lengths and
 block tables from device memory and partition the context on the device. So one graph per batch
-*bucket* (1, 2, 4, ..., 256) is captured once and replayed for every decode step whose batch fits:
+*bucket* (``decode_buckets``: 1, 2, 4, 8, 16, 24, 32, then every 16 up to ``max_num_seqs``) is
+captured once and replayed for every decode step whose batch fits:
 
 * static device buffers hold ``input_ids``, ``positions``, ``slot_mapping``, ``seq_lens``,
   ``query_start_loc`` and ``block_tables`` for the largest bucket; a bucket's graph reads views of

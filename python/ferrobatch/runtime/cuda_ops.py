@@ -275,10 +275,10 @@ class BuildProgress:
         while not self._stop.wait(self.interval_s):
             logger.warning(self.message())
 
-    def stop(self) -> None:
+    def stop(self, ok: bool = True) -> None:
         self._stop.set()
         self._thread.join()
-        logger.info("%s (finished)", self.message())
+        logger.info("%s (%s)", self.message(), "finished" if ok else "failed")
 
 
 def _put_ninja_on_path() -> None:
@@ -327,6 +327,7 @@ def build_and_load(arch: str, verbose: bool = False) -> str:
                            "minutes (%d files in parallel); cached in %s", arch, len(SOURCE_FILES),
                            build_dir)
         progress = BuildProgress(build_dir, len(SOURCE_FILES)) if first_build else None
+        built = False
         try:
             path = cpp_extension.load(
                 name=EXTENSION_NAME,
@@ -339,11 +340,12 @@ def build_and_load(arch: str, verbose: bool = False) -> str:
                 is_python_module=False,
                 verbose=verbose,
             )
+            built = True
         except Exception as exc:
             raise RuntimeError(f"building ferrobatch CUDA ops failed: {exc}") from exc
         finally:
             if progress is not None:
-                progress.stop()
+                progress.stop(ok=built)
             if saved_arch_list is None:
                 os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
             else:

@@ -24,16 +24,18 @@ def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dty
 
 
 def num_blocks_for_gpu(config: ModelConfig, block_size: int, dtype: torch.dtype,
-                       memory_fraction: float, device: torch.device) -> int:
-    """Blocks fitting in ``memory_fraction`` of the device memory still free *now* (call after the
-    weights are loaded and a warm-up pass has run, so activations' peak is already accounted)."""
+                       memory_fraction: float, device: torch.device, reserve_bytes: int = 0) -> int:
+    """Blocks fitting in ``memory_fraction`` of the device memory still free *now*, less
+    ``reserve_bytes`` (memory the engine will need later, e.g. CUDA-graph outputs) and less the
+    activation peak since the last ``torch.cuda.reset_peak_memory_stats`` (call after the weights
+    are loaded and a warm-up pass has run, see ``model_runner.num_kv_blocks``)."""
     if not 0.0 < memory_fraction <= 1.0:
         raise ValueError(f"memory fraction must be in (0, 1], got {memory_fraction}")
     torch.cuda.empty_cache()
     free_bytes, _ = torch.cuda.mem_get_info(device)
     # activations of the warm-up pass were freed, but the next steps will need them again
     peak_extra = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
-    budget = int(free_bytes * memory_fraction) - peak_extra
+    budget = int(free_bytes * memory_fraction) - peak_extra - reserve_bytes
     return num_blocks_for_budget(config, block_size, dtype, budget)
 
 

@@ -165,18 +165,24 @@ def _warm_up_batch(num_tokens: int, block_size: int, vocab_size: int):
 
 def num_kv_blocks(loaded, *, block_size: int, max_num_batched_tokens: int,
                   cpu_kv_cache_bytes: int = 1 << 30, gpu_memory_fraction: float = 0.9,
-                  attn_backend: AttentionBackend | str | None = None) -> int:
+                  attn_backend: AttentionBackend | str | None = None,
+                  reserve_bytes: int = 0) -> int:
     """KV blocks to allocate: on CPU from ``cpu_kv_cache_bytes``; on GPU from ``gpu_memory_fraction``
-    of the memory left after the weights and a warm-up forward of ``max_num_batched_tokens``."""
+    of the memory left after the weights, the peak of a warm-up forward of
+    ``max_num_batched_tokens`` (one prompt, at most the model's context) and ``reserve_bytes``."""
     from ferrobatch.runtime.kv_cache import num_blocks_for_budget, num_blocks_for_gpu
 
     if loaded.device.type != "cuda":
         return num_blocks_for_budget(loaded.config, block_size, loaded.dtype, cpu_kv_cache_bytes)
-    batch, warm_blocks = _warm_up_batch(max_num_batched_tokens, block_size, loaded.config.vocab_size)
+    warm_tokens = min(max_num_batched_tokens, int(loaded.config.max_position_embeddings))
+    batch, warm_blocks = _warm_up_batch(warm_tokens, block_size, loaded.config.vocab_size)
+    torch.cuda.synchronize(loaded.device)
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(loaded.device)
     runner = ModelRunner(loaded, num_blocks=warm_blocks, block_size=block_size, attn_backend=attn_backend)
     runner.execute(batch)
     torch.cuda.synchronize(loaded.device)
     del runner
     loaded.model.attn_backend = None
-    return num_blocks_for_gpu(loaded.config, block_size, loaded.dtype, gpu_memory_fraction, loaded.device)
+    return num_blocks_for_gpu(loaded.config, block_size, loaded.dtype, gpu_memory_fraction,
+                              loaded.device, reserve_bytes=reserve_bytes)
