@@ -140,7 +140,6 @@ class StaticDecodeInputs:
     max_seq_len: int
 
 
-
 class DecodeGraphRunner:
     """Captures ``forward(static_inputs) -> Tensor`` once per bucket and replays it.
 
