@@ -45,7 +45,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SYSTEMS = ("ferrobatch", "ferrobatch-static", "ferrobatch-eager", "hf-static", "hf-continuous")
 DEFAULT_SYSTEMS = "ferrobatch,ferrobatch-static,hf-static,hf-continuous"
-DEFAULT_MAX_BATCHED_TOKENS = {"cpu": 512, "cuda": 8192}   # the engine's own per-device defaults
 
 
 def parse_systems(spec: str) -> list[tuple[str, str, int | None]]:
@@ -249,9 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         import torch
         torch.set_num_threads(args.threads)
     w = WORKLOADS[args.workload]
-    if args.max_num_batched_tokens is None:
-        args.max_num_batched_tokens = DEFAULT_MAX_BATCHED_TOKENS["cuda" if w.device == "cuda"
-                                                                 else "cpu"]
+    if args.max_num_batched_tokens is None:   # the engine's own default for the device
+        from ferrobatch.config import EngineConfig
+        args.max_num_batched_tokens = EngineConfig().step_token_budget(w.device)
     reqs = build_requests(w)
     if args.num_requests:
         reqs = reqs[:args.num_requests]
