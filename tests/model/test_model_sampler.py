@@ -138,6 +138,24 @@ def test_seeded_rows_do_not_depend_on_batch_composition(logits):
     assert len(set(spread.token_ids.tolist())) > 1
 
 
+def test_seeded_sequences_of_one_request_draw_differently(logits):
+    """A seeded request with n > 1: its sequences draw with different keys (not n copies of one
+    sample), each still reproducible, and sequence 0 keeps the key of an n=1 request."""
+    rows = logits[None].expand(64, VOCAB).clone()
+    seq_indices = [0, 1, 2, 3] * 16
+    params = dict(temperature=[1.0] * 64, seed=[77] * 64, sample_seq_indices=seq_indices,
+                  sample_output_lens=[i // 4 for i in range(64)])
+    first = Sampler(VOCAB, EOS, "cpu", seed=1).sample(rows, _batch(64, **params)).token_ids
+    again = Sampler(VOCAB, EOS, "cpu", seed=2).sample(rows, _batch(64, **params)).token_ids
+    np.testing.assert_array_equal(first, again)
+    per_seq = first.reshape(16, 4).T                 # [seq index, position]
+    assert len({tuple(s) for s in per_seq.tolist()}) == 4
+    alone = Sampler(VOCAB, EOS, "cpu", seed=3).sample(
+        rows[:16], _batch(16, temperature=[1.0] * 16, seed=[77] * 16,
+                          sample_output_lens=list(range(16)))).token_ids
+    np.testing.assert_array_equal(per_seq[0], alone)
+
+
 def test_logprobs_agree_with_log_softmax(sampler):
     logits = torch.randn(4, VOCAB)
     extras = {0: RequestExtras(logprobs=5), 2: RequestExtras(logprobs=0)}

@@ -3,8 +3,8 @@ per-request seeds and logprobs, all driven by the step's per-sample arrays.
 
 Greedy rows take the exact argmax of the (penalised) logits. A seeded row draws its token with the
 exponential-race trick (``argmax(p / q)``, ``q ~ Exp(1)``) from a generator keyed by
-``(seed, sample_output_lens)``, so its token depends only on that key and its own logits row, never
-on the rest of the batch. Logprobs are ``log_softmax`` of the raw model logits.
+``(seed, sample_output_lens, sample_seq_indices)``, so its token depends only on that key and its
+own logits row, never on the rest of the batch. Logprobs are ``log_softmax`` of the raw model logits.
 """
 
 from __future__ import annotations
@@ -39,9 +39,13 @@ class SamplerOutput:
     top_logprobs: np.ndarray | None = None
 
 
-def seed_for_step(seed: int, output_len: int) -> int:
-    """Generator seed of one sampling draw: a mix of the request seed and the token position."""
-    return ((int(seed) * 6364136223846793005) ^ ((int(output_len) + 1) * _GOLDEN)) & _MASK63
+def seed_for_step(seed: int, output_len: int, seq_index: int = 0) -> int:
+    """Generator seed of one sampling draw: a mix of the request seed, the token position and
+    which of the request's `n` sequences draws (so a seeded request's `n` samples differ)."""
+    mixed = (int(seed) * 6364136223846793005) ^ ((int(output_len) + 1) * _GOLDEN)
+    if seq_index:
+        mixed ^= (int(seq_index) * 0xD1B54A32D192ED03) >> 1
+    return mixed & _MASK63
 
 
 class Sampler:
@@ -126,11 +130,12 @@ class Sampler:
         remove |= mass_before > p  # keeps the smallest prefix reaching top_p (at least one token)
         return logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
 
-    def _draw(self, probs: torch.Tensor, seeds: np.ndarray, output_lens: np.ndarray) -> torch.Tensor:
+    def _draw(self, probs: torch.Tensor, seeds: np.ndarray, output_lens: np.ndarray,
+              seq_indices: np.ndarray) -> torch.Tensor:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row in np.flatnonzero(seeds >= 0):
             gen = torch.Generator(device=self.device).manual_seed(
-                seed_for_step(seeds[row], output_lens[row]))
+                seed_for_step(seeds[row], output_lens[row], seq_indices[row]))
             noise[row] = torch.empty(self.vocab_size, device=self.device).exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
 
@@ -181,7 +186,8 @@ class Sampler:
         if np.any(min_p > 0.0):
             threshold = torch.from_numpy(min_p).to(self.device)[:, None] * probs.max(-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
-        return self._draw(probs, np.asarray(batch.seed), np.asarray(batch.sample_output_lens))
+        return self._draw(probs, np.asarray(batch.seed), np.asarray(batch.sample_output_lens),
+                          np.asarray(batch.sample_seq_indices))
 
     def _with_logprobs(self, tokens: torch.Tensor, raw_logits: torch.Tensor, batch,
                        extras: Mapping[int, RequestExtras]) -> SamplerOutput:
