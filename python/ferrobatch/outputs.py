@@ -8,6 +8,20 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 @dataclass
+class TokenLogprob:
+    """Log-probabilities at one generated position (``SamplingParams.logprobs`` asked for them).
+
+    Taken from the model's raw distribution at that position (``log_softmax`` of the logits
+    before temperature, penalties, logit bias or top-k/p), whatever the sampling settings.
+    `top` holds the `logprobs` most likely tokens, most likely first, as (token id, logprob).
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class CompletionOutput:
     """One of a request's `n` sequences.
 
@@ -23,6 +37,9 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_output_tokens: int = 0   # tokens generated so far by this sequence (not just this delta)
+    # one entry per token of `token_ids` (same cumulative / delta slice) when logprobs were asked
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None   # sum over every token so far (not just this delta)
 
     @property
     def finished(self) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 OUTPUT_KINDS = ("cumulative", "delta", "final")
 MAX_SEED = 2**63 - 1
 MAX_PRIORITY = 2**31 - 1
+MAX_LOGPROBS = 20     # top alternatives per position (OpenAI's chat limit)
 
 
 def _is_int(v: Any) -> bool:
@@ -29,7 +30,8 @@ class SamplingParams:
     """Sampling settings of one request.
 
     `temperature=0` is greedy. `top_k` 0 or -1 disables top-k. `max_tokens=None` fills the
-    context window. `priority`: lower runs first under the "priority" policy. `output_kind`
+    context window. `logprobs`: None for none, else each generated token's log-probability plus
+    that many top alternatives (0..20; see `TokenLogprob`). `priority`: lower runs first under the "priority" policy. `output_kind`
     chooses what `AsyncEngine.generate` yields: the whole text so far ("cumulative"), only what is
     new since the previous yield ("delta"), or a single final output ("final").
     """
@@ -51,6 +53,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
     priority: int = 0
     output_kind: str = "cumulative"
 
@@ -112,6 +115,10 @@ class SamplingParams:
                     raise ValueError(f"logit_bias[{k!r}] must be a number in [-100, 100]")
                 bias[tok] = float(v)
             fix("logit_bias", bias or None)
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None), "
+                             f"got {self.logprobs!r}")
         if not _is_int(self.priority) or abs(self.priority) > MAX_PRIORITY:
             raise ValueError(f"priority must be a 32-bit integer, got {self.priority!r}")
         if self.output_kind not in OUTPUT_KINDS:

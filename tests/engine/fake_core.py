@@ -6,7 +6,8 @@ are applied at the next step, and `update` semantics are mimicked in `step()`.
 
 The "model" echoes its prompt: sequence `i` of a request emits the prompt's tokens cyclically,
 starting `i` tokens in. The tokenizer is one character per token (ids = code points < 512);
-token 3 is EOS.
+token 3 is EOS. A request that asks for logprobs gets `fake_logprob(k)` for its k-th token of a
+sequence and N alternatives: the token itself, then the next ids with one nat less each.
 """
 
 from __future__ import annotations
@@ -20,6 +21,15 @@ from typing import Any
 from ferrobatch.engine.core import StepResult
 
 EOS = 3
+
+
+def fake_logprob(k: int) -> float:
+    """The logprob FakeCore reports for a sequence's k-th token (k from 0)."""
+    return -0.5 - 0.25 * k
+
+
+def fake_top(token: int, k: int, n: int) -> list[tuple[int, float]]:
+    return [((token + j) % 512, fake_logprob(k) - j) for j in range(n)]
 
 
 class CharTokenizer:
@@ -49,6 +59,7 @@ class _Req:
     produced: list[int] = field(default_factory=list)
     done: list[bool] = field(default_factory=list)
     scheduled: bool = False
+    logprobs: int | None = None
 
 
 class FakeCore:
@@ -70,6 +81,7 @@ class FakeCore:
         self.fail_next_step: BaseException | None = None
         self.fail_submit: BaseException | None = None
         self.submitted = 0
+        self.drop_logprobs = False      # test hook: report tokens without their logprobs
         self.aborts: list[tuple[int, int, str]] = []
 
     # asyncio side
@@ -84,7 +96,8 @@ class FakeCore:
             raise exc
         self.submitted += 1
         self._inbox.put(("submit", _Req(req_id, list(ids), max_tokens, p.ignore_eos, p.n,
-                                        tuple(p.stop_token_ids), [0] * p.n, [False] * p.n)))
+                                        tuple(p.stop_token_ids), [0] * p.n, [False] * p.n,
+                                        logprobs=p.logprobs)))
         self._wake.set()
 
     def abort(self, req_id, seq_index, reason) -> None:
@@ -151,6 +164,7 @@ class FakeCore:
                         if code == 4:
                             errors[rid] = "aborted with error"
         scheduled = []
+        logprobs: dict = {}
         for rid in list(self._order):
             r = self._reqs[rid]
             if not r.scheduled and len(scheduled) >= self.max_running:
@@ -162,6 +176,8 @@ class FakeCore:
                     continue
                 k = r.produced[i]
                 tok = r.prompt[(k + i) % len(r.prompt)]
+                if r.logprobs is not None and not self.drop_logprobs:
+                    logprobs[(rid, i)] = (tok, fake_logprob(k), fake_top(tok, k, r.logprobs))
                 r.produced[i] += 1
                 code = 0
                 if (tok == EOS and not r.ignore_eos) or tok in r.stop_ids:
@@ -179,4 +195,5 @@ class FakeCore:
         if not ev and not scheduled:
             return None
         return StepResult([e[0] for e in ev], [e[1] for e in ev], [e[2] for e in ev],
-                          [e[3] for e in ev], errors, scheduled, self.stats(), self.step_delay_s)
+                          [e[3] for e in ev], errors, scheduled, self.stats(), self.step_delay_s,
+                          logprobs=logprobs or None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from ferrobatch.outputs import RequestOutput
@@ -53,6 +55,46 @@ def test_per_prompt_params_seed_n_and_eos_controls(real_llm):
     assert len(outs[3].outputs[0].token_ids) == 6
     with pytest.raises(ValueError, match="SamplingParams"):
         real_llm.generate(["a", "b"], [p_seed])
+
+
+def test_seeded_n_sequences_differ_and_repeat(real_llm):
+    """A seeded request with n=3 draws three different samples (each sequence keys its own
+    draws), and the same seed gives the same three again."""
+    params = SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=11, ignore_eos=True)
+    first = real_llm.generate("Write a short poem about the sea.", params)[0]
+    again = real_llm.generate("Write a short poem about the sea.", params)[0]
+    seqs = [tuple(c.token_ids) for c in first.outputs]
+    assert len(set(seqs)) == 3
+    assert seqs == [tuple(c.token_ids) for c in again.outputs]
+
+
+def test_logprobs_with_sampling_n_and_a_shared_prefix(real_llm):
+    """Sampled (not greedy) tokens with logprobs, n=2 forked from one prefill, next to a greedy
+    request on the same prompt (a prefix-cache hit): every token has its entry, the entry's
+    alternatives are the top 3 in order, the sampled token's own logprob is the entry's, and
+    the greedy request's first token is the best of its first entry."""
+    prompt = "The three primary colours are"
+    sampled, greedy = real_llm.generate([prompt, prompt], [
+        SamplingParams(max_tokens=10, temperature=1.0, n=2, seed=5, logprobs=3,
+                       ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.0, logprobs=3, ignore_eos=True)])
+    for c in sampled.outputs + greedy.outputs:
+        assert [e.token_id for e in c.logprobs] == c.token_ids
+        for e in c.logprobs:
+            assert len(e.top) == 3 and e.logprob <= 0.0
+            assert [lp for _, lp in e.top] == sorted((lp for _, lp in e.top), reverse=True)
+            assert e.logprob <= e.top[0][1] + 1e-6
+            assert sum(math.exp(lp) for _, lp in e.top) <= 1.0 + 1e-5
+            if e.token_id in dict(e.top):
+                assert abs(dict(e.top)[e.token_id] - e.logprob) < 1e-6
+        assert abs(c.cumulative_logprob - sum(e.logprob for e in c.logprobs)) < 1e-4
+    for e in greedy.outputs[0].logprobs:
+        assert e.top[0][0] == e.token_id
+    # both sampled sequences start from the same distribution (one prefill, then a fork)
+    assert sampled.outputs[0].logprobs[0].top == sampled.outputs[1].logprobs[0].top
+    g_top, s_top = greedy.outputs[0].logprobs[0].top, sampled.outputs[0].logprobs[0].top
+    assert [t for t, _ in g_top] == [t for t, _ in s_top]
+    assert [lp for _, lp in g_top] == pytest.approx([lp for _, lp in s_top], abs=1e-4)
 
 
 def test_penalties_and_logit_bias_reach_the_sampler(real_llm):

@@ -110,3 +110,45 @@ def test_real_scheduler_drives_the_model(loaded_smollm2, sampler, parity_prompts
             break
     assert finished == set(chosen)
     assert {i: outputs[i] for i in chosen} == {i: hf_greedy_outputs[i] for i in chosen}
+
+
+def test_engine_logprobs_match_transformers(loaded_smollm2, hf_oracle_model, parity_prompts,
+                                            hf_greedy_outputs):
+    """The engine's logprobs (four prompts batched, greedy, top 5) against transformers'
+    log_softmax over the same prompt + output, teacher-forced in one forward."""
+    from ferrobatch.engine.llm import LLM
+    from ferrobatch.sampling_params import SamplingParams
+
+    chosen = [0, 3, len(parity_prompts) // 2, len(parity_prompts) - 1]
+    llm = LLM("smollm2", loaded_model=loaded_smollm2, num_blocks=256, max_num_seqs=8,
+              max_num_batched_tokens=256, device="cpu", enable_prefix_caching=False)
+    try:
+        outs = llm.generate([parity_prompts[i] for i in chosen], SamplingParams(
+            max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5),
+            use_tqdm=False)
+    finally:
+        llm.close()
+    worst = 0.0
+    for i, out in zip(chosen, outs):
+        c = out.outputs[0]
+        assert c.token_ids == hf_greedy_outputs[i]
+        assert len(c.logprobs) == NUM_NEW_TOKENS
+        ids = torch.tensor([parity_prompts[i] + c.token_ids[:-1]])
+        with torch.inference_mode():
+            logits = hf_oracle_model(ids).logits[0, len(parity_prompts[i]) - 1:].float()
+        reference = logits.log_softmax(-1)
+        assert reference.shape[0] == NUM_NEW_TOKENS
+        for pos, e in enumerate(c.logprobs):
+            ref = reference[pos]
+            assert e.token_id == c.token_ids[pos]
+            assert e.top[0][0] == e.token_id and e.top[0][1] == e.logprob   # greedy: the best
+            values = [lp for _, lp in e.top]
+            assert values == sorted(values, reverse=True)
+            ref_values, ref_ids = ref.topk(5)
+            np.testing.assert_allclose(values, ref_values.numpy(), atol=2e-3)
+            worst = max(worst, abs(e.logprob - float(ref[e.token_id])))
+            for k, (tok, lp) in enumerate(e.top):       # ids agree except inside a near-tie
+                if int(ref_ids[k]) != tok:
+                    assert abs(float(ref[tok]) - lp) < 2e-3
+                    assert abs(float(ref_values[k]) - lp) < 4e-3
+    assert worst < 2e-3, worst

@@ -23,7 +23,7 @@ from ferrobatch.config import EngineConfig
 from ferrobatch.engine.errors import DuplicateRequestError, EngineDeadError, QueueFullError
 from ferrobatch.engine.inputs import check_prompt_text, check_token_ids, normalize_messages
 from ferrobatch.engine.observer import EngineObserver
-from ferrobatch.engine.request_state import RequestState
+from ferrobatch.engine.request_state import LogprobMismatch, RequestState
 from ferrobatch.engine.step_loop import StepLoop
 from ferrobatch.outputs import RequestOutput
 from ferrobatch.sampling_params import SamplingParams
@@ -297,6 +297,7 @@ class AsyncEngine:
         with_tokens: set[int] = set()
         itls: list[float] = []
         num_tokens = 0
+        logprobs = getattr(r, "logprobs", None)
         for rid, si, tok, code in zip(r.req_ids, r.seq_indices, r.token_ids, r.finish_reasons):
             st = requests.get(rid)
             if st is None:
@@ -306,7 +307,7 @@ class AsyncEngine:
             if tok >= 0:
                 num_tokens += 1
                 with_tokens.add(rid)
-                self._add_token(st, si, tok)
+                self._add_token(st, si, tok, logprobs.get((rid, si)) if logprobs else None)
             if code:
                 st.terminal_event(si, code, r.error_messages.get(rid))
         for rid, st in touched.items():
@@ -326,11 +327,12 @@ class AsyncEngine:
             for o in self._observers:
                 o.on_step_tokens(num_tokens, itls)
 
-    def _add_token(self, st: RequestState, si: int, tok: int) -> None:
+    def _add_token(self, st: RequestState, si: int, tok: int, logprob: Any = None) -> None:
         try:
-            stopped = st.add_token(si, tok)
+            stopped = st.add_token(si, tok, logprob)
         except Exception as exc:  # noqa: BLE001 - a detokenizer failure fails this request only
-            st.finish_seq_locally(si, "error", f"detokenization failed: {exc}")
+            what = "output processing" if isinstance(exc, LogprobMismatch) else "detokenization"
+            st.finish_seq_locally(si, "error", f"{what} failed: {exc}")
             for s in st.seqs:
                 st.finish_seq_locally(s.index, "error")
             self._abort_state(st, "error")

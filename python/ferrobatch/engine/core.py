@@ -38,6 +38,9 @@ class StepResult:
     stats: dict[str, Any]
     step_time_s: float
     failed_req_ids: list[int] = field(default_factory=list)   # e.g. non-finite logits
+    # (req id, seq index) -> (token id, logprob, [(top id, top logprob), ...]) for the rows of
+    # requests that asked for logprobs; None when no row did
+    logprobs: dict[tuple[int, int], tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 def rows_all_finite(logits: torch.Tensor) -> bool:
@@ -140,9 +143,10 @@ class EngineCore:
 
     def submit(self, req_id: int, ids: list[int], p: SamplingParams, max_tokens: int,
                state: Any) -> None:
-        if p.needs_token_history or p.logit_bias:
+        if p.needs_token_history or p.logit_bias or p.logprobs is not None:
             from ferrobatch.runtime.sampler import RequestExtras
-            state.extras = RequestExtras(ids, [[] for _ in range(p.n)], p.logit_bias, None)
+            history = [[] for _ in range(p.n)] if p.needs_token_history else None
+            state.extras = RequestExtras(ids, history, p.logit_bias, p.logprobs)
             self._extras = {**self._extras, req_id: state.extras}
         try:
             self.intake.submit(
@@ -200,14 +204,17 @@ class EngineCore:
         batch = self.scheduler.schedule()
         extras = self._extras
         failed: list[int] = []
+        logprobs = None
         if batch.num_samples > 0:
             logits = self.runner.execute(batch)
             if not rows_all_finite(logits):
                 finite = torch.isfinite(logits).all(dim=-1)
                 failed = self._fail_rows(batch, finite)
                 logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
-            sampled = self.sampler.sample(logits, batch, extras).token_ids
-            sampled = np.ascontiguousarray(sampled, dtype=np.int32)
+            sample = self.sampler.sample(logits, batch, extras)
+            sampled = np.ascontiguousarray(sample.token_ids, dtype=np.int32)
+            if sample.logprobs is not None:
+                logprobs = _logprobs_by_sequence(batch, sample, extras)
         else:
             if batch.num_tokens > 0:
                 self.runner.execute(batch)      # a prefill chunk that samples nothing yet
@@ -221,7 +228,7 @@ class EngineCore:
         return StepResult(req_ids.tolist(), out.seq_indices.tolist(), out.token_ids.tolist(),
                           out.finish_reasons.tolist(), dict(out.error_messages),
                           batch.seq_req_ids.tolist(), self.stats(), time.perf_counter() - t0,
-                          failed)
+                          failed, logprobs)
 
     def _fail_rows(self, batch: Any, finite: Any) -> list[int]:
         """Rows with NaN/inf logits fail their request only: abort it with "error" (the row is
@@ -235,11 +242,30 @@ class EngineCore:
     @staticmethod
     def _record_history(extras: dict[int, Any], out: Any) -> None:
         """Token history for the sampler's penalties, kept only for requests that use them."""
-        mask = np.isin(out.req_ids, np.fromiter(extras.keys(), dtype=np.uint64)) \
-            & (out.token_ids >= 0)
+        keep = [rid for rid, e in extras.items() if e.output_token_ids is not None]
+        if not keep:
+            return
+        mask = np.isin(out.req_ids, np.asarray(keep, dtype=np.uint64)) & (out.token_ids >= 0)
         for rid, si, tok in zip(out.req_ids[mask].tolist(), out.seq_indices[mask].tolist(),
                                 out.token_ids[mask].tolist()):
             extras[rid].output_token_ids[si].append(tok)
+
+
+def _logprobs_by_sequence(batch: Any, sample: Any, extras: dict[int, Any]) -> dict:
+    """The sampler's logprob arrays, cut to each asking request's own top-N and keyed by
+    (request id, sequence index): the scheduler's output rows are matched by that key."""
+    out: dict[tuple[int, int], tuple[int, float, list[tuple[int, float]]]] = {}
+    req_ids = np.asarray(batch.sample_req_ids).tolist()
+    seq_indices = np.asarray(batch.sample_seq_indices).tolist()
+    for row, (rid, si) in enumerate(zip(req_ids, seq_indices)):
+        ext = extras.get(rid)
+        if ext is None or ext.logprobs is None:
+            continue
+        n = ext.logprobs
+        top = list(zip(sample.top_logprob_ids[row, :n].tolist(),
+                       sample.top_logprobs[row, :n].tolist()))
+        out[(rid, si)] = (int(sample.token_ids[row]), float(sample.logprobs[row]), top)
+    return out
 
 
 def _gpu_reserve_bytes(config: EngineConfig, model_config: Any) -> int:

@@ -7,6 +7,9 @@ Invariants:
   ends at once and tokens that still arrive for it are dropped; the scheduler is told to abort it.
 - Text goes through the incremental detokenizer, which holds back any suffix that could be the
   start of a stop string, so no prefix of a stop string ever reaches a stream.
+- With `params.logprobs` set, each sequence keeps one `TokenLogprob` per token, appended with
+  the token (so a delta's logprobs are the slice of its tokens); a token arriving without them
+  fails its request (`LogprobMismatch`), it is never silently misaligned.
 - A request whose consumer sees only the final output and that has no stop strings defers its
   text (`defer_text`): tokens are only appended per step and detokenized in one call when the
   text is next needed (its finish, or an output being built). Same text, one call per request.
@@ -17,17 +20,22 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from ferrobatch.outputs import CompletionOutput, RequestOutput
+from ferrobatch.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from ferrobatch.sampling_params import SamplingParams
 
 FINISH_NAMES = {1: "stop", 2: "length", 3: "abort", 4: "error"}
 
 
+class LogprobMismatch(RuntimeError):
+    """A token reached a request that asked for logprobs without its sampler row's logprobs."""
+
+
 class SeqState:
     __slots__ = ("index", "detok", "token_ids", "text", "sent_tokens", "sent_text",
-                 "finish_reason", "stop_reason", "terminal", "reported", "num_detokenized")
+                 "finish_reason", "stop_reason", "terminal", "reported", "num_detokenized",
+                 "logprobs", "cumulative_logprob")
 
-    def __init__(self, index: int, detok: Any) -> None:
+    def __init__(self, index: int, detok: Any, with_logprobs: bool = False) -> None:
         self.index = index
         self.detok = detok
         self.token_ids: list[int] = []
@@ -39,6 +47,8 @@ class SeqState:
         self.terminal = False         # the scheduler reported this sequence's terminal event
         self.reported = False         # the consumer has seen the finish
         self.num_detokenized = 0      # token_ids[:num_detokenized] are in `text` (defer_text)
+        self.logprobs: list[TokenLogprob] | None = [] if with_logprobs else None
+        self.cumulative_logprob = 0.0
 
 
 class RequestState:
@@ -59,7 +69,7 @@ class RequestState:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.max_tokens = max_tokens
-        self.seqs = [SeqState(i, d) for i, d in enumerate(detoks)]
+        self.seqs = [SeqState(i, d, params.logprobs is not None) for i, d in enumerate(detoks)]
         self.event = asyncio.Event()
         self.num_terminal = 0
         self.abort_sent = False
@@ -80,11 +90,18 @@ class RequestState:
 
     # -- events from the step hand-off ---------------------------------------------------------
 
-    def add_token(self, seq_index: int, token: int) -> bool:
-        """Append one sampled token; returns True when a stop string ended the sequence."""
+    def add_token(self, seq_index: int, token: int, logprob: Any = None) -> bool:
+        """Append one sampled token (and, when asked for, its ``(token, logprob, top)`` from
+        the sampler); returns True when a stop string ended the sequence."""
         seq = self.seqs[seq_index]
         if seq.finish_reason is not None:
             return False                  # locally finished: the abort is on its way
+        if seq.logprobs is not None:
+            if logprob is None or logprob[0] != token:
+                raise LogprobMismatch(f"token {token} of sequence {seq_index} came without its "
+                                      f"logprobs ({logprob!r})")
+            seq.logprobs.append(TokenLogprob(token, logprob[1], logprob[2]))
+            seq.cumulative_logprob += logprob[1]
         seq.token_ids.append(token)
         self.num_generated += 1
         self.version += 1
@@ -196,12 +213,19 @@ class RequestState:
             if kind == "delta":
                 if not new:
                     continue
-                outs.append(CompletionOutput(s.index, s.text[s.sent_text:],
-                                             s.token_ids[s.sent_tokens:], s.finish_reason,
-                                             s.stop_reason, len(s.token_ids)))
+                out = CompletionOutput(s.index, s.text[s.sent_text:],
+                                       s.token_ids[s.sent_tokens:], s.finish_reason,
+                                       s.stop_reason, len(s.token_ids))
+                if s.logprobs is not None:
+                    out.logprobs = s.logprobs[s.sent_tokens:]
             else:
-                outs.append(CompletionOutput(s.index, s.text, list(s.token_ids),
-                                             s.finish_reason, s.stop_reason, len(s.token_ids)))
+                out = CompletionOutput(s.index, s.text, list(s.token_ids), s.finish_reason,
+                                       s.stop_reason, len(s.token_ids))
+                if s.logprobs is not None:
+                    out.logprobs = list(s.logprobs)
+            if s.logprobs is not None:
+                out.cumulative_logprob = s.cumulative_logprob
+            outs.append(out)
             s.sent_tokens = len(s.token_ids)
             s.sent_text = len(s.text)
             if s.finish_reason is not None:
