@@ -95,20 +95,28 @@ class _Multiplexer:
             self._queues.pop(rid, None)
 
     async def complete(self, prompt: str | list[int] | None = None, **kw: Any) -> dict[str, Any]:
-        """Run one generation to the end: {text, token_ids, finish_reason, usage} per index."""
+        """Run one generation to the end: {text, token_ids, finish_reason, usage} (sequence 0)
+        plus `texts` / `finish_reasons` of every sequence, and `logprobs` (a list per sequence)
+        when the `logprobs` parameter asked for them."""
         texts: dict[int, list[str]] = {}
         ids: dict[int, list[int]] = {}
+        logprobs: dict[int, list[Any]] = {}
         async for m in self.generate(prompt, **kw):
             t = m["type"]
             if t == "delta":
                 texts.setdefault(m.get("index", 0), []).append(m["text"])
                 ids.setdefault(m.get("index", 0), []).extend(m["token_ids"])
+                if "logprobs" in m:
+                    logprobs.setdefault(m.get("index", 0), []).extend(m["logprobs"])
             elif t == "done":
-                return {"text": "".join(texts.get(0, [])), "token_ids": ids.get(0, []),
-                        "texts": ["".join(texts.get(i, [])) for i in range(len(
-                            m.get("finish_reasons") or [0]))],
-                        "finish_reason": m["finish_reason"],
-                        "finish_reasons": m.get("finish_reasons"), "usage": m["usage"]}
+                num_seqs = len(m.get("finish_reasons") or [0])
+                out = {"text": "".join(texts.get(0, [])), "token_ids": ids.get(0, []),
+                       "texts": ["".join(texts.get(i, [])) for i in range(num_seqs)],
+                       "finish_reason": m["finish_reason"],
+                       "finish_reasons": m.get("finish_reasons"), "usage": m["usage"]}
+                if kw.get("logprobs") is not None:
+                    out["logprobs"] = [logprobs.get(i, []) for i in range(num_seqs)]
+                return out
             elif t == "cancelled":
                 return {"text": "".join(texts.get(0, [])), "token_ids": ids.get(0, []),
                         "finish_reason": "abort", "usage": None}

@@ -105,7 +105,7 @@ BAD = [
     ({"prompt": "a" * 400}, 400, "context window"),
     ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
-    ({"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "hi", "seed": -1}, 400, "seed"),
     ({"prompt": "hi", "ignore_eos": 1}, 400, "boolean"),
     ({"prompt": "hi", "stop_token_ids": [1, 10**6]}, 400, "vocabulary"),

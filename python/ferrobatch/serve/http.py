@@ -15,6 +15,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ferrobatch.serve.codec import loads_json
+from ferrobatch.serve.logprobs import chat_logprobs, completion_logprobs
 from ferrobatch.serve.openai_protocol import OpenAIRequest, choice, envelope, parse_chat, parse_completion, usage
 from ferrobatch.serve.protocol import ProtocolError, error_status
 from ferrobatch.serve.sse import SSEWriter
@@ -69,7 +70,7 @@ async def _serve(request: web.Request, req: OpenAIRequest) -> web.StreamResponse
                 streams.append(engine.add_request(p, req.params))
         if req.stream:
             return await _stream(request, req, streams)
-        return await _collect(req, streams)
+        return await _collect(request, req, streams)
     finally:
         for s in streams:
             s.abort()
@@ -105,10 +106,23 @@ async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, Any]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _collect(req: OpenAIRequest, streams: list[Any]) -> web.Response:
+def _logprobs_shape(request: web.Request, req: OpenAIRequest, entries: Any,
+                    offset: int = 0) -> tuple[dict[str, Any] | None, int]:
+    """The route's logprobs object for `entries` (None when not asked for), and the completions
+    text offset after them."""
+    if entries is None:
+        return None, offset
+    strings = request.app[STATE].token_strings()
+    if req.kind == "chat":
+        return chat_logprobs(entries, strings), offset
+    return completion_logprobs(entries, strings, offset)
+
+
+async def _collect(request: web.Request, req: OpenAIRequest, streams: list[Any]) -> web.Response:
     n = req.params.n
     texts: dict[int, str] = {}
     reasons: dict[int, str | None] = {}
+    logprobs: dict[int, Any] = {}
     completion = 0
     async for i, out in _merged(streams):
         if out.error:
@@ -116,9 +130,12 @@ async def _collect(req: OpenAIRequest, streams: list[Any]) -> web.Response:
         for c in out.outputs:
             texts[i * n + c.index] = c.text
             reasons[i * n + c.index] = c.finish_reason
+            logprobs[i * n + c.index] = c.logprobs
             completion += len(c.token_ids)
     prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
-    choices = [choice(req, k, texts[k], reasons[k], stream=False) for k in sorted(texts)]
+    choices = [choice(req, k, texts[k], reasons[k], stream=False,
+                      logprobs=_logprobs_shape(request, req, logprobs[k])[0])
+               for k in sorted(texts)]
     return web.json_response(envelope(req, choices, chunk=False,
                                       usage_=usage(prompt_tokens, completion)))
 
@@ -128,6 +145,7 @@ async def _stream(request: web.Request, req: OpenAIRequest,
     n = req.params.n
     sse = SSEWriter(request)
     completion = 0
+    offsets: dict[int, int] = {}      # per choice: completions' text_offset so far
     try:
         await sse.open()
         if req.kind == "chat":
@@ -142,9 +160,11 @@ async def _stream(request: web.Request, req: OpenAIRequest,
             choices = []
             for c in out.outputs:
                 completion += len(c.token_ids)
-                if c.text or c.finish_reason is not None:
-                    choices.append(choice(req, i * n + c.index, c.text, c.finish_reason,
-                                          stream=True))
+                k = i * n + c.index
+                if c.text or c.finish_reason is not None or c.logprobs:
+                    lp, offsets[k] = _logprobs_shape(request, req, c.logprobs, offsets.get(k, 0))
+                    choices.append(choice(req, k, c.text, c.finish_reason, stream=True,
+                                          logprobs=lp))
             if choices:
                 await sse.send(envelope(req, choices, chunk=True))
         if req.include_usage:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ferrobatch.sampling_params import SamplingParams
+from ferrobatch.sampling_params import MAX_LOGPROBS, SamplingParams
 from ferrobatch.serve.protocol import ProtocolError, sampling_params_from
 
 MAX_PROMPTS = 64
@@ -71,9 +71,8 @@ def parse_completion(body: Any, model_name: str) -> OpenAIRequest:
     if len(prompts) > MAX_PROMPTS:
         raise ProtocolError(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
     if body.get("echo"):
-        raise ProtocolError("'echo' is not supported", param="echo")
-    if body.get("logprobs") is not None:
-        raise ProtocolError("'logprobs' is not supported yet", param="logprobs")
+        raise ProtocolError("'echo' is not supported (nor, with it, prompt logprobs)",
+                            param="echo")
     if body.get("suffix"):
         raise ProtocolError("'suffix' is not supported", param="suffix")
     params = sampling_params_from(body, defaults={"max_tokens": 16},
@@ -87,8 +86,6 @@ def parse_chat(body: Any, model_name: str) -> OpenAIRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ProtocolError("'messages' must be a non-empty list", param="messages")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-        raise ProtocolError("'logprobs' is not supported yet", param="logprobs")
     if body.get("tools") or body.get("functions"):
         raise ProtocolError("tools / function calling is not supported", param="tools")
     fmt = body.get("response_format")
@@ -99,10 +96,28 @@ def parse_chat(body: Any, model_name: str) -> OpenAIRequest:
     mct = body.get("max_completion_tokens")
     if mct is not None:
         fields["max_tokens"] = mct
+    fields["logprobs"] = _chat_logprobs_count(body)
     params = sampling_params_from(fields, defaults={"max_tokens": None},
                                   output_kind="delta" if stream else "final")
     return OpenAIRequest("chat", [], messages, params, stream, include_usage, model,
                          id=f"chatcmpl-{secrets.token_hex(12)}")
+
+
+def _chat_logprobs_count(body: dict) -> int | None:
+    """Chat's `logprobs` (bool) and `top_logprobs` (0..20, needs logprobs) as the engine's
+    `SamplingParams.logprobs` (None: none; N: the token's logprob and N alternatives)."""
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ProtocolError("'logprobs' must be a boolean", param="logprobs")
+    if top is not None:
+        if isinstance(top, bool) or not isinstance(top, int):
+            raise ProtocolError("'top_logprobs' must be an integer", param="top_logprobs")
+        if not wanted:
+            raise ProtocolError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        if not 0 <= top <= MAX_LOGPROBS:
+            raise ProtocolError(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}]",
+                                param="top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -111,14 +126,18 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def choice(req: OpenAIRequest, index: int, text: str, finish_reason: str | None,
-           stream: bool) -> dict[str, Any]:
+           stream: bool, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice of a response or chunk; `logprobs` is already in the route's shape
+    (`serve.logprobs`), None when not asked for."""
     if req.kind == "completion":
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": finish_reason}
     if stream:
         delta: dict[str, Any] = {"content": text} if text else {}
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": finish_reason}
     return {"index": index, "message": {"role": "assistant", "content": text},
-            "logprobs": None, "finish_reason": finish_reason}
+            "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def envelope(req: OpenAIRequest, choices: list[dict[str, Any]], *, chunk: bool,

@@ -13,6 +13,7 @@ import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ferrobatch.serve.logprobs import message_logprobs
 from ferrobatch.serve.protocol import (
     PROTOCOL_VERSION,
     GenerateMsg,
@@ -105,8 +106,11 @@ class Session:
                 for c in out.outputs:
                     if c.text or c.token_ids:
                         completion += len(c.token_ids)
-                        await send({"type": "delta", "id": rid, "index": c.index,
-                                    "text": c.text, "token_ids": c.token_ids}, binary)
+                        msg = {"type": "delta", "id": rid, "index": c.index, "text": c.text,
+                               "token_ids": c.token_ids}
+                        if c.logprobs is not None:
+                            msg["logprobs"] = message_logprobs(c.logprobs)
+                        await send(msg, binary)
                     if c.finish_reason is not None:
                         reasons[c.index] = c.finish_reason
                 error = out.error or error

@@ -9,6 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ferrobatch.sampling_params import MAX_LOGPROBS
 from ferrobatch.serve.codec import MAX_ARRAY_LEN, MAX_FRAME_BYTES
 
 MAX_BODY_BYTES = 1 << 20          # HTTP request bodies
@@ -24,6 +25,14 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     ready_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     draining: bool = False        # shutting down: in-flight work finishes, new work gets 503
+    _token_strings: Any = None
+
+    def token_strings(self) -> Any:
+        """The engine tokenizer's id -> string/bytes cache for logprobs (built on first use)."""
+        if self._token_strings is None:
+            from ferrobatch.serve.logprobs import TokenStrings
+            self._token_strings = TokenStrings(self.engine.tokenizer)
+        return self._token_strings
 
     @property
     def model_name(self) -> str:
@@ -34,7 +43,7 @@ class ServerState:
         cfg = self.engine.config
         return {"max_frame_bytes": MAX_FRAME_BYTES, "max_prompt_tokens": MAX_ARRAY_LEN,
                 "max_model_len": self.engine.max_model_len, "max_n": cfg.max_n,
-                "max_stop_strings": cfg.max_stop_strings}
+                "max_stop_strings": cfg.max_stop_strings, "max_logprobs": MAX_LOGPROBS}
 
 
 STATE = web.AppKey("ferrobatch", ServerState)

@@ -1,0 +1,168 @@
+"""Logprobs on every door (FakeCore): the OpenAI completions and chat shapes, streamed and not,
+the WebSocket / TCP `delta` field, validation; and token strings on the real tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from fake_core import fake_logprob
+from test_http_fake import post, sse_events
+from test_ws_tcp_fake import DOORS, clients
+
+from ferrobatch.outputs import TokenLogprob
+from ferrobatch.serve.logprobs import (
+    LOGPROB_FLOOR,
+    TokenStrings,
+    chat_logprobs,
+    completion_logprobs,
+    message_logprobs,
+)
+
+
+async def test_completion_logprobs_legacy_shape(fake_server):
+    status, _, text = await post(fake_server, "/v1/completions",
+                                 {"prompt": "hello", "max_tokens": 4, "logprobs": 2})
+    assert status == 200
+    lp = json.loads(text)["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["h", "e", "l", "l"]
+    assert lp["token_logprobs"] == [fake_logprob(k) for k in range(4)]
+    assert lp["text_offset"] == [0, 1, 2, 3]
+    # the 2 best (the fake puts the sampled token first, then the next code point)
+    assert lp["top_logprobs"][0] == {"h": fake_logprob(0), "i": fake_logprob(0) - 1}
+    assert lp["top_logprobs"][2] == {"l": fake_logprob(2), "m": fake_logprob(2) - 1}
+
+
+async def test_completion_logprobs_zero_still_names_the_sampled_token(fake_server):
+    _, _, text = await post(fake_server, "/v1/completions",
+                            {"prompt": "ab", "max_tokens": 2, "logprobs": 0})
+    lp = json.loads(text)["choices"][0]["logprobs"]
+    assert lp["top_logprobs"] == [{"a": fake_logprob(0)}, {"b": fake_logprob(1)}]
+
+
+async def test_completion_stream_logprobs_continue_across_chunks(fake_server):
+    chunks = await sse_events(fake_server, "/v1/completions",
+                              {"prompt": "abcXYZ", "max_tokens": 6, "logprobs": 1,
+                               "stream": True, "n": 2, "stop": ["XYZ"]})
+    per_choice: dict[int, dict[str, list]] = {}
+    for ch in chunks:
+        for c in ch["choices"]:
+            got = per_choice.setdefault(c["index"], {"text": [], "tokens": [], "offsets": []})
+            got["text"].append(c["text"])
+            if c["logprobs"] is not None:
+                assert len(c["logprobs"]["tokens"]) == len(c["logprobs"]["text_offset"])
+                got["tokens"] += c["logprobs"]["tokens"]
+                got["offsets"] += c["logprobs"]["text_offset"]
+    zero = per_choice[0]
+    assert "".join(zero["text"]) == "abc"                  # the stop string is never sent
+    assert zero["tokens"] == list("abcXYZ")                # its tokens were generated
+    assert zero["offsets"] == list(range(6))
+    one = per_choice[1]                                    # starts one token in: "bcXYZa"
+    assert "".join(one["text"]) == "bc" and one["tokens"][:5] == list("bcXYZ")
+    assert one["offsets"] == list(range(len(one["tokens"])))
+
+
+async def test_chat_logprobs_shape_streamed_and_not(fake_server):
+    body = {"messages": [{"role": "user", "content": "yo"}], "max_tokens": 3,
+            "logprobs": True, "top_logprobs": 2}
+    _, _, text = await post(fake_server, "/v1/chat/completions", body)
+    choice = json.loads(text)["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert choice["message"]["content"] == "<us"
+    assert [c["token"] for c in content] == ["<", "u", "s"]
+    assert content[0] == {"token": "<", "logprob": fake_logprob(0), "bytes": [60],
+                          "top_logprobs": [
+                              {"token": "<", "logprob": fake_logprob(0), "bytes": [60]},
+                              {"token": "=", "logprob": fake_logprob(0) - 1, "bytes": [61]}]}
+    chunks = await sse_events(fake_server, "/v1/chat/completions", {**body, "stream": True})
+    streamed = [c for ch in chunks for x in ch["choices"] if x["logprobs"]
+                for c in x["logprobs"]["content"]]
+    assert streamed == content
+    assert chunks[0]["choices"][0]["logprobs"] is None     # the role chunk
+    # logprobs without top_logprobs: the sampled token only
+    _, _, text = await post(fake_server, "/v1/chat/completions",
+                            {**body, "top_logprobs": None})
+    assert all(c["top_logprobs"] == [] for c in
+               json.loads(text)["choices"][0]["logprobs"]["content"])
+
+
+async def test_no_logprobs_field_unless_asked(fake_server):
+    _, _, text = await post(fake_server, "/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "yo"}], "max_tokens": 2,
+                             "logprobs": False})
+    assert json.loads(text)["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("path,extra,match", [
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"logprobs": True}, "'logprobs' must be an integer"),
+    ("/v1/completions", {"logprobs": 1, "echo": True}, "echo"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "needs 'logprobs': true"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": "2"}, "integer"),
+    ("/v1/chat/completions", {"logprobs": 1}, "boolean"),
+])
+async def test_bad_logprobs_requests_are_400(fake_server, path, extra, match):
+    body = {"prompt": "hi"} if "chat" not in path else {
+        "messages": [{"role": "user", "content": "hi"}]}
+    status, _, text = await post(fake_server, path, {**body, "max_tokens": 2, **extra})
+    assert status == 400, text
+    assert match in json.loads(text)["error"]["message"]
+    assert fake_server.engine.check_accounting()["open"] == 0
+
+
+@pytest.mark.parametrize("door", DOORS)
+async def test_message_doors_carry_logprobs_per_sequence(fake_server, door):
+    async with await clients(fake_server, door) as c:
+        res, plain = await asyncio.gather(c.complete("abcd", max_tokens=3, n=2, logprobs=1),
+                                          c.complete("abcd", max_tokens=3))
+        bad = [m async for m in c.generate("abcd", max_tokens=3, logprobs=99)]
+    assert "logprobs" not in plain
+    for index, text in enumerate(res["texts"]):
+        entries = res["logprobs"][index]
+        assert [e["token_id"] for e in entries] == [ord(ch) for ch in text]
+        assert [e["logprob"] for e in entries] == [fake_logprob(k) for k in range(3)]
+        assert all(e["top_logprobs"] == [[e["token_id"], e["logprob"]]] for e in entries)
+    assert bad[-1]["type"] == "error" and bad[-1]["code"] == 400
+
+
+def test_minus_infinity_becomes_a_json_number():
+    e = TokenLogprob(7, float("-inf"), [(7, float("-inf")), (8, float("nan"))])
+    strings = TokenStrings(_OneCharTokenizer())
+    body = json.dumps([completion_logprobs([e], strings)[0], chat_logprobs([e], strings),
+                       message_logprobs([e])], allow_nan=False)
+    assert body.count(str(LOGPROB_FLOOR)) == 9      # 3 values in each of the 3 shapes
+
+
+class _OneCharTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(65 + i) for i in ids)
+
+
+def test_token_strings_on_the_shipped_tokenizer(loaded_smollm2):
+    """Byte-level BPE: a token holding part of a character shows its bytes escaped and `bytes`
+    has them exactly; the tokens of a text, their bytes joined, are the text; a special token
+    keeps its text."""
+    tok = loaded_smollm2.tokenizer
+    strings = TokenStrings(tok)
+    text = "héllo 🦀 wörld 日本"
+    ids = tok.encode(text)
+    joined = b"".join(strings.get(i)[1] for i in ids)
+    assert joined.decode("utf-8") == text
+    partial = [i for i in ids if not _valid_utf8(strings.get(i)[1])]
+    assert partial, "the crab emoji should span several byte-level tokens"
+    for i in partial:
+        shown, raw = strings.get(i)
+        assert "\\x" in shown and shown == raw.decode("utf-8", "backslashreplace")
+    eos = tok.eos_token_ids[0]
+    assert strings.text(eos) == tok.decode([eos], skip_special_tokens=False) != ""
+
+
+def _valid_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
