@@ -57,6 +57,9 @@ class RequestOutput:
     finished: bool = False
     error: str | None = None           # set when finish_reason is "error"
     metrics: dict[str, float] = field(default_factory=dict)
+    # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which
+    # nothing predicts), once the whole prompt has been computed; a "delta" stream gets it once
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -31,9 +31,11 @@ class SamplingParams:
 
     `temperature=0` is greedy. `top_k` 0 or -1 disables top-k. `max_tokens=None` fills the
     context window. `logprobs`: None for none, else each generated token's log-probability plus
-    that many top alternatives (0..20; see `TokenLogprob`). `priority`: lower runs first under the "priority" policy. `output_kind`
-    chooses what `AsyncEngine.generate` yields: the whole text so far ("cumulative"), only what is
-    new since the previous yield ("delta"), or a single final output ("final").
+    that many top alternatives (0..20; see `TokenLogprob`). `prompt_logprobs`: the same for every
+    prompt token after the first (such a request skips the prefix cache: a cached token has no
+    logits). `priority`: lower runs first under the "priority" policy. `output_kind` chooses what
+    `AsyncEngine.generate` yields: the whole text so far ("cumulative"), only what is new since
+    the previous yield ("delta"), or a single final output ("final").
     """
 
     n: int = 1
@@ -54,6 +56,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     priority: int = 0
     output_kind: str = "cumulative"
 
@@ -115,10 +118,11 @@ class SamplingParams:
                     raise ValueError(f"logit_bias[{k!r}] must be a number in [-100, 100]")
                 bias[tok] = float(v)
             fix("logit_bias", bias or None)
-        if self.logprobs is not None and (not _is_int(self.logprobs)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None), "
-                             f"got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (or None), "
+                                 f"got {v!r}")
         if not _is_int(self.priority) or abs(self.priority) > MAX_PRIORITY:
             raise ValueError(f"priority must be a 32-bit integer, got {self.priority!r}")
         if self.output_kind not in OUTPUT_KINDS:

@@ -28,8 +28,16 @@ def fake_logprob(k: int) -> float:
     return -0.5 - 0.25 * k
 
 
-def fake_top(token: int, k: int, n: int) -> list[tuple[int, float]]:
-    return [((token + j) % 512, fake_logprob(k) - j) for j in range(n)]
+def fake_prompt_logprob(position: int) -> float:
+    """The logprob FakeCore reports for prompt token `position` + 1."""
+    return -1.0 - 0.125 * position
+
+
+def fake_top(token: int, k: int, n: int, first: float | None = None) -> list[tuple[int, float]]:
+    """N alternatives: `token` with `first` (default fake_logprob(k)), then the next ids with
+    one nat less each."""
+    first = fake_logprob(k) if first is None else first
+    return [((token + j) % 512, first - j) for j in range(n)]
 
 
 class CharTokenizer:
@@ -60,6 +68,7 @@ class _Req:
     done: list[bool] = field(default_factory=list)
     scheduled: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 class FakeCore:
@@ -97,7 +106,7 @@ class FakeCore:
         self.submitted += 1
         self._inbox.put(("submit", _Req(req_id, list(ids), max_tokens, p.ignore_eos, p.n,
                                         tuple(p.stop_token_ids), [0] * p.n, [False] * p.n,
-                                        logprobs=p.logprobs)))
+                                        logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs)))
         self._wake.set()
 
     def abort(self, req_id, seq_index, reason) -> None:
@@ -165,10 +174,17 @@ class FakeCore:
                             errors[rid] = "aborted with error"
         scheduled = []
         logprobs: dict = {}
+        prompt_logprobs: dict = {}
         for rid in list(self._order):
             r = self._reqs[rid]
             if not r.scheduled and len(scheduled) >= self.max_running:
                 continue
+            if not r.scheduled and r.prompt_logprobs is not None:   # the whole prompt at once
+                prompt_logprobs[rid] = [
+                    (p, (r.prompt[p + 1], fake_prompt_logprob(p),
+                         fake_top(r.prompt[p + 1], p, r.prompt_logprobs,
+                                  fake_prompt_logprob(p))))
+                    for p in range(len(r.prompt) - 1)]
             r.scheduled = True
             scheduled.append(rid)
             for i in range(r.n):
@@ -196,4 +212,4 @@ class FakeCore:
             return None
         return StepResult([e[0] for e in ev], [e[1] for e in ev], [e[2] for e in ev],
                           [e[3] for e in ev], errors, scheduled, self.stats(), self.step_delay_s,
-                          logprobs=logprobs or None)
+                          logprobs=logprobs or None, prompt_logprobs=prompt_logprobs or None)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from fake_core import fake_logprob, fake_top
+from fake_core import fake_logprob, fake_prompt_logprob, fake_top
 
 from ferrobatch.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -81,3 +81,54 @@ async def test_a_token_without_its_logprobs_fails_only_that_request(fake_engine)
 def test_logprobs_out_of_range_is_refused(value):
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=value)
+
+
+# -- prompt logprobs ---------------------------------------------------------------------------
+
+def expected_prompt(prompt: str, n_top: int):
+    ids = [ord(c) for c in prompt]
+    return [None] + [(t, fake_prompt_logprob(p), fake_top(t, p, n_top, fake_prompt_logprob(p)))
+                     for p, t in enumerate(ids[1:])]
+
+
+def prompt_tuples(entries):
+    return [None if e is None else (e.token_id, e.logprob, e.top) for e in entries]
+
+
+@pytest.mark.parametrize("kind", ["cumulative", "delta", "final"])
+async def test_prompt_logprobs_arrive_complete_and_once_per_delta_stream(fake_engine, kind):
+    outs = await run(fake_engine, "hello", max_tokens=3, prompt_logprobs=2, output_kind=kind)
+    carrying = [o for o in outs if o.prompt_logprobs is not None]
+    assert prompt_tuples(carrying[0].prompt_logprobs) == expected_prompt("hello", 2)
+    if kind == "delta":
+        assert len(carrying) == 1
+    else:
+        assert carrying == outs                       # every output, once complete
+    assert all(c.logprobs is None for o in outs for c in o.outputs)   # not asked for
+
+
+async def test_no_prompt_logprobs_unless_asked(fake_engine):
+    assert (await run(fake_engine, "hello", max_tokens=2, logprobs=1))[-1].prompt_logprobs is None
+
+
+def test_a_recomputed_prompt_position_keeps_its_first_entry_and_a_wrong_one_is_refused():
+    """After a preemption the prompt is computed again: the second entry for a position is
+    ignored; an entry whose token is not the prompt's fails loudly."""
+    from ferrobatch.engine.request_state import LogprobMismatch, RequestState
+
+    params = SamplingParams(prompt_logprobs=0)
+    st = RequestState(1, "r", None, [5, 6, 7], params, 4, [None], 0.0)
+    assert st.prompt_logprobs_missing == 2
+    st.add_prompt_logprobs([(0, (6, -1.0, []))])
+    st.add_prompt_logprobs([(0, (6, -9.0, [])), (1, (7, -2.0, []))])
+    assert prompt_tuples(st.prompt_logprobs) == [None, (6, -1.0, []), (7, -2.0, [])]
+    assert st.prompt_logprobs_missing == 0
+    with pytest.raises(LogprobMismatch):
+        st.add_prompt_logprobs([(1, (8, -1.0, []))])
+    with pytest.raises(LogprobMismatch):
+        st.add_prompt_logprobs([(2, (7, -1.0, []))])   # no prompt token 3 to score
+
+
+def test_prompt_logprobs_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=MAX_LOGPROBS + 1)

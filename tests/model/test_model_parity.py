@@ -152,3 +152,45 @@ def test_engine_logprobs_match_transformers(loaded_smollm2, hf_oracle_model, par
                     assert abs(float(ref[tok]) - lp) < 2e-3
                     assert abs(float(ref_values[k]) - lp) < 4e-3
     assert worst < 2e-3, worst
+
+
+def test_engine_prompt_logprobs_match_transformers(loaded_smollm2, hf_oracle_model,
+                                                   parity_prompts):
+    """Prompt logprobs (top 3) against transformers' log_softmax over the prompt: computed in
+    16-token prefill chunks, and complete although the same prompts were just cached by plain
+    requests (a cached token has no logits, so such a request must skip the cache)."""
+    from ferrobatch.engine.llm import LLM
+    from ferrobatch.sampling_params import SamplingParams
+
+    prompts = sorted(parity_prompts, key=len)[-2:]          # the two longest
+    llm = LLM("smollm2", loaded_model=loaded_smollm2, num_blocks=256, max_num_seqs=8,
+              max_num_batched_tokens=16, device="cpu", block_size=16)
+    try:
+        llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)   # fills the cache
+        hits_before = llm.engine.stats().get("prefix_cache_hits_total", 0)
+        outs = llm.generate(prompts + [prompts[0]], [
+            SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3),
+            SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3),
+            SamplingParams(max_tokens=1, temperature=0.0)], use_tqdm=False)
+        hits_after = llm.engine.stats().get("prefix_cache_hits_total", 0)
+    finally:
+        llm.close()
+    assert hits_after > hits_before            # the plain request still used the cache
+    assert outs[2].prompt_logprobs is None
+    worst = 0.0
+    for prompt, out in zip(prompts, outs):
+        assert len(prompt) > 2 * 16             # three chunks or more
+        entries = out.prompt_logprobs
+        assert len(entries) == len(prompt) and entries[0] is None
+        with torch.inference_mode():
+            reference = hf_oracle_model(torch.tensor([prompt])).logits[0, :-1].float()
+        reference = reference.log_softmax(-1)
+        for pos, e in enumerate(entries[1:]):
+            ref = reference[pos]
+            assert e.token_id == prompt[pos + 1]
+            worst = max(worst, abs(e.logprob - float(ref[e.token_id])))
+            ref_values, _ = ref.topk(3)
+            np.testing.assert_allclose([lp for _, lp in e.top], ref_values.numpy(), atol=2e-3)
+            for tok, lp in e.top:
+                assert abs(float(ref[tok]) - lp) < 2e-3
+    assert worst < 2e-3, worst

@@ -293,6 +293,16 @@ class AsyncEngine:
                 for s in st.seqs:
                     st.finish_seq_locally(s.index, "error", "the model produced non-finite "
                                                             "logits for this request")
+        for rid, entries in (getattr(r, "prompt_logprobs", None) or {}).items():
+            st = requests.get(rid)
+            if st is not None and st.prompt_logprobs is not None:
+                try:
+                    st.add_prompt_logprobs(entries)
+                except LogprobMismatch as exc:
+                    for s in st.seqs:
+                        st.finish_seq_locally(s.index, "error", f"output processing failed: "
+                                                                f"{exc}")
+                    self._abort_state(st, "error")
         touched: dict[int, RequestState] = {}
         with_tokens: set[int] = set()
         itls: list[float] = []

@@ -41,6 +41,9 @@ class StepResult:
     # (req id, seq index) -> (token id, logprob, [(top id, top logprob), ...]) for the rows of
     # requests that asked for logprobs; None when no row did
     logprobs: dict[tuple[int, int], tuple[int, float, list[tuple[int, float]]]] | None = None
+    # req id -> [(prompt position, (token id, logprob, top))] for the prompt tokens this step
+    # computed, for requests that asked for prompt logprobs; None when none did
+    prompt_logprobs: dict[int, list[tuple[int, tuple[int, float, list]]]] | None = None
 
 
 def rows_all_finite(logits: torch.Tensor) -> bool:
@@ -143,11 +146,16 @@ class EngineCore:
 
     def submit(self, req_id: int, ids: list[int], p: SamplingParams, max_tokens: int,
                state: Any) -> None:
-        if p.needs_token_history or p.logit_bias or p.logprobs is not None:
+        if p.needs_token_history or p.logit_bias or p.logprobs is not None \
+                or p.prompt_logprobs is not None:
             from ferrobatch.runtime.sampler import RequestExtras
             history = [[] for _ in range(p.n)] if p.needs_token_history else None
-            state.extras = RequestExtras(ids, history, p.logit_bias, p.logprobs)
+            state.extras = RequestExtras(ids, history, p.logit_bias, p.logprobs,
+                                         p.prompt_logprobs)
             self._extras = {**self._extras, req_id: state.extras}
+        # a prompt-logprobs request must compute every prompt token: a salt of its own keeps
+        # other requests' cached blocks from standing in for them
+        salt = f"prompt-logprobs/{req_id}" if p.prompt_logprobs is not None else None
         try:
             self.intake.submit(
                 req_id, ids, max_tokens=max_tokens, min_tokens=p.min_tokens,
@@ -155,7 +163,7 @@ class EngineCore:
                 priority=p.priority, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                 min_p=p.min_p, repetition_penalty=p.repetition_penalty,
                 presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                seed=p.seed)
+                seed=p.seed, cache_salt=salt)
         except self._rust_queue_full as exc:
             self.forget(req_id)
             raise QueueFullError(f"the engine's intake queue is full: {exc}") from None
@@ -204,9 +212,14 @@ class EngineCore:
         batch = self.scheduler.schedule()
         extras = self._extras
         failed: list[int] = []
-        logprobs = None
+        logprobs = prompt_logprobs = None
+        wanted = _prompt_logprob_rows(batch, extras) if extras and batch.num_tokens > 0 else None
+        if wanted is not None:
+            logits, hidden = self.runner.execute(batch, hidden_rows=wanted[0])
+            prompt_logprobs = self._prompt_logprobs(hidden, wanted, extras)
         if batch.num_samples > 0:
-            logits = self.runner.execute(batch)
+            if wanted is None:
+                logits = self.runner.execute(batch)
             if not rows_all_finite(logits):
                 finite = torch.isfinite(logits).all(dim=-1)
                 failed = self._fail_rows(batch, finite)
@@ -216,7 +229,7 @@ class EngineCore:
             if sample.logprobs is not None:
                 logprobs = _logprobs_by_sequence(batch, sample, extras)
         else:
-            if batch.num_tokens > 0:
+            if batch.num_tokens > 0 and wanted is None:
                 self.runner.execute(batch)      # a prefill chunk that samples nothing yet
             sampled = _EMPTY_I32
         out = self.scheduler.update(sampled)
@@ -228,7 +241,28 @@ class EngineCore:
         return StepResult(req_ids.tolist(), out.seq_indices.tolist(), out.token_ids.tolist(),
                           out.finish_reasons.tolist(), dict(out.error_messages),
                           batch.seq_req_ids.tolist(), self.stats(), time.perf_counter() - t0,
-                          failed, logprobs)
+                          failed, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: Any, wanted: tuple, extras: dict[int, Any]) -> dict:
+        """Logprobs of the next prompt token at each wanted row, with each request's top-N,
+        computed PROMPT_LOGITS_CHUNK rows at a time (a row's logits are vocab floats)."""
+        rows, req_ids, positions, targets = wanted
+        top_n = max(extras[r].prompt_logprobs for r in set(req_ids.tolist()))
+        out: dict[int, list[tuple[int, tuple[int, float, list]]]] = {}
+        for lo in range(0, len(rows), PROMPT_LOGITS_CHUNK):
+            hi = min(lo + PROMPT_LOGITS_CHUNK, len(rows))
+            logprobs = self.runner.logits_of(hidden[lo:hi]).log_softmax(dim=-1)
+            target = torch.from_numpy(targets[lo:hi].astype(np.int64)).to(logprobs.device)
+            chosen = logprobs.gather(1, target[:, None])[:, 0].cpu().numpy()
+            if top_n:
+                top_values, top_ids = (t.cpu().numpy() for t in logprobs.topk(top_n, dim=-1))
+            for k in range(hi - lo):
+                rid = int(req_ids[lo + k])
+                n = extras[rid].prompt_logprobs
+                top = list(zip(top_ids[k, :n].tolist(), top_values[k, :n].tolist())) if n else []
+                out.setdefault(rid, []).append(
+                    (int(positions[lo + k]), (int(targets[lo + k]), float(chosen[k]), top)))
+        return out
 
     def _fail_rows(self, batch: Any, finite: Any) -> list[int]:
         """Rows with NaN/inf logits fail their request only: abort it with "error" (the row is
@@ -249,6 +283,40 @@ class EngineCore:
         for rid, si, tok in zip(out.req_ids[mask].tolist(), out.seq_indices[mask].tolist(),
                                 out.token_ids[mask].tolist()):
             extras[rid].output_token_ids[si].append(tok)
+
+
+PROMPT_LOGITS_CHUNK = 256
+
+
+def _prompt_logprob_rows(batch: Any, extras: dict[int, Any]) -> tuple | None:
+    """The token rows of this step whose logits score a prompt token: a row at prompt
+    position p < len(prompt) - 1 of a request that asked for prompt logprobs predicts prompt
+    token p + 1. Returns (rows, req ids, positions, target tokens) arrays, or None."""
+    asking = [rid for rid, e in extras.items() if e.prompt_logprobs is not None]
+    if not asking:
+        return None
+    seq_req_ids = np.asarray(batch.seq_req_ids)
+    seqs = np.flatnonzero(np.isin(seq_req_ids, np.asarray(asking, dtype=np.uint64)))
+    if not seqs.size:
+        return None
+    qsl = np.asarray(batch.query_start_loc)
+    positions = np.asarray(batch.positions)
+    rows, rids, pos, targets = [], [], [], []
+    for b in seqs.tolist():
+        rid = int(seq_req_ids[b])
+        prompt = np.asarray(extras[rid].prompt_token_ids, dtype=np.int64)
+        span = np.arange(int(qsl[b]), int(qsl[b + 1]))
+        p = positions[span].astype(np.int64)
+        keep = p < len(prompt) - 1
+        if keep.any():
+            rows.append(span[keep])
+            pos.append(p[keep])
+            targets.append(prompt[p[keep] + 1])
+            rids.append(np.full(int(keep.sum()), rid, dtype=np.uint64))
+    if not rows:
+        return None
+    return (np.concatenate(rows), np.concatenate(rids), np.concatenate(pos),
+            np.concatenate(targets))
 
 
 def _logprobs_by_sequence(batch: Any, sample: Any, extras: dict[int, Any]) -> dict:

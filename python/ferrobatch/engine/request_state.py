@@ -10,6 +10,9 @@ Invariants:
 - With `params.logprobs` set, each sequence keeps one `TokenLogprob` per token, appended with
   the token (so a delta's logprobs are the slice of its tokens); a token arriving without them
   fails its request (`LogprobMismatch`), it is never silently misaligned.
+- With `params.prompt_logprobs` set, prompt position p + 1's entry arrives from the step that
+  computed position p; a recomputed position (after a preemption) keeps its first entry. The
+  outputs carry the list once every prompt position has its entry.
 - A request whose consumer sees only the final output and that has no stop strings defers its
   text (`defer_text`): tokens are only appended per step and detokenized in one call when the
   text is next needed (its finish, or an output being built). Same text, one call per request.
@@ -58,7 +61,8 @@ class RequestState:
                  "seqs", "event", "num_terminal", "abort_sent", "error", "arrival_time",
                  "scheduled_time", "first_token_time", "last_token_time", "finish_time",
                  "num_generated", "final_emitted", "extras", "defer_text", "version",
-                 "seen_version")
+                 "seen_version", "prompt_logprobs", "prompt_logprobs_missing",
+                 "prompt_logprobs_sent")
 
     def __init__(self, req_id: int, request_id: str, prompt: str | None,
                  prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
@@ -87,6 +91,26 @@ class RequestState:
         # its work when nothing changed since the output it last built
         self.version = 0
         self.seen_version = 0
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.prompt_logprobs_missing = 0
+        self.prompt_logprobs_sent = False
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(prompt_token_ids)
+            self.prompt_logprobs_missing = len(prompt_token_ids) - 1
+
+    def add_prompt_logprobs(self, entries: list[tuple[int, tuple[int, float, list]]]) -> None:
+        """Entries ``(position p, (token, logprob, top))`` scoring prompt token p + 1."""
+        table = self.prompt_logprobs
+        if table is None:
+            raise LogprobMismatch("prompt logprobs reached a request that did not ask for them")
+        for pos, (token, logprob, top) in entries:
+            if not 0 <= pos < len(table) - 1 or token != self.prompt_token_ids[pos + 1]:
+                raise LogprobMismatch(f"prompt logprobs for position {pos} do not match the "
+                                      f"prompt")
+            if table[pos + 1] is None:
+                table[pos + 1] = TokenLogprob(token, logprob, top)
+                self.prompt_logprobs_missing -= 1
+        self.version += 1
 
     # -- events from the step hand-off ---------------------------------------------------------
 
@@ -232,8 +256,13 @@ class RequestState:
                 s.reported = True
         if finished:
             self.final_emitted = True
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                             finished=finished, error=self.error, metrics=self.timings())
+        out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
+                            finished=finished, error=self.error, metrics=self.timings())
+        if self.prompt_logprobs is not None and self.prompt_logprobs_missing == 0 \
+                and not (kind == "delta" and self.prompt_logprobs_sent):
+            out.prompt_logprobs = list(self.prompt_logprobs)
+            self.prompt_logprobs_sent = True
+        return out
 
     def timings(self) -> dict[str, float]:
         m: dict[str, float] = {"arrival_time": self.arrival_time}

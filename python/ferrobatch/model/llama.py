@@ -123,18 +123,28 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_meta, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Runs T tokens -> float32 logits ``[S, vocab]`` at ``logits_indices``."""
+                attn_meta, logits_indices: torch.Tensor,
+                hidden_indices: torch.Tensor | None = None):
+        """Runs T tokens -> float32 logits ``[S, vocab]`` at ``logits_indices``; with
+        ``hidden_indices``, also the final-normed hidden states ``[E, hidden]`` at those rows
+        (their logits cost ``E x vocab`` floats, so the caller computes them in pieces)."""
         if self.attn_backend is None:
             raise RuntimeError("LlamaForCausalLM.attn_backend is not set")
         hidden = self.embed_tokens(input_ids)
         rope_tables = self.rotary.tables(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, rope_tables, kv_cache, attn_meta, self.attn_backend)
-        hidden = self.norm(hidden[logits_indices])
+        if hidden_indices is None:
+            return self.compute_logits(self.norm(hidden[logits_indices]))
+        num_samples = logits_indices.shape[0]
+        normed = self.norm(hidden[torch.cat([logits_indices, hidden_indices])])
+        return self.compute_logits(normed[:num_samples]), normed[num_samples:]
+
+    def compute_logits(self, normed_hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[N, vocab]`` of final-normed hidden states ``[N, hidden]``."""
         if self.packed_lm_head is not None:
-            return self.packed_lm_head(hidden).float()
-        return F.linear(hidden, self.lm_head_weight).float()
+            return self.packed_lm_head(normed_hidden).float()
+        return F.linear(normed_hidden, self.lm_head_weight).float()
 
     @torch.no_grad()
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -74,31 +74,46 @@ class ModelRunner:
         return self.kv_cache.num_blocks
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
-                 logits_indices: torch.Tensor) -> torch.Tensor:
+                 logits_indices: torch.Tensor, hidden_indices: torch.Tensor | None = None):
         if self.rust_linears:
             with torch_single_threaded():
-                return self.model(input_ids, positions, self.kv_cache.layers, meta, logits_indices)
-        return self.model(input_ids, positions, self.kv_cache.layers, meta, logits_indices)
+                return self.model(input_ids, positions, self.kv_cache.layers, meta,
+                                  logits_indices, hidden_indices)
+        return self.model(input_ids, positions, self.kv_cache.layers, meta, logits_indices,
+                          hidden_indices)
 
     @torch.inference_mode()
-    def execute(self, batch, *, allow_graph: bool = True) -> torch.Tensor:
+    def logits_of(self, normed_hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final-normed hidden states (``execute(..., hidden_rows=...)``)."""
+        if self.rust_linears:
+            with torch_single_threaded():
+                return self.model.compute_logits(normed_hidden)
+        return self.model.compute_logits(normed_hidden)
+
+    @torch.inference_mode()
+    def execute(self, batch, *, allow_graph: bool = True, hidden_rows: np.ndarray | None = None):
         """Applies ``batch.block_copies``, runs the forward, returns logits ``[S, vocab]`` float32.
 
         A decode-only step that samples every row replays a decode graph when one fits
         (``allow_graph=False`` forces the eager forward); the logits are then a view of the
-        graph's output buffer, valid until the next step."""
+        graph's output buffer, valid until the next step. With ``hidden_rows`` (token rows of
+        the flat batch; prompt logprobs) the step runs eagerly and returns ``(logits, hidden)``,
+        ``hidden`` the final-normed states at those rows, for ``logits_of``."""
         copies = getattr(batch, "block_copies", None)
         if copies is not None and len(copies):
             self.kv_cache.copy_blocks(copies)
         num_samples = int(np.asarray(batch.logits_indices).shape[0])
         if int(np.asarray(batch.input_ids).shape[0]) == 0:
-            return torch.empty(num_samples, self.config.vocab_size, device=self.device)
+            empty = torch.empty(num_samples, self.config.vocab_size, device=self.device)
+            if hidden_rows is not None:
+                return empty, torch.empty(0, self.config.hidden_size, device=self.device)
+            return empty
         if self.validate_steps:
             check_step_arrays(batch, self.block_size, self.kv_cache.num_blocks)
             if int(np.asarray(batch.positions).max()) >= self.config.max_position_embeddings:
                 raise ValueError("a position exceeds the model's max_position_embeddings")
-        if allow_graph and self.decode_graphs is not None and _samples_every_row(batch) \
-                and self.decode_graphs.can_run(batch):
+        if allow_graph and hidden_rows is None and self.decode_graphs is not None \
+                and _samples_every_row(batch) and self.decode_graphs.can_run(batch):
             self.graph_steps += 1
             return self.decode_graphs.run(batch)
         self.eager_steps += 1
@@ -106,7 +121,10 @@ class ModelRunner:
         input_ids = _to_device(batch.input_ids, self.device, torch.int64)
         positions = _to_device(batch.positions, self.device, torch.int64)
         logits_indices = _to_device(batch.logits_indices, self.device, torch.int64)
-        return self._forward(input_ids, positions, meta, logits_indices)
+        if hidden_rows is None:
+            return self._forward(input_ids, positions, meta, logits_indices)
+        rows = _to_device(np.asarray(hidden_rows), self.device, torch.int64)
+        return self._forward(input_ids, positions, meta, logits_indices, rows)
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, *,
                               buckets: tuple[int, ...] | None = None,

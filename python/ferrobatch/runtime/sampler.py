@@ -27,6 +27,7 @@ class RequestExtras:
     output_token_ids: list[list[int]] | None = None  # per seq_index
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # top-N alternatives; 0 = sampled token only
+    prompt_logprobs: int | None = None   # the same for the prompt's tokens (EngineCore)
 
 
 @dataclass
