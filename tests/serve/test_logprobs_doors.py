@@ -7,7 +7,7 @@ import asyncio
 import json
 
 import pytest
-from fake_core import fake_logprob
+from fake_core import fake_logprob, fake_prompt_logprob
 from test_http_fake import post, sse_events
 from test_ws_tcp_fake import DOORS, clients
 
@@ -98,7 +98,6 @@ async def test_no_logprobs_field_unless_asked(fake_server):
     ("/v1/completions", {"logprobs": 21}, "logprobs"),
     ("/v1/completions", {"logprobs": -1}, "logprobs"),
     ("/v1/completions", {"logprobs": True}, "'logprobs' must be an integer"),
-    ("/v1/completions", {"logprobs": 1, "echo": True}, "echo"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "needs 'logprobs': true"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": "2"}, "integer"),
@@ -126,6 +125,62 @@ async def test_message_doors_carry_logprobs_per_sequence(fake_server, door):
         assert [e["logprob"] for e in entries] == [fake_logprob(k) for k in range(3)]
         assert all(e["top_logprobs"] == [[e["token_id"], e["logprob"]]] for e in entries)
     assert bad[-1]["type"] == "error" and bad[-1]["code"] == 400
+
+
+async def test_echo_with_logprobs_scores_the_prompt_like_lm_eval_asks(fake_server):
+    """lm-eval's loglikelihood request: echo, logprobs 1, one new token, temperature 0."""
+    _, _, text = await post(fake_server, "/v1/completions",
+                            {"prompt": "hello", "max_tokens": 2, "echo": True, "logprobs": 1,
+                             "temperature": 0})
+    c = json.loads(text)["choices"][0]
+    assert c["text"] == "hellohe"
+    lp = c["logprobs"]
+    assert lp["tokens"] == list("hellohe")
+    assert lp["token_logprobs"] == [None] + [fake_prompt_logprob(p) for p in range(4)] + [
+        fake_logprob(0), fake_logprob(1)]
+    assert lp["top_logprobs"][0] is None
+    assert lp["top_logprobs"][1:5] == [{ch: fake_prompt_logprob(p)} for p, ch in
+                                       enumerate("ello")]
+    assert lp["text_offset"] == list(range(7))
+
+
+async def test_echo_without_logprobs_and_streamed_echo(fake_server):
+    _, _, text = await post(fake_server, "/v1/completions",
+                            {"prompt": ["ab", "xyz"], "max_tokens": 2, "echo": True, "n": 2})
+    choices = json.loads(text)["choices"]
+    assert [c["text"] for c in choices] == ["abab", "abba", "xyzxy", "xyzyz"]
+    assert all(c["logprobs"] is None for c in choices)
+    chunks = await sse_events(fake_server, "/v1/completions",
+                              {"prompt": "hello", "max_tokens": 3, "echo": True, "logprobs": 0,
+                               "stream": True})
+    texts = "".join(x["text"] for ch in chunks for x in ch["choices"])
+    tokens = [t for ch in chunks for x in ch["choices"] if x["logprobs"]
+              for t in x["logprobs"]["tokens"]]
+    offsets = [o for ch in chunks for x in ch["choices"] if x["logprobs"]
+               for o in x["logprobs"]["text_offset"]]
+    assert texts == "hellohel" and tokens == list("hellohel") and offsets == list(range(8))
+    assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"][0] is None
+
+
+@pytest.mark.parametrize("body,match", [
+    ({"echo": "yes"}, "'echo' must be a boolean"),
+    ({"prompt_logprobs": 1}, "'echo': true"),
+])
+async def test_bad_echo_requests_are_400(fake_server, body, match):
+    status, _, text = await post(fake_server, "/v1/completions",
+                                 {"prompt": "hi", "max_tokens": 2, **body})
+    assert status == 400 and match in json.loads(text)["error"]["message"]
+
+
+@pytest.mark.parametrize("door", DOORS)
+async def test_message_doors_send_prompt_logprobs_on_the_first_delta(fake_server, door):
+    async with await clients(fake_server, door) as c:
+        msgs = [m async for m in c.generate("abc", max_tokens=3, prompt_logprobs=1)]
+    deltas = [m for m in msgs if m["type"] == "delta"]
+    assert deltas[0]["prompt_logprobs"] == [None] + [
+        {"token_id": t, "logprob": fake_prompt_logprob(p),
+         "top_logprobs": [[t, fake_prompt_logprob(p)]]} for p, t in enumerate([98, 99])]
+    assert all("prompt_logprobs" not in m for m in deltas[1:])
 
 
 def test_minus_infinity_becomes_a_json_number():

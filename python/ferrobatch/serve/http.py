@@ -15,7 +15,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ferrobatch.serve.codec import loads_json
-from ferrobatch.serve.logprobs import chat_logprobs, completion_logprobs
+from ferrobatch.serve.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    echo_completion_logprobs,
+    joined,
+)
 from ferrobatch.serve.openai_protocol import OpenAIRequest, choice, envelope, parse_chat, parse_completion, usage
 from ferrobatch.serve.protocol import ProtocolError, error_status
 from ferrobatch.serve.sse import SSEWriter
@@ -118,24 +123,55 @@ def _logprobs_shape(request: web.Request, req: OpenAIRequest, entries: Any,
     return completion_logprobs(entries, strings, offset)
 
 
+def _echo(request: web.Request, req: OpenAIRequest,
+          out: Any) -> tuple[str, dict[str, Any] | None, int]:
+    """What `echo` puts before a choice: the prompt's text, and with logprobs its completions
+    logprobs object and the text offset after it."""
+    text = out.prompt
+    if text is None:
+        text = request.app[STATE].engine.tokenizer.decode(out.prompt_token_ids,
+                                                          skip_special_tokens=False)
+    if req.params.logprobs is None:
+        return text, None, 0
+    obj, offset = echo_completion_logprobs(out.prompt_token_ids, out.prompt_logprobs,
+                                           request.app[STATE].token_strings())
+    return text, obj, offset
+
+
+def _with_echo(request: web.Request, req: OpenAIRequest, prompt_out: Any, text: str,
+               entries: Any) -> tuple[str, dict[str, Any] | None, int]:
+    """A choice's text and logprobs object led by its echoed prompt; and the offset after."""
+    echo_text, echo_lp, offset = _echo(request, req, prompt_out)
+    lp, offset = _logprobs_shape(request, req, entries, offset)
+    if echo_lp is not None and lp is not None:
+        lp = joined(echo_lp, lp)
+    return echo_text + text, lp, offset
+
+
 async def _collect(request: web.Request, req: OpenAIRequest, streams: list[Any]) -> web.Response:
     n = req.params.n
     texts: dict[int, str] = {}
     reasons: dict[int, str | None] = {}
     logprobs: dict[int, Any] = {}
+    last: dict[int, Any] = {}                 # prompt index -> its latest output (echo)
     completion = 0
     async for i, out in _merged(streams):
         if out.error:
             return error_response(500, out.error, "server_error")
+        last[i] = out
         for c in out.outputs:
             texts[i * n + c.index] = c.text
             reasons[i * n + c.index] = c.finish_reason
             logprobs[i * n + c.index] = c.logprobs
             completion += len(c.token_ids)
     prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
-    choices = [choice(req, k, texts[k], reasons[k], stream=False,
-                      logprobs=_logprobs_shape(request, req, logprobs[k])[0])
-               for k in sorted(texts)]
+    choices = []
+    for k in sorted(texts):
+        if req.echo:
+            text, lp, _ = _with_echo(request, req, last[k // n], texts[k], logprobs[k])
+        else:
+            text, lp = texts[k], _logprobs_shape(request, req, logprobs[k])[0]
+        choices.append(choice(req, k, text, reasons[k], stream=False, logprobs=lp))
     return web.json_response(envelope(req, choices, chunk=False,
                                       usage_=usage(prompt_tokens, completion)))
 
@@ -146,6 +182,7 @@ async def _stream(request: web.Request, req: OpenAIRequest,
     sse = SSEWriter(request)
     completion = 0
     offsets: dict[int, int] = {}      # per choice: completions' text_offset so far
+    prompt_outs: dict[int, Any] = {}  # prompt index -> the output with its prompt logprobs
     try:
         await sse.open()
         if req.kind == "chat":
@@ -157,11 +194,18 @@ async def _stream(request: web.Request, req: OpenAIRequest,
                 await sse.send({"error": {"message": out.error, "type": "server_error",
                                           "param": None, "code": 500}})
                 break
+            if out.prompt_logprobs is not None:
+                prompt_outs[i] = out          # a delta stream carries them once
             choices = []
             for c in out.outputs:
                 completion += len(c.token_ids)
                 k = i * n + c.index
-                if c.text or c.finish_reason is not None or c.logprobs:
+                if req.echo and k not in offsets:          # the choice's first chunk
+                    text, lp, offsets[k] = _with_echo(request, req, prompt_outs.get(i, out),
+                                                      c.text, c.logprobs)
+                    choices.append(choice(req, k, text, c.finish_reason, stream=True,
+                                          logprobs=lp))
+                elif c.text or c.finish_reason is not None or c.logprobs:
                     lp, offsets[k] = _logprobs_shape(request, req, c.logprobs, offsets.get(k, 0))
                     choices.append(choice(req, k, c.text, c.finish_reason, stream=True,
                                           logprobs=lp))

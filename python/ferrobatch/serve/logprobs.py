@@ -75,6 +75,38 @@ def completion_logprobs(entries: Sequence[Any], strings: TokenStrings,
              "text_offset": offsets}, text_offset)
 
 
+def echo_completion_logprobs(prompt_ids: Sequence[int], entries: Sequence[Any] | None,
+                             strings: TokenStrings) -> tuple[dict[str, list], int]:
+    """The completions ``logprobs`` object of an echoed prompt: the first token (nothing predicts
+    it) and any position without an entry have null logprobs; returns the offset after it too."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    offset = 0
+    for k, token in enumerate(prompt_ids):
+        e = entries[k] if entries is not None and k < len(entries) else None
+        if e is None:
+            text = strings.text(token)
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+        else:
+            one, _ = completion_logprobs([e], strings)
+            text = one["tokens"][0]
+            token_logprobs.append(one["token_logprobs"][0])
+            top_logprobs.append(one["top_logprobs"][0])
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    return ({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+             "text_offset": offsets}, offset)
+
+
+def joined(first: dict[str, list], second: dict[str, list]) -> dict[str, list]:
+    """Two completions ``logprobs`` objects, one after the other."""
+    return {key: first[key] + second[key] for key in first}
+
+
 def _chat_token(strings: TokenStrings, token_id: int, logprob: float) -> dict[str, Any]:
     text, raw = strings.get(token_id)
     return {"token": text, "logprob": wire_logprob(logprob), "bytes": list(raw)}

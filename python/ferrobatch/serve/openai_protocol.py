@@ -24,11 +24,15 @@ class OpenAIRequest:
     model: str
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    echo: bool = False                         # completions: the prompt leads each choice
 
 
 def _check_common(body: Any, model_name: str) -> tuple[bool, bool, str]:
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
+    if body.get("prompt_logprobs") is not None:
+        raise ProtocolError("'prompt_logprobs' is not an HTTP field here: send 'echo': true "
+                            "with 'logprobs' (completions)", param="prompt_logprobs")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ProtocolError("'model' must be a string", param="model")
@@ -70,15 +74,19 @@ def parse_completion(body: Any, model_name: str) -> OpenAIRequest:
                             "or a list of token-id lists", param="prompt")
     if len(prompts) > MAX_PROMPTS:
         raise ProtocolError(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
-    if body.get("echo"):
-        raise ProtocolError("'echo' is not supported (nor, with it, prompt logprobs)",
-                            param="echo")
+    echo = body.get("echo", False)
+    if echo is None:
+        echo = False
+    if not isinstance(echo, bool):
+        raise ProtocolError("'echo' must be a boolean", param="echo")
     if body.get("suffix"):
         raise ProtocolError("'suffix' is not supported", param="suffix")
     params = sampling_params_from(body, defaults={"max_tokens": 16},
                                   output_kind="delta" if stream else "final")
+    if echo and params.logprobs is not None:          # the echoed prompt gets logprobs too
+        params = params.replace(prompt_logprobs=params.logprobs)
     return OpenAIRequest("completion", prompts, None, params, stream, include_usage, model,
-                         id=f"cmpl-{secrets.token_hex(12)}")
+                         id=f"cmpl-{secrets.token_hex(12)}", echo=echo)
 
 
 def parse_chat(body: Any, model_name: str) -> OpenAIRequest:

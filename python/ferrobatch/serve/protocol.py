@@ -7,7 +7,8 @@ WebSocket / TCP messages (maps with a "type"):
   client -> server: hello {version, api_key?}; generate {id, prompt | messages, params?};
                     cancel {id}
   server -> client: hello {version, model, limits}; delta {id, index, text, token_ids};
-                    (+ logprobs when params.logprobs is set);
+                    (+ logprobs when params.logprobs is set, and on the first delta
+                    prompt_logprobs when params.prompt_logprobs is set);
                     done {id, finish_reason, finish_reasons, usage}; cancelled {id};
                     error {id | None, code, message}
 """
@@ -24,7 +25,8 @@ PROTOCOL_VERSION = 1
 MAX_ID_LEN = 128
 
 # Sampling fields accepted on every door (OpenAI names plus the usual vLLM extras).
-INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "priority", "logprobs")
+INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "priority", "logprobs",
+              "prompt_logprobs")
 NUM_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
               "frequency_penalty")
 BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")

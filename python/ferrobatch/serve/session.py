@@ -101,8 +101,11 @@ class Session:
         completion = 0
         reasons: dict[int, str] = {}
         error: str | None = None
+        prompt_logprobs = None
         try:
             async for out in stream:
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs = out.prompt_logprobs
                 for c in out.outputs:
                     if c.text or c.token_ids:
                         completion += len(c.token_ids)
@@ -110,6 +113,10 @@ class Session:
                                "token_ids": c.token_ids}
                         if c.logprobs is not None:
                             msg["logprobs"] = message_logprobs(c.logprobs)
+                        if prompt_logprobs is not None:     # on the request's first delta
+                            msg["prompt_logprobs"] = [None] + message_logprobs(
+                                prompt_logprobs[1:])
+                            prompt_logprobs = None
                         await send(msg, binary)
                     if c.finish_reason is not None:
                         reasons[c.index] = c.finish_reason
