@@ -218,6 +218,26 @@ def plot_occupancy(rows: list[dict], w: Workload, path: str) -> str | None:
     return path
 
 
+def ablation_summary(rows: list[dict], reqs: list) -> list[dict]:
+    """For each cap run as both `ferrobatch` and `ferrobatch-static`: their measured ratio and
+    its bound from the schedule alone (ideal decode steps, static over continuous): what the
+    ratio would be if a step cost the same whatever its rows, since continuous batching saves
+    steps, not rows."""
+    by_cap: dict[int, dict[str, dict]] = {}
+    for r in rows:
+        base = r["system"].split("@")[0]
+        if base in ("ferrobatch", "ferrobatch-static"):
+            by_cap.setdefault(r["batch_cap"], {})[base] = r
+    out = []
+    for cap, pair in sorted(by_cap.items()):
+        if len(pair) == 2:
+            out.append({"cap": cap, "measured": pair["ferrobatch"]["output_tokens_per_s"]
+                        / pair["ferrobatch-static"]["output_tokens_per_s"],
+                        "step_bound": ideal_decode_steps(reqs, cap, "static")
+                        / ideal_decode_steps(reqs, cap, "continuous")})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="cpu-small", choices=sorted(WORKLOADS))
@@ -313,8 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows, cols))
     print()
     print(ratio_table(rows))
+    ablation = ablation_summary(rows, reqs)
+    for a in ablation:
+        print(f"ablation at cap {a['cap']}: continuous / static = {a['measured']:.2f}x measured; "
+              f"{a['step_bound']:.2f}x = ideal static / continuous decode steps, the most it "
+              f"can be if a step cost the same whatever its rows")
 
-    out = {**meta(), "results": rows}
+    out = {**meta(), "results": rows, "ablation": ablation}
     plot = args.plot
     if plot is None and args.json:
         plot = str(Path(args.json).with_suffix("")) + "_occupancy.png"

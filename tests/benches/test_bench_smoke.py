@@ -45,6 +45,12 @@ def test_throughput_smoke(tmp_path: Path) -> None:
     # static batching decodes every batch to its longest request: waste is counted, not output
     assert rows["hf-static"]["generated_tokens"] >= want
     assert "ratio of output_tokens_per_s" in proc.stdout
+    (ablation,) = data["ablation"]            # ferrobatch and ferrobatch-static at one cap
+    assert ablation["cap"] == rows["ferrobatch"]["batch_cap"]
+    assert ablation["measured"] == pytest.approx(rows["ferrobatch"]["output_tokens_per_s"]
+                                                 / rows["ferrobatch-static"]["output_tokens_per_s"])
+    assert ablation["step_bound"] == pytest.approx(
+        rows["ferrobatch-static"]["ideal_decode_steps"] / rows["ferrobatch"]["ideal_decode_steps"])
 
 
 def test_serving_metrics_follow_vllm_definitions() -> None:
