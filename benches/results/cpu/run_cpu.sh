@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU measurements of README "Results", one command each, as run on 2026-11-30 (session 3
 # ran 3, 4, 1, then 3 again and 5 after the RoPE kernel; session 4 ran 2 after the engine's
-# hand-off cuts, then 6, 7, 1, 5 (with fresh prompts per run) and 8). Run from the repository root on an otherwise idle machine; every
+# hand-off cuts, then 6, 7, 1, 5 (with fresh prompts per run) and 8; session 6 ran 9). Run from the repository root on an otherwise idle machine; every
 # table records the 1-minute load average before each system.
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
@@ -44,6 +44,12 @@ $PY benches/prefill_latency.py --lengths 256,1024,2048
 $PY benches/throughput.py --workload cpu-chat \
   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous \
   --json $OUT/throughput_cpu-chat.json
+
+# 9. The static ablation across caps 4 / 8 / 16 (session 6): measured ratio next to the bound
+#    the schedule alone sets (ideal static / continuous decode steps), printed and in the JSON.
+$PY benches/throughput.py --workload cpu-small \
+  --systems ferrobatch@4,ferrobatch-static@4,ferrobatch@8,ferrobatch-static@8,ferrobatch,ferrobatch-static \
+  --json $OUT/throughput_cpu-small_capsweep.json
 
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
