@@ -13,9 +13,11 @@
 #   4. decode-attention bandwidth benchmark (+ measured copy rate)                 -> attention_bandwidth.{txt,json}
 #   5. offline throughput, gpu-small with and without decode CUDA graphs (issue #6) -> throughput_gpu-small.{txt,json}
 #   6. offline throughput, gpu-8b (issue #6)                                        -> throughput_gpu-8b.{txt,json}
-#   7. compute-sanitizer memcheck on a few small kernel tests (no caching allocator, so an
+#   7. continuous vs static batching on gpu-small at cap 32 (issue #6's ablation, where the
+#      schedule allows up to 1.59x)                                                -> throughput_gpu-small_ablation.{txt,json}
+#   8. compute-sanitizer memcheck on a few small kernel tests (no caching allocator, so an
 #      out-of-bounds access hits unallocated memory), if the tool is there  -> sanitizer.log
-#   8. summary table                                                                -> summary.txt
+#   9. summary table                                                                -> summary.txt
 # Everything goes to $OUT (the device tool returns it) and to benches/results/gpu-<stamp>/.
 # A step that fails is recorded and the script continues; the exit code is non-zero if any failed.
 set -uo pipefail
@@ -87,6 +89,9 @@ if [[ ${status[build]} == rc=0* ]]; then
     --workload gpu-8b --systems ferrobatch --no-progress \
     --max-num-seqs 256 \
     --json "$OUT/throughput_gpu-8b.json" || failed=1
+  run_step ablation 120 "$OUT/throughput_gpu-small_ablation.txt" $PY benches/throughput.py \
+    --workload gpu-small --systems ferrobatch@32,ferrobatch-static@32 --no-progress \
+    --json "$OUT/throughput_gpu-small_ablation.json" || failed=1
   if command -v compute-sanitizer >/dev/null 2>&1; then
     run_step sanitizer 150 "$OUT/sanitizer.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
       compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
@@ -101,7 +106,7 @@ fi
 
 {
   echo "ferrobatch GPU check $stamp  ($(head -n 2 "$OUT/env.txt" | tail -n 1))"
-  for k in build tests bench small 8b sanitizer; do echo "  $k: ${status[$k]:-not run}"; done
+  for k in build tests bench small 8b ablation sanitizer; do echo "  $k: ${status[$k]:-not run}"; done
   echo "--- tests"
   grep -E "passed|failed|error" "$OUT/gpu_tests.log" 2>/dev/null | tail -n 3
   grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.log" 2>/dev/null | head -n 15
@@ -111,6 +116,8 @@ fi
   sed -n '/^shape /,$p' "$OUT/attention_bandwidth.txt" 2>/dev/null
   echo "--- offline throughput (goals: gpu-small >= 40,000 and gpu-8b >= 6,000 output tok/s)"
   grep -hE "^  ferrobatch" "$OUT/throughput_gpu-small.txt" "$OUT/throughput_gpu-8b.txt" 2>/dev/null
+  echo "--- continuous vs static batching, gpu-small at cap 32 (goal 1.5x; schedule bound 1.59x)"
+  grep -hE "^ablation at cap" "$OUT/throughput_gpu-small_ablation.txt" 2>/dev/null
   echo "--- registers (ptxas) of the decode kernels, bf16"
   grep -E "paged_decode_kernelI13__nv_bfloat16" "$OUT/ptxas.txt" 2>/dev/null \
     | sed -E 's/.*kernelI13__nv_bfloat16Li([0-9]+)ELi([0-9]+)ELb([01]).*Used ([0-9]+) registers.*/  D=\1 GP=\2 direct=\3: \4 regs/' | sort -u
