@@ -62,16 +62,18 @@ def hf_greedy(smollm2_cuda):
         model.tie_weights()
     model = model.to("cuda").eval()
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
-    outs = []
+    outs, log_softmax = [], []
     with torch.inference_mode():
         for ids in prompts:
             t = torch.tensor([ids], device="cuda")
             o = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=NUM_NEW_TOKENS,
                                do_sample=False, eos_token_id=None, pad_token_id=0)
             outs.append(o[0, len(ids):].tolist())
+            # teacher-forced over prompt + output: row p scores token p + 1
+            log_softmax.append(model(o[:, :-1]).logits[0].float().log_softmax(-1).cpu())
     del model
     torch.cuda.empty_cache()
-    return prompts, outs
+    return prompts, outs, log_softmax
 
 
 def _run(loaded, backend: str, prompts, token_budget: int, graphs: bool = False):
@@ -107,7 +109,7 @@ def _run(loaded, backend: str, prompts, token_budget: int, graphs: bool = False)
 
 def test_greedy_parity_cuda_backend_vs_transformers(smollm2_cuda, hf_greedy):
     _, loaded = smollm2_cuda
-    prompts, expected = hf_greedy
+    prompts, expected, _ = hf_greedy
     got, kinds = _run(loaded, "cuda", prompts, token_budget=48)
     assert kinds == {"decode-only", "prefill/mixed"}, kinds
     mismatches = [(i, g, e) for i, (g, e) in enumerate(zip(got, expected)) if g != e]
@@ -118,11 +120,44 @@ def test_greedy_parity_with_decode_cuda_graphs(smollm2_cuda, hf_greedy):
     """The same run with decode steps replayed from captured CUDA graphs (6 sequences: buckets
     1, 2, 4, 6; the 3- and 5-sequence steps replay padded graphs)."""
     _, loaded = smollm2_cuda
-    prompts, expected = hf_greedy
+    prompts, expected, _ = hf_greedy
     got, kinds = _run(loaded, "cuda", prompts, token_budget=48, graphs=True)
     assert kinds == {"decode-only", "prefill/mixed", "graph"}, kinds
     mismatches = [(i, g, e) for i, (g, e) in enumerate(zip(got, expected)) if g != e]
     assert not mismatches, f"{len(mismatches)}/{len(prompts)} prompts differ: {mismatches[:2]}"
+
+
+def test_engine_on_cuda_tokens_and_logprobs_match_transformers(smollm2_cuda, hf_greedy):
+    """The whole engine on CUDA (EngineCore.build's GPU path, decode graphs captured and
+    replayed, the sampler on the device): greedy tokens, their logprobs (top 5) and the
+    prompts' logprobs against transformers' log_softmax."""
+    from ferrobatch.engine.llm import LLM
+    from ferrobatch.sampling_params import SamplingParams
+
+    _, loaded = smollm2_cuda
+    prompts, expected, reference = hf_greedy
+    llm = LLM("smollm2", loaded_model=loaded, device="cuda", num_blocks=NUM_BLOCKS,
+              max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024)
+    try:
+        outs = llm.generate(prompts, SamplingParams(
+            max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5,
+            prompt_logprobs=5), use_tqdm=False)
+        runner = llm.engine._core.runner
+        assert runner.decode_graphs is not None and runner.graph_steps > 0
+    finally:
+        llm.close()
+    worst = 0.0
+    for prompt, want, ref, out in zip(prompts, expected, reference, outs):
+        c = out.outputs[0]
+        assert c.token_ids == want
+        scored = [(len(prompt) - 1 + k, e) for k, e in enumerate(c.logprobs)]
+        scored += [(p - 1, e) for p, e in enumerate(out.prompt_logprobs) if e is not None]
+        assert len(scored) == len(prompt) - 1 + NUM_NEW_TOKENS
+        for row, e in scored:
+            worst = max(worst, abs(e.logprob - float(ref[row, e.token_id])))
+            values = torch.tensor([lp for _, lp in e.top])
+            torch.testing.assert_close(values, ref[row].topk(5).values, atol=2e-3, rtol=0)
+    assert worst < 2e-3, worst
 
 
 def test_cuda_backend_matches_torch_backend_logits(smollm2_cuda):
