@@ -225,3 +225,39 @@ async def test_health_ready_metrics(real, sdk):
     assert 0.0 <= value("kv_cache_usage_perc") <= 1.0
     assert value("num_requests_running") == 0
     assert 'finished_reason="abort"' in text
+
+
+async def test_lm_eval_style_loglikelihood_through_the_sdk(real, sdk):
+    """lm-eval's remote-tokenizer probe and loglikelihood request on the real model: /tokenize
+    agrees with the tokenizer, and the echoed prompt's logprob of a continuation equals the
+    logprob the sampler reported when the model generated that continuation (two code paths:
+    prefill hidden states vs the decode step's sampler)."""
+    tok = real.engine.tokenizer
+    async with aiohttp.ClientSession() as s:
+        async with s.get(real.base + "/tokenizer_info") as resp:
+            info = await resp.json()
+        async with s.post(real.base + "/tokenize",
+                          json={"prompt": "The capital of France is",
+                                "add_special_tokens": False}) as resp:
+            context = (await resp.json())["tokens"]
+        async with s.post(real.base + "/detokenize", json={"tokens": context}) as resp:
+            text = (await resp.json())["prompt"]
+    assert info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]
+    assert context == tok.encode("The capital of France is")
+    assert text == "The capital of France is"
+    from ferrobatch.sampling_params import SamplingParams
+    outs = [o async for o in real.engine.generate(context, SamplingParams(
+        max_tokens=3, temperature=0.0, logprobs=2))]
+    gen = outs[-1].outputs[0]
+    continuation = gen.token_ids[:2]
+    generated = [e.logprob for e in gen.logprobs[:2]]
+    scored = await sdk.completions.create(model="smollm2", prompt=context + continuation,
+                                          max_tokens=1, temperature=0, logprobs=1, echo=True)
+    lp = scored.choices[0].logprobs
+    assert len(lp.tokens) == len(context) + 2 + 1 and lp.token_logprobs[0] is None
+    ctxlen = len(context)
+    assert lp.token_logprobs[ctxlen:-1] == pytest.approx(generated, abs=1e-4)
+    is_greedy = all(t == max(top.values()) for t, top in
+                    zip(lp.token_logprobs[ctxlen:-1], lp.top_logprobs[ctxlen:-1]))
+    assert is_greedy                                  # the model generated it greedily
+    assert scored.choices[0].text.startswith("The capital of France is")

@@ -261,3 +261,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    from ferrobatch.serve.tokenizer_routes import add_tokenizer_routes
+    add_tokenizer_routes(app)

@@ -1,0 +1,71 @@
+"""/tokenizer_info, /tokenize and /detokenize on FakeCore (one character per token): vLLM's
+shapes, chat messages, and 400s for bad input; the API key guards them like every route."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_http_fake import post
+
+
+async def get_json(r, path, headers=None):
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        async with s.get(r.base + path, headers=headers) as resp:
+            return resp.status, await resp.json()
+
+
+async def test_tokenize_and_detokenize_round_trip(fake_server):
+    status, _, text = await post(fake_server, "/tokenize", {"prompt": "héllo",
+                                                             "add_special_tokens": False})
+    assert status == 200
+    body = json.loads(text)
+    assert body == {"tokens": [104, 233, 108, 108, 111], "count": 5, "max_model_len": 256}
+    status, _, text = await post(fake_server, "/detokenize", {"tokens": body["tokens"]})
+    assert status == 200 and json.loads(text) == {"prompt": "héllo"}
+
+
+async def test_tokenize_chat_messages_uses_the_template(fake_server):
+    _, _, text = await post(fake_server, "/tokenize",
+                            {"messages": [{"role": "user", "content": "yo"}]})
+    tokens = json.loads(text)["tokens"]
+    assert "".join(chr(t) for t in tokens) == "<user>yo\n<assistant>"
+
+
+async def test_tokenizer_info(fake_server):
+    status, info = await get_json(fake_server, "/tokenizer_info")
+    assert status == 200
+    assert info["eos_token"] == chr(3) and info["bos_token"] is None
+    assert info["model_max_length"] == 256 and info["vocab_size"] == 512
+    assert info["eos_token_ids"] == [3]
+
+
+@pytest.mark.parametrize("path,body,match", [
+    ("/tokenize", {}, "exactly one of"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "exactly one"),
+    ("/tokenize", {"prompt": 5}, "'prompt' must be a string"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": "no"}, "boolean"),
+    ("/tokenize", {"messages": [{"role": "wizard", "content": "b"}]}, "role"),
+    ("/tokenize", [1, 2], "JSON object"),
+    ("/detokenize", {"tokens": "abc"}, "list"),
+    ("/detokenize", {"tokens": [1, 512]}, "0..511"),
+    ("/detokenize", {"tokens": [1, True]}, "token ids"),
+    ("/detokenize", {"tokens": list(range(300)) * 250}, "at most"),
+])
+async def test_bad_input_is_400(fake_server, path, body, match):
+    status, _, text = await post(fake_server, path, body)
+    assert status == 400, text
+    assert match in json.loads(text)["error"]["message"]
+
+
+@pytest.mark.parametrize("fake_server", [{"api_key": "k"}], indirect=True)
+async def test_the_api_key_guards_the_tokenizer_routes(fake_server):
+    status, _ = await get_json(fake_server, "/tokenizer_info")
+    assert status == 401
+    status, _, _ = await post(fake_server, "/tokenize", {"prompt": "a"})
+    assert status == 401
+    status, _, text = await post(fake_server, "/tokenize", {"prompt": "a"},
+                                 headers={"Authorization": "Bearer k"})
+    assert status == 200 and json.loads(text)["tokens"] == [97]
