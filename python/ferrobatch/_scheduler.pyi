@@ -163,6 +163,32 @@ def linear_f32(
     ``W[16p:16p+16, k]``, zeros past N); ``bias`` ``[N]`` or None. ValueError on any shape mismatch.
     """
 
+def linear_q4_1_f32(
+    x: np.ndarray,
+    scale: np.ndarray,
+    min: np.ndarray,
+    qs: np.ndarray,
+    bias: np.ndarray | None,
+    out: np.ndarray,
+    num_threads: int,
+) -> None:
+    """``out[M, N] = x[M, K] @ W.T + bias`` with ``W`` in GGUF Q4_1 blocks (GIL released), M <= 4.
+
+    ``scale`` / ``min`` ``[N, K / 32]`` float32, ``qs`` ``[N, K / 32, 16]`` uint8 (byte j: element j
+    in the low nibble, j + 16 in the high); ``w = scale * q + min``. ValueError on any mismatch.
+    """
+
+def linear_q8_0_f32(
+    x: np.ndarray,
+    scale: np.ndarray,
+    qs: np.ndarray,
+    bias: np.ndarray | None,
+    out: np.ndarray,
+    num_threads: int,
+) -> None:
+    """The same with ``W`` in GGUF Q8_0 blocks: ``scale`` ``[N, K / 32]`` float32, ``qs``
+    ``[N, K / 32, 32]`` int8; ``w = scale * q``."""
+
 def rms_norm_f32(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> None:
     """Each row of ``x`` ``[M, H]`` over its root mean square (+ eps) times ``weight`` ``[H]``,
     into ``out`` ``[M, H]`` (GIL released). float32, C-contiguous; ValueError on a shape mismatch."""

@@ -19,6 +19,7 @@ pub mod cpu_elementwise;
 pub mod cpu_error;
 pub mod cpu_linear;
 pub mod cpu_pool;
+pub mod cpu_quant_linear;
 pub mod error;
 pub mod intake;
 mod integrity;

@@ -7,6 +7,7 @@
 
 use crate::cpu_elementwise::{rms_norm_f32, rotary_f32};
 use crate::cpu_linear::{linear_f32, LinearShape, PANEL_WIDTH};
+use crate::cpu_quant_linear::{linear_quant_f32, QuantShape, QuantWeight};
 use numpy::{
     PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadwriteArray2, PyReadwriteArray3,
     PyUntypedArrayMethods,
@@ -60,6 +61,84 @@ pub fn py_linear_f32(
     let out = c_contiguous("out", out_c, out.as_slice_mut())?;
     let shape = LinearShape { m, n, k };
     py.detach(|| linear_f32(&shape, x, packed, bias, out, num_threads))
+        .map_err(|e| PyValueError::new_err(e.0))
+}
+
+/// `linear_q4_1_f32(x, scale, min, qs, bias, out, num_threads)`: `out[M, N] = x[M, K] @ W^T +
+/// bias` with `W` in Q4_1 blocks: `scale`, `min` `[N, K / 32]` float32, `qs` `[N, K / 32, 16]`
+/// uint8; `M` at most 4. Writes `out`; returns None.
+#[pyfunction]
+#[pyo3(name = "linear_q4_1_f32", signature = (x, scale, min, qs, bias, out, num_threads))]
+#[allow(clippy::too_many_arguments)]
+pub fn py_linear_q4_1_f32(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    scale: PyReadonlyArray2<'_, f32>,
+    min: PyReadonlyArray2<'_, f32>,
+    qs: PyReadonlyArray3<'_, u8>,
+    bias: Option<PyReadonlyArray1<'_, f32>>,
+    out: PyReadwriteArray2<'_, f32>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let scale_s = c_contiguous("scale", scale.is_c_contiguous(), scale.as_slice())?;
+    let min_s = c_contiguous("min", min.is_c_contiguous(), min.as_slice())?;
+    let qs_s = c_contiguous("qs", qs.is_c_contiguous(), qs.as_slice())?;
+    let w = QuantWeight::Q4_1 {
+        scale: scale_s,
+        min: min_s,
+        qs: qs_s,
+    };
+    quant_call(py, x, scale.shape()[0], w, bias, out, num_threads)
+}
+
+/// `linear_q8_0_f32(x, scale, qs, bias, out, num_threads)`: the same with `W` in Q8_0 blocks:
+/// `scale` `[N, K / 32]` float32, `qs` `[N, K / 32, 32]` int8.
+#[pyfunction]
+#[pyo3(name = "linear_q8_0_f32", signature = (x, scale, qs, bias, out, num_threads))]
+pub fn py_linear_q8_0_f32(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    scale: PyReadonlyArray2<'_, f32>,
+    qs: PyReadonlyArray3<'_, i8>,
+    bias: Option<PyReadonlyArray1<'_, f32>>,
+    out: PyReadwriteArray2<'_, f32>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let scale_s = c_contiguous("scale", scale.is_c_contiguous(), scale.as_slice())?;
+    let qs_s = c_contiguous("qs", qs.is_c_contiguous(), qs.as_slice())?;
+    let w = QuantWeight::Q8_0 {
+        scale: scale_s,
+        qs: qs_s,
+    };
+    quant_call(py, x, scale.shape()[0], w, bias, out, num_threads)
+}
+
+/// Shared tail of the two quantized bindings: shape checks, then the kernel without the GIL.
+fn quant_call(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    weight_rows: usize,
+    w: QuantWeight<'_>,
+    bias: Option<PyReadonlyArray1<'_, f32>>,
+    mut out: PyReadwriteArray2<'_, f32>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let [m, k] = [x.shape()[0], x.shape()[1]];
+    let [out_m, n] = [out.shape()[0], out.shape()[1]];
+    if out_m != m || weight_rows != n {
+        return Err(PyValueError::new_err(format!(
+            "out is [{out_m}, {n}] and the weight has {weight_rows} rows; x [{m}, {k}] needs              out [{m}, N] and N weight rows"
+        )));
+    }
+    let x = c_contiguous("x", x.is_c_contiguous(), x.as_slice())?;
+    let bias = match &bias {
+        Some(b) => c_contiguous("bias", b.is_c_contiguous(), b.as_slice())?,
+        None => &[],
+    };
+    let out_c = out.is_c_contiguous();
+    let out = c_contiguous("out", out_c, out.as_slice_mut())?;
+    let shape = QuantShape { m, n, k };
+    py.detach(|| linear_quant_f32(&shape, x, w, bias, out, num_threads))
         .map_err(|e| PyValueError::new_err(e.0))
 }
 
