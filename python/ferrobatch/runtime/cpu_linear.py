@@ -12,6 +12,12 @@ sizes. Results agree with ``F.linear`` to float32 rounding (relative ~1e-6), not
 
 ``pack_linear_layers(model, num_threads)`` swaps every ``nn.Linear`` for a :class:`PanelLinear`
 (the dense weight is released, so memory stays the same) and gives the model a packed LM head.
+
+A step of at most ``QUANT_MAX_ROWS`` rows (one decode sequence, a few) is bound by reading the
+weights, not by arithmetic: for layers whose GGUF blocks are known (``model.block_weights``)
+such a call reads the Q4_1 / Q8_0 blocks instead, ~6x fewer bytes, and forms each weight exactly
+as the loader did (``cpu_quant_linear.rs``; same float32 weights, float32-rounding-level
+differences in the sums).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 from torch import nn
 
 PANEL_WIDTH = 16
+QUANT_MAX_ROWS = 4      # the quantized kernel's limit (its accumulators stay in registers)
 
 
 def packing_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -60,6 +67,7 @@ class PanelLinear(nn.Module):
         self.register_buffer("packed_weight", pack_panels(weight.detach().float()))
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.num_threads = num_threads
+        self.blocks: BlockKernel | None = None    # the same weights as GGUF blocks, if known
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu":
@@ -67,31 +75,66 @@ class PanelLinear(nn.Module):
         rows = x.reshape(-1, self.in_features).contiguous()
         out = torch.empty(rows.shape[0], self.out_features)
         bias = None if self.bias is None else self.bias.numpy()
-        self._kernel(rows.numpy(), self.packed_weight.numpy(), bias, out.numpy(), self.num_threads)
+        if self.blocks is not None and rows.shape[0] <= QUANT_MAX_ROWS:
+            self.blocks(rows.numpy(), bias, out.numpy(), self.num_threads)
+        else:
+            self._kernel(rows.numpy(), self.packed_weight.numpy(), bias, out.numpy(),
+                         self.num_threads)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        blocks = f", blocks={self.blocks.kind} (rows <= {QUANT_MAX_ROWS})" if self.blocks else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"packed=panels16, threads={self.num_threads}")
+                f"packed=panels16{blocks}, threads={self.num_threads}")
+
+
+class BlockKernel:
+    """A weight's Q4_1 / Q8_0 block arrays bound to their Rust kernel (``linear_q4_1_f32`` /
+    ``linear_q8_0_f32``): ``kernel(x, bias, out, num_threads)``."""
+
+    def __init__(self, block_weight) -> None:
+        from ferrobatch import _scheduler
+        from ferrobatch.model.block_weights import Q4_1
+
+        self.kind = "q4_1" if block_weight.type_id == Q4_1 else "q8_0"
+        self.arrays = block_weight.kernel_arrays()
+        self._fn = _scheduler.linear_q4_1_f32 if self.kind == "q4_1" else _scheduler.linear_q8_0_f32
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+    def __call__(self, x, bias, out, num_threads: int) -> None:
+        self._fn(x, *self.arrays, bias, out, num_threads)
 
 
 @torch.no_grad()
-def pack_linear_layers(model: nn.Module, num_threads: int = 1) -> int:
+def pack_linear_layers(model: nn.Module, num_threads: int = 1,
+                       block_weights: dict | None = None) -> int:
     """Replaces each ``nn.Linear`` under ``model`` by a :class:`PanelLinear` using ``num_threads``
     and, for a model with a ``packed_lm_head`` slot, fills it (the packed ``lm_head``, or a packed
-    copy of the tied embedding matrix). Returns how many weights were packed (0 when already
-    packed; the thread count of packed layers is updated)."""
+    copy of the tied embedding matrix). ``block_weights`` (module path -> ``BlockWeight``, from
+    ``model.block_weights.block_weights_for_modules``) gives those layers their block kernel.
+    Returns how many weights were packed (0 when already packed; the thread count of packed
+    layers is updated)."""
     num_packed = 0
+    block_weights = block_weights or {}
     wants_head = hasattr(model, "packed_lm_head") and model.packed_lm_head is None
     if wants_head and getattr(model, "lm_head", None) is None:  # tied to the embeddings
         model.packed_lm_head = PanelLinear(model.lm_head_weight, num_threads=num_threads)
         num_packed += 1
-    targets = [(parent, name, child) for parent in model.modules()
+    targets = [(prefix, parent, name, child) for prefix, parent in model.named_modules()
                for name, child in parent.named_children() if type(child) is nn.Linear]
-    for parent, name, linear in targets:
-        setattr(parent, name, PanelLinear(linear.weight, linear.bias, num_threads))
+    for prefix, parent, name, linear in targets:
+        packed = PanelLinear(linear.weight, linear.bias, num_threads)
+        path = f"{prefix}.{name}" if prefix else name
+        if path in block_weights:
+            packed.blocks = BlockKernel(block_weights[path])
+        setattr(parent, name, packed)
     if wants_head and model.packed_lm_head is None:
         model.packed_lm_head = model.lm_head
+    if wants_head and "lm_head" in block_weights:
+        model.packed_lm_head.blocks = BlockKernel(block_weights["lm_head"])
     for module in model.modules():
         if isinstance(module, PanelLinear):
             module.num_threads = num_threads

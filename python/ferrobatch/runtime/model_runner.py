@@ -7,6 +7,7 @@ engine does so on CUDA); every other step runs the model eagerly.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -35,7 +36,11 @@ class ModelRunner:
     def __init__(self, loaded, *, num_blocks: int, block_size: int,
                  device: torch.device | str | None = None,
                  attn_backend: AttentionBackend | str | None = None,
-                 validate_steps: bool = True, pack_weights: bool = True) -> None:
+                 validate_steps: bool = True, pack_weights: bool = True,
+                 gguf_blocks: bool = True) -> None:
+        """``pack_weights``: CPU float32 linears in the Rust panel kernel; ``gguf_blocks``: for a
+        GGUF model, steps of at most 4 rows read the file's Q4_1 / Q8_0 blocks instead
+        (``cpu_linear.BlockKernel``). Both only when the model is first packed."""
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.config
@@ -55,12 +60,17 @@ class ModelRunner:
         self.kernel_threads = torch.get_num_threads()
         self.rust_linears = pack_weights and packing_unsupported(self.device, loaded.dtype) is None
         if self.rust_linears:
-            num_packed = pack_linear_layers(self.model, self.kernel_threads)
+            blocks = _gguf_block_weights(loaded) if gguf_blocks else {}
+            num_packed = pack_linear_layers(self.model, self.kernel_threads, blocks)
             swap_elementwise_ops(self.model)
             if getattr(self.attn_backend, "num_threads", 0) is None:
                 self.attn_backend.num_threads = self.kernel_threads
             logger.info("linear layers: %d prepacked for the Rust kernel, %d threads", num_packed,
                         self.kernel_threads)
+            if blocks:
+                logger.info("linear layers: %d also read from their GGUF blocks in steps of <= 4 "
+                            "rows (%.0f MiB)", len(blocks),
+                            sum(b.blocks.numel() for b in blocks.values()) / 2**20)
         self.block_size = block_size
         self.validate_steps = validate_steps
         self.kv_cache = KVCache(self.config, num_blocks, block_size, self.device, loaded.dtype)
@@ -157,6 +167,23 @@ class ModelRunner:
             graphs.capture()
         self.decode_graphs = graphs
         return graphs.captured_buckets
+
+
+def _gguf_block_weights(loaded) -> dict:
+    """Module path -> GGUF blocks for a GGUF model's not-yet-packed linears (each proven equal
+    to its float32 weight); {} for other models or when the extension lacks the kernels."""
+    from ferrobatch import _scheduler
+
+    source = str(getattr(loaded, "source", ""))
+    if not source.endswith(".gguf") or not hasattr(_scheduler, "linear_q4_1_f32") \
+            or not any(type(m) is torch.nn.Linear for m in loaded.model.modules()):
+        return {}
+    from ferrobatch.model.block_weights import block_weights_for_modules, read_block_weights
+
+    t0 = time.perf_counter()
+    blocks = block_weights_for_modules(loaded.model, read_block_weights(source, loaded.config))
+    logger.debug("GGUF blocks read and checked in %.2f s", time.perf_counter() - t0)
+    return blocks
 
 
 def _samples_every_row(batch) -> bool:

@@ -1,0 +1,102 @@
+"""GGUF blocks on the CPU decode path: every linear of the shipped SmolLM2 is found as blocks that
+reproduce its float32 weight bit for bit, small steps read them and larger ones the panels, and
+greedy decoding through them still matches transformers token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parity_data import NUM_NEW_TOKENS
+from step_builder import ToyScheduler
+
+from ferrobatch.model.block_weights import (
+    Q4_1,
+    Q8_0,
+    BlockWeight,
+    block_weights_for_modules,
+    read_block_weights,
+)
+from ferrobatch.model.loader import load_model
+from ferrobatch.runtime.cpu_linear import QUANT_MAX_ROWS, BlockKernel, PanelLinear
+from ferrobatch.runtime.model_runner import ModelRunner
+from ferrobatch.runtime.sampler import Sampler
+
+
+@pytest.fixture(scope="module")
+def fresh_smollm2():
+    """A private copy: the session's shared model is packed already (no float32 weights left)."""
+    return load_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def gguf_blocks(fresh_smollm2):
+    return read_block_weights(fresh_smollm2.source, fresh_smollm2.config)
+
+
+def test_every_linear_of_smollm2_is_found_and_proven_exact(fresh_smollm2, gguf_blocks):
+    cfg = fresh_smollm2.config
+    types = {name.split(".")[-2]: b.type_id for name, b in gguf_blocks.items()}
+    assert types["q_proj"] == types["down_proj"] == Q4_1
+    assert gguf_blocks["model.embed_tokens.weight"].type_id == Q8_0
+    modules = block_weights_for_modules(fresh_smollm2.model, gguf_blocks)
+    assert len(modules) == 4 * cfg.num_layers + 1 and "lm_head" in modules
+    qkv = modules["layers.0.self_attn.qkv_proj"]
+    assert qkv.shape == tuple(fresh_smollm2.model.layers[0].self_attn.qkv_proj.weight.shape)
+
+
+def test_a_block_that_does_not_reproduce_its_weight_is_left_out(fresh_smollm2, gguf_blocks):
+    """The exactness proof is real: one changed nibble (or the Q rows left in llama.cpp's
+    order) and that module keeps the float32 panels only."""
+    changed = dict(gguf_blocks)
+    down = gguf_blocks["model.layers.2.mlp.down_proj.weight"]
+    blocks = down.blocks.clone()
+    blocks[5, 3, 7] ^= 0x01
+    changed["model.layers.2.mlp.down_proj.weight"] = BlockWeight(down.type_id, blocks)
+    q = gguf_blocks["model.layers.4.self_attn.q_proj.weight"]
+    changed["model.layers.4.self_attn.q_proj.weight"] = BlockWeight(q.type_id,
+                                                                    q.blocks.flip(0))
+    modules = block_weights_for_modules(fresh_smollm2.model, changed)
+    assert "layers.2.mlp.down_proj" not in modules
+    assert "layers.4.self_attn.qkv_proj" not in modules
+    assert len(modules) == 4 * fresh_smollm2.config.num_layers + 1 - 2
+
+
+def test_small_steps_read_the_blocks_and_agree_with_the_panels(fresh_smollm2, gguf_blocks):
+    modules = block_weights_for_modules(fresh_smollm2.model, gguf_blocks)
+    for path in ("layers.1.mlp.gate_up_proj", "lm_head"):
+        dense = (fresh_smollm2.model.lm_head_weight if path == "lm_head"
+                 else fresh_smollm2.model.get_submodule(path).weight)
+        layer = PanelLinear(dense, num_threads=2)
+        layer.blocks = BlockKernel(modules[path])
+        calls = []
+        inner = layer.blocks
+        layer.blocks = lambda *a, _inner=inner: (calls.append(a[0].shape[0]), _inner(*a))
+        for rows in range(1, QUANT_MAX_ROWS + 3):
+            x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(rows))
+            got = layer(x)
+            want = x.double() @ dense.double().T
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+        assert calls == list(range(1, QUANT_MAX_ROWS + 1))   # 5 and 6 rows: the panels
+
+
+def test_greedy_decoding_through_the_blocks_matches_transformers(
+        fresh_smollm2, parity_prompts, hf_greedy_outputs, monkeypatch):
+    """Each prompt alone (every decode step has one row, so every linear reads its blocks)."""
+    calls = [0]
+    original = BlockKernel.__call__
+
+    def counting(self, *args):
+        calls[0] += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(BlockKernel, "__call__", counting)
+    runner = ModelRunner(fresh_smollm2, num_blocks=256, block_size=16, attn_backend="cpu")
+    sampler = Sampler(fresh_smollm2.config.vocab_size, fresh_smollm2.tokenizer.eos_token_ids,
+                      "cpu")
+    for i in (0, 2, len(parity_prompts) - 1):
+        sched = ToyScheduler(256, 16, token_budget=512)
+        seq = sched.add(i, parity_prompts[i], NUM_NEW_TOKENS)
+        while (batch := sched.schedule()) is not None:
+            sched.update(sampler.sample(runner.execute(batch), batch).token_ids)
+        assert seq.output_ids == hf_greedy_outputs[i], i
+    assert calls[0] >= 3 * (NUM_NEW_TOKENS - 1) * (4 * fresh_smollm2.config.num_layers + 1)
