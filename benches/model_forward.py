@@ -1,6 +1,11 @@
 """CPU (or GPU) tokens/s of one ModelRunner step at a few batch shapes.
 
     python benches/model_forward.py [--model random:smollm2-135m] [--device cpu] [--threads N]
+    python benches/model_forward.py --model smollm2 --compare-gguf-blocks
+
+`--compare-gguf-blocks` builds two runners on two copies of a GGUF model, one reading the GGUF
+Q4_1 / Q8_0 blocks in steps of <= 4 rows and one with float32 panels only, and times the same
+decode steps on both, alternating, so the ratio is measured side by side.
 
 Decode rows: B sequences with `context` cached tokens each, one new token each.
 Prefill rows: B sequences computing `tokens` fresh prompt tokens each.
@@ -46,8 +51,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--compare-gguf-blocks", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.compare_gguf_blocks:
+        compare_gguf_blocks(args)
+        return
     loaded = load_model(args.model, device=args.device)
     block_size, num_blocks = 16, 1024
     runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size)
@@ -66,6 +75,36 @@ def main() -> None:
         seconds = (time.perf_counter() - start) / args.iters
         print(f"{kind:8} {num_seqs:5d} {length:5d} {batch.num_tokens:7d} {seconds * 1e3:9.1f} "
               f"{batch.num_tokens / seconds:9.0f}")
+
+
+COMPARE_SHAPES = [("decode", 1, 128), ("decode", 1, 1024), ("decode", 2, 128), ("decode", 4, 128),
+                  ("decode", 8, 128)]
+
+
+def compare_gguf_blocks(args) -> None:
+    block_size, num_blocks = 16, 1024
+    runners = {}
+    for name, blocks in (("blocks", True), ("panels", False)):
+        loaded = load_model(args.model, device="cpu")
+        runners[name] = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size,
+                                    gguf_blocks=blocks)
+    print(f"model={args.model} threads={args.threads}: decode step ms, median of "
+          f"{args.iters} rounds, the two runners alternating")
+    print(f"{'seqs':>5} {'context':>8} {'gguf blocks':>12} {'f32 panels':>11} {'speed-up':>9}")
+    for _, num_seqs, length in COMPARE_SHAPES:
+        batches = {n: _step_for("decode", num_seqs, length, block_size, num_blocks, r)
+                   for n, r in runners.items()}
+        times: dict[str, list[float]] = {n: [] for n in runners}
+        for _ in range(args.iters):
+            for n, r in runners.items():
+                r.execute(batches[n])                       # warm: weights streamed once
+                start = time.perf_counter()
+                for _ in range(3):
+                    r.execute(batches[n])
+                times[n].append((time.perf_counter() - start) / 3)
+        med = {n: float(np.median(t)) * 1e3 for n, t in times.items()}
+        print(f"{num_seqs:5d} {length:8d} {med['blocks']:12.1f} {med['panels']:11.1f} "
+              f"{med['panels'] / med['blocks']:8.2f}x")
 
 
 if __name__ == "__main__":
