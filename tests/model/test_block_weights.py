@@ -70,7 +70,8 @@ def test_small_steps_read_the_blocks_and_agree_with_the_panels(fresh_smollm2, gg
         layer.blocks = BlockKernel(modules[path])
         calls = []
         inner = layer.blocks
-        layer.blocks = lambda *a, _inner=inner: (calls.append(a[0].shape[0]), _inner(*a))
+        layer.blocks = lambda *a, _inner=inner, _calls=calls: (_calls.append(a[0].shape[0]),
+                                                               _inner(*a))
         for rows in range(1, QUANT_MAX_ROWS + 3):
             x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(rows))
             got = layer(x)
