@@ -16,7 +16,8 @@ msgpack/TCP doors (through `ferrobatch.client`, one multiplexed connection, `del
 the part of chunks). Every (door, rate) run sends prompts no earlier run of the invocation sent
 (`workloads.fresh_prompts`: same lengths, token ids rotated), so a prefix cache cannot serve one
 run from another's blocks; all servers get the same prompts per run. Servers:
-  ferrobatch  `python -m ferrobatch serve` (SmolLM2 on CPU)
+  ferrobatch      `python -m ferrobatch serve` (SmolLM2 on CPU)
+  ferrobatch-f32  the same with `--no-gguf-blocks` (float32 weights only: the block kernel's ablation)
   hf          benches/hf_server.py: transformers' ContinuousBatchingManager behind the same API
 """
 
@@ -258,12 +259,13 @@ def free_port() -> int:
 
 
 def server_command(kind: str, port: int, args, tcp_port: int | None = None) -> list[str]:
-    if kind == "ferrobatch":
+    if kind in ("ferrobatch", "ferrobatch-f32"):
+        extra = ["--no-gguf-blocks"] if kind == "ferrobatch-f32" else []
         return [PY, "-m", "ferrobatch", "serve", "--model", args.model, "--host", "127.0.0.1",
                 "--port", str(port), "--tcp-port", str(tcp_port or free_port()),
                 "--max-num-seqs", str(args.max_num_seqs),
                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                *args.ferrobatch_args.split()]
+                *extra, *args.ferrobatch_args.split()]
     if kind == "hf":
         cmd = [PY, str(REPO / "benches" / "hf_server.py"), "--model", args.model,
                "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
@@ -271,7 +273,7 @@ def server_command(kind: str, port: int, args, tcp_port: int | None = None) -> l
         if args.threads:
             cmd += ["--threads", str(args.threads)]
         return cmd
-    raise SystemExit(f"unknown server {kind!r} (ferrobatch | hf)")
+    raise SystemExit(f"unknown server {kind!r} (ferrobatch | ferrobatch-f32 | hf)")
 
 
 def launch(cmd: list[str], env: dict, log_path: Path | None) -> subprocess.Popen:
@@ -415,7 +417,7 @@ async def amain(args) -> int:
         try:
             base = f"http://127.0.0.1:{port}"
             await wait_ready(base, proc, args.startup_timeout)
-            doors = tuple(args.doors.split(",")) if kind == "ferrobatch" else ("http",)
+            doors = tuple(args.doors.split(",")) if kind.startswith("ferrobatch") else ("http",)
             results += await bench_server(kind, base, reqs, rates, args, doors, tcp_port)
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -444,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-url", help="an already running server (loopback)")
-    ap.add_argument("--servers", help="launch these in turn: ferrobatch,hf")
+    ap.add_argument("--servers", help="launch these in turn: ferrobatch,ferrobatch-f32,hf")
     ap.add_argument("--endpoint", default="/v1/completions")
     ap.add_argument("--doors", default="http",
                     help="ferrobatch doors to measure: http,ws,tcp (hf has http only)")

@@ -39,6 +39,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "else the torch reference")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eagerly (no decode CUDA graphs)")
+    g.add_argument("--no-gguf-blocks", action="store_true",
+                   help="CPU: never read a GGUF model's Q4_1/Q8_0 blocks (float32 panels only; "
+                   "saves their memory, slower steps of <= 4 rows)")
 
 
 def _config(a: argparse.Namespace) -> EngineConfig:
@@ -48,7 +51,8 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         kv_cache_gb=a.kv_cache_gb, gpu_memory_utilization=a.gpu_memory_utilization,
         block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
         scheduling_policy=a.scheduling_policy, max_queued_requests=a.max_queued_requests,
-        attn_backend=a.attention_backend, cuda_graphs=not a.enforce_eager)
+        attn_backend=a.attention_backend, cuda_graphs=not a.enforce_eager,
+        gguf_blocks=not a.no_gguf_blocks)
 
 
 def build_parser() -> argparse.ArgumentParser:

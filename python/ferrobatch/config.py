@@ -26,6 +26,7 @@ class EngineConfig:
     dtype: str | None = None             # None -> the runtime's default for the device
     attn_backend: str | None = None      # auto | torch | cpu | cuda; None = auto (cuda / cpu kernels)
     cuda_graphs: bool = True             # CUDA: replay captured decode steps (False = eager only)
+    gguf_blocks: bool = True             # CPU, GGUF model: steps of <= 4 rows read the Q4_1/Q8_0 blocks
 
     # KV cache
     block_size: int = 16
@@ -67,8 +68,9 @@ class EngineConfig:
                      "max_queued_requests", "max_n", "max_stop_strings", "max_stop_string_len",
                      "max_stop_token_ids", "max_logit_bias"):
             positive_int(name)
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "gguf_blocks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if isinstance(self.max_preemptions, bool) or not isinstance(self.max_preemptions, int) \

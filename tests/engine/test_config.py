@@ -17,6 +17,7 @@ from ferrobatch.config import EngineConfig
     ({"num_blocks": 1}, "num_blocks"),
     ({"device": "tpu"}, "device"),
     ({"cuda_graphs": "no"}, "cuda_graphs"),
+    ({"gguf_blocks": 1}, "gguf_blocks"),
     ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
     ({"scheduling_policy": "lifo"}, "scheduling_policy"),
 ])
@@ -43,8 +44,11 @@ def test_cli_maps_engine_flags():
     parser = build_parser()
     default = _config(parser.parse_args(["serve"]))
     assert default.cuda_graphs is True and default.max_num_batched_tokens is None
-    cfg = _config(parser.parse_args(["serve", "--enforce-eager", "--max-num-batched-tokens", "64"]))
+    assert default.gguf_blocks is True
+    cfg = _config(parser.parse_args(["serve", "--enforce-eager", "--max-num-batched-tokens", "64",
+                                     "--no-gguf-blocks"]))
     assert cfg.cuda_graphs is False and cfg.max_num_batched_tokens == 64
+    assert cfg.gguf_blocks is False
 
 
 def test_gpu_kv_budget_leaves_the_warm_up_peak_and_the_reserve(monkeypatch):
