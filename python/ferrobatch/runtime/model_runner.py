@@ -68,9 +68,11 @@ class ModelRunner:
             logger.info("linear layers: %d prepacked for the Rust kernel, %d threads", num_packed,
                         self.kernel_threads)
             if blocks:
+                kernels = {id(m.blocks): m.blocks for m in self.model.modules()
+                           if getattr(m, "blocks", None) is not None}
                 logger.info("linear layers: %d also read from their GGUF blocks in steps of <= 4 "
-                            "rows (%.0f MiB)", len(blocks),
-                            sum(b.blocks.numel() for b in blocks.values()) / 2**20)
+                            "rows (%.0f MiB)", len(kernels),
+                            sum(k.nbytes for k in kernels.values()) / 2**20)
         self.block_size = block_size
         self.validate_steps = validate_steps
         self.kv_cache = KVCache(self.config, num_blocks, block_size, self.device, loaded.dtype)
