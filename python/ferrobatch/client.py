@@ -96,14 +96,17 @@ class _Multiplexer:
 
     async def complete(self, prompt: str | list[int] | None = None, **kw: Any) -> dict[str, Any]:
         """Run one generation to the end: {text, token_ids, finish_reason, usage} (sequence 0)
-        plus `texts` / `finish_reasons` of every sequence, and `logprobs` (a list per sequence)
-        when the `logprobs` parameter asked for them."""
+        plus `texts` / `finish_reasons` of every sequence, `logprobs` (a list per sequence) and
+        `prompt_logprobs` when the parameters of those names asked for them."""
         texts: dict[int, list[str]] = {}
         ids: dict[int, list[int]] = {}
         logprobs: dict[int, list[Any]] = {}
+        prompt_logprobs: list[Any] = []
         async for m in self.generate(prompt, **kw):
             t = m["type"]
-            if t == "delta":
+            if t == "prompt_logprobs":
+                prompt_logprobs[m["start"]:m["start"] + len(m["logprobs"])] = m["logprobs"]
+            elif t == "delta":
                 texts.setdefault(m.get("index", 0), []).append(m["text"])
                 ids.setdefault(m.get("index", 0), []).extend(m["token_ids"])
                 if "logprobs" in m:
@@ -116,6 +119,8 @@ class _Multiplexer:
                        "finish_reasons": m.get("finish_reasons"), "usage": m["usage"]}
                 if kw.get("logprobs") is not None:
                     out["logprobs"] = [logprobs.get(i, []) for i in range(num_seqs)]
+                if kw.get("prompt_logprobs") is not None:
+                    out["prompt_logprobs"] = prompt_logprobs
                 return out
             elif t == "cancelled":
                 return {"text": "".join(texts.get(0, [])), "token_ids": ids.get(0, []),

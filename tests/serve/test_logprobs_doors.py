@@ -173,14 +173,28 @@ async def test_bad_echo_requests_are_400(fake_server, body, match):
 
 
 @pytest.mark.parametrize("door", DOORS)
-async def test_message_doors_send_prompt_logprobs_on_the_first_delta(fake_server, door):
+async def test_message_doors_send_prompt_logprobs_in_pieces_before_the_first_delta(
+        fake_server, door, monkeypatch):
+    """A long prompt's logprobs come in several `prompt_logprobs` messages (each under the frame
+    limit), all before the request's first delta; `complete` puts them back together."""
+    from ferrobatch.serve import session
+
+    monkeypatch.setattr(session, "PROMPT_LOGPROBS_PER_MESSAGE", 64)
+    prompt = "".join(chr(97 + i % 26) for i in range(150))
     async with await clients(fake_server, door) as c:
-        msgs = [m async for m in c.generate("abc", max_tokens=3, prompt_logprobs=1)]
-    deltas = [m for m in msgs if m["type"] == "delta"]
-    assert deltas[0]["prompt_logprobs"] == [None] + [
+        msgs = [m async for m in c.generate(prompt, max_tokens=3, prompt_logprobs=1)]
+        done = await c.complete(prompt, max_tokens=2, prompt_logprobs=0)
+    kinds = [m["type"] for m in msgs]
+    pieces = [m for m in msgs if m["type"] == "prompt_logprobs"]
+    assert kinds[:3] == ["prompt_logprobs"] * 3 and kinds[3] == "delta"
+    assert [p["start"] for p in pieces] == [0, 64, 128]
+    entries = [e for p in pieces for e in p["logprobs"]]
+    ids = [ord(ch) for ch in prompt]
+    assert entries == [None] + [
         {"token_id": t, "logprob": fake_prompt_logprob(p),
-         "top_logprobs": [[t, fake_prompt_logprob(p)]]} for p, t in enumerate([98, 99])]
-    assert all("prompt_logprobs" not in m for m in deltas[1:])
+         "top_logprobs": [[t, fake_prompt_logprob(p)]]} for p, t in enumerate(ids[1:])]
+    assert len(done["prompt_logprobs"]) == 150 and done["prompt_logprobs"][0] is None
+    assert done["prompt_logprobs"][1]["top_logprobs"] == []
 
 
 def test_minus_infinity_becomes_a_json_number():

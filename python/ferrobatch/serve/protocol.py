@@ -7,8 +7,9 @@ WebSocket / TCP messages (maps with a "type"):
   client -> server: hello {version, api_key?}; generate {id, prompt | messages, params?};
                     cancel {id}
   server -> client: hello {version, model, limits}; delta {id, index, text, token_ids};
-                    (+ logprobs when params.logprobs is set, and on the first delta
-                    prompt_logprobs when params.prompt_logprobs is set);
+                    (+ logprobs when params.logprobs is set);
+                    prompt_logprobs {id, start, logprobs} (params.prompt_logprobs: before
+                    the first delta, in pieces of at most 256 prompt positions);
                     done {id, finish_reason, finish_reasons, usage}; cancelled {id};
                     error {id | None, code, message}
 """

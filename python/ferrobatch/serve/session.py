@@ -14,6 +14,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ferrobatch.serve.logprobs import message_logprobs
+
+# prompt positions per `prompt_logprobs` message: with 20 alternatives each, ~200 KB of JSON,
+# well under the 1 MiB frame limit a client enforces
+PROMPT_LOGPROBS_PER_MESSAGE = 256
 from ferrobatch.serve.protocol import (
     PROTOCOL_VERSION,
     GenerateMsg,
@@ -101,11 +105,14 @@ class Session:
         completion = 0
         reasons: dict[int, str] = {}
         error: str | None = None
-        prompt_logprobs = None
         try:
             async for out in stream:
-                if out.prompt_logprobs is not None:
-                    prompt_logprobs = out.prompt_logprobs
+                if out.prompt_logprobs is not None:     # once, before the first delta
+                    entries = [None] + message_logprobs(out.prompt_logprobs[1:])
+                    for start in range(0, len(entries), PROMPT_LOGPROBS_PER_MESSAGE):
+                        await send({"type": "prompt_logprobs", "id": rid, "start": start,
+                                    "logprobs": entries[start:start + PROMPT_LOGPROBS_PER_MESSAGE]},
+                                   binary)
                 for c in out.outputs:
                     if c.text or c.token_ids:
                         completion += len(c.token_ids)
@@ -113,10 +120,6 @@ class Session:
                                "token_ids": c.token_ids}
                         if c.logprobs is not None:
                             msg["logprobs"] = message_logprobs(c.logprobs)
-                        if prompt_logprobs is not None:     # on the request's first delta
-                            msg["prompt_logprobs"] = [None] + message_logprobs(
-                                prompt_logprobs[1:])
-                            prompt_logprobs = None
                         await send(msg, binary)
                     if c.finish_reason is not None:
                         reasons[c.index] = c.finish_reason
