@@ -14,10 +14,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ferrobatch.serve.logprobs import message_logprobs
-
-# prompt positions per `prompt_logprobs` message: with 20 alternatives each, ~200 KB of JSON,
-# well under the 1 MiB frame limit a client enforces
-PROMPT_LOGPROBS_PER_MESSAGE = 256
 from ferrobatch.serve.protocol import (
     PROTOCOL_VERSION,
     GenerateMsg,
@@ -27,6 +23,9 @@ from ferrobatch.serve.protocol import (
     parse_message,
 )
 
+# prompt positions per `prompt_logprobs` message: with 20 alternatives each, ~200 KB of JSON,
+# well under the 1 MiB frame limit a client enforces
+PROMPT_LOGPROBS_PER_MESSAGE = 256
 MAX_ACTIVE_PER_CONNECTION = 1024
 Send = Callable[[dict[str, Any], bool], Awaitable[None]]   # (message, binary) -> None
 
