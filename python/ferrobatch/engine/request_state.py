@@ -260,7 +260,7 @@ class RequestState:
                             finished=finished, error=self.error, metrics=self.timings())
         if self.prompt_logprobs is not None and self.prompt_logprobs_missing == 0 \
                 and not (kind == "delta" and self.prompt_logprobs_sent):
-            out.prompt_logprobs = list(self.prompt_logprobs)
+            out.prompt_logprobs = self.prompt_logprobs   # complete: never changes again
             self.prompt_logprobs_sent = True
         return out
 
