@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU measurements of README "Results", one command each, as run on 2026-11-30 (session 3
 # ran 3, 4, 1, then 3 again and 5 after the RoPE kernel; session 4 ran 2 after the engine's
-# hand-off cuts, then 6, 7, 1, 5 (with fresh prompts per run) and 8; session 6 ran 9, 11 and 10). Run from the repository root on an otherwise idle machine; every
+# hand-off cuts, then 6, 7, 1, 5 (with fresh prompts per run) and 8; session 6 ran 9, 11, 10 and 12). Run from the repository root on an otherwise idle machine; every
 # table records the 1-minute load average before each system.
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
@@ -57,6 +57,11 @@ $PY benches/model_forward.py --model smollm2 --compare-gguf-blocks --iters 7
 # 11. The same as served: ferrobatch vs ferrobatch --no-gguf-blocks at a low and a higher rate.
 $PY benches/serving.py --servers ferrobatch,ferrobatch-f32 --workload cpu-serve --num-prompts 24 \
   --request-rates 0.4,1.6 --json $OUT/serving_cpu-serve_gguf_blocks.json
+
+# 12. The four headline systems of 3 again (session 6, after logprobs and the block kernel).
+$PY benches/throughput.py --workload cpu-small \
+  --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous \
+  --json $OUT/throughput_cpu-small_session6.json
 
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
