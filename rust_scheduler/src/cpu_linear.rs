@@ -155,9 +155,10 @@ fn run(
     Ok(())
 }
 
-/// The output's base pointer, shared by threads that write disjoint columns.
+/// The output's base pointer, shared by threads that write disjoint columns (also used by
+/// `cpu_quant_linear`, which splits its output the same way).
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(crate) struct OutPtr(pub(crate) *mut f32);
 // SAFETY: the threads holding it write disjoint elements (see `run`), and the buffer outlives them.
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}

@@ -19,6 +19,7 @@
 //! (`cpu_pool`); a task writes only its own columns of `out`.
 
 use crate::cpu_error::KernelInputError;
+use crate::cpu_linear::OutPtr;
 
 /// Inputs per quantization block (both formats).
 pub const BLOCK: usize = 32;
@@ -160,13 +161,6 @@ fn run(
     });
     Ok(())
 }
-
-/// The output's base pointer, shared by threads that write disjoint columns.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: the threads holding it write disjoint elements (see `run`), and the buffer outlives them.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
 
 struct Kernel<'a> {
     shape: QuantShape,
