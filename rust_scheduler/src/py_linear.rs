@@ -23,6 +23,14 @@ fn c_contiguous<T>(name: &str, ok: bool, slice: Result<T, numpy::AsSliceError>) 
     slice.map_err(|_| not_c())
 }
 
+/// An optional bias as a slice (empty when None).
+fn bias_slice<'a>(bias: &'a Option<PyReadonlyArray1<'_, f32>>) -> PyResult<&'a [f32]> {
+    match bias {
+        Some(b) => c_contiguous("bias", b.is_c_contiguous(), b.as_slice()),
+        None => Ok(&[]),
+    }
+}
+
 /// `linear_f32(x, packed, bias, out, num_threads)`: `out[M, N] = x[M, K] @ W^T + bias` with `W`
 /// packed as `[ceil(N / 16), K, 16]` (panel `p`, row `k` = `W[16p..16p+16, k]`, zero padded);
 /// `bias` `[N]` or None. All float32. Writes `out`; returns None.
@@ -53,10 +61,7 @@ pub fn py_linear_f32(
     }
     let x = c_contiguous("x", x.is_c_contiguous(), x.as_slice())?;
     let packed = c_contiguous("packed", packed.is_c_contiguous(), packed.as_slice())?;
-    let bias = match &bias {
-        Some(b) => c_contiguous("bias", b.is_c_contiguous(), b.as_slice())?,
-        None => &[],
-    };
+    let bias = bias_slice(&bias)?;
     let out_c = out.is_c_contiguous();
     let out = c_contiguous("out", out_c, out.as_slice_mut())?;
     let shape = LinearShape { m, n, k };
@@ -127,14 +132,12 @@ fn quant_call(
     let [out_m, n] = [out.shape()[0], out.shape()[1]];
     if out_m != m || weight_rows != n {
         return Err(PyValueError::new_err(format!(
-            "out is [{out_m}, {n}] and the weight has {weight_rows} rows; x [{m}, {k}] needs              out [{m}, N] and N weight rows"
+            "out is [{out_m}, {n}] and the weight has {weight_rows} rows; x [{m}, {k}] needs out \
+             [{m}, N] and N weight rows"
         )));
     }
     let x = c_contiguous("x", x.is_c_contiguous(), x.as_slice())?;
-    let bias = match &bias {
-        Some(b) => c_contiguous("bias", b.is_c_contiguous(), b.as_slice())?,
-        None => &[],
-    };
+    let bias = bias_slice(&bias)?;
     let out_c = out.is_c_contiguous();
     let out = c_contiguous("out", out_c, out.as_slice_mut())?;
     let shape = QuantShape { m, n, k };
