@@ -15,6 +15,8 @@ OUTPUT_KINDS = ("cumulative", "delta", "final")
 MAX_SEED = 2**63 - 1
 MAX_PRIORITY = 2**31 - 1
 MAX_LOGPROBS = 20     # top alternatives per position (OpenAI's chat limit)
+MAX_GUIDED_CHOICES = 1024
+MAX_GUIDED_TEXT_CHARS = 1 << 16   # a regex, a choice or a JSON schema's text
 
 
 def _is_int(v: Any) -> bool:
@@ -36,6 +38,13 @@ class SamplingParams:
     logits). `priority`: lower runs first under the "priority" policy. `output_kind` chooses what
     `AsyncEngine.generate` yields: the whole text so far ("cumulative"), only what is new since
     the previous yield ("delta"), or a single final output ("final").
+
+    Guided decoding (structured outputs), at most one of: `guided_json` (a JSON Schema as a
+    dict or JSON text; `{"type": "object"}` is any JSON object), `guided_regex` (the output is a
+    full match of this regex, Rust regex syntax), `guided_choice` (the output is exactly one of
+    these strings). Only tokens that keep the output a prefix of a valid text are sampled, and
+    end-of-sequence only where it is complete; `ignore_eos` and `min_tokens` cannot be combined
+    with it (the grammar decides where the output ends).
     """
 
     n: int = 1
@@ -59,6 +68,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     priority: int = 0
     output_kind: str = "cumulative"
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         def fix(name: str, value: Any) -> None:
@@ -127,12 +139,55 @@ class SamplingParams:
             raise ValueError(f"priority must be a 32-bit integer, got {self.priority!r}")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
+        self._check_guided(fix)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             v = getattr(self, name)
             if not math.isfinite(v):
                 raise ValueError(f"{name} must be finite")
             fix(name, float(v))
+
+    def _check_guided(self, fix: Any) -> None:
+        given = [n for n in ("guided_json", "guided_regex", "guided_choice")
+                 if getattr(self, n) is not None]
+        if not given:
+            return
+        if len(given) > 1:
+            raise ValueError(f"at most one of guided_json, guided_regex, guided_choice may be "
+                             f"set, got {', '.join(given)}")
+        if self.guided_regex is not None:
+            if not isinstance(self.guided_regex, str) or not self.guided_regex:
+                raise ValueError("guided_regex must be a non-empty string")
+            if len(self.guided_regex) > MAX_GUIDED_TEXT_CHARS:
+                raise ValueError(f"guided_regex is longer than {MAX_GUIDED_TEXT_CHARS} characters")
+        if self.guided_choice is not None:
+            choices = self.guided_choice
+            if not isinstance(choices, (list, tuple)) or not choices \
+                    or not all(isinstance(c, str) and c for c in choices):
+                raise ValueError("guided_choice must be a non-empty list of non-empty strings")
+            if len(choices) > MAX_GUIDED_CHOICES or \
+                    sum(len(c) for c in choices) > MAX_GUIDED_TEXT_CHARS:
+                raise ValueError(f"guided_choice may hold at most {MAX_GUIDED_CHOICES} strings "
+                                 f"of {MAX_GUIDED_TEXT_CHARS} characters in all")
+            fix("guided_choice", tuple(choices))
+        if self.guided_json is not None:
+            schema = self.guided_json
+            if isinstance(schema, str) and len(schema) > MAX_GUIDED_TEXT_CHARS:
+                raise ValueError(f"guided_json is longer than {MAX_GUIDED_TEXT_CHARS} characters")
+            if not isinstance(schema, (dict, str, bool)):
+                raise ValueError("guided_json must be a JSON Schema (an object, or its JSON text)")
+        if self.ignore_eos:
+            raise ValueError(f"{given[0]} cannot be combined with ignore_eos: the grammar "
+                             "decides where the output ends")
+        if self.min_tokens:
+            raise ValueError(f"{given[0]} cannot be combined with min_tokens: the grammar "
+                             "decides where the output ends")
+
+    @property
+    def is_guided(self) -> bool:
+        """True when a grammar (JSON Schema, regex or choice) constrains the output."""
+        return (self.guided_json is not None or self.guided_regex is not None
+                or self.guided_choice is not None)
 
     def replace(self, **changes: Any) -> "SamplingParams":
         return dataclasses.replace(self, **changes)

@@ -10,6 +10,8 @@
 //! `py_linear`). The first two
 //! split their work over `cpu_pool`, the kernels' persistent thread pool; all report bad input
 //! as `cpu_error::KernelInputError`.
+//! And `guided` (structured outputs: a regex's DFA walked over the vocabulary's byte trie to
+//! find the tokens allowed next; binding `py_guided`), used by the Python sampler.
 
 pub mod batch;
 pub mod block_pool;
@@ -21,6 +23,7 @@ pub mod cpu_linear;
 pub mod cpu_pool;
 pub mod cpu_quant_linear;
 pub mod error;
+pub mod guided;
 pub mod intake;
 mod integrity;
 pub mod prefix_cache;
@@ -35,6 +38,8 @@ mod update;
 mod py;
 #[cfg(feature = "python")]
 mod py_attention;
+#[cfg(feature = "python")]
+mod py_guided;
 #[cfg(feature = "python")]
 mod py_linear;
 

@@ -90,6 +90,7 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._stopped = False
         self._stats: dict[str, Any] = {}
+        self._compile_lock: asyncio.Lock | None = None     # guided grammars, see prepare()
         self.counters = {"accepted": 0, "released": 0, "rejected": 0, "stop": 0, "length": 0,
                          "abort": 0, "error": 0}
 
@@ -234,10 +235,26 @@ class AsyncEngine:
         self.counters["accepted"] += 1
         return RequestStream(self, state)
 
+    async def prepare(self, params: SamplingParams) -> None:
+        """Compile a guided request's grammar off the event loop (one compile at a time), so
+        that `add_request` finds it cached; a no-op for other requests. A pathological pattern
+        can take a second to be refused: this keeps every other stream flowing meanwhile.
+        Raises ValueError for a grammar that cannot be used."""
+        if not params.is_guided or not self.is_running:
+            return
+        from ferrobatch.guided.compiler import pattern_for
+        if self._compile_lock is None:
+            self._compile_lock = asyncio.Lock()
+        async with self._compile_lock:
+            compiler = self._core.guided
+            await asyncio.to_thread(lambda: compiler.grammar(pattern_for(params)))
+
     async def generate(self, prompt: Prompt | None = None, params: SamplingParams | None = None,
                        request_id: str | None = None, *,
                        messages: Any = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs; leaving the loop early aborts the request."""
+        if params is not None:
+            await self.prepare(params)
         stream = self.add_request(prompt, params, request_id, messages=messages)
         try:
             async for out in stream:
@@ -286,13 +303,15 @@ class AsyncEngine:
                 for o in self._observers:
                     o.on_scheduled(st.scheduled_time - st.arrival_time,
                                    len(st.prompt_token_ids))
+        reasons = getattr(r, "failure_messages", None) or {}
         for rid in getattr(r, "failed_req_ids", ()):
             st = requests.get(rid)
             if st is not None:                    # its abort("error") is already queued
                 st.abort_sent = True
+                message = reasons.get(rid, "the model produced non-finite logits for this "
+                                           "request")
                 for s in st.seqs:
-                    st.finish_seq_locally(s.index, "error", "the model produced non-finite "
-                                                            "logits for this request")
+                    st.finish_seq_locally(s.index, "error", message)
         for rid, entries in (getattr(r, "prompt_logprobs", None) or {}).items():
             st = requests.get(rid)
             if st is not None and st.prompt_logprobs is not None:

@@ -44,6 +44,9 @@ class StepResult:
     # req id -> [(prompt position, (token id, logprob, top))] for the prompt tokens this step
     # computed, for requests that asked for prompt logprobs; None when none did
     prompt_logprobs: dict[int, list[tuple[int, tuple[int, float, list]]]] | None = None
+    # why each of failed_req_ids failed, when not non-finite logits (e.g. a guided request
+    # whose grammar no token can continue)
+    failure_messages: dict[int, str] = field(default_factory=dict)
 
 
 def rows_all_finite(logits: torch.Tensor) -> bool:
@@ -82,6 +85,7 @@ class EngineCore:
         bos = self.tokenizer.bos_token_id
         self.ready_token_id = int(bos) if bos is not None else 0
         self._extras: dict[int, Any] = {}     # copy-on-write: replaced, never mutated in place
+        self._guided: Any = None              # GuidedCompiler, made on the first guided request
         from ferrobatch._scheduler import QueueFullError
         self._rust_queue_full = QueueFullError
 
@@ -145,14 +149,25 @@ class EngineCore:
         return IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop,
                                       skip_special_tokens=params.skip_special_tokens)
 
+    @property
+    def guided(self) -> Any:
+        """The `GuidedCompiler` of this model's vocabulary (made on first use)."""
+        if self._guided is None:
+            from ferrobatch.guided.compiler import GuidedCompiler
+            table = getattr(self.tokenizer, "token_byte_table", None)
+            self._guided = GuidedCompiler(table(True) if table is not None else None,
+                                          self.vocab_size, self.tokenizer.eos_token_ids)
+        return self._guided
+
     def submit(self, req_id: int, ids: list[int], p: SamplingParams, max_tokens: int,
                state: Any) -> None:
+        guides = self.guided.sequences(p) if p.is_guided else None   # ValueError if unusable
         if p.needs_token_history or p.logit_bias or p.logprobs is not None \
-                or p.prompt_logprobs is not None:
+                or p.prompt_logprobs is not None or guides:
             from ferrobatch.runtime.sampler import RequestExtras
             history = [[] for _ in range(p.n)] if p.needs_token_history else None
             state.extras = RequestExtras(ids, history, p.logit_bias, p.logprobs,
-                                         p.prompt_logprobs)
+                                         p.prompt_logprobs, guides)
             self._extras = {**self._extras, req_id: state.extras}
         # a prompt-logprobs request must compute every prompt token: a salt of its own keeps
         # other requests' cached blocks from standing in for them
@@ -235,14 +250,16 @@ class EngineCore:
             sampled = _EMPTY_I32
         out = self.scheduler.update(sampled)
         req_ids = out.req_ids
+        failure_messages: dict[int, str] = {}
         if extras and len(req_ids):
             self._record_history(extras, out)
+            failure_messages = self._advance_guides(extras, out, failed)
         if not len(req_ids) and batch.num_seqs == 0:
             return None
         return StepResult(req_ids.tolist(), out.seq_indices.tolist(), out.token_ids.tolist(),
                           out.finish_reasons.tolist(), dict(out.error_messages),
                           batch.seq_req_ids.tolist(), self.stats(), time.perf_counter() - t0,
-                          failed, logprobs, prompt_logprobs)
+                          failed, logprobs, prompt_logprobs, failure_messages)
 
     def _prompt_logprobs(self, hidden: Any, wanted: tuple, extras: dict[int, Any]) -> dict:
         """Logprobs of the next prompt token at each wanted row, with each request's top-N,
@@ -273,6 +290,30 @@ class EngineCore:
         for rid in failed:
             self.intake.abort(rid, -1, "error")
         return failed
+
+    def _advance_guides(self, extras: dict[int, Any], out: Any, failed: list[int]) -> dict:
+        """Moves each guided sequence past the token it just sampled. A token its grammar does
+        not allow, or a state no token can continue, fails the request (appended to `failed`,
+        its message returned); neither happens while the sampler applies the masks."""
+        guided = [rid for rid, e in extras.items() if e.guides]
+        messages: dict[int, str] = {}
+        if not guided:
+            return messages
+        mask = np.isin(out.req_ids, np.asarray(guided, dtype=np.uint64)) & (out.token_ids >= 0)
+        for rid, si, tok in zip(out.req_ids[mask].tolist(), out.seq_indices[mask].tolist(),
+                                out.token_ids[mask].tolist()):
+            if rid in messages or rid in failed:
+                continue
+            guide = extras[rid].guides[si]
+            if not guide.advance(tok):
+                messages[rid] = f"guided decoding: token {tok} is not allowed by the grammar"
+            elif not guide.is_finished and guide.num_allowed == 0:
+                messages[rid] = ("guided decoding: no token of the vocabulary can continue the "
+                                 "output")
+        for rid in messages:
+            self.intake.abort(rid, -1, "error")
+            failed.append(rid)
+        return messages
 
     @staticmethod
     def _record_history(extras: dict[int, Any], out: Any) -> None:

@@ -1,7 +1,8 @@
 """Batched sampler on the model's device: penalties, logit bias, temperature, top-k/top-p/min-p,
 per-request seeds and logprobs, all driven by the step's per-sample arrays.
 
-Greedy rows take the exact argmax of the (penalised) logits. A seeded row draws its token with the
+A guided row (structured outputs) only keeps the logits of the tokens its grammar allows; that
+mask is applied last, after penalties and bias. Greedy rows take the exact argmax of the (penalised) logits. A seeded row draws its token with the
 exponential-race trick (``argmax(p / q)``, ``q ~ Exp(1)``) from a generator keyed by
 ``(seed, sample_output_lens, sample_seq_indices)``, so its token depends only on that key and its
 own logits row, never on the rest of the batch. Logprobs are ``log_softmax`` of the raw model logits.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,6 +30,7 @@ class RequestExtras:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # top-N alternatives; 0 = sampled token only
     prompt_logprobs: int | None = None   # the same for the prompt's tokens (EngineCore)
+    guides: list[Any] | None = None      # per seq_index: a `GuidedSequence` (guided decoding)
 
 
 @dataclass
@@ -119,6 +122,24 @@ class Sampler:
             index = (torch.tensor(rows, device=self.device), torch.tensor(tokens, device=self.device))
             logits.index_put_(index, torch.tensor(values, device=self.device), accumulate=True)
 
+    def _apply_guides(self, logits: torch.Tensor, batch, extras) -> None:
+        """Keeps, in each guided row, only the logits of the tokens its grammar allows next."""
+        rows, guides = [], []
+        for row, (rid, si) in enumerate(zip(np.asarray(batch.sample_req_ids).tolist(),
+                                            np.asarray(batch.sample_seq_indices).tolist())):
+            ext = extras.get(rid)
+            if ext is not None and ext.guides:
+                rows.append(row)
+                guides.append(ext.guides[si])
+        if not rows:
+            return
+        allowed = np.zeros((len(rows), logits.shape[1]), dtype=bool)
+        for k, guide in enumerate(guides):
+            guide.write_mask(allowed[k])
+        index = torch.tensor(rows, device=self.device)
+        mask = torch.from_numpy(allowed).to(self.device)
+        logits[index] = logits[index].masked_fill(~mask, float("-inf"))
+
     def _mask_top_k_top_p(self, logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) -> torch.Tensor:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(self.vocab_size, device=self.device)[None, :]
@@ -155,9 +176,10 @@ class Sampler:
                              or np.any(np.asarray(batch.presence_penalty) != 0.0)
                              or np.any(np.asarray(batch.frequency_penalty) != 0.0))
         has_bias = any(e.logit_bias for e in extras.values())
+        has_guides = any(e.guides for e in extras.values())
         suppress = np.asarray(batch.suppress_eos).astype(bool)
         all_greedy = bool(np.all(temperature <= 0.0))
-        if all_greedy and not (has_penalties or has_bias or suppress.any()):
+        if all_greedy and not (has_penalties or has_bias or has_guides or suppress.any()):
             tokens = raw_logits.argmax(dim=-1)
         else:
             logits = raw_logits.clone()
@@ -168,6 +190,8 @@ class Sampler:
             if suppress.any() and self.eos_token_ids.numel():
                 rows = torch.from_numpy(np.flatnonzero(suppress)).to(self.device)
                 logits[rows[:, None], self.eos_token_ids[None, :]] = float("-inf")
+            if has_guides:
+                self._apply_guides(logits, batch, extras)
             tokens = logits.argmax(dim=-1)
             if not all_greedy:
                 tokens = torch.where(

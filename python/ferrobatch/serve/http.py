@@ -67,6 +67,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, req: OpenAIRequest) -> web.StreamResponse:
     engine = request.app[STATE].engine
     streams: list[Any] = []
+    await engine.prepare(req.params)        # a guided grammar compiles off the event loop
     try:
         if req.kind == "chat":
             streams.append(engine.add_request(None, req.params, messages=req.messages))

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ferrobatch.sampling_params import MAX_LOGPROBS, SamplingParams
-from ferrobatch.serve.protocol import ProtocolError, sampling_params_from
+from ferrobatch.serve.protocol import GUIDED_FIELDS, ProtocolError, sampling_params_from
 
 MAX_PROMPTS = 64
 
@@ -81,7 +81,7 @@ def parse_completion(body: Any, model_name: str) -> OpenAIRequest:
         raise ProtocolError("'echo' must be a boolean", param="echo")
     if body.get("suffix"):
         raise ProtocolError("'suffix' is not supported", param="suffix")
-    params = sampling_params_from(body, defaults={"max_tokens": 16},
+    params = sampling_params_from(with_response_format(body), defaults={"max_tokens": 16},
                                   output_kind="delta" if stream else "final")
     if echo and params.logprobs is not None:          # the echoed prompt gets logprobs too
         params = params.replace(prompt_logprobs=params.logprobs)
@@ -96,11 +96,7 @@ def parse_chat(body: Any, model_name: str) -> OpenAIRequest:
         raise ProtocolError("'messages' must be a non-empty list", param="messages")
     if body.get("tools") or body.get("functions"):
         raise ProtocolError("tools / function calling is not supported", param="tools")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise ProtocolError("only response_format {'type': 'text'} is supported",
-                            param="response_format")
-    fields = dict(body)
+    fields = with_response_format(body)
     mct = body.get("max_completion_tokens")
     if mct is not None:
         fields["max_tokens"] = mct
@@ -109,6 +105,39 @@ def parse_chat(body: Any, model_name: str) -> OpenAIRequest:
                                   output_kind="delta" if stream else "final")
     return OpenAIRequest("chat", [], messages, params, stream, include_usage, model,
                          id=f"chatcmpl-{secrets.token_hex(12)}")
+
+
+def with_response_format(body: dict) -> dict:
+    """The body's fields with OpenAI's `response_format` turned into the engine's guided field:
+    `{"type": "json_object"}` -> any JSON object, `{"type": "json_schema", "json_schema":
+    {"schema": ...}}` -> that schema, `{"type": "text"}` (or none) -> unconstrained."""
+    fmt = body.get("response_format")
+    fields = dict(body)
+    if fmt is None:
+        return fields
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ProtocolError("'response_format' must be {'type': 'text' | 'json_object' | "
+                            "'json_schema', ...}", param="response_format")
+    if kind == "text":
+        return fields
+    given = [f for f in GUIDED_FIELDS if body.get(f) is not None]
+    if given:
+        raise ProtocolError(f"'response_format' cannot be combined with '{given[0]}'",
+                            param="response_format")
+    if kind == "json_object":
+        fields["guided_json"] = {"type": "object"}
+        return fields
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ProtocolError("'response_format.json_schema' must be an object with a 'schema'",
+                            param="response_format")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, (dict, bool)):
+        raise ProtocolError("'response_format.json_schema.schema' must be a JSON Schema object",
+                            param="response_format")
+    fields["guided_json"] = schema
+    return fields
 
 
 def _chat_logprobs_count(body: dict) -> int | None:

@@ -31,7 +31,8 @@ INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "priority", "log
 NUM_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
               "frequency_penalty")
 BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
-SAMPLING_FIELDS = frozenset(INT_FIELDS + NUM_FIELDS + BOOL_FIELDS
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice")
+SAMPLING_FIELDS = frozenset(INT_FIELDS + NUM_FIELDS + BOOL_FIELDS + GUIDED_FIELDS
                             + ("stop", "stop_token_ids", "logit_bias"))
 
 
@@ -74,6 +75,15 @@ def sampling_params_from(fields: dict[str, Any], *, defaults: dict[str, Any] | N
             v = tuple(v)
         if name == "logit_bias" and not isinstance(v, dict):
             raise ProtocolError("'logit_bias' must be a map of token id -> bias", param=name)
+        if name == "guided_json" and not isinstance(v, (dict, str)):
+            raise ProtocolError("'guided_json' must be a JSON Schema (an object or its JSON "
+                                "text)", param=name)
+        if name == "guided_regex" and not isinstance(v, str):
+            raise ProtocolError("'guided_regex' must be a string", param=name)
+        if name == "guided_choice":
+            if not isinstance(v, list) or not all(isinstance(c, str) for c in v):
+                raise ProtocolError("'guided_choice' must be a list of strings", param=name)
+            v = tuple(v)
         kw[name] = v
     kw.update(fixed)
     try:

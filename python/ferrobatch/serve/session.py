@@ -65,6 +65,7 @@ class Session:
                 raise ProtocolError("send 'hello' first" if self._require_hello
                                     else "authentication required", code=401)
             if kind == "generate":
+                await self._engine.prepare(payload.params)   # a guided grammar, off the loop
                 self._generate(payload, binary)
             else:
                 await self._cancel(payload, binary)

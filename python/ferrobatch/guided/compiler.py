@@ -1,0 +1,97 @@
+"""GuidedCompiler: a request's guided fields -> the grammar that constrains its tokens.
+
+A JSON Schema or a list of choices is first written as a regular expression (`json_schema`),
+which the Rust core compiles into a byte-level DFA over the model's vocabulary
+(`ferrobatch._scheduler.GuidedGrammar`). Each distinct pattern is compiled once and kept in a
+small LRU cache, so requests with the same schema share one grammar and its per-state masks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from ferrobatch.guided.json_schema import choice_to_regex, schema_to_regex
+from ferrobatch.sampling_params import SamplingParams
+
+GRAMMAR_CACHE_SIZE = 64
+# Each of the NFA, the determinisation's working memory and the DFA; bounds a compile to well
+# under a second (it runs on the thread that accepts the request).
+GRAMMAR_SIZE_LIMIT_BYTES = 32 << 20
+
+
+def pattern_for(params: SamplingParams) -> str:
+    """The regex whose full matches are the outputs `params` allows (ValueError if unusable)."""
+    if params.guided_regex is not None:
+        return params.guided_regex
+    if params.guided_choice is not None:
+        return choice_to_regex(list(params.guided_choice))
+    if params.guided_json is not None:
+        return schema_to_regex(params.guided_json)
+    raise ValueError("the request has no guided decoding field")
+
+
+class GuidedCompiler:
+    """Compiles guided fields into grammars over one vocabulary (thread-safe)."""
+
+    def __init__(self, token_bytes: Sequence[bytes] | None, vocab_size: int,
+                 eos_token_ids: Sequence[int], *, cache_size: int = GRAMMAR_CACHE_SIZE,
+                 size_limit_bytes: int = GRAMMAR_SIZE_LIMIT_BYTES) -> None:
+        """`token_bytes`: each token id's bytes (b"" for special tokens), None when the
+        tokenizer is not byte-level (guided requests are then refused)."""
+        self._token_bytes = token_bytes
+        self.vocab_size = int(vocab_size)
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self.cache_size = cache_size
+        self.size_limit_bytes = size_limit_bytes
+        self._vocab: Any = None
+        self._grammars: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _vocabulary(self) -> Any:
+        if self._vocab is None:
+            if self._token_bytes is None:
+                raise ValueError("guided decoding needs a byte-level BPE tokenizer; this "
+                                 "model's tokenizer is not one")
+            if not self.eos_token_ids:
+                raise ValueError("guided decoding needs an end-of-sequence token; this model "
+                                 "has none")
+            from ferrobatch._scheduler import TokenVocab
+            self._vocab = TokenVocab(list(self._token_bytes), self.vocab_size)
+        return self._vocab
+
+    def grammar(self, pattern: str) -> Any:
+        """The compiled grammar of `pattern`, from the cache when it was compiled before."""
+        from ferrobatch._scheduler import GuidedGrammar
+
+        with self._lock:
+            hit = self._grammars.get(pattern)
+            if hit is not None:
+                self._grammars.move_to_end(pattern)
+                return hit
+            vocab = self._vocabulary()
+        grammar = GuidedGrammar(pattern, vocab, self.eos_token_ids, self.size_limit_bytes)
+        with self._lock:
+            self._grammars[pattern] = grammar
+            self._grammars.move_to_end(pattern)
+            while len(self._grammars) > self.cache_size:
+                self._grammars.popitem(last=False)
+        return grammar
+
+    def sequences(self, params: SamplingParams) -> list[Any] | None:
+        """One `GuidedSequence` per sequence of the request, at the grammar's start; None for
+        an unguided request. ValueError when the grammar is bad or no token can start it."""
+        if not params.is_guided:
+            return None
+        grammar = self.grammar(pattern_for(params))
+        first = grammar.start()
+        if first.num_allowed == 0:
+            raise ValueError("no token of this model's vocabulary can start an output the "
+                             "guided decoding field allows")
+        return [first] + [first.copy() for _ in range(params.n - 1)]
+
+    def num_cached(self) -> int:
+        with self._lock:
+            return len(self._grammars)

@@ -1,0 +1,771 @@
+"""JSON Schema -> regular expression, for guided (structured-output) decoding.
+
+The regex returned by `schema_to_regex` fully matches (a practical subset of) the JSON texts that
+are valid for the schema; the engine compiles it to a byte-level DFA and masks the next-token
+logits with it. The regex is built by a recursive walk over the schema: every value kind has a
+fixed regex (strings, bounded-digit numbers, true/false/null), objects list their properties in
+the order the schema gives them, arrays use bounded repeats, `anyOf`/`oneOf`/`enum`/type lists
+become alternations and `$ref` is expanded in place.
+
+Dialect: the output must mean the same in Python's `re` and in Rust's regex-syntax, so it only
+uses literals, `(?:...)`, `|`, `?`, `*`, `+`, `{m}`, `{m,n}` and character classes, with every
+metacharacter escaped (`escape_literal`). No `.`, `\\d`-style classes, anchors, lookaround,
+captures or flags.
+
+Whitespace: the output is compact JSON except that one optional space (`WHITESPACE`, overridable)
+may follow each `,` and `:`. Nothing else: unbounded whitespace lets a model loop on spaces
+forever. Digit counts are bounded for the same reason (integers up to 16 digits, fractions up to
+16, exponents up to 3).
+
+Nesting: "any value" (`{}`, `true`, an object without `properties`, an array without `items`) is
+a generic JSON value nested at most `max_depth` containers deep; a recursive `$ref` is expanded
+at most `max_depth` times inside itself, after which the recursive branch is dropped (an optional
+property is left out, an array becomes empty, an `anyOf` branch goes).
+
+Approximations (the output is a subset of the valid texts, never a superset, except where noted):
+properties appear only in schema order; `additionalProperties` is treated as false whenever
+`properties` is given; `enum`/`const` values are written compactly; strings use canonical
+escapes where the schema fixes their text; a `pattern` is anchored at both ends (JSON Schema
+searches), may not contain the constructs above, and is rewritten so that `"`, `\\` and control
+characters appear JSON-escaped; formats are "date", "time", "date-time" (both with a UTC offset)
+and "uuid". Superset: `oneOf` is treated as `anyOf`, and `minimum`, `maximum`,
+`exclusiveMinimum`, `exclusiveMaximum`, `multipleOf` and `uniqueItems` are ignored, like the
+annotations (`title`, `description`, `default`, `examples`, ...). Any other keyword, and any
+construct that cannot be honoured, raises `GuidedSchemaError`, naming the keyword and its path.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.parse
+from typing import Any
+
+__all__ = [
+    "DEFAULT_MAX_DEPTH",
+    "WHITESPACE",
+    "GuidedSchemaError",
+    "choice_to_regex",
+    "escape_literal",
+    "json_object_regex",
+    "schema_to_regex",
+]
+
+
+class GuidedSchemaError(ValueError):
+    """A schema (or choice list) that cannot be turned into a guided-decoding regex."""
+
+
+WHITESPACE = r"[ ]?"          # allowed after each ',' and ':'
+DEFAULT_MAX_DEPTH = 3         # container nesting of generic values / recursive $ref expansions
+
+MAX_SCHEMA_NESTING = 32       # subschemas nested inside each other in the schema document
+MAX_REGEX_LENGTH = 200_000
+MAX_STRING_LENGTH = 1024      # largest minLength / maxLength
+MAX_ARRAY_ITEMS = 64          # largest minItems / maxItems
+_MAX_SUBSCHEMA_VISITS = 50_000
+_MAX_REF_EXPANSIONS = 64      # $refs expanded inside each other
+_TOO_LARGE = "the schema is too large for guided decoding"
+
+# --- escaping ------------------------------------------------------------------------------------
+
+_META = frozenset("\\.+*?()|[]{}^$#&-~")
+_CLASS_META = frozenset("\\][^-&~")
+
+
+def _escape_char(ch: str, meta: frozenset[str]) -> str:
+    if ch in meta:
+        return "\\" + ch
+    code = ord(ch)
+    if code < 0x20 or code == 0x7F:
+        return f"\\x{code:02x}"
+    if 0xD800 <= code <= 0xDFFF:
+        raise GuidedSchemaError(f"a lone surrogate (U+{code:04X}) cannot be matched")
+    return ch
+
+
+def escape_literal(text: str) -> str:
+    """Regex (outside a character class) matching exactly `text`, valid for Python and Rust."""
+    return "".join(_escape_char(ch, _META) for ch in text)
+
+
+def _escape_class_char(ch: str) -> str:
+    return _escape_char(ch, _CLASS_META)
+
+
+# --- fixed pieces ----------------------------------------------------------------------------------
+
+_STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+_STRING = f'"{_STRING_CHAR}*"'
+_INTEGER = r"-?(?:0|[1-9][0-9]{0,15})"
+_NUMBER = _INTEGER + r"(?:\.[0-9]{1,16})?(?:[eE][+\-]?[0-9]{1,3})?"
+_BOOLEAN = "(?:true|false)"
+_NULL = "null"
+_SCALARS = (_STRING, _NUMBER, "true", "false", _NULL)
+
+_DATE = "[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9})?(?:Z|[+\-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_HEX = "[0-9a-fA-F]"
+_FORMATS = {
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": f"{_DATE}T{_TIME}",
+    "uuid": f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}",
+}
+
+# --- keyword tables -------------------------------------------------------------------------------
+
+_ANNOTATIONS = frozenset({
+    "title", "description", "default", "examples", "example", "$schema", "$id", "$comment",
+    "$anchor", "deprecated", "readOnly", "writeOnly", "discriminator", "strict",
+    "contentEncoding", "contentMediaType", "$defs", "definitions",
+    # assertions deliberately ignored (documented above)
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems",
+})
+_OBJECT_KEYWORDS = frozenset({"properties", "required", "additionalProperties"})
+_ARRAY_KEYWORDS = frozenset({"items", "minItems", "maxItems"})
+_STRING_KEYWORDS = frozenset({"minLength", "maxLength", "pattern", "format"})
+_COMBINATORS = frozenset({"$ref", "allOf", "anyOf", "oneOf", "enum", "const"})
+_KNOWN = (_ANNOTATIONS | _OBJECT_KEYWORDS | _ARRAY_KEYWORDS | _STRING_KEYWORDS | _COMBINATORS
+          | {"type"})
+_TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
+
+# --- small helpers ----------------------------------------------------------------------------------
+
+_IDENTIFIER = re.compile(r"[A-Za-z_$][A-Za-z0-9_$\-]*")
+
+
+def _child(path: str, key: str | int) -> str:
+    """JSONPath-like location of `key` under `path` (for error messages)."""
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    if _IDENTIFIER.fullmatch(key):
+        return f"{path}.{key}"
+    return f"{path}[{json.dumps(key, ensure_ascii=False)}]"
+
+
+def _alternation(parts: list[str]) -> str:
+    """`(?:a|b|...)` over the distinct parts (a single part is returned as is)."""
+    unique = list(dict.fromkeys(parts))
+    if len(unique) == 1:
+        return unique[0]
+    return "(?:" + "|".join(unique) + ")"
+
+
+def _quantifier(lo: int, hi: int | None) -> str:
+    if hi is None:
+        return {0: "*", 1: "+"}.get(lo, f"{{{lo},}}")
+    if lo == hi:
+        return "" if lo == 1 else f"{{{lo}}}"
+    if (lo, hi) == (0, 1):
+        return "?"
+    return f"{{{lo},{hi}}}"
+
+
+def _json_literal(value: Any, path: str) -> str:
+    """Regex matching the compact JSON serialization of `value`."""
+    try:
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise GuidedSchemaError(f"value at {path} is not JSON-serializable: {exc}") from None
+    return escape_literal(text)
+
+
+def _count(schema: dict, key: str, path: str, cap: int) -> int | None:
+    """A non-negative integer keyword (None if absent); above `cap` it is unsupported."""
+    value = schema.get(key)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise GuidedSchemaError(f"'{key}' must be a non-negative integer at {path}")
+    if value > cap:
+        raise GuidedSchemaError(f"'{key}' above {cap} is not supported at {path}")
+    return value
+
+
+def _bounds(schema: dict, lo_key: str, hi_key: str, path: str, cap: int) -> tuple[int, int | None]:
+    lo = _count(schema, lo_key, path, cap) or 0
+    hi = _count(schema, hi_key, path, cap)
+    if hi is not None and lo > hi:
+        raise GuidedSchemaError(f"'{lo_key}' exceeds '{hi_key}' at {path}: nothing can match")
+    return lo, hi
+
+
+def _is_any(schema: Any) -> bool:
+    """True for schemas that accept every value (`true`, `{}`, annotations only)."""
+    return schema is True or (isinstance(schema, dict) and _ANNOTATIONS.issuperset(schema))
+
+
+class _Pruned(Exception):
+    """A recursive $ref reached the depth limit; the enclosing optional construct drops it."""
+
+    def __init__(self, ref: str, path: str) -> None:
+        super().__init__(ref, path)
+        self.ref = ref
+        self.path = path
+
+
+# --- the schema walk ------------------------------------------------------------------------------
+
+
+class _Builder:
+    """One conversion: the root document (for $ref), the settings and the walk's state."""
+
+    def __init__(self, root: Any, whitespace: str, max_depth: int) -> None:
+        self.root = root
+        self.ws = f"(?:{whitespace})" if "|" in whitespace else whitespace
+        self.max_depth = max_depth
+        self.ref_stack: list[str] = ["#"]     # $refs being expanded; the root counts as "#"
+        self.visits = 0
+        self._generic: dict[int, str] = {}
+
+    def _check_size(self, regex: str) -> str:
+        if len(regex) > MAX_REGEX_LENGTH:
+            raise GuidedSchemaError(
+                f"{_TOO_LARGE}: its regular expression would exceed {MAX_REGEX_LENGTH} characters")
+        return regex
+
+    # generic values
+
+    def generic(self, depth: int) -> str:
+        """Any JSON value with at most `depth` nested containers."""
+        if depth not in self._generic:
+            if depth == 0:
+                regex = _alternation(list(_SCALARS))
+            else:
+                inner = self.generic(depth - 1)
+                regex = _alternation([*_SCALARS, self._map(inner), self._list(inner)])
+            self._generic[depth] = self._check_size(regex)
+        return self._generic[depth]
+
+    def generic_object(self, depth: int) -> str:
+        return r"\{\}" if depth == 0 else self._map(self.generic(depth - 1))
+
+    def _map(self, value: str) -> str:
+        member = f"{_STRING}:{self.ws}{value}"
+        return rf"\{{(?:{member}(?:,{self.ws}{member})*)?\}}"
+
+    def _list(self, item: str, lo: int = 0, hi: int | None = None) -> str:
+        """An array of `lo` to `hi` (None: unbounded) items matching `item`."""
+        if hi == 0:
+            return r"\[\]"
+        body = item
+        if hi != 1:    # the items after the first, each preceded by a comma
+            more = _quantifier(max(lo - 1, 0), None if hi is None else hi - 1)
+            body += f"(?:,{self.ws}{item}){more}"
+        return rf"\[{body}\]" if lo > 0 else rf"\[(?:{body})?\]"
+
+    # schemas
+
+    def value(self, schema: Any, path: str, level: int) -> str:
+        """Regex for the JSON values valid for `schema` (found at `path`, `level` deep)."""
+        self.visits += 1
+        if self.visits > _MAX_SUBSCHEMA_VISITS:
+            raise GuidedSchemaError(
+                f"{_TOO_LARGE}: it expands to more than {_MAX_SUBSCHEMA_VISITS} subschemas")
+        if level > MAX_SCHEMA_NESTING:
+            raise GuidedSchemaError(
+                f"{_TOO_LARGE}: it nests deeper than {MAX_SCHEMA_NESTING} levels at {path}")
+        if _is_any(schema):
+            return self.generic(self.max_depth)
+        if schema is False:
+            raise GuidedSchemaError(f"the schema at {path} is false: no value can match it")
+        if not isinstance(schema, dict):
+            raise GuidedSchemaError(
+                f"expected a schema (object or boolean) at {path}, got {type(schema).__name__}")
+        for key in schema:
+            if key not in _KNOWN and not key.startswith("x-"):
+                raise GuidedSchemaError(f"unsupported JSON Schema keyword {key!r} at {path}")
+        return self._check_size(self._dispatch(schema, path, level))
+
+    def _dispatch(self, schema: dict, path: str, level: int) -> str:
+        for key in ("$ref", "allOf", "anyOf", "oneOf"):
+            if key in schema:
+                for other in schema:
+                    if other != key and other not in _ANNOTATIONS and not other.startswith("x-"):
+                        raise GuidedSchemaError(
+                            f"unsupported JSON Schema keyword {other!r} next to {key!r} at {path}")
+        if "$ref" in schema:
+            return self._ref(schema["$ref"], path)
+        if "allOf" in schema:
+            subs = schema["allOf"]
+            if not isinstance(subs, list) or len(subs) != 1:
+                raise GuidedSchemaError(
+                    f"unsupported JSON Schema keyword 'allOf' at {path}: only one subschema is supported")
+            return self.value(subs[0], _child(_child(path, "allOf"), 0), level + 1)
+        for key in ("anyOf", "oneOf"):
+            if key in schema:
+                return self._any_of(schema[key], _child(path, key), level)
+        if "const" in schema:
+            return _json_literal(schema["const"], _child(path, "const"))
+        if "enum" in schema:
+            values = schema["enum"]
+            if not isinstance(values, list) or not values:
+                raise GuidedSchemaError(f"'enum' must be a non-empty array at {path}")
+            return _alternation([_json_literal(v, _child(path, "enum")) for v in values])
+        types = self._types(schema, path)
+        if types is None:
+            return self.generic(self.max_depth)
+        return _alternation([self._typed(t, schema, path, level) for t in types])
+
+    def _types(self, schema: dict, path: str) -> list[str] | None:
+        """The value types allowed (None: any value, no type-specific keyword either)."""
+        declared = schema.get("type")
+        if declared is None:
+            families = [name for name, keys in (("object", _OBJECT_KEYWORDS), ("array", _ARRAY_KEYWORDS),
+                                                ("string", _STRING_KEYWORDS)) if keys & schema.keys()]
+            return families or None
+        names = [declared] if isinstance(declared, str) else declared
+        if not isinstance(names, list) or not names:
+            raise GuidedSchemaError(f"'type' must be a string or a non-empty array at {path}")
+        for name in names:
+            if name not in _TYPES:
+                raise GuidedSchemaError(f"unsupported JSON Schema type {name!r} at {_child(path, 'type')}")
+        if "number" in names:
+            names = [n for n in names if n != "integer"]   # number already matches integers
+        return list(dict.fromkeys(names))
+
+    def _typed(self, kind: str, schema: dict, path: str, level: int) -> str:
+        if kind == "object":
+            return self._object(schema, path, level)
+        if kind == "array":
+            return self._array(schema, path, level)
+        if kind == "string":
+            return self._string(schema, path)
+        return {"integer": _INTEGER, "number": _NUMBER, "boolean": _BOOLEAN, "null": _NULL}[kind]
+
+    def _any_of(self, subs: Any, path: str, level: int) -> str:
+        if not isinstance(subs, list) or not subs:
+            raise GuidedSchemaError(f"expected a non-empty array of schemas at {path}")
+        parts: list[str] = []
+        pruned: _Pruned | None = None
+        for i, sub in enumerate(subs):
+            if sub is False:
+                continue
+            try:
+                parts.append(self.value(sub, _child(path, i), level + 1))
+            except _Pruned as exc:
+                pruned = exc
+        if parts:
+            return _alternation(parts)
+        if pruned is not None:
+            raise pruned
+        raise GuidedSchemaError(f"no subschema at {path} can match any value")
+
+    def _ref(self, ref: Any, path: str) -> str:
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise GuidedSchemaError(
+                f"unsupported $ref {ref!r} at {path}: only references inside the schema ('#/...') are supported")
+        target, target_path = self._resolve(ref, path)
+        if self.ref_stack.count(ref) > self.max_depth:
+            raise _Pruned(ref, path)
+        if len(self.ref_stack) >= _MAX_REF_EXPANSIONS:
+            raise GuidedSchemaError(f"{_TOO_LARGE}: $refs nest more than {_MAX_REF_EXPANSIONS} deep at {path}")
+        self.ref_stack.append(ref)
+        try:
+            return self.value(target, target_path, 1)
+        finally:
+            self.ref_stack.pop()
+
+    def _resolve(self, ref: str, path: str) -> tuple[Any, str]:
+        node, node_path = self.root, "$"
+        pointer = urllib.parse.unquote(ref[1:])
+        if pointer and not pointer.startswith("/"):
+            raise GuidedSchemaError(f"cannot resolve $ref {ref!r} at {path}")
+        for token in pointer.split("/")[1:] if pointer else []:
+            token = token.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and token in node:
+                node, node_path = node[token], _child(node_path, token)
+            elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+                node, node_path = node[int(token)], _child(node_path, int(token))
+            else:
+                raise GuidedSchemaError(f"cannot resolve $ref {ref!r} at {path}")
+        return node, node_path
+
+    def _object(self, schema: dict, path: str, level: int) -> str:
+        props = schema.get("properties")
+        required = schema.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise GuidedSchemaError(f"'required' must be an array of strings at {path}")
+        if props is not None and not isinstance(props, dict):
+            raise GuidedSchemaError(f"'properties' must be an object at {path}")
+        if props:
+            return self._fixed_object(props, required, path, level)
+        if required:
+            raise GuidedSchemaError(
+                f"required property {required[0]!r} is not listed in 'properties' at {path}")
+        extra = schema.get("additionalProperties", True)
+        if extra is False:
+            return r"\{\}"
+        if _is_any(extra):
+            return self.generic_object(self.max_depth)
+        try:
+            return self._map(self.value(extra, _child(path, "additionalProperties"), level + 1))
+        except _Pruned:
+            return r"\{\}"
+
+    def _fixed_object(self, props: dict, required: list[str], path: str, level: int) -> str:
+        for name in required:
+            if name not in props:
+                raise GuidedSchemaError(f"required property {name!r} is not listed in 'properties' at {path}")
+        members: list[tuple[str, bool]] = []
+        props_path = _child(path, "properties")
+        for name, sub in props.items():
+            needed = name in required
+            if sub is False and not needed:
+                continue
+            try:
+                value = self.value(sub, _child(props_path, name), level + 1)
+            except _Pruned:
+                if needed:
+                    raise
+                continue
+            key = escape_literal(json.dumps(name, ensure_ascii=False))
+            members.append((f"{key}:{self.ws}{value}", needed))
+        return r"\{" + self._members(members) + r"\}"
+
+    def _members(self, members: list[tuple[str, bool]]) -> str:
+        """The members of a fixed-property object, in order, optional ones possibly absent.
+
+        Built from the end: `later` matches members i.. when some member was already written
+        (each one then starts with a comma), `first` when none was. `later` is linear in the
+        member count and each `first` embeds one `later`, so the text is quadratic at worst.
+        """
+        later = first = ""
+        for text, needed in reversed(members):
+            tail = f",{self.ws}{text}"
+            new_later = (tail if needed else f"(?:{tail})?") + later
+            if needed:
+                first = text + later
+            elif first:
+                first = f"(?:{text}{later}|{first})"
+            else:
+                first = f"(?:{text}{later})?"
+            later = self._check_size(new_later)
+            self._check_size(first)
+        return first
+
+    def _array(self, schema: dict, path: str, level: int) -> str:
+        lo, hi = _bounds(schema, "minItems", "maxItems", path, MAX_ARRAY_ITEMS)
+        items = schema.get("items", True)
+        if isinstance(items, list):
+            raise GuidedSchemaError(f"unsupported JSON Schema keyword 'items' (array form) at {path}")
+        if _is_any(items):
+            item = self.generic(self.max_depth - 1) if self.max_depth > 0 else None
+        elif items is False:
+            item = None
+        else:
+            try:
+                item = self.value(items, _child(path, "items"), level + 1)
+            except _Pruned:
+                if lo > 0:
+                    raise
+                item = None
+        if item is None:
+            if lo > 0:
+                raise GuidedSchemaError(f"no array item can match at {path}, yet 'minItems' is {lo}")
+            return r"\[\]"
+        return self._list(item, lo, hi)
+
+    def _string(self, schema: dict, path: str) -> str:
+        has_length = "minLength" in schema or "maxLength" in schema
+        pattern, fmt = schema.get("pattern"), schema.get("format")
+        if pattern is not None or fmt is not None:
+            if has_length or (pattern is not None and fmt is not None):
+                raise GuidedSchemaError(
+                    f"combining 'pattern'/'format' with each other or with 'minLength'/'maxLength' "
+                    f"is not supported at {path}")
+            if pattern is not None:
+                if not isinstance(pattern, str):
+                    raise GuidedSchemaError(f"'pattern' must be a string at {path}")
+                return f'"(?:{_PatternTranslator(pattern, _child(path, "pattern")).translate()})"'
+            if fmt not in _FORMATS:
+                raise GuidedSchemaError(f"unsupported string format {fmt!r} at {_child(path, 'format')}")
+            return f'"{_FORMATS[fmt]}"'
+        lo, hi = _bounds(schema, "minLength", "maxLength", path, MAX_STRING_LENGTH)
+        if hi == 0:
+            return '""'
+        return f'"{_STRING_CHAR}{_quantifier(lo, hi)}"'
+
+
+# --- `pattern` translation -------------------------------------------------------------------------
+
+_SIMPLE_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "f": 0x0C, "v": 0x0B}
+# characters JSON strings must escape: excluded from negated classes, written escaped otherwise
+_JSON_ESCAPED = [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]
+_JSON_ESCAPED_CODES = frozenset([*range(0x20), 0x22, 0x5C])
+
+
+def _json_escaped_char(code: int) -> str:
+    """Regex for the canonical JSON escape of a character JSON strings cannot hold raw."""
+    return escape_literal(json.dumps(chr(code))[1:-1])
+
+
+class _PatternTranslator:
+    """Rewrites a JSON Schema `pattern` (restricted syntax) to match JSON-encoded string content.
+
+    The pattern describes the decoded string, the regex the JSON text, so `"`, `\\` and control
+    characters (as literals or class members) become their JSON escapes. Anything outside the
+    shared Python/Rust dialect raises GuidedSchemaError.
+    """
+
+    def __init__(self, pattern: str, path: str) -> None:
+        self.src = pattern
+        self.path = path
+        self.pos = 0
+
+    def fail(self, what: str) -> GuidedSchemaError:
+        return GuidedSchemaError(
+            f"unsupported construct in 'pattern' at {self.path}: {what} (pattern {self.src!r})")
+
+    def peek(self, offset: int = 0) -> str:
+        i = self.pos + offset
+        return self.src[i] if i < len(self.src) else ""
+
+    def translate(self) -> str:
+        src = self.src
+        self.pos = 1 if src.startswith("^") else 0
+        if len(src) > self.pos and src.endswith("$"):
+            backslashes = len(src) - 1 - len(src[:-1].rstrip("\\"))
+            if backslashes % 2 == 0:       # an unescaped trailing '$'
+                src = src[:-1]
+        self.src = src
+        regex = self.alternation()
+        if self.pos < len(self.src):
+            raise self.fail(f"unbalanced {self.src[self.pos]!r}")
+        try:
+            re.compile(regex)
+        except re.error as exc:  # pragma: no cover - the translation only emits valid syntax
+            raise self.fail(str(exc)) from None
+        return regex
+
+    def alternation(self) -> str:
+        branches = [self.sequence()]
+        while self.peek() == "|":
+            self.pos += 1
+            branches.append(self.sequence())
+        return "|".join(branches)
+
+    def sequence(self) -> str:
+        parts = []
+        while self.peek() not in ("", "|", ")"):
+            text, atomic = self.atom()
+            parts.append(self.quantified(text, atomic))
+        return "".join(parts)
+
+    def atom(self) -> tuple[str, bool]:
+        ch = self.peek()
+        self.pos += 1
+        if ch == "(":
+            if self.src.startswith("?:", self.pos):
+                self.pos += 2
+                inner = self.alternation()
+                if self.peek() != ")":
+                    raise self.fail("unclosed '('")
+                self.pos += 1
+                return f"(?:{inner})", True
+            raise self.fail("a group other than '(?:...)'")
+        if ch == "[":
+            return self.char_class()
+        if ch == "\\":
+            return self.literal(self.escape())
+        if ch == ".":
+            raise self.fail("'.'")
+        if ch in "^$":
+            raise self.fail(f"the anchor {ch!r} (only a leading '^' and a trailing '$' are allowed)")
+        if ch in "*+?{":
+            raise self.fail(f"{ch!r} with nothing to repeat (escape a literal '{{')")
+        return self.literal(ord(ch))
+
+    def literal(self, code: int) -> tuple[str, bool]:
+        if 0xD800 <= code <= 0xDFFF:
+            raise self.fail("a surrogate code point")
+        if code < 0x20 or code in (0x22, 0x5C):
+            return _json_escaped_char(code), False
+        return escape_literal(chr(code)), True
+
+    def quantified(self, text: str, atomic: bool) -> str:
+        ch = self.peek()
+        if ch in ("*", "+", "?"):
+            self.pos += 1
+            quant = ch
+        elif ch == "{":
+            match = re.compile(r"\{([0-9]+)(,([0-9]*))?\}").match(self.src, self.pos)
+            if match is None:
+                raise self.fail("a '{' that is not a repetition '{m}', '{m,}' or '{m,n}' (escape it)")
+            self.pos = match.end()
+            lo = int(match.group(1))
+            hi = lo if match.group(2) is None else (int(match.group(3)) if match.group(3) else None)
+            if lo > MAX_STRING_LENGTH or (hi is not None and hi > MAX_STRING_LENGTH):
+                raise self.fail(f"a repetition above {MAX_STRING_LENGTH}")
+            if hi is not None and hi < lo:
+                raise self.fail("a repetition '{m,n}' with m > n")
+            quant = _quantifier(lo, hi)
+        else:
+            return text
+        if self.peek() == "?":
+            self.pos += 1          # lazy: matches the same strings
+        if self.peek() in ("*", "+", "?", "{"):
+            raise self.fail("a repeated repetition (possessive or nested quantifier)")
+        return (text if atomic else f"(?:{text})") + quant
+
+    def escape(self) -> int:
+        """Code point of the escape after a backslash (the backslash already consumed)."""
+        ch = self.peek()
+        if not ch:
+            raise self.fail("a trailing backslash")
+        self.pos += 1
+        if ch in _SIMPLE_ESCAPES:
+            return _SIMPLE_ESCAPES[ch]
+        if ch in "xu":
+            width = 2 if ch == "x" else 4
+            digits = self.src[self.pos:self.pos + width]
+            if len(digits) != width or any(c not in "0123456789abcdefABCDEF" for c in digits):
+                raise self.fail(f"'\\{ch}' without {width} hex digits")
+            self.pos += width
+            return int(digits, 16)
+        if not ch.isascii() or ch.isalnum() or ch in "<>":
+            raise self.fail(f"the escape '\\{ch}'")
+        return ord(ch)
+
+    def class_char(self) -> int:
+        ch = self.peek()
+        if ch == "\\":
+            self.pos += 1
+            return self.escape()
+        if ch == "[":
+            raise self.fail("an unescaped '[' inside a character class")
+        if ch in "&~-" and self.peek(1) == ch:
+            raise self.fail(f"{ch * 2!r} inside a character class")
+        self.pos += 1
+        return ord(ch)
+
+    def char_class(self) -> tuple[str, bool]:
+        negated = self.peek() == "^"
+        if negated:
+            self.pos += 1
+        ranges: list[tuple[int, int]] = []
+        while True:
+            ch = self.peek()
+            if not ch:
+                raise self.fail("an unclosed '['")
+            if ch == "]" and ranges:
+                self.pos += 1
+                break
+            lo = self.class_char()
+            hi = lo
+            if self.peek() == "-" and self.peek(1) not in ("", "]"):
+                if self.peek(1) == "-":
+                    raise self.fail("'--' inside a character class")
+                self.pos += 1
+                hi = self.class_char()
+                if hi < lo:
+                    raise self.fail("a reversed range inside a character class")
+            if any(0xD800 <= c <= 0xDFFF for c in (lo, hi)):
+                raise self.fail("a surrogate code point")
+            ranges.append((lo, hi))
+        escaped = {c for c in _JSON_ESCAPED_CODES if any(lo <= c <= hi for lo, hi in ranges) != negated}
+        if negated:
+            alternatives = ["[^" + _class_body(ranges + _JSON_ESCAPED) + "]"]
+        else:
+            allowed = _subtract(ranges, _JSON_ESCAPED)
+            alternatives = ["[" + _class_body(allowed) + "]"] if allowed else []
+        return _alternation(alternatives + _escapes_of(escaped)), True
+
+
+def _escapes_of(codes: set[int]) -> list[str]:
+    """Regexes for JSON escapes that decode to exactly the characters `codes` (canonical forms)."""
+    if codes == _JSON_ESCAPED_CODES:
+        return [r'\\["\\bfnrt]', r"\\u00[01][0-9a-fA-F]"]
+    return [_json_escaped_char(code) for code in sorted(codes)]
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _subtract(ranges: list[tuple[int, int]], removed: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    result = _merge(ranges)
+    for r_lo, r_hi in removed:
+        kept: list[tuple[int, int]] = []
+        for lo, hi in result:
+            if hi < r_lo or lo > r_hi:
+                kept.append((lo, hi))
+                continue
+            if lo < r_lo:
+                kept.append((lo, r_lo - 1))
+            if hi > r_hi:
+                kept.append((r_hi + 1, hi))
+        result = kept
+    return result
+
+
+def _class_body(ranges: list[tuple[int, int]]) -> str:
+    parts = []
+    for lo, hi in _merge(ranges):
+        text = _escape_class_char(chr(lo))
+        if hi > lo:
+            text += "-" + _escape_class_char(chr(hi))
+        parts.append(text)
+    return "".join(parts)
+
+
+# --- public entry points ------------------------------------------------------------------------
+
+
+def _check_settings(whitespace: Any, max_depth: Any) -> None:
+    if not isinstance(whitespace, str):
+        raise GuidedSchemaError("whitespace must be a regex string")
+    if not isinstance(max_depth, int) or isinstance(max_depth, bool) or max_depth < 0:
+        raise GuidedSchemaError("max_depth must be a non-negative integer")
+
+
+def schema_to_regex(schema: dict | bool | str, *, whitespace: str = WHITESPACE,
+                    max_depth: int = DEFAULT_MAX_DEPTH) -> str:
+    """Regex whose full matches are the (supported subset of) JSON texts valid for `schema`.
+
+    `schema` is a JSON Schema as a dict, a boolean, or JSON text. Raises GuidedSchemaError for
+    invalid or unsupported schemas. `minimum`/`maximum`/`multipleOf`/`uniqueItems` are ignored.
+    """
+    _check_settings(whitespace, max_depth)
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except RecursionError:
+            raise GuidedSchemaError(f"{_TOO_LARGE}: it nests too deeply") from None
+        except ValueError as exc:
+            raise GuidedSchemaError(f"the schema is not valid JSON: {exc}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise GuidedSchemaError(f"a JSON Schema must be an object or a boolean, got {type(schema).__name__}")
+    builder = _Builder(schema, whitespace, max_depth)
+    try:
+        return builder.value(schema, "$", 0)
+    except _Pruned as exc:
+        raise GuidedSchemaError(
+            f"the recursive $ref {exc.ref!r} at {exc.path} cannot end within max_depth={max_depth}: "
+            f"no optional branch stops the recursion") from None
+    except RecursionError:
+        raise GuidedSchemaError(f"{_TOO_LARGE}: it nests too deeply") from None
+
+
+def json_object_regex(*, whitespace: str = WHITESPACE, max_depth: int = DEFAULT_MAX_DEPTH) -> str:
+    """Regex for any JSON object nesting at most `max_depth` containers (itself included)."""
+    _check_settings(whitespace, max_depth)
+    return _Builder({}, whitespace, max_depth).generic_object(max_depth)
+
+
+def choice_to_regex(choices: list[str]) -> str:
+    """Regex matching exactly one of `choices` (raw text, not JSON-quoted)."""
+    if not isinstance(choices, (list, tuple)) or not choices:
+        raise GuidedSchemaError("guided choice needs a non-empty list of strings")
+    if not all(isinstance(c, str) for c in choices):
+        raise GuidedSchemaError("guided choice needs a non-empty list of strings")
+    return _alternation([escape_literal(c) for c in choices])

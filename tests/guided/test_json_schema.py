@@ -1,0 +1,563 @@
+"""JSON Schema -> regex (ferrobatch.guided.json_schema), checked with Python's `re.fullmatch`.
+
+Every regex built here also goes through `assert_dialect`, which checks that it only uses the
+constructs that mean the same in Python's `re` and Rust's regex-syntax.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import warnings
+
+import pytest
+
+from ferrobatch.guided.json_schema import (
+    DEFAULT_MAX_DEPTH,
+    WHITESPACE,
+    GuidedSchemaError,
+    choice_to_regex,
+    escape_literal,
+    json_object_regex,
+    schema_to_regex,
+)
+
+COMPACT = (",", ":")
+SPACED = (", ", ": ")
+
+# --- helpers ------------------------------------------------------------------------------------------
+
+_ESCAPABLE = set("\\.+*?()|[]{}^$#&-~")
+_CLASS_ESCAPABLE = set("\\][^-&~")
+_REPEAT = re.compile(r"\{[0-9]+(?:,[0-9]*)?\}")
+
+
+def assert_dialect(regex: str) -> None:
+    """Fail unless `regex` sticks to the Python/Rust common dialect the DFA compiler expects."""
+    i, in_class = 0, False
+    while i < len(regex):
+        ch = regex[i]
+        if ch == "\\":
+            nxt = regex[i + 1]
+            if nxt == "x":
+                assert re.fullmatch("[0-9a-f]{2}", regex[i + 2:i + 4]), regex[i:i + 6]
+                i += 4
+                continue
+            assert nxt in (_CLASS_ESCAPABLE if in_class else _ESCAPABLE), f"escape \\{nxt} at {i}"
+            i += 2
+            continue
+        assert ord(ch) >= 0x20 and ord(ch) != 0x7F, f"raw control character at {i}"
+        if in_class:
+            assert ch != "[", f"'[' inside a class at {i}"
+            assert regex[i:i + 2] not in ("&&", "--", "~~"), f"class operator at {i}"
+            if ch == "]":
+                in_class = False
+        elif ch == "[":
+            in_class = True
+            i += 2 if regex[i + 1] == "^" else 1
+            assert regex[i] != "]", f"empty or ']'-leading class at {i}"
+            continue
+        else:
+            assert ch not in ".^$", f"{ch!r} at {i}"
+            if ch == "(":
+                assert regex.startswith("(?:", i), f"group other than (?: at {i}"
+            if ch == "{":
+                match = _REPEAT.match(regex, i)
+                assert match, f"bad repetition at {i}"
+                i = match.end()
+                continue
+        i += 1
+    assert not in_class
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # FutureWarning: "possible nested set" etc.
+        re.compile(regex)
+
+
+def build(schema, **kwargs) -> str:
+    regex = schema_to_regex(schema, **kwargs)
+    assert_dialect(regex)
+    return regex
+
+
+def matches(regex: str, text: str) -> bool:
+    return re.fullmatch(regex, text) is not None
+
+
+def dumps(value, separators=COMPACT) -> str:
+    return json.dumps(value, separators=separators, ensure_ascii=False)
+
+
+def assert_accepts(regex: str, values) -> None:
+    for value in values:
+        for seps in (COMPACT, SPACED):
+            text = dumps(value, seps)
+            assert matches(regex, text), text
+
+
+def assert_rejects_texts(regex: str, texts) -> None:
+    for text in texts:
+        assert not matches(regex, text), text
+
+
+def assert_rejects(regex: str, values) -> None:
+    assert_rejects_texts(regex, [dumps(v, seps) for v in values for seps in (COMPACT, SPACED)])
+
+
+def nested_list(depth: int):
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+# --- a Pydantic-style schema ------------------------------------------------------------------------
+
+PERSON = {
+    "$defs": {
+        "Address": {
+            "properties": {
+                "street": {"title": "Street", "type": "string"},
+                "city": {"title": "City", "type": "string"},
+                "zip": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None},
+            },
+            "required": ["street", "city"],
+            "title": "Address",
+            "type": "object",
+        },
+        "Role": {"enum": ["admin", "user", "guest"], "title": "Role", "type": "string"},
+        "Pet": {
+            "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
+            "required": ["name"],
+            "type": "object",
+            "additionalProperties": False,
+        },
+    },
+    "properties": {
+        "name": {"title": "Name", "type": "string", "minLength": 1, "maxLength": 20},
+        "age": {"title": "Age", "type": "integer", "description": "years"},
+        "score": {"type": "number", "default": 0.5},
+        "active": {"type": "boolean", "default": True},
+        "role": {"$ref": "#/$defs/Role"},
+        "address": {"$ref": "#/$defs/Address", "description": "where"},
+        "pets": {"items": {"$ref": "#/$defs/Pet"}, "type": "array", "maxItems": 3},
+        "nickname": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None},
+    },
+    "required": ["name", "age", "role", "address"],
+    "title": "Person",
+    "type": "object",
+}
+
+ADDRESS = {"street": "1 Main St", "city": "Zürich"}
+PERSON_OK = [
+    {"name": "Ann", "age": 31, "role": "admin", "address": ADDRESS},
+    {"name": "Bo \"B\" \\ é", "age": -4, "score": 1.5e-3, "active": False, "role": "guest",
+     "address": {**ADDRESS, "zip": None}, "pets": [], "nickname": None},
+    {"name": "C", "age": 0, "score": -12, "role": "user", "address": {**ADDRESS, "zip": "8001"},
+     "pets": [{"name": "Rex", "age": 3}, {"name": "Tom"}, {"name": "Kit", "age": 1}], "nickname": "cc"},
+]
+
+
+def test_pydantic_style_object_accepts_valid_instances():
+    assert_accepts(build(PERSON), PERSON_OK)
+
+
+def test_pydantic_style_object_rejects_invalid_instances():
+    regex = build(PERSON)
+    base = PERSON_OK[0]
+    missing = {k: v for k, v in base.items() if k != "age"}
+    assert_rejects(regex, [
+        missing,                                                   # missing required key
+        {**base, "age": "31"},                                     # wrong type
+        {**base, "age": 3.5},                                      # integer required
+        {**base, "extra": 1},                                      # extra key
+        {"age": 31, "name": "Ann", "role": "admin", "address": ADDRESS},   # wrong order
+        {**base, "pets": [{"name": "a"}] * 4},                     # too many items
+        {**base, "pets": [{"name": "a", "color": "red"}]},         # extra key in nested object
+        {**base, "role": "root"},                                  # enum value not listed
+        {**base, "name": ""},                                      # shorter than minLength
+        {**base, "name": "x" * 21},                                # longer than maxLength
+        {**base, "address": {"city": "X"}},                        # nested required key missing
+        {**base, "nickname": 5},
+    ])
+    text = dumps(base)
+    assert matches(regex, text)
+    assert_rejects_texts(regex, [
+        " " + text, text + " ", text + "\n",                       # leading/trailing whitespace
+        json.dumps(base, indent=2, ensure_ascii=False),            # newline-indented
+        text.replace(":", ":  ", 1),                               # two spaces after ':'
+        text.replace(",", " ,", 1),                                # space before ','
+        "{ " + text[1:],                                           # space after '{'
+        text[:-1],                                                 # truncated
+    ])
+
+
+def test_real_pydantic_model_round_trip():
+    pydantic = pytest.importorskip("pydantic")
+    from enum import Enum
+    from typing import Literal
+
+    class Color(str, Enum):
+        RED = "red"
+        GREEN = "green"
+
+    class Item(pydantic.BaseModel):
+        sku: str = pydantic.Field(min_length=2, max_length=8)
+        qty: int = 1
+
+    class Order(pydantic.BaseModel):
+        id: int
+        kind: Literal["retail", "wholesale"]
+        color: Color
+        items: list[Item] = pydantic.Field(max_length=4)
+        note: str | None = None
+        paid: bool = False
+
+    regex = build(Order.model_json_schema())
+    order = Order(id=7, kind="retail", color=Color.GREEN,
+                  items=[Item(sku="AB"), Item(sku="CDEF", qty=3)], note="ok \"x\"")
+    assert matches(regex, order.model_dump_json())
+    assert matches(regex, Order(id=-1, kind="wholesale", color="red", items=[]).model_dump_json())
+    assert not matches(regex, order.model_dump_json().replace('"retail"', '"other"'))
+    assert not matches(regex, order.model_dump_json().replace('"AB"', '"A"'))
+
+
+# --- optional properties -------------------------------------------------------------------------------
+
+
+def optional_object(n: int) -> dict:
+    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
+
+
+def test_every_subset_of_optional_properties_matches_in_order():
+    regex = build(optional_object(4))
+    names = [f"p{i}" for i in range(4)]
+    for size in range(5):
+        for subset in itertools.combinations(names, size):
+            assert_accepts(regex, [{name: i for i, name in enumerate(subset)}])
+        for subset in itertools.permutations(names, size):
+            if list(subset) != sorted(subset):
+                assert_rejects(regex, [{name: 1 for name in subset}])
+    assert_rejects_texts(regex, ['{,"p0":1}', '{"p0":1,}', '{"p0":1,,"p1":2}', '{"p0":1"p1":2}',
+                                 '{"p0":1,"p0":1}', '{"p4":1}'])
+
+
+def test_optional_properties_grow_quadratically():
+    lengths = [len(build(optional_object(n))) for n in (4, 8, 16)]
+    assert lengths[1] < 4.5 * lengths[0] and lengths[2] < 4.5 * lengths[1], lengths
+    build(optional_object(48))  # far from exponential: still under the size limit
+
+
+def test_required_property_after_optional_ones():
+    schema = {"type": "object", "required": ["c"],
+              "properties": {"a": {"type": "null"}, "b": {"type": "null"}, "c": {"type": "null"}}}
+    regex = build(schema)
+    assert_accepts(regex, [{"c": None}, {"a": None, "c": None}, {"b": None, "c": None},
+                           {"a": None, "b": None, "c": None}])
+    assert_rejects(regex, [{}, {"a": None}, {"a": None, "b": None}])
+
+
+# --- recursion and generic values ------------------------------------------------------------------------
+
+TREE = {
+    "$defs": {"Node": {
+        "type": "object",
+        "properties": {"value": {"type": "integer"},
+                       "children": {"type": "array", "items": {"$ref": "#/$defs/Node"}}},
+        "required": ["value", "children"],
+    }},
+    "$ref": "#/$defs/Node",
+}
+
+
+def tree(levels: int) -> dict:
+    node = {"value": levels, "children": []}
+    for i in range(levels - 1):
+        node = {"value": i, "children": [node, {"value": 0, "children": []}]}
+    return node
+
+
+def test_recursive_ref_is_expanded_to_max_depth():
+    regex = build(TREE, max_depth=2)
+    assert_accepts(regex, [tree(1), tree(2), tree(3)])
+    assert_rejects(regex, [tree(4), {"value": 1}])
+    assert matches(build(TREE), dumps(tree(DEFAULT_MAX_DEPTH + 1)))
+
+
+def test_recursive_root_ref_through_nullable_branch():
+    linked = {"type": "object", "required": ["v", "next"],
+              "properties": {"v": {"type": "integer"},
+                             "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}}
+    regex = build(linked, max_depth=1)
+
+    def chain(n):
+        node = None
+        for i in range(n):
+            node = {"v": i, "next": node}
+        return node
+
+    assert_accepts(regex, [chain(1), chain(2)])      # the root plus one nested expansion
+    assert_rejects(regex, [chain(3), {"v": 1}])
+
+
+def test_recursion_without_an_exit_raises():
+    schema = {"$defs": {"A": {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}},
+                              "required": ["a"]}},
+              "$ref": "#/$defs/A"}
+    with pytest.raises(GuidedSchemaError, match="recursive"):
+        schema_to_regex(schema)
+
+
+def test_definitions_refs_and_single_all_of():
+    schema = {"definitions": {"Id": {"type": "integer"}},
+              "type": "object", "required": ["id"],
+              "properties": {"id": {"allOf": [{"$ref": "#/definitions/Id"}], "description": "key"}}}
+    regex = build(schema)
+    assert_accepts(regex, [{"id": 12}])
+    assert_rejects(regex, [{"id": "12"}])
+
+
+@pytest.mark.parametrize("schema", [{}, True, {"title": "anything", "description": "at all"}])
+def test_empty_schema_is_any_depth_limited_value(schema):
+    regex = build(schema, max_depth=2)
+    assert_accepts(regex, [0, -1.5e10, "s", True, False, None, [], {}, [1, "a", None],
+                           {"a": {"b": 1}}, [{"x": 1}], {"k": [], "v": {}}, nested_list(2)])
+    assert_rejects(regex, [nested_list(3), {"a": {"b": {"c": 1}}}, {"a": {"b": [1, 2]}}])
+    assert_rejects_texts(regex, ["", "01", "1.", ".5", "1e", "NaN", "Infinity", "+1", "[1,]",
+                                 "{'a':1}", '{"a"}', '"\n"', '"\\x41"', "tru", "nul", "[1 2]"])
+
+
+def test_generic_object():
+    regex = json_object_regex()
+    assert regex == build({"type": "object"})
+    assert_dialect(regex)
+    assert_accepts(regex, [{}, {"a": 1}, {"a": [1, {"b": None}], "": "x", "c": {"d": [True]}}])
+    assert_rejects(regex, [[], 1, "x", None, {"a": nested_list(3)}])
+    shallow = json_object_regex(max_depth=1)
+    assert_accepts(shallow, [{"a": 1, "b": "x"}])
+    assert_rejects(shallow, [{"a": []}, {"a": {}}])
+    assert json_object_regex(max_depth=0) == r"\{\}"
+    assert len(regex) < 20_000
+
+
+def test_additional_properties_schema_is_a_map():
+    regex = build({"type": "object", "additionalProperties": {"type": "integer"}})
+    assert_accepts(regex, [{}, {"a": 1}, {"x": 1, "y": -2, "z": 3}])
+    assert_rejects(regex, [{"a": "1"}, {"a": None}])
+    assert build({"type": "object", "additionalProperties": False}) == r"\{\}"
+
+
+# --- scalars, arrays, formats, const/enum -----------------------------------------------------------------
+
+
+def test_numbers_and_integers():
+    integer, number = build({"type": "integer"}), build({"type": "number"})
+    assert_accepts(integer, [0, -7, 1234567890123456])
+    assert_rejects_texts(integer, ["1.0", "-0.5", "01", "-", "1e3", "12345678901234567"])
+    assert_accepts(number, [0, -7, 3.25, 1e-7, -2.5e300])
+    assert_rejects_texts(number, ["1.", "00.1", "1e", "1e1234", "1." + "1" * 17, "--1"])
+
+
+def test_string_length_counts_escapes_as_one():
+    regex = build({"type": "string", "minLength": 2, "maxLength": 3})
+    assert_accepts(regex, ["ab", "abc", "a\n", "\"\\x", "é€😀"])
+    assert_rejects(regex, ["", "a", "abcd", "\n\n\n\n"])
+    assert build({"type": "string", "maxLength": 0}) == '""'
+
+
+def test_array_bounds():
+    regex = build({"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4})
+    assert_accepts(regex, [[1, 2], [1, 2, 3], [1, 2, 3, 4]])
+    assert_rejects(regex, [[], [1], [1, 2, 3, 4, 5], [1, "2"]])
+    assert_rejects_texts(regex, ["[ 1,2]", "[1,2 ]", "[1,,2]"])
+    exact = build({"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 1})
+    assert_accepts(exact, [[True]])
+    assert_rejects(exact, [[], [True, False]])
+    untyped = build({"type": "array", "minItems": 1})
+    assert_accepts(untyped, [[1], ["a", {"b": [None]}]])
+    assert_rejects(untyped, [[]])
+    assert build({"type": "array", "maxItems": 0}) == r"\[\]"
+
+
+@pytest.mark.parametrize("fmt, good, bad", [
+    ("date", ["2024-02-29", "1999-12-31"], ["2024-13-01", "2024-1-01", "24-01-01", "2024-01-32"]),
+    ("time", ["23:59:59Z", "00:00:00.123+02:00"], ["24:00:00Z", "12:00", "12:00:00+2:00"]),
+    ("date-time", ["2024-06-01T12:30:00Z", "2024-06-01T12:30:00.5-05:30"],
+     ["2024-06-01 12:30:00Z", "2024-06-01T12:30Z", "2024-06-01"]),
+    ("uuid", ["123e4567-e89b-12d3-a456-426614174000", "ABCDEF00-0000-0000-0000-000000000000"],
+     ["123e4567e89b12d3a456426614174000", "123e4567-e89b-12d3-a456-42661417400g"]),
+])
+def test_string_formats(fmt, good, bad):
+    regex = build({"type": "string", "format": fmt})
+    assert_accepts(regex, good)
+    assert_rejects(regex, bad)
+
+
+def test_type_lists():
+    regex = build({"type": ["string", "null"], "maxLength": 2})
+    assert_accepts(regex, ["", "ab", None])
+    assert_rejects(regex, ["abc", 1, False])
+    regex = build({"type": ["integer", "boolean"]})
+    assert_accepts(regex, [1, True, False])
+    assert_rejects(regex, [1.5, None, "1"])
+
+
+def test_const_and_enum():
+    regex = build({"const": {"a": [1, "x"], "b": None}})
+    assert matches(regex, '{"a":[1,"x"],"b":null}')
+    assert_rejects_texts(regex, ['{"a": [1, "x"], "b": null}', '{"b":null,"a":[1,"x"]}'])
+    regex = build({"enum": ["red", 2, None, True, "ünï"]})
+    assert_accepts(regex, ["red", 2, None, True, "ünï"])
+    assert_rejects(regex, ["blue", 3, False, "red ", "Red"])
+    assert_rejects_texts(regex, ['"\\u00fcn\\u00ef"'])   # non-ASCII appears literally
+
+
+def test_whitespace_override():
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}}}}
+    assert WHITESPACE == r"[ ]?"
+    compact = build(schema, whitespace="")
+    assert matches(compact, '{"a":[1,2]}')
+    assert not matches(compact, '{"a": [1, 2]}')
+    wide = build(schema, whitespace=r"[ ]{0,2}")
+    assert matches(wide, '{"a":  [1,  2]}')
+    assert matches(build(schema, whitespace=r"[ ]|\x0a"), '{"a":\n[1, 2]}')
+
+
+# --- escaping ------------------------------------------------------------------------------------------
+
+TRICKY = 'q"b\\s[x]-&&~.*+?(|){^$}#\x01\x7fé 漢'
+
+
+def test_escape_literal_matches_only_itself():
+    regex = escape_literal(TRICKY)
+    assert_dialect(regex)
+    assert matches(regex, TRICKY)
+    assert not matches(regex, TRICKY.replace(".", "x"))
+    assert not matches(regex, TRICKY.replace("*", "**"))
+    assert not matches(regex, TRICKY.replace("[x]", "x"))
+    assert escape_literal("a-b&&c~d") == r"a\-b\&\&c\~d"
+    assert escape_literal("\n") == r"\x0a"
+
+
+def test_tricky_property_name_and_enum_value():
+    schema = {"type": "object", "required": [TRICKY],
+              "properties": {TRICKY: {"enum": [TRICKY, "plain"]}}}
+    regex = build(schema)
+    assert_accepts(regex, [{TRICKY: TRICKY}, {TRICKY: "plain"}])
+    variants = [TRICKY.replace("&&", "&"), TRICKY.replace("-", "x"), TRICKY.replace("é", "e"),
+                TRICKY.replace("\x01", "\x02"), TRICKY[1:]]
+    assert_rejects(regex, [{TRICKY: v} for v in variants] + [{v: TRICKY} for v in variants])
+
+
+def test_choice_to_regex():
+    choices = ["yes", "no", "a.b", "[x]-&&", "naïve"]
+    regex = choice_to_regex(choices)
+    assert_dialect(regex)
+    for choice in choices:
+        assert matches(regex, choice)
+    for other in ["Yes", "nope", "axb", "x", "", '"yes"']:
+        assert not matches(regex, other)
+    for bad in ([], ["a", 1], "yes", None):
+        with pytest.raises(GuidedSchemaError):
+            choice_to_regex(bad)
+
+
+# --- pattern ----------------------------------------------------------------------------------------
+
+
+def test_pattern_is_embedded_anchored():
+    regex = build({"type": "string", "pattern": "^[A-Z]{2}(?:-[0-9]{3})+$"})
+    assert_accepts(regex, ["AB-123", "XY-000-999"])
+    assert_rejects(regex, ["AB", "ab-123", "AB-123x", "xAB-123"])
+
+
+def test_pattern_yields_valid_json_strings():
+    regex = build({"type": "string", "pattern": "^[^@]+@[^@]+$"})
+    assert_accepts(regex, ["a@b", 'q"t@b\\c', "x\ny\x01@\t"])
+    assert_rejects(regex, ["@b", "a@", "a@b@c"])
+    assert_rejects_texts(regex, ['"a"@b"', '"a\\@b"', '"a\n@b"', '"a\\u0040b@c"'])
+    no_quote = build({"type": "string", "pattern": '^[^"]+$'})
+    assert_accepts(no_quote, ["a\\b\n"])
+    assert_rejects(no_quote, ['a"b'])
+    quoted = build({"type": "string", "pattern": '^say "hi"[\\\\/]$'})
+    assert_accepts(quoted, ['say "hi"\\', 'say "hi"/'])
+    assert_rejects_texts(quoted, ['"say "hi"/"'])
+    ranges = build({"type": "string", "pattern": r"[ -~\&\-]{1,3}"})
+    assert_accepts(ranges, ["a", '"', "\\", "~&-"])
+
+
+@pytest.mark.parametrize("pattern", [
+    r"\d+", r"\w", r"\s", r"a\b", "a.c", "(abc)", "(?=a)a", "(?i)a", "(?P<x>a)", r"(a)\1",
+    "a{", "a{,3}", "a^b", "a$b", "[[:alpha:]]", "[a&&b]", "[a--b]", "a*+", "a**", "[a", "a)",
+    r"\p{L}", r"\<",
+])
+def test_unsupported_pattern_constructs_raise(pattern):
+    with pytest.raises(GuidedSchemaError, match="pattern"):
+        schema_to_regex({"type": "string", "pattern": pattern})
+
+
+# --- errors --------------------------------------------------------------------------------------------
+
+
+def test_unsupported_keyword_names_keyword_and_path():
+    schema = {"type": "object", "properties": {"age": {"type": "integer", "not": {"const": 3}}}}
+    with pytest.raises(GuidedSchemaError) as info:
+        schema_to_regex(schema)
+    assert str(info.value) == "unsupported JSON Schema keyword 'not' at $.properties.age"
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "object", "patternProperties": {"^a": {}}}, "'patternProperties' at $"),
+    ({"if": {"type": "string"}, "then": {"maxLength": 2}}, "'if' at $"),
+    ({"type": "array", "prefixItems": [{"type": "integer"}]}, "'prefixItems' at $"),
+    ({"type": "object", "properties": {"a": {"type": "object", "dependentSchemas": {}}}},
+     "'dependentSchemas' at $.properties.a"),
+    ({"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "decimal"}]}},
+     "type 'decimal' at $.items.anyOf[1].type"),
+    ({"$ref": "#/$defs/Missing"}, "cannot resolve $ref"),
+    ({"$ref": "https://example.com/s.json"}, "unsupported $ref"),
+    ({"allOf": [{"type": "string"}, {"maxLength": 3}]}, "'allOf'"),
+    ({"type": "string", "format": "email"}, "format 'email'"),
+    ({"enum": ["ok", "\ud83d"]}, "lone surrogate"),
+    ({"type": "array", "maxItems": 65}, "'maxItems' above 64"),
+    ({"type": "string", "maxLength": 1025}, "'maxLength' above 1024"),
+    ({"type": "string", "minLength": 3, "maxLength": 2}, "nothing can match"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "'b' is not listed"),
+    ({"$ref": "#/$defs/A", "type": "object", "$defs": {"A": {}}}, "'type' next to '$ref'"),
+    ({"type": "object", "properties": {"my key": False}, "required": ["my key"]},
+     'false: no value can match it'),
+])
+def test_unsupported_schemas_raise(schema, message):
+    with pytest.raises(GuidedSchemaError) as info:
+        schema_to_regex(schema)
+    assert message in str(info.value)
+
+
+def test_false_and_bad_json_raise():
+    with pytest.raises(GuidedSchemaError, match="false"):
+        schema_to_regex(False)
+    with pytest.raises(GuidedSchemaError, match="not valid JSON"):
+        schema_to_regex('{"type": "object",}')
+    with pytest.raises(GuidedSchemaError):
+        schema_to_regex("[1, 2]")
+    assert matches(build('{"type": "integer"}'), "42")
+
+
+def test_too_deep_or_too_large_schemas_raise():
+    deep: dict = {"type": "integer"}
+    for _ in range(40):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(GuidedSchemaError, match="too large for guided decoding"):
+        schema_to_regex(deep)
+    big_enum = {"enum": [f"value-{i:05d}-" + "x" * 40 for i in range(5000)]}
+    with pytest.raises(GuidedSchemaError, match="too large for guided decoding"):
+        schema_to_regex(big_enum)
+    with pytest.raises(GuidedSchemaError, match="too large for guided decoding"):
+        schema_to_regex({}, max_depth=12)
+
+
+def test_false_optional_property_is_left_out():
+    regex = build({"type": "object", "properties": {"a": {"type": "integer"}, "b": False}})
+    assert_accepts(regex, [{}, {"a": 1}])
+    assert_rejects(regex, [{"b": 1}, {"a": 1, "b": 2}])
