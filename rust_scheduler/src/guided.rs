@@ -228,6 +228,10 @@ impl Grammar {
                 trie.vocab_size()
             )));
         }
+        let syntax_config = syntax::Config::new().nest_limit(200);
+        // Parsed alone first, so that a syntax error quotes the caller's pattern as written.
+        syntax::parse_with(pattern, &syntax_config)
+            .map_err(|e| GuidedError::BadPattern(format!("invalid pattern: {e}")))?;
         let dfa = dense::Builder::new()
             .configure(
                 dense::Config::new()
@@ -236,7 +240,7 @@ impl Grammar {
                     .dfa_size_limit(Some(size_limit_bytes))
                     .determinize_size_limit(Some(size_limit_bytes)),
             )
-            .syntax(syntax::Config::new().nest_limit(200))
+            .syntax(syntax_config)
             .thompson(
                 thompson::Config::new()
                     .nfa_size_limit(Some(size_limit_bytes))

@@ -261,3 +261,70 @@ async def test_lm_eval_style_loglikelihood_through_the_sdk(real, sdk):
                     zip(lp.token_logprobs[ctxlen:-1], lp.top_logprobs[ctxlen:-1]))
     assert is_greedy                                  # the model generated it greedily
     assert scored.choices[0].text.startswith("The capital of France is")
+
+
+CITY = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 30},
+    "country": {"type": "string", "enum": ["France", "Japan", "Peru"]},
+    "population_millions": {"type": "number"}},
+    "required": ["city", "country"]}
+
+
+async def test_structured_outputs_on_every_door(real, sdk):
+    import json
+    msgs = [{"role": "user", "content": "Describe the capital of France as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    full = await sdk.chat.completions.create(model="smollm2", messages=msgs, max_tokens=60,
+                                             temperature=0, response_format=fmt)
+    obj = json.loads(full.choices[0].message.content)
+    assert full.choices[0].finish_reason == "stop"
+    assert set(obj) <= set(CITY["properties"]) and obj["country"] in ("France", "Japan", "Peru")
+    stream = await sdk.chat.completions.create(model="smollm2", messages=msgs, max_tokens=60,
+                                               temperature=0, response_format=fmt, stream=True)
+    parts = [ch.choices[0].delta.content or "" async for ch in stream if ch.choices]
+    assert "".join(parts) == full.choices[0].message.content
+    anyobj = await sdk.completions.create(model="smollm2", prompt="A JSON object about cats:",
+                                          max_tokens=80, temperature=0.5, seed=1,
+                                          extra_body={"response_format": {"type": "json_object"}})
+    choice = anyobj.choices[0]
+    assert choice.text.startswith("{")
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.text), dict)
+    picked = await sdk.completions.create(model="smollm2", prompt="The best season is",
+                                          max_tokens=8, n=3, temperature=1.0, seed=2,
+                                          extra_body={"guided_choice": ["summer", "winter"]})
+    assert {c.text for c in picked.choices} <= {"summer", "winter"}
+    for client in (await WSClient.connect(real.ws_url),
+                   await TCPClient.connect("127.0.0.1", real.tcp_port)):
+        try:
+            res = await client.complete("My lucky number is", max_tokens=8, temperature=0,
+                                        guided_regex="[0-9]{2}")
+            assert re.fullmatch("[0-9]{2}", res["text"]) and res["finish_reason"] == "stop"
+            with pytest.raises(RuntimeError, match="(?s)400.*unclosed group"):
+                await client.complete("x", guided_regex="(ab")
+        finally:
+            await client.close()
+
+
+async def test_bad_structured_output_requests_are_400_and_never_stall_streams(real, sdk):
+    # a pattern whose automaton is too large is refused after ~1 s of compiling, off the
+    # event loop: a stream running meanwhile finishes, and the refusal is a 400
+    flowing = asyncio.create_task(sdk.completions.create(
+        model="smollm2", prompt="Count: one, two,", max_tokens=24, temperature=0,
+        extra_body={"ignore_eos": True}))
+    with pytest.raises(openai.BadRequestError, match="larger than"):
+        await sdk.completions.create(model="smollm2", prompt="x", max_tokens=4,
+                                     extra_body={"guided_regex": "[ab]*a[ab]{20}"})
+    assert (await flowing).usage.completion_tokens == 24
+    bad = [
+        dict(response_format={"type": "json_schema", "json_schema": {
+            "schema": {"type": "object", "patternProperties": {}}}}),
+        dict(response_format={"type": "xml"}),
+        dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a"}),
+        dict(extra_body={"guided_choice": ["a"], "ignore_eos": True}),
+    ]
+    for kw in bad:
+        with pytest.raises(openai.BadRequestError):
+            await sdk.chat.completions.create(
+                model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                **kw)
