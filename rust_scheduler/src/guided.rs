@@ -618,10 +618,15 @@ mod tests {
                 .err()
                 .expect("should fail")
         };
-        assert!(matches!(
-            err("(unclosed", DEFAULT_SIZE_LIMIT_BYTES),
-            GuidedError::BadPattern(_)
-        ));
+        match err("(unclosed", DEFAULT_SIZE_LIMIT_BYTES) {
+            GuidedError::BadPattern(m) => {
+                assert!(
+                    m.contains("(unclosed") && !m.contains("(?:"),
+                    "quotes the pattern: {m}"
+                )
+            }
+            e => panic!("{e:?}"),
+        }
         assert!(matches!(
             err(r"a\b", DEFAULT_SIZE_LIMIT_BYTES),
             GuidedError::BadPattern(_)
