@@ -175,3 +175,115 @@ def test_logprobs_agree_with_log_softmax(sampler):
 def test_empty_batch(sampler):
     out = sampler.sample(torch.empty(0, VOCAB), _batch(0))
     assert out.token_ids.shape == (0,) and out.token_ids.dtype == np.int32
+
+
+# --- guided decoding ---------------------------------------------------------------------------
+
+
+class _StubGuide:
+    """Stands in for `GuidedSequence`: `write_mask` sets its allowed ids in a bool row."""
+
+    def __init__(self, allowed):
+        self.allowed = sorted(int(t) for t in allowed)
+
+    def write_mask(self, mask_row: np.ndarray) -> int:
+        assert mask_row.dtype == np.bool_ and mask_row.shape == (VOCAB,) and not mask_row.any()
+        mask_row[self.allowed] = True
+        return len(self.allowed)
+
+
+def _allowed_without_argmax(row: torch.Tensor, size: int, rng: np.random.Generator) -> list[int]:
+    """`size` random ids, never the row's argmax (so the mask must change the greedy pick)."""
+    best = int(row.argmax())
+    return sorted(rng.choice([t for t in range(VOCAB) if t != best], size=size, replace=False).tolist())
+
+
+def _guided_argmax(row: torch.Tensor, allowed: list[int]) -> int:
+    return allowed[int(row[allowed].argmax())]
+
+
+def test_greedy_guided_rows_take_the_argmax_of_their_allowed_ids(sampler):
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(11)) * 2.0
+    rng = np.random.default_rng(11)
+    allowed = {1: _allowed_without_argmax(logits[1], 5, rng), 4: _allowed_without_argmax(logits[4], 9, rng)}
+    extras = {row: RequestExtras(guides=[_StubGuide(ids)]) for row, ids in allowed.items()}
+    extras[2] = RequestExtras(logit_bias={0: 0.0})            # extras without guides: unguided
+    out = sampler.sample(logits.clone(), _batch(6), extras).token_ids
+    plain = logits.argmax(-1).numpy()
+    for row in range(6):
+        if row in allowed:
+            assert out[row] == _guided_argmax(logits[row], allowed[row]) != plain[row]
+        else:
+            assert out[row] == plain[row]
+
+
+def test_guided_rows_keep_bias_and_penalties_inside_the_mask(sampler):
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(12))
+    logits[0, [5, 9, 20, 40]] = torch.tensor([1.0, 6.0, 2.0, 0.0])
+    extras = {0: RequestExtras(output_token_ids=[[9]], logit_bias={40: 100.0, 5: 3.0},
+                               guides=[_StubGuide([5, 9, 20])])}
+    out = sampler.sample(logits, _batch(1, presence_penalty=[50.0]), extras).token_ids
+    # 40 (biased to the top) is not allowed, 9 is penalised below the rest, 5's bias lifts it over 20
+    assert out.tolist() == [5]
+
+
+@pytest.mark.parametrize("params", [{}, {"top_k": 3}, {"top_p": 0.7}, {"seed": 77}],
+                         ids=["plain", "top_k", "top_p", "seeded"])
+def test_sampled_guided_rows_never_draw_a_disallowed_id(sampler, params):
+    num_draws = 4_000
+    row = torch.randn(VOCAB, generator=torch.Generator().manual_seed(13)) * 2.0
+    allowed = _allowed_without_argmax(row, 6, np.random.default_rng(13))
+    batch = _batch(num_draws, temperature=np.ones(num_draws), sample_req_ids=np.zeros(num_draws),
+                   sample_output_lens=np.arange(num_draws),   # seeded rows: a new key per row
+                   **{name: np.full(num_draws, value) for name, value in params.items()})
+    extras = {0: RequestExtras(guides=[_StubGuide(allowed)])}
+    draws = sampler.sample(row.expand(num_draws, VOCAB).clone(), batch, extras).token_ids
+    assert set(draws.tolist()) <= set(allowed)
+    if "top_k" in params:   # top-k counts among the allowed ids only
+        assert set(draws.tolist()) == set(sorted(allowed, key=lambda t: -float(row[t]))[:3])
+    if "top_p" in params:   # the nucleus of the distribution renormalised over the allowed ids
+        probs, order = row[allowed].softmax(-1).sort(descending=True)
+        size = int((probs.cumsum(0) - probs <= 0.7).sum())
+        assert set(draws.tolist()) == {allowed[i] for i in order[:size].tolist()}
+    if not params:          # the allowed ids keep their relative probabilities
+        expected = row[allowed].softmax(-1).numpy()
+        observed = np.bincount(draws, minlength=VOCAB)[allowed] / num_draws
+        assert np.abs(observed - expected).max() < 0.03
+
+
+def test_each_sequence_of_a_request_uses_its_own_guide(sampler):
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(14)) * 2.0
+    guides = [_StubGuide(range(0, 10)), _StubGuide(range(20, 30)), _StubGuide(range(40, 50))]
+    extras = {7: RequestExtras(guides=guides)}
+    batch = _batch(4, sample_req_ids=[7, 7, 7, 8], sample_seq_indices=[2, 0, 1, 0])
+    out = sampler.sample(logits.clone(), batch, extras).token_ids
+    assert out[0] == _guided_argmax(logits[0], guides[2].allowed)
+    assert out[1] == _guided_argmax(logits[1], guides[0].allowed)
+    assert out[2] == _guided_argmax(logits[2], guides[1].allowed)
+    assert out[3] == int(logits[3].argmax())                 # request 8 is not guided
+    # sampled: every draw stays inside the set of the guide of its own sequence
+    num_rows = 3 * 500
+    seq_indices = np.arange(num_rows) % 3
+    rows = logits[0].expand(num_rows, VOCAB).clone()
+    batch = _batch(num_rows, temperature=np.ones(num_rows), sample_req_ids=np.full(num_rows, 7),
+                   sample_seq_indices=seq_indices)
+    draws = sampler.sample(rows, batch, extras).token_ids
+    for seq_index, guide in enumerate(guides):
+        assert set(draws[seq_indices == seq_index].tolist()) <= set(guide.allowed), seq_index
+
+
+def test_guided_row_logprobs_are_those_of_the_raw_logits(sampler):
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(15)) * 2.0
+    allowed = _allowed_without_argmax(logits[0], 4, np.random.default_rng(15))
+    extras = {0: RequestExtras(logprobs=3, guides=[_StubGuide(allowed)]), 1: RequestExtras(logprobs=3)}
+    out = sampler.sample(logits.clone(), _batch(2), extras)
+    token = _guided_argmax(logits[0], allowed)
+    assert out.token_ids[0] == token
+    raw = logits.log_softmax(-1)
+    np.testing.assert_allclose(out.logprobs, raw[[0, 1], out.token_ids.tolist()].numpy(), rtol=1e-5, atol=1e-6)
+    masked = logits[0, allowed].log_softmax(-1)[allowed.index(token)]
+    assert float(out.logprobs[0]) < float(masked) - 1e-3     # not renormalised over the allowed ids
+    top_values, top_ids = raw.topk(3, dim=-1)
+    np.testing.assert_array_equal(out.top_logprob_ids, top_ids.numpy())
+    np.testing.assert_allclose(out.top_logprobs, top_values.numpy(), rtol=1e-5, atol=1e-6)
+    assert out.top_logprob_ids[0, 0] == int(logits[0].argmax()) not in allowed   # a masked id

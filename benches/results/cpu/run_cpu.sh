@@ -63,6 +63,9 @@ $PY benches/throughput.py --workload cpu-small \
   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous \
   --json $OUT/throughput_cpu-small_session6.json
 
+# 13. Guided decoding (session 7): a JSON Schema's cost against the same tokens unguided.
+$PY benches/guided.py --rounds 4 --json $OUT/guided.json
+
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
 #   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \

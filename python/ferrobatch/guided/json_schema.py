@@ -9,8 +9,8 @@ become alternations and `$ref` is expanded in place.
 
 Dialect: the output must mean the same in Python's `re` and in Rust's regex-syntax, so it only
 uses literals, `(?:...)`, `|`, `?`, `*`, `+`, `{m}`, `{m,n}` and character classes, with every
-metacharacter escaped (`escape_literal`). No `.`, `\\d`-style classes, anchors, lookaround,
-captures or flags.
+metacharacter escaped (`escape_literal`, from `regex_text`). No `.`, `\\d`-style classes, anchors,
+lookaround, captures or flags.
 
 Whitespace: the output is compact JSON except that one optional space (`WHITESPACE`, overridable)
 may follow each `,` and `:`. Nothing else: unbounded whitespace lets a model loop on spaces
@@ -24,14 +24,14 @@ property is left out, an array becomes empty, an `anyOf` branch goes).
 
 Approximations (the output is a subset of the valid texts, never a superset, except where noted):
 properties appear only in schema order; `additionalProperties` is treated as false whenever
-`properties` is given; `enum`/`const` values are written compactly; strings use canonical
-escapes where the schema fixes their text; a `pattern` is anchored at both ends (JSON Schema
-searches), may not contain the constructs above, and is rewritten so that `"`, `\\` and control
-characters appear JSON-escaped; formats are "date", "time", "date-time" (both with a UTC offset)
-and "uuid". Superset: `oneOf` is treated as `anyOf`, and `minimum`, `maximum`,
-`exclusiveMinimum`, `exclusiveMaximum`, `multipleOf` and `uniqueItems` are ignored, like the
-annotations (`title`, `description`, `default`, `examples`, ...). Any other keyword, and any
-construct that cannot be honoured, raises `GuidedSchemaError`, naming the keyword and its path.
+`properties` is given; `enum`/`const` values are written compactly; strings use canonical escapes
+where the schema fixes their text; a `pattern` is anchored at both ends (JSON Schema searches), may
+not contain the constructs above, and is rewritten so that `"`, `\\` and control characters appear
+JSON-escaped (`string_pattern`); formats are "date", "time", "date-time" (both with a UTC offset)
+and "uuid". Superset: `oneOf` is treated as `anyOf`, and `minimum`, `maximum`, `exclusiveMinimum`,
+`exclusiveMaximum`, `multipleOf` and `uniqueItems` are ignored, like the annotations (`title`,
+`description`, `default`, `examples`, ...). Any other keyword, and any construct that cannot be
+honoured, raises `GuidedSchemaError`, naming the keyword and its path.
 """
 
 from __future__ import annotations
@@ -40,6 +40,15 @@ import json
 import re
 import urllib.parse
 from typing import Any
+
+from ferrobatch.guided.regex_text import (
+    MAX_STRING_LENGTH,
+    GuidedSchemaError,
+    alternation,
+    escape_literal,
+    quantifier,
+)
+from ferrobatch.guided.string_pattern import pattern_to_json_string_regex
 
 __all__ = [
     "DEFAULT_MAX_DEPTH",
@@ -52,46 +61,15 @@ __all__ = [
 ]
 
 
-class GuidedSchemaError(ValueError):
-    """A schema (or choice list) that cannot be turned into a guided-decoding regex."""
-
-
 WHITESPACE = r"[ ]?"          # allowed after each ',' and ':'
 DEFAULT_MAX_DEPTH = 3         # container nesting of generic values / recursive $ref expansions
 
 MAX_SCHEMA_NESTING = 32       # subschemas nested inside each other in the schema document
 MAX_REGEX_LENGTH = 200_000
-MAX_STRING_LENGTH = 1024      # largest minLength / maxLength
 MAX_ARRAY_ITEMS = 64          # largest minItems / maxItems
 _MAX_SUBSCHEMA_VISITS = 50_000
 _MAX_REF_EXPANSIONS = 64      # $refs expanded inside each other
 _TOO_LARGE = "the schema is too large for guided decoding"
-
-# --- escaping ------------------------------------------------------------------------------------
-
-_META = frozenset("\\.+*?()|[]{}^$#&-~")
-_CLASS_META = frozenset("\\][^-&~")
-
-
-def _escape_char(ch: str, meta: frozenset[str]) -> str:
-    if ch in meta:
-        return "\\" + ch
-    code = ord(ch)
-    if code < 0x20 or code == 0x7F:
-        return f"\\x{code:02x}"
-    if 0xD800 <= code <= 0xDFFF:
-        raise GuidedSchemaError(f"a lone surrogate (U+{code:04X}) cannot be matched")
-    return ch
-
-
-def escape_literal(text: str) -> str:
-    """Regex (outside a character class) matching exactly `text`, valid for Python and Rust."""
-    return "".join(_escape_char(ch, _META) for ch in text)
-
-
-def _escape_class_char(ch: str) -> str:
-    return _escape_char(ch, _CLASS_META)
-
 
 # --- fixed pieces ----------------------------------------------------------------------------------
 
@@ -142,24 +120,6 @@ def _child(path: str, key: str | int) -> str:
     if _IDENTIFIER.fullmatch(key):
         return f"{path}.{key}"
     return f"{path}[{json.dumps(key, ensure_ascii=False)}]"
-
-
-def _alternation(parts: list[str]) -> str:
-    """`(?:a|b|...)` over the distinct parts (a single part is returned as is)."""
-    unique = list(dict.fromkeys(parts))
-    if len(unique) == 1:
-        return unique[0]
-    return "(?:" + "|".join(unique) + ")"
-
-
-def _quantifier(lo: int, hi: int | None) -> str:
-    if hi is None:
-        return {0: "*", 1: "+"}.get(lo, f"{{{lo},}}")
-    if lo == hi:
-        return "" if lo == 1 else f"{{{lo}}}"
-    if (lo, hi) == (0, 1):
-        return "?"
-    return f"{{{lo},{hi}}}"
 
 
 def _json_literal(value: Any, path: str) -> str:
@@ -233,10 +193,10 @@ class _Builder:
         """Any JSON value with at most `depth` nested containers."""
         if depth not in self._generic:
             if depth == 0:
-                regex = _alternation(list(_SCALARS))
+                regex = alternation(list(_SCALARS))
             else:
                 inner = self.generic(depth - 1)
-                regex = _alternation([*_SCALARS, self._map(inner), self._list(inner)])
+                regex = alternation([*_SCALARS, self._map(inner), self._list(inner)])
             self._generic[depth] = self._check_size(regex)
         return self._generic[depth]
 
@@ -253,7 +213,7 @@ class _Builder:
             return r"\[\]"
         body = item
         if hi != 1:    # the items after the first, each preceded by a comma
-            more = _quantifier(max(lo - 1, 0), None if hi is None else hi - 1)
+            more = quantifier(max(lo - 1, 0), None if hi is None else hi - 1)
             body += f"(?:,{self.ws}{item}){more}"
         return rf"\[{body}\]" if lo > 0 else rf"\[(?:{body})?\]"
 
@@ -304,11 +264,11 @@ class _Builder:
             values = schema["enum"]
             if not isinstance(values, list) or not values:
                 raise GuidedSchemaError(f"'enum' must be a non-empty array at {path}")
-            return _alternation([_json_literal(v, _child(path, "enum")) for v in values])
+            return alternation([_json_literal(v, _child(path, "enum")) for v in values])
         types = self._types(schema, path)
         if types is None:
             return self.generic(self.max_depth)
-        return _alternation([self._typed(t, schema, path, level) for t in types])
+        return alternation([self._typed(t, schema, path, level) for t in types])
 
     def _types(self, schema: dict, path: str) -> list[str] | None:
         """The value types allowed (None: any value, no type-specific keyword either)."""
@@ -349,7 +309,7 @@ class _Builder:
             except _Pruned as exc:
                 pruned = exc
         if parts:
-            return _alternation(parts)
+            return alternation(parts)
         if pruned is not None:
             raise pruned
         raise GuidedSchemaError(f"no subschema at {path} can match any value")
@@ -480,242 +440,14 @@ class _Builder:
             if pattern is not None:
                 if not isinstance(pattern, str):
                     raise GuidedSchemaError(f"'pattern' must be a string at {path}")
-                return f'"(?:{_PatternTranslator(pattern, _child(path, "pattern")).translate()})"'
+                return pattern_to_json_string_regex(pattern, _child(path, "pattern"))
             if fmt not in _FORMATS:
                 raise GuidedSchemaError(f"unsupported string format {fmt!r} at {_child(path, 'format')}")
             return f'"{_FORMATS[fmt]}"'
         lo, hi = _bounds(schema, "minLength", "maxLength", path, MAX_STRING_LENGTH)
         if hi == 0:
             return '""'
-        return f'"{_STRING_CHAR}{_quantifier(lo, hi)}"'
-
-
-# --- `pattern` translation -------------------------------------------------------------------------
-
-_SIMPLE_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "f": 0x0C, "v": 0x0B}
-# characters JSON strings must escape: excluded from negated classes, written escaped otherwise
-_JSON_ESCAPED = [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]
-_JSON_ESCAPED_CODES = frozenset([*range(0x20), 0x22, 0x5C])
-
-
-def _json_escaped_char(code: int) -> str:
-    """Regex for the canonical JSON escape of a character JSON strings cannot hold raw."""
-    return escape_literal(json.dumps(chr(code))[1:-1])
-
-
-class _PatternTranslator:
-    """Rewrites a JSON Schema `pattern` (restricted syntax) to match JSON-encoded string content.
-
-    The pattern describes the decoded string, the regex the JSON text, so `"`, `\\` and control
-    characters (as literals or class members) become their JSON escapes. Anything outside the
-    shared Python/Rust dialect raises GuidedSchemaError.
-    """
-
-    def __init__(self, pattern: str, path: str) -> None:
-        self.src = pattern
-        self.path = path
-        self.pos = 0
-
-    def fail(self, what: str) -> GuidedSchemaError:
-        return GuidedSchemaError(
-            f"unsupported construct in 'pattern' at {self.path}: {what} (pattern {self.src!r})")
-
-    def peek(self, offset: int = 0) -> str:
-        i = self.pos + offset
-        return self.src[i] if i < len(self.src) else ""
-
-    def translate(self) -> str:
-        src = self.src
-        self.pos = 1 if src.startswith("^") else 0
-        if len(src) > self.pos and src.endswith("$"):
-            backslashes = len(src) - 1 - len(src[:-1].rstrip("\\"))
-            if backslashes % 2 == 0:       # an unescaped trailing '$'
-                src = src[:-1]
-        self.src = src
-        regex = self.alternation()
-        if self.pos < len(self.src):
-            raise self.fail(f"unbalanced {self.src[self.pos]!r}")
-        try:
-            re.compile(regex)
-        except re.error as exc:  # pragma: no cover - the translation only emits valid syntax
-            raise self.fail(str(exc)) from None
-        return regex
-
-    def alternation(self) -> str:
-        branches = [self.sequence()]
-        while self.peek() == "|":
-            self.pos += 1
-            branches.append(self.sequence())
-        return "|".join(branches)
-
-    def sequence(self) -> str:
-        parts = []
-        while self.peek() not in ("", "|", ")"):
-            text, atomic = self.atom()
-            parts.append(self.quantified(text, atomic))
-        return "".join(parts)
-
-    def atom(self) -> tuple[str, bool]:
-        ch = self.peek()
-        self.pos += 1
-        if ch == "(":
-            if self.src.startswith("?:", self.pos):
-                self.pos += 2
-                inner = self.alternation()
-                if self.peek() != ")":
-                    raise self.fail("unclosed '('")
-                self.pos += 1
-                return f"(?:{inner})", True
-            raise self.fail("a group other than '(?:...)'")
-        if ch == "[":
-            return self.char_class()
-        if ch == "\\":
-            return self.literal(self.escape())
-        if ch == ".":
-            raise self.fail("'.'")
-        if ch in "^$":
-            raise self.fail(f"the anchor {ch!r} (only a leading '^' and a trailing '$' are allowed)")
-        if ch in "*+?{":
-            raise self.fail(f"{ch!r} with nothing to repeat (escape a literal '{{')")
-        return self.literal(ord(ch))
-
-    def literal(self, code: int) -> tuple[str, bool]:
-        if 0xD800 <= code <= 0xDFFF:
-            raise self.fail("a surrogate code point")
-        if code < 0x20 or code in (0x22, 0x5C):
-            return _json_escaped_char(code), False
-        return escape_literal(chr(code)), True
-
-    def quantified(self, text: str, atomic: bool) -> str:
-        ch = self.peek()
-        if ch in ("*", "+", "?"):
-            self.pos += 1
-            quant = ch
-        elif ch == "{":
-            match = re.compile(r"\{([0-9]+)(,([0-9]*))?\}").match(self.src, self.pos)
-            if match is None:
-                raise self.fail("a '{' that is not a repetition '{m}', '{m,}' or '{m,n}' (escape it)")
-            self.pos = match.end()
-            lo = int(match.group(1))
-            hi = lo if match.group(2) is None else (int(match.group(3)) if match.group(3) else None)
-            if lo > MAX_STRING_LENGTH or (hi is not None and hi > MAX_STRING_LENGTH):
-                raise self.fail(f"a repetition above {MAX_STRING_LENGTH}")
-            if hi is not None and hi < lo:
-                raise self.fail("a repetition '{m,n}' with m > n")
-            quant = _quantifier(lo, hi)
-        else:
-            return text
-        if self.peek() == "?":
-            self.pos += 1          # lazy: matches the same strings
-        if self.peek() in ("*", "+", "?", "{"):
-            raise self.fail("a repeated repetition (possessive or nested quantifier)")
-        return (text if atomic else f"(?:{text})") + quant
-
-    def escape(self) -> int:
-        """Code point of the escape after a backslash (the backslash already consumed)."""
-        ch = self.peek()
-        if not ch:
-            raise self.fail("a trailing backslash")
-        self.pos += 1
-        if ch in _SIMPLE_ESCAPES:
-            return _SIMPLE_ESCAPES[ch]
-        if ch in "xu":
-            width = 2 if ch == "x" else 4
-            digits = self.src[self.pos:self.pos + width]
-            if len(digits) != width or any(c not in "0123456789abcdefABCDEF" for c in digits):
-                raise self.fail(f"'\\{ch}' without {width} hex digits")
-            self.pos += width
-            return int(digits, 16)
-        if not ch.isascii() or ch.isalnum() or ch in "<>":
-            raise self.fail(f"the escape '\\{ch}'")
-        return ord(ch)
-
-    def class_char(self) -> int:
-        ch = self.peek()
-        if ch == "\\":
-            self.pos += 1
-            return self.escape()
-        if ch == "[":
-            raise self.fail("an unescaped '[' inside a character class")
-        if ch in "&~-" and self.peek(1) == ch:
-            raise self.fail(f"{ch * 2!r} inside a character class")
-        self.pos += 1
-        return ord(ch)
-
-    def char_class(self) -> tuple[str, bool]:
-        negated = self.peek() == "^"
-        if negated:
-            self.pos += 1
-        ranges: list[tuple[int, int]] = []
-        while True:
-            ch = self.peek()
-            if not ch:
-                raise self.fail("an unclosed '['")
-            if ch == "]" and ranges:
-                self.pos += 1
-                break
-            lo = self.class_char()
-            hi = lo
-            if self.peek() == "-" and self.peek(1) not in ("", "]"):
-                if self.peek(1) == "-":
-                    raise self.fail("'--' inside a character class")
-                self.pos += 1
-                hi = self.class_char()
-                if hi < lo:
-                    raise self.fail("a reversed range inside a character class")
-            if any(0xD800 <= c <= 0xDFFF for c in (lo, hi)):
-                raise self.fail("a surrogate code point")
-            ranges.append((lo, hi))
-        escaped = {c for c in _JSON_ESCAPED_CODES if any(lo <= c <= hi for lo, hi in ranges) != negated}
-        if negated:
-            alternatives = ["[^" + _class_body(ranges + _JSON_ESCAPED) + "]"]
-        else:
-            allowed = _subtract(ranges, _JSON_ESCAPED)
-            alternatives = ["[" + _class_body(allowed) + "]"] if allowed else []
-        return _alternation(alternatives + _escapes_of(escaped)), True
-
-
-def _escapes_of(codes: set[int]) -> list[str]:
-    """Regexes for JSON escapes that decode to exactly the characters `codes` (canonical forms)."""
-    if codes == _JSON_ESCAPED_CODES:
-        return [r'\\["\\bfnrt]', r"\\u00[01][0-9a-fA-F]"]
-    return [_json_escaped_char(code) for code in sorted(codes)]
-
-
-def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    merged: list[tuple[int, int]] = []
-    for lo, hi in sorted(ranges):
-        if merged and lo <= merged[-1][1] + 1:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
-        else:
-            merged.append((lo, hi))
-    return merged
-
-
-def _subtract(ranges: list[tuple[int, int]], removed: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    result = _merge(ranges)
-    for r_lo, r_hi in removed:
-        kept: list[tuple[int, int]] = []
-        for lo, hi in result:
-            if hi < r_lo or lo > r_hi:
-                kept.append((lo, hi))
-                continue
-            if lo < r_lo:
-                kept.append((lo, r_lo - 1))
-            if hi > r_hi:
-                kept.append((r_hi + 1, hi))
-        result = kept
-    return result
-
-
-def _class_body(ranges: list[tuple[int, int]]) -> str:
-    parts = []
-    for lo, hi in _merge(ranges):
-        text = _escape_class_char(chr(lo))
-        if hi > lo:
-            text += "-" + _escape_class_char(chr(hi))
-        parts.append(text)
-    return "".join(parts)
+        return f'"{_STRING_CHAR}{quantifier(lo, hi)}"'
 
 
 # --- public entry points ------------------------------------------------------------------------
@@ -768,4 +500,4 @@ def choice_to_regex(choices: list[str]) -> str:
         raise GuidedSchemaError("guided choice needs a non-empty list of strings")
     if not all(isinstance(c, str) for c in choices):
         raise GuidedSchemaError("guided choice needs a non-empty list of strings")
-    return _alternation([escape_literal(c) for c in choices])
+    return alternation([escape_literal(c) for c in choices])
