@@ -196,3 +196,48 @@ def rms_norm_f32(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray)
 def rotary_f32(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
     """Rotate-half RoPE of ``x`` ``[T, heads, D]`` in place with ``cos`` / ``sin`` ``[T, D]``
     (GIL released), float32, C-contiguous; ValueError on a shape mismatch or odd D."""
+
+class TokenVocab:
+    """The model's vocabulary as a byte trie (built once, shared by every grammar)."""
+
+    def __init__(self, token_bytes: list[bytes], vocab_size: int) -> None:
+        """``token_bytes[i]``: token i's bytes (``b""`` for a special token, never allowed);
+        ids from ``len(token_bytes)`` up to ``vocab_size`` are padding, never allowed."""
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def num_nodes(self) -> int: ...
+
+class GuidedGrammar:
+    """One regex compiled into a byte-level DFA over a vocabulary; thread-safe, shared."""
+
+    def __init__(self, pattern: str, vocab: TokenVocab, eos_token_ids: list[int],
+                 size_limit_bytes: int = ...) -> None:
+        """Rust regex syntax; only full matches can be generated. ValueError on a bad pattern,
+        an automaton over ``size_limit_bytes`` (64 MiB by default) or a bad EOS id."""
+    def start(self) -> GuidedSequence: ...
+    def matches(self, text: str | bytes) -> bool: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def dfa_memory_bytes(self) -> int: ...
+    @property
+    def num_cached_states(self) -> int: ...
+
+class GuidedSequence:
+    """One sequence's position in a grammar."""
+
+    def advance(self, token_id: int) -> bool:
+        """Move past ``token_id``; False (and no move) when the grammar does not allow it."""
+    def write_mask(self, mask: np.ndarray) -> int:
+        """Write the allowed-token mask into ``mask`` (bool ``[vocab_size]``); returns the count."""
+    def allowed_token_ids(self) -> list[int]: ...
+    def copy(self) -> GuidedSequence: ...
+    @property
+    def num_allowed(self) -> int: ...
+    @property
+    def is_accepting(self) -> bool: ...
+    @property
+    def is_finished(self) -> bool: ...
+    @property
+    def vocab_size(self) -> int: ...
