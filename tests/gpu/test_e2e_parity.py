@@ -160,6 +160,36 @@ def test_engine_on_cuda_tokens_and_logprobs_match_transformers(smollm2_cuda, hf_
     assert worst < 2e-3, worst
 
 
+def test_guided_decoding_on_cuda(smollm2_cuda):
+    """Guided decoding with the sampler on the device: every sampled output is valid JSON for
+    its schema, and a plain greedy row in the same batch keeps its unguided tokens."""
+    import json
+
+    from ferrobatch.engine.llm import LLM
+    from ferrobatch.sampling_params import SamplingParams
+
+    _, loaded = smollm2_cuda
+    schema = {"type": "object", "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 30},
+                             "age": {"type": "integer"}}}
+    llm = LLM("smollm2", loaded_model=loaded, device="cuda", num_blocks=NUM_BLOCKS,
+              max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024)
+    try:
+        plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        alone = llm.generate(["The capital of France is"], plain, use_tqdm=False)[0]
+        guided = SamplingParams(max_tokens=80, temperature=1.0, seed=0, n=4,
+                                guided_json=schema)
+        outs = llm.generate(["A person as JSON:", "The capital of France is"], [guided, plain],
+                            use_tqdm=False)
+    finally:
+        llm.close()
+    for c in outs[0].outputs:
+        assert c.finish_reason == "stop", c.text
+        obj = json.loads(c.text)
+        assert set(obj) <= {"name", "age"} and isinstance(obj["age"], int)
+    assert outs[1].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
 def test_cuda_backend_matches_torch_backend_logits(smollm2_cuda):
     """Same step through both backends: logits agree to fp32 attention accuracy."""
     sys.path.insert(0, _MODEL_TESTS)
