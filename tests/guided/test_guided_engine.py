@@ -135,3 +135,46 @@ def test_grammars_are_compiled_once_per_pattern(llm):
     llm.generate(["d"], p)
     assert compiler.num_cached() == n
     assert compiler.grammar("alpha|beta") is compiler.grammar("alpha|beta")
+
+
+class _Refusing:
+    """Wraps a GuidedSequence; refuses the token after `after` accepted ones (what a masking
+    bug would look like to the engine), or reports no continuation when `dead_end`."""
+
+    def __init__(self, inner, after, dead_end=False):
+        self.inner, self.after, self.dead_end = inner, after, dead_end
+        self.is_finished = False
+
+    def write_mask(self, row):
+        return self.inner.write_mask(row)
+
+    @property
+    def num_allowed(self):
+        return 0 if self.dead_end and self.after <= 0 else self.inner.num_allowed
+
+    def advance(self, token):
+        self.after -= 1
+        if self.after < 0 and not self.dead_end:
+            return False
+        return self.inner.advance(token)
+
+
+@pytest.mark.parametrize("dead_end, message", [(False, "not allowed by the grammar"),
+                                               (True, "no token of the vocabulary")])
+async def test_a_grammar_failure_fails_only_its_request(loaded_smollm2, dead_end, message):
+    from ferrobatch.engine.async_engine import AsyncEngine
+
+    async with AsyncEngine(loaded_model=loaded_smollm2, **OPTIONS) as engine:
+        guided = SamplingParams(max_tokens=30, temperature=0.0, guided_regex="[a-z ]{1,60}")
+        bad = engine.add_request("Say something:", guided)
+        extras = bad._state.extras
+        extras.guides[0] = _Refusing(extras.guides[0], after=3, dead_end=dead_end)
+        good = engine.add_request("Say something:", guided)
+        bad_out = [o async for o in bad][-1]
+        good_out = [o async for o in good][-1]
+        assert bad_out.outputs[0].finish_reason == "error" and message in bad_out.error
+        assert good_out.outputs[0].finish_reason in ("stop", "length")
+        assert re.fullmatch("[a-z ]{1,60}", good_out.outputs[0].text)
+        await engine.check_idle_clean()
+        assert engine.stats()["num_used_blocks"] == 0 and engine.is_running
+        assert engine._core.num_tracked() == 0
