@@ -85,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--top-k", type=int, default=0)
         g.add_argument("--seed", type=int, default=None)
         g.add_argument("--system", default=None, help="system prompt (chat)")
+        o = g.add_argument_group("guided decoding (at most one)")
+        o.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                       help="the output follows this JSON Schema (a file path or JSON text)")
+        o.add_argument("--json", action="store_true", help="the output is a JSON object")
+        o.add_argument("--regex", default=None, help="the output is a full match of this regex")
+        o.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                       help="the output is one of these strings (repeat the flag)")
         _engine_args(g)
     return parser
 
@@ -147,10 +154,36 @@ async def _stream_one(engine: Any, params: SamplingParams, prompt: str | None = 
     return "".join(text)
 
 
+def _guided(a: argparse.Namespace) -> dict[str, Any]:
+    """The guided-decoding fields of `generate` / `chat` (ValueError if more than one)."""
+    given = [flag for flag, on in (("--json-schema", a.json_schema is not None),
+                                   ("--json", a.json), ("--regex", a.regex is not None),
+                                   ("--choice", a.choice is not None)) if on]
+    if len(given) > 1:
+        raise ValueError(f"use at most one of {', '.join(given)}")
+    if a.json_schema is not None:
+        text = a.json_schema
+        if not text.lstrip().startswith("{") and os.path.exists(text):
+            with open(text, encoding="utf-8") as f:
+                text = f.read()
+        return {"guided_json": text}
+    if a.json:
+        return {"guided_json": {"type": "object"}}
+    if a.regex is not None:
+        return {"guided_regex": a.regex}
+    if a.choice is not None:
+        return {"guided_choice": tuple(a.choice)}
+    return {}
+
+
+def _params(a: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                          top_k=a.top_k, seed=a.seed, output_kind="delta", **_guided(a))
+
+
 async def _generate(a: argparse.Namespace) -> int:
     from ferrobatch.engine.async_engine import AsyncEngine
-    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
-                            top_k=a.top_k, seed=a.seed, output_kind="delta")
+    params = _params(a)
     async with AsyncEngine(_config(a)) as engine:
         await _stream_one(engine, params, prompt=a.prompt)
     return 0
@@ -158,8 +191,7 @@ async def _generate(a: argparse.Namespace) -> int:
 
 async def _chat(a: argparse.Namespace) -> int:
     from ferrobatch.engine.async_engine import AsyncEngine
-    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
-                            top_k=a.top_k, seed=a.seed, output_kind="delta")
+    params = _params(a)
     history: list[dict[str, str]] = []
     if a.system:
         history.append({"role": "system", "content": a.system})

@@ -67,3 +67,30 @@ async def test_serve_drains_on_sigint(smollm2_gguf_path):
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def test_generate_with_a_json_schema_prints_valid_json(smollm2_gguf_path):
+    import json
+    schema = json.dumps({"type": "object", "required": ["city", "country"],
+                         "properties": {"city": {"type": "string", "maxLength": 30},
+                                        "country": {"type": "string", "maxLength": 30}}})
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferrobatch", "generate", "The capital of France, as JSON:",
+         "--json-schema", schema, "--max-tokens", "60", "--device", "cpu",
+         "--kv-cache-gb", "0.05"], capture_output=True, text=True, env=env, cwd=ROOT,
+        timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    obj = json.loads(proc.stdout.strip())
+    assert set(obj) == {"city", "country"}
+
+
+def test_guided_flags_conflict_is_a_clean_error(capsys):
+    from ferrobatch.cli import main
+    assert main(["generate", "x", "--json", "--regex", "[0-9]+"]) == 2
+    err = capsys.readouterr().err
+    assert "at most one of --json, --regex" in err and "Traceback" not in err
+    for flag in ("--json-schema", "--json", "--regex", "--choice"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["chat", "--help"])
+        assert flag in capsys.readouterr().out
