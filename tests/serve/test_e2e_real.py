@@ -225,6 +225,7 @@ async def test_health_ready_metrics(real, sdk):
     assert 0.0 <= value("kv_cache_usage_perc") <= 1.0
     assert value("num_requests_running") == 0
     assert 'finished_reason="abort"' in text
+    assert value("guided_requests_total") >= 0 and value("guided_grammars_cached") >= 0
 
 
 async def test_lm_eval_style_loglikelihood_through_the_sdk(real, sdk):
@@ -290,10 +291,19 @@ async def test_structured_outputs_on_every_door(real, sdk):
     assert choice.text.startswith("{")
     if choice.finish_reason == "stop":
         assert isinstance(json.loads(choice.text), dict)
+    guided_before = real.engine.counters["guided"]
     picked = await sdk.completions.create(model="smollm2", prompt="The best season is",
                                           max_tokens=8, n=3, temperature=1.0, seed=2,
                                           extra_body={"guided_choice": ["summer", "winter"]})
     assert {c.text for c in picked.choices} <= {"summer", "winter"}
+    assert real.engine.counters["guided"] == guided_before + 1
+    async with aiohttp.ClientSession() as s:
+        async with s.get(real.base + "/metrics") as r:
+            text = await r.text()
+    m = re.search(r"^ferrobatch_guided_requests_total\{[^}]*\} (\S+)$", text, re.M)
+    assert m and float(m.group(1)) == real.engine.counters["guided"]
+    m = re.search(r"^ferrobatch_guided_grammars_cached\{[^}]*\} (\S+)$", text, re.M)
+    assert m and float(m.group(1)) >= 2      # the city schema, json_object, the choice
     for client in (await WSClient.connect(real.ws_url),
                    await TCPClient.connect("127.0.0.1", real.tcp_port)):
         try:

@@ -92,7 +92,7 @@ class AsyncEngine:
         self._stats: dict[str, Any] = {}
         self._compile_lock: asyncio.Lock | None = None     # guided grammars, see prepare()
         self.counters = {"accepted": 0, "released": 0, "rejected": 0, "stop": 0, "length": 0,
-                         "abort": 0, "error": 0}
+                         "abort": 0, "error": 0, "guided": 0}
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -176,6 +176,9 @@ class AsyncEngine:
         s = dict(self._stats)
         s["num_open_requests"] = len(self._requests)
         s["num_unscheduled_requests"] = len(self._unscheduled)
+        s["num_guided_requests_total"] = self.counters["guided"]
+        guided = getattr(self._core, "_guided", None)
+        s["num_guided_grammars_cached"] = guided.num_cached() if guided is not None else 0
         return s
 
     # -- requests ------------------------------------------------------------------------------
@@ -233,6 +236,8 @@ class AsyncEngine:
         self._by_name[name] = req_id
         self._unscheduled.add(req_id)
         self.counters["accepted"] += 1
+        if params.is_guided:
+            self.counters["guided"] += 1
         return RequestStream(self, state)
 
     async def prepare(self, params: SamplingParams) -> None:

@@ -54,6 +54,10 @@ class _SchedulerCollector:
                       s.get("prefix_cache_queries_total", 0))
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       s.get("prefix_cache_hits_total", 0))
+        yield counter("guided_requests", "Accepted requests with guided decoding (JSON Schema, "
+                      "regex or choice).", s.get("num_guided_requests_total", 0))
+        yield gauge("guided_grammars_cached", "Compiled guided-decoding grammars kept for reuse.",
+                    s.get("num_guided_grammars_cached", 0))
 
 
 class ServerMetrics(EngineObserver):
