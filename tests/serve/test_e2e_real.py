@@ -338,3 +338,53 @@ async def test_bad_structured_output_requests_are_400_and_never_stall_streams(re
             await sdk.chat.completions.create(
                 model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                 **kw)
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "required": ["timezone"],
+                                       "properties": {"timezone": {"type": "string",
+                                                                   "maxLength": 40}}}}}
+
+
+async def test_forced_tool_calls_through_the_sdk(real, sdk):
+    import json
+    msgs = [{"role": "user", "content": "What's the weather in Paris?"}]
+    for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        full = await sdk.chat.completions.create(
+            model="smollm2", messages=msgs, tools=[WEATHER_TOOL, TIME_TOOL],
+            tool_choice=tool_choice, max_tokens=80, temperature=0)
+        c = full.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        assert c.message.tool_calls, c
+        for call in c.message.tool_calls:
+            args = json.loads(call.function.arguments)
+            assert call.type == "function" and call.id.startswith("call_")
+            if call.function.name == "get_weather":
+                assert isinstance(args["city"], str) and set(args) <= {"city", "unit"}
+            else:
+                assert call.function.name == "get_time" and isinstance(args["timezone"], str)
+        stream = await sdk.chat.completions.create(
+            model="smollm2", messages=msgs, tools=[WEATHER_TOOL, TIME_TOOL],
+            tool_choice=tool_choice, max_tokens=80, temperature=0, stream=True)
+        streamed, reasons = [], []
+        async for chunk in stream:
+            for ch in chunk.choices:
+                streamed += ch.delta.tool_calls or []
+                reasons += [ch.finish_reason] if ch.finish_reason else []
+        assert reasons == ["tool_calls"]
+        assert [(t.function.name, t.function.arguments) for t in streamed] == \
+            [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+    # cut by max_tokens: no call, the partial text as content, finish "length"
+    cut = await sdk.chat.completions.create(
+        model="smollm2", messages=msgs, tools=[WEATHER_TOOL], tool_choice="required",
+        max_tokens=3, temperature=0)
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
+    assert cut.choices[0].message.content.startswith("[")
+    with pytest.raises(openai.BadRequestError, match="auto"):
+        await sdk.chat.completions.create(model="smollm2", messages=msgs, tools=[WEATHER_TOOL],
+                                          max_tokens=8)

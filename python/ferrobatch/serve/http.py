@@ -25,6 +25,7 @@ from ferrobatch.serve.openai_protocol import OpenAIRequest, choice, envelope, pa
 from ferrobatch.serve.protocol import ProtocolError, error_status
 from ferrobatch.serve.sse import SSEWriter
 from ferrobatch.serve.state import MAX_BODY_BYTES, STATE
+from ferrobatch.serve.tools import tool_calls_from_text
 
 READY_TIMEOUT_S = 30.0
 
@@ -172,9 +173,18 @@ async def _collect(request: web.Request, req: OpenAIRequest, streams: list[Any])
             text, lp, _ = _with_echo(request, req, last[k // n], texts[k], logprobs[k])
         else:
             text, lp = texts[k], _logprobs_shape(request, req, logprobs[k])[0]
-        choices.append(choice(req, k, text, reasons[k], stream=False, logprobs=lp))
+        choices.append(choice(req, k, text, reasons[k], stream=False, logprobs=lp,
+                              tool_calls=_tool_calls(req, text, reasons[k])))
     return web.json_response(envelope(req, choices, chunk=False,
                                       usage_=usage(prompt_tokens, completion)))
+
+
+def _tool_calls(req: OpenAIRequest, text: str, finish_reason: str | None) -> list | None:
+    """A forced tool call's `tool_calls`, once its output is complete (None otherwise: the
+    text then goes out as content, e.g. a call cut by max_tokens)."""
+    if req.tools is None or finish_reason != "stop":
+        return None
+    return tool_calls_from_text(req.tools, text)
 
 
 async def _stream(request: web.Request, req: OpenAIRequest,
@@ -184,6 +194,7 @@ async def _stream(request: web.Request, req: OpenAIRequest,
     completion = 0
     offsets: dict[int, int] = {}      # per choice: completions' text_offset so far
     prompt_outs: dict[int, Any] = {}  # prompt index -> the output with its prompt logprobs
+    held: dict[int, tuple[list[str], list[Any]]] = {}   # forced tool calls: text, logprobs
     try:
         await sse.open()
         if req.kind == "chat":
@@ -201,7 +212,18 @@ async def _stream(request: web.Request, req: OpenAIRequest,
             for c in out.outputs:
                 completion += len(c.token_ids)
                 k = i * n + c.index
-                if req.echo and k not in offsets:          # the choice's first chunk
+                if req.tools is not None:          # a tool call goes out whole, once complete
+                    text, entries = held.setdefault(k, ([], []))
+                    text.append(c.text)
+                    entries.extend(c.logprobs or ())
+                    if c.finish_reason is not None:
+                        whole = "".join(text)
+                        asked = req.params.logprobs is not None
+                        lp = _logprobs_shape(request, req, entries if asked else None)[0]
+                        calls = _tool_calls(req, whole, c.finish_reason)
+                        choices.append(choice(req, k, "" if calls else whole, c.finish_reason,
+                                              stream=True, logprobs=lp, tool_calls=calls))
+                elif req.echo and k not in offsets:          # the choice's first chunk
                     text, lp, offsets[k] = _with_echo(request, req, prompt_outs.get(i, out),
                                                       c.text, c.logprobs)
                     choices.append(choice(req, k, text, c.finish_reason, stream=True,

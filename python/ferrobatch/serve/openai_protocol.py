@@ -9,6 +9,7 @@ from typing import Any
 
 from ferrobatch.sampling_params import MAX_LOGPROBS, SamplingParams
 from ferrobatch.serve.protocol import GUIDED_FIELDS, ProtocolError, sampling_params_from
+from ferrobatch.serve.tools import ToolPlan, parse_tools
 
 MAX_PROMPTS = 64
 
@@ -25,6 +26,7 @@ class OpenAIRequest:
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     echo: bool = False                         # completions: the prompt leads each choice
+    tools: ToolPlan | None = None              # chat: the output is forced tool calls
 
 
 def _check_common(body: Any, model_name: str) -> tuple[bool, bool, str]:
@@ -94,9 +96,15 @@ def parse_chat(body: Any, model_name: str) -> OpenAIRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ProtocolError("'messages' must be a non-empty list", param="messages")
-    if body.get("tools") or body.get("functions"):
-        raise ProtocolError("tools / function calling is not supported", param="tools")
     fields = with_response_format(body)
+    tools = parse_tools(body)
+    if tools is not None:
+        given = [f for f in GUIDED_FIELDS if fields.get(f) is not None]
+        if given:
+            clash = "response_format" if body.get("response_format") else given[0]
+            raise ProtocolError(f"a forced tool call cannot be combined with '{clash}'",
+                                param="tool_choice")
+        fields["guided_json"] = tools.schema
     mct = body.get("max_completion_tokens")
     if mct is not None:
         fields["max_tokens"] = mct
@@ -104,7 +112,7 @@ def parse_chat(body: Any, model_name: str) -> OpenAIRequest:
     params = sampling_params_from(fields, defaults={"max_tokens": None},
                                   output_kind="delta" if stream else "final")
     return OpenAIRequest("chat", [], messages, params, stream, include_usage, model,
-                         id=f"chatcmpl-{secrets.token_hex(12)}")
+                         id=f"chatcmpl-{secrets.token_hex(12)}", tools=tools)
 
 
 def with_response_format(body: dict) -> dict:
@@ -163,18 +171,27 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def choice(req: OpenAIRequest, index: int, text: str, finish_reason: str | None,
-           stream: bool, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+           stream: bool, logprobs: dict[str, Any] | None = None,
+           tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One choice of a response or chunk; `logprobs` is already in the route's shape
-    (`serve.logprobs`), None when not asked for."""
+    (`serve.logprobs`), None when not asked for. With `tool_calls` (chat) the choice carries
+    them instead of content, and a finish by the grammar's end reads "tool_calls"."""
     if req.kind == "completion":
         return {"index": index, "text": text, "logprobs": logprobs,
                 "finish_reason": finish_reason}
+    if tool_calls is not None and finish_reason == "stop":
+        finish_reason = "tool_calls"
     if stream:
         delta: dict[str, Any] = {"content": text} if text else {}
+        if tool_calls is not None:
+            delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(tool_calls)]}
         return {"index": index, "delta": delta, "logprobs": logprobs,
                 "finish_reason": finish_reason}
-    return {"index": index, "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs, "finish_reason": finish_reason}
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls is not None:
+        message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": finish_reason}
 
 
 def envelope(req: OpenAIRequest, choices: list[dict[str, Any]], *, chunk: bool,

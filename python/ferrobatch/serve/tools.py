@@ -1,0 +1,115 @@
+"""Tool calls on the chat route, forced through guided decoding.
+
+A request with `tools` and `tool_choice` "required" or a named function gets its output
+constrained to a JSON text that *is* the call: the named function's `parameters` object, or, for
+"required", a non-empty array of `{"name": ..., "parameters": {...}}` over the listed tools.
+The reply then carries `tool_calls` (with `function.arguments` as a JSON string) instead of
+`content`, and `finish_reason` "tool_calls". "none" ignores the tools. "auto" (the default
+when tools are sent) would need the model's own tool-call format, which SmolLM2 has none of:
+it is refused with a 400 that says what to send instead. The model sees the tools only if its
+chat template renders them; the grammar guarantees a well-formed call either way.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from ferrobatch.serve.protocol import ProtocolError
+
+MAX_TOOLS = 128
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How a chat request's output becomes tool calls."""
+
+    mode: str                       # "named" (one call of `names[0]`) or "required" (1+ calls)
+    names: tuple[str, ...]
+    schema: dict[str, Any]          # what the output is guided by (SamplingParams.guided_json)
+
+
+def _tool_list(tools: Any) -> dict[str, dict[str, Any]]:
+    """name -> parameters schema, checking the OpenAI `tools` shape."""
+    if not isinstance(tools, list) or not tools:
+        raise ProtocolError("'tools' must be a non-empty list", param="tools")
+    if len(tools) > MAX_TOOLS:
+        raise ProtocolError(f"at most {MAX_TOOLS} tools are allowed", param="tools")
+    out: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
+            raise ProtocolError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}",
+                                param="tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ProtocolError(f"tools[{i}].function.name must be 1-64 letters, digits, '_' or "
+                                "'-'", param="tools")
+        if name in out:
+            raise ProtocolError(f"tool {name!r} is listed twice", param="tools")
+        params = fn.get("parameters")
+        if params is None:      # no parameters: a call takes an empty object
+            params = {"type": "object", "properties": {}, "additionalProperties": False}
+        if not isinstance(params, dict):
+            raise ProtocolError(f"tools[{i}].function.parameters must be a JSON Schema object",
+                                param="tools")
+        out[name] = params
+    return out
+
+
+def parse_tools(body: dict[str, Any]) -> ToolPlan | None:
+    """The request's tool plan, or None when it asks for no tool call."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if body.get("functions") is not None or body.get("function_call") is not None:
+        raise ProtocolError("'functions' / 'function_call' are deprecated: send 'tools' and "
+                            "'tool_choice'", param="functions")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise ProtocolError("'tool_choice' needs 'tools'", param="tool_choice")
+        return None
+    listed = _tool_list(tools)
+    if choice == "none":
+        return None
+    if choice is None or choice == "auto":
+        raise ProtocolError("tool_choice 'auto' needs a tool-call format this model does not "
+                            "have; send tool_choice 'required' or {'type': 'function', "
+                            "'function': {'name': ...}} (the call is then guaranteed "
+                            "well-formed), or 'none'", param="tool_choice")
+    if choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"const": name},
+                                                    "parameters": params},
+                  "required": ["name", "parameters"]} for name, params in listed.items()]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        return ToolPlan("required", tuple(listed), schema)
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" \
+            or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ProtocolError("'tool_choice' must be 'none', 'auto', 'required' or "
+                            "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+    if fn["name"] not in listed:
+        raise ProtocolError(f"tool_choice names {fn['name']!r}, which is not in 'tools'",
+                            param="tool_choice")
+    return ToolPlan("named", (fn["name"],), listed[fn["name"]])
+
+
+def tool_calls_from_text(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
+    """The OpenAI `tool_calls` of a finished output (None when the text is not a whole call,
+    e.g. cut by max_tokens)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if plan.mode == "named":
+        calls = [(plan.names[0], value)]
+    else:
+        if not isinstance(value, list) or not all(
+                isinstance(c, dict) and c.get("name") in plan.names for c in value):
+            return None
+        calls = [(c["name"], c.get("parameters", {})) for c in value]
+    return [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
+             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+            for name, args in calls]
