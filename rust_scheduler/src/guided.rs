@@ -14,6 +14,8 @@
 //!   match); it is then the only way to leave an accepting state that no token can extend.
 //! - `GuidedSequence::advance` accepts exactly the tokens `allowed_tokens` reports, so a sequence
 //!   that only ever samples allowed tokens never leaves the set of live states.
+//! - The per-state cache holds at most `MAX_CACHED_STATES` entries (it is emptied when full), so
+//!   a grammar's memory stays bounded however many states its sequences visit.
 //! - Compilation is bounded: the NFA, the determinisation and the DFA each have a size limit, and
 //!   a pattern over it is refused with `GuidedError::TooLarge` instead of eating memory.
 
@@ -30,6 +32,10 @@ use std::sync::Arc;
 
 /// Default bound on each of: the compiled NFA, the determiniser's working memory, the DFA.
 pub const DEFAULT_SIZE_LIMIT_BYTES: usize = 64 << 20;
+
+/// At most this many states keep their allowed tokens cached per grammar (each costs
+/// vocab_size / 8 bytes: 6 KiB for a 49k vocabulary, so 12 MiB); past it the cache starts over.
+pub const MAX_CACHED_STATES: usize = 2048;
 
 /// Why a grammar could not be built or used.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -314,7 +320,11 @@ impl Grammar {
             return Arc::clone(hit);
         }
         let computed = Arc::new(self.compute_allowed(state));
-        Arc::clone(self.cache.lock().entry(state).or_insert(computed))
+        let mut cache = self.cache.lock();
+        if cache.len() >= MAX_CACHED_STATES && !cache.contains_key(&state) {
+            cache.clear(); // rare: the states in use are recomputed on their next visit
+        }
+        Arc::clone(cache.entry(state).or_insert(computed))
     }
 
     fn compute_allowed(&self, state: StateID) -> AllowedTokens {
@@ -608,6 +618,25 @@ mod tests {
         let again = s.allowed_tokens();
         assert!(Arc::ptr_eq(&allowed, &again));
         assert_eq!(g.num_cached_states(), 1);
+    }
+
+    #[test]
+    fn the_mask_cache_stays_bounded_and_correct() {
+        // [0-9]{n} has n + 1 states on the walk; go well past the cap
+        let n = MAX_CACHED_STATES + 500;
+        let (g, tokens, eos) = grammar(&format!("[0-9]{{{n}}}"));
+        let digit = tokens.iter().position(|t| t == b"7").unwrap();
+        let mut s = GuidedSequence::new(Arc::clone(&g));
+        for i in 0..n {
+            let allowed = s.allowed_tokens();
+            assert!(
+                allowed.contains(digit) && !allowed.contains(eos as usize),
+                "step {i}"
+            );
+            assert!(g.num_cached_states() <= MAX_CACHED_STATES);
+            assert!(s.advance(digit));
+        }
+        assert_eq!(s.allowed_tokens().ids(), vec![eos]);
     }
 
     #[test]

@@ -16,7 +16,10 @@ from typing import Any
 from ferrobatch.guided.json_schema import choice_to_regex, schema_to_regex
 from ferrobatch.sampling_params import SamplingParams
 
-GRAMMAR_CACHE_SIZE = 64
+# Grammars kept for reuse. Each holds its DFA (<= GRAMMAR_SIZE_LIMIT_BYTES) and at most 2048
+# cached state masks (12 MiB for a 49k vocabulary; `MAX_CACHED_STATES` in guided.rs), so the
+# cache's memory is bounded however many distinct schemas clients send.
+GRAMMAR_CACHE_SIZE = 32
 # Each of the NFA, the determinisation's working memory and the DFA; bounds a compile to well
 # under a second (it runs on the thread that accepts the request).
 GRAMMAR_SIZE_LIMIT_BYTES = 32 << 20
