@@ -25,13 +25,16 @@ property is left out, an array becomes empty, an `anyOf` branch goes).
 Approximations (the output is a subset of the valid texts, never a superset, except where noted):
 properties appear only in schema order; `additionalProperties` is treated as false whenever
 `properties` is given; `enum`/`const` values are written compactly; strings use canonical escapes
-where the schema fixes their text; a `pattern` is anchored at both ends (JSON Schema searches), may
-not contain the constructs above, and is rewritten so that `"`, `\\` and control characters appear
-JSON-escaped (`string_pattern`); formats are "date", "time", "date-time" (both with a UTC offset)
-and "uuid". Superset: `oneOf` is treated as `anyOf`, and `minimum`, `maximum`, `exclusiveMinimum`,
-`exclusiveMaximum`, `multipleOf` and `uniqueItems` are ignored, like the annotations (`title`,
-`description`, `default`, `examples`, ...). Any other keyword, and any construct that cannot be
-honoured, raises `GuidedSchemaError`, naming the keyword and its path.
+where the schema fixes their text; a `pattern` is anchored at both ends (JSON Schema searches), reads
+`\\d \\w \\s` as ASCII classes and `.` as ECMA-262 does (any character but `\\n`, `\\r`, U+2028,
+U+2029), may not use lookaround, backreferences, `\\b`, `\\p{..}` or flags, and is rewritten into the
+dialect above so that `"`, `\\` and control characters appear JSON-escaped (`string_pattern`);
+formats are "date", "time", "date-time" (both with a UTC offset) and "uuid". Superset: `oneOf` is
+treated as `anyOf`; a pattern's `\\S` (or `[^\\s]`) also admits the Unicode spaces, such as U+00A0,
+that ECMA-262's `\\s` matches; `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`,
+`multipleOf` and `uniqueItems` are ignored, like the annotations (`title`, `description`, `default`,
+`examples`, ...). Any other keyword, and any construct that cannot be honoured, raises
+`GuidedSchemaError`, naming the keyword and its path.
 """
 
 from __future__ import annotations
