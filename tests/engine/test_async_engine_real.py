@@ -100,3 +100,41 @@ def test_rows_all_finite_catches_one_bad_element_anywhere():
     # finite values whose sum overflows: reported as "check exactly", never as finite-and-bad
     huge = torch.full((2, 8), 3e38)
     assert not rows_all_finite(huge) and bool(torch.isfinite(huge).all())
+
+
+async def test_long_prompts_are_tokenized_off_the_event_loop(loaded_smollm2):
+    """A long prompt is tokenized on a worker thread by `prepare` (every door calls it before
+    `add_request`), so the event loop never runs a ~0.7 s encode; `add_request` then uses those
+    ids, which equal the inline encode's."""
+    import threading
+
+    from ferrobatch.model.tokenizer import LONG_TEXT_CHARS
+
+    async with AsyncEngine(loaded_model=loaded_smollm2, **REAL_ENGINE_OPTIONS) as engine:
+        tok = engine.tokenizer
+        encode, threads = tok.encode, []
+
+        def recording_encode(text, *a, **kw):
+            threads.append((len(text), threading.current_thread() is threading.main_thread()))
+            return encode(text, *a, **kw)
+
+        tok.encode = recording_encode
+        try:
+            # long in characters, short in tokens (runs of '=' are few tokens), under the
+            # test engine's 2048-token context
+            long_text = ("=" * 39 + " The sea.\n") * (LONG_TEXT_CHARS // 48 + 1)
+            params = SamplingParams(max_tokens=2, temperature=0.0)
+            outs = [o async for o in engine.generate(long_text, params)]
+            assert threads == [(len(long_text), False)]         # once, on a worker thread
+            assert outs[-1].prompt_token_ids == encode(long_text)
+            threads.clear()
+            [o async for o in engine.generate("short prompt", params)]
+            assert threads == [(12, True)]                       # short: inline, no hand-off
+            threads.clear()
+            chat = [{"role": "user", "content": long_text}]
+            outs = [o async for o in engine.generate(None, params, messages=chat)]
+            assert len(threads) == 1 and threads[0][1] is False
+            assert engine._pretokenized == {}
+        finally:
+            tok.encode = encode
+        await engine.check_idle_clean()

@@ -254,3 +254,21 @@ def test_add_many_equals_the_joined_pieces(tokenizer, general):
     assert joined == tokenizer.decode(ids)
     with pytest.raises(ValueError):
         IncrementalDetokenizer(tok, stop=["x"]).add_many(ids)
+
+
+def test_long_texts_encode_exactly_like_short_ones(tokenizer):
+    """Texts of LONG_TEXT_CHARS or more go through the GIL-releasing batch encode: the ids must
+    be the very ids of the plain encode, special-token text and all."""
+    from ferrobatch.model.tokenizer import LONG_TEXT_CHARS
+
+    pieces = ["Hello, world! ", "<|im_start|>user\n", "naïve café 東京 🙂 ", "  \t\n", "x=1+2; ",
+              "<|im_end|>\n", "1234567890 "]
+    text = "".join(pieces[i % len(pieces)] for i in range(LONG_TEXT_CHARS // 8))
+    assert len(text) >= LONG_TEXT_CHARS
+    backend = tokenizer.backend
+    assert tokenizer.encode(text) == backend.encode(text, add_special_tokens=False).ids
+    plain = tokenizer.encode(text, parse_special=False)      # special text as plain text
+    assert plain == tokenizer._plain_text_backend.encode(text, add_special_tokens=False).ids
+    assert len(plain) > len(tokenizer.encode(text))
+    assert tokenizer.encode(text[:LONG_TEXT_CHARS - 1]) == \
+        backend.encode(text[:LONG_TEXT_CHARS - 1], add_special_tokens=False).ids

@@ -21,14 +21,21 @@ from typing import Any
 
 from ferrobatch.config import EngineConfig
 from ferrobatch.engine.errors import DuplicateRequestError, EngineDeadError, QueueFullError
-from ferrobatch.engine.inputs import check_prompt_text, check_token_ids, normalize_messages
+from ferrobatch.engine.inputs import (
+    MAX_PROMPT_CHARS,
+    check_prompt_text,
+    check_token_ids,
+    normalize_messages,
+)
 from ferrobatch.engine.observer import EngineObserver
 from ferrobatch.engine.request_state import LogprobMismatch, RequestState
 from ferrobatch.engine.step_loop import StepLoop
+from ferrobatch.model.tokenizer import LONG_TEXT_CHARS
 from ferrobatch.outputs import RequestOutput
 from ferrobatch.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
+PRETOKENIZED_KEPT = 8        # long prompts tokenized by prepare() and not yet added
 
 
 class RequestStream:
@@ -91,6 +98,7 @@ class AsyncEngine:
         self._stopped = False
         self._stats: dict[str, Any] = {}
         self._compile_lock: asyncio.Lock | None = None     # guided grammars, see prepare()
+        self._pretokenized: dict[str, list[int]] = {}      # long prompts, see prepare()
         self.counters = {"accepted": 0, "released": 0, "rejected": 0, "stop": 0, "length": 0,
                          "abort": 0, "error": 0, "guided": 0}
 
@@ -212,7 +220,9 @@ class AsyncEngine:
             prompt = self.render_chat(messages)
         if isinstance(prompt, str):
             text: str | None = check_prompt_text(prompt)
-            ids = list(core.tokenizer.encode(prompt))
+            ids = self._pretokenized.pop(prompt, None)        # see prepare()
+            if ids is None:
+                ids = list(core.tokenizer.encode(prompt))
             if not ids:
                 raise ValueError("prompt must not be empty")
             check_token_ids(ids, core.vocab_size, core.max_model_len)
@@ -240,12 +250,28 @@ class AsyncEngine:
             self.counters["guided"] += 1
         return RequestStream(self, state)
 
-    async def prepare(self, params: SamplingParams) -> None:
-        """Compile a guided request's grammar off the event loop (one compile at a time), so
-        that `add_request` finds it cached; a no-op for other requests. A pathological pattern
-        can take a second to be refused: this keeps every other stream flowing meanwhile.
-        Raises ValueError for a grammar that cannot be used."""
-        if not params.is_guided or not self.is_running:
+    async def prepare(self, params: SamplingParams | None, prompt: Prompt | None = None,
+                      messages: Any = None) -> None:
+        """The slow parts of accepting a request, done off the event loop so that the
+        `add_request` that follows finds them done: a long text prompt (or rendered chat) is
+        tokenized on a worker thread, and a guided request's grammar is compiled (one compile
+        at a time; a pathological pattern can take a second to be refused). Optional: without
+        it `add_request` does the same work inline. Raises ValueError for a grammar that cannot
+        be used; a bad prompt is left for `add_request` to report."""
+        if not self.is_running:
+            return
+        text = prompt if isinstance(prompt, str) else None
+        if messages is not None and prompt is None:
+            try:
+                text = self.render_chat(messages)
+            except ValueError:
+                text = None
+        if text is not None and LONG_TEXT_CHARS <= len(text) <= MAX_PROMPT_CHARS:
+            ids = await asyncio.to_thread(self._core.tokenizer.encode, text)
+            self._pretokenized[text] = ids
+            while len(self._pretokenized) > PRETOKENIZED_KEPT:
+                self._pretokenized.pop(next(iter(self._pretokenized)))
+        if params is None or not params.is_guided:
             return
         from ferrobatch.guided.compiler import pattern_for
         if self._compile_lock is None:
@@ -258,8 +284,7 @@ class AsyncEngine:
                        request_id: str | None = None, *,
                        messages: Any = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs; leaving the loop early aborts the request."""
-        if params is not None:
-            await self.prepare(params)
+        await self.prepare(params, prompt, messages)
         stream = self.add_request(prompt, params, request_id, messages=messages)
         try:
             async for out in stream:

@@ -68,7 +68,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, req: OpenAIRequest) -> web.StreamResponse:
     engine = request.app[STATE].engine
     streams: list[Any] = []
-    await engine.prepare(req.params)        # a guided grammar compiles off the event loop
+    # long prompts are tokenized, and a guided grammar compiled, off the event loop
+    if req.kind == "chat":
+        await engine.prepare(req.params, messages=req.messages)
+    else:
+        for p in req.prompts:
+            await engine.prepare(req.params, p)
     try:
         if req.kind == "chat":
             streams.append(engine.add_request(None, req.params, messages=req.messages))

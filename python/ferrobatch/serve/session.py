@@ -65,7 +65,8 @@ class Session:
                 raise ProtocolError("send 'hello' first" if self._require_hello
                                     else "authentication required", code=401)
             if kind == "generate":
-                await self._engine.prepare(payload.params)   # a guided grammar, off the loop
+                # a long prompt's tokens and a guided grammar, computed off the event loop
+                await self._engine.prepare(payload.params, payload.prompt, payload.messages)
                 self._generate(payload, binary)
             else:
                 await self._cancel(payload, binary)
