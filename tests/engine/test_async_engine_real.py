@@ -131,9 +131,11 @@ async def test_long_prompts_are_tokenized_off_the_event_loop(loaded_smollm2):
             [o async for o in engine.generate("short prompt", params)]
             assert threads == [(12, True)]                       # short: inline, no hand-off
             threads.clear()
-            chat = [{"role": "user", "content": long_text}]
-            outs = [o async for o in engine.generate(None, params, messages=chat)]
-            assert len(threads) == 1 and threads[0][1] is False
+            for content in (long_text, [{"type": "text", "text": long_text}]):
+                threads.clear()
+                chat = [{"role": "user", "content": content}]
+                [o async for o in engine.generate(None, params, messages=chat)]
+                assert len(threads) == 1 and threads[0][1] is False
             assert engine._pretokenized == {}
         finally:
             tok.encode = encode

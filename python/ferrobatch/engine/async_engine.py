@@ -38,6 +38,21 @@ Prompt = str | Sequence[int]
 PRETOKENIZED_KEPT = 8        # long prompts tokenized by prepare() and not yet added
 
 
+def _content_chars(messages: Any) -> int:
+    """Characters of a chat's string contents (a cheap lower bound of its rendered length)."""
+    if not isinstance(messages, (list, tuple)):
+        return 0
+    total = 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):          # text parts
+            total += sum(len(p["text"]) for p in content
+                         if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return total
+
+
 class RequestStream:
     """Async iterator over one request's outputs; `abort()` cancels it."""
 
@@ -261,7 +276,8 @@ class AsyncEngine:
         if not self.is_running:
             return
         text = prompt if isinstance(prompt, str) else None
-        if messages is not None and prompt is None:
+        if messages is not None and prompt is None and _content_chars(messages) >= \
+                LONG_TEXT_CHARS // 2:          # short chats are rendered once, in add_request
             try:
                 text = self.render_chat(messages)
             except ValueError:
