@@ -289,12 +289,10 @@ class AsyncEngine:
                 self._pretokenized.pop(next(iter(self._pretokenized)))
         if params is None or not params.is_guided:
             return
-        from ferrobatch.guided.compiler import pattern_for
         if self._compile_lock is None:
             self._compile_lock = asyncio.Lock()
         async with self._compile_lock:
-            compiler = self._core.guided
-            await asyncio.to_thread(lambda: compiler.grammar(pattern_for(params)))
+            await asyncio.to_thread(self._core.guided.grammar_for, params)
 
     async def generate(self, prompt: Prompt | None = None, params: SamplingParams | None = None,
                        request_id: str | None = None, *,

@@ -8,6 +8,7 @@ small LRU cache, so requests with the same schema share one grammar and its per-
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ from ferrobatch.sampling_params import SamplingParams
 # cache's memory is bounded however many distinct schemas clients send.
 GRAMMAR_CACHE_SIZE = 32
 # Each of the NFA, the determinisation's working memory and the DFA; bounds a compile to well
-# under a second (it runs on the thread that accepts the request).
+# under a second (`AsyncEngine.prepare` runs it on a worker thread).
 GRAMMAR_SIZE_LIMIT_BYTES = 32 << 20
 
 
@@ -51,6 +52,7 @@ class GuidedCompiler:
         self.size_limit_bytes = size_limit_bytes
         self._vocab: Any = None
         self._grammars: OrderedDict[str, Any] = OrderedDict()
+        self._patterns: OrderedDict[str, str] = OrderedDict()   # guided field -> its regex
         self._lock = threading.Lock()
 
     def _vocabulary(self) -> Any:
@@ -83,13 +85,31 @@ class GuidedCompiler:
                 self._grammars.popitem(last=False)
         return grammar
 
+    def grammar_for(self, params: SamplingParams) -> Any:
+        """The grammar of a guided request. A schema or choice list is written as a regex once
+        per distinct value (so `prepare` and `submit` do not both convert it)."""
+        if params.guided_regex is not None:
+            return self.grammar(params.guided_regex)
+        try:
+            key = json.dumps([params.guided_json, params.guided_choice], sort_keys=True)
+        except (TypeError, ValueError):         # not JSON data: the converter says why
+            return self.grammar(pattern_for(params))
+        with self._lock:
+            pattern = self._patterns.get(key)
+        if pattern is None:
+            pattern = pattern_for(params)
+            with self._lock:
+                self._patterns[key] = pattern
+                while len(self._patterns) > self.cache_size:
+                    self._patterns.popitem(last=False)
+        return self.grammar(pattern)
+
     def sequences(self, params: SamplingParams) -> list[Any] | None:
         """One `GuidedSequence` per sequence of the request, at the grammar's start; None for
         an unguided request. ValueError when the grammar is bad or no token can start it."""
         if not params.is_guided:
             return None
-        grammar = self.grammar(pattern_for(params))
-        first = grammar.start()
+        first = self.grammar_for(params).start()
         if first.num_allowed == 0:
             raise ValueError("no token of this model's vocabulary can start an output the "
                              "guided decoding field allows")

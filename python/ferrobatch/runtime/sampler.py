@@ -2,10 +2,11 @@
 per-request seeds and logprobs, all driven by the step's per-sample arrays.
 
 A guided row (structured outputs) only keeps the logits of the tokens its grammar allows; that
-mask is applied last, after penalties and bias. Greedy rows take the exact argmax of the (penalised) logits. A seeded row draws its token with the
-exponential-race trick (``argmax(p / q)``, ``q ~ Exp(1)``) from a generator keyed by
-``(seed, sample_output_lens, sample_seq_indices)``, so its token depends only on that key and its
-own logits row, never on the rest of the batch. Logprobs are ``log_softmax`` of the raw model logits.
+mask is applied last, after penalties and bias. Greedy rows take the exact argmax of the
+(penalised) logits. A seeded row draws its token with the exponential-race trick
+(``argmax(p / q)``, ``q ~ Exp(1)``) from a generator keyed by ``(seed, sample_output_lens,
+sample_seq_indices)``, so its token depends only on that key and its own logits row, never on
+the rest of the batch. Logprobs are ``log_softmax`` of the raw model logits.
 """
 
 from __future__ import annotations
