@@ -34,9 +34,12 @@ class Intake:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         seed: int | None = None,
+        speculate: bool = False,
     ) -> None:
         """Validate and enqueue; never blocks. Raises ValueError (bad input, can never fit,
-        duplicate live id) or QueueFullError."""
+        duplicate live id) or QueueFullError. `speculate=True` lets prompt lookup draft this
+        request's tokens (the caller vouches that each row's token is its argmax and that
+        nothing per token is kept on the Python side; ignored when n > 1)."""
     def abort(self, request_id: int, seq_index: int = -1, reason: str = "abort") -> None:
         """Abort one sequence or all (-1). reason: "abort" (3), "stop" (1) or "error" (4).
         Unknown / finished ids are ignored. Raises QueueFullError if the queue is full."""
@@ -75,6 +78,7 @@ class StepBatch:
     num_samples: int
     num_prefill_tokens: int
     num_decode_tokens: int
+    num_draft_tokens: int  # speculative drafts: a drafted sequence has 1 + drafts rows sampled
     max_blocks_per_seq: int
 
 class StepOutput:
@@ -102,6 +106,10 @@ class Scheduler:
         max_preemptions: int = 8,
         intake_capacity: int = 4096,
         long_prefill_token_threshold: int = 0,
+        num_speculative_tokens: int = 0,
+        speculative_ngram_min: int = 2,
+        speculative_ngram_max: int = 4,
+        speculative_max_running: int = 0,
     ) -> None: ...
     def intake(self) -> Intake: ...
     def schedule(self) -> StepBatch:

@@ -39,6 +39,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "else the torch reference")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eagerly (no decode CUDA graphs)")
+    g.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
+                   help="speculative decoding by prompt lookup: up to K tokens drafted from "
+                   "the sequence's own earlier text and checked in one step (greedy requests; "
+                   "0 = off)")
+    g.add_argument("--speculative-max-running", type=int, default=4, metavar="N",
+                   help="draft only while at most N sequences run (0 = at any load)")
+    g.add_argument("--speculative-ngram", type=int, nargs=2, default=(2, 4),
+                   metavar=("MIN", "MAX"), help="n-gram lengths prompt lookup matches")
     g.add_argument("--no-gguf-blocks", action="store_true",
                    help="CPU: never read a GGUF model's Q4_1/Q8_0 blocks (float32 panels only; "
                    "saves their memory, slower steps of <= 4 rows)")
@@ -52,7 +60,9 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
         scheduling_policy=a.scheduling_policy, max_queued_requests=a.max_queued_requests,
         attn_backend=a.attention_backend, cuda_graphs=not a.enforce_eager,
-        gguf_blocks=not a.no_gguf_blocks)
+        gguf_blocks=not a.no_gguf_blocks, num_speculative_tokens=a.num_speculative_tokens,
+        speculative_max_running=a.speculative_max_running,
+        speculative_ngram_min=a.speculative_ngram[0], speculative_ngram_max=a.speculative_ngram[1])
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 POLICIES = ("fcfs", "priority")
+MAX_SPECULATIVE_TOKENS = 16     # also the longest n-gram (the Rust scheduler's limits)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,12 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"      # "fcfs" or "priority" (lower value runs first)
     max_preemptions: int = 8
     intake_capacity: int = 4096
+
+    # Speculative decoding by prompt lookup (greedy requests; README "Speculative decoding")
+    num_speculative_tokens: int = 0      # drafts checked per step and sequence (0 = off, <= 16)
+    speculative_ngram_min: int = 2       # shortest / longest n-gram matched in the sequence
+    speculative_ngram_max: int = 4
+    speculative_max_running: int = 4     # draft only while at most this many run (0 = any load)
 
     # Admission limits (validated before anything is allocated)
     max_queued_requests: int = 1024      # accepted but not yet scheduled; beyond -> QueueFullError
@@ -76,6 +83,19 @@ class EngineConfig:
         if isinstance(self.max_preemptions, bool) or not isinstance(self.max_preemptions, int) \
                 or self.max_preemptions < 0:
             raise ValueError(f"max_preemptions must be an integer >= 0, got {self.max_preemptions!r}")
+        for name in ("num_speculative_tokens", "speculative_max_running"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, got "
+                             f"{self.num_speculative_tokens}")
+        lo, hi = self.speculative_ngram_min, self.speculative_ngram_max
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (lo, hi)) \
+                or not 1 <= lo <= hi <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative n-gram lengths must satisfy 1 <= "
+                             f"speculative_ngram_min <= speculative_ngram_max <= "
+                             f"{MAX_SPECULATIVE_TOKENS}, got {lo!r} and {hi!r}")
         if self.num_blocks is not None:
             positive_int("num_blocks")
             if self.num_blocks < 2:

@@ -193,6 +193,16 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
     @property
+    def allows_speculation(self) -> bool:
+        """True when prompt-lookup drafts may be checked for this request in one step: greedy,
+        one sequence, and nothing the sampler keeps or applies per token (penalties, bias,
+        logprobs, a grammar). Then every token is the argmax of its row, whichever row
+        computed it, and speculation cannot change the output."""
+        return (self.temperature == 0.0 and self.n == 1 and not self.needs_token_history
+                and not self.logit_bias and self.logprobs is None
+                and self.prompt_logprobs is None and not self.is_guided)
+
+    @property
     def needs_token_history(self) -> bool:
         """True when the sampler needs this request's generated tokens (penalties)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0

@@ -61,6 +61,9 @@ pub struct StepBatch {
     pub num_prefill_tokens: usize,
     /// Tokens of sequences decoding one generated token.
     pub num_decode_tokens: usize,
+    /// Draft tokens (speculative decoding) computed after a decode token: such a sequence has
+    /// `1 + drafts` query tokens and as many sampled rows.
+    pub num_draft_tokens: usize,
 }
 
 impl StepBatch {
@@ -91,6 +94,7 @@ impl StepBatch {
         self.suppress_eos.clear();
         self.num_prefill_tokens = 0;
         self.num_decode_tokens = 0;
+        self.num_draft_tokens = 0;
     }
 
     /// T.

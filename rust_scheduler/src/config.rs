@@ -4,7 +4,9 @@
 //! - `num_blocks >= 2` (block 0 is the reserved null block, at least one usable block);
 //! - every size, budget and capacity is `>= 1`; `num_blocks * block_size` fits in `i32`
 //!   (slot ids are int32 in the step arrays);
-//! - every EOS id lies in `[0, vocab_size)`.
+//! - every EOS id lies in `[0, vocab_size)`;
+//! - `num_speculative_tokens <= 16` and below `max_num_batched_tokens`; the n-gram lengths
+//!   satisfy `1 <= speculative_ngram_min <= speculative_ngram_max <= 16`.
 
 use crate::error::SchedError;
 
@@ -30,6 +32,11 @@ impl Policy {
         }
     }
 }
+
+/// Most draft tokens per sequence and step.
+pub const MAX_SPECULATIVE_TOKENS: usize = 16;
+/// Longest n-gram prompt lookup may match.
+pub const MAX_SPECULATIVE_NGRAM: usize = 16;
 
 /// Static configuration of a [`crate::scheduler::Scheduler`].
 #[derive(Debug, Clone)]
@@ -58,6 +65,15 @@ pub struct SchedulerConfig {
     pub intake_capacity: usize,
     /// Cap on prompt tokens one sequence computes per step (0 = only the step budget caps it).
     pub long_prefill_token_threshold: usize,
+    /// Draft tokens proposed by prompt lookup for each eligible decode (0 = no speculation).
+    pub num_speculative_tokens: usize,
+    /// Shortest n-gram the prompt-lookup search matches.
+    pub speculative_ngram_min: usize,
+    /// Longest n-gram the prompt-lookup search matches (tried first).
+    pub speculative_ngram_max: usize,
+    /// Drafts are proposed only while at most this many sequences run (0 = at any load):
+    /// a larger step is bound by compute, and rejected drafts would only cost.
+    pub speculative_max_running: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -75,6 +91,10 @@ impl Default for SchedulerConfig {
             max_preemptions: 8,
             intake_capacity: 4096,
             long_prefill_token_threshold: 0,
+            num_speculative_tokens: 0,
+            speculative_ngram_min: 2,
+            speculative_ngram_max: 4,
+            speculative_max_running: 0,
         }
     }
 }
@@ -117,6 +137,25 @@ impl SchedulerConfig {
         }
         if self.max_model_len > i32::MAX as usize || self.vocab_size > i32::MAX as usize {
             return bad("max_model_len and vocab_size must fit in int32".to_string());
+        }
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS
+            || self.num_speculative_tokens >= self.max_num_batched_tokens
+        {
+            return bad(format!(
+                "num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS} and below \
+                 max_num_batched_tokens ({}), got {}",
+                self.max_num_batched_tokens, self.num_speculative_tokens
+            ));
+        }
+        if self.speculative_ngram_min == 0
+            || self.speculative_ngram_max < self.speculative_ngram_min
+            || self.speculative_ngram_max > MAX_SPECULATIVE_NGRAM
+        {
+            return bad(format!(
+                "speculative n-gram lengths must satisfy 1 <= min <= max <= \
+                 {MAX_SPECULATIVE_NGRAM}, got min {} and max {}",
+                self.speculative_ngram_min, self.speculative_ngram_max
+            ));
         }
         for &e in &self.eos_token_ids {
             if e < 0 || e as usize >= self.vocab_size {

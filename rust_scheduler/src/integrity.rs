@@ -5,7 +5,7 @@ use crate::block_pool::NULL_BLOCK;
 use crate::error::IntegrityError;
 use crate::request::SeqStatus;
 use crate::scheduler::Scheduler;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 impl Scheduler {
     /// Checks that blocks, ref counts, queues and request groups agree; describes the first
@@ -16,10 +16,14 @@ impl Scheduler {
         let bs = self.cfg.block_size;
         let mut refs = vec![0u32; self.pool.num_blocks()];
         let mut live = 0usize;
-        let scheduled: HashSet<u32> = if self.awaiting_update {
-            self.scheduled.iter().map(|x| x.handle).collect()
+        // handle -> tokens (new + draft) it computes this step, while a step is out
+        let scheduled: HashMap<u32, usize> = if self.awaiting_update {
+            self.scheduled
+                .iter()
+                .map(|x| (x.handle, x.num_new + x.num_draft))
+                .collect()
         } else {
-            HashSet::new()
+            HashMap::new()
         };
         for (h, s) in self.seqs.iter().enumerate() {
             let Some(s) = s else { continue };
@@ -59,12 +63,16 @@ impl Scheduler {
                     if !self.running.contains(&h) {
                         return err(format!("running sequence {h} is not in the running list"));
                     }
-                    let want = if scheduled.contains(&h) {
-                        None
+                    if let Some(&step) = scheduled.get(&h) {
+                        let w = (s.num_computed_tokens + step).div_ceil(bs);
+                        if s.blocks.len() != w {
+                            return err(format!(
+                                "scheduled sequence {h} holds {} blocks, expected {w}",
+                                s.blocks.len()
+                            ));
+                        }
                     } else {
-                        Some(s.num_computed_tokens.div_ceil(bs))
-                    };
-                    if let Some(w) = want {
+                        let w = s.num_computed_tokens.div_ceil(bs);
                         if s.blocks.len() != w {
                             return err(format!(
                                 "running sequence {h} holds {} blocks, expected {w}",
@@ -76,8 +84,6 @@ impl Scheduler {
                                 "running sequence {h} has nothing left to compute"
                             ));
                         }
-                    } else if s.blocks.len() < s.num_computed_tokens.div_ceil(bs) {
-                        return err(format!("scheduled sequence {h} lacks blocks"));
                     }
                 }
             }

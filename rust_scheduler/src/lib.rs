@@ -26,6 +26,7 @@ pub mod error;
 pub mod guided;
 pub mod intake;
 mod integrity;
+pub mod ngram;
 pub mod prefix_cache;
 pub mod queue;
 pub mod request;

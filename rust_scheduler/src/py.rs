@@ -114,7 +114,8 @@ impl PyIntake {
     /// live id) or QueueFullError. Never blocks.
     #[pyo3(signature = (request_id, prompt_token_ids, *, max_tokens, min_tokens=None, ignore_eos=false,
         stop_token_ids=None, n=None, priority=None, cache_salt=None, temperature=1.0, top_k=None, top_p=1.0,
-        min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None))]
+        min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None,
+        speculate=false))]
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
@@ -135,6 +136,7 @@ impl PyIntake {
         presence_penalty: f64,
         frequency_penalty: f64,
         seed: Option<&Bound<'_, PyAny>>,
+        speculate: bool,
     ) -> PyResult<()> {
         let cfg = self.inner.config();
         let id = request_id_arg(request_id)?;
@@ -161,6 +163,7 @@ impl PyIntake {
             r.priority = int_arg(p, "priority", i64::MIN, i64::MAX)?;
         }
         r.cache_salt = cache_salt;
+        r.speculate = speculate;
         let top_k = match top_k {
             None => 0,
             Some(k) => int_arg(k, "top_k", -1, i32::MAX as i64)?.max(0) as i32,
@@ -273,6 +276,7 @@ pub struct PyStepBatch {
     num_samples: usize,
     num_prefill_tokens: usize,
     num_decode_tokens: usize,
+    num_draft_tokens: usize,
     max_blocks_per_seq: usize,
 }
 
@@ -313,6 +317,7 @@ impl PyStepBatch {
             num_samples: b.num_samples(),
             num_prefill_tokens: b.num_prefill_tokens,
             num_decode_tokens: b.num_decode_tokens,
+            num_draft_tokens: b.num_draft_tokens,
             max_blocks_per_seq: m,
         })
     }
@@ -322,12 +327,13 @@ impl PyStepBatch {
 impl PyStepBatch {
     fn __repr__(&self) -> String {
         format!(
-            "StepBatch(num_tokens={}, num_seqs={}, num_samples={}, prefill={}, decode={})",
+            "StepBatch(num_tokens={}, num_seqs={}, num_samples={}, prefill={}, decode={}, draft={})",
             self.num_tokens,
             self.num_seqs,
             self.num_samples,
             self.num_prefill_tokens,
-            self.num_decode_tokens
+            self.num_decode_tokens,
+            self.num_draft_tokens
         )
     }
 }
@@ -367,7 +373,8 @@ impl PyScheduler {
     #[new]
     #[pyo3(signature = (num_blocks, block_size=16, max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=8192,
         *, vocab_size, eos_token_ids=None, enable_prefix_caching=true, policy="fcfs", max_preemptions=8,
-        intake_capacity=4096, long_prefill_token_threshold=0))]
+        intake_capacity=4096, long_prefill_token_threshold=0, num_speculative_tokens=0,
+        speculative_ngram_min=2, speculative_ngram_max=4, speculative_max_running=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
@@ -382,6 +389,10 @@ impl PyScheduler {
         max_preemptions: i64,
         intake_capacity: i64,
         long_prefill_token_threshold: i64,
+        num_speculative_tokens: i64,
+        speculative_ngram_min: i64,
+        speculative_ngram_max: i64,
+        speculative_max_running: i64,
     ) -> PyResult<Self> {
         let mut eos = Vec::new();
         for e in eos_token_ids.unwrap_or_default() {
@@ -410,6 +421,30 @@ impl PyScheduler {
             long_prefill_token_threshold: range(
                 long_prefill_token_threshold,
                 "long_prefill_token_threshold",
+                0,
+                i32::MAX as i64,
+            )? as usize,
+            num_speculative_tokens: range(
+                num_speculative_tokens,
+                "num_speculative_tokens",
+                0,
+                i32::MAX as i64,
+            )? as usize,
+            speculative_ngram_min: range(
+                speculative_ngram_min,
+                "speculative_ngram_min",
+                0,
+                i32::MAX as i64,
+            )? as usize,
+            speculative_ngram_max: range(
+                speculative_ngram_max,
+                "speculative_ngram_max",
+                0,
+                i32::MAX as i64,
+            )? as usize,
+            speculative_max_running: range(
+                speculative_max_running,
+                "speculative_max_running",
                 0,
                 i32::MAX as i64,
             )? as usize,
@@ -488,6 +523,8 @@ impl PyScheduler {
         d.set_item("prefix_cache_hits_total", s.prefix_cache_hits_total)?;
         d.set_item("num_prompt_tokens_total", s.num_prompt_tokens_total)?;
         d.set_item("num_generation_tokens_total", s.num_generation_tokens_total)?;
+        d.set_item("num_draft_tokens_total", s.num_draft_tokens_total)?;
+        d.set_item("num_accepted_tokens_total", s.num_accepted_tokens_total)?;
         d.set_item("intake_queue_len", s.intake_queue_len)?;
         Ok(d)
     }

@@ -90,6 +90,10 @@ pub struct NewRequest {
     pub cache_salt: Option<String>,
     /// Sampling parameters.
     pub sampling: SamplingParams,
+    /// The caller vouches that this request's tokens may be drafted by prompt lookup and
+    /// checked in one step: every sampled token is the argmax of its row (greedy, no
+    /// per-token state such as penalties, masks or logprobs), and `n == 1`.
+    pub speculate: bool,
 }
 
 impl NewRequest {
@@ -106,6 +110,7 @@ impl NewRequest {
             priority: 0,
             cache_salt: None,
             sampling: SamplingParams::default(),
+            speculate: false,
         }
     }
 
@@ -239,6 +244,8 @@ pub struct RequestShared {
     pub salt: u64,
     /// See [`NewRequest`].
     pub sampling: SamplingParams,
+    /// See [`NewRequest`] (false when `n > 1`).
+    pub speculate: bool,
 }
 
 /// Where a sequence is.

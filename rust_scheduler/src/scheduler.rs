@@ -28,13 +28,31 @@ use crate::request::{FinishReason, NewRequest, RequestGroup, RequestShared, SeqS
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
+/// Prompt lookup searches a sequence's last this many tokens.
+const NGRAM_WINDOW: usize = 4096;
+
 /// Waiting-set key: (priority, arrival, seq_index, handle); lower goes first.
 pub(crate) type Key = (i64, u64, u32, u32);
 
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Scheduled {
     pub handle: u32,
+    /// Tokens of the sequence computed this step.
     pub num_new: usize,
+    /// Draft tokens computed after them (speculative decoding): `drafts[draft_start..][..num_draft]`.
+    pub draft_start: usize,
+    pub num_draft: usize,
+}
+
+impl Scheduled {
+    fn plain(handle: u32, num_new: usize) -> Self {
+        Scheduled {
+            handle,
+            num_new,
+            draft_start: 0,
+            num_draft: 0,
+        }
+    }
 }
 
 /// Counters reported by [`Scheduler::stats`].
@@ -62,8 +80,12 @@ pub struct Stats {
     pub prefix_cache_hits_total: u64,
     /// Prompt (and recomputed) tokens computed.
     pub num_prompt_tokens_total: u64,
-    /// Tokens sampled.
+    /// Tokens generated (appended to sequences).
     pub num_generation_tokens_total: u64,
+    /// Draft tokens proposed by prompt lookup and checked by the model.
+    pub num_draft_tokens_total: u64,
+    /// Draft tokens the model agreed with (each one a token gained without a step of its own).
+    pub num_accepted_tokens_total: u64,
     /// Intake commands not yet drained.
     pub intake_queue_len: usize,
 }
@@ -92,6 +114,10 @@ pub struct Scheduler {
     pub(crate) num_preemptions_total: u64,
     pub(crate) num_prompt_tokens_total: u64,
     pub(crate) num_generation_tokens_total: u64,
+    pub(crate) num_draft_tokens_total: u64,
+    pub(crate) num_accepted_tokens_total: u64,
+    /// This step's draft tokens (see [`Scheduled`]).
+    pub(crate) drafts: Vec<i32>,
 }
 
 impl Scheduler {
@@ -121,6 +147,9 @@ impl Scheduler {
             num_preemptions_total: 0,
             num_prompt_tokens_total: 0,
             num_generation_tokens_total: 0,
+            num_draft_tokens_total: 0,
+            num_accepted_tokens_total: 0,
+            drafts: Vec::new(),
             cfg,
         })
     }
@@ -171,6 +200,8 @@ impl Scheduler {
             prefix_cache_hits_total: self.pool.cache.hits_total,
             num_prompt_tokens_total: self.num_prompt_tokens_total,
             num_generation_tokens_total: self.num_generation_tokens_total,
+            num_draft_tokens_total: self.num_draft_tokens_total,
+            num_accepted_tokens_total: self.num_accepted_tokens_total,
             intake_queue_len: self.intake.queue_len(),
         }
     }
@@ -239,6 +270,7 @@ impl Scheduler {
             arrival,
             salt: salt_digest(r.cache_salt.as_deref()),
             sampling: r.sampling,
+            speculate: r.speculate && r.n == 1,
         });
         let seq = Sequence {
             req: shared,
@@ -414,6 +446,11 @@ impl Scheduler {
         self.drain_intake();
         self.batch.clear();
         self.scheduled.clear();
+        self.drafts.clear();
+        let cfg = &self.cfg;
+        let speculate = cfg.num_speculative_tokens > 0
+            && (cfg.speculative_max_running == 0
+                || self.running.len() <= cfg.speculative_max_running);
         self.max_blocks = 0;
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut preempted = false;
@@ -432,8 +469,19 @@ impl Scheduler {
             let s = self.seq(h);
             let num_new = self.chunk(s.num_tokens() - s.num_computed_tokens, budget);
             debug_assert!(num_new >= 1);
-            let mut ok = false;
-            loop {
+            let draft_start = self.drafts.len();
+            let mut num_draft = if speculate {
+                self.propose_drafts(h, budget)
+            } else {
+                0
+            };
+            if num_draft > 0 && !self.try_allocate(h, num_new + num_draft) {
+                // no room for the drafts: drop them rather than preempt anyone for them
+                self.drafts.truncate(draft_start);
+                num_draft = 0;
+            }
+            let mut ok = num_draft > 0;
+            while !ok {
                 if self.try_allocate(h, num_new) {
                     ok = true;
                     break;
@@ -456,8 +504,13 @@ impl Scheduler {
                 let s = self.seqs[h as usize].as_ref().expect("live handle");
                 self.max_blocks = self.max_blocks.max(s.blocks.len());
                 slots += 1 + s.unforked.len();
-                self.scheduled.push(Scheduled { handle: h, num_new });
-                budget -= num_new;
+                self.scheduled.push(Scheduled {
+                    handle: h,
+                    num_new,
+                    draft_start,
+                    num_draft,
+                });
+                budget -= num_new + num_draft;
                 i += 1;
             }
         }
@@ -516,7 +569,7 @@ impl Scheduler {
             }
             self.running.push(h);
             self.max_blocks = self.max_blocks.max(self.seq(h).blocks.len());
-            self.scheduled.push(Scheduled { handle: h, num_new });
+            self.scheduled.push(Scheduled::plain(h, num_new));
             budget -= num_new;
             slots += want_slots;
         }
@@ -525,6 +578,32 @@ impl Scheduler {
         self.fill_batch();
         self.awaiting_update = true;
         Ok(&self.batch)
+    }
+
+    /// Appends prompt-lookup drafts for running sequence `h` to `drafts` and returns how many:
+    /// only for a speculating sequence with one token left to compute, and never more than the
+    /// step budget, the model length or the sequence's `max_tokens` leave room for (each
+    /// accepted draft adds a token, and the step adds one more).
+    fn propose_drafts(&mut self, h: u32, budget: usize) -> usize {
+        let cfg = &self.cfg;
+        let s = self.seqs[h as usize].as_ref().expect("live handle");
+        let r = &s.req;
+        if !r.speculate || s.num_tokens() - s.num_computed_tokens != 1 {
+            return 0;
+        }
+        let room = cfg
+            .num_speculative_tokens
+            .min(budget - 1)
+            .min(cfg.max_model_len.saturating_sub(s.num_tokens() + 1))
+            .min(r.max_tokens.saturating_sub(s.output_len() + 1));
+        crate::ngram::propose(
+            &s.tokens,
+            cfg.speculative_ngram_min,
+            cfg.speculative_ngram_max,
+            room,
+            NGRAM_WINDOW,
+            &mut self.drafts,
+        )
     }
 
     /// Prefix lookup for waiting sequence `h` into `hits_scratch`; returns
@@ -563,8 +642,10 @@ impl Scheduler {
                 .expect("scheduled handle");
             let start = s.num_computed_tokens;
             let end = start + x.num_new;
+            let draft = &self.drafts[x.draft_start..x.draft_start + x.num_draft];
             b.input_ids.extend_from_slice(&s.tokens[start..end]);
-            for p in start..end {
+            b.input_ids.extend_from_slice(draft);
+            for p in start..end + draft.len() {
                 b.positions.push(p as i32);
                 b.slot_mapping
                     .push(s.blocks[p / bs as usize] as i32 * bs + (p as i32 % bs));
@@ -574,19 +655,24 @@ impl Scheduler {
             } else {
                 b.num_prefill_tokens += x.num_new;
             }
+            b.num_draft_tokens += draft.len();
             b.query_start_loc.push(b.input_ids.len() as i32);
-            b.seq_lens.push(end as i32);
+            b.seq_lens.push((end + draft.len()) as i32);
             b.block_tables.extend(s.blocks.iter().map(|&x| x as i32));
             b.block_tables
                 .resize(b.seq_lens.len() * b.max_blocks_per_seq, 0);
             b.seq_req_ids.push(s.req.request_id);
             b.seq_indices.push(s.seq_index as i32);
             if end == s.num_tokens() {
-                let row = b.input_ids.len() as i32 - 1;
+                // the last real token's row, then one row per draft token: row j predicts the
+                // token after draft j (checked in `update`)
+                let last = (b.input_ids.len() - draft.len()) as i32 - 1;
                 let r = &s.req;
                 let out_len = s.output_len();
-                let suppress = (!r.ignore_eos && out_len < r.min_tokens) as u8;
-                for idx in std::iter::once(s.seq_index).chain(s.unforked.iter().copied()) {
+                let rows = (0..=draft.len()).map(|j| (last + j as i32, out_len + j, s.seq_index));
+                let children = s.unforked.iter().map(|&k| (last, out_len, k));
+                for (row, out_len, idx) in rows.chain(children) {
+                    let suppress = (!r.ignore_eos && out_len < r.min_tokens) as u8;
                     b.logits_indices.push(row);
                     b.sample_req_ids.push(r.request_id);
                     b.sample_seq_indices.push(idx as i32);

@@ -4,7 +4,15 @@
 //! prefix cache (only now, after their K/V were written), and if the step reached the end of
 //! the sequence's tokens, fork pending `n > 1` children (sharing every block, ref counts
 //! incremented) and append one sampled token to each, applying the stop rules. Finished
-//! sequences are released in the same step. Terminal events queued by `schedule()` (aborts,
+//! sequences are released in the same step.
+//!
+//! A sequence scheduled with draft tokens (speculative decoding) has one sampled row per
+//! draft plus one. Row `j` is the token after draft `j - 1`, so it is valid only while every
+//! earlier draft matched what the model sampled before it: tokens are appended in order until
+//! the first mismatch (that row's token is the correction) or until all drafts matched (the
+//! last row is a bonus token). Each matched draft's K/V becomes computed; the blocks the
+//! rejected drafts used are freed, and only full blocks of accepted tokens reach the prefix
+//! cache. Terminal events queued by `schedule()` (aborts,
 //! preemption-cap failures) come first in the output. Validation happens before any change,
 //! so a rejected `update()` can be retried.
 
@@ -44,27 +52,22 @@ impl Scheduler {
         self.output.clear();
         std::mem::swap(&mut self.output, &mut self.pending);
         self.num_prompt_tokens_total += self.batch.num_prefill_tokens as u64;
-        self.num_generation_tokens_total += want as u64;
-        let bs = self.cfg.block_size;
         let mut row = 0;
         let scheduled = std::mem::take(&mut self.scheduled);
         for x in &scheduled {
             let h = x.handle;
-            let caching = self.pool.caching();
             let s = self.seqs[h as usize].as_mut().expect("scheduled handle");
             s.num_computed_tokens += x.num_new;
-            if caching {
-                let full = s.num_computed_tokens / bs;
-                if full > s.num_registered {
-                    extend_hashes(&mut s.block_hashes, &s.tokens, bs, s.req.salt, full);
-                    for k in s.num_registered..full {
-                        self.pool.register(s.blocks[k], s.block_hashes[k]);
-                    }
-                    s.num_registered = full;
-                }
-            }
+            self.register_full_blocks(h);
+            let s = self.seqs[h as usize].as_mut().expect("scheduled handle");
             if s.num_computed_tokens < s.num_tokens() {
                 continue; // a prompt chunk: nothing sampled
+            }
+            if x.num_draft > 0 {
+                let rows = &sampled[row..row + x.num_draft + 1];
+                row += rows.len();
+                self.accept_drafts(x, rows);
+                continue;
             }
             let children = std::mem::take(&mut s.unforked);
             let forked: Vec<u32> = children.into_iter().map(|k| self.fork(h, k)).collect();
@@ -82,6 +85,51 @@ impl Scheduler {
         }
         self.end_of_phase();
         Ok(&self.output)
+    }
+
+    /// Offers the blocks of `h` that are now full of computed tokens to the prefix cache.
+    fn register_full_blocks(&mut self, h: u32) {
+        if !self.pool.caching() {
+            return;
+        }
+        let bs = self.cfg.block_size;
+        let s = self.seqs[h as usize].as_mut().expect("live handle");
+        let full = s.num_computed_tokens / bs;
+        if full > s.num_registered {
+            extend_hashes(&mut s.block_hashes, &s.tokens, bs, s.req.salt, full);
+            for k in s.num_registered..full {
+                self.pool.register(s.blocks[k], s.block_hashes[k]);
+            }
+            s.num_registered = full;
+        }
+    }
+
+    /// Appends the tokens of a drafted sequence's rows up to the first one that disagrees
+    /// with its draft (see the module header), then frees the blocks past the accepted tokens.
+    fn accept_drafts(&mut self, x: &crate::scheduler::Scheduled, rows: &[i32]) {
+        let h = x.handle;
+        let mut accepted = 0;
+        let mut alive = true;
+        for (j, &token) in rows.iter().enumerate() {
+            alive = self.append(h, token);
+            if !alive || j == x.num_draft || token != self.drafts[x.draft_start + j] {
+                break;
+            }
+            accepted += 1;
+        }
+        self.num_draft_tokens_total += x.num_draft as u64;
+        self.num_accepted_tokens_total += accepted as u64;
+        if !alive {
+            return; // finished: every block was released
+        }
+        let s = self.seqs[h as usize].as_mut().expect("live handle");
+        s.num_computed_tokens += accepted;
+        let keep = s.num_computed_tokens.div_ceil(self.cfg.block_size);
+        while s.blocks.len() > keep {
+            let b = s.blocks.pop().expect("more blocks than kept");
+            self.pool.decref(b);
+        }
+        self.register_full_blocks(h);
     }
 
     /// A new running sequence with index `k` sharing all of `h`'s blocks.
@@ -112,7 +160,8 @@ impl Scheduler {
     }
 
     /// Appends a sampled token and applies the stop rules; finished sequences are released.
-    fn append(&mut self, h: u32, token: i32) {
+    /// Returns whether the sequence is still running.
+    fn append(&mut self, h: u32, token: i32) -> bool {
         let max_model_len = self.cfg.max_model_len;
         let s = self.seqs[h as usize].as_mut().expect("live handle");
         let r = &s.req;
@@ -128,8 +177,11 @@ impl Scheduler {
             FinishReason::Running
         };
         self.output.push(r.request_id, s.seq_index, token, reason);
+        self.num_generation_tokens_total += 1;
         if reason != FinishReason::Running {
             self.release(h);
+            return false;
         }
+        true
     }
 }

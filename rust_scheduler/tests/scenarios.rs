@@ -149,6 +149,7 @@ fn preemption_recomputes_and_output_is_unchanged() {
         min_tokens: 0,
         ignore_eos: true,
         stop_ids: vec![],
+        local_model: false,
     };
     for id in 1..=2 {
         let mut q = req(id, vec![id as i32 + 1, 7, 9, 11], 6);
@@ -289,6 +290,7 @@ fn n_greater_than_one_shares_prompt_and_copies_on_write() {
         min_tokens: 0,
         ignore_eos: true,
         stop_ids: vec![],
+        local_model: false,
     };
     for k in 0..3 {
         let (want, _) = reference(&[1, 2, 3, 4, 5, 6], k, &p, &[0], 50, 64);

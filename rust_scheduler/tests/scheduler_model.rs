@@ -1,6 +1,7 @@
 //! Model-based property test of the scheduler: random submit / step / abort sequences on tiny
-//! pools (preemption, chunking, prefix hits, n > 1 and copy-on-write all happen often), with
-//! `check_integrity()` after every operation and a reference generator as the oracle.
+//! pools (preemption, chunking, prefix hits, n > 1, copy-on-write and speculative drafts, accepted
+//! and rejected, all happen often), with `check_integrity()` after every operation and a
+//! reference generator as the oracle: drafts must never change an output.
 #![cfg(not(loom))]
 
 mod common;
@@ -11,8 +12,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 /// Coverage counters summed over all cases: preemptions, prefix-hit tokens, block copies,
-/// failed requests, aborted sequences, n>1 requests finished naturally.
-static COVER: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
+/// failed requests, aborted sequences, n>1 requests finished naturally, accepted drafts,
+/// rejected drafts.
+static COVER: [AtomicU64; 8] = [const { AtomicU64::new(0) }; 8];
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -25,6 +27,7 @@ enum Op {
         ignore_eos: bool,
         salt: bool,
         priority: i64,
+        speculate: bool,
     },
     Step,
     Abort {
@@ -36,8 +39,8 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        3 => (0..3usize, prop::collection::vec(1..16i32, 0..10), 1..10usize, 0..3usize, 1..4usize, any::<bool>(), prop::bool::weighted(0.2), 0..3i64)
-            .prop_map(|(prefix, extra, max_tokens, min_tokens, n, ignore_eos, salt, priority)| Op::Submit { prefix, extra, max_tokens, min_tokens, n, ignore_eos, salt, priority }),
+        3 => (0..3usize, prop::collection::vec(1..16i32, 0..10), 1..10usize, 0..3usize, 1..4usize, any::<bool>(), prop::bool::weighted(0.2), 0..3i64, prop::bool::weighted(0.7))
+            .prop_map(|(prefix, extra, max_tokens, min_tokens, n, ignore_eos, salt, priority, speculate)| Op::Submit { prefix, extra, max_tokens, min_tokens, n, ignore_eos, salt, priority, speculate }),
         6 => Just(Op::Step),
         1 => (any::<usize>(), prop::option::weighted(0.3, 0..3u32), 0..3u8).prop_map(|(pick, seq, reason)| Op::Abort { pick, seq, reason }),
     ]
@@ -45,17 +48,23 @@ fn op() -> impl Strategy<Value = Op> {
 
 fn config() -> impl Strategy<Value = SchedulerConfig> {
     (
-        1..5usize,
-        3..20usize,
-        1..6usize,
-        1..20usize,
-        any::<bool>(),
-        any::<bool>(),
-        0..4u32,
-        0..6usize,
+        (
+            1..5usize,
+            3..20usize,
+            1..6usize,
+            1..20usize,
+            any::<bool>(),
+            any::<bool>(),
+            0..4u32,
+            0..6usize,
+        ),
+        (0..5usize, 1..3usize, 0..3usize, 0..4usize),
     )
         .prop_map(
-            |(bs, nb, seqs, budget, caching, prio, maxp, thr)| SchedulerConfig {
+            |(
+                (bs, nb, seqs, budget, caching, prio, maxp, thr),
+                (k, ngram_min, ngram_extra, spec_running),
+            )| SchedulerConfig {
                 num_blocks: nb,
                 block_size: bs,
                 max_num_seqs: seqs,
@@ -68,6 +77,10 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
                 max_preemptions: maxp,
                 intake_capacity: 64,
                 long_prefill_token_threshold: thr,
+                num_speculative_tokens: k.min(budget - 1),
+                speculative_ngram_min: ngram_min,
+                speculative_ngram_max: ngram_min + ngram_extra,
+                speculative_max_running: spec_running,
             },
         )
 }
@@ -83,9 +96,10 @@ struct Req {
 
 const PREFIXES: [&[i32]; 3] = [&[], &[3, 1, 4, 1, 5, 9, 2, 6], &[2, 7, 1, 8, 2, 8]];
 
-fn run(cfg: SchedulerConfig, ops: Vec<Op>) -> Result<(), TestCaseError> {
+fn run(cfg: SchedulerConfig, local_model: bool, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let mut s = Scheduler::new(cfg.clone()).unwrap();
     let mut runner = FakeRunner::new(&s);
+    runner.local_model = local_model;
     let mut reqs: HashMap<u64, Req> = HashMap::new();
     let mut next_id = 0u64;
     let mut errors: HashMap<u64, String> = HashMap::new();
@@ -94,11 +108,16 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) -> Result<(), TestCaseError> {
                      reqs: &mut HashMap<u64, Req>|
      -> Result<(), TestCaseError> {
         let (b, ev) = step(s, runner);
+        // a sequence's rows: its output so far, then one more per draft row before it
+        let mut rows_before: HashMap<(u64, usize), usize> = HashMap::new();
         for i in 0..b.num_samples() {
             let r = &reqs[&b.sample_req_ids[i]];
             let k = b.sample_seq_indices[i] as usize;
-            prop_assert_eq!(b.sample_output_lens[i] as usize, r.outputs[k].len());
+            let j = rows_before.entry((b.sample_req_ids[i], k)).or_insert(0);
+            prop_assert_eq!(b.sample_output_lens[i] as usize, r.outputs[k].len() + *j);
+            *j += 1;
         }
+        prop_assert_eq!(b.num_samples(), rows_before.len() + b.num_draft_tokens);
         for (id, k, tok, reason) in ev {
             let r = reqs.get_mut(&id).expect("event for a known request");
             let k = k as usize;
@@ -127,6 +146,7 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 ignore_eos,
                 salt,
                 priority,
+                speculate,
             } => {
                 let mut prompt = PREFIXES[prefix].to_vec();
                 prompt.extend(extra);
@@ -137,11 +157,13 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 nr.priority = priority;
                 nr.stop_token_ids = vec![15];
                 nr.cache_salt = salt.then(|| "s".to_string());
+                nr.speculate = speculate;
                 let params = RefParams {
                     max_tokens,
                     min_tokens: nr.min_tokens,
                     ignore_eos,
                     stop_ids: vec![15],
+                    local_model,
                 };
                 let bad = prompt.is_empty()
                     || prompt.len() + max_tokens > cfg.max_model_len
@@ -214,6 +236,12 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) -> Result<(), TestCaseError> {
             .count() as u64,
         Relaxed,
     );
+    prop_assert!(st.num_accepted_tokens_total <= st.num_draft_tokens_total);
+    COVER[6].fetch_add(st.num_accepted_tokens_total, Relaxed);
+    COVER[7].fetch_add(
+        st.num_draft_tokens_total - st.num_accepted_tokens_total,
+        Relaxed,
+    );
     prop_assert_eq!(st.num_used_blocks, 0);
     prop_assert_eq!(
         st.num_free_blocks + st.num_cached_blocks,
@@ -262,8 +290,8 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) -> Result<(), TestCaseError> {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 2000, max_shrink_iters: 2000, ..ProptestConfig::default() })]
     #[test]
-    fn scheduler_matches_reference(cfg in config(), ops in prop::collection::vec(op(), 1..60)) {
-        run(cfg, ops)?;
+    fn scheduler_matches_reference(cfg in config(), local in any::<bool>(), ops in prop::collection::vec(op(), 1..60)) {
+        run(cfg, local, ops)?;
     }
 }
 
@@ -275,13 +303,15 @@ fn generator_covers_every_mechanism() {
         ..ProptestConfig::default()
     });
     runner
-        .run(&(config(), prop::collection::vec(op(), 1..60)), |(c, o)| {
-            run(c, o)
-        })
+        .run(
+            &(config(), any::<bool>(), prop::collection::vec(op(), 1..60)),
+            |(c, l, o)| run(c, l, o),
+        )
         .unwrap();
     let got: Vec<u64> = COVER.iter().map(|c| c.load(Relaxed)).collect();
     eprintln!(
-        "coverage (preemptions, prefix-hit tokens, copies, failed, aborted, n>1 done): {got:?}"
+        "coverage (preemptions, prefix-hit tokens, copies, failed, aborted, n>1 done, \
+         drafts accepted, drafts rejected): {got:?}"
     );
     assert!(got.iter().all(|&c| c > 0), "{got:?}");
 }

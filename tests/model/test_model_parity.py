@@ -84,17 +84,23 @@ def test_all_prompts_in_one_batch_with_chunked_prefill_and_prefix_hit(
     assert not mismatches
 
 
-def test_real_scheduler_drives_the_model(loaded_smollm2, sampler, parity_prompts, hf_greedy_outputs):
+@pytest.mark.parametrize("drafts", [0, 4], ids=["plain", "speculative"])
+def test_real_scheduler_drives_the_model(loaded_smollm2, sampler, parity_prompts, hf_greedy_outputs,
+                                         drafts):
+    """The real scheduler, runner and sampler match transformers token for token; with prompt
+    lookup on (drafts checked in one step, at any load), still token for token."""
     scheduler_mod = pytest.importorskip("ferrobatch._scheduler")
     sched = scheduler_mod.Scheduler(
         num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_seqs=16, max_num_batched_tokens=64,
         max_model_len=1024, vocab_size=loaded_smollm2.config.vocab_size,
-        eos_token_ids=loaded_smollm2.tokenizer.eos_token_ids)
+        eos_token_ids=loaded_smollm2.tokenizer.eos_token_ids, num_speculative_tokens=drafts,
+        speculative_ngram_min=1, speculative_ngram_max=3)
     runner = ModelRunner(loaded_smollm2, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     intake = sched.intake()
-    chosen = range(0, len(parity_prompts), 2)
+    chosen = range(0, len(parity_prompts), 2) if not drafts else range(len(parity_prompts))
     for i in chosen:
-        intake.submit(i, parity_prompts[i], max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        intake.submit(i, parity_prompts[i], max_tokens=NUM_NEW_TOKENS, temperature=0.0,
+                      ignore_eos=True, speculate=True)
     outputs: dict[int, list[int]] = {i: [] for i in chosen}
     finished: set[int] = set()
     for _ in range(2_000):
@@ -110,6 +116,13 @@ def test_real_scheduler_drives_the_model(loaded_smollm2, sampler, parity_prompts
             break
     assert finished == set(chosen)
     assert {i: outputs[i] for i in chosen} == {i: hf_greedy_outputs[i] for i in chosen}
+    stats = sched.stats()
+    sched.check_integrity()
+    assert stats["num_generation_tokens_total"] == len(chosen) * NUM_NEW_TOKENS
+    if drafts:      # the check above is only meaningful if drafts were both kept and refused
+        assert 0 < stats["num_accepted_tokens_total"] < stats["num_draft_tokens_total"]
+    else:
+        assert stats["num_draft_tokens_total"] == 0
 
 
 def test_engine_logprobs_match_transformers(loaded_smollm2, hf_oracle_model, parity_prompts,

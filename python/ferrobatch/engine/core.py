@@ -139,7 +139,11 @@ class EngineCore:
             max_model_len=max_model_len,
             vocab_size=int(mcfg.vocab_size), eos_token_ids=eos,
             enable_prefix_caching=config.enable_prefix_caching, policy=config.scheduling_policy,
-            max_preemptions=config.max_preemptions, intake_capacity=config.intake_capacity)
+            max_preemptions=config.max_preemptions, intake_capacity=config.intake_capacity,
+            num_speculative_tokens=config.num_speculative_tokens,
+            speculative_ngram_min=config.speculative_ngram_min,
+            speculative_ngram_max=config.speculative_ngram_max,
+            speculative_max_running=config.speculative_max_running)
         return cls(config, loaded, scheduler, runner, sampler, max_model_len)
 
     # -- asyncio thread --------------------------------------------------------------------------
@@ -179,7 +183,7 @@ class EngineCore:
                 priority=p.priority, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                 min_p=p.min_p, repetition_penalty=p.repetition_penalty,
                 presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                seed=p.seed, cache_salt=salt)
+                seed=p.seed, cache_salt=salt, speculate=p.allows_speculation)
         except self._rust_queue_full as exc:
             self.forget(req_id)
             raise QueueFullError(f"the engine's intake queue is full: {exc}") from None

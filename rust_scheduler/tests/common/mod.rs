@@ -6,10 +6,20 @@
 
 use rust_scheduler::{Scheduler, StepBatch};
 
-/// Deterministic "model": next token from the whole context and the sequence index.
-pub fn model(ctx: &[i32], seq_index: i32, vocab: usize) -> i32 {
+/// Deterministic "model": next token from the whole context and the sequence index. A
+/// `local` model copies: it repeats what followed the last earlier occurrence of the last
+/// token (hashing only that token when it is new), so prompt-lookup drafts are often right
+/// (with the whole context hashed, most drafts are wrong).
+pub fn model(ctx: &[i32], seq_index: i32, vocab: usize, local: bool) -> i32 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ (seq_index as u64).wrapping_mul(0x9e37_79b9);
-    for &t in ctx {
+    let last = ctx.len() - 1;
+    if local {
+        if let Some(i) = (0..last).rev().find(|&i| ctx[i] == ctx[last]) {
+            return ctx[i + 1];
+        }
+    }
+    let seen = if local { &ctx[last..] } else { ctx };
+    for &t in seen {
         h = (h ^ t as u64).wrapping_mul(0x100_0000_01b3);
     }
     h ^= h >> 29;
@@ -17,8 +27,15 @@ pub fn model(ctx: &[i32], seq_index: i32, vocab: usize) -> i32 {
 }
 
 /// The sampler's EOS masking.
-pub fn sample(ctx: &[i32], seq_index: i32, vocab: usize, eos: &[i32], suppress: bool) -> i32 {
-    let mut t = model(ctx, seq_index, vocab);
+pub fn sample(
+    ctx: &[i32],
+    seq_index: i32,
+    vocab: usize,
+    eos: &[i32],
+    suppress: bool,
+    local: bool,
+) -> i32 {
+    let mut t = model(ctx, seq_index, vocab, local);
     while suppress && eos.contains(&t) {
         t = (t + 1) % vocab as i32;
     }
@@ -32,6 +49,8 @@ pub struct RefParams {
     pub min_tokens: usize,
     pub ignore_eos: bool,
     pub stop_ids: Vec<i32>,
+    /// The run's model looks at the last token only (see [`model`]).
+    pub local_model: bool,
 }
 
 /// Expected output of sequence `k` and its finish reason (1 stop, 2 length).
@@ -47,7 +66,7 @@ pub fn reference(
     loop {
         let before = ctx.len() - prompt.len();
         let suppress = !p.ignore_eos && before < p.min_tokens;
-        let t = sample(&ctx, k, vocab, eos, suppress);
+        let t = sample(&ctx, k, vocab, eos, suppress, p.local_model);
         ctx.push(t);
         let stop = (!p.ignore_eos && eos.contains(&t)) || p.stop_ids.contains(&t);
         if stop && before >= p.min_tokens {
@@ -67,6 +86,8 @@ pub struct FakeRunner {
     eos: Vec<i32>,
     /// Block copies applied so far.
     pub copies: u64,
+    /// Sample with the last-token model (see [`model`]).
+    pub local_model: bool,
 }
 
 pub fn runner_copies(r: &FakeRunner) -> u64 {
@@ -82,6 +103,7 @@ impl FakeRunner {
             vocab: c.vocab_size,
             eos: c.eos_token_ids.clone(),
             copies: 0,
+            local_model: false,
         }
     }
 
@@ -96,7 +118,10 @@ impl FakeRunner {
         assert_eq!(b.query_start_loc[0], 0);
         assert_eq!(*b.query_start_loc.last().unwrap() as usize, t);
         assert_eq!(b.block_tables.len(), nb * m);
-        assert_eq!(b.num_prefill_tokens + b.num_decode_tokens, t);
+        assert_eq!(
+            b.num_prefill_tokens + b.num_decode_tokens + b.num_draft_tokens,
+            t
+        );
         for v in [&b.sample_seq_indices, &b.sample_output_lens, &b.top_k] {
             assert_eq!(v.len(), ns);
         }
@@ -142,12 +167,13 @@ impl FakeRunner {
         let mut out = Vec::with_capacity(ns);
         for r in 0..ns {
             let li = b.logits_indices[r] as usize;
+            // the sequence holding the row; a row other than its last is a draft's row
             let i = (0..nb)
-                .find(|&i| (b.query_start_loc[i + 1] as usize) == li + 1)
-                .expect("logits row is a last token");
+                .find(|&i| (b.query_start_loc[i + 1] as usize) > li)
+                .expect("logits row inside the batch");
             assert_eq!(b.sample_req_ids[r], b.seq_req_ids[i]);
             let row = &b.block_tables[i * m..(i + 1) * m];
-            let ctx: Vec<i32> = (0..b.seq_lens[i] as usize)
+            let ctx: Vec<i32> = (0..=b.positions[li] as usize)
                 .map(|p| {
                     let (tok, pos) = self.kv[row[p / bs] as usize * bs + p % bs];
                     assert_eq!(
@@ -163,6 +189,7 @@ impl FakeRunner {
                 self.vocab,
                 &self.eos,
                 b.suppress_eos[r] == 1,
+                self.local_model,
             ));
         }
         out
