@@ -45,10 +45,12 @@ class EngineConfig:
     intake_capacity: int = 4096
 
     # Speculative decoding by prompt lookup (greedy requests; README "Speculative decoding")
-    num_speculative_tokens: int = 0      # drafts checked per step and sequence (0 = off, <= 16)
+    num_speculative_tokens: int | None = None   # drafts per step and sequence (0 = off, <= 16);
+                                                # None -> 3 on CPU, 0 on CUDA (not measured there)
     speculative_ngram_min: int = 2       # shortest / longest n-gram matched in the sequence
     speculative_ngram_max: int = 4
-    speculative_max_running: int = 4     # draft only while at most this many run (0 = any load)
+    speculative_max_running: int | None = None  # draft only while at most this many sequences
+                                                # run (0 = any load); None -> 1 on CPU, 8 on CUDA
 
     # Admission limits (validated before anything is allocated)
     max_queued_requests: int = 1024      # accepted but not yet scheduled; beyond -> QueueFullError
@@ -85,9 +87,9 @@ class EngineConfig:
             raise ValueError(f"max_preemptions must be an integer >= 0, got {self.max_preemptions!r}")
         for name in ("num_speculative_tokens", "speculative_max_running"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
-        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+        if (self.num_speculative_tokens or 0) > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, got "
                              f"{self.num_speculative_tokens}")
         lo, hi = self.speculative_ngram_min, self.speculative_ngram_max
@@ -147,6 +149,17 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return 8192 if device_type == "cuda" else 512
+
+    def speculation(self, device_type: str) -> tuple[int, int]:
+        """(draft tokens per sequence and step, most running sequences that still draft). On
+        the CPU a step of <= 4 rows reads the GGUF blocks, so one sequence with 3 drafts costs
+        little more than its decode; with more rows the drafts cost more than they gained
+        (benches/speculative.py). On CUDA it is off unless asked for: not measured there yet."""
+        cuda = device_type == "cuda"
+        k = self.num_speculative_tokens
+        running = self.speculative_max_running
+        return (k if k is not None else (0 if cuda else 3),
+                running if running is not None else (8 if cuda else 1))
 
     def kv_budget_bytes_cpu(self) -> int:
         """KV cache bytes to allocate on CPU (1 GiB unless `kv_cache_gb` says otherwise)."""

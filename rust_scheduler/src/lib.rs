@@ -12,6 +12,8 @@
 //! as `cpu_error::KernelInputError`.
 //! And `guided` (structured outputs: a regex's DFA walked over the vocabulary's byte trie to
 //! find the tokens allowed next; binding `py_guided`), used by the Python sampler.
+//! And `ngram` (prompt-lookup drafts: `scheduler` schedules them for speculative decoding,
+//! `update` keeps the ones the model agrees with).
 
 pub mod batch;
 pub mod block_pool;

@@ -20,6 +20,11 @@ from ferrobatch.config import EngineConfig
     ({"gguf_blocks": 1}, "gguf_blocks"),
     ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
     ({"scheduling_policy": "lifo"}, "scheduling_policy"),
+    ({"num_speculative_tokens": -1}, "num_speculative_tokens"),
+    ({"num_speculative_tokens": 17}, "num_speculative_tokens"),
+    ({"speculative_max_running": 1.5}, "speculative_max_running"),
+    ({"speculative_ngram_min": 0}, "n-gram"),
+    ({"speculative_ngram_min": 5, "speculative_ngram_max": 4}, "n-gram"),
 ])
 def test_bad_values_are_refused_with_the_field_named(options, match):
     with pytest.raises(ValueError, match=match):
@@ -40,6 +45,14 @@ def test_step_limits_default_per_device_unless_given():
     assert given.step_token_budget("cuda") == 300 and given.step_seq_limit("cuda") == 7
 
 
+def test_speculation_defaults_per_device_unless_given():
+    assert EngineConfig().speculation("cpu") == (3, 1)
+    assert EngineConfig().speculation("cuda") == (0, 8)
+    given = EngineConfig(num_speculative_tokens=5, speculative_max_running=0)
+    assert given.speculation("cpu") == (5, 0) and given.speculation("cuda") == (5, 0)
+    assert EngineConfig(num_speculative_tokens=0).speculation("cpu") == (0, 1)
+
+
 def test_cli_maps_engine_flags():
     parser = build_parser()
     default = _config(parser.parse_args(["serve"]))
@@ -49,6 +62,12 @@ def test_cli_maps_engine_flags():
                                      "--no-gguf-blocks"]))
     assert cfg.cuda_graphs is False and cfg.max_num_batched_tokens == 64
     assert cfg.gguf_blocks is False
+    assert default.num_speculative_tokens is None and default.speculative_max_running is None
+    cfg = _config(parser.parse_args(["serve", "--num-speculative-tokens", "0",
+                                     "--speculative-max-running", "4",
+                                     "--speculative-ngram", "1", "3"]))
+    assert (cfg.num_speculative_tokens, cfg.speculative_max_running) == (0, 4)
+    assert (cfg.speculative_ngram_min, cfg.speculative_ngram_max) == (1, 3)
 
 
 def test_gpu_kv_budget_leaves_the_warm_up_peak_and_the_reserve(monkeypatch):

@@ -30,8 +30,11 @@ from ferrobatch.runtime.cpu_linear import (
 from ferrobatch.runtime.cpu_threads import torch_single_threaded
 
 
+@pytest.mark.parametrize("kernel_query_max", [1, 8], ids=["decodes", "short-queries"])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_cpu_backend_matches_naive_attention_on_mixed_steps(seed):
+def test_cpu_backend_matches_naive_attention_on_mixed_steps(seed, kernel_query_max, monkeypatch):
+    import ferrobatch.runtime.attention.cpu as cpu_backend
+    monkeypatch.setattr(cpu_backend, "KERNEL_QUERY_MAX", kernel_query_max)
     torch.manual_seed(seed)
     backend = CpuPagedBackend(block_size=BLOCK_SIZE)
     cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
@@ -299,6 +302,7 @@ def test_prefill_attention_gets_the_kernel_threads_back(monkeypatch, threshold, 
     import ferrobatch.runtime.attention.cpu as cpu_backend
 
     monkeypatch.setattr(cpu_backend, "THREADED_PREFILL_PAIRS", threshold)
+    monkeypatch.setattr(cpu_backend, "KERNEL_QUERY_MAX", 1)   # every chunk on SDPA
 
     seen = []
     real = cpu_backend.attend_groups
@@ -319,3 +323,53 @@ def test_prefill_attention_gets_the_kernel_threads_back(monkeypatch, threshold, 
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             assert torch.get_num_threads() == 1
     assert seen and all(n == want_threads for n in seen)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_short_queries_go_through_the_kernel_causally(seed):
+    """Sequences of up to KERNEL_QUERY_MAX queries (a decode with speculative drafts, a short
+    chunk) are kernel rows, each seeing its causal prefix; longer ones stay on SDPA. Checked
+    against the naive per-sequence attention on a step that mixes all three, over shuffled
+    blocks and contexts that are not block multiples."""
+    from types import SimpleNamespace
+
+    from ferrobatch.runtime.attention.cpu import KERNEL_QUERY_MAX
+
+    rng = np.random.default_rng(seed)
+    q_lens = np.array([1, 2, 4, KERNEL_QUERY_MAX, KERNEL_QUERY_MAX + 1, 3, 20, 1], np.int32)
+    seq_lens = (q_lens + rng.integers(0, 40, q_lens.size)).astype(np.int32)
+    blocks_per_seq = -(-seq_lens // BLOCK_SIZE)
+    ids = rng.permutation(np.arange(1, int(blocks_per_seq.sum()) + 1)).astype(np.int32)
+    tables = np.zeros((q_lens.size, int(blocks_per_seq.max())), np.int32)
+    start = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = ids[start:start + n]
+        start += n
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    num_tokens = int(qsl[-1])
+    batch = SimpleNamespace(query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
+                            input_ids=np.zeros(num_tokens, np.int32),
+                            slot_mapping=np.zeros(num_tokens, np.int32), num_seqs=q_lens.size)
+    backend = CpuPagedBackend(block_size=BLOCK_SIZE)
+    meta = backend.build_metadata(batch, "cpu")
+    short = int(q_lens[q_lens <= KERNEL_QUERY_MAX].sum())
+    assert meta.decode is not None and len(meta.decode.ctx_lens) == short
+    assert not meta.decode.every_token and len(meta.groups) == 1
+    torch.manual_seed(seed)
+    cache = torch.randn(2, int(ids.max()) + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    query = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM)
+    got = backend.forward(query, cache, meta, HEAD_DIM ** -0.5)
+    want = _naive_attention(query, cache, batch, HEAD_DIM ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # only short sequences: every query is a kernel row, no gather or scatter
+    keep = q_lens <= KERNEL_QUERY_MAX
+    sub_qsl = np.concatenate([[0], np.cumsum(q_lens[keep])]).astype(np.int32)
+    sub = SimpleNamespace(query_start_loc=sub_qsl, seq_lens=seq_lens[keep],
+                          block_tables=tables[keep], input_ids=np.zeros(sub_qsl[-1], np.int32),
+                          slot_mapping=np.zeros(sub_qsl[-1], np.int32), num_seqs=int(keep.sum()))
+    meta = backend.build_metadata(sub, "cpu")
+    assert meta.decode.every_token and not meta.groups
+    query = torch.randn(int(sub_qsl[-1]), NUM_HEADS, HEAD_DIM)
+    torch.testing.assert_close(backend.forward(query, cache, meta, HEAD_DIM ** -0.5),
+                               _naive_attention(query, cache, sub, HEAD_DIM ** -0.5),
+                               rtol=1e-5, atol=1e-5)

@@ -332,3 +332,67 @@ def test_priority_policy():
         s.schedule()
         order.append(int(s.update(np.array([4], np.int32)).req_ids[0]))
     assert order == [2, 3, 1]
+
+
+def test_speculative_step_arrays_and_acceptance():
+    """A drafted decode, by hand: prompt lookup drafts what followed the last earlier
+    occurrence of the final n-gram; update() keeps the agreeing prefix plus one token and
+    frees the blocks only the rejected drafts used."""
+    s = make(num_blocks=16, block_size=4, num_speculative_tokens=3, speculative_ngram_min=2,
+             speculative_ngram_max=2)
+    i = s.intake()
+    prompt = [7, 8, 9, 10, 11, 12, 7]
+    i.submit(1, prompt, max_tokens=20, ignore_eos=True, temperature=0.0, speculate=True)
+    i.submit(2, prompt, max_tokens=20, ignore_eos=True, temperature=0.0)   # never drafts
+    b = s.schedule()
+    assert b.num_draft_tokens == 0 and b.num_samples == 2          # prefills sample once each
+    s.update(np.array([8, 8], np.int32))                           # both now end "... 7 8"
+    b = s.schedule()
+    # request 1: its last token 8 plus drafts 9 10 11 (what followed "7 8" in the prompt)
+    assert b.num_draft_tokens == 3 and b.num_decode_tokens == 2 and b.num_tokens == 5
+    assert b.input_ids.tolist() == [8, 9, 10, 11, 8]
+    assert b.positions.tolist() == [7, 8, 9, 10, 7]
+    assert b.query_start_loc.tolist() == [0, 4, 5] and b.seq_lens.tolist() == [11, 8]
+    assert b.logits_indices.tolist() == [0, 1, 2, 3, 4]
+    assert b.sample_output_lens.tolist() == [1, 2, 3, 4, 1]
+    assert b.sample_req_ids.tolist() == [1, 1, 1, 1, 2]
+    assert b.block_tables[0, 2] != 0                               # room for the drafts
+    s.check_integrity()
+    # the model agrees with 9 and 10, then says 5 instead of 11: 9 10 5 are appended
+    o = s.update(np.array([9, 10, 5, 6, 3], np.int32))
+    assert list(zip(o.req_ids.tolist(), o.token_ids.tolist())) == \
+        [(1, 9), (1, 10), (1, 5), (2, 3)]
+    s.check_integrity()              # request 1: 10 tokens computed, in 3 blocks
+    st = s.stats()
+    assert (st["num_draft_tokens_total"], st["num_accepted_tokens_total"]) == (3, 2)
+    assert st["num_generation_tokens_total"] == 2 + 4
+    b = s.schedule()                 # "... 10 5": the bigram "10 5" never occurred: no draft
+    assert b.num_draft_tokens == 0 and b.input_ids.tolist() == [5, 3]
+    s.update(np.array([1, 1], np.int32))
+    i.abort(1)
+    i.abort(2)
+    run_all(s, FakeRunner(s))
+    # a first draft refused: the block that only the drafts used goes back to the pool
+    i.submit(3, prompt, max_tokens=20, ignore_eos=True, temperature=0.0, speculate=True)
+    s.schedule()
+    s.update(np.array([8], np.int32))
+    b = s.schedule()
+    assert b.num_draft_tokens == 3 and b.seq_lens.tolist() == [11]
+    used = s.stats()["num_used_blocks"]
+    o = s.update(np.array([5, 10, 11, 12], np.int32))
+    assert o.token_ids.tolist() == [5]
+    assert s.stats()["num_used_blocks"] == used - 1       # 9 tokens, 8 computed: 2 blocks
+    s.check_integrity()
+    i.abort(3)
+    run_all(s, FakeRunner(s))
+
+
+def test_speculation_config_is_validated():
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        make(num_speculative_tokens=17)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        make(num_speculative_tokens=8, max_num_batched_tokens=8)
+    with pytest.raises(ValueError, match="n-gram"):
+        make(speculative_ngram_min=3, speculative_ngram_max=2)
+    with pytest.raises(ValueError, match="n-gram"):
+        make(speculative_ngram_min=0)

@@ -222,6 +222,8 @@ async def test_health_ready_metrics(real, sdk):
     assert value("e2e_request_latency_seconds_count") > 0
     assert value("inter_token_latency_seconds_count") > 0
     assert value("prefix_cache_queries_total") >= value("prefix_cache_hits_total")
+    assert value("spec_decode_num_draft_tokens_total") >= \
+        value("spec_decode_num_accepted_tokens_total") >= 0
     assert 0.0 <= value("kv_cache_usage_perc") <= 1.0
     assert value("num_requests_running") == 0
     assert 'finished_reason="abort"' in text

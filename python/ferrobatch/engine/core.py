@@ -132,6 +132,8 @@ class EngineCore:
             _maybe_capture_decode_graphs(config, runner, max_model_len)
         eos = list(loaded.tokenizer.eos_token_ids)
         sampler = Sampler(int(mcfg.vocab_size), eos, loaded.device)
+        device_type = loaded.device.type
+        spec_tokens, spec_running = config.speculation(device_type)
         scheduler = Scheduler(
             num_blocks, block_size=config.block_size,
             max_num_seqs=config.step_seq_limit(loaded.device.type),
@@ -140,10 +142,16 @@ class EngineCore:
             vocab_size=int(mcfg.vocab_size), eos_token_ids=eos,
             enable_prefix_caching=config.enable_prefix_caching, policy=config.scheduling_policy,
             max_preemptions=config.max_preemptions, intake_capacity=config.intake_capacity,
-            num_speculative_tokens=config.num_speculative_tokens,
+            num_speculative_tokens=min(spec_tokens, config.step_token_budget(device_type) - 1),
             speculative_ngram_min=config.speculative_ngram_min,
             speculative_ngram_max=config.speculative_ngram_max,
-            speculative_max_running=config.speculative_max_running)
+            speculative_max_running=spec_running)
+        if spec_tokens:
+            logger.info("speculative decoding: prompt lookup, up to %d drafts per greedy "
+                        "sequence while at most %s sequences run", spec_tokens,
+                        spec_running or "any number of")
+        else:
+            logger.info("speculative decoding: off")
         return cls(config, loaded, scheduler, runner, sampler, max_model_len)
 
     # -- asyncio thread --------------------------------------------------------------------------

@@ -54,6 +54,12 @@ class _SchedulerCollector:
                       s.get("prefix_cache_queries_total", 0))
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       s.get("prefix_cache_hits_total", 0))
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed by prompt lookup "
+                      "and checked by the model (speculative decoding).",
+                      s.get("num_draft_tokens_total", 0))
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens the model agreed with "
+                      "(each one a token without a step of its own).",
+                      s.get("num_accepted_tokens_total", 0))
         yield counter("guided_requests", "Accepted requests with guided decoding (JSON Schema, "
                       "regex or choice).", s.get("num_guided_requests_total", 0))
         yield gauge("guided_grammars_cached", "Compiled guided-decoding grammars kept for reuse.",

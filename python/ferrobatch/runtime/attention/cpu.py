@@ -1,6 +1,7 @@
 """CPU paged attention: decode rows in the Rust kernel, prefill chunks in the torch reference.
 
-Decode rows (query length 1) dominate CPU serving. The reference backend gathers every decode
+Decode rows (query length 1) dominate CPU serving; sequences with a few queries (a decode with
+its speculative drafts, a short chunk) go through the same kernel, one row per query. The reference backend gathers every decode
 sequence's K/V into a padded copy before ``scaled_dot_product_attention``; here the Rust kernel
 (``ferrobatch._scheduler.paged_decode_attention_f32``, source ``rust_scheduler/src/cpu_attention.rs``)
 reads each block in place through the block table with an online softmax, splitting the
@@ -29,12 +30,15 @@ from ferrobatch.runtime.cpu_threads import torch_threads
 
 @dataclass
 class DecodeRows:
-    """The step's decode sequences (query length 1) as the Rust kernel wants them."""
+    """The step's query rows the Rust kernel attends, one kernel row per query token: every
+    token of a sequence with at most ``KERNEL_QUERY_MAX`` queries (decodes, speculative drafts,
+    short chunks). A sequence's j-th of q queries sees its first ``seq_len - q + j + 1``
+    positions, which is causal attention over the paged cache."""
 
-    token_index: torch.Tensor  # int64 [S_dec]: row of each decode query in the flat batch
-    block_tables: np.ndarray  # int32 [S_dec, max_blocks], C-contiguous
-    ctx_lens: np.ndarray  # int32 [S_dec]
-    every_token: bool = False  # the step is all decode: token_index is 0..T-1
+    token_index: torch.Tensor  # int64 [R]: row of each kernel query in the flat batch
+    block_tables: np.ndarray  # int32 [R, max_blocks], C-contiguous
+    ctx_lens: np.ndarray  # int32 [R]
+    every_token: bool = False  # every query of the step is a kernel row: token_index is 0..T-1
 
 
 @dataclass
@@ -46,6 +50,11 @@ class CpuPagedMetadata(TorchRefMetadata):
 # Prefill attention at or above this many (query, key) pairs runs on the kernels' threads; below
 # it one thread was faster on the 2-core dev VM (a 256-token prompt: 117 vs 151 ms of attention).
 THREADED_PREFILL_PAIRS = 1 << 18
+
+# Sequences with at most this many query tokens (a decode plus its speculative drafts, a short
+# prompt chunk) run through the decode kernel row by row instead of SDPA: gathering the context
+# for SDPA cost a 2-query step twice a 1-query step (SmolLM2, 200-token context, 2 vCPUs).
+KERNEL_QUERY_MAX = 8
 
 
 def kernel_available() -> bool:
@@ -79,20 +88,35 @@ class CpuPagedBackend(TorchReferenceBackend):
         meta = super().build_metadata(batch, device)
         qsl = np.asarray(batch.query_start_loc, dtype=np.int64)
         query_lens = qsl[1:] - qsl[:-1]
-        decode_ids = np.flatnonzero(query_lens == 1)
+        all_seq_lens = np.asarray(batch.seq_lens)
+        kernel_ids = np.flatnonzero(query_lens <= KERNEL_QUERY_MAX)
         decode = None
-        if decode_ids.size:
-            seq_lens = np.asarray(batch.seq_lens)[decode_ids]
+        if kernel_ids.size:
+            seq_lens = all_seq_lens[kernel_ids]
             num_blocks = -(-int(seq_lens.max()) // self.block_size)
-            tables = np.asarray(batch.block_tables)[decode_ids, :num_blocks]
+            tables = np.asarray(batch.block_tables)[kernel_ids, :num_blocks]
+            q = query_lens[kernel_ids]
+            if int(q.max()) == 1:       # decodes only: one row per sequence
+                token_index, ctx_lens = qsl[kernel_ids], seq_lens
+            else:                       # row j of q queries sees seq_len - q + j + 1 positions
+                per_row = np.repeat(np.arange(kernel_ids.size), q)
+                offset = np.arange(per_row.size) - np.repeat(np.cumsum(q) - q, q)
+                token_index = qsl[kernel_ids][per_row] + offset
+                ctx_lens = seq_lens[per_row] - q[per_row] + offset + 1
+                tables = tables[per_row]
             decode = DecodeRows(
-                token_index=torch.from_numpy(qsl[decode_ids]),
+                token_index=torch.from_numpy(np.ascontiguousarray(token_index, dtype=np.int64)),
                 block_tables=np.ascontiguousarray(tables, dtype=np.int32),
-                ctx_lens=np.ascontiguousarray(seq_lens, dtype=np.int32),
-                every_token=decode_ids.size == int(qsl[-1]),
+                ctx_lens=np.ascontiguousarray(ctx_lens, dtype=np.int32),
+                every_token=int(q.sum()) == int(qsl[-1]),
             )
-        pairs = int((query_lens * np.asarray(batch.seq_lens))[query_lens > 1].sum())
+        long = query_lens > KERNEL_QUERY_MAX
+        pairs = int((query_lens * all_seq_lens)[long].sum())
         return CpuPagedMetadata(**vars(meta), decode=decode, prefill_pairs=pairs)
+
+    def grouped_sequences(self, query_lens: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Only sequences with more than ``KERNEL_QUERY_MAX`` queries go to SDPA."""
+        return (query_lens > KERNEL_QUERY_MAX,)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: CpuPagedMetadata,
                 scale: float) -> torch.Tensor:

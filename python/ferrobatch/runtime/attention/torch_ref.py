@@ -83,8 +83,7 @@ class TorchReferenceBackend(AttentionBackend):
         num_tokens = int(np.asarray(batch.input_ids).shape[0])
         query_lens = qsl[1:] - qsl[:-1]
         groups = []
-        selections = (query_lens == 1, query_lens > 1) if self.gathers_decode else (query_lens > 1,)
-        for selected in selections:
+        for selected in self.grouped_sequences(query_lens):
             seq_ids = np.flatnonzero(selected)
             if seq_ids.size:
                 groups.append(_build_group(seq_ids, qsl, seq_lens, block_tables,
@@ -102,6 +101,13 @@ class TorchReferenceBackend(AttentionBackend):
             seq_lens_cpu=np.asarray(batch.seq_lens, np.int32),
             groups=groups,
         )
+
+    def grouped_sequences(self, query_lens: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Masks over the step's sequences, one per group this backend attends with SDPA:
+        here every sequence (decodes in a group of their own when ``gathers_decode``)."""
+        if self.gathers_decode:
+            return (query_lens == 1, query_lens > 1)
+        return (query_lens > 1,)
 
     def static_decode_metadata(self, inputs) -> StaticDecodeMetadata:
         """Static decode buffers as metadata (the reference semantics of padded graph steps; not

@@ -1,0 +1,145 @@
+"""Speculative decoding by prompt lookup on the real SmolLM2: drafts never change a greedy
+output, only eligible requests draft, limits and stop rules hold, streams stay whole.
+
+Two engines share the loaded weights: one never drafts, one drafts at any load (the default
+drafts only while one sequence runs, which would leave batches untested)."""
+
+from __future__ import annotations
+
+import pytest
+from engine_support import REAL_ENGINE_OPTIONS
+
+from ferrobatch.engine.async_engine import AsyncEngine
+from ferrobatch.engine.llm import LLM
+from ferrobatch.sampling_params import SamplingParams
+
+PASSAGE = ("The river Seine flows through Paris. Its banks are lined with old bookstalls, and "
+           "in the evening the bridges light up one after another while boats pass slowly below.")
+COPY = [{"role": "user", "content": f"Repeat the following text exactly.\n\n{PASSAGE}"}]
+CODE = [{"role": "user", "content": "Rewrite this code with clearer names.\n\ndef total(items):\n"
+         "    result = 0\n    for item in items:\n        result = result + item\n"
+         "    return result\n"}]
+OPEN = [{"role": "user", "content": "Write a short story about a dragon who learns to cook."}]
+GREEDY = SamplingParams(max_tokens=48, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engines(loaded_smollm2):
+    plain = LLM("smollm2", loaded_model=loaded_smollm2, num_speculative_tokens=0,
+                **REAL_ENGINE_OPTIONS)
+    drafting = LLM("smollm2", loaded_model=loaded_smollm2, num_speculative_tokens=3,
+                   speculative_max_running=0, speculative_ngram_min=1, **REAL_ENGINE_OPTIONS)
+    yield plain, drafting
+    plain.close()
+    drafting.close()
+
+
+@pytest.fixture(autouse=True)
+def clean_after(engines):
+    yield
+    for llm in engines:
+        llm._run(llm.engine.check_idle_clean())     # also the scheduler's integrity check
+
+
+def _drafts(llm: LLM) -> tuple[int, int]:
+    s = llm.engine.stats()
+    return s["num_draft_tokens_total"], s["num_accepted_tokens_total"]
+
+
+def test_greedy_outputs_do_not_change_alone_or_batched(engines):
+    plain, drafting = engines
+    convs = [COPY, CODE, OPEN]
+    want = [o.outputs[0].token_ids for o in plain.chat(convs, GREEDY, use_tqdm=False)]
+    d0, a0 = _drafts(drafting)
+    together = [o.outputs[0] for o in drafting.chat(convs, GREEDY, use_tqdm=False)]
+    alone = [drafting.chat(c, GREEDY, use_tqdm=False)[0].outputs[0] for c in convs]
+    d1, a1 = _drafts(drafting)
+    assert [o.token_ids for o in together] == want
+    assert [o.token_ids for o in alone] == want
+    assert [o.text for o in together] == [o.text for o in alone]
+    # the check is only meaningful if drafts were both kept and refused
+    assert 0 < a1 - a0 < d1 - d0
+    assert _drafts(plain) == (0, 0)
+
+
+def test_only_greedy_requests_without_per_token_state_draft(engines):
+    _, drafting = engines
+    not_eligible = [
+        SamplingParams(max_tokens=24, temperature=0.8, seed=3),
+        SamplingParams(max_tokens=24, temperature=0.0, logprobs=2),
+        SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.2),
+        SamplingParams(max_tokens=24, temperature=0.0, logit_bias={42: -5.0}),
+        SamplingParams(max_tokens=24, temperature=0.0, guided_regex="[a-z ]+"),
+        SamplingParams(max_tokens=24, temperature=0.0, n=2),
+    ]
+    for p in not_eligible:
+        assert not p.allows_speculation
+        before = _drafts(drafting)
+        drafting.chat(COPY, p, use_tqdm=False)
+        assert _drafts(drafting) == before, p
+    assert GREEDY.allows_speculation
+    assert SamplingParams(temperature=0.0, min_tokens=3, stop=["x"]).allows_speculation
+
+
+def test_mixed_batch_keeps_every_output(engines):
+    """Greedy rows draft while sampled, seeded and logprob rows share the steps: nothing
+    changes for any of them."""
+    plain, drafting = engines
+    params = [GREEDY, SamplingParams(max_tokens=32, temperature=0.9, seed=11),
+              SamplingParams(max_tokens=32, temperature=0.0, logprobs=1), GREEDY]
+    tok = plain.engine.tokenizer
+    prompts = [tok.apply_chat_template(c) for c in (COPY, OPEN, CODE, CODE)]
+    want = plain.generate(prompts, params, use_tqdm=False)
+    before = _drafts(drafting)
+    got = drafting.generate(prompts, params, use_tqdm=False)
+    assert _drafts(drafting)[0] > before[0], "the greedy rows did not draft"
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+    assert [t.logprob for t in got[2].outputs[0].logprobs] == \
+        pytest.approx([t.logprob for t in want[2].outputs[0].logprobs], abs=1e-4)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 17])
+def test_max_tokens_is_exact_with_drafts(engines, max_tokens):
+    plain, drafting = engines
+    p = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    want = plain.chat(COPY, p, use_tqdm=False)[0].outputs[0]
+    got = drafting.chat(COPY, p, use_tqdm=False)[0].outputs[0]
+    assert len(got.token_ids) == max_tokens and got.token_ids == want.token_ids
+    assert got.finish_reason == "length"
+
+
+def test_stop_strings_and_stop_tokens_cut_where_they_did(engines):
+    plain, drafting = engines
+    text = plain.chat(COPY, GREEDY, use_tqdm=False)[0].outputs[0]
+    word = text.text.split()[6]                      # a word several tokens in
+    stop_token = text.token_ids[9]
+    for p in (SamplingParams(max_tokens=48, temperature=0.0, stop=[word]),
+              SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=[stop_token]),
+              SamplingParams(max_tokens=48, temperature=0.0, stop=[word],
+                             include_stop_str_in_output=True)):
+        want = plain.chat(COPY, p, use_tqdm=False)[0].outputs[0]
+        got = drafting.chat(COPY, p, use_tqdm=False)[0].outputs[0]
+        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == \
+            (want.text, want.token_ids, want.finish_reason, want.stop_reason)
+        assert got.finish_reason == "stop"
+
+
+async def test_streamed_deltas_add_up_when_steps_bring_several_tokens(loaded_smollm2):
+    async with AsyncEngine(loaded_model=loaded_smollm2, num_speculative_tokens=3,
+                           speculative_ngram_min=1, **REAL_ENGINE_OPTIONS) as engine:
+        params = SamplingParams(max_tokens=48, temperature=0.0, output_kind="delta")
+        deltas, ids = [], []
+        async for out in engine.generate(None, params, "copy", messages=COPY):
+            deltas.append(out.outputs[0].text)
+            ids.extend(out.outputs[0].token_ids)
+        final = None
+        async for out in engine.generate(None, params.replace(output_kind="final"),
+                                         "copy-final", messages=COPY):
+            final = out.outputs[0]
+        assert "".join(deltas) == final.text and ids == final.token_ids
+        assert len(deltas) < len(ids), "no step brought more than one token"
+        stats = engine.stats()
+        assert stats["num_accepted_tokens_total"] > 0
+        await engine.check_idle_clean()
