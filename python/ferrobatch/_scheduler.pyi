@@ -38,8 +38,8 @@ class Intake:
     ) -> None:
         """Validate and enqueue; never blocks. Raises ValueError (bad input, can never fit,
         duplicate live id) or QueueFullError. `speculate=True` lets prompt lookup draft this
-        request's tokens (the caller vouches that each row's token is its argmax and that
-        nothing per token is kept on the Python side; ignored when n > 1)."""
+        request's tokens (the caller vouches that each row's token is drawn from that row's
+        own distribution, with no per-token state kept outside; ignored when n > 1)."""
     def abort(self, request_id: int, seq_index: int = -1, reason: str = "abort") -> None:
         """Abort one sequence or all (-1). reason: "abort" (3), "stop" (1) or "error" (4).
         Unknown / finished ids are ignored. Raises QueueFullError if the queue is full."""

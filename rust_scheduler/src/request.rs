@@ -91,8 +91,10 @@ pub struct NewRequest {
     /// Sampling parameters.
     pub sampling: SamplingParams,
     /// The caller vouches that this request's tokens may be drafted by prompt lookup and
-    /// checked in one step: every sampled token is the argmax of its row (greedy, no
-    /// per-token state such as penalties, masks or logprobs), and `n == 1`.
+    /// checked in one step: each row's token is drawn from that row's own distribution, with
+    /// no per-token state (penalties, masks, logprobs) kept outside the scheduler. Then
+    /// keeping drafts while they equal the drawn tokens is exact speculative sampling for a
+    /// one-token draft. Ignored when `n > 1`.
     pub speculate: bool,
 }
 

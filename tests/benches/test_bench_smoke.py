@@ -108,3 +108,18 @@ def test_engine_overhead_smoke(tmp_path: Path) -> None:
         assert len(r["t_short_all_s"]) == len(r["t_long_all_s"]) == 2
         assert r["running"] == 4 and r["us_per_step"] is not None
     assert rows["ferrobatch-stub"]["core_timed_steps"] > 0
+
+
+def test_speculative_bench_smoke(tmp_path: Path) -> None:
+    """The speculative-decoding bench on the real SmolLM2, shortened: it exits non-zero when a
+    drafting engine's greedy tokens differ from the plain engine's."""
+    out = tmp_path / "spec.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHES / "speculative.py"), "--rounds", "1", "--max-tokens", "12",
+         "--drafts", "3", "--concurrency", "1", "--workloads", "copy", "--json", str(out)],
+        check=False, capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["num_speculative_tokens"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {0, 3}
+    assert rows[0]["drafted"] == 0 and rows[3]["drafted"] > 0
+    assert all(r["identical_to_off"] for r in rows.values())

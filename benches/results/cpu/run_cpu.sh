@@ -66,6 +66,13 @@ $PY benches/throughput.py --workload cpu-small \
 # 13. Guided decoding (session 7): a JSON Schema's cost against the same tokens unguided.
 $PY benches/guided.py --rounds 4 --json $OUT/guided.json
 
+# 14. Speculative decoding by prompt lookup (session 8): the same greedy requests with 0, 3 and
+# 6 drafts per step, at the default load limit, then drafting at any load.
+$PY benches/speculative.py --rounds 3 --max-tokens 128 --drafts 3,6 --concurrency 1,4 \
+  --json $OUT/speculative.json
+$PY benches/speculative.py --rounds 2 --max-tokens 128 --drafts 3 --concurrency 2,4 \
+  --max-running 0 --json $OUT/speculative_any_load.json
+
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
 #   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \
