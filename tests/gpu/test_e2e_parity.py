@@ -190,6 +190,34 @@ def test_guided_decoding_on_cuda(smollm2_cuda):
     assert outs[1].outputs[0].token_ids == alone.outputs[0].token_ids
 
 
+def test_speculative_decoding_on_cuda(smollm2_cuda):
+    """Prompt-lookup drafts on the device (the paged prefill kernel checks them; such steps run
+    eagerly beside the decode graphs): greedy outputs equal the plain engine's, and drafts were
+    both accepted and refused."""
+    from ferrobatch.engine.llm import LLM
+    from ferrobatch.sampling_params import SamplingParams
+
+    _, loaded = smollm2_cuda
+    passage = ("The river Seine flows through Paris. Its banks are lined with old bookstalls, "
+               "and in the evening the bridges light up one after another.")
+    convs = [[{"role": "user", "content": f"Repeat exactly.\n\n{passage}"}],
+             [{"role": "user", "content": "Write a short story about a dragon."}]]
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    outputs, stats = {}, {}
+    for drafts in (0, 3):
+        llm = LLM("smollm2", loaded_model=loaded, device="cuda", num_blocks=NUM_BLOCKS,
+                  max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024,
+                  num_speculative_tokens=drafts, speculative_max_running=0)
+        try:
+            outputs[drafts] = [o.outputs[0].token_ids
+                               for o in llm.chat(convs, params, use_tqdm=False)]
+            stats[drafts] = llm.engine.stats()
+        finally:
+            llm.close()
+    assert outputs[3] == outputs[0]
+    assert 0 < stats[3]["num_accepted_tokens_total"] < stats[3]["num_draft_tokens_total"]
+
+
 def test_cuda_backend_matches_torch_backend_logits(smollm2_cuda):
     """Same step through both backends: logits agree to fp32 attention accuracy."""
     sys.path.insert(0, _MODEL_TESTS)
