@@ -283,6 +283,10 @@ pub struct Sequence {
     pub unforked: Vec<u32>,
     /// Leading full blocks already offered to the prefix cache.
     pub num_registered: usize,
+    /// Speculative decoding: drafts refused outright in a row (the model disagreed with the
+    /// first draft token), and decode steps left before this sequence drafts again.
+    pub draft_misses: u8,
+    pub draft_backoff: u8,
 }
 
 impl Sequence {

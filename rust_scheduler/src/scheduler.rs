@@ -4,7 +4,8 @@
 //! Each sequence carries `num_computed_tokens` toward `num_tokens`; that one counter covers
 //! chunked prefill, prefix-cache hits and recompute after preemption. `schedule()` drains the
 //! intake, then spends the token budget on running sequences first (1 token, or the next prompt
-//! chunk), preempting by recompute when blocks run out (largest (priority, arrival) key first),
+//! chunk; a speculating decode adds its prompt-lookup drafts when blocks are free for them),
+//! preempting by recompute when blocks run out (largest (priority, arrival) key first),
 //! then admits waiting sequences in key order. `update()` advances the scheduled sequences,
 //! caches their newly full blocks, forks `n > 1` children, appends tokens, applies stop rules
 //! and frees finished sequences at once. Terminal events from `schedule()` (aborts, preemption
@@ -14,7 +15,9 @@
 //! [`Scheduler::check_integrity`], see `integrity.rs`):
 //! - every live sequence is in exactly one of `waiting` / `running`, and in its request group;
 //! - a waiting sequence holds no blocks; between steps a running one holds exactly
-//!   `ceil(num_computed / block_size)` blocks and has `num_computed < num_tokens`;
+//!   `ceil(num_computed / block_size)` blocks and has `num_computed < num_tokens`; while a
+//!   step is out, a scheduled one holds exactly the blocks for its computed, new and draft
+//!   tokens (a draft never holds a block past `update()`);
 //! - each block's ref count equals the number of block tables holding it;
 //! - every submitted sequence gets exactly one terminal event.
 
@@ -283,6 +286,8 @@ impl Scheduler {
             status: SeqStatus::Waiting,
             unforked: (1..r.n as u32).collect(),
             num_registered: 0,
+            draft_misses: 0,
+            draft_backoff: 0,
         };
         let h = self.new_handle(seq);
         self.waiting.insert(self.seq(h).key(h));
@@ -581,16 +586,21 @@ impl Scheduler {
     }
 
     /// Appends prompt-lookup drafts for running sequence `h` to `drafts` and returns how many:
-    /// only for a speculating sequence with one token left to compute, and never more than the
-    /// step budget, the model length or the sequence's `max_tokens` leave room for (each
-    /// accepted draft adds a token, and the step adds one more).
+    /// only for a speculating sequence with one token left to compute and no back-off pending
+    /// (see `accept_drafts`), and never more than the step budget, the model length or the
+    /// sequence's `max_tokens` leave room for (each accepted draft adds a token, and the step
+    /// adds one more).
     fn propose_drafts(&mut self, h: u32, budget: usize) -> usize {
         let cfg = &self.cfg;
-        let s = self.seqs[h as usize].as_ref().expect("live handle");
-        let r = &s.req;
-        if !r.speculate || s.num_tokens() - s.num_computed_tokens != 1 {
+        let s = self.seqs[h as usize].as_mut().expect("live handle");
+        if !s.req.speculate || s.num_tokens() - s.num_computed_tokens != 1 {
             return 0;
         }
+        if s.draft_backoff > 0 {
+            s.draft_backoff -= 1;
+            return 0;
+        }
+        let r = &s.req;
         let room = cfg
             .num_speculative_tokens
             .min(budget - 1)

@@ -22,6 +22,9 @@ use crate::prefix_cache::extend_hashes;
 use crate::request::{FinishReason, SeqStatus, Sequence};
 use crate::scheduler::Scheduler;
 
+/// Back-off after refused drafts grows to 2^(this - 1) decode steps.
+const MAX_DRAFT_MISSES: u8 = 4;
+
 impl Scheduler {
     /// Applies the sampled tokens (one per `logits_indices` row of the last batch) and returns
     /// the step's events. On error nothing changes and `update()` may be retried.
@@ -124,6 +127,15 @@ impl Scheduler {
         }
         let s = self.seqs[h as usize].as_mut().expect("live handle");
         s.num_computed_tokens += accepted;
+        // Text that does not repeat itself keeps matching n-grams whose continuations the
+        // model refuses: after each outright refusal the sequence waits 1, 2, 4, then 8 decode
+        // steps before drafting again; any accepted draft resets the wait.
+        if accepted == 0 {
+            s.draft_misses = (s.draft_misses + 1).min(MAX_DRAFT_MISSES);
+            s.draft_backoff = 1 << (s.draft_misses - 1);
+        } else {
+            s.draft_misses = 0;
+        }
         let keep = s.num_computed_tokens.div_ceil(self.cfg.block_size);
         while s.blocks.len() > keep {
             let b = s.blocks.pop().expect("more blocks than kept");
@@ -146,6 +158,8 @@ impl Scheduler {
             status: SeqStatus::Running,
             unforked: Vec::new(),
             num_registered: p.num_registered,
+            draft_misses: 0,
+            draft_backoff: 0,
         };
         for &b in &child.blocks {
             self.pool.incref(b);

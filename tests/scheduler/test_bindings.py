@@ -396,3 +396,28 @@ def test_speculation_config_is_validated():
         make(speculative_ngram_min=3, speculative_ngram_max=2)
     with pytest.raises(ValueError, match="n-gram"):
         make(speculative_ngram_min=0)
+
+
+def test_refused_drafts_back_off():
+    """After the model refuses a draft outright the sequence skips drafting for a step, even
+    where an n-gram matches, then drafts again."""
+    s = make(num_blocks=16, block_size=4, num_speculative_tokens=3, speculative_ngram_min=1,
+             speculative_ngram_max=2)
+    s.intake().submit(1, [7, 8, 9, 10, 11, 12, 7], max_tokens=20, ignore_eos=True,
+                      temperature=0.0, speculate=True)
+    s.schedule()
+    s.update(np.array([8], np.int32))
+    b = s.schedule()
+    assert b.input_ids.tolist() == [8, 9, 10, 11]                 # "7 8" -> 9 10 11
+    s.update(np.array([11, 1, 1, 1], np.int32))                    # 9 refused: "... 8 11"
+    b = s.schedule()
+    assert b.num_draft_tokens == 0 and b.input_ids.tolist() == [11]   # "11" recurs, but waits
+    s.update(np.array([12], np.int32))
+    b = s.schedule()
+    assert b.input_ids.tolist() == [12, 7, 8, 11]                  # "11 12" -> 7 8 11
+    s.update(np.array([7, 8, 11, 2], np.int32))                    # all three accepted
+    st = s.stats()
+    assert (st["num_draft_tokens_total"], st["num_accepted_tokens_total"]) == (6, 3)
+    s.check_integrity()
+    s.intake().abort(1)
+    run_all(s, FakeRunner(s))
