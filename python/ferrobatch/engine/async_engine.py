@@ -173,6 +173,11 @@ class AsyncEngine:
         return self._core.runner.attn_backend.name
 
     @property
+    def speculation(self) -> str:
+        """The speculative-decoding setting in words ("off", or drafts and load limit)."""
+        return getattr(self._core, "speculation", "off")
+
+    @property
     def vocab_size(self) -> int:
         return self._core.vocab_size
 
