@@ -4,7 +4,9 @@
 //! prefix cache (only now, after their K/V were written), and if the step reached the end of
 //! the sequence's tokens, fork pending `n > 1` children (sharing every block, ref counts
 //! incremented) and append one sampled token to each, applying the stop rules. Finished
-//! sequences are released in the same step.
+//! sequences are released in the same step. Terminal events queued by `schedule()` (aborts,
+//! preemption-cap failures) come first in the output. Validation happens before any change,
+//! so a rejected `update()` can be retried.
 //!
 //! A sequence scheduled with draft tokens (speculative decoding) has one sampled row per
 //! draft plus one. Row `j` is the token after draft `j - 1`, so it is valid only while every
@@ -12,15 +14,13 @@
 //! the first mismatch (that row's token is the correction) or until all drafts matched (the
 //! last row is a bonus token). Each matched draft's K/V becomes computed; the blocks the
 //! rejected drafts used are freed, and only full blocks of accepted tokens reach the prefix
-//! cache. Terminal events queued by `schedule()` (aborts,
-//! preemption-cap failures) come first in the output. Validation happens before any change,
-//! so a rejected `update()` can be retried.
+//! cache.
 
 use crate::batch::StepOutput;
 use crate::error::SchedError;
 use crate::prefix_cache::extend_hashes;
 use crate::request::{FinishReason, SeqStatus, Sequence};
-use crate::scheduler::Scheduler;
+use crate::scheduler::{Scheduled, Scheduler};
 
 /// Back-off after refused drafts grows to 2^(this - 1) decode steps.
 const MAX_DRAFT_MISSES: u8 = 4;
@@ -109,7 +109,7 @@ impl Scheduler {
 
     /// Appends the tokens of a drafted sequence's rows up to the first one that disagrees
     /// with its draft (see the module header), then frees the blocks past the accepted tokens.
-    fn accept_drafts(&mut self, x: &crate::scheduler::Scheduled, rows: &[i32]) {
+    fn accept_drafts(&mut self, x: &Scheduled, rows: &[i32]) {
         let h = x.handle;
         let mut accepted = 0;
         let mut alive = true;
