@@ -92,6 +92,7 @@ def run_once(llm: LLM, convs: list, params: SamplingParams, concurrency: int) ->
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (the model loads in its default dtype there)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--drafts", default="3,6", help="num_speculative_tokens values to compare")
@@ -106,8 +107,8 @@ def main() -> int:
     chosen = {k: v for k, v in workloads().items() if k in a.workloads.split(",")}
 
     from ferrobatch.model.loader import load_model
-    loaded = load_model(a.model, device="cpu")
-    engines = {k: LLM(a.model, loaded_model=loaded, device="cpu", num_speculative_tokens=k,
+    loaded = load_model(a.model, device=a.device)
+    engines = {k: LLM(a.model, loaded_model=loaded, device=a.device, num_speculative_tokens=k,
                       speculative_max_running=a.max_running)
                for k in drafts}
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
@@ -166,7 +167,7 @@ def main() -> int:
     if a.json:
         os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
         with open(a.json, "w") as f:
-            json.dump({"date": time.strftime("%Y-%m-%d"), "model": a.model,
+            json.dump({"date": time.strftime("%Y-%m-%d"), "model": a.model, "device": a.device,
                        "rounds": a.rounds, "max_tokens": a.max_tokens,
                        "speculative_max_running": a.max_running,
                        "cpu_count": os.cpu_count(), "results": results}, f, indent=1)
