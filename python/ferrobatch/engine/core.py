@@ -345,9 +345,12 @@ def describe_speculation(num_tokens: int, max_running: int) -> str:
     """The speculative-decoding setting in words (startup log, serve banner)."""
     if not num_tokens:
         return "off"
-    load = "at any load" if not max_running else \
-        f"while at most {max_running} sequence{'s' if max_running > 1 else ''} run" \
-        f"{'s' if max_running == 1 else ''}"
+    if not max_running:
+        load = "at any load"
+    elif max_running == 1:
+        load = "while at most 1 sequence runs"
+    else:
+        load = f"while at most {max_running} sequences run"
     return f"prompt lookup, up to {num_tokens} drafts per step {load}"
 
 

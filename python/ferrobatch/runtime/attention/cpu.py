@@ -1,8 +1,9 @@
 """CPU paged attention: decode rows in the Rust kernel, prefill chunks in the torch reference.
 
 Decode rows (query length 1) dominate CPU serving; sequences with a few queries (a decode with
-its speculative drafts, a short chunk) go through the same kernel, one row per query. The reference backend gathers every decode
-sequence's K/V into a padded copy before ``scaled_dot_product_attention``; here the Rust kernel
+its speculative drafts, a short chunk) go through the same kernel, one row per query. The
+reference backend gathers every decode sequence's K/V into a padded copy before
+``scaled_dot_product_attention``; here the Rust kernel
 (``ferrobatch._scheduler.paged_decode_attention_f32``, source ``rust_scheduler/src/cpu_attention.rs``)
 reads each block in place through the block table with an online softmax, splitting the
 (sequence, KV head) pairs over torch's intra-op thread count. Prefill chunks keep the reference
