@@ -3,13 +3,15 @@
     python benches/speculative.py [--rounds 3] [--max-tokens 128] [--drafts 3,6]
                                   [--json benches/results/cpu/speculative.json]
 
-The same greedy chat requests go through engines that differ only in `num_speculative_tokens`
-(0 = off, then each of `--drafts`), sharing one loaded model, alternating for `--rounds`
-rounds. Three workloads: `copy` (repeat a passage), `edit` (rewrite code with a small change),
-both where output repeats the prompt, and `open` (open-ended answers, little to copy: what
-wrong drafts cost). Each runs at concurrency 1 (requests one after another) and 4 (at once).
-Drafting stays on while at most `--max-running` sequences run (default: the engine's, 1 on
-the CPU; `--max-running 0` drafts at any load, which shows why the default is 1).
+The same greedy chat requests go through engines that differ only in their speculative
+setting (0 = off, then each of `--drafts`), sharing one loaded model, alternating for `--rounds`
+rounds. A `--drafts` entry is `K` (K drafts, the engine's default limits) or `K/R/S`: K drafts,
+`speculative_max_running` R and `speculative_max_step_tokens` S (0 = no limit; an empty field
+keeps the engine's default), e.g. `--drafts 3/1/0,3/0/4` compares "draft only alone" with "fill
+steps up to 4 tokens at any load". Three workloads: `copy` (repeat a passage), `edit` (rewrite
+code with a small change), both where output repeats the prompt, and `open` (open-ended answers,
+little to copy: what wrong drafts cost). Each of a workload's 4 requests runs at each
+`--concurrency` C: in groups of C sent at once (C = 1: one after another).
 
 Reported per workload and concurrency: output tokens/s of each engine and the ratio to "off",
 the drafts' acceptance rate, and the share of output tokens that were accepted drafts (tokens
@@ -75,10 +77,9 @@ def workloads() -> dict[str, list[list[dict]]]:
 def run_once(llm: LLM, convs: list, params: SamplingParams, concurrency: int) -> dict:
     stats0 = llm.engine.stats()
     t0 = time.perf_counter()
-    if concurrency == 1:
-        outs = [llm.chat(c, params, use_tqdm=False)[0] for c in convs]
-    else:
-        outs = llm.chat(convs, params, use_tqdm=False)
+    outs = []
+    for i in range(0, len(convs), concurrency):
+        outs += llm.chat(convs[i:i + concurrency], params, use_tqdm=False)
     wall = time.perf_counter() - t0
     stats1 = llm.engine.stats()
     ids = [o.outputs[0].token_ids for o in outs]
@@ -89,28 +90,35 @@ def run_once(llm: LLM, convs: list, params: SamplingParams, concurrency: int) ->
             "accepted": accepted}
 
 
+def engine_options(setting: str) -> dict:
+    """`K` or `K/R/S` (see the module docstring) as LLM keyword options."""
+    parts = setting.split("/")
+    if len(parts) not in (1, 3):
+        raise SystemExit(f"--drafts entry {setting!r}: expected K or K/R/S")
+    names = ("num_speculative_tokens", "speculative_max_running", "speculative_max_step_tokens")
+    return {n: int(v) for n, v in zip(names, parts) if v != ""}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (the model loads in its default dtype there)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--drafts", default="3,6", help="num_speculative_tokens values to compare")
+    ap.add_argument("--drafts", default="3,6",
+                    help="speculative settings to compare with off: K or K/R/S (see above)")
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--workloads", default="copy,edit,open")
-    ap.add_argument("--max-running", type=int, default=None,
-                    help="speculative_max_running of the drafting engines (default: engine's)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    drafts = [0] + [int(x) for x in a.drafts.split(",") if x]
+    settings = ["0"] + [x.strip() for x in a.drafts.split(",") if x.strip()]
     concurrency = [int(x) for x in a.concurrency.split(",")]
     chosen = {k: v for k, v in workloads().items() if k in a.workloads.split(",")}
 
     from ferrobatch.model.loader import load_model
     loaded = load_model(a.model, device=a.device)
-    engines = {k: LLM(a.model, loaded_model=loaded, device=a.device, num_speculative_tokens=k,
-                      speculative_max_running=a.max_running)
-               for k in drafts}
+    engines = {name: LLM(a.model, loaded_model=loaded, device=a.device, **engine_options(name))
+               for name in settings}
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
     # warm-up: every prompt's prefill reaches each engine's prefix cache, so no round pays a
     # prefill another does not
@@ -119,12 +127,12 @@ def main() -> int:
             llm.chat(convs, SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
 
     runs: dict[tuple[str, int, int], list[dict]] = {}
-    total = a.rounds * len(chosen) * len(concurrency) * len(drafts)
+    total = a.rounds * len(chosen) * len(concurrency) * len(settings)
     with tqdm(total=total, desc="speculative bench", unit="run") as bar:
         for r in range(a.rounds):
             for name, convs in chosen.items():
                 for c in concurrency:
-                    order = drafts if r % 2 == 0 else drafts[::-1]
+                    order = settings if r % 2 == 0 else settings[::-1]
                     for k in order:
                         runs.setdefault((name, c, k), []).append(
                             run_once(engines[k], convs, params, c))
@@ -132,12 +140,12 @@ def main() -> int:
 
     results = []
     mismatches = 0
-    print(f"\n{'workload':8} {'conc':>4} {'drafts':>6} {'tok/s':>8} {'vs off':>7} "
+    print(f"\n{'workload':8} {'conc':>4} {'drafts':>8} {'tok/s':>8} {'vs off':>7} "
           f"{'accept':>7} {'free tok':>8} {'same ids':>8}")
     for name in chosen:
         for c in concurrency:
-            base = runs[(name, c, 0)]
-            for k in drafts:
+            base = runs[(name, c, "0")]
+            for k in settings:
                 xs = runs[(name, c, k)]
                 rate = statistics.median(x["tokens"] / x["wall_s"] for x in xs)
                 ratios = [x["tokens"] / x["wall_s"] / (b["tokens"] / b["wall_s"])
@@ -147,7 +155,8 @@ def main() -> int:
                 drafted = sum(x["drafted"] for x in xs)
                 accepted = sum(x["accepted"] for x in xs)
                 free = accepted / sum(x["tokens"] for x in xs)
-                row = {"workload": name, "concurrency": c, "num_speculative_tokens": k,
+                row = {"workload": name, "concurrency": c, "setting": k,
+                       **{opt: v for opt, v in engine_options(k).items()},
                        "output_tokens_per_s": round(rate, 2),
                        "ratio_vs_off_median": round(statistics.median(ratios), 3),
                        "ratio_vs_off_per_round": [round(x, 3) for x in ratios],
@@ -158,7 +167,7 @@ def main() -> int:
                        "identical_to_off": same}
                 results.append(row)
                 acc = f"{accepted / drafted:.0%}" if drafted else "-"
-                print(f"{name:8} {c:>4} {k:>6} {rate:>8.1f} {row['ratio_vs_off_median']:>6.2f}x "
+                print(f"{name:8} {c:>4} {k:>8} {rate:>8.1f} {row['ratio_vs_off_median']:>6.2f}x "
                       f"{acc:>7} {free:>8.0%} {'yes' if same else 'NO':>8}")
     if mismatches:
         print(f"\n{mismatches} configuration(s) produced different token ids than 'off'")
@@ -169,7 +178,6 @@ def main() -> int:
         with open(a.json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d"), "model": a.model, "device": a.device,
                        "rounds": a.rounds, "max_tokens": a.max_tokens,
-                       "speculative_max_running": a.max_running,
                        "cpu_count": os.cpu_count(), "results": results}, f, indent=1)
         print(f"wrote {a.json}")
     return 1 if mismatches else 0

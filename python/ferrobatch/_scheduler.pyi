@@ -110,6 +110,7 @@ class Scheduler:
         speculative_ngram_min: int = 2,
         speculative_ngram_max: int = 4,
         speculative_max_running: int = 0,
+        speculative_max_step_tokens: int = 0,
     ) -> None: ...
     def intake(self) -> Intake: ...
     def schedule(self) -> StepBatch:

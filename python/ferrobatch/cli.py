@@ -46,6 +46,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-max-running", type=int, default=None, metavar="N",
                    help="draft only while at most N sequences run (0 = at any load; default "
                    "1 on CPU, 8 on GPU)")
+    g.add_argument("--speculative-max-step-tokens", type=int, default=None, metavar="T",
+                   help="drafts fill a step only up to T tokens in all (0 = the step budget; "
+                   "default 4 on CPU, 0 on GPU)")
     g.add_argument("--speculative-ngram", type=int, nargs=2, default=(2, 4),
                    metavar=("MIN", "MAX"), help="n-gram lengths prompt lookup matches")
     g.add_argument("--no-gguf-blocks", action="store_true",
@@ -63,6 +66,7 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         attn_backend=a.attention_backend, cuda_graphs=not a.enforce_eager,
         gguf_blocks=not a.no_gguf_blocks, num_speculative_tokens=a.num_speculative_tokens,
         speculative_max_running=a.speculative_max_running,
+        speculative_max_step_tokens=a.speculative_max_step_tokens,
         speculative_ngram_min=a.speculative_ngram[0], speculative_ngram_max=a.speculative_ngram[1])
 
 

@@ -12,10 +12,32 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 POLICIES = ("fcfs", "priority")
 MAX_SPECULATIVE_TOKENS = 16     # also the longest n-gram (the Rust scheduler's limits)
+
+
+class Speculation(NamedTuple):
+    """Prompt-lookup speculative decoding as the scheduler runs it (see the config fields)."""
+
+    num_tokens: int         # drafts per sequence and step (0 = off)
+    max_running: int        # draft only while at most this many sequences run (0 = any load)
+    max_step_tokens: int    # drafts fill a step only up to this many tokens (0 = its budget)
+
+    def describe(self) -> str:
+        """The setting in words (startup log, serve banner)."""
+        if not self.num_tokens:
+            return "off"
+        if not self.max_running:
+            load = "at any load"
+        elif self.max_running == 1:
+            load = "while at most 1 sequence runs"
+        else:
+            load = f"while at most {self.max_running} sequences run"
+        fill = (f", filling steps up to {self.max_step_tokens} tokens"
+                if self.max_step_tokens else "")
+        return f"prompt lookup, up to {self.num_tokens} drafts per step {load}{fill}"
 
 
 @dataclass(frozen=True)
@@ -51,6 +73,9 @@ class EngineConfig:
     speculative_ngram_max: int = 4
     speculative_max_running: int | None = None  # draft only while at most this many sequences
                                                 # run (0 = any load); None -> 1 on CPU, 8 on CUDA
+    speculative_max_step_tokens: int | None = None  # drafts fill a step only up to this many
+                                                # tokens (0 = the step budget); None -> 4 on
+                                                # CPU, 0 on CUDA
 
     # Admission limits (validated before anything is allocated)
     max_queued_requests: int = 1024      # accepted but not yet scheduled; beyond -> QueueFullError
@@ -85,7 +110,8 @@ class EngineConfig:
         if isinstance(self.max_preemptions, bool) or not isinstance(self.max_preemptions, int) \
                 or self.max_preemptions < 0:
             raise ValueError(f"max_preemptions must be an integer >= 0, got {self.max_preemptions!r}")
-        for name in ("num_speculative_tokens", "speculative_max_running"):
+        for name in ("num_speculative_tokens", "speculative_max_running",
+                     "speculative_max_step_tokens"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
@@ -150,16 +176,18 @@ class EngineConfig:
             return self.max_num_batched_tokens
         return 8192 if device_type == "cuda" else 512
 
-    def speculation(self, device_type: str) -> tuple[int, int]:
-        """(draft tokens per sequence and step, most running sequences that still draft). On
-        the CPU a step of <= 4 rows reads the GGUF blocks, so one sequence with 3 drafts costs
-        little more than its decode; with more rows the drafts cost more than they gained
-        (benches/speculative.py). On CUDA it is off unless asked for: not measured there yet."""
+    def speculation(self, device_type: str) -> Speculation:
+        """The prompt-lookup setting on this device, defaults filled in. On the CPU a step of <=
+        4 rows reads the GGUF blocks and costs little more than one row, so drafts fill steps
+        up to 4 tokens: 3 for a lone sequence, fewer shared by 2 or 3; larger drafted steps
+        cost more than they gained (benches/speculative.py). On CUDA it is off unless asked
+        for: not measured there yet."""
         cuda = device_type == "cuda"
-        k = self.num_speculative_tokens
-        running = self.speculative_max_running
-        return (k if k is not None else (0 if cuda else 3),
-                running if running is not None else (8 if cuda else 1))
+        k, running, step = (self.num_speculative_tokens, self.speculative_max_running,
+                            self.speculative_max_step_tokens)
+        return Speculation(num_tokens=k if k is not None else (0 if cuda else 3),
+                           max_running=running if running is not None else (8 if cuda else 1),
+                           max_step_tokens=step if step is not None else (0 if cuda else 4))
 
     def kv_budget_bytes_cpu(self) -> int:
         """KV cache bytes to allocate on CPU (1 GiB unless `kv_cache_gb` says otherwise)."""

@@ -74,6 +74,9 @@ pub struct SchedulerConfig {
     /// Drafts are proposed only while at most this many sequences run (0 = at any load):
     /// a larger step is bound by compute, and rejected drafts would only cost.
     pub speculative_max_running: usize,
+    /// Drafts fill a step only up to this many tokens in all (0 = the step budget): on the
+    /// CPU a step of at most 4 rows costs little more than one of 1 row.
+    pub speculative_max_step_tokens: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -95,6 +98,7 @@ impl Default for SchedulerConfig {
             speculative_ngram_min: 2,
             speculative_ngram_max: 4,
             speculative_max_running: 0,
+            speculative_max_step_tokens: 0,
         }
     }
 }

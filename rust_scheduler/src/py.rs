@@ -374,7 +374,8 @@ impl PyScheduler {
     #[pyo3(signature = (num_blocks, block_size=16, max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=8192,
         *, vocab_size, eos_token_ids=None, enable_prefix_caching=true, policy="fcfs", max_preemptions=8,
         intake_capacity=4096, long_prefill_token_threshold=0, num_speculative_tokens=0,
-        speculative_ngram_min=2, speculative_ngram_max=4, speculative_max_running=0))]
+        speculative_ngram_min=2, speculative_ngram_max=4, speculative_max_running=0,
+        speculative_max_step_tokens=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
@@ -393,6 +394,7 @@ impl PyScheduler {
         speculative_ngram_min: i64,
         speculative_ngram_max: i64,
         speculative_max_running: i64,
+        speculative_max_step_tokens: i64,
     ) -> PyResult<Self> {
         let mut eos = Vec::new();
         for e in eos_token_ids.unwrap_or_default() {
@@ -445,6 +447,12 @@ impl PyScheduler {
             speculative_max_running: range(
                 speculative_max_running,
                 "speculative_max_running",
+                0,
+                i32::MAX as i64,
+            )? as usize,
+            speculative_max_step_tokens: range(
+                speculative_max_step_tokens,
+                "speculative_max_step_tokens",
                 0,
                 i32::MAX as i64,
             )? as usize,

@@ -4,9 +4,9 @@
 //! Each sequence carries `num_computed_tokens` toward `num_tokens`; that one counter covers
 //! chunked prefill, prefix-cache hits and recompute after preemption. `schedule()` drains the
 //! intake, then spends the token budget on running sequences first (1 token, or the next prompt
-//! chunk; a speculating decode adds its prompt-lookup drafts when blocks are free for them),
-//! preempting by recompute when blocks run out (largest (priority, arrival) key first),
-//! then admits waiting sequences in key order. `update()` advances the scheduled sequences,
+//! chunk), preempting by recompute when blocks run out (largest (priority, arrival) key first),
+//! then admits waiting sequences in key order; speculating decodes get their prompt-lookup
+//! drafts last, from the budget and free blocks left (none in a step that preempted). `update()` advances the scheduled sequences,
 //! caches their newly full blocks, forks `n > 1` children, appends tokens, applies stop rules
 //! and frees finished sequences at once. Terminal events from `schedule()` (aborts, preemption
 //! cap failures) are reported by the following `update()`.
@@ -121,6 +121,8 @@ pub struct Scheduler {
     pub(crate) num_accepted_tokens_total: u64,
     /// This step's draft tokens (see [`Scheduled`]).
     pub(crate) drafts: Vec<i32>,
+    /// `schedule_drafts`' list of the scheduled entries asking for drafts.
+    pub(crate) askers_scratch: Vec<usize>,
 }
 
 impl Scheduler {
@@ -153,6 +155,7 @@ impl Scheduler {
             num_draft_tokens_total: 0,
             num_accepted_tokens_total: 0,
             drafts: Vec::new(),
+            askers_scratch: Vec::new(),
             cfg,
         })
     }
@@ -452,10 +455,6 @@ impl Scheduler {
         self.batch.clear();
         self.scheduled.clear();
         self.drafts.clear();
-        let cfg = &self.cfg;
-        let speculate = cfg.num_speculative_tokens > 0
-            && (cfg.speculative_max_running == 0
-                || self.running.len() <= cfg.speculative_max_running);
         self.max_blocks = 0;
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut preempted = false;
@@ -474,18 +473,7 @@ impl Scheduler {
             let s = self.seq(h);
             let num_new = self.chunk(s.num_tokens() - s.num_computed_tokens, budget);
             debug_assert!(num_new >= 1);
-            let draft_start = self.drafts.len();
-            let mut num_draft = if speculate {
-                self.propose_drafts(h, budget)
-            } else {
-                0
-            };
-            if num_draft > 0 && !self.try_allocate(h, num_new + num_draft) {
-                // no room for the drafts: drop them rather than preempt anyone for them
-                self.drafts.truncate(draft_start);
-                num_draft = 0;
-            }
-            let mut ok = num_draft > 0;
+            let mut ok = false;
             while !ok {
                 if self.try_allocate(h, num_new) {
                     ok = true;
@@ -509,13 +497,8 @@ impl Scheduler {
                 let s = self.seqs[h as usize].as_ref().expect("live handle");
                 self.max_blocks = self.max_blocks.max(s.blocks.len());
                 slots += 1 + s.unforked.len();
-                self.scheduled.push(Scheduled {
-                    handle: h,
-                    num_new,
-                    draft_start,
-                    num_draft,
-                });
-                budget -= num_new + num_draft;
+                self.scheduled.push(Scheduled::plain(h, num_new));
+                budget -= num_new;
                 i += 1;
             }
         }
@@ -579,31 +562,95 @@ impl Scheduler {
             slots += want_slots;
         }
 
+        // Drafts last: they take only the budget and the blocks nobody else needed this step.
+        if !preempted && budget > 0 {
+            self.schedule_drafts(budget);
+        }
+
         self.end_of_phase();
         self.fill_batch();
         self.awaiting_update = true;
         Ok(&self.batch)
     }
 
-    /// Appends prompt-lookup drafts for running sequence `h` to `drafts` and returns how many:
-    /// only for a speculating sequence with one token left to compute and no back-off pending
-    /// (see `accept_drafts`), and never more than the step budget, the model length or the
-    /// sequence's `max_tokens` leave room for (each accepted draft adds a token, and the step
-    /// adds one more).
-    fn propose_drafts(&mut self, h: u32, budget: usize) -> usize {
+    /// Gives the scheduled sequences that may speculate their prompt-lookup drafts, out of the
+    /// step's `budget` left after every running and admitted sequence got its tokens (and within
+    /// `speculative_max_step_tokens`). The rows are shared evenly among the sequences asking
+    /// (rows a sequence's lookup leaves unused pass to the ones after it), and a sequence gets
+    /// blocks for its drafts only from the free pool: drafts never preempt anyone.
+    fn schedule_drafts(&mut self, budget: usize) {
         let cfg = &self.cfg;
+        if cfg.num_speculative_tokens == 0
+            || (cfg.speculative_max_running > 0 && self.running.len() > cfg.speculative_max_running)
+        {
+            return;
+        }
+        let step_tokens = cfg.max_num_batched_tokens - budget;
+        let mut rows = budget;
+        if cfg.speculative_max_step_tokens > 0 {
+            rows = rows.min(cfg.speculative_max_step_tokens.saturating_sub(step_tokens));
+        }
+        let mut askers = std::mem::take(&mut self.askers_scratch);
+        askers.clear();
+        for i in 0..self.scheduled.len() {
+            if self.wants_drafts(self.scheduled[i].handle) {
+                askers.push(i);
+            }
+        }
+        for (k, &i) in askers.iter().enumerate() {
+            let share = rows.div_ceil(askers.len() - k);
+            if share == 0 {
+                break;
+            }
+            let Scheduled {
+                handle: h, num_new, ..
+            } = self.scheduled[i];
+            let draft_start = self.drafts.len();
+            let num_draft = self.propose_drafts(h, share);
+            if num_draft == 0 {
+                continue;
+            }
+            if !self.try_allocate(h, num_new + num_draft) {
+                // no free blocks for them: drop the drafts rather than preempt anyone
+                self.drafts.truncate(draft_start);
+                continue;
+            }
+            let blocks = self.seq(h).blocks.len();
+            self.max_blocks = self.max_blocks.max(blocks);
+            let x = &mut self.scheduled[i];
+            x.draft_start = draft_start;
+            x.num_draft = num_draft;
+            rows -= num_draft;
+        }
+        self.askers_scratch = askers;
+    }
+
+    /// Whether scheduled sequence `h` may draft this step: it speculates, has one token left to
+    /// compute, and no back-off is pending (see `accept_drafts`; a pending back-off counts down
+    /// here, once per step).
+    fn wants_drafts(&mut self, h: u32) -> bool {
         let s = self.seqs[h as usize].as_mut().expect("live handle");
         if !s.req.speculate || s.num_tokens() - s.num_computed_tokens != 1 {
-            return 0;
+            return false;
         }
         if s.draft_backoff > 0 {
             s.draft_backoff -= 1;
-            return 0;
+            return false;
         }
+        true
+    }
+
+    /// Appends at most `rows` prompt-lookup drafts for sequence `h` to `drafts` and returns how
+    /// many: never more than `num_speculative_tokens`, or than the model length or the
+    /// sequence's `max_tokens` leave room for (each accepted draft adds a token, and the step
+    /// adds one more).
+    fn propose_drafts(&mut self, h: u32, rows: usize) -> usize {
+        let cfg = &self.cfg;
+        let s = self.seqs[h as usize].as_ref().expect("live handle");
         let r = &s.req;
         let room = cfg
             .num_speculative_tokens
-            .min(budget - 1)
+            .min(rows)
             .min(cfg.max_model_len.saturating_sub(s.num_tokens() + 1))
             .min(r.max_tokens.saturating_sub(s.output_len() + 1));
         crate::ngram::propose(

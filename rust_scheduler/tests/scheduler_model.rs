@@ -58,12 +58,12 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
             0..4u32,
             0..6usize,
         ),
-        (0..5usize, 1..3usize, 0..3usize, 0..4usize),
+        (0..5usize, 1..3usize, 0..3usize, 0..4usize, 0..7usize),
     )
         .prop_map(
             |(
                 (bs, nb, seqs, budget, caching, prio, maxp, thr),
-                (k, ngram_min, ngram_extra, spec_running),
+                (k, ngram_min, ngram_extra, spec_running, spec_step),
             )| SchedulerConfig {
                 num_blocks: nb,
                 block_size: bs,
@@ -81,6 +81,7 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
                 speculative_ngram_min: ngram_min,
                 speculative_ngram_max: ngram_min + ngram_extra,
                 speculative_max_running: spec_running,
+                speculative_max_step_tokens: spec_step,
             },
         )
 }
@@ -118,6 +119,15 @@ fn run(cfg: SchedulerConfig, local_model: bool, ops: Vec<Op>) -> Result<(), Test
             *j += 1;
         }
         prop_assert_eq!(b.num_samples(), rows_before.len() + b.num_draft_tokens);
+        if b.num_draft_tokens > 0 {
+            // drafts only fill what the step left, up to the cap
+            prop_assert!(b.input_ids.len() <= cfg.max_num_batched_tokens);
+            let cap = cfg.speculative_max_step_tokens;
+            prop_assert!(cap == 0 || b.input_ids.len() <= cap);
+            prop_assert!(
+                cfg.speculative_max_running == 0 || b.seq_lens.len() <= cfg.speculative_max_running
+            );
+        }
         for (id, k, tok, reason) in ev {
             let r = reqs.get_mut(&id).expect("event for a known request");
             let k = k as usize;

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ferrobatch.cli import _config, build_parser
-from ferrobatch.config import EngineConfig
+from ferrobatch.config import EngineConfig, Speculation
 
 
 @pytest.mark.parametrize("options,match", [
@@ -23,6 +23,7 @@ from ferrobatch.config import EngineConfig
     ({"num_speculative_tokens": -1}, "num_speculative_tokens"),
     ({"num_speculative_tokens": 17}, "num_speculative_tokens"),
     ({"speculative_max_running": 1.5}, "speculative_max_running"),
+    ({"speculative_max_step_tokens": -1}, "speculative_max_step_tokens"),
     ({"speculative_ngram_min": 0}, "n-gram"),
     ({"speculative_ngram_min": 5, "speculative_ngram_max": 4}, "n-gram"),
 ])
@@ -46,11 +47,21 @@ def test_step_limits_default_per_device_unless_given():
 
 
 def test_speculation_defaults_per_device_unless_given():
-    assert EngineConfig().speculation("cpu") == (3, 1)
-    assert EngineConfig().speculation("cuda") == (0, 8)
-    given = EngineConfig(num_speculative_tokens=5, speculative_max_running=0)
-    assert given.speculation("cpu") == (5, 0) and given.speculation("cuda") == (5, 0)
-    assert EngineConfig(num_speculative_tokens=0).speculation("cpu") == (0, 1)
+    assert EngineConfig().speculation("cpu") == (3, 1, 4)
+    assert EngineConfig().speculation("cuda") == (0, 8, 0)
+    given = EngineConfig(num_speculative_tokens=5, speculative_max_running=0,
+                         speculative_max_step_tokens=6)
+    assert given.speculation("cpu") == (5, 0, 6) and given.speculation("cuda") == (5, 0, 6)
+    assert EngineConfig(num_speculative_tokens=0).speculation("cpu").num_tokens == 0
+
+
+def test_speculation_is_described_in_words():
+    assert Speculation(0, 1, 4).describe() == "off"
+    assert Speculation(3, 1, 0).describe() == \
+        "prompt lookup, up to 3 drafts per step while at most 1 sequence runs"
+    assert Speculation(3, 0, 4).describe() == \
+        "prompt lookup, up to 3 drafts per step at any load, filling steps up to 4 tokens"
+    assert Speculation(8, 8, 0).describe().endswith("while at most 8 sequences run")
 
 
 def test_cli_maps_engine_flags():
@@ -65,8 +76,10 @@ def test_cli_maps_engine_flags():
     assert default.num_speculative_tokens is None and default.speculative_max_running is None
     cfg = _config(parser.parse_args(["serve", "--num-speculative-tokens", "0",
                                      "--speculative-max-running", "4",
+                                     "--speculative-max-step-tokens", "6",
                                      "--speculative-ngram", "1", "3"]))
     assert (cfg.num_speculative_tokens, cfg.speculative_max_running) == (0, 4)
+    assert cfg.speculative_max_step_tokens == 6 and default.speculative_max_step_tokens is None
     assert (cfg.speculative_ngram_min, cfg.speculative_ngram_max) == (1, 3)
 
 

@@ -421,3 +421,68 @@ def test_refused_drafts_back_off():
     s.check_integrity()
     s.intake().abort(1)
     run_all(s, FakeRunner(s))
+
+
+def _two_speculating(**cfg):
+    """Two speculating requests with the same prompt, prefilled, both ending "... 7 8" (prompt
+    lookup then drafts 9 10 11 for each)."""
+    s = make(block_size=4, num_speculative_tokens=3, speculative_ngram_min=2,
+             speculative_ngram_max=2, **cfg)
+    for rid in (1, 2):
+        s.intake().submit(rid, [7, 8, 9, 10, 11, 12, 7], max_tokens=20, ignore_eos=True,
+                          temperature=0.0, speculate=True)
+    s.schedule()
+    s.update(np.array([8, 8], np.int32))
+    return s
+
+
+def test_drafts_share_the_step_token_cap_evenly():
+    """With speculative_max_step_tokens the step's rows left after the decodes are shared
+    among the drafting sequences (one each of 2 rows; 2 and 1 of 3 rows), not all given to
+    the first."""
+    for cap, drafts in ((4, [1, 1]), (5, [2, 1]), (0, [3, 3]), (2, [0, 0])):
+        s = _two_speculating(num_blocks=16, speculative_max_step_tokens=cap)
+        b = s.schedule()
+        ids = b.sample_req_ids.tolist()
+        assert [ids.count(1) - 1, ids.count(2) - 1] == drafts, cap
+        assert b.num_draft_tokens == sum(drafts)
+        assert cap == 0 or b.num_tokens <= cap
+        s.check_integrity()
+        s.update(np.array([9, 10, 11, 12][:drafts[0] + 1] + [9, 10, 11, 12][:drafts[1] + 1],
+                          np.int32))
+        s.check_integrity()
+        assert s.stats()["num_accepted_tokens_total"] == sum(drafts)
+
+
+def test_drafts_never_take_what_another_sequence_needs():
+    """Drafts are scheduled last: they never take the block a later running sequence needs
+    (which would preempt it) nor the step budget a waiting prompt could use."""
+    # 5 usable blocks: each sequence holds 2 (7 and 8 computed tokens of block size 4); the
+    # one free block is the second sequence's next one, so the first one drafts nothing.
+    s = make(num_blocks=6, block_size=4, num_speculative_tokens=3, speculative_ngram_min=2,
+             speculative_ngram_max=2)
+    s.intake().submit(1, [7, 8, 9, 10, 11, 12, 7], max_tokens=8, ignore_eos=True,
+                      temperature=0.0, speculate=True)
+    s.intake().submit(2, [1, 2, 3, 4, 5, 6, 7, 8], max_tokens=8, ignore_eos=True,
+                      temperature=0.0)
+    s.schedule()
+    s.update(np.array([8, 3], np.int32))
+    b = s.schedule()
+    assert b.num_draft_tokens == 0 and b.seq_req_ids.tolist() == [1, 2]
+    assert s.stats()["num_preemptions_total"] == 0
+    s.check_integrity()
+    s.update(np.array([9, 4], np.int32))
+    # budget 6: a running decode (1) and a new 4-token prompt (4) leave 1 row for a draft
+    s = make(num_blocks=32, block_size=4, max_num_batched_tokens=6, num_speculative_tokens=3,
+             speculative_ngram_min=2, speculative_ngram_max=2)
+    s.intake().submit(1, [7, 8, 9, 10, 11, 12, 7], max_tokens=20, ignore_eos=True,
+                      temperature=0.0, speculate=True)
+    s.schedule()                                       # 6 of 7 prompt tokens
+    s.update(np.array([], np.int32))
+    s.schedule()
+    s.update(np.array([8], np.int32))
+    s.intake().submit(2, [1, 2, 3, 4], max_tokens=5)
+    b = s.schedule()
+    assert b.input_ids.tolist() == [8, 9, 1, 2, 3, 4]
+    assert (b.num_draft_tokens, b.num_prefill_tokens) == (1, 4)
+    s.check_integrity()

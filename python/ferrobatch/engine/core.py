@@ -82,7 +82,7 @@ class EngineCore:
         self.vocab_size = int(loaded.config.vocab_size)
         self.model_name = config.model
         self.num_blocks = int(runner.num_blocks)
-        self.speculation = "off"              # set by build(): see describe_speculation
+        self.speculation = "off"              # set by build(): Speculation.describe()
         bos = self.tokenizer.bos_token_id
         self.ready_token_id = int(bos) if bos is not None else 0
         self._extras: dict[int, Any] = {}     # copy-on-write: replaced, never mutated in place
@@ -134,8 +134,9 @@ class EngineCore:
         eos = list(loaded.tokenizer.eos_token_ids)
         sampler = Sampler(int(mcfg.vocab_size), eos, loaded.device)
         device_type = loaded.device.type
-        spec_tokens, spec_running = config.speculation(device_type)
-        spec_tokens = min(spec_tokens, config.step_token_budget(device_type) - 1)
+        spec = config.speculation(device_type)
+        spec = spec._replace(
+            num_tokens=min(spec.num_tokens, config.step_token_budget(device_type) - 1))
         scheduler = Scheduler(
             num_blocks, block_size=config.block_size,
             max_num_seqs=config.step_seq_limit(loaded.device.type),
@@ -144,12 +145,13 @@ class EngineCore:
             vocab_size=int(mcfg.vocab_size), eos_token_ids=eos,
             enable_prefix_caching=config.enable_prefix_caching, policy=config.scheduling_policy,
             max_preemptions=config.max_preemptions, intake_capacity=config.intake_capacity,
-            num_speculative_tokens=spec_tokens,
+            num_speculative_tokens=spec.num_tokens,
             speculative_ngram_min=config.speculative_ngram_min,
             speculative_ngram_max=config.speculative_ngram_max,
-            speculative_max_running=spec_running)
+            speculative_max_running=spec.max_running,
+            speculative_max_step_tokens=spec.max_step_tokens)
         core = cls(config, loaded, scheduler, runner, sampler, max_model_len)
-        core.speculation = describe_speculation(spec_tokens, spec_running)
+        core.speculation = spec.describe()
         logger.info("speculative decoding: %s", core.speculation)
         return core
 
@@ -339,19 +341,6 @@ class EngineCore:
 
 
 PROMPT_LOGITS_CHUNK = 256
-
-
-def describe_speculation(num_tokens: int, max_running: int) -> str:
-    """The speculative-decoding setting in words (startup log, serve banner)."""
-    if not num_tokens:
-        return "off"
-    if not max_running:
-        load = "at any load"
-    elif max_running == 1:
-        load = "while at most 1 sequence runs"
-    else:
-        load = f"while at most {max_running} sequences run"
-    return f"prompt lookup, up to {num_tokens} drafts per step {load}"
 
 
 def _prompt_logprob_rows(batch: Any, extras: dict[int, Any]) -> tuple | None:
