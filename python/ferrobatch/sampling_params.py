@@ -195,15 +195,13 @@ class SamplingParams:
     @property
     def allows_speculation(self) -> bool:
         """True when prompt-lookup drafts may be checked for this request in one step: one
-        sequence, and nothing the sampler keeps or applies per token (penalties, bias,
-        logprobs, a grammar). Then each row's token is drawn from that row's own distribution,
-        and keeping drafts while the drawn token equals them is exact speculative sampling for
-        a draft that is one fixed token: a draft survives with its probability, and a refused
-        one leaves a draw from the rest. Greedy and seeded outputs are the very tokens the
-        engine gives without drafts (a seeded row's draw is keyed by its position)."""
-        return (self.n == 1 and not self.needs_token_history and not self.logit_bias
-                and self.logprobs is None and self.prompt_logprobs is None
-                and not self.is_guided)
+        sequence and no grammar. Each drafted row's token is drawn from that row's own
+        distribution (bias applied, penalties counting the drafts before it, logprobs taken from
+        it), and keeping drafts while the drawn token equals them is exact speculative sampling
+        for a draft that is one fixed token: a draft survives with its probability, and a
+        refused one leaves a draw from the rest. Greedy and seeded outputs are the very tokens
+        the engine gives without drafts (a seeded row's draw is keyed by its position)."""
+        return self.n == 1 and not self.is_guided
 
     @property
     def needs_token_history(self) -> bool:

@@ -193,7 +193,7 @@ class FakeCore:
                 k = r.produced[i]
                 tok = r.prompt[(k + i) % len(r.prompt)]
                 if r.logprobs is not None and not self.drop_logprobs:
-                    logprobs[(rid, i)] = (tok, fake_logprob(k), fake_top(tok, k, r.logprobs))
+                    logprobs[(rid, i)] = [(tok, fake_logprob(k), fake_top(tok, k, r.logprobs))]
                 r.produced[i] += 1
                 code = 0
                 if (tok == EOS and not r.ignore_eos) or tok in r.stop_ids:

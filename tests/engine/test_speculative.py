@@ -1,5 +1,6 @@
 """Speculative decoding by prompt lookup on the real SmolLM2: drafts never change a greedy or
-seeded output, only eligible requests draft, limits and stop rules hold, streams stay whole.
+seeded output (penalties, bias and logprobs included), only unguided single-sequence requests
+draft, limits and stop rules hold, streams stay whole.
 
 Two engines share the loaded weights: one never drafts, one drafts at any load (the default
 drafts only while one sequence runs, which would leave batches untested)."""
@@ -62,12 +63,9 @@ def test_greedy_outputs_do_not_change_alone_or_batched(engines):
     assert _drafts(plain) == (0, 0)
 
 
-def test_only_requests_without_per_token_state_draft(engines):
+def test_only_unguided_single_sequence_requests_draft(engines):
     _, drafting = engines
     not_eligible = [
-        SamplingParams(max_tokens=24, temperature=0.0, logprobs=2),
-        SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.2),
-        SamplingParams(max_tokens=24, temperature=0.0, logit_bias={42: -5.0}),
         SamplingParams(max_tokens=24, temperature=0.0, guided_regex="[a-z ]+"),
         SamplingParams(max_tokens=24, temperature=0.0, n=2),
     ]
@@ -79,6 +77,45 @@ def test_only_requests_without_per_token_state_draft(engines):
     assert GREEDY.allows_speculation
     assert SamplingParams(temperature=0.0, min_tokens=3, stop=["x"]).allows_speculation
     assert SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1).allows_speculation
+
+
+PER_TOKEN_STATE = {
+    "logprobs": dict(logprobs=3),
+    "prompt_logprobs": dict(prompt_logprobs=1),
+    "repetition_penalty": dict(repetition_penalty=1.03),
+    "presence_frequency": dict(presence_penalty=0.4, frequency_penalty=0.3),
+    "logit_bias": dict(logit_bias={13: -2.0, 28: 1.5}),
+    "seeded_penalty_logprobs": dict(temperature=0.7, seed=3, frequency_penalty=0.2, logprobs=1),
+}
+
+
+@pytest.mark.parametrize("name", list(PER_TOKEN_STATE))
+def test_requests_with_per_token_state_draft_and_match(engines, name):
+    """Penalties count the drafts before each drafted row, bias applies to every row, and each
+    kept token's logprobs come from its own row: outputs and logprobs equal the plain
+    engine's, and drafts were kept."""
+    plain, drafting = engines
+    p = SamplingParams(**{"max_tokens": 40, "temperature": 0.0, **PER_TOKEN_STATE[name]})
+    assert p.allows_speculation
+    want = plain.chat(COPY, p, use_tqdm=False)[0]
+    d0, a0 = _drafts(drafting)
+    got = drafting.chat(COPY, p, use_tqdm=False)[0]
+    d1, a1 = _drafts(drafting)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert a1 > a0, "no draft was kept: the rows after a draft went unchecked"
+    for g, w in ((got.outputs[0].logprobs, want.outputs[0].logprobs),
+                 (got.prompt_logprobs, want.prompt_logprobs)):
+        assert (g is None) == (w is None)
+        for ge, we in zip(g or [], w or []):
+            if we is None:
+                assert ge is None
+                continue
+            assert ge.token_id == we.token_id
+            assert ge.logprob == pytest.approx(we.logprob, abs=2e-3)
+            # the alternatives' values agree (ids could swap only between near-equal values)
+            assert [v for _, v in ge.top] == pytest.approx([v for _, v in we.top], abs=2e-3)
+    if p.logprobs is not None:
+        assert len(got.outputs[0].logprobs) == len(got.outputs[0].token_ids)
 
 
 def test_seeded_sampling_gives_the_same_tokens_with_drafts(engines):

@@ -110,6 +110,19 @@ def test_penalties_use_the_right_sequence_of_the_request(sampler):
     assert sampler.sample(logits, batch, extras).token_ids.tolist() == [10, 11]
 
 
+def test_drafted_rows_count_the_drafts_before_them(sampler):
+    """A speculative step: the sequence's last token 10 then drafts 10 and 11, one row each.
+    Row j's penalties count the output so far plus drafts 0..j-1 (its output if kept)."""
+    extras = {0: RequestExtras(output_token_ids=[[10]])}
+    logits = _two_way_logits().expand(3, VOCAB).clone()        # 10: 5.0, 11: 4.5
+    batch = _batch(3, sample_req_ids=[0, 0, 0], sample_output_lens=[1, 2, 3],
+                   frequency_penalty=[0.3] * 3)
+    batch.input_ids = np.array([10, 10, 11], np.int32)
+    batch.logits_indices = np.array([0, 1, 2], np.int32)
+    # row 0: 10 seen once (4.7 > 4.5); row 1: twice (4.4 < 4.5); row 2: 10 twice, 11 once
+    assert sampler.sample(logits, batch, extras).token_ids.tolist() == [10, 11, 10]
+
+
 def test_logit_bias_and_suppress_eos(sampler):
     logits = torch.zeros(2, VOCAB)
     logits[:, EOS[0]] = 10.0

@@ -376,6 +376,7 @@ class AsyncEngine:
         itls: list[float] = []
         num_tokens = 0
         logprobs = getattr(r, "logprobs", None)
+        taken: dict[tuple[int, int], int] = {}    # logprob entries used per sequence this step
         for rid, si, tok, code in zip(r.req_ids, r.seq_indices, r.token_ids, r.finish_reasons):
             st = requests.get(rid)
             if st is None:
@@ -385,7 +386,13 @@ class AsyncEngine:
             if tok >= 0:
                 num_tokens += 1
                 with_tokens.add(rid)
-                self._add_token(st, si, tok, logprobs.get((rid, si)) if logprobs else None)
+                entry = None
+                if logprobs and (rid, si) in logprobs:
+                    k = taken.get((rid, si), 0)
+                    taken[(rid, si)] = k + 1
+                    rows = logprobs[(rid, si)]
+                    entry = rows[k] if k < len(rows) else None
+                self._add_token(st, si, tok, entry)
             if code:
                 st.terminal_event(si, code, r.error_messages.get(rid))
         for rid, st in touched.items():

@@ -38,9 +38,10 @@ class StepResult:
     stats: dict[str, Any]
     step_time_s: float
     failed_req_ids: list[int] = field(default_factory=list)   # e.g. non-finite logits
-    # (req id, seq index) -> (token id, logprob, [(top id, top logprob), ...]) for the rows of
+    # (req id, seq index) -> [(token id, logprob, [(top id, top logprob), ...]), ...], one per
+    # sampled row in order (the k-th token of the sequence this step has the k-th), for
     # requests that asked for logprobs; None when no row did
-    logprobs: dict[tuple[int, int], tuple[int, float, list[tuple[int, float]]]] | None = None
+    logprobs: dict[tuple[int, int], list[tuple[int, float, list[tuple[int, float]]]]] | None = None
     # req id -> [(prompt position, (token id, logprob, top))] for the prompt tokens this step
     # computed, for requests that asked for prompt logprobs; None when none did
     prompt_logprobs: dict[int, list[tuple[int, tuple[int, float, list]]]] | None = None
@@ -376,8 +377,10 @@ def _prompt_logprob_rows(batch: Any, extras: dict[int, Any]) -> tuple | None:
 
 def _logprobs_by_sequence(batch: Any, sample: Any, extras: dict[int, Any]) -> dict:
     """The sampler's logprob arrays, cut to each asking request's own top-N and keyed by
-    (request id, sequence index): the scheduler's output rows are matched by that key."""
-    out: dict[tuple[int, int], tuple[int, float, list[tuple[int, float]]]] = {}
+    (request id, sequence index), one entry per sampled row in row order: a drafted sequence
+    has several, and its k-th token this step came from its k-th row (``update()`` keeps
+    rows 0, 1, ... while the drafts agree)."""
+    out: dict[tuple[int, int], list[tuple[int, float, list[tuple[int, float]]]]] = {}
     req_ids = np.asarray(batch.sample_req_ids).tolist()
     seq_indices = np.asarray(batch.sample_seq_indices).tolist()
     for row, (rid, si) in enumerate(zip(req_ids, seq_indices)):
@@ -387,7 +390,8 @@ def _logprobs_by_sequence(batch: Any, sample: Any, extras: dict[int, Any]) -> di
         n = ext.logprobs
         top = list(zip(sample.top_logprob_ids[row, :n].tolist(),
                        sample.top_logprobs[row, :n].tolist()))
-        out[(rid, si)] = (int(sample.token_ids[row]), float(sample.logprobs[row]), top)
+        out.setdefault((rid, si), []).append(
+            (int(sample.token_ids[row]), float(sample.logprobs[row]), top))
     return out
 
 

@@ -83,7 +83,14 @@ class Sampler:
             if ext.output_token_ids is not None:
                 seq_index = int(batch.sample_seq_indices[row])
                 if seq_index < len(ext.output_token_ids):
-                    tokens += list(ext.output_token_ids[seq_index])
+                    history = ext.output_token_ids[seq_index]
+                    tokens += list(history)
+                    # a drafted row also follows the drafts before it (they are its output
+                    # if the row's token is kept): the j input tokens ending at its logits row
+                    j = int(batch.sample_output_lens[row]) - len(history)
+                    if j > 0:
+                        end = int(batch.logits_indices[row]) + 1
+                        tokens += np.asarray(batch.input_ids[end - j:end]).tolist()
             row_ids.append(np.full(len(tokens), row, dtype=np.int64))
             token_ids.append(np.asarray(tokens, dtype=np.int64))
         if row_ids:
