@@ -195,13 +195,14 @@ class SamplingParams:
     @property
     def allows_speculation(self) -> bool:
         """True when prompt-lookup drafts may be checked for this request in one step: one
-        sequence and no grammar. Each drafted row's token is drawn from that row's own
-        distribution (bias applied, penalties counting the drafts before it, logprobs taken from
-        it), and keeping drafts while the drawn token equals them is exact speculative sampling
-        for a draft that is one fixed token: a draft survives with its probability, and a
-        refused one leaves a draw from the rest. Greedy and seeded outputs are the very tokens
-        the engine gives without drafts (a seeded row's draw is keyed by its position)."""
-        return self.n == 1 and not self.is_guided
+        sequence. Each drafted row's token is drawn from that row's own distribution (bias
+        applied, penalties counting the drafts before it, the grammar's mask after them,
+        logprobs taken from it), and keeping drafts while the drawn token equals them is exact
+        speculative sampling for a draft that is one fixed token: a draft survives with its
+        probability, and a refused one leaves a draw from the rest. Greedy and seeded outputs
+        are the very tokens the engine gives without drafts (a seeded row's draw is keyed by
+        its position)."""
+        return self.n == 1
 
     @property
     def needs_token_history(self) -> bool:

@@ -6,10 +6,11 @@
 //! intake, then spends the token budget on running sequences first (1 token, or the next prompt
 //! chunk), preempting by recompute when blocks run out (largest (priority, arrival) key first),
 //! then admits waiting sequences in key order; speculating decodes get their prompt-lookup
-//! drafts last, from the budget and free blocks left (none in a step that preempted). `update()` advances the scheduled sequences,
-//! caches their newly full blocks, forks `n > 1` children, appends tokens, applies stop rules
-//! and frees finished sequences at once. Terminal events from `schedule()` (aborts, preemption
-//! cap failures) are reported by the following `update()`.
+//! drafts last, from the budget and free blocks left (none in a step that preempted).
+//! `update()` advances the scheduled sequences, caches their newly full blocks, forks `n > 1`
+//! children, appends tokens, applies stop rules and frees finished sequences at once. Terminal
+//! events from `schedule()` (aborts, preemption cap failures) are reported by the following
+//! `update()`.
 //!
 //! `update()` lives in `update.rs`. Invariants (checked by
 //! [`Scheduler::check_integrity`], see `integrity.rs`):

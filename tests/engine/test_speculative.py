@@ -1,9 +1,9 @@
 """Speculative decoding by prompt lookup on the real SmolLM2: drafts never change a greedy or
-seeded output (penalties, bias and logprobs included), only unguided single-sequence requests
+seeded output (penalties, bias, logprobs and grammars included), only single-sequence requests
 draft, limits and stop rules hold, streams stay whole.
 
-Two engines share the loaded weights: one never drafts, one drafts at any load (the default
-drafts only while one sequence runs, which would leave batches untested)."""
+Two engines share the loaded weights: one never drafts, one drafts at any load with no step
+limit (the CPU default caps drafted steps at 16 tokens)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def engines(loaded_smollm2):
     plain = LLM("smollm2", loaded_model=loaded_smollm2, num_speculative_tokens=0,
                 **REAL_ENGINE_OPTIONS)
     drafting = LLM("smollm2", loaded_model=loaded_smollm2, num_speculative_tokens=3,
-                   speculative_max_running=0, speculative_ngram_min=1, **REAL_ENGINE_OPTIONS)
+                   speculative_max_running=0, speculative_max_step_tokens=0,
+                   speculative_ngram_min=1, **REAL_ENGINE_OPTIONS)
     yield plain, drafting
     plain.close()
     drafting.close()
@@ -63,17 +64,13 @@ def test_greedy_outputs_do_not_change_alone_or_batched(engines):
     assert _drafts(plain) == (0, 0)
 
 
-def test_only_unguided_single_sequence_requests_draft(engines):
+def test_only_single_sequence_requests_draft(engines):
     _, drafting = engines
-    not_eligible = [
-        SamplingParams(max_tokens=24, temperature=0.0, guided_regex="[a-z ]+"),
-        SamplingParams(max_tokens=24, temperature=0.0, n=2),
-    ]
-    for p in not_eligible:
-        assert not p.allows_speculation
-        before = _drafts(drafting)
-        drafting.chat(COPY, p, use_tqdm=False)
-        assert _drafts(drafting) == before, p
+    p = SamplingParams(max_tokens=24, temperature=0.0, n=2)
+    assert not p.allows_speculation
+    before = _drafts(drafting)
+    drafting.chat(COPY, p, use_tqdm=False)
+    assert _drafts(drafting) == before
     assert GREEDY.allows_speculation
     assert SamplingParams(temperature=0.0, min_tokens=3, stop=["x"]).allows_speculation
     assert SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1).allows_speculation
@@ -86,14 +83,18 @@ PER_TOKEN_STATE = {
     "presence_frequency": dict(presence_penalty=0.4, frequency_penalty=0.3),
     "logit_bias": dict(logit_bias={13: -2.0, 28: 1.5}),
     "seeded_penalty_logprobs": dict(temperature=0.7, seed=3, frequency_penalty=0.2, logprobs=1),
+    "guided_regex": dict(guided_regex="[A-Za-z ,.]+"),
+    "guided_json": dict(max_tokens=64, guided_json={
+        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}),
+    "seeded_guided": dict(temperature=0.7, seed=5, guided_regex="[A-Za-z ,.]+"),
 }
 
 
 @pytest.mark.parametrize("name", list(PER_TOKEN_STATE))
 def test_requests_with_per_token_state_draft_and_match(engines, name):
-    """Penalties count the drafts before each drafted row, bias applies to every row, and each
-    kept token's logprobs come from its own row: outputs and logprobs equal the plain
-    engine's, and drafts were kept."""
+    """Penalties count the drafts before each drafted row, a grammar masks it as if they were
+    output, bias applies to every row, and each kept token's logprobs come from its own row:
+    outputs and logprobs equal the plain engine's, and drafts were kept."""
     plain, drafting = engines
     p = SamplingParams(**{"max_tokens": 40, "temperature": 0.0, **PER_TOKEN_STATE[name]})
     assert p.allows_speculation

@@ -131,14 +131,32 @@ class Sampler:
             logits.index_put_(index, torch.tensor(values, device=self.device), accumulate=True)
 
     def _apply_guides(self, logits: torch.Tensor, batch, extras) -> None:
-        """Keeps, in each guided row, only the logits of the tokens its grammar allows next."""
+        """Keeps, in each guided row, only the logits of the tokens its grammar allows next.
+
+        A sequence's rows are consecutive; row ``j > 0`` of one is a speculative row that
+        follows drafts ``0..j-1`` (the input tokens ending at its logits row), so its mask is
+        the grammar's after them. A draft the grammar refuses cannot be kept (the row before it
+        draws only allowed tokens), so the rows after it keep the last mask: their tokens are
+        never used, and no row is ever left without an allowed token (nor is a row after a
+        draft that ends the grammar, which ends the sequence)."""
         rows, guides = [], []
+        prev, j, guide = None, 0, None
         for row, (rid, si) in enumerate(zip(np.asarray(batch.sample_req_ids).tolist(),
                                             np.asarray(batch.sample_seq_indices).tolist())):
+            j = j + 1 if (rid, si) == prev else 0
+            prev = (rid, si)
             ext = extras.get(rid)
-            if ext is not None and ext.guides:
-                rows.append(row)
-                guides.append(ext.guides[si])
+            if ext is None or not ext.guides:
+                continue
+            if j == 0:
+                guide = ext.guides[si]
+            else:
+                after = guide.copy()
+                draft = int(batch.input_ids[int(batch.logits_indices[row])])
+                if after.advance(draft) and after.num_allowed > 0:
+                    guide = after
+            rows.append(row)
+            guides.append(guide)
         if not rows:
             return
         allowed = np.zeros((len(rows), logits.shape[1]), dtype=bool)
