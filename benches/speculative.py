@@ -10,8 +10,9 @@ rounds. A `--drafts` entry is `K` (K drafts, the engine's default limits) or `K/
 keeps the engine's default), e.g. `--drafts 3/1/0,3/0/4` compares "draft only alone" with "fill
 steps up to 4 tokens at any load". Three workloads: `copy` (repeat a passage), `edit` (rewrite
 code with a small change), both where output repeats the prompt, and `open` (open-ended answers,
-little to copy: what wrong drafts cost). Each of a workload's 4 requests runs at each
-`--concurrency` C: in groups of C sent at once (C = 1: one after another).
+little to copy: what wrong drafts cost). Each of a workload's `--requests` requests (its 4
+prompts, cycled) runs at each `--concurrency` C: in groups of C sent at once (C = 1: one after
+another).
 
 Reported per workload and concurrency: output tokens/s of each engine and the ratio to "off",
 the drafts' acceptance rate, and the share of output tokens that were accepted drafts (tokens
@@ -109,11 +110,15 @@ def main() -> int:
                     help="speculative settings to compare with off: K or K/R/S (see above)")
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--workloads", default="copy,edit,open")
+    ap.add_argument("--requests", type=int, default=4,
+                    help="requests per workload: its 4 prompts, cycled (identical prompts give "
+                    "identical greedy answers, so the load is what varies)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     settings = ["0"] + [x.strip() for x in a.drafts.split(",") if x.strip()]
     concurrency = [int(x) for x in a.concurrency.split(",")]
-    chosen = {k: v for k, v in workloads().items() if k in a.workloads.split(",")}
+    chosen = {k: [v[i % len(v)] for i in range(a.requests)]
+              for k, v in workloads().items() if k in a.workloads.split(",")}
 
     from ferrobatch.model.loader import load_model
     loaded = load_model(a.model, device=a.device)
@@ -177,7 +182,7 @@ def main() -> int:
         os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
         with open(a.json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d"), "model": a.model, "device": a.device,
-                       "rounds": a.rounds, "max_tokens": a.max_tokens,
+                       "rounds": a.rounds, "max_tokens": a.max_tokens, "requests": a.requests,
                        "cpu_count": os.cpu_count(), "results": results}, f, indent=1)
         print(f"wrote {a.json}")
     return 1 if mismatches else 0

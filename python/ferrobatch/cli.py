@@ -41,14 +41,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: run every step eagerly (no decode CUDA graphs)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="speculative decoding by prompt lookup: up to K tokens drafted from "
-                   "the sequence's own earlier text and checked in one step (greedy requests; "
-                   "0 = off; default 3 on CPU, 0 on GPU)")
+                   "the sequence's own earlier text and checked in one step (0 = off; default "
+                   "3 on CPU, 0 on GPU)")
     g.add_argument("--speculative-max-running", type=int, default=None, metavar="N",
                    help="draft only while at most N sequences run (0 = at any load; default "
-                   "1 on CPU, 8 on GPU)")
+                   "0 on CPU, 8 on GPU)")
     g.add_argument("--speculative-max-step-tokens", type=int, default=None, metavar="T",
                    help="drafts fill a step only up to T tokens in all (0 = the step budget; "
-                   "default 4 on CPU, 0 on GPU)")
+                   "default 16 on CPU, 0 on GPU)")
     g.add_argument("--speculative-ngram", type=int, nargs=2, default=(2, 4),
                    metavar=("MIN", "MAX"), help="n-gram lengths prompt lookup matches")
     g.add_argument("--no-gguf-blocks", action="store_true",

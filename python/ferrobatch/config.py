@@ -72,9 +72,9 @@ class EngineConfig:
     speculative_ngram_min: int = 2       # shortest / longest n-gram matched in the sequence
     speculative_ngram_max: int = 4
     speculative_max_running: int | None = None  # draft only while at most this many sequences
-                                                # run (0 = any load); None -> 1 on CPU, 8 on CUDA
+                                                # run (0 = any load); None -> 0 on CPU, 8 on CUDA
     speculative_max_step_tokens: int | None = None  # drafts fill a step only up to this many
-                                                # tokens (0 = the step budget); None -> 4 on
+                                                # tokens (0 = the step budget); None -> 16 on
                                                 # CPU, 0 on CUDA
 
     # Admission limits (validated before anything is allocated)
@@ -177,17 +177,18 @@ class EngineConfig:
         return 8192 if device_type == "cuda" else 512
 
     def speculation(self, device_type: str) -> Speculation:
-        """The prompt-lookup setting on this device, defaults filled in. On the CPU a step of <=
-        4 rows reads the GGUF blocks and costs little more than one row, so drafts fill steps
-        up to 4 tokens: 3 for a lone sequence, fewer shared by 2 or 3; larger drafted steps
-        cost more than they gained (benches/speculative.py). On CUDA it is off unless asked
-        for: not measured there yet."""
+        """The prompt-lookup setting on this device, defaults filled in. On the CPU drafts run
+        at any load but fill a step only up to 16 tokens (3 drafts each for up to 4 running
+        sequences, fewer shared among more): side by side this beat drafting only while one
+        sequence runs, and a step of many rows is compute-bound, where rows of refused drafts
+        would only cost (benches/speculative.py, README Results). On CUDA it is off unless
+        asked for: not measured there yet."""
         cuda = device_type == "cuda"
         k, running, step = (self.num_speculative_tokens, self.speculative_max_running,
                             self.speculative_max_step_tokens)
         return Speculation(num_tokens=k if k is not None else (0 if cuda else 3),
-                           max_running=running if running is not None else (8 if cuda else 1),
-                           max_step_tokens=step if step is not None else (0 if cuda else 4))
+                           max_running=running if running is not None else (8 if cuda else 0),
+                           max_step_tokens=step if step is not None else (0 if cuda else 16))
 
     def kv_budget_bytes_cpu(self) -> int:
         """KV cache bytes to allocate on CPU (1 GiB unless `kv_cache_gb` says otherwise)."""

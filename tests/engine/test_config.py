@@ -47,7 +47,7 @@ def test_step_limits_default_per_device_unless_given():
 
 
 def test_speculation_defaults_per_device_unless_given():
-    assert EngineConfig().speculation("cpu") == (3, 1, 4)
+    assert EngineConfig().speculation("cpu") == (3, 0, 16)
     assert EngineConfig().speculation("cuda") == (0, 8, 0)
     given = EngineConfig(num_speculative_tokens=5, speculative_max_running=0,
                          speculative_max_step_tokens=6)

@@ -70,8 +70,17 @@ $PY benches/guided.py --rounds 4 --json $OUT/guided.json
 # 6 drafts per step, at the default load limit, then drafting at any load.
 $PY benches/speculative.py --rounds 3 --max-tokens 128 --drafts 3,6 --concurrency 1,4 \
   --json $OUT/speculative.json
-$PY benches/speculative.py --rounds 2 --max-tokens 128 --drafts 3 --concurrency 2,4 \
-  --max-running 0 --json $OUT/speculative_any_load.json
+# (speculative_any_load.json came from session 8's `--drafts 3 --concurrency 2,4 --max-running
+# 0`; --max-running is now the R of `--drafts K/R/S`.)
+# 15. The CPU default for speculation at load (session 9): drafts last, at any load, steps up
+# to 16 tokens, against drafting only alone; then the two exploratory runs.
+$PY benches/speculative.py --rounds 3 --max-tokens 128 --requests 8 --drafts 3/1/0,3/0/16 \
+  --concurrency 2,4,8 --json $OUT/speculative_default.json
+$PY benches/speculative.py --rounds 3 --max-tokens 128 --drafts 3/1/0,3/0/4,3/0/0 \
+  --concurrency 2,4 --json $OUT/speculative_policies.json
+$PY benches/speculative.py --rounds 2 --max-tokens 128 --requests 16 \
+  --drafts 3/0/0,3/4/0,3/0/8,3/0/16 --concurrency 4,8,16 --workloads copy,open \
+  --json $OUT/speculative_load.json
 
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
