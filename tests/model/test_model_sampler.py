@@ -246,10 +246,11 @@ def test_sampled_guided_rows_never_draw_a_disallowed_id(sampler, params):
     num_draws = 4_000
     row = torch.randn(VOCAB, generator=torch.Generator().manual_seed(13)) * 2.0
     allowed = _allowed_without_argmax(row, 6, np.random.default_rng(13))
+    # one row per sequence (rows of one sequence in a row would be speculative drafts)
     batch = _batch(num_draws, temperature=np.ones(num_draws), sample_req_ids=np.zeros(num_draws),
-                   sample_output_lens=np.arange(num_draws),   # seeded rows: a new key per row
+                   sample_seq_indices=np.arange(num_draws),   # seeded rows: a new key per row
                    **{name: np.full(num_draws, value) for name, value in params.items()})
-    extras = {0: RequestExtras(guides=[_StubGuide(allowed)])}
+    extras = {0: RequestExtras(guides=[_StubGuide(allowed)] * num_draws)}
     draws = sampler.sample(row.expand(num_draws, VOCAB).clone(), batch, extras).token_ids
     assert set(draws.tolist()) <= set(allowed)
     if "top_k" in params:   # top-k counts among the allowed ids only
@@ -300,3 +301,41 @@ def test_guided_row_logprobs_are_those_of_the_raw_logits(sampler):
     np.testing.assert_array_equal(out.top_logprob_ids, top_ids.numpy())
     np.testing.assert_allclose(out.top_logprobs, top_values.numpy(), rtol=1e-5, atol=1e-6)
     assert out.top_logprob_ids[0, 0] == int(logits[0].argmax()) not in allowed   # a masked id
+
+
+class _ChainGuide:
+    """A grammar that allows exactly `chain[i]` after `i` tokens (then nothing)."""
+
+    def __init__(self, chain, pos=0):
+        self.chain, self.pos = chain, pos
+
+    def copy(self):
+        return _ChainGuide(self.chain, self.pos)
+
+    def advance(self, token: int) -> bool:
+        if self.pos < len(self.chain) and token == self.chain[self.pos]:
+            self.pos += 1
+            return True
+        return False
+
+    @property
+    def num_allowed(self) -> int:
+        return int(self.pos < len(self.chain))
+
+    def write_mask(self, mask_row: np.ndarray) -> int:
+        mask_row[self.chain[self.pos]] = True
+        return 1
+
+
+def test_drafted_guided_rows_use_the_grammar_after_the_drafts(sampler):
+    """Drafts 10, 11 after the last token: row j's mask is the grammar's after j drafts; a
+    refused draft (row 2 of the second sequence follows 9, not allowed) leaves the last mask."""
+    logits = torch.zeros(6, VOCAB)
+    logits[:, 20] = 9.0                                   # never allowed: the mask decides
+    batch = _batch(6, sample_req_ids=[0, 0, 0, 1, 1, 1], sample_output_lens=[0, 1, 2, 0, 1, 2])
+    batch.input_ids = np.array([5, 10, 11, 5, 10, 9], np.int32)
+    batch.logits_indices = np.arange(6, dtype=np.int32)
+    extras = {0: RequestExtras(guides=[_ChainGuide([10, 11, 12])]),
+              1: RequestExtras(guides=[_ChainGuide([10, 11, 12])])}
+    assert sampler.sample(logits, batch, extras).token_ids.tolist() == [10, 11, 12, 10, 11, 11]
+    assert extras[0].guides[0].pos == 0                   # the sequence's own guide is untouched
