@@ -53,6 +53,20 @@ def seed_for_step(seed: int, output_len: int, seq_index: int = 0) -> int:
     return mixed & _MASK63
 
 
+def _drafts_before(batch, row: int) -> list[int]:
+    """The draft tokens a sampled row follows: none for an ordinary row; for row ``j`` of a
+    speculating sequence (its rows are consecutive, ``sample_seq_indices`` and request equal),
+    its drafts ``0..j-1``, the ``j`` input tokens ending at its ``logits_indices`` entry."""
+    rid, si = batch.sample_req_ids, batch.sample_seq_indices
+    j = 0
+    while row - j > 0 and rid[row - j - 1] == rid[row] and si[row - j - 1] == si[row]:
+        j += 1
+    if not j:
+        return []
+    end = int(batch.logits_indices[row]) + 1
+    return np.asarray(batch.input_ids[end - j:end]).tolist()
+
+
 class Sampler:
     """Turns logits ``[S, V]`` into one token per row following the batch's sampling arrays."""
 
@@ -83,14 +97,10 @@ class Sampler:
             if ext.output_token_ids is not None:
                 seq_index = int(batch.sample_seq_indices[row])
                 if seq_index < len(ext.output_token_ids):
-                    history = ext.output_token_ids[seq_index]
-                    tokens += list(history)
+                    tokens += list(ext.output_token_ids[seq_index])
                     # a drafted row also follows the drafts before it (they are its output
-                    # if the row's token is kept): the j input tokens ending at its logits row
-                    j = int(batch.sample_output_lens[row]) - len(history)
-                    if j > 0:
-                        end = int(batch.logits_indices[row]) + 1
-                        tokens += np.asarray(batch.input_ids[end - j:end]).tolist()
+                    # if the row's token is kept)
+                    tokens += _drafts_before(batch, row)
             row_ids.append(np.full(len(tokens), row, dtype=np.int64))
             token_ids.append(np.asarray(tokens, dtype=np.int64))
         if row_ids:
@@ -133,27 +143,24 @@ class Sampler:
     def _apply_guides(self, logits: torch.Tensor, batch, extras) -> None:
         """Keeps, in each guided row, only the logits of the tokens its grammar allows next.
 
-        A sequence's rows are consecutive; row ``j > 0`` of one is a speculative row that
-        follows drafts ``0..j-1`` (the input tokens ending at its logits row), so its mask is
-        the grammar's after them. A draft the grammar refuses cannot be kept (the row before it
+        Row ``j > 0`` of a sequence is a speculative row that follows drafts ``0..j-1``
+        (``_drafts_before``), so its mask is the grammar's after them. A draft the grammar refuses cannot be kept (the row before it
         draws only allowed tokens), so the rows after it keep the last mask: their tokens are
         never used, and no row is ever left without an allowed token (nor is a row after a
         draft that ends the grammar, which ends the sequence)."""
         rows, guides = [], []
-        prev, j, guide = None, 0, None
+        guide = None
         for row, (rid, si) in enumerate(zip(np.asarray(batch.sample_req_ids).tolist(),
                                             np.asarray(batch.sample_seq_indices).tolist())):
-            j = j + 1 if (rid, si) == prev else 0
-            prev = (rid, si)
             ext = extras.get(rid)
             if ext is None or not ext.guides:
                 continue
-            if j == 0:
+            drafts = _drafts_before(batch, row)
+            if not drafts:
                 guide = ext.guides[si]
             else:
                 after = guide.copy()
-                draft = int(batch.input_ids[int(batch.logits_indices[row])])
-                if after.advance(draft) and after.num_allowed > 0:
+                if after.advance(drafts[-1]) and after.num_allowed > 0:
                     guide = after
             rows.append(row)
             guides.append(guide)
