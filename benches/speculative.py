@@ -5,10 +5,12 @@
 
 The same greedy chat requests go through engines that differ only in their speculative
 setting (0 = off, then each of `--drafts`), sharing one loaded model, alternating for `--rounds`
-rounds. A `--drafts` entry is `K` (K drafts, the engine's default limits) or `K/R/S`: K drafts,
-`speculative_max_running` R and `speculative_max_step_tokens` S (0 = no limit; an empty field
-keeps the engine's default), e.g. `--drafts 3/1/0,3/0/4` compares "draft only alone" with "fill
-steps up to 4 tokens at any load". Three workloads: `copy` (repeat a passage), `edit` (rewrite
+rounds. A `--drafts` entry is `K` (K drafts, the engine's default limits) or `K/R/S[/L]`: K
+drafts, `speculative_max_running` R and `speculative_max_step_tokens` S (0 = no limit; an empty
+field keeps the engine's default), and the draft length L: `adaptive` (the default: after drafts
+cut short at A accepted tokens, at most A + 1 next) or `fixed` (always K), e.g.
+`--drafts 3/1/0,3/0/4` compares "draft only alone" with "fill steps up to 4 tokens at any load"
+and `--drafts 3/0/16/fixed,3/0/16/adaptive` the two draft lengths. Three workloads: `copy` (repeat a passage), `edit` (rewrite
 code with a small change), both where output repeats the prompt, and `open` (open-ended answers,
 little to copy: what wrong drafts cost). Each of a workload's `--requests` requests (its 4
 prompts, cycled) runs at each `--concurrency` C: in groups of C sent at once (C = 1: one after
@@ -92,12 +94,15 @@ def run_once(llm: LLM, convs: list, params: SamplingParams, concurrency: int) ->
 
 
 def engine_options(setting: str) -> dict:
-    """`K` or `K/R/S` (see the module docstring) as LLM keyword options."""
+    """`K` or `K/R/S[/L]` (see the module docstring) as LLM keyword options."""
     parts = setting.split("/")
-    if len(parts) not in (1, 3):
-        raise SystemExit(f"--drafts entry {setting!r}: expected K or K/R/S")
+    if len(parts) not in (1, 3, 4) or (len(parts) == 4 and parts[3] not in ("adaptive", "fixed")):
+        raise SystemExit(f"--drafts entry {setting!r}: expected K or K/R/S[/adaptive|fixed]")
     names = ("num_speculative_tokens", "speculative_max_running", "speculative_max_step_tokens")
-    return {n: int(v) for n, v in zip(names, parts) if v != ""}
+    options = {n: int(v) for n, v in zip(names, parts[:3]) if v != ""}
+    if len(parts) == 4:
+        options["speculative_adaptive"] = parts[3] == "adaptive"
+    return options
 
 
 def main() -> int:
@@ -107,7 +112,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--drafts", default="3,6",
-                    help="speculative settings to compare with off: K or K/R/S (see above)")
+                    help="speculative settings to compare with off: K or K/R/S[/L] (see above)")
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--workloads", default="copy,edit,open")
     ap.add_argument("--requests", type=int, default=4,
@@ -145,7 +150,8 @@ def main() -> int:
 
     results = []
     mismatches = 0
-    print(f"\n{'workload':8} {'conc':>4} {'drafts':>8} {'tok/s':>8} {'vs off':>7} "
+    w = max(8, *(len(k) for k in settings))
+    print(f"\n{'workload':8} {'conc':>4} {'drafts':>{w}} {'tok/s':>8} {'vs off':>7} "
           f"{'accept':>7} {'free tok':>8} {'same ids':>8}")
     for name in chosen:
         for c in concurrency:
@@ -172,7 +178,7 @@ def main() -> int:
                        "identical_to_off": same}
                 results.append(row)
                 acc = f"{accepted / drafted:.0%}" if drafted else "-"
-                print(f"{name:8} {c:>4} {k:>8} {rate:>8.1f} {row['ratio_vs_off_median']:>6.2f}x "
+                print(f"{name:8} {c:>4} {k:>{w}} {rate:>8.1f} {row['ratio_vs_off_median']:>6.2f}x "
                       f"{acc:>7} {free:>8.0%} {'yes' if same else 'NO':>8}")
     if mismatches:
         print(f"\n{mismatches} configuration(s) produced different token ids than 'off'")

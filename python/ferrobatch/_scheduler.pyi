@@ -111,6 +111,7 @@ class Scheduler:
         speculative_ngram_max: int = 4,
         speculative_max_running: int = 0,
         speculative_max_step_tokens: int = 0,
+        speculative_adaptive: bool = False,
     ) -> None: ...
     def intake(self) -> Intake: ...
     def schedule(self) -> StepBatch:

@@ -49,6 +49,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-max-step-tokens", type=int, default=None, metavar="T",
                    help="drafts fill a step only up to T tokens in all (0 = the step budget; "
                    "default 16 on CPU, 0 on GPU)")
+    g.add_argument("--speculative-fixed-length", action="store_true",
+                   help="always draft K tokens (default: after drafts the model cut short at "
+                   "A accepted tokens, a sequence drafts at most A + 1 next)")
     g.add_argument("--speculative-ngram", type=int, nargs=2, default=(2, 4),
                    metavar=("MIN", "MAX"), help="n-gram lengths prompt lookup matches")
     g.add_argument("--no-gguf-blocks", action="store_true",
@@ -67,6 +70,7 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         gguf_blocks=not a.no_gguf_blocks, num_speculative_tokens=a.num_speculative_tokens,
         speculative_max_running=a.speculative_max_running,
         speculative_max_step_tokens=a.speculative_max_step_tokens,
+        speculative_adaptive=not a.speculative_fixed_length,
         speculative_ngram_min=a.speculative_ngram[0], speculative_ngram_max=a.speculative_ngram[1])
 
 

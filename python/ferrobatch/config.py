@@ -24,6 +24,7 @@ class Speculation(NamedTuple):
     num_tokens: int         # drafts per sequence and step (0 = off)
     max_running: int        # draft only while at most this many sequences run (0 = any load)
     max_step_tokens: int    # drafts fill a step only up to this many tokens (0 = its budget)
+    adaptive: bool = False  # a sequence drafts at most one past its last drafts' accepted count
 
     def describe(self) -> str:
         """The setting in words (startup log, serve banner)."""
@@ -37,7 +38,8 @@ class Speculation(NamedTuple):
             load = f"while at most {self.max_running} sequences run"
         fill = (f", filling steps up to {self.max_step_tokens} tokens"
                 if self.max_step_tokens else "")
-        return f"prompt lookup, up to {self.num_tokens} drafts per step {load}{fill}"
+        adapt = ", fewer after drafts the model cut short" if self.adaptive else ""
+        return f"prompt lookup, up to {self.num_tokens} drafts per step {load}{fill}{adapt}"
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,9 @@ class EngineConfig:
     speculative_max_step_tokens: int | None = None  # drafts fill a step only up to this many
                                                 # tokens (0 = the step budget); None -> 16 on
                                                 # CPU, 0 on CUDA
+    speculative_adaptive: bool = True    # after drafts cut short at a accepted tokens, a
+                                         # sequence drafts at most a + 1 next (K again after
+                                         # drafts accepted in full); False: always K
 
     # Admission limits (validated before anything is allocated)
     max_queued_requests: int = 1024      # accepted but not yet scheduled; beyond -> QueueFullError
@@ -102,7 +107,7 @@ class EngineConfig:
                      "max_queued_requests", "max_n", "max_stop_strings", "max_stop_string_len",
                      "max_stop_token_ids", "max_logit_bias"):
             positive_int(name)
-        for name in ("cuda_graphs", "gguf_blocks"):
+        for name in ("cuda_graphs", "gguf_blocks", "speculative_adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.block_size & (self.block_size - 1):
@@ -188,7 +193,8 @@ class EngineConfig:
                             self.speculative_max_step_tokens)
         return Speculation(num_tokens=k if k is not None else (0 if cuda else 3),
                            max_running=running if running is not None else (8 if cuda else 0),
-                           max_step_tokens=step if step is not None else (0 if cuda else 16))
+                           max_step_tokens=step if step is not None else (0 if cuda else 16),
+                           adaptive=self.speculative_adaptive)
 
     def kv_budget_bytes_cpu(self) -> int:
         """KV cache bytes to allocate on CPU (1 GiB unless `kv_cache_gb` says otherwise)."""

@@ -77,6 +77,10 @@ pub struct SchedulerConfig {
     /// Drafts fill a step only up to this many tokens in all (0 = the step budget): on the
     /// CPU a step of at most 4 rows costs little more than one of 1 row.
     pub speculative_max_step_tokens: usize,
+    /// Each sequence's draft length follows its acceptance: after drafts the model cut short
+    /// at `a` accepted tokens it drafts at most `a + 1` next time, after drafts accepted in
+    /// full `num_speculative_tokens` again (false: always `num_speculative_tokens`).
+    pub speculative_adaptive: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -99,6 +103,7 @@ impl Default for SchedulerConfig {
             speculative_ngram_max: 4,
             speculative_max_running: 0,
             speculative_max_step_tokens: 0,
+            speculative_adaptive: false,
         }
     }
 }

@@ -375,7 +375,7 @@ impl PyScheduler {
         *, vocab_size, eos_token_ids=None, enable_prefix_caching=true, policy="fcfs", max_preemptions=8,
         intake_capacity=4096, long_prefill_token_threshold=0, num_speculative_tokens=0,
         speculative_ngram_min=2, speculative_ngram_max=4, speculative_max_running=0,
-        speculative_max_step_tokens=0))]
+        speculative_max_step_tokens=0, speculative_adaptive=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
@@ -395,6 +395,7 @@ impl PyScheduler {
         speculative_ngram_max: i64,
         speculative_max_running: i64,
         speculative_max_step_tokens: i64,
+        speculative_adaptive: bool,
     ) -> PyResult<Self> {
         let mut eos = Vec::new();
         for e in eos_token_ids.unwrap_or_default() {
@@ -456,6 +457,7 @@ impl PyScheduler {
                 0,
                 i32::MAX as i64,
             )? as usize,
+            speculative_adaptive,
         };
         Ok(PyScheduler {
             inner: CoreScheduler::new(cfg).map_err(to_py)?,

@@ -287,6 +287,9 @@ pub struct Sequence {
     /// first draft token), and decode steps left before this sequence drafts again.
     pub draft_misses: u8,
     pub draft_backoff: u8,
+    /// Most drafts this sequence proposes next step (`num_speculative_tokens`, or less after
+    /// drafts the model cut short when the draft length adapts).
+    pub draft_len: u8,
 }
 
 impl Sequence {

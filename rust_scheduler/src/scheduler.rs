@@ -292,6 +292,7 @@ impl Scheduler {
             num_registered: 0,
             draft_misses: 0,
             draft_backoff: 0,
+            draft_len: self.cfg.num_speculative_tokens as u8,
         };
         let h = self.new_handle(seq);
         self.waiting.insert(self.seq(h).key(h));
@@ -642,15 +643,15 @@ impl Scheduler {
     }
 
     /// Appends at most `rows` prompt-lookup drafts for sequence `h` to `drafts` and returns how
-    /// many: never more than `num_speculative_tokens`, or than the model length or the
-    /// sequence's `max_tokens` leave room for (each accepted draft adds a token, and the step
-    /// adds one more).
+    /// many: never more than its `draft_len` (`num_speculative_tokens` or, when the length
+    /// adapts, less), or than the model length or the sequence's `max_tokens` leave room for
+    /// (each accepted draft adds a token, and the step adds one more).
     fn propose_drafts(&mut self, h: u32, rows: usize) -> usize {
         let cfg = &self.cfg;
         let s = self.seqs[h as usize].as_ref().expect("live handle");
         let r = &s.req;
-        let room = cfg
-            .num_speculative_tokens
+        let room = (s.draft_len as usize)
+            .min(cfg.num_speculative_tokens)
             .min(rows)
             .min(cfg.max_model_len.saturating_sub(s.num_tokens() + 1))
             .min(r.max_tokens.saturating_sub(s.output_len() + 1));

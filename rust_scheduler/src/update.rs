@@ -136,6 +136,16 @@ impl Scheduler {
         } else {
             s.draft_misses = 0;
         }
+        let k = self.cfg.num_speculative_tokens;
+        if self.cfg.speculative_adaptive {
+            // cut short at `accepted`: one more than that next time; accepted in full: all
+            let next = if accepted < x.num_draft {
+                accepted + 1
+            } else {
+                k
+            };
+            s.draft_len = next as u8;
+        }
         let keep = s.num_computed_tokens.div_ceil(self.cfg.block_size);
         while s.blocks.len() > keep {
             let b = s.blocks.pop().expect("more blocks than kept");
@@ -160,6 +170,7 @@ impl Scheduler {
             num_registered: p.num_registered,
             draft_misses: 0,
             draft_backoff: 0,
+            draft_len: p.draft_len,
         };
         for &b in &child.blocks {
             self.pool.incref(b);

@@ -58,12 +58,19 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
             0..4u32,
             0..6usize,
         ),
-        (0..5usize, 1..3usize, 0..3usize, 0..4usize, 0..7usize),
+        (
+            0..5usize,
+            1..3usize,
+            0..3usize,
+            0..4usize,
+            0..7usize,
+            any::<bool>(),
+        ),
     )
         .prop_map(
             |(
                 (bs, nb, seqs, budget, caching, prio, maxp, thr),
-                (k, ngram_min, ngram_extra, spec_running, spec_step),
+                (k, ngram_min, ngram_extra, spec_running, spec_step, adaptive),
             )| SchedulerConfig {
                 num_blocks: nb,
                 block_size: bs,
@@ -82,6 +89,7 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
                 speculative_ngram_max: ngram_min + ngram_extra,
                 speculative_max_running: spec_running,
                 speculative_max_step_tokens: spec_step,
+                speculative_adaptive: adaptive,
             },
         )
 }
@@ -104,6 +112,8 @@ fn run(cfg: SchedulerConfig, local_model: bool, ops: Vec<Op>) -> Result<(), Test
     let mut reqs: HashMap<u64, Req> = HashMap::new();
     let mut next_id = 0u64;
     let mut errors: HashMap<u64, String> = HashMap::new();
+    // adaptive draft length: the most drafts each sequence may propose next
+    let mut draft_limit: HashMap<(u64, usize), usize> = HashMap::new();
     let mut apply = |s: &mut Scheduler,
                      runner: &mut FakeRunner,
                      reqs: &mut HashMap<u64, Req>|
@@ -119,6 +129,22 @@ fn run(cfg: SchedulerConfig, local_model: bool, ops: Vec<Op>) -> Result<(), Test
             *j += 1;
         }
         prop_assert_eq!(b.num_samples(), rows_before.len() + b.num_draft_tokens);
+        let k_max = cfg.num_speculative_tokens;
+        for (key, &rows) in &rows_before {
+            let limit = draft_limit.get(key).copied().unwrap_or(k_max);
+            prop_assert!(rows - 1 <= k_max);
+            prop_assert!(
+                !cfg.speculative_adaptive || rows - 1 <= limit,
+                "{} drafts > {limit}",
+                rows - 1
+            );
+        }
+        let mut appended: HashMap<(u64, usize), usize> = HashMap::new();
+        for &(id, k, tok, _) in &ev {
+            if tok >= 0 {
+                *appended.entry((id, k as usize)).or_insert(0) += 1;
+            }
+        }
         if b.num_draft_tokens > 0 {
             // drafts only fill what the step left, up to the cap
             prop_assert!(b.input_ids.len() <= cfg.max_num_batched_tokens);
@@ -138,6 +164,22 @@ fn run(cfg: SchedulerConfig, local_model: bool, ops: Vec<Op>) -> Result<(), Test
             }
             if reason != 0 {
                 r.terminal[k] = Some(reason);
+            }
+        }
+        // drafts cut short at `a` accepted: at most a + 1 next time; accepted in full: K
+        for (&(id, k), &rows) in &rows_before {
+            if rows > 1 && reqs[&id].terminal[k].is_none() {
+                let accepted = appended
+                    .get(&(id, k))
+                    .copied()
+                    .unwrap_or(0)
+                    .saturating_sub(1);
+                let next = if accepted < rows - 1 {
+                    accepted + 1
+                } else {
+                    k_max
+                };
+                draft_limit.insert((id, k), next);
             }
         }
         for (id, m) in &s.output().error_messages {

@@ -24,6 +24,7 @@ from ferrobatch.config import EngineConfig, Speculation
     ({"num_speculative_tokens": 17}, "num_speculative_tokens"),
     ({"speculative_max_running": 1.5}, "speculative_max_running"),
     ({"speculative_max_step_tokens": -1}, "speculative_max_step_tokens"),
+    ({"speculative_adaptive": 1}, "speculative_adaptive"),
     ({"speculative_ngram_min": 0}, "n-gram"),
     ({"speculative_ngram_min": 5, "speculative_ngram_max": 4}, "n-gram"),
 ])
@@ -47,11 +48,12 @@ def test_step_limits_default_per_device_unless_given():
 
 
 def test_speculation_defaults_per_device_unless_given():
-    assert EngineConfig().speculation("cpu") == (3, 0, 16)
-    assert EngineConfig().speculation("cuda") == (0, 8, 0)
+    assert EngineConfig().speculation("cpu") == (3, 0, 16, True)
+    assert EngineConfig().speculation("cuda") == (0, 8, 0, True)
+    assert EngineConfig(speculative_adaptive=False).speculation("cpu").adaptive is False
     given = EngineConfig(num_speculative_tokens=5, speculative_max_running=0,
                          speculative_max_step_tokens=6)
-    assert given.speculation("cpu") == (5, 0, 6) and given.speculation("cuda") == (5, 0, 6)
+    assert given.speculation("cpu") == (5, 0, 6, True) and given.speculation("cuda") == (5, 0, 6, True)
     assert EngineConfig(num_speculative_tokens=0).speculation("cpu").num_tokens == 0
 
 
@@ -62,6 +64,9 @@ def test_speculation_is_described_in_words():
     assert Speculation(3, 0, 4).describe() == \
         "prompt lookup, up to 3 drafts per step at any load, filling steps up to 4 tokens"
     assert Speculation(8, 8, 0).describe().endswith("while at most 8 sequences run")
+    assert Speculation(3, 0, 16, True).describe() == \
+        "prompt lookup, up to 3 drafts per step at any load, filling steps up to 16 tokens, " \
+        "fewer after drafts the model cut short"
 
 
 def test_cli_maps_engine_flags():
@@ -81,6 +86,9 @@ def test_cli_maps_engine_flags():
     assert (cfg.num_speculative_tokens, cfg.speculative_max_running) == (0, 4)
     assert cfg.speculative_max_step_tokens == 6 and default.speculative_max_step_tokens is None
     assert (cfg.speculative_ngram_min, cfg.speculative_ngram_max) == (1, 3)
+    assert default.speculative_adaptive is True
+    assert _config(parser.parse_args(["serve", "--speculative-fixed-length"])).speculative_adaptive \
+        is False
 
 
 def test_gpu_kv_budget_leaves_the_warm_up_peak_and_the_reserve(monkeypatch):

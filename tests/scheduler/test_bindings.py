@@ -454,6 +454,29 @@ def test_drafts_share_the_step_token_cap_evenly():
         assert s.stats()["num_accepted_tokens_total"] == sum(drafts)
 
 
+def test_adaptive_draft_length_follows_acceptance():
+    """With speculative_adaptive, drafts the model cut short at A accepted tokens are followed
+    by at most A + 1 drafts, and drafts accepted in full by K again; without it, always K."""
+    for adaptive, expected in ((True, [3, 2, 3]), (False, [3, 3, 3])):
+        s = make(num_speculative_tokens=3, speculative_ngram_min=1, speculative_ngram_max=2,
+                 speculative_adaptive=adaptive)
+        s.intake().submit(1, list(range(1, 9)) * 3, max_tokens=30, ignore_eos=True,
+                          temperature=0.0, speculate=True)
+        s.schedule()
+        s.update(np.array([1], np.int32))                # context ends "8 1"
+        drafted = []
+        # drafts "2 3 4": the model agrees on 2 only, then says 5 (accepted 1);
+        # then drafts for "5" are "6 7 8" (2 of them when adaptive): all accepted
+        for answer in ([2, 5, 0, 0], [6, 7, 8, 1]):
+            b = s.schedule()
+            s.check_integrity()
+            drafted.append(b.num_draft_tokens)
+            s.update(np.array(answer[:b.num_draft_tokens + 1], np.int32))
+            s.check_integrity()
+        drafted.append(s.schedule().num_draft_tokens)
+        assert drafted == expected, adaptive
+
+
 def test_drafts_never_take_what_another_sequence_needs():
     """Drafts are scheduled last: they never take the block a later running sequence needs
     (which would preempt it) nor the step budget a waiting prompt could use."""

@@ -150,7 +150,8 @@ class EngineCore:
             speculative_ngram_min=config.speculative_ngram_min,
             speculative_ngram_max=config.speculative_ngram_max,
             speculative_max_running=spec.max_running,
-            speculative_max_step_tokens=spec.max_step_tokens)
+            speculative_max_step_tokens=spec.max_step_tokens,
+            speculative_adaptive=spec.adaptive)
         core = cls(config, loaded, scheduler, runner, sampler, max_model_len)
         core.speculation = spec.describe()
         logger.info("speculative decoding: %s", core.speculation)
