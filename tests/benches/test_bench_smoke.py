@@ -116,10 +116,12 @@ def test_speculative_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "spec.json"
     proc = subprocess.run(
         [sys.executable, str(BENCHES / "speculative.py"), "--rounds", "1", "--max-tokens", "12",
-         "--drafts", "3", "--concurrency", "1", "--workloads", "copy", "--json", str(out)],
+         "--drafts", "3,3/0/16/fixed", "--concurrency", "1", "--workloads", "copy",
+         "--json", str(out)],
         check=False, capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {r["num_speculative_tokens"]: r for r in json.loads(out.read_text())["results"]}
-    assert set(rows) == {0, 3}
-    assert rows[0]["drafted"] == 0 and rows[3]["drafted"] > 0
+    rows = {r["setting"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"0", "3", "3/0/16/fixed"}
+    assert rows["0"]["drafted"] == 0 and rows["3"]["drafted"] > 0
+    assert rows["3/0/16/fixed"]["drafted"] > 0
     assert all(r["identical_to_off"] for r in rows.values())

@@ -81,6 +81,11 @@ $PY benches/speculative.py --rounds 3 --max-tokens 128 --drafts 3/1/0,3/0/4,3/0/
 $PY benches/speculative.py --rounds 2 --max-tokens 128 --requests 16 \
   --drafts 3/0/0,3/4/0,3/0/8,3/0/16 --concurrency 4,8,16 --workloads copy,open \
   --json $OUT/speculative_load.json
+# (since session 10 a K/R/S setting drafts with the adaptive length, the engine's default; the
+# runs above drafted a fixed K: add /fixed to each setting to repeat them as run.)
+# 16. Adaptive draft length (session 10): fixed K against "at most one past the last accepted".
+$PY benches/speculative.py --rounds 3 --max-tokens 128 --requests 8 \
+  --drafts 3/0/16/fixed,3/0/16/adaptive --concurrency 2,4,8 --json $OUT/speculative_adaptive.json
 
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
