@@ -4,7 +4,7 @@
     python benches/model_forward.py --model smollm2 --compare-gguf-blocks
 
 `--compare-gguf-blocks` builds two runners on two copies of a GGUF model, one reading the GGUF
-Q4_1 / Q8_0 blocks in steps of <= 4 rows and one with float32 panels only, and times the same
+Q4_1 / Q8_0 blocks in steps of <= 8 rows and one with float32 panels only, and times the same
 decode steps on both, alternating, so the ratio is measured side by side.
 
 Decode rows: B sequences with `context` cached tokens each, one new token each.
@@ -78,7 +78,7 @@ def main() -> None:
 
 
 COMPARE_SHAPES = [("decode", 1, 128), ("decode", 1, 1024), ("decode", 2, 128), ("decode", 4, 128),
-                  ("decode", 8, 128)]
+                  ("decode", 5, 128), ("decode", 6, 128), ("decode", 8, 128), ("decode", 12, 128)]
 
 
 def compare_gguf_blocks(args) -> None:

@@ -56,7 +56,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    metavar=("MIN", "MAX"), help="n-gram lengths prompt lookup matches")
     g.add_argument("--no-gguf-blocks", action="store_true",
                    help="CPU: never read a GGUF model's Q4_1/Q8_0 blocks (float32 panels only; "
-                   "saves their memory, slower steps of <= 4 rows)")
+                   "saves their memory, slower steps of <= 8 rows)")
 
 
 def _config(a: argparse.Namespace) -> EngineConfig:

@@ -51,7 +51,7 @@ class EngineConfig:
     dtype: str | None = None             # None -> the runtime's default for the device
     attn_backend: str | None = None      # auto | torch | cpu | cuda; None = auto (cuda / cpu kernels)
     cuda_graphs: bool = True             # CUDA: replay captured decode steps (False = eager only)
-    gguf_blocks: bool = True             # CPU, GGUF model: steps of <= 4 rows read the Q4_1/Q8_0 blocks
+    gguf_blocks: bool = True             # CPU, GGUF model: steps of <= 8 rows read the Q4_1/Q8_0 blocks
 
     # KV cache
     block_size: int = 16

@@ -23,8 +23,9 @@ use crate::cpu_linear::OutPtr;
 
 /// Inputs per quantization block (both formats).
 pub const BLOCK: usize = 32;
-/// Most rows per call: the kernel keeps every row's accumulators in registers.
-pub const MAX_ROWS: usize = 4;
+/// Most rows per call: the kernel keeps every row's accumulators in registers (8 rows: one
+/// accumulator each, beside the block's 4 weight vectors, within AVX2's 16).
+pub const MAX_ROWS: usize = 8;
 
 /// The block format of a weight and its arrays.
 #[derive(Clone, Copy)]
@@ -313,7 +314,11 @@ mod avx2 {
             1 => q4_1_rows::<1, 4>(x, k, scale, min, qs, dots),
             2 => q4_1_rows::<2, 4>(x, k, scale, min, qs, dots),
             3 => q4_1_rows::<3, 2>(x, k, scale, min, qs, dots),
-            _ => q4_1_rows::<4, 2>(x, k, scale, min, qs, dots),
+            4 => q4_1_rows::<4, 2>(x, k, scale, min, qs, dots),
+            5 => q4_1_rows::<5, 1>(x, k, scale, min, qs, dots),
+            6 => q4_1_rows::<6, 1>(x, k, scale, min, qs, dots),
+            7 => q4_1_rows::<7, 1>(x, k, scale, min, qs, dots),
+            _ => q4_1_rows::<8, 1>(x, k, scale, min, qs, dots),
         }
     }
 
@@ -364,7 +369,11 @@ mod avx2 {
             1 => q8_0_rows::<1, 4>(x, k, scale, qs, dots),
             2 => q8_0_rows::<2, 4>(x, k, scale, qs, dots),
             3 => q8_0_rows::<3, 2>(x, k, scale, qs, dots),
-            _ => q8_0_rows::<4, 2>(x, k, scale, qs, dots),
+            4 => q8_0_rows::<4, 2>(x, k, scale, qs, dots),
+            5 => q8_0_rows::<5, 1>(x, k, scale, qs, dots),
+            6 => q8_0_rows::<6, 1>(x, k, scale, qs, dots),
+            7 => q8_0_rows::<7, 1>(x, k, scale, qs, dots),
+            _ => q8_0_rows::<8, 1>(x, k, scale, qs, dots),
         }
     }
 
@@ -530,14 +539,15 @@ mod tests {
             true,
         )
         .unwrap();
-        let x = vec![0f32; 5 * 64];
-        let mut out = [0f32; 5 * 4];
+        let rows = MAX_ROWS + 1;
+        let x = vec![0f32; rows * 64];
+        let mut out = vec![0f32; rows * 4];
         for (shape, xs, bias, out_len, why) in [
             (
-                QuantShape { m: 5, n: 4, k: 64 },
+                QuantShape { m: rows, n: 4, k: 64 },
                 &x[..],
                 &[][..],
-                20,
+                rows * 4,
                 "at most",
             ),
             (

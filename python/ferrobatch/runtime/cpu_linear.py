@@ -13,7 +13,7 @@ sizes. Results agree with ``F.linear`` to float32 rounding (relative ~1e-6), not
 ``pack_linear_layers(model, num_threads)`` swaps every ``nn.Linear`` for a :class:`PanelLinear`
 (the dense weight is released, so memory stays the same) and gives the model a packed LM head.
 
-A step of at most ``QUANT_MAX_ROWS`` rows (one decode sequence, a few) is bound by reading the
+A step of at most ``QUANT_MAX_ROWS`` rows (one to eight decode sequences) is bound by reading the
 weights, not by arithmetic: for layers whose GGUF blocks are known (``model.block_weights``)
 such a call reads the Q4_1 / Q8_0 blocks instead, ~6x fewer bytes, and forms each weight exactly
 as the loader did (``cpu_quant_linear.rs``; same float32 weights, float32-rounding-level
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 PANEL_WIDTH = 16
-QUANT_MAX_ROWS = 4      # the quantized kernel's limit (its accumulators stay in registers)
+QUANT_MAX_ROWS = 8      # the quantized kernel's limit (cpu_quant_linear.rs MAX_ROWS: accumulators in registers)
 
 
 def packing_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:

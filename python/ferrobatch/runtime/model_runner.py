@@ -15,7 +15,7 @@ import torch
 from ferrobatch.runtime.attention import AttentionBackend, get_attention_backend
 from ferrobatch.runtime.attention.base import check_step_arrays
 from ferrobatch.runtime.cpu_elementwise import swap_elementwise_ops
-from ferrobatch.runtime.cpu_linear import pack_linear_layers, packing_unsupported
+from ferrobatch.runtime.cpu_linear import QUANT_MAX_ROWS, pack_linear_layers, packing_unsupported
 from ferrobatch.runtime.cpu_threads import torch_single_threaded
 from ferrobatch.runtime.cuda_graphs import DecodeGraphRunner, decode_buckets
 from ferrobatch.runtime.kv_cache import KVCache
@@ -39,7 +39,7 @@ class ModelRunner:
                  validate_steps: bool = True, pack_weights: bool = True,
                  gguf_blocks: bool = True) -> None:
         """``pack_weights``: CPU float32 linears in the Rust panel kernel; ``gguf_blocks``: for a
-        GGUF model, steps of at most 4 rows read the file's Q4_1 / Q8_0 blocks instead
+        GGUF model, steps of at most ``QUANT_MAX_ROWS`` (8) rows read the file's Q4_1 / Q8_0 blocks instead
         (``cpu_linear.BlockKernel``). Both only when the model is first packed."""
         self.loaded = loaded
         self.model = loaded.model
@@ -70,8 +70,8 @@ class ModelRunner:
             if blocks:
                 kernels = {id(m.blocks): m.blocks for m in self.model.modules()
                            if getattr(m, "blocks", None) is not None}
-                logger.info("linear layers: %d also read from their GGUF blocks in steps of <= 4 "
-                            "rows (%.0f MiB)", len(kernels),
+                logger.info("linear layers: %d also read from their GGUF blocks in steps of <= %d "
+                            "rows (%.0f MiB)", len(kernels), QUANT_MAX_ROWS,
                             sum(k.nbytes for k in kernels.values()) / 2**20)
         self.block_size = block_size
         self.validate_steps = validate_steps
