@@ -1,4 +1,4 @@
-"""The ferrobatch systems of the offline benchmark: `ferrobatch`, `ferrobatch-static`, `-eager`.
+"""The ferrobatch systems of the offline benchmark: `ferrobatch`, `-static`, `-eager`, `-nodraft`.
 
 Both drive the real engine through `ferrobatch.LLM.generate` (Rust scheduler, model runner,
 sampler, step thread, incremental detokenization — the engine as shipped) with token-id prompts and
@@ -12,6 +12,10 @@ sampler, step thread, incremental detokenization — the engine as shipped) with
   static mode of its own, so this is the ablation of iteration-level refill, all else equal.
 - `ferrobatch-eager`: `ferrobatch` with `cuda_graphs=False` (on a GPU every decode step runs
   eagerly instead of replaying a captured graph; on the CPU nothing differs).
+- `ferrobatch-nodraft`: `ferrobatch` with `num_speculative_tokens=0` (no prompt-lookup drafts;
+  the CPU default drafts, the GPU default does not). Every run records the drafted and accepted
+  tokens: with drafts a step can yield several tokens of a sequence, so steps can fall below the
+  workload's ideal decode steps.
 
 Per-step batch occupancy comes from the engine's public observer hook (`on_step_tokens`: tokens
 sampled in that step = sequences that produced a token) and `AsyncEngine.stats()` (scheduler
@@ -99,6 +103,7 @@ class FerrobatchRunner:
         self.recorder.enabled = True
         steps0 = self._num_steps()
         graph_steps0 = self._graph_steps()
+        stats0 = self.engine.stats()
         t0 = time.perf_counter()
         try:
             if static:
@@ -113,11 +118,15 @@ class FerrobatchRunner:
             elapsed = time.perf_counter() - t0
             self.recorder.enabled = False
         total = sum(r.output_len for r in reqs)
+        stats1 = self.engine.stats()
+        drafted, accepted = (stats1.get(k, 0) - stats0.get(k, 0)
+                             for k in ("num_draft_tokens_total", "num_accepted_tokens_total"))
         rec = self.recorder
         steps = self._num_steps() - steps0 if steps0 is not None else None
         return {"elapsed_s": elapsed, "output_tokens": total, "generated_tokens": total,
                 "wasted_tokens": 0, "num_steps": steps,
                 "decode_graph_steps": self._graph_steps() - graph_steps0,
+                "drafted_tokens": drafted, "accepted_drafts": accepted,
                 "num_sampling_steps": len(rec.tokens),
                 "occupancy": list(rec.tokens), "running": list(rec.running),
                 "step_times": [b - a for a, b in zip(rec.t, rec.t[1:])],

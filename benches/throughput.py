@@ -10,6 +10,9 @@ Systems (append `@N` to override the batch size / concurrency cap, e.g. `hf-stat
                      whole group is done (the ablation of iteration-level refill)
   ferrobatch-eager   the engine without decode CUDA graphs (`--enforce-eager`; on the CPU the
                      same as ferrobatch): the ablation of graph replay
+  ferrobatch-nodraft the engine without speculative drafts (`--num-speculative-tokens 0`; on a
+                     GPU the same as ferrobatch, where drafting is off by default): the ablation
+                     of prompt lookup, which transformers' `generate` and CB do not do
   hf-static          transformers `generate` on fixed left-padded batches (arrival order)
   hf-continuous      transformers' ContinuousBatchingManager (per-request max_new_tokens)
 
@@ -43,7 +46,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-SYSTEMS = ("ferrobatch", "ferrobatch-static", "ferrobatch-eager", "hf-static", "hf-continuous")
+FB_VARIANTS = {"ferrobatch": "", "ferrobatch-static": "", "ferrobatch-eager": "eager",
+               "ferrobatch-nodraft": "nodraft"}   # system -> engine variant (static: same engine)
+SYSTEMS = (*FB_VARIANTS, "hf-static", "hf-continuous")
 DEFAULT_SYSTEMS = "ferrobatch,ferrobatch-static,hf-static,hf-continuous"
 
 
@@ -83,19 +88,22 @@ class Systems:
 
     def __init__(self, w: Workload, args) -> None:
         self.w, self.args = w, args
-        self.fb = {}          # (cap, eager) -> FerrobatchRunner
+        self.fb = {}          # (cap, variant) -> FerrobatchRunner (variant: FB_VARIANTS)
         self.hf_model = None
         self.setup_s: dict[str, float] = {}
 
-    def ferrobatch(self, cap: int, eager: bool = False):
-        key = (cap, eager)
+    def ferrobatch(self, cap: int, variant: str = ""):
+        key = (cap, variant)
         if key not in self.fb:
             from fb_systems import FerrobatchRunner
             extra = {"max_num_batched_tokens": self.args.max_num_batched_tokens}
-            if eager:
+            if variant == "eager":
                 extra["cuda_graphs"] = False
+            if variant == "nodraft":
+                extra["num_speculative_tokens"] = 0
             self.fb[key] = FerrobatchRunner(self.w, cap, **extra)
-            self.setup_s[f"ferrobatch{'-eager' if eager else ''}@{cap}"] = self.fb[key].load_s
+            self.setup_s[f"ferrobatch{'-' + variant if variant else ''}@{cap}"] = \
+                self.fb[key].load_s
         return self.fb[key]
 
     def hf(self):
@@ -107,8 +115,8 @@ class Systems:
         return self.hf_model
 
     def release_unneeded(self, remaining: list[tuple[str, str, int | None]]) -> None:
-        keys = {(self.cap_of(base, n), base == "ferrobatch-eager")
-                for _, base, n in remaining if base.startswith("ferrobatch")}
+        keys = {(self.cap_of(base, n), FB_VARIANTS[base])
+                for _, base, n in remaining if base in FB_VARIANTS}
         for key in list(self.fb):
             if key not in keys:
                 self.fb.pop(key).close()
@@ -125,8 +133,8 @@ class Systems:
 
     def run(self, base: str, n: int | None, reqs: list[Request], progress) -> dict:
         cap = self.cap_of(base, n)
-        if base in ("ferrobatch", "ferrobatch-static", "ferrobatch-eager"):
-            return self.ferrobatch(cap, eager=base == "ferrobatch-eager").run(
+        if base in FB_VARIANTS:
+            return self.ferrobatch(cap, FB_VARIANTS[base]).run(
                 reqs, static=(base == "ferrobatch-static"), progress=progress)
         if base == "hf-static":
             from hf_baselines import run_hf_static
@@ -159,11 +167,13 @@ def summarize_run(name: str, base: str, cap: int, res: dict, reqs: list[Request]
         "wasted_tokens": res.get("wasted_tokens"),
         "num_steps": res.get("num_steps"),
         "decode_graph_steps": res.get("decode_graph_steps"),
+        "drafted_tokens": res.get("drafted_tokens"),
+        "accepted_drafts": res.get("accepted_drafts"),
         "mean_occupancy": (sum(occ) / len(occ)) if occ else None,
         "loadavg_1m_before": load_before, "loadavg_1m_after": load_1min(),
         "params": res.get("params", {}),
     }
-    if base in ("ferrobatch", "ferrobatch-static", "ferrobatch-eager", "hf-static"):
+    if base in FB_VARIANTS or base == "hf-static":
         mode = "static" if base in ("ferrobatch-static", "hf-static") else "continuous"
         row["ideal_decode_steps"] = ideal_decode_steps(reqs, cap, mode)
     if occ:
@@ -309,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             sysm.run(base, n, warmup_requests(reqs), None)
         load_before = load_1min()
         # ferrobatch (continuous) shows LLM.generate's own progress bar
-        own_bar = base in ("ferrobatch", "ferrobatch-eager")
+        own_bar = base in FB_VARIANTS and base != "ferrobatch-static"
         bar = Progress(len(reqs), name, not args.no_progress and not own_bar)
         try:
             res = sysm.run(base, n, reqs, None if args.no_progress else bar)
@@ -327,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             ("requests_per_s", "req/s", ".3f"), ("output_tokens_per_s", "out tok/s", ".1f"),
             ("total_tokens_per_s", "total tok/s", ".1f"), ("elapsed_s", "time s", ".1f"),
             ("num_steps", "steps", "d"), ("ideal_decode_steps", "ideal", "d"),
-            ("mean_occupancy", "mean occ", ".1f"),
+            ("mean_occupancy", "mean occ", ".1f"), ("accepted_drafts", "drafts kept", "d"),
             ("wasted_tokens", "wasted tok", "d"), ("loadavg_1m_before", "load1m", ".2f")]
     print()
     print(format_table(rows, cols))

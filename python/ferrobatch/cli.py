@@ -48,7 +48,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "0 on CPU, 8 on GPU)")
     g.add_argument("--speculative-max-step-tokens", type=int, default=None, metavar="T",
                    help="drafts fill a step only up to T tokens in all (0 = the step budget; "
-                   "default 16 on CPU, 0 on GPU)")
+                   "default 8 on CPU, 0 on GPU)")
     g.add_argument("--speculative-fixed-length", action="store_true",
                    help="always draft K tokens (default: after drafts the model cut short at "
                    "A accepted tokens, a sequence drafts at most A + 1 next)")

@@ -76,7 +76,7 @@ class EngineConfig:
     speculative_max_running: int | None = None  # draft only while at most this many sequences
                                                 # run (0 = any load); None -> 0 on CPU, 8 on CUDA
     speculative_max_step_tokens: int | None = None  # drafts fill a step only up to this many
-                                                # tokens (0 = the step budget); None -> 16 on
+                                                # tokens (0 = the step budget); None -> 8 on
                                                 # CPU, 0 on CUDA
     speculative_adaptive: bool = True    # after drafts cut short at a accepted tokens, a
                                          # sequence drafts at most a + 1 next (K again after
@@ -183,17 +183,18 @@ class EngineConfig:
 
     def speculation(self, device_type: str) -> Speculation:
         """The prompt-lookup setting on this device, defaults filled in. On the CPU drafts run
-        at any load but fill a step only up to 16 tokens (3 drafts each for up to 4 running
-        sequences, fewer shared among more): side by side this beat drafting only while one
-        sequence runs, and a step of many rows is compute-bound, where rows of refused drafts
-        would only cost (benches/speculative.py, README Results). On CUDA it is off unless
+        at any load but fill a step only up to 8 tokens (3 drafts each for up to 2 running
+        sequences, fewer shared among up to 7): a step of at most 8 rows reads the GGUF blocks
+        (``cpu_linear.QUANT_MAX_ROWS``) and costs little more per row, past that it moves to
+        the float32 panels; side by side this beat both drafting only while one sequence runs
+        and filling steps up to 16 tokens (benches/speculative.py, README Results). On CUDA it is off unless
         asked for: not measured there yet."""
         cuda = device_type == "cuda"
         k, running, step = (self.num_speculative_tokens, self.speculative_max_running,
                             self.speculative_max_step_tokens)
         return Speculation(num_tokens=k if k is not None else (0 if cuda else 3),
                            max_running=running if running is not None else (8 if cuda else 0),
-                           max_step_tokens=step if step is not None else (0 if cuda else 16),
+                           max_step_tokens=step if step is not None else (0 if cuda else 8),
                            adaptive=self.speculative_adaptive)
 
     def kv_budget_bytes_cpu(self) -> int:

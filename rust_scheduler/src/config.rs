@@ -75,7 +75,7 @@ pub struct SchedulerConfig {
     /// a larger step is bound by compute, and rejected drafts would only cost.
     pub speculative_max_running: usize,
     /// Drafts fill a step only up to this many tokens in all (0 = the step budget): on the
-    /// CPU a step of at most 4 rows costs little more than one of 1 row.
+    /// CPU a step of at most 8 rows (read from the GGUF blocks) costs little more per row.
     pub speculative_max_step_tokens: usize,
     /// Each sequence's draft length follows its acceptance: after drafts the model cut short
     /// at `a` accepted tokens it drafts at most `a + 1` next time, after drafts accepted in

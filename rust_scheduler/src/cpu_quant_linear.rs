@@ -544,7 +544,11 @@ mod tests {
         let mut out = vec![0f32; rows * 4];
         for (shape, xs, bias, out_len, why) in [
             (
-                QuantShape { m: rows, n: 4, k: 64 },
+                QuantShape {
+                    m: rows,
+                    n: 4,
+                    k: 64,
+                },
                 &x[..],
                 &[][..],
                 rows * 4,

@@ -27,17 +27,21 @@ def test_throughput_smoke(tmp_path: Path) -> None:
     out = tmp_path / "smoke.json"
     proc = subprocess.run(
         [sys.executable, str(BENCHES / "throughput.py"), "--workload", "smoke",
-         "--systems", "ferrobatch,ferrobatch-static,ferrobatch-eager,hf-static,hf-continuous",
+         "--systems",
+         "ferrobatch,ferrobatch-static,ferrobatch-eager,ferrobatch-nodraft,hf-static,hf-continuous",
          "--json", str(out), "--plot", str(tmp_path / "occ.png"), "--no-progress",
          "--threads", "1"],
         check=False, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     rows = {r["system"]: r for r in data["results"]}
-    assert set(rows) == {"ferrobatch", "ferrobatch-static", "ferrobatch-eager", "hf-static",
-                         "hf-continuous"}
+    assert set(rows) == {"ferrobatch", "ferrobatch-static", "ferrobatch-eager",
+                         "ferrobatch-nodraft", "hf-static", "hf-continuous"}
     assert rows["ferrobatch"]["decode_graph_steps"] == 0      # no CUDA graphs on the CPU
     assert rows["ferrobatch-eager"]["params"]["cuda_graphs"] is False
+    assert rows["ferrobatch-nodraft"]["params"]["num_speculative_tokens"] == 0
+    assert rows["ferrobatch-nodraft"]["drafted_tokens"] == 0
+    assert rows["ferrobatch"]["drafted_tokens"] >= rows["ferrobatch"]["accepted_drafts"] >= 0
     want = data["workload"]["output_tokens"]
     for r in rows.values():
         assert r["output_tokens"] == want

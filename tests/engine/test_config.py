@@ -48,7 +48,7 @@ def test_step_limits_default_per_device_unless_given():
 
 
 def test_speculation_defaults_per_device_unless_given():
-    assert EngineConfig().speculation("cpu") == (3, 0, 16, True)
+    assert EngineConfig().speculation("cpu") == (3, 0, 8, True)
     assert EngineConfig().speculation("cuda") == (0, 8, 0, True)
     assert EngineConfig(speculative_adaptive=False).speculation("cpu").adaptive is False
     given = EngineConfig(num_speculative_tokens=5, speculative_max_running=0,

@@ -3,7 +3,7 @@ seeded output (penalties, bias, logprobs and grammars included), only single-seq
 draft, limits and stop rules hold, streams stay whole.
 
 Two engines share the loaded weights: one never drafts, one drafts at any load with no step
-limit (the CPU default caps drafted steps at 16 tokens)."""
+limit (the CPU default caps drafted steps at 8 tokens)."""
 
 from __future__ import annotations
 
