@@ -17,7 +17,8 @@
 #      schedule allows up to 1.59x)                                                -> throughput_gpu-small_ablation.{txt,json}
 #   8. compute-sanitizer memcheck on a few small kernel tests (no caching allocator, so an
 #      out-of-bounds access hits unallocated memory), if the tool is there  -> sanitizer.log
-#   9. summary table                                                                -> summary.txt
+#   9. speculative decoding on CUDA, drafting alone and at load (never measured)   -> speculative_cuda.{txt,json}
+#  10. summary table                                                                -> summary.txt
 # Everything goes to $OUT (the device tool returns it) and to benches/results/gpu-<stamp>/.
 # A step that fails is recorded and the script continues; the exit code is non-zero if any failed.
 set -uo pipefail
@@ -99,6 +100,10 @@ if [[ ${status[build]} == rc=0* ]]; then
       "3-700-16-2-4-128-dtype0 or 7-1000-12-3-3-64-dtype1 or 3-2-4-128-dtype0 or 4-3-3-64-dtype0 or slot_dtype0-128-8-dtype0 or zero_length" \
       || failed=1
   fi
+  # lowest priority: speculative decoding on CUDA (off there by default: never measured)
+  run_step spec 120 "$OUT/speculative_cuda.txt" $PY benches/speculative.py --device cuda \
+    --rounds 2 --max-tokens 128 --requests 8 --drafts 3/0/0,3/8/0 --concurrency 1,8 \
+    --json "$OUT/speculative_cuda.json" || failed=1
 else
   echo "build failed: skipping tests and bench" | tee -a "$OUT/steps.txt"
   failed=1
@@ -106,7 +111,7 @@ fi
 
 {
   echo "ferrobatch GPU check $stamp  ($(head -n 2 "$OUT/env.txt" | tail -n 1))"
-  for k in build tests bench small 8b ablation sanitizer; do echo "  $k: ${status[$k]:-not run}"; done
+  for k in build tests bench small 8b ablation sanitizer spec; do echo "  $k: ${status[$k]:-not run}"; done
   echo "--- tests"
   grep -E "passed|failed|error" "$OUT/gpu_tests.log" 2>/dev/null | tail -n 3
   grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.log" 2>/dev/null | head -n 15
@@ -118,6 +123,8 @@ fi
   grep -hE "^  ferrobatch" "$OUT/throughput_gpu-small.txt" "$OUT/throughput_gpu-8b.txt" 2>/dev/null
   echo "--- continuous vs static batching, gpu-small at cap 32 (goal 1.5x; schedule bound 1.59x)"
   grep -hE "^ablation at cap" "$OUT/throughput_gpu-small_ablation.txt" 2>/dev/null
+  echo "--- speculative decoding on CUDA (prompt lookup; ratios to no drafts, same token ids?)"
+  sed -n '/^workload /,/^wrote/p' "$OUT/speculative_cuda.txt" 2>/dev/null | grep -v '^wrote'
   echo "--- registers (ptxas) of the decode kernels, bf16"
   grep -E "paged_decode_kernelI13__nv_bfloat16" "$OUT/ptxas.txt" 2>/dev/null \
     | sed -E 's/.*kernelI13__nv_bfloat16Li([0-9]+)ELi([0-9]+)ELb([01]).*Used ([0-9]+) registers.*/  D=\1 GP=\2 direct=\3: \4 regs/' | sort -u

@@ -5,7 +5,8 @@
 //! row `k` holds `W[16p .. 16p + 16, k]`, zeros past `N` ([`pack`] builds it). A panel is one
 //! contiguous stream, so a step reads each weight from memory once per block of `MC` rows, in
 //! address order (what the hardware prefetcher follows best), and the tile kernel keeps a
-//! `6 x 16` block of the output in registers while it walks `K`.
+//! `6 x 16` block of the output in registers while it walks `K` (AVX2), or a `12 x 32` block
+//! over two neighbouring panels (AVX-512, chosen at run time where the CPU has it).
 //!
 //! Invariants checked by [`LinearShape::validate`] before any read, so no index below leaves its
 //! slice: `x.len() == M * K`, `packed.len() == P * K * 16`, `out.len() == M * N`, `bias` empty
@@ -20,6 +21,36 @@ use crate::cpu_error::KernelInputError;
 pub const PANEL_WIDTH: usize = 16;
 /// Rows per register tile: 6 rows x 2 vectors = 12 accumulators of the 16 AVX2 registers.
 const TILE_ROWS: usize = 6;
+/// Rows per AVX-512 tile: 12 rows x 2 panels = 24 accumulators of the 32 AVX-512 registers.
+const TILE_ROWS_512: usize = 12;
+
+/// The widest instruction set a call may use (tests force the narrower ones).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Isa {
+    Portable,
+    Avx2,
+    Avx512,
+}
+
+impl Isa {
+    /// The widest of `Avx512` / `Avx2` / `Portable` that this CPU has, at most `max`.
+    pub(crate) fn detect(max: Isa) -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if max >= Isa::Avx512 && std::is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            if max >= Isa::Avx2
+                && std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+            {
+                return Isa::Avx2;
+            }
+        }
+        let _ = max;
+        Isa::Portable
+    }
+}
 
 /// Shapes of one linear-layer call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,10 +137,10 @@ pub fn linear_f32(
     out: &mut [f32],
     num_threads: usize,
 ) -> Result<(), KernelInputError> {
-    run(shape, x, packed, bias, out, num_threads, true)
+    run(shape, x, packed, bias, out, num_threads, Isa::Avx512)
 }
 
-/// [`linear_f32`] with the SIMD path allowed or not (tests compare both).
+/// [`linear_f32`] using at most instruction set `max_isa` (tests compare every path).
 fn run(
     shape: &LinearShape,
     x: &[f32],
@@ -117,7 +148,7 @@ fn run(
     bias: &[f32],
     out: &mut [f32],
     num_threads: usize,
-    allow_simd: bool,
+    max_isa: Isa,
 ) -> Result<(), KernelInputError> {
     shape.validate(x, packed, bias, out)?;
     if shape.m == 0 {
@@ -133,7 +164,7 @@ fn run(
         packed,
         bias,
         out: OutPtr(out.as_mut_ptr()),
-        allow_simd,
+        isa: Isa::detect(max_isa),
     };
     if threads == 1 {
         // SAFETY: one thread writes every column.
@@ -169,7 +200,8 @@ struct Kernel<'a> {
     packed: &'a [f32],
     bias: &'a [f32],
     out: OutPtr,
-    allow_simd: bool,
+    /// what this CPU has, at most what the caller allowed (`Isa::detect`)
+    isa: Isa,
 }
 
 impl Kernel<'_> {
@@ -179,18 +211,62 @@ impl Kernel<'_> {
     /// No other thread may access those columns of `out` meanwhile.
     unsafe fn run_panels(&self, first: usize, last: usize) {
         #[cfg(target_arch = "x86_64")]
-        {
-            if self.allow_simd
-                && std::is_x86_feature_detected!("avx2")
-                && std::is_x86_feature_detected!("fma")
-            {
-                // SAFETY: the CPU supports the features the function is compiled for.
-                unsafe { self.run_panels_avx2(first, last) };
-                return;
-            }
+        match self.isa {
+            // SAFETY (both): `isa` was detected on this CPU, which therefore supports the
+            // features the functions are compiled for; the rest is forwarded from the caller.
+            Isa::Avx512 => return unsafe { self.run_panels_avx512(first, last) },
+            Isa::Avx2 => return unsafe { self.run_panels_avx2(first, last) },
+            Isa::Portable => {}
         }
         // SAFETY: forwarded from the caller.
         unsafe { self.run_panels_impl::<false>(first, last) };
+    }
+
+    /// The AVX-512 walk: panels two at a time (a lone last one alone), row tiles of up to 12.
+    ///
+    /// # Safety
+    /// As [`Kernel::run_panels`], on a CPU with AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn run_panels_avx512(&self, first: usize, last: usize) {
+        let LinearShape { m, n, k } = self.shape;
+        // as in `run_panels_impl`: the x block of one pass stays in L2
+        let rows_per_pass =
+            ((256 * 1024 / 4) / k).clamp(TILE_ROWS_512, 1 << 16) / TILE_ROWS_512 * TILE_ROWS_512;
+        for row0 in (0..m).step_by(rows_per_pass) {
+            let rows = (m - row0).min(rows_per_pass);
+            let mut p = first;
+            while p < last {
+                let pair = p + 1 < last;
+                let width = if pair { 2 * PANEL_WIDTH } else { PANEL_WIDTH };
+                let panels = &self.packed[p * k * PANEL_WIDTH..][..k * width];
+                let col0 = p * PANEL_WIDTH;
+                let cols = (n - col0).min(width);
+                let mut bias = [0f32; 2 * PANEL_WIDTH];
+                if !self.bias.is_empty() {
+                    bias[..cols].copy_from_slice(&self.bias[col0..col0 + cols]);
+                }
+                let num_tiles = rows.div_ceil(TILE_ROWS_512);
+                let mut r = row0;
+                for tile_index in 0..num_tiles {
+                    let tile_rows = (rows - (r - row0)) / (num_tiles - tile_index);
+                    let x = &self.x[r * k..(r + tile_rows) * k];
+                    let mut tile = [[0f32; 2 * PANEL_WIDTH]; TILE_ROWS_512];
+                    // SAFETY: this CPU has AVX-512F (the caller's contract).
+                    unsafe { avx512::tile(pair, tile_rows, x, k, panels, &bias, &mut tile) };
+                    for (i, values) in tile.iter().take(tile_rows).enumerate() {
+                        // SAFETY: row r + i < m and columns col0..col0 + cols <= n are inside
+                        // `out` (validated length m * n) and belong to this thread's panels.
+                        unsafe {
+                            let dst = self.out.0.add((r + i) * n + col0);
+                            std::ptr::copy_nonoverlapping(values.as_ptr(), dst, cols);
+                        }
+                    }
+                    r += tile_rows;
+                }
+                p += width / PANEL_WIDTH;
+            }
+        }
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -341,6 +417,100 @@ mod avx2 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{PANEL_WIDTH, TILE_ROWS_512};
+    use std::arch::x86_64::*;
+
+    /// `tile[i][..16 * P] = bias + x[i] @ panels` for the first `rows` (1..=12) rows of `x` (row
+    /// stride `k`), over one panel (`pair` false, `panels` = `k * 16` floats) or two neighbouring
+    /// ones (`pair` true, `2 * k * 16` floats: the second panel's columns follow the first's).
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn tile(
+        pair: bool,
+        rows: usize,
+        x: &[f32],
+        k: usize,
+        panels: &[f32],
+        bias: &[f32; 2 * PANEL_WIDTH],
+        tile: &mut [[f32; 2 * PANEL_WIDTH]; TILE_ROWS_512],
+    ) {
+        macro_rules! dispatch {
+            ($p:literal) => {
+                match rows {
+                    1 => tile_rows::<1, $p>(x, k, panels, bias, tile),
+                    2 => tile_rows::<2, $p>(x, k, panels, bias, tile),
+                    3 => tile_rows::<3, $p>(x, k, panels, bias, tile),
+                    4 => tile_rows::<4, $p>(x, k, panels, bias, tile),
+                    5 => tile_rows::<5, $p>(x, k, panels, bias, tile),
+                    6 => tile_rows::<6, $p>(x, k, panels, bias, tile),
+                    7 => tile_rows::<7, $p>(x, k, panels, bias, tile),
+                    8 => tile_rows::<8, $p>(x, k, panels, bias, tile),
+                    9 => tile_rows::<9, $p>(x, k, panels, bias, tile),
+                    10 => tile_rows::<10, $p>(x, k, panels, bias, tile),
+                    11 => tile_rows::<11, $p>(x, k, panels, bias, tile),
+                    _ => tile_rows::<12, $p>(x, k, panels, bias, tile),
+                }
+            };
+        }
+        // SAFETY (all arms): the caller is on an AVX-512F CPU; `tile_rows` checks the slice
+        // lengths before its unchecked loads.
+        unsafe {
+            if pair {
+                dispatch!(2)
+            } else {
+                dispatch!(1)
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn tile_rows<const R: usize, const P: usize>(
+        x: &[f32],
+        k: usize,
+        panels: &[f32],
+        bias: &[f32; 2 * PANEL_WIDTH],
+        tile: &mut [[f32; 2 * PANEL_WIDTH]; TILE_ROWS_512],
+    ) {
+        assert!(x.len() >= R * k && panels.len() >= P * k * PANEL_WIDTH && R <= TILE_ROWS_512);
+        let (xp, wp) = (x.as_ptr(), panels.as_ptr());
+        // SAFETY: every load below is at x[r * k + kk] (r < R, kk < k) or at
+        // panels[j * k * 16 + kk * 16 + 0..16] (j < P), inside the slices by the assert; the
+        // CPU has AVX-512F (caller). Prefetches may point past the slices: they never fault.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); P]; R];
+            for row in acc.iter_mut() {
+                for (j, a) in row.iter_mut().enumerate() {
+                    *a = _mm512_loadu_ps(bias.as_ptr().add(j * PANEL_WIDTH));
+                }
+            }
+            // the panels after these follow them in memory: ask for their lines at this `k`
+            let next = wp.wrapping_add(P * k * PANEL_WIDTH);
+            for kk in 0..k {
+                let mut w = [_mm512_setzero_ps(); P];
+                for (j, wj) in w.iter_mut().enumerate() {
+                    _mm_prefetch::<_MM_HINT_T0>(
+                        next.wrapping_add(j * k * PANEL_WIDTH + kk * PANEL_WIDTH).cast(),
+                    );
+                    *wj = _mm512_loadu_ps(wp.add(j * k * PANEL_WIDTH + kk * PANEL_WIDTH));
+                }
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let a = _mm512_set1_ps(*xp.add(r * k + kk));
+                    for (j, acc_j) in row.iter_mut().enumerate() {
+                        *acc_j = _mm512_fmadd_ps(a, w[j], *acc_j);
+                    }
+                }
+            }
+            for (r, row) in acc.iter().enumerate() {
+                for (j, &a) in row.iter().enumerate() {
+                    _mm512_storeu_ps(tile[r].as_mut_ptr().add(j * PANEL_WIDTH), a);
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -360,20 +530,20 @@ mod tests {
         out
     }
 
-    fn case(seed: u64, m: usize, n: usize, k: usize, with_bias: bool, threads: usize, simd: bool) {
+    fn case(seed: u64, m: usize, n: usize, k: usize, with_bias: bool, threads: usize, isa: Isa) {
         let mut rng = Lcg(seed);
         let (x, w) = (rng.vec(m * k), rng.vec(n * k));
         let bias = if with_bias { rng.vec(n) } else { Vec::new() };
         let packed = pack(&w, n, k).unwrap();
         let mut out = vec![f32::NAN; m * n]; // poisoned: every element must be written
         let shape = LinearShape { m, n, k };
-        run(&shape, &x, &packed, &bias, &mut out, threads, simd).unwrap();
+        run(&shape, &x, &packed, &bias, &mut out, threads, isa).unwrap();
         let want = reference(&x, &w, &bias, m, n, k);
         for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
             let tol = 1e-5 * (k as f64).sqrt() * (1.0 + want.abs());
             assert!(
                 (got as f64 - want).abs() <= tol,
-                "m={m} n={n} k={k} bias={with_bias} threads={threads} simd={simd}: \
+                "m={m} n={n} k={k} bias={with_bias} threads={threads} isa={isa:?}: \
                  out[{i}] = {got}, reference {want}"
             );
         }
@@ -393,12 +563,14 @@ mod tests {
             (16, 960, 576),
             (33, 130, 260),
             (70, 48, 1536),
+            (25, 80, 64),
+            (12, 48, 576),
         ] {
             for threads in [1, 2, 3, 8] {
-                for simd in [true, false] {
+                for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable] {
                     for with_bias in [false, true] {
                         seed += 1;
-                        case(seed, m, n, k, with_bias, threads, simd);
+                        case(seed, m, n, k, with_bias, threads, isa);
                     }
                 }
             }
@@ -408,8 +580,9 @@ mod tests {
     #[test]
     fn many_rows_take_several_passes_over_the_weights() {
         // K = 4096 gives 12 rows per pass, so 40 rows need 4 passes (the last a partial one).
-        case(99, 40, 40, 4096, true, 2, true);
-        case(98, 40, 40, 4096, true, 2, false);
+        case(99, 40, 40, 4096, true, 2, Isa::Avx512);
+        case(97, 40, 40, 4096, true, 2, Isa::Avx2);
+        case(98, 40, 40, 4096, true, 2, Isa::Portable);
     }
 
     #[test]

@@ -14,7 +14,9 @@
 //! the first mismatch (that row's token is the correction) or until all drafts matched (the
 //! last row is a bonus token). Each matched draft's K/V becomes computed; the blocks the
 //! rejected drafts used are freed, and only full blocks of accepted tokens reach the prefix
-//! cache.
+//! cache. A draft refused outright starts (or lengthens) the sequence's drafting back-off; with
+//! `speculative_adaptive` its next drafts number at most one past the tokens accepted now
+//! (`num_speculative_tokens` again after drafts accepted in full).
 
 use crate::batch::StepOutput;
 use crate::error::SchedError;
