@@ -47,7 +47,7 @@ impl DecodeShape {
         if s.num_kv_heads == 0 || s.head_dim == 0 || s.block_size == 0 {
             return bad("num_kv_heads, head_dim and block_size must be positive".into());
         }
-        if s.num_heads % s.num_kv_heads != 0 || s.num_heads == 0 {
+        if !s.num_heads.is_multiple_of(s.num_kv_heads) || s.num_heads == 0 {
             return bad(format!(
                 "num_heads {} is not a positive multiple of num_kv_heads {}",
                 s.num_heads, s.num_kv_heads
@@ -203,7 +203,7 @@ impl Kernel<'_> {
         #[cfg(target_arch = "x86_64")]
         {
             if self.allow_simd
-                && self.shape.head_dim % 8 == 0
+                && self.shape.head_dim.is_multiple_of(8)
                 && std::is_x86_feature_detected!("avx2")
                 && std::is_x86_feature_detected!("fma")
             {
@@ -393,7 +393,7 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn block_scores(q: &[f32], k: &Rows<'_>, scale: f32, out: &mut [f32]) {
         let d = q.len();
-        debug_assert!(d % 8 == 0 && d == k.d && out.len() >= k.n);
+        debug_assert!(d.is_multiple_of(8) && d == k.d && out.len() >= k.n);
         debug_assert!(k.n == 0 || k.offset + (k.n - 1) * k.stride + d <= k.block.len());
         let scale_v = _mm256_set1_ps(scale);
         let base = k.block.as_ptr().add(k.offset);
@@ -429,7 +429,7 @@ mod avx2 {
         v: &Rows<'_>,
     ) {
         let d = acc.len();
-        debug_assert!(d % 8 == 0 && d == v.d && p.len() >= v.n);
+        debug_assert!(d.is_multiple_of(8) && d == v.d && p.len() >= v.n);
         debug_assert!(v.n == 0 || v.offset + (v.n - 1) * v.stride + d <= v.block.len());
         let mut c0 = 0;
         while c0 + 64 <= d {

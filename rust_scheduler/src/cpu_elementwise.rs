@@ -22,7 +22,7 @@ pub fn rms_norm_f32(
     out: &mut [f32],
 ) -> Result<(), KernelInputError> {
     let hidden = weight.len();
-    if hidden == 0 || x.len() % hidden != 0 || out.len() != x.len() {
+    if hidden == 0 || !x.len().is_multiple_of(hidden) || out.len() != x.len() {
         return Err(KernelInputError(format!(
             "rms_norm: x has {} elements and out {}, both must be whole rows of weight's {}",
             x.len(),
@@ -60,11 +60,11 @@ pub fn rotary_f32(
 ) -> Result<(), KernelInputError> {
     let rows = cos.len().checked_div(head_dim).unwrap_or(0);
     if head_dim == 0
-        || head_dim % 2 != 0
-        || cos.len() % head_dim != 0
+        || !head_dim.is_multiple_of(2)
+        || !cos.len().is_multiple_of(head_dim)
         || sin.len() != cos.len()
         || (rows == 0 && !x.is_empty())
-        || (rows > 0 && x.len() % (rows * head_dim) != 0)
+        || (rows > 0 && !x.len().is_multiple_of(rows * head_dim))
     {
         return bad(format!(
             "rotary: x has {} elements, cos {} and sin {}; need [T, heads, {head_dim}] and \

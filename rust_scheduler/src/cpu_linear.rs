@@ -491,7 +491,8 @@ mod avx512 {
                 let mut w = [_mm512_setzero_ps(); P];
                 for (j, wj) in w.iter_mut().enumerate() {
                     _mm_prefetch::<_MM_HINT_T0>(
-                        next.wrapping_add(j * k * PANEL_WIDTH + kk * PANEL_WIDTH).cast(),
+                        next.wrapping_add(j * k * PANEL_WIDTH + kk * PANEL_WIDTH)
+                            .cast(),
                     );
                     *wj = _mm512_loadu_ps(wp.add(j * k * PANEL_WIDTH + kk * PANEL_WIDTH));
                 }

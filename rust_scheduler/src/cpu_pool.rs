@@ -61,7 +61,7 @@ mod sync {
                 return false;
             }
             std::hint::spin_loop();
-            self.polls % 256 != 0 || self.start.elapsed() < window
+            !self.polls.is_multiple_of(256) || self.start.elapsed() < window
         }
     }
 

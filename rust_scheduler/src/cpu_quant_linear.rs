@@ -70,7 +70,7 @@ impl QuantShape {
         out: &[f32],
     ) -> Result<(), KernelInputError> {
         let err = |msg: String| Err(KernelInputError(msg));
-        if self.n == 0 || self.k == 0 || self.k % BLOCK != 0 {
+        if self.n == 0 || self.k == 0 || !self.k.is_multiple_of(BLOCK) {
             return err(format!(
                 "in features must be a positive multiple of {BLOCK} and out features positive \
                  (got K={}, N={})",

@@ -417,7 +417,7 @@ impl Scheduler {
         let new_blocks = (start + num_new)
             .div_ceil(bs)
             .saturating_sub(s.blocks.len());
-        let cow = start % bs != 0 && self.pool.refcount(s.blocks[start / bs]) > 1;
+        let cow = !start.is_multiple_of(bs) && self.pool.refcount(s.blocks[start / bs]) > 1;
         if self.pool.num_free() < new_blocks + cow as usize {
             return false;
         }
