@@ -33,8 +33,21 @@ pub(crate) enum Isa {
 }
 
 impl Isa {
-    /// The widest of `Avx512` / `Avx2` / `Portable` that this CPU has, at most `max`.
+    /// The cap set by `FERROBATCH_CPU_ISA` (`avx512`, `avx2` or `portable`; read once), if any:
+    /// to compare the paths on one machine, or to avoid AVX-512 where it slows the clock.
+    fn env_cap() -> Isa {
+        static CAP: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *CAP.get_or_init(|| match std::env::var("FERROBATCH_CPU_ISA").as_deref() {
+            Ok("avx2") => Isa::Avx2,
+            Ok("portable") => Isa::Portable,
+            _ => Isa::Avx512,
+        })
+    }
+
+    /// The widest of `Avx512` / `Avx2` / `Portable` that this CPU has, at most `max` (and at
+    /// most `FERROBATCH_CPU_ISA`).
     pub(crate) fn detect(max: Isa) -> Isa {
+        let max = max.min(Isa::env_cap());
         #[cfg(target_arch = "x86_64")]
         {
             if max >= Isa::Avx512 && std::is_x86_feature_detected!("avx512f") {

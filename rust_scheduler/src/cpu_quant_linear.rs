@@ -19,7 +19,7 @@
 //! (`cpu_pool`); a task writes only its own columns of `out`.
 
 use crate::cpu_error::KernelInputError;
-use crate::cpu_linear::OutPtr;
+use crate::cpu_linear::{Isa, OutPtr};
 
 /// Inputs per quantization block (both formats).
 pub const BLOCK: usize = 32;
@@ -117,10 +117,10 @@ pub fn linear_quant_f32(
     out: &mut [f32],
     num_threads: usize,
 ) -> Result<(), KernelInputError> {
-    run(shape, x, w, bias, out, num_threads, true)
+    run(shape, x, w, bias, out, num_threads, Isa::Avx512)
 }
 
-/// [`linear_quant_f32`] with the SIMD path allowed or not (tests compare both).
+/// [`linear_quant_f32`] using at most instruction set `max_isa` (tests compare every path).
 fn run(
     shape: &QuantShape,
     x: &[f32],
@@ -128,7 +128,7 @@ fn run(
     bias: &[f32],
     out: &mut [f32],
     num_threads: usize,
-    allow_simd: bool,
+    max_isa: Isa,
 ) -> Result<(), KernelInputError> {
     shape.validate(x, &w, bias, out)?;
     if shape.m == 0 {
@@ -143,7 +143,7 @@ fn run(
         w,
         bias,
         out: OutPtr(out.as_mut_ptr()),
-        allow_simd,
+        isa: Isa::detect(max_isa),
     };
     if threads == 1 {
         // SAFETY: one thread writes every column.
@@ -169,7 +169,8 @@ struct Kernel<'a> {
     w: QuantWeight<'a>,
     bias: &'a [f32],
     out: OutPtr,
-    allow_simd: bool,
+    /// what this CPU has, at most what the caller allowed (`Isa::detect`)
+    isa: Isa,
 }
 
 impl Kernel<'_> {
@@ -182,36 +183,31 @@ impl Kernel<'_> {
         let nb = k / BLOCK;
         let mut dots = [0f32; MAX_ROWS];
         for j in first..last {
-            #[cfg(target_arch = "x86_64")]
-            let simd = self.allow_simd
-                && std::is_x86_feature_detected!("avx2")
-                && std::is_x86_feature_detected!("fma");
-            #[cfg(not(target_arch = "x86_64"))]
-            let simd = false;
             let blocks = j * nb..(j + 1) * nb;
+            let x = self.x;
             match self.w {
                 QuantWeight::Q4_1 { scale, min, qs } => {
                     let (scale, min) = (&scale[blocks.clone()], &min[blocks.clone()]);
                     let qs = &qs[blocks.start * BLOCK / 2..blocks.end * BLOCK / 2];
-                    #[cfg(target_arch = "x86_64")]
-                    if simd {
-                        // SAFETY: the CPU has AVX2 and FMA (checked above).
-                        unsafe { avx2::q4_1(m, self.x, k, scale, min, qs, &mut dots) };
-                    }
-                    if !simd {
-                        portable::q4_1(m, self.x, k, scale, min, qs, &mut dots);
+                    match self.isa {
+                        // SAFETY (both): `isa` was detected on this CPU.
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx512 => unsafe { avx512::q4_1(m, x, k, scale, min, qs, &mut dots) },
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx2 => unsafe { avx2::q4_1(m, x, k, scale, min, qs, &mut dots) },
+                        _ => portable::q4_1(m, x, k, scale, min, qs, &mut dots),
                     }
                 }
                 QuantWeight::Q8_0 { scale, qs } => {
                     let scale = &scale[blocks.clone()];
                     let qs = &qs[blocks.start * BLOCK..blocks.end * BLOCK];
-                    #[cfg(target_arch = "x86_64")]
-                    if simd {
-                        // SAFETY: the CPU has AVX2 and FMA (checked above).
-                        unsafe { avx2::q8_0(m, self.x, k, scale, qs, &mut dots) };
-                    }
-                    if !simd {
-                        portable::q8_0(m, self.x, k, scale, qs, &mut dots);
+                    match self.isa {
+                        // SAFETY (both): `isa` was detected on this CPU.
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx512 => unsafe { avx512::q8_0(m, x, k, scale, qs, &mut dots) },
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx2 => unsafe { avx2::q8_0(m, x, k, scale, qs, &mut dots) },
+                        _ => portable::q8_0(m, x, k, scale, qs, &mut dots),
                     }
                 }
             }
@@ -406,6 +402,135 @@ mod avx2 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{BLOCK, MAX_ROWS};
+    use std::arch::x86_64::*;
+
+    /// Sixteen bytes as float32 lanes, unsigned.
+    #[inline(always)]
+    unsafe fn u8x16(v: __m128i) -> __m512 {
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v))
+    }
+
+    /// `acc[r][i] += w[i] * x[r][16i..16i+16]` for the 2 vectors of one block.
+    #[inline(always)]
+    unsafe fn accumulate<const R: usize>(
+        acc: &mut [[__m512; 2]; R],
+        w: &[__m512; 2],
+        x: *const f32,
+        k: usize,
+    ) {
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let xr = x.add(r * k);
+            for (i, &wi) in w.iter().enumerate() {
+                acc[i] = _mm512_fmadd_ps(wi, _mm512_loadu_ps(xr.add(16 * i)), acc[i]);
+            }
+        }
+    }
+
+    /// `dots[r]` = the sum of row `r`'s accumulators.
+    #[inline(always)]
+    unsafe fn finish<const R: usize>(acc: &[[__m512; 2]; R], dots: &mut [f32; MAX_ROWS]) {
+        for (r, acc) in acc.iter().enumerate() {
+            dots[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn q4_1(
+        m: usize,
+        x: &[f32],
+        k: usize,
+        scale: &[f32],
+        min: &[f32],
+        qs: &[u8],
+        dots: &mut [f32; MAX_ROWS],
+    ) {
+        match m {
+            1 => q4_1_rows::<1>(x, k, scale, min, qs, dots),
+            2 => q4_1_rows::<2>(x, k, scale, min, qs, dots),
+            3 => q4_1_rows::<3>(x, k, scale, min, qs, dots),
+            4 => q4_1_rows::<4>(x, k, scale, min, qs, dots),
+            5 => q4_1_rows::<5>(x, k, scale, min, qs, dots),
+            6 => q4_1_rows::<6>(x, k, scale, min, qs, dots),
+            7 => q4_1_rows::<7>(x, k, scale, min, qs, dots),
+            _ => q4_1_rows::<8>(x, k, scale, min, qs, dots),
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn q4_1_rows<const R: usize>(
+        x: &[f32],
+        k: usize,
+        scale: &[f32],
+        min: &[f32],
+        qs: &[u8],
+        dots: &mut [f32; MAX_ROWS],
+    ) {
+        let low = _mm_set1_epi8(0x0F);
+        let mut acc = [[_mm512_setzero_ps(); 2]; R];
+        for (b, (&sc, &mn)) in scale.iter().zip(min).enumerate() {
+            let q = _mm_loadu_si128(qs.as_ptr().add(b * 16) as *const __m128i);
+            let lo = _mm_and_si128(q, low); // elements 0..16
+            let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), low); // elements 16..32
+            let (d, mn) = (_mm512_set1_ps(sc), _mm512_set1_ps(mn));
+            // one multiply, then one add: the loader's float32 weight, bit for bit
+            let w = [
+                _mm512_add_ps(_mm512_mul_ps(d, u8x16(lo)), mn),
+                _mm512_add_ps(_mm512_mul_ps(d, u8x16(hi)), mn),
+            ];
+            accumulate(&mut acc, &w, x.as_ptr().add(b * BLOCK), k);
+        }
+        finish(&acc, dots);
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn q8_0(
+        m: usize,
+        x: &[f32],
+        k: usize,
+        scale: &[f32],
+        qs: &[i8],
+        dots: &mut [f32; MAX_ROWS],
+    ) {
+        match m {
+            1 => q8_0_rows::<1>(x, k, scale, qs, dots),
+            2 => q8_0_rows::<2>(x, k, scale, qs, dots),
+            3 => q8_0_rows::<3>(x, k, scale, qs, dots),
+            4 => q8_0_rows::<4>(x, k, scale, qs, dots),
+            5 => q8_0_rows::<5>(x, k, scale, qs, dots),
+            6 => q8_0_rows::<6>(x, k, scale, qs, dots),
+            7 => q8_0_rows::<7>(x, k, scale, qs, dots),
+            _ => q8_0_rows::<8>(x, k, scale, qs, dots),
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn q8_0_rows<const R: usize>(
+        x: &[f32],
+        k: usize,
+        scale: &[f32],
+        qs: &[i8],
+        dots: &mut [f32; MAX_ROWS],
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); 2]; R];
+        for (b, &sc) in scale.iter().enumerate() {
+            let q = qs.as_ptr().add(b * BLOCK);
+            let d = _mm512_set1_ps(sc);
+            let mut w = [_mm512_setzero_ps(); 2];
+            for (i, wi) in w.iter_mut().enumerate() {
+                let bytes = _mm_loadu_si128(q.add(16 * i) as *const __m128i);
+                *wi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+            }
+            accumulate(&mut acc, &w, x.as_ptr().add(b * BLOCK), k);
+        }
+        finish(&acc, dots);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -456,7 +581,7 @@ mod tests {
         q4: bool,
         bias: bool,
         threads: usize,
-        simd: bool,
+        isa: Isa,
     ) {
         let mut rng = Lcg(seed);
         let x = rng.vec(m * k);
@@ -482,7 +607,7 @@ mod tests {
             &bias,
             &mut out,
             threads,
-            simd,
+            isa,
         )
         .unwrap();
         let dense = dequantized(&b, q4, n, k);
@@ -498,7 +623,7 @@ mod tests {
                     .sum();
                 assert!(
                     (got - want).abs() <= 1e-5 * (1.0 + scale),
-                    "m={m} n={n} k={k} q4={q4} threads={threads} simd={simd}: out[{r},{j}] = \
+                    "m={m} n={n} k={k} q4={q4} threads={threads} isa={isa:?}: out[{r},{j}] = \
                      {got}, reference {want}"
                 );
             }
@@ -511,8 +636,14 @@ mod tests {
         for &(n, k) in &[(1, 32), (7, 64), (33, 96), (257, 576), (40, 1536)] {
             for m in 1..=MAX_ROWS {
                 for &q4 in &[true, false] {
-                    for &(threads, simd) in &[(1, true), (1, false), (3, true)] {
-                        case(seed, m, n, k, q4, seed % 2 == 0, threads, simd);
+                    for &(threads, isa) in &[
+                        (1, Isa::Avx512),
+                        (3, Isa::Avx512),
+                        (1, Isa::Avx2),
+                        (3, Isa::Avx2),
+                        (1, Isa::Portable),
+                    ] {
+                        case(seed, m, n, k, q4, seed % 2 == 0, threads, isa);
                         seed += 1;
                     }
                 }
@@ -536,7 +667,7 @@ mod tests {
             &[],
             &mut out,
             2,
-            true,
+            Isa::Avx512,
         )
         .unwrap();
         let rows = MAX_ROWS + 1;
@@ -590,7 +721,7 @@ mod tests {
                 "scale has 8",
             ),
         ] {
-            let e = run(&shape, xs, w, bias, &mut out[..out_len], 1, true).unwrap_err();
+            let e = run(&shape, xs, w, bias, &mut out[..out_len], 1, Isa::Avx512).unwrap_err();
             assert!(e.0.contains(why), "{why}: {}", e.0);
         }
         let short = QuantWeight::Q8_0 {
@@ -604,7 +735,7 @@ mod tests {
             &[],
             &mut out[..4],
             1,
-            true,
+            Isa::Avx512,
         )
         .unwrap_err();
         assert!(e.0.contains("qs has 10"), "{}", e.0);
