@@ -19,7 +19,7 @@ import aiohttp
 import psutil
 from harness import HERE, LOOPBACK, PROMPTS, ROOT, Outcome, RawTCP, http_stream, tcp_stream, ws_stream
 
-MAX_TOKENS = 40
+MAX_TOKENS = 200   # long enough to still be in flight 0.3 s after SIGTERM on a fast CPU
 
 
 async def _wait_ports(proc, lines):
