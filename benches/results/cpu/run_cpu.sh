@@ -86,6 +86,21 @@ $PY benches/speculative.py --rounds 2 --max-tokens 128 --requests 16 \
 # 16. Adaptive draft length (session 10): fixed K against "at most one past the last accepted".
 $PY benches/speculative.py --rounds 3 --max-tokens 128 --requests 8 \
   --drafts 3/0/16/fixed,3/0/16/adaptive --concurrency 2,4,8 --json $OUT/speculative_adaptive.json
+# 17. Session 10 (an Intel Xeon with AVX-512): the block kernel up to 8 rows (blocks vs panels,
+# side by side), the cap for drafted steps, the linear kernels' AVX-512 paths, the headline
+# systems again, and serving at rates where transformers' TTFT explodes on this faster CPU.
+$PY benches/model_forward.py --model smollm2 --compare-gguf-blocks --iters 7
+$PY benches/speculative.py --rounds 3 --max-tokens 128 --requests 8 --drafts 3/0/16,3/0/8 \
+  --concurrency 2,4,8 --json $OUT/speculative_cap8.json
+$PY benches/cpu_kernels.py --json $OUT/cpu_kernels_avx512.json
+for isa in avx2 avx512 avx2 avx512; do   # the shipped decode step under each instruction set
+  FERROBATCH_CPU_ISA=$isa $PY benches/model_forward.py --model smollm2 --compare-gguf-blocks --iters 5
+done
+$PY benches/throughput.py --workload cpu-small \
+  --systems ferrobatch,ferrobatch-nodraft,ferrobatch-static,hf-static@16,hf-continuous \
+  --json $OUT/throughput_cpu-small_session10_avx512.json
+$PY benches/serving.py --servers ferrobatch,hf --workload cpu-serve --num-prompts 32 \
+  --request-rates 0.8,1.6,3.2 --json $OUT/serving_cpu-serve_xeon.json
 
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
