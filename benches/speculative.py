@@ -10,9 +10,9 @@ drafts, `speculative_max_running` R and `speculative_max_step_tokens` S (0 = no 
 field keeps the engine's default), and the draft length L: `adaptive` (the default: after drafts
 cut short at A accepted tokens, at most A + 1 next) or `fixed` (always K), e.g.
 `--drafts 3/1/0,3/0/4` compares "draft only alone" with "fill steps up to 4 tokens at any load"
-and `--drafts 3/0/16/fixed,3/0/16/adaptive` the two draft lengths. Three workloads: `copy` (repeat a passage), `edit` (rewrite
-code with a small change), both where output repeats the prompt, and `open` (open-ended answers,
-little to copy: what wrong drafts cost). Each of a workload's `--requests` requests (its 4
+and `--drafts 3/0/16/fixed,3/0/16/adaptive` the two draft lengths. Three workloads: `copy`
+(repeat a passage), `edit` (rewrite code with a small change), both where output repeats the
+prompt, and `open` (open-ended answers, little to copy: what wrong drafts cost). Each of a workload's `--requests` requests (its 4
 prompts, cycled) runs at each `--concurrency` C: in groups of C sent at once (C = 1: one after
 another).
 

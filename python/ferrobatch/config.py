@@ -187,8 +187,8 @@ class EngineConfig:
         sequences, fewer shared among up to 7): a step of at most 8 rows reads the GGUF blocks
         (``cpu_linear.QUANT_MAX_ROWS``) and costs little more per row, past that it moves to
         the float32 panels; side by side this beat both drafting only while one sequence runs
-        and filling steps up to 16 tokens (benches/speculative.py, README Results). On CUDA it is off unless
-        asked for: not measured there yet."""
+        and filling steps up to 16 tokens (benches/speculative.py, README Results). On CUDA it
+        is off unless asked for: not measured there yet."""
         cuda = device_type == "cuda"
         k, running, step = (self.num_speculative_tokens, self.speculative_max_running,
                             self.speculative_max_step_tokens)
