@@ -12,9 +12,9 @@ cut short at A accepted tokens, at most A + 1 next) or `fixed` (always K), e.g.
 `--drafts 3/1/0,3/0/4` compares "draft only alone" with "fill steps up to 4 tokens at any load"
 and `--drafts 3/0/16/fixed,3/0/16/adaptive` the two draft lengths. Three workloads: `copy`
 (repeat a passage), `edit` (rewrite code with a small change), both where output repeats the
-prompt, and `open` (open-ended answers, little to copy: what wrong drafts cost). Each of a workload's `--requests` requests (its 4
-prompts, cycled) runs at each `--concurrency` C: in groups of C sent at once (C = 1: one after
-another).
+prompt, and `open` (open-ended answers, little to copy: what wrong drafts cost). Each of a
+workload's `--requests` requests (its 4 prompts, cycled) runs at each `--concurrency` C: in
+groups of C sent at once (C = 1: one after another).
 
 Reported per workload and concurrency: output tokens/s of each engine and the ratio to "off",
 the drafts' acceptance rate, and the share of output tokens that were accepted drafts (tokens
