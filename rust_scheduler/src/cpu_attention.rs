@@ -471,12 +471,15 @@ mod avx2 {
         }
     }
 
-    /// Asks the CPU to start loading every cache line of `data` into L1.
+    /// Asks the CPU to start loading every cache line of `data` into L2, not L1: the next
+    /// block's K and V (24 KiB for SmolLM2) would evict the current block's from a 32–48 KiB L1
+    /// while it is still being read (measured: T0 -> T1 made 30 layers' attention 1.07–1.10x
+    /// faster on the AVX-512 Xeon; lookahead of 2 or 3 blocks changed nothing).
     #[inline(always)]
     pub(super) fn prefetch(data: &[f32]) {
         for line in data.chunks(16) {
             // SAFETY: a prefetch is only a hint; the address is inside `data`.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast()) };
         }
     }
 
