@@ -203,6 +203,10 @@ def rms_norm_f32(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray)
     """Each row of ``x`` ``[M, H]`` over its root mean square (+ eps) times ``weight`` ``[H]``,
     into ``out`` ``[M, H]`` (GIL released). float32, C-contiguous; ValueError on a shape mismatch."""
 
+def linear_isa() -> str:
+    """The instruction set of the linear kernels on this CPU: ``"avx512"``, ``"avx2"`` or
+    ``"portable"`` (at most what ``FERROBATCH_CPU_ISA`` allows)."""
+
 def rotary_f32(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
     """Rotate-half RoPE of ``x`` ``[T, heads, D]`` in place with ``cos`` / ``sin`` ``[T, D]``
     (GIL released), float32, C-contiguous; ValueError on a shape mismatch or odd D."""

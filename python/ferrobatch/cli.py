@@ -133,6 +133,7 @@ async def _serve(a: argparse.Namespace) -> int:
     print(f"ferrobatch: serving {server.state.model_name} (max_model_len "
           f"{engine.max_model_len}, {engine.stats().get('num_blocks')} KV blocks, "
           f"attention backend {engine.attention_backend})")
+    print(f"  linear layers: {engine.linear_kernels}")
     print(f"  speculative decoding: {engine.speculation}")
     print(f"  OpenAI HTTP : {base}/v1  (completions, chat/completions, models)")
     print(f"  WebSocket   : ws://{a.host}:{server.port}/v1/ws")

@@ -44,6 +44,15 @@ impl Isa {
         })
     }
 
+    /// Its name, as `FERROBATCH_CPU_ISA` spells it.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+
     /// The widest of `Avx512` / `Avx2` / `Portable` that this CPU has, at most `max` (and at
     /// most `FERROBATCH_CPU_ISA`).
     pub(crate) fn detect(max: Isa) -> Isa {

@@ -198,3 +198,11 @@ pub fn py_rotary_f32(
     py.detach(|| rotary_f32(x, head_dim, cos, sin))
         .map_err(|e| PyValueError::new_err(e.0))
 }
+
+/// `linear_isa()`: the instruction set the linear kernels use on this CPU (`"avx512"`,
+/// `"avx2"` or `"portable"`, at most what `FERROBATCH_CPU_ISA` allows).
+#[pyfunction]
+#[pyo3(name = "linear_isa")]
+pub fn py_linear_isa() -> &'static str {
+    crate::cpu_linear::Isa::detect(crate::cpu_linear::Isa::Avx512).name()
+}

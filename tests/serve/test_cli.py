@@ -51,6 +51,10 @@ async def test_serve_drains_on_sigint(smollm2_gguf_path):
             port = int(m.group(1)) if m else None
         # the banner names the attention backend in use (the Rust kernel for a float32 CPU model)
         assert any("attention backend cpu" in line for line in lines), "".join(lines)
+        # ... and the linear layers' kernels with the instruction set this CPU gives them
+        from ferrobatch._scheduler import linear_isa
+        assert any(f"linear layers: Rust {linear_isa()} kernels" in line for line in lines), \
+            "".join(lines)
         async with aiohttp.ClientSession() as s:
             req = asyncio.create_task(s.post(f"http://127.0.0.1:{port}/v1/completions", json={
                 "prompt": "Hello", "max_tokens": 12, "ignore_eos": True}))

@@ -173,6 +173,12 @@ class AsyncEngine:
         return self._core.runner.attn_backend.name
 
     @property
+    def linear_kernels(self) -> str:
+        """What runs the linear layers, in words ("torch", or the Rust kernels' instruction set
+        and whether GGUF blocks serve small steps)."""
+        return getattr(getattr(self._core, "runner", None), "linear_kernels", "torch")
+
+    @property
     def speculation(self) -> str:
         """The speculative-decoding setting in words ("off", or drafts and load limit)."""
         return getattr(self._core, "speculation", "off")

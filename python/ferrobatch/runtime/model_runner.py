@@ -59,14 +59,18 @@ class ModelRunner:
         # the threads torch had; torch runs single-threaded during the forward (cpu_threads.py).
         self.kernel_threads = torch.get_num_threads()
         self.rust_linears = pack_weights and packing_unsupported(self.device, loaded.dtype) is None
+        self.linear_kernels = "torch"      # in words, for the startup log and the serve banner
         if self.rust_linears:
             blocks = _gguf_block_weights(loaded) if gguf_blocks else {}
             num_packed = pack_linear_layers(self.model, self.kernel_threads, blocks)
             swap_elementwise_ops(self.model)
             if getattr(self.attn_backend, "num_threads", 0) is None:
                 self.attn_backend.num_threads = self.kernel_threads
-            logger.info("linear layers: %d prepacked for the Rust kernel, %d threads", num_packed,
-                        self.kernel_threads)
+            from ferrobatch._scheduler import linear_isa
+            self.linear_kernels = f"Rust {linear_isa()} kernels" + (
+                f", GGUF blocks for steps of <= {QUANT_MAX_ROWS} rows" if blocks else "")
+            logger.info("linear layers: %d prepacked for the Rust kernel (%s), %d threads",
+                        num_packed, linear_isa(), self.kernel_threads)
             if blocks:
                 kernels = {id(m.blocks): m.blocks for m in self.model.modules()
                            if getattr(m, "blocks", None) is not None}
