@@ -44,7 +44,8 @@ impl Isa {
         })
     }
 
-    /// Its name, as `FERROBATCH_CPU_ISA` spells it.
+    /// Its name, as `FERROBATCH_CPU_ISA` spells it (the Python binding `linear_isa`).
+    #[cfg_attr(not(feature = "python"), allow(dead_code))]
     pub(crate) fn name(self) -> &'static str {
         match self {
             Isa::Portable => "portable",
@@ -226,57 +227,108 @@ struct Kernel<'a> {
     isa: Isa,
 }
 
+/// One register tile's results: up to 12 rows x 32 columns (two panels); the AVX2 and portable
+/// tiles fill at most 6 rows x 16 columns of it.
+type TileBuf = [[f32; 2 * PANEL_WIDTH]; TILE_ROWS_512];
+
 impl Kernel<'_> {
     /// Output columns of panels `first..last`, every row.
     ///
     /// # Safety
     /// No other thread may access those columns of `out` meanwhile.
     unsafe fn run_panels(&self, first: usize, last: usize) {
-        #[cfg(target_arch = "x86_64")]
         match self.isa {
-            // SAFETY (both): `isa` was detected on this CPU, which therefore supports the
-            // features the functions are compiled for; the rest is forwarded from the caller.
-            Isa::Avx512 => return unsafe { self.run_panels_avx512(first, last) },
-            Isa::Avx2 => return unsafe { self.run_panels_avx2(first, last) },
-            Isa::Portable => {}
+            // SAFETY (both SIMD arms): `isa` was detected on this CPU, which therefore supports
+            // the features the functions are compiled for; the rest is the caller's.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { self.run_panels_avx512(first, last) },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { self.run_panels_avx2(first, last) },
+            _ => {
+                let k = self.shape.k;
+                let tile = |_, rows, x: &[f32], panel: &[f32], bias: &_, out: &mut _| {
+                    portable::tile(rows, x, k, panel, bias, out)
+                };
+                // SAFETY: forwarded from the caller.
+                unsafe { self.walk(first, last, 1, TILE_ROWS, tile) }
+            }
         }
-        // SAFETY: forwarded from the caller.
-        unsafe { self.run_panels_impl::<false>(first, last) };
     }
 
-    /// The AVX-512 walk: panels two at a time (a lone last one alone), row tiles of up to 12.
+    /// [`Kernel::walk`] with the AVX-512 tiles (two panels at a time), compiled for AVX-512F so
+    /// that the walk and its tile calls inline into one function.
     ///
     /// # Safety
     /// As [`Kernel::run_panels`], on a CPU with AVX-512F.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
     unsafe fn run_panels_avx512(&self, first: usize, last: usize) {
+        let k = self.shape.k;
+        let tile = |np: usize, rows, x: &[f32], panels: &[f32], bias: &_, out: &mut _| {
+            // SAFETY: this CPU has AVX-512F (the caller's contract).
+            unsafe { avx512::tile(np == 2, rows, x, k, panels, bias, out) }
+        };
+        // SAFETY: forwarded from the caller.
+        unsafe { self.walk(first, last, 2, TILE_ROWS_512, tile) }
+    }
+
+    /// [`Kernel::walk`] with the AVX2 tiles, compiled for AVX2 + FMA (see `run_panels_avx512`).
+    ///
+    /// # Safety
+    /// As [`Kernel::run_panels`], on a CPU with AVX2 and FMA.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run_panels_avx2(&self, first: usize, last: usize) {
+        let k = self.shape.k;
+        let tile = |_, rows, x: &[f32], panel: &[f32], bias: &_, out: &mut _| {
+            // SAFETY: this CPU has AVX2 and FMA (the caller's contract).
+            unsafe { avx2::tile(rows, x, k, panel, bias, out) }
+        };
+        // SAFETY: forwarded from the caller.
+        unsafe { self.walk(first, last, 1, TILE_ROWS, tile) }
+    }
+
+    /// The walk every instruction set shares: passes of rows whose x block stays in L2, groups
+    /// of up to `group` neighbouring panels, and row tiles of near-equal height, at most
+    /// `tile_rows` each (16 rows at 6 = 6 + 5 + 5, not 6 + 6 + 4: a short tile does less work
+    /// per weight it loads); `tile(panels, rows, x, packed, bias, out)` computes one tile.
+    ///
+    /// # Safety
+    /// As [`Kernel::run_panels`].
+    #[inline(always)]
+    unsafe fn walk(
+        &self,
+        first: usize,
+        last: usize,
+        group: usize,
+        tile_rows: usize,
+        tile: impl Fn(usize, usize, &[f32], &[f32], &[f32; 2 * PANEL_WIDTH], &mut TileBuf),
+    ) {
         let LinearShape { m, n, k } = self.shape;
-        // as in `run_panels_impl`: the x block of one pass stays in L2
+        // Rows per pass over the weights: the x block (rows_per_pass * K floats) stays in L2
+        // while the panels stream by; more rows re-read x from L3 for every panel.
         let rows_per_pass =
-            ((256 * 1024 / 4) / k).clamp(TILE_ROWS_512, 1 << 16) / TILE_ROWS_512 * TILE_ROWS_512;
+            ((256 * 1024 / 4) / k).clamp(tile_rows, 1 << 16) / tile_rows * tile_rows;
         for row0 in (0..m).step_by(rows_per_pass) {
             let rows = (m - row0).min(rows_per_pass);
             let mut p = first;
             while p < last {
-                let pair = p + 1 < last;
-                let width = if pair { 2 * PANEL_WIDTH } else { PANEL_WIDTH };
-                let panels = &self.packed[p * k * PANEL_WIDTH..][..k * width];
+                let np = group.min(last - p);
+                let panels = &self.packed[p * k * PANEL_WIDTH..][..np * k * PANEL_WIDTH];
                 let col0 = p * PANEL_WIDTH;
-                let cols = (n - col0).min(width);
+                let cols = (n - col0).min(np * PANEL_WIDTH);
                 let mut bias = [0f32; 2 * PANEL_WIDTH];
                 if !self.bias.is_empty() {
                     bias[..cols].copy_from_slice(&self.bias[col0..col0 + cols]);
                 }
-                let num_tiles = rows.div_ceil(TILE_ROWS_512);
+                let num_tiles = rows.div_ceil(tile_rows);
                 let mut r = row0;
                 for tile_index in 0..num_tiles {
-                    let tile_rows = (rows - (r - row0)) / (num_tiles - tile_index);
-                    let x = &self.x[r * k..(r + tile_rows) * k];
-                    let mut tile = [[0f32; 2 * PANEL_WIDTH]; TILE_ROWS_512];
-                    // SAFETY: this CPU has AVX-512F (the caller's contract).
-                    unsafe { avx512::tile(pair, tile_rows, x, k, panels, &bias, &mut tile) };
-                    for (i, values) in tile.iter().take(tile_rows).enumerate() {
+                    let height = (rows - (r - row0)) / (num_tiles - tile_index);
+                    let x = &self.x[r * k..(r + height) * k];
+                    let mut out_tile: TileBuf = [[0f32; 2 * PANEL_WIDTH]; TILE_ROWS_512];
+                    tile(np, height, x, panels, &bias, &mut out_tile);
+                    for (i, values) in out_tile.iter().take(height).enumerate() {
                         // SAFETY: row r + i < m and columns col0..col0 + cols <= n are inside
                         // `out` (validated length m * n) and belong to this thread's panels.
                         unsafe {
@@ -284,71 +336,17 @@ impl Kernel<'_> {
                             std::ptr::copy_nonoverlapping(values.as_ptr(), dst, cols);
                         }
                     }
-                    r += tile_rows;
-                }
-                p += width / PANEL_WIDTH;
-            }
-        }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn run_panels_avx2(&self, first: usize, last: usize) {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.run_panels_impl::<true>(first, last) };
-    }
-
-    #[inline(always)]
-    unsafe fn run_panels_impl<const AVX2: bool>(&self, first: usize, last: usize) {
-        let LinearShape { m, n, k } = self.shape;
-        // Rows per pass over the weights: the x block (rows_per_pass * K floats) stays in L2
-        // while the panels stream by; more rows re-read x from L3 for every panel.
-        let rows_per_pass =
-            ((256 * 1024 / 4) / k).clamp(TILE_ROWS, 1 << 16) / TILE_ROWS * TILE_ROWS;
-        for row0 in (0..m).step_by(rows_per_pass) {
-            let rows = (m - row0).min(rows_per_pass);
-            for p in first..last {
-                let panel = &self.packed[p * k * PANEL_WIDTH..][..k * PANEL_WIDTH];
-                let col0 = p * PANEL_WIDTH;
-                let cols = (n - col0).min(PANEL_WIDTH);
-                let mut bias = [0f32; PANEL_WIDTH];
-                if !self.bias.is_empty() {
-                    bias[..cols].copy_from_slice(&self.bias[col0..col0 + cols]);
-                }
-                // ceil(rows / 6) tiles of near-equal height (16 rows = 6 + 5 + 5, not 6 + 6 + 4):
-                // a short tile does less work per weight it loads.
-                let num_tiles = rows.div_ceil(TILE_ROWS);
-                let mut r = row0;
-                for tile_index in 0..num_tiles {
-                    let tile_rows = (rows - (r - row0)) / (num_tiles - tile_index);
-                    let x = &self.x[r * k..(r + tile_rows) * k];
-                    let mut tile = [[0f32; PANEL_WIDTH]; TILE_ROWS];
-                    #[cfg(target_arch = "x86_64")]
-                    if AVX2 {
-                        // SAFETY: only reached from `run_panels_avx2`, i.e. on an AVX2+FMA CPU.
-                        unsafe { avx2::tile(tile_rows, x, k, panel, &bias, &mut tile) };
-                    }
-                    if !AVX2 {
-                        portable::tile(tile_rows, x, k, panel, &bias, &mut tile);
-                    }
-                    for (i, values) in tile.iter().take(tile_rows).enumerate() {
-                        // SAFETY: row r + i < m and columns col0..col0 + cols < n are inside
-                        // `out` (validated length m * n) and belong to this thread's panels.
-                        unsafe {
-                            let dst = self.out.0.add((r + i) * n + col0);
-                            std::ptr::copy_nonoverlapping(values.as_ptr(), dst, cols);
-                        }
-                    }
-                    r += tile_rows;
+                    r += height;
                 }
                 debug_assert_eq!(r, row0 + rows);
+                p += np;
             }
         }
     }
 }
 
 mod portable {
-    use super::{PANEL_WIDTH, TILE_ROWS};
+    use super::{TileBuf, PANEL_WIDTH, TILE_ROWS};
 
     /// `tile[i] = bias + x[i] @ panel` for the first `rows` rows of `x` (row stride `k`).
     pub(super) fn tile(
@@ -356,11 +354,12 @@ mod portable {
         x: &[f32],
         k: usize,
         panel: &[f32],
-        bias: &[f32; PANEL_WIDTH],
-        tile: &mut [[f32; PANEL_WIDTH]; TILE_ROWS],
+        bias: &[f32; 2 * PANEL_WIDTH],
+        tile: &mut TileBuf,
     ) {
-        for (i, acc) in tile.iter_mut().take(rows).enumerate() {
-            *acc = *bias;
+        for (i, acc) in tile.iter_mut().take(rows.min(TILE_ROWS)).enumerate() {
+            let acc = &mut acc[..PANEL_WIDTH];
+            acc.copy_from_slice(&bias[..PANEL_WIDTH]);
             let x_row = &x[i * k..][..k];
             for (&a, w) in x_row.iter().zip(panel.chunks_exact(PANEL_WIDTH)) {
                 for (c, &b) in acc.iter_mut().zip(w) {
@@ -373,7 +372,7 @@ mod portable {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{PANEL_WIDTH, TILE_ROWS};
+    use super::{TileBuf, PANEL_WIDTH, TILE_ROWS};
     use std::arch::x86_64::*;
 
     /// `tile[i] = bias + x[i] @ panel` for the first `rows` (1..=6) rows of `x` (row stride `k`).
@@ -383,8 +382,8 @@ mod avx2 {
         x: &[f32],
         k: usize,
         panel: &[f32],
-        bias: &[f32; PANEL_WIDTH],
-        tile: &mut [[f32; PANEL_WIDTH]; TILE_ROWS],
+        bias: &[f32; 2 * PANEL_WIDTH],
+        tile: &mut TileBuf,
     ) {
         // SAFETY (all arms): the caller is on an AVX2+FMA CPU; `x` holds `rows * k` floats and
         // `panel` `k * 16`, which `tile_rows` checks before its unchecked loads.
@@ -406,8 +405,8 @@ mod avx2 {
         x: &[f32],
         k: usize,
         panel: &[f32],
-        bias: &[f32; PANEL_WIDTH],
-        tile: &mut [[f32; PANEL_WIDTH]; TILE_ROWS],
+        bias: &[f32; 2 * PANEL_WIDTH],
+        tile: &mut TileBuf,
     ) {
         assert!(x.len() >= R * k && panel.len() >= k * PANEL_WIDTH && R <= TILE_ROWS);
         let (xp, wp) = (x.as_ptr(), panel.as_ptr());
@@ -441,7 +440,7 @@ mod avx2 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{PANEL_WIDTH, TILE_ROWS_512};
+    use super::{TileBuf, PANEL_WIDTH, TILE_ROWS_512};
     use std::arch::x86_64::*;
 
     /// `tile[i][..16 * P] = bias + x[i] @ panels` for the first `rows` (1..=12) rows of `x` (row
@@ -455,7 +454,7 @@ mod avx512 {
         k: usize,
         panels: &[f32],
         bias: &[f32; 2 * PANEL_WIDTH],
-        tile: &mut [[f32; 2 * PANEL_WIDTH]; TILE_ROWS_512],
+        tile: &mut TileBuf,
     ) {
         macro_rules! dispatch {
             ($p:literal) => {
@@ -493,7 +492,7 @@ mod avx512 {
         k: usize,
         panels: &[f32],
         bias: &[f32; 2 * PANEL_WIDTH],
-        tile: &mut [[f32; 2 * PANEL_WIDTH]; TILE_ROWS_512],
+        tile: &mut TileBuf,
     ) {
         assert!(x.len() >= R * k && panels.len() >= P * k * PANEL_WIDTH && R <= TILE_ROWS_512);
         let (xp, wp) = (x.as_ptr(), panels.as_ptr());
