@@ -373,3 +373,30 @@ def test_short_queries_go_through_the_kernel_causally(seed):
     torch.testing.assert_close(backend.forward(query, cache, meta, HEAD_DIM ** -0.5),
                                _naive_attention(query, cache, sub, HEAD_DIM ** -0.5),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_isa_env_caps_the_linear_kernels_instruction_set():
+    """FERROBATCH_CPU_ISA (read once per process) caps what the linear kernels use: `portable`
+    always wins, `avx2` never reports AVX-512, and unset keeps the widest the CPU has."""
+    import os
+    import subprocess
+    import sys
+
+    from ferrobatch._scheduler import linear_isa
+
+    def isa_with(value: str | None) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "FERROBATCH_CPU_ISA"}
+        if value is not None:
+            env["FERROBATCH_CPU_ISA"] = value
+        out = subprocess.run([sys.executable, "-c", "from ferrobatch._scheduler import linear_isa;"
+                              " print(linear_isa())"], env=env, capture_output=True, text=True,
+                             check=True, timeout=120)
+        return out.stdout.strip()
+
+    widest = isa_with(None)
+    assert widest in ("avx512", "avx2", "portable")
+    assert isa_with("portable") == "portable"
+    assert isa_with("avx2") == ("portable" if widest == "portable" else "avx2")
+    assert isa_with("avx512") == widest
+    if "FERROBATCH_CPU_ISA" not in os.environ:
+        assert linear_isa() == widest
