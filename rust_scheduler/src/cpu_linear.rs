@@ -16,6 +16,7 @@
 //! columns of `out` (disjoint column ranges, so the threads never write the same element).
 
 use crate::cpu_error::KernelInputError;
+use crate::cpu_isa::Isa;
 
 /// Output columns per panel (two AVX2 vectors).
 pub const PANEL_WIDTH: usize = 16;
@@ -23,57 +24,6 @@ pub const PANEL_WIDTH: usize = 16;
 const TILE_ROWS: usize = 6;
 /// Rows per AVX-512 tile: 12 rows x 2 panels = 24 accumulators of the 32 AVX-512 registers.
 const TILE_ROWS_512: usize = 12;
-
-/// The widest instruction set a call may use (tests force the narrower ones).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) enum Isa {
-    Portable,
-    Avx2,
-    Avx512,
-}
-
-impl Isa {
-    /// The cap set by `FERROBATCH_CPU_ISA` (`avx512`, `avx2` or `portable`; read once), if any:
-    /// to compare the paths on one machine, or to avoid AVX-512 where it slows the clock.
-    fn env_cap() -> Isa {
-        static CAP: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
-        *CAP.get_or_init(|| match std::env::var("FERROBATCH_CPU_ISA").as_deref() {
-            Ok("avx2") => Isa::Avx2,
-            Ok("portable") => Isa::Portable,
-            _ => Isa::Avx512,
-        })
-    }
-
-    /// Its name, as `FERROBATCH_CPU_ISA` spells it (the Python binding `linear_isa`).
-    #[cfg_attr(not(feature = "python"), allow(dead_code))]
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Isa::Portable => "portable",
-            Isa::Avx2 => "avx2",
-            Isa::Avx512 => "avx512",
-        }
-    }
-
-    /// The widest of `Avx512` / `Avx2` / `Portable` that this CPU has, at most `max` (and at
-    /// most `FERROBATCH_CPU_ISA`).
-    pub(crate) fn detect(max: Isa) -> Isa {
-        let max = max.min(Isa::env_cap());
-        #[cfg(target_arch = "x86_64")]
-        {
-            if max >= Isa::Avx512 && std::is_x86_feature_detected!("avx512f") {
-                return Isa::Avx512;
-            }
-            if max >= Isa::Avx2
-                && std::is_x86_feature_detected!("avx2")
-                && std::is_x86_feature_detected!("fma")
-            {
-                return Isa::Avx2;
-            }
-        }
-        let _ = max;
-        Isa::Portable
-    }
-}
 
 /// Shapes of one linear-layer call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

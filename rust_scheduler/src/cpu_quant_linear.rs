@@ -19,7 +19,8 @@
 //! (`cpu_pool`); a task writes only its own columns of `out`.
 
 use crate::cpu_error::KernelInputError;
-use crate::cpu_linear::{Isa, OutPtr};
+use crate::cpu_isa::Isa;
+use crate::cpu_linear::OutPtr;
 
 /// Inputs per quantization block (both formats).
 pub const BLOCK: usize = 32;

@@ -8,8 +8,8 @@
 //! `cpu_attention` (paged decode attention; binding `py_attention`), `cpu_linear` (linear layers
 //! over panel-packed weights) and `cpu_elementwise` (RMSNorm, RoPE) (bindings
 //! `py_linear`). The first two
-//! split their work over `cpu_pool`, the kernels' persistent thread pool; all report bad input
-//! as `cpu_error::KernelInputError`.
+//! split their work over `cpu_pool`, the kernels' persistent thread pool, pick their SIMD
+//! path with `cpu_isa`, and report bad input as `cpu_error::KernelInputError`.
 //! And `guided` (structured outputs: a regex's DFA walked over the vocabulary's byte trie to
 //! find the tokens allowed next; binding `py_guided`), used by the Python sampler.
 //! And `ngram` (prompt-lookup drafts: `scheduler` schedules them for speculative decoding,
@@ -21,6 +21,7 @@ pub mod config;
 pub mod cpu_attention;
 pub mod cpu_elementwise;
 pub mod cpu_error;
+mod cpu_isa;
 pub mod cpu_linear;
 pub mod cpu_pool;
 pub mod cpu_quant_linear;

@@ -204,5 +204,5 @@ pub fn py_rotary_f32(
 #[pyfunction]
 #[pyo3(name = "linear_isa")]
 pub fn py_linear_isa() -> &'static str {
-    crate::cpu_linear::Isa::detect(crate::cpu_linear::Isa::Avx512).name()
+    crate::cpu_isa::Isa::detect(crate::cpu_isa::Isa::Avx512).name()
 }
