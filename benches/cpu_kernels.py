@@ -1,6 +1,6 @@
 """The CPU fast paths against what they replace, side by side in one run (SmolLM2-135M shapes).
 
-    python benches/cpu_kernels.py [--json benches/results/cpu/cpu_kernels.json]
+    python benches/cpu_kernels.py [--only attention|linear] [--json benches/results/cpu/cpu_kernels.json]
 
 1. Decode attention over a paged float32 cache, all 30 layers' worth of KV (so it is read from
    DRAM, as in a real step): the Rust kernel (`CpuPagedBackend`) vs the torch reference
@@ -95,6 +95,7 @@ def attention_rows(rows_list, ctx_list, repeats):
             for name in ("rust", "torch", "rust", "torch"):  # alternate; keep the 2nd pair
                 result[f"{name}_ms"] = _median_ms(runs[name], repeats)
             result["speedup"] = result["torch_ms"] / result["rust_ms"]
+            result["rust_gb_per_s"] = result["kv_mb_per_step"] * 2**20 / result["rust_ms"] / 1e6
             out.append(result)
             print(f"attention rows={rows} ctx={ctx}: rust {result['rust_ms']:.1f} ms, torch "
                   f"{result['torch_ms']:.1f} ms per 30 layers ({result['speedup']:.1f}x)", flush=True)
@@ -133,12 +134,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default=None)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--only", choices=["attention", "linear"], default=None,
+                   help="run one of the two parts")
     a = p.parse_args()
-    att = attention_rows([1, 16, 32, 64], [256, 1024], a.repeats)
-    lin = linear_rows([1, 4, 16, 32, 64, 512], a.repeats)
+    att = attention_rows([1, 16, 32, 64], [256, 1024], a.repeats) if a.only != "linear" else []
+    lin = linear_rows([1, 4, 16, 32, 64, 512], a.repeats) if a.only != "attention" else []
     print()
     print(format_table(att, [("rows", "rows", "d"), ("context", "context", "d"),
                              ("kv_mb_per_step", "KV MB / step", ".1f"), ("rust_ms", "rust ms", ".1f"),
+                             ("rust_gb_per_s", "rust GB/s", ".1f"),
                              ("torch_ms", "torch ref ms", ".1f"), ("speedup", "speed-up", ".1f")]))
     print()
     print(format_table(lin, [("rows", "rows", "d"), ("rust_ms", "rust ms", ".1f"),

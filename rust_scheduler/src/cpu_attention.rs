@@ -9,11 +9,18 @@
 //! Invariants checked by [`DecodeShape::validate`] before any read, so no index below can leave
 //! its slice: `Hq % Hkv == 0`; slice lengths equal their shapes; `1 <= ctx_lens[s] <=
 //! max_blocks * block_size`; every block id a sequence uses is in `0..num_blocks`.
-//! Work item = one sequence: it owns its `Hq * D` outputs (threads write disjoint slices) and
-//! reads each of its blocks once, all KV heads together (`[block_size, Hkv, D]` is contiguous).
-//! Softmax is the online (running max) form per block of keys, in f32, like flash-decoding.
+//! Work split (`partition`): all sequences' blocks, in order, cut into one run of consecutive
+//! blocks per thread, so a task gets whole sequences plus at most a part of one at each end
+//! (split-KV, as in flash-decoding: one long sequence still uses every thread). A task writes
+//! the `Hq * D` outputs of its whole sequences (disjoint slices); for a cut sequence each part
+//! returns its un-normalized output, running max and denominator, and the caller merges them
+//! after the job (`merge`). Each block is read once, all KV heads together (`[block_size, Hkv,
+//! D]` is contiguous). Softmax is the online (running max) form per block of keys, in f32.
+//! While one block is computed the next one the task will read is prefetched into L2, in slices
+//! spread over the block's work (the kernel waits on memory at long contexts).
 
 use crate::cpu_error::KernelInputError;
+use crate::cpu_isa::Isa;
 use std::sync::Mutex;
 
 /// Shapes of one decode-attention call.
@@ -89,9 +96,9 @@ impl DecodeShape {
     }
 }
 
-/// Runs decode attention, splitting the sequences over up to `num_threads`
-/// threads of the kernels' pool (`cpu_pool`) (contiguous ranges balanced by context length). Errors instead of reading out of
-/// bounds; see the module header for the layout.
+/// Runs decode attention on up to `num_threads` threads of the kernels' pool (`cpu_pool`),
+/// each taking an equal run of the sequences' blocks (module header). Errors instead of reading
+/// out of bounds; see the module header for the layout.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention_f32(
     shape: &DecodeShape,
@@ -114,11 +121,12 @@ pub fn paged_decode_attention_f32(
         out,
         scale,
         num_threads,
-        true,
+        Isa::Avx512,
     )
 }
 
-/// [`paged_decode_attention_f32`] with the SIMD path allowed or not (tests compare both).
+/// [`paged_decode_attention_f32`] using at most instruction set `max_isa` (tests compare every
+/// path).
 #[allow(clippy::too_many_arguments)]
 fn run(
     shape: &DecodeShape,
@@ -130,7 +138,7 @@ fn run(
     out: &mut [f32],
     scale: f32,
     num_threads: usize,
-    allow_simd: bool,
+    max_isa: Isa,
 ) -> Result<(), KernelInputError> {
     shape.validate(q, k_cache, v_cache, block_tables, ctx_lens, out)?;
     if shape.num_seqs == 0 {
@@ -144,46 +152,155 @@ fn run(
         block_tables,
         ctx_lens,
         scale,
-        allow_simd,
+        isa: Isa::detect(max_isa),
     };
-    let item_len = shape.num_heads * shape.head_dim;
-    let num_items = shape.num_seqs;
+    let bs = shape.block_size;
+    let block_counts: Vec<usize> = ctx_lens
+        .iter()
+        .map(|&c| (c as usize).div_ceil(bs))
+        .collect();
+    let total_blocks: usize = block_counts.iter().sum();
     let total_keys: usize =
         ctx_lens.iter().map(|&c| c as usize).sum::<usize>() * shape.num_kv_heads;
     // Below ~2k (key, KV head) pairs waking a worker costs more than its share of the work.
-    let threads = num_threads.clamp(1, num_items).min(1 + total_keys / 2048);
+    let threads = num_threads
+        .clamp(1, total_blocks)
+        .min(1 + total_keys / 2048);
     let pool = (threads > 1).then(|| crate::cpu_pool::global(threads));
     let threads = pool.map_or(1, |pool| threads.min(pool.max_tasks()));
-    let Some(pool) = pool.filter(|_| threads > 1) else {
-        kernel.run_items(0, out);
-        return Ok(());
+    // One output slice per sequence: each whole sequence's goes to the task that computes it,
+    // a split sequence's stays here until its parts are merged after the job.
+    let item_len = shape.num_heads * shape.head_dim;
+    let mut seq_outs: Vec<Option<&mut [f32]>> = out.chunks_exact_mut(item_len).map(Some).collect();
+    let tasks: Vec<Mutex<Task<'_>>> = partition(&block_counts, threads)
+        .into_iter()
+        .map(|segments| {
+            let outs = segments
+                .iter()
+                .filter(|segment| segment.whole)
+                .map(|segment| {
+                    seq_outs[segment.seq]
+                        .take()
+                        .expect("one task per whole sequence")
+                })
+                .collect();
+            Mutex::new(Task {
+                segments,
+                outs,
+                partials: Vec::new(),
+            })
+        })
+        .collect();
+    let run_task = |t: usize| {
+        let mut task = tasks[t].lock().unwrap_or_else(|e| e.into_inner());
+        let Task {
+            segments,
+            outs,
+            partials,
+        } = &mut *task;
+        kernel.run_segments(segments, outs, partials);
     };
-    // Split the sequences into `threads` contiguous ranges with about equal key counts.
-    let per_thread = total_keys.div_ceil(threads);
-    let mut bounds = vec![0usize];
-    let mut acc = 0usize;
-    for (item, &ctx) in ctx_lens.iter().enumerate() {
-        acc += ctx as usize * shape.num_kv_heads;
-        if acc >= per_thread * bounds.len() && bounds.len() < threads && item + 1 < num_items {
-            bounds.push(item + 1);
-        }
+    match pool {
+        Some(pool) if tasks.len() > 1 => pool.run(tasks.len(), &run_task),
+        _ => (0..tasks.len()).for_each(run_task),
     }
-    bounds.push(num_items);
-    // One disjoint output range per task; each task takes its own (the lock is uncontended).
-    let mut rest: &mut [f32] = out;
-    let mut chunks = Vec::with_capacity(bounds.len() - 1);
-    for w in bounds.windows(2) {
-        let (head, tail) = rest.split_at_mut((w[1] - w[0]) * item_len);
-        chunks.push(Mutex::new(Some((w[0], head))));
-        rest = tail;
+    let mut partials: Vec<Partial> = tasks
+        .into_iter()
+        .flat_map(|task| {
+            task.into_inner()
+                .unwrap_or_else(|e| e.into_inner())
+                .partials
+        })
+        .collect();
+    // Partials come in task order, so a split sequence's parts are neighbours.
+    partials.sort_by_key(|p| p.seq);
+    for parts in partials.chunk_by(|a, b| a.seq == b.seq) {
+        let out = seq_outs[parts[0].seq]
+            .take()
+            .expect("a split sequence's output");
+        merge(parts, shape.head_dim, out);
     }
-    pool.run(chunks.len(), &|t| {
-        let taken = chunks[t].lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some((start, chunk)) = taken {
-            kernel.run_items(start, chunk);
-        }
-    });
     Ok(())
+}
+
+/// Blocks `blocks` of sequence `seq` (of its block table); `whole` when they are all of them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Segment {
+    seq: usize,
+    blocks: std::ops::Range<usize>,
+    whole: bool,
+}
+
+/// One task's work: its segments in order, the outputs of its whole ones (in the same order),
+/// and what it leaves for [`merge`]: the state of each split one.
+struct Task<'o> {
+    segments: Vec<Segment>,
+    outs: Vec<&'o mut [f32]>,
+    partials: Vec<Partial>,
+}
+
+/// Attention over part of one sequence's keys, per query head: the output not yet divided by
+/// the softmax denominator, the running max and that denominator.
+struct Partial {
+    seq: usize,
+    acc: Vec<f32>,
+    running_max: Vec<f32>,
+    denom: Vec<f32>,
+}
+
+/// Splits the sequences' blocks (`block_counts[s]` each, in order) into `tasks` runs of
+/// consecutive blocks with at most `ceil(total / tasks)` each: a long sequence is cut between
+/// tasks (split-KV), so one sequence at a long context still uses every thread and a mix of
+/// lengths balances. Every block is in exactly one segment; a sequence is `whole` in one task or
+/// cut into parts in consecutive tasks.
+fn partition(block_counts: &[usize], tasks: usize) -> Vec<Vec<Segment>> {
+    let total: usize = block_counts.iter().sum();
+    let per_task = total.div_ceil(tasks.max(1)).max(1);
+    let mut plan: Vec<Vec<Segment>> = vec![Vec::new(); total.div_ceil(per_task).max(1)];
+    let mut start = 0; // the sequence's first block in the flattened order
+    for (seq, &count) in block_counts.iter().enumerate() {
+        debug_assert!(count > 0, "every sequence has a key (validated)");
+        let (first_task, last_task) = (start / per_task, (start + count - 1) / per_task);
+        for (t, segments) in plan
+            .iter_mut()
+            .enumerate()
+            .take(last_task + 1)
+            .skip(first_task)
+        {
+            let lo = start.max(t * per_task) - start;
+            let hi = (start + count).min((t + 1) * per_task) - start;
+            segments.push(Segment {
+                seq,
+                blocks: lo..hi,
+                whole: first_task == last_task,
+            });
+        }
+        start += count;
+    }
+    plan
+}
+
+/// Writes the attention of a split sequence into `out` (`[Hq, D]`) from its parts' states.
+fn merge(parts: &[Partial], head_dim: usize, out: &mut [f32]) {
+    for (qh, out_head) in out.chunks_exact_mut(head_dim).enumerate() {
+        let max = parts
+            .iter()
+            .map(|p| p.running_max[qh])
+            .fold(f32::NEG_INFINITY, f32::max);
+        out_head.fill(0.0);
+        let mut denom = 0.0;
+        for part in parts {
+            let weight = exp(part.running_max[qh] - max);
+            denom += part.denom[qh] * weight;
+            let acc = &part.acc[qh * head_dim..][..head_dim];
+            out_head
+                .iter_mut()
+                .zip(acc)
+                .for_each(|(o, a)| *o += a * weight);
+        }
+        let inv = 1.0 / denom;
+        out_head.iter_mut().for_each(|o| *o *= inv);
+    }
 }
 
 struct Kernel<'a> {
@@ -194,37 +311,54 @@ struct Kernel<'a> {
     block_tables: &'a [i32],
     ctx_lens: &'a [i32],
     scale: f32,
-    allow_simd: bool,
+    /// what this CPU has, at most what the caller allowed (`Isa::detect`)
+    isa: Isa,
 }
 
 impl Kernel<'_> {
-    /// Sequences `first_item..` whose outputs are the consecutive `Hq * D` runs of `out`.
-    fn run_items(&self, first_item: usize, out: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if self.allow_simd
-                && self.shape.head_dim.is_multiple_of(8)
-                && std::is_x86_feature_detected!("avx2")
-                && std::is_x86_feature_detected!("fma")
-            {
-                // SAFETY: the CPU supports the features the function is compiled for.
-                unsafe { self.run_items_avx2(first_item, out) };
-                return;
-            }
+    /// Computes `segments` in order: each whole one into the next of `outs`, each split one
+    /// into a [`Partial`] pushed onto `partials`.
+    fn run_segments(
+        &self,
+        segments: &[Segment],
+        outs: &mut [&mut [f32]],
+        partials: &mut Vec<Partial>,
+    ) {
+        let d = self.shape.head_dim;
+        match self.isa {
+            // SAFETY: `isa` was detected on this CPU, which therefore has AVX2 and FMA (AVX-512
+            // too, unused: 16-float vectors measured no faster here, where the kernel waits on
+            // memory); head_dim % 8 == 0 is the AVX2 math's contract.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 | Isa::Avx2 if d.is_multiple_of(8) => unsafe {
+                self.run_segments_avx2(segments, outs, partials)
+            },
+            _ => self.run_segments_impl::<portable::Math>(segments, outs, partials),
         }
-        self.run_items_impl::<false>(first_item, out);
     }
 
+    /// # Safety
+    /// On a CPU with AVX2 and FMA, for `head_dim % 8 == 0`.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn run_items_avx2(&self, first_item: usize, out: &mut [f32]) {
-        self.run_items_impl::<true>(first_item, out);
+    unsafe fn run_segments_avx2(
+        &self,
+        segments: &[Segment],
+        outs: &mut [&mut [f32]],
+        partials: &mut Vec<Partial>,
+    ) {
+        self.run_segments_impl::<avx2::Math>(segments, outs, partials);
     }
 
-    /// The loop over sequences and blocks; `AVX2` picks the block math (x86_64 with AVX2 + FMA
-    /// and `head_dim % 8 == 0` only, checked by `run_items`).
+    /// The loop over segments and blocks every instruction set shares; `M` does the block math
+    /// (inlined into the `target_feature` entry that instantiates it).
     #[inline(always)]
-    fn run_items_impl<const AVX2: bool>(&self, first_item: usize, out: &mut [f32]) {
+    fn run_segments_impl<M: BlockMath>(
+        &self,
+        segments: &[Segment],
+        outs: &mut [&mut [f32]],
+        partials: &mut Vec<Partial>,
+    ) {
         let s = &self.shape;
         let (d, bs, hkv) = (s.head_dim, s.block_size, s.num_kv_heads);
         let group = s.num_heads / hkv;
@@ -233,75 +367,101 @@ impl Kernel<'_> {
         let mut scores = vec![0f32; s.num_heads * bs];
         let mut running_max = vec![0f32; s.num_heads];
         let mut denom = vec![0f32; s.num_heads];
-        for (i, out_seq) in out.chunks_exact_mut(s.num_heads * d).enumerate() {
-            let seq = first_item + i;
+        let mut split_acc = vec![0f32; s.num_heads * d];
+        // where query head qh's KV head starts inside a block row
+        let kv_offset: Vec<usize> = (0..s.num_heads).map(|qh| (qh / group) * d).collect();
+        // a block's K (or V) in num_heads slices of whole 64-byte lines, one prefetched per head
+        let slice = block_len.div_ceil(s.num_heads).next_multiple_of(16);
+        let table_of = |seq: usize| &self.block_tables[seq * s.max_blocks_per_seq..];
+        let mut outs = outs.iter_mut();
+        for (i, segment) in segments.iter().enumerate() {
+            let seq = segment.seq;
             let q = &self.q[seq * s.num_heads * d..][..s.num_heads * d];
             let ctx = self.ctx_lens[seq] as usize;
-            let table = &self.block_tables[seq * s.max_blocks_per_seq..][..ctx.div_ceil(bs)];
-            out_seq.fill(0.0);
+            let table = &table_of(seq)[segment.blocks.clone()];
+            // the first block of the task's next segment (fetched during this one's last)
+            let next_segment_block = segments
+                .get(i + 1)
+                .map(|next| &table_of(next.seq)[next.blocks.start]);
+            let acc: &mut [f32] = if segment.whole {
+                outs.next().expect("an output per whole segment")
+            } else {
+                &mut split_acc
+            };
+            acc.fill(0.0);
             running_max.fill(f32::NEG_INFINITY);
             denom.fill(0.0);
             for (b, &block) in table.iter().enumerate() {
-                let n = (ctx - b * bs).min(bs);
+                let n = (ctx - (segment.blocks.start + b) * bs).min(bs);
                 // one block's keys and values for all KV heads: [bs, Hkv, D], contiguous
                 let k_block = &self.k_cache[block as usize * block_len..][..block_len];
                 let v_block = &self.v_cache[block as usize * block_len..][..block_len];
-                #[cfg(target_arch = "x86_64")]
-                if AVX2 {
-                    if let Some(&next) = table.get(b + 1) {
-                        // the next block is somewhere else in memory: start fetching it now
-                        let at = next as usize * block_len;
-                        avx2::prefetch(&self.k_cache[at..][..block_len]);
-                        avx2::prefetch(&self.v_cache[at..][..block_len]);
+                // the next block this task reads is somewhere else in memory: fetch its K
+                // while this block's scores are computed and its V while the values are, a
+                // slice per query head (every line at once was slower)
+                let next = table.get(b + 1).or(next_segment_block);
+                let next_at = next.map(|&next| next as usize * block_len);
+                let prefetch_part = |cache: &[f32], part: usize| {
+                    if let Some(at) = next_at {
+                        let start = (part * slice).min(block_len);
+                        let len = slice.min(block_len - start);
+                        M::prefetch(&cache[at + start..][..len]);
                     }
-                }
+                };
+                let head_rows = |block, qh: usize| Rows {
+                    block,
+                    offset: kv_offset[qh],
+                    stride: hkv * d,
+                    n,
+                    d,
+                };
                 for qh in 0..s.num_heads {
-                    let rows = Rows {
-                        block: k_block,
-                        offset: (qh / group) * d,
-                        stride: hkv * d,
-                        n,
-                        d,
-                    };
+                    prefetch_part(self.k_cache, qh);
                     let (q_head, row) = (&q[qh * d..][..d], &mut scores[qh * bs..][..n]);
-                    if AVX2 {
-                        #[cfg(target_arch = "x86_64")]
-                        // SAFETY: only reached from `run_items_avx2`, i.e. on an AVX2+FMA CPU.
-                        unsafe {
-                            avx2::block_scores(q_head, &rows, self.scale, row)
-                        };
-                    } else {
-                        portable::block_scores(q_head, &rows, self.scale, row);
-                    }
+                    // SAFETY: `M` is the math of the entry this was inlined into (`run_segments`).
+                    unsafe { M::scores(q_head, &head_rows(k_block, qh), self.scale, row) };
                 }
                 for qh in 0..s.num_heads {
-                    let row = &mut scores[qh * bs..][..n];
-                    let correction = softmax_update(row, &mut running_max[qh], &mut denom[qh]);
-                    let rows = Rows {
-                        block: v_block,
-                        offset: (qh / group) * d,
-                        stride: hkv * d,
-                        n,
-                        d,
-                    };
-                    let acc = &mut out_seq[qh * d..][..d];
-                    if AVX2 {
-                        #[cfg(target_arch = "x86_64")]
-                        // SAFETY: as above.
-                        unsafe {
-                            avx2::block_accumulate(acc, row, correction, &rows)
-                        };
-                    } else {
-                        portable::block_accumulate(acc, row, correction, &rows);
+                    prefetch_part(self.v_cache, qh);
+                    let (row, acc) = (&mut scores[qh * bs..][..n], &mut acc[qh * d..][..d]);
+                    // SAFETY: as above.
+                    unsafe {
+                        let correction = M::softmax(row, &mut running_max[qh], &mut denom[qh]);
+                        M::accumulate(acc, row, correction, &head_rows(v_block, qh));
                     }
                 }
             }
-            for qh in 0..s.num_heads {
-                let inv = 1.0 / denom[qh];
-                out_seq[qh * d..][..d].iter_mut().for_each(|a| *a *= inv);
+            if segment.whole {
+                for qh in 0..s.num_heads {
+                    let inv = 1.0 / denom[qh];
+                    acc[qh * d..][..d].iter_mut().for_each(|a| *a *= inv);
+                }
+            } else {
+                partials.push(Partial {
+                    seq,
+                    acc: acc.to_vec(),
+                    running_max: running_max.clone(),
+                    denom: denom.clone(),
+                });
             }
         }
     }
+}
+
+/// One block's math, per instruction set. The methods are `unsafe` because the SIMD ones may
+/// only run where `Kernel::run_items` sends them (a CPU with their features, a head_dim they
+/// take); the portable ones are safe to call anywhere.
+trait BlockMath {
+    /// `out[j] = scale * (q . row j)` for `j < k.n`.
+    unsafe fn scores(q: &[f32], k: &Rows<'_>, scale: f32, out: &mut [f32]);
+    /// Folds one block's scores into one query head's running max / denominator: turns `row`
+    /// into the block's softmax weights and returns the factor the accumulated output must be
+    /// scaled by.
+    unsafe fn softmax(row: &mut [f32], running_max: &mut f32, denom: &mut f32) -> f32;
+    /// `acc = acc * correction + sum_j p[j] * row j` for `j < v.n`.
+    unsafe fn accumulate(acc: &mut [f32], p: &[f32], correction: f32, v: &Rows<'_>);
+    /// Asks the CPU to start loading `data` (a hint; nothing on the portable path).
+    fn prefetch(_data: &[f32]) {}
 }
 
 /// The `n` rows of one KV head inside a block: row `j` is `block[offset + j * stride..][..d]`.
@@ -322,9 +482,7 @@ impl Rows<'_> {
     }
 }
 
-/// Folds one block's scores into the running max / denominator of one query head: turns `row`
-/// into the block's softmax weights and returns the factor the accumulated output must be
-/// scaled by.
+/// [`BlockMath::softmax`] in plain Rust (the portable path, and the reference of the SIMD ones).
 #[inline(always)]
 fn softmax_update(row: &mut [f32], running_max: &mut f32, denom: &mut f32) -> f32 {
     let block_max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -339,6 +497,23 @@ fn softmax_update(row: &mut [f32], running_max: &mut f32, denom: &mut f32) -> f3
 /// Plain-Rust block math (any CPU, any head_dim); the compiler vectorizes what it can.
 mod portable {
     use super::Rows;
+
+    pub(super) struct Math;
+
+    impl super::BlockMath for Math {
+        #[inline(always)]
+        unsafe fn scores(q: &[f32], k: &Rows<'_>, scale: f32, out: &mut [f32]) {
+            block_scores(q, k, scale, out);
+        }
+        #[inline(always)]
+        unsafe fn softmax(row: &mut [f32], running_max: &mut f32, denom: &mut f32) -> f32 {
+            super::softmax_update(row, running_max, denom)
+        }
+        #[inline(always)]
+        unsafe fn accumulate(acc: &mut [f32], p: &[f32], correction: f32, v: &Rows<'_>) {
+            block_accumulate(acc, p, correction, v);
+        }
+    }
 
     /// `out[j] = scale * (q . row j)`.
     #[inline(always)]
@@ -388,6 +563,28 @@ mod portable {
 mod avx2 {
     use super::Rows;
     use std::arch::x86_64::*;
+
+    pub(super) struct Math;
+
+    // Each method only forwards, inlined into `run_items_avx2` (compiled for AVX2 + FMA).
+    impl super::BlockMath for Math {
+        #[inline(always)]
+        unsafe fn scores(q: &[f32], k: &Rows<'_>, scale: f32, out: &mut [f32]) {
+            block_scores(q, k, scale, out);
+        }
+        #[inline(always)]
+        unsafe fn softmax(row: &mut [f32], running_max: &mut f32, denom: &mut f32) -> f32 {
+            softmax_update(row, running_max, denom)
+        }
+        #[inline(always)]
+        unsafe fn accumulate(acc: &mut [f32], p: &[f32], correction: f32, v: &Rows<'_>) {
+            block_accumulate(acc, p, correction, v);
+        }
+        #[inline(always)]
+        fn prefetch(data: &[f32]) {
+            prefetch(data);
+        }
+    }
 
     /// `out[j] = scale * (q . row j)` for `j < k.n`.
     #[target_feature(enable = "avx2,fma")]
@@ -477,16 +674,90 @@ mod avx2 {
     /// faster on the AVX-512 Xeon; lookahead of 2 or 3 blocks changed nothing).
     #[inline(always)]
     pub(super) fn prefetch(data: &[f32]) {
-        for line in data.chunks(16) {
+        let (base, bytes) = (data.as_ptr().cast::<i8>(), std::mem::size_of_val(data));
+        // one hint per 64-byte line, a plain pointer walk (a `chunks(16)` loop cost ~8
+        // instructions per line: 15 % of the kernel's time with the data already in cache)
+        let mut offset = 0;
+        while offset < bytes {
             // SAFETY: a prefetch is only a hint; the address is inside `data`.
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast()) };
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(base.add(offset)) };
+            offset += 64;
         }
+    }
+
+    /// [`super::BlockMath::softmax`] eight scores at a time (the same polynomial `exp`, rounding
+    /// `n` half to even instead of away from zero: either keeps `|r| <= ln2 / 2`).
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    pub(super) unsafe fn softmax_update(
+        row: &mut [f32],
+        running_max: &mut f32,
+        denom: &mut f32,
+    ) -> f32 {
+        let n = row.len();
+        let full = n / 8 * 8;
+        let p = row.as_mut_ptr();
+        let mut vmax = _mm256_set1_ps(f32::NEG_INFINITY);
+        for c in (0..full).step_by(8) {
+            vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(p.add(c)));
+        }
+        let mut block_max = hmax(vmax);
+        for &x in &row[full..] {
+            block_max = block_max.max(x);
+        }
+        let new_max = running_max.max(block_max);
+        let correction = super::exp(*running_max - new_max);
+        *running_max = new_max;
+        let (shift, mut vsum) = (_mm256_set1_ps(new_max), _mm256_setzero_ps());
+        for c in (0..full).step_by(8) {
+            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(c)), shift));
+            _mm256_storeu_ps(p.add(c), e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        let mut sum = hsum(vsum);
+        for x in &mut row[full..] {
+            *x = super::exp(*x - new_max);
+            sum += *x;
+        }
+        *denom = *denom * correction + sum;
+        correction
+    }
+
+    /// `e^x` lane by lane for `x <= 0`, as [`super::exp`].
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    pub(super) unsafe fn exp8(x: __m256) -> __m256 {
+        let x = _mm256_max_ps(x, _mm256_set1_ps(-87.0));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(super::LN2_HI), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(super::LN2_LO), r);
+        let mut poly = _mm256_set1_ps(super::EXP_COEFFS[0]);
+        for &c in &super::EXP_COEFFS[1..] {
+            poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(c));
+        }
+        let two_n = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(n),
+            _mm256_set1_epi32(127),
+        ));
+        _mm256_mul_ps(poly, _mm256_castsi256_ps(two_n))
+    }
+
+    /// The largest of the eight lanes of `v`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn hmax(v: __m256) -> f32 {
+        let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+        _mm_cvtss_f32(m)
     }
 
     /// The eight horizontal sums of `v[0..8]`, in order, as one vector.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn hsum8(v: &[__m256; 8]) -> __m256 {
+    pub(super) unsafe fn hsum8(v: &[__m256; 8]) -> __m256 {
         let t0 = _mm256_hadd_ps(v[0], v[1]);
         let t1 = _mm256_hadd_ps(v[2], v[3]);
         let t2 = _mm256_hadd_ps(v[4], v[5]);
@@ -501,7 +772,7 @@ mod avx2 {
     /// The sum of the eight lanes of `v`.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn hsum(v: __m256) -> f32 {
+    pub(super) unsafe fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
@@ -514,25 +785,30 @@ mod avx2 {
 /// error < 1e-8 before rounding, i.e. within f32 rounding of `f32::exp`).
 #[inline(always)]
 fn exp(x: f32) -> f32 {
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
     let x = x.max(-87.0); // e^-87 ~ 1.6e-38: still a normal float; below that the weight is ~0
     let n = (x * std::f32::consts::LOG2_E).round();
     let r = x - n * LN2_HI - n * LN2_LO;
-    let mut p = 1.0 / 5040.0;
-    for c in [
-        1.0 / 720.0,
-        1.0 / 120.0,
-        1.0 / 24.0,
-        1.0 / 6.0,
-        0.5,
-        1.0,
-        1.0,
-    ] {
+    let mut p = EXP_COEFFS[0];
+    for &c in &EXP_COEFFS[1..] {
         p = p * r + c;
     }
     p * f32::from_bits(((n as i32 + 127) << 23) as u32)
 }
+
+/// ln 2 split in two so that `n * LN2_HI` is exact for the `n` of [`exp`].
+const LN2_HI: f32 = 0.693_145_75;
+const LN2_LO: f32 = 1.428_606_8e-6;
+/// e^r's Taylor coefficients, highest degree first (Horner order).
+const EXP_COEFFS: [f32; 8] = [
+    1.0 / 5040.0,
+    1.0 / 720.0,
+    1.0 / 120.0,
+    1.0 / 24.0,
+    1.0 / 6.0,
+    0.5,
+    1.0,
+    1.0,
+];
 
 #[cfg(test)]
 mod tests {
@@ -581,10 +857,16 @@ mod tests {
         out
     }
 
-    fn case(seed: u64, num_seqs: usize, heads: (usize, usize), head_dim: usize, threads: usize) {
+    fn case(
+        seed: u64,
+        num_seqs: usize,
+        heads: (usize, usize),
+        head_dim: usize,
+        block_size: usize,
+        threads: usize,
+    ) {
         let mut rng = Lcg(seed);
         let (num_heads, num_kv_heads) = heads;
-        let block_size = 16;
         let num_blocks = 64;
         let max_blocks = 6;
         let shape = DecodeShape {
@@ -620,16 +902,14 @@ mod tests {
         }
         let scale = 1.0 / (head_dim as f32).sqrt();
         let want = reference(&shape, &q, &k, &v, &bt, &ctx, scale);
-        for simd in [true, false] {
+        for isa in [Isa::Avx2, Isa::Portable] {
             let mut out = vec![f32::NAN; q.len()];
-            run(
-                &shape, &q, &k, &v, &bt, &ctx, &mut out, scale, threads, simd,
-            )
-            .unwrap();
+            run(&shape, &q, &k, &v, &bt, &ctx, &mut out, scale, threads, isa).unwrap();
             for (i, (a, b)) in out.iter().zip(&want).enumerate() {
                 assert!(
                     (a - b).abs() <= 1e-5 + 1e-4 * b.abs(),
-                    "simd {simd} element {i}: {a} vs {b}"
+                    "{isa:?} (ran {:?}) element {i}: {a} vs {b}",
+                    Isa::detect(isa)
                 );
             }
         }
@@ -638,16 +918,22 @@ mod tests {
     #[test]
     fn matches_reference_across_shapes_and_threads() {
         let mut seed = 1;
-        for &(num_seqs, heads, head_dim) in &[
-            (1, (1, 1), 8),
-            (3, (4, 4), 64),
-            (5, (8, 2), 64),
-            (7, (9, 3), 64),
-            (4, (8, 1), 128),
-            (6, (4, 2), 12),
+        // head_dim 12: portable only; 24 / 48: the AVX2 values' 8-dim tail chunks.
+        // Block sizes 8 / 32: softmax over one / four 8-score vectors, plus partial last blocks.
+        for &(num_seqs, heads, head_dim, block_size) in &[
+            (1, (1, 1), 8, 16),
+            (3, (4, 4), 64, 16),
+            (5, (8, 2), 64, 16),
+            (7, (9, 3), 64, 16),
+            (4, (8, 1), 128, 16),
+            (6, (4, 2), 12, 16),
+            (5, (9, 3), 64, 8),
+            (5, (9, 3), 64, 32),
+            (4, (6, 2), 48, 16),
+            (4, (6, 3), 24, 32),
         ] {
             for threads in [1, 2, 3, 8] {
-                case(seed, num_seqs, heads, head_dim, threads);
+                case(seed, num_seqs, heads, head_dim, block_size, threads);
                 seed += 1;
             }
         }
@@ -668,6 +954,31 @@ mod tests {
         assert!(worst < 4e-7, "worst relative error {worst}");
         assert_eq!(exp(0.0), 1.0);
         assert_eq!(exp(f32::NEG_INFINITY), exp(-87.0));
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_exp_matches_std_over_the_softmax_range() {
+        use std::arch::x86_64::*;
+        if Isa::detect(Isa::Avx2) < Isa::Avx2 {
+            return;
+        }
+        let mut worst = 0f32;
+        for i in (0..=200_000).step_by(8) {
+            let xs: [f32; 8] = std::array::from_fn(|l| -100.0 * (i + l) as f32 / 200_000.0);
+            let mut got = [0f32; 8];
+            // SAFETY: this CPU has AVX2 and FMA (checked above).
+            unsafe { _mm256_storeu_ps(got.as_mut_ptr(), avx2::exp8(_mm256_loadu_ps(xs.as_ptr()))) };
+            for (&x, &g) in xs.iter().zip(&got) {
+                let want = x.exp();
+                if want > 1e-37 {
+                    worst = worst.max((g - want).abs() / want);
+                } else {
+                    assert!(g < 1e-36, "exp8({x}) = {g}");
+                }
+            }
+        }
+        assert!(worst < 4e-7, "worst relative error {worst}");
     }
 
     #[test]
@@ -695,11 +1006,96 @@ mod tests {
         paged_decode_attention_f32(&shape, &q, &k, &v, &bt, &ctx, &mut many, 0.25, 4).unwrap();
         assert_eq!(
             one, many,
-            "the split must not change any result (items are independent)"
+            "no sequence is cut here (40 x 40 blocks in 4 tasks): the split must not change \
+             any result"
         );
         let want = reference(&shape, &q, &k, &v, &bt, &ctx, 0.25);
         for (a, b) in many.iter().zip(&want) {
             assert!((a - b).abs() <= 1e-5 + 1e-4 * b.abs());
+        }
+    }
+
+    #[test]
+    fn partition_covers_every_block_once_in_balanced_runs() {
+        let mut rng = Lcg(11);
+        for _ in 0..500 {
+            let counts: Vec<usize> = (0..1 + rng.below(12)).map(|_| 1 + rng.below(40)).collect();
+            let tasks = 1 + rng.below(9);
+            let total: usize = counts.iter().sum();
+            let plan = partition(&counts, tasks);
+            assert!(plan.len() <= tasks && plan.iter().all(|t| !t.is_empty()));
+            let mut next = (0, 0); // (sequence, block) expected next, in order
+            for segments in &plan {
+                let blocks: usize = segments.iter().map(|g| g.blocks.len()).sum();
+                assert!(
+                    blocks <= total.div_ceil(tasks),
+                    "{counts:?} / {tasks}: {plan:?}"
+                );
+                for g in segments {
+                    if next.1 == counts[next.0] {
+                        next = (next.0 + 1, 0);
+                    }
+                    assert_eq!(
+                        (g.seq, g.blocks.start),
+                        next,
+                        "{counts:?} / {tasks}: {plan:?}"
+                    );
+                    assert!(!g.blocks.is_empty() && g.blocks.end <= counts[g.seq]);
+                    let parts = plan.iter().flatten().filter(|h| h.seq == g.seq).count();
+                    assert_eq!(g.whole, parts == 1, "{counts:?} / {tasks}: {plan:?}");
+                    next.1 = g.blocks.end;
+                }
+            }
+            assert_eq!(next, (counts.len() - 1, counts[counts.len() - 1]));
+        }
+    }
+
+    #[test]
+    fn sequences_split_between_threads_match_the_reference() {
+        // one long sequence (split-KV: every thread takes part of it), then a mix whose cuts
+        // fall inside sequences
+        // (>= 2 * 2048 (key, KV head) pairs each, so that at least two tasks run)
+        for (seed, ctx) in [
+            (21, vec![5000i32]),
+            (22, vec![3000, 37, 5, 1900]),
+            (23, vec![129, 4900]),
+        ] {
+            let mut rng = Lcg(seed);
+            let (bs, max_blocks) = (16, 320);
+            let shape = DecodeShape {
+                num_seqs: ctx.len(),
+                num_heads: 9,
+                num_kv_heads: 3,
+                head_dim: 64,
+                num_blocks: ctx.len() * max_blocks + 1,
+                block_size: bs,
+                max_blocks_per_seq: max_blocks,
+            };
+            let cache_len = shape.num_blocks * bs * 3 * 64;
+            let k: Vec<f32> = (0..cache_len).map(|_| rng.next_f32() * 3.0).collect();
+            let v: Vec<f32> = (0..cache_len).map(|_| rng.next_f32()).collect();
+            let q: Vec<f32> = (0..ctx.len() * 9 * 64).map(|_| rng.next_f32()).collect();
+            let bt: Vec<i32> = (0..ctx.len() * max_blocks)
+                .map(|i| 1 + i as i32)
+                .rev()
+                .collect();
+            let want = reference(&shape, &q, &k, &v, &bt, &ctx, 0.125);
+            let counts: Vec<usize> = ctx.iter().map(|&c| (c as usize).div_ceil(bs)).collect();
+            // the two tasks every call below gets at least already cut a sequence
+            let plan = partition(&counts, 2);
+            assert!(plan.iter().flatten().any(|g| !g.whole), "no cut: {plan:?}");
+            for threads in [2, 3, 8] {
+                for isa in [Isa::Avx2, Isa::Portable] {
+                    let mut out = vec![f32::NAN; q.len()];
+                    run(&shape, &q, &k, &v, &bt, &ctx, &mut out, 0.125, threads, isa).unwrap();
+                    for (i, (a, b)) in out.iter().zip(&want).enumerate() {
+                        assert!(
+                            (a - b).abs() <= 1e-5 + 1e-4 * b.abs(),
+                            "{ctx:?} threads {threads} {isa:?} element {i}: {a} vs {b}"
+                        );
+                    }
+                }
+            }
         }
     }
 
