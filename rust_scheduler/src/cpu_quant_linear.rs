@@ -408,12 +408,6 @@ mod avx512 {
     use super::{BLOCK, MAX_ROWS};
     use std::arch::x86_64::*;
 
-    /// Sixteen bytes as float32 lanes, unsigned.
-    #[inline(always)]
-    unsafe fn u8x16(v: __m128i) -> __m512 {
-        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v))
-    }
-
     /// `acc[r][i] += w[i] * x[r][16i..16i+16]` for the 2 vectors of one block.
     #[inline(always)]
     unsafe fn accumulate<const R: usize>(
@@ -470,17 +464,26 @@ mod avx512 {
         qs: &[u8],
         dots: &mut [f32; MAX_ROWS],
     ) {
-        let low = _mm_set1_epi8(0x0F);
+        // the sixteen values a nibble can hold, as floats
+        let levels = _mm512_setr_ps(
+            0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+        );
         let mut acc = [[_mm512_setzero_ps(); 2]; R];
         for (b, (&sc, &mn)) in scale.iter().zip(min).enumerate() {
+            // The block's sixteen possible weights, each formed by one multiply, then one add:
+            // the loader's float32 weights, bit for bit. Then each element picks its own.
+            let table = _mm512_add_ps(
+                _mm512_mul_ps(_mm512_set1_ps(sc), levels),
+                _mm512_set1_ps(mn),
+            );
             let q = _mm_loadu_si128(qs.as_ptr().add(b * 16) as *const __m128i);
-            let lo = _mm_and_si128(q, low); // elements 0..16
-            let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), low); // elements 16..32
-            let (d, mn) = (_mm512_set1_ps(sc), _mm512_set1_ps(mn));
-            // one multiply, then one add: the loader's float32 weight, bit for bit
+            // vpermps reads only the low 4 bits of each index, so no nibble needs masking:
+            // byte j (low nibble: element j) and byte j shifted right by 4 (element j + 16)
+            let lo = _mm512_cvtepu8_epi32(q);
+            let hi = _mm512_cvtepu8_epi32(_mm_srli_epi16::<4>(q));
             let w = [
-                _mm512_add_ps(_mm512_mul_ps(d, u8x16(lo)), mn),
-                _mm512_add_ps(_mm512_mul_ps(d, u8x16(hi)), mn),
+                _mm512_permutexvar_ps(lo, table),
+                _mm512_permutexvar_ps(hi, table),
             ];
             accumulate(&mut acc, &w, x.as_ptr().add(b * BLOCK), k);
         }
@@ -646,6 +649,51 @@ mod tests {
                     ] {
                         case(seed, m, n, k, q4, seed % 2 == 0, threads, isa);
                         seed += 1;
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_weight_is_the_loaders_float32_bit_for_bit() {
+        // one-hot rows: out[r, j] = w[j, i_r] * 1 plus products with zeros, i.e. exactly the
+        // weight the kernel formed; it must be the loader's (multiply, then add; not fused)
+        let (n, k) = (24, 96);
+        let b = random_blocks(&mut Lcg(5), n, k);
+        for q4 in [true, false] {
+            let w = if q4 {
+                QuantWeight::Q4_1 {
+                    scale: &b.scale,
+                    min: &b.min,
+                    qs: &b.q4,
+                }
+            } else {
+                QuantWeight::Q8_0 {
+                    scale: &b.scale,
+                    qs: &b.q8,
+                }
+            };
+            let dense = dequantized(&b, q4, n, k);
+            for first in (0..k).step_by(MAX_ROWS) {
+                let mut x = vec![0f32; MAX_ROWS * k];
+                for r in 0..MAX_ROWS {
+                    x[r * k + first + r] = 1.0;
+                }
+                for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable] {
+                    let mut out = vec![f32::NAN; MAX_ROWS * n];
+                    let shape = QuantShape { m: MAX_ROWS, n, k };
+                    run(&shape, &x, w, &[], &mut out, 1, isa).unwrap();
+                    for r in 0..MAX_ROWS {
+                        for j in 0..n {
+                            // (as values: a -0.0 weight sums to +0.0)
+                            assert_eq!(
+                                out[r * n + j],
+                                dense[j * k + first + r],
+                                "q4={q4} {isa:?}: weight [{j}, {}]",
+                                first + r
+                            );
+                        }
                     }
                 }
             }
