@@ -129,3 +129,17 @@ def test_speculative_bench_smoke(tmp_path: Path) -> None:
     assert rows["0"]["drafted"] == 0 and rows["3"]["drafted"] > 0
     assert rows["3/0/16/fixed"]["drafted"] > 0
     assert all(r["identical_to_off"] for r in rows.values())
+
+
+def test_single_stream_bench_smoke(tmp_path: Path) -> None:
+    """The single-stream decode bench on the real SmolLM2, shortened: one length, a few tokens."""
+    out = tmp_path / "single.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHES / "single_stream.py"), "--lengths", "40", "--tokens", "4",
+         "--repeat", "1", "--json", str(out)],
+        check=False, capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["prompt_tokens"] == 40 and len(row["samples_ms"]) == 1
+    assert row["ms_per_token"] > 0
+    assert row["ms_per_token"] == pytest.approx(row["samples_ms"][0], abs=0.01)

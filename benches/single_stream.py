@@ -1,0 +1,65 @@
+"""Single-stream decode speed on the CPU: one request at a time through `ferrobatch.LLM` (SmolLM2,
+greedy, drafts off), milliseconds per output token after prompts of a few lengths.
+
+    python benches/single_stream.py --lengths 256,1024,2000 [--json PATH]
+
+What one user chatting with a long history sees. For each length and repeat: a prompt of random
+token ids with `max_tokens=1` (prefill + one token), then a fresh prompt of the same length with
+`max_tokens=N+1`; (second time - first time) / N is the decode time per token at that context
+(fresh ids each time: no prefix-cache hit). The median of the repeats is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import format_table, machine_info, write_json  # noqa: E402 - sets OpenMP defaults first
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="256,1024,2000")
+    ap.add_argument("--tokens", type=int, default=128, help="decoded tokens per measurement")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    import numpy as np
+
+    from ferrobatch import LLM, SamplingParams
+
+    llm = LLM(model="smollm2", num_speculative_tokens=0)
+    rng = np.random.default_rng(1)
+
+    def timed(length: int, max_tokens: int) -> float:
+        ids = rng.integers(100, 40000, size=length).tolist()
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate([ids], params)
+        return time.perf_counter() - t0
+
+    rows = []
+    for length in (int(x) for x in args.lengths.split(",")):
+        per_token = sorted((timed(length, args.tokens + 1) - timed(length, 1)) / args.tokens * 1e3
+                           for _ in range(args.repeat))
+        rows.append({"prompt_tokens": length, "ms_per_token": per_token[len(per_token) // 2],
+                     "samples_ms": [round(v, 2) for v in per_token]})
+        print(f"prompt {length}: {rows[-1]['ms_per_token']:.2f} ms per output token", flush=True)
+    print()
+    print(format_table(rows, [("prompt_tokens", "prompt tokens", "d"),
+                              ("ms_per_token", "ms / output token", ".2f"),
+                              ("samples_ms", "samples", "")]))
+    if args.json:
+        write_json(args.json, {"machine": machine_info(), "tokens": args.tokens, "results": rows})
+        print(f"json: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
