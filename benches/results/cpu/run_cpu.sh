@@ -101,6 +101,15 @@ $PY benches/throughput.py --workload cpu-small \
   --json $OUT/throughput_cpu-small_session10_avx512.json
 $PY benches/serving.py --servers ferrobatch,hf --workload cpu-serve --num-prompts 32 \
   --request-rates 0.8,1.6,3.2 --json $OUT/serving_cpu-serve_xeon.json
+# 18. Session 11 (the same Xeon): decode attention split across threads, Q4_1 by table lookup;
+# what one user sees; the headline systems again. (The attention "before" JSON was this command
+# on git eb87ca9.)
+$PY benches/cpu_kernels.py --only attention --json $OUT/attention_session11.json
+$PY benches/model_forward.py --model smollm2 --compare-gguf-blocks
+$PY benches/single_stream.py --lengths 256,1024,2000 --json $OUT/single_stream_session11.json
+$PY benches/throughput.py --workload cpu-small \
+  --systems ferrobatch,ferrobatch-nodraft,ferrobatch-static,hf-static@16,hf-continuous \
+  --json $OUT/throughput_cpu-small_session11.json
 
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
