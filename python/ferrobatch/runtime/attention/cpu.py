@@ -5,8 +5,9 @@ its speculative drafts, a short chunk) go through the same kernel, one row per q
 reference backend gathers every decode sequence's K/V into a padded copy before
 ``scaled_dot_product_attention``; here the Rust kernel
 (``ferrobatch._scheduler.paged_decode_attention_f32``, source ``rust_scheduler/src/cpu_attention.rs``)
-reads each block in place through the block table with an online softmax, splitting the
-(sequence, KV head) pairs over torch's intra-op thread count. Prefill chunks keep the reference
+reads each block in place through the block table with an online softmax, the sequences' blocks
+cut into one equal run per thread of torch's intra-op count (a long sequence is split between
+threads and its parts merged: split-KV). Prefill chunks keep the reference
 path (compute-bound, and its padding is small there), run on the kernels' thread count although
 the forward otherwise keeps torch single-threaded: a plain-Rust tiled prefill kernel was tried and
 reached 20-29 GFLOP/s on two threads, below SDPA's ~32 on one. float32 only: other dtypes use
