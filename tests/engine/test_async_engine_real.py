@@ -4,6 +4,7 @@ per-request failure isolation (CPU)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from engine_support import REAL_ENGINE_OPTIONS
 
@@ -73,7 +74,9 @@ async def test_priority_policy_orders_waiting_requests(loaded_smollm2):
             finished.append(name)
 
         first = asyncio.create_task(run("first", 0, 6))
+        deadline = time.monotonic() + 60
         while engine.stats().get("num_running", 0) < 1:
+            assert time.monotonic() < deadline, "the first request never ran"
             await asyncio.sleep(0.005)
         later = [asyncio.create_task(run("low", 10, 2)), asyncio.create_task(run("high", -5, 2))]
         await asyncio.gather(first, *later)

@@ -192,7 +192,9 @@ async def test_continuous_batching_short_request_finishes_first(real):
             done_order.append(name)
 
         longs = [asyncio.create_task(run(f"long{i}", 32)) for i in range(3)]
+        deadline = time.monotonic() + 60
         while real.engine.stats().get("num_running", 0) < 3:
+            assert time.monotonic() < deadline, "the three long requests never ran together"
             await asyncio.sleep(0.01)
         t0 = time.monotonic()
         await run("short", 2)

@@ -161,19 +161,29 @@ async def test_api_key(fake_server):
             assert resp.status == 401
 
 
+async def until(condition, what: str, timeout: float = 10.0) -> None:
+    """Polls ``condition()`` until it holds; fails (never hangs) after ``timeout`` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.002)
+
+
 @pytest.mark.parametrize("fake_server", [{"config": {"max_queued_requests": 2},
-                                          "core": {"max_running": 1}}], indirect=True)
+                                          "core": {"max_running": 1, "step_delay_s": 0.01}}],
+                         indirect=True)
 async def test_queue_full_is_429(fake_server):
     engine = fake_server.engine
     async with aiohttp.ClientSession() as s:
         long = []
-        for _ in range(3):                  # one runs, two wait: the queue is then full
+        for n in range(1, 4):               # one runs, two wait: the queue is then full
             long.append(asyncio.create_task(s.post(fake_server.base + "/v1/completions",
                                                    json={"prompt": "x", "max_tokens": 100})))
-            n = len(long)
-            while engine.check_accounting()["open"] < n:
-                await asyncio.sleep(0.002)
-        assert len(engine._unscheduled) >= 2
+            # the first must be running (out of the queue) before the third comes, or the
+            # third would find the queue full; each takes ~1 s (100 steps of 10 ms)
+            await until(lambda n=n: engine.check_accounting()["open"] == n
+                        and len(engine._unscheduled) == n - 1, f"request {n} in place")
+        assert len(engine._unscheduled) == 2
         async with s.post(fake_server.base + "/v1/completions",
                           json={"prompt": "x", "max_tokens": 1}) as resp:
             assert resp.status == 429 and resp.headers["Retry-After"] == "1"
