@@ -64,6 +64,36 @@ def test_each_prompt_alone_matches_transformers(runner, sampler, parity_prompts,
     assert not mismatches
 
 
+def test_a_long_context_matches_transformers(loaded_smollm2, sampler, hf_oracle_model, tokenizer):
+    """~1,400 tokens of context: the Rust decode kernel cuts this one sequence between its
+    threads (split-KV: each part's softmax state merged after the job) where it has two or
+    more. Greedy tokens must be transformers' own, and every decode step's logits must agree
+    with transformers' at that position (a wrongly merged softmax moves logits long before it
+    flips an argmax on this repetitive text)."""
+    from parity_data import RAW_PROMPTS
+
+    text = " ".join(RAW_PROMPTS)
+    prompt = tokenizer.encode(" ".join([text] * (1 + 1400 // len(tokenizer.encode(text)))))
+    assert 1400 <= len(prompt) < NUM_BLOCKS * BLOCK_SIZE // 2
+    num_new = 16
+    runner = ModelRunner(loaded_smollm2, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                         attn_backend="cpu")
+    scheduler = ToyScheduler(NUM_BLOCKS, BLOCK_SIZE, token_budget=512, seed=7)
+    seq = scheduler.add(0, prompt, num_new)
+    step_logits = []
+    while (batch := scheduler.schedule()) is not None:
+        logits = runner.execute(batch)
+        step_logits += list(logits)
+        scheduler.update(sampler.sample(logits, batch).token_ids)
+    assert len(seq.output_ids) == len(step_logits) == num_new
+    with torch.inference_mode():
+        ids = torch.tensor([prompt + seq.output_ids[:-1]])
+        hf_logits = hf_oracle_model(ids).logits[0, len(prompt) - 1:]
+    assert seq.output_ids == hf_logits.argmax(-1).tolist()
+    worst = max(float((ours - theirs).abs().max()) for ours, theirs in zip(step_logits, hf_logits))
+    assert worst < 1e-3, f"decode logits differ from transformers' by up to {worst}"
+
+
 def test_all_prompts_in_one_batch_with_chunked_prefill_and_prefix_hit(
         runner, sampler, parity_prompts, hf_greedy_outputs):
     """Half the prompts start at once; the rest join mid-flight (they reuse the chat system
