@@ -449,7 +449,7 @@ impl Kernel<'_> {
 }
 
 /// One block's math, per instruction set. The methods are `unsafe` because the SIMD ones may
-/// only run where `Kernel::run_items` sends them (a CPU with their features, a head_dim they
+/// only run where `Kernel::run_segments` sends them (a CPU with their features, a head_dim they
 /// take); the portable ones are safe to call anywhere.
 trait BlockMath {
     /// `out[j] = scale * (q . row j)` for `j < k.n`.
@@ -566,7 +566,8 @@ mod avx2 {
 
     pub(super) struct Math;
 
-    // Each method only forwards, inlined into `run_items_avx2` (compiled for AVX2 + FMA).
+    // Each method only forwards to a function compiled for AVX2 + FMA (no `target_feature` on
+    // trait methods), inlined into `run_segments_avx2`.
     impl super::BlockMath for Math {
         #[inline(always)]
         unsafe fn scores(q: &[f32], k: &Rows<'_>, scale: f32, out: &mut [f32]) {
