@@ -204,7 +204,7 @@ fn run(
         Some(pool) if tasks.len() > 1 => pool.run(tasks.len(), &run_task),
         _ => (0..tasks.len()).for_each(run_task),
     }
-    let mut partials: Vec<Partial> = tasks
+    let partials: Vec<Partial> = tasks
         .into_iter()
         .flat_map(|task| {
             task.into_inner()
@@ -212,8 +212,9 @@ fn run(
                 .partials
         })
         .collect();
-    // Partials come in task order, so a split sequence's parts are neighbours.
-    partials.sort_by_key(|p| p.seq);
+    // Tasks hold consecutive runs of sequences, so the partials come ordered by sequence and a
+    // split sequence's parts are neighbours.
+    debug_assert!(partials.is_sorted_by_key(|p| p.seq));
     for parts in partials.chunk_by(|a, b| a.seq == b.seq) {
         let out = seq_outs[parts[0].seq]
             .take()
