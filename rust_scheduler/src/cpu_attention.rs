@@ -501,10 +501,13 @@ mod portable {
 
     pub(super) struct Math;
 
+    // The math itself (no `target_feature` to keep it behind, unlike the AVX2 module's).
     impl super::BlockMath for Math {
         #[inline(always)]
         unsafe fn scores(q: &[f32], k: &Rows<'_>, scale: f32, out: &mut [f32]) {
-            block_scores(q, k, scale, out);
+            for (j, o) in out.iter_mut().enumerate().take(k.n) {
+                *o = dot(q, k.row(j)) * scale;
+            }
         }
         #[inline(always)]
         unsafe fn softmax(row: &mut [f32], running_max: &mut f32, denom: &mut f32) -> f32 {
@@ -512,27 +515,13 @@ mod portable {
         }
         #[inline(always)]
         unsafe fn accumulate(acc: &mut [f32], p: &[f32], correction: f32, v: &Rows<'_>) {
-            block_accumulate(acc, p, correction, v);
-        }
-    }
-
-    /// `out[j] = scale * (q . row j)`.
-    #[inline(always)]
-    pub(super) fn block_scores(q: &[f32], k: &Rows<'_>, scale: f32, out: &mut [f32]) {
-        for (j, o) in out.iter_mut().enumerate().take(k.n) {
-            *o = dot(q, k.row(j)) * scale;
-        }
-    }
-
-    /// `acc = acc * correction + sum_j p[j] * row j`.
-    #[inline(always)]
-    pub(super) fn block_accumulate(acc: &mut [f32], p: &[f32], correction: f32, v: &Rows<'_>) {
-        if correction != 1.0 {
-            acc.iter_mut().for_each(|a| *a *= correction);
-        }
-        for (j, &w) in p.iter().enumerate().take(v.n) {
-            for (a, x) in acc.iter_mut().zip(v.row(j)) {
-                *a += w * x;
+            if correction != 1.0 {
+                acc.iter_mut().for_each(|a| *a *= correction);
+            }
+            for (j, &w) in p.iter().enumerate().take(v.n) {
+                for (a, x) in acc.iter_mut().zip(v.row(j)) {
+                    *a += w * x;
+                }
             }
         }
     }
