@@ -120,7 +120,10 @@ async def _one_cycle(srv, size: StormSize, refs, rng: random.Random) -> dict:
             if proc.returncode is None:
                 proc.kill()
             await proc.wait()
-        assert proc.returncode == -signal.SIGKILL
+        # 255 is asyncio's stand-in when its child watcher finds the pid already reaped
+        # ("Unknown child process pid ..., will report returncode 255", seen once in CI): the
+        # status is lost, not wrong; the client script itself never exits with 255.
+        assert proc.returncode in (-signal.SIGKILL, 255), proc.returncode
 
     aborts_before = engine.counters["abort"]
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
