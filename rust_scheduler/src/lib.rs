@@ -21,6 +21,7 @@ pub mod config;
 pub mod cpu_attention;
 pub mod cpu_elementwise;
 pub mod cpu_error;
+pub mod cpu_exp;
 mod cpu_isa;
 pub mod cpu_linear;
 pub mod cpu_pool;
