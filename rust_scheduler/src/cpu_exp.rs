@@ -37,7 +37,10 @@ const EXP_COEFFS: [f32; 8] = [
 pub mod avx2 {
     use std::arch::x86_64::*;
 
-    /// `e^x` lane by lane for `x <= 0`, as [`super::exp`] (the caller guarantees AVX2 + FMA).
+    /// `e^x` lane by lane for `x <= 0`, as [`super::exp`].
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     pub unsafe fn exp8(x: __m256) -> __m256 {

@@ -19,9 +19,10 @@ pub mod batch;
 pub mod block_pool;
 pub mod config;
 pub mod cpu_attention;
+pub mod cpu_decoder;
 pub mod cpu_elementwise;
 pub mod cpu_error;
-pub mod cpu_exp;
+mod cpu_exp;
 mod cpu_isa;
 pub mod cpu_linear;
 pub mod cpu_pool;
@@ -43,6 +44,8 @@ mod update;
 mod py;
 #[cfg(feature = "python")]
 mod py_attention;
+#[cfg(feature = "python")]
+mod py_decoder;
 #[cfg(feature = "python")]
 mod py_guided;
 #[cfg(feature = "python")]

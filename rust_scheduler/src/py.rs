@@ -605,6 +605,7 @@ fn scheduler_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(crate::py_linear::py_rms_norm_f32, m)?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_rotary_f32, m)?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_linear_isa, m)?)?;
+    m.add_class::<crate::py_decoder::PyCpuDecoderStack>()?;
     m.add_class::<crate::py_guided::PyTokenVocab>()?;
     m.add_class::<crate::py_guided::PyGuidedGrammar>()?;
     m.add_class::<crate::py_guided::PyGuidedSequence>()?;

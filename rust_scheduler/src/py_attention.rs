@@ -12,7 +12,7 @@ use numpy::{
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-fn dims<const N: usize>(name: &str, shape: &[usize]) -> PyResult<[usize; N]> {
+pub(crate) fn dims<const N: usize>(name: &str, shape: &[usize]) -> PyResult<[usize; N]> {
     shape.try_into().map_err(|_| {
         PyValueError::new_err(format!(
             "{name} must have {N} dimensions, got shape {shape:?}"
@@ -22,7 +22,7 @@ fn dims<const N: usize>(name: &str, shape: &[usize]) -> PyResult<[usize; N]> {
 
 /// The array's elements in C order; `ValueError` unless it is C-contiguous (a Fortran-ordered
 /// array would also give a slice, in the wrong order).
-fn c_slice<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
+pub(crate) fn c_slice<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
     name: &str,
     a: &'a numpy::PyReadonlyArray<'_, T, D>,
 ) -> PyResult<&'a [T]> {

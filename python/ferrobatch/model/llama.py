@@ -116,6 +116,9 @@ class LlamaForCausalLM(nn.Module):
                                      device=device, dtype=dtype)
         # A faster module computing the same projection (set by runtime.cpu_linear), or None.
         self.packed_lm_head: nn.Module | None = None
+        # Runs every decoder layer of the steps it accepts in one call (set by
+        # runtime.cpu_decoder for CPU decode steps), or None.
+        self.fused_layers = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -132,8 +135,11 @@ class LlamaForCausalLM(nn.Module):
             raise RuntimeError("LlamaForCausalLM.attn_backend is not set")
         hidden = self.embed_tokens(input_ids)
         rope_tables = self.rotary.tables(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, rope_tables, kv_cache, attn_meta, self.attn_backend)
+        if self.fused_layers is not None and self.fused_layers.accepts(attn_meta):
+            hidden = self.fused_layers(hidden, rope_tables, kv_caches, attn_meta)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden = layer(hidden, rope_tables, kv_cache, attn_meta, self.attn_backend)
         if hidden_indices is None:
             return self.compute_logits(self.norm(hidden[logits_indices]))
         num_samples = logits_indices.shape[0]

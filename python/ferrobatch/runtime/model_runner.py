@@ -14,6 +14,7 @@ import torch
 
 from ferrobatch.runtime.attention import AttentionBackend, get_attention_backend
 from ferrobatch.runtime.attention.base import check_step_arrays
+from ferrobatch.runtime.cpu_decoder import install_fused_decode
 from ferrobatch.runtime.cpu_elementwise import swap_elementwise_ops
 from ferrobatch.runtime.cpu_linear import QUANT_MAX_ROWS, pack_linear_layers, packing_unsupported
 from ferrobatch.runtime.cpu_threads import torch_single_threaded
@@ -37,10 +38,12 @@ class ModelRunner:
                  device: torch.device | str | None = None,
                  attn_backend: AttentionBackend | str | None = None,
                  validate_steps: bool = True, pack_weights: bool = True,
-                 gguf_blocks: bool = True) -> None:
+                 gguf_blocks: bool = True, fused_decode: bool = True) -> None:
         """``pack_weights``: CPU float32 linears in the Rust panel kernel; ``gguf_blocks``: for a
         GGUF model, steps of at most ``QUANT_MAX_ROWS`` (8) rows read the file's Q4_1 / Q8_0 blocks instead
-        (``cpu_linear.BlockKernel``). Both only when the model is first packed."""
+        (``cpu_linear.BlockKernel``). Both only when the model is first packed. ``fused_decode``:
+        with packed weights on the CPU backend, decode steps run every layer in one Rust call
+        (``runtime.cpu_decoder``)."""
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.config
@@ -54,6 +57,8 @@ class ModelRunner:
             self.attn_backend = get_attention_backend(attn_backend, self.device, block_size=block_size,
                                                       model_shape=shape)
         self.model.attn_backend = self.attn_backend
+        if hasattr(self.model, "fused_layers"):   # bound to an earlier runner's backend
+            self.model.fused_layers = None
         logger.info("attention backend: %s (%s)", self.attn_backend.name, self.device)
         # CPU float32: linear layers (and decode attention) in the Rust kernels, which then own
         # the threads torch had; torch runs single-threaded during the forward (cpu_threads.py).
@@ -69,6 +74,12 @@ class ModelRunner:
             from ferrobatch._scheduler import linear_isa
             self.linear_kernels = f"Rust {linear_isa()} kernels" + (
                 f", GGUF blocks for steps of <= {QUANT_MAX_ROWS} rows" if blocks else "")
+            not_fused = install_fused_decode(self.model, self.attn_backend, self.kernel_threads) \
+                if fused_decode else "fused_decode=False"
+            if not_fused is None:
+                self.linear_kernels += ", decode steps fused (one Rust call for all layers)"
+            logger.info("decode steps: %s", "all layers in one Rust call" if not_fused is None
+                        else f"layer by layer ({not_fused})")
             logger.info("linear layers: %d prepacked for the Rust kernel (%s), %d threads",
                         num_packed, linear_isa(), self.kernel_threads)
             if blocks:

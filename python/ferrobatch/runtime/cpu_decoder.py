@@ -1,0 +1,115 @@
+"""Every decoder layer of a CPU decode step in one Rust call (``ferrobatch._scheduler.CpuDecoderStack``,
+source ``rust_scheduler/src/cpu_decoder.rs``).
+
+With the linear layers, norms, RoPE and attention already in Rust kernels, a one-row decode step
+of SmolLM2 still spent about as long in Python and small torch ops between those kernels (~15
+module calls and ops per layer, 30 layers) as in the kernels themselves. ``FusedDecodeLayers``
+hands the whole layer stack to Rust for steps whose every row goes through the decode-attention
+kernel (``CpuPagedMetadata.decode.every_token``: decodes, speculative drafts, short chunks): the
+same kernels back to back, the K/V written into the same paged cache, one call. Prefill and mixed
+steps keep the module-by-module path. SiLU-and-mul is the only op computed differently (Rust's
+polynomial ``exp`` instead of torch's ``silu``; float32 rounding apart, the same values).
+
+``install_fused_decode(model, backend, num_threads)`` sets ``model.fused_layers`` when the model
+is a packed llama stack on the CPU backend; ``FERROBATCH_FUSED_DECODE=0`` turns it off (A/B runs).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+
+def unsupported(model: nn.Module, backend) -> str | None:
+    """None if ``model``'s layers can run fused on ``backend``, else the reason."""
+    from ferrobatch import _scheduler
+    from ferrobatch.model.llama import LlamaDecoderLayer, LlamaForCausalLM, SiluAndMul
+    from ferrobatch.runtime.attention.cpu import CpuPagedBackend
+    from ferrobatch.runtime.cpu_elementwise import RustApplyRotary, RustRMSNorm
+    from ferrobatch.runtime.cpu_linear import PanelLinear
+
+    if os.environ.get("FERROBATCH_FUSED_DECODE", "1") == "0":
+        return "turned off by FERROBATCH_FUSED_DECODE=0"
+    if not hasattr(_scheduler, "CpuDecoderStack"):
+        return "the compiled extension has no CpuDecoderStack (rebuild it)"
+    if not isinstance(backend, CpuPagedBackend):
+        return f"the attention backend is {getattr(backend, 'name', backend)!r}, not 'cpu'"
+    if type(model) is not LlamaForCausalLM:
+        return f"{type(model).__name__} is not the llama decoder stack"
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        parts = (type(layer) is LlamaDecoderLayer, type(layer.input_layernorm) is RustRMSNorm,
+                 type(layer.post_attention_layernorm) is RustRMSNorm,
+                 type(attn.rope) is RustApplyRotary, type(mlp.act) is SiluAndMul,
+                 *(type(m) is PanelLinear for m in (attn.qkv_proj, attn.o_proj,
+                                                    mlp.gate_up_proj, mlp.down_proj)))
+        if not all(parts):
+            return "a layer is not packed for the Rust kernels"
+    return None
+
+
+def _linear_spec(linear) -> tuple:
+    blocks = None
+    if linear.blocks is not None:
+        blocks = (linear.blocks.kind, *linear.blocks.arrays)
+    bias = None if linear.bias is None else linear.bias.numpy()
+    return (linear.out_features, linear.in_features, linear.packed_weight.numpy(), bias, blocks)
+
+
+class FusedDecodeLayers:
+    """``model.fused_layers``: runs a decode step's hidden rows through every layer in Rust."""
+
+    def __init__(self, model: nn.Module, num_threads: int) -> None:
+        from ferrobatch._scheduler import CpuDecoderStack
+
+        config = model.config
+        first = model.layers[0]
+        layers = [(layer.input_layernorm.weight.numpy(), _linear_spec(layer.self_attn.qkv_proj),
+                   _linear_spec(layer.self_attn.o_proj),
+                   layer.post_attention_layernorm.weight.numpy(),
+                   _linear_spec(layer.mlp.gate_up_proj), _linear_spec(layer.mlp.down_proj))
+                  for layer in model.layers]
+        epsilons = {layer.input_layernorm.eps for layer in model.layers} | \
+            {layer.post_attention_layernorm.eps for layer in model.layers}
+        if len(epsilons) != 1:
+            raise ValueError(f"the layers' RMSNorms differ in eps: {sorted(epsilons)}")
+        self._stack = CpuDecoderStack(
+            config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+            config.intermediate_size, epsilons.pop(), first.self_attn.scale, layers)
+        self.num_threads = num_threads
+        self._caches: list[torch.Tensor] | None = None
+        self._cache_arrays: list = []
+        self.steps = 0     # steps run fused
+
+    @staticmethod
+    def accepts(meta) -> bool:
+        """True for a step whose every row is a decode-kernel row (``every_token``)."""
+        from ferrobatch.runtime.attention.cpu import CpuPagedMetadata
+
+        decode = getattr(meta, "decode", None)
+        return type(meta) is CpuPagedMetadata and decode is not None and decode.every_token
+
+    def __call__(self, hidden: torch.Tensor, rope_tables, kv_caches: list[torch.Tensor],
+                 meta) -> torch.Tensor:
+        """``hidden`` ``[T, H]`` (the embeddings; updated in place) -> the last layer's output."""
+        if kv_caches is not self._caches:      # the runner passes the same list every step
+            self._caches = kv_caches
+            self._cache_arrays = [t.numpy() for t in kv_caches]
+        cos, sin = (t.reshape(t.shape[0], t.shape[-1]).contiguous().numpy() for t in rope_tables)
+        rows = meta.decode
+        hidden = hidden.contiguous()
+        self._stack.forward(hidden.numpy(), cos, sin, self._cache_arrays,
+                            meta.slot_mapping.numpy(), rows.block_tables, rows.ctx_lens,
+                            self.num_threads)
+        self.steps += 1
+        return hidden
+
+
+def install_fused_decode(model: nn.Module, backend, num_threads: int) -> str | None:
+    """Gives ``model`` a :class:`FusedDecodeLayers`; returns None, or why it was not given one."""
+    reason = unsupported(model, backend)
+    if reason is None:
+        model.fused_layers = FusedDecodeLayers(model, num_threads)
+    return reason

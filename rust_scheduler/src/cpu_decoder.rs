@@ -1,0 +1,709 @@
+//! A decode step through every decoder layer of a Llama-family model on the CPU, in one call.
+//!
+//! Per layer: RMSNorm -> fused QKV projection -> RoPE of q and k -> the step's K/V written into
+//! the layer's paged cache -> paged decode attention -> output projection, added to the
+//! residual -> RMSNorm -> fused gate/up projection -> SiLU-and-mul -> down projection, added to
+//! the residual. These are the kernels the Python modules call one at a time (`cpu_elementwise`,
+//! `cpu_linear` / `cpu_quant_linear`, `cpu_attention`), so the arithmetic is theirs (SiLU aside:
+//! the modules use torch's); what goes away is ~15 Python calls and torch ops per layer.
+//!
+//! The step: `R` query rows, every one attended by the decode kernel (decodes, speculative
+//! drafts, short chunks: the Python backend's `every_token` steps). Row `r` is `hidden[r]`
+//! `[H]`, rotated by `cos[r]` / `sin[r]` `[D]`, writes its K/V at slot `slots[r]` (block
+//! `slot / block_size`, offset `slot % block_size`) and attends the first `ctx_lens[r]`
+//! positions of its block-table row (its own included: every row's K/V is written first).
+//! A layer's cache is `[2, num_blocks, block_size, Hkv, D]` (0 = K, 1 = V), as in Python.
+//!
+//! Invariants checked by [`validate`] before anything is read or written: every weight has its
+//! layer's shape ([`Layer::check`]), one cache per layer of the shape's size, whole rows of
+//! `hidden`, `cos`, `sin`, one slot per row inside the cache, and the attention kernel's own
+//! checks (block tables and context lengths) on the step's buffers. A failed check leaves
+//! `hidden` and every cache untouched.
+
+use crate::cpu_attention::{paged_decode_attention_f32, DecodeShape};
+use crate::cpu_elementwise::{rms_norm_f32, rotary_f32, silu_and_mul_f32};
+use crate::cpu_error::KernelInputError;
+use crate::cpu_linear::{linear_f32, LinearShape, PANEL_WIDTH};
+use crate::cpu_quant_linear::{linear_quant_f32, QuantShape, QuantWeight, MAX_ROWS};
+
+/// The model's sizes, shared by every layer.
+#[derive(Clone, Copy, Debug)]
+pub struct DecoderShape {
+    pub hidden: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub intermediate: usize,
+    /// RMSNorm's epsilon
+    pub eps: f32,
+    /// attention's softmax scale (`head_dim ** -0.5` for Llama)
+    pub scale: f32,
+}
+
+impl DecoderShape {
+    fn q_size(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+    fn kv_size(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+    fn qkv_size(&self) -> usize {
+        self.q_size() + 2 * self.kv_size()
+    }
+}
+
+/// A linear layer `y = x @ W^T + bias` (`W` `[n, k]`): panel-packed float32 (`cpu_linear`'s
+/// layout) and, if the model came from GGUF, also its blocks, read for steps of at most
+/// [`MAX_ROWS`] rows (as `PanelLinear` does in Python).
+#[derive(Clone, Copy)]
+pub struct Linear<'a> {
+    pub n: usize,
+    pub k: usize,
+    pub panels: &'a [f32],
+    /// empty for none
+    pub bias: &'a [f32],
+    pub blocks: Option<QuantWeight<'a>>,
+}
+
+impl Linear<'_> {
+    /// `out[rows, n] = x[rows, k] @ W^T + bias` on up to `threads` threads.
+    pub fn apply(
+        &self,
+        x: &[f32],
+        rows: usize,
+        out: &mut [f32],
+        threads: usize,
+    ) -> Result<(), KernelInputError> {
+        let (n, k) = (self.n, self.k);
+        match self.blocks {
+            Some(w) if rows <= MAX_ROWS => {
+                let shape = QuantShape { m: rows, n, k };
+                linear_quant_f32(&shape, x, w, self.bias, out, threads)
+            }
+            _ => linear_f32(
+                &LinearShape { m: rows, n, k },
+                x,
+                self.panels,
+                self.bias,
+                out,
+                threads,
+            ),
+        }
+    }
+
+    fn check(&self, name: &str, n: usize, k: usize) -> Result<(), KernelInputError> {
+        let panels_len = n.div_ceil(PANEL_WIDTH) * k * PANEL_WIDTH;
+        if self.n != n || self.k != k || self.panels.len() != panels_len {
+            return bad(format!(
+                "{name}: weight is [{}, {}] with {} packed elements; the model needs [{n}, {k}] \
+                 ({panels_len} packed)",
+                self.n,
+                self.k,
+                self.panels.len()
+            ));
+        }
+        if !self.bias.is_empty() && self.bias.len() != n {
+            return bad(format!(
+                "{name}: bias has {} elements, not {n}",
+                self.bias.len()
+            ));
+        }
+        if let Some(w) = self.blocks {
+            // the quantized kernel's own check of the weight arrays (a call of no rows)
+            QuantShape { m: 0, n, k }
+                .validate(&[], &w, self.bias, &[])
+                .map_err(|e| KernelInputError(format!("{name} blocks: {}", e.0)))?;
+        }
+        Ok(())
+    }
+}
+
+/// One decoder layer's weights.
+#[derive(Clone, Copy)]
+pub struct Layer<'a> {
+    pub input_norm: &'a [f32],
+    /// `[q; k; v]` stacked: `n = (Hq + 2 Hkv) D`
+    pub qkv: Linear<'a>,
+    pub o_proj: Linear<'a>,
+    pub post_norm: &'a [f32],
+    /// `[gate; up]` stacked: `n = 2 I`
+    pub gate_up: Linear<'a>,
+    pub down: Linear<'a>,
+}
+
+impl Layer<'_> {
+    /// Every weight's shape against the model's.
+    pub fn check(&self, s: &DecoderShape) -> Result<(), KernelInputError> {
+        for (name, norm) in [
+            ("input_norm", self.input_norm),
+            ("post_norm", self.post_norm),
+        ] {
+            if norm.len() != s.hidden {
+                return bad(format!(
+                    "{name} has {} elements, not {}",
+                    norm.len(),
+                    s.hidden
+                ));
+            }
+        }
+        self.qkv.check("qkv", s.qkv_size(), s.hidden)?;
+        self.o_proj.check("o_proj", s.hidden, s.q_size())?;
+        self.gate_up
+            .check("gate_up", 2 * s.intermediate, s.hidden)?;
+        self.down.check("down", s.hidden, s.intermediate)
+    }
+}
+
+/// The step's rows: RoPE angles, KV slots, and what each row attends.
+#[derive(Clone, Copy)]
+pub struct StepRows<'a> {
+    /// `[R, D]` each
+    pub cos: &'a [f32],
+    pub sin: &'a [f32],
+    /// `[R]`
+    pub slots: &'a [i64],
+    /// `[R, max_blocks_per_seq]`
+    pub block_tables: &'a [i32],
+    pub max_blocks_per_seq: usize,
+    /// `[R]`
+    pub ctx_lens: &'a [i32],
+}
+
+/// The paged caches' geometry (every layer alike).
+#[derive(Clone, Copy, Debug)]
+pub struct CacheShape {
+    pub num_blocks: usize,
+    pub block_size: usize,
+}
+
+fn bad<T>(msg: String) -> Result<T, KernelInputError> {
+    Err(KernelInputError(msg))
+}
+
+/// Checks the module header's invariants; returns the row count `R`.
+pub fn validate(
+    shape: &DecoderShape,
+    layers: &[Layer<'_>],
+    caches: &[&mut [f32]],
+    cache: &CacheShape,
+    hidden: &[f32],
+    rows: &StepRows<'_>,
+) -> Result<usize, KernelInputError> {
+    let s = shape;
+    if s.hidden == 0 || s.head_dim == 0 || s.num_kv_heads == 0 || s.intermediate == 0 {
+        return bad(format!("every size must be positive: {s:?}"));
+    }
+    if !hidden.len().is_multiple_of(s.hidden) {
+        return bad(format!(
+            "hidden has {} elements, not whole rows of {}",
+            hidden.len(),
+            s.hidden
+        ));
+    }
+    let r = hidden.len() / s.hidden;
+    for (name, len, want) in [
+        ("cos", rows.cos.len(), r * s.head_dim),
+        ("sin", rows.sin.len(), r * s.head_dim),
+        ("slots", rows.slots.len(), r),
+    ] {
+        if len != want {
+            return bad(format!("{name} has {len} elements, {r} rows need {want}"));
+        }
+    }
+    if caches.len() != layers.len() {
+        return bad(format!(
+            "{} caches for {} layers",
+            caches.len(),
+            layers.len()
+        ));
+    }
+    let cache_len = 2 * cache.num_blocks * cache.block_size * s.kv_size();
+    if let Some((i, c)) = caches
+        .iter()
+        .enumerate()
+        .find(|(_, c)| c.len() != cache_len)
+    {
+        return bad(format!(
+            "cache of layer {i} has {} elements, not {cache_len}",
+            c.len()
+        ));
+    }
+    let num_slots = cache.num_blocks * cache.block_size;
+    if let Some(&slot) = rows
+        .slots
+        .iter()
+        .find(|&&v| v < 0 || v as usize >= num_slots)
+    {
+        return bad(format!("slot {slot} outside the cache's 0..{num_slots}"));
+    }
+    for layer in layers {
+        layer.check(s)?;
+    }
+    if let (Some(c), true) = (caches.first(), r > 0) {
+        let (k, v) = c.split_at(cache_len / 2);
+        let q = vec![0f32; r * s.q_size()];
+        let attn = attention_shape(s, cache, r, rows.max_blocks_per_seq);
+        attn.validate(&q, k, v, rows.block_tables, rows.ctx_lens, &q)?;
+    }
+    Ok(r)
+}
+
+fn attention_shape(
+    s: &DecoderShape,
+    cache: &CacheShape,
+    rows: usize,
+    max_blocks: usize,
+) -> DecodeShape {
+    DecodeShape {
+        num_seqs: rows,
+        num_heads: s.num_heads,
+        num_kv_heads: s.num_kv_heads,
+        head_dim: s.head_dim,
+        num_blocks: cache.num_blocks,
+        block_size: cache.block_size,
+        max_blocks_per_seq: max_blocks,
+    }
+}
+
+/// Runs the step's rows through every layer: `hidden` `[R, H]` in (the embeddings) and out
+/// (before the final norm), each layer's K/V written into `caches[layer]`. Linear layers and
+/// attention use up to `threads` threads of the kernels' pool. Errors, touching nothing,
+/// unless the module header's invariants hold.
+pub fn decode_step(
+    shape: &DecoderShape,
+    layers: &[Layer<'_>],
+    caches: &mut [&mut [f32]],
+    cache: &CacheShape,
+    hidden: &mut [f32],
+    rows: &StepRows<'_>,
+    threads: usize,
+) -> Result<(), KernelInputError> {
+    let r = validate(shape, layers, caches, cache, hidden, rows)?;
+    if r == 0 {
+        return Ok(());
+    }
+    let s = shape;
+    let (d, q_size, kv_size, qkv_size) = (s.head_dim, s.q_size(), s.kv_size(), s.qkv_size());
+    let attn = attention_shape(s, cache, r, rows.max_blocks_per_seq);
+    let mut normed = vec![0f32; r * s.hidden];
+    let mut qkv = vec![0f32; r * qkv_size];
+    let mut q = vec![0f32; r * q_size];
+    let mut attended = vec![0f32; r * q_size];
+    let mut projected = vec![0f32; r * s.hidden];
+    let mut gate_up = vec![0f32; r * 2 * s.intermediate];
+    let mut activated = vec![0f32; r * s.intermediate];
+    for (layer, layer_cache) in layers.iter().zip(caches.iter_mut()) {
+        let (k_cache, v_cache) = layer_cache.split_at_mut(layer_cache.len() / 2);
+        rms_norm_f32(hidden, layer.input_norm, s.eps, &mut normed)?;
+        layer.qkv.apply(&normed, r, &mut qkv, threads)?;
+        for (i, row) in qkv.chunks_exact_mut(qkv_size).enumerate() {
+            let (cos, sin) = (&rows.cos[i * d..][..d], &rows.sin[i * d..][..d]);
+            let (q_row, kv) = row.split_at_mut(q_size);
+            let (k_row, v_row) = kv.split_at_mut(kv_size);
+            rotary_f32(q_row, d, cos, sin)?;
+            rotary_f32(k_row, d, cos, sin)?;
+            q[i * q_size..][..q_size].copy_from_slice(q_row);
+            let at = rows.slots[i] as usize * kv_size;
+            k_cache[at..at + kv_size].copy_from_slice(k_row);
+            v_cache[at..at + kv_size].copy_from_slice(v_row);
+        }
+        let (bt, ctx) = (rows.block_tables, rows.ctx_lens);
+        paged_decode_attention_f32(
+            &attn,
+            &q,
+            k_cache,
+            v_cache,
+            bt,
+            ctx,
+            &mut attended,
+            s.scale,
+            threads,
+        )?;
+        layer.o_proj.apply(&attended, r, &mut projected, threads)?;
+        add_into(hidden, &projected);
+        rms_norm_f32(hidden, layer.post_norm, s.eps, &mut normed)?;
+        layer.gate_up.apply(&normed, r, &mut gate_up, threads)?;
+        silu_and_mul_f32(&gate_up, s.intermediate, &mut activated)?;
+        layer.down.apply(&activated, r, &mut projected, threads)?;
+        add_into(hidden, &projected);
+    }
+    Ok(())
+}
+
+fn add_into(acc: &mut [f32], x: &[f32]) {
+    acc.iter_mut().zip(x).for_each(|(a, &b)| *a += b);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu_linear::pack;
+    use crate::test_rng::Lcg;
+
+    const SHAPE: DecoderShape = DecoderShape {
+        hidden: 64,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 16,
+        intermediate: 96,
+        eps: 1e-5,
+        scale: 0.25,
+    };
+    const CACHE: CacheShape = CacheShape {
+        num_blocks: 12,
+        block_size: 4,
+    };
+
+    /// A weight's dense values, its panels, and (optionally) Q8_0 blocks it was formed from.
+    struct Weight {
+        dense: Vec<f32>,
+        panels: Vec<f32>,
+        bias: Vec<f32>,
+        scale: Vec<f32>,
+        qs: Vec<i8>,
+        n: usize,
+        k: usize,
+    }
+
+    impl Weight {
+        fn new(rng: &mut Lcg, n: usize, k: usize, bias: bool) -> Weight {
+            let scale: Vec<f32> = (0..n * k / 32)
+                .map(|_| 0.002 + 0.002 * rng.next_f32())
+                .collect();
+            let qs: Vec<i8> = (0..n * k)
+                .map(|_| (rng.below(255) as i32 - 127) as i8)
+                .collect();
+            // w = scale * q, one float32 multiply: what the blocks kernel forms
+            let dense: Vec<f32> = (0..n * k).map(|i| scale[i / 32] * qs[i] as f32).collect();
+            let bias = if bias { rng.vec(n) } else { vec![] };
+            let panels = pack(&dense, n, k).unwrap();
+            Weight {
+                dense,
+                panels,
+                bias,
+                scale,
+                qs,
+                n,
+                k,
+            }
+        }
+
+        fn linear(&self, blocks: bool) -> Linear<'_> {
+            Linear {
+                n: self.n,
+                k: self.k,
+                panels: &self.panels,
+                bias: &self.bias,
+                blocks: blocks.then_some(QuantWeight::Q8_0 {
+                    scale: &self.scale,
+                    qs: &self.qs,
+                }),
+            }
+        }
+
+        fn apply(&self, x: &[f64]) -> Vec<f64> {
+            (0..self.n)
+                .map(|o| {
+                    let w = &self.dense[o * self.k..][..self.k];
+                    let b = self.bias.get(o).map_or(0.0, |&b| b as f64);
+                    b + w.iter().zip(x).map(|(&w, &x)| w as f64 * x).sum::<f64>()
+                })
+                .collect()
+        }
+    }
+
+    struct LayerWeights {
+        norms: [Vec<f32>; 2],
+        qkv: Weight,
+        o: Weight,
+        gate_up: Weight,
+        down: Weight,
+    }
+
+    fn layer_weights(rng: &mut Lcg) -> LayerWeights {
+        let s = SHAPE;
+        let norm = |rng: &mut Lcg| (0..s.hidden).map(|_| 1.0 + 0.3 * rng.next_f32()).collect();
+        LayerWeights {
+            norms: [norm(rng), norm(rng)],
+            qkv: Weight::new(rng, s.qkv_size(), s.hidden, true),
+            o: Weight::new(rng, s.hidden, s.q_size(), false),
+            gate_up: Weight::new(rng, 2 * s.intermediate, s.hidden, false),
+            down: Weight::new(rng, s.hidden, s.intermediate, false),
+        }
+    }
+
+    fn rms_norm(x: &[f64], w: &[f32]) -> Vec<f64> {
+        let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
+        let inv = 1.0 / (ms + SHAPE.eps as f64).sqrt();
+        x.iter().zip(w).map(|(v, &w)| v * inv * w as f64).collect()
+    }
+
+    fn rope(x: &mut [f64], cos: &[f32], sin: &[f32]) {
+        let d = SHAPE.head_dim;
+        for head in x.chunks_exact_mut(d) {
+            let h = head.to_vec();
+            for i in 0..d {
+                let rotated = if i < d / 2 {
+                    -h[i + d / 2]
+                } else {
+                    h[i - d / 2]
+                };
+                head[i] = h[i] * cos[i] as f64 + rotated * sin[i] as f64;
+            }
+        }
+    }
+
+    /// The step in f64, written out from the formulas: returns the hidden rows and the caches.
+    fn reference(
+        weights: &[LayerWeights],
+        caches: &[Vec<f32>],
+        hidden: &[f32],
+        rows: &StepRows<'_>,
+    ) -> (Vec<f64>, Vec<Vec<f64>>) {
+        let s = SHAPE;
+        let (d, h, kv) = (s.head_dim, s.hidden, s.kv_size());
+        let r = hidden.len() / h;
+        let mut x: Vec<f64> = hidden.iter().map(|&v| v as f64).collect();
+        let mut out_caches = vec![];
+        for (w, cache) in weights.iter().zip(caches) {
+            let mut c: Vec<f64> = cache.iter().map(|&v| v as f64).collect();
+            let half = c.len() / 2;
+            let mut queries = vec![];
+            for i in 0..r {
+                let mut qkv = w.qkv.apply(&rms_norm(&x[i * h..][..h], &w.norms[0]));
+                let (cos, sin) = (&rows.cos[i * d..][..d], &rows.sin[i * d..][..d]);
+                rope(&mut qkv[..s.q_size()], cos, sin);
+                rope(&mut qkv[s.q_size()..s.q_size() + kv], cos, sin);
+                let at = rows.slots[i] as usize * kv;
+                c[at..at + kv].copy_from_slice(&qkv[s.q_size()..][..kv]);
+                c[half + at..half + at + kv].copy_from_slice(&qkv[s.q_size() + kv..]);
+                queries.push(qkv[..s.q_size()].to_vec());
+            }
+            for (i, q) in queries.iter().enumerate() {
+                let mut attended = vec![0f64; s.q_size()];
+                let ctx = rows.ctx_lens[i] as usize;
+                let slot = |p: usize| {
+                    let table = &rows.block_tables[i * rows.max_blocks_per_seq..];
+                    table[p / CACHE.block_size] as usize * CACHE.block_size + p % CACHE.block_size
+                };
+                for head in 0..s.num_heads {
+                    let kv_head = head / (s.num_heads / s.num_kv_heads);
+                    let qh = &q[head * d..][..d];
+                    let key = |p: usize| &c[slot(p) * kv + kv_head * d..][..d];
+                    let logits: Vec<f64> = (0..ctx)
+                        .map(|p| {
+                            s.scale as f64 * qh.iter().zip(key(p)).map(|(a, b)| a * b).sum::<f64>()
+                        })
+                        .collect();
+                    let m = logits.iter().cloned().fold(f64::MIN, f64::max);
+                    let e: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
+                    let total: f64 = e.iter().sum();
+                    for (p, &ep) in e.iter().enumerate() {
+                        let value = &c[half + slot(p) * kv + kv_head * d..][..d];
+                        for j in 0..d {
+                            attended[head * d + j] += ep / total * value[j];
+                        }
+                    }
+                }
+                let o = w.o.apply(&attended);
+                x[i * h..][..h].iter_mut().zip(o).for_each(|(a, b)| *a += b);
+            }
+            for i in 0..r {
+                let gu = w.gate_up.apply(&rms_norm(&x[i * h..][..h], &w.norms[1]));
+                let act: Vec<f64> = (0..s.intermediate)
+                    .map(|j| {
+                        let g = gu[j];
+                        g / (1.0 + (-g).exp()) * gu[s.intermediate + j]
+                    })
+                    .collect();
+                let down = w.down.apply(&act);
+                x[i * h..][..h]
+                    .iter_mut()
+                    .zip(down)
+                    .for_each(|(a, b)| *a += b);
+            }
+            out_caches.push(c);
+        }
+        (x, out_caches)
+    }
+
+    /// Three sequences over shuffled blocks: one decode at context 9, one with two query rows
+    /// (a decode and its draft: contexts 5 and 6), one first token (context 1); `extra` more
+    /// decode rows of context 3 (enough rows to pass the blocks kernel's limit).
+    #[allow(clippy::type_complexity)] // cos, sin, slots, block tables, context lengths
+    fn step_rows(extra: usize) -> (Vec<f32>, Vec<f32>, Vec<i64>, Vec<i32>, Vec<i32>) {
+        let bs = CACHE.block_size;
+        let mut tables: Vec<i32> = vec![];
+        let mut slots = vec![];
+        let mut ctx = vec![];
+        let mut row = |table: [i32; 3], positions: &[usize]| {
+            for &p in positions {
+                tables.extend(table);
+                slots.push(table[p / bs] as i64 * bs as i64 + (p % bs) as i64);
+                ctx.push(p as i32 + 1);
+            }
+        };
+        row([7, 2, 10], &[8]);
+        row([5, 11, 0], &[4, 5]);
+        row([3, 0, 0], &[0]);
+        for e in 0..extra {
+            row([1 + (e % 2) as i32, 0, 0], &[2]);
+        }
+        let r = ctx.len();
+        let d = SHAPE.head_dim;
+        let angles: Vec<f32> = (0..r * d)
+            .map(|j| (j / d) as f32 * 0.7 + (j % (d / 2)) as f32 * 0.1)
+            .collect();
+        let cos = angles.iter().map(|a| a.cos()).collect();
+        let sin = angles.iter().map(|a| a.sin()).collect();
+        (cos, sin, slots, tables, ctx)
+    }
+
+    fn run_case(blocks: bool, extra: usize) {
+        let mut rng = Lcg(7 + extra as u64);
+        let weights: Vec<LayerWeights> = (0..2).map(|_| layer_weights(&mut rng)).collect();
+        let cache_len = 2 * CACHE.num_blocks * CACHE.block_size * SHAPE.kv_size();
+        let caches0: Vec<Vec<f32>> = (0..2).map(|_| rng.vec(cache_len)).collect();
+        let (cos, sin, slots, tables, ctx) = step_rows(extra);
+        let rows = StepRows {
+            cos: &cos,
+            sin: &sin,
+            slots: &slots,
+            block_tables: &tables,
+            max_blocks_per_seq: 3,
+            ctx_lens: &ctx,
+        };
+        let hidden0 = rng.vec(ctx.len() * SHAPE.hidden);
+        let (want_hidden, want_caches) = reference(&weights, &caches0, &hidden0, &rows);
+        let layers: Vec<Layer<'_>> = weights
+            .iter()
+            .map(|w| Layer {
+                input_norm: &w.norms[0],
+                qkv: w.qkv.linear(blocks),
+                o_proj: w.o.linear(blocks),
+                post_norm: &w.norms[1],
+                gate_up: w.gate_up.linear(blocks),
+                down: w.down.linear(blocks),
+            })
+            .collect();
+        for threads in [1, 2, 3] {
+            let mut caches = caches0.clone();
+            let mut views: Vec<&mut [f32]> = caches.iter_mut().map(|c| c.as_mut_slice()).collect();
+            let mut hidden = hidden0.clone();
+            decode_step(
+                &SHAPE,
+                &layers,
+                &mut views,
+                &CACHE,
+                &mut hidden,
+                &rows,
+                threads,
+            )
+            .unwrap();
+            for (j, (&got, &want)) in hidden.iter().zip(&want_hidden).enumerate() {
+                assert!(
+                    (got as f64 - want).abs() <= 2e-4 * (1.0 + want.abs()),
+                    "blocks={blocks} rows={} threads={threads} hidden[{j}]: {got} vs {want}",
+                    ctx.len()
+                );
+            }
+            for (layer, (got, want)) in caches.iter().zip(&want_caches).enumerate() {
+                for (j, (&g, &w)) in got.iter().zip(want).enumerate() {
+                    assert!(
+                        (g as f64 - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                        "layer {layer} cache[{j}]: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn matches_an_f64_reference_of_the_layers() {
+        run_case(false, 0); // panels
+        run_case(true, 0); // 4 rows: blocks
+        run_case(true, 6); // 10 rows: panels although blocks are known
+    }
+
+    #[test]
+    fn rejects_bad_steps_touching_nothing() {
+        let mut rng = Lcg(3);
+        let weights: Vec<LayerWeights> = (0..2).map(|_| layer_weights(&mut rng)).collect();
+        let layers: Vec<Layer<'_>> = weights
+            .iter()
+            .map(|w| Layer {
+                input_norm: &w.norms[0],
+                qkv: w.qkv.linear(true),
+                o_proj: w.o.linear(true),
+                post_norm: &w.norms[1],
+                gate_up: w.gate_up.linear(true),
+                down: w.down.linear(true),
+            })
+            .collect();
+        let cache_len = 2 * CACHE.num_blocks * CACHE.block_size * SHAPE.kv_size();
+        let caches0: Vec<Vec<f32>> = (0..2).map(|_| rng.vec(cache_len)).collect();
+        let (cos, sin, slots, tables, ctx) = step_rows(0);
+        let hidden0 = rng.vec(ctx.len() * SHAPE.hidden);
+        let good = StepRows {
+            cos: &cos,
+            sin: &sin,
+            slots: &slots,
+            block_tables: &tables,
+            max_blocks_per_seq: 3,
+            ctx_lens: &ctx,
+        };
+        let far_slot: Vec<i64> = slots.iter().map(|&s| s + 48).collect();
+        let zero_ctx: Vec<i32> = ctx.iter().map(|_| 0).collect();
+        let bad_block: Vec<i32> = tables
+            .iter()
+            .map(|&b| if b == 10 { 12 } else { b })
+            .collect();
+        let cases = [
+            StepRows {
+                slots: &far_slot,
+                ..good
+            },
+            StepRows {
+                ctx_lens: &zero_ctx,
+                ..good
+            },
+            StepRows {
+                block_tables: &bad_block,
+                ..good
+            },
+            StepRows {
+                cos: &cos[1..],
+                ..good
+            },
+        ];
+        for rows in &cases {
+            let mut caches = caches0.clone();
+            let mut views: Vec<&mut [f32]> = caches.iter_mut().map(|c| c.as_mut_slice()).collect();
+            let mut hidden = hidden0.clone();
+            assert!(
+                decode_step(&SHAPE, &layers, &mut views, &CACHE, &mut hidden, rows, 2).is_err()
+            );
+            assert_eq!(hidden, hidden0);
+            assert_eq!(caches, caches0);
+        }
+        // one cache short; a weight of the wrong shape
+        let mut caches = caches0.clone();
+        let mut views: Vec<&mut [f32]> = caches.iter_mut().map(|c| c.as_mut_slice()).collect();
+        let mut hidden = hidden0.clone();
+        assert!(decode_step(
+            &SHAPE,
+            &layers,
+            &mut views[..1],
+            &CACHE,
+            &mut hidden,
+            &good,
+            2
+        )
+        .is_err());
+        let mut short = layers.clone();
+        short[1].down.panels = &short[1].down.panels[16..];
+        assert!(decode_step(&SHAPE, &short, &mut views, &CACHE, &mut hidden, &good, 2).is_err());
+        assert_eq!(hidden, hidden0);
+        assert_eq!(caches, caches0);
+    }
+}

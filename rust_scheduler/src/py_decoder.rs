@@ -1,0 +1,350 @@
+//! PyO3 binding of the fused CPU decode step (`cpu_decoder`): `CpuDecoderStack` holds the
+//! model's per-layer weight arrays (numpy views of the torch tensors, kept alive, never copied)
+//! and runs a step through all layers in one call, GIL released.
+//!
+//! Every problem with the arrays (dtype, layout, shape) is a `ValueError`, raised before
+//! anything is written: weights are checked when the stack is built and again on every call
+//! (a few integer comparisons per layer), the step's buffers by `cpu_decoder::validate`.
+
+use crate::cpu_decoder::{decode_step, CacheShape, DecoderShape, Layer, Linear, StepRows};
+use crate::cpu_quant_linear::QuantWeight;
+use crate::py_attention::{c_slice, dims};
+use numpy::{
+    PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn,
+    PyReadwriteArray2, PyUntypedArrayMethods,
+};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+type F32Array = Py<PyArrayDyn<f32>>;
+
+/// A linear layer's arrays: `(n, k, panels, bias | None, blocks | None)` from Python, blocks
+/// `("q4_1", scale, min, qs)` or `("q8_0", scale, qs)` (the `linear_q*_f32` kernels' arrays).
+struct LinearArrays {
+    n: usize,
+    k: usize,
+    panels: F32Array,
+    bias: Option<F32Array>,
+    blocks: Option<BlockArrays>,
+}
+
+enum BlockArrays {
+    Q4_1 {
+        scale: F32Array,
+        min: F32Array,
+        qs: Py<PyArrayDyn<u8>>,
+    },
+    Q8_0 {
+        scale: F32Array,
+        qs: Py<PyArrayDyn<i8>>,
+    },
+}
+
+impl LinearArrays {
+    fn extract(spec: &Bound<'_, PyAny>) -> PyResult<LinearArrays> {
+        let (n, k, panels, bias, blocks): (
+            usize,
+            usize,
+            F32Array,
+            Option<F32Array>,
+            Option<Bound<'_, PyTuple>>,
+        ) = spec.extract()?;
+        let blocks = match blocks {
+            None => None,
+            Some(t) => {
+                let kind: String = t.get_item(0)?.extract()?;
+                match (kind.as_str(), t.len()) {
+                    ("q4_1", 4) => Some(BlockArrays::Q4_1 {
+                        scale: t.get_item(1)?.extract()?,
+                        min: t.get_item(2)?.extract()?,
+                        qs: t.get_item(3)?.extract()?,
+                    }),
+                    ("q8_0", 3) => Some(BlockArrays::Q8_0 {
+                        scale: t.get_item(1)?.extract()?,
+                        qs: t.get_item(2)?.extract()?,
+                    }),
+                    _ => {
+                        return Err(PyValueError::new_err(format!(
+                            "blocks must be ('q4_1', scale, min, qs) or ('q8_0', scale, qs), got \
+                             {kind:?} with {} items",
+                            t.len()
+                        )))
+                    }
+                }
+            }
+        };
+        Ok(LinearArrays {
+            n,
+            k,
+            panels,
+            bias,
+            blocks,
+        })
+    }
+
+    fn borrow<'py>(&self, py: Python<'py>) -> LinearBorrow<'py> {
+        LinearBorrow {
+            n: self.n,
+            k: self.k,
+            panels: self.panels.bind(py).readonly(),
+            bias: self.bias.as_ref().map(|b| b.bind(py).readonly()),
+            blocks: self.blocks.as_ref().map(|b| match b {
+                BlockArrays::Q4_1 { scale, min, qs } => BlockBorrow::Q4_1(
+                    scale.bind(py).readonly(),
+                    min.bind(py).readonly(),
+                    qs.bind(py).readonly(),
+                ),
+                BlockArrays::Q8_0 { scale, qs } => {
+                    BlockBorrow::Q8_0(scale.bind(py).readonly(), qs.bind(py).readonly())
+                }
+            }),
+        }
+    }
+}
+
+/// Shared borrows of one linear layer's arrays, held for the duration of a call.
+struct LinearBorrow<'py> {
+    n: usize,
+    k: usize,
+    panels: PyReadonlyArrayDyn<'py, f32>,
+    bias: Option<PyReadonlyArrayDyn<'py, f32>>,
+    blocks: Option<BlockBorrow<'py>>,
+}
+
+enum BlockBorrow<'py> {
+    Q4_1(
+        PyReadonlyArrayDyn<'py, f32>,
+        PyReadonlyArrayDyn<'py, f32>,
+        PyReadonlyArrayDyn<'py, u8>,
+    ),
+    Q8_0(PyReadonlyArrayDyn<'py, f32>, PyReadonlyArrayDyn<'py, i8>),
+}
+
+impl LinearBorrow<'_> {
+    fn view(&self) -> PyResult<Linear<'_>> {
+        let blocks = match &self.blocks {
+            None => None,
+            Some(BlockBorrow::Q4_1(scale, min, qs)) => Some(QuantWeight::Q4_1 {
+                scale: c_slice("scale", scale)?,
+                min: c_slice("min", min)?,
+                qs: c_slice("qs", qs)?,
+            }),
+            Some(BlockBorrow::Q8_0(scale, qs)) => Some(QuantWeight::Q8_0 {
+                scale: c_slice("scale", scale)?,
+                qs: c_slice("qs", qs)?,
+            }),
+        };
+        Ok(Linear {
+            n: self.n,
+            k: self.k,
+            panels: c_slice("panels", &self.panels)?,
+            bias: match &self.bias {
+                Some(b) => c_slice("bias", b)?,
+                None => &[],
+            },
+            blocks,
+        })
+    }
+}
+
+struct LayerArrays {
+    input_norm: F32Array,
+    post_norm: F32Array,
+    /// qkv, o_proj, gate_up, down
+    linears: [LinearArrays; 4],
+}
+
+struct LayerBorrow<'py> {
+    input_norm: PyReadonlyArrayDyn<'py, f32>,
+    post_norm: PyReadonlyArrayDyn<'py, f32>,
+    linears: [LinearBorrow<'py>; 4],
+}
+
+impl LayerBorrow<'_> {
+    fn view(&self) -> PyResult<Layer<'_>> {
+        let [qkv, o_proj, gate_up, down] = &self.linears;
+        Ok(Layer {
+            input_norm: c_slice("input_norm", &self.input_norm)?,
+            qkv: qkv.view()?,
+            o_proj: o_proj.view()?,
+            post_norm: c_slice("post_norm", &self.post_norm)?,
+            gate_up: gate_up.view()?,
+            down: down.view()?,
+        })
+    }
+}
+
+/// `CpuDecoderStack(hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, scale,
+/// layers)`: a Llama-family model's decoder layers for fused CPU decode steps. `layers[i]` is
+/// `(input_norm, qkv, o_proj, post_norm, gate_up, down)`, norms float32 `[hidden]`, each linear
+/// `(n, k, panels, bias | None, blocks | None)` with `panels` as `linear_f32` reads them and
+/// `blocks` `("q4_1", scale, min, qs)` / `("q8_0", scale, qs)` as `linear_q*_f32` read them.
+/// The arrays are referenced, not copied, and must not be written while the stack lives.
+#[pyclass(name = "CpuDecoderStack", module = "ferrobatch._scheduler", frozen)]
+pub struct PyCpuDecoderStack {
+    shape: DecoderShape,
+    layers: Vec<LayerArrays>,
+}
+
+impl PyCpuDecoderStack {
+    fn borrow_layers<'py>(&self, py: Python<'py>) -> Vec<LayerBorrow<'py>> {
+        self.layers
+            .iter()
+            .map(|l| LayerBorrow {
+                input_norm: l.input_norm.bind(py).readonly(),
+                post_norm: l.post_norm.bind(py).readonly(),
+                linears: std::array::from_fn(|i| l.linears[i].borrow(py)),
+            })
+            .collect()
+    }
+}
+
+#[pymethods]
+impl PyCpuDecoderStack {
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        hidden: usize,
+        num_heads: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        intermediate: usize,
+        eps: f32,
+        scale: f32,
+        layers: Vec<Bound<'_, PyTuple>>,
+    ) -> PyResult<Self> {
+        let shape = DecoderShape {
+            hidden,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            intermediate,
+            eps,
+            scale,
+        };
+        if num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) || num_heads == 0 {
+            return Err(PyValueError::new_err(format!(
+                "{num_heads} query heads do not group over {num_kv_heads} KV heads"
+            )));
+        }
+        let mut arrays = Vec::with_capacity(layers.len());
+        for (i, t) in layers.iter().enumerate() {
+            if t.len() != 6 {
+                return Err(PyValueError::new_err(format!(
+                    "layer {i}: need (input_norm, qkv, o_proj, post_norm, gate_up, down), got {} \
+                     items",
+                    t.len()
+                )));
+            }
+            let linear = |j: usize| LinearArrays::extract(&t.get_item(j)?);
+            arrays.push(LayerArrays {
+                input_norm: t.get_item(0)?.extract()?,
+                post_norm: t.get_item(3)?.extract()?,
+                linears: [linear(1)?, linear(2)?, linear(4)?, linear(5)?],
+            });
+        }
+        let stack = PyCpuDecoderStack {
+            shape,
+            layers: arrays,
+        };
+        for (i, layer) in stack.borrow_layers(py).iter().enumerate() {
+            layer
+                .view()?
+                .check(&shape)
+                .map_err(|e| PyValueError::new_err(format!("layer {i}: {}", e.0)))?;
+        }
+        Ok(stack)
+    }
+
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// `forward(hidden, cos, sin, caches, slots, block_tables, ctx_lens, num_threads)`: runs the
+    /// step's `R` rows through every layer (see `cpu_decoder`): `hidden` `[R, H]` float32 in
+    /// place (embeddings in, pre-final-norm states out), `cos` / `sin` `[R, D]`, `caches` one
+    /// `[2, num_blocks, block_size, Hkv, D]` float32 array per layer (written at `slots`),
+    /// `slots` `[R]` int64, `block_tables` `[R, max_blocks]` / `ctx_lens` `[R]` int32.
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        py: Python<'_>,
+        mut hidden: PyReadwriteArray2<'_, f32>,
+        cos: PyReadonlyArray2<'_, f32>,
+        sin: PyReadonlyArray2<'_, f32>,
+        caches: Vec<Bound<'_, PyArrayDyn<f32>>>,
+        slots: PyReadonlyArray1<'_, i64>,
+        block_tables: PyReadonlyArray2<'_, i32>,
+        ctx_lens: PyReadonlyArray1<'_, i32>,
+        num_threads: usize,
+    ) -> PyResult<()> {
+        let s = self.shape;
+        let first = caches
+            .first()
+            .map(|c| c.shape().to_vec())
+            .unwrap_or_default();
+        let [two, num_blocks, block_size, kv_heads, dim] = dims::<5>("caches[0]", &first)?;
+        if two != 2 || kv_heads != s.num_kv_heads || dim != s.head_dim {
+            return Err(PyValueError::new_err(format!(
+                "caches must be [2, num_blocks, block_size, {}, {}], got {first:?}",
+                s.num_kv_heads, s.head_dim
+            )));
+        }
+        let max_blocks_per_seq = block_tables.shape()[1];
+        let borrowed = self.borrow_layers(py);
+        let layers = borrowed
+            .iter()
+            .map(LayerBorrow::view)
+            .collect::<PyResult<Vec<_>>>()?;
+        let mut cache_guards = caches
+            .iter()
+            .map(|c| c.try_readwrite())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| PyValueError::new_err(format!("caches: {e}")))?;
+        let mut cache_views = Vec::with_capacity(cache_guards.len());
+        for (i, g) in cache_guards.iter_mut().enumerate() {
+            if !g.is_c_contiguous() {
+                return Err(PyValueError::new_err(format!(
+                    "caches[{i}] must be C-contiguous"
+                )));
+            }
+            cache_views.push(
+                g.as_slice_mut().map_err(|_| {
+                    PyValueError::new_err(format!("caches[{i}] must be C-contiguous"))
+                })?,
+            );
+        }
+        let rows = StepRows {
+            cos: c_slice("cos", &cos)?,
+            sin: c_slice("sin", &sin)?,
+            slots: c_slice("slots", &slots)?,
+            block_tables: c_slice("block_tables", &block_tables)?,
+            max_blocks_per_seq,
+            ctx_lens: c_slice("ctx_lens", &ctx_lens)?,
+        };
+        let hidden_c = hidden.is_c_contiguous();
+        let hidden = match (hidden_c, hidden.as_slice_mut()) {
+            (true, Ok(h)) => h,
+            _ => return Err(PyValueError::new_err("hidden must be C-contiguous")),
+        };
+        let cache = CacheShape {
+            num_blocks,
+            block_size,
+        };
+        py.detach(|| {
+            decode_step(
+                &s,
+                &layers,
+                &mut cache_views,
+                &cache,
+                hidden,
+                &rows,
+                num_threads,
+            )
+        })
+        .map_err(|e| PyValueError::new_err(e.0))
+    }
+}
