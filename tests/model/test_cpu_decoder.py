@@ -1,0 +1,155 @@
+"""The fused CPU decode step (``runtime.cpu_decoder``): the same logits and KV cache as the
+layer-by-layer forward on the same steps, taken exactly for the steps it accepts, and clear
+errors for bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from step_builder import ToyScheduler
+
+from ferrobatch.model.config import ModelConfig
+from ferrobatch.model.llama import LlamaForCausalLM
+from ferrobatch.model.loader import LoadedModel
+from ferrobatch.model.random_init import init_random_weights
+from ferrobatch.runtime.cpu_decoder import FusedDecodeLayers, unsupported
+from ferrobatch.runtime.cpu_linear import packing_unsupported
+from ferrobatch.runtime.model_runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(packing_unsupported(torch.device("cpu"), torch.float32) is not None,
+                                reason="the Rust CPU kernels need AVX2 (packing unsupported)")
+
+
+def _random_loaded(tied: bool, bias: bool) -> LoadedModel:
+    config = ModelConfig(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=96,
+                         num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+                         tie_word_embeddings=tied, attention_bias=bias,
+                         max_position_embeddings=512)
+    model = LlamaForCausalLM(config).eval()
+    init_random_weights(model, seed=3, std=0.2)
+    if bias:   # random biases too (init_random_weights zeroes them)
+        gen = torch.Generator().manual_seed(4)
+        with torch.no_grad():
+            for layer in model.layers:
+                layer.self_attn.qkv_proj.bias.normal_(0.0, 0.3, generator=gen)
+    return LoadedModel("random", config, model, None, None, "random")
+
+
+def _record_steps(runner: ModelRunner, prompts: list[list[int]], max_new: list[int]):
+    """Runs the toy scheduler greedily to the end; returns every step's batch and logits."""
+    sched = ToyScheduler(runner.num_blocks, runner.block_size, token_budget=48, seed=1)
+    for i, (prompt, n) in enumerate(zip(prompts, max_new, strict=True)):
+        sched.add(i, prompt, max_new_tokens=n)
+    steps = []
+    while (batch := sched.schedule()) is not None:
+        logits = runner.execute(batch).clone()
+        steps.append((batch, logits))
+        sched.update(logits.argmax(-1).numpy())
+    return steps
+
+
+def _compare(loaded_fused: LoadedModel, loaded_plain: LoadedModel, prompts, max_new,
+             block_size: int = 8) -> tuple[int, int]:
+    """The fused runner's steps replayed by a layer-by-layer runner: logits and KV caches agree.
+    Returns (steps, steps run fused)."""
+    fused = ModelRunner(loaded_fused, num_blocks=96, block_size=block_size, attn_backend="cpu")
+    assert isinstance(fused.model.fused_layers, FusedDecodeLayers)
+    assert "decode steps fused" in fused.linear_kernels
+    steps = _record_steps(fused, prompts, max_new)
+    num_fused = fused.model.fused_layers.steps
+    fused_caches = [t.clone() for t in fused.kv_cache.layers]
+    plain = ModelRunner(loaded_plain, num_blocks=96, block_size=block_size, attn_backend="cpu",
+                        fused_decode=False)
+    assert plain.model.fused_layers is None
+    for i, (batch, want) in enumerate(steps):
+        got = plain.execute(batch)
+        scale = float(want.abs().max())
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * scale,
+                                   msg=lambda m, i=i: f"step {i}: {m}")
+    for layer, (a, b) in enumerate(zip(fused_caches, plain.kv_cache.layers, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, i=layer: f"layer {i}: {m}")
+    return len(steps), num_fused
+
+
+@pytest.mark.parametrize("tied,bias", [(True, False), (False, True)], ids=["tied", "qkv-bias"])
+def test_fused_decode_matches_the_layer_by_layer_forward_on_a_random_model(tied, bias):
+    rng = np.random.default_rng(0)
+    # prompts of 3-5 tokens prefill inside the fused path (<= 8 queries per sequence)
+    prompts = [rng.integers(0, 97, size=n).tolist() for n in (30, 4, 17, 3, 5, 40)]
+    num_steps, num_fused = _compare(_random_loaded(tied, bias), _random_loaded(tied, bias),
+                                    prompts, [12, 20, 6, 9, 15, 3])
+    assert 0 < num_fused < num_steps      # decode steps fused, the long prefills not
+
+
+def test_fused_decode_matches_on_smollm2_with_gguf_blocks(loaded_smollm2):
+    """Steps of more and of at most 8 rows: the panels and the GGUF blocks kernel."""
+    rng = np.random.default_rng(1)
+    lens = [5, 12, 3, 20, 9, 7, 30, 4, 15, 6]
+    prompts = [rng.integers(100, 40000, size=n).tolist() for n in lens]
+    max_new = [4, 9, 6, 12, 3, 8, 5, 10, 7, 11]
+    num_steps, num_fused = _compare(loaded_smollm2, loaded_smollm2, prompts, max_new, block_size=16)
+    assert num_fused >= 8 and num_fused < num_steps
+
+
+def test_fused_decode_is_only_installed_where_it_applies(loaded_smollm2, monkeypatch):
+    model = _random_loaded(True, False)
+    assert "not packed" in unsupported(model.model, ModelRunner(
+        model, num_blocks=8, block_size=8, attn_backend="cpu", pack_weights=False).attn_backend)
+    torch_runner = ModelRunner(_random_loaded(True, False), num_blocks=8, block_size=8,
+                               attn_backend="torch")
+    assert torch_runner.model.fused_layers is None
+    assert "'torch'" in unsupported(torch_runner.model, torch_runner.attn_backend)
+    monkeypatch.setenv("FERROBATCH_FUSED_DECODE", "0")
+    off = ModelRunner(_random_loaded(True, False), num_blocks=8, block_size=8, attn_backend="cpu")
+    assert off.model.fused_layers is None
+    assert "decode steps fused" not in off.linear_kernels
+
+
+def test_the_stack_rejects_bad_input_with_value_errors():
+    runner = ModelRunner(_random_loaded(False, True), num_blocks=16, block_size=8, attn_backend="cpu")
+    stack = runner.model.fused_layers._stack
+    assert stack.num_layers == 3
+    caches = [t.numpy() for t in runner.kv_cache.layers]
+    before = [c.copy() for c in caches]
+    hidden = np.ones((2, 64), np.float32)
+    cos = np.ones((2, 16), np.float32)
+    sin = np.zeros((2, 16), np.float32)
+    tables = np.array([[1, 2], [3, 0]], np.int32)
+    ctx = np.array([9, 2], np.int32)
+    slots = np.array([16, 25], np.int64)
+
+    def call(**changes):
+        args = dict(hidden=hidden.copy(), cos=cos, sin=sin, caches=caches, slots=slots,
+                    block_tables=tables, ctx_lens=ctx, num_threads=2) | changes
+        stack.forward(args["hidden"], args["cos"], args["sin"], args["caches"], args["slots"],
+                      args["block_tables"], args["ctx_lens"], args["num_threads"])
+        return args["hidden"]
+
+    for changes, match in [
+        (dict(slots=np.array([16, 16 * 8], np.int64)), "slot"),
+        (dict(ctx_lens=np.array([9, 17], np.int32)), "ctx_lens"),
+        (dict(block_tables=np.array([[1, 16], [3, 0]], np.int32)), "block id"),
+        (dict(cos=np.ones((3, 16), np.float32)), "cos"),
+        (dict(caches=caches[:2]), "caches for"),
+        (dict(caches=[c[:, :8] for c in caches]), "C-contiguous"),
+        (dict(caches=[c[0] for c in caches]), "dimensions"),
+        (dict(hidden=np.ones((2, 63), np.float32)), "hidden"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call(**changes)
+    for c, b in zip(caches, before, strict=True):
+        np.testing.assert_array_equal(c, b)
+    assert np.isfinite(call()).all()      # the unchanged arguments are a valid step
+    from ferrobatch._scheduler import CpuDecoderStack
+    norm = np.ones(64, np.float32)
+    bad_panels = (160, 64, np.zeros((10, 64, 16), np.float32), None, None)
+    with pytest.raises(ValueError, match="qkv"):
+        CpuDecoderStack(64, 4, 2, 16, 96, 1e-5, 0.25, [(norm, bad_panels, bad_panels, norm,
+                                                        bad_panels, bad_panels)])
+    with pytest.raises(ValueError, match="group"):
+        CpuDecoderStack(64, 3, 2, 16, 96, 1e-5, 0.25, [])
+    odd_blocks = (128, 64, np.zeros((8, 64, 16), np.float32), None, ("q5_0", norm))
+    with pytest.raises(ValueError, match="blocks must be"):
+        CpuDecoderStack(64, 4, 2, 16, 96, 1e-5, 0.25, [(norm, odd_blocks, odd_blocks, norm,
+                                                        odd_blocks, odd_blocks)])
