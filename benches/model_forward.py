@@ -2,10 +2,13 @@
 
     python benches/model_forward.py [--model random:smollm2-135m] [--device cpu] [--threads N]
     python benches/model_forward.py --model smollm2 --compare-gguf-blocks
+    python benches/model_forward.py --model smollm2 --compare-fused-decode
 
 `--compare-gguf-blocks` builds two runners on two copies of a GGUF model, one reading the GGUF
 Q4_1 / Q8_0 blocks in steps of <= 8 rows and one with float32 panels only, and times the same
 decode steps on both, alternating, so the ratio is measured side by side.
+`--compare-fused-decode` does the same for decode steps with every layer in one Rust call
+(`runtime.cpu_decoder`) against the layer-by-layer forward.
 
 Decode rows: B sequences with `context` cached tokens each, one new token each.
 Prefill rows: B sequences computing `tokens` fresh prompt tokens each.
@@ -52,10 +55,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--compare-gguf-blocks", action="store_true")
+    parser.add_argument("--compare-fused-decode", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.compare_gguf_blocks:
-        compare_gguf_blocks(args)
+        compare(args, ("gguf blocks", dict(gguf_blocks=True)),
+                ("f32 panels", dict(gguf_blocks=False)), COMPARE_SHAPES)
+        return
+    if args.compare_fused_decode:
+        compare(args, ("fused", dict(fused_decode=True)),
+                ("per layer", dict(fused_decode=False)), FUSED_SHAPES)
         return
     loaded = load_model(args.model, device=args.device)
     block_size, num_blocks = 16, 1024
@@ -81,17 +90,24 @@ COMPARE_SHAPES = [("decode", 1, 128), ("decode", 1, 1024), ("decode", 2, 128), (
                   ("decode", 5, 128), ("decode", 6, 128), ("decode", 8, 128), ("decode", 12, 128)]
 
 
-def compare_gguf_blocks(args) -> None:
+FUSED_SHAPES = [("decode", 1, 128), ("decode", 1, 1024), ("decode", 4, 128), ("decode", 8, 128),
+                ("decode", 16, 128), ("decode", 32, 128), ("decode", 32, 1024)]
+
+
+def compare(args, first: tuple[str, dict], second: tuple[str, dict], shapes) -> None:
+    """Decode-step ms of two runners (each ``(label, ModelRunner kwargs)``) on two copies of
+    the model, the same steps, alternating; the speed-up is second / first."""
     block_size, num_blocks = 16, 1024
     runners = {}
-    for name, blocks in (("blocks", True), ("panels", False)):
+    for name, kwargs in (first, second):
         loaded = load_model(args.model, device="cpu")
         runners[name] = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size,
-                                    gguf_blocks=blocks)
+                                    **kwargs)
+    (a, _), (b, _) = first, second
     print(f"model={args.model} threads={args.threads}: decode step ms, median of "
           f"{args.iters} rounds, the two runners alternating")
-    print(f"{'seqs':>5} {'context':>8} {'gguf blocks':>12} {'f32 panels':>11} {'speed-up':>9}")
-    for _, num_seqs, length in COMPARE_SHAPES:
+    print(f"{'seqs':>5} {'context':>8} {a:>12} {b:>12} {'speed-up':>9}")
+    for _, num_seqs, length in shapes:
         batches = {n: _step_for("decode", num_seqs, length, block_size, num_blocks, r)
                    for n, r in runners.items()}
         times: dict[str, list[float]] = {n: [] for n in runners}
@@ -103,8 +119,8 @@ def compare_gguf_blocks(args) -> None:
                     r.execute(batches[n])
                 times[n].append((time.perf_counter() - start) / 3)
         med = {n: float(np.median(t)) * 1e3 for n, t in times.items()}
-        print(f"{num_seqs:5d} {length:8d} {med['blocks']:12.1f} {med['panels']:11.1f} "
-              f"{med['panels'] / med['blocks']:8.2f}x")
+        print(f"{num_seqs:5d} {length:8d} {med[a]:12.1f} {med[b]:12.1f} "
+              f"{med[b] / med[a]:8.2f}x")
 
 
 if __name__ == "__main__":

@@ -211,6 +211,28 @@ def rotary_f32(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
     """Rotate-half RoPE of ``x`` ``[T, heads, D]`` in place with ``cos`` / ``sin`` ``[T, D]``
     (GIL released), float32, C-contiguous; ValueError on a shape mismatch or odd D."""
 
+class CpuDecoderStack:
+    """A Llama-family model's decoder layers for fused CPU decode steps (``runtime.cpu_decoder``;
+    source ``rust_scheduler/src/cpu_decoder.rs``). ``layers[i]`` is ``(input_norm, qkv, o_proj,
+    post_norm, gate_up, down)``: norms float32 ``[hidden]``, each linear ``(n, k, panels, bias |
+    None, blocks | None)``, ``panels`` as ``linear_f32`` reads them, ``blocks`` ``("q4_1", scale,
+    min, qs)`` or ``("q8_0", scale, qs)`` as ``linear_q*_f32`` read them. The arrays are
+    referenced, not copied. ValueError on any shape mismatch."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 intermediate: int, eps: float, scale: float, layers: list[tuple]) -> None: ...
+    @property
+    def num_layers(self) -> int: ...
+    def forward(self, hidden: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                caches: list[np.ndarray], slots: np.ndarray, block_tables: np.ndarray,
+                ctx_lens: np.ndarray, num_threads: int) -> None:
+        """Runs the step's ``R`` rows through every layer (GIL released): ``hidden`` ``[R, H]``
+        in place (embeddings in, the last layer's output out), ``cos`` / ``sin`` ``[R, D]``, one
+        ``[2, num_blocks, block_size, Hkv, D]`` cache per layer (row ``r``'s K/V written at
+        ``slots[r]``, int64), ``block_tables`` ``[R, max_blocks]`` / ``ctx_lens`` ``[R]`` int32
+        (row ``r`` attends its first ``ctx_lens[r]`` positions). ValueError, nothing written,
+        on any bad input."""
+
 class TokenVocab:
     """The model's vocabulary as a byte trie (built once, shared by every grammar)."""
 

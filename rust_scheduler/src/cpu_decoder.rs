@@ -354,10 +354,13 @@ mod tests {
         block_size: 4,
     };
 
-    /// A weight's dense values, its panels, and (optionally) Q8_0 blocks it was formed from.
+    /// A weight's dense values, its panels, and the Q8_0 blocks it was formed from; plus
+    /// zeroed panels and block scales of the same sizes (to prove which copy a step reads).
     struct Weight {
         dense: Vec<f32>,
         panels: Vec<f32>,
+        zero_panels: Vec<f32>,
+        zero_scale: Vec<f32>,
         bias: Vec<f32>,
         scale: Vec<f32>,
         qs: Vec<i8>,
@@ -378,6 +381,8 @@ mod tests {
             let bias = if bias { rng.vec(n) } else { vec![] };
             let panels = pack(&dense, n, k).unwrap();
             Weight {
+                zero_panels: vec![0.0; panels.len()],
+                zero_scale: vec![0.0; scale.len()],
                 dense,
                 panels,
                 bias,
@@ -388,14 +393,19 @@ mod tests {
             }
         }
 
-        fn linear(&self, blocks: bool) -> Linear<'_> {
+        fn linear(&self, kernels: Kernels) -> Linear<'_> {
+            let (panels, blocks, scale) = match kernels {
+                Kernels::Panels => (&self.panels, false, &self.scale),
+                Kernels::BlocksOnly => (&self.zero_panels, true, &self.scale),
+                Kernels::PanelsOnly => (&self.panels, true, &self.zero_scale),
+            };
             Linear {
                 n: self.n,
                 k: self.k,
-                panels: &self.panels,
+                panels,
                 bias: &self.bias,
                 blocks: blocks.then_some(QuantWeight::Q8_0 {
-                    scale: &self.scale,
+                    scale,
                     qs: &self.qs,
                 }),
             }
@@ -410,6 +420,16 @@ mod tests {
                 })
                 .collect()
         }
+    }
+
+    /// Which copies of the weights a layer gets: panels only; blocks with zeroed panels (a step
+    /// of <= 8 rows must read the blocks); panels with zeroed blocks (a step of more rows must
+    /// read the panels).
+    #[derive(Clone, Copy, Debug)]
+    enum Kernels {
+        Panels,
+        BlocksOnly,
+        PanelsOnly,
     }
 
     struct LayerWeights {
@@ -559,7 +579,7 @@ mod tests {
         (cos, sin, slots, tables, ctx)
     }
 
-    fn run_case(blocks: bool, extra: usize) {
+    fn run_case(kernels: Kernels, extra: usize) {
         let mut rng = Lcg(7 + extra as u64);
         let weights: Vec<LayerWeights> = (0..2).map(|_| layer_weights(&mut rng)).collect();
         let cache_len = 2 * CACHE.num_blocks * CACHE.block_size * SHAPE.kv_size();
@@ -579,11 +599,11 @@ mod tests {
             .iter()
             .map(|w| Layer {
                 input_norm: &w.norms[0],
-                qkv: w.qkv.linear(blocks),
-                o_proj: w.o.linear(blocks),
+                qkv: w.qkv.linear(kernels),
+                o_proj: w.o.linear(kernels),
                 post_norm: &w.norms[1],
-                gate_up: w.gate_up.linear(blocks),
-                down: w.down.linear(blocks),
+                gate_up: w.gate_up.linear(kernels),
+                down: w.down.linear(kernels),
             })
             .collect();
         for threads in [1, 2, 3] {
@@ -603,7 +623,7 @@ mod tests {
             for (j, (&got, &want)) in hidden.iter().zip(&want_hidden).enumerate() {
                 assert!(
                     (got as f64 - want).abs() <= 2e-4 * (1.0 + want.abs()),
-                    "blocks={blocks} rows={} threads={threads} hidden[{j}]: {got} vs {want}",
+                    "{kernels:?} rows={} threads={threads} hidden[{j}]: {got} vs {want}",
                     ctx.len()
                 );
             }
@@ -620,9 +640,9 @@ mod tests {
 
     #[test]
     fn matches_an_f64_reference_of_the_layers() {
-        run_case(false, 0); // panels
-        run_case(true, 0); // 4 rows: blocks
-        run_case(true, 6); // 10 rows: panels although blocks are known
+        run_case(Kernels::Panels, 0);
+        run_case(Kernels::BlocksOnly, 0); // 4 rows read the blocks
+        run_case(Kernels::PanelsOnly, 6); // 10 rows read the panels although blocks are known
     }
 
     #[test]
@@ -633,11 +653,11 @@ mod tests {
             .iter()
             .map(|w| Layer {
                 input_norm: &w.norms[0],
-                qkv: w.qkv.linear(true),
-                o_proj: w.o.linear(true),
+                qkv: w.qkv.linear(Kernels::PanelsOnly),
+                o_proj: w.o.linear(Kernels::PanelsOnly),
                 post_norm: &w.norms[1],
-                gate_up: w.gate_up.linear(true),
-                down: w.down.linear(true),
+                gate_up: w.gate_up.linear(Kernels::PanelsOnly),
+                down: w.down.linear(Kernels::PanelsOnly),
             })
             .collect();
         let cache_len = 2 * CACHE.num_blocks * CACHE.block_size * SHAPE.kv_size();

@@ -80,9 +80,11 @@ def test_small_steps_read_the_blocks_and_agree_with_the_panels(fresh_smollm2, gg
         assert calls == list(range(1, QUANT_MAX_ROWS + 1))   # the two sizes past it: the panels
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-decode", "layer-by-layer"])
 def test_greedy_decoding_through_the_blocks_matches_transformers(
-        fresh_smollm2, parity_prompts, hf_greedy_outputs, monkeypatch):
-    """Each prompt alone (every decode step has one row, so every linear reads its blocks)."""
+        fresh_smollm2, parity_prompts, hf_greedy_outputs, monkeypatch, fused):
+    """Each prompt alone (every decode step has one row, so every linear reads its blocks: in
+    the fused decode step inside Rust, layer by layer through ``BlockKernel``)."""
     calls = [0]
     original = BlockKernel.__call__
 
@@ -91,7 +93,8 @@ def test_greedy_decoding_through_the_blocks_matches_transformers(
         return original(self, *args)
 
     monkeypatch.setattr(BlockKernel, "__call__", counting)
-    runner = ModelRunner(fresh_smollm2, num_blocks=256, block_size=16, attn_backend="cpu")
+    runner = ModelRunner(fresh_smollm2, num_blocks=256, block_size=16, attn_backend="cpu",
+                         fused_decode=fused)
     sampler = Sampler(fresh_smollm2.config.vocab_size, fresh_smollm2.tokenizer.eos_token_ids,
                       "cpu")
     for i in (0, 2, len(parity_prompts) - 1):
@@ -100,4 +103,9 @@ def test_greedy_decoding_through_the_blocks_matches_transformers(
         while (batch := sched.schedule()) is not None:
             sched.update(sampler.sample(runner.execute(batch), batch).token_ids)
         assert seq.output_ids == hf_greedy_outputs[i], i
-    assert calls[0] >= 3 * (NUM_NEW_TOKENS - 1) * (4 * fresh_smollm2.config.num_layers + 1)
+    decode_steps = 3 * (NUM_NEW_TOKENS - 1)
+    if fused:   # the layers' blocks are read in Rust; the LM head's still through BlockKernel
+        assert runner.model.fused_layers.steps >= decode_steps
+        assert calls[0] >= decode_steps
+    else:
+        assert calls[0] >= decode_steps * (4 * fresh_smollm2.config.num_layers + 1)

@@ -6,8 +6,9 @@ At decode sizes torch's per-op dispatch dominates these: an RMSNorm is seven ops
 SmolLM2 step: ~4.5 ms of a ~57 ms 8-row step on the dev VM), RoPE twelve (~2.6 ms per step).
 ``swap_elementwise_ops(model)`` replaces every llama ``RMSNorm`` and ``ApplyRotary`` module in
 place (norm weights shared); results agree with the torch modules to float32 rounding.
-``SiluAndMul`` stays in torch: a Rust version (polynomial ``exp``) measured 1.2-1.5x slower than
-torch's vectorized ``silu`` + ``mul`` at 16 and 256 rows.
+``SiluAndMul`` stays in torch here: a scalar Rust version measured 1.2-1.5x slower than torch's
+vectorized ``silu`` + ``mul`` at 16 and 256 rows. (The fused decode step, ``runtime.cpu_decoder``,
+has its own vectorized one in Rust.)
 """
 
 from __future__ import annotations
