@@ -55,6 +55,8 @@ def machine_info() -> dict:
         "cpu_model": _cpu_model(),
         "loadavg_1m_at_start": load_1min(),
         "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
+        # the engine's switches (FERROBATCH_CPU_ISA, FERROBATCH_FUSED_DECODE, ...), if set
+        "ferrobatch_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("FERROBATCH_")},
     }
     try:
         import torch

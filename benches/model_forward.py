@@ -91,13 +91,13 @@ COMPARE_SHAPES = [("decode", 1, 128), ("decode", 1, 1024), ("decode", 2, 128), (
 
 
 FUSED_SHAPES = [("decode", 1, 128), ("decode", 1, 1024), ("decode", 4, 128), ("decode", 8, 128),
-                ("decode", 16, 128), ("decode", 32, 128), ("decode", 32, 1024)]
+                ("decode", 16, 128), ("decode", 32, 128), ("decode", 16, 1024)]
 
 
 def compare(args, first: tuple[str, dict], second: tuple[str, dict], shapes) -> None:
     """Decode-step ms of two runners (each ``(label, ModelRunner kwargs)``) on two copies of
     the model, the same steps, alternating; the speed-up is second / first."""
-    block_size, num_blocks = 16, 1024
+    block_size, num_blocks = 16, 2048
     runners = {}
     for name, kwargs in (first, second):
         loaded = load_model(args.model, device="cpu")
