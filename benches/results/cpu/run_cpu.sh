@@ -110,6 +110,20 @@ $PY benches/single_stream.py --lengths 256,1024,2000 --json $OUT/single_stream_s
 $PY benches/throughput.py --workload cpu-small \
   --systems ferrobatch,ferrobatch-nodraft,ferrobatch-static,hf-static@16,hf-continuous \
   --json $OUT/throughput_cpu-small_session11.json
+# 19. Session 12 (the same Xeon): every decoder layer of a decode step in one Rust call, side by
+# side with the layer-by-layer forward (FERROBATCH_FUSED_DECODE=0), then the headline systems.
+$PY benches/model_forward.py --model smollm2 --compare-fused-decode --iters 5
+for fused in 0 1 0 1; do
+  FERROBATCH_FUSED_DECODE=$fused $PY benches/single_stream.py --lengths 256,1024,2000
+done
+$PY benches/single_stream.py --lengths 256,1024,2000 --json $OUT/single_stream_session12.json
+for fused in 0 1 0 1 0 1 0 1; do
+  FERROBATCH_FUSED_DECODE=$fused $PY benches/throughput.py --workload cpu-small \
+    --systems ferrobatch,ferrobatch-nodraft
+done
+$PY benches/throughput.py --workload cpu-small \
+  --systems ferrobatch,ferrobatch-nodraft,ferrobatch-static,hf-static@16,hf-continuous \
+  --json $OUT/throughput_cpu-small_session12.json
 
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
