@@ -113,9 +113,10 @@ $PY benches/throughput.py --workload cpu-small \
 # 19. Session 12 (the same Xeon): every decoder layer of a decode step in one Rust call, side by
 # side with the layer-by-layer forward (FERROBATCH_FUSED_DECODE=0), then the headline systems.
 $PY benches/model_forward.py --model smollm2 --compare-fused-decode --iters 5
-for fused in 0 1 0 1; do
-  FERROBATCH_FUSED_DECODE=$fused $PY benches/single_stream.py --lengths 256,1024,2000
-done
+FERROBATCH_FUSED_DECODE=0 $PY benches/single_stream.py --lengths 256,1024,2000
+$PY benches/single_stream.py --lengths 256,1024,2000
+FERROBATCH_FUSED_DECODE=0 $PY benches/single_stream.py --lengths 256,1024,2000 \
+  --json $OUT/single_stream_session12_per_layer.json
 $PY benches/single_stream.py --lengths 256,1024,2000 --json $OUT/single_stream_session12.json
 for fused in 0 1 0 1 0 1 0 1; do
   FERROBATCH_FUSED_DECODE=$fused $PY benches/throughput.py --workload cpu-small \
