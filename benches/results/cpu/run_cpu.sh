@@ -125,6 +125,11 @@ done
 $PY benches/throughput.py --workload cpu-small \
   --systems ferrobatch,ferrobatch-nodraft,ferrobatch-static,hf-static@16,hf-continuous \
   --json $OUT/throughput_cpu-small_session12.json
+for fused in 0 1; do
+  suffix=$([ $fused = 0 ] && echo _per_layer)
+  FERROBATCH_FUSED_DECODE=$fused $PY benches/serving.py --servers ferrobatch --workload cpu-serve \
+    --num-prompts 32 --request-rates 0.8,1.6,3.2 --json $OUT/serving_cpu-serve_session12$suffix.json
+done
 
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
