@@ -547,84 +547,113 @@ mod tests {
         (x, out_caches)
     }
 
-    /// Three sequences over shuffled blocks: one decode at context 9, one with two query rows
-    /// (a decode and its draft: contexts 5 and 6), one first token (context 1); `extra` more
-    /// decode rows of context 3 (enough rows to pass the blocks kernel's limit).
-    #[allow(clippy::type_complexity)] // cos, sin, slots, block tables, context lengths
-    fn step_rows(extra: usize) -> (Vec<f32>, Vec<f32>, Vec<i64>, Vec<i32>, Vec<i32>) {
-        let bs = CACHE.block_size;
-        let mut tables: Vec<i32> = vec![];
-        let mut slots = vec![];
-        let mut ctx = vec![];
-        let mut row = |table: [i32; 3], positions: &[usize]| {
-            for &p in positions {
-                tables.extend(table);
-                slots.push(table[p / bs] as i64 * bs as i64 + (p % bs) as i64);
-                ctx.push(p as i32 + 1);
+    /// Two layers of weights, their caches (random, as if earlier tokens were there), and a
+    /// step: three sequences over shuffled blocks, one decode at context 9, one with two query
+    /// rows (a decode and its draft: contexts 5 and 6), one first token (context 1), and
+    /// `extra` more decode rows of context 3 (enough rows to pass the blocks kernel's limit).
+    struct Case {
+        weights: Vec<LayerWeights>,
+        caches: Vec<Vec<f32>>,
+        hidden: Vec<f32>,
+        cos: Vec<f32>,
+        sin: Vec<f32>,
+        slots: Vec<i64>,
+        tables: Vec<i32>,
+        ctx: Vec<i32>,
+    }
+
+    impl Case {
+        fn new(seed: u64, extra: usize) -> Case {
+            let mut rng = Lcg(seed);
+            let weights: Vec<LayerWeights> = (0..2).map(|_| layer_weights(&mut rng)).collect();
+            let cache_len = 2 * CACHE.num_blocks * CACHE.block_size * SHAPE.kv_size();
+            let caches = (0..2).map(|_| rng.vec(cache_len)).collect();
+            let bs = CACHE.block_size;
+            let (mut tables, mut slots, mut ctx) = (vec![], vec![], vec![]);
+            let mut row = |table: [i32; 3], positions: &[usize]| {
+                for &p in positions {
+                    tables.extend(table);
+                    slots.push(table[p / bs] as i64 * bs as i64 + (p % bs) as i64);
+                    ctx.push(p as i32 + 1);
+                }
+            };
+            row([7, 2, 10], &[8]);
+            row([5, 11, 0], &[4, 5]);
+            row([3, 0, 0], &[0]);
+            for e in 0..extra {
+                row([1 + (e % 2) as i32, 0, 0], &[2]);
             }
-        };
-        row([7, 2, 10], &[8]);
-        row([5, 11, 0], &[4, 5]);
-        row([3, 0, 0], &[0]);
-        for e in 0..extra {
-            row([1 + (e % 2) as i32, 0, 0], &[2]);
+            let d = SHAPE.head_dim;
+            let angles: Vec<f32> = (0..ctx.len() * d)
+                .map(|j| (j / d) as f32 * 0.7 + (j % (d / 2)) as f32 * 0.1)
+                .collect();
+            Case {
+                weights,
+                caches,
+                hidden: rng.vec(ctx.len() * SHAPE.hidden),
+                cos: angles.iter().map(|a| a.cos()).collect(),
+                sin: angles.iter().map(|a| a.sin()).collect(),
+                slots,
+                tables,
+                ctx,
+            }
         }
-        let r = ctx.len();
-        let d = SHAPE.head_dim;
-        let angles: Vec<f32> = (0..r * d)
-            .map(|j| (j / d) as f32 * 0.7 + (j % (d / 2)) as f32 * 0.1)
-            .collect();
-        let cos = angles.iter().map(|a| a.cos()).collect();
-        let sin = angles.iter().map(|a| a.sin()).collect();
-        (cos, sin, slots, tables, ctx)
+
+        fn rows(&self) -> StepRows<'_> {
+            StepRows {
+                cos: &self.cos,
+                sin: &self.sin,
+                slots: &self.slots,
+                block_tables: &self.tables,
+                max_blocks_per_seq: 3,
+                ctx_lens: &self.ctx,
+            }
+        }
+
+        fn layers(&self, kernels: Kernels) -> Vec<Layer<'_>> {
+            self.weights
+                .iter()
+                .map(|w| Layer {
+                    input_norm: &w.norms[0],
+                    qkv: w.qkv.linear(kernels),
+                    o_proj: w.o.linear(kernels),
+                    post_norm: &w.norms[1],
+                    gate_up: w.gate_up.linear(kernels),
+                    down: w.down.linear(kernels),
+                })
+                .collect()
+        }
+
+        /// `decode_step` on copies of the caches and hidden rows: the result and the copies.
+        fn run(
+            &self,
+            layers: &[Layer<'_>],
+            caches: &mut [&mut [f32]],
+            rows: &StepRows<'_>,
+            threads: usize,
+        ) -> (Result<(), KernelInputError>, Vec<f32>) {
+            let mut hidden = self.hidden.clone();
+            let result = decode_step(&SHAPE, layers, caches, &CACHE, &mut hidden, rows, threads);
+            (result, hidden)
+        }
     }
 
     fn run_case(kernels: Kernels, extra: usize) {
-        let mut rng = Lcg(7 + extra as u64);
-        let weights: Vec<LayerWeights> = (0..2).map(|_| layer_weights(&mut rng)).collect();
-        let cache_len = 2 * CACHE.num_blocks * CACHE.block_size * SHAPE.kv_size();
-        let caches0: Vec<Vec<f32>> = (0..2).map(|_| rng.vec(cache_len)).collect();
-        let (cos, sin, slots, tables, ctx) = step_rows(extra);
-        let rows = StepRows {
-            cos: &cos,
-            sin: &sin,
-            slots: &slots,
-            block_tables: &tables,
-            max_blocks_per_seq: 3,
-            ctx_lens: &ctx,
-        };
-        let hidden0 = rng.vec(ctx.len() * SHAPE.hidden);
-        let (want_hidden, want_caches) = reference(&weights, &caches0, &hidden0, &rows);
-        let layers: Vec<Layer<'_>> = weights
-            .iter()
-            .map(|w| Layer {
-                input_norm: &w.norms[0],
-                qkv: w.qkv.linear(kernels),
-                o_proj: w.o.linear(kernels),
-                post_norm: &w.norms[1],
-                gate_up: w.gate_up.linear(kernels),
-                down: w.down.linear(kernels),
-            })
-            .collect();
+        let case = Case::new(7 + extra as u64, extra);
+        let rows = case.rows();
+        let (want_hidden, want_caches) =
+            reference(&case.weights, &case.caches, &case.hidden, &rows);
+        let layers = case.layers(kernels);
         for threads in [1, 2, 3] {
-            let mut caches = caches0.clone();
+            let mut caches = case.caches.clone();
             let mut views: Vec<&mut [f32]> = caches.iter_mut().map(|c| c.as_mut_slice()).collect();
-            let mut hidden = hidden0.clone();
-            decode_step(
-                &SHAPE,
-                &layers,
-                &mut views,
-                &CACHE,
-                &mut hidden,
-                &rows,
-                threads,
-            )
-            .unwrap();
+            let (result, hidden) = case.run(&layers, &mut views, &rows, threads);
+            result.unwrap();
             for (j, (&got, &want)) in hidden.iter().zip(&want_hidden).enumerate() {
                 assert!(
                     (got as f64 - want).abs() <= 2e-4 * (1.0 + want.abs()),
                     "{kernels:?} rows={} threads={threads} hidden[{j}]: {got} vs {want}",
-                    ctx.len()
+                    case.ctx.len()
                 );
             }
             for (layer, (got, want)) in caches.iter().zip(&want_caches).enumerate() {
@@ -647,35 +676,12 @@ mod tests {
 
     #[test]
     fn rejects_bad_steps_touching_nothing() {
-        let mut rng = Lcg(3);
-        let weights: Vec<LayerWeights> = (0..2).map(|_| layer_weights(&mut rng)).collect();
-        let layers: Vec<Layer<'_>> = weights
-            .iter()
-            .map(|w| Layer {
-                input_norm: &w.norms[0],
-                qkv: w.qkv.linear(Kernels::PanelsOnly),
-                o_proj: w.o.linear(Kernels::PanelsOnly),
-                post_norm: &w.norms[1],
-                gate_up: w.gate_up.linear(Kernels::PanelsOnly),
-                down: w.down.linear(Kernels::PanelsOnly),
-            })
-            .collect();
-        let cache_len = 2 * CACHE.num_blocks * CACHE.block_size * SHAPE.kv_size();
-        let caches0: Vec<Vec<f32>> = (0..2).map(|_| rng.vec(cache_len)).collect();
-        let (cos, sin, slots, tables, ctx) = step_rows(0);
-        let hidden0 = rng.vec(ctx.len() * SHAPE.hidden);
-        let good = StepRows {
-            cos: &cos,
-            sin: &sin,
-            slots: &slots,
-            block_tables: &tables,
-            max_blocks_per_seq: 3,
-            ctx_lens: &ctx,
-        };
-        let far_slot: Vec<i64> = slots.iter().map(|&s| s + 48).collect();
-        let zero_ctx: Vec<i32> = ctx.iter().map(|_| 0).collect();
-        let bad_block: Vec<i32> = tables
-            .iter()
+        let case = Case::new(3, 0);
+        let layers = case.layers(Kernels::PanelsOnly);
+        let good = case.rows();
+        let far_slot: Vec<i64> = case.slots.iter().map(|&s| s + 48).collect();
+        let zero_ctx: Vec<i32> = case.ctx.iter().map(|_| 0).collect();
+        let bad_block: Vec<i32> = (case.tables.iter())
             .map(|&b| if b == 10 { 12 } else { b })
             .collect();
         let cases = [
@@ -692,38 +698,26 @@ mod tests {
                 ..good
             },
             StepRows {
-                cos: &cos[1..],
+                cos: &case.cos[1..],
                 ..good
             },
         ];
-        for rows in &cases {
-            let mut caches = caches0.clone();
-            let mut views: Vec<&mut [f32]> = caches.iter_mut().map(|c| c.as_mut_slice()).collect();
-            let mut hidden = hidden0.clone();
-            assert!(
-                decode_step(&SHAPE, &layers, &mut views, &CACHE, &mut hidden, rows, 2).is_err()
-            );
-            assert_eq!(hidden, hidden0);
-            assert_eq!(caches, caches0);
-        }
-        // one cache short; a weight of the wrong shape
-        let mut caches = caches0.clone();
-        let mut views: Vec<&mut [f32]> = caches.iter_mut().map(|c| c.as_mut_slice()).collect();
-        let mut hidden = hidden0.clone();
-        assert!(decode_step(
-            &SHAPE,
-            &layers,
-            &mut views[..1],
-            &CACHE,
-            &mut hidden,
-            &good,
-            2
-        )
-        .is_err());
-        let mut short = layers.clone();
+        let mut short = layers.clone(); // a weight of the wrong shape
         short[1].down.panels = &short[1].down.panels[16..];
-        assert!(decode_step(&SHAPE, &short, &mut views, &CACHE, &mut hidden, &good, 2).is_err());
-        assert_eq!(hidden, hidden0);
-        assert_eq!(caches, caches0);
+        let mut caches = case.caches.clone();
+        let mut views: Vec<&mut [f32]> = caches.iter_mut().map(|c| c.as_mut_slice()).collect();
+        for rows in &cases {
+            let (result, hidden) = case.run(&layers, &mut views, rows, 2);
+            assert!(result.is_err());
+            assert_eq!(hidden, case.hidden);
+        }
+        let (result, hidden) = case.run(&layers, &mut views[..1], &good, 2); // one cache short
+        assert!(result.is_err());
+        assert_eq!(hidden, case.hidden);
+        let (result, hidden) = case.run(&short, &mut views, &good, 2);
+        assert!(result.is_err());
+        assert_eq!(hidden, case.hidden);
+        drop(views);
+        assert_eq!(caches, case.caches);
     }
 }
