@@ -21,15 +21,15 @@ import os
 import torch
 from torch import nn
 
+from ferrobatch import _scheduler
+from ferrobatch.model.llama import LlamaDecoderLayer, LlamaForCausalLM, SiluAndMul
+from ferrobatch.runtime.attention.cpu import CpuPagedBackend, CpuPagedMetadata
+from ferrobatch.runtime.cpu_elementwise import RustApplyRotary, RustRMSNorm
+from ferrobatch.runtime.cpu_linear import PanelLinear
+
 
 def unsupported(model: nn.Module, backend) -> str | None:
     """None if ``model``'s layers can run fused on ``backend``, else the reason."""
-    from ferrobatch import _scheduler
-    from ferrobatch.model.llama import LlamaDecoderLayer, LlamaForCausalLM, SiluAndMul
-    from ferrobatch.runtime.attention.cpu import CpuPagedBackend
-    from ferrobatch.runtime.cpu_elementwise import RustApplyRotary, RustRMSNorm
-    from ferrobatch.runtime.cpu_linear import PanelLinear
-
     if os.environ.get("FERROBATCH_FUSED_DECODE", "1") == "0":
         return "turned off by FERROBATCH_FUSED_DECODE=0"
     if not hasattr(_scheduler, "CpuDecoderStack"):
@@ -62,8 +62,6 @@ class FusedDecodeLayers:
     """``model.fused_layers``: runs a decode step's hidden rows through every layer in Rust."""
 
     def __init__(self, model: nn.Module, num_threads: int) -> None:
-        from ferrobatch._scheduler import CpuDecoderStack
-
         config = model.config
         first = model.layers[0]
         layers = [(layer.input_layernorm.weight.numpy(), _linear_spec(layer.self_attn.qkv_proj),
@@ -75,7 +73,7 @@ class FusedDecodeLayers:
             {layer.post_attention_layernorm.eps for layer in model.layers}
         if len(epsilons) != 1:
             raise ValueError(f"the layers' RMSNorms differ in eps: {sorted(epsilons)}")
-        self._stack = CpuDecoderStack(
+        self._stack = _scheduler.CpuDecoderStack(
             config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
             config.intermediate_size, epsilons.pop(), first.self_attn.scale, layers)
         self.num_threads = num_threads
@@ -86,8 +84,6 @@ class FusedDecodeLayers:
     @staticmethod
     def accepts(meta) -> bool:
         """True for a step whose every row is a decode-kernel row (``every_token``)."""
-        from ferrobatch.runtime.attention.cpu import CpuPagedMetadata
-
         decode = getattr(meta, "decode", None)
         return type(meta) is CpuPagedMetadata and decode is not None and decode.every_token
 
