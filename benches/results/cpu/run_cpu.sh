@@ -125,6 +125,8 @@ done
 $PY benches/throughput.py --workload cpu-small \
   --systems ferrobatch,ferrobatch-nodraft,ferrobatch-static,hf-static@16,hf-continuous \
   --json $OUT/throughput_cpu-small_session12.json
+# (after the block kernel's prefetch; the A/B against the commit before used a worktree build)
+$PY benches/single_stream.py --lengths 256,1024,2000 --json $OUT/single_stream_session12_prefetch.json
 for fused in 0 1; do
   suffix=$([ $fused = 0 ] && echo _per_layer)
   FERROBATCH_FUSED_DECODE=$fused $PY benches/serving.py --servers ferrobatch --workload cpu-serve \
