@@ -18,6 +18,7 @@ from ferrobatch.config import EngineConfig, Speculation
     ({"device": "tpu"}, "device"),
     ({"cuda_graphs": "no"}, "cuda_graphs"),
     ({"gguf_blocks": 1}, "gguf_blocks"),
+    ({"fused_decode": "yes"}, "fused_decode"),
     ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
     ({"scheduling_policy": "lifo"}, "scheduling_policy"),
     ({"num_speculative_tokens": -1}, "num_speculative_tokens"),
@@ -73,11 +74,11 @@ def test_cli_maps_engine_flags():
     parser = build_parser()
     default = _config(parser.parse_args(["serve"]))
     assert default.cuda_graphs is True and default.max_num_batched_tokens is None
-    assert default.gguf_blocks is True
+    assert default.gguf_blocks is True and default.fused_decode is True
     cfg = _config(parser.parse_args(["serve", "--enforce-eager", "--max-num-batched-tokens", "64",
-                                     "--no-gguf-blocks"]))
+                                     "--no-gguf-blocks", "--no-fused-decode"]))
     assert cfg.cuda_graphs is False and cfg.max_num_batched_tokens == 64
-    assert cfg.gguf_blocks is False
+    assert cfg.gguf_blocks is False and cfg.fused_decode is False
     assert default.num_speculative_tokens is None and default.speculative_max_running is None
     cfg = _config(parser.parse_args(["serve", "--num-speculative-tokens", "0",
                                      "--speculative-max-running", "4",

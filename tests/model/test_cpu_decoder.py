@@ -153,3 +153,12 @@ def test_the_stack_rejects_bad_input_with_value_errors():
     with pytest.raises(ValueError, match="blocks must be"):
         CpuDecoderStack(64, 4, 2, 16, 96, 1e-5, 0.25, [(norm, odd_blocks, odd_blocks, norm,
                                                         odd_blocks, odd_blocks)])
+
+
+def test_the_engine_switch_reaches_the_runner(loaded_smollm2):
+    from ferrobatch.config import EngineConfig
+    from ferrobatch.engine.core import EngineCore
+    for fused in (True, False):
+        core = EngineCore.build(EngineConfig(num_blocks=64, fused_decode=fused), loaded_smollm2)
+        assert (core.runner.model.fused_layers is not None) is fused
+        assert ("decode steps fused" in core.runner.linear_kernels) is fused
