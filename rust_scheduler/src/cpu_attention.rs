@@ -553,6 +553,7 @@ mod portable {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::Rows;
+    use crate::cpu_exp::{avx2::exp8, exp};
     use std::arch::x86_64::*;
 
     pub(super) struct Math;
@@ -698,17 +699,17 @@ mod avx2 {
             block_max = block_max.max(x);
         }
         let new_max = running_max.max(block_max);
-        let correction = crate::cpu_exp::exp(*running_max - new_max);
+        let correction = exp(*running_max - new_max);
         *running_max = new_max;
         let (shift, mut vsum) = (_mm256_set1_ps(new_max), _mm256_setzero_ps());
         for c in (0..full).step_by(8) {
-            let e = crate::cpu_exp::avx2::exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(c)), shift));
+            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(c)), shift));
             _mm256_storeu_ps(p.add(c), e);
             vsum = _mm256_add_ps(vsum, e);
         }
         let mut sum = hsum(vsum);
         for x in &mut row[full..] {
-            *x = crate::cpu_exp::exp(*x - new_max);
+            *x = exp(*x - new_max);
             sum += *x;
         }
         *denom = *denom * correction + sum;

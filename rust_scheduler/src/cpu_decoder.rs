@@ -14,11 +14,11 @@
 //! positions of its block-table row (its own included: every row's K/V is written first).
 //! A layer's cache is `[2, num_blocks, block_size, Hkv, D]` (0 = K, 1 = V), as in Python.
 //!
-//! Invariants checked by [`validate`] before anything is read or written: every weight has its
-//! layer's shape ([`Layer::check`]), one cache per layer of the shape's size, whole rows of
-//! `hidden`, `cos`, `sin`, one slot per row inside the cache, and the attention kernel's own
-//! checks (block tables and context lengths) on the step's buffers. A failed check leaves
-//! `hidden` and every cache untouched.
+//! Invariants checked by [`decode_step`] before anything is read or written: every weight has
+//! its layer's shape ([`Layer::check`]), one cache per layer of the shape's size, whole rows of
+//! `hidden`, `cos`, `sin`, one slot per row inside the cache ([`validate`]), and the attention
+//! kernel's own checks (block tables and context lengths) on the step's buffers. A failed check
+//! leaves `hidden` and every cache untouched.
 
 use crate::cpu_attention::{paged_decode_attention_f32, DecodeShape};
 use crate::cpu_elementwise::{rms_norm_f32, rotary_f32, silu_and_mul_f32};
@@ -180,7 +180,8 @@ fn bad<T>(msg: String) -> Result<T, KernelInputError> {
     Err(KernelInputError(msg))
 }
 
-/// Checks the module header's invariants; returns the row count `R`.
+/// Checks the module header's invariants but the attention kernel's (which `decode_step`
+/// checks on its own buffers before the first write); returns the row count `R`.
 pub fn validate(
     shape: &DecoderShape,
     layers: &[Layer<'_>],
@@ -239,12 +240,6 @@ pub fn validate(
     for layer in layers {
         layer.check(s)?;
     }
-    if let (Some(c), true) = (caches.first(), r > 0) {
-        let (k, v) = c.split_at(cache_len / 2);
-        let q = vec![0f32; r * s.q_size()];
-        let attn = attention_shape(s, cache, r, rows.max_blocks_per_seq);
-        attn.validate(&q, k, v, rows.block_tables, rows.ctx_lens, &q)?;
-    }
     Ok(r)
 }
 
@@ -292,6 +287,11 @@ pub fn decode_step(
     let mut projected = vec![0f32; r * s.hidden];
     let mut gate_up = vec![0f32; r * 2 * s.intermediate];
     let mut activated = vec![0f32; r * s.intermediate];
+    if let Some(first) = caches.first() {
+        // the attention kernel's own checks (block tables, context lengths), before any write
+        let (k, v) = first.split_at(first.len() / 2);
+        attn.validate(&q, k, v, rows.block_tables, rows.ctx_lens, &attended)?;
+    }
     for (layer, layer_cache) in layers.iter().zip(caches.iter_mut()) {
         let (k_cache, v_cache) = layer_cache.split_at_mut(layer_cache.len() / 2);
         rms_norm_f32(hidden, layer.input_norm, s.eps, &mut normed)?;
