@@ -1,7 +1,7 @@
 //! The exponential in branch-free float32 arithmetic that vectorizes, for `x <= 0` only (a
 //! softmax's weights, a sigmoid's `e^-|x|`): shared by the attention kernel and the SiLU of
-//! `cpu_elementwise`, scalar ([`exp`]) and eight lanes at a time with AVX2 ([`avx2::exp8`]),
-//! both the same polynomial to within one rounding of `f32::exp`.
+//! `cpu_elementwise`, scalar ([`exp`]), eight lanes at a time with AVX2 ([`avx2::exp8`]) and
+//! sixteen with AVX-512 ([`avx512::exp16`]), all the same polynomial to within one rounding of `f32::exp`.
 
 /// `e^x` for `x <= 0` (softmax weights; -inf gives 0) in branch-free arithmetic that
 /// vectorizes: `2^n * e^r` with `|r| <= ln2 / 2` and a degree-7 Taylor polynomial (relative
@@ -62,6 +62,32 @@ pub mod avx2 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+pub mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// [`super::exp`] on sixteen lanes.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub unsafe fn exp16(x: __m512) -> __m512 {
+        let x = _mm512_max_ps(x, _mm512_set1_ps(-87.0));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(super::LN2_HI), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(super::LN2_LO), r);
+        let mut poly = _mm512_set1_ps(super::EXP_COEFFS[0]);
+        for &c in &super::EXP_COEFFS[1..] {
+            poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(c));
+        }
+        let two_n = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+            _mm512_cvtps_epi32(n),
+            _mm512_set1_epi32(127),
+        ));
+        _mm512_mul_ps(poly, _mm512_castsi512_ps(two_n))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -103,6 +129,36 @@ mod tests {
                     worst = worst.max((g - want).abs() / want);
                 } else {
                     assert!(g < 1e-36, "exp8({x}) = {g}");
+                }
+            }
+        }
+        assert!(worst < 4e-7, "worst relative error {worst}");
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn sixteen_lane_exp_matches_std_over_the_softmax_range() {
+        use std::arch::x86_64::*;
+        if Isa::detect(Isa::Avx512) < Isa::Avx512 {
+            return;
+        }
+        let mut worst = 0f32;
+        for i in (0..=200_000).step_by(16) {
+            let xs: [f32; 16] = std::array::from_fn(|l| -100.0 * (i + l) as f32 / 200_000.0);
+            let mut got = [0f32; 16];
+            // SAFETY: this CPU has AVX-512F (checked above).
+            unsafe {
+                _mm512_storeu_ps(
+                    got.as_mut_ptr(),
+                    avx512::exp16(_mm512_loadu_ps(xs.as_ptr())),
+                )
+            };
+            for (&x, &g) in xs.iter().zip(&got) {
+                let want = x.exp();
+                if want > 1e-37 {
+                    worst = worst.max((g - want).abs() / want);
+                } else {
+                    assert!(g < 1e-36, "exp16({x}) = {g}");
                 }
             }
         }

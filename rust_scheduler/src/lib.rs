@@ -29,6 +29,7 @@ mod cpu_exp;
 mod cpu_isa;
 pub mod cpu_linear;
 pub mod cpu_pool;
+pub mod cpu_prefill_attention;
 pub mod cpu_quant_linear;
 pub mod error;
 pub mod guided;

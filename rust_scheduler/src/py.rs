@@ -599,6 +599,10 @@ fn scheduler_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
         crate::py_attention::py_paged_decode_attention_f32,
         m
     )?)?;
+    m.add_function(wrap_pyfunction!(
+        crate::py_attention::py_paged_prefill_attention_f32,
+        m
+    )?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_linear_f32, m)?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_linear_q4_1_f32, m)?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_linear_q8_0_f32, m)?)?;

@@ -30,17 +30,21 @@ from ferrobatch.runtime.cpu_linear import (
 from ferrobatch.runtime.cpu_threads import torch_single_threaded
 
 
+@pytest.mark.parametrize("prefill_kernel", [True, False], ids=["rust-prefill", "sdpa-prefill"])
 @pytest.mark.parametrize("kernel_query_max", [1, 8], ids=["decodes", "short-queries"])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_cpu_backend_matches_naive_attention_on_mixed_steps(seed, kernel_query_max, monkeypatch):
+def test_cpu_backend_matches_naive_attention_on_mixed_steps(seed, kernel_query_max,
+                                                            prefill_kernel, monkeypatch):
     import ferrobatch.runtime.attention.cpu as cpu_backend
     monkeypatch.setattr(cpu_backend, "KERNEL_QUERY_MAX", kernel_query_max)
     torch.manual_seed(seed)
-    backend = CpuPagedBackend(block_size=BLOCK_SIZE)
+    backend = CpuPagedBackend(block_size=BLOCK_SIZE, prefill_kernel=prefill_kernel)
     cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    saw_decode = saw_decode_only = False
+    saw_decode = saw_decode_only = saw_prefill = False
     for batch in _mixed_batch(seed):
         meta = backend.build_metadata(batch, "cpu")
+        saw_prefill |= (meta.prefill is not None) if prefill_kernel else bool(meta.groups)
+        assert meta.prefill is None or not meta.groups, "a chunk on both paths"
         saw_decode |= meta.decode is not None
         saw_decode_only |= meta.decode is not None and meta.decode.every_token
         query = torch.randn(batch.num_tokens, NUM_HEADS, HEAD_DIM)
@@ -51,6 +55,8 @@ def test_cpu_backend_matches_naive_attention_on_mixed_steps(seed, kernel_query_m
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert saw_decode, "no step had decode rows: the kernel was not exercised"
     assert saw_decode_only, "no decode-only step: the no-gather path was not exercised"
+    # (with 8-query kernel rows the 9-token step budget rarely leaves a longer chunk)
+    assert saw_prefill or kernel_query_max == 8, "no step had a prefill chunk"
 
 
 def _random_decode_step(rng, num_seqs, num_heads, num_kv_heads, head_dim, block_size=16):
@@ -312,7 +318,7 @@ def test_prefill_attention_gets_the_kernel_threads_back(monkeypatch, threshold, 
         return real(*args, **kwargs)
 
     monkeypatch.setattr(cpu_backend, "attend_groups", recording)
-    backend = CpuPagedBackend(block_size=BLOCK_SIZE, num_threads=2)
+    backend = CpuPagedBackend(block_size=BLOCK_SIZE, num_threads=2, prefill_kernel=False)
     cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     with torch_single_threaded():
         for batch in _mixed_batch(0):
@@ -325,12 +331,13 @@ def test_prefill_attention_gets_the_kernel_threads_back(monkeypatch, threshold, 
     assert seen and all(n == want_threads for n in seen)
 
 
+@pytest.mark.parametrize("prefill_kernel", [True, False], ids=["rust-prefill", "sdpa-prefill"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_short_queries_go_through_the_kernel_causally(seed):
+def test_short_queries_go_through_the_kernel_causally(seed, prefill_kernel):
     """Sequences of up to KERNEL_QUERY_MAX queries (a decode with speculative drafts, a short
-    chunk) are kernel rows, each seeing its causal prefix; longer ones stay on SDPA. Checked
-    against the naive per-sequence attention on a step that mixes all three, over shuffled
-    blocks and contexts that are not block multiples."""
+    chunk) are decode-kernel rows, each seeing its causal prefix; longer ones go to the prefill
+    kernel (or SDPA). Checked against the naive per-sequence attention on a step that mixes all
+    three, over shuffled blocks and contexts that are not block multiples."""
     from types import SimpleNamespace
 
     from ferrobatch.runtime.attention.cpu import KERNEL_QUERY_MAX
@@ -350,11 +357,16 @@ def test_short_queries_go_through_the_kernel_causally(seed):
     batch = SimpleNamespace(query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
                             input_ids=np.zeros(num_tokens, np.int32),
                             slot_mapping=np.zeros(num_tokens, np.int32), num_seqs=q_lens.size)
-    backend = CpuPagedBackend(block_size=BLOCK_SIZE)
+    backend = CpuPagedBackend(block_size=BLOCK_SIZE, prefill_kernel=prefill_kernel)
     meta = backend.build_metadata(batch, "cpu")
     short = int(q_lens[q_lens <= KERNEL_QUERY_MAX].sum())
     assert meta.decode is not None and len(meta.decode.ctx_lens) == short
-    assert not meta.decode.every_token and len(meta.groups) == 1
+    assert not meta.decode.every_token
+    if prefill_kernel:
+        assert not meta.groups and list(meta.prefill.q_lens) == [KERNEL_QUERY_MAX + 1, 20]
+        assert list(meta.prefill.q_starts) == list(qsl[:-1][q_lens > KERNEL_QUERY_MAX])
+    else:
+        assert meta.prefill is None and len(meta.groups) == 1
     torch.manual_seed(seed)
     cache = torch.randn(2, int(ids.max()) + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     query = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM)
@@ -368,7 +380,7 @@ def test_short_queries_go_through_the_kernel_causally(seed):
                           block_tables=tables[keep], input_ids=np.zeros(sub_qsl[-1], np.int32),
                           slot_mapping=np.zeros(sub_qsl[-1], np.int32), num_seqs=int(keep.sum()))
     meta = backend.build_metadata(sub, "cpu")
-    assert meta.decode.every_token and not meta.groups
+    assert meta.decode.every_token and not meta.groups and meta.prefill is None
     query = torch.randn(int(sub_qsl[-1]), NUM_HEADS, HEAD_DIM)
     torch.testing.assert_close(backend.forward(query, cache, meta, HEAD_DIM ** -0.5),
                                _naive_attention(query, cache, sub, HEAD_DIM ** -0.5),

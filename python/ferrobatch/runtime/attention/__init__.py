@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 
 import torch
 
@@ -37,7 +38,9 @@ def _load_cuda_backend(block_size: int, device: torch.device,
 
 def _load_cpu_backend(block_size: int,
                       model_shape: tuple[int, int, int, torch.dtype] | None) -> AttentionBackend:
-    """The Rust CPU decode kernel backend; RuntimeError when it does not cover ``model_shape``."""
+    """The Rust CPU kernels' backend; RuntimeError when they do not cover ``model_shape``.
+    ``FERROBATCH_PREFILL_KERNEL=0`` in the environment keeps prefill chunks on torch's SDPA
+    (A/B runs)."""
     from ferrobatch.runtime.attention.cpu import CpuPagedBackend, kernel_available
 
     if not kernel_available():
@@ -45,7 +48,8 @@ def _load_cpu_backend(block_size: int,
     reason = CpuPagedBackend.supports(*model_shape) if model_shape is not None else None
     if reason is not None:
         raise RuntimeError(reason)
-    return CpuPagedBackend(block_size=block_size)
+    return CpuPagedBackend(block_size=block_size,
+                           prefill_kernel=os.environ.get("FERROBATCH_PREFILL_KERNEL", "1") != "0")
 
 
 def get_attention_backend(name: str | None, device: torch.device | str, *, block_size: int = 16,

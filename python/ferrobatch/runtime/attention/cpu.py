@@ -1,4 +1,4 @@
-"""CPU paged attention: decode rows in the Rust kernel, prefill chunks in the torch reference.
+"""CPU paged attention in two Rust kernels: decode rows, and prefill chunks.
 
 Decode rows (query length 1) dominate CPU serving; sequences with a few queries (a decode with
 its speculative drafts, a short chunk) go through the same kernel, one row per query. The
@@ -7,11 +7,13 @@ reference backend gathers every decode sequence's K/V into a padded copy before
 (``ferrobatch._scheduler.paged_decode_attention_f32``, source ``rust_scheduler/src/cpu_attention.rs``)
 reads each block in place through the block table with an online softmax, the sequences' blocks
 cut into one equal run per thread of torch's intra-op count (a long sequence is split between
-threads and its parts merged: split-KV). Prefill chunks keep the reference
-path (compute-bound, and its padding is small there), run on the kernels' thread count although
-the forward otherwise keeps torch single-threaded: a plain-Rust tiled prefill kernel was tried and
-reached 20-29 GFLOP/s on two threads, below SDPA's ~32 on one. float32 only: other dtypes use
-"torch".
+threads and its parts merged: split-KV). Longer chunks (prompts) go through the prefill kernel
+(``paged_prefill_attention_f32``, ``rust_scheduler/src/cpu_prefill_attention.rs``): causal
+attention of each chunk's queries over its whole paged context, no gather, register-tiled
+(8 query rows x 32 keys), about twice torch's SDPA on the same threads.
+``CpuPagedBackend(prefill_kernel=False)`` keeps SDPA for them (the reference, run on the
+kernels' thread count although the forward otherwise keeps torch single-threaded), for
+comparisons. float32 only: other dtypes use "torch".
 """
 
 from __future__ import annotations
@@ -44,8 +46,20 @@ class DecodeRows:
 
 
 @dataclass
+class PrefillRows:
+    """The step's sequences with more than ``KERNEL_QUERY_MAX`` queries, for the prefill kernel:
+    each one's first row in the flat batch, query count, keys (context included) and blocks."""
+
+    q_starts: np.ndarray  # int32 [P]
+    q_lens: np.ndarray  # int32 [P]
+    seq_lens: np.ndarray  # int32 [P]
+    block_tables: np.ndarray  # int32 [P, max_blocks], C-contiguous
+
+
+@dataclass
 class CpuPagedMetadata(TorchRefMetadata):
     decode: DecodeRows | None = None
+    prefill: PrefillRows | None = None  # for the prefill kernel (SDPA uses ``groups`` instead)
     prefill_pairs: int = 0  # (query, key) pairs of the step's prefill chunks, causal mask ignored
 
 
@@ -60,21 +74,25 @@ KERNEL_QUERY_MAX = 8
 
 
 def kernel_available() -> bool:
-    """True when the compiled extension carries the CPU decode kernel."""
+    """True when the compiled extension carries the CPU attention kernels."""
     from ferrobatch import _scheduler
-    return hasattr(_scheduler, "paged_decode_attention_f32")
+    return hasattr(_scheduler, "paged_decode_attention_f32") and \
+        hasattr(_scheduler, "paged_prefill_attention_f32")
 
 
 class CpuPagedBackend(TorchReferenceBackend):
-    """Rust decode kernel + torch reference prefill, float32 CPU tensors only."""
+    """Rust decode and prefill kernels (or SDPA for prefill chunks with ``prefill_kernel=False``),
+    float32 CPU tensors only."""
 
     name = "cpu"
     gathers_decode = False
 
-    def __init__(self, block_size: int, num_threads: int | None = None) -> None:
+    def __init__(self, block_size: int, num_threads: int | None = None,
+                 prefill_kernel: bool = True) -> None:
         super().__init__(block_size)
-        from ferrobatch._scheduler import paged_decode_attention_f32
+        from ferrobatch._scheduler import paged_decode_attention_f32, paged_prefill_attention_f32
         self._kernel = paged_decode_attention_f32
+        self._prefill_kernel = paged_prefill_attention_f32 if prefill_kernel else None
         self.num_threads = num_threads
 
     @staticmethod
@@ -114,10 +132,24 @@ class CpuPagedBackend(TorchReferenceBackend):
             )
         long = query_lens > KERNEL_QUERY_MAX
         pairs = int((query_lens * all_seq_lens)[long].sum())
-        return CpuPagedMetadata(**vars(meta), decode=decode, prefill_pairs=pairs)
+        prefill = None
+        if self._prefill_kernel is not None and long.any():
+            long_ids = np.flatnonzero(long)
+            num_blocks = -(-int(all_seq_lens[long_ids].max()) // self.block_size)
+            prefill = PrefillRows(
+                q_starts=np.ascontiguousarray(qsl[long_ids], dtype=np.int32),
+                q_lens=np.ascontiguousarray(query_lens[long_ids], dtype=np.int32),
+                seq_lens=np.ascontiguousarray(all_seq_lens[long_ids], dtype=np.int32),
+                block_tables=np.ascontiguousarray(
+                    np.asarray(batch.block_tables)[long_ids, :num_blocks], dtype=np.int32),
+            )
+        return CpuPagedMetadata(**vars(meta), decode=decode, prefill=prefill, prefill_pairs=pairs)
 
     def grouped_sequences(self, query_lens: np.ndarray) -> tuple[np.ndarray, ...]:
-        """Only sequences with more than ``KERNEL_QUERY_MAX`` queries go to SDPA."""
+        """Sequences with more than ``KERNEL_QUERY_MAX`` queries go to SDPA when the prefill
+        kernel is off; none otherwise."""
+        if self._prefill_kernel is not None:
+            return ()
         return (query_lens > KERNEL_QUERY_MAX,)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: CpuPagedMetadata,
@@ -133,6 +165,11 @@ class CpuPagedBackend(TorchReferenceBackend):
                          rows.block_tables, rows.ctx_lens, out.numpy(), float(scale), threads)
             return out
         out = query.new_empty(num_tokens + 1, num_heads, head_dim)
+        if meta.prefill is not None:   # prefill chunks: the Rust kernel, in place
+            p = meta.prefill
+            self._prefill_kernel(query.contiguous().numpy(), kv_cache[0].numpy(),
+                                 kv_cache[1].numpy(), p.block_tables, p.q_starts, p.q_lens,
+                                 p.seq_lens, out[:num_tokens].numpy(), float(scale), threads)
         if meta.groups:    # prefill chunks: torch's SDPA, long ones on the kernels' threads
             with torch_threads(threads if meta.prefill_pairs >= THREADED_PREFILL_PAIRS else 1):
                 attend_groups(query, kv_cache, meta.groups, scale, out)

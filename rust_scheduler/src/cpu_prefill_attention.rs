@@ -1,0 +1,901 @@
+//! Paged prefill attention on the CPU (float32): each sequence's chunk of query tokens attends,
+//! causally, to its whole context read in place through the block table (earlier chunks and
+//! this step's own keys, which the caller has written into the cache first).
+//!
+//! Layout (row-major, as the Python side's torch tensors): `q` / `out` `[T, Hq, D]` (the step's
+//! flat rows), `k_cache` / `v_cache` `[num_blocks, block_size, Hkv, D]`; per sequence `s` of the
+//! call: `q_starts[s]` (its first row of `q`), `q_lens[s]` (its query tokens), `seq_lens[s]` (its
+//! keys once this step's are written) and row `s` of `block_tables` `[S, max_blocks]`. Query
+//! `j` (0-based) of sequence `s` attends keys `0 ..= seq_lens[s] - q_lens[s] + j`. Rows of `out`
+//! that belong to no sequence of the call are left untouched.
+//!
+//! Invariants checked by [`PrefillShape::validate`] before any read or write, so no index below
+//! leaves its slice and no two tasks write one element: `Hq % Hkv == 0`; slice lengths equal
+//! their shapes; `1 <= q_lens[s] <= seq_lens[s] <= max_blocks * block_size`; the sequences'
+//! rows lie in `0..T`, in ascending order, and do not overlap; every block id a sequence uses is
+//! in `0..num_blocks`.
+//!
+//! Work, in two jobs on up to `num_threads` tasks of the kernels' pool, each pulling from an
+//! atomic counter: (1) each (sequence, KV head)'s keys are copied once into panels of `KEYS`
+//! keys laid out `[D][KEYS]` (key-minor, so a row's scores against a panel are vector FMAs
+//! over the dimensions); (2) items (sequence, KV head, chunk of up to `CHUNK_TOKENS` query
+//! tokens), heaviest first (causal chunks differ in cost), each writing the `out` rows of its
+//! tokens for the `G = Hq / Hkv` query heads of its KV head, disjoint from every other item's.
+//! An item walks tiles of `ROWS` (token, head) rows over the panels its tile sees: scores of
+//! the scaled queries, the online softmax (running max and denominator, f32; keys past a
+//! row's last weigh exactly 0), then the weighted sum of the panel's V rows, read in place from
+//! the cache, into the tile's accumulators (rescaled when a row's max grows).
+
+use crate::cpu_error::KernelInputError;
+use crate::cpu_exp::exp;
+use crate::cpu_isa::Isa;
+use crate::cpu_linear::OutPtr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Keys per panel (two AVX-512 vectors of scores per row).
+const KEYS: usize = 32;
+/// (token, head) query rows per tile.
+const ROWS: usize = 8;
+/// Query tokens per work item.
+const CHUNK_TOKENS: usize = 16;
+
+/// Shapes of one prefill-attention call.
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillShape {
+    /// rows of `q` / `out` (the step's tokens)
+    pub num_tokens: usize,
+    /// sequences of this call
+    pub num_seqs: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub max_blocks_per_seq: usize,
+}
+
+/// One sequence's query rows and context, as validated.
+#[derive(Clone, Copy, Debug)]
+struct SeqQuery {
+    q_start: usize,
+    q_len: usize,
+    seq_len: usize,
+}
+
+fn bad<T>(msg: String) -> Result<T, KernelInputError> {
+    Err(KernelInputError(msg))
+}
+
+impl PrefillShape {
+    /// Checks every invariant of the module header against the given buffers; returns the
+    /// sequences' query ranges.
+    #[allow(clippy::too_many_arguments)]
+    fn validate(
+        &self,
+        q: &[f32],
+        k_cache: &[f32],
+        v_cache: &[f32],
+        block_tables: &[i32],
+        q_starts: &[i32],
+        q_lens: &[i32],
+        seq_lens: &[i32],
+        out: &[f32],
+    ) -> Result<Vec<SeqQuery>, KernelInputError> {
+        let s = *self;
+        if s.num_kv_heads == 0 || s.head_dim == 0 || s.block_size == 0 {
+            return bad("num_kv_heads, head_dim and block_size must be positive".into());
+        }
+        if s.num_heads == 0 || !s.num_heads.is_multiple_of(s.num_kv_heads) {
+            return bad(format!(
+                "num_heads {} is not a positive multiple of num_kv_heads {}",
+                s.num_heads, s.num_kv_heads
+            ));
+        }
+        let q_len = s.num_tokens * s.num_heads * s.head_dim;
+        let cache_len = s.num_blocks * s.block_size * s.num_kv_heads * s.head_dim;
+        for (name, len, want) in [
+            ("q", q.len(), q_len),
+            ("out", out.len(), q_len),
+            ("k_cache", k_cache.len(), cache_len),
+            ("v_cache", v_cache.len(), cache_len),
+            (
+                "block_tables",
+                block_tables.len(),
+                s.num_seqs * s.max_blocks_per_seq,
+            ),
+            ("q_starts", q_starts.len(), s.num_seqs),
+            ("q_lens", q_lens.len(), s.num_seqs),
+            ("seq_lens", seq_lens.len(), s.num_seqs),
+        ] {
+            if len != want {
+                return bad(format!("{name} has {len} elements, its shape needs {want}"));
+            }
+        }
+        let max_ctx = s.max_blocks_per_seq * s.block_size;
+        let mut rows_end = 0usize; // end of the previous sequence's rows
+        let mut seqs = Vec::with_capacity(s.num_seqs);
+        for seq in 0..s.num_seqs {
+            let (start, len, ctx) = (q_starts[seq], q_lens[seq], seq_lens[seq]);
+            if len < 1 || ctx < len || ctx as usize > max_ctx {
+                return bad(format!(
+                    "sequence {seq}: needs 1 <= q_lens ({len}) <= seq_lens ({ctx}) <= {max_ctx}"
+                ));
+            }
+            if start < 0
+                || (start as usize) < rows_end
+                || start as usize + len as usize > s.num_tokens
+            {
+                return bad(format!(
+                    "sequence {seq}: rows {start}..{} are not after the previous sequence's \
+                     (which end at {rows_end}) and within 0..{}",
+                    start as i64 + len as i64,
+                    s.num_tokens
+                ));
+            }
+            rows_end = start as usize + len as usize;
+            let used = (ctx as usize).div_ceil(s.block_size);
+            let row = &block_tables[seq * s.max_blocks_per_seq..][..used];
+            if let Some(&b) = row.iter().find(|&&b| b < 0 || b as usize >= s.num_blocks) {
+                return bad(format!(
+                    "block id {b} of sequence {seq} outside 0..{}",
+                    s.num_blocks
+                ));
+            }
+            seqs.push(SeqQuery {
+                q_start: start as usize,
+                q_len: len as usize,
+                seq_len: ctx as usize,
+            });
+        }
+        Ok(seqs)
+    }
+}
+
+/// Runs prefill attention on up to `num_threads` threads of the kernels' pool (`cpu_pool`);
+/// see the module header for the layout. Errors instead of reading or writing out of bounds.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_prefill_attention_f32(
+    shape: &PrefillShape,
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    block_tables: &[i32],
+    q_starts: &[i32],
+    q_lens: &[i32],
+    seq_lens: &[i32],
+    out: &mut [f32],
+    scale: f32,
+    num_threads: usize,
+) -> Result<(), KernelInputError> {
+    run(
+        shape,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        (q_starts, q_lens, seq_lens),
+        out,
+        scale,
+        num_threads,
+        Isa::Avx512,
+    )
+}
+
+/// One unit of work: query tokens `tokens` (of the sequence's `q_len`) of sequence `seq`, all
+/// query heads of KV head `kv_head`.
+#[derive(Clone, Debug)]
+struct Item {
+    seq: usize,
+    kv_head: usize,
+    tokens: std::ops::Range<usize>,
+}
+
+/// [`paged_prefill_attention_f32`] using at most instruction set `max_isa` (tests compare every
+/// path).
+#[allow(clippy::too_many_arguments)]
+fn run(
+    shape: &PrefillShape,
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    block_tables: &[i32],
+    (q_starts, q_lens, seq_lens): (&[i32], &[i32], &[i32]),
+    out: &mut [f32],
+    scale: f32,
+    num_threads: usize,
+    max_isa: Isa,
+) -> Result<(), KernelInputError> {
+    let seqs = shape.validate(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        q_starts,
+        q_lens,
+        seq_lens,
+        out,
+    )?;
+    let mut items: Vec<(usize, Item)> = Vec::new(); // (keys the item reads, item)
+    for (seq, sq) in seqs.iter().enumerate() {
+        for lo in (0..sq.q_len).step_by(CHUNK_TOKENS) {
+            let hi = (lo + CHUNK_TOKENS).min(sq.q_len);
+            let keys = sq.seq_len - sq.q_len + hi;
+            for kv_head in 0..shape.num_kv_heads {
+                items.push((
+                    keys,
+                    Item {
+                        seq,
+                        kv_head,
+                        tokens: lo..hi,
+                    },
+                ));
+            }
+        }
+    }
+    if items.is_empty() {
+        return Ok(());
+    }
+    // Heaviest first, so the last items a thread pulls are short ones.
+    items.sort_by_key(|(keys, item)| (std::cmp::Reverse(*keys * item.tokens.len()), item.seq));
+    let (d, hkv, bs) = (shape.head_dim, shape.num_kv_heads, shape.block_size);
+    // Each key's element offset in the caches (KV head 0), and where each (sequence, KV head)'s
+    // panels start in `panels`.
+    let mut key_rows: Vec<Vec<usize>> = Vec::with_capacity(seqs.len());
+    let mut panel_base = Vec::with_capacity(seqs.len());
+    let mut panels_len = 0;
+    for (seq, sq) in seqs.iter().enumerate() {
+        let table = &block_tables[seq * shape.max_blocks_per_seq..];
+        let rows = (0..sq.seq_len.div_ceil(bs))
+            .flat_map(|b| {
+                let block = table[b] as usize;
+                (0..bs).map(move |off| (block * bs + off) * hkv * d)
+            })
+            .take(sq.seq_len)
+            .collect();
+        key_rows.push(rows);
+        panel_base.push(panels_len);
+        panels_len += hkv * sq.seq_len.div_ceil(KEYS) * d * KEYS;
+    }
+    let mut panels = vec![0f32; panels_len];
+    let isa = Isa::detect(max_isa);
+    let kernel = Kernel {
+        shape: *shape,
+        q,
+        v_cache,
+        seqs: &seqs,
+        key_rows: &key_rows,
+        panel_base: &panel_base,
+        scale,
+        // The SIMD paths take whole vectors of the head dimension.
+        isa: if d.is_multiple_of(16) {
+            isa
+        } else {
+            Isa::Portable
+        },
+        out: OutPtr(out.as_mut_ptr()),
+    };
+    let threads = num_threads.clamp(1, items.len());
+    let pool = (threads > 1).then(|| crate::cpu_pool::global(threads));
+    let tasks = pool.map_or(1, |pool| threads.min(pool.max_tasks()));
+    let run_job = |job: &(dyn Fn(usize) + Sync)| match pool {
+        Some(pool) if tasks > 1 => pool.run(tasks, job),
+        _ => job(0),
+    };
+    // Job 1: every (sequence, KV head)'s keys into its panels.
+    let next = AtomicUsize::new(0);
+    let panels_out = &OutPtr(panels.as_mut_ptr()); // (a reference: closures capture it whole)
+    run_job(&|_| loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        if i >= seqs.len() * hkv {
+            break;
+        }
+        let (seq, kv_head) = (i / hkv, i % hkv);
+        let dst = panel_base[seq] + kv_head * seqs[seq].seq_len.div_ceil(KEYS) * d * KEYS;
+        for (t, &row) in key_rows[seq].iter().enumerate() {
+            let key = &k_cache[row + kv_head * d..][..d];
+            let at = dst + (t / KEYS) * d * KEYS + t % KEYS;
+            for (dim, &k) in key.iter().enumerate() {
+                // SAFETY: inside `panels` (sized above), in this (sequence, KV head)'s panels,
+                // which only this iteration writes.
+                unsafe { *panels_out.0.add(at + dim * KEYS) = k };
+            }
+        }
+    });
+    // Job 2: the items.
+    let next = AtomicUsize::new(0);
+    let panels = &panels;
+    run_job(&|_| {
+        let mut acc = vec![0f32; ROWS * d];
+        let mut qs = vec![0f32; ROWS * d];
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some((_, item)) = items.get(i) else { break };
+            kernel.run_item(item, panels, &mut qs, &mut acc);
+        }
+    });
+    Ok(())
+}
+
+struct Kernel<'a> {
+    shape: PrefillShape,
+    q: &'a [f32],
+    v_cache: &'a [f32],
+    seqs: &'a [SeqQuery],
+    key_rows: &'a [Vec<usize>],
+    panel_base: &'a [usize],
+    scale: f32,
+    isa: Isa,
+    out: OutPtr,
+}
+
+/// A tile's softmax state per row.
+struct RowState {
+    running_max: [f32; ROWS],
+    denom: [f32; ROWS],
+}
+
+impl Kernel<'_> {
+    /// Computes one item (module header) with the caller's `[ROWS][D]` buffers.
+    fn run_item(&self, item: &Item, panels: &[f32], qs: &mut [f32], acc: &mut [f32]) {
+        let sh = &self.shape;
+        let d = sh.head_dim;
+        let group = sh.num_heads / sh.num_kv_heads;
+        let sq = self.seqs[item.seq];
+        let first_key_max = sq.seq_len - sq.q_len; // query j sees keys 0..=first_key_max + j
+        let key_rows = &self.key_rows[item.seq];
+        let panel_len = d * KEYS;
+        let my_panels = &panels
+            [self.panel_base[item.seq] + item.kv_head * sq.seq_len.div_ceil(KEYS) * panel_len..];
+        let head_offset = item.kv_head * d;
+        let num_rows = item.tokens.len() * group;
+        for tile_start in (0..num_rows).step_by(ROWS) {
+            let tile_rows = (num_rows - tile_start).min(ROWS);
+            // (token of the sequence, query head) of each row of the tile
+            let row_of = |r: usize| {
+                let i = tile_start + r;
+                (
+                    item.tokens.start + i / group,
+                    item.kv_head * group + i % group,
+                )
+            };
+            let mut key_max = [0usize; ROWS]; // last key each row sees (padding rows: the last's)
+            for r in 0..ROWS {
+                let (token, head) = row_of(r.min(tile_rows - 1));
+                key_max[r] = first_key_max + token;
+                let dst = &mut qs[r * d..][..d];
+                if r < tile_rows {
+                    let src = &self.q[((sq.q_start + token) * sh.num_heads + head) * d..][..d];
+                    dst.iter_mut()
+                        .zip(src)
+                        .for_each(|(o, &x)| *o = x * self.scale);
+                } else {
+                    dst.fill(0.0);
+                }
+            }
+            let tile_keys = key_max.iter().max().copied().unwrap_or(0) + 1;
+            let mut state = RowState {
+                running_max: [f32::NEG_INFINITY; ROWS],
+                denom: [0.0; ROWS],
+            };
+            acc.fill(0.0);
+            for panel in 0..tile_keys.div_ceil(KEYS) {
+                let key0 = panel * KEYS;
+                let visible: [usize; ROWS] =
+                    std::array::from_fn(|r| (key_max[r] + 1).saturating_sub(key0).min(KEYS));
+                // keys past the sequence's last (zero-padded in the panel) read key 0's V row,
+                // with weight 0
+                let mut v_rows = [key_rows[0] + head_offset; KEYS];
+                let in_panel = (sq.seq_len - key0).min(KEYS);
+                for (v, &row) in v_rows.iter_mut().zip(&key_rows[key0..key0 + in_panel]) {
+                    *v = row + head_offset;
+                }
+                let kt = &my_panels[panel * panel_len..][..panel_len];
+                self.panel(qs, kt, &v_rows, &visible, &mut state, acc);
+            }
+            for r in 0..tile_rows {
+                let (token, head) = row_of(r);
+                let inv = 1.0 / state.denom[r];
+                let dst = ((sq.q_start + token) * sh.num_heads + head) * d;
+                for (i, &a) in acc[r * d..][..d].iter().enumerate() {
+                    // SAFETY: `dst + i` is inside `out` (validated shapes) and in a row this
+                    // item alone writes (module header: items own disjoint rows).
+                    unsafe { *self.out.0.add(dst + i) = a * inv };
+                }
+            }
+        }
+    }
+
+    /// One tile against one panel: scores, online softmax, `acc += P . V`.
+    fn panel(
+        &self,
+        qs: &[f32],
+        kt: &[f32],
+        v_rows: &[usize; KEYS],
+        visible: &[usize; ROWS],
+        state: &mut RowState,
+        acc: &mut [f32],
+    ) {
+        let d = self.shape.head_dim;
+        #[cfg(target_arch = "x86_64")]
+        match self.isa {
+            // SAFETY: Isa::detect found the features (cpu_isa's invariant); d is a multiple of
+            // 16 (run); qs / acc hold ROWS * d, kt d * KEYS, and every v_rows entry is a
+            // validated key row of this KV head, so `row + d` is inside the cache.
+            Isa::Avx512 => {
+                return unsafe {
+                    avx512::panel(qs, kt, self.v_cache, v_rows, d, visible, state, acc)
+                }
+            }
+            Isa::Avx2 => {
+                let mut p = [0f32; ROWS * KEYS];
+                unsafe { avx2::scores(qs, kt, d, &mut p) };
+                let rescale = softmax(&mut p, visible, state, |row, max| unsafe {
+                    avx2::exp_shifted(row, max)
+                });
+                return unsafe { avx2::accumulate(&p, &rescale, self.v_cache, v_rows, d, acc) };
+            }
+            Isa::Portable => {}
+        }
+        let mut p = [0f32; ROWS * KEYS];
+        for (r, row) in p.chunks_exact_mut(KEYS).enumerate() {
+            for (dim, &x) in qs[r * d..][..d].iter().enumerate() {
+                for (s, &k) in row.iter_mut().zip(&kt[dim * KEYS..][..KEYS]) {
+                    *s += x * k;
+                }
+            }
+        }
+        let rescale = softmax(&mut p, visible, state, |row, max| {
+            row.iter_mut().fold(0.0, |sum, x| {
+                *x = exp(*x - max);
+                sum + *x
+            })
+        });
+        for (r, acc_row) in acc.chunks_exact_mut(d).enumerate() {
+            acc_row.iter_mut().for_each(|a| *a *= rescale[r]);
+        }
+        for (k, &row) in v_rows.iter().enumerate() {
+            let v = &self.v_cache[row..][..d];
+            for (r, acc_row) in acc.chunks_exact_mut(d).enumerate() {
+                let w = p[r * KEYS + k];
+                acc_row.iter_mut().zip(v).for_each(|(a, &x)| *a += w * x);
+            }
+        }
+    }
+}
+
+/// Turns a tile's scores into softmax weights in place (keys past `visible[r]` weigh 0),
+/// updating each row's running max and denominator; returns the factor each row's accumulator
+/// must be multiplied by first. `exp_shifted(row, max)` sets `row[k] = e^(row[k] - max)` and
+/// returns their sum.
+fn softmax(
+    p: &mut [f32; ROWS * KEYS],
+    visible: &[usize; ROWS],
+    state: &mut RowState,
+    exp_shifted: impl Fn(&mut [f32], f32) -> f32,
+) -> [f32; ROWS] {
+    let mut rescale = [1f32; ROWS];
+    for (r, row) in p.chunks_exact_mut(KEYS).enumerate() {
+        let (seen, hidden) = row.split_at_mut(visible[r]);
+        hidden.fill(0.0);
+        if seen.is_empty() {
+            continue;
+        }
+        let panel_max = seen.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let new_max = state.running_max[r].max(panel_max);
+        rescale[r] = exp(state.running_max[r] - new_max);
+        state.running_max[r] = new_max;
+        state.denom[r] = state.denom[r] * rescale[r] + exp_shifted(seen, new_max);
+    }
+    rescale
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{RowState, KEYS, ROWS};
+    use crate::cpu_exp::avx512::exp16;
+    use crate::cpu_exp::exp;
+    use std::arch::x86_64::*;
+
+    /// [`super::Kernel::panel`] with AVX-512: the scores in 16 accumulators (8 rows x 2
+    /// vectors), the softmax on whole vectors, then `acc` 32 dimensions of every row at a time.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn panel(
+        qs: &[f32],
+        kt: &[f32],
+        v_cache: &[f32],
+        v_rows: &[usize; KEYS],
+        d: usize,
+        visible: &[usize; ROWS],
+        state: &mut RowState,
+        acc: &mut [f32],
+    ) {
+        debug_assert!(qs.len() >= ROWS * d && kt.len() >= d * KEYS && acc.len() >= ROWS * d);
+        debug_assert!(v_rows.iter().all(|&r| r + d <= v_cache.len()));
+        let (q, k) = (qs.as_ptr(), kt.as_ptr());
+        let mut s = [[_mm512_setzero_ps(); 2]; ROWS];
+        for dim in 0..d {
+            let k0 = _mm512_loadu_ps(k.add(dim * KEYS));
+            let k1 = _mm512_loadu_ps(k.add(dim * KEYS + 16));
+            for (r, sr) in s.iter_mut().enumerate() {
+                let x = _mm512_set1_ps(*q.add(r * d + dim));
+                sr[0] = _mm512_fmadd_ps(x, k0, sr[0]);
+                sr[1] = _mm512_fmadd_ps(x, k1, sr[1]);
+            }
+        }
+        let lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut p = [0f32; ROWS * KEYS];
+        let mut rescale = [1f32; ROWS];
+        for (r, sr) in s.iter().enumerate() {
+            let vis = visible[r] as i32;
+            let m0 = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(vis));
+            let m1 = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(vis - 16));
+            if vis == 0 {
+                continue; // all weights 0 (p stays 0), state unchanged
+            }
+            let x0 = _mm512_mask_blend_ps(m0, neg_inf, sr[0]);
+            let x1 = _mm512_mask_blend_ps(m1, neg_inf, sr[1]);
+            let panel_max = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
+            let new_max = state.running_max[r].max(panel_max);
+            rescale[r] = exp(state.running_max[r] - new_max);
+            state.running_max[r] = new_max;
+            let m = _mm512_set1_ps(new_max);
+            let e0 = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(x0, m)));
+            let e1 = _mm512_maskz_mov_ps(m1, exp16(_mm512_sub_ps(x1, m)));
+            _mm512_storeu_ps(p.as_mut_ptr().add(r * KEYS), e0);
+            _mm512_storeu_ps(p.as_mut_ptr().add(r * KEYS + 16), e1);
+            state.denom[r] =
+                state.denom[r] * rescale[r] + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+        }
+        let (v, o) = (v_cache.as_ptr(), acc.as_mut_ptr());
+        let mut dim = 0;
+        while dim < d {
+            let two = d - dim >= 32;
+            let mut a = [[_mm512_setzero_ps(); 2]; ROWS];
+            for (r, ar) in a.iter_mut().enumerate() {
+                let f = _mm512_set1_ps(rescale[r]);
+                ar[0] = _mm512_mul_ps(f, _mm512_loadu_ps(o.add(r * d + dim)));
+                if two {
+                    ar[1] = _mm512_mul_ps(f, _mm512_loadu_ps(o.add(r * d + dim + 16)));
+                }
+            }
+            for (key, &row) in v_rows.iter().enumerate() {
+                let v0 = _mm512_loadu_ps(v.add(row + dim));
+                let v1 = if two {
+                    _mm512_loadu_ps(v.add(row + dim + 16))
+                } else {
+                    v0
+                };
+                for (r, ar) in a.iter_mut().enumerate() {
+                    let w = _mm512_set1_ps(p[r * KEYS + key]);
+                    ar[0] = _mm512_fmadd_ps(w, v0, ar[0]);
+                    if two {
+                        ar[1] = _mm512_fmadd_ps(w, v1, ar[1]);
+                    }
+                }
+            }
+            for (r, ar) in a.iter().enumerate() {
+                _mm512_storeu_ps(o.add(r * d + dim), ar[0]);
+                if two {
+                    _mm512_storeu_ps(o.add(r * d + dim + 16), ar[1]);
+                }
+            }
+            dim += if two { 32 } else { 16 };
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{KEYS, ROWS};
+    use crate::cpu_exp::avx2::exp8;
+    use std::arch::x86_64::*;
+
+    /// `row[k] = e^(row[k] - max)` eight lanes at a time (a scalar tail); returns their sum.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn exp_shifted(row: &mut [f32], max: f32) -> f32 {
+        let m = _mm256_set1_ps(max);
+        let mut sum = _mm256_setzero_ps();
+        let mut chunks = row.chunks_exact_mut(8);
+        for c in &mut chunks {
+            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m));
+            _mm256_storeu_ps(c.as_mut_ptr(), e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), sum);
+        let mut total: f32 = lanes.iter().sum();
+        for x in chunks.into_remainder() {
+            *x = crate::cpu_exp::exp(*x - max);
+            total += *x;
+        }
+        total
+    }
+
+    /// `scores[r][k] = qs[r] . kt[:, k]`, a quarter (8 keys) of the panel at a time: 8
+    /// accumulators.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn scores(qs: &[f32], kt: &[f32], d: usize, scores: &mut [f32; ROWS * KEYS]) {
+        debug_assert!(qs.len() >= ROWS * d && kt.len() >= d * KEYS);
+        let (q, k) = (qs.as_ptr(), kt.as_ptr());
+        for quarter in 0..KEYS / 8 {
+            let mut acc = [_mm256_setzero_ps(); ROWS];
+            for dim in 0..d {
+                let keys = _mm256_loadu_ps(k.add(dim * KEYS + quarter * 8));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(_mm256_set1_ps(*q.add(r * d + dim)), keys, *a);
+                }
+            }
+            for (r, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(scores.as_mut_ptr().add(r * KEYS + quarter * 8), *a);
+            }
+        }
+    }
+
+    /// `acc[r] = rescale[r] * acc[r] + sum_k p[r][k] * V[v_rows[k]]`, 8 dimensions of every row
+    /// at a time: 8 accumulators.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn accumulate(
+        p: &[f32; ROWS * KEYS],
+        rescale: &[f32; ROWS],
+        v_cache: &[f32],
+        v_rows: &[usize; KEYS],
+        d: usize,
+        acc: &mut [f32],
+    ) {
+        debug_assert!(acc.len() >= ROWS * d && v_rows.iter().all(|&r| r + d <= v_cache.len()));
+        let (v, o) = (v_cache.as_ptr(), acc.as_mut_ptr());
+        for dim in (0..d).step_by(8) {
+            let mut a = [_mm256_setzero_ps(); ROWS];
+            for (r, ar) in a.iter_mut().enumerate() {
+                *ar = _mm256_mul_ps(
+                    _mm256_set1_ps(rescale[r]),
+                    _mm256_loadu_ps(o.add(r * d + dim)),
+                );
+            }
+            for (key, &row) in v_rows.iter().enumerate() {
+                let vk = _mm256_loadu_ps(v.add(row + dim));
+                for (r, ar) in a.iter_mut().enumerate() {
+                    *ar = _mm256_fmadd_ps(_mm256_set1_ps(p[r * KEYS + key]), vk, *ar);
+                }
+            }
+            for (r, ar) in a.iter().enumerate() {
+                _mm256_storeu_ps(o.add(r * d + dim), *ar);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_rng::Lcg;
+
+    /// One call's inputs: `seqs` as (first row, query tokens, keys), tables shuffled over the
+    /// cache, random q/K/V, `out` poisoned with NaN.
+    struct Case {
+        shape: PrefillShape,
+        q: Vec<f32>,
+        k: Vec<f32>,
+        v: Vec<f32>,
+        tables: Vec<i32>,
+        q_starts: Vec<i32>,
+        q_lens: Vec<i32>,
+        seq_lens: Vec<i32>,
+    }
+
+    impl Case {
+        #[allow(clippy::too_many_arguments)]
+        fn new(
+            seed: u64,
+            num_tokens: usize,
+            seqs: &[(usize, usize, usize)],
+            num_heads: usize,
+            num_kv_heads: usize,
+            head_dim: usize,
+            block_size: usize,
+        ) -> Case {
+            let mut rng = Lcg(seed);
+            let max_blocks = seqs
+                .iter()
+                .map(|s| s.2.div_ceil(block_size))
+                .max()
+                .unwrap_or(1);
+            let num_blocks = seqs.len() * max_blocks + 3;
+            // every sequence's blocks distinct, in a shuffled order
+            let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+            for i in (1..ids.len()).rev() {
+                ids.swap(i, rng.below(i + 1));
+            }
+            let shape = PrefillShape {
+                num_tokens,
+                num_seqs: seqs.len(),
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                num_blocks,
+                block_size,
+                max_blocks_per_seq: max_blocks,
+            };
+            let cache = num_blocks * block_size * num_kv_heads * head_dim;
+            Case {
+                shape,
+                q: rng.vec(num_tokens * num_heads * head_dim),
+                k: rng.vec(cache),
+                v: rng.vec(cache),
+                tables: ids[..seqs.len() * max_blocks].to_vec(),
+                q_starts: seqs.iter().map(|s| s.0 as i32).collect(),
+                q_lens: seqs.iter().map(|s| s.1 as i32).collect(),
+                seq_lens: seqs.iter().map(|s| s.2 as i32).collect(),
+            }
+        }
+
+        fn run(&self, threads: usize, isa: Isa) -> Result<Vec<f32>, KernelInputError> {
+            let mut out = vec![f32::NAN; self.q.len()];
+            run(
+                &self.shape,
+                &self.q,
+                &self.k,
+                &self.v,
+                &self.tables,
+                (&self.q_starts, &self.q_lens, &self.seq_lens),
+                &mut out,
+                0.125,
+                threads,
+                isa,
+            )?;
+            Ok(out)
+        }
+
+        /// Two-pass softmax attention in f64 straight from the header's definition; rows of no
+        /// sequence stay NaN.
+        fn reference(&self) -> Vec<f32> {
+            let s = &self.shape;
+            let d = s.head_dim;
+            let group = s.num_heads / s.num_kv_heads;
+            let mut out = vec![f32::NAN; self.q.len()];
+            for seq in 0..s.num_seqs {
+                let (start, len, ctx) = (
+                    self.q_starts[seq] as usize,
+                    self.q_lens[seq] as usize,
+                    self.seq_lens[seq] as usize,
+                );
+                for j in 0..len {
+                    for h in 0..s.num_heads {
+                        let slot = |t: usize| {
+                            let b = self.tables[seq * s.max_blocks_per_seq + t / s.block_size];
+                            ((b as usize * s.block_size + t % s.block_size) * s.num_kv_heads
+                                + h / group)
+                                * d
+                        };
+                        let qv = &self.q[((start + j) * s.num_heads + h) * d..][..d];
+                        let keys = ctx - len + j + 1;
+                        let logits: Vec<f64> = (0..keys)
+                            .map(|t| {
+                                (0..d)
+                                    .map(|i| qv[i] as f64 * self.k[slot(t) + i] as f64)
+                                    .sum::<f64>()
+                                    * 0.125
+                            })
+                            .collect();
+                        let m = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                        let w: Vec<f64> = logits.iter().map(|x| (x - m).exp()).collect();
+                        let z: f64 = w.iter().sum();
+                        for i in 0..d {
+                            let o = (0..keys)
+                                .map(|t| w[t] * self.v[slot(t) + i] as f64)
+                                .sum::<f64>();
+                            out[((start + j) * s.num_heads + h) * d + i] = (o / z) as f32;
+                        }
+                    }
+                }
+            }
+            out
+        }
+    }
+
+    fn assert_close(got: &[f32], want: &[f32], what: &str) {
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            if w.is_nan() {
+                assert!(
+                    g.is_nan(),
+                    "{what}: element {i} outside every sequence was written"
+                );
+            } else {
+                assert!((g - w).abs() <= 2e-5, "{what}: element {i}: {g} vs {w}");
+            }
+        }
+    }
+
+    const ISAS: [Isa; 3] = [Isa::Portable, Isa::Avx2, Isa::Avx512];
+
+    #[test]
+    fn matches_the_f64_reference_on_every_path() {
+        // (heads, kv heads, head dim, block size, tokens, sequences as (start, q_len, seq_len))
+        type Seqs = &'static [(usize, usize, usize)];
+        let cases: [(usize, usize, usize, usize, usize, Seqs); 6] = [
+            // SmolLM2-like GQA 3, a first chunk and a later chunk after 37 keys of context
+            (9, 3, 64, 16, 70, &[(0, 40, 40), (41, 29, 66)]),
+            // MHA, head dim 128, a block size that cuts panels, one row between sequences
+            (4, 4, 128, 12, 60, &[(0, 9, 9), (10, 50, 131)]),
+            // GQA 4, 1 and 17 tokens (a chunk boundary + 1), block size 32
+            (8, 2, 64, 32, 40, &[(2, 1, 20), (3, 17, 17), (21, 19, 300)]),
+            // GQA 8 with a head dim the SIMD paths do not take (portable fallback)
+            (8, 1, 24, 16, 33, &[(0, 33, 50)]),
+            // rows before and after the only sequence are not written
+            (6, 2, 32, 16, 30, &[(5, 20, 20)]),
+            // a single token whose context fills its last block exactly
+            (2, 1, 16, 16, 1, &[(0, 1, 48)]),
+        ];
+        for (n, &(hq, hkv, d, bs, t, seqs)) in cases.iter().enumerate() {
+            let case = Case::new(n as u64 + 1, t, seqs, hq, hkv, d, bs);
+            let want = case.reference();
+            for isa in ISAS {
+                for threads in 1..=3 {
+                    let got = case.run(threads, isa).unwrap();
+                    assert_close(
+                        &got,
+                        &want,
+                        &format!("case {n}, {isa:?}, {threads} threads"),
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_inputs_are_errors_and_write_nothing() {
+        let base = Case::new(7, 20, &[(0, 8, 8), (8, 12, 30)], 4, 2, 16, 16);
+        let mut cases: Vec<(&str, Case)> = Vec::new();
+        let mut c = Case::new(7, 20, &[(0, 8, 8), (8, 12, 30)], 4, 2, 16, 16);
+        c.q_starts[1] = 7; // overlaps the first sequence's rows
+        cases.push(("overlap", c));
+        let mut c = Case::new(7, 20, &[(0, 8, 8), (8, 12, 30)], 4, 2, 16, 16);
+        c.q_starts[1] = 9; // runs past the last row
+        cases.push(("past the end", c));
+        let mut c = Case::new(7, 20, &[(0, 8, 8), (8, 12, 30)], 4, 2, 16, 16);
+        c.seq_lens[0] = 7; // fewer keys than queries
+        cases.push(("seq_len < q_len", c));
+        let mut c = Case::new(7, 20, &[(0, 8, 8), (8, 12, 30)], 4, 2, 16, 16);
+        c.q_lens[0] = 0;
+        cases.push(("empty query", c));
+        let mut c = Case::new(7, 20, &[(0, 8, 8), (8, 12, 30)], 4, 2, 16, 16);
+        c.seq_lens[1] = 33; // more keys than the table holds
+        cases.push(("context past the table", c));
+        let mut c = Case::new(7, 20, &[(0, 8, 8), (8, 12, 30)], 4, 2, 16, 16);
+        let last = c.tables.len() - 1;
+        c.tables[last] = c.shape.num_blocks as i32; // a block id past the cache
+        cases.push(("block id", c));
+        let mut c = Case::new(7, 20, &[(0, 8, 8), (8, 12, 30)], 4, 2, 16, 16);
+        c.shape.num_heads = 3; // does not group over 2 KV heads
+        cases.push(("heads", c));
+        let mut c = Case::new(7, 20, &[(0, 8, 8), (8, 12, 30)], 4, 2, 16, 16);
+        c.v.pop();
+        cases.push(("v_cache length", c));
+        assert!(base.run(2, Isa::Avx512).is_ok());
+        for (what, case) in cases {
+            let mut out = vec![f32::NAN; case.q.len()];
+            let err = run(
+                &case.shape,
+                &case.q,
+                &case.k,
+                &case.v,
+                &case.tables,
+                (&case.q_starts, &case.q_lens, &case.seq_lens),
+                &mut out,
+                0.125,
+                2,
+                Isa::Avx512,
+            );
+            assert!(err.is_err(), "{what} was accepted");
+            assert!(out.iter().all(|x| x.is_nan()), "{what}: out was written");
+        }
+    }
+
+    #[test]
+    fn no_sequences_is_a_no_op() {
+        let case = Case::new(3, 4, &[], 2, 1, 16, 16);
+        assert!(case.run(2, Isa::Avx512).unwrap().iter().all(|x| x.is_nan()));
+    }
+}
