@@ -160,6 +160,28 @@ def paged_decode_attention_f32(
     for any shape or block id that would read outside the arrays (checked before reading).
     """
 
+def paged_prefill_attention_f32(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    block_tables: np.ndarray,
+    q_starts: np.ndarray,
+    q_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    out: np.ndarray,
+    scale: float,
+    num_threads: int,
+) -> None:
+    """Causal attention of prompt chunks over the paged cache, into ``out`` (GIL released).
+
+    q / out ``[T, Hq, D]`` (the step's rows) and caches ``[num_blocks, block_size, Hkv, D]``
+    float32; per chunk ``s`` (int32): its first row ``q_starts[s]``, ``q_lens[s]`` queries,
+    ``seq_lens[s]`` keys (context included, the chunk's own K/V already in the cache) and
+    ``block_tables[s]`` (``[P, max_blocks]``). Query ``j`` sees keys
+    ``0 ..= seq_lens[s] - q_lens[s] + j``. Chunks' rows must be ascending and disjoint; rows of
+    no chunk are left untouched. ValueError, nothing written, on any bad input.
+    """
+
 def linear_f32(
     x: np.ndarray,
     packed: np.ndarray,
@@ -225,13 +247,18 @@ class CpuDecoderStack:
     def num_layers(self) -> int: ...
     def forward(self, hidden: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                 caches: list[np.ndarray], slots: np.ndarray, block_tables: np.ndarray,
-                ctx_lens: np.ndarray, num_threads: int) -> None:
+                ctx_lens: np.ndarray, num_threads: int, decode_rows: np.ndarray | None = None,
+                prefill: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+                ) -> None:
         """Runs the step's ``R`` rows through every layer (GIL released): ``hidden`` ``[R, H]``
         in place (embeddings in, the last layer's output out), ``cos`` / ``sin`` ``[R, D]``, one
         ``[2, num_blocks, block_size, Hkv, D]`` cache per layer (row ``r``'s K/V written at
-        ``slots[r]``, int64), ``block_tables`` ``[R, max_blocks]`` / ``ctx_lens`` ``[R]`` int32
-        (row ``r`` attends its first ``ctx_lens[r]`` positions). ValueError, nothing written,
-        on any bad input."""
+        ``slots[r]``, int64). The decode kernel attends rows ``decode_rows`` (int64 ``[N]``;
+        None: every row, N = R), the i-th its first ``ctx_lens[i]`` positions of
+        ``block_tables[i]`` (int32 ``[N, max_blocks]`` / ``[N]``); the prefill kernel attends
+        each chunk of ``prefill = (q_starts, q_lens, seq_lens, block_tables)`` (int32, as in
+        ``paged_prefill_attention_f32``). Every row must be attended exactly once. ValueError,
+        nothing written, on any bad input."""
 
 class TokenVocab:
     """The model's vocabulary as a byte trie (built once, shared by every grammar)."""

@@ -58,7 +58,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU: never read a GGUF model's Q4_1/Q8_0 blocks (float32 panels only; "
                    "saves their memory, slower steps of <= 8 rows)")
     g.add_argument("--no-fused-decode", action="store_true",
-                   help="CPU: run decode steps layer by layer from Python instead of all layers "
+                   help="CPU: run steps layer by layer from Python instead of all layers "
                    "in one Rust call (same results, slower; for comparison)")
 
 

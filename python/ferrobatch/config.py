@@ -52,7 +52,7 @@ class EngineConfig:
     attn_backend: str | None = None      # auto | torch | cpu | cuda; None = auto (cuda / cpu kernels)
     cuda_graphs: bool = True             # CUDA: replay captured decode steps (False = eager only)
     gguf_blocks: bool = True             # CPU, GGUF model: steps of <= 8 rows read the Q4_1/Q8_0 blocks
-    fused_decode: bool = True            # CPU: decode steps run every layer in one Rust call
+    fused_decode: bool = True            # CPU: steps run every layer in one Rust call
 
     # KV cache
     block_size: int = 16

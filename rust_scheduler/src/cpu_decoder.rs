@@ -1,29 +1,33 @@
-//! A decode step through every decoder layer of a Llama-family model on the CPU, in one call.
+//! A step through every decoder layer of a Llama-family model on the CPU, in one call.
 //!
 //! Per layer: RMSNorm -> fused QKV projection -> RoPE of q and k -> the step's K/V written into
-//! the layer's paged cache -> paged decode attention -> output projection, added to the
+//! the layer's paged cache -> paged attention -> output projection, added to the
 //! residual -> RMSNorm -> fused gate/up projection -> SiLU-and-mul -> down projection, added to
 //! the residual. These are the kernels the Python modules call one at a time (`cpu_elementwise`,
-//! `cpu_linear` / `cpu_quant_linear`, `cpu_attention`), so the arithmetic is theirs (SiLU aside:
-//! the modules use torch's); what goes away is ~15 Python calls and torch ops per layer.
+//! `cpu_linear` / `cpu_quant_linear`, `cpu_attention`, `cpu_prefill_attention`), so the
+//! arithmetic is theirs (SiLU aside: the modules use torch's); what goes away is ~15 Python
+//! calls and torch ops per layer.
 //!
-//! The step: `R` query rows, every one attended by the decode kernel (decodes, speculative
-//! drafts, short chunks: the Python backend's `every_token` steps). Row `r` is `hidden[r]`
-//! `[H]`, rotated by `cos[r]` / `sin[r]` `[D]`, writes its K/V at slot `slots[r]` (block
-//! `slot / block_size`, offset `slot % block_size`) and attends the first `ctx_lens[r]`
-//! positions of its block-table row (its own included: every row's K/V is written first).
+//! The step: `R` query rows. Row `r` is `hidden[r]` `[H]`, rotated by `cos[r]` / `sin[r]`
+//! `[D]`, and writes its K/V at slot `slots[r]` (block `slot / block_size`, offset
+//! `slot % block_size`); every row's K/V is written before any attention. Each row is attended
+//! by exactly one kernel: the decode kernel for the rows `decode_rows` names (all rows when
+//! `None`: decodes, speculative drafts, short chunks), the i-th of them attending the first
+//! `ctx_lens[i]` positions of block-table row `i`; the prefill kernel for each chunk of
+//! `prefill` (rows `q_starts[s] .. + q_lens[s]`, causal over its `seq_lens[s]` keys).
 //! A layer's cache is `[2, num_blocks, block_size, Hkv, D]` (0 = K, 1 = V), as in Python.
 //!
-//! Invariants checked by [`decode_step`] before anything is read or written: every weight has
+//! Invariants checked by [`forward_step`] before anything is read or written: every weight has
 //! its layer's shape ([`Layer::check`]), one cache per layer of the shape's size, whole rows of
-//! `hidden`, `cos`, `sin`, one slot per row inside the cache ([`validate`]), and the attention
-//! kernel's own checks (block tables and context lengths) on the step's buffers. A failed check
-//! leaves `hidden` and every cache untouched.
+//! `hidden`, `cos`, `sin`, one slot per row inside the cache, every row attended exactly once
+//! ([`validate`]), and the attention kernels' own checks (block tables, context lengths, chunk
+//! rows) on the step's buffers. A failed check leaves `hidden` and every cache untouched.
 
 use crate::cpu_attention::{paged_decode_attention_f32, DecodeShape};
 use crate::cpu_elementwise::{rms_norm_f32, rotary_f32, silu_and_mul_f32};
 use crate::cpu_error::KernelInputError;
 use crate::cpu_linear::{linear_f32, LinearShape, PANEL_WIDTH};
+use crate::cpu_prefill_attention::{paged_prefill_attention_f32, PrefillShape};
 use crate::cpu_quant_linear::{linear_quant_f32, QuantShape, QuantWeight, MAX_ROWS};
 
 /// The model's sizes, shared by every layer.
@@ -154,7 +158,7 @@ impl Layer<'_> {
     }
 }
 
-/// The step's rows: RoPE angles, KV slots, and what each row attends.
+/// The step's rows: RoPE angles, KV slots, and what each row attends (module header).
 #[derive(Clone, Copy)]
 pub struct StepRows<'a> {
     /// `[R, D]` each
@@ -162,11 +166,34 @@ pub struct StepRows<'a> {
     pub sin: &'a [f32],
     /// `[R]`
     pub slots: &'a [i64],
-    /// `[R, max_blocks_per_seq]`
+    /// the decode kernel's rows `[N]` (`None`: every row, N = R)
+    pub decode_rows: Option<&'a [i64]>,
+    /// `[N, max_blocks_per_seq]`
     pub block_tables: &'a [i32],
     pub max_blocks_per_seq: usize,
-    /// `[R]`
+    /// `[N]`
     pub ctx_lens: &'a [i32],
+    /// the prefill kernel's chunks
+    pub prefill: Option<PrefillChunks<'a>>,
+}
+
+/// Chunks of prompt rows for the prefill kernel (`cpu_prefill_attention`'s layout).
+#[derive(Clone, Copy)]
+pub struct PrefillChunks<'a> {
+    /// `[P]` each
+    pub q_starts: &'a [i32],
+    pub q_lens: &'a [i32],
+    pub seq_lens: &'a [i32],
+    /// `[P, max_blocks_per_seq]`
+    pub block_tables: &'a [i32],
+    pub max_blocks_per_seq: usize,
+}
+
+impl StepRows<'_> {
+    /// Rows the decode kernel attends.
+    fn num_decode_rows(&self, r: usize) -> usize {
+        self.decode_rows.map_or(r, <[i64]>::len)
+    }
 }
 
 /// The paged caches' geometry (every layer alike).
@@ -180,7 +207,7 @@ fn bad<T>(msg: String) -> Result<T, KernelInputError> {
     Err(KernelInputError(msg))
 }
 
-/// Checks the module header's invariants but the attention kernel's (which `decode_step`
+/// Checks the module header's invariants but the attention kernels' (which `forward_step`
 /// checks on its own buffers before the first write); returns the row count `R`.
 pub fn validate(
     shape: &DecoderShape,
@@ -237,6 +264,36 @@ pub fn validate(
     {
         return bad(format!("slot {slot} outside the cache's 0..{num_slots}"));
     }
+    // every row attended by exactly one kernel
+    let mut attended_by = vec![0u8; r];
+    match rows.decode_rows {
+        None => attended_by.fill(1),
+        Some(index) => {
+            for &i in index {
+                if i < 0 || i as usize >= r {
+                    return bad(format!("decode row {i} outside the step's 0..{r}"));
+                }
+                attended_by[i as usize] += 1;
+            }
+        }
+    }
+    if let Some(p) = &rows.prefill {
+        if p.q_starts.len() != p.q_lens.len() {
+            return bad("prefill q_starts and q_lens differ in length".into());
+        }
+        for (&start, &len) in p.q_starts.iter().zip(p.q_lens) {
+            let (start, len) = (start.max(0) as usize, len.max(0) as usize);
+            for count in attended_by.iter_mut().skip(start).take(len) {
+                *count += 1;
+            }
+        }
+    }
+    if let Some(row) = attended_by.iter().position(|&c| c != 1) {
+        return bad(format!(
+            "row {row} is attended by {} kernels, not exactly one",
+            attended_by[row]
+        ));
+    }
     for layer in layers {
         layer.check(s)?;
     }
@@ -264,7 +321,7 @@ fn attention_shape(
 /// (before the final norm), each layer's K/V written into `caches[layer]`. Linear layers and
 /// attention use up to `threads` threads of the kernels' pool. Errors, touching nothing,
 /// unless the module header's invariants hold.
-pub fn decode_step(
+pub fn forward_step(
     shape: &DecoderShape,
     layers: &[Layer<'_>],
     caches: &mut [&mut [f32]],
@@ -279,7 +336,18 @@ pub fn decode_step(
     }
     let s = shape;
     let (d, q_size, kv_size, qkv_size) = (s.head_dim, s.q_size(), s.kv_size(), s.qkv_size());
-    let attn = attention_shape(s, cache, r, rows.max_blocks_per_seq);
+    let num_decode = rows.num_decode_rows(r);
+    let attn = attention_shape(s, cache, num_decode, rows.max_blocks_per_seq);
+    let prefill_shape = rows.prefill.map(|p| PrefillShape {
+        num_tokens: r,
+        num_seqs: p.q_starts.len(),
+        num_heads: s.num_heads,
+        num_kv_heads: s.num_kv_heads,
+        head_dim: d,
+        num_blocks: cache.num_blocks,
+        block_size: cache.block_size,
+        max_blocks_per_seq: p.max_blocks_per_seq,
+    });
     let mut normed = vec![0f32; r * s.hidden];
     let mut qkv = vec![0f32; r * qkv_size];
     let mut q = vec![0f32; r * q_size];
@@ -287,10 +355,28 @@ pub fn decode_step(
     let mut projected = vec![0f32; r * s.hidden];
     let mut gate_up = vec![0f32; r * 2 * s.intermediate];
     let mut activated = vec![0f32; r * s.intermediate];
+    // the decode kernel's rows gathered when they are not all of them
+    let gathered = if rows.decode_rows.is_some() {
+        num_decode * q_size
+    } else {
+        0
+    };
+    let (mut q_decode, mut attended_decode) = (vec![0f32; gathered], vec![0f32; gathered]);
     if let Some(first) = caches.first() {
-        // the attention kernel's own checks (block tables, context lengths), before any write
+        // the attention kernels' own checks (block tables, context lengths, chunk rows),
+        // before any write
         let (k, v) = first.split_at(first.len() / 2);
-        attn.validate(&q, k, v, rows.block_tables, rows.ctx_lens, &attended)?;
+        if num_decode > 0 {
+            let (q_in, out) = match rows.decode_rows {
+                None => (&q, &attended),
+                Some(_) => (&q_decode, &attended_decode),
+            };
+            attn.validate(q_in, k, v, rows.block_tables, rows.ctx_lens, out)?;
+        }
+        if let (Some(shape), Some(p)) = (&prefill_shape, &rows.prefill) {
+            let chunks = (p.q_starts, p.q_lens, p.seq_lens);
+            shape.validate(&q, k, v, p.block_tables, chunks, &attended)?;
+        }
     }
     for (layer, layer_cache) in layers.iter().zip(caches.iter_mut()) {
         let (k_cache, v_cache) = layer_cache.split_at_mut(layer_cache.len() / 2);
@@ -308,17 +394,54 @@ pub fn decode_step(
             v_cache[at..at + kv_size].copy_from_slice(v_row);
         }
         let (bt, ctx) = (rows.block_tables, rows.ctx_lens);
-        paged_decode_attention_f32(
-            &attn,
-            &q,
-            k_cache,
-            v_cache,
-            bt,
-            ctx,
-            &mut attended,
-            s.scale,
-            threads,
-        )?;
+        match rows.decode_rows {
+            _ if num_decode == 0 => {}
+            None => paged_decode_attention_f32(
+                &attn,
+                &q,
+                k_cache,
+                v_cache,
+                bt,
+                ctx,
+                &mut attended,
+                s.scale,
+                threads,
+            )?,
+            Some(index) => {
+                for (dst, &i) in q_decode.chunks_exact_mut(q_size).zip(index) {
+                    dst.copy_from_slice(&q[i as usize * q_size..][..q_size]);
+                }
+                paged_decode_attention_f32(
+                    &attn,
+                    &q_decode,
+                    k_cache,
+                    v_cache,
+                    bt,
+                    ctx,
+                    &mut attended_decode,
+                    s.scale,
+                    threads,
+                )?;
+                for (src, &i) in attended_decode.chunks_exact(q_size).zip(index) {
+                    attended[i as usize * q_size..][..q_size].copy_from_slice(src);
+                }
+            }
+        }
+        if let (Some(shape), Some(p)) = (&prefill_shape, &rows.prefill) {
+            paged_prefill_attention_f32(
+                shape,
+                &q,
+                k_cache,
+                v_cache,
+                p.block_tables,
+                p.q_starts,
+                p.q_lens,
+                p.seq_lens,
+                &mut attended,
+                s.scale,
+                threads,
+            )?;
+        }
         layer.o_proj.apply(&attended, r, &mut projected, threads)?;
         add_into(hidden, &projected);
         rms_norm_f32(hidden, layer.post_norm, s.eps, &mut normed)?;
@@ -607,6 +730,8 @@ mod tests {
                 block_tables: &self.tables,
                 max_blocks_per_seq: 3,
                 ctx_lens: &self.ctx,
+                decode_rows: None,
+                prefill: None,
             }
         }
 
@@ -624,7 +749,7 @@ mod tests {
                 .collect()
         }
 
-        /// `decode_step` on copies of the caches and hidden rows: the result and the copies.
+        /// `forward_step` on copies of the caches and hidden rows: the result and the copies.
         fn run(
             &self,
             layers: &[Layer<'_>],
@@ -633,21 +758,26 @@ mod tests {
             threads: usize,
         ) -> (Result<(), KernelInputError>, Vec<f32>) {
             let mut hidden = self.hidden.clone();
-            let result = decode_step(&SHAPE, layers, caches, &CACHE, &mut hidden, rows, threads);
+            let result = forward_step(&SHAPE, layers, caches, &CACHE, &mut hidden, rows, threads);
             (result, hidden)
         }
     }
 
     fn run_case(kernels: Kernels, extra: usize) {
         let case = Case::new(7 + extra as u64, extra);
-        let rows = case.rows();
+        check(&case, &case.rows(), &case.rows(), kernels);
+    }
+
+    /// `rows` through `forward_step` against the f64 reference of `per_row` (the same step with
+    /// every row a decode-kernel row, which is what each kernel computes).
+    fn check(case: &Case, rows: &StepRows<'_>, per_row: &StepRows<'_>, kernels: Kernels) {
         let (want_hidden, want_caches) =
-            reference(&case.weights, &case.caches, &case.hidden, &rows);
+            reference(&case.weights, &case.caches, &case.hidden, per_row);
         let layers = case.layers(kernels);
         for threads in [1, 2, 3] {
             let mut caches = case.caches.clone();
             let mut views: Vec<&mut [f32]> = caches.iter_mut().map(|c| c.as_mut_slice()).collect();
-            let (result, hidden) = case.run(&layers, &mut views, &rows, threads);
+            let (result, hidden) = case.run(&layers, &mut views, rows, threads);
             result.unwrap();
             for (j, (&got, &want)) in hidden.iter().zip(&want_hidden).enumerate() {
                 assert!(
@@ -672,6 +802,142 @@ mod tests {
         run_case(Kernels::Panels, 0);
         run_case(Kernels::BlocksOnly, 0); // 4 rows read the blocks
         run_case(Kernels::PanelsOnly, 6); // 10 rows read the panels although blocks are known
+    }
+
+    /// The case's rows 1-2 (positions 4-5 of one table) as a prefill chunk of 6 keys; rows 0 and
+    /// 3 through the decode kernel, or (all_prefill) as chunks of one query too.
+    fn mixed_rows<'a>(case: &'a Case, all_prefill: bool, arrays: &'a MixedArrays) -> StepRows<'a> {
+        StepRows {
+            decode_rows: Some(if all_prefill {
+                &[]
+            } else {
+                &arrays.decode_rows
+            }),
+            block_tables: if all_prefill {
+                &[]
+            } else {
+                &arrays.decode_tables
+            },
+            ctx_lens: if all_prefill { &[] } else { &arrays.decode_ctx },
+            prefill: Some(PrefillChunks {
+                q_starts: if all_prefill {
+                    &arrays.all_starts
+                } else {
+                    &arrays.chunk_start
+                },
+                q_lens: if all_prefill {
+                    &arrays.all_lens
+                } else {
+                    &arrays.chunk_len
+                },
+                seq_lens: if all_prefill {
+                    &arrays.all_seq_lens
+                } else {
+                    &arrays.chunk_seq_len
+                },
+                block_tables: if all_prefill {
+                    &case.tables[..]
+                } else {
+                    &arrays.chunk_table
+                },
+                max_blocks_per_seq: 3,
+            }),
+            ..case.rows()
+        }
+    }
+
+    struct MixedArrays {
+        decode_rows: Vec<i64>,
+        decode_tables: Vec<i32>,
+        decode_ctx: Vec<i32>,
+        chunk_start: Vec<i32>,
+        chunk_len: Vec<i32>,
+        chunk_seq_len: Vec<i32>,
+        chunk_table: Vec<i32>,
+        all_starts: Vec<i32>,
+        all_lens: Vec<i32>,
+        all_seq_lens: Vec<i32>,
+    }
+
+    fn mixed_arrays(case: &Case) -> MixedArrays {
+        let t = &case.tables;
+        MixedArrays {
+            decode_rows: vec![0, 3],
+            decode_tables: [&t[0..3], &t[9..12]].concat(),
+            decode_ctx: vec![case.ctx[0], case.ctx[3]],
+            chunk_start: vec![1],
+            chunk_len: vec![2],
+            chunk_seq_len: vec![case.ctx[2]],
+            chunk_table: t[3..6].to_vec(),
+            // one chunk per row, the two-row chunk's second row as its own chunk of one
+            all_starts: vec![0, 1, 2, 3],
+            all_lens: vec![1, 1, 1, 1],
+            all_seq_lens: case.ctx.clone(),
+        }
+    }
+
+    #[test]
+    fn prefill_chunks_and_gathered_decode_rows_match_the_reference() {
+        let case = Case::new(11, 0);
+        assert_eq!(case.ctx, [9, 5, 6, 1]); // the layout mixed_rows assumes
+        let arrays = mixed_arrays(&case);
+        for kernels in [Kernels::Panels, Kernels::BlocksOnly] {
+            check(
+                &case,
+                &mixed_rows(&case, false, &arrays),
+                &case.rows(),
+                kernels,
+            );
+            check(
+                &case,
+                &mixed_rows(&case, true, &arrays),
+                &case.rows(),
+                kernels,
+            );
+        }
+    }
+
+    #[test]
+    fn a_row_attended_twice_or_never_is_an_error() {
+        let case = Case::new(3, 0);
+        let layers = case.layers(Kernels::PanelsOnly);
+        let arrays = mixed_arrays(&case);
+        let good = mixed_rows(&case, false, &arrays);
+        let twice = [0i64, 1];
+        let never = [0i64];
+        let outside = [0i64, 4];
+        let cases = [
+            StepRows {
+                decode_rows: Some(&twice),
+                ..good
+            },
+            StepRows {
+                decode_rows: Some(&never),
+                block_tables: &arrays.decode_tables[..3],
+                ctx_lens: &arrays.decode_ctx[..1],
+                ..good
+            },
+            StepRows {
+                decode_rows: Some(&outside),
+                ..good
+            },
+            StepRows {
+                prefill: None,
+                ..good
+            },
+        ];
+        let mut caches = case.caches.clone();
+        let mut views: Vec<&mut [f32]> = caches.iter_mut().map(|c| c.as_mut_slice()).collect();
+        assert!(case.run(&layers, &mut views, &good, 2).0.is_ok());
+        let mut caches = case.caches.clone();
+        let mut views: Vec<&mut [f32]> = caches.iter_mut().map(|c| c.as_mut_slice()).collect();
+        for rows in &cases {
+            let (result, hidden) = case.run(&layers, &mut views, rows, 2);
+            assert!(result.is_err());
+            assert_eq!(hidden, case.hidden);
+        }
+        drop(views);
+        assert_eq!(caches, case.caches);
     }
 
     #[test]

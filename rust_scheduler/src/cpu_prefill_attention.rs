@@ -56,7 +56,7 @@ pub struct PrefillShape {
 
 /// One sequence's query rows and context, as validated.
 #[derive(Clone, Copy, Debug)]
-struct SeqQuery {
+pub(crate) struct SeqQuery {
     q_start: usize,
     q_len: usize,
     seq_len: usize,
@@ -67,18 +67,15 @@ fn bad<T>(msg: String) -> Result<T, KernelInputError> {
 }
 
 impl PrefillShape {
-    /// Checks every invariant of the module header against the given buffers; returns the
-    /// sequences' query ranges.
-    #[allow(clippy::too_many_arguments)]
-    fn validate(
+    /// Checks every invariant of the module header against the given buffers (`chunks`:
+    /// `q_starts`, `q_lens`, `seq_lens`); returns the sequences' query ranges.
+    pub(crate) fn validate(
         &self,
         q: &[f32],
         k_cache: &[f32],
         v_cache: &[f32],
         block_tables: &[i32],
-        q_starts: &[i32],
-        q_lens: &[i32],
-        seq_lens: &[i32],
+        (q_starts, q_lens, seq_lens): (&[i32], &[i32], &[i32]),
         out: &[f32],
     ) -> Result<Vec<SeqQuery>, KernelInputError> {
         let s = *self;
@@ -205,16 +202,8 @@ fn run(
     num_threads: usize,
     max_isa: Isa,
 ) -> Result<(), KernelInputError> {
-    let seqs = shape.validate(
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        q_starts,
-        q_lens,
-        seq_lens,
-        out,
-    )?;
+    let chunks = (q_starts, q_lens, seq_lens);
+    let seqs = shape.validate(q, k_cache, v_cache, block_tables, chunks, out)?;
     let mut items: Vec<(usize, Item)> = Vec::new(); // (keys the item reads, item)
     for (seq, sq) in seqs.iter().enumerate() {
         for lo in (0..sq.q_len).step_by(CHUNK_TOKENS) {

@@ -5,14 +5,15 @@
 //! `prefix_cache` (KV memory) -> `scheduler` (+ `integrity`) -> `batch` (step arrays) -> `py`
 //! (the scheduler's pyo3 bindings, behind the `python` feature).
 //! Beside the scheduler, the CPU kernels the Python model runner calls on every layer:
-//! `cpu_attention` (paged decode attention; binding `py_attention`), `cpu_linear` (linear layers
+//! `cpu_attention` (paged decode attention) and `cpu_prefill_attention` (causal prompt chunks
+//! over the paged cache; bindings `py_attention`), `cpu_linear` (linear layers
 //! over panel-packed weights; `cpu_quant_linear` from GGUF blocks) and `cpu_elementwise` (RMSNorm,
 //! RoPE, SiLU-and-mul) (bindings
 //! `py_linear`). The first two
 //! split their work over `cpu_pool`, the kernels' persistent thread pool, pick their SIMD
 //! path with `cpu_isa`, and report bad input as `cpu_error::KernelInputError`; `cpu_exp` is
 //! the polynomial exp of the softmax and SiLU. `cpu_decoder` chains them through every
-//! decoder layer of a decode step in one call (binding `py_decoder`).
+//! decoder layer of a step in one call (binding `py_decoder`).
 //! And `guided` (structured outputs: a regex's DFA walked over the vocabulary's byte trie to
 //! find the tokens allowed next; binding `py_guided`), used by the Python sampler.
 //! And `ngram` (prompt-lookup drafts: `scheduler` schedules them for speculative decoding,

@@ -6,7 +6,9 @@
 //! anything is written: weights are checked when the stack is built and again on every call
 //! (a few integer comparisons per layer), the step's buffers by `cpu_decoder::validate`.
 
-use crate::cpu_decoder::{decode_step, CacheShape, DecoderShape, Layer, Linear, StepRows};
+use crate::cpu_decoder::{
+    forward_step, CacheShape, DecoderShape, Layer, Linear, PrefillChunks, StepRows,
+};
 use crate::cpu_quant_linear::QuantWeight;
 use crate::py_attention::{c_slice, dims};
 use numpy::{
@@ -200,6 +202,14 @@ impl PyCpuDecoderStack {
     }
 }
 
+/// The prefill kernel's chunks as numpy arrays: `(q_starts, q_lens, seq_lens, block_tables)`.
+type PrefillArrays<'py> = (
+    PyReadonlyArray1<'py, i32>,
+    PyReadonlyArray1<'py, i32>,
+    PyReadonlyArray1<'py, i32>,
+    PyReadonlyArray2<'py, i32>,
+);
+
 #[pymethods]
 impl PyCpuDecoderStack {
     #[new]
@@ -263,12 +273,17 @@ impl PyCpuDecoderStack {
         self.layers.len()
     }
 
-    /// `forward(hidden, cos, sin, caches, slots, block_tables, ctx_lens, num_threads)`: runs the
-    /// step's `R` rows through every layer (see `cpu_decoder`): `hidden` `[R, H]` float32 in
-    /// place (embeddings in, pre-final-norm states out), `cos` / `sin` `[R, D]`, `caches` one
-    /// `[2, num_blocks, block_size, Hkv, D]` float32 array per layer (written at `slots`),
-    /// `slots` `[R]` int64, `block_tables` `[R, max_blocks]` / `ctx_lens` `[R]` int32.
+    /// `forward(hidden, cos, sin, caches, slots, block_tables, ctx_lens, num_threads,
+    /// decode_rows=None, prefill=None)`: runs the step's `R` rows through every layer (see
+    /// `cpu_decoder`): `hidden` `[R, H]` float32 in place (embeddings in, pre-final-norm states
+    /// out), `cos` / `sin` `[R, D]`, `caches` one `[2, num_blocks, block_size, Hkv, D]` float32
+    /// array per layer (written at `slots`), `slots` `[R]` int64; the decode kernel's rows
+    /// `decode_rows` `[N]` int64 (None: all, N = R) with `block_tables` `[N, max_blocks]` /
+    /// `ctx_lens` `[N]` int32; `prefill` None or the prefill kernel's chunks `(q_starts, q_lens,
+    /// seq_lens, block_tables)` (int32 `[P]`, `[P]`, `[P]`, `[P, max_blocks]`).
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (hidden, cos, sin, caches, slots, block_tables, ctx_lens, num_threads,
+                        decode_rows=None, prefill=None))]
     fn forward(
         &self,
         py: Python<'_>,
@@ -280,6 +295,8 @@ impl PyCpuDecoderStack {
         block_tables: PyReadonlyArray2<'_, i32>,
         ctx_lens: PyReadonlyArray1<'_, i32>,
         num_threads: usize,
+        decode_rows: Option<PyReadonlyArray1<'_, i64>>,
+        prefill: Option<PrefillArrays<'_>>,
     ) -> PyResult<()> {
         let s = self.shape;
         let first = caches
@@ -324,6 +341,20 @@ impl PyCpuDecoderStack {
             block_tables: c_slice("block_tables", &block_tables)?,
             max_blocks_per_seq,
             ctx_lens: c_slice("ctx_lens", &ctx_lens)?,
+            decode_rows: decode_rows
+                .as_ref()
+                .map(|d| c_slice("decode_rows", d))
+                .transpose()?,
+            prefill: match &prefill {
+                None => None,
+                Some((starts, lens, seq_lens, tables)) => Some(PrefillChunks {
+                    q_starts: c_slice("prefill q_starts", starts)?,
+                    q_lens: c_slice("prefill q_lens", lens)?,
+                    seq_lens: c_slice("prefill seq_lens", seq_lens)?,
+                    block_tables: c_slice("prefill block_tables", tables)?,
+                    max_blocks_per_seq: tables.shape()[1],
+                }),
+            },
         };
         let hidden_c = hidden.is_c_contiguous();
         let hidden = match (hidden_c, hidden.as_slice_mut()) {
@@ -335,7 +366,7 @@ impl PyCpuDecoderStack {
             block_size,
         };
         py.detach(|| {
-            decode_step(
+            forward_step(
                 &s,
                 &layers,
                 &mut cache_views,

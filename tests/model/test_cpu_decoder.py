@@ -1,6 +1,6 @@
-"""The fused CPU decode step (``runtime.cpu_decoder``): the same logits and KV cache as the
-layer-by-layer forward on the same steps, taken exactly for the steps it accepts, and clear
-errors for bad input."""
+"""The fused CPU step (``runtime.cpu_decoder``): the same logits and KV cache as the
+layer-by-layer forward on the same steps (decode, prefill and mixed), taken exactly for the
+steps it accepts, and clear errors for bad input."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ferrobatch.model.config import ModelConfig
 from ferrobatch.model.llama import LlamaForCausalLM
 from ferrobatch.model.loader import LoadedModel
 from ferrobatch.model.random_init import init_random_weights
-from ferrobatch.runtime.cpu_decoder import FusedDecodeLayers, unsupported
+from ferrobatch.runtime.cpu_decoder import FusedLayers, unsupported
 from ferrobatch.runtime.cpu_linear import packing_unsupported
 from ferrobatch.runtime.model_runner import ModelRunner
 
@@ -54,8 +54,8 @@ def _compare(loaded_fused: LoadedModel, loaded_plain: LoadedModel, prompts, max_
     """The fused runner's steps replayed by a layer-by-layer runner: logits and KV caches agree.
     Returns (steps, steps run fused)."""
     fused = ModelRunner(loaded_fused, num_blocks=96, block_size=block_size, attn_backend="cpu")
-    assert isinstance(fused.model.fused_layers, FusedDecodeLayers)
-    assert "decode steps fused" in fused.linear_kernels
+    assert isinstance(fused.model.fused_layers, FusedLayers)
+    assert "steps fused" in fused.linear_kernels
     steps = _record_steps(fused, prompts, max_new)
     num_fused = fused.model.fused_layers.steps
     fused_caches = [t.clone() for t in fused.kv_cache.layers]
@@ -68,28 +68,43 @@ def _compare(loaded_fused: LoadedModel, loaded_plain: LoadedModel, prompts, max_
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * scale,
                                    msg=lambda m, i=i: f"step {i}: {m}")
     for layer, (a, b) in enumerate(zip(fused_caches, plain.kv_cache.layers, strict=True)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, i=layer: f"layer {i}: {m}")
+        # float32 rounding (SiLU's polynomial) carried through the layers below, amplified at
+        # SmolLM2's attention sink (position 0's hidden states reach ~24,000): the layer path
+        # itself, with SiLU written as g / (1 + e^-g), moves these caches by up to 2e-5 of
+        # their largest value (the logits above stay within 1e-5)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4 * float(b.abs().max()),
+                                   msg=lambda m, i=layer: f"layer {i}: {m}")
     return len(steps), num_fused
 
 
 @pytest.mark.parametrize("tied,bias", [(True, False), (False, True)], ids=["tied", "qkv-bias"])
-def test_fused_decode_matches_the_layer_by_layer_forward_on_a_random_model(tied, bias):
+def test_fused_steps_match_the_layer_by_layer_forward_on_a_random_model(tied, bias):
     rng = np.random.default_rng(0)
-    # prompts of 3-5 tokens prefill inside the fused path (<= 8 queries per sequence)
-    prompts = [rng.integers(0, 97, size=n).tolist() for n in (30, 4, 17, 3, 5, 40)]
+    # 48-token steps: prompts chunked, mixed with decodes and short prompts
+    prompts = [rng.integers(0, 97, size=n).tolist() for n in (30, 4, 17, 3, 5, 40, 70)]
     num_steps, num_fused = _compare(_random_loaded(tied, bias), _random_loaded(tied, bias),
-                                    prompts, [12, 20, 6, 9, 15, 3])
-    assert 0 < num_fused < num_steps      # decode steps fused, the long prefills not
+                                    prompts, [12, 20, 6, 9, 15, 3, 5])
+    assert num_fused == num_steps          # prefill, mixed and decode steps alike
 
 
-def test_fused_decode_matches_on_smollm2_with_gguf_blocks(loaded_smollm2):
+def test_steps_with_sdpa_chunks_stay_layer_by_layer(monkeypatch):
+    # with the prefill kernel off (prefill chunks on SDPA) only steps without long chunks fuse
+    monkeypatch.setenv("FERROBATCH_PREFILL_KERNEL", "0")
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 97, size=n).tolist() for n in (30, 4, 17, 3)]
+    num_steps, num_fused = _compare(_random_loaded(True, False), _random_loaded(True, False),
+                                    prompts, [12, 20, 6, 9])
+    assert 0 < num_fused < num_steps
+
+
+def test_fused_steps_match_on_smollm2_with_gguf_blocks(loaded_smollm2):
     """Steps of more and of at most 8 rows: the panels and the GGUF blocks kernel."""
     rng = np.random.default_rng(1)
     lens = [5, 12, 3, 20, 9, 7, 30, 4, 15, 6]
     prompts = [rng.integers(100, 40000, size=n).tolist() for n in lens]
     max_new = [4, 9, 6, 12, 3, 8, 5, 10, 7, 11]
     num_steps, num_fused = _compare(loaded_smollm2, loaded_smollm2, prompts, max_new, block_size=16)
-    assert num_fused >= 8 and num_fused < num_steps
+    assert num_fused == num_steps
 
 
 def test_fused_decode_is_only_installed_where_it_applies(loaded_smollm2, monkeypatch):
@@ -103,7 +118,7 @@ def test_fused_decode_is_only_installed_where_it_applies(loaded_smollm2, monkeyp
     monkeypatch.setenv("FERROBATCH_FUSED_DECODE", "0")
     off = ModelRunner(_random_loaded(True, False), num_blocks=8, block_size=8, attn_backend="cpu")
     assert off.model.fused_layers is None
-    assert "decode steps fused" not in off.linear_kernels
+    assert "steps fused" not in off.linear_kernels
 
 
 def test_the_stack_rejects_bad_input_with_value_errors():
@@ -121,10 +136,18 @@ def test_the_stack_rejects_bad_input_with_value_errors():
 
     def call(**changes):
         args = dict(hidden=hidden.copy(), cos=cos, sin=sin, caches=caches, slots=slots,
-                    block_tables=tables, ctx_lens=ctx, num_threads=2) | changes
+                    block_tables=tables, ctx_lens=ctx, num_threads=2, decode_rows=None,
+                    prefill=None) | changes
         stack.forward(args["hidden"], args["cos"], args["sin"], args["caches"], args["slots"],
-                      args["block_tables"], args["ctx_lens"], args["num_threads"])
+                      args["block_tables"], args["ctx_lens"], args["num_threads"],
+                      args["decode_rows"], args["prefill"])
         return args["hidden"]
+
+    one = np.array([1], np.int32)
+    # row 1 as a prefill chunk of one query over 2 keys; row 0 through the decode kernel
+    chunk = (one, one, np.array([2], np.int32), tables[1:])
+    mixed = dict(decode_rows=np.array([0], np.int64), block_tables=tables[:1], ctx_lens=ctx[:1],
+                 prefill=chunk)
 
     for changes, match in [
         (dict(slots=np.array([16, 16 * 8], np.int64)), "slot"),
@@ -135,12 +158,19 @@ def test_the_stack_rejects_bad_input_with_value_errors():
         (dict(caches=[c[:, :8] for c in caches]), "C-contiguous"),
         (dict(caches=[c[0] for c in caches]), "dimensions"),
         (dict(hidden=np.ones((2, 63), np.float32)), "hidden"),
+        (mixed | dict(decode_rows=np.array([0, 1], np.int64), block_tables=tables, ctx_lens=ctx),
+         "row 1 is attended by 2 kernels"),
+        (mixed | dict(prefill=None), "attended by 0 kernels"),
+        (mixed | dict(decode_rows=np.array([2], np.int64)), "decode row 2 outside"),
+        (mixed | dict(prefill=(one, one, one - 1, tables[1:])), "seq_lens"),
+        (mixed | dict(prefill=(one, one, one + 1, tables[1:, :1].copy() + 15)), "block id"),
     ]:
         with pytest.raises(ValueError, match=match):
             call(**changes)
     for c, b in zip(caches, before, strict=True):
         np.testing.assert_array_equal(c, b)
     assert np.isfinite(call()).all()      # the unchanged arguments are a valid step
+    assert np.isfinite(call(**mixed)).all()
     from ferrobatch._scheduler import CpuDecoderStack
     norm = np.ones(64, np.float32)
     bad_panels = (160, 64, np.zeros((10, 64, 16), np.float32), None, None)
@@ -161,4 +191,4 @@ def test_the_engine_switch_reaches_the_runner(loaded_smollm2):
     for fused in (True, False):
         core = EngineCore.build(EngineConfig(num_blocks=64, fused_decode=fused), loaded_smollm2)
         assert (core.runner.model.fused_layers is not None) is fused
-        assert ("decode steps fused" in core.runner.linear_kernels) is fused
+        assert ("steps fused" in core.runner.linear_kernels) is fused

@@ -105,6 +105,95 @@ def test_decode_kernel_matches_torch_reference(num_seqs, heads, head_dim):
         torch.testing.assert_close(out, want, rtol=1e-5, atol=2e-6)
 
 
+def _random_prefill_step(rng, q_lens, prior, num_kv_heads, head_dim, block_size=16):
+    """Chunks of ``q_lens`` queries after ``prior`` keys of context each, one padding row
+    between chunks, over shuffled disjoint blocks: (batch, q_starts, num_tokens, cache)."""
+    from types import SimpleNamespace
+    q_lens, prior = np.asarray(q_lens, np.int32), np.asarray(prior, np.int32)
+    seq_lens = q_lens + prior
+    blocks_per_seq = -(-seq_lens // block_size)
+    ids = rng.permutation(np.arange(1, int(blocks_per_seq.sum()) + 1)).astype(np.int32)
+    tables = np.zeros((q_lens.size, int(blocks_per_seq.max())), np.int32)
+    start = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = ids[start:start + n]
+        start += n
+    q_starts = (np.concatenate([[0], np.cumsum(q_lens + 1)[:-1]])).astype(np.int32)
+    num_tokens = int(q_starts[-1] + q_lens[-1] + 1)
+    cache = torch.randn(2, int(ids.max()) + 1, block_size, num_kv_heads, head_dim)
+    batch = SimpleNamespace(query_start_loc=np.concatenate([q_starts, [q_starts[-1] + q_lens[-1]]])
+                            .astype(np.int32), seq_lens=seq_lens, block_tables=tables,
+                            input_ids=np.zeros(num_tokens - 1, np.int32),
+                            slot_mapping=np.zeros(num_tokens - 1, np.int32), num_seqs=q_lens.size)
+    return batch, q_starts, num_tokens, cache
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (16, 2), (9, 3)])  # GQA 1, 4, 8, SmolLM2's 3
+@pytest.mark.parametrize("head_dim", [64, 128, 40])  # 40: the portable path
+def test_prefill_kernel_matches_torch_reference(heads, head_dim):
+    """Chunks of 9-300 queries, first ones and later ones after up to 700 keys of context,
+    against the reference backend's SDPA; rows between chunks stay untouched."""
+    from ferrobatch._scheduler import paged_prefill_attention_f32
+    rng = np.random.default_rng(heads[0] * 100 + heads[1] * 10 + head_dim)
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    q_lens, prior = [9, 300, 33, 17], [0, 0, 700, 5]
+    batch, q_starts, num_tokens, cache = _random_prefill_step(rng, q_lens, prior, heads[1],
+                                                              head_dim)
+    query = torch.randn(num_tokens, heads[0], head_dim)
+    scale = head_dim ** -0.5
+    for threads in (1, 2):
+        out = torch.full_like(query, float("nan"))
+        paged_prefill_attention_f32(query.numpy(), cache[0].numpy(), cache[1].numpy(),
+                                    batch.block_tables, q_starts, np.asarray(q_lens, np.int32),
+                                    batch.seq_lens.astype(np.int32), out.numpy(), scale, threads)
+        for start, n in zip(q_starts, q_lens, strict=True):
+            assert out[start + n].isnan().all(), "a row between chunks was written"
+        # the reference on the chunks' rows only (the padding rows dropped)
+        rows = torch.from_numpy(np.concatenate([np.arange(s, s + n) for s, n in zip(q_starts, q_lens)]))
+        qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        ref = TorchReferenceBackend(16)
+        batch.query_start_loc, batch.input_ids = qsl, np.zeros(int(qsl[-1]), np.int32)
+        batch.slot_mapping = batch.input_ids
+        want = ref.forward(query[rows], cache, ref.build_metadata(batch, "cpu"), scale)
+        torch.testing.assert_close(out[rows], want, rtol=1e-5, atol=2e-6)
+
+
+def test_prefill_kernel_rejects_bad_inputs_without_writing():
+    from ferrobatch._scheduler import paged_prefill_attention_f32
+    rng = np.random.default_rng(0)
+    batch, q_starts, num_tokens, cache = _random_prefill_step(rng, [20, 12], [0, 30], 2, 64)
+    query = torch.randn(num_tokens, 8, 64).numpy()
+    out = np.full_like(query, np.nan)
+    good = dict(q=query, k=cache[0].numpy(), v=cache[1].numpy(), tables=batch.block_tables,
+                starts=q_starts, lens=np.array([20, 12], np.int32),
+                seq_lens=batch.seq_lens.astype(np.int32), out=out)
+
+    def call(**changes):
+        a = good | changes
+        paged_prefill_attention_f32(a["q"], a["k"], a["v"], a["tables"], a["starts"], a["lens"],
+                                    a["seq_lens"], a["out"], 0.125, 2)
+
+    bad_table = batch.block_tables.copy()
+    bad_table[1, 2] = cache.shape[1]
+    for changes, match in [
+        (dict(tables=bad_table), "block id"),
+        (dict(starts=np.array([0, 15], np.int32)), "not after the previous"),
+        (dict(starts=np.array([0, 30], np.int32)), "within"),
+        (dict(seq_lens=np.array([19, 42], np.int32)), "seq_lens"),
+        (dict(lens=np.array([0, 12], np.int32)), "q_lens"),
+        (dict(seq_lens=np.array([20, 10_000], np.int32)), "seq_lens"),
+        (dict(q=np.asfortranarray(query[:, ::-1])), "C-contiguous"),
+        (dict(out=np.empty((3, 8, 64), np.float32)), "out must have"),
+        (dict(lens=np.array([20], np.int32)), "q_lens has"),
+        (dict(q=query.reshape(num_tokens, 4, 128)), "head_dim"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call(**changes)
+        assert np.isnan(out).all(), f"{match}: out was written"
+    call()
+    assert not np.isnan(out[:20]).any()
+
+
 def test_decode_kernel_rejects_bad_inputs_without_reading_them():
     rng = np.random.default_rng(0)
     query, cache, table, ctx = _random_decode_step(rng, 4, 8, 2, 64)
@@ -283,7 +372,11 @@ def test_runner_gives_the_cores_to_the_kernels_during_the_forward(loaded_smollm2
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        runner = ModelRunner(loaded_smollm2, num_blocks=64, block_size=16, attn_backend="cpu")
+        fused = ModelRunner(loaded_smollm2, num_blocks=64, block_size=16, attn_backend="cpu")
+        assert fused.model.fused_layers.num_threads == 2
+        # layer by layer, so a hook on the first layer sees the forward's thread count
+        runner = ModelRunner(loaded_smollm2, num_blocks=64, block_size=16, attn_backend="cpu",
+                             fused_decode=False)
         assert runner.kernel_threads == 2 and runner.attn_backend.num_threads == 2
         assert {m.num_threads for m in runner.model.modules() if isinstance(m, PanelLinear)} == {2}
         seen = []

@@ -1,13 +1,14 @@
-"""Every decoder layer of a CPU decode step in one Rust call (``ferrobatch._scheduler.CpuDecoderStack``,
+"""Every decoder layer of a CPU step in one Rust call (``ferrobatch._scheduler.CpuDecoderStack``,
 source ``rust_scheduler/src/cpu_decoder.rs``).
 
 With the linear layers, norms, RoPE and attention already in Rust kernels, a one-row decode step
 of SmolLM2 still spent about as long in Python and small torch ops between those kernels (~15
-module calls and ops per layer, 30 layers) as in the kernels themselves. ``FusedDecodeLayers``
-hands the whole layer stack to Rust for steps whose every row goes through the decode-attention
-kernel (``CpuPagedMetadata.decode.every_token``: decodes, speculative drafts, short chunks): the
-same kernels back to back, the K/V written into the same paged cache, one call. Prefill and mixed
-steps keep the module-by-module path. SiLU-and-mul is the only op computed differently (Rust's
+module calls and ops per layer, 30 layers) as in the kernels themselves. ``FusedLayers`` hands
+the whole layer stack to Rust for every step whose attention the Rust kernels do (decodes,
+speculative drafts, short chunks through the decode kernel; longer chunks through the prefill
+kernel; any mix of them): the same kernels back to back, the K/V written into the same paged
+cache, one call. Steps with prefill chunks on SDPA (``CpuPagedBackend(prefill_kernel=False)``)
+keep the module-by-module path. SiLU-and-mul is the only op computed differently (Rust's
 polynomial ``exp`` instead of torch's ``silu``; float32 rounding apart, the same values).
 
 ``install_fused_decode(model, backend, num_threads)`` sets ``model.fused_layers`` when the model
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -58,8 +60,8 @@ def _linear_spec(linear) -> tuple:
     return (linear.out_features, linear.in_features, linear.packed_weight.numpy(), bias, blocks)
 
 
-class FusedDecodeLayers:
-    """``model.fused_layers``: runs a decode step's hidden rows through every layer in Rust."""
+class FusedLayers:
+    """``model.fused_layers``: runs a step's hidden rows through every layer in Rust."""
 
     def __init__(self, model: nn.Module, num_threads: int) -> None:
         config = model.config
@@ -83,9 +85,9 @@ class FusedDecodeLayers:
 
     @staticmethod
     def accepts(meta) -> bool:
-        """True for a step whose every row is a decode-kernel row (``every_token``)."""
-        decode = getattr(meta, "decode", None)
-        return type(meta) is CpuPagedMetadata and decode is not None and decode.every_token
+        """True for a step whose attention is all in the Rust kernels (no SDPA groups)."""
+        return type(meta) is CpuPagedMetadata and not meta.groups and \
+            (meta.decode is not None or meta.prefill is not None)
 
     def __call__(self, hidden: torch.Tensor, rope_tables, kv_caches: list[torch.Tensor],
                  meta) -> torch.Tensor:
@@ -94,18 +96,31 @@ class FusedDecodeLayers:
             self._caches = kv_caches
             self._cache_arrays = [t.numpy() for t in kv_caches]
         cos, sin = (t.reshape(t.shape[0], t.shape[-1]).contiguous().numpy() for t in rope_tables)
-        rows = meta.decode
+        rows, chunks = meta.decode, meta.prefill
+        if rows is None:
+            tables, ctx_lens, decode_rows = _NO_TABLES, _NO_CTX, _NO_ROWS
+        else:
+            tables, ctx_lens = rows.block_tables, rows.ctx_lens
+            decode_rows = None if rows.every_token else rows.token_index.numpy()
+        prefill = None if chunks is None else \
+            (chunks.q_starts, chunks.q_lens, chunks.seq_lens, chunks.block_tables)
         hidden = hidden.contiguous()
         self._stack.forward(hidden.numpy(), cos, sin, self._cache_arrays,
-                            meta.slot_mapping.numpy(), rows.block_tables, rows.ctx_lens,
-                            self.num_threads)
+                            meta.slot_mapping.numpy(), tables, ctx_lens, self.num_threads,
+                            decode_rows, prefill)
         self.steps += 1
         return hidden
 
 
+# a step without decode-kernel rows
+_NO_TABLES = np.zeros((0, 1), np.int32)
+_NO_CTX = np.zeros(0, np.int32)
+_NO_ROWS = np.zeros(0, np.int64)
+
+
 def install_fused_decode(model: nn.Module, backend, num_threads: int) -> str | None:
-    """Gives ``model`` a :class:`FusedDecodeLayers`; returns None, or why it was not given one."""
+    """Gives ``model`` a :class:`FusedLayers`; returns None, or why it was not given one."""
     reason = unsupported(model, backend)
     if reason is None:
-        model.fused_layers = FusedDecodeLayers(model, num_threads)
+        model.fused_layers = FusedLayers(model, num_threads)
     return reason

@@ -42,8 +42,8 @@ class ModelRunner:
         """``pack_weights``: CPU float32 linears in the Rust panel kernel; ``gguf_blocks``: for a
         GGUF model, steps of at most ``QUANT_MAX_ROWS`` (8) rows read the file's Q4_1 / Q8_0 blocks instead
         (``cpu_linear.BlockKernel``). Both only when the model is first packed. ``fused_decode``:
-        with packed weights on the CPU backend, decode steps run every layer in one Rust call
-        (``runtime.cpu_decoder``)."""
+        with packed weights on the CPU backend, steps (decode, prefill, mixed) run every layer in
+        one Rust call (``runtime.cpu_decoder``)."""
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.config
@@ -77,8 +77,8 @@ class ModelRunner:
             not_fused = install_fused_decode(self.model, self.attn_backend, self.kernel_threads) \
                 if fused_decode else "fused_decode=False"
             if not_fused is None:
-                self.linear_kernels += ", decode steps fused (one Rust call for all layers)"
-            logger.info("decode steps: %s", "all layers in one Rust call" if not_fused is None
+                self.linear_kernels += ", steps fused (one Rust call for all layers)"
+            logger.info("steps: %s", "all layers in one Rust call" if not_fused is None
                         else f"layer by layer ({not_fused})")
             logger.info("linear layers: %d prepacked for the Rust kernel (%s), %d threads",
                         num_packed, linear_isa(), self.kernel_threads)
