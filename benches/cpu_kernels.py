@@ -1,11 +1,14 @@
 """The CPU fast paths against what they replace, side by side in one run (SmolLM2-135M shapes).
 
-    python benches/cpu_kernels.py [--only attention|linear] [--json benches/results/cpu/cpu_kernels.json]
+    python benches/cpu_kernels.py [--only attention|prefill|linear] [--json benches/results/cpu/cpu_kernels.json]
 
 1. Decode attention over a paged float32 cache, all 30 layers' worth of KV (so it is read from
    DRAM, as in a real step): the Rust kernel (`CpuPagedBackend`) vs the torch reference
    (`TorchReferenceBackend`: block gather + masked SDPA), per 30 layers, at rows x context.
-2. The 30 layers' linear layers plus the LM head, at M rows (decode sizes and a 512-token
+2. Prefill attention of one prompt chunk (Q queries after P keys of context), 30 layers' worth:
+   the Rust prefill kernel (`CpuPagedBackend`) vs torch's SDPA as the backend ran it before
+   (`CpuPagedBackend(prefill_kernel=False)`: block gather + causal SDPA on the kernels' threads).
+3. The 30 layers' linear layers plus the LM head, at M rows (decode sizes and a 512-token
    prefill chunk): the Rust kernel over panel-packed weights (`PanelLinear`, torch
    single-threaded as in the model runner, the kernel on torch's thread count) vs oneDNN's
    inner product on a weight prepacked once (what the CPU path used before) vs `F.linear`.
@@ -103,6 +106,38 @@ def attention_rows(rows_list, ctx_list, repeats):
     return out
 
 
+def prefill_chunks(shapes, repeats):
+    """(queries, prior keys) chunks: the Rust prefill kernel vs gather + SDPA, per 30 layers."""
+    rng = np.random.default_rng(1)
+    out = []
+    for q_len, prior in shapes:
+        seq_len = q_len + prior
+        num_blocks = -(-seq_len // BS) + 1
+        caches = [torch.randn(2, num_blocks, BS, HKV, D) for _ in range(LAYERS)]
+        table = rng.permutation(np.arange(1, num_blocks)).astype(np.int32)[None]
+        batch = type("Step", (), dict(
+            query_start_loc=np.array([0, q_len], np.int32), seq_lens=np.array([seq_len], np.int32),
+            block_tables=table, input_ids=np.zeros(q_len, np.int32),
+            slot_mapping=np.zeros(q_len, np.int32)))
+        query = torch.randn(q_len, HQ, D)
+        pairs = q_len * prior + q_len * (q_len + 1) // 2          # causal (query, key) pairs
+        result = {"queries": q_len, "prior_keys": prior,
+                  "gflop_per_step": round(4 * pairs * HQ * D * LAYERS / 1e9, 2)}
+        backends = {"rust": CpuPagedBackend(BS), "sdpa": CpuPagedBackend(BS, prefill_kernel=False)}
+        runs = {name: partial(_attend_all_layers, b, b.build_metadata(batch, "cpu"), query, caches)
+                for name, b in backends.items()}
+        for name in ("rust", "sdpa", "rust", "sdpa"):  # alternate; keep the 2nd pair
+            result[f"{name}_ms"] = _median_ms(runs[name], repeats)
+        result["speedup"] = result["sdpa_ms"] / result["rust_ms"]
+        for name in ("rust", "sdpa"):
+            result[f"{name}_gflops"] = result["gflop_per_step"] / result[f"{name}_ms"] * 1e3
+        out.append(result)
+        print(f"prefill q={q_len} prior={prior}: rust {result['rust_ms']:.1f} ms, sdpa "
+              f"{result['sdpa_ms']:.1f} ms per 30 layers ({result['speedup']:.2f}x)", flush=True)
+        del caches
+    return out
+
+
 def linear_rows(m_list, repeats):
     torch.manual_seed(0)
     shapes = [(HQ * D + 2 * HKV * D, HIDDEN), (HIDDEN, HQ * D), (2 * FFN, HIDDEN), (HIDDEN, FFN)]
@@ -134,16 +169,24 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default=None)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--only", choices=["attention", "linear"], default=None,
-                   help="run one of the two parts")
+    p.add_argument("--only", choices=["attention", "prefill", "linear"], default=None,
+                   help="run one of the three parts")
     a = p.parse_args()
-    att = attention_rows([1, 16, 32, 64], [256, 1024], a.repeats) if a.only != "linear" else []
-    lin = linear_rows([1, 4, 16, 32, 64, 512], a.repeats) if a.only != "attention" else []
+    att = attention_rows([1, 16, 32, 64], [256, 1024], a.repeats) \
+        if a.only in (None, "attention") else []
+    pre = prefill_chunks([(64, 0), (256, 0), (512, 0), (512, 512), (512, 1536)], a.repeats) \
+        if a.only in (None, "prefill") else []
+    lin = linear_rows([1, 4, 16, 32, 64, 512], a.repeats) if a.only in (None, "linear") else []
     print()
     print(format_table(att, [("rows", "rows", "d"), ("context", "context", "d"),
                              ("kv_mb_per_step", "KV MB / step", ".1f"), ("rust_ms", "rust ms", ".1f"),
                              ("rust_gb_per_s", "rust GB/s", ".1f"),
                              ("torch_ms", "torch ref ms", ".1f"), ("speedup", "speed-up", ".1f")]))
+    print()
+    print(format_table(pre, [("queries", "queries", "d"), ("prior_keys", "prior keys", "d"),
+                             ("gflop_per_step", "GFLOP / step", ".2f"), ("rust_ms", "rust ms", ".1f"),
+                             ("rust_gflops", "rust GFLOP/s", ".0f"), ("sdpa_ms", "SDPA ms", ".1f"),
+                             ("sdpa_gflops", "SDPA GFLOP/s", ".0f"), ("speedup", "speed-up", ".2f")]))
     print()
     print(format_table(lin, [("rows", "rows", "d"), ("rust_ms", "rust ms", ".1f"),
                              ("onednn_ms", "oneDNN packed ms", ".1f"), ("f_linear_ms", "F.linear ms", ".1f"),
@@ -151,6 +194,7 @@ def main() -> int:
                              ("rust_gflops", "rust GFLOP/s", ".0f")]))
     if a.json:
         write_json(a.json, {"machine": machine_info(), "attention_30_layers": att,
+                            "prefill_attention_30_layers": pre,
                             "linear_30_layers_plus_head": lin})
         print(f"json: {a.json}")
     return 0

@@ -1,15 +1,20 @@
 """Prefill latency on the CPU: one prompt at a time through `ferrobatch.LLM` (SmolLM2), one
-output token, and the time spent in prefill attention; the Rust prefill kernel and torch's SDPA
-side by side.
+output token, and the time spent in prefill attention; three engines side by side.
 
     python benches/prefill_latency.py --lengths 256,1024,2048
 
-Two engines (the shipped one, and one with `FERROBATCH_PREFILL_KERNEL=0`: prefill chunks on
-SDPA) take turns on each length (`--only rust|sdpa` runs one). Each length is run once to warm
+- `fused`: the engine as shipped (every step's layers in one Rust call, prompt chunks through
+  the Rust prefill kernel);
+- `layers`: the same kernels, layer by layer from Python (`FERROBATCH_FUSED_DECODE=0`);
+- `sdpa`: prompt chunks on torch's SDPA (`FERROBATCH_PREFILL_KERNEL=0`), so prefill steps go
+  layer by layer (decode steps stay fused): the engine before the prefill kernel.
+
+The engines take turns on each length (`--paths` picks some). Each length is run once to warm
 up, then timed with fresh token ids (no prefix-cache hit against the warm-up). Prompts are split
 into `--chunk`-token prefill steps (the step budget), so later chunks attend to the earlier ones
 through the paged cache. Attention time is measured by wrapping the attention backend's
-`forward` (every layer's attention of the step, K/V writes excluded).
+`forward` (every layer's attention of the step, K/V writes excluded): not measurable inside the
+fused call (`-`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: F401,E402 - sets the OpenMP defaults before torch is imported
 
-PATHS = {"rust": "1", "sdpa": "0"}   # label -> FERROBATCH_PREFILL_KERNEL
+PATHS = {"fused": {}, "layers": {"FERROBATCH_FUSED_DECODE": "0"},
+         "sdpa": {"FERROBATCH_PREFILL_KERNEL": "0"}}   # label -> environment of its engine
 
 
 def _engine(label: str, chunk: int):
@@ -32,11 +38,12 @@ def _engine(label: str, chunk: int):
     spent["s"] accumulates the seconds inside the backend's attention."""
     from ferrobatch import LLM
 
-    os.environ["FERROBATCH_PREFILL_KERNEL"] = PATHS[label]
+    os.environ.update(PATHS[label])
     try:
         llm = LLM("smollm2", max_num_batched_tokens=chunk, enable_prefix_caching=False)
     finally:
-        os.environ.pop("FERROBATCH_PREFILL_KERNEL", None)
+        for name in PATHS[label]:
+            os.environ.pop(name, None)
     backend = llm.engine._core.runner.attn_backend
     spent = {"s": 0.0}
     real = backend.forward
@@ -57,12 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", default="256,1024,2048")
     ap.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens")
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--only", choices=sorted(PATHS), help="run one path only")
+    ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated, of: "
+                    + ", ".join(PATHS))
     args = ap.parse_args(argv)
 
     from ferrobatch import SamplingParams
 
-    labels = [args.only] if args.only else ["rust", "sdpa"]
+    labels = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if unknown := set(labels) - set(PATHS):
+        ap.error(f"unknown paths {sorted(unknown)}")
     engines = {label: _engine(label, args.chunk) for label in labels}
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     print("path | prompt tokens | time to first token (ms) | prefill attention (ms) | runs")
@@ -82,11 +92,13 @@ def main(argv: list[str] | None = None) -> int:
             for label in labels:
                 b = min(rows[label])
                 best[label, length] = b[0]
-                print(f"{label} | {length} | {b[0]:.0f} | {b[1]:.0f} | "
+                attn = "-" if label == "fused" else f"{b[1]:.0f}"
+                print(f"{label} | {length} | {b[0]:.0f} | {attn} | "
                       + ", ".join(f"{a:.0f}/{c:.0f}" for a, c in rows[label]))
-            if len(labels) == 2:
-                print(f"  time to first token, sdpa / rust: "
-                      f"{best['sdpa', length] / best['rust', length]:.2f}x")
+            if "fused" in labels:
+                print("  time to first token vs fused: " + ", ".join(
+                    f"{label} {best[label, length] / best['fused', length]:.2f}x"
+                    for label in labels if label != "fused"))
     finally:
         for llm, _ in engines.values():
             llm.close()
