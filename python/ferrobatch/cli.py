@@ -35,8 +35,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queued-requests", type=int, default=1024,
                    help="waiting requests beyond which new ones get 429 / an error 429")
     g.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "cuda"], default="auto",
-                   help="auto: CUDA kernels on a GPU, the Rust decode kernel on CPU (float32), "
-                   "else the torch reference")
+                   help="auto: CUDA kernels on a GPU, the Rust decode and prefill kernels on CPU "
+                   "(float32), else the torch reference")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eagerly (no decode CUDA graphs)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",

@@ -133,6 +133,26 @@ for fused in 0 1; do
     --num-prompts 32 --request-rates 0.8,1.6,3.2 --json $OUT/serving_cpu-serve_session12$suffix.json
 done
 
+# 20. Session 13 (the same Xeon): prompt chunks through the Rust prefill kernel and every step in
+# one Rust call, side by side with prompt chunks on SDPA (FERROBATCH_PREFILL_KERNEL=0 = the
+# engine at the session's start); then the headline systems.
+$PY benches/cpu_kernels.py --only prefill --json $OUT/cpu_kernels_prefill_session13.json
+$PY benches/prefill_latency.py --lengths 256,512,1024,2048 --repeat 3 \
+  | tee $OUT/prefill_latency_session13.txt
+for kernel in 0 1 0 1; do
+  FERROBATCH_PREFILL_KERNEL=$kernel $PY benches/throughput.py --workload cpu-small \
+    --systems ferrobatch,ferrobatch-nodraft
+done
+for kernel in 0 1; do
+  suffix=$([ $kernel = 0 ] && echo _sdpa_prefill)
+  FERROBATCH_PREFILL_KERNEL=$kernel $PY benches/serving.py --servers ferrobatch \
+    --workload cpu-serve --num-prompts 32 --request-rates 0.8,1.6,3.2 \
+    --json $OUT/serving_cpu-serve_session13$suffix.json
+done
+$PY benches/throughput.py --workload cpu-small \
+  --systems ferrobatch,ferrobatch-nodraft,ferrobatch-static,hf-static@16,hf-continuous \
+  --json $OUT/throughput_cpu-small_session13.json
+
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
 #   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \

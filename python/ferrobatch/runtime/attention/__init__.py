@@ -56,7 +56,7 @@ def get_attention_backend(name: str | None, device: torch.device | str, *, block
                           model_shape: tuple[int, int, int, torch.dtype] | None = None
                           ) -> AttentionBackend:
     """Picks an attention backend. ``None``/"auto": the CUDA kernels on a CUDA device, the Rust
-    CPU decode kernel on the CPU (float32), each when it loads and covers ``model_shape`` =
+    CPU kernels on the CPU (float32), each when it loads and covers ``model_shape`` =
     (num_heads, num_kv_heads, head_dim, dtype) if given; else the torch reference (the reason is
     logged). "cuda" / "cpu" raise if their kernels cannot be used."""
     name = name or "auto"
