@@ -40,7 +40,81 @@ fn bad(msg: String) -> Result<(), KernelInputError> {
     Err(KernelInputError(msg))
 }
 
+/// The model's heads and the paged cache's geometry, checked alike by both attention kernels
+/// (this one and `cpu_prefill_attention`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CacheGeometry {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub max_blocks_per_seq: usize,
+}
+
+impl CacheGeometry {
+    /// Positive sizes, query heads that group over the KV heads, caches of the geometry's size.
+    pub(crate) fn validate(
+        &self,
+        k_cache: &[f32],
+        v_cache: &[f32],
+    ) -> Result<(), KernelInputError> {
+        let g = self;
+        if g.num_kv_heads == 0 || g.head_dim == 0 || g.block_size == 0 {
+            return bad("num_kv_heads, head_dim and block_size must be positive".into());
+        }
+        if !g.num_heads.is_multiple_of(g.num_kv_heads) || g.num_heads == 0 {
+            return bad(format!(
+                "num_heads {} is not a positive multiple of num_kv_heads {}",
+                g.num_heads, g.num_kv_heads
+            ));
+        }
+        let cache_len = g.num_blocks * g.block_size * g.num_kv_heads * g.head_dim;
+        for (name, len) in [("k_cache", k_cache.len()), ("v_cache", v_cache.len())] {
+            if len != cache_len {
+                return bad(format!(
+                    "{name} has {len} elements, its shape needs {cache_len}"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The blocks sequence `seq` reads for `keys` keys (the start of its row of
+    /// `block_tables`, `[S, max_blocks_per_seq]`, validated length) are in `0..num_blocks`.
+    pub(crate) fn check_blocks(
+        &self,
+        block_tables: &[i32],
+        seq: usize,
+        keys: usize,
+    ) -> Result<(), KernelInputError> {
+        let used = keys.div_ceil(self.block_size);
+        let row = &block_tables[seq * self.max_blocks_per_seq..][..used];
+        if let Some(&b) = row
+            .iter()
+            .find(|&&b| b < 0 || b as usize >= self.num_blocks)
+        {
+            return bad(format!(
+                "block id {b} of sequence {seq} outside 0..{}",
+                self.num_blocks
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl DecodeShape {
+    fn geometry(&self) -> CacheGeometry {
+        CacheGeometry {
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            num_blocks: self.num_blocks,
+            block_size: self.block_size,
+            max_blocks_per_seq: self.max_blocks_per_seq,
+        }
+    }
+
     /// Checks every invariant of the module header against the given buffers.
     pub fn validate(
         &self,
@@ -52,22 +126,12 @@ impl DecodeShape {
         out: &[f32],
     ) -> Result<(), KernelInputError> {
         let s = *self;
-        if s.num_kv_heads == 0 || s.head_dim == 0 || s.block_size == 0 {
-            return bad("num_kv_heads, head_dim and block_size must be positive".into());
-        }
-        if !s.num_heads.is_multiple_of(s.num_kv_heads) || s.num_heads == 0 {
-            return bad(format!(
-                "num_heads {} is not a positive multiple of num_kv_heads {}",
-                s.num_heads, s.num_kv_heads
-            ));
-        }
+        let geometry = s.geometry();
+        geometry.validate(k_cache, v_cache)?;
         let q_len = s.num_seqs * s.num_heads * s.head_dim;
-        let cache_len = s.num_blocks * s.block_size * s.num_kv_heads * s.head_dim;
         for (name, len, want) in [
             ("q", q.len(), q_len),
             ("out", out.len(), q_len),
-            ("k_cache", k_cache.len(), cache_len),
-            ("v_cache", v_cache.len(), cache_len),
             (
                 "block_tables",
                 block_tables.len(),
@@ -84,14 +148,7 @@ impl DecodeShape {
             if ctx < 1 || ctx as usize > max_ctx {
                 return bad(format!("ctx_lens[{seq}] = {ctx} outside 1..={max_ctx}"));
             }
-            let used = (ctx as usize).div_ceil(s.block_size);
-            let row = &block_tables[seq * s.max_blocks_per_seq..][..used];
-            if let Some(&b) = row.iter().find(|&&b| b < 0 || b as usize >= s.num_blocks) {
-                return bad(format!(
-                    "block id {b} of sequence {seq} outside 0..{}",
-                    s.num_blocks
-                ));
-            }
+            geometry.check_blocks(block_tables, seq, ctx as usize)?;
         }
         Ok(())
     }

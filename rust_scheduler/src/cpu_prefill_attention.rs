@@ -26,6 +26,7 @@
 //! row's last weigh exactly 0), then the weighted sum of the panel's V rows, read in place from
 //! the cache, into the tile's accumulators (rescaled when a row's max grows).
 
+use crate::cpu_attention::CacheGeometry;
 use crate::cpu_error::KernelInputError;
 use crate::cpu_exp::exp;
 use crate::cpu_isa::Isa;
@@ -79,22 +80,19 @@ impl PrefillShape {
         out: &[f32],
     ) -> Result<Vec<SeqQuery>, KernelInputError> {
         let s = *self;
-        if s.num_kv_heads == 0 || s.head_dim == 0 || s.block_size == 0 {
-            return bad("num_kv_heads, head_dim and block_size must be positive".into());
-        }
-        if s.num_heads == 0 || !s.num_heads.is_multiple_of(s.num_kv_heads) {
-            return bad(format!(
-                "num_heads {} is not a positive multiple of num_kv_heads {}",
-                s.num_heads, s.num_kv_heads
-            ));
-        }
+        let geometry = CacheGeometry {
+            num_heads: s.num_heads,
+            num_kv_heads: s.num_kv_heads,
+            head_dim: s.head_dim,
+            num_blocks: s.num_blocks,
+            block_size: s.block_size,
+            max_blocks_per_seq: s.max_blocks_per_seq,
+        };
+        geometry.validate(k_cache, v_cache)?;
         let q_len = s.num_tokens * s.num_heads * s.head_dim;
-        let cache_len = s.num_blocks * s.block_size * s.num_kv_heads * s.head_dim;
         for (name, len, want) in [
             ("q", q.len(), q_len),
             ("out", out.len(), q_len),
-            ("k_cache", k_cache.len(), cache_len),
-            ("v_cache", v_cache.len(), cache_len),
             (
                 "block_tables",
                 block_tables.len(),
@@ -130,14 +128,7 @@ impl PrefillShape {
                 ));
             }
             rows_end = start as usize + len as usize;
-            let used = (ctx as usize).div_ceil(s.block_size);
-            let row = &block_tables[seq * s.max_blocks_per_seq..][..used];
-            if let Some(&b) = row.iter().find(|&&b| b < 0 || b as usize >= s.num_blocks) {
-                return bad(format!(
-                    "block id {b} of sequence {seq} outside 0..{}",
-                    s.num_blocks
-                ));
-            }
+            geometry.check_blocks(block_tables, seq, ctx as usize)?;
             seqs.push(SeqQuery {
                 q_start: start as usize,
                 q_len: len as usize,

@@ -105,22 +105,29 @@ def test_decode_kernel_matches_torch_reference(num_seqs, heads, head_dim):
         torch.testing.assert_close(out, want, rtol=1e-5, atol=2e-6)
 
 
+def _shuffled_tables(rng, seq_lens, block_size):
+    """Block tables for ``seq_lens`` over disjoint blocks 1.. in a shuffled order:
+    (tables [S, max_blocks] int32, the largest block id)."""
+    blocks_per_seq = -(-np.asarray(seq_lens) // block_size)
+    ids = rng.permutation(np.arange(1, int(blocks_per_seq.sum()) + 1)).astype(np.int32)
+    tables = np.zeros((len(blocks_per_seq), int(blocks_per_seq.max())), np.int32)
+    start = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = ids[start:start + n]
+        start += n
+    return tables, int(ids.max())
+
+
 def _random_prefill_step(rng, q_lens, prior, num_kv_heads, head_dim, block_size=16):
     """Chunks of ``q_lens`` queries after ``prior`` keys of context each, one padding row
     between chunks, over shuffled disjoint blocks: (batch, q_starts, num_tokens, cache)."""
     from types import SimpleNamespace
     q_lens, prior = np.asarray(q_lens, np.int32), np.asarray(prior, np.int32)
     seq_lens = q_lens + prior
-    blocks_per_seq = -(-seq_lens // block_size)
-    ids = rng.permutation(np.arange(1, int(blocks_per_seq.sum()) + 1)).astype(np.int32)
-    tables = np.zeros((q_lens.size, int(blocks_per_seq.max())), np.int32)
-    start = 0
-    for i, n in enumerate(blocks_per_seq):
-        tables[i, :n] = ids[start:start + n]
-        start += n
+    tables, max_id = _shuffled_tables(rng, seq_lens, block_size)
     q_starts = (np.concatenate([[0], np.cumsum(q_lens + 1)[:-1]])).astype(np.int32)
     num_tokens = int(q_starts[-1] + q_lens[-1] + 1)
-    cache = torch.randn(2, int(ids.max()) + 1, block_size, num_kv_heads, head_dim)
+    cache = torch.randn(2, max_id + 1, block_size, num_kv_heads, head_dim)
     batch = SimpleNamespace(query_start_loc=np.concatenate([q_starts, [q_starts[-1] + q_lens[-1]]])
                             .astype(np.int32), seq_lens=seq_lens, block_tables=tables,
                             input_ids=np.zeros(num_tokens - 1, np.int32),
@@ -438,13 +445,7 @@ def test_short_queries_go_through_the_kernel_causally(seed, prefill_kernel):
     rng = np.random.default_rng(seed)
     q_lens = np.array([1, 2, 4, KERNEL_QUERY_MAX, KERNEL_QUERY_MAX + 1, 3, 20, 1], np.int32)
     seq_lens = (q_lens + rng.integers(0, 40, q_lens.size)).astype(np.int32)
-    blocks_per_seq = -(-seq_lens // BLOCK_SIZE)
-    ids = rng.permutation(np.arange(1, int(blocks_per_seq.sum()) + 1)).astype(np.int32)
-    tables = np.zeros((q_lens.size, int(blocks_per_seq.max())), np.int32)
-    start = 0
-    for i, n in enumerate(blocks_per_seq):
-        tables[i, :n] = ids[start:start + n]
-        start += n
+    tables, max_id = _shuffled_tables(rng, seq_lens, BLOCK_SIZE)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     num_tokens = int(qsl[-1])
     batch = SimpleNamespace(query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
@@ -461,7 +462,7 @@ def test_short_queries_go_through_the_kernel_causally(seed, prefill_kernel):
     else:
         assert meta.prefill is None and len(meta.groups) == 1
     torch.manual_seed(seed)
-    cache = torch.randn(2, int(ids.max()) + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    cache = torch.randn(2, max_id + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     query = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM)
     got = backend.forward(query, cache, meta, HEAD_DIM ** -0.5)
     want = _naive_attention(query, cache, batch, HEAD_DIM ** -0.5)
