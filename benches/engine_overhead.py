@@ -339,9 +339,14 @@ def main(argv: list[str] | None = None) -> int:
                    "decode_tokens_per_s": n / step_s if step_s > 0 else None,
                    "loadavg_1m_before": load, "loadavg_1m_after": load_1min(), **extra}
             rows.append(row)
-            print(f"  {system} N={n}: {row['us_per_step']:.0f} us/step "
-                  f"({row['steps_per_s']:.1f} steps/s, {row['us_per_step_per_seq']:.2f} "
-                  f"us/step/seq)", flush=True)
+            if step_s > 0:
+                print(f"  {system} N={n}: {row['us_per_step']:.0f} us/step "
+                      f"({row['steps_per_s']:.1f} steps/s, {row['us_per_step_per_seq']:.2f} "
+                      f"us/step/seq)", flush=True)
+            else:   # noise larger than the steps between the two lengths: no step time to show
+                print(f"  {system} N={n}: the {args.l2}-step runs ({t2 * 1e3:.1f} ms) were not "
+                      f"slower than the {args.l1}-step ones ({t1 * 1e3:.1f} ms): too noisy to "
+                      "separate a step (raise --l2 or --repeat)", flush=True)
     cols = [("system", "system", ""), ("running", "running", "d"),
             ("us_per_step", "us/step", ".0f"), ("steps_per_s", "steps/s", ".1f"),
             ("us_per_step_per_seq", "us/step/seq", ".2f"),
