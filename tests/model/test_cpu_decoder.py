@@ -192,3 +192,50 @@ def test_the_engine_switch_reaches_the_runner(loaded_smollm2):
         core = EngineCore.build(EngineConfig(num_blocks=64, fused_decode=fused), loaded_smollm2)
         assert (core.runner.model.fused_layers is not None) is fused
         assert ("steps fused" in core.runner.linear_kernels) is fused
+
+
+def test_two_runners_sharing_one_model_step_concurrently():
+    """Two engines may share one loaded model (each runner installs the same fused stack); their
+    step threads call it at once, each with its own KV cache. With the GIL switching as often as
+    it can, every step's logits equal the same steps run alone. (When the stack remembered the
+    last caches it was given, this failed every time: a step ran on the other runner's caches,
+    "already borrowed"; a full CI run once lost a request to it as non-finite logits.)"""
+    import sys
+    import threading
+
+    loaded = _random_loaded(True, False)
+    rng = np.random.default_rng(5)
+    prompts = [[rng.integers(0, 97, size=n).tolist() for n in (12, 5, 30)] for _ in range(2)]
+    max_new = [6, 9, 4]
+    alone = []
+    for p in prompts:
+        runner = ModelRunner(loaded, num_blocks=96, block_size=8, attn_backend="cpu")
+        alone.append(_record_steps(runner, p, max_new))
+    runners = [ModelRunner(loaded, num_blocks=96, block_size=8, attn_backend="cpu")
+               for _ in prompts]
+    assert runners[0].model.fused_layers is runners[1].model.fused_layers
+    got: list = [None, None]
+    errors: list = []
+
+    def run(i: int) -> None:
+        try:
+            for _ in range(60):
+                steps = [(batch, runners[i].execute(batch).clone()) for batch, _ in alone[i]]
+            got[i] = steps
+        except Exception as exc:   # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    for i in range(2):
+        for (_, want), (_, logits) in zip(alone[i], got[i], strict=True):
+            torch.testing.assert_close(logits, want, rtol=0, atol=0)
