@@ -7,6 +7,7 @@
 
 use crate::cpu_attention::{paged_decode_attention_f32, DecodeShape};
 use crate::cpu_prefill_attention::{paged_prefill_attention_f32, PrefillShape};
+use crate::py_linear::c_contiguous;
 use numpy::{
     PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn, PyReadwriteArrayDyn,
     PyUntypedArrayMethods,
@@ -77,12 +78,8 @@ pub fn py_paged_decode_attention_f32(
     let v = c_slice("v_cache", &v_cache)?;
     let bt = c_slice("block_tables", &block_tables)?;
     let ctx = c_slice("ctx_lens", &ctx_lens)?;
-    if !out.is_c_contiguous() {
-        return Err(PyValueError::new_err("out must be C-contiguous"));
-    }
-    let out = out
-        .as_slice_mut()
-        .map_err(|_| PyValueError::new_err("out must be C-contiguous"))?;
+    let out_c = out.is_c_contiguous();
+    let out = c_contiguous("out", out_c, out.as_slice_mut())?;
     py.detach(|| paged_decode_attention_f32(&shape, q, k, v, bt, ctx, out, scale, num_threads))
         .map_err(|e| PyValueError::new_err(e.0))
 }
@@ -150,12 +147,8 @@ pub fn py_paged_prefill_attention_f32(
     let starts = c_slice("q_starts", &q_starts)?;
     let lens = c_slice("q_lens", &q_lens)?;
     let ctx = c_slice("seq_lens", &seq_lens)?;
-    if !out.is_c_contiguous() {
-        return Err(PyValueError::new_err("out must be C-contiguous"));
-    }
-    let out = out
-        .as_slice_mut()
-        .map_err(|_| PyValueError::new_err("out must be C-contiguous"))?;
+    let out_c = out.is_c_contiguous();
+    let out = c_contiguous("out", out_c, out.as_slice_mut())?;
     py.detach(|| {
         paged_prefill_attention_f32(
             &shape,

@@ -15,7 +15,13 @@ use numpy::{
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-fn c_contiguous<T>(name: &str, ok: bool, slice: Result<T, numpy::AsSliceError>) -> PyResult<T> {
+/// `slice` (an array's `as_slice` / `as_slice_mut`) if the array is C-contiguous (`ok`), else a
+/// `ValueError` naming it.
+pub(crate) fn c_contiguous<T>(
+    name: &str,
+    ok: bool,
+    slice: Result<T, numpy::AsSliceError>,
+) -> PyResult<T> {
     let not_c = || PyValueError::new_err(format!("{name} must be C-contiguous"));
     if !ok {
         return Err(not_c());
