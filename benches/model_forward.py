@@ -3,10 +3,13 @@
     python benches/model_forward.py [--model random:smollm2-135m] [--device cpu] [--threads N]
     python benches/model_forward.py --model smollm2 --compare-gguf-blocks
     python benches/model_forward.py --model smollm2 --compare-fused-decode
+    python benches/model_forward.py --model smollm2 --compare-amx
 
 `--compare-gguf-blocks` builds two runners on two copies of a GGUF model, one reading the GGUF
 Q4_1 / Q8_0 blocks in steps of <= 8 rows and one with float32 panels only, and times the same
 decode steps on both, alternating, so the ratio is measured side by side.
+`--compare-amx` does the same for steps of more than 8 rows, reading the GGUF blocks as AMX
+tiles (CPUs with AMX) against the float32 panels.
 `--compare-fused-decode` does the same for decode steps with every layer in one Rust call
 (`runtime.cpu_decoder`) against the layer-by-layer forward.
 
@@ -56,11 +59,16 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--compare-gguf-blocks", action="store_true")
     parser.add_argument("--compare-fused-decode", action="store_true")
+    parser.add_argument("--compare-amx", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.compare_gguf_blocks:
         compare(args, ("gguf blocks", dict(gguf_blocks=True)),
                 ("f32 panels", dict(gguf_blocks=False)), COMPARE_SHAPES)
+        return
+    if args.compare_amx:
+        compare(args, ("amx tiles", dict(amx_tiles=True)),
+                ("f32 panels", dict(amx_tiles=False)), AMX_SHAPES)
         return
     if args.compare_fused_decode:
         compare(args, ("fused", dict(fused_decode=True)),
@@ -93,9 +101,12 @@ COMPARE_SHAPES = [("decode", 1, 128), ("decode", 1, 1024), ("decode", 2, 128), (
 FUSED_SHAPES = [("decode", 1, 128), ("decode", 1, 1024), ("decode", 4, 128), ("decode", 8, 128),
                 ("decode", 16, 128), ("decode", 32, 128), ("decode", 16, 1024)]
 
+AMX_SHAPES = [("decode", 9, 128), ("decode", 13, 128), ("decode", 16, 128), ("decode", 32, 128),
+              ("decode", 64, 128), ("decode", 13, 1024), ("prefill", 1, 64), ("prefill", 1, 512)]
+
 
 def compare(args, first: tuple[str, dict], second: tuple[str, dict], shapes) -> None:
-    """Decode-step ms of two runners (each ``(label, ModelRunner kwargs)``) on two copies of
+    """Step ms of two runners (each ``(label, ModelRunner kwargs)``) on two copies of
     the model, the same steps, alternating; the speed-up is second / first."""
     block_size, num_blocks = 16, 2048
     runners = {}
@@ -104,11 +115,11 @@ def compare(args, first: tuple[str, dict], second: tuple[str, dict], shapes) -> 
         runners[name] = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size,
                                     **kwargs)
     (a, _), (b, _) = first, second
-    print(f"model={args.model} threads={args.threads}: decode step ms, median of "
+    print(f"model={args.model} threads={args.threads}: step ms, median of "
           f"{args.iters} rounds, the two runners alternating")
-    print(f"{'seqs':>5} {'context':>8} {a:>12} {b:>12} {'speed-up':>9}")
-    for _, num_seqs, length in shapes:
-        batches = {n: _step_for("decode", num_seqs, length, block_size, num_blocks, r)
+    print(f"{'kind':8} {'seqs':>5} {'length':>7} {a:>12} {b:>12} {'speed-up':>9}")
+    for kind, num_seqs, length in shapes:
+        batches = {n: _step_for(kind, num_seqs, length, block_size, num_blocks, r)
                    for n, r in runners.items()}
         times: dict[str, list[float]] = {n: [] for n in runners}
         for _ in range(args.iters):
@@ -119,7 +130,7 @@ def compare(args, first: tuple[str, dict], second: tuple[str, dict], shapes) -> 
                     r.execute(batches[n])
                 times[n].append((time.perf_counter() - start) / 3)
         med = {n: float(np.median(t)) * 1e3 for n, t in times.items()}
-        print(f"{num_seqs:5d} {length:8d} {med[a]:12.1f} {med[b]:12.1f} "
+        print(f"{kind:8} {num_seqs:5d} {length:7d} {med[a]:12.1f} {med[b]:12.1f} "
               f"{med[b] / med[a]:8.2f}x")
 
 

@@ -221,6 +221,30 @@ def linear_q8_0_f32(
     """The same with ``W`` in GGUF Q8_0 blocks: ``scale`` ``[N, K / 32]`` float32, ``qs``
     ``[N, K / 32, 32]`` int8; ``w = scale * q``."""
 
+def amx_available() -> bool:
+    """Whether ``linear_amx_f32`` runs here: AMX-TILE, AMX-BF16 and AVX-512F, the tile state
+    granted by Linux, and ``FERROBATCH_CPU_ISA`` unset or ``amx``."""
+
+def pack_amx_q4_1(scale: np.ndarray, min: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q4_1 blocks (the arrays ``linear_q4_1_f32`` reads) as the AMX kernel's tiles: uint16
+    ``[ceil(N / 16) * K / 32 * 576]`` (layout: ``rust_scheduler/src/cpu_amx_linear.rs``). Best
+    copied to a 64-byte-aligned array (``cpu_linear._aligned_64``)."""
+
+def pack_amx_q8_0(scale: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """The same for Q8_0 blocks (``qs`` ``[N, K / 32, 32]`` int8)."""
+
+def linear_amx_f32(
+    x: np.ndarray,
+    tiles: np.ndarray,
+    bias: np.ndarray | None,
+    out: np.ndarray,
+    num_threads: int,
+) -> None:
+    """``out[M, N] = x[M, K] @ W.T + bias`` with ``W`` packed by ``pack_amx_q*`` (GIL released),
+    any M: bfloat16 tile products of the blocks' integers and ``x`` split exactly into three
+    bfloat16 parts, so float32 accuracy. ValueError on any mismatch, or where AMX is not
+    available."""
+
 def rms_norm_f32(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> None:
     """Each row of ``x`` ``[M, H]`` over its root mean square (+ eps) times ``weight`` ``[H]``,
     into ``out`` ``[M, H]`` (GIL released). float32, C-contiguous; ValueError on a shape mismatch."""
@@ -237,7 +261,8 @@ class CpuDecoderStack:
     """A Llama-family model's decoder layers for fused CPU decode steps (``runtime.cpu_decoder``;
     source ``rust_scheduler/src/cpu_decoder.rs``). ``layers[i]`` is ``(input_norm, qkv, o_proj,
     post_norm, gate_up, down)``: norms float32 ``[hidden]``, each linear ``(n, k, panels, bias |
-    None, blocks | None)``, ``panels`` as ``linear_f32`` reads them, ``blocks`` ``("q4_1", scale,
+    None, blocks | None[, tiles | None])`` (``tiles`` as ``linear_amx_f32`` reads them, for steps
+    of > 8 rows where AMX is available), ``panels`` as ``linear_f32`` reads them, ``blocks`` ``("q4_1", scale,
     min, qs)`` or ``("q8_0", scale, qs)`` as ``linear_q*_f32`` read them. The arrays are
     referenced, not copied. ValueError on any shape mismatch."""
 

@@ -57,6 +57,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-gguf-blocks", action="store_true",
                    help="CPU: never read a GGUF model's Q4_1/Q8_0 blocks (float32 panels only; "
                    "saves their memory, slower steps of <= 8 rows)")
+    g.add_argument("--no-amx", action="store_true",
+                   help="CPU with AMX: steps of > 8 rows read the float32 panels instead of the GGUF "
+                   "blocks as AMX tiles (saves the tiles' memory; FERROBATCH_CPU_ISA=avx512 does "
+                   "the same for every kernel)")
     g.add_argument("--no-fused-decode", action="store_true",
                    help="CPU: run steps layer by layer from Python instead of all layers "
                    "in one Rust call (same results, slower; for comparison)")
@@ -70,7 +74,8 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
         scheduling_policy=a.scheduling_policy, max_queued_requests=a.max_queued_requests,
         attn_backend=a.attention_backend, cuda_graphs=not a.enforce_eager,
-        gguf_blocks=not a.no_gguf_blocks, fused_decode=not a.no_fused_decode,
+        gguf_blocks=not a.no_gguf_blocks, amx_tiles=not a.no_amx,
+        fused_decode=not a.no_fused_decode,
         num_speculative_tokens=a.num_speculative_tokens,
         speculative_max_running=a.speculative_max_running,
         speculative_max_step_tokens=a.speculative_max_step_tokens,

@@ -52,6 +52,7 @@ class EngineConfig:
     attn_backend: str | None = None      # auto | torch | cpu | cuda; None = auto (cuda / cpu kernels)
     cuda_graphs: bool = True             # CUDA: replay captured decode steps (False = eager only)
     gguf_blocks: bool = True             # CPU, GGUF model: steps of <= 8 rows read the Q4_1/Q8_0 blocks
+    amx_tiles: bool = True               # CPU with AMX, GGUF model: larger steps read the blocks as AMX tiles
     fused_decode: bool = True            # CPU: steps run every layer in one Rust call
 
     # KV cache
@@ -108,7 +109,8 @@ class EngineConfig:
                      "max_queued_requests", "max_n", "max_stop_strings", "max_stop_string_len",
                      "max_stop_token_ids", "max_logit_bias"):
             positive_int(name)
-        for name in ("cuda_graphs", "gguf_blocks", "fused_decode", "speculative_adaptive"):
+        for name in ("cuda_graphs", "gguf_blocks", "amx_tiles", "fused_decode",
+                     "speculative_adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.block_size & (self.block_size - 1):

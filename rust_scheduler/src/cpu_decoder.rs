@@ -23,6 +23,7 @@
 //! ([`validate`]), and the attention kernels' own checks (block tables, context lengths, chunk
 //! rows) on the step's buffers. A failed check leaves `hidden` and every cache untouched.
 
+use crate::cpu_amx_linear::{self, linear_amx_f32, AmxShape};
 use crate::cpu_attention::{paged_decode_attention_f32, DecodeShape};
 use crate::cpu_elementwise::{rms_norm_f32, rotary_f32, silu_and_mul_f32};
 use crate::cpu_error::KernelInputError;
@@ -67,6 +68,9 @@ pub struct Linear<'a> {
     /// empty for none
     pub bias: &'a [f32],
     pub blocks: Option<QuantWeight<'a>>,
+    /// the same blocks packed for the AMX kernel (`cpu_amx_linear::pack`), read for steps of
+    /// more than [`MAX_ROWS`] rows where AMX is available
+    pub tiles: Option<&'a [u16]>,
 }
 
 impl Linear<'_> {
@@ -83,6 +87,11 @@ impl Linear<'_> {
             Some(w) if rows <= MAX_ROWS => {
                 let shape = QuantShape { m: rows, n, k };
                 linear_quant_f32(&shape, x, w, self.bias, out, threads)
+            }
+            _ if self.tiles.is_some() && cpu_amx_linear::available() => {
+                let shape = AmxShape { m: rows, n, k };
+                let tiles = self.tiles.unwrap_or_default();
+                linear_amx_f32(&shape, x, tiles, self.bias, out, threads)
             }
             _ => linear_f32(
                 &LinearShape { m: rows, n, k },
@@ -117,6 +126,12 @@ impl Linear<'_> {
             QuantShape { m: 0, n, k }
                 .validate(&[], &w, self.bias, &[])
                 .map_err(|e| KernelInputError(format!("{name} blocks: {}", e.0)))?;
+        }
+        if let Some(tiles) = self.tiles {
+            // the AMX kernel's own check of the packed tiles (a call of no rows)
+            AmxShape { m: 0, n, k }
+                .validate(&[], tiles, self.bias, &[])
+                .map_err(|e| KernelInputError(format!("{name} AMX tiles: {}", e.0)))?;
         }
         Ok(())
     }
@@ -477,11 +492,13 @@ mod tests {
         block_size: 4,
     };
 
-    /// A weight's dense values, its panels, and the Q8_0 blocks it was formed from; plus
-    /// zeroed panels and block scales of the same sizes (to prove which copy a step reads).
+    /// A weight's dense values, its panels, the Q8_0 blocks it was formed from and their AMX
+    /// tiles; plus zeroed panels and block scales of the same sizes (to prove which copy a step
+    /// reads).
     struct Weight {
         dense: Vec<f32>,
         panels: Vec<f32>,
+        tiles: Vec<u16>,
         zero_panels: Vec<f32>,
         zero_scale: Vec<f32>,
         bias: Vec<f32>,
@@ -503,7 +520,13 @@ mod tests {
             let dense: Vec<f32> = (0..n * k).map(|i| scale[i / 32] * qs[i] as f32).collect();
             let bias = if bias { rng.vec(n) } else { vec![] };
             let panels = pack(&dense, n, k).unwrap();
+            let blocks = QuantWeight::Q8_0 {
+                scale: &scale,
+                qs: &qs,
+            };
+            let tiles = cpu_amx_linear::pack(&blocks, n, k).unwrap();
             Weight {
+                tiles,
                 zero_panels: vec![0.0; panels.len()],
                 zero_scale: vec![0.0; scale.len()],
                 dense,
@@ -521,6 +544,7 @@ mod tests {
                 Kernels::Panels => (&self.panels, false, &self.scale),
                 Kernels::BlocksOnly => (&self.zero_panels, true, &self.scale),
                 Kernels::PanelsOnly => (&self.panels, true, &self.zero_scale),
+                Kernels::TilesOnly => (&self.zero_panels, true, &self.zero_scale),
             };
             Linear {
                 n: self.n,
@@ -531,6 +555,7 @@ mod tests {
                     scale,
                     qs: &self.qs,
                 }),
+                tiles: matches!(kernels, Kernels::TilesOnly).then_some(&self.tiles[..]),
             }
         }
 
@@ -547,12 +572,14 @@ mod tests {
 
     /// Which copies of the weights a layer gets: panels only; blocks with zeroed panels (a step
     /// of <= 8 rows must read the blocks); panels with zeroed blocks (a step of more rows must
-    /// read the panels).
+    /// read the panels); AMX tiles with zeroed panels and blocks (a step of more rows must read
+    /// the tiles where AMX is available).
     #[derive(Clone, Copy, Debug)]
     enum Kernels {
         Panels,
         BlocksOnly,
         PanelsOnly,
+        TilesOnly,
     }
 
     struct LayerWeights {
@@ -802,6 +829,12 @@ mod tests {
         run_case(Kernels::Panels, 0);
         run_case(Kernels::BlocksOnly, 0); // 4 rows read the blocks
         run_case(Kernels::PanelsOnly, 6); // 10 rows read the panels although blocks are known
+        if cpu_amx_linear::available() {
+            run_case(Kernels::TilesOnly, 6); // 10 rows read the AMX tiles
+            run_case(Kernels::TilesOnly, 20); // 24 rows: two row tiles
+        } else {
+            eprintln!("AMX not available here: the decoder's AMX path is not exercised");
+        }
     }
 
     /// The case's rows 1-2 (positions 4-5 of one table) as a prefill chunk of 6 keys; rows 0 and

@@ -1,6 +1,7 @@
 //! Which SIMD instruction set the CPU kernels (`cpu_linear`, `cpu_quant_linear`,
-//! `cpu_attention`) use: the widest this CPU has, detected at run time, capped by
-//! `FERROBATCH_CPU_ISA` (read once per process) and by the caller (tests force each path).
+//! `cpu_attention`, `cpu_amx_linear`) use: the widest this CPU has, detected at run time, capped
+//! by `FERROBATCH_CPU_ISA` (read once per process) and by the caller (tests force each path;
+//! the float32 kernels ask for at most `Avx512`, only `cpu_amx_linear` for `Amx`).
 //!
 //! Invariant: a kernel runs a SIMD path only for an `Isa` returned by [`Isa::detect`], so the
 //! `target_feature` functions it calls are only ever reached on a CPU with those features.
@@ -11,17 +12,20 @@ pub(crate) enum Isa {
     Portable,
     Avx2,
     Avx512,
+    /// AVX-512 plus AMX tiles (`cpu_amx_linear`), only where Linux grants their state
+    Amx,
 }
 
 impl Isa {
-    /// The cap set by `FERROBATCH_CPU_ISA` (`avx512`, `avx2` or `portable`; read once), if any:
-    /// to compare the paths on one machine, or to avoid AVX-512 where it slows the clock.
+    /// The cap set by `FERROBATCH_CPU_ISA` (`amx`, `avx512`, `avx2` or `portable`; read once), if
+    /// any: to compare the paths on one machine, or to avoid AVX-512 where it slows the clock.
     fn env_cap() -> Isa {
         static CAP: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
         *CAP.get_or_init(|| match std::env::var("FERROBATCH_CPU_ISA").as_deref() {
             Ok("avx2") => Isa::Avx2,
             Ok("portable") => Isa::Portable,
-            _ => Isa::Avx512,
+            Ok("avx512") => Isa::Avx512,
+            _ => Isa::Amx,
         })
     }
 
@@ -32,15 +36,20 @@ impl Isa {
             Isa::Portable => "portable",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
+            Isa::Amx => "amx",
         }
     }
 
-    /// The widest of `Avx512` / `Avx2` / `Portable` that this CPU has, at most `max` (and at
-    /// most `FERROBATCH_CPU_ISA`).
+    /// The widest of `Amx` / `Avx512` / `Avx2` / `Portable` that this CPU has (`Amx`: also
+    /// granted by Linux, `cpu_amx_linear::amx_permitted`), at most `max` (and at most
+    /// `FERROBATCH_CPU_ISA`).
     pub(crate) fn detect(max: Isa) -> Isa {
         let max = max.min(Isa::env_cap());
         #[cfg(target_arch = "x86_64")]
         {
+            if max >= Isa::Amx && crate::cpu_amx_linear::amx_permitted() {
+                return Isa::Amx;
+            }
             if max >= Isa::Avx512 && std::is_x86_feature_detected!("avx512f") {
                 return Isa::Avx512;
             }

@@ -401,7 +401,7 @@ impl Kernel<'_> {
             // SAFETY: Isa::detect found the features (cpu_isa's invariant); d is a multiple of
             // 16 (run); qs / acc hold ROWS * d, kt d * KEYS, and every v_rows entry is a
             // validated key row of this KV head, so `row + d` is inside the cache.
-            Isa::Avx512 => {
+            Isa::Avx512 | Isa::Amx => {
                 return unsafe {
                     avx512::panel(qs, kt, self.v_cache, v_rows, d, visible, state, acc)
                 }

@@ -22,6 +22,7 @@
 pub mod batch;
 pub mod block_pool;
 pub mod config;
+pub mod cpu_amx_linear;
 pub mod cpu_attention;
 pub mod cpu_decoder;
 pub mod cpu_elementwise;

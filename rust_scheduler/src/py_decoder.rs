@@ -21,14 +21,16 @@ use pyo3::types::PyTuple;
 
 type F32Array = Py<PyArrayDyn<f32>>;
 
-/// A linear layer's arrays: `(n, k, panels, bias | None, blocks | None)` from Python, blocks
-/// `("q4_1", scale, min, qs)` or `("q8_0", scale, qs)` (the `linear_q*_f32` kernels' arrays).
+/// A linear layer's arrays: `(n, k, panels, bias | None, blocks | None[, tiles | None])` from
+/// Python, blocks `("q4_1", scale, min, qs)` or `("q8_0", scale, qs)` (the `linear_q*_f32`
+/// kernels' arrays), tiles the same blocks as `pack_amx_q*` packs them.
 struct LinearArrays {
     n: usize,
     k: usize,
     panels: F32Array,
     bias: Option<F32Array>,
     blocks: Option<BlockArrays>,
+    tiles: Option<Py<PyArrayDyn<u16>>>,
 }
 
 enum BlockArrays {
@@ -45,13 +47,23 @@ enum BlockArrays {
 
 impl LinearArrays {
     fn extract(spec: &Bound<'_, PyAny>) -> PyResult<LinearArrays> {
+        let spec = spec.cast::<PyTuple>()?;
+        let tiles: Option<Py<PyArrayDyn<u16>>> = match spec.len() {
+            5 => None,
+            6 => spec.get_item(5)?.extract()?,
+            len => {
+                return Err(PyValueError::new_err(format!(
+                    "a linear layer is (n, k, panels, bias, blocks[, tiles]), got {len} items"
+                )))
+            }
+        };
         let (n, k, panels, bias, blocks): (
             usize,
             usize,
             F32Array,
             Option<F32Array>,
             Option<Bound<'_, PyTuple>>,
-        ) = spec.extract()?;
+        ) = spec.get_slice(0, 5).extract()?;
         let blocks = match blocks {
             None => None,
             Some(t) => {
@@ -82,6 +94,7 @@ impl LinearArrays {
             panels,
             bias,
             blocks,
+            tiles,
         })
     }
 
@@ -101,6 +114,7 @@ impl LinearArrays {
                     BlockBorrow::Q8_0(scale.bind(py).readonly(), qs.bind(py).readonly())
                 }
             }),
+            tiles: self.tiles.as_ref().map(|t| t.bind(py).readonly()),
         }
     }
 }
@@ -112,6 +126,7 @@ struct LinearBorrow<'py> {
     panels: PyReadonlyArrayDyn<'py, f32>,
     bias: Option<PyReadonlyArrayDyn<'py, f32>>,
     blocks: Option<BlockBorrow<'py>>,
+    tiles: Option<PyReadonlyArrayDyn<'py, u16>>,
 }
 
 enum BlockBorrow<'py> {
@@ -146,6 +161,10 @@ impl LinearBorrow<'_> {
                 None => &[],
             },
             blocks,
+            tiles: match &self.tiles {
+                Some(t) => Some(c_slice("tiles", t)?),
+                None => None,
+            },
         })
     }
 }
@@ -180,8 +199,9 @@ impl LayerBorrow<'_> {
 /// `CpuDecoderStack(hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, scale,
 /// layers)`: a Llama-family model's decoder layers for fused CPU decode steps. `layers[i]` is
 /// `(input_norm, qkv, o_proj, post_norm, gate_up, down)`, norms float32 `[hidden]`, each linear
-/// `(n, k, panels, bias | None, blocks | None)` with `panels` as `linear_f32` reads them and
-/// `blocks` `("q4_1", scale, min, qs)` / `("q8_0", scale, qs)` as `linear_q*_f32` read them.
+/// `(n, k, panels, bias | None, blocks | None[, tiles | None])` with `panels` as `linear_f32`
+/// reads them, `blocks` `("q4_1", scale, min, qs)` / `("q8_0", scale, qs)` as `linear_q*_f32`
+/// read them and `tiles` as `linear_amx_f32` reads them.
 /// The arrays are referenced, not copied, and must not be written while the stack lives.
 #[pyclass(name = "CpuDecoderStack", module = "ferrobatch._scheduler", frozen)]
 pub struct PyCpuDecoderStack {

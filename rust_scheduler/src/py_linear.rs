@@ -5,12 +5,13 @@
 //! Every shape problem is a `ValueError` (checked by `LinearShape::validate` before any read);
 //! arrays must be C-contiguous float32.
 
+use crate::cpu_amx_linear::{self, linear_amx_f32, AmxShape};
 use crate::cpu_elementwise::{rms_norm_f32, rotary_f32};
 use crate::cpu_linear::{linear_f32, LinearShape, PANEL_WIDTH};
 use crate::cpu_quant_linear::{linear_quant_f32, QuantShape, QuantWeight};
 use numpy::{
-    PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadwriteArray2, PyReadwriteArray3,
-    PyUntypedArrayMethods,
+    IntoPyArray, PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadwriteArray2,
+    PyReadwriteArray3, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -148,6 +149,84 @@ fn quant_call(
     let out = c_contiguous("out", out_c, out.as_slice_mut())?;
     let shape = QuantShape { m, n, k };
     py.detach(|| linear_quant_f32(&shape, x, w, bias, out, num_threads))
+        .map_err(|e| PyValueError::new_err(e.0))
+}
+
+/// `amx_available()`: whether `linear_amx_f32` runs here (AMX-TILE, AMX-BF16 and AVX-512F, the
+/// tile state granted by Linux, `FERROBATCH_CPU_ISA` unset or `amx`).
+#[pyfunction]
+#[pyo3(name = "amx_available")]
+pub fn py_amx_available() -> bool {
+    cpu_amx_linear::available()
+}
+
+/// `pack_amx_q4_1(scale, min, qs)`: Q4_1 blocks (the arrays `linear_q4_1_f32` reads) as the
+/// AMX kernel's tiles: a uint16 array of `ceil(N / 16) * K / 32 * 576` (`cpu_amx_linear.rs`).
+#[pyfunction]
+#[pyo3(name = "pack_amx_q4_1")]
+pub fn py_pack_amx_q4_1<'py>(
+    py: Python<'py>,
+    scale: PyReadonlyArray2<'py, f32>,
+    min: PyReadonlyArray2<'py, f32>,
+    qs: PyReadonlyArray3<'py, u8>,
+) -> PyResult<Bound<'py, PyArray1<u16>>> {
+    let [n, nb] = [scale.shape()[0], scale.shape()[1]];
+    let w = QuantWeight::Q4_1 {
+        scale: c_contiguous("scale", scale.is_c_contiguous(), scale.as_slice())?,
+        min: c_contiguous("min", min.is_c_contiguous(), min.as_slice())?,
+        qs: c_contiguous("qs", qs.is_c_contiguous(), qs.as_slice())?,
+    };
+    let tiles = py
+        .detach(|| cpu_amx_linear::pack(&w, n, nb * cpu_amx_linear::BLOCK))
+        .map_err(|e| PyValueError::new_err(e.0))?;
+    Ok(tiles.into_pyarray(py))
+}
+
+/// `pack_amx_q8_0(scale, qs)`: the same for Q8_0 blocks (`qs` `[N, K / 32, 32]` int8).
+#[pyfunction]
+#[pyo3(name = "pack_amx_q8_0")]
+pub fn py_pack_amx_q8_0<'py>(
+    py: Python<'py>,
+    scale: PyReadonlyArray2<'py, f32>,
+    qs: PyReadonlyArray3<'py, i8>,
+) -> PyResult<Bound<'py, PyArray1<u16>>> {
+    let [n, nb] = [scale.shape()[0], scale.shape()[1]];
+    let w = QuantWeight::Q8_0 {
+        scale: c_contiguous("scale", scale.is_c_contiguous(), scale.as_slice())?,
+        qs: c_contiguous("qs", qs.is_c_contiguous(), qs.as_slice())?,
+    };
+    let tiles = py
+        .detach(|| cpu_amx_linear::pack(&w, n, nb * cpu_amx_linear::BLOCK))
+        .map_err(|e| PyValueError::new_err(e.0))?;
+    Ok(tiles.into_pyarray(py))
+}
+
+/// `linear_amx_f32(x, tiles, bias, out, num_threads)`: `out[M, N] = x[M, K] @ W^T + bias` with
+/// `W` packed by `pack_amx_q4_1` / `pack_amx_q8_0`; a ValueError where AMX is not available.
+#[pyfunction]
+#[pyo3(name = "linear_amx_f32", signature = (x, tiles, bias, out, num_threads))]
+pub fn py_linear_amx_f32(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    tiles: PyReadonlyArray1<'_, u16>,
+    bias: Option<PyReadonlyArray1<'_, f32>>,
+    mut out: PyReadwriteArray2<'_, f32>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let [m, k] = [x.shape()[0], x.shape()[1]];
+    let [out_m, n] = [out.shape()[0], out.shape()[1]];
+    if out_m != m {
+        return Err(PyValueError::new_err(format!(
+            "out has {out_m} rows, x has {m}"
+        )));
+    }
+    let x = c_contiguous("x", x.is_c_contiguous(), x.as_slice())?;
+    let tiles = c_contiguous("tiles", tiles.is_c_contiguous(), tiles.as_slice())?;
+    let bias = bias_slice(&bias)?;
+    let out_c = out.is_c_contiguous();
+    let out = c_contiguous("out", out_c, out.as_slice_mut())?;
+    let shape = AmxShape { m, n, k };
+    py.detach(|| linear_amx_f32(&shape, x, tiles, bias, out, num_threads))
         .map_err(|e| PyValueError::new_err(e.0))
 }
 

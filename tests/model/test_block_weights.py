@@ -1,6 +1,7 @@
 """GGUF blocks on the CPU decode path: every linear of the shipped SmolLM2 is found as blocks that
-reproduce its float32 weight bit for bit, small steps read them and larger ones the panels, and
-greedy decoding through them still matches transformers token for token."""
+reproduce its float32 weight bit for bit, small steps read them and larger ones the panels (or,
+where the CPU has AMX, the blocks packed as AMX tiles), and greedy decoding through them still
+matches transformers token for token."""
 
 from __future__ import annotations
 
@@ -61,23 +62,40 @@ def test_a_block_that_does_not_reproduce_its_weight_is_left_out(fresh_smollm2, g
     assert len(modules) == 4 * fresh_smollm2.config.num_layers + 1 - 2
 
 
-def test_small_steps_read_the_blocks_and_agree_with_the_panels(fresh_smollm2, gguf_blocks):
+def _counted(kernel: BlockKernel, attr: str) -> list[int]:
+    """Rows of every call of the Rust function ``kernel.<attr>`` (wrapped on the instance)."""
+    calls: list[int] = []
+    inner = getattr(kernel, attr)
+    setattr(kernel, attr, lambda *a: (calls.append(a[0].shape[0]), inner(*a)))
+    return calls
+
+
+@pytest.mark.parametrize("amx", [False, True], ids=["panels", "amx"])
+def test_small_steps_read_the_blocks_and_agree_with_the_panels(fresh_smollm2, gguf_blocks, amx):
+    """Steps of <= 8 rows read the blocks; larger ones the panels, or the blocks' AMX tiles
+    where the CPU has AMX (the panels are zeroed then, to prove they are not read)."""
+    from ferrobatch._scheduler import amx_available
+    if amx and not amx_available():
+        pytest.skip("this CPU has no AMX (or FERROBATCH_CPU_ISA caps it)")
     modules = block_weights_for_modules(fresh_smollm2.model, gguf_blocks)
     for path in ("layers.1.mlp.gate_up_proj", "lm_head"):
         dense = (fresh_smollm2.model.lm_head_weight if path == "lm_head"
                  else fresh_smollm2.model.get_submodule(path).weight)
         layer = PanelLinear(dense, num_threads=2)
-        layer.blocks = BlockKernel(modules[path])
-        calls = []
-        inner = layer.blocks
-        layer.blocks = lambda *a, _inner=inner, _calls=calls: (_calls.append(a[0].shape[0]),
-                                                               _inner(*a))
-        for rows in range(1, QUANT_MAX_ROWS + 3):
+        layer.blocks = BlockKernel(modules[path], amx=amx)
+        assert (layer.blocks.tiles is not None) == amx
+        if amx:
+            layer.packed_weight.zero_()
+            assert layer.blocks.tiles.ctypes.data % 64 == 0
+        small, large = _counted(layer.blocks, "_fn"), _counted(layer.blocks, "_amx")
+        sizes = [*range(1, QUANT_MAX_ROWS + 3), 17, 40]
+        for rows in sizes:
             x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(rows))
             got = layer(x)
             want = x.double() @ dense.double().T
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
-        assert calls == list(range(1, QUANT_MAX_ROWS + 1))   # the two sizes past it: the panels
+        assert small == list(range(1, QUANT_MAX_ROWS + 1))   # past it: the panels or the tiles
+        assert large == (sizes[QUANT_MAX_ROWS:] if amx else [])
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-decode", "layer-by-layer"])

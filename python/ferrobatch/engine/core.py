@@ -129,7 +129,8 @@ class EngineCore:
                                                config.kv_budget_bytes_cpu())
         runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=config.block_size,
                              device=device, attn_backend=config.attn_backend,
-                             gguf_blocks=config.gguf_blocks, fused_decode=config.fused_decode)
+                             gguf_blocks=config.gguf_blocks, amx_tiles=config.amx_tiles,
+                             fused_decode=config.fused_decode)
         if loaded.device.type == "cuda":
             _maybe_capture_decode_graphs(config, runner, max_model_len)
         eos = list(loaded.tokenizer.eos_token_ids)

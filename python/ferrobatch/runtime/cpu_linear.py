@@ -75,8 +75,11 @@ class PanelLinear(nn.Module):
         rows = x.reshape(-1, self.in_features).contiguous()
         out = torch.empty(rows.shape[0], self.out_features)
         bias = None if self.bias is None else self.bias.numpy()
-        if self.blocks is not None and rows.shape[0] <= QUANT_MAX_ROWS:
-            self.blocks(rows.numpy(), bias, out.numpy(), self.num_threads)
+        blocks = self.blocks
+        if blocks is not None and rows.shape[0] <= QUANT_MAX_ROWS:
+            blocks(rows.numpy(), bias, out.numpy(), self.num_threads)
+        elif blocks is not None and blocks.tiles is not None:
+            blocks.amx(rows.numpy(), bias, out.numpy(), self.num_threads)
         else:
             self._kernel(rows.numpy(), self.packed_weight.numpy(), bias, out.numpy(),
                          self.num_threads)
@@ -84,37 +87,62 @@ class PanelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         blocks = f", blocks={self.blocks.kind} (rows <= {QUANT_MAX_ROWS})" if self.blocks else ""
+        if self.blocks is not None and self.blocks.tiles is not None:
+            blocks += f", amx tiles (rows > {QUANT_MAX_ROWS})"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"packed=panels16{blocks}, threads={self.num_threads}")
 
 
 class BlockKernel:
     """A weight's Q4_1 / Q8_0 block arrays bound to their Rust kernel (``linear_q4_1_f32`` /
-    ``linear_q8_0_f32``): ``kernel(x, bias, out, num_threads)``."""
+    ``linear_q8_0_f32``): ``kernel(x, bias, out, num_threads)``; and, where the CPU has AMX
+    (``amx_available()``), the same blocks packed as tiles for ``linear_amx_f32``
+    (``kernel.amx(...)``, for steps of more rows: ``cpu_amx_linear.rs``)."""
 
-    def __init__(self, block_weight) -> None:
+    def __init__(self, block_weight, amx: bool | None = None) -> None:
         from ferrobatch import _scheduler
         from ferrobatch.model.block_weights import Q4_1
 
         self.kind = "q4_1" if block_weight.type_id == Q4_1 else "q8_0"
         self.arrays = block_weight.kernel_arrays()
         self._fn = _scheduler.linear_q4_1_f32 if self.kind == "q4_1" else _scheduler.linear_q8_0_f32
+        if amx is None:
+            amx = _scheduler.amx_available()
+        pack = _scheduler.pack_amx_q4_1 if self.kind == "q4_1" else _scheduler.pack_amx_q8_0
+        self.tiles = _aligned_64(pack(*self.arrays)) if amx else None
+        self._amx = _scheduler.linear_amx_f32
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays)
+        return sum(a.nbytes for a in self.arrays) + \
+            (0 if self.tiles is None else self.tiles.nbytes)
 
     def __call__(self, x, bias, out, num_threads: int) -> None:
         self._fn(x, *self.arrays, bias, out, num_threads)
 
+    def amx(self, x, bias, out, num_threads: int) -> None:
+        self._amx(x, self.tiles, bias, out, num_threads)
+
+
+def _aligned_64(array):
+    """A copy of 1-D ``array`` starting on a 64-byte boundary: the AMX kernel's tile rows are
+    64 bytes, and one that straddles two cache lines costs two accesses (~1.5x slower)."""
+    import numpy as np
+    buffer = np.empty(array.size + 64 // array.itemsize, array.dtype)
+    skip = (-buffer.ctypes.data % 64) // array.itemsize
+    aligned = buffer[skip:skip + array.size]
+    aligned[...] = array
+    return aligned
+
 
 @torch.no_grad()
 def pack_linear_layers(model: nn.Module, num_threads: int = 1,
-                       block_weights: dict | None = None) -> int:
+                       block_weights: dict | None = None, amx: bool | None = None) -> int:
     """Replaces each ``nn.Linear`` under ``model`` by a :class:`PanelLinear` using ``num_threads``
     and, for a model with a ``packed_lm_head`` slot, fills it (the packed ``lm_head``, or a packed
     copy of the tied embedding matrix). ``block_weights`` (module path -> ``BlockWeight``, from
-    ``model.block_weights.block_weights_for_modules``) gives those layers their block kernel.
+    ``model.block_weights.block_weights_for_modules``) gives those layers their block kernel
+    (with AMX tiles where ``amx`` is None and the CPU has AMX, or ``amx`` is True).
     Returns how many weights were packed (0 when already packed; the thread count of packed
     layers is updated)."""
     num_packed = 0
@@ -129,12 +157,12 @@ def pack_linear_layers(model: nn.Module, num_threads: int = 1,
         packed = PanelLinear(linear.weight, linear.bias, num_threads)
         path = f"{prefix}.{name}" if prefix else name
         if path in block_weights:
-            packed.blocks = BlockKernel(block_weights[path])
+            packed.blocks = BlockKernel(block_weights[path], amx)
         setattr(parent, name, packed)
     if wants_head and model.packed_lm_head is None:
         model.packed_lm_head = model.lm_head
     if wants_head and "lm_head" in block_weights:
-        model.packed_lm_head.blocks = BlockKernel(block_weights["lm_head"])
+        model.packed_lm_head.blocks = BlockKernel(block_weights["lm_head"], amx)
     for module in model.modules():
         if isinstance(module, PanelLinear):
             module.num_threads = num_threads

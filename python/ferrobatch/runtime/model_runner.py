@@ -38,10 +38,13 @@ class ModelRunner:
                  device: torch.device | str | None = None,
                  attn_backend: AttentionBackend | str | None = None,
                  validate_steps: bool = True, pack_weights: bool = True,
-                 gguf_blocks: bool = True, fused_decode: bool = True) -> None:
+                 gguf_blocks: bool = True, amx_tiles: bool = True,
+                 fused_decode: bool = True) -> None:
         """``pack_weights``: CPU float32 linears in the Rust panel kernel; ``gguf_blocks``: for a
         GGUF model, steps of at most ``QUANT_MAX_ROWS`` (8) rows read the file's Q4_1 / Q8_0 blocks instead
-        (``cpu_linear.BlockKernel``). Both only when the model is first packed. ``fused_decode``:
+        (``cpu_linear.BlockKernel``); ``amx_tiles``: where the CPU has AMX, larger steps read
+        those blocks packed as AMX tiles (``cpu_amx_linear.rs``). All only when the model is
+        first packed. ``fused_decode``:
         with packed weights on the CPU backend, steps (decode, prefill, mixed) run every layer in
         one Rust call (``runtime.cpu_decoder``)."""
         self.loaded = loaded
@@ -67,13 +70,17 @@ class ModelRunner:
         self.linear_kernels = "torch"      # in words, for the startup log and the serve banner
         if self.rust_linears:
             blocks = _gguf_block_weights(loaded) if gguf_blocks else {}
-            num_packed = pack_linear_layers(self.model, self.kernel_threads, blocks)
+            num_packed = pack_linear_layers(self.model, self.kernel_threads, blocks,
+                                            amx=None if amx_tiles else False)
             swap_elementwise_ops(self.model)
             if getattr(self.attn_backend, "num_threads", 0) is None:
                 self.attn_backend.num_threads = self.kernel_threads
             from ferrobatch._scheduler import linear_isa
+            amx = any(getattr(getattr(m, "blocks", None), "tiles", None) is not None
+                      for m in self.model.modules())
             self.linear_kernels = f"Rust {linear_isa()} kernels" + (
-                f", GGUF blocks for steps of <= {QUANT_MAX_ROWS} rows" if blocks else "")
+                f", GGUF blocks for steps of <= {QUANT_MAX_ROWS} rows" if blocks else "") + (
+                f", AMX tiles for steps of > {QUANT_MAX_ROWS} rows" if amx else "")
             not_fused = install_fused_decode(self.model, self.attn_backend, self.kernel_threads) \
                 if fused_decode else "fused_decode=False"
             if not_fused is None:
@@ -86,7 +93,8 @@ class ModelRunner:
                 kernels = {id(m.blocks): m.blocks for m in self.model.modules()
                            if getattr(m, "blocks", None) is not None}
                 logger.info("linear layers: %d also read from their GGUF blocks in steps of <= %d "
-                            "rows (%.0f MiB)", len(kernels), QUANT_MAX_ROWS,
+                            "rows%s (%.0f MiB)", len(kernels), QUANT_MAX_ROWS,
+                            " and from AMX tiles of those blocks in larger steps" if amx else "",
                             sum(k.nbytes for k in kernels.values()) / 2**20)
         self.block_size = block_size
         self.validate_steps = validate_steps

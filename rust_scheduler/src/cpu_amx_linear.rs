@@ -1,0 +1,773 @@
+//! Linear layers on the CPU through Intel AMX (tile registers, `TDPBF16PS`), for the steps of
+//! more rows than the GGUF-block kernel (`cpu_quant_linear`) takes: `out[M, N] = x[M, K] @ W^T +
+//! bias` with `W` given by the model's Q4_1 / Q8_0 blocks (`w = scale * q + min`, `min = 0` for
+//! Q8_0), at float32 accuracy.
+//!
+//! Why it is exact enough: a block's integers `q` (0..16 or -128..128) are bfloat16 numbers, and
+//! every float32 `x` is the exact sum of three bfloat16 numbers (its mantissa's top, middle and
+//! low 8 bits: [`split3`]). So `S = sum_i q_i x_i` over a block of 32 inputs is three tile
+//! products whose every multiply is exact (8 x 8 bits); only the float32 additions round, as in
+//! any float32 dot product. Each block's `S` is then scaled into the output:
+//! `acc += scale * S + min * sum_i x_i`. This multiplies by the real-number weights
+//! `scale * q + min`, which the panels (`cpu_linear`) hold rounded to float32: the results differ
+//! at float32-rounding level (~1e-7 of a weight, summation order aside). `TDPBF16PS` treats
+//! subnormal inputs as zero: a part below 2^-126 is dropped (an `x` under ~1e-33 loses its low
+//! bits), far below float32 rounding of any sum it enters.
+//!
+//! Packed layout ([`pack`]): for each tile of 16 output features (zero features past `N`) and
+//! each block `b` of 32 inputs, one chunk of [`CHUNK`] `u16`: the 32 x 16 integers as bfloat16
+//! in the pair-interleaved order `TDPBF16PS` reads (chunk row `r` = inputs `32b + 2r` and
+//! `32b + 2r + 1` of features 0..16, interleaved), then the 16 features' scales and their mins
+//! as float32 bit patterns (two `u16` each, little-endian). Chunks run over `b` within a tile, so
+//! a task streams its features' weights in address order. 2.25 bytes per weight.
+//!
+//! Invariants checked by [`AmxShape::validate`] before any read, so no tile load leaves its
+//! slice: `K % 32 == 0`, `x.len() == M * K`, `tiles.len() == ceil(N / 16) * K / 32 * CHUNK`,
+//! `out.len() == M * N`, `bias` empty or of length `N`.
+//! AMX runs only where [`available`] says so: the CPU has AMX-TILE, AMX-BF16 and AVX-512F, Linux
+//! granted this process the tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, asked once), and
+//! `FERROBATCH_CPU_ISA` does not cap the kernels below `amx`. Each task of the kernels' pool
+//! loads its own tile configuration (per-thread state) and releases the tiles when done.
+//! Work split: tiles of 16 features in contiguous ranges, one range per task; a task writes only
+//! its own columns of `out`.
+
+use crate::cpu_error::KernelInputError;
+use crate::cpu_isa::Isa;
+use crate::cpu_linear::OutPtr;
+
+/// Inputs per block (both formats), and per tile product.
+pub const BLOCK: usize = 32;
+/// Output features per tile.
+pub const TILE_FEATURES: usize = 16;
+/// `u16` per chunk: 32 x 16 bfloat16 integers, then 16 float32 scales and 16 float32 mins.
+pub const CHUNK: usize = BLOCK * TILE_FEATURES + 4 * TILE_FEATURES;
+/// Rows per tile (the tile registers' height).
+const TILE_ROWS: usize = 16;
+/// Bytes of weight chunks a task computes for every row tile before moving on to the next
+/// features: they stay in L2 while the row tiles walk over them.
+const PASS_BYTES: usize = PASS_KB << 10;
+const PASS_KB: usize = 512;
+
+/// The block weights [`pack`] reads (the formats of `cpu_quant_linear`).
+pub use crate::cpu_quant_linear::QuantWeight;
+
+/// Whether the AMX kernel runs on this machine (see the module header); checked once.
+pub fn available() -> bool {
+    Isa::detect(Isa::Amx) == Isa::Amx
+}
+
+/// Asks Linux for the AMX tile data state (once per process); true if the CPU has AMX-TILE,
+/// AMX-BF16 and AVX-512F and the request was granted. Used by `Isa::detect`.
+pub(crate) fn amx_permitted() -> bool {
+    static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OK.get_or_init(|| {
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        {
+            let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
+            let (tile, bf16) = ((leaf7.edx >> 24) & 1 == 1, (leaf7.edx >> 22) & 1 == 1);
+            if !(tile && bf16 && std::is_x86_feature_detected!("avx512f")) {
+                return false;
+            }
+            const SYS_ARCH_PRCTL: i64 = 158;
+            const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+            const XFEATURE_XTILEDATA: i64 = 18;
+            let ret: i64;
+            // SAFETY: the arch_prctl system call with two integer arguments; it reads and
+            // writes no user memory. `syscall` clobbers rcx and r11.
+            unsafe {
+                std::arch::asm!(
+                    "syscall",
+                    inlateout("rax") SYS_ARCH_PRCTL => ret,
+                    in("rdi") ARCH_REQ_XCOMP_PERM,
+                    in("rsi") XFEATURE_XTILEDATA,
+                    lateout("rcx") _,
+                    lateout("r11") _,
+                    options(nostack)
+                );
+            }
+            ret == 0
+        }
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+        false
+    })
+}
+
+/// Shapes of one call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AmxShape {
+    /// rows of `x` and `out`
+    pub m: usize,
+    /// output features (rows of `W`)
+    pub n: usize,
+    /// input features (a multiple of 32)
+    pub k: usize,
+}
+
+impl AmxShape {
+    /// Tiles of 16 output features.
+    pub fn feature_tiles(&self) -> usize {
+        self.n.div_ceil(TILE_FEATURES)
+    }
+
+    /// `u16` in the packed weight.
+    pub fn tiles_len(&self) -> usize {
+        self.feature_tiles() * (self.k / BLOCK) * CHUNK
+    }
+
+    /// Checks the module header's invariants.
+    pub fn validate(
+        &self,
+        x: &[f32],
+        tiles: &[u16],
+        bias: &[f32],
+        out: &[f32],
+    ) -> Result<(), KernelInputError> {
+        if self.n == 0 || self.k == 0 || !self.k.is_multiple_of(BLOCK) {
+            return Err(KernelInputError(format!(
+                "in features must be a positive multiple of {BLOCK} and out features positive \
+                 (got K={}, N={})",
+                self.k, self.n
+            )));
+        }
+        for (name, len, want) in [
+            ("x", x.len(), self.m * self.k),
+            ("packed tiles", tiles.len(), self.tiles_len()),
+            ("out", out.len(), self.m * self.n),
+        ] {
+            if len != want {
+                return Err(KernelInputError(format!(
+                    "{name} has {len} elements, the shape needs {want}"
+                )));
+            }
+        }
+        if !bias.is_empty() && bias.len() != self.n {
+            return Err(KernelInputError(format!(
+                "bias has {} elements, expected {} (or none)",
+                bias.len(),
+                self.n
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The bfloat16 bit pattern of a float32 that has at most 8 significant bits (exact).
+fn bf16_bits(v: f32) -> u16 {
+    (v.to_bits() >> 16) as u16
+}
+
+/// Packs `[n, k]` block weights into the layout of the module header (validated by the
+/// quantized kernel's own check first).
+pub fn pack(w: &QuantWeight<'_>, n: usize, k: usize) -> Result<Vec<u16>, KernelInputError> {
+    let shape = crate::cpu_quant_linear::QuantShape { m: 0, n, k };
+    shape.validate(&[], w, &[], &[])?;
+    let nb = k / BLOCK;
+    let amx = AmxShape { m: 0, n, k };
+    let mut tiles = vec![0u16; amx.tiles_len()];
+    // q(feature j, block b, input i of the block), scale and min of (j, b)
+    let q = |j: usize, b: usize, i: usize| -> f32 {
+        match w {
+            QuantWeight::Q4_1 { qs, .. } => {
+                let byte = qs[(j * nb + b) * (BLOCK / 2) + i % 16];
+                f32::from(if i < 16 { byte & 0x0F } else { byte >> 4 })
+            }
+            QuantWeight::Q8_0 { qs, .. } => f32::from(qs[(j * nb + b) * BLOCK + i]),
+        }
+    };
+    let (scale, min) = match w {
+        QuantWeight::Q4_1 { scale, min, .. } => (*scale, Some(*min)),
+        QuantWeight::Q8_0 { scale, .. } => (*scale, None),
+    };
+    for (t, tile_chunks) in tiles.chunks_exact_mut(nb * CHUNK).enumerate() {
+        for (b, chunk) in tile_chunks.chunks_exact_mut(CHUNK).enumerate() {
+            let (ints, params) = chunk.split_at_mut(BLOCK * TILE_FEATURES);
+            for c in 0..TILE_FEATURES {
+                let j = t * TILE_FEATURES + c;
+                if j >= n {
+                    break; // padding features: zero integers, scales and mins
+                }
+                for i in 0..BLOCK {
+                    ints[(i / 2) * 2 * TILE_FEATURES + c * 2 + i % 2] = bf16_bits(q(j, b, i));
+                }
+                let d = scale[j * nb + b].to_bits();
+                let mn = min.map_or(0, |m| m[j * nb + b].to_bits());
+                for (slot, bits) in [(c, d), (TILE_FEATURES + c, mn)] {
+                    params[2 * slot] = bits as u16;
+                    params[2 * slot + 1] = (bits >> 16) as u16;
+                }
+            }
+        }
+    }
+    Ok(tiles)
+}
+
+/// `x` as three bfloat16 arrays whose sum is `x` exactly (`hi[i] + mid[i] + lo[i] == x[i]`), and
+/// the sums of `x` over each block of 32 inputs (`sums[i / 32]`). A part is the float32 with all
+/// but the top 8 significant bits of what is left cleared, so each subtraction is exact.
+pub fn split3(x: &[f32], hi: &mut [u16], mid: &mut [u16], lo: &mut [u16], sums: &mut [f32]) {
+    for (((&v, hi), mid), lo) in x.iter().zip(hi).zip(mid).zip(lo) {
+        let top = f32::from_bits(v.to_bits() & 0xFFFF_0000);
+        let rest = v - top;
+        let middle = f32::from_bits(rest.to_bits() & 0xFFFF_0000);
+        *hi = bf16_bits(top);
+        *mid = bf16_bits(middle);
+        *lo = bf16_bits(rest - middle);
+    }
+    for (s, block) in sums.iter_mut().zip(x.chunks_exact(BLOCK)) {
+        *s = block.iter().sum();
+    }
+}
+
+/// The `len` elements of `buffer` (at least `len + 32` long) that start on a 64-byte boundary:
+/// a tile row that straddles two cache lines costs two accesses (measured ~1.5x slower).
+pub fn aligned_64(buffer: &mut [u16], len: usize) -> &mut [u16] {
+    let skip = buffer.as_ptr().align_offset(64).min(32);
+    &mut buffer[skip..skip + len]
+}
+
+thread_local! {
+    /// The calling thread's split of `x` and its block sums, reused between calls (no
+    /// allocation and no fresh pages per call).
+    static SCRATCH: std::cell::RefCell<(Vec<u16>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// A pointer shared by the pool's tasks, each of which touches only its own disjoint range.
+#[derive(Clone, Copy)]
+struct Shared<T>(*mut T);
+// SAFETY: only used to hand disjoint ranges of one live buffer to the pool's tasks.
+unsafe impl<T> Send for Shared<T> {}
+// SAFETY: as above.
+unsafe impl<T> Sync for Shared<T> {}
+
+impl<T> Shared<T> {
+    /// The pointer (a method, so closures capture the whole `Shared`, not its raw field).
+    fn get(self) -> *mut T {
+        self.0
+    }
+}
+
+/// `out = x @ W^T + bias` with `W` packed by [`pack`]; `bias` may be empty. Splits `x` by rows
+/// and then the feature tiles over up to `num_threads` threads. Errors instead of reading out
+/// of bounds, and when AMX is not [`available`].
+pub fn linear_amx_f32(
+    shape: &AmxShape,
+    x: &[f32],
+    tiles: &[u16],
+    bias: &[f32],
+    out: &mut [f32],
+    num_threads: usize,
+) -> Result<(), KernelInputError> {
+    shape.validate(x, tiles, bias, out)?;
+    if !available() {
+        return Err(KernelInputError(
+            "AMX is not available on this machine (or FERROBATCH_CPU_ISA caps it)".into(),
+        ));
+    }
+    if shape.m == 0 {
+        return Ok(());
+    }
+    let AmxShape { m, k, .. } = *shape;
+    let nb = k / BLOCK;
+    let feature_tiles = shape.feature_tiles();
+    let work = m.max(4) * shape.n * k;
+    let threads = num_threads
+        .clamp(1, feature_tiles)
+        .min(1 + work / (1 << 18));
+    let pool = (threads > 1).then(|| crate::cpu_pool::global(threads));
+    let threads = pool.map_or(1, |p| threads.min(p.max_tasks()));
+    SCRATCH.with_borrow_mut(|(parts_buffer, sums)| {
+        if parts_buffer.len() < 3 * m * k + 32 {
+            parts_buffer.resize(3 * m * k + 32, 0);
+        }
+        sums.resize(m * nb, 0.0);
+        let parts = aligned_64(parts_buffer, 3 * m * k);
+        let (hi, rest) = parts.split_at_mut(m * k);
+        let (mid, lo) = rest.split_at_mut(m * k);
+        match pool {
+            None => split3(x, hi, mid, lo, sums),
+            Some(pool) => {
+                let rows_per_task = m.div_ceil(threads);
+                let ptrs = [hi, mid, lo].map(|p| Shared(p.as_mut_ptr()));
+                let sums_ptr = Shared(sums.as_mut_ptr());
+                pool.run(threads, &|t| {
+                    let (r0, r1) = ((t * rows_per_task).min(m), ((t + 1) * rows_per_task).min(m));
+                    let len = (r1 - r0) * k;
+                    // SAFETY: task t touches only rows r0..r1 of each [M, K] part and of the
+                    // [M, K / 32] sums (disjoint between tasks, inside the buffers, which
+                    // outlive the pool job).
+                    let [hi, mid, lo] = ptrs.map(|p| unsafe {
+                        std::slice::from_raw_parts_mut(p.get().add(r0 * k), len)
+                    });
+                    let sums = unsafe {
+                        std::slice::from_raw_parts_mut(sums_ptr.get().add(r0 * nb), (r1 - r0) * nb)
+                    };
+                    split3(&x[r0 * k..r1 * k], hi, mid, lo, sums);
+                });
+            }
+        }
+        let kernel = Kernel {
+            shape: *shape,
+            parts,
+            sums,
+            tiles,
+            bias,
+            out: OutPtr(out.as_mut_ptr()),
+        };
+        match pool {
+            // SAFETY: AMX is available (checked above); one thread writes every column.
+            None => unsafe { kernel.run_tiles(0, feature_tiles) },
+            Some(pool) => {
+                let per_task = feature_tiles.div_ceil(threads);
+                pool.run(threads, &|t| {
+                    let first = (t * per_task).min(feature_tiles);
+                    let last = ((t + 1) * per_task).min(feature_tiles);
+                    // SAFETY: AMX is available; task t writes only the columns of tiles
+                    // first..last, which no other task writes; `out` outlives the pool job
+                    // (`run` returns after every task).
+                    unsafe { kernel.run_tiles(first, last) };
+                });
+            }
+        }
+    });
+    Ok(())
+}
+
+struct Kernel<'a> {
+    shape: AmxShape,
+    /// `x` split by [`split3`]: `[3, M, K]` bfloat16
+    parts: &'a [u16],
+    /// `[M, K / 32]` block sums of `x`
+    sums: &'a [f32],
+    tiles: &'a [u16],
+    bias: &'a [f32],
+    out: OutPtr,
+}
+
+/// The 64-byte operand of `LDTILECFG` (palette 1).
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    bytes_per_row: [u16; 16],
+    rows: [u8; 16],
+}
+
+impl TileConfig {
+    /// tmm0-2: the three parts of `rows` rows of `x` (32 inputs each); tmm3: a chunk's 16 x 32
+    /// integers (16 rows of interleaved pairs); tmm4 and tmm5: `rows x 16` float32 products.
+    fn for_rows(rows: usize) -> TileConfig {
+        let mut c = TileConfig {
+            palette: 1,
+            start_row: 0,
+            reserved: [0; 14],
+            bytes_per_row: [0; 16],
+            rows: [0; 16],
+        };
+        for t in 0..6 {
+            c.bytes_per_row[t] = 64;
+            c.rows[t] = if t == 3 { 16 } else { rows as u8 };
+        }
+        c
+    }
+}
+
+impl Kernel<'_> {
+    /// Feature tiles `first..last`, every row.
+    ///
+    /// # Safety
+    /// AMX must be [`available`]; no other thread may access those columns of `out` meanwhile.
+    unsafe fn run_tiles(&self, first: usize, last: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let AmxShape { m, .. } = self.shape;
+            let mut configured_rows = 0;
+            let mut pass = first;
+            while pass < last {
+                let per_pass = (PASS_BYTES / (self.shape.k / BLOCK * CHUNK * 2)).max(1);
+                let pass_end = (pass + per_pass).min(last);
+                for row0 in (0..m).step_by(TILE_ROWS) {
+                    let rows = (m - row0).min(TILE_ROWS);
+                    if rows != configured_rows {
+                        let config = TileConfig::for_rows(rows);
+                        // SAFETY: a valid palette-1 configuration (rows <= 16, 64 bytes per row).
+                        unsafe { amx::load_config(&config) };
+                        configured_rows = rows;
+                    }
+                    for t in pass..pass_end {
+                        // SAFETY: AMX available and configured for `rows`; the caller owns
+                        // tile t's columns.
+                        unsafe { self.tile(t, row0, rows) };
+                    }
+                }
+                pass = pass_end;
+            }
+            if configured_rows != 0 {
+                // SAFETY: releases this thread's tile state.
+                unsafe { amx::release() };
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (first, last);
+    }
+
+    /// Rows `row0..row0 + rows` of feature tile `t` (`rows` in 1..=16).
+    ///
+    /// # Safety
+    /// As [`Kernel::run_tiles`], with the tiles configured for `rows`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn tile(&self, t: usize, row0: usize, rows: usize) {
+        macro_rules! dispatch {
+            ($($r:literal)*) => {
+                match rows {
+                    // SAFETY: the caller's contract, with R == rows.
+                    $($r => unsafe { self.tile_rows::<$r>(t, row0) },)*
+                    _ => unreachable!("a row tile has 1..=16 rows"),
+                }
+            };
+        }
+        dispatch!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+    }
+
+    /// [`Kernel::tile`] for `R` rows: the `R x 16` accumulators stay in registers. Blocks
+    /// alternate between two product tiles (tmm4 / tmm5) and two buffers, so the tile unit
+    /// computes block `b + 1` while the vector units scale block `b`'s products.
+    ///
+    /// # Safety
+    /// As [`Kernel::tile`].
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn tile_rows<const R: usize>(&self, t: usize, row0: usize) {
+        use std::arch::x86_64::*;
+        let AmxShape { m, n, k } = self.shape;
+        let nb = k / BLOCK;
+        let mut acc = [_mm512_setzero_ps(); R];
+        #[repr(align(64))]
+        struct Products([[f32; TILE_ROWS * TILE_FEATURES]; 2]);
+        let mut products = Products([[0.0; TILE_ROWS * TILE_FEATURES]; 2]);
+        let chunks = &self.tiles[t * nb * CHUNK..(t + 1) * nb * CHUNK];
+        let row_bytes = k * 2;
+        let part = |p: usize, b: usize| self.parts[(p * m + row0) * k + b * BLOCK..].as_ptr();
+        let sums = &self.sums[row0 * nb..(row0 + R) * nb];
+        for (b, chunk) in chunks.chunks_exact(CHUNK).enumerate() {
+            let buffer = products.0[b % 2].as_mut_ptr();
+            let (x0, x1, x2, ints) = (part(0, b), part(1, b), part(2, b), chunk.as_ptr());
+            // SAFETY: every tile load reads R rows of 64 bytes: the parts' rows row0..row0+R
+            // at inputs 32b..32b+32 (inside [3, M, K]), and the chunk's first 1024 bytes; the
+            // store writes R rows of the buffer.
+            unsafe {
+                if b % 2 == 0 {
+                    amx::block_products_tmm4(x0, x1, x2, row_bytes, ints, buffer);
+                } else {
+                    amx::block_products_tmm5(x0, x1, x2, row_bytes, ints, buffer);
+                }
+            }
+            let params = chunk[BLOCK * TILE_FEATURES..].as_ptr().cast::<f32>();
+            let scale = _mm512_loadu_ps(params);
+            let min = _mm512_loadu_ps(params.add(TILE_FEATURES));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let s = _mm512_load_ps(buffer.add(r * TILE_FEATURES));
+                *acc = _mm512_fmadd_ps(s, scale, *acc);
+                *acc = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * nb + b]), min, *acc);
+            }
+        }
+        let col0 = t * TILE_FEATURES;
+        let width = (n - col0).min(TILE_FEATURES);
+        let mask: __mmask16 = if width == TILE_FEATURES {
+            0xFFFF
+        } else {
+            (1u16 << width) - 1
+        };
+        let bias = if self.bias.is_empty() {
+            _mm512_setzero_ps()
+        } else {
+            _mm512_maskz_loadu_ps(mask, self.bias[col0..].as_ptr())
+        };
+        for (r, acc) in acc.iter().enumerate() {
+            // SAFETY: row row0 + r < m, columns col0..col0+width < n: inside `out` (length
+            // m * n), columns this task owns.
+            unsafe {
+                let dst = self.out.0.add((row0 + r) * n + col0);
+                _mm512_mask_storeu_ps(dst, mask, _mm512_add_ps(*acc, bias));
+            }
+        }
+    }
+}
+
+/// The AMX instructions, as inline assembly (Rust's AMX intrinsics are not stable).
+#[cfg(target_arch = "x86_64")]
+mod amx {
+    use super::TileConfig;
+    use std::arch::asm;
+
+    /// `LDTILECFG`.
+    ///
+    /// # Safety
+    /// AMX permitted for this process; `config` valid for palette 1.
+    pub(super) unsafe fn load_config(config: &TileConfig) {
+        unsafe { asm!("ldtilecfg [{0}]", in(reg) config as *const TileConfig, options(nostack)) };
+    }
+
+    /// `TILERELEASE`.
+    ///
+    /// # Safety
+    /// AMX permitted for this process.
+    pub(super) unsafe fn release() {
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    }
+
+    /// `products = x0 @ B + x1 @ B + x2 @ B` for one block, computed in tile register
+    /// `$c`: tmm0-2 loaded from the three parts (rows `row_bytes` apart), tmm3 from the chunk's
+    /// interleaved integers, the products stored 64 bytes per row.
+    macro_rules! block_products {
+        ($name:ident, $c:literal) => {
+            /// # Safety
+            /// Tiles configured by [`load_config`]; the loads and the store stay inside their
+            /// arrays for the configured rows.
+            #[inline(always)]
+            pub(super) unsafe fn $name(
+                x0: *const u16,
+                x1: *const u16,
+                x2: *const u16,
+                row_bytes: usize,
+                ints: *const u16,
+                products: *mut f32,
+            ) {
+                unsafe {
+                    asm!(
+                        concat!("tilezero ", $c),
+                        "tileloadd tmm3, [{w} + {s64}*1]",
+                        "tileloadd tmm0, [{x0} + {s}*1]",
+                        concat!("tdpbf16ps ", $c, ", tmm0, tmm3"),
+                        "tileloadd tmm1, [{x1} + {s}*1]",
+                        concat!("tdpbf16ps ", $c, ", tmm1, tmm3"),
+                        "tileloadd tmm2, [{x2} + {s}*1]",
+                        concat!("tdpbf16ps ", $c, ", tmm2, tmm3"),
+                        concat!("tilestored [{p} + {s64}*1], ", $c),
+                        w = in(reg) ints,
+                        x0 = in(reg) x0,
+                        x1 = in(reg) x1,
+                        x2 = in(reg) x2,
+                        s = in(reg) row_bytes,
+                        s64 = in(reg) 64usize,
+                        p = in(reg) products,
+                        options(nostack)
+                    );
+                }
+            }
+        };
+    }
+    block_products!(block_products_tmm4, "tmm4");
+    block_products!(block_products_tmm5, "tmm5");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_rng::Lcg;
+
+    /// Uniform in [lo, hi).
+    fn uniform(rng: &mut Lcg, lo: f32, hi: f32) -> f32 {
+        lo + (rng.next_f32() + 1.0) * 0.5 * (hi - lo)
+    }
+
+    /// `sum_i x[r, i] * w[j, i]` in float64, from the dequantized weights.
+    fn reference(x: &[f32], w: &[f64], m: usize, n: usize, k: usize, bias: &[f32]) -> Vec<f64> {
+        let mut out = vec![0f64; m * n];
+        for r in 0..m {
+            for j in 0..n {
+                let dot: f64 = (0..k).map(|i| f64::from(x[r * k + i]) * w[j * k + i]).sum();
+                out[r * n + j] = dot + bias.get(j).map_or(0.0, |&b| f64::from(b));
+            }
+        }
+        out
+    }
+
+    struct Blocks {
+        scale: Vec<f32>,
+        min: Vec<f32>,
+        q4: Vec<u8>,
+        q8: Vec<i8>,
+    }
+
+    fn blocks(rng: &mut Lcg, n: usize, k: usize) -> Blocks {
+        let nb = n * k / BLOCK;
+        Blocks {
+            scale: (0..nb).map(|_| uniform(rng, 0.001, 0.05)).collect(),
+            min: (0..nb).map(|_| uniform(rng, -0.4, 0.0)).collect(),
+            q4: (0..nb * 16).map(|_| rng.below(256) as u8).collect(),
+            q8: (0..nb * 32).map(|_| rng.below(256) as u8 as i8).collect(),
+        }
+    }
+
+    /// The dense weights `scale * q + min` in float64 (exact).
+    fn dense(b: &Blocks, q4: bool, n: usize, k: usize) -> Vec<f64> {
+        let nb = k / BLOCK;
+        let mut w = vec![0f64; n * k];
+        for j in 0..n {
+            for i in 0..k {
+                let blk = j * nb + i / BLOCK;
+                let (d, mn) = (f64::from(b.scale[blk]), f64::from(b.min[blk]));
+                w[j * k + i] = if q4 {
+                    let byte = b.q4[blk * 16 + (i % BLOCK) % 16];
+                    let q = if i % BLOCK < 16 { byte & 15 } else { byte >> 4 };
+                    d * f64::from(q) + mn
+                } else {
+                    d * f64::from(b.q8[blk * 32 + i % BLOCK])
+                };
+            }
+        }
+        w
+    }
+
+    #[test]
+    fn split3_parts_sum_to_x_exactly() {
+        let mut rng = Lcg(7);
+        let mut x: Vec<f32> = (0..4096).map(|_| rng.next_f32()).collect();
+        x.extend([
+            0.0,
+            -0.0,
+            1.0,
+            f32::MAX,
+            -f32::MAX,
+            1e-30,
+            3.0e38,
+            123456.79,
+        ]);
+        x.extend((0..24).map(|e| 1.0 + f32::EPSILON * e as f32)); // low mantissa bits
+        let len = x.len().next_multiple_of(BLOCK);
+        x.resize(len, 0.5);
+        let mut parts = vec![0u16; 3 * len];
+        let mut sums = vec![0f32; len / BLOCK];
+        let (hi, rest) = parts.split_at_mut(len);
+        let (mid, lo) = rest.split_at_mut(len);
+        split3(&x, hi, mid, lo, &mut sums);
+        for (i, &v) in x.iter().enumerate() {
+            let f = |p: usize| f64::from(f32::from_bits(u32::from(parts[p * len + i]) << 16));
+            assert_eq!(f(0) + f(1) + f(2), f64::from(v), "x[{i}] = {v}");
+        }
+        let s0: f32 = x[..BLOCK].iter().sum();
+        assert_eq!(sums[0], s0);
+    }
+
+    #[test]
+    fn pack_interleaves_pairs_and_pads() {
+        let (n, k) = (20, 64);
+        let mut rng = Lcg(3);
+        let b = blocks(&mut rng, n, k);
+        let w = QuantWeight::Q8_0 {
+            scale: &b.scale,
+            qs: &b.q8,
+        };
+        let tiles = pack(&w, n, k).unwrap();
+        assert_eq!(tiles.len(), 2 * 2 * CHUNK);
+        let bf = |bits: u16| f32::from_bits(u32::from(bits) << 16);
+        // feature 17 (tile 1, column 1), block 1, input 5 (pair row 2, second of the pair)
+        let chunk = &tiles[(2 + 1) * CHUNK..];
+        assert_eq!(
+            bf(chunk[2 * 32 + 2 + 1]),
+            f32::from(b.q8[(17 * 2 + 1) * 32 + 5])
+        );
+        let scale = |c: usize| {
+            f32::from_bits(u32::from(chunk[512 + 2 * c]) | u32::from(chunk[513 + 2 * c]) << 16)
+        };
+        assert_eq!(scale(1), b.scale[17 * 2 + 1]);
+        // features 20..32 of tile 1 are zero padding
+        assert!((4..16).all(|c| (0..16).all(|r| chunk[r * 32 + 2 * c] == 0) && scale(c) == 0.0));
+    }
+
+    fn check(m: usize, n: usize, k: usize, q4: bool, threads: usize, seed: u64) {
+        let mut rng = Lcg(seed);
+        let b = blocks(&mut rng, n, k);
+        let w = if q4 {
+            QuantWeight::Q4_1 {
+                scale: &b.scale,
+                min: &b.min,
+                qs: &b.q4,
+            }
+        } else {
+            QuantWeight::Q8_0 {
+                scale: &b.scale,
+                qs: &b.q8,
+            }
+        };
+        let x: Vec<f32> = (0..m * k).map(|_| 3.0 * rng.next_f32()).collect();
+        let bias: Vec<f32> = if seed.is_multiple_of(2) {
+            rng.vec(n)
+        } else {
+            vec![]
+        };
+        let tiles = pack(&w, n, k).unwrap();
+        let mut out = vec![f32::NAN; m * n];
+        linear_amx_f32(&AmxShape { m, n, k }, &x, &tiles, &bias, &mut out, threads).unwrap();
+        let wd = dense(&b, q4, n, k);
+        let want = reference(&x, &wd, m, n, k, &bias);
+        for r in 0..m {
+            for j in 0..n {
+                // float32 accumulation of k products: bound by the sum of their magnitudes
+                let mag: f64 = (0..k)
+                    .map(|i| (f64::from(x[r * k + i]) * wd[j * k + i]).abs())
+                    .sum();
+                let (got, exp) = (f64::from(out[r * n + j]), want[r * n + j]);
+                assert!(
+                    (got - exp).abs() <= 4e-7 * (mag + 1.0),
+                    "m={m} n={n} k={k} q4={q4} row {r} feature {j}: {got} vs {exp}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn matches_a_float64_reference() {
+        if !available() {
+            eprintln!("AMX not available here: the AMX kernel is not exercised");
+            return;
+        }
+        let mut seed = 1;
+        for &(m, n, k) in &[
+            (1, 16, 32),
+            (9, 576, 576),
+            (13, 200, 96),
+            (16, 33, 64),
+            (17, 1536, 576),
+            (40, 100, 1536),
+            (70, 48, 128),
+        ] {
+            for q4 in [true, false] {
+                for threads in [1, 2, 3] {
+                    check(m, n, k, q4, threads, seed);
+                    seed += 1;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_bad_shapes_touching_nothing() {
+        let (m, n, k) = (3, 20, 64);
+        let tiles = vec![0u16; AmxShape { m, n, k }.tiles_len()];
+        let x = vec![1f32; m * k];
+        let mut out = vec![7f32; m * n];
+        let bad = [
+            (AmxShape { m, n, k: 48 }, tiles.len(), m * n, n),
+            (AmxShape { m, n, k }, tiles.len() - 1, m * n, n),
+            (AmxShape { m, n, k }, tiles.len(), m * n - 1, n),
+            (AmxShape { m, n, k }, tiles.len(), m * n, n - 1),
+        ];
+        for (shape, tiles_len, out_len, bias_len) in bad {
+            let bias = vec![0f32; bias_len];
+            let x = &x[..(shape.m * shape.k).min(x.len())];
+            let r = linear_amx_f32(
+                &shape,
+                x,
+                &tiles[..tiles_len],
+                &bias,
+                &mut out[..out_len],
+                2,
+            );
+            assert!(r.is_err(), "{shape:?} {tiles_len} {out_len} {bias_len}");
+        }
+        assert!(out.iter().all(|&v| v == 7.0));
+    }
+}
