@@ -101,7 +101,7 @@ COMPARE_SHAPES = [("decode", 1, 128), ("decode", 1, 1024), ("decode", 2, 128), (
 FUSED_SHAPES = [("decode", 1, 128), ("decode", 1, 1024), ("decode", 4, 128), ("decode", 8, 128),
                 ("decode", 16, 128), ("decode", 32, 128), ("decode", 16, 1024)]
 
-AMX_SHAPES = [("decode", 9, 128), ("decode", 13, 128), ("decode", 16, 128), ("decode", 32, 128),
+AMX_SHAPES = [("decode", 4, 128), ("decode", 5, 128), ("decode", 8, 128), ("decode", 13, 128), ("decode", 16, 128), ("decode", 32, 128),
               ("decode", 64, 128), ("decode", 13, 1024), ("prefill", 1, 64), ("prefill", 1, 512)]
 
 

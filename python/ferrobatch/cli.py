@@ -55,12 +55,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-ngram", type=int, nargs=2, default=(2, 4),
                    metavar=("MIN", "MAX"), help="n-gram lengths prompt lookup matches")
     g.add_argument("--no-gguf-blocks", action="store_true",
-                   help="CPU: never read a GGUF model's Q4_1/Q8_0 blocks (float32 panels only; "
-                   "saves their memory, slower steps of <= 8 rows)")
+                   help="CPU: never read a GGUF model's Q4_1/Q8_0 blocks, nor their AMX tiles "
+                   "(float32 panels only; saves their memory, slower steps)")
     g.add_argument("--no-amx", action="store_true",
-                   help="CPU with AMX: steps of > 8 rows read the float32 panels instead of the GGUF "
-                   "blocks as AMX tiles (saves the tiles' memory; FERROBATCH_CPU_ISA=avx512 does "
-                   "the same for every kernel)")
+                   help="CPU with AMX: steps of 5+ rows read the float32 panels (or the blocks, "
+                   "up to 8 rows) instead of the GGUF blocks as AMX tiles (saves the tiles' "
+                   "memory, slower steps; FERROBATCH_CPU_ISA=avx512 does the same)")
     g.add_argument("--no-fused-decode", action="store_true",
                    help="CPU: run steps layer by layer from Python instead of all layers "
                    "in one Rust call (same results, slower; for comparison)")

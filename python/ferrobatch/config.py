@@ -51,8 +51,8 @@ class EngineConfig:
     dtype: str | None = None             # None -> the runtime's default for the device
     attn_backend: str | None = None      # auto | torch | cpu | cuda; None = auto (cuda / cpu kernels)
     cuda_graphs: bool = True             # CUDA: replay captured decode steps (False = eager only)
-    gguf_blocks: bool = True             # CPU, GGUF model: steps of <= 8 rows read the Q4_1/Q8_0 blocks
-    amx_tiles: bool = True               # CPU with AMX, GGUF model: larger steps read the blocks as AMX tiles
+    gguf_blocks: bool = True             # CPU, GGUF model: small steps read the Q4_1/Q8_0 blocks
+    amx_tiles: bool = True               # CPU with AMX, GGUF model: steps of 5+ rows read them as AMX tiles
     fused_decode: bool = True            # CPU: steps run every layer in one Rust call
 
     # KV cache

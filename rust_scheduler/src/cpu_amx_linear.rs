@@ -15,16 +15,23 @@
 //! bits), far below float32 rounding of any sum it enters.
 //!
 //! Packed layout ([`pack`]): for each tile of 16 output features (zero features past `N`) and
-//! each block `b` of 32 inputs, one chunk of [`CHUNK`] `u16`: the 32 x 16 integers as bfloat16
-//! in the pair-interleaved order `TDPBF16PS` reads (chunk row `r` = inputs `32b + 2r` and
-//! `32b + 2r + 1` of features 0..16, interleaved), then the 16 features' scales and their mins
-//! as float32 bit patterns (two `u16` each, little-endian). Chunks run over `b` within a tile, so
-//! a task streams its features' weights in address order. 2.25 bytes per weight.
+//! each block `b` of 32 inputs, one chunk. Chunks run over `b` within a tile, so a task streams
+//! its features' weights in address order. Two formats ([`AmxFormat`]):
+//! - `Bf16` (Q8_0), [`CHUNK`] `u16`: the 32 x 16 integers as bfloat16 in the pair-interleaved
+//!   order `TDPBF16PS` reads (chunk row `r` = inputs `32b + 2r` and `32b + 2r + 1` of features
+//!   0..16, interleaved), then the 16 features' scales and their mins as float32 bit patterns
+//!   (two `u16` each, little-endian). 2.25 bytes per weight.
+//! - `Nibbles` (Q4_1), [`NIBBLE_CHUNK`] `u16`: the same rows as 4-bit integers, rows `2g` and
+//!   `2g + 1` sharing 32 bytes (byte `j`: row `2g`'s value `j` in the low nibble, row `2g + 1`'s
+//!   in the high one), then the scales and mins. 0.75 bytes per weight: a step of a few rows,
+//!   bound by reading the weights, reads 3x fewer bytes. A task unpacks each chunk into the
+//!   `Bf16` layout in L1 right before its tile load (steps of up to [`DIRECT_MAX_ROWS`] rows),
+//!   or a pass of chunks at once into a scratch of its own (L2) that all the rows then read.
 //!
 //! Invariants checked by [`AmxShape::validate`] before any read, so no tile load leaves its
-//! slice: `K % 32 == 0`, `x.len() == M * K`, `tiles.len() == ceil(N / 16) * K / 32 * CHUNK`,
+//! slice: `K % 32 == 0`, `x.len() == M * K`, `tiles.len() == ceil(N / 16) * K / 32 * chunk`,
 //! `out.len() == M * N`, `bias` empty or of length `N`.
-//! AMX runs only where [`available`] says so: the CPU has AMX-TILE, AMX-BF16 and AVX-512F, Linux
+//! AMX runs only where [`available`] says so: the CPU has AMX-TILE, AMX-BF16, AVX-512F and -BW, Linux
 //! granted this process the tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, asked once), and
 //! `FERROBATCH_CPU_ISA` does not cap the kernels below `amx`. Each task of the kernels' pool
 //! loads its own tile configuration (per-thread state) and releases the tiles when done.
@@ -40,7 +47,53 @@ pub const BLOCK: usize = 32;
 /// Output features per tile.
 pub const TILE_FEATURES: usize = 16;
 /// `u16` per chunk: 32 x 16 bfloat16 integers, then 16 float32 scales and 16 float32 mins.
-pub const CHUNK: usize = BLOCK * TILE_FEATURES + 4 * TILE_FEATURES;
+pub const CHUNK: usize = BLOCK * TILE_FEATURES + PARAMS;
+/// `u16` per chunk of nibbles: 32 x 16 4-bit integers, then the scales and mins.
+pub const NIBBLE_CHUNK: usize = BLOCK * TILE_FEATURES / 4 + PARAMS;
+/// `u16` of a chunk's 16 scales and 16 mins (float32).
+const PARAMS: usize = 4 * TILE_FEATURES;
+
+/// How a packed weight stores its integers (the module header).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AmxFormat {
+    /// as bfloat16, ready for the tile loads (Q8_0's int8)
+    Bf16,
+    /// as 4-bit nibbles, unpacked per pass (Q4_1)
+    Nibbles,
+}
+
+impl AmxFormat {
+    /// The format [`pack`] gives block weights of this kind.
+    pub fn of(w: &QuantWeight<'_>) -> AmxFormat {
+        match w {
+            QuantWeight::Q4_1 { .. } => AmxFormat::Nibbles,
+            QuantWeight::Q8_0 { .. } => AmxFormat::Bf16,
+        }
+    }
+
+    /// `u16` per chunk.
+    pub fn chunk_len(self) -> usize {
+        match self {
+            AmxFormat::Bf16 => CHUNK,
+            AmxFormat::Nibbles => NIBBLE_CHUNK,
+        }
+    }
+}
+
+/// A weight packed by [`pack`].
+#[derive(Clone, Copy)]
+pub struct AmxTiles<'a> {
+    pub format: AmxFormat,
+    pub data: &'a [u16],
+}
+/// The fewest rows of a step for which this kernel beats the GGUF-block kernel
+/// (`cpu_quant_linear`): SmolLM2's 30 layers, two threads, 4 rows 8.6 vs 7.1 ms, 5 rows 8.8 vs
+/// 9.4, 8 rows 10.3 vs 13.1 (`benches/cpu_kernels.py --only amx`).
+pub const MIN_ROWS: usize = 5;
+/// Steps of at most this many rows unpack each nibble chunk right before each of its (one or
+/// two) uses; larger ones unpack a pass of chunks once into a scratch (L2) that all their row
+/// tiles read. Measured about even at 17-32 rows, direct 1.2x faster at 16.
+const DIRECT_MAX_ROWS: usize = 2 * TILE_ROWS;
 /// Rows per tile (the tile registers' height).
 const TILE_ROWS: usize = 16;
 /// Bytes of weight chunks a task computes for every row tile before moving on to the next
@@ -57,7 +110,7 @@ pub fn available() -> bool {
 }
 
 /// Asks Linux for the AMX tile data state (once per process); true if the CPU has AMX-TILE,
-/// AMX-BF16 and AVX-512F and the request was granted. Used by `Isa::detect`.
+/// AMX-BF16, AVX-512F and AVX-512BW and the request was granted. Used by `Isa::detect`.
 pub(crate) fn amx_permitted() -> bool {
     static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *OK.get_or_init(|| {
@@ -65,7 +118,9 @@ pub(crate) fn amx_permitted() -> bool {
         {
             let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
             let (tile, bf16) = ((leaf7.edx >> 24) & 1 == 1, (leaf7.edx >> 22) & 1 == 1);
-            if !(tile && bf16 && std::is_x86_feature_detected!("avx512f")) {
+            let avx512 = std::is_x86_feature_detected!("avx512f")
+                && std::is_x86_feature_detected!("avx512bw");
+            if !(tile && bf16 && avx512) {
                 return false;
             }
             const SYS_ARCH_PRCTL: i64 = 158;
@@ -110,15 +165,15 @@ impl AmxShape {
     }
 
     /// `u16` in the packed weight.
-    pub fn tiles_len(&self) -> usize {
-        self.feature_tiles() * (self.k / BLOCK) * CHUNK
+    pub fn tiles_len(&self, format: AmxFormat) -> usize {
+        self.feature_tiles() * (self.k / BLOCK) * format.chunk_len()
     }
 
     /// Checks the module header's invariants.
     pub fn validate(
         &self,
         x: &[f32],
-        tiles: &[u16],
+        tiles: &AmxTiles<'_>,
         bias: &[f32],
         out: &[f32],
     ) -> Result<(), KernelInputError> {
@@ -131,7 +186,11 @@ impl AmxShape {
         }
         for (name, len, want) in [
             ("x", x.len(), self.m * self.k),
-            ("packed tiles", tiles.len(), self.tiles_len()),
+            (
+                "packed tiles",
+                tiles.data.len(),
+                self.tiles_len(tiles.format),
+            ),
             ("out", out.len(), self.m * self.n),
         ] {
             if len != want {
@@ -156,38 +215,56 @@ fn bf16_bits(v: f32) -> u16 {
     (v.to_bits() >> 16) as u16
 }
 
-/// Packs `[n, k]` block weights into the layout of the module header (validated by the
-/// quantized kernel's own check first).
+/// Packs `[n, k]` block weights into the layout of the module header, in the format
+/// [`AmxFormat::of`] gives them (validated by the quantized kernel's own check first).
 pub fn pack(w: &QuantWeight<'_>, n: usize, k: usize) -> Result<Vec<u16>, KernelInputError> {
     let shape = crate::cpu_quant_linear::QuantShape { m: 0, n, k };
     shape.validate(&[], w, &[], &[])?;
     let nb = k / BLOCK;
-    let amx = AmxShape { m: 0, n, k };
-    let mut tiles = vec![0u16; amx.tiles_len()];
+    let format = AmxFormat::of(w);
+    let mut tiles = vec![0u16; AmxShape { m: 0, n, k }.tiles_len(format)];
     // q(feature j, block b, input i of the block), scale and min of (j, b)
-    let q = |j: usize, b: usize, i: usize| -> f32 {
+    let q = |j: usize, b: usize, i: usize| -> u8 {
         match w {
             QuantWeight::Q4_1 { qs, .. } => {
                 let byte = qs[(j * nb + b) * (BLOCK / 2) + i % 16];
-                f32::from(if i < 16 { byte & 0x0F } else { byte >> 4 })
+                if i < 16 {
+                    byte & 0x0F
+                } else {
+                    byte >> 4
+                }
             }
-            QuantWeight::Q8_0 { qs, .. } => f32::from(qs[(j * nb + b) * BLOCK + i]),
+            QuantWeight::Q8_0 { qs, .. } => qs[(j * nb + b) * BLOCK + i] as u8,
         }
     };
     let (scale, min) = match w {
         QuantWeight::Q4_1 { scale, min, .. } => (*scale, Some(*min)),
         QuantWeight::Q8_0 { scale, .. } => (*scale, None),
     };
-    for (t, tile_chunks) in tiles.chunks_exact_mut(nb * CHUNK).enumerate() {
-        for (b, chunk) in tile_chunks.chunks_exact_mut(CHUNK).enumerate() {
-            let (ints, params) = chunk.split_at_mut(BLOCK * TILE_FEATURES);
+    let chunk_len = format.chunk_len();
+    for (t, tile_chunks) in tiles.chunks_exact_mut(nb * chunk_len).enumerate() {
+        for (b, chunk) in tile_chunks.chunks_exact_mut(chunk_len).enumerate() {
+            let (ints, params) = chunk.split_at_mut(chunk_len - PARAMS);
             for c in 0..TILE_FEATURES {
                 let j = t * TILE_FEATURES + c;
                 if j >= n {
                     break; // padding features: zero integers, scales and mins
                 }
                 for i in 0..BLOCK {
-                    ints[(i / 2) * 2 * TILE_FEATURES + c * 2 + i % 2] = bf16_bits(q(j, b, i));
+                    // chunk row r = i / 2, position c * 2 + i % 2 in it
+                    let (r, pos) = (i / 2, c * 2 + i % 2);
+                    let value = q(j, b, i);
+                    match format {
+                        AmxFormat::Bf16 => {
+                            ints[r * 2 * TILE_FEATURES + pos] = bf16_bits(f32::from(value as i8));
+                        }
+                        AmxFormat::Nibbles => {
+                            // byte pos of group r / 2 (16 u16 = 32 bytes per group)
+                            let slot = &mut ints[(r / 2) * TILE_FEATURES + pos / 2];
+                            let shift = 8 * (pos % 2) + 4 * (r % 2);
+                            *slot |= u16::from(value) << shift;
+                        }
+                    }
                 }
                 let d = scale[j * nb + b].to_bits();
                 let mn = min.map_or(0, |m| m[j * nb + b].to_bits());
@@ -253,12 +330,12 @@ impl<T> Shared<T> {
 pub fn linear_amx_f32(
     shape: &AmxShape,
     x: &[f32],
-    tiles: &[u16],
+    tiles: AmxTiles<'_>,
     bias: &[f32],
     out: &mut [f32],
     num_threads: usize,
 ) -> Result<(), KernelInputError> {
-    shape.validate(x, tiles, bias, out)?;
+    shape.validate(x, &tiles, bias, out)?;
     if !available() {
         return Err(KernelInputError(
             "AMX is not available on this machine (or FERROBATCH_CPU_ISA caps it)".into(),
@@ -339,9 +416,14 @@ struct Kernel<'a> {
     parts: &'a [u16],
     /// `[M, K / 32]` block sums of `x`
     sums: &'a [f32],
-    tiles: &'a [u16],
+    tiles: AmxTiles<'a>,
     bias: &'a [f32],
     out: OutPtr,
+}
+
+thread_local! {
+    /// A task's nibble chunks unpacked to the `Bf16` layout for the pass it computes.
+    static UNPACKED: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// The 64-byte operand of `LDTILECFG` (palette 1).
@@ -381,28 +463,69 @@ impl Kernel<'_> {
     unsafe fn run_tiles(&self, first: usize, last: usize) {
         #[cfg(target_arch = "x86_64")]
         {
-            let AmxShape { m, .. } = self.shape;
+            let AmxShape { m, k, .. } = self.shape;
+            let tile_len = k / BLOCK * CHUNK; // u16 of one feature tile, Bf16 layout
+            let per_pass = (PASS_BYTES / (tile_len * 2)).max(1);
             let mut configured_rows = 0;
-            let mut pass = first;
-            while pass < last {
-                let per_pass = (PASS_BYTES / (self.shape.k / BLOCK * CHUNK * 2)).max(1);
-                let pass_end = (pass + per_pass).min(last);
-                for row0 in (0..m).step_by(TILE_ROWS) {
-                    let rows = (m - row0).min(TILE_ROWS);
-                    if rows != configured_rows {
-                        let config = TileConfig::for_rows(rows);
-                        // SAFETY: a valid palette-1 configuration (rows <= 16, 64 bytes per row).
-                        unsafe { amx::load_config(&config) };
-                        configured_rows = rows;
+            UNPACKED.with_borrow_mut(|unpacked| {
+                let mut pass = first;
+                while pass < last {
+                    let pass_end = (pass + per_pass).min(last);
+                    let direct = self.tiles.format == AmxFormat::Nibbles && m <= DIRECT_MAX_ROWS;
+                    let chunks: &[u16] = match self.tiles.format {
+                        AmxFormat::Bf16 => &self.tiles.data[pass * tile_len..pass_end * tile_len],
+                        // few rows: each chunk is unpacked just before each use
+                        AmxFormat::Nibbles if direct => {
+                            let nibble_len = k / BLOCK * NIBBLE_CHUNK;
+                            &self.tiles.data[pass * nibble_len..pass_end * nibble_len]
+                        }
+                        AmxFormat::Nibbles => {
+                            let len = (pass_end - pass) * tile_len;
+                            if unpacked.len() < len + 32 {
+                                unpacked.resize(len + 32, 0);
+                            }
+                            let dst = aligned_64(unpacked, len);
+                            let nibble_len = k / BLOCK * NIBBLE_CHUNK;
+                            let src = &self.tiles.data[pass * nibble_len..pass_end * nibble_len];
+                            for (from, to) in src
+                                .chunks_exact(NIBBLE_CHUNK)
+                                .zip(dst.chunks_exact_mut(CHUNK))
+                            {
+                                // SAFETY: AMX available implies AVX-512F and -BW.
+                                unsafe { unpack_nibbles(from, to) };
+                            }
+                            dst
+                        }
+                    };
+                    for row0 in (0..m).step_by(TILE_ROWS) {
+                        let rows = (m - row0).min(TILE_ROWS);
+                        if rows != configured_rows {
+                            let config = TileConfig::for_rows(rows);
+                            // SAFETY: a valid palette-1 configuration (rows <= 16, 64 bytes
+                            // per row).
+                            unsafe { amx::load_config(&config) };
+                            configured_rows = rows;
+                        }
+                        let stride = if direct {
+                            k / BLOCK * NIBBLE_CHUNK
+                        } else {
+                            tile_len
+                        };
+                        for (i, tile) in chunks.chunks_exact(stride).enumerate() {
+                            // SAFETY: AMX available and configured for `rows`; the caller owns
+                            // the columns of feature tile pass + i.
+                            unsafe {
+                                if direct {
+                                    self.tile::<true>(tile, pass + i, row0, rows)
+                                } else {
+                                    self.tile::<false>(tile, pass + i, row0, rows)
+                                }
+                            };
+                        }
                     }
-                    for t in pass..pass_end {
-                        // SAFETY: AMX available and configured for `rows`; the caller owns
-                        // tile t's columns.
-                        unsafe { self.tile(t, row0, rows) };
-                    }
+                    pass = pass_end;
                 }
-                pass = pass_end;
-            }
+            });
             if configured_rows != 0 {
                 // SAFETY: releases this thread's tile state.
                 unsafe { amx::release() };
@@ -412,17 +535,19 @@ impl Kernel<'_> {
         let _ = (first, last);
     }
 
-    /// Rows `row0..row0 + rows` of feature tile `t` (`rows` in 1..=16).
+    /// Rows `row0..row0 + rows` of feature tile `t`, whose chunks are `chunks` (`rows` in
+    /// 1..=16): in the `Bf16` layout, or (`NIBBLES`) in the `Nibbles` one, each unpacked just
+    /// before its tile load.
     ///
     /// # Safety
     /// As [`Kernel::run_tiles`], with the tiles configured for `rows`.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn tile(&self, t: usize, row0: usize, rows: usize) {
+    unsafe fn tile<const NIBBLES: bool>(&self, chunks: &[u16], t: usize, row0: usize, rows: usize) {
         macro_rules! dispatch {
             ($($r:literal)*) => {
                 match rows {
                     // SAFETY: the caller's contract, with R == rows.
-                    $($r => unsafe { self.tile_rows::<$r>(t, row0) },)*
+                    $($r => unsafe { self.tile_rows::<$r, NIBBLES>(chunks, t, row0) },)*
                     _ => unreachable!("a row tile has 1..=16 rows"),
                 }
             };
@@ -431,14 +556,20 @@ impl Kernel<'_> {
     }
 
     /// [`Kernel::tile`] for `R` rows: the `R x 16` accumulators stay in registers. Blocks
-    /// alternate between two product tiles (tmm4 / tmm5) and two buffers, so the tile unit
-    /// computes block `b + 1` while the vector units scale block `b`'s products.
+    /// alternate between two product tiles (tmm4 / tmm5) and two buffers (and two unpacked
+    /// chunks), so the tile unit computes block `b + 1` while the vector units scale block `b`'s
+    /// products.
     ///
     /// # Safety
     /// As [`Kernel::tile`].
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
-    unsafe fn tile_rows<const R: usize>(&self, t: usize, row0: usize) {
+    unsafe fn tile_rows<const R: usize, const NIBBLES: bool>(
+        &self,
+        chunks: &[u16],
+        t: usize,
+        row0: usize,
+    ) {
         use std::arch::x86_64::*;
         let AmxShape { m, n, k } = self.shape;
         let nb = k / BLOCK;
@@ -446,13 +577,25 @@ impl Kernel<'_> {
         #[repr(align(64))]
         struct Products([[f32; TILE_ROWS * TILE_FEATURES]; 2]);
         let mut products = Products([[0.0; TILE_ROWS * TILE_FEATURES]; 2]);
-        let chunks = &self.tiles[t * nb * CHUNK..(t + 1) * nb * CHUNK];
+        #[repr(align(64))]
+        struct Unpacked([[u16; BLOCK * TILE_FEATURES]; 2]);
+        let mut unpacked = Unpacked([[0; BLOCK * TILE_FEATURES]; 2]);
+        let chunk_len = if NIBBLES { NIBBLE_CHUNK } else { CHUNK };
         let row_bytes = k * 2;
         let part = |p: usize, b: usize| self.parts[(p * m + row0) * k + b * BLOCK..].as_ptr();
         let sums = &self.sums[row0 * nb..(row0 + R) * nb];
-        for (b, chunk) in chunks.chunks_exact(CHUNK).enumerate() {
+        for (b, chunk) in chunks.chunks_exact(chunk_len).enumerate() {
             let buffer = products.0[b % 2].as_mut_ptr();
-            let (x0, x1, x2, ints) = (part(0, b), part(1, b), part(2, b), chunk.as_ptr());
+            let ints = if NIBBLES {
+                let dst = unpacked.0[b % 2].as_mut_ptr();
+                // SAFETY: the chunk holds 128 u16 of nibbles, dst 512 u16; AMX available
+                // implies AVX-512F and -BW.
+                unsafe { unpack_ints(chunk.as_ptr(), dst) };
+                dst.cast_const()
+            } else {
+                chunk.as_ptr()
+            };
+            let (x0, x1, x2) = (part(0, b), part(1, b), part(2, b));
             // SAFETY: every tile load reads R rows of 64 bytes: the parts' rows row0..row0+R
             // at inputs 32b..32b+32 (inside [3, M, K]), and the chunk's first 1024 bytes; the
             // store writes R rows of the buffer.
@@ -463,7 +606,7 @@ impl Kernel<'_> {
                     amx::block_products_tmm5(x0, x1, x2, row_bytes, ints, buffer);
                 }
             }
-            let params = chunk[BLOCK * TILE_FEATURES..].as_ptr().cast::<f32>();
+            let params = chunk[chunk_len - PARAMS..].as_ptr().cast::<f32>();
             let scale = _mm512_loadu_ps(params);
             let min = _mm512_loadu_ps(params.add(TILE_FEATURES));
             for (r, acc) in acc.iter_mut().enumerate() {
@@ -493,6 +636,57 @@ impl Kernel<'_> {
             }
         }
     }
+}
+
+/// bfloat16 bit patterns of 0.0, 1.0, ..., 15.0, then zeros (`vpermw` indexes 32 words).
+const NIBBLE_VALUES: [u16; 32] = {
+    let mut lut = [0u16; 32];
+    let mut i = 0;
+    while i < 16 {
+        lut[i] = ((i as f32).to_bits() >> 16) as u16;
+        i += 1;
+    }
+    lut
+};
+
+/// A chunk's 4-bit integers (the first `NIBBLE_CHUNK - 64` u16 at `src`) unpacked into the
+/// `Bf16` layout's 512 bfloat16 integers at `dst`: each group of 32 bytes becomes two rows.
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX-512BW; `src` readable for 128 u16, `dst` writable for 512.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn unpack_ints(src: *const u16, dst: *mut u16) {
+    use std::arch::x86_64::*;
+    let lut = unsafe { _mm512_loadu_si512(NIBBLE_VALUES.as_ptr().cast()) };
+    let low4 = _mm256_set1_epi8(0x0F);
+    for g in 0..TILE_ROWS / 2 {
+        // SAFETY: group g is u16 16g..16g+16 of src's 128; rows 2g and 2g + 1 are u16
+        // 64g..64g+64 of dst's 512.
+        unsafe {
+            let v = _mm256_loadu_si256(src.add(16 * g).cast());
+            let even = _mm256_and_si256(v, low4);
+            let odd = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low4);
+            let even = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(even), lut);
+            let odd = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(odd), lut);
+            _mm512_storeu_si512(dst.add(64 * g).cast(), even);
+            _mm512_storeu_si512(dst.add(64 * g + 32).cast(), odd);
+        }
+    }
+}
+
+/// One chunk of nibbles (`NIBBLE_CHUNK` u16) unpacked into the `Bf16` layout (`CHUNK` u16),
+/// parameters copied.
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX-512BW.
+#[cfg(target_arch = "x86_64")]
+unsafe fn unpack_nibbles(src: &[u16], dst: &mut [u16]) {
+    assert!(src.len() == NIBBLE_CHUNK && dst.len() == CHUNK);
+    // SAFETY: lengths asserted; the caller's CPU features.
+    unsafe { unpack_ints(src.as_ptr(), dst.as_mut_ptr()) };
+    dst[BLOCK * TILE_FEATURES..].copy_from_slice(&src[BLOCK * TILE_FEATURES / 4..]);
 }
 
 /// The AMX instructions, as inline assembly (Rust's AMX intrinsics are not stable).
@@ -661,6 +855,7 @@ mod tests {
             qs: &b.q8,
         };
         let tiles = pack(&w, n, k).unwrap();
+        assert_eq!(AmxFormat::of(&w), AmxFormat::Bf16);
         assert_eq!(tiles.len(), 2 * 2 * CHUNK);
         let bf = |bits: u16| f32::from_bits(u32::from(bits) << 16);
         // feature 17 (tile 1, column 1), block 1, input 5 (pair row 2, second of the pair)
@@ -698,9 +893,12 @@ mod tests {
         } else {
             vec![]
         };
-        let tiles = pack(&w, n, k).unwrap();
+        let tiles = AmxTiles {
+            format: AmxFormat::of(&w),
+            data: &pack(&w, n, k).unwrap(),
+        };
         let mut out = vec![f32::NAN; m * n];
-        linear_amx_f32(&AmxShape { m, n, k }, &x, &tiles, &bias, &mut out, threads).unwrap();
+        linear_amx_f32(&AmxShape { m, n, k }, &x, tiles, &bias, &mut out, threads).unwrap();
         let wd = dense(&b, q4, n, k);
         let want = reference(&x, &wd, m, n, k, &bias);
         for r in 0..m {
@@ -746,7 +944,7 @@ mod tests {
     #[test]
     fn rejects_bad_shapes_touching_nothing() {
         let (m, n, k) = (3, 20, 64);
-        let tiles = vec![0u16; AmxShape { m, n, k }.tiles_len()];
+        let tiles = vec![0u16; AmxShape { m, n, k }.tiles_len(AmxFormat::Nibbles)];
         let x = vec![1f32; m * k];
         let mut out = vec![7f32; m * n];
         let bad = [
@@ -761,13 +959,24 @@ mod tests {
             let r = linear_amx_f32(
                 &shape,
                 x,
-                &tiles[..tiles_len],
+                AmxTiles {
+                    format: AmxFormat::Nibbles,
+                    data: &tiles[..tiles_len],
+                },
                 &bias,
                 &mut out[..out_len],
                 2,
             );
             assert!(r.is_err(), "{shape:?} {tiles_len} {out_len} {bias_len}");
         }
+        // tiles of the other format's length
+        let bf16 = vec![0u16; AmxShape { m, n, k }.tiles_len(AmxFormat::Bf16)];
+        let as_nibbles = AmxTiles {
+            format: AmxFormat::Nibbles,
+            data: &bf16,
+        };
+        let shape = AmxShape { m, n, k };
+        assert!(linear_amx_f32(&shape, &x, as_nibbles, &[], &mut out, 2).is_err());
         assert!(out.iter().all(|&v| v == 7.0));
     }
 }

@@ -23,7 +23,7 @@
 //! ([`validate`]), and the attention kernels' own checks (block tables, context lengths, chunk
 //! rows) on the step's buffers. A failed check leaves `hidden` and every cache untouched.
 
-use crate::cpu_amx_linear::{self, linear_amx_f32, AmxShape};
+use crate::cpu_amx_linear::{self, linear_amx_f32, AmxShape, AmxTiles};
 use crate::cpu_attention::{paged_decode_attention_f32, DecodeShape};
 use crate::cpu_elementwise::{rms_norm_f32, rotary_f32, silu_and_mul_f32};
 use crate::cpu_error::KernelInputError;
@@ -59,7 +59,8 @@ impl DecoderShape {
 
 /// A linear layer `y = x @ W^T + bias` (`W` `[n, k]`): panel-packed float32 (`cpu_linear`'s
 /// layout) and, if the model came from GGUF, also its blocks, read for steps of at most
-/// [`MAX_ROWS`] rows (as `PanelLinear` does in Python).
+/// [`MAX_ROWS`] rows, and their AMX tiles, read for steps of at least
+/// `cpu_amx_linear::MIN_ROWS` where AMX is available (as `PanelLinear` does in Python).
 #[derive(Clone, Copy)]
 pub struct Linear<'a> {
     pub n: usize,
@@ -68,9 +69,9 @@ pub struct Linear<'a> {
     /// empty for none
     pub bias: &'a [f32],
     pub blocks: Option<QuantWeight<'a>>,
-    /// the same blocks packed for the AMX kernel (`cpu_amx_linear::pack`), read for steps of
-    /// more than [`MAX_ROWS`] rows where AMX is available
-    pub tiles: Option<&'a [u16]>,
+    /// the same blocks packed for the AMX kernel (`cpu_amx_linear::pack`), read for steps of at
+    /// least `cpu_amx_linear::MIN_ROWS` rows where AMX is available
+    pub tiles: Option<AmxTiles<'a>>,
 }
 
 impl Linear<'_> {
@@ -83,15 +84,15 @@ impl Linear<'_> {
         threads: usize,
     ) -> Result<(), KernelInputError> {
         let (n, k) = (self.n, self.k);
-        match self.blocks {
-            Some(w) if rows <= MAX_ROWS => {
+        let amx = self.tiles.filter(|_| cpu_amx_linear::available());
+        match (self.blocks, amx) {
+            (_, Some(tiles)) if rows >= cpu_amx_linear::MIN_ROWS => {
+                let shape = AmxShape { m: rows, n, k };
+                linear_amx_f32(&shape, x, tiles, self.bias, out, threads)
+            }
+            (Some(w), _) if rows <= MAX_ROWS => {
                 let shape = QuantShape { m: rows, n, k };
                 linear_quant_f32(&shape, x, w, self.bias, out, threads)
-            }
-            _ if self.tiles.is_some() && cpu_amx_linear::available() => {
-                let shape = AmxShape { m: rows, n, k };
-                let tiles = self.tiles.unwrap_or_default();
-                linear_amx_f32(&shape, x, tiles, self.bias, out, threads)
             }
             _ => linear_f32(
                 &LinearShape { m: rows, n, k },
@@ -127,7 +128,7 @@ impl Linear<'_> {
                 .validate(&[], &w, self.bias, &[])
                 .map_err(|e| KernelInputError(format!("{name} blocks: {}", e.0)))?;
         }
-        if let Some(tiles) = self.tiles {
+        if let Some(tiles) = &self.tiles {
             // the AMX kernel's own check of the packed tiles (a call of no rows)
             AmxShape { m: 0, n, k }
                 .validate(&[], tiles, self.bias, &[])
@@ -475,6 +476,7 @@ fn add_into(acc: &mut [f32], x: &[f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu_amx_linear::AmxFormat;
     use crate::cpu_linear::pack;
     use crate::test_rng::Lcg;
 
@@ -555,7 +557,10 @@ mod tests {
                     scale,
                     qs: &self.qs,
                 }),
-                tiles: matches!(kernels, Kernels::TilesOnly).then_some(&self.tiles[..]),
+                tiles: matches!(kernels, Kernels::TilesOnly).then_some(AmxTiles {
+                    format: AmxFormat::Bf16,
+                    data: &self.tiles,
+                }),
             }
         }
 
@@ -830,7 +835,8 @@ mod tests {
         run_case(Kernels::BlocksOnly, 0); // 4 rows read the blocks
         run_case(Kernels::PanelsOnly, 6); // 10 rows read the panels although blocks are known
         if cpu_amx_linear::available() {
-            run_case(Kernels::TilesOnly, 6); // 10 rows read the AMX tiles
+            run_case(Kernels::TilesOnly, 1); // 5 rows read the AMX tiles
+            run_case(Kernels::TilesOnly, 6); // 10 rows
             run_case(Kernels::TilesOnly, 20); // 24 rows: two row tiles
         } else {
             eprintln!("AMX not available here: the decoder's AMX path is not exercised");

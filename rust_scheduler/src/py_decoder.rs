@@ -6,6 +6,7 @@
 //! anything is written: weights are checked when the stack is built and again on every call
 //! (a few integer comparisons per layer), the step's buffers by `cpu_decoder::validate`.
 
+use crate::cpu_amx_linear::{AmxFormat, AmxTiles};
 use crate::cpu_decoder::{
     forward_step, CacheShape, DecoderShape, Layer, Linear, PrefillChunks, StepRows,
 };
@@ -161,9 +162,20 @@ impl LinearBorrow<'_> {
                 None => &[],
             },
             blocks,
-            tiles: match &self.tiles {
-                Some(t) => Some(c_slice("tiles", t)?),
-                None => None,
+            tiles: match (&self.tiles, &self.blocks) {
+                (None, _) => None,
+                (Some(t), Some(b)) => Some(AmxTiles {
+                    format: match b {
+                        BlockBorrow::Q4_1(..) => AmxFormat::Nibbles,
+                        BlockBorrow::Q8_0(..) => AmxFormat::Bf16,
+                    },
+                    data: c_slice("tiles", t)?,
+                }),
+                (Some(_), None) => {
+                    return Err(PyValueError::new_err(
+                        "AMX tiles come with the blocks they were packed from",
+                    ))
+                }
             },
         })
     }

@@ -5,7 +5,7 @@
 //! Every shape problem is a `ValueError` (checked by `LinearShape::validate` before any read);
 //! arrays must be C-contiguous float32.
 
-use crate::cpu_amx_linear::{self, linear_amx_f32, AmxShape};
+use crate::cpu_amx_linear::{self, linear_amx_f32, AmxFormat, AmxShape, AmxTiles};
 use crate::cpu_elementwise::{rms_norm_f32, rotary_f32};
 use crate::cpu_linear::{linear_f32, LinearShape, PANEL_WIDTH};
 use crate::cpu_quant_linear::{linear_quant_f32, QuantShape, QuantWeight};
@@ -161,7 +161,8 @@ pub fn py_amx_available() -> bool {
 }
 
 /// `pack_amx_q4_1(scale, min, qs)`: Q4_1 blocks (the arrays `linear_q4_1_f32` reads) as the
-/// AMX kernel's tiles: a uint16 array of `ceil(N / 16) * K / 32 * 576` (`cpu_amx_linear.rs`).
+/// AMX kernel's tiles: a uint16 array of `ceil(N / 16) * K / 32 * 192` (4-bit integers,
+/// `cpu_amx_linear.rs`).
 #[pyfunction]
 #[pyo3(name = "pack_amx_q4_1")]
 pub fn py_pack_amx_q4_1<'py>(
@@ -182,7 +183,8 @@ pub fn py_pack_amx_q4_1<'py>(
     Ok(tiles.into_pyarray(py))
 }
 
-/// `pack_amx_q8_0(scale, qs)`: the same for Q8_0 blocks (`qs` `[N, K / 32, 32]` int8).
+/// `pack_amx_q8_0(scale, qs)`: the same for Q8_0 blocks (`qs` `[N, K / 32, 32]` int8): `576`
+/// per chunk (bfloat16 integers).
 #[pyfunction]
 #[pyo3(name = "pack_amx_q8_0")]
 pub fn py_pack_amx_q8_0<'py>(
@@ -201,14 +203,16 @@ pub fn py_pack_amx_q8_0<'py>(
     Ok(tiles.into_pyarray(py))
 }
 
-/// `linear_amx_f32(x, tiles, bias, out, num_threads)`: `out[M, N] = x[M, K] @ W^T + bias` with
-/// `W` packed by `pack_amx_q4_1` / `pack_amx_q8_0`; a ValueError where AMX is not available.
+/// `linear_amx_f32(x, tiles, kind, bias, out, num_threads)`: `out[M, N] = x[M, K] @ W^T + bias`
+/// with `W` packed by `pack_amx_q4_1` (`kind` "q4_1") / `pack_amx_q8_0` ("q8_0"); a ValueError
+/// where AMX is not available.
 #[pyfunction]
-#[pyo3(name = "linear_amx_f32", signature = (x, tiles, bias, out, num_threads))]
+#[pyo3(name = "linear_amx_f32", signature = (x, tiles, kind, bias, out, num_threads))]
 pub fn py_linear_amx_f32(
     py: Python<'_>,
     x: PyReadonlyArray2<'_, f32>,
     tiles: PyReadonlyArray1<'_, u16>,
+    kind: &str,
     bias: Option<PyReadonlyArray1<'_, f32>>,
     mut out: PyReadwriteArray2<'_, f32>,
     num_threads: usize,
@@ -220,14 +224,27 @@ pub fn py_linear_amx_f32(
             "out has {out_m} rows, x has {m}"
         )));
     }
+    let format = amx_format(kind)?;
     let x = c_contiguous("x", x.is_c_contiguous(), x.as_slice())?;
-    let tiles = c_contiguous("tiles", tiles.is_c_contiguous(), tiles.as_slice())?;
+    let data = c_contiguous("tiles", tiles.is_c_contiguous(), tiles.as_slice())?;
     let bias = bias_slice(&bias)?;
     let out_c = out.is_c_contiguous();
     let out = c_contiguous("out", out_c, out.as_slice_mut())?;
     let shape = AmxShape { m, n, k };
+    let tiles = AmxTiles { format, data };
     py.detach(|| linear_amx_f32(&shape, x, tiles, bias, out, num_threads))
         .map_err(|e| PyValueError::new_err(e.0))
+}
+
+/// The packed format of a block kind's AMX tiles ("q4_1": nibbles, "q8_0": bfloat16).
+pub(crate) fn amx_format(kind: &str) -> PyResult<AmxFormat> {
+    match kind {
+        "q4_1" => Ok(AmxFormat::Nibbles),
+        "q8_0" => Ok(AmxFormat::Bf16),
+        _ => Err(PyValueError::new_err(format!(
+            "AMX tiles are packed from 'q4_1' or 'q8_0' blocks, not {kind:?}"
+        ))),
+    }
 }
 
 /// `rms_norm_f32(x, weight, eps, out)`: each row of `x` `[M, H]` divided by its root mean square

@@ -44,11 +44,12 @@ def test_matches_a_float64_reference(kind, m, n, k, threads):
     rng = np.random.default_rng(m * 1000 + n + k + threads)
     arrays, dense = (_q4_1 if kind == "q4_1" else _q8_0)(rng, n, k)
     tiles = (pack_amx_q4_1 if kind == "q4_1" else pack_amx_q8_0)(*arrays)
-    assert tiles.dtype == np.uint16 and tiles.size == -(-n // 16) * (k // 32) * 576
+    chunk = 192 if kind == "q4_1" else 576       # 4-bit or bfloat16 integers, + 64 parameters
+    assert tiles.dtype == np.uint16 and tiles.size == -(-n // 16) * (k // 32) * chunk
     x = rng.standard_normal((m, k)).astype(np.float32) * 3
     bias = rng.standard_normal(n).astype(np.float32) if threads == 2 else None
     out = np.full((m, n), np.nan, np.float32)          # every element must be written
-    linear_amx_f32(x, tiles, bias, out, threads)
+    linear_amx_f32(x, tiles, kind, bias, out, threads)
     want = x.astype(np.float64) @ dense.T + (0 if bias is None else bias)
     # float32 accumulation of k products: bounded by the sum of their magnitudes
     bound = 4e-7 * (np.abs(x.astype(np.float64)) @ np.abs(dense).T + 1)
@@ -62,11 +63,13 @@ def test_rejects_bad_input_without_writing():
     x = np.ones((3, 64), np.float32)
     out = np.full((3, 20), 7.0, np.float32)
     bad = [
-        (x, tiles[:-1], None, out, "packed tiles"),
-        (x, tiles, None, np.full((2, 20), 7.0, np.float32), "rows"),
-        (np.ones((3, 48), np.float32), tiles, None, out, "multiple of 32"),
-        (x, tiles, np.zeros(19, np.float32), out, "bias"),
-        (np.ones((64, 3), np.float32).T, tiles, None, out, "C-contiguous"),
+        (x, tiles[:-1], "q4_1", None, out, "packed tiles"),
+        (x, tiles, "q8_0", None, out, "packed tiles"),     # the other format's length
+        (x, tiles, "q4_0", None, out, "'q4_1' or 'q8_0'"),
+        (x, tiles, "q4_1", None, np.full((2, 20), 7.0, np.float32), "rows"),
+        (np.ones((3, 48), np.float32), tiles, "q4_1", None, out, "multiple of 32"),
+        (x, tiles, "q4_1", np.zeros(19, np.float32), out, "bias"),
+        (np.ones((64, 3), np.float32).T, tiles, "q4_1", None, out, "C-contiguous"),
     ]
     for args in bad:
         with pytest.raises(ValueError, match=args[-1]):
@@ -74,6 +77,21 @@ def test_rejects_bad_input_without_writing():
     assert np.all(out == 7.0)
     with pytest.raises(ValueError, match="multiple of 32|scale|qs"):
         pack_amx_q4_1(scale, mins, qs[:, :, :8].copy())
+
+
+def test_nibble_tiles_hold_two_rows_per_byte():
+    rng = np.random.default_rng(2)
+    (scale, mins, qs), _ = _q4_1(rng, 16, 32)
+    tiles = pack_amx_q4_1(scale, mins, qs)
+    ints = tiles[:128].view(np.uint8).reshape(8, 32)      # [row group, byte]
+    q = np.concatenate([qs & 15, qs >> 4], axis=2)[:, 0]  # [feature, input]
+    # byte j of group g: row 2g's value j (low nibble), row 2g + 1's (high); value j of row r
+    # is feature j // 2, input 2r + j % 2
+    for g, j in [(0, 0), (3, 7), (7, 31)]:
+        assert ints[g, j] & 15 == q[j // 2, 4 * g + j % 2]
+        assert ints[g, j] >> 4 == q[j // 2, 4 * g + 2 + j % 2]
+    params = tiles[128:].copy().view(np.float32)
+    assert np.array_equal(params[:16], scale[:, 0]) and np.array_equal(params[16:], mins[:, 0])
 
 
 def test_tiles_interleave_input_pairs_and_pad_features():
@@ -97,7 +115,7 @@ def test_cpu_isa_env_below_amx_turns_it_off():
              "from ferrobatch.runtime.cpu_linear import BlockKernel;"
              "print(s.amx_available());"
              "t = np.zeros(576, np.uint16); o = np.zeros((1, 16), np.float32)\n"
-             "try: s.linear_amx_f32(np.zeros((1, 32), np.float32), t, None, o, 1); print('ran')\n"
+             "try: s.linear_amx_f32(np.zeros((1, 32), np.float32), t, 'q8_0', None, o, 1); print('ran')\n"
              "except ValueError as e: print('AMX' in str(e))\n"
              "import torch; w = BlockWeight(Q8_0, torch.zeros(16, 1, 34, dtype=torch.uint8));"
              "print(BlockKernel(w).tiles is not None)")

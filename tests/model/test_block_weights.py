@@ -18,7 +18,7 @@ from ferrobatch.model.block_weights import (
     read_block_weights,
 )
 from ferrobatch.model.loader import load_model
-from ferrobatch.runtime.cpu_linear import QUANT_MAX_ROWS, BlockKernel, PanelLinear
+from ferrobatch.runtime.cpu_linear import AMX_MIN_ROWS, QUANT_MAX_ROWS, BlockKernel, PanelLinear
 from ferrobatch.runtime.model_runner import ModelRunner
 from ferrobatch.runtime.sampler import Sampler
 
@@ -72,8 +72,9 @@ def _counted(kernel: BlockKernel, attr: str) -> list[int]:
 
 @pytest.mark.parametrize("amx", [False, True], ids=["panels", "amx"])
 def test_small_steps_read_the_blocks_and_agree_with_the_panels(fresh_smollm2, gguf_blocks, amx):
-    """Steps of <= 8 rows read the blocks; larger ones the panels, or the blocks' AMX tiles
-    where the CPU has AMX (the panels are zeroed then, to prove they are not read)."""
+    """Steps of <= 8 rows read the blocks and larger ones the panels; where the CPU has AMX,
+    steps of >= 5 rows read the blocks' AMX tiles (the panels are zeroed then, to prove that
+    no step reads them)."""
     from ferrobatch._scheduler import amx_available
     if amx and not amx_available():
         pytest.skip("this CPU has no AMX (or FERROBATCH_CPU_ISA caps it)")
@@ -94,8 +95,10 @@ def test_small_steps_read_the_blocks_and_agree_with_the_panels(fresh_smollm2, gg
             got = layer(x)
             want = x.double() @ dense.double().T
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
-        assert small == list(range(1, QUANT_MAX_ROWS + 1))   # past it: the panels or the tiles
-        assert large == (sizes[QUANT_MAX_ROWS:] if amx else [])
+        # AMX from AMX_MIN_ROWS rows; without it the blocks up to QUANT_MAX_ROWS, then panels
+        last_block_rows = AMX_MIN_ROWS - 1 if amx else QUANT_MAX_ROWS
+        assert small == list(range(1, last_block_rows + 1))
+        assert large == (sizes[last_block_rows:] if amx else [])
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-decode", "layer-by-layer"])

@@ -27,6 +27,7 @@ from torch import nn
 
 PANEL_WIDTH = 16
 QUANT_MAX_ROWS = 8      # the quantized kernel's limit (cpu_quant_linear.rs MAX_ROWS: accumulators in registers)
+AMX_MIN_ROWS = 5        # from here the AMX tiles beat the blocks (cpu_amx_linear.rs MIN_ROWS)
 
 
 def packing_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -75,11 +76,11 @@ class PanelLinear(nn.Module):
         rows = x.reshape(-1, self.in_features).contiguous()
         out = torch.empty(rows.shape[0], self.out_features)
         bias = None if self.bias is None else self.bias.numpy()
-        blocks = self.blocks
-        if blocks is not None and rows.shape[0] <= QUANT_MAX_ROWS:
-            blocks(rows.numpy(), bias, out.numpy(), self.num_threads)
-        elif blocks is not None and blocks.tiles is not None:
+        blocks, num_rows = self.blocks, rows.shape[0]
+        if blocks is not None and blocks.tiles is not None and num_rows >= AMX_MIN_ROWS:
             blocks.amx(rows.numpy(), bias, out.numpy(), self.num_threads)
+        elif blocks is not None and num_rows <= QUANT_MAX_ROWS:
+            blocks(rows.numpy(), bias, out.numpy(), self.num_threads)
         else:
             self._kernel(rows.numpy(), self.packed_weight.numpy(), bias, out.numpy(),
                          self.num_threads)
@@ -88,7 +89,7 @@ class PanelLinear(nn.Module):
     def extra_repr(self) -> str:
         blocks = f", blocks={self.blocks.kind} (rows <= {QUANT_MAX_ROWS})" if self.blocks else ""
         if self.blocks is not None and self.blocks.tiles is not None:
-            blocks += f", amx tiles (rows > {QUANT_MAX_ROWS})"
+            blocks += f", amx tiles (rows >= {AMX_MIN_ROWS})"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"packed=panels16{blocks}, threads={self.num_threads}")
 
@@ -121,7 +122,7 @@ class BlockKernel:
         self._fn(x, *self.arrays, bias, out, num_threads)
 
     def amx(self, x, bias, out, num_threads: int) -> None:
-        self._amx(x, self.tiles, bias, out, num_threads)
+        self._amx(x, self.tiles, self.kind, bias, out, num_threads)
 
 
 def _aligned_64(array):

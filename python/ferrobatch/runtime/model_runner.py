@@ -16,7 +16,12 @@ from ferrobatch.runtime.attention import AttentionBackend, get_attention_backend
 from ferrobatch.runtime.attention.base import check_step_arrays
 from ferrobatch.runtime.cpu_decoder import install_fused_decode
 from ferrobatch.runtime.cpu_elementwise import swap_elementwise_ops
-from ferrobatch.runtime.cpu_linear import QUANT_MAX_ROWS, pack_linear_layers, packing_unsupported
+from ferrobatch.runtime.cpu_linear import (
+    AMX_MIN_ROWS,
+    QUANT_MAX_ROWS,
+    pack_linear_layers,
+    packing_unsupported,
+)
 from ferrobatch.runtime.cpu_threads import torch_single_threaded
 from ferrobatch.runtime.cuda_graphs import DecodeGraphRunner, decode_buckets
 from ferrobatch.runtime.kv_cache import KVCache
@@ -42,8 +47,8 @@ class ModelRunner:
                  fused_decode: bool = True) -> None:
         """``pack_weights``: CPU float32 linears in the Rust panel kernel; ``gguf_blocks``: for a
         GGUF model, steps of at most ``QUANT_MAX_ROWS`` (8) rows read the file's Q4_1 / Q8_0 blocks instead
-        (``cpu_linear.BlockKernel``); ``amx_tiles``: where the CPU has AMX, larger steps read
-        those blocks packed as AMX tiles (``cpu_amx_linear.rs``). All only when the model is
+        (``cpu_linear.BlockKernel``); ``amx_tiles``: where the CPU has AMX, steps of at least
+        ``AMX_MIN_ROWS`` (5) rows read those blocks packed as AMX tiles (``cpu_amx_linear.rs``). All only when the model is
         first packed. ``fused_decode``:
         with packed weights on the CPU backend, steps (decode, prefill, mixed) run every layer in
         one Rust call (``runtime.cpu_decoder``)."""
@@ -79,8 +84,9 @@ class ModelRunner:
             amx = any(getattr(getattr(m, "blocks", None), "tiles", None) is not None
                       for m in self.model.modules())
             self.linear_kernels = f"Rust {linear_isa()} kernels" + (
-                f", GGUF blocks for steps of <= {QUANT_MAX_ROWS} rows" if blocks else "") + (
-                f", AMX tiles for steps of > {QUANT_MAX_ROWS} rows" if amx else "")
+                f", GGUF blocks for steps of <= {QUANT_MAX_ROWS} rows" if blocks and not amx else
+                f", GGUF blocks for steps of < {AMX_MIN_ROWS} rows, as AMX tiles for more"
+                if blocks else "")
             not_fused = install_fused_decode(self.model, self.attn_backend, self.kernel_threads) \
                 if fused_decode else "fused_decode=False"
             if not_fused is None:
@@ -93,7 +99,8 @@ class ModelRunner:
                 kernels = {id(m.blocks): m.blocks for m in self.model.modules()
                            if getattr(m, "blocks", None) is not None}
                 logger.info("linear layers: %d also read from their GGUF blocks in steps of <= %d "
-                            "rows%s (%.0f MiB)", len(kernels), QUANT_MAX_ROWS,
+                            "rows%s (%.0f MiB)", len(kernels),
+                            AMX_MIN_ROWS - 1 if amx else QUANT_MAX_ROWS,
                             " and from AMX tiles of those blocks in larger steps" if amx else "",
                             sum(k.nbytes for k in kernels.values()) / 2**20)
         self.block_size = block_size
