@@ -1,6 +1,6 @@
 """The CPU fast paths against what they replace, side by side in one run (SmolLM2-135M shapes).
 
-    python benches/cpu_kernels.py [--only attention|prefill|linear] [--json benches/results/cpu/cpu_kernels.json]
+    python benches/cpu_kernels.py [--only attention|prefill|linear|amx] [--json benches/results/cpu/cpu_kernels.json]
 
 1. Decode attention over a paged float32 cache, all 30 layers' worth of KV (so it is read from
    DRAM, as in a real step): the Rust kernel (`CpuPagedBackend`) vs the torch reference
@@ -12,6 +12,10 @@
    prefill chunk): the Rust kernel over panel-packed weights (`PanelLinear`, torch
    single-threaded as in the model runner, the kernel on torch's thread count) vs oneDNN's
    inner product on a weight prepacked once (what the CPU path used before) vs `F.linear`.
+
+4. SmolLM2's own weights (the GGUF file's Q4_1 layers and Q8_0 LM head) through the three
+   kernels the runner chooses between: float32 panels, the GGUF blocks (steps of <= 8 rows) and
+   the blocks as AMX tiles (CPUs with AMX, `cpu_amx_linear.rs`), at M rows.
 
 Medians of repeated runs; the two sides alternate so machine noise hits both alike.
 """
@@ -165,18 +169,77 @@ def linear_rows(m_list, repeats):
     return out
 
 
+def _smollm2_block_kernels():
+    """SmolLM2's 30 layers' linears and LM head as the runner packs them: float32 panels and
+    their GGUF blocks (with AMX tiles where the CPU has AMX)."""
+    from ferrobatch.model.block_weights import block_weights_for_modules, read_block_weights
+    from ferrobatch.model.loader import load_model
+    from ferrobatch.runtime.cpu_linear import pack_linear_layers
+
+    loaded = load_model("smollm2")
+    blocks = block_weights_for_modules(loaded.model, read_block_weights(loaded.source,
+                                                                         loaded.config))
+    pack_linear_layers(loaded.model, torch.get_num_threads(), blocks)
+    model = loaded.model
+    layers = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    return layers + [model.packed_lm_head]
+
+
+def amx_rows(m_list, repeats):
+    """The same weights (SmolLM2's, from the GGUF file) through the three CPU linear kernels:
+    float32 panels, the GGUF blocks (at most 8 rows) and the blocks as AMX tiles."""
+    from ferrobatch._scheduler import amx_available, linear_f32
+    if not amx_available():
+        print("AMX not available on this CPU (or FERROBATCH_CPU_ISA caps it): skipped")
+        return []
+    linears = _smollm2_block_kernels()
+    threads = torch.get_num_threads()
+
+    def run(kind, xs, outs):
+        for lin in linears:
+            x, out = xs[lin.in_features], outs[id(lin)]
+            if kind == "panels":
+                linear_f32(x, lin.packed_weight.numpy(), None, out, threads)
+            elif kind == "blocks":
+                lin.blocks(x, None, out, threads)
+            else:
+                lin.blocks.amx(x, None, out, threads)
+
+    out = []
+    for m in m_list:
+        rng = np.random.default_rng(m)
+        xs = {k: rng.standard_normal((m, k)).astype(np.float32) for k in (HIDDEN, FFN)}
+        outs = {id(lin): np.empty((m, lin.out_features), np.float32) for lin in linears}
+        kinds = ("panels", "blocks", "amx") if m <= 8 else ("panels", "amx")
+        r = {"rows": m}
+        with torch_single_threaded():
+            for kind in kinds * 2:  # alternate; keep the 2nd round
+                r[f"{kind}_ms"] = _median_ms(partial(run, kind, xs, outs), repeats)
+        r["amx_vs_panels"] = r["panels_ms"] / r["amx_ms"]
+        r["amx_vs_blocks"] = r["blocks_ms"] / r["amx_ms"] if "blocks_ms" in r else None
+        flops = 2 * m * sum(lin.in_features * lin.out_features for lin in linears)
+        r["amx_gflops"] = flops / r["amx_ms"] / 1e6
+        out.append(r)
+        print(f"SmolLM2 linears M={m}: " + ", ".join(f"{k} {r[k + '_ms']:.1f} ms" for k in kinds),
+              flush=True)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default=None)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--only", choices=["attention", "prefill", "linear"], default=None,
-                   help="run one of the three parts")
+    p.add_argument("--only", choices=["attention", "prefill", "linear", "amx"], default=None,
+                   help="run one of the four parts")
     a = p.parse_args()
     att = attention_rows([1, 16, 32, 64], [256, 1024], a.repeats) \
         if a.only in (None, "attention") else []
     pre = prefill_chunks([(64, 0), (256, 0), (512, 0), (512, 512), (512, 1536)], a.repeats) \
         if a.only in (None, "prefill") else []
     lin = linear_rows([1, 4, 16, 32, 64, 512], a.repeats) if a.only in (None, "linear") else []
+    amx = amx_rows([1, 4, 5, 8, 13, 16, 32, 64, 512], a.repeats) \
+        if a.only in (None, "amx") else []
     print()
     print(format_table(att, [("rows", "rows", "d"), ("context", "context", "d"),
                              ("kv_mb_per_step", "KV MB / step", ".1f"), ("rust_ms", "rust ms", ".1f"),
@@ -192,10 +255,18 @@ def main() -> int:
                              ("onednn_ms", "oneDNN packed ms", ".1f"), ("f_linear_ms", "F.linear ms", ".1f"),
                              ("vs_onednn", "vs oneDNN", ".2f"), ("vs_f_linear", "vs F.linear", ".2f"),
                              ("rust_gflops", "rust GFLOP/s", ".0f")]))
+    if amx:
+        print()
+        print(format_table(amx, [("rows", "rows", "d"), ("panels_ms", "panels ms", ".1f"),
+                                 ("blocks_ms", "blocks ms", ".1f"), ("amx_ms", "AMX ms", ".1f"),
+                                 ("amx_vs_panels", "AMX vs panels", ".2f"),
+                                 ("amx_vs_blocks", "AMX vs blocks", ".2f"),
+                                 ("amx_gflops", "AMX GFLOP/s", ".0f")]))
     if a.json:
         write_json(a.json, {"machine": machine_info(), "attention_30_layers": att,
                             "prefill_attention_30_layers": pre,
-                            "linear_30_layers_plus_head": lin})
+                            "linear_30_layers_plus_head": lin,
+                            "smollm2_linears_panels_blocks_amx": amx})
         print(f"json: {a.json}")
     return 0
 

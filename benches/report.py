@@ -102,13 +102,20 @@ def overhead_md(d: dict) -> str:
 
 
 def render(path: str) -> str:
+    """Markdown for one JSON; other benches' JSONs (kernels, speculative, ...) get one line
+    naming their fields instead of a traceback."""
     d = json.loads(Path(path).read_text())
-    if "method" in d:
-        body = overhead_md(d)
-    elif d["results"] and "request_rate" in d["results"][0]:
-        body = serving_md(d)
-    else:
-        body = throughput_md(d)
+    try:
+        if "method" in d:
+            body = overhead_md(d)
+        elif not d.get("results"):
+            body = f"(no results table in this JSON; its fields: {', '.join(sorted(d))})"
+        elif "request_rate" in d["results"][0]:
+            body = serving_md(d)
+        else:
+            body = throughput_md(d)
+    except (KeyError, TypeError) as e:
+        body = f"(not a throughput / serving / overhead result: {type(e).__name__} {e})"
     return f"{body}\n\nCommand: `{d.get('command', '?')}`\n"
 
 

@@ -1,7 +1,7 @@
-//! Linear layers on the CPU through Intel AMX (tile registers, `TDPBF16PS`), for the steps of
-//! more rows than the GGUF-block kernel (`cpu_quant_linear`) takes: `out[M, N] = x[M, K] @ W^T +
-//! bias` with `W` given by the model's Q4_1 / Q8_0 blocks (`w = scale * q + min`, `min = 0` for
-//! Q8_0), at float32 accuracy.
+//! Linear layers on the CPU through Intel AMX (tile registers, `TDPBF16PS`), for steps of
+//! [`MIN_ROWS`] rows or more (fewer go to the GGUF-block kernel, `cpu_quant_linear`):
+//! `out[M, N] = x[M, K] @ W^T + bias` with `W` given by the model's Q4_1 / Q8_0 blocks
+//! (`w = scale * q + min`, `min = 0` for Q8_0), at float32 accuracy.
 //!
 //! Why it is exact enough: a block's integers `q` (0..16 or -128..128) are bfloat16 numbers, and
 //! every float32 `x` is the exact sum of three bfloat16 numbers (its mantissa's top, middle and
@@ -31,9 +31,9 @@
 //! Invariants checked by [`AmxShape::validate`] before any read, so no tile load leaves its
 //! slice: `K % 32 == 0`, `x.len() == M * K`, `tiles.len() == ceil(N / 16) * K / 32 * chunk`,
 //! `out.len() == M * N`, `bias` empty or of length `N`.
-//! AMX runs only where [`available`] says so: the CPU has AMX-TILE, AMX-BF16, AVX-512F and -BW, Linux
-//! granted this process the tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, asked once), and
-//! `FERROBATCH_CPU_ISA` does not cap the kernels below `amx`. Each task of the kernels' pool
+//! AMX runs only where [`available`] says so: the CPU has AMX-TILE, AMX-BF16, AVX-512F and
+//! AVX-512BW, Linux granted this process the tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`,
+//! asked once), and `FERROBATCH_CPU_ISA` does not cap the kernels below `amx`. Each task of the kernels' pool
 //! loads its own tile configuration (per-thread state) and releases the tiles when done.
 //! Work split: tiles of 16 features in contiguous ranges, one range per task; a task writes only
 //! its own columns of `out`.
@@ -58,7 +58,7 @@ const PARAMS: usize = 4 * TILE_FEATURES;
 pub enum AmxFormat {
     /// as bfloat16, ready for the tile loads (Q8_0's int8)
     Bf16,
-    /// as 4-bit nibbles, unpacked per pass (Q4_1)
+    /// as 4-bit nibbles, unpacked to bfloat16 before use (Q4_1)
     Nibbles,
 }
 
@@ -86,9 +86,12 @@ pub struct AmxTiles<'a> {
     pub format: AmxFormat,
     pub data: &'a [u16],
 }
-/// The fewest rows of a step for which this kernel beats the GGUF-block kernel
-/// (`cpu_quant_linear`): SmolLM2's 30 layers, two threads, 4 rows 8.6 vs 7.1 ms, 5 rows 8.8 vs
-/// 9.4, 8 rows 10.3 vs 13.1 (`benches/cpu_kernels.py --only amx`).
+
+/// The fewest rows of a step that go to this kernel rather than the GGUF-block kernel
+/// (`cpu_quant_linear`). SmolLM2's linears on two threads (`benches/cpu_kernels.py --only amx`
+/// and ad-hoc runs): about even at 4-5 rows (10.4 vs 10.5 ms and 10.7 vs 9.9 in one run, 8.0
+/// vs 9.0 at 5 in another), AMX ahead from 6 (8.3 vs 8.9) and 8 (12.1 vs 15.8). Whole decode
+/// steps of 5-7 rows: within noise (0.96-1.02x); 8 rows 1.07-1.31x.
 pub const MIN_ROWS: usize = 5;
 /// Steps of at most this many rows unpack each nibble chunk right before each of its (one or
 /// two) uses; larger ones unpack a pass of chunks once into a scratch (L2) that all their row
@@ -98,8 +101,7 @@ const DIRECT_MAX_ROWS: usize = 2 * TILE_ROWS;
 const TILE_ROWS: usize = 16;
 /// Bytes of weight chunks a task computes for every row tile before moving on to the next
 /// features: they stay in L2 while the row tiles walk over them.
-const PASS_BYTES: usize = PASS_KB << 10;
-const PASS_KB: usize = 512;
+const PASS_BYTES: usize = 512 << 10;
 
 /// The block weights [`pack`] reads (the formats of `cpu_quant_linear`).
 pub use crate::cpu_quant_linear::QuantWeight;

@@ -153,6 +153,25 @@ $PY benches/throughput.py --workload cpu-small \
   --systems ferrobatch,ferrobatch-nodraft,ferrobatch-static,hf-static@16,hf-continuous \
   --json $OUT/throughput_cpu-small_session13.json
 
+# 21. Session 14 (a Xeon with Intel AMX): linear layers of steps of 5+ rows through AMX tiles of
+# the GGUF blocks, side by side with FERROBATCH_CPU_ISA=avx512 (no AMX = the session's start).
+$PY benches/cpu_kernels.py --only amx --json $OUT/cpu_kernels_amx_session14.json
+$PY benches/model_forward.py --model smollm2 --compare-amx --iters 3 \
+  | tee $OUT/model_forward_amx_session14.txt
+for isa in avx512 amx avx512 amx; do
+  FERROBATCH_CPU_ISA=$isa $PY benches/throughput.py --workload cpu-small \
+    --systems ferrobatch,ferrobatch-nodraft --no-progress
+done  # -> $OUT/ab_amx_cpu-small_session14.txt
+for isa in avx512 amx; do
+  suffix=$([ $isa = avx512 ] && echo _no_amx)
+  FERROBATCH_CPU_ISA=$isa $PY benches/serving.py --servers ferrobatch \
+    --workload cpu-serve --num-prompts 32 --request-rates 0.8,1.6,3.2 \
+    --json $OUT/serving_cpu-serve_session14$suffix.json
+done
+$PY benches/throughput.py --workload cpu-small \
+  --systems ferrobatch,ferrobatch-nodraft,ferrobatch-static,hf-static@16,hf-continuous \
+  --no-progress --json $OUT/throughput_cpu-small_session14.json
+
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
 #   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \

@@ -96,21 +96,21 @@ class PanelLinear(nn.Module):
 
 class BlockKernel:
     """A weight's Q4_1 / Q8_0 block arrays bound to their Rust kernel (``linear_q4_1_f32`` /
-    ``linear_q8_0_f32``): ``kernel(x, bias, out, num_threads)``; and, where the CPU has AMX
-    (``amx_available()``), the same blocks packed as tiles for ``linear_amx_f32``
-    (``kernel.amx(...)``, for steps of more rows: ``cpu_amx_linear.rs``)."""
+    ``linear_q8_0_f32``): ``kernel(x, bias, out, num_threads)``; and, with ``amx`` where the
+    CPU has AMX (``amx_available()``), the same blocks packed as tiles for ``linear_amx_f32``
+    (``kernel.amx(...)``, for steps of ``AMX_MIN_ROWS`` or more: ``cpu_amx_linear.rs``;
+    ``tiles`` is None otherwise)."""
 
-    def __init__(self, block_weight, amx: bool | None = None) -> None:
+    def __init__(self, block_weight, amx: bool = True) -> None:
         from ferrobatch import _scheduler
         from ferrobatch.model.block_weights import Q4_1
 
         self.kind = "q4_1" if block_weight.type_id == Q4_1 else "q8_0"
         self.arrays = block_weight.kernel_arrays()
         self._fn = _scheduler.linear_q4_1_f32 if self.kind == "q4_1" else _scheduler.linear_q8_0_f32
-        if amx is None:
-            amx = _scheduler.amx_available()
         pack = _scheduler.pack_amx_q4_1 if self.kind == "q4_1" else _scheduler.pack_amx_q8_0
-        self.tiles = _aligned_64(pack(*self.arrays)) if amx else None
+        use_amx = amx and _scheduler.amx_available()
+        self.tiles = _aligned_64(pack(*self.arrays)) if use_amx else None
         self._amx = _scheduler.linear_amx_f32
 
     @property
@@ -138,12 +138,12 @@ def _aligned_64(array):
 
 @torch.no_grad()
 def pack_linear_layers(model: nn.Module, num_threads: int = 1,
-                       block_weights: dict | None = None, amx: bool | None = None) -> int:
+                       block_weights: dict | None = None, amx: bool = True) -> int:
     """Replaces each ``nn.Linear`` under ``model`` by a :class:`PanelLinear` using ``num_threads``
     and, for a model with a ``packed_lm_head`` slot, fills it (the packed ``lm_head``, or a packed
     copy of the tied embedding matrix). ``block_weights`` (module path -> ``BlockWeight``, from
     ``model.block_weights.block_weights_for_modules``) gives those layers their block kernel
-    (with AMX tiles where ``amx`` is None and the CPU has AMX, or ``amx`` is True).
+    (and, with ``amx`` where the CPU has AMX, their AMX tiles).
     Returns how many weights were packed (0 when already packed; the thread count of packed
     layers is updated)."""
     num_packed = 0

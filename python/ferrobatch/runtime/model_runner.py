@@ -46,12 +46,12 @@ class ModelRunner:
                  gguf_blocks: bool = True, amx_tiles: bool = True,
                  fused_decode: bool = True) -> None:
         """``pack_weights``: CPU float32 linears in the Rust panel kernel; ``gguf_blocks``: for a
-        GGUF model, steps of at most ``QUANT_MAX_ROWS`` (8) rows read the file's Q4_1 / Q8_0 blocks instead
-        (``cpu_linear.BlockKernel``); ``amx_tiles``: where the CPU has AMX, steps of at least
-        ``AMX_MIN_ROWS`` (5) rows read those blocks packed as AMX tiles (``cpu_amx_linear.rs``). All only when the model is
-        first packed. ``fused_decode``:
-        with packed weights on the CPU backend, steps (decode, prefill, mixed) run every layer in
-        one Rust call (``runtime.cpu_decoder``)."""
+        GGUF model, steps of at most ``QUANT_MAX_ROWS`` (8) rows read the file's Q4_1 / Q8_0
+        blocks instead (``cpu_linear.BlockKernel``); ``amx_tiles``: where the CPU has AMX, steps
+        of at least ``AMX_MIN_ROWS`` (5) rows read those blocks packed as AMX tiles
+        (``cpu_amx_linear.rs``). All three only when the model is first packed.
+        ``fused_decode``: with packed weights on the CPU backend, steps (decode, prefill, mixed)
+        run every layer in one Rust call (``runtime.cpu_decoder``)."""
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.config
@@ -76,7 +76,7 @@ class ModelRunner:
         if self.rust_linears:
             blocks = _gguf_block_weights(loaded) if gguf_blocks else {}
             num_packed = pack_linear_layers(self.model, self.kernel_threads, blocks,
-                                            amx=None if amx_tiles else False)
+                                            amx=amx_tiles)
             swap_elementwise_ops(self.model)
             if getattr(self.attn_backend, "num_threads", 0) is None:
                 self.attn_backend.num_threads = self.kernel_threads
