@@ -179,7 +179,7 @@ def _smollm2_block_kernels():
     loaded = load_model("smollm2")
     blocks = block_weights_for_modules(loaded.model, read_block_weights(loaded.source,
                                                                          loaded.config))
-    pack_linear_layers(loaded.model, torch.get_num_threads(), blocks)
+    pack_linear_layers(loaded.model, torch.get_num_threads(), blocks, keep_panels=True)
     model = loaded.model
     layers = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)]

@@ -105,12 +105,22 @@ impl Linear<'_> {
         }
     }
 
+    /// No panels are needed when the blocks take every step below `MIN_ROWS` rows and their
+    /// AMX tiles every other (`apply` never reaches the panels then).
+    fn blocks_and_tiles_cover_every_step(&self) -> bool {
+        self.blocks.is_some()
+            && self.tiles.is_some()
+            && cpu_amx_linear::available()
+            && cpu_amx_linear::MIN_ROWS <= MAX_ROWS + 1
+    }
+
     fn check(&self, name: &str, n: usize, k: usize) -> Result<(), KernelInputError> {
         let panels_len = n.div_ceil(PANEL_WIDTH) * k * PANEL_WIDTH;
-        if self.n != n || self.k != k || self.panels.len() != panels_len {
+        let no_panels = self.panels.is_empty() && self.blocks_and_tiles_cover_every_step();
+        if self.n != n || self.k != k || (self.panels.len() != panels_len && !no_panels) {
             return bad(format!(
                 "{name}: weight is [{}, {}] with {} packed elements; the model needs [{n}, {k}] \
-                 ({panels_len} packed)",
+                 ({panels_len} packed, or none with blocks and AMX tiles)",
                 self.n,
                 self.k,
                 self.panels.len()
@@ -502,6 +512,7 @@ mod tests {
         panels: Vec<f32>,
         tiles: Vec<u16>,
         zero_panels: Vec<f32>,
+        no_panels: Vec<f32>,
         zero_scale: Vec<f32>,
         bias: Vec<f32>,
         scale: Vec<f32>,
@@ -530,6 +541,7 @@ mod tests {
             Weight {
                 tiles,
                 zero_panels: vec![0.0; panels.len()],
+                no_panels: vec![],
                 zero_scale: vec![0.0; scale.len()],
                 dense,
                 panels,
@@ -547,6 +559,7 @@ mod tests {
                 Kernels::BlocksOnly => (&self.zero_panels, true, &self.scale),
                 Kernels::PanelsOnly => (&self.panels, true, &self.zero_scale),
                 Kernels::TilesOnly => (&self.zero_panels, true, &self.zero_scale),
+                Kernels::NoPanels => (&self.no_panels, true, &self.scale),
             };
             Linear {
                 n: self.n,
@@ -557,10 +570,12 @@ mod tests {
                     scale,
                     qs: &self.qs,
                 }),
-                tiles: matches!(kernels, Kernels::TilesOnly).then_some(AmxTiles {
-                    format: AmxFormat::Bf16,
-                    data: &self.tiles,
-                }),
+                tiles: matches!(kernels, Kernels::TilesOnly | Kernels::NoPanels).then_some(
+                    AmxTiles {
+                        format: AmxFormat::Bf16,
+                        data: &self.tiles,
+                    },
+                ),
             }
         }
 
@@ -578,13 +593,15 @@ mod tests {
     /// Which copies of the weights a layer gets: panels only; blocks with zeroed panels (a step
     /// of <= 8 rows must read the blocks); panels with zeroed blocks (a step of more rows must
     /// read the panels); AMX tiles with zeroed panels and blocks (a step of more rows must read
-    /// the tiles where AMX is available).
+    /// the tiles where AMX is available); blocks and tiles without panels (every step size is
+    /// covered where AMX is available).
     #[derive(Clone, Copy, Debug)]
     enum Kernels {
         Panels,
         BlocksOnly,
         PanelsOnly,
         TilesOnly,
+        NoPanels,
     }
 
     struct LayerWeights {
@@ -838,6 +855,8 @@ mod tests {
             run_case(Kernels::TilesOnly, 1); // 5 rows read the AMX tiles
             run_case(Kernels::TilesOnly, 6); // 10 rows
             run_case(Kernels::TilesOnly, 20); // 24 rows: two row tiles
+            run_case(Kernels::NoPanels, 0); // 4 rows: the blocks
+            run_case(Kernels::NoPanels, 6); // 10 rows: the tiles
         } else {
             eprintln!("AMX not available here: the decoder's AMX path is not exercised");
         }
@@ -1020,6 +1039,11 @@ mod tests {
         assert!(result.is_err());
         assert_eq!(hidden, case.hidden);
         let (result, hidden) = case.run(&short, &mut views, &good, 2);
+        assert!(result.is_err());
+        assert_eq!(hidden, case.hidden);
+        let mut no_panels = layers.clone(); // no panels, and no AMX tiles to cover for them
+        no_panels[0].gate_up.panels = &[];
+        let (result, hidden) = case.run(&no_panels, &mut views, &good, 2);
         assert!(result.is_err());
         assert_eq!(hidden, case.hidden);
         drop(views);

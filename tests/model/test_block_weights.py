@@ -18,7 +18,13 @@ from ferrobatch.model.block_weights import (
     read_block_weights,
 )
 from ferrobatch.model.loader import load_model
-from ferrobatch.runtime.cpu_linear import AMX_MIN_ROWS, QUANT_MAX_ROWS, BlockKernel, PanelLinear
+from ferrobatch.runtime.cpu_linear import (
+    AMX_MIN_ROWS,
+    QUANT_MAX_ROWS,
+    BlockKernel,
+    PanelLinear,
+    pack_linear_layers,
+)
 from ferrobatch.runtime.model_runner import ModelRunner
 from ferrobatch.runtime.sampler import Sampler
 
@@ -99,6 +105,33 @@ def test_small_steps_read_the_blocks_and_agree_with_the_panels(fresh_smollm2, gg
         last_block_rows = AMX_MIN_ROWS - 1 if amx else QUANT_MAX_ROWS
         assert small == list(range(1, last_block_rows + 1))
         assert large == (sizes[last_block_rows:] if amx else [])
+
+
+@pytest.mark.parametrize("keep_panels", [False, True])
+def test_layers_with_amx_tiles_release_their_panels(gguf_blocks, keep_panels):
+    """Where the blocks (< 5 rows) and their AMX tiles (>= 5) cover every step, the float32
+    panels are released (unless kept), and every step size still gets the right result."""
+    from ferrobatch._scheduler import amx_available
+    if not amx_available():
+        pytest.skip("this CPU has no AMX (or FERROBATCH_CPU_ISA caps it)")
+    loaded = load_model("smollm2")
+    dense = {"layers.3.mlp.down_proj": loaded.model.get_submodule("layers.3.mlp.down_proj")
+             .weight.clone(), "lm_head": loaded.model.lm_head_weight.clone()}
+    modules = block_weights_for_modules(loaded.model, gguf_blocks)
+    pack_linear_layers(loaded.model, 2, modules, keep_panels=keep_panels)
+    packed = [m for m in loaded.model.modules() if isinstance(m, PanelLinear)]
+    assert len(packed) == 4 * loaded.config.num_layers + 1
+    assert all(m.covered_without_panels() for m in packed)
+    assert all((m.packed_weight.numel() == 0) != keep_panels for m in packed)
+    for path, weight in dense.items():
+        layer = loaded.model.packed_lm_head if path == "lm_head" else \
+            loaded.model.get_submodule(path)
+        for rows in (1, 4, 5, 9, 40):
+            x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(rows))
+            want = x.double() @ weight.double().T
+            torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-4)
+    if not keep_panels:
+        assert "packed=none" in repr(packed[0])
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-decode", "layer-by-layer"])

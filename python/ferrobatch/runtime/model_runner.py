@@ -19,11 +19,13 @@ from ferrobatch.runtime.cpu_elementwise import swap_elementwise_ops
 from ferrobatch.runtime.cpu_linear import (
     AMX_MIN_ROWS,
     QUANT_MAX_ROWS,
+    PanelLinear,
     pack_linear_layers,
     packing_unsupported,
 )
 from ferrobatch.runtime.cpu_threads import torch_single_threaded
 from ferrobatch.runtime.cuda_graphs import DecodeGraphRunner, decode_buckets
+from ferrobatch.runtime.heap import return_freed_memory
 from ferrobatch.runtime.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -103,6 +105,16 @@ class ModelRunner:
                             AMX_MIN_ROWS - 1 if amx else QUANT_MAX_ROWS,
                             " and from AMX tiles of those blocks in larger steps" if amx else "",
                             sum(k.nbytes for k in kernels.values()) / 2**20)
+            released = [m for m in self.model.modules()
+                        if isinstance(m, PanelLinear) and m.packed_weight.numel() == 0]
+            if released:
+                logger.info("linear layers: %d keep no float32 panels (%.0f MiB less): their "
+                            "blocks and AMX tiles cover every step size", len(released),
+                            sum(-(-m.out_features // 16) * 16 * m.in_features * 4
+                                for m in released) / 2**20)
+            freed = return_freed_memory()   # the load's float32 copies and released panels
+            if freed:
+                logger.info("returned %.0f MiB freed while loading to the OS", freed / 2**20)
         self.block_size = block_size
         self.validate_steps = validate_steps
         self.kv_cache = KVCache(self.config, num_blocks, block_size, self.device, loaded.dtype)
