@@ -761,60 +761,21 @@ mod amx {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu_quant_linear::tests::{dequantized, random_blocks};
     use crate::test_rng::Lcg;
 
-    /// Uniform in [lo, hi).
-    fn uniform(rng: &mut Lcg, lo: f32, hi: f32) -> f32 {
-        lo + (rng.next_f32() + 1.0) * 0.5 * (hi - lo)
-    }
-
-    /// `sum_i x[r, i] * w[j, i]` in float64, from the dequantized weights.
-    fn reference(x: &[f32], w: &[f64], m: usize, n: usize, k: usize, bias: &[f32]) -> Vec<f64> {
+    /// `sum_i x[r, i] * w[j, i]` in float64.
+    fn reference(x: &[f32], w: &[f32], m: usize, n: usize, k: usize, bias: &[f32]) -> Vec<f64> {
         let mut out = vec![0f64; m * n];
         for r in 0..m {
             for j in 0..n {
-                let dot: f64 = (0..k).map(|i| f64::from(x[r * k + i]) * w[j * k + i]).sum();
+                let dot: f64 = (0..k)
+                    .map(|i| f64::from(x[r * k + i]) * f64::from(w[j * k + i]))
+                    .sum();
                 out[r * n + j] = dot + bias.get(j).map_or(0.0, |&b| f64::from(b));
             }
         }
         out
-    }
-
-    struct Blocks {
-        scale: Vec<f32>,
-        min: Vec<f32>,
-        q4: Vec<u8>,
-        q8: Vec<i8>,
-    }
-
-    fn blocks(rng: &mut Lcg, n: usize, k: usize) -> Blocks {
-        let nb = n * k / BLOCK;
-        Blocks {
-            scale: (0..nb).map(|_| uniform(rng, 0.001, 0.05)).collect(),
-            min: (0..nb).map(|_| uniform(rng, -0.4, 0.0)).collect(),
-            q4: (0..nb * 16).map(|_| rng.below(256) as u8).collect(),
-            q8: (0..nb * 32).map(|_| rng.below(256) as u8 as i8).collect(),
-        }
-    }
-
-    /// The dense weights `scale * q + min` in float64 (exact).
-    fn dense(b: &Blocks, q4: bool, n: usize, k: usize) -> Vec<f64> {
-        let nb = k / BLOCK;
-        let mut w = vec![0f64; n * k];
-        for j in 0..n {
-            for i in 0..k {
-                let blk = j * nb + i / BLOCK;
-                let (d, mn) = (f64::from(b.scale[blk]), f64::from(b.min[blk]));
-                w[j * k + i] = if q4 {
-                    let byte = b.q4[blk * 16 + (i % BLOCK) % 16];
-                    let q = if i % BLOCK < 16 { byte & 15 } else { byte >> 4 };
-                    d * f64::from(q) + mn
-                } else {
-                    d * f64::from(b.q8[blk * 32 + i % BLOCK])
-                };
-            }
-        }
-        w
     }
 
     #[test]
@@ -851,7 +812,7 @@ mod tests {
     fn pack_interleaves_pairs_and_pads() {
         let (n, k) = (20, 64);
         let mut rng = Lcg(3);
-        let b = blocks(&mut rng, n, k);
+        let b = random_blocks(&mut rng, n, k);
         let w = QuantWeight::Q8_0 {
             scale: &b.scale,
             qs: &b.q8,
@@ -876,7 +837,7 @@ mod tests {
 
     fn check(m: usize, n: usize, k: usize, q4: bool, threads: usize, seed: u64) {
         let mut rng = Lcg(seed);
-        let b = blocks(&mut rng, n, k);
+        let b = random_blocks(&mut rng, n, k);
         let w = if q4 {
             QuantWeight::Q4_1 {
                 scale: &b.scale,
@@ -901,13 +862,14 @@ mod tests {
         };
         let mut out = vec![f32::NAN; m * n];
         linear_amx_f32(&AmxShape { m, n, k }, &x, tiles, &bias, &mut out, threads).unwrap();
-        let wd = dense(&b, q4, n, k);
+        // the loader's float32 weights: within 2^-24 of the real-number weights the kernel uses
+        let wd = dequantized(&b, q4, n, k);
         let want = reference(&x, &wd, m, n, k, &bias);
         for r in 0..m {
             for j in 0..n {
                 // float32 accumulation of k products: bound by the sum of their magnitudes
                 let mag: f64 = (0..k)
-                    .map(|i| (f64::from(x[r * k + i]) * wd[j * k + i]).abs())
+                    .map(|i| (f64::from(x[r * k + i]) * f64::from(wd[j * k + i])).abs())
                     .sum();
                 let (got, exp) = (f64::from(out[r * n + j]), want[r * n + j]);
                 assert!(

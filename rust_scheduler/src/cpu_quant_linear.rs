@@ -574,18 +574,19 @@ mod avx512 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::test_rng::Lcg;
 
-    struct Blocks {
-        scale: Vec<f32>,
-        min: Vec<f32>,
-        q4: Vec<u8>,
-        q8: Vec<i8>,
+    /// Random blocks of both formats for `[n, k]` (also the AMX kernel's tests').
+    pub(crate) struct Blocks {
+        pub(crate) scale: Vec<f32>,
+        pub(crate) min: Vec<f32>,
+        pub(crate) q4: Vec<u8>,
+        pub(crate) q8: Vec<i8>,
     }
 
-    fn random_blocks(rng: &mut Lcg, n: usize, k: usize) -> Blocks {
+    pub(crate) fn random_blocks(rng: &mut Lcg, n: usize, k: usize) -> Blocks {
         let nb = n * k / BLOCK;
         Blocks {
             scale: (0..nb).map(|_| rng.next_f32() * 0.1).collect(),
@@ -598,7 +599,7 @@ mod tests {
     }
 
     /// The float32 weights, formed as the loader forms them.
-    fn dequantized(b: &Blocks, q4: bool, n: usize, k: usize) -> Vec<f32> {
+    pub(crate) fn dequantized(b: &Blocks, q4: bool, n: usize, k: usize) -> Vec<f32> {
         let mut w = vec![0f32; n * k];
         for (blk, chunk) in w.chunks_exact_mut(BLOCK).enumerate() {
             for (j, v) in chunk.iter_mut().enumerate() {
