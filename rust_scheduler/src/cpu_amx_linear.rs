@@ -838,18 +838,7 @@ mod tests {
     fn check(m: usize, n: usize, k: usize, q4: bool, threads: usize, seed: u64) {
         let mut rng = Lcg(seed);
         let b = random_blocks(&mut rng, n, k);
-        let w = if q4 {
-            QuantWeight::Q4_1 {
-                scale: &b.scale,
-                min: &b.min,
-                qs: &b.q4,
-            }
-        } else {
-            QuantWeight::Q8_0 {
-                scale: &b.scale,
-                qs: &b.q8,
-            }
-        };
+        let w = b.weight(q4);
         let x: Vec<f32> = (0..m * k).map(|_| 3.0 * rng.next_f32()).collect();
         let bias: Vec<f32> = if seed.is_multiple_of(2) {
             rng.vec(n)

@@ -586,6 +586,24 @@ pub(crate) mod tests {
         pub(crate) q8: Vec<i8>,
     }
 
+    impl Blocks {
+        /// The Q4_1 (`q4`) or the Q8_0 weight these arrays make.
+        pub(crate) fn weight(&self, q4: bool) -> QuantWeight<'_> {
+            if q4 {
+                QuantWeight::Q4_1 {
+                    scale: &self.scale,
+                    min: &self.min,
+                    qs: &self.q4,
+                }
+            } else {
+                QuantWeight::Q8_0 {
+                    scale: &self.scale,
+                    qs: &self.q8,
+                }
+            }
+        }
+    }
+
     pub(crate) fn random_blocks(rng: &mut Lcg, n: usize, k: usize) -> Blocks {
         let nb = n * k / BLOCK;
         Blocks {
@@ -630,18 +648,7 @@ pub(crate) mod tests {
         let x = rng.vec(m * k);
         let b = random_blocks(&mut rng, n, k);
         let bias = if bias { rng.vec(n) } else { Vec::new() };
-        let w = if q4 {
-            QuantWeight::Q4_1 {
-                scale: &b.scale,
-                min: &b.min,
-                qs: &b.q4,
-            }
-        } else {
-            QuantWeight::Q8_0 {
-                scale: &b.scale,
-                qs: &b.q8,
-            }
-        };
+        let w = b.weight(q4);
         let mut out = vec![f32::NAN; m * n]; // poisoned: every element must be written
         run(
             &QuantShape { m, n, k },
@@ -701,18 +708,7 @@ pub(crate) mod tests {
         let (n, k) = (24, 96);
         let b = random_blocks(&mut Lcg(5), n, k);
         for q4 in [true, false] {
-            let w = if q4 {
-                QuantWeight::Q4_1 {
-                    scale: &b.scale,
-                    min: &b.min,
-                    qs: &b.q4,
-                }
-            } else {
-                QuantWeight::Q8_0 {
-                    scale: &b.scale,
-                    qs: &b.q8,
-                }
-            };
+            let w = b.weight(q4);
             let dense = dequantized(&b, q4, n, k);
             for first in (0..k).step_by(MAX_ROWS) {
                 let mut x = vec![0f32; MAX_ROWS * k];

@@ -177,10 +177,7 @@ pub fn py_pack_amx_q4_1<'py>(
         min: c_contiguous("min", min.is_c_contiguous(), min.as_slice())?,
         qs: c_contiguous("qs", qs.is_c_contiguous(), qs.as_slice())?,
     };
-    let tiles = py
-        .detach(|| cpu_amx_linear::pack(&w, n, nb * cpu_amx_linear::BLOCK))
-        .map_err(|e| PyValueError::new_err(e.0))?;
-    Ok(tiles.into_pyarray(py))
+    pack_call(py, &w, n, nb)
 }
 
 /// `pack_amx_q8_0(scale, qs)`: the same for Q8_0 blocks (`qs` `[N, K / 32, 32]` int8): `576`
@@ -197,8 +194,18 @@ pub fn py_pack_amx_q8_0<'py>(
         scale: c_contiguous("scale", scale.is_c_contiguous(), scale.as_slice())?,
         qs: c_contiguous("qs", qs.is_c_contiguous(), qs.as_slice())?,
     };
+    pack_call(py, &w, n, nb)
+}
+
+/// Shared tail of the two pack bindings: the packing without the GIL, as a numpy array.
+fn pack_call<'py>(
+    py: Python<'py>,
+    w: &QuantWeight<'_>,
+    n: usize,
+    nb: usize,
+) -> PyResult<Bound<'py, PyArray1<u16>>> {
     let tiles = py
-        .detach(|| cpu_amx_linear::pack(&w, n, nb * cpu_amx_linear::BLOCK))
+        .detach(|| cpu_amx_linear::pack(w, n, nb * cpu_amx_linear::BLOCK))
         .map_err(|e| PyValueError::new_err(e.0))?;
     Ok(tiles.into_pyarray(py))
 }
