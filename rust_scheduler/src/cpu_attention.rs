@@ -1,5 +1,6 @@
-//! Paged decode attention on the CPU (float32): one query token per sequence, its context's K/V
-//! read in place through the block table — no gather copy, no padding to the longest context.
+//! Paged decode attention on the CPU (float32 math over an f32 or f16 cache, `cpu_kv`): one query
+//! token per sequence, its context's K/V read in place through the block table — no gather copy,
+//! no padding to the longest context.
 //!
 //! Layout (all row-major, as the Python side's torch tensors):
 //! `q` / `out` `[S, Hq, D]`, `k_cache` / `v_cache` `[num_blocks, block_size, Hkv, D]`,
@@ -22,6 +23,7 @@
 use crate::cpu_error::KernelInputError;
 use crate::cpu_exp::exp;
 use crate::cpu_isa::Isa;
+use crate::cpu_kv::KvElement;
 use std::sync::Mutex;
 
 /// Shapes of one decode-attention call.
@@ -54,10 +56,10 @@ pub(crate) struct CacheGeometry {
 
 impl CacheGeometry {
     /// Positive sizes, query heads that group over the KV heads, caches of the geometry's size.
-    pub(crate) fn validate(
+    pub(crate) fn validate<E: KvElement>(
         &self,
-        k_cache: &[f32],
-        v_cache: &[f32],
+        k_cache: &[E],
+        v_cache: &[E],
     ) -> Result<(), KernelInputError> {
         let g = self;
         if g.num_kv_heads == 0 || g.head_dim == 0 || g.block_size == 0 {
@@ -116,11 +118,11 @@ impl DecodeShape {
     }
 
     /// Checks every invariant of the module header against the given buffers.
-    pub fn validate(
+    pub fn validate<E: KvElement>(
         &self,
         q: &[f32],
-        k_cache: &[f32],
-        v_cache: &[f32],
+        k_cache: &[E],
+        v_cache: &[E],
         block_tables: &[i32],
         ctx_lens: &[i32],
         out: &[f32],
@@ -158,11 +160,11 @@ impl DecodeShape {
 /// each taking an equal run of the sequences' blocks (module header). Errors instead of reading
 /// out of bounds; see the module header for the layout.
 #[allow(clippy::too_many_arguments)]
-pub fn paged_decode_attention_f32(
+pub fn paged_decode_attention_f32<E: KvElement>(
     shape: &DecodeShape,
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[E],
+    v_cache: &[E],
     block_tables: &[i32],
     ctx_lens: &[i32],
     out: &mut [f32],
@@ -186,11 +188,11 @@ pub fn paged_decode_attention_f32(
 /// [`paged_decode_attention_f32`] using at most instruction set `max_isa` (tests compare every
 /// path).
 #[allow(clippy::too_many_arguments)]
-fn run(
+fn run<E: KvElement>(
     shape: &DecodeShape,
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[E],
+    v_cache: &[E],
     block_tables: &[i32],
     ctx_lens: &[i32],
     out: &mut [f32],
@@ -362,11 +364,11 @@ fn merge(parts: &[Partial], head_dim: usize, out: &mut [f32]) {
     }
 }
 
-struct Kernel<'a> {
+struct Kernel<'a, E> {
     shape: DecodeShape,
     q: &'a [f32],
-    k_cache: &'a [f32],
-    v_cache: &'a [f32],
+    k_cache: &'a [E],
+    v_cache: &'a [E],
     block_tables: &'a [i32],
     ctx_lens: &'a [i32],
     scale: f32,
@@ -374,7 +376,7 @@ struct Kernel<'a> {
     isa: Isa,
 }
 
-impl Kernel<'_> {
+impl<E: KvElement> Kernel<'_, E> {
     /// Computes `segments` in order: each whole one into the next of `outs`, each split one
     /// into a [`Partial`] pushed onto `partials`.
     fn run_segments(
@@ -385,8 +387,8 @@ impl Kernel<'_> {
     ) {
         let d = self.shape.head_dim;
         match self.isa {
-            // SAFETY: `isa` was detected on this CPU, which therefore has AVX2 and FMA (AVX-512
-            // too, unused: 16-float vectors measured no faster here, where the kernel waits on
+            // SAFETY: `isa` was detected on this CPU, which therefore has AVX2, FMA and F16C
+            // (AVX-512 too, unused: 16-float vectors measured no faster here, where the kernel waits on
             // memory); head_dim % 8 == 0 is the AVX2 math's contract.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 | Isa::Avx2 if d.is_multiple_of(8) => unsafe {
@@ -397,9 +399,9 @@ impl Kernel<'_> {
     }
 
     /// # Safety
-    /// On a CPU with AVX2 and FMA, for `head_dim % 8 == 0`.
+    /// On a CPU with AVX2, FMA and F16C, for `head_dim % 8 == 0`.
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn run_segments_avx2(
         &self,
         segments: &[Segment],
@@ -430,7 +432,8 @@ impl Kernel<'_> {
         // where query head qh's KV head starts inside a block row
         let kv_offset: Vec<usize> = (0..s.num_heads).map(|qh| (qh / group) * d).collect();
         // a block's K (or V) in num_heads slices of whole 64-byte lines, one prefetched per head
-        let slice = block_len.div_ceil(s.num_heads).next_multiple_of(16);
+        let line = 64 / std::mem::size_of::<E>();
+        let slice = block_len.div_ceil(s.num_heads).next_multiple_of(line);
         let table_of = |seq: usize| &self.block_tables[seq * s.max_blocks_per_seq..];
         let mut outs = outs.iter_mut();
         for (i, segment) in segments.iter().enumerate() {
@@ -460,7 +463,7 @@ impl Kernel<'_> {
                 // slice per query head (every line at once was slower)
                 let next = table.get(b + 1).or(next_segment_block);
                 let next_at = next.map(|&next| next as usize * block_len);
-                let prefetch_part = |cache: &[f32], part: usize| {
+                let prefetch_part = |cache: &[E], part: usize| {
                     if let Some(at) = next_at {
                         let start = (part * slice).min(block_len);
                         let len = slice.min(block_len - start);
@@ -512,31 +515,36 @@ impl Kernel<'_> {
 /// take); the portable ones are safe to call anywhere.
 trait BlockMath {
     /// `out[j] = scale * (q . row j)` for `j < k.n`.
-    unsafe fn scores(q: &[f32], k: &Rows<'_>, scale: f32, out: &mut [f32]);
+    unsafe fn scores<E: KvElement>(q: &[f32], k: &Rows<'_, E>, scale: f32, out: &mut [f32]);
     /// Folds one block's scores into one query head's running max / denominator: turns `row`
     /// into the block's softmax weights and returns the factor the accumulated output must be
     /// scaled by.
     unsafe fn softmax(row: &mut [f32], running_max: &mut f32, denom: &mut f32) -> f32;
     /// `acc = acc * correction + sum_j p[j] * row j` for `j < v.n`.
-    unsafe fn accumulate(acc: &mut [f32], p: &[f32], correction: f32, v: &Rows<'_>);
+    unsafe fn accumulate<E: KvElement>(
+        acc: &mut [f32],
+        p: &[f32],
+        correction: f32,
+        v: &Rows<'_, E>,
+    );
     /// Asks the CPU to start loading `data` (a hint; nothing on the portable path).
-    fn prefetch(_data: &[f32]) {}
+    fn prefetch<E>(_data: &[E]) {}
 }
 
 /// The `n` rows of one KV head inside a block: row `j` is `block[offset + j * stride..][..d]`.
 /// Holds `offset + (n - 1) * stride + d <= block.len()` (true for every head of a validated
 /// block: `offset <= (Hkv - 1) * D`, `stride = Hkv * D`, `n <= block_size`).
-struct Rows<'a> {
-    block: &'a [f32],
+struct Rows<'a, E> {
+    block: &'a [E],
     offset: usize,
     stride: usize,
     n: usize,
     d: usize,
 }
 
-impl Rows<'_> {
+impl<E> Rows<'_, E> {
     #[inline(always)]
-    fn row(&self, j: usize) -> &[f32] {
+    fn row(&self, j: usize) -> &[E] {
         &self.block[self.offset + j * self.stride..][..self.d]
     }
 }
@@ -556,13 +564,14 @@ fn softmax_update(row: &mut [f32], running_max: &mut f32, denom: &mut f32) -> f3
 /// Plain-Rust block math (any CPU, any head_dim); the compiler vectorizes what it can.
 mod portable {
     use super::Rows;
+    use crate::cpu_kv::KvElement;
 
     pub(super) struct Math;
 
     // The math itself (no `target_feature` to keep it behind, unlike the AVX2 module's).
     impl super::BlockMath for Math {
         #[inline(always)]
-        unsafe fn scores(q: &[f32], k: &Rows<'_>, scale: f32, out: &mut [f32]) {
+        unsafe fn scores<E: KvElement>(q: &[f32], k: &Rows<'_, E>, scale: f32, out: &mut [f32]) {
             for (j, o) in out.iter_mut().enumerate().take(k.n) {
                 *o = dot(q, k.row(j)) * scale;
             }
@@ -572,13 +581,18 @@ mod portable {
             super::softmax_update(row, running_max, denom)
         }
         #[inline(always)]
-        unsafe fn accumulate(acc: &mut [f32], p: &[f32], correction: f32, v: &Rows<'_>) {
+        unsafe fn accumulate<E: KvElement>(
+            acc: &mut [f32],
+            p: &[f32],
+            correction: f32,
+            v: &Rows<'_, E>,
+        ) {
             if correction != 1.0 {
                 acc.iter_mut().for_each(|a| *a *= correction);
             }
             for (j, &w) in p.iter().enumerate().take(v.n) {
                 for (a, x) in acc.iter_mut().zip(v.row(j)) {
-                    *a += w * x;
+                    *a += w * x.to_f32();
                 }
             }
         }
@@ -586,19 +600,19 @@ mod portable {
 
     /// Dot product with 8 independent accumulators (order differs from a serial sum).
     #[inline(always)]
-    fn dot(a: &[f32], b: &[f32]) -> f32 {
+    fn dot<E: KvElement>(a: &[f32], b: &[E]) -> f32 {
         let mut lanes = [0f32; 8];
         let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
         let tail: f32 = a8
             .remainder()
             .iter()
             .zip(b8.remainder())
-            .map(|(x, y)| x * y)
+            .map(|(x, y)| x * y.to_f32())
             .sum();
         for (x, y) in a8.zip(b8) {
-            let (x, y): (&[f32; 8], &[f32; 8]) = (x.try_into().unwrap(), y.try_into().unwrap());
+            let (x, y): (&[f32; 8], &[E; 8]) = (x.try_into().unwrap(), y.try_into().unwrap());
             for l in 0..8 {
-                lanes[l] += x[l] * y[l];
+                lanes[l] += x[l] * y[l].to_f32();
             }
         }
         lanes.iter().sum::<f32>() + tail
@@ -611,15 +625,16 @@ mod portable {
 mod avx2 {
     use super::Rows;
     use crate::cpu_exp::{avx2::exp8, exp};
+    use crate::cpu_kv::KvElement;
     use std::arch::x86_64::*;
 
     pub(super) struct Math;
 
-    // Each method only forwards to a function compiled for AVX2 + FMA (no `target_feature` on
-    // trait methods), inlined into `run_segments_avx2`.
+    // Each method only forwards to a function compiled for AVX2 + FMA + F16C (no
+    // `target_feature` on trait methods), inlined into `run_segments_avx2`.
     impl super::BlockMath for Math {
         #[inline(always)]
-        unsafe fn scores(q: &[f32], k: &Rows<'_>, scale: f32, out: &mut [f32]) {
+        unsafe fn scores<E: KvElement>(q: &[f32], k: &Rows<'_, E>, scale: f32, out: &mut [f32]) {
             block_scores(q, k, scale, out);
         }
         #[inline(always)]
@@ -627,18 +642,28 @@ mod avx2 {
             softmax_update(row, running_max, denom)
         }
         #[inline(always)]
-        unsafe fn accumulate(acc: &mut [f32], p: &[f32], correction: f32, v: &Rows<'_>) {
+        unsafe fn accumulate<E: KvElement>(
+            acc: &mut [f32],
+            p: &[f32],
+            correction: f32,
+            v: &Rows<'_, E>,
+        ) {
             block_accumulate(acc, p, correction, v);
         }
         #[inline(always)]
-        fn prefetch(data: &[f32]) {
+        fn prefetch<E>(data: &[E]) {
             prefetch(data);
         }
     }
 
     /// `out[j] = scale * (q . row j)` for `j < k.n`.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn block_scores(q: &[f32], k: &Rows<'_>, scale: f32, out: &mut [f32]) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn block_scores<E: KvElement>(
+        q: &[f32],
+        k: &Rows<'_, E>,
+        scale: f32,
+        out: &mut [f32],
+    ) {
         let d = q.len();
         debug_assert!(d.is_multiple_of(8) && d == k.d && out.len() >= k.n);
         debug_assert!(k.n == 0 || k.offset + (k.n - 1) * k.stride + d <= k.block.len());
@@ -650,7 +675,7 @@ mod avx2 {
             for c in (0..d).step_by(8) {
                 let qv = _mm256_loadu_ps(q.as_ptr().add(c));
                 for (jj, a) in acc.iter_mut().enumerate() {
-                    let kv = _mm256_loadu_ps(base.add((j + jj) * k.stride + c));
+                    let kv = E::load8(base.add((j + jj) * k.stride + c));
                     *a = _mm256_fmadd_ps(qv, kv, *a);
                 }
             }
@@ -660,7 +685,7 @@ mod avx2 {
         for (jj, o) in out.iter_mut().enumerate().take(k.n).skip(j) {
             let mut acc = _mm256_setzero_ps();
             for c in (0..d).step_by(8) {
-                let kv = _mm256_loadu_ps(base.add(jj * k.stride + c));
+                let kv = E::load8(base.add(jj * k.stride + c));
                 acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(c)), kv, acc);
             }
             *o = hsum(acc) * scale;
@@ -668,36 +693,36 @@ mod avx2 {
     }
 
     /// `acc = acc * correction + sum_j p[j] * row j` for `j < v.n`.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn block_accumulate(
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn block_accumulate<E: KvElement>(
         acc: &mut [f32],
         p: &[f32],
         correction: f32,
-        v: &Rows<'_>,
+        v: &Rows<'_, E>,
     ) {
         let d = acc.len();
         debug_assert!(d.is_multiple_of(8) && d == v.d && p.len() >= v.n);
         debug_assert!(v.n == 0 || v.offset + (v.n - 1) * v.stride + d <= v.block.len());
         let mut c0 = 0;
         while c0 + 64 <= d {
-            accumulate_chunk::<8>(acc, c0, p, correction, v);
+            accumulate_chunk::<8, E>(acc, c0, p, correction, v);
             c0 += 64;
         }
         while c0 < d {
-            accumulate_chunk::<1>(acc, c0, p, correction, v);
+            accumulate_chunk::<1, E>(acc, c0, p, correction, v);
             c0 += 8;
         }
     }
 
     /// Dims `c0..c0 + 8 * W` of `block_accumulate`, held in W registers across the keys.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn accumulate_chunk<const W: usize>(
+    unsafe fn accumulate_chunk<const W: usize, E: KvElement>(
         acc: &mut [f32],
         c0: usize,
         p: &[f32],
         correction: f32,
-        v: &Rows<'_>,
+        v: &Rows<'_, E>,
     ) {
         let out = acc.as_mut_ptr().add(c0);
         let corr = _mm256_set1_ps(correction);
@@ -710,7 +735,7 @@ mod avx2 {
             let wv = _mm256_set1_ps(w);
             let row = base.add(j * v.stride);
             for (t, r) in a.iter_mut().enumerate() {
-                *r = _mm256_fmadd_ps(wv, _mm256_loadu_ps(row.add(8 * t)), *r);
+                *r = _mm256_fmadd_ps(wv, E::load8(row.add(8 * t)), *r);
             }
         }
         for (t, r) in a.iter().enumerate() {
@@ -723,7 +748,7 @@ mod avx2 {
     /// while it is still being read (measured: T0 -> T1 made 30 layers' attention 1.07–1.10x
     /// faster on the AVX-512 Xeon; lookahead of 2 or 3 blocks changed nothing).
     #[inline(always)]
-    pub(super) fn prefetch(data: &[f32]) {
+    pub(super) fn prefetch<E>(data: &[E]) {
         let (base, bytes) = (data.as_ptr().cast::<i8>(), std::mem::size_of_val(data));
         // one hint per 64-byte line, a plain pointer walk (a `chunks(16)` loop cost ~8
         // instructions per line: 15 % of the kernel's time with the data already in cache)
@@ -812,6 +837,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu_kv::f16;
     use crate::test_rng::Lcg;
 
     /// Naive two-pass softmax attention, in f64, over the same layout.
@@ -911,6 +937,28 @@ mod tests {
                     Isa::detect(isa)
                 );
             }
+        }
+        // An f16 cache gives exactly what the f32 cache holding the same (rounded) values gives:
+        // the kernel converts each element on load and computes in f32 alike.
+        let k16: Vec<f16> = k.iter().map(|&x| f16::from_f32(x)).collect();
+        let v16: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+        let (k_rounded, v_rounded): (Vec<f32>, Vec<f32>) = (
+            k16.iter().map(|x| x.to_f32()).collect(),
+            v16.iter().map(|x| x.to_f32()).collect(),
+        );
+        for isa in [Isa::Avx2, Isa::Portable] {
+            let mut want = vec![f32::NAN; q.len()];
+            let (k, v) = (&k_rounded, &v_rounded);
+            run(&shape, &q, k, v, &bt, &ctx, &mut want, scale, threads, isa).unwrap();
+            let mut out = vec![f32::NAN; q.len()];
+            run(
+                &shape, &q, &k16, &v16, &bt, &ctx, &mut out, scale, threads, isa,
+            )
+            .unwrap();
+            assert_eq!(
+                out, want,
+                "{isa:?}: the f16 cache against its values in f32"
+            );
         }
     }
 

@@ -15,7 +15,8 @@
 //! `None`: decodes, speculative drafts, short chunks), the i-th of them attending the first
 //! `ctx_lens[i]` positions of block-table row `i`; the prefill kernel for each chunk of
 //! `prefill` (rows `q_starts[s] .. + q_lens[s]`, causal over its `seq_lens[s]` keys).
-//! A layer's cache is `[2, num_blocks, block_size, Hkv, D]` (0 = K, 1 = V), as in Python.
+//! A layer's cache is `[2, num_blocks, block_size, Hkv, D]` (0 = K, 1 = V), as in Python, of
+//! f32 or f16 (`cpu_kv`: K/V rows are rounded to it when written; the math stays f32).
 //!
 //! Invariants checked by [`forward_step`] before anything is read or written: every weight has
 //! its layer's shape ([`Layer::check`]), one cache per layer of the shape's size, whole rows of
@@ -27,6 +28,7 @@ use crate::cpu_amx_linear::{self, linear_amx_f32, AmxShape, AmxTiles};
 use crate::cpu_attention::{paged_decode_attention_f32, DecodeShape};
 use crate::cpu_elementwise::{rms_norm_f32, rotary_f32, silu_and_mul_f32};
 use crate::cpu_error::KernelInputError;
+use crate::cpu_kv::KvElement;
 use crate::cpu_linear::{linear_f32, LinearShape, PANEL_WIDTH};
 use crate::cpu_prefill_attention::{paged_prefill_attention_f32, PrefillShape};
 use crate::cpu_quant_linear::{linear_quant_f32, QuantShape, QuantWeight, MAX_ROWS};
@@ -235,10 +237,10 @@ fn bad<T>(msg: String) -> Result<T, KernelInputError> {
 
 /// Checks the module header's invariants but the attention kernels' (which `forward_step`
 /// checks on its own buffers before the first write); returns the row count `R`.
-pub fn validate(
+pub fn validate<E: KvElement>(
     shape: &DecoderShape,
     layers: &[Layer<'_>],
-    caches: &[&mut [f32]],
+    caches: &[&mut [E]],
     cache: &CacheShape,
     hidden: &[f32],
     rows: &StepRows<'_>,
@@ -347,10 +349,10 @@ fn attention_shape(
 /// (before the final norm), each layer's K/V written into `caches[layer]`. Linear layers and
 /// attention use up to `threads` threads of the kernels' pool. Errors, touching nothing,
 /// unless the module header's invariants hold.
-pub fn forward_step(
+pub fn forward_step<E: KvElement>(
     shape: &DecoderShape,
     layers: &[Layer<'_>],
-    caches: &mut [&mut [f32]],
+    caches: &mut [&mut [E]],
     cache: &CacheShape,
     hidden: &mut [f32],
     rows: &StepRows<'_>,
@@ -416,8 +418,8 @@ pub fn forward_step(
             rotary_f32(k_row, d, cos, sin)?;
             q[i * q_size..][..q_size].copy_from_slice(q_row);
             let at = rows.slots[i] as usize * kv_size;
-            k_cache[at..at + kv_size].copy_from_slice(k_row);
-            v_cache[at..at + kv_size].copy_from_slice(v_row);
+            E::store_row(&mut k_cache[at..at + kv_size], k_row);
+            E::store_row(&mut v_cache[at..at + kv_size], v_row);
         }
         let (bt, ctx) = (rows.block_tables, rows.ctx_lens);
         match rows.decode_rows {
@@ -487,6 +489,7 @@ fn add_into(acc: &mut [f32], x: &[f32]) {
 mod tests {
     use super::*;
     use crate::cpu_amx_linear::AmxFormat;
+    use crate::cpu_kv::f16;
     use crate::cpu_linear::pack;
     use crate::test_rng::Lcg;
 
@@ -652,6 +655,17 @@ mod tests {
         hidden: &[f32],
         rows: &StepRows<'_>,
     ) -> (Vec<f64>, Vec<Vec<f64>>) {
+        reference_rounding_kv(weights, caches, hidden, rows, |x| x)
+    }
+
+    /// [`reference`] for a cache that stores each written K/V value as `round(value)`.
+    fn reference_rounding_kv(
+        weights: &[LayerWeights],
+        caches: &[Vec<f32>],
+        hidden: &[f32],
+        rows: &StepRows<'_>,
+        round: impl Fn(f64) -> f64,
+    ) -> (Vec<f64>, Vec<Vec<f64>>) {
         let s = SHAPE;
         let (d, h, kv) = (s.head_dim, s.hidden, s.kv_size());
         let r = hidden.len() / h;
@@ -667,8 +681,10 @@ mod tests {
                 rope(&mut qkv[..s.q_size()], cos, sin);
                 rope(&mut qkv[s.q_size()..s.q_size() + kv], cos, sin);
                 let at = rows.slots[i] as usize * kv;
-                c[at..at + kv].copy_from_slice(&qkv[s.q_size()..][..kv]);
-                c[half + at..half + at + kv].copy_from_slice(&qkv[s.q_size() + kv..]);
+                for j in 0..kv {
+                    c[at + j] = round(qkv[s.q_size() + j]);
+                    c[half + at + j] = round(qkv[s.q_size() + kv + j]);
+                }
                 queries.push(qkv[..s.q_size()].to_vec());
             }
             for (i, q) in queries.iter().enumerate() {
@@ -860,6 +876,67 @@ mod tests {
         } else {
             eprintln!("AMX not available here: the decoder's AMX path is not exercised");
         }
+    }
+
+    /// `rows` through `forward_step` over an f16 copy of the case's caches, against the f64
+    /// reference of `per_row` that starts from the f16 values and rounds what it writes alike.
+    fn check_f16(case: &Case, rows: &StepRows<'_>, per_row: &StepRows<'_>) {
+        let caches16: Vec<Vec<f16>> = case
+            .caches
+            .iter()
+            .map(|c| c.iter().map(|&x| f16::from_f32(x)).collect())
+            .collect();
+        let start: Vec<Vec<f32>> = caches16
+            .iter()
+            .map(|c| c.iter().map(|x| x.to_f32()).collect())
+            .collect();
+        let round = |x: f64| f16::from_f64(x).to_f64();
+        let (want_hidden, want_caches) =
+            reference_rounding_kv(&case.weights, &start, &case.hidden, per_row, round);
+        let layers = case.layers(Kernels::Panels);
+        for threads in [1, 2] {
+            let mut caches = caches16.clone();
+            let mut views: Vec<&mut [f16]> = caches.iter_mut().map(|c| c.as_mut_slice()).collect();
+            let mut hidden = case.hidden.clone();
+            forward_step(
+                &SHAPE,
+                &layers,
+                &mut views,
+                &CACHE,
+                &mut hidden,
+                rows,
+                threads,
+            )
+            .unwrap();
+            for (j, (&got, &want)) in hidden.iter().zip(&want_hidden).enumerate() {
+                // an f16 rounding may fall the other way from f32 than from f64: a unit of
+                // f16's last place in a K/V element, no more
+                assert!(
+                    (got as f64 - want).abs() <= 2e-3 * (1.0 + want.abs()),
+                    "{threads} threads: hidden[{j}]: {got} vs {want}"
+                );
+            }
+            for (layer, (got, want)) in caches.iter().zip(&want_caches).enumerate() {
+                for (j, (&g, &w)) in got.iter().zip(want).enumerate() {
+                    // the f32 check's 1e-4 (twice: layer 0's roundings feed layer 1) plus an
+                    // f16 unit in the last place
+                    let g = g.to_f64();
+                    assert!(
+                        (g - w).abs() <= 2e-4 * (1.0 + w.abs()) + 2f64.powi(-10) * w.abs(),
+                        "layer {layer} cache[{j}]: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn an_f16_cache_is_written_rounded_and_read_as_f32() {
+        let case = Case::new(13, 6); // 10 decode-kernel rows
+        check_f16(&case, &case.rows(), &case.rows());
+        let case = Case::new(11, 0); // a prefill chunk beside gathered decode rows
+        let arrays = mixed_arrays(&case);
+        check_f16(&case, &mixed_rows(&case, false, &arrays), &case.rows());
     }
 
     /// The case's rows 1-2 (positions 4-5 of one table) as a prefill chunk of 6 keys; rows 0 and

@@ -10,6 +10,7 @@
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Isa {
     Portable,
+    /// AVX2 with FMA and F16C (every AVX2 CPU has the other two)
     Avx2,
     Avx512,
     /// AVX-512 plus AMX tiles (`cpu_amx_linear`), only where Linux grants their state
@@ -56,6 +57,7 @@ impl Isa {
             if max >= Isa::Avx2
                 && std::is_x86_feature_detected!("avx2")
                 && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c")
             {
                 return Isa::Avx2;
             }

@@ -1,4 +1,5 @@
-//! Paged prefill attention on the CPU (float32): each sequence's chunk of query tokens attends,
+//! Paged prefill attention on the CPU (float32 math over an f32 or f16 cache, `cpu_kv`): each
+//! sequence's chunk of query tokens attends,
 //! causally, to its whole context read in place through the block table (earlier chunks and
 //! this step's own keys, which the caller has written into the cache first).
 //!
@@ -24,12 +25,14 @@
 //! An item walks tiles of `ROWS` (token, head) rows over the panels its tile sees: scores of
 //! the scaled queries, the online softmax (running max and denominator, f32; keys past a
 //! row's last weigh exactly 0), then the weighted sum of the panel's V rows, read in place from
-//! the cache, into the tile's accumulators (rescaled when a row's max grows).
+//! the cache (an f16 cache's converted to f32 as they are loaded), into the tile's accumulators
+//! (rescaled when a row's max grows). An f16 cache's keys enter the panels as f32.
 
 use crate::cpu_attention::CacheGeometry;
 use crate::cpu_error::KernelInputError;
 use crate::cpu_exp::exp;
 use crate::cpu_isa::Isa;
+use crate::cpu_kv::KvElement;
 use crate::cpu_linear::OutPtr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -70,11 +73,11 @@ fn bad<T>(msg: String) -> Result<T, KernelInputError> {
 impl PrefillShape {
     /// Checks every invariant of the module header against the given buffers (`chunks`:
     /// `q_starts`, `q_lens`, `seq_lens`); returns the sequences' query ranges.
-    pub(crate) fn validate(
+    pub(crate) fn validate<E: KvElement>(
         &self,
         q: &[f32],
-        k_cache: &[f32],
-        v_cache: &[f32],
+        k_cache: &[E],
+        v_cache: &[E],
         block_tables: &[i32],
         (q_starts, q_lens, seq_lens): (&[i32], &[i32], &[i32]),
         out: &[f32],
@@ -142,11 +145,11 @@ impl PrefillShape {
 /// Runs prefill attention on up to `num_threads` threads of the kernels' pool (`cpu_pool`);
 /// see the module header for the layout. Errors instead of reading or writing out of bounds.
 #[allow(clippy::too_many_arguments)]
-pub fn paged_prefill_attention_f32(
+pub fn paged_prefill_attention_f32<E: KvElement>(
     shape: &PrefillShape,
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[E],
+    v_cache: &[E],
     block_tables: &[i32],
     q_starts: &[i32],
     q_lens: &[i32],
@@ -181,11 +184,11 @@ struct Item {
 /// [`paged_prefill_attention_f32`] using at most instruction set `max_isa` (tests compare every
 /// path).
 #[allow(clippy::too_many_arguments)]
-fn run(
+fn run<E: KvElement>(
     shape: &PrefillShape,
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[E],
+    v_cache: &[E],
     block_tables: &[i32],
     (q_starts, q_lens, seq_lens): (&[i32], &[i32], &[i32]),
     out: &mut [f32],
@@ -238,6 +241,36 @@ fn run(
     }
     let mut panels = vec![0f32; panels_len];
     let isa = Isa::detect(max_isa);
+    let threads = num_threads.clamp(1, items.len());
+    let pool = (threads > 1).then(|| crate::cpu_pool::global(threads));
+    let tasks = pool.map_or(1, |pool| threads.min(pool.max_tasks()));
+    let run_job = |job: &(dyn Fn(usize) + Sync)| match pool {
+        Some(pool) if tasks > 1 => pool.run(tasks, job),
+        _ => job(0),
+    };
+    // Job 1: every (sequence, KV head)'s keys into its panels.
+    let next = AtomicUsize::new(0);
+    let panels_out = &OutPtr(panels.as_mut_ptr()); // (a reference: closures capture it whole)
+    run_job(&|_| {
+        let mut key = vec![0f32; d];
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            if i >= seqs.len() * hkv {
+                break;
+            }
+            let (seq, kv_head) = (i / hkv, i % hkv);
+            let dst = panel_base[seq] + kv_head * seqs[seq].seq_len.div_ceil(KEYS) * d * KEYS;
+            for (t, &row) in key_rows[seq].iter().enumerate() {
+                E::row_to_f32(&k_cache[row + kv_head * d..][..d], &mut key);
+                let at = dst + (t / KEYS) * d * KEYS + t % KEYS;
+                for (dim, &k) in key.iter().enumerate() {
+                    // SAFETY: inside `panels` (sized above), in this (sequence, KV head)'s
+                    // panels, which only this iteration writes.
+                    unsafe { *panels_out.0.add(at + dim * KEYS) = k };
+                }
+            }
+        }
+    });
     let kernel = Kernel {
         shape: *shape,
         q,
@@ -254,33 +287,6 @@ fn run(
         },
         out: OutPtr(out.as_mut_ptr()),
     };
-    let threads = num_threads.clamp(1, items.len());
-    let pool = (threads > 1).then(|| crate::cpu_pool::global(threads));
-    let tasks = pool.map_or(1, |pool| threads.min(pool.max_tasks()));
-    let run_job = |job: &(dyn Fn(usize) + Sync)| match pool {
-        Some(pool) if tasks > 1 => pool.run(tasks, job),
-        _ => job(0),
-    };
-    // Job 1: every (sequence, KV head)'s keys into its panels.
-    let next = AtomicUsize::new(0);
-    let panels_out = &OutPtr(panels.as_mut_ptr()); // (a reference: closures capture it whole)
-    run_job(&|_| loop {
-        let i = next.fetch_add(1, Ordering::Relaxed);
-        if i >= seqs.len() * hkv {
-            break;
-        }
-        let (seq, kv_head) = (i / hkv, i % hkv);
-        let dst = panel_base[seq] + kv_head * seqs[seq].seq_len.div_ceil(KEYS) * d * KEYS;
-        for (t, &row) in key_rows[seq].iter().enumerate() {
-            let key = &k_cache[row + kv_head * d..][..d];
-            let at = dst + (t / KEYS) * d * KEYS + t % KEYS;
-            for (dim, &k) in key.iter().enumerate() {
-                // SAFETY: inside `panels` (sized above), in this (sequence, KV head)'s panels,
-                // which only this iteration writes.
-                unsafe { *panels_out.0.add(at + dim * KEYS) = k };
-            }
-        }
-    });
     // Job 2: the items.
     let next = AtomicUsize::new(0);
     let panels = &panels;
@@ -296,10 +302,10 @@ fn run(
     Ok(())
 }
 
-struct Kernel<'a> {
+struct Kernel<'a, E> {
     shape: PrefillShape,
     q: &'a [f32],
-    v_cache: &'a [f32],
+    v_cache: &'a [E],
     seqs: &'a [SeqQuery],
     key_rows: &'a [Vec<usize>],
     panel_base: &'a [usize],
@@ -314,7 +320,7 @@ struct RowState {
     denom: [f32; ROWS],
 }
 
-impl Kernel<'_> {
+impl<E: KvElement> Kernel<'_, E> {
     /// Computes one item (module header) with the caller's `[ROWS][D]` buffers.
     fn run_item(&self, item: &Item, panels: &[f32], qs: &mut [f32], acc: &mut [f32]) {
         let sh = &self.shape;
@@ -437,7 +443,10 @@ impl Kernel<'_> {
             let v = &self.v_cache[row..][..d];
             for (r, acc_row) in acc.chunks_exact_mut(d).enumerate() {
                 let w = p[r * KEYS + k];
-                acc_row.iter_mut().zip(v).for_each(|(a, &x)| *a += w * x);
+                acc_row
+                    .iter_mut()
+                    .zip(v)
+                    .for_each(|(a, &x)| *a += w * x.to_f32());
             }
         }
     }
@@ -474,16 +483,17 @@ mod avx512 {
     use super::{RowState, KEYS, ROWS};
     use crate::cpu_exp::avx512::exp16;
     use crate::cpu_exp::exp;
+    use crate::cpu_kv::KvElement;
     use std::arch::x86_64::*;
 
     /// [`super::Kernel::panel`] with AVX-512: the scores in 16 accumulators (8 rows x 2
     /// vectors), the softmax on whole vectors, then `acc` 32 dimensions of every row at a time.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn panel(
+    pub unsafe fn panel<E: KvElement>(
         qs: &[f32],
         kt: &[f32],
-        v_cache: &[f32],
+        v_cache: &[E],
         v_rows: &[usize; KEYS],
         d: usize,
         visible: &[usize; ROWS],
@@ -541,9 +551,9 @@ mod avx512 {
                 }
             }
             for (key, &row) in v_rows.iter().enumerate() {
-                let v0 = _mm512_loadu_ps(v.add(row + dim));
+                let v0 = E::load16(v.add(row + dim));
                 let v1 = if two {
-                    _mm512_loadu_ps(v.add(row + dim + 16))
+                    E::load16(v.add(row + dim + 16))
                 } else {
                     v0
                 };
@@ -570,6 +580,7 @@ mod avx512 {
 mod avx2 {
     use super::{KEYS, ROWS};
     use crate::cpu_exp::avx2::exp8;
+    use crate::cpu_kv::KvElement;
     use std::arch::x86_64::*;
 
     /// `row[k] = e^(row[k] - max)` eight lanes at a time (a scalar tail); returns their sum.
@@ -615,11 +626,11 @@ mod avx2 {
 
     /// `acc[r] = rescale[r] * acc[r] + sum_k p[r][k] * V[v_rows[k]]`, 8 dimensions of every row
     /// at a time: 8 accumulators.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn accumulate(
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn accumulate<E: KvElement>(
         p: &[f32; ROWS * KEYS],
         rescale: &[f32; ROWS],
-        v_cache: &[f32],
+        v_cache: &[E],
         v_rows: &[usize; KEYS],
         d: usize,
         acc: &mut [f32],
@@ -635,7 +646,7 @@ mod avx2 {
                 );
             }
             for (key, &row) in v_rows.iter().enumerate() {
-                let vk = _mm256_loadu_ps(v.add(row + dim));
+                let vk = E::load8(v.add(row + dim));
                 for (r, ar) in a.iter_mut().enumerate() {
                     *ar = _mm256_fmadd_ps(_mm256_set1_ps(p[r * KEYS + key]), vk, *ar);
                 }
@@ -650,6 +661,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu_kv::f16;
     use crate::test_rng::Lcg;
 
     /// One call's inputs: `seqs` as (first row, query tokens, keys), tables shuffled over the
@@ -820,6 +832,47 @@ mod tests {
                         &format!("case {n}, {isa:?}, {threads} threads"),
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn an_f16_cache_gives_what_its_values_in_f32_give() {
+        // The keys enter the panels as f32 and the V rows are read from an f32 copy, so the
+        // result is the f32 kernel's over the rounded values, bit for bit, on every path.
+        let mut case = Case::new(11, 70, &[(0, 40, 40), (41, 29, 66)], 9, 3, 64, 16);
+        let rounded = |xs: &[f32]| -> (Vec<f16>, Vec<f32>) {
+            let halves: Vec<f16> = xs.iter().map(|&x| f16::from_f32(x)).collect();
+            let back = halves.iter().map(|h| h.to_f32()).collect();
+            (halves, back)
+        };
+        let ((k16, k32), (v16, v32)) = (rounded(&case.k), rounded(&case.v));
+        (case.k, case.v) = (k32, v32);
+        for isa in ISAS {
+            for threads in 1..=3 {
+                let want = case.run(threads, isa).unwrap();
+                let mut got = vec![f32::NAN; case.q.len()];
+                run(
+                    &case.shape,
+                    &case.q,
+                    &k16,
+                    &v16,
+                    &case.tables,
+                    (&case.q_starts, &case.q_lens, &case.seq_lens),
+                    &mut got,
+                    0.125,
+                    threads,
+                    isa,
+                )
+                .unwrap();
+                let same = got
+                    .iter()
+                    .zip(&want)
+                    .all(|(g, w)| g.to_bits() == w.to_bits());
+                assert!(
+                    same,
+                    "{isa:?}, {threads} threads: f16 cache vs its f32 values"
+                );
             }
         }
     }

@@ -6,7 +6,7 @@
 //! (the scheduler's pyo3 bindings, behind the `python` feature).
 //! Beside the scheduler, the CPU kernels the Python model runner calls on every layer:
 //! `cpu_attention` (paged decode attention) and `cpu_prefill_attention` (causal prompt chunks
-//! over the paged cache; bindings `py_attention`), `cpu_linear` (linear layers
+//! over the paged cache; bindings `py_attention`; the cache holds f32 or f16, `cpu_kv`), `cpu_linear` (linear layers
 //! over panel-packed weights; `cpu_quant_linear` from GGUF blocks) and `cpu_elementwise` (RMSNorm,
 //! RoPE, SiLU-and-mul) (bindings
 //! `py_linear`). The first two
@@ -29,6 +29,7 @@ pub mod cpu_elementwise;
 pub mod cpu_error;
 mod cpu_exp;
 mod cpu_isa;
+pub mod cpu_kv;
 pub mod cpu_linear;
 pub mod cpu_pool;
 pub mod cpu_prefill_attention;

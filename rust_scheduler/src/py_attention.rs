@@ -3,9 +3,11 @@
 //! into `out` in place, GIL released while they run.
 //!
 //! Every shape or index problem is a `ValueError` (checked by the kernels' `validate` before any
-//! read); arrays must be C-contiguous float32 / int32.
+//! read); arrays must be C-contiguous float32 / int32, the caches float32 or float16 (both
+//! alike, `cpu_kv`).
 
 use crate::cpu_attention::{paged_decode_attention_f32, DecodeShape};
+use crate::cpu_kv::f16;
 use crate::cpu_prefill_attention::{paged_prefill_attention_f32, PrefillShape};
 use crate::py_linear::c_contiguous;
 use numpy::{
@@ -36,8 +38,60 @@ pub(crate) fn c_slice<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
     a.as_slice().map_err(|_| not_c())
 }
 
+/// The K and V caches a kernel reads: numpy arrays of one element type the kernels take.
+pub(crate) enum KvArrays<'py> {
+    F32(PyReadonlyArrayDyn<'py, f32>, PyReadonlyArrayDyn<'py, f32>),
+    F16(PyReadonlyArrayDyn<'py, f16>, PyReadonlyArrayDyn<'py, f16>),
+}
+
+/// [`KvArrays`] as C-ordered slices.
+pub(crate) enum KvSlices<'a> {
+    F32(&'a [f32], &'a [f32]),
+    F16(&'a [f16], &'a [f16]),
+}
+
+/// Evaluates `$body` with `$k` / `$v` bound to the slices of a [`KvSlices`], whichever their
+/// element type (the body is compiled once per type).
+macro_rules! with_kv_slices {
+    ($kv:expr, |$k:ident, $v:ident| $body:expr) => {
+        match $kv {
+            KvSlices::F32($k, $v) => $body,
+            KvSlices::F16($k, $v) => $body,
+        }
+    };
+}
+
+impl<'py> KvArrays<'py> {
+    fn extract(k_cache: &Bound<'py, PyAny>, v_cache: &Bound<'py, PyAny>) -> PyResult<Self> {
+        if let (Ok(k), Ok(v)) = (k_cache.extract(), v_cache.extract()) {
+            return Ok(KvArrays::F32(k, v));
+        }
+        if let (Ok(k), Ok(v)) = (k_cache.extract(), v_cache.extract()) {
+            return Ok(KvArrays::F16(k, v));
+        }
+        Err(PyValueError::new_err(
+            "k_cache and v_cache must be numpy arrays, both float32 or both float16",
+        ))
+    }
+
+    fn shapes(&self) -> (&[usize], &[usize]) {
+        match self {
+            KvArrays::F32(k, v) => (k.shape(), v.shape()),
+            KvArrays::F16(k, v) => (k.shape(), v.shape()),
+        }
+    }
+
+    fn slices(&self) -> PyResult<KvSlices<'_>> {
+        Ok(match self {
+            KvArrays::F32(k, v) => KvSlices::F32(c_slice("k_cache", k)?, c_slice("v_cache", v)?),
+            KvArrays::F16(k, v) => KvSlices::F16(c_slice("k_cache", k)?, c_slice("v_cache", v)?),
+        })
+    }
+}
+
 /// `paged_decode_attention_f32(q, k_cache, v_cache, block_tables, ctx_lens, out, scale,
-/// num_threads)`: q/out `[S, Hq, D]`, caches `[num_blocks, block_size, Hkv, D]` float32,
+/// num_threads)`: q/out `[S, Hq, D]` float32, caches `[num_blocks, block_size, Hkv, D]` float32
+/// or float16,
 /// block_tables `[S, max_blocks]` / ctx_lens `[S]` int32. Writes `out`; returns None.
 #[pyfunction]
 #[pyo3(name = "paged_decode_attention_f32")]
@@ -45,8 +99,8 @@ pub(crate) fn c_slice<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
 pub fn py_paged_decode_attention_f32(
     py: Python<'_>,
     q: PyReadonlyArrayDyn<'_, f32>,
-    k_cache: PyReadonlyArrayDyn<'_, f32>,
-    v_cache: PyReadonlyArrayDyn<'_, f32>,
+    k_cache: &Bound<'_, PyAny>,
+    v_cache: &Bound<'_, PyAny>,
     block_tables: PyReadonlyArray2<'_, i32>,
     ctx_lens: PyReadonlyArray1<'_, i32>,
     mut out: PyReadwriteArrayDyn<'_, f32>,
@@ -54,7 +108,8 @@ pub fn py_paged_decode_attention_f32(
     num_threads: usize,
 ) -> PyResult<()> {
     let [num_seqs, num_heads, head_dim] = dims::<3>("q", q.shape())?;
-    let [num_blocks, block_size, num_kv_heads, _] = cache_dims(&k_cache, &v_cache, head_dim)?;
+    let kv = KvArrays::extract(k_cache, v_cache)?;
+    let [num_blocks, block_size, num_kv_heads, _] = cache_dims(&kv, head_dim)?;
     if out.shape() != q.shape() {
         return Err(PyValueError::new_err("out must have q's shape"));
     }
@@ -74,25 +129,33 @@ pub fn py_paged_decode_attention_f32(
         max_blocks_per_seq,
     };
     let q = c_slice("q", &q)?;
-    let k = c_slice("k_cache", &k_cache)?;
-    let v = c_slice("v_cache", &v_cache)?;
+    let kv = kv.slices()?;
     let bt = c_slice("block_tables", &block_tables)?;
     let ctx = c_slice("ctx_lens", &ctx_lens)?;
     let out_c = out.is_c_contiguous();
     let out = c_contiguous("out", out_c, out.as_slice_mut())?;
-    py.detach(|| paged_decode_attention_f32(&shape, q, k, v, bt, ctx, out, scale, num_threads))
-        .map_err(|e| PyValueError::new_err(e.0))
+    py.detach(|| {
+        with_kv_slices!(kv, |k, v| paged_decode_attention_f32(
+            &shape,
+            q,
+            k,
+            v,
+            bt,
+            ctx,
+            out,
+            scale,
+            num_threads
+        ))
+    })
+    .map_err(|e| PyValueError::new_err(e.0))
 }
 
 /// The caches' `[num_blocks, block_size, Hkv, D]` after checking that V matches K and that `D`
 /// is q's `head_dim`.
-fn cache_dims(
-    k_cache: &PyReadonlyArrayDyn<'_, f32>,
-    v_cache: &PyReadonlyArrayDyn<'_, f32>,
-    head_dim: usize,
-) -> PyResult<[usize; 4]> {
-    let dims4 = dims::<4>("k_cache", k_cache.shape())?;
-    if v_cache.shape() != k_cache.shape() {
+fn cache_dims(kv: &KvArrays<'_>, head_dim: usize) -> PyResult<[usize; 4]> {
+    let (k_shape, v_shape) = kv.shapes();
+    let dims4 = dims::<4>("k_cache", k_shape)?;
+    if v_shape != k_shape {
         return Err(PyValueError::new_err("v_cache must have k_cache's shape"));
     }
     if dims4[3] != head_dim {
@@ -105,8 +168,8 @@ fn cache_dims(
 }
 
 /// `paged_prefill_attention_f32(q, k_cache, v_cache, block_tables, q_starts, q_lens, seq_lens,
-/// out, scale, num_threads)`: q/out `[T, Hq, D]`, caches `[num_blocks, block_size, Hkv, D]`
-/// float32; per sequence `block_tables` `[S, max_blocks]` and `q_starts` / `q_lens` / `seq_lens`
+/// out, scale, num_threads)`: q/out `[T, Hq, D]` float32, caches `[num_blocks, block_size, Hkv,
+/// D]` float32 or float16; per sequence `block_tables` `[S, max_blocks]` and `q_starts` / `q_lens` / `seq_lens`
 /// `[S]` int32. Writes the sequences' rows of `out`; returns None.
 #[pyfunction]
 #[pyo3(name = "paged_prefill_attention_f32")]
@@ -114,8 +177,8 @@ fn cache_dims(
 pub fn py_paged_prefill_attention_f32(
     py: Python<'_>,
     q: PyReadonlyArrayDyn<'_, f32>,
-    k_cache: PyReadonlyArrayDyn<'_, f32>,
-    v_cache: PyReadonlyArrayDyn<'_, f32>,
+    k_cache: &Bound<'_, PyAny>,
+    v_cache: &Bound<'_, PyAny>,
     block_tables: PyReadonlyArray2<'_, i32>,
     q_starts: PyReadonlyArray1<'_, i32>,
     q_lens: PyReadonlyArray1<'_, i32>,
@@ -125,7 +188,8 @@ pub fn py_paged_prefill_attention_f32(
     num_threads: usize,
 ) -> PyResult<()> {
     let [num_tokens, num_heads, head_dim] = dims::<3>("q", q.shape())?;
-    let [num_blocks, block_size, num_kv_heads, _] = cache_dims(&k_cache, &v_cache, head_dim)?;
+    let kv = KvArrays::extract(k_cache, v_cache)?;
+    let [num_blocks, block_size, num_kv_heads, _] = cache_dims(&kv, head_dim)?;
     if out.shape() != q.shape() {
         return Err(PyValueError::new_err("out must have q's shape"));
     }
@@ -141,8 +205,7 @@ pub fn py_paged_prefill_attention_f32(
         max_blocks_per_seq,
     };
     let q = c_slice("q", &q)?;
-    let k = c_slice("k_cache", &k_cache)?;
-    let v = c_slice("v_cache", &v_cache)?;
+    let kv = kv.slices()?;
     let bt = c_slice("block_tables", &block_tables)?;
     let starts = c_slice("q_starts", &q_starts)?;
     let lens = c_slice("q_lens", &q_lens)?;
@@ -150,7 +213,7 @@ pub fn py_paged_prefill_attention_f32(
     let out_c = out.is_c_contiguous();
     let out = c_contiguous("out", out_c, out.as_slice_mut())?;
     py.detach(|| {
-        paged_prefill_attention_f32(
+        with_kv_slices!(kv, |k, v| paged_prefill_attention_f32(
             &shape,
             q,
             k,
@@ -161,8 +224,8 @@ pub fn py_paged_prefill_attention_f32(
             ctx,
             out,
             scale,
-            num_threads,
-        )
+            num_threads
+        ))
     })
     .map_err(|e| PyValueError::new_err(e.0))
 }

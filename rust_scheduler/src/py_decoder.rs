@@ -10,17 +10,72 @@ use crate::cpu_amx_linear::{AmxFormat, AmxTiles};
 use crate::cpu_decoder::{
     forward_step, CacheShape, DecoderShape, Layer, Linear, PrefillChunks, StepRows,
 };
+use crate::cpu_kv::{f16, KvElement};
 use crate::cpu_quant_linear::QuantWeight;
 use crate::py_attention::{c_slice, dims};
 use numpy::{
-    PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn,
-    PyReadwriteArray2, PyUntypedArrayMethods,
+    Element, PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn,
+    PyReadwriteArray2, PyReadwriteArrayDyn, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 type F32Array = Py<PyArrayDyn<f32>>;
+
+/// One KV cache array per layer, all of one element type the kernels take (`cpu_kv`).
+enum LayerCaches<'py> {
+    F32(Vec<Bound<'py, PyArrayDyn<f32>>>),
+    F16(Vec<Bound<'py, PyArrayDyn<f16>>>),
+}
+
+impl<'py> LayerCaches<'py> {
+    fn extract(caches: &Bound<'py, PyAny>) -> PyResult<Self> {
+        if let Ok(list) = caches.extract() {
+            return Ok(LayerCaches::F32(list));
+        }
+        if let Ok(list) = caches.extract() {
+            return Ok(LayerCaches::F16(list));
+        }
+        Err(PyValueError::new_err(
+            "caches must be a list of numpy arrays, all float32 or all float16",
+        ))
+    }
+
+    fn first_shape(&self) -> Vec<usize> {
+        match self {
+            LayerCaches::F32(list) => list.first().map(|c| c.shape().to_vec()),
+            LayerCaches::F16(list) => list.first().map(|c| c.shape().to_vec()),
+        }
+        .unwrap_or_default()
+    }
+}
+
+/// Write access to every layer's cache (`ValueError` if one is already borrowed).
+fn borrow_caches<'py, E: Element>(
+    caches: &[Bound<'py, PyArrayDyn<E>>],
+) -> PyResult<Vec<PyReadwriteArrayDyn<'py, E>>> {
+    caches
+        .iter()
+        .map(|c| c.try_readwrite())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| PyValueError::new_err(format!("caches: {e}")))
+}
+
+/// The borrowed caches as C-ordered slices (`ValueError` for one that is not C-contiguous).
+fn cache_slices<'a, E: Element + KvElement>(
+    guards: &'a mut [PyReadwriteArrayDyn<'_, E>],
+) -> PyResult<Vec<&'a mut [E]>> {
+    let mut views = Vec::with_capacity(guards.len());
+    for (i, g) in guards.iter_mut().enumerate() {
+        let not_c = || PyValueError::new_err(format!("caches[{i}] must be C-contiguous"));
+        if !g.is_c_contiguous() {
+            return Err(not_c());
+        }
+        views.push(g.as_slice_mut().map_err(|_| not_c())?);
+    }
+    Ok(views)
+}
 
 /// A linear layer's arrays: `(n, k, panels, bias | None, blocks | None[, tiles | None])` from
 /// Python, blocks `("q4_1", scale, min, qs)` or `("q8_0", scale, qs)` (the `linear_q*_f32`
@@ -308,8 +363,8 @@ impl PyCpuDecoderStack {
     /// `forward(hidden, cos, sin, caches, slots, block_tables, ctx_lens, num_threads,
     /// decode_rows=None, prefill=None)`: runs the step's `R` rows through every layer (see
     /// `cpu_decoder`): `hidden` `[R, H]` float32 in place (embeddings in, pre-final-norm states
-    /// out), `cos` / `sin` `[R, D]`, `caches` one `[2, num_blocks, block_size, Hkv, D]` float32
-    /// array per layer (written at `slots`), `slots` `[R]` int64; the decode kernel's rows
+    /// out), `cos` / `sin` `[R, D]`, `caches` one `[2, num_blocks, block_size, Hkv, D]` array
+    /// per layer, all float32 or all float16 (written at `slots`), `slots` `[R]` int64; the decode kernel's rows
     /// `decode_rows` `[N]` int64 (None: all, N = R) with `block_tables` `[N, max_blocks]` /
     /// `ctx_lens` `[N]` int32; `prefill` None or the prefill kernel's chunks `(q_starts, q_lens,
     /// seq_lens, block_tables)` (int32 `[P]`, `[P]`, `[P]`, `[P, max_blocks]`).
@@ -322,7 +377,7 @@ impl PyCpuDecoderStack {
         mut hidden: PyReadwriteArray2<'_, f32>,
         cos: PyReadonlyArray2<'_, f32>,
         sin: PyReadonlyArray2<'_, f32>,
-        caches: Vec<Bound<'_, PyArrayDyn<f32>>>,
+        caches: &Bound<'_, PyAny>,
         slots: PyReadonlyArray1<'_, i64>,
         block_tables: PyReadonlyArray2<'_, i32>,
         ctx_lens: PyReadonlyArray1<'_, i32>,
@@ -331,10 +386,8 @@ impl PyCpuDecoderStack {
         prefill: Option<PrefillArrays<'_>>,
     ) -> PyResult<()> {
         let s = self.shape;
-        let first = caches
-            .first()
-            .map(|c| c.shape().to_vec())
-            .unwrap_or_default();
+        let caches = LayerCaches::extract(caches)?;
+        let first = caches.first_shape();
         let [two, num_blocks, block_size, kv_heads, dim] = dims::<5>("caches[0]", &first)?;
         if two != 2 || kv_heads != s.num_kv_heads || dim != s.head_dim {
             return Err(PyValueError::new_err(format!(
@@ -348,24 +401,6 @@ impl PyCpuDecoderStack {
             .iter()
             .map(LayerBorrow::view)
             .collect::<PyResult<Vec<_>>>()?;
-        let mut cache_guards = caches
-            .iter()
-            .map(|c| c.try_readwrite())
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| PyValueError::new_err(format!("caches: {e}")))?;
-        let mut cache_views = Vec::with_capacity(cache_guards.len());
-        for (i, g) in cache_guards.iter_mut().enumerate() {
-            if !g.is_c_contiguous() {
-                return Err(PyValueError::new_err(format!(
-                    "caches[{i}] must be C-contiguous"
-                )));
-            }
-            cache_views.push(
-                g.as_slice_mut().map_err(|_| {
-                    PyValueError::new_err(format!("caches[{i}] must be C-contiguous"))
-                })?,
-            );
-        }
         let rows = StepRows {
             cos: c_slice("cos", &cos)?,
             sin: c_slice("sin", &sin)?,
@@ -397,17 +432,20 @@ impl PyCpuDecoderStack {
             num_blocks,
             block_size,
         };
-        py.detach(|| {
-            forward_step(
-                &s,
-                &layers,
-                &mut cache_views,
-                &cache,
-                hidden,
-                &rows,
-                num_threads,
-            )
-        })
-        .map_err(|e| PyValueError::new_err(e.0))
+        // the same steps for either element type, each compiled for its own
+        macro_rules! run_with {
+            ($list:expr) => {{
+                let mut guards = borrow_caches($list)?;
+                let mut views = cache_slices(&mut guards)?;
+                py.detach(|| {
+                    forward_step(&s, &layers, &mut views, &cache, hidden, &rows, num_threads)
+                })
+                .map_err(|e| PyValueError::new_err(e.0))
+            }};
+        }
+        match &caches {
+            LayerCaches::F32(list) => run_with!(list),
+            LayerCaches::F16(list) => run_with!(list),
+        }
     }
 }
