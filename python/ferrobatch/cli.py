@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import Any
 
-from ferrobatch.config import EngineConfig
+from ferrobatch.config import KV_CACHE_DTYPES, EngineConfig
 from ferrobatch.sampling_params import SamplingParams
 
 
@@ -28,6 +28,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="context window (prompt + output); default min(model, 8192)")
     g.add_argument("--kv-cache-gb", type=float, default=None,
                    help="KV cache size in GiB (default 1 on CPU; on GPU a memory fraction)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="what the KV cache stores: auto = the model's dtype; float16 (CPU, "
+                   "float32 model) holds twice the tokens per GiB and halves what decode "
+                   "attention reads, but greedy output is no longer token-identical to a "
+                   "float32 reference")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--no-prefix-caching", action="store_true")
@@ -70,7 +75,8 @@ def _config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=a.model, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-        kv_cache_gb=a.kv_cache_gb, gpu_memory_utilization=a.gpu_memory_utilization,
+        kv_cache_gb=a.kv_cache_gb, kv_cache_dtype=a.kv_cache_dtype,
+        gpu_memory_utilization=a.gpu_memory_utilization,
         block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
         scheduling_policy=a.scheduling_policy, max_queued_requests=a.max_queued_requests,
         attn_backend=a.attention_backend, cuda_graphs=not a.enforce_eager,
@@ -140,8 +146,8 @@ async def _serve(a: argparse.Namespace) -> int:
         return 1
     base = f"http://{a.host}:{server.port}"
     print(f"ferrobatch: serving {server.state.model_name} (max_model_len "
-          f"{engine.max_model_len}, {engine.stats().get('num_blocks')} KV blocks, "
-          f"attention backend {engine.attention_backend})")
+          f"{engine.max_model_len}, attention backend {engine.attention_backend})")
+    print(f"  KV cache: {engine.kv_cache}")
     print(f"  linear layers: {engine.linear_kernels}")
     print(f"  speculative decoding: {engine.speculation}")
     print(f"  OpenAI HTTP : {base}/v1  (completions, chat/completions, models)")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 POLICIES = ("fcfs", "priority")
+KV_CACHE_DTYPES = ("auto", "float32", "float16")   # float16: CPU only, beside a float32 model
 MAX_SPECULATIVE_TOKENS = 16     # also the longest n-gram (the Rust scheduler's limits)
 
 
@@ -58,6 +59,8 @@ class EngineConfig:
     # KV cache
     block_size: int = 16
     kv_cache_gb: float | None = None     # None -> 1 GiB on CPU, gpu_memory_utilization on GPU
+    kv_cache_dtype: str = "auto"         # auto (the model's dtype) | float16 (CPU, float32 model:
+                                         # half the bytes per token, not token-identical)
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None        # explicit override of the KV sizing (tests, benchmarks)
     enable_prefix_caching: bool = True
@@ -138,6 +141,9 @@ class EngineConfig:
                 raise ValueError("num_blocks must be >= 2 (block 0 is the reserved null block)")
         if self.max_model_len is not None:
             positive_int("max_model_len")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.kv_cache_gb is not None and not (
                 isinstance(self.kv_cache_gb, (int, float)) and math.isfinite(self.kv_cache_gb)
                 and self.kv_cache_gb > 0):

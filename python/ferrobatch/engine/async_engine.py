@@ -179,6 +179,16 @@ class AsyncEngine:
         return getattr(getattr(self._core, "runner", None), "linear_kernels", "torch")
 
     @property
+    def kv_cache(self) -> str:
+        """The KV cache in words: blocks, tokens per block, dtype and size."""
+        kv = getattr(getattr(self._core, "runner", None), "kv_cache", None)
+        if kv is None:
+            return "unknown"
+        dtype = str(kv.dtype).removeprefix("torch.")
+        return (f"{kv.num_blocks} blocks of {kv.block_size} tokens, {dtype}, "
+                f"{kv.num_bytes / 2**30:.2f} GiB")
+
+    @property
     def speculation(self) -> str:
         """The speculative-decoding setting in words ("off", or drafts and load limit)."""
         return getattr(self._core, "speculation", "off")

@@ -96,7 +96,7 @@ class EngineCore:
         """Load the model (unless given), size the KV cache, create scheduler, runner, sampler."""
         from ferrobatch._scheduler import Scheduler
         from ferrobatch.model.loader import load_model
-        from ferrobatch.runtime.kv_cache import num_blocks_for_budget
+        from ferrobatch.runtime.kv_cache import check_kv_cache_dtype, num_blocks_for_budget
         from ferrobatch.runtime.model_runner import ModelRunner, num_kv_blocks
         from ferrobatch.runtime.sampler import Sampler
 
@@ -110,6 +110,9 @@ class EngineCore:
             build_table(True)     # the detokenizer's fast path, built and checked up front
         device = str(loaded.device)
         mcfg = loaded.config
+        kv_dtype = check_kv_cache_dtype(
+            None if config.kv_cache_dtype == "auto" else _torch_dtype(config.kv_cache_dtype),
+            loaded.dtype, loaded.device)
         max_model_len = min(int(mcfg.max_position_embeddings), DEFAULT_MAX_MODEL_LEN)
         if config.max_model_len is not None:
             if config.max_model_len > mcfg.max_position_embeddings:
@@ -123,14 +126,15 @@ class EngineCore:
                 loaded, block_size=config.block_size,
                 max_num_batched_tokens=config.step_token_budget("cuda"),
                 gpu_memory_fraction=config.gpu_memory_utilization,
-                attn_backend=config.attn_backend, reserve_bytes=_gpu_reserve_bytes(config, mcfg))
+                attn_backend=config.attn_backend, reserve_bytes=_gpu_reserve_bytes(config, mcfg),
+                kv_cache_dtype=kv_dtype)
         else:
-            num_blocks = num_blocks_for_budget(mcfg, config.block_size, loaded.dtype,
+            num_blocks = num_blocks_for_budget(mcfg, config.block_size, kv_dtype,
                                                config.kv_budget_bytes_cpu())
         runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=config.block_size,
                              device=device, attn_backend=config.attn_backend,
                              gguf_blocks=config.gguf_blocks, amx_tiles=config.amx_tiles,
-                             fused_decode=config.fused_decode)
+                             fused_decode=config.fused_decode, kv_cache_dtype=kv_dtype)
         if loaded.device.type == "cuda":
             _maybe_capture_decode_graphs(config, runner, max_model_len)
         eos = list(loaded.tokenizer.eos_token_ids)

@@ -1,4 +1,12 @@
-"""Paged KV cache tensors: one ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` per layer."""
+"""Paged KV cache tensors: one ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
+
+The cache holds the model's dtype, or on the CPU optionally float16 beside a float32 model:
+half the bytes per token (twice the tokens in the same ``--kv-cache-gb``, half the memory that
+decode attention reads), each K/V value rounded once to float16 when written and computed with
+in float32 (the Rust kernels convert on load, ``rust_scheduler/src/cpu_kv.rs``; the torch
+reference converts what it gathers). Greedy output then no longer matches a float32 reference
+token for token on every prompt, which is why it is not the default.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +14,25 @@ import numpy as np
 import torch
 
 from ferrobatch.model.config import ModelConfig
+
+# (device type, model dtype) -> the KV cache dtypes other than the model's that the attention
+# backends there read
+EXTRA_KV_CACHE_DTYPES = {("cpu", torch.float32): (torch.float16,)}
+
+
+def check_kv_cache_dtype(kv_dtype: torch.dtype | None, model_dtype: torch.dtype,
+                         device: torch.device | str) -> torch.dtype:
+    """The KV cache dtype to use (None: the model's); ValueError for one not supported there."""
+    if kv_dtype is None or kv_dtype == model_dtype:
+        return model_dtype
+    device_type = torch.device(device).type
+    allowed = EXTRA_KV_CACHE_DTYPES.get((device_type, model_dtype), ())
+    if kv_dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in (model_dtype, *allowed))
+        raise ValueError(f"a {str(kv_dtype).removeprefix('torch.')} KV cache is not supported "
+                         f"beside a {str(model_dtype).removeprefix('torch.')} model on "
+                         f"{device_type}; supported: {names}")
+    return kv_dtype
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -40,7 +67,8 @@ def num_blocks_for_gpu(config: ModelConfig, block_size: int, dtype: torch.dtype,
 
 
 class KVCache:
-    """The per-layer paged KV tensors plus block copies (copy-on-write for parallel sampling)."""
+    """The per-layer paged KV tensors plus block copies (copy-on-write for parallel sampling);
+    ``dtype`` is what they store (see the module docstring)."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device | str, dtype: torch.dtype) -> None:
@@ -48,6 +76,7 @@ class KVCache:
             raise ValueError("KV cache needs num_blocks >= 2 and block_size >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.dtype = dtype
         shape = (2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.layers: list[torch.Tensor] = [
             torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]

@@ -26,7 +26,7 @@ from ferrobatch.runtime.cpu_linear import (
 from ferrobatch.runtime.cpu_threads import torch_single_threaded
 from ferrobatch.runtime.cuda_graphs import DecodeGraphRunner, decode_buckets
 from ferrobatch.runtime.heap import return_freed_memory
-from ferrobatch.runtime.kv_cache import KVCache
+from ferrobatch.runtime.kv_cache import KVCache, check_kv_cache_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +46,16 @@ class ModelRunner:
                  attn_backend: AttentionBackend | str | None = None,
                  validate_steps: bool = True, pack_weights: bool = True,
                  gguf_blocks: bool = True, amx_tiles: bool = True,
-                 fused_decode: bool = True) -> None:
+                 fused_decode: bool = True, kv_cache_dtype: torch.dtype | None = None) -> None:
         """``pack_weights``: CPU float32 linears in the Rust panel kernel; ``gguf_blocks``: for a
         GGUF model, steps of at most ``QUANT_MAX_ROWS`` (8) rows read the file's Q4_1 / Q8_0
         blocks instead (``cpu_linear.BlockKernel``); ``amx_tiles``: where the CPU has AMX, steps
         of at least ``AMX_MIN_ROWS`` (5) rows read those blocks packed as AMX tiles
         (``cpu_amx_linear.rs``). All three only when the model is first packed.
         ``fused_decode``: with packed weights on the CPU backend, steps (decode, prefill, mixed)
-        run every layer in one Rust call (``runtime.cpu_decoder``)."""
+        run every layer in one Rust call (``runtime.cpu_decoder``). ``kv_cache_dtype``: what the
+        KV cache stores (None: the model's dtype; ``kv_cache.check_kv_cache_dtype`` says which
+        others are allowed)."""
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.config
@@ -117,7 +119,10 @@ class ModelRunner:
                 logger.info("returned %.0f MiB freed while loading to the OS", freed / 2**20)
         self.block_size = block_size
         self.validate_steps = validate_steps
-        self.kv_cache = KVCache(self.config, num_blocks, block_size, self.device, loaded.dtype)
+        self.kv_cache = KVCache(self.config, num_blocks, block_size, self.device,
+                                check_kv_cache_dtype(kv_cache_dtype, loaded.dtype, self.device))
+        logger.info("KV cache: %d blocks of %d tokens, %s, %.0f MiB", num_blocks, block_size,
+                    str(self.kv_cache.dtype).removeprefix("torch."), self.kv_cache.num_bytes / 2**20)
         self.decode_graphs: DecodeGraphRunner | None = None
         self.graph_steps = 0       # steps served by a decode graph replay
         self.eager_steps = 0       # steps run eagerly (prefill / mixed / too big / graphs off)
@@ -255,14 +260,17 @@ def _warm_up_batch(num_tokens: int, block_size: int, vocab_size: int):
 def num_kv_blocks(loaded, *, block_size: int, max_num_batched_tokens: int,
                   cpu_kv_cache_bytes: int = 1 << 30, gpu_memory_fraction: float = 0.9,
                   attn_backend: AttentionBackend | str | None = None,
-                  reserve_bytes: int = 0) -> int:
+                  reserve_bytes: int = 0, kv_cache_dtype: torch.dtype | None = None) -> int:
     """KV blocks to allocate: on CPU from ``cpu_kv_cache_bytes``; on GPU from ``gpu_memory_fraction``
     of the memory left after the weights, the peak of a warm-up forward of
-    ``max_num_batched_tokens`` (one prompt, at most the model's context) and ``reserve_bytes``."""
+    ``max_num_batched_tokens`` (one prompt, at most the model's context) and ``reserve_bytes``;
+    blocks of ``kv_cache_dtype`` (None: the model's dtype)."""
     from ferrobatch.runtime.kv_cache import num_blocks_for_budget, num_blocks_for_gpu
 
     if loaded.device.type != "cuda":
-        return num_blocks_for_budget(loaded.config, block_size, loaded.dtype, cpu_kv_cache_bytes)
+        kv_dtype = check_kv_cache_dtype(kv_cache_dtype, loaded.dtype, loaded.device)
+        return num_blocks_for_budget(loaded.config, block_size, kv_dtype, cpu_kv_cache_bytes)
+    check_kv_cache_dtype(kv_cache_dtype, loaded.dtype, loaded.device)
     warm_tokens = min(max_num_batched_tokens, int(loaded.config.max_position_embeddings))
     batch, warm_blocks = _warm_up_batch(warm_tokens, block_size, loaded.config.vocab_size)
     torch.cuda.synchronize(loaded.device)
