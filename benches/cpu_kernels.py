@@ -1,6 +1,6 @@
 """The CPU fast paths against what they replace, side by side in one run (SmolLM2-135M shapes).
 
-    python benches/cpu_kernels.py [--only attention|prefill|linear|amx] [--json benches/results/cpu/cpu_kernels.json]
+    python benches/cpu_kernels.py [--only attention|prefill|linear|amx|kv16] [--json benches/results/cpu/cpu_kernels.json]
 
 1. Decode attention over a paged float32 cache, all 30 layers' worth of KV (so it is read from
    DRAM, as in a real step): the Rust kernel (`CpuPagedBackend`) vs the torch reference
@@ -16,6 +16,9 @@
 4. SmolLM2's own weights (the GGUF file's Q4_1 layers and Q8_0 LM head) through the three
    kernels the runner chooses between: float32 panels, the GGUF blocks (steps of <= 8 rows) and
    the blocks as AMX tiles (CPUs with AMX, `cpu_amx_linear.rs`), at M rows.
+5. A float16 KV cache (`--kv-cache-dtype float16`) against the float32 one, the same values in
+   both: the Rust decode kernel at rows x context (it reads half the bytes) and the prefill
+   kernel on a chunk after prior context (it converts the chunk's keys and values once).
 
 Medians of repeated runs; the two sides alternate so machine noise hits both alike.
 """
@@ -142,6 +145,49 @@ def prefill_chunks(shapes, repeats):
     return out
 
 
+def _paged_step(rng, rows, q_lens, ctx):
+    """A step of `rows` sequences with `q_lens` queries each after `ctx - q_lens` cached
+    tokens, over shuffled blocks: (batch, number of blocks)."""
+    blocks_per_seq = -(-ctx // BS)
+    num_blocks = rows * blocks_per_seq + 1
+    table = rng.permutation(np.arange(1, num_blocks)).astype(np.int32).reshape(rows, blocks_per_seq)
+    return type("Step", (), dict(
+        query_start_loc=np.arange(rows + 1, dtype=np.int32) * q_lens,
+        seq_lens=np.full(rows, ctx, np.int32), block_tables=table,
+        input_ids=np.zeros(rows * q_lens, np.int32),
+        slot_mapping=np.zeros(rows * q_lens, np.int32))), num_blocks
+
+
+def kv16_rows(decode_shapes, prefill_shapes, repeats):
+    """The Rust kernels over a float32 cache vs a float16 cache holding the same values, per 30
+    layers: decode (rows, context) and prefill (queries, prior keys)."""
+    rng = np.random.default_rng(2)
+    out = []
+    for kind, rows, q_lens, ctx in ([("decode", r, 1, c) for r, c in decode_shapes]
+                                    + [("prefill", 1, q, q + p) for q, p in prefill_shapes]):
+        batch, num_blocks = _paged_step(rng, rows, q_lens, ctx)
+        caches16 = [torch.randn(2, num_blocks, BS, HKV, D).half() for _ in range(LAYERS)]
+        caches32 = [c.float() for c in caches16]
+        query = torch.randn(rows * q_lens, HQ, D)
+        backend = CpuPagedBackend(BS)
+        meta = backend.build_metadata(batch, "cpu")
+        runs = {"f32": partial(_attend_all_layers, backend, meta, query, caches32),
+                "f16": partial(_attend_all_layers, backend, meta, query, caches16)}
+        kv_mb = 2 * rows * ctx * HKV * D * 4 * LAYERS / 2**20
+        result = {"kind": kind, "rows": rows, "queries": q_lens, "context": ctx,
+                  "f32_kv_mb": round(kv_mb, 1)}
+        for name in ("f32", "f16", "f32", "f16"):  # alternate; keep the 2nd pair
+            result[f"{name}_ms"] = _median_ms(runs[name], repeats)
+        result["speedup"] = result["f32_ms"] / result["f16_ms"]
+        result["f32_gb_per_s"] = kv_mb * 2**20 / result["f32_ms"] / 1e6
+        result["f16_gb_per_s"] = kv_mb / 2 * 2**20 / result["f16_ms"] / 1e6
+        out.append(result)
+        print(f"kv16 {kind} rows={rows} q={q_lens} ctx={ctx}: f32 {result['f32_ms']:.1f} ms, f16 "
+              f"{result['f16_ms']:.1f} ms per 30 layers ({result['speedup']:.2f}x)", flush=True)
+        del caches16, caches32
+    return out
+
+
 def linear_rows(m_list, repeats):
     torch.manual_seed(0)
     shapes = [(HQ * D + 2 * HKV * D, HIDDEN), (HIDDEN, HQ * D), (2 * FFN, HIDDEN), (HIDDEN, FFN)]
@@ -230,8 +276,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default=None)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--only", choices=["attention", "prefill", "linear", "amx"], default=None,
-                   help="run one of the four parts")
+    p.add_argument("--only", choices=["attention", "prefill", "linear", "amx", "kv16"],
+                   default=None, help="run one of the five parts")
     a = p.parse_args()
     att = attention_rows([1, 16, 32, 64], [256, 1024], a.repeats) \
         if a.only in (None, "attention") else []
@@ -240,6 +286,8 @@ def main() -> int:
     lin = linear_rows([1, 4, 16, 32, 64, 512], a.repeats) if a.only in (None, "linear") else []
     amx = amx_rows([1, 4, 5, 8, 13, 16, 32, 64, 512], a.repeats) \
         if a.only in (None, "amx") else []
+    kv16 = kv16_rows([(1, 1024), (13, 256), (16, 1024), (64, 256)], [(512, 0), (512, 1536)],
+                     a.repeats) if a.only in (None, "kv16") else []
     print()
     print(format_table(att, [("rows", "rows", "d"), ("context", "context", "d"),
                              ("kv_mb_per_step", "KV MB / step", ".1f"), ("rust_ms", "rust ms", ".1f"),
@@ -262,8 +310,16 @@ def main() -> int:
                                  ("amx_vs_panels", "AMX vs panels", ".2f"),
                                  ("amx_vs_blocks", "AMX vs blocks", ".2f"),
                                  ("amx_gflops", "AMX GFLOP/s", ".0f")]))
+    if kv16:
+        print()
+        print(format_table(kv16, [("kind", "step", "s"), ("rows", "rows", "d"),
+                                  ("queries", "queries", "d"), ("context", "context", "d"),
+                                  ("f32_ms", "f32 cache ms", ".1f"), ("f16_ms", "f16 cache ms", ".1f"),
+                                  ("f32_gb_per_s", "f32 GB/s", ".1f"),
+                                  ("f16_gb_per_s", "f16 GB/s", ".1f"), ("speedup", "speed-up", ".2f")]))
     if a.json:
         write_json(a.json, {"machine": machine_info(), "attention_30_layers": att,
+                            "kv_cache_f16_vs_f32_30_layers": kv16,
                             "prefill_attention_30_layers": pre,
                             "linear_30_layers_plus_head": lin,
                             "smollm2_linears_panels_blocks_amx": amx})

@@ -1,4 +1,5 @@
-"""The ferrobatch systems of the offline benchmark: `ferrobatch`, `-static`, `-eager`, `-nodraft`.
+"""The ferrobatch systems of the offline benchmark: `ferrobatch`, `-static`, `-eager`, `-nodraft`,
+`-kv16`.
 
 Both drive the real engine through `ferrobatch.LLM.generate` (Rust scheduler, model runner,
 sampler, step thread, incremental detokenization — the engine as shipped) with token-id prompts and
@@ -16,6 +17,8 @@ sampler, step thread, incremental detokenization — the engine as shipped) with
   the CPU default drafts, the GPU default does not). Every run records the drafted and accepted
   tokens: with drafts a step can yield several tokens of a sequence, so steps can fall below the
   workload's ideal decode steps.
+- `ferrobatch-kv16`: `ferrobatch` with `kv_cache_dtype="float16"` (CPU: a float16 KV cache, half
+  the bytes per token; greedy tokens may differ from the float32 cache's).
 
 Per-step batch occupancy comes from the engine's public observer hook (`on_step_tokens`: tokens
 sampled in that step = sequences that produced a token) and `AsyncEngine.stats()` (scheduler

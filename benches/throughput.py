@@ -13,6 +13,8 @@ Systems (append `@N` to override the batch size / concurrency cap, e.g. `hf-stat
   ferrobatch-nodraft the engine without speculative drafts (`--num-speculative-tokens 0`; on a
                      GPU the same as ferrobatch, where drafting is off by default): the ablation
                      of prompt lookup, which transformers' `generate` and CB do not do
+  ferrobatch-kv16    the engine with a float16 KV cache (`--kv-cache-dtype float16`, CPU): half
+                     the bytes decode attention reads (not token-identical to the others)
   hf-static          transformers `generate` on fixed left-padded batches (arrival order)
   hf-continuous      transformers' ContinuousBatchingManager (per-request max_new_tokens)
 
@@ -47,7 +49,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 FB_VARIANTS = {"ferrobatch": "", "ferrobatch-static": "", "ferrobatch-eager": "eager",
-               "ferrobatch-nodraft": "nodraft"}   # system -> engine variant (static: same engine)
+               "ferrobatch-nodraft": "nodraft", "ferrobatch-kv16": "kv16"}   # system -> engine variant (static: same engine)
 SYSTEMS = (*FB_VARIANTS, "hf-static", "hf-continuous")
 DEFAULT_SYSTEMS = "ferrobatch,ferrobatch-static,hf-static,hf-continuous"
 
@@ -101,6 +103,8 @@ class Systems:
                 extra["cuda_graphs"] = False
             if variant == "nodraft":
                 extra["num_speculative_tokens"] = 0
+            if variant == "kv16":
+                extra["kv_cache_dtype"] = "float16"
             self.fb[key] = FerrobatchRunner(self.w, cap, **extra)
             self.setup_s[f"ferrobatch{'-' + variant if variant else ''}@{cap}"] = \
                 self.fb[key].load_s

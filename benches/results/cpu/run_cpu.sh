@@ -172,6 +172,14 @@ $PY benches/throughput.py --workload cpu-small \
   --systems ferrobatch,ferrobatch-nodraft,ferrobatch-static,hf-static@16,hf-continuous \
   --no-progress --json $OUT/throughput_cpu-small_session14.json
 
+# 22. Session 15: a float16 KV cache (--kv-cache-dtype float16) beside the float32 one: the
+# kernels over the same values in both, then cpu-small with each, twice.
+$PY benches/cpu_kernels.py --only kv16 --json $OUT/cpu_kernels_kv16_session15.json
+for round in 1 2; do
+  $PY benches/throughput.py --workload cpu-small --systems ferrobatch,ferrobatch-kv16 \
+    --no-progress --json $OUT/throughput_cpu-small_kv16_session15_$round.json
+done
+
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
 #   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \
