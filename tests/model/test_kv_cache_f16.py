@@ -116,3 +116,30 @@ def test_smollm2_logits_with_an_f16_cache_stay_close(loaded_smollm2):
     print(f"f16 cache: logits within {worst:.2e} of their largest value, top-1 {agree}/{total}")
     assert worst < 5e-3, f"logits moved by {worst:.2e} of their largest value"
     assert agree >= 0.95 * total, f"top-1 agreed on {agree} of {total} rows"
+
+
+def test_the_torch_reference_reads_and_writes_an_f16_cache_like_the_kernels(loaded_smollm2):
+    """`--attention-backend torch` over a float16 cache: the same steps as the Rust kernels'
+    (fused) path, within float32 noise plus an occasional float16 rounding falling the other
+    way. (One runner at a time: runners sharing a model share its attention backend.)"""
+    sched = ToyScheduler(64, 16, token_budget=48, seed=2)
+    rng = np.random.default_rng(9)
+    for i, n in enumerate((30, 9, 50)):
+        sched.add(i, rng.integers(100, 40000, size=n).tolist(), max_new_tokens=10)
+    reference = ModelRunner(loaded_smollm2, num_blocks=64, block_size=16, attn_backend="torch",
+                            kv_cache_dtype=torch.float16)
+    steps = []
+    while (batch := sched.schedule()) is not None:
+        logits = reference.execute(batch).clone()
+        steps.append((batch, logits))
+        sched.update(logits.argmax(-1).numpy())
+    kernels = ModelRunner(loaded_smollm2, num_blocks=64, block_size=16, attn_backend="cpu",
+                          kv_cache_dtype=torch.float16)
+    assert len(steps) > 10
+    for i, (batch, want) in enumerate(steps):
+        got = kernels.execute(batch)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * float(want.abs().max()),
+                                   msg=lambda m, i=i: f"step {i}: {m}")
+    for a, b in zip(kernels.kv_cache.layers, reference.kv_cache.layers, strict=True):
+        assert a.dtype == b.dtype == torch.float16
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=2e-3 * float(b.abs().max()))
