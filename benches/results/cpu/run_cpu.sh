@@ -173,12 +173,21 @@ $PY benches/throughput.py --workload cpu-small \
   --no-progress --json $OUT/throughput_cpu-small_session14.json
 
 # 22. Session 15: a float16 KV cache (--kv-cache-dtype float16) beside the float32 one: the
-# kernels over the same values in both, then cpu-small with each, twice.
+# kernels over the same values in both, then cpu-small with each, twice, and cpu-chat; decode
+# attention's AVX-512 path against its AVX2 one; the headline systems with ferrobatch-kv16.
 $PY benches/cpu_kernels.py --only kv16 --json $OUT/cpu_kernels_kv16_session15.json
 for round in 1 2; do
   $PY benches/throughput.py --workload cpu-small --systems ferrobatch,ferrobatch-kv16 \
     --no-progress --json $OUT/throughput_cpu-small_kv16_session15_$round.json
 done
+$PY benches/throughput.py --workload cpu-chat --systems ferrobatch,ferrobatch-kv16 \
+  --no-progress --json $OUT/throughput_cpu-chat_kv16_session15.json
+for isa in avx2 avx512 avx2 avx512; do
+  FERROBATCH_CPU_ISA=$isa $PY benches/cpu_kernels.py --only attention --repeats 7
+done  # -> $OUT/ab_attention_avx512_session15.txt
+$PY benches/throughput.py --workload cpu-small \
+  --systems ferrobatch,ferrobatch-nodraft,ferrobatch-kv16,ferrobatch-static,hf-static@16,hf-continuous \
+  --no-progress --json $OUT/throughput_cpu-small_session15.json
 
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
