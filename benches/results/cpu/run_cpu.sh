@@ -188,6 +188,14 @@ done  # -> $OUT/ab_attention_avx512_session15.txt
 $PY benches/throughput.py --workload cpu-small \
   --systems ferrobatch,ferrobatch-nodraft,ferrobatch-kv16,ferrobatch-static,hf-static@16,hf-continuous \
   --no-progress --json $OUT/throughput_cpu-small_session15.json
+for round in 1 2; do
+  for kv in auto float16; do
+    suffix=$([ $kv = float16 ] && echo _kv16)
+    $PY benches/serving.py --servers ferrobatch --workload cpu-serve --num-prompts 32 \
+      --request-rates 0.8,1.6,3.2 --ferrobatch-args "--kv-cache-dtype $kv" \
+      --json $OUT/serving_cpu-serve_session15$suffix.json
+  done
+done
 
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
