@@ -51,6 +51,9 @@ async def test_serve_drains_on_sigint(smollm2_gguf_path):
             port = int(m.group(1)) if m else None
         # the banner names the attention backend in use (the Rust kernel for a float32 CPU model)
         assert any("attention backend cpu" in line for line in lines), "".join(lines)
+        # ... the KV cache (blocks, dtype, size: 0.05 GiB of float32 SmolLM2 blocks) ...
+        assert any(re.search(r"KV cache: \d+ blocks of 16 tokens, float32, 0\.05 GiB", line)
+                   for line in lines), "".join(lines)
         # ... and the linear layers' kernels with the instruction set this CPU gives them
         from ferrobatch._scheduler import linear_isa
         assert any(f"linear layers: Rust {linear_isa()} kernels" in line for line in lines), \
