@@ -156,8 +156,9 @@ def paged_decode_attention_f32(
     """Decode attention over the paged cache, written into ``out`` (GIL released).
 
     q / out ``[S, Hq, D]`` float32, caches ``[num_blocks, block_size, Hkv, D]`` float32 or
-    float16 (both alike; computed in float32), block_tables ``[S, max_blocks]`` / ctx_lens ``[S]`` int32, all C-contiguous. ValueError
-    for any shape or block id that would read outside the arrays (checked before reading).
+    float16 (both alike; computed in float32), block_tables ``[S, max_blocks]`` / ctx_lens
+    ``[S]`` int32, all C-contiguous. ValueError for any shape or block id that would read
+    outside the arrays (checked before reading).
     """
 
 def paged_prefill_attention_f32(
@@ -175,8 +176,8 @@ def paged_prefill_attention_f32(
     """Causal attention of prompt chunks over the paged cache, into ``out`` (GIL released).
 
     q / out ``[T, Hq, D]`` float32 (the step's rows), caches ``[num_blocks, block_size, Hkv,
-    D]`` float32 or float16 (both alike); per chunk ``s`` (int32): its first row ``q_starts[s]``, ``q_lens[s]`` queries,
-    ``seq_lens[s]`` keys (context included, the chunk's own K/V already in the cache) and
+    D]`` float32 or float16 (both alike); per chunk ``s`` (int32): its first row
+    ``q_starts[s]``, ``q_lens[s]`` queries, ``seq_lens[s]`` keys (context included, the chunk's own K/V already in the cache) and
     ``block_tables[s]`` (``[P, max_blocks]``). Query ``j`` sees keys
     ``0 ..= seq_lens[s] - q_lens[s] + j``. Chunks' rows must be ascending and disjoint; rows of
     no chunk are left untouched. ValueError, nothing written, on any bad input.
@@ -278,7 +279,8 @@ class CpuDecoderStack:
         """Runs the step's ``R`` rows through every layer (GIL released): ``hidden`` ``[R, H]``
         in place (embeddings in, the last layer's output out), ``cos`` / ``sin`` ``[R, D]``, one
         ``[2, num_blocks, block_size, Hkv, D]`` cache per layer, all float32 or all float16 (row
-        ``r``'s K/V written at ``slots[r]``, int64, rounded to the cache's dtype). The decode kernel attends rows ``decode_rows`` (int64 ``[N]``;
+        ``r``'s K/V written at ``slots[r]``, int64, rounded to the cache's dtype). The decode
+        kernel attends rows ``decode_rows`` (int64 ``[N]``;
         None: every row, N = R), the i-th its first ``ctx_lens[i]`` positions of
         ``block_tables[i]`` (int32 ``[N, max_blocks]`` / ``[N]``); the prefill kernel attends
         each chunk of ``prefill = (q_starts, q_lens, seq_lens, block_tables)`` (int32, as in

@@ -1,7 +1,7 @@
 //! Paged prefill attention on the CPU (float32 math over an f32 or f16 cache, `cpu_kv`): each
-//! sequence's chunk of query tokens attends,
-//! causally, to its whole context read in place through the block table (earlier chunks and
-//! this step's own keys, which the caller has written into the cache first).
+//! sequence's chunk of query tokens attends, causally, to its whole context read in place
+//! through the block table (earlier chunks and this step's own keys, which the caller has
+//! written into the cache first).
 //!
 //! Layout (row-major, as the Python side's torch tensors): `q` / `out` `[T, Hq, D]` (the step's
 //! flat rows), `k_cache` / `v_cache` `[num_blocks, block_size, Hkv, D]`; per sequence `s` of the
@@ -241,6 +241,22 @@ fn run<E: KvElement>(
     }
     let mut panels = vec![0f32; panels_len];
     let isa = Isa::detect(max_isa);
+    let kernel = Kernel {
+        shape: *shape,
+        q,
+        v_cache,
+        seqs: &seqs,
+        key_rows: &key_rows,
+        panel_base: &panel_base,
+        scale,
+        // The SIMD paths take whole vectors of the head dimension.
+        isa: if d.is_multiple_of(16) {
+            isa
+        } else {
+            Isa::Portable
+        },
+        out: OutPtr(out.as_mut_ptr()),
+    };
     let threads = num_threads.clamp(1, items.len());
     let pool = (threads > 1).then(|| crate::cpu_pool::global(threads));
     let tasks = pool.map_or(1, |pool| threads.min(pool.max_tasks()));
@@ -271,22 +287,6 @@ fn run<E: KvElement>(
             }
         }
     });
-    let kernel = Kernel {
-        shape: *shape,
-        q,
-        v_cache,
-        seqs: &seqs,
-        key_rows: &key_rows,
-        panel_base: &panel_base,
-        scale,
-        // The SIMD paths take whole vectors of the head dimension.
-        isa: if d.is_multiple_of(16) {
-            isa
-        } else {
-            Isa::Portable
-        },
-        out: OutPtr(out.as_mut_ptr()),
-    };
     // Job 2: the items.
     let next = AtomicUsize::new(0);
     let panels = &panels;

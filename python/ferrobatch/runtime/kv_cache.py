@@ -76,10 +76,14 @@ class KVCache:
             raise ValueError("KV cache needs num_blocks >= 2 and block_size >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.dtype = dtype
         shape = (2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.layers: list[torch.Tensor] = [
             torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the cache stores (the model's dtype, or float16 on the CPU)."""
+        return self.layers[0].dtype
 
     @property
     def num_bytes(self) -> int:

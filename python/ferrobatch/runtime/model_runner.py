@@ -267,10 +267,9 @@ def num_kv_blocks(loaded, *, block_size: int, max_num_batched_tokens: int,
     blocks of ``kv_cache_dtype`` (None: the model's dtype)."""
     from ferrobatch.runtime.kv_cache import num_blocks_for_budget, num_blocks_for_gpu
 
+    kv_dtype = check_kv_cache_dtype(kv_cache_dtype, loaded.dtype, loaded.device)
     if loaded.device.type != "cuda":
-        kv_dtype = check_kv_cache_dtype(kv_cache_dtype, loaded.dtype, loaded.device)
         return num_blocks_for_budget(loaded.config, block_size, kv_dtype, cpu_kv_cache_bytes)
-    check_kv_cache_dtype(kv_cache_dtype, loaded.dtype, loaded.device)
     warm_tokens = min(max_num_batched_tokens, int(loaded.config.max_position_embeddings))
     batch, warm_blocks = _warm_up_batch(warm_tokens, block_size, loaded.config.vocab_size)
     torch.cuda.synchronize(loaded.device)
@@ -281,5 +280,5 @@ def num_kv_blocks(loaded, *, block_size: int, max_num_batched_tokens: int,
     torch.cuda.synchronize(loaded.device)
     del runner
     loaded.model.attn_backend = None
-    return num_blocks_for_gpu(loaded.config, block_size, loaded.dtype, gpu_memory_fraction,
+    return num_blocks_for_gpu(loaded.config, block_size, kv_dtype, gpu_memory_fraction,
                               loaded.device, reserve_bytes=reserve_bytes)

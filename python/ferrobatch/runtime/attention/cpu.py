@@ -13,7 +13,8 @@ attention of each chunk's queries over its whole paged context, no gather, regis
 (8 query rows x 32 keys), about twice torch's SDPA on the same threads.
 ``CpuPagedBackend(prefill_kernel=False)`` keeps SDPA for them (the reference, run on the
 kernels' thread count although the forward otherwise keeps torch single-threaded), for
-comparisons. float32 only: other dtypes use "torch".
+comparisons. float32 models only (other dtypes use "torch"); the cache may hold float32 or
+float16 (``--kv-cache-dtype``: the kernels convert on load).
 """
 
 from __future__ import annotations
