@@ -230,6 +230,9 @@ async def test_health_ready_metrics(real, sdk):
     assert value("num_requests_running") == 0
     assert 'finished_reason="abort"' in text
     assert value("guided_requests_total") >= 0 and value("guided_grammars_cached") >= 0
+    info = re.search(r'^ferrobatch_cache_config_info\{[^}]*block_size="16",'
+                     r'cache_dtype="float32"[^}]*num_blocks="(\d+)"\} 1\.0$', text, re.M)
+    assert info and int(info.group(1)) == real.engine.stats()["num_blocks"], text
 
 
 async def test_lm_eval_style_loglikelihood_through_the_sdk(real, sdk):

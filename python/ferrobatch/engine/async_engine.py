@@ -178,15 +178,23 @@ class AsyncEngine:
         and whether GGUF blocks serve small steps)."""
         return getattr(getattr(self._core, "runner", None), "linear_kernels", "torch")
 
+    def kv_cache_config(self) -> dict[str, Any] | None:
+        """The KV cache's ``block_size``, ``num_blocks``, ``cache_dtype`` (e.g. "float32") and
+        ``num_bytes``; None without a model runner (not started, or a stand-in core)."""
+        kv = getattr(getattr(self._core, "runner", None), "kv_cache", None)
+        if kv is None:
+            return None
+        return {"block_size": kv.block_size, "num_blocks": kv.num_blocks,
+                "cache_dtype": str(kv.dtype).removeprefix("torch."), "num_bytes": kv.num_bytes}
+
     @property
     def kv_cache(self) -> str:
         """The KV cache in words: blocks, tokens per block, dtype and size."""
-        kv = getattr(getattr(self._core, "runner", None), "kv_cache", None)
-        if kv is None:
+        c = self.kv_cache_config()
+        if c is None:
             return "unknown"
-        dtype = str(kv.dtype).removeprefix("torch.")
-        return (f"{kv.num_blocks} blocks of {kv.block_size} tokens, {dtype}, "
-                f"{kv.num_bytes / 2**30:.2f} GiB")
+        return (f"{c['num_blocks']} blocks of {c['block_size']} tokens, {c['cache_dtype']}, "
+                f"{c['num_bytes'] / 2**30:.2f} GiB")
 
     @property
     def speculation(self) -> str:

@@ -64,6 +64,14 @@ class _SchedulerCollector:
                       "regex or choice).", s.get("num_guided_requests_total", 0))
         yield gauge("guided_grammars_cached", "Compiled guided-decoding grammars kept for reuse.",
                     s.get("num_guided_grammars_cached", 0))
+        config = getattr(self._engine, "kv_cache_config", lambda: None)()
+        if config is not None:
+            names = ("block_size", "num_blocks", "cache_dtype")
+            info = GaugeMetricFamily("ferrobatch_cache_config_info", "The KV cache's "
+                                     "configuration, in the labels (the value is 1).",
+                                     labels=labels + list(names))
+            info.add_metric([self._model] + [str(config[n]) for n in names], 1.0)
+            yield info
 
 
 class ServerMetrics(EngineObserver):
