@@ -639,23 +639,24 @@ mod portable {
     }
 }
 
-/// AVX2 + FMA block math for `head_dim % 8 == 0`: eight keys' dot products at a time, reduced
-/// together with one horizontal-add tree; values accumulated in registers 64 dims at a time.
+/// AVX2 + FMA block math for `head_dim % 8 == 0` ([`lanes`] at eight lanes), and the softmax,
+/// prefetch and horizontal sums the AVX-512 math shares.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::Rows;
+    use super::{lanes, Rows};
     use crate::cpu_exp::{avx2::exp8, exp};
     use crate::cpu_kv::KvElement;
     use std::arch::x86_64::*;
 
     pub(super) struct Math;
 
-    // Each method only forwards to a function compiled for AVX2 + FMA + F16C (no
-    // `target_feature` on trait methods), inlined into `run_segments_avx2`.
+    // Each method is inlined into `run_segments_avx2` (compiled for AVX2 + FMA + F16C; no
+    // `target_feature` on trait methods): the shared x86 math at eight lanes, this module's
+    // softmax and prefetch.
     impl super::BlockMath for Math {
         #[inline(always)]
         unsafe fn scores<E: KvElement>(q: &[f32], k: &Rows<'_, E>, scale: f32, out: &mut [f32]) {
-            block_scores(q, k, scale, out);
+            lanes::block_scores::<lanes::Avx2, E>(q, k, scale, out);
         }
         #[inline(always)]
         unsafe fn softmax(row: &mut [f32], running_max: &mut f32, denom: &mut f32) -> f32 {
@@ -668,98 +669,11 @@ mod avx2 {
             correction: f32,
             v: &Rows<'_, E>,
         ) {
-            block_accumulate(acc, p, correction, v);
+            lanes::block_accumulate::<lanes::Avx2, E>(acc, p, correction, v);
         }
         #[inline(always)]
         fn prefetch<E>(data: &[E]) {
             prefetch(data);
-        }
-    }
-
-    /// `out[j] = scale * (q . row j)` for `j < k.n`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn block_scores<E: KvElement>(
-        q: &[f32],
-        k: &Rows<'_, E>,
-        scale: f32,
-        out: &mut [f32],
-    ) {
-        let d = q.len();
-        debug_assert!(d.is_multiple_of(8) && d == k.d && out.len() >= k.n);
-        debug_assert!(k.n == 0 || k.offset + (k.n - 1) * k.stride + d <= k.block.len());
-        let scale_v = _mm256_set1_ps(scale);
-        let base = k.block.as_ptr().add(k.offset);
-        let mut j = 0;
-        while j + 8 <= k.n {
-            let mut acc = [_mm256_setzero_ps(); 8];
-            for c in (0..d).step_by(8) {
-                let qv = _mm256_loadu_ps(q.as_ptr().add(c));
-                for (jj, a) in acc.iter_mut().enumerate() {
-                    let kv = E::load8(base.add((j + jj) * k.stride + c));
-                    *a = _mm256_fmadd_ps(qv, kv, *a);
-                }
-            }
-            _mm256_storeu_ps(out.as_mut_ptr().add(j), _mm256_mul_ps(hsum8(&acc), scale_v));
-            j += 8;
-        }
-        for (jj, o) in out.iter_mut().enumerate().take(k.n).skip(j) {
-            let mut acc = _mm256_setzero_ps();
-            for c in (0..d).step_by(8) {
-                let kv = E::load8(base.add(jj * k.stride + c));
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(c)), kv, acc);
-            }
-            *o = hsum(acc) * scale;
-        }
-    }
-
-    /// `acc = acc * correction + sum_j p[j] * row j` for `j < v.n`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn block_accumulate<E: KvElement>(
-        acc: &mut [f32],
-        p: &[f32],
-        correction: f32,
-        v: &Rows<'_, E>,
-    ) {
-        let d = acc.len();
-        debug_assert!(d.is_multiple_of(8) && d == v.d && p.len() >= v.n);
-        debug_assert!(v.n == 0 || v.offset + (v.n - 1) * v.stride + d <= v.block.len());
-        let mut c0 = 0;
-        while c0 + 64 <= d {
-            accumulate_chunk::<8, E>(acc, c0, p, correction, v);
-            c0 += 64;
-        }
-        while c0 < d {
-            accumulate_chunk::<1, E>(acc, c0, p, correction, v);
-            c0 += 8;
-        }
-    }
-
-    /// Dims `c0..c0 + 8 * W` of `block_accumulate`, held in W registers across the keys.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn accumulate_chunk<const W: usize, E: KvElement>(
-        acc: &mut [f32],
-        c0: usize,
-        p: &[f32],
-        correction: f32,
-        v: &Rows<'_, E>,
-    ) {
-        let out = acc.as_mut_ptr().add(c0);
-        let corr = _mm256_set1_ps(correction);
-        let mut a = [_mm256_setzero_ps(); W];
-        for (t, r) in a.iter_mut().enumerate() {
-            *r = _mm256_mul_ps(_mm256_loadu_ps(out.add(8 * t)), corr);
-        }
-        let base = v.block.as_ptr().add(v.offset + c0);
-        for (j, &w) in p.iter().enumerate().take(v.n) {
-            let wv = _mm256_set1_ps(w);
-            let row = base.add(j * v.stride);
-            for (t, r) in a.iter_mut().enumerate() {
-                *r = _mm256_fmadd_ps(wv, E::load8(row.add(8 * t)), *r);
-            }
-        }
-        for (t, r) in a.iter().enumerate() {
-            _mm256_storeu_ps(out.add(8 * t), *r);
         }
     }
 
@@ -854,20 +768,20 @@ mod avx2 {
     }
 }
 
-/// AVX-512 block math for `head_dim % 16 == 0`: sixteen dimensions per FMA, eight keys' dot
-/// products reduced together; the softmax and the prefetch are the AVX2 module's.
+/// AVX-512 block math for `head_dim % 16 == 0`: [`lanes`] at sixteen lanes; the softmax and
+/// the prefetch are the AVX2 module's.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{avx2, Rows};
+    use super::{avx2, lanes, Rows};
     use crate::cpu_kv::KvElement;
-    use std::arch::x86_64::*;
 
     pub(super) struct Math;
 
+    // Inlined into `run_segments_avx512` (compiled for AVX-512F, AVX2, FMA and F16C).
     impl super::BlockMath for Math {
         #[inline(always)]
         unsafe fn scores<E: KvElement>(q: &[f32], k: &Rows<'_, E>, scale: f32, out: &mut [f32]) {
-            block_scores(q, k, scale, out);
+            lanes::block_scores::<lanes::Avx512, E>(q, k, scale, out);
         }
         #[inline(always)]
         unsafe fn softmax(row: &mut [f32], running_max: &mut f32, denom: &mut f32) -> f32 {
@@ -880,87 +794,189 @@ mod avx512 {
             correction: f32,
             v: &Rows<'_, E>,
         ) {
-            block_accumulate(acc, p, correction, v);
+            lanes::block_accumulate::<lanes::Avx512, E>(acc, p, correction, v);
         }
         #[inline(always)]
         fn prefetch<E>(data: &[E]) {
             avx2::prefetch(data);
         }
     }
+}
 
-    /// `out[j] = scale * (q . row j)` for `j < k.n`.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn block_scores<E: KvElement>(q: &[f32], k: &Rows<'_, E>, scale: f32, out: &mut [f32]) {
+/// The x86 block math once for both vector widths: [`Lanes`] is one width's operations (AVX2:
+/// 8 lanes, AVX-512: 16), each `#[inline(always)]` so that it compiles into the
+/// `target_feature` entry (`run_segments_avx2` / `_avx512`) it ends up in, like the functions
+/// generic over it. Safety: each is only reached from the entry of its width (`BlockMath`).
+#[cfg(target_arch = "x86_64")]
+mod lanes {
+    use super::{avx2, Rows};
+    use crate::cpu_kv::KvElement;
+    use std::arch::x86_64::*;
+
+    pub(super) trait Lanes {
+        type V: Copy;
+        /// f32 lanes per vector
+        const N: usize;
+        unsafe fn zero() -> Self::V;
+        unsafe fn splat(x: f32) -> Self::V;
+        unsafe fn load(p: *const f32) -> Self::V;
+        unsafe fn load_kv<E: KvElement>(p: *const E) -> Self::V;
+        unsafe fn store(p: *mut f32, v: Self::V);
+        unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+        unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
+        /// The vector's lanes summed down to eight (for [`avx2::hsum8`]).
+        unsafe fn fold8(v: Self::V) -> __m256;
+    }
+
+    pub(super) struct Avx2;
+    pub(super) struct Avx512;
+
+    impl Lanes for Avx2 {
+        type V = __m256;
+        const N: usize = 8;
+        #[inline(always)]
+        unsafe fn zero() -> __m256 {
+            _mm256_setzero_ps()
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> __m256 {
+            _mm256_set1_ps(x)
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m256 {
+            _mm256_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn load_kv<E: KvElement>(p: *const E) -> __m256 {
+            E::load8(p)
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m256) {
+            _mm256_storeu_ps(p, v)
+        }
+        #[inline(always)]
+        unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
+            _mm256_fmadd_ps(a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+            _mm256_mul_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn fold8(v: __m256) -> __m256 {
+            v
+        }
+    }
+
+    impl Lanes for Avx512 {
+        type V = __m512;
+        const N: usize = 16;
+        #[inline(always)]
+        unsafe fn zero() -> __m512 {
+            _mm512_setzero_ps()
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> __m512 {
+            _mm512_set1_ps(x)
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m512 {
+            _mm512_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn load_kv<E: KvElement>(p: *const E) -> __m512 {
+            E::load16(p)
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m512) {
+            _mm512_storeu_ps(p, v)
+        }
+        #[inline(always)]
+        unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
+            _mm512_fmadd_ps(a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+            _mm512_mul_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn fold8(v: __m512) -> __m256 {
+            _mm256_add_ps(
+                _mm512_castps512_ps256(v),
+                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
+            )
+        }
+    }
+
+    /// `out[j] = scale * (q . row j)` for `j < k.n`, eight keys at a time (one accumulator per
+    /// key, reduced together by one horizontal-add tree), `L::N` dimensions per FMA.
+    #[inline(always)]
+    pub(super) unsafe fn block_scores<L: Lanes, E: KvElement>(
+        q: &[f32],
+        k: &Rows<'_, E>,
+        scale: f32,
+        out: &mut [f32],
+    ) {
         let d = q.len();
-        debug_assert!(d.is_multiple_of(16) && d == k.d && out.len() >= k.n);
+        debug_assert!(d.is_multiple_of(L::N) && d == k.d && out.len() >= k.n);
         debug_assert!(k.n == 0 || k.offset + (k.n - 1) * k.stride + d <= k.block.len());
-        let scale_v = _mm256_set1_ps(scale);
         let base = k.block.as_ptr().add(k.offset);
         let mut j = 0;
         while j + 8 <= k.n {
-            let mut acc = [_mm512_setzero_ps(); 8];
-            for c in (0..d).step_by(16) {
-                let qv = _mm512_loadu_ps(q.as_ptr().add(c));
+            let mut acc = [L::zero(); 8];
+            for c in (0..d).step_by(L::N) {
+                let qv = L::load(q.as_ptr().add(c));
                 for (jj, a) in acc.iter_mut().enumerate() {
-                    let kv = E::load16(base.add((j + jj) * k.stride + c));
-                    *a = _mm512_fmadd_ps(qv, kv, *a);
+                    *a = L::fma(qv, L::load_kv(base.add((j + jj) * k.stride + c)), *a);
                 }
             }
-            // each key's 16 lanes folded to 8, then the AVX2 eight-way reduction
-            let halves: [__m256; 8] = std::array::from_fn(|jj| {
-                let a = acc[jj];
-                _mm256_add_ps(
-                    _mm512_castps512_ps256(a),
-                    _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a))),
-                )
-            });
+            let sums = avx2::hsum8(&acc.map(|a| L::fold8(a)));
             _mm256_storeu_ps(
                 out.as_mut_ptr().add(j),
-                _mm256_mul_ps(avx2::hsum8(&halves), scale_v),
+                _mm256_mul_ps(sums, _mm256_set1_ps(scale)),
             );
             j += 8;
         }
         for (jj, o) in out.iter_mut().enumerate().take(k.n).skip(j) {
-            let mut acc = _mm512_setzero_ps();
-            for c in (0..d).step_by(16) {
-                let kv = E::load16(base.add(jj * k.stride + c));
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(q.as_ptr().add(c)), kv, acc);
+            let mut acc = L::zero();
+            for c in (0..d).step_by(L::N) {
+                let kv = L::load_kv(base.add(jj * k.stride + c));
+                acc = L::fma(L::load(q.as_ptr().add(c)), kv, acc);
             }
-            *o = _mm512_reduce_add_ps(acc) * scale;
+            *o = avx2::hsum(L::fold8(acc)) * scale;
         }
     }
 
-    /// `acc = acc * correction + sum_j p[j] * row j` for `j < v.n`, 128 dimensions (eight
-    /// registers) at a time.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn block_accumulate<E: KvElement>(
+    /// `acc = acc * correction + sum_j p[j] * row j` for `j < v.n`, in chunks of 8, 4 and 1
+    /// registers held across the keys.
+    #[inline(always)]
+    pub(super) unsafe fn block_accumulate<L: Lanes, E: KvElement>(
         acc: &mut [f32],
         p: &[f32],
         correction: f32,
         v: &Rows<'_, E>,
     ) {
         let d = acc.len();
-        debug_assert!(d.is_multiple_of(16) && d == v.d && p.len() >= v.n);
+        debug_assert!(d.is_multiple_of(L::N) && d == v.d && p.len() >= v.n);
         debug_assert!(v.n == 0 || v.offset + (v.n - 1) * v.stride + d <= v.block.len());
         let mut c0 = 0;
-        while c0 + 128 <= d {
-            accumulate_chunk::<8, E>(acc, c0, p, correction, v);
-            c0 += 128;
+        while c0 + 8 * L::N <= d {
+            accumulate_chunk::<L, 8, E>(acc, c0, p, correction, v);
+            c0 += 8 * L::N;
         }
-        while c0 + 64 <= d {
-            accumulate_chunk::<4, E>(acc, c0, p, correction, v);
-            c0 += 64;
+        while c0 + 4 * L::N <= d {
+            accumulate_chunk::<L, 4, E>(acc, c0, p, correction, v);
+            c0 += 4 * L::N;
         }
         while c0 < d {
-            accumulate_chunk::<1, E>(acc, c0, p, correction, v);
-            c0 += 16;
+            accumulate_chunk::<L, 1, E>(acc, c0, p, correction, v);
+            c0 += L::N;
         }
     }
 
-    /// Dims `c0..c0 + 16 * W` of `block_accumulate`, held in W registers across the keys.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    #[inline]
-    unsafe fn accumulate_chunk<const W: usize, E: KvElement>(
+    /// Dims `c0..c0 + W * L::N` of `block_accumulate`, held in W registers across the keys.
+    #[inline(always)]
+    unsafe fn accumulate_chunk<L: Lanes, const W: usize, E: KvElement>(
         acc: &mut [f32],
         c0: usize,
         p: &[f32],
@@ -968,21 +984,21 @@ mod avx512 {
         v: &Rows<'_, E>,
     ) {
         let out = acc.as_mut_ptr().add(c0);
-        let corr = _mm512_set1_ps(correction);
-        let mut a = [_mm512_setzero_ps(); W];
+        let corr = L::splat(correction);
+        let mut a = [L::zero(); W];
         for (t, r) in a.iter_mut().enumerate() {
-            *r = _mm512_mul_ps(_mm512_loadu_ps(out.add(16 * t)), corr);
+            *r = L::mul(L::load(out.add(L::N * t)), corr);
         }
         let base = v.block.as_ptr().add(v.offset + c0);
         for (j, &w) in p.iter().enumerate().take(v.n) {
-            let wv = _mm512_set1_ps(w);
+            let wv = L::splat(w);
             let row = base.add(j * v.stride);
             for (t, r) in a.iter_mut().enumerate() {
-                *r = _mm512_fmadd_ps(wv, E::load16(row.add(16 * t)), *r);
+                *r = L::fma(wv, L::load_kv(row.add(L::N * t)), *r);
             }
         }
         for (t, r) in a.iter().enumerate() {
-            _mm512_storeu_ps(out.add(16 * t), *r);
+            L::store(out.add(L::N * t), *r);
         }
     }
 }
