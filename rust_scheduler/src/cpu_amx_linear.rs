@@ -38,7 +38,7 @@
 //! Work split: tiles of 16 features in contiguous ranges, one range per task; a task writes only
 //! its own columns of `out`.
 
-use crate::cpu_error::KernelInputError;
+use crate::cpu_error::{check_bias, check_lengths, KernelInputError};
 use crate::cpu_isa::Isa;
 use crate::cpu_linear::OutPtr;
 
@@ -186,7 +186,7 @@ impl AmxShape {
                 self.k, self.n
             )));
         }
-        for (name, len, want) in [
+        check_lengths(&[
             ("x", x.len(), self.m * self.k),
             (
                 "packed tiles",
@@ -194,20 +194,8 @@ impl AmxShape {
                 self.tiles_len(tiles.format),
             ),
             ("out", out.len(), self.m * self.n),
-        ] {
-            if len != want {
-                return Err(KernelInputError(format!(
-                    "{name} has {len} elements, the shape needs {want}"
-                )));
-            }
-        }
-        if !bias.is_empty() && bias.len() != self.n {
-            return Err(KernelInputError(format!(
-                "bias has {} elements, expected {} (or none)",
-                bias.len(),
-                self.n
-            )));
-        }
+        ])?;
+        check_bias(bias.len(), self.n)?;
         Ok(())
     }
 }

@@ -15,3 +15,23 @@ impl fmt::Display for KernelInputError {
 }
 
 impl std::error::Error for KernelInputError {}
+
+/// The linear kernels' buffer checks: each `(name, len, want)` must have `want` elements.
+pub(crate) fn check_lengths(buffers: &[(&str, usize, usize)]) -> Result<(), KernelInputError> {
+    match buffers.iter().find(|(_, len, want)| len != want) {
+        Some((name, len, want)) => Err(KernelInputError(format!(
+            "{name} has {len} elements, the shape needs {want}"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// A bias is empty (none) or has one element per output feature.
+pub(crate) fn check_bias(bias_len: usize, n: usize) -> Result<(), KernelInputError> {
+    if bias_len != 0 && bias_len != n {
+        return Err(KernelInputError(format!(
+            "bias has {bias_len} elements, expected {n} (or none)"
+        )));
+    }
+    Ok(())
+}

@@ -15,7 +15,7 @@
 //! (`cpu_pool`); a thread writes only its own
 //! columns of `out` (disjoint column ranges, so the threads never write the same element).
 
-use crate::cpu_error::KernelInputError;
+use crate::cpu_error::{check_bias, check_lengths, KernelInputError};
 use crate::cpu_isa::Isa;
 
 /// Output columns per panel (two AVX2 vectors).
@@ -57,24 +57,12 @@ impl LinearShape {
             )));
         }
         let packed_len = self.num_panels() * self.k * PANEL_WIDTH;
-        for (name, len, want) in [
+        check_lengths(&[
             ("x", x.len(), self.m * self.k),
             ("packed weight", packed.len(), packed_len),
             ("out", out.len(), self.m * self.n),
-        ] {
-            if len != want {
-                return Err(KernelInputError(format!(
-                    "{name} has {len} elements, the shape needs {want}"
-                )));
-            }
-        }
-        if !bias.is_empty() && bias.len() != self.n {
-            return Err(KernelInputError(format!(
-                "bias has {} elements, expected {} (or none)",
-                bias.len(),
-                self.n
-            )));
-        }
+        ])?;
+        check_bias(bias.len(), self.n)?;
         Ok(())
     }
 }

@@ -21,7 +21,7 @@
 //! call streaming from DRAM waited on the block loads (`perf annotate`: half the samples on
 //! the first use of a loaded `qs`) and ran at half its in-cache speed.
 
-use crate::cpu_error::KernelInputError;
+use crate::cpu_error::{check_bias, check_lengths, KernelInputError};
 use crate::cpu_isa::Isa;
 use crate::cpu_linear::OutPtr;
 
@@ -89,24 +89,14 @@ impl QuantShape {
             QuantWeight::Q4_1 { scale, min, qs } => (scale.len(), min.len(), qs.len()),
             QuantWeight::Q8_0 { scale, qs } => (scale.len(), blocks, qs.len()),
         };
-        for (name, len, want) in [
+        check_lengths(&[
             ("x", x.len(), self.m * self.k),
             ("out", out.len(), self.m * self.n),
             ("scale", scale_len, blocks),
             ("min", min_len, blocks),
             ("qs", qs_len, blocks * w.bytes_per_block()),
-        ] {
-            if len != want {
-                return err(format!("{name} has {len} elements, the shape needs {want}"));
-            }
-        }
-        if !bias.is_empty() && bias.len() != self.n {
-            return err(format!(
-                "bias has {} elements, expected {} (or none)",
-                bias.len(),
-                self.n
-            ));
-        }
+        ])?;
+        check_bias(bias.len(), self.n)?;
         Ok(())
     }
 }
