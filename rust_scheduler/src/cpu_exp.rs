@@ -80,11 +80,8 @@ pub mod avx512 {
         for &c in &super::EXP_COEFFS[1..] {
             poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(c));
         }
-        let two_n = _mm512_slli_epi32::<23>(_mm512_add_epi32(
-            _mm512_cvtps_epi32(n),
-            _mm512_set1_epi32(127),
-        ));
-        _mm512_mul_ps(poly, _mm512_castsi512_ps(two_n))
+        // poly * 2^n, exactly (n >= -126: the result stays a normal float)
+        _mm512_scalef_ps(poly, n)
     }
 }
 
