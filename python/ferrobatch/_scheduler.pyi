@@ -172,8 +172,11 @@ def paged_prefill_attention_f32(
     out: np.ndarray,
     scale: float,
     num_threads: int,
+    amx: bool = True,
 ) -> None:
     """Causal attention of prompt chunks over the paged cache, into ``out`` (GIL released).
+    Calls whose chunks average at least 128 queries per key run on Intel AMX where the CPU has
+    it and ``amx`` (three bfloat16 parts per float32: float32 accuracy; cpu_amx_prefill.rs).
 
     q / out ``[T, Hq, D]`` float32 (the step's rows), caches ``[num_blocks, block_size, Hkv,
     D]`` float32 or float16 (both alike); per chunk ``s`` (int32): its first row
@@ -274,8 +277,8 @@ class CpuDecoderStack:
     def forward(self, hidden: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                 caches: list[np.ndarray], slots: np.ndarray, block_tables: np.ndarray,
                 ctx_lens: np.ndarray, num_threads: int, decode_rows: np.ndarray | None = None,
-                prefill: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
-                ) -> None:
+                prefill: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
+                amx: bool = True) -> None:
         """Runs the step's ``R`` rows through every layer (GIL released): ``hidden`` ``[R, H]``
         in place (embeddings in, the last layer's output out), ``cos`` / ``sin`` ``[R, D]``, one
         ``[2, num_blocks, block_size, Hkv, D]`` cache per layer, all float32 or all float16 (row
@@ -284,8 +287,8 @@ class CpuDecoderStack:
         None: every row, N = R), the i-th its first ``ctx_lens[i]`` positions of
         ``block_tables[i]`` (int32 ``[N, max_blocks]`` / ``[N]``); the prefill kernel attends
         each chunk of ``prefill = (q_starts, q_lens, seq_lens, block_tables)`` (int32, as in
-        ``paged_prefill_attention_f32``). Every row must be attended exactly once. ValueError,
-        nothing written, on any bad input."""
+        ``paged_prefill_attention_f32``, with ``amx``). Every row must be attended exactly once.
+        ValueError, nothing written, on any bad input."""
 
 class TokenVocab:
     """The model's vocabulary as a byte trie (built once, shared by every grammar)."""

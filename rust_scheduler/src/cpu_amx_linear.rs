@@ -38,6 +38,7 @@
 //! Work split: tiles of 16 features in contiguous ranges, one range per task; a task writes only
 //! its own columns of `out`.
 
+use crate::cpu_amx_tiles::{aligned_64, bf16_bits, TileConfig};
 use crate::cpu_error::{check_bias, check_lengths, KernelInputError};
 use crate::cpu_isa::Isa;
 use crate::cpu_linear::OutPtr;
@@ -200,11 +201,6 @@ impl AmxShape {
     }
 }
 
-/// The bfloat16 bit pattern of a float32 that has at most 8 significant bits (exact).
-fn bf16_bits(v: f32) -> u16 {
-    (v.to_bits() >> 16) as u16
-}
-
 /// Packs `[n, k]` block weights into the layout of the module header, in the format
 /// [`AmxFormat::of`] gives them (validated by the quantized kernel's own check first).
 pub fn pack(w: &QuantWeight<'_>, n: usize, k: usize) -> Result<Vec<u16>, KernelInputError> {
@@ -268,28 +264,15 @@ pub fn pack(w: &QuantWeight<'_>, n: usize, k: usize) -> Result<Vec<u16>, KernelI
     Ok(tiles)
 }
 
-/// `x` as three bfloat16 arrays whose sum is `x` exactly (`hi[i] + mid[i] + lo[i] == x[i]`), and
-/// the sums of `x` over each block of 32 inputs (`sums[i / 32]`). A part is the float32 with all
-/// but the top 8 significant bits of what is left cleared, so each subtraction is exact.
+/// `x` as three bfloat16 arrays whose sum is `x` exactly (`hi[i] + mid[i] + lo[i] == x[i]`,
+/// `cpu_amx_tiles::split3`), and the sums of `x` over each block of 32 inputs (`sums[i / 32]`).
 pub fn split3(x: &[f32], hi: &mut [u16], mid: &mut [u16], lo: &mut [u16], sums: &mut [f32]) {
     for (((&v, hi), mid), lo) in x.iter().zip(hi).zip(mid).zip(lo) {
-        let top = f32::from_bits(v.to_bits() & 0xFFFF_0000);
-        let rest = v - top;
-        let middle = f32::from_bits(rest.to_bits() & 0xFFFF_0000);
-        *hi = bf16_bits(top);
-        *mid = bf16_bits(middle);
-        *lo = bf16_bits(rest - middle);
+        [*hi, *mid, *lo] = crate::cpu_amx_tiles::split3(v);
     }
     for (s, block) in sums.iter_mut().zip(x.chunks_exact(BLOCK)) {
         *s = block.iter().sum();
     }
-}
-
-/// The `len` elements of `buffer` (at least `len + 32` long) that start on a 64-byte boundary:
-/// a tile row that straddles two cache lines costs two accesses (measured ~1.5x slower).
-pub fn aligned_64(buffer: &mut [u16], len: usize) -> &mut [u16] {
-    let skip = buffer.as_ptr().align_offset(64).min(32);
-    &mut buffer[skip..skip + len]
 }
 
 thread_local! {
@@ -417,32 +400,11 @@ thread_local! {
 }
 
 /// The 64-byte operand of `LDTILECFG` (palette 1).
-#[repr(C, align(64))]
-struct TileConfig {
-    palette: u8,
-    start_row: u8,
-    reserved: [u8; 14],
-    bytes_per_row: [u16; 16],
-    rows: [u8; 16],
-}
-
-impl TileConfig {
-    /// tmm0-2: the three parts of `rows` rows of `x` (32 inputs each); tmm3: a chunk's 16 x 32
-    /// integers (16 rows of interleaved pairs); tmm4 and tmm5: `rows x 16` float32 products.
-    fn for_rows(rows: usize) -> TileConfig {
-        let mut c = TileConfig {
-            palette: 1,
-            start_row: 0,
-            reserved: [0; 14],
-            bytes_per_row: [0; 16],
-            rows: [0; 16],
-        };
-        for t in 0..6 {
-            c.bytes_per_row[t] = 64;
-            c.rows[t] = if t == 3 { 16 } else { rows as u8 };
-        }
-        c
-    }
+/// tmm0-2: the three parts of `rows` rows of `x` (32 inputs each); tmm3: a chunk's 16 x 32
+/// integers (16 rows of interleaved pairs); tmm4 and tmm5: `rows x 16` float32 products.
+fn config_for_rows(rows: usize) -> TileConfig {
+    let r = rows as u8;
+    TileConfig::new(&[r, r, r, 16, r, r])
 }
 
 impl Kernel<'_> {
@@ -490,10 +452,8 @@ impl Kernel<'_> {
                     for row0 in (0..m).step_by(TILE_ROWS) {
                         let rows = (m - row0).min(TILE_ROWS);
                         if rows != configured_rows {
-                            let config = TileConfig::for_rows(rows);
-                            // SAFETY: a valid palette-1 configuration (rows <= 16, 64 bytes
-                            // per row).
-                            unsafe { amx::load_config(&config) };
+                            // SAFETY: AMX available (the caller's contract).
+                            unsafe { config_for_rows(rows).load() };
                             configured_rows = rows;
                         }
                         let stride = if direct {
@@ -518,7 +478,7 @@ impl Kernel<'_> {
             });
             if configured_rows != 0 {
                 // SAFETY: releases this thread's tile state.
-                unsafe { amx::release() };
+                unsafe { crate::cpu_amx_tiles::release() };
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -682,24 +642,7 @@ unsafe fn unpack_nibbles(src: &[u16], dst: &mut [u16]) {
 /// The AMX instructions, as inline assembly (Rust's AMX intrinsics are not stable).
 #[cfg(target_arch = "x86_64")]
 mod amx {
-    use super::TileConfig;
     use std::arch::asm;
-
-    /// `LDTILECFG`.
-    ///
-    /// # Safety
-    /// AMX permitted for this process; `config` valid for palette 1.
-    pub(super) unsafe fn load_config(config: &TileConfig) {
-        unsafe { asm!("ldtilecfg [{0}]", in(reg) config as *const TileConfig, options(nostack)) };
-    }
-
-    /// `TILERELEASE`.
-    ///
-    /// # Safety
-    /// AMX permitted for this process.
-    pub(super) unsafe fn release() {
-        unsafe { asm!("tilerelease", options(nostack, nomem)) };
-    }
 
     /// `products = x0 @ B + x1 @ B + x2 @ B` for one block, computed in tile register
     /// `$c`: tmm0-2 loaded from the three parts (rows `row_bytes` apart), tmm3 from the chunk's
@@ -707,7 +650,7 @@ mod amx {
     macro_rules! block_products {
         ($name:ident, $c:literal) => {
             /// # Safety
-            /// Tiles configured by [`load_config`]; the loads and the store stay inside their
+            /// Tiles configured (`config_for_rows`); the loads and the store stay inside their
             /// arrays for the configured rows.
             #[inline(always)]
             pub(super) unsafe fn $name(

@@ -347,8 +347,10 @@ fn attention_shape(
 
 /// Runs the step's rows through every layer: `hidden` `[R, H]` in (the embeddings) and out
 /// (before the final norm), each layer's K/V written into `caches[layer]`. Linear layers and
-/// attention use up to `threads` threads of the kernels' pool. Errors, touching nothing,
-/// unless the module header's invariants hold.
+/// attention use up to `threads` threads of the kernels' pool; prompt chunks may use AMX
+/// where `amx` (`paged_prefill_attention_f32`). Errors, touching nothing, unless the module
+/// header's invariants hold.
+#[allow(clippy::too_many_arguments)]
 pub fn forward_step<E: KvElement>(
     shape: &DecoderShape,
     layers: &[Layer<'_>],
@@ -357,6 +359,7 @@ pub fn forward_step<E: KvElement>(
     hidden: &mut [f32],
     rows: &StepRows<'_>,
     threads: usize,
+    amx: bool,
 ) -> Result<(), KernelInputError> {
     let r = validate(shape, layers, caches, cache, hidden, rows)?;
     if r == 0 {
@@ -468,6 +471,7 @@ pub fn forward_step<E: KvElement>(
                 &mut attended,
                 s.scale,
                 threads,
+                amx,
             )?;
         }
         layer.o_proj.apply(&attended, r, &mut projected, threads)?;
@@ -823,7 +827,16 @@ mod tests {
             threads: usize,
         ) -> (Result<(), KernelInputError>, Vec<f32>) {
             let mut hidden = self.hidden.clone();
-            let result = forward_step(&SHAPE, layers, caches, &CACHE, &mut hidden, rows, threads);
+            let result = forward_step(
+                &SHAPE,
+                layers,
+                caches,
+                &CACHE,
+                &mut hidden,
+                rows,
+                threads,
+                true,
+            );
             (result, hidden)
         }
     }
@@ -906,6 +919,7 @@ mod tests {
                 &mut hidden,
                 rows,
                 threads,
+                true,
             )
             .unwrap();
             for (j, (&got, &want)) in hidden.iter().zip(&want_hidden).enumerate() {

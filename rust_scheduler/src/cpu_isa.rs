@@ -1,7 +1,8 @@
 //! Which SIMD instruction set the CPU kernels (`cpu_linear`, `cpu_quant_linear`,
 //! `cpu_attention`, `cpu_amx_linear`) use: the widest this CPU has, detected at run time, capped
 //! by `FERROBATCH_CPU_ISA` (read once per process) and by the caller (tests force each path;
-//! the float32 kernels ask for at most `Avx512`, only `cpu_amx_linear` for `Amx`).
+//! the float32 kernels ask for at most `Avx512`; `cpu_amx_linear` and the prefill kernel's AMX
+//! path, `cpu_amx_prefill`, for `Amx`).
 //!
 //! Invariant: a kernel runs a SIMD path only for an `Isa` returned by [`Isa::detect`], so the
 //! `target_feature` functions it calls are only ever reached on a CPU with those features.
@@ -13,7 +14,8 @@ pub(crate) enum Isa {
     /// AVX2 with FMA and F16C (every AVX2 CPU has the other two)
     Avx2,
     Avx512,
-    /// AVX-512 plus AMX tiles (`cpu_amx_linear`), only where Linux grants their state
+    /// AVX-512 plus AMX tiles (`cpu_amx_linear`, `cpu_amx_prefill`), only where Linux grants
+    /// their state
     Amx,
 }
 

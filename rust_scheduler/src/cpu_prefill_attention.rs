@@ -61,9 +61,9 @@ pub struct PrefillShape {
 /// One sequence's query rows and context, as validated.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct SeqQuery {
-    q_start: usize,
-    q_len: usize,
-    seq_len: usize,
+    pub(crate) q_start: usize,
+    pub(crate) q_len: usize,
+    pub(crate) seq_len: usize,
 }
 
 fn bad<T>(msg: String) -> Result<T, KernelInputError> {
@@ -143,7 +143,9 @@ impl PrefillShape {
 }
 
 /// Runs prefill attention on up to `num_threads` threads of the kernels' pool (`cpu_pool`);
-/// see the module header for the layout. Errors instead of reading or writing out of bounds.
+/// see the module header for the layout. With `amx`, calls that [`amx_pays`] for take the AMX
+/// path (`cpu_amx_prefill`) where the CPU has it. Errors instead of reading or writing out of
+/// bounds.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_prefill_attention_f32<E: KvElement>(
     shape: &PrefillShape,
@@ -157,7 +159,9 @@ pub fn paged_prefill_attention_f32<E: KvElement>(
     out: &mut [f32],
     scale: f32,
     num_threads: usize,
+    amx: bool,
 ) -> Result<(), KernelInputError> {
+    let max_isa = if amx { Isa::Amx } else { Isa::Avx512 };
     run(
         shape,
         q,
@@ -168,8 +172,33 @@ pub fn paged_prefill_attention_f32<E: KvElement>(
         out,
         scale,
         num_threads,
-        Isa::Avx512,
+        (max_isa, AMX_MIN_QUERIES),
     )
+}
+
+/// Whether the AMX path (`cpu_amx_prefill`) is worth its set-up for these sequences: it splits
+/// every key and value of their contexts once per call, which pays off only when enough
+/// queries use each key. The rule: at least [`AMX_MIN_QUERIES`] query tokens per key, averaged
+/// over the call's keys (measured on SmolLM2's shapes, 2 threads: 64 queries over 256 keys
+/// and 128 over 128 break even; 256 over 256 gain 1.25x, 512 over 512 1.4x, 512 over 2048
+/// 1.8x; 16 over 1016 lose 1.2x).
+fn amx_pays(seqs: &[SeqQuery], min_queries: usize) -> bool {
+    let keys: usize = seqs.iter().map(|s| s.seq_len).sum();
+    let weighted: usize = seqs.iter().map(|s| s.q_len * s.seq_len).sum();
+    weighted >= min_queries * keys.max(1)
+}
+
+/// See [`amx_pays`].
+const AMX_MIN_QUERIES: usize = 128;
+
+/// Runs `job(task)` on `tasks` tasks of the kernels' pool (`cpu_pool`), or here when one task
+/// (or the pool's one worker) is all there is.
+pub(crate) fn on_tasks(tasks: usize, job: &(dyn Fn(usize) + Sync)) {
+    let pool = (tasks > 1).then(|| crate::cpu_pool::global(tasks));
+    match pool.map(|pool| (pool, tasks.min(pool.max_tasks()))) {
+        Some((pool, tasks)) if tasks > 1 => pool.run(tasks, job),
+        _ => job(0),
+    }
 }
 
 /// One unit of work: query tokens `tokens` (of the sequence's `q_len`) of sequence `seq`, all
@@ -181,8 +210,8 @@ struct Item {
     tokens: std::ops::Range<usize>,
 }
 
-/// [`paged_prefill_attention_f32`] using at most instruction set `max_isa` (tests compare every
-/// path).
+/// [`paged_prefill_attention_f32`] using at most instruction set `max_isa`, and AMX only where
+/// [`amx_pays`] with `amx_min_queries` (tests compare every path, AMX forced by 0).
 #[allow(clippy::too_many_arguments)]
 fn run<E: KvElement>(
     shape: &PrefillShape,
@@ -194,7 +223,7 @@ fn run<E: KvElement>(
     out: &mut [f32],
     scale: f32,
     num_threads: usize,
-    max_isa: Isa,
+    (max_isa, amx_min_queries): (Isa, usize),
 ) -> Result<(), KernelInputError> {
     let chunks = (q_starts, q_lens, seq_lens);
     let seqs = shape.validate(q, k_cache, v_cache, block_tables, chunks, out)?;
@@ -239,8 +268,26 @@ fn run<E: KvElement>(
         panel_base.push(panels_len);
         panels_len += hkv * sq.seq_len.div_ceil(KEYS) * d * KEYS;
     }
-    let mut panels = vec![0f32; panels_len];
     let isa = Isa::detect(max_isa);
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Amx && d.is_multiple_of(64) && amx_pays(&seqs, amx_min_queries) {
+        // SAFETY: Isa::detect gave Amx, d % 64 == 0, and the inputs were validated into `seqs`.
+        unsafe {
+            crate::cpu_amx_prefill::run(
+                shape,
+                q,
+                k_cache,
+                v_cache,
+                &seqs,
+                &key_rows,
+                out,
+                scale,
+                num_threads,
+            )
+        };
+        return Ok(());
+    }
+    let mut panels = vec![0f32; panels_len];
     let kernel = Kernel {
         shape: *shape,
         q,
@@ -258,12 +305,7 @@ fn run<E: KvElement>(
         out: OutPtr(out.as_mut_ptr()),
     };
     let threads = num_threads.clamp(1, items.len());
-    let pool = (threads > 1).then(|| crate::cpu_pool::global(threads));
-    let tasks = pool.map_or(1, |pool| threads.min(pool.max_tasks()));
-    let run_job = |job: &(dyn Fn(usize) + Sync)| match pool {
-        Some(pool) if tasks > 1 => pool.run(tasks, job),
-        _ => job(0),
-    };
+    let run_job = |job: &(dyn Fn(usize) + Sync)| on_tasks(threads, job);
     // Job 1: every (sequence, KV head)'s keys into its panels.
     let next = AtomicUsize::new(0);
     let panels_out = &OutPtr(panels.as_mut_ptr()); // (a reference: closures capture it whole)
@@ -735,7 +777,7 @@ mod tests {
                 &mut out,
                 0.125,
                 threads,
-                isa,
+                (isa, 0),
             )?;
             Ok(out)
         }
@@ -800,15 +842,20 @@ mod tests {
         }
     }
 
-    const ISAS: [Isa; 3] = [Isa::Portable, Isa::Avx2, Isa::Avx512];
+    const ISAS: [Isa; 4] = [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Amx];
 
     #[test]
     fn matches_the_f64_reference_on_every_path() {
         // (heads, kv heads, head dim, block size, tokens, sequences as (start, q_len, seq_len))
         type Seqs = &'static [(usize, usize, usize)];
-        let cases: [(usize, usize, usize, usize, usize, Seqs); 6] = [
+        let cases: [(usize, usize, usize, usize, usize, Seqs); 8] = [
             // SmolLM2-like GQA 3, a first chunk and a later chunk after 37 keys of context
             (9, 3, 64, 16, 70, &[(0, 40, 40), (41, 29, 66)]),
+            // long contexts: many panels, items of several row tiles (AMX: 32 tokens x 3
+            // heads), a part tile, chunks whose first rows see none of the last panels
+            (9, 3, 64, 16, 150, &[(0, 77, 77), (80, 70, 517)]),
+            // Llama-like: head dim 128, GQA 4, a context that is not a multiple of 32
+            (8, 2, 128, 16, 45, &[(0, 45, 301)]),
             // MHA, head dim 128, a block size that cuts panels, one row between sequences
             (4, 4, 128, 12, 60, &[(0, 9, 9), (10, 50, 131)]),
             // GQA 4, 1 and 17 tokens (a chunk boundary + 1), block size 32
@@ -862,7 +909,7 @@ mod tests {
                     &mut got,
                     0.125,
                     threads,
-                    isa,
+                    (isa, 0),
                 )
                 .unwrap();
                 let same = got
@@ -919,7 +966,7 @@ mod tests {
                 &mut out,
                 0.125,
                 2,
-                Isa::Avx512,
+                (Isa::Avx512, 0),
             );
             assert!(err.is_err(), "{what} was accepted");
             assert!(out.iter().all(|x| x.is_nan()), "{what}: out was written");
@@ -930,5 +977,78 @@ mod tests {
     fn no_sequences_is_a_no_op() {
         let case = Case::new(3, 4, &[], 2, 1, 16, 16);
         assert!(case.run(2, Isa::Avx512).unwrap().iter().all(|x| x.is_nan()));
+    }
+
+    #[test]
+    fn every_path_is_within_float32_rounding_of_the_reference() {
+        // Tighter than `assert_close`: the AMX path's three-part products must be as accurate
+        // as the vector paths' float32 ones (a lost part would err by ~2^-16 of the values).
+        let case = Case::new(21, 150, &[(0, 77, 77), (80, 70, 517)], 9, 3, 64, 16);
+        let want = case.reference();
+        for isa in ISAS {
+            let got = case.run(2, isa).unwrap();
+            let worst = got
+                .iter()
+                .zip(&want)
+                .filter(|(_, w)| !w.is_nan())
+                .map(|(g, w)| (g - w).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                worst <= 5e-7,
+                "{isa:?}: {worst:e} from the float64 reference"
+            );
+        }
+    }
+
+    #[test]
+    fn amx_is_chosen_only_where_enough_queries_share_each_key() {
+        let seq = |q_len, seq_len| SeqQuery {
+            q_start: 0,
+            q_len,
+            seq_len,
+        };
+        assert!(amx_pays(&[seq(512, 512)], AMX_MIN_QUERIES));
+        assert!(amx_pays(&[seq(512, 8192)], AMX_MIN_QUERIES));
+        assert!(!amx_pays(&[seq(16, 1016)], AMX_MIN_QUERIES));
+        assert!(!amx_pays(&[seq(64, 256)], AMX_MIN_QUERIES));
+        // averaged over the keys: a long chunk outweighs a short one beside it
+        assert!(amx_pays(&[seq(500, 2000), seq(12, 12)], AMX_MIN_QUERIES));
+        assert!(!amx_pays(&[seq(100, 4000), seq(400, 400)], AMX_MIN_QUERIES));
+        assert!(!amx_pays(&[], AMX_MIN_QUERIES));
+    }
+
+    #[test]
+    fn weights_and_queries_spanning_the_float_range_stay_exact() {
+        // Scores of several hundred make softmax weights down to e^-87 (~1e-38), whose low
+        // bfloat16 parts are subnormal; tiny queries do the same to the queries' parts. Such a
+        // part must not spill into its neighbour when two are packed into one 32-bit lane:
+        // every path stays as close to the float64 reference as the scalar one (whose error
+        // grows with the scores' size: float32 rounding of scores in the hundreds).
+        for (seed, mag, tiny) in [(9u64, 10f32, false), (10, 30.0, false), (11, 1.0, true)] {
+            let mut case = Case::new(seed, 128, &[(0, 128, 128)], 9, 3, 64, 16);
+            case.k.iter_mut().for_each(|x| *x *= mag);
+            for (i, x) in case.q.iter_mut().enumerate() {
+                *x *= if tiny && i % 3 == 0 { 1e-36 } else { mag };
+            }
+            let want = case.reference();
+            let worst = |isa| {
+                let got = case.run(2, isa).unwrap();
+                got.iter()
+                    .zip(&want)
+                    .map(|(g, w)| (g - w).abs())
+                    .fold(
+                        0f32,
+                        |m, e| if e.is_nan() { f32::INFINITY } else { m.max(e) },
+                    )
+            };
+            let scalar = worst(Isa::Portable);
+            for isa in ISAS {
+                let err = worst(isa);
+                assert!(
+                    err <= 4.0 * scalar + 1e-6,
+                    "magnitude {mag}, {isa:?}: {err:e} from the reference, the scalar path {scalar:e}"
+                );
+            }
+        }
     }
 }

@@ -6,8 +6,10 @@
 //! (the scheduler's pyo3 bindings, behind the `python` feature).
 //! Beside the scheduler, the CPU kernels the Python model runner calls on every layer:
 //! `cpu_attention` (paged decode attention) and `cpu_prefill_attention` (causal prompt chunks
-//! over the paged cache; bindings `py_attention`; the cache holds f32 or f16, `cpu_kv`), `cpu_linear` (linear layers
-//! over panel-packed weights; `cpu_quant_linear` from GGUF blocks) and `cpu_elementwise` (RMSNorm,
+//! over the paged cache, long ones through Intel AMX in `cpu_amx_prefill`; bindings
+//! `py_attention`; the cache holds f32 or f16, `cpu_kv`), `cpu_linear` (linear layers
+//! over panel-packed weights; `cpu_quant_linear` from GGUF blocks, `cpu_amx_linear` from their
+//! AMX tiles; `cpu_amx_tiles` holds the AMX instructions both AMX kernels use) and `cpu_elementwise` (RMSNorm,
 //! RoPE, SiLU-and-mul) (bindings
 //! `py_linear`). The first two
 //! split their work over `cpu_pool`, the kernels' persistent thread pool, pick their SIMD
@@ -23,6 +25,9 @@ pub mod batch;
 pub mod block_pool;
 pub mod config;
 pub mod cpu_amx_linear;
+#[cfg(target_arch = "x86_64")]
+mod cpu_amx_prefill;
+mod cpu_amx_tiles;
 pub mod cpu_attention;
 pub mod cpu_decoder;
 pub mod cpu_elementwise;

@@ -168,11 +168,14 @@ fn cache_dims(kv: &KvArrays<'_>, head_dim: usize) -> PyResult<[usize; 4]> {
 }
 
 /// `paged_prefill_attention_f32(q, k_cache, v_cache, block_tables, q_starts, q_lens, seq_lens,
-/// out, scale, num_threads)`: q/out `[T, Hq, D]` float32, caches `[num_blocks, block_size, Hkv,
-/// D]` float32 or float16; per sequence `block_tables` `[S, max_blocks]` and `q_starts` / `q_lens` / `seq_lens`
-/// `[S]` int32. Writes the sequences' rows of `out`; returns None.
+/// out, scale, num_threads, amx=True)`: q/out `[T, Hq, D]` float32, caches `[num_blocks,
+/// block_size, Hkv, D]` float32 or float16; per sequence `block_tables` `[S, max_blocks]` and
+/// `q_starts` / `q_lens` / `seq_lens` `[S]` int32. Writes the sequences' rows of `out`; returns
+/// None. `amx=False` keeps the kernel off its AMX path.
 #[pyfunction]
 #[pyo3(name = "paged_prefill_attention_f32")]
+#[pyo3(signature = (q, k_cache, v_cache, block_tables, q_starts, q_lens, seq_lens, out, scale,
+                    num_threads, amx=true))]
 #[allow(clippy::too_many_arguments)]
 pub fn py_paged_prefill_attention_f32(
     py: Python<'_>,
@@ -186,6 +189,7 @@ pub fn py_paged_prefill_attention_f32(
     mut out: PyReadwriteArrayDyn<'_, f32>,
     scale: f32,
     num_threads: usize,
+    amx: bool,
 ) -> PyResult<()> {
     let [num_tokens, num_heads, head_dim] = dims::<3>("q", q.shape())?;
     let kv = KvArrays::extract(k_cache, v_cache)?;
@@ -224,7 +228,8 @@ pub fn py_paged_prefill_attention_f32(
             ctx,
             out,
             scale,
-            num_threads
+            num_threads,
+            amx
         ))
     })
     .map_err(|e| PyValueError::new_err(e.0))

@@ -367,10 +367,11 @@ impl PyCpuDecoderStack {
     /// per layer, all float32 or all float16 (written at `slots`), `slots` `[R]` int64; the decode kernel's rows
     /// `decode_rows` `[N]` int64 (None: all, N = R) with `block_tables` `[N, max_blocks]` /
     /// `ctx_lens` `[N]` int32; `prefill` None or the prefill kernel's chunks `(q_starts, q_lens,
-    /// seq_lens, block_tables)` (int32 `[P]`, `[P]`, `[P]`, `[P, max_blocks]`).
+    /// seq_lens, block_tables)` (int32 `[P]`, `[P]`, `[P]`, `[P, max_blocks]`); `amx=False`
+    /// keeps the prompt chunks' attention off AMX.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (hidden, cos, sin, caches, slots, block_tables, ctx_lens, num_threads,
-                        decode_rows=None, prefill=None))]
+                        decode_rows=None, prefill=None, amx=true))]
     fn forward(
         &self,
         py: Python<'_>,
@@ -384,6 +385,7 @@ impl PyCpuDecoderStack {
         num_threads: usize,
         decode_rows: Option<PyReadonlyArray1<'_, i64>>,
         prefill: Option<PrefillArrays<'_>>,
+        amx: bool,
     ) -> PyResult<()> {
         let s = self.shape;
         let caches = LayerCaches::extract(caches)?;
@@ -438,7 +440,16 @@ impl PyCpuDecoderStack {
                 let mut guards = borrow_caches($list)?;
                 let mut views = cache_slices(&mut guards)?;
                 py.detach(|| {
-                    forward_step(&s, &layers, &mut views, &cache, hidden, &rows, num_threads)
+                    forward_step(
+                        &s,
+                        &layers,
+                        &mut views,
+                        &cache,
+                        hidden,
+                        &rows,
+                        num_threads,
+                        amx,
+                    )
                 })
                 .map_err(|e| PyValueError::new_err(e.0))
             }};

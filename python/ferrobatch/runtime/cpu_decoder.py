@@ -65,7 +65,7 @@ def _linear_spec(linear) -> tuple:
 class FusedLayers:
     """``model.fused_layers``: runs a step's hidden rows through every layer in Rust."""
 
-    def __init__(self, model: nn.Module, num_threads: int) -> None:
+    def __init__(self, model: nn.Module, num_threads: int, amx: bool = True) -> None:
         config = model.config
         first = model.layers[0]
         layers = [(layer.input_layernorm.weight.numpy(), _linear_spec(layer.self_attn.qkv_proj),
@@ -81,6 +81,7 @@ class FusedLayers:
             config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
             config.intermediate_size, epsilons.pop(), first.self_attn.scale, layers)
         self.num_threads = num_threads
+        self.amx = amx     # long prompt chunks' attention on AMX where the CPU has it
         self.steps = 0     # steps run fused
 
     @staticmethod
@@ -108,7 +109,7 @@ class FusedLayers:
         hidden = hidden.contiguous()
         self._stack.forward(hidden.numpy(), cos, sin, [t.numpy() for t in kv_caches],
                             meta.slot_mapping.numpy(), tables, ctx_lens, self.num_threads,
-                            decode_rows, prefill)
+                            decode_rows, prefill, amx=self.amx)
         self.steps += 1
         return hidden
 
@@ -123,5 +124,5 @@ def install_fused_decode(model: nn.Module, backend, num_threads: int) -> str | N
     """Gives ``model`` a :class:`FusedLayers`; returns None, or why it was not given one."""
     reason = unsupported(model, backend)
     if reason is None:
-        model.fused_layers = FusedLayers(model, num_threads)
+        model.fused_layers = FusedLayers(model, num_threads, amx=getattr(backend, "amx", True))
     return reason

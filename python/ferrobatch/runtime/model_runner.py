@@ -84,6 +84,8 @@ class ModelRunner:
             swap_elementwise_ops(self.model)
             if getattr(self.attn_backend, "num_threads", 0) is None:
                 self.attn_backend.num_threads = self.kernel_threads
+            if hasattr(self.attn_backend, "amx"):   # AMX for long prompt chunks' attention too
+                self.attn_backend.amx = amx_tiles
             from ferrobatch._scheduler import linear_isa
             amx = any(getattr(getattr(m, "blocks", None), "tiles", None) is not None
                       for m in self.model.modules())

@@ -89,12 +89,15 @@ class CpuPagedBackend(TorchReferenceBackend):
     gathers_decode = False
 
     def __init__(self, block_size: int, num_threads: int | None = None,
-                 prefill_kernel: bool = True) -> None:
+                 prefill_kernel: bool = True, amx: bool = True) -> None:
         super().__init__(block_size)
         from ferrobatch._scheduler import paged_decode_attention_f32, paged_prefill_attention_f32
         self._kernel = paged_decode_attention_f32
         self._prefill_kernel = paged_prefill_attention_f32 if prefill_kernel else None
         self.num_threads = num_threads
+        # long prompt chunks on Intel AMX where the CPU has it (cpu_amx_prefill.rs); the model
+        # runner sets this from ``amx_tiles``
+        self.amx = amx
 
     @staticmethod
     def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> str | None:
@@ -170,7 +173,8 @@ class CpuPagedBackend(TorchReferenceBackend):
             p = meta.prefill
             self._prefill_kernel(query.contiguous().numpy(), kv_cache[0].numpy(),
                                  kv_cache[1].numpy(), p.block_tables, p.q_starts, p.q_lens,
-                                 p.seq_lens, out[:num_tokens].numpy(), float(scale), threads)
+                                 p.seq_lens, out[:num_tokens].numpy(), float(scale), threads,
+                                 amx=self.amx)
         if meta.groups:    # prefill chunks: torch's SDPA, long ones on the kernels' threads
             with torch_threads(threads if meta.prefill_pairs >= THREADED_PREFILL_PAIRS else 1):
                 attend_groups(query, kv_cache, meta.groups, scale, out)
