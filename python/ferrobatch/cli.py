@@ -65,7 +65,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-amx", action="store_true",
                    help="CPU with AMX: steps of 5+ rows read the float32 panels (or the blocks, "
                    "up to 8 rows) instead of the GGUF blocks as AMX tiles (saves the tiles' "
-                   "memory, slower steps; FERROBATCH_CPU_ISA=avx512 does the same)")
+                   "memory, slower steps), and long prompt chunks' attention stays on AVX-512 "
+                   "(FERROBATCH_CPU_ISA=avx512 does the same)")
     g.add_argument("--no-fused-decode", action="store_true",
                    help="CPU: run steps layer by layer from Python instead of all layers "
                    "in one Rust call (same results, slower; for comparison)")

@@ -53,7 +53,8 @@ class EngineConfig:
     attn_backend: str | None = None      # auto | torch | cpu | cuda; None = auto (cuda / cpu kernels)
     cuda_graphs: bool = True             # CUDA: replay captured decode steps (False = eager only)
     gguf_blocks: bool = True             # CPU, GGUF model: small steps read the Q4_1/Q8_0 blocks
-    amx_tiles: bool = True               # CPU with AMX, GGUF model: steps of 5+ rows read them as AMX tiles
+    amx_tiles: bool = True               # CPU with AMX: GGUF blocks as AMX tiles (steps of 5+ rows),
+                                         # long prompt chunks' attention on AMX
     fused_decode: bool = True            # CPU: steps run every layer in one Rust call
 
     # KV cache

@@ -209,6 +209,16 @@ def test_the_engine_switch_reaches_the_runner(loaded_smollm2):
         assert ("steps fused" in core.runner.linear_kernels) is fused
 
 
+def test_no_amx_keeps_prompt_attention_off_amx_too():
+    """``amx_tiles=False`` (``--no-amx``) reaches the prefill kernel's AMX path as well: the
+    backend's and the fused stack's ``amx`` flags, which they pass to every prefill call."""
+    for amx in (True, False):
+        runner = ModelRunner(_random_loaded(True, False), num_blocks=8, block_size=8,
+                             attn_backend="cpu", amx_tiles=amx)
+        assert runner.attn_backend.amx is amx
+        assert runner.model.fused_layers.amx is amx
+
+
 def test_two_runners_sharing_one_model_step_concurrently():
     """Two engines may share one loaded model (each runner installs the same fused stack); their
     step threads call it at once, each with its own KV cache. With the GIL switching as often as

@@ -165,6 +165,42 @@ def test_prefill_kernel_matches_torch_reference(heads, head_dim):
         torch.testing.assert_close(out[rows], want, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("heads", [(8, 2), (9, 3)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_kernel_amx_path_matches_torch_reference(heads, head_dim):
+    """Chunks long enough for the AMX path (>= 128 queries per key on average; on a CPU with
+    AMX, cpu_amx_prefill.rs) with amx=True and amx=False, both against the reference's SDPA.
+    Large queries and keys make scores of several hundred, hence weights down to 1e-38 (whose
+    bfloat16 parts are subnormal). Without AMX both calls take the vector path."""
+    from ferrobatch._scheduler import amx_available, paged_prefill_attention_f32
+    rng = np.random.default_rng(heads[0] + head_dim)
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    q_lens, prior = [300, 200], [0, 500]
+    batch, q_starts, num_tokens, cache = _random_prefill_step(rng, q_lens, prior, heads[1],
+                                                              head_dim)
+    cache[0] *= 4
+    query = torch.randn(num_tokens, heads[0], head_dim) * 4
+    scale = head_dim ** -0.5
+    rows = torch.from_numpy(np.concatenate([np.arange(s, s + n) for s, n in zip(q_starts, q_lens)]))
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    ref = TorchReferenceBackend(16)
+    batch.query_start_loc, batch.input_ids = qsl, np.zeros(int(qsl[-1]), np.int32)
+    batch.slot_mapping = batch.input_ids
+    want = ref.forward(query[rows], cache, ref.build_metadata(batch, "cpu"), scale)
+    outs = {}
+    for amx in (True, False):
+        out = torch.full_like(query, float("nan"))
+        paged_prefill_attention_f32(query.numpy(), cache[0].numpy(), cache[1].numpy(),
+                                    batch.block_tables, q_starts, np.asarray(q_lens, np.int32),
+                                    batch.seq_lens.astype(np.int32), out.numpy(), scale, 2,
+                                    amx=amx)
+        # scores in the hundreds: float32 rounding of the scores alone moves outputs by ~1e-5
+        torch.testing.assert_close(out[rows], want, rtol=1e-4, atol=1e-4)
+        outs[amx] = out[rows]
+    if not amx_available():
+        assert torch.equal(outs[True], outs[False])
+
+
 def test_prefill_kernel_rejects_bad_inputs_without_writing():
     from ferrobatch._scheduler import paged_prefill_attention_f32
     rng = np.random.default_rng(0)
