@@ -7,7 +7,10 @@ output token, and the time spent in prefill attention; three engines side by sid
   the Rust prefill kernel);
 - `layers`: the same kernels, layer by layer from Python (`FERROBATCH_FUSED_DECODE=0`);
 - `sdpa`: prompt chunks on torch's SDPA (`FERROBATCH_PREFILL_KERNEL=0`), so prefill steps go
-  layer by layer (decode steps stay fused): the engine before the prefill kernel.
+  layer by layer (decode steps stay fused): the engine before the prefill kernel;
+- `vector`: `fused` with prompt attention kept off Intel AMX (the backend's and the fused
+  stack's `amx = False`; the linear layers still use AMX): the engine before the prefill
+  kernel's AMX path (`cpu_amx_prefill.rs`). On a CPU without AMX it equals `fused`.
 
 The engines take turns on each length (`--paths` picks some). Each length is run once to warm
 up, then timed with fresh token ids (no prefix-cache hit against the warm-up). Prompts are split
@@ -30,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: F401,E402 - sets the OpenMP defaults before torch is imported
 
 PATHS = {"fused": {}, "layers": {"FERROBATCH_FUSED_DECODE": "0"},
-         "sdpa": {"FERROBATCH_PREFILL_KERNEL": "0"}}   # label -> environment of its engine
+         "sdpa": {"FERROBATCH_PREFILL_KERNEL": "0"}, "vector": {}}  # label -> its environment
+NO_AMX_ATTENTION = {"vector"}   # labels whose prompt attention stays off AMX
 
 
 def _engine(label: str, chunk: int):
@@ -45,6 +49,11 @@ def _engine(label: str, chunk: int):
         for name in PATHS[label]:
             os.environ.pop(name, None)
     backend = llm.engine._core.runner.attn_backend
+    if label in NO_AMX_ATTENTION:
+        backend.amx = False
+        fused = llm.engine._core.runner.model.fused_layers
+        if fused is not None:
+            fused.amx = False
     spent = {"s": 0.0}
     real = backend.forward
 
@@ -92,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             for label in labels:
                 b = min(rows[label])
                 best[label, length] = b[0]
-                attn = "-" if label == "fused" else f"{b[1]:.0f}"
+                attn = "-" if label in ("fused", "vector") else f"{b[1]:.0f}"
                 print(f"{label} | {length} | {b[0]:.0f} | {attn} | "
                       + ", ".join(f"{a:.0f}/{c:.0f}" for a, c in rows[label]))
             if "fused" in labels:
