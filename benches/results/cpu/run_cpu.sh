@@ -197,6 +197,16 @@ for round in 1 2; do
   done
 done
 
+# 23. Session 16: prompt chunks' attention through Intel AMX (cpu_amx_prefill.rs): the kernel
+# as shipped vs amx=False vs SDPA, then time to first token with and without it, then the
+# headline systems.
+$PY benches/cpu_kernels.py --only prefill --json $OUT/cpu_kernels_prefill_amx_session16.json
+$PY benches/prefill_latency.py --lengths 512,2048,4096,6144 --paths fused,vector --repeat 2 \
+  | tee $OUT/prefill_latency_amx_session16.txt
+$PY benches/throughput.py --workload cpu-small \
+  --systems ferrobatch,ferrobatch-nodraft,ferrobatch-kv16,ferrobatch-static,hf-static@16,hf-continuous \
+  --no-progress --json $OUT/throughput_cpu-small_session16.json
+
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
 #   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \
