@@ -38,7 +38,7 @@
 //! Work split: tiles of 16 features in contiguous ranges, one range per task; a task writes only
 //! its own columns of `out`.
 
-use crate::cpu_amx_tiles::{aligned_64, bf16_bits, TileConfig};
+use crate::cpu_amx_tiles::{aligned_64, bf16_bits, Shared, TileConfig};
 use crate::cpu_error::{check_bias, check_lengths, KernelInputError};
 use crate::cpu_isa::Isa;
 use crate::cpu_linear::OutPtr;
@@ -280,21 +280,6 @@ thread_local! {
     /// allocation and no fresh pages per call).
     static SCRATCH: std::cell::RefCell<(Vec<u16>, Vec<f32>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
-}
-
-/// A pointer shared by the pool's tasks, each of which touches only its own disjoint range.
-#[derive(Clone, Copy)]
-struct Shared<T>(*mut T);
-// SAFETY: only used to hand disjoint ranges of one live buffer to the pool's tasks.
-unsafe impl<T> Send for Shared<T> {}
-// SAFETY: as above.
-unsafe impl<T> Sync for Shared<T> {}
-
-impl<T> Shared<T> {
-    /// The pointer (a method, so closures capture the whole `Shared`, not its raw field).
-    fn get(self) -> *mut T {
-        self.0
-    }
 }
 
 /// `out = x @ W^T + bias` with `W` packed by [`pack`]; `bias` may be empty. Splits `x` by rows

@@ -50,7 +50,7 @@
 //! disjoint panels.
 
 use crate::cpu_amx_tiles::{
-    aligned_64, release, split3_16, split3_bits, tile_dp, tile_load, tile_store, tile_zero,
+    aligned_64, release, split3_16, split3_bits, tile_dp, tile_load, tile_store, tile_zero, Shared,
     TileConfig,
 };
 use crate::cpu_exp::avx512::exp16;
@@ -75,21 +75,6 @@ const PACK_PANELS: usize = 8;
 /// `u16` of one panel's split keys and values.
 fn panel_len(d: usize) -> usize {
     6 * d / 16 * TILE
-}
-
-/// A pointer to `u16` shared by the pool's tasks, each writing only its own disjoint elements.
-#[derive(Clone, Copy)]
-struct SharedU16(*mut u16);
-// SAFETY: only used to hand disjoint panels of one live buffer to the pool's tasks.
-unsafe impl Send for SharedU16 {}
-// SAFETY: as above.
-unsafe impl Sync for SharedU16 {}
-
-impl SharedU16 {
-    /// The pointer (a method, so closures capture the whole struct, not its raw field).
-    fn get(self) -> *mut u16 {
-        self.0
-    }
 }
 
 /// Runs prefill attention (see the module header) for the validated `seqs`; `key_rows[s][t]`
@@ -157,7 +142,7 @@ pub(crate) unsafe fn run<E: KvElement>(
     }
     // Job 1: the keys and values of every (sequence, KV head) split into their panels.
     let next = AtomicUsize::new(0);
-    let dst = SharedU16(panels.as_mut_ptr());
+    let dst = Shared(panels.as_mut_ptr());
     on_tasks(threads.min(units.len()), &|_| {
         let mut rows = vec![0f32; 2 * KEYS * d];
         let mut parts = vec![0u16; 3 * KEYS * d];

@@ -161,6 +161,21 @@ pub fn aligned_64(buffer: &mut [u16], len: usize) -> &mut [u16] {
     &mut buffer[skip..skip + len]
 }
 
+/// A pointer shared by the pool's tasks, each of which touches only its own disjoint range.
+#[derive(Clone, Copy)]
+pub(crate) struct Shared<T>(pub(crate) *mut T);
+// SAFETY: only used to hand disjoint ranges of one live buffer to the pool's tasks.
+unsafe impl<T> Send for Shared<T> {}
+// SAFETY: as above.
+unsafe impl<T> Sync for Shared<T> {}
+
+impl<T> Shared<T> {
+    /// The pointer (a method, so closures capture the whole `Shared`, not its raw field).
+    pub(crate) fn get(self) -> *mut T {
+        self.0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
