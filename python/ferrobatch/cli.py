@@ -149,6 +149,7 @@ async def _serve(a: argparse.Namespace) -> int:
     print(f"ferrobatch: serving {server.state.model_name} (max_model_len "
           f"{engine.max_model_len}, attention backend {engine.attention_backend})")
     print(f"  KV cache: {engine.kv_cache}")
+    print(f"  attention: {engine.attention_kernels}")
     print(f"  linear layers: {engine.linear_kernels}")
     print(f"  speculative decoding: {engine.speculation}")
     print(f"  OpenAI HTTP : {base}/v1  (completions, chat/completions, models)")

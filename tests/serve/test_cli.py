@@ -54,8 +54,12 @@ async def test_serve_drains_on_sigint(smollm2_gguf_path):
         # ... the KV cache (blocks, dtype, size: 0.05 GiB of float32 SmolLM2 blocks) ...
         assert any(re.search(r"KV cache: \d+ blocks of 16 tokens, float32, 0\.05 GiB", line)
                    for line in lines), "".join(lines)
+        # ... its kernels, and where long prompt chunks go (AMX tiles where the CPU has AMX) ...
+        from ferrobatch._scheduler import amx_available, linear_isa
+        attention = [line for line in lines if f"attention: Rust {linear_isa()} kernels" in line]
+        assert len(attention) == 1, "".join(lines)
+        assert ("on AMX tiles" in attention[0]) == amx_available(), attention[0]
         # ... and the linear layers' kernels with the instruction set this CPU gives them
-        from ferrobatch._scheduler import linear_isa
         assert any(f"linear layers: Rust {linear_isa()} kernels" in line for line in lines), \
             "".join(lines)
         async with aiohttp.ClientSession() as s:

@@ -173,6 +173,13 @@ class AsyncEngine:
         return self._core.runner.attn_backend.name
 
     @property
+    def attention_kernels(self) -> str:
+        """What runs attention, in words (the backend's name, or the Rust kernels' instruction
+        set and where prompt chunks go)."""
+        runner = getattr(self._core, "runner", None)
+        return getattr(runner, "attention_kernels", None) or self.attention_backend
+
+    @property
     def linear_kernels(self) -> str:
         """What runs the linear layers, in words ("torch", or the Rust kernels' instruction set
         and whether GGUF blocks serve small steps)."""

@@ -77,6 +77,7 @@ class ModelRunner:
         self.kernel_threads = torch.get_num_threads()
         self.rust_linears = pack_weights and packing_unsupported(self.device, loaded.dtype) is None
         self.linear_kernels = "torch"      # in words, for the startup log and the serve banner
+        self.attention_kernels = self.attn_backend.name   # likewise
         if self.rust_linears:
             blocks = _gguf_block_weights(loaded) if gguf_blocks else {}
             num_packed = pack_linear_layers(self.model, self.kernel_threads, blocks,
@@ -119,6 +120,8 @@ class ModelRunner:
             freed = return_freed_memory()   # the load's float32 copies and released panels
             if freed:
                 logger.info("returned %.0f MiB freed while loading to the OS", freed / 2**20)
+        self.attention_kernels = getattr(self.attn_backend, "description", self.attention_kernels)
+        logger.info("attention: %s", self.attention_kernels)
         self.block_size = block_size
         self.validate_steps = validate_steps
         self.kv_cache = KVCache(self.config, num_blocks, block_size, self.device,

@@ -99,6 +99,18 @@ class CpuPagedBackend(TorchReferenceBackend):
         # runner sets this from ``amx_tiles``
         self.amx = amx
 
+    @property
+    def description(self) -> str:
+        """The kernels in words, for the start-up log and the serve banner."""
+        from ferrobatch._scheduler import amx_available, linear_isa
+        if self._prefill_kernel is None:
+            prompts = "prompt chunks on torch's SDPA"
+        elif self.amx and amx_available():
+            prompts = "long prompt chunks on AMX tiles"
+        else:
+            prompts = "prompt chunks in the prefill kernel"
+        return f"Rust {linear_isa()} kernels (decode split over the threads, {prompts})"
+
     @staticmethod
     def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> str | None:
         """None if the kernel covers this model, else the reason it does not."""
