@@ -533,15 +533,29 @@ unsafe fn tile_scores(tiles: &[u16], b_queries: &[u16], d: usize) {
         tile_zero!("tmm0");
         tile_zero!("tmm1");
         for s in 0..d / 32 {
-            for j in 0..3 {
-                tile_load!("tmm4", q(j, s), 64usize);
-                for i in 0..3 - j {
-                    tile_load!("tmm2", k(i, 0, s), row_bytes);
-                    tile_dp!("tmm0", "tmm2", "tmm4");
-                    tile_load!("tmm3", k(i, 1, s), row_bytes);
-                    tile_dp!("tmm1", "tmm3", "tmm4");
-                }
-            }
+            // the queries' three parts stay in tmm4-6 while each part of the keys meets the
+            // ones that pair with it (key part i with query parts 0..3 - i)
+            tile_load!("tmm4", q(0, s), 64usize);
+            tile_load!("tmm5", q(1, s), 64usize);
+            tile_load!("tmm6", q(2, s), 64usize);
+            tile_load!("tmm2", k(0, 0, s), row_bytes);
+            tile_load!("tmm3", k(0, 1, s), row_bytes);
+            tile_dp!("tmm0", "tmm2", "tmm4");
+            tile_dp!("tmm1", "tmm3", "tmm4");
+            tile_dp!("tmm0", "tmm2", "tmm5");
+            tile_dp!("tmm1", "tmm3", "tmm5");
+            tile_dp!("tmm0", "tmm2", "tmm6");
+            tile_dp!("tmm1", "tmm3", "tmm6");
+            tile_load!("tmm2", k(1, 0, s), row_bytes);
+            tile_load!("tmm3", k(1, 1, s), row_bytes);
+            tile_dp!("tmm0", "tmm2", "tmm4");
+            tile_dp!("tmm1", "tmm3", "tmm4");
+            tile_dp!("tmm0", "tmm2", "tmm5");
+            tile_dp!("tmm1", "tmm3", "tmm5");
+            tile_load!("tmm2", k(2, 0, s), row_bytes);
+            tile_load!("tmm3", k(2, 1, s), row_bytes);
+            tile_dp!("tmm0", "tmm2", "tmm4");
+            tile_dp!("tmm1", "tmm3", "tmm4");
         }
     }
 }
@@ -572,26 +586,35 @@ unsafe fn tile_values(tiles: &[u16], weights: &[u16], d: usize, pv: &mut [f32]) 
     debug_assert!(weights.len() == 3 * ROWS * KEYS && pv.len() == ROWS * d);
     // part p of V^T's dims 16t..16t + 16 (16 rows of 64 bytes)
     let v = |p: usize, t: usize| tiles[3 * KEYS * d + (p * d + 16 * t) * KEYS..].as_ptr();
+    // Into output tile $c: each part of V^T (tmm3) meets the weights' parts that pair with it
+    // (V part i with weight parts 0..3 - i, held in tmm0-2).
+    macro_rules! dims {
+        ($c:literal, $t:expr) => {
+            tile_load!("tmm3", v(0, $t), 64usize);
+            tile_dp!($c, "tmm3", "tmm0");
+            tile_dp!($c, "tmm3", "tmm1");
+            tile_dp!($c, "tmm3", "tmm2");
+            tile_load!("tmm3", v(1, $t), 64usize);
+            tile_dp!($c, "tmm3", "tmm0");
+            tile_dp!($c, "tmm3", "tmm1");
+            tile_load!("tmm3", v(2, $t), 64usize);
+            tile_dp!($c, "tmm3", "tmm0");
+        };
+    }
     // SAFETY: the caller's contract.
     unsafe {
+        tile_load!("tmm0", weights.as_ptr(), 64usize);
+        tile_load!("tmm1", weights[ROWS * KEYS..].as_ptr(), 64usize);
+        tile_load!("tmm2", weights[2 * ROWS * KEYS..].as_ptr(), 64usize);
         for t in (0..d / 16).step_by(4) {
             tile_zero!("tmm4");
             tile_zero!("tmm5");
             tile_zero!("tmm6");
             tile_zero!("tmm7");
-            for j in 0..3 {
-                tile_load!("tmm0", weights[j * ROWS * KEYS..].as_ptr(), 64usize);
-                for i in 0..3 - j {
-                    tile_load!("tmm1", v(i, t), 64usize);
-                    tile_dp!("tmm4", "tmm1", "tmm0");
-                    tile_load!("tmm2", v(i, t + 1), 64usize);
-                    tile_dp!("tmm5", "tmm2", "tmm0");
-                    tile_load!("tmm3", v(i, t + 2), 64usize);
-                    tile_dp!("tmm6", "tmm3", "tmm0");
-                    tile_load!("tmm1", v(i, t + 3), 64usize);
-                    tile_dp!("tmm7", "tmm1", "tmm0");
-                }
-            }
+            dims!("tmm4", t);
+            dims!("tmm5", t + 1);
+            dims!("tmm6", t + 2);
+            dims!("tmm7", t + 3);
             let at = pv.as_mut_ptr().add(16 * t * ROWS);
             tile_store!("tmm4", at, 64usize);
             tile_store!("tmm5", at.add(16 * ROWS), 64usize);
