@@ -515,8 +515,8 @@ unsafe fn query_operands(rows: &[f32], d: usize, b: &mut [u16]) {
 }
 
 /// One row tile's scores against one panel, `S^T = K . Q^T`, left in tmm0 / tmm1 (keys 0-15
-/// / 16-31; [`store_scores`] stores them); tmm2 / tmm3 a part of 16 keys, tmm4 a part of the
-/// queries.
+/// / 16-31; [`store_scores`] stores them); tmm4-6 the queries' three parts, tmm2 / tmm3 a part
+/// of the keys.
 ///
 /// # Safety
 /// Tiles configured as in [`run`]; `tiles` one panel, `b_queries` a tile's query operands.
@@ -576,7 +576,7 @@ unsafe fn store_scores(scores: &mut [f32]) {
 }
 
 /// `V^T . P^T` of one panel's values and a row tile's weights (`[3][16][16][2]` bfloat16) into
-/// `pv` (`[D][16]` float32), 64 dims at a time in tmm4-7; tmm0 a part of the weights, tmm1-3
+/// `pv` (`[D][16]` float32), 64 dims at a time in tmm4-7; tmm0-2 the weights' three parts, tmm3
 /// a part of 16 dims of the values.
 ///
 /// # Safety
