@@ -27,6 +27,10 @@
 //! row's last weigh exactly 0), then the weighted sum of the panel's V rows, read in place from
 //! the cache (an f16 cache's converted to f32 as they are loaded), into the tile's accumulators
 //! (rescaled when a row's max grows). An f16 cache's keys enter the panels as f32.
+//!
+//! Where the CPU has AMX (`Isa::detect` gives `Amx`), the head dim is a multiple of 64 and
+//! enough queries share each key ([`amx_pays`]), the call goes to `cpu_amx_prefill` instead:
+//! the same contract and validation, bfloat16 tile products at float32 accuracy.
 
 use crate::cpu_attention::CacheGeometry;
 use crate::cpu_error::KernelInputError;
