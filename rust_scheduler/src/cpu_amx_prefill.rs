@@ -528,34 +528,31 @@ unsafe fn tile_scores(tiles: &[u16], b_queries: &[u16], d: usize) {
     // part p of the queries' dims 32s..32s + 32 (16 rows of 64 bytes)
     let q = |p: usize, s: usize| b_queries[(p * d / 2 + 16 * s) * 2 * ROWS..].as_ptr();
     let row_bytes = 2 * d;
+    // Key part $i (tmm2: keys 0-15, tmm3: keys 16-31) against the query parts $q that pair
+    // with it, all held in tmm4-6.
+    macro_rules! key_part {
+        ($i:expr, $s:expr, $($q:literal),+) => {
+            tile_load!("tmm2", k($i, 0, $s), row_bytes);
+            tile_load!("tmm3", k($i, 1, $s), row_bytes);
+            $(
+                tile_dp!("tmm0", "tmm2", $q);
+                tile_dp!("tmm1", "tmm3", $q);
+            )+
+        };
+    }
     // SAFETY: the caller's contract; every pointer starts 16 rows inside its buffer.
     unsafe {
         tile_zero!("tmm0");
         tile_zero!("tmm1");
         for s in 0..d / 32 {
-            // the queries' three parts stay in tmm4-6 while each part of the keys meets the
-            // ones that pair with it (key part i with query parts 0..3 - i)
+            // the queries' three parts stay in tile registers while each part of the keys
+            // meets the ones that pair with it (key part i with query parts 0..3 - i)
             tile_load!("tmm4", q(0, s), 64usize);
             tile_load!("tmm5", q(1, s), 64usize);
             tile_load!("tmm6", q(2, s), 64usize);
-            tile_load!("tmm2", k(0, 0, s), row_bytes);
-            tile_load!("tmm3", k(0, 1, s), row_bytes);
-            tile_dp!("tmm0", "tmm2", "tmm4");
-            tile_dp!("tmm1", "tmm3", "tmm4");
-            tile_dp!("tmm0", "tmm2", "tmm5");
-            tile_dp!("tmm1", "tmm3", "tmm5");
-            tile_dp!("tmm0", "tmm2", "tmm6");
-            tile_dp!("tmm1", "tmm3", "tmm6");
-            tile_load!("tmm2", k(1, 0, s), row_bytes);
-            tile_load!("tmm3", k(1, 1, s), row_bytes);
-            tile_dp!("tmm0", "tmm2", "tmm4");
-            tile_dp!("tmm1", "tmm3", "tmm4");
-            tile_dp!("tmm0", "tmm2", "tmm5");
-            tile_dp!("tmm1", "tmm3", "tmm5");
-            tile_load!("tmm2", k(2, 0, s), row_bytes);
-            tile_load!("tmm3", k(2, 1, s), row_bytes);
-            tile_dp!("tmm0", "tmm2", "tmm4");
-            tile_dp!("tmm1", "tmm3", "tmm4");
+            key_part!(0, s, "tmm4", "tmm5", "tmm6");
+            key_part!(1, s, "tmm4", "tmm5");
+            key_part!(2, s, "tmm4");
         }
     }
 }

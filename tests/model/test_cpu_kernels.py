@@ -135,6 +135,17 @@ def _random_prefill_step(rng, q_lens, prior, num_kv_heads, head_dim, block_size=
     return batch, q_starts, num_tokens, cache
 
 
+def _reference_on_chunk_rows(query, cache, batch, q_starts, q_lens, scale):
+    """The chunks' rows of ``query`` (the rows between chunks dropped) and the reference
+    backend's SDPA attention of them: ``(rows, want)``."""
+    rows = torch.from_numpy(np.concatenate([np.arange(s, s + n) for s, n in zip(q_starts, q_lens)]))
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    ref = TorchReferenceBackend(16)
+    batch.query_start_loc, batch.input_ids = qsl, np.zeros(int(qsl[-1]), np.int32)
+    batch.slot_mapping = batch.input_ids
+    return rows, ref.forward(query[rows], cache, ref.build_metadata(batch, "cpu"), scale)
+
+
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2), (16, 2), (9, 3)])  # GQA 1, 4, 8, SmolLM2's 3
 @pytest.mark.parametrize("head_dim", [64, 128, 40])  # 40: the portable path
 def test_prefill_kernel_matches_torch_reference(heads, head_dim):
@@ -155,13 +166,7 @@ def test_prefill_kernel_matches_torch_reference(heads, head_dim):
                                     batch.seq_lens.astype(np.int32), out.numpy(), scale, threads)
         for start, n in zip(q_starts, q_lens, strict=True):
             assert out[start + n].isnan().all(), "a row between chunks was written"
-        # the reference on the chunks' rows only (the padding rows dropped)
-        rows = torch.from_numpy(np.concatenate([np.arange(s, s + n) for s, n in zip(q_starts, q_lens)]))
-        qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-        ref = TorchReferenceBackend(16)
-        batch.query_start_loc, batch.input_ids = qsl, np.zeros(int(qsl[-1]), np.int32)
-        batch.slot_mapping = batch.input_ids
-        want = ref.forward(query[rows], cache, ref.build_metadata(batch, "cpu"), scale)
+        rows, want = _reference_on_chunk_rows(query, cache, batch, q_starts, q_lens, scale)
         torch.testing.assert_close(out[rows], want, rtol=1e-5, atol=2e-6)
 
 
@@ -181,12 +186,7 @@ def test_prefill_kernel_amx_path_matches_torch_reference(heads, head_dim):
     cache[0] *= 4
     query = torch.randn(num_tokens, heads[0], head_dim) * 4
     scale = head_dim ** -0.5
-    rows = torch.from_numpy(np.concatenate([np.arange(s, s + n) for s, n in zip(q_starts, q_lens)]))
-    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    ref = TorchReferenceBackend(16)
-    batch.query_start_loc, batch.input_ids = qsl, np.zeros(int(qsl[-1]), np.int32)
-    batch.slot_mapping = batch.input_ids
-    want = ref.forward(query[rows], cache, ref.build_metadata(batch, "cpu"), scale)
+    rows, want = _reference_on_chunk_rows(query, cache, batch, q_starts, q_lens, scale)
     outs = {}
     for amx in (True, False):
         out = torch.full_like(query, float("nan"))
