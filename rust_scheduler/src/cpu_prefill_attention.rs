@@ -1055,4 +1055,46 @@ mod tests {
             }
         }
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: 48, ..proptest::prelude::ProptestConfig::default()
+        })]
+        /// Random shapes, contexts, block sizes and score scales: every path (the AMX one
+        /// forced, whatever the chunks' lengths) as close to the float64 reference as the
+        /// scalar path is.
+        #[test]
+        fn every_path_agrees_on_random_calls(
+            group in 1usize..=4,
+            hkv in 1usize..=3,
+            d in proptest::sample::select(vec![64usize, 128]),
+            bs in proptest::sample::select(vec![8usize, 16, 32]),
+            chunks in proptest::collection::vec((1usize..120, 0usize..300), 1..4),
+            mag in proptest::sample::select(vec![1.0f32, 6.0]),
+            threads in 1usize..=3,
+            seed in proptest::prelude::any::<u64>(),
+        ) {
+            let mut seqs = Vec::new();
+            let mut row = 0;
+            for &(q_len, prior) in &chunks {
+                seqs.push((row, q_len, q_len + prior));
+                row += q_len + 1; // a row between chunks, never written
+            }
+            let mut case = Case::new(seed, row, &seqs, group * hkv, hkv, d, bs);
+            case.q.iter_mut().for_each(|x| *x *= mag);
+            case.k.iter_mut().for_each(|x| *x *= mag);
+            let want = case.reference();
+            let worst = |isa| {
+                let got = case.run(threads, isa).unwrap();
+                got.iter().zip(&want).fold(0f32, |m, (g, w)| {
+                    if w.is_nan() != g.is_nan() { f32::INFINITY } else if w.is_nan() { m } else { m.max((g - w).abs()) }
+                })
+            };
+            let scalar = worst(Isa::Portable);
+            for isa in ISAS {
+                let err = worst(isa);
+                proptest::prop_assert!(err <= 4.0 * scalar + 1e-6, "{:?}: {} vs scalar {}", isa, err, scalar);
+            }
+        }
+    }
 }
