@@ -56,7 +56,7 @@ use crate::cpu_amx_tiles::{
 use crate::cpu_exp::avx512::exp16;
 use crate::cpu_kv::KvElement;
 use crate::cpu_linear::OutPtr;
-use crate::cpu_prefill_attention::{on_tasks, PrefillShape, SeqQuery};
+use crate::cpu_prefill_attention::{on_tasks, work_items, Item, PrefillShape, SeqQuery};
 use std::arch::x86_64::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -108,20 +108,10 @@ pub(crate) unsafe fn run<E: KvElement>(
     } else {
         CHUNK_TOKENS / 2
     };
-    let mut items = Vec::new(); // (cost, sequence, KV head, tokens)
-    for (seq, sq) in seqs.iter().enumerate() {
-        for lo in (0..sq.q_len).step_by(chunk) {
-            let hi = (lo + chunk).min(sq.q_len);
-            let keys = sq.seq_len - sq.q_len + hi;
-            for kv_head in 0..hkv {
-                items.push((keys * (hi - lo), seq, kv_head, lo..hi));
-            }
-        }
-    }
+    let items = work_items(seqs, hkv, chunk);
     if items.is_empty() {
         return;
     }
-    items.sort_by_key(|(cost, seq, ..)| (std::cmp::Reverse(*cost), *seq));
     let plen = panel_len(d);
     let panels_of = |sq: &SeqQuery| sq.seq_len.div_ceil(KEYS);
     let mut base = Vec::with_capacity(seqs.len()); // each sequence's first panel
@@ -183,16 +173,21 @@ pub(crate) unsafe fn run<E: KvElement>(
         unsafe { TileConfig::new(&[16; 8]).load() };
         loop {
             let i = next.fetch_add(1, Ordering::Relaxed);
-            let Some((_, seq, kv_head, tokens)) = items.get(i) else {
+            let Some(&Item {
+                seq,
+                kv_head,
+                ref tokens,
+            }) = items.get(i)
+            else {
                 break;
             };
-            let sq = seqs[*seq];
-            let first = (base[*seq] + kv_head * panels_of(&sq)) * plen;
+            let sq = seqs[seq];
+            let first = (base[seq] + kv_head * panels_of(&sq)) * plen;
             let item = ItemView {
                 shape,
                 q,
                 sq,
-                kv_head: *kv_head,
+                kv_head,
                 tokens: tokens.clone(),
                 panels: &panels[first..first + panels_of(&sq) * plen],
                 scale,

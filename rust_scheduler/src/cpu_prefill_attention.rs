@@ -208,10 +208,36 @@ pub(crate) fn on_tasks(tasks: usize, job: &(dyn Fn(usize) + Sync)) {
 /// One unit of work: query tokens `tokens` (of the sequence's `q_len`) of sequence `seq`, all
 /// query heads of KV head `kv_head`.
 #[derive(Clone, Debug)]
-struct Item {
-    seq: usize,
-    kv_head: usize,
-    tokens: std::ops::Range<usize>,
+pub(crate) struct Item {
+    pub(crate) seq: usize,
+    pub(crate) kv_head: usize,
+    pub(crate) tokens: std::ops::Range<usize>,
+}
+
+/// The call's items, chunks of up to `chunk` query tokens per (sequence, KV head), heaviest
+/// first (keys read x tokens; causal chunks differ in cost), so the last items a thread pulls
+/// are short ones.
+pub(crate) fn work_items(seqs: &[SeqQuery], num_kv_heads: usize, chunk: usize) -> Vec<Item> {
+    let mut items: Vec<(usize, Item)> = Vec::new(); // (keys the item reads, item)
+    for (seq, sq) in seqs.iter().enumerate() {
+        for lo in (0..sq.q_len).step_by(chunk) {
+            let hi = (lo + chunk).min(sq.q_len);
+            let keys = sq.seq_len - sq.q_len + hi;
+            for kv_head in 0..num_kv_heads {
+                let tokens = lo..hi;
+                items.push((
+                    keys,
+                    Item {
+                        seq,
+                        kv_head,
+                        tokens,
+                    },
+                ));
+            }
+        }
+    }
+    items.sort_by_key(|(keys, item)| (std::cmp::Reverse(*keys * item.tokens.len()), item.seq));
+    items.into_iter().map(|(_, item)| item).collect()
 }
 
 /// [`paged_prefill_attention_f32`] using at most instruction set `max_isa`, and AMX only where
@@ -231,47 +257,22 @@ fn run<E: KvElement>(
 ) -> Result<(), KernelInputError> {
     let chunks = (q_starts, q_lens, seq_lens);
     let seqs = shape.validate(q, k_cache, v_cache, block_tables, chunks, out)?;
-    let mut items: Vec<(usize, Item)> = Vec::new(); // (keys the item reads, item)
-    for (seq, sq) in seqs.iter().enumerate() {
-        for lo in (0..sq.q_len).step_by(CHUNK_TOKENS) {
-            let hi = (lo + CHUNK_TOKENS).min(sq.q_len);
-            let keys = sq.seq_len - sq.q_len + hi;
-            for kv_head in 0..shape.num_kv_heads {
-                items.push((
-                    keys,
-                    Item {
-                        seq,
-                        kv_head,
-                        tokens: lo..hi,
-                    },
-                ));
-            }
-        }
-    }
-    if items.is_empty() {
-        return Ok(());
-    }
-    // Heaviest first, so the last items a thread pulls are short ones.
-    items.sort_by_key(|(keys, item)| (std::cmp::Reverse(*keys * item.tokens.len()), item.seq));
     let (d, hkv, bs) = (shape.head_dim, shape.num_kv_heads, shape.block_size);
-    // Each key's element offset in the caches (KV head 0), and where each (sequence, KV head)'s
-    // panels start in `panels`.
-    let mut key_rows: Vec<Vec<usize>> = Vec::with_capacity(seqs.len());
-    let mut panel_base = Vec::with_capacity(seqs.len());
-    let mut panels_len = 0;
-    for (seq, sq) in seqs.iter().enumerate() {
-        let table = &block_tables[seq * shape.max_blocks_per_seq..];
-        let rows = (0..sq.seq_len.div_ceil(bs))
-            .flat_map(|b| {
-                let block = table[b] as usize;
-                (0..bs).map(move |off| (block * bs + off) * hkv * d)
-            })
-            .take(sq.seq_len)
-            .collect();
-        key_rows.push(rows);
-        panel_base.push(panels_len);
-        panels_len += hkv * sq.seq_len.div_ceil(KEYS) * d * KEYS;
-    }
+    // Each key's element offset in the caches (KV head 0).
+    let key_rows: Vec<Vec<usize>> = seqs
+        .iter()
+        .enumerate()
+        .map(|(seq, sq)| {
+            let table = &block_tables[seq * shape.max_blocks_per_seq..];
+            (0..sq.seq_len.div_ceil(bs))
+                .flat_map(|b| {
+                    let block = table[b] as usize;
+                    (0..bs).map(move |off| (block * bs + off) * hkv * d)
+                })
+                .take(sq.seq_len)
+                .collect()
+        })
+        .collect();
     let isa = Isa::detect(max_isa);
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Amx && d.is_multiple_of(64) && amx_pays(&seqs, amx_min_queries) {
@@ -290,6 +291,17 @@ fn run<E: KvElement>(
             )
         };
         return Ok(());
+    }
+    let items = work_items(&seqs, hkv, CHUNK_TOKENS);
+    if items.is_empty() {
+        return Ok(());
+    }
+    // Where each (sequence, KV head)'s panels start in `panels`.
+    let mut panel_base = Vec::with_capacity(seqs.len());
+    let mut panels_len = 0;
+    for sq in &seqs {
+        panel_base.push(panels_len);
+        panels_len += hkv * sq.seq_len.div_ceil(KEYS) * d * KEYS;
     }
     let mut panels = vec![0f32; panels_len];
     let kernel = Kernel {
@@ -341,7 +353,7 @@ fn run<E: KvElement>(
         let mut qs = vec![0f32; ROWS * d];
         loop {
             let i = next.fetch_add(1, Ordering::Relaxed);
-            let Some((_, item)) = items.get(i) else { break };
+            let Some(item) = items.get(i) else { break };
             kernel.run_item(item, panels, &mut qs, &mut acc);
         }
     });
