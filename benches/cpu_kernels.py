@@ -1,6 +1,6 @@
 """The CPU fast paths against what they replace, side by side in one run (SmolLM2-135M shapes).
 
-    python benches/cpu_kernels.py [--only attention|prefill|linear|amx|kv16] [--json benches/results/cpu/cpu_kernels.json]
+    python benches/cpu_kernels.py [--only attention|prefill|linear|blocks|kv16] [--json benches/results/cpu/cpu_kernels.json]
 
 1. Decode attention over a paged float32 cache, all 30 layers' worth of KV (so it is read from
    DRAM, as in a real step): the Rust kernel (`CpuPagedBackend`) vs the torch reference
@@ -15,9 +15,10 @@
    single-threaded as in the model runner, the kernel on torch's thread count) vs oneDNN's
    inner product on a weight prepacked once (what the CPU path used before) vs `F.linear`.
 
-4. SmolLM2's own weights (the GGUF file's Q4_1 layers and Q8_0 LM head) through the three
-   kernels the runner chooses between: float32 panels, the GGUF blocks (steps of <= 8 rows) and
-   the blocks as AMX tiles (CPUs with AMX, `cpu_amx_linear.rs`), at M rows.
+4. SmolLM2's own weights (the GGUF file's Q4_1 layers and Q8_0 LM head) through the kernels the
+   runner chooses between: float32 panels, the GGUF blocks (steps of <= 8 rows), the blocks as
+   quantized panels (`cpu_quant_panels.rs`, where the CPU has no AMX) and as AMX tiles (CPUs
+   with AMX, `cpu_amx_linear.rs`), at M rows (`--only blocks`; `--only amx` is the same).
 5. A float16 KV cache (`--kv-cache-dtype float16`) against the float32 one, the same values in
    both: the Rust decode kernel at rows x context (it reads half the bytes) and the prefill
    kernel on a chunk after prior context (it converts the chunk's keys and values once).
@@ -238,23 +239,30 @@ def _smollm2_block_kernels():
     return layers + [model.packed_lm_head]
 
 
-def amx_rows(m_list, repeats):
-    """The same weights (SmolLM2's, from the GGUF file) through the three CPU linear kernels:
-    float32 panels, the GGUF blocks (at most 8 rows) and the blocks as AMX tiles."""
-    from ferrobatch._scheduler import amx_available, linear_f32
-    if not amx_available():
-        print("AMX not available on this CPU (or FERROBATCH_CPU_ISA caps it): skipped")
-        return []
+def block_rows(m_list, repeats):
+    """The same weights (SmolLM2's, from the GGUF file) through the CPU linear kernels: float32
+    panels, the GGUF blocks (at most 8 rows), the blocks as quantized panels and, where the CPU
+    has AMX, as AMX tiles."""
+    from ferrobatch import _scheduler
+    from ferrobatch.runtime.cpu_linear import _aligned_64
     linears = _smollm2_block_kernels()
     threads = torch.get_num_threads()
+    for lin in linears:   # the runner packs these only where there are no AMX tiles
+        if lin.blocks.qpanels is None:
+            pack = _scheduler.pack_quant_panels_q4_1 if lin.blocks.kind == "q4_1" \
+                else _scheduler.pack_quant_panels_q8_0
+            lin.blocks.qpanels = _aligned_64(pack(*lin.blocks.arrays))
+    amx = _scheduler.amx_available()
 
     def run(kind, xs, outs):
         for lin in linears:
             x, out = xs[lin.in_features], outs[id(lin)]
             if kind == "panels":
-                linear_f32(x, lin.packed_weight.numpy(), None, out, threads)
+                _scheduler.linear_f32(x, lin.packed_weight.numpy(), None, out, threads)
             elif kind == "blocks":
                 lin.blocks(x, None, out, threads)
+            elif kind == "qpanels":
+                lin.blocks.panels(x, None, out, threads)
             else:
                 lin.blocks.amx(x, None, out, threads)
 
@@ -263,15 +271,19 @@ def amx_rows(m_list, repeats):
         rng = np.random.default_rng(m)
         xs = {k: rng.standard_normal((m, k)).astype(np.float32) for k in (HIDDEN, FFN)}
         outs = {id(lin): np.empty((m, lin.out_features), np.float32) for lin in linears}
-        kinds = ("panels", "blocks", "amx") if m <= 8 else ("panels", "amx")
+        kinds = ("panels", "blocks")[:2 if m <= 8 else 1] + ("qpanels",) + (("amx",) if amx else ())
         r = {"rows": m}
         with torch_single_threaded():
             for kind in kinds * 2:  # alternate; keep the 2nd round
                 r[f"{kind}_ms"] = _median_ms(partial(run, kind, xs, outs), repeats)
-        r["amx_vs_panels"] = r["panels_ms"] / r["amx_ms"]
-        r["amx_vs_blocks"] = r["blocks_ms"] / r["amx_ms"] if "blocks_ms" in r else None
-        flops = 2 * m * sum(lin.in_features * lin.out_features for lin in linears)
-        r["amx_gflops"] = flops / r["amx_ms"] / 1e6
+        best_other = min(r[f"{k}_ms"] for k in ("panels", "blocks") if f"{k}_ms" in r)
+        r["qpanels_vs_panels"] = r["panels_ms"] / r["qpanels_ms"]
+        r["qpanels_vs_best_other"] = best_other / r["qpanels_ms"]
+        if amx:
+            r["amx_vs_panels"] = r["panels_ms"] / r["amx_ms"]
+            r["amx_vs_blocks"] = r["blocks_ms"] / r["amx_ms"] if "blocks_ms" in r else None
+            flops = 2 * m * sum(lin.in_features * lin.out_features for lin in linears)
+            r["amx_gflops"] = flops / r["amx_ms"] / 1e6
         out.append(r)
         print(f"SmolLM2 linears M={m}: " + ", ".join(f"{k} {r[k + '_ms']:.1f} ms" for k in kinds),
               flush=True)
@@ -282,8 +294,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default=None)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--only", choices=["attention", "prefill", "linear", "amx", "kv16"],
-                   default=None, help="run one of the five parts")
+    p.add_argument("--only", choices=["attention", "prefill", "linear", "blocks", "amx", "kv16"],
+                   default=None, help="run one of the five parts ('amx' = 'blocks')")
     a = p.parse_args()
     att = attention_rows([1, 16, 32, 64], [256, 1024], a.repeats) \
         if a.only in (None, "attention") else []
@@ -291,8 +303,8 @@ def main() -> int:
                          a.repeats) \
         if a.only in (None, "prefill") else []
     lin = linear_rows([1, 4, 16, 32, 64, 512], a.repeats) if a.only in (None, "linear") else []
-    amx = amx_rows([1, 4, 5, 8, 13, 16, 32, 64, 512], a.repeats) \
-        if a.only in (None, "amx") else []
+    blk = block_rows([1, 4, 5, 6, 8, 13, 16, 32, 64, 512], a.repeats) \
+        if a.only in (None, "blocks", "amx") else []
     kv16 = kv16_rows([(1, 1024), (13, 256), (16, 1024), (64, 256)], [(512, 0), (512, 1536)],
                      a.repeats) if a.only in (None, "kv16") else []
     print()
@@ -312,13 +324,17 @@ def main() -> int:
                              ("onednn_ms", "oneDNN packed ms", ".1f"), ("f_linear_ms", "F.linear ms", ".1f"),
                              ("vs_onednn", "vs oneDNN", ".2f"), ("vs_f_linear", "vs F.linear", ".2f"),
                              ("rust_gflops", "rust GFLOP/s", ".0f")]))
-    if amx:
+    if blk:
         print()
-        print(format_table(amx, [("rows", "rows", "d"), ("panels_ms", "panels ms", ".1f"),
-                                 ("blocks_ms", "blocks ms", ".1f"), ("amx_ms", "AMX ms", ".1f"),
-                                 ("amx_vs_panels", "AMX vs panels", ".2f"),
-                                 ("amx_vs_blocks", "AMX vs blocks", ".2f"),
-                                 ("amx_gflops", "AMX GFLOP/s", ".0f")]))
+        columns = [("rows", "rows", "d"), ("panels_ms", "panels ms", ".1f"),
+                   ("blocks_ms", "blocks ms", ".1f"), ("qpanels_ms", "quant panels ms", ".1f"),
+                   ("qpanels_vs_panels", "qp vs panels", ".2f"),
+                   ("qpanels_vs_best_other", "qp vs best other", ".2f")]
+        if "amx_ms" in blk[0]:
+            columns += [("amx_ms", "AMX ms", ".1f"), ("amx_vs_panels", "AMX vs panels", ".2f"),
+                        ("amx_vs_blocks", "AMX vs blocks", ".2f"),
+                        ("amx_gflops", "AMX GFLOP/s", ".0f")]
+        print(format_table(blk, columns))
     if kv16:
         print()
         print(format_table(kv16, [("kind", "step", "s"), ("rows", "rows", "d"),
@@ -331,7 +347,7 @@ def main() -> int:
                             "kv_cache_f16_vs_f32_30_layers": kv16,
                             "prefill_attention_30_layers": pre,
                             "linear_30_layers_plus_head": lin,
-                            "smollm2_linears_panels_blocks_amx": amx})
+                            "smollm2_linears_panels_blocks_quant_panels_amx": blk})
         print(f"json: {a.json}")
     return 0
 

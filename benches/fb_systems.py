@@ -1,5 +1,5 @@
 """The ferrobatch systems of the offline benchmark: `ferrobatch`, `-static`, `-eager`, `-nodraft`,
-`-kv16`.
+`-kv16`, `-f32panels`.
 
 Both drive the real engine through `ferrobatch.LLM.generate` (Rust scheduler, model runner,
 sampler, step thread, incremental detokenization — the engine as shipped) with token-id prompts and
@@ -19,6 +19,9 @@ sampler, step thread, incremental detokenization — the engine as shipped) with
   workload's ideal decode steps.
 - `ferrobatch-kv16`: `ferrobatch` with `kv_cache_dtype="float16"` (CPU: a float16 KV cache, half
   the bytes per token; greedy tokens may differ from the float32 cache's).
+- `ferrobatch-f32panels`: `ferrobatch` with `FERROBATCH_QUANT_PANELS=0` (CPU without AMX: the
+  linear layers' steps of 6 or more rows read float32 panels instead of the GGUF blocks packed
+  as quantized panels; the same outputs, bit for bit).
 
 Per-step batch occupancy comes from the engine's public observer hook (`on_step_tokens`: tokens
 sampled in that step = sequences that produced a token) and `AsyncEngine.stats()` (scheduler

@@ -10,7 +10,10 @@ output token, and the time spent in prefill attention; three engines side by sid
   layer by layer (decode steps stay fused): the engine before the prefill kernel;
 - `vector`: `fused` with prompt attention kept off Intel AMX (the backend's and the fused
   stack's `amx = False`; the linear layers still use AMX): the engine before the prefill
-  kernel's AMX path (`cpu_amx_prefill.rs`). On a CPU without AMX it equals `fused`.
+  kernel's AMX path (`cpu_amx_prefill.rs`). On a CPU without AMX it equals `fused`;
+- `f32panels`: `fused` with the linear layers' larger steps on float32 panels instead of the
+  GGUF blocks packed as quantized panels (`FERROBATCH_QUANT_PANELS=0`; on a CPU with AMX the
+  AMX tiles take those steps either way).
 
 The engines take turns on each length (`--paths` picks some). Each length is run once to warm
 up, then timed with fresh token ids (no prefix-cache hit against the warm-up). Prompts are split
@@ -33,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: F401,E402 - sets the OpenMP defaults before torch is imported
 
 PATHS = {"fused": {}, "layers": {"FERROBATCH_FUSED_DECODE": "0"},
-         "sdpa": {"FERROBATCH_PREFILL_KERNEL": "0"}, "vector": {}}  # label -> its environment
+         "sdpa": {"FERROBATCH_PREFILL_KERNEL": "0"}, "vector": {},
+         "f32panels": {"FERROBATCH_QUANT_PANELS": "0"}}  # label -> its environment
 NO_AMX_ATTENTION = {"vector"}   # labels whose prompt attention stays off AMX
 
 

@@ -15,6 +15,9 @@ Systems (append `@N` to override the batch size / concurrency cap, e.g. `hf-stat
                      of prompt lookup, which transformers' `generate` and CB do not do
   ferrobatch-kv16    the engine with a float16 KV cache (`--kv-cache-dtype float16`, CPU): half
                      the bytes decode attention reads (not token-identical to the others)
+  ferrobatch-f32panels the engine with float32 panels for steps of 6+ rows instead of the GGUF
+                     blocks packed as quantized panels (`FERROBATCH_QUANT_PANELS=0`, CPU without
+                     AMX): the ablation of the quantized panels (token-identical)
   hf-static          transformers `generate` on fixed left-padded batches (arrival order)
   hf-continuous      transformers' ContinuousBatchingManager (per-request max_new_tokens)
 
@@ -49,7 +52,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 FB_VARIANTS = {"ferrobatch": "", "ferrobatch-static": "", "ferrobatch-eager": "eager",
-               "ferrobatch-nodraft": "nodraft", "ferrobatch-kv16": "kv16"}   # system -> engine variant (static: same engine)
+               "ferrobatch-nodraft": "nodraft", "ferrobatch-kv16": "kv16",
+               "ferrobatch-f32panels": "f32panels"}   # system -> engine variant (static: same engine)
 SYSTEMS = (*FB_VARIANTS, "hf-static", "hf-continuous")
 DEFAULT_SYSTEMS = "ferrobatch,ferrobatch-static,hf-static,hf-continuous"
 
@@ -105,7 +109,13 @@ class Systems:
                 extra["num_speculative_tokens"] = 0
             if variant == "kv16":
                 extra["kv_cache_dtype"] = "float16"
-            self.fb[key] = FerrobatchRunner(self.w, cap, **extra)
+            if variant == "f32panels":   # read when the engine packs its weights
+                os.environ["FERROBATCH_QUANT_PANELS"] = "0"
+            try:
+                self.fb[key] = FerrobatchRunner(self.w, cap, **extra)
+            finally:
+                if variant == "f32panels":
+                    os.environ.pop("FERROBATCH_QUANT_PANELS", None)
             self.setup_s[f"ferrobatch{'-' + variant if variant else ''}@{cap}"] = \
                 self.fb[key].load_s
         return self.fb[key]

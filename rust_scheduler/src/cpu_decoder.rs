@@ -32,6 +32,7 @@ use crate::cpu_kv::KvElement;
 use crate::cpu_linear::{linear_f32, LinearShape, PANEL_WIDTH};
 use crate::cpu_prefill_attention::{paged_prefill_attention_f32, PrefillShape};
 use crate::cpu_quant_linear::{linear_quant_f32, QuantShape, QuantWeight, MAX_ROWS};
+use crate::cpu_quant_panels::{self, linear_quant_panels_f32, QuantPanelShape, QuantPanels};
 
 /// The model's sizes, shared by every layer.
 #[derive(Clone, Copy, Debug)]
@@ -62,7 +63,8 @@ impl DecoderShape {
 /// A linear layer `y = x @ W^T + bias` (`W` `[n, k]`): panel-packed float32 (`cpu_linear`'s
 /// layout) and, if the model came from GGUF, also its blocks, read for steps of at most
 /// [`MAX_ROWS`] rows, and their AMX tiles, read for steps of at least
-/// `cpu_amx_linear::MIN_ROWS` where AMX is available (as `PanelLinear` does in Python).
+/// `cpu_amx_linear::MIN_ROWS` where AMX is available, or the blocks as panels, read for steps
+/// of at least `cpu_quant_panels::MIN_ROWS` where it is not (as `PanelLinear` does in Python).
 #[derive(Clone, Copy)]
 pub struct Linear<'a> {
     pub n: usize,
@@ -74,6 +76,9 @@ pub struct Linear<'a> {
     /// the same blocks packed for the AMX kernel (`cpu_amx_linear::pack`), read for steps of at
     /// least `cpu_amx_linear::MIN_ROWS` rows where AMX is available
     pub tiles: Option<AmxTiles<'a>>,
+    /// the same blocks packed as panels (`cpu_quant_panels::pack`), read for steps of at least
+    /// `cpu_quant_panels::MIN_ROWS` rows where the AMX tiles are not
+    pub qpanels: Option<QuantPanels<'a>>,
 }
 
 impl Linear<'_> {
@@ -87,12 +92,16 @@ impl Linear<'_> {
     ) -> Result<(), KernelInputError> {
         let (n, k) = (self.n, self.k);
         let amx = self.tiles.filter(|_| cpu_amx_linear::available());
-        match (self.blocks, amx) {
-            (_, Some(tiles)) if rows >= cpu_amx_linear::MIN_ROWS => {
+        match (self.blocks, amx, self.qpanels) {
+            (_, Some(tiles), _) if rows >= cpu_amx_linear::MIN_ROWS => {
                 let shape = AmxShape { m: rows, n, k };
                 linear_amx_f32(&shape, x, tiles, self.bias, out, threads)
             }
-            (Some(w), _) if rows <= MAX_ROWS => {
+            (_, None, Some(qpanels)) if rows >= cpu_quant_panels::MIN_ROWS => {
+                let shape = QuantPanelShape { m: rows, n, k };
+                linear_quant_panels_f32(&shape, x, qpanels, self.bias, out, threads)
+            }
+            (Some(w), _, _) if rows <= MAX_ROWS => {
                 let shape = QuantShape { m: rows, n, k };
                 linear_quant_f32(&shape, x, w, self.bias, out, threads)
             }
@@ -107,22 +116,23 @@ impl Linear<'_> {
         }
     }
 
-    /// No panels are needed when the blocks take every step below `MIN_ROWS` rows and their
-    /// AMX tiles every other (`apply` never reaches the panels then).
-    fn blocks_and_tiles_cover_every_step(&self) -> bool {
+    /// No float32 panels are needed when the blocks take every step below `MIN_ROWS` rows
+    /// and their AMX tiles (where AMX is available) or their quantized panels every other
+    /// (`apply` never reaches the float32 panels then).
+    fn blocks_cover_every_step(&self) -> bool {
+        const { assert!(cpu_amx_linear::MIN_ROWS <= MAX_ROWS + 1) };
+        const { assert!(cpu_quant_panels::MIN_ROWS <= MAX_ROWS + 1) };
         self.blocks.is_some()
-            && self.tiles.is_some()
-            && cpu_amx_linear::available()
-            && cpu_amx_linear::MIN_ROWS <= MAX_ROWS + 1
+            && ((self.tiles.is_some() && cpu_amx_linear::available()) || self.qpanels.is_some())
     }
 
     fn check(&self, name: &str, n: usize, k: usize) -> Result<(), KernelInputError> {
         let panels_len = n.div_ceil(PANEL_WIDTH) * k * PANEL_WIDTH;
-        let no_panels = self.panels.is_empty() && self.blocks_and_tiles_cover_every_step();
+        let no_panels = self.panels.is_empty() && self.blocks_cover_every_step();
         if self.n != n || self.k != k || (self.panels.len() != panels_len && !no_panels) {
             return bad(format!(
                 "{name}: weight is [{}, {}] with {} packed elements; the model needs [{n}, {k}] \
-                 ({panels_len} packed, or none with blocks and AMX tiles)",
+                 ({panels_len} packed, or none with blocks and AMX tiles or quantized panels)",
                 self.n,
                 self.k,
                 self.panels.len()
@@ -145,6 +155,12 @@ impl Linear<'_> {
             AmxShape { m: 0, n, k }
                 .validate(&[], tiles, self.bias, &[])
                 .map_err(|e| KernelInputError(format!("{name} AMX tiles: {}", e.0)))?;
+        }
+        if let Some(qpanels) = &self.qpanels {
+            // the quantized panel kernel's own check of its arrays (a call of no rows)
+            QuantPanelShape { m: 0, n, k }
+                .validate(&[], qpanels, self.bias, &[])
+                .map_err(|e| KernelInputError(format!("{name} quantized panels: {}", e.0)))?;
         }
         Ok(())
     }
@@ -518,6 +534,7 @@ mod tests {
         dense: Vec<f32>,
         panels: Vec<f32>,
         tiles: Vec<u16>,
+        qpanels: Vec<u8>,
         zero_panels: Vec<f32>,
         no_panels: Vec<f32>,
         zero_scale: Vec<f32>,
@@ -545,8 +562,10 @@ mod tests {
                 qs: &qs,
             };
             let tiles = cpu_amx_linear::pack(&blocks, n, k).unwrap();
+            let qpanels = cpu_quant_panels::pack(&blocks, n, k).unwrap();
             Weight {
                 tiles,
+                qpanels,
                 zero_panels: vec![0.0; panels.len()],
                 no_panels: vec![],
                 zero_scale: vec![0.0; scale.len()],
@@ -567,7 +586,10 @@ mod tests {
                 Kernels::PanelsOnly => (&self.panels, true, &self.zero_scale),
                 Kernels::TilesOnly => (&self.zero_panels, true, &self.zero_scale),
                 Kernels::NoPanels => (&self.no_panels, true, &self.scale),
+                Kernels::QuantPanelsOnly => (&self.zero_panels, true, &self.zero_scale),
+                Kernels::NoPanelsQuant => (&self.no_panels, true, &self.scale),
             };
+            let quant_panels = matches!(kernels, Kernels::QuantPanelsOnly | Kernels::NoPanelsQuant);
             Linear {
                 n: self.n,
                 k: self.k,
@@ -583,6 +605,10 @@ mod tests {
                         data: &self.tiles,
                     },
                 ),
+                qpanels: quant_panels.then_some(QuantPanels {
+                    format: cpu_quant_panels::PanelFormat::Q8_0,
+                    data: &self.qpanels,
+                }),
             }
         }
 
@@ -601,7 +627,9 @@ mod tests {
     /// of <= 8 rows must read the blocks); panels with zeroed blocks (a step of more rows must
     /// read the panels); AMX tiles with zeroed panels and blocks (a step of more rows must read
     /// the tiles where AMX is available); blocks and tiles without panels (every step size is
-    /// covered where AMX is available).
+    /// covered where AMX is available); quantized panels with zeroed float32 panels and blocks
+    /// (a step of more rows must read the quantized panels); blocks and quantized panels
+    /// without float32 panels (every step size is covered, on every CPU).
     #[derive(Clone, Copy, Debug)]
     enum Kernels {
         Panels,
@@ -609,6 +637,8 @@ mod tests {
         PanelsOnly,
         TilesOnly,
         NoPanels,
+        QuantPanelsOnly,
+        NoPanelsQuant,
     }
 
     struct LayerWeights {
@@ -880,6 +910,11 @@ mod tests {
         run_case(Kernels::Panels, 0);
         run_case(Kernels::BlocksOnly, 0); // 4 rows read the blocks
         run_case(Kernels::PanelsOnly, 6); // 10 rows read the panels although blocks are known
+        run_case(Kernels::QuantPanelsOnly, 2); // 6 rows read the quantized panels
+        run_case(Kernels::QuantPanelsOnly, 6); // 10 rows
+        run_case(Kernels::QuantPanelsOnly, 20); // 24 rows: two row tiles
+        run_case(Kernels::NoPanelsQuant, 0); // 4 rows: the blocks
+        run_case(Kernels::NoPanelsQuant, 6); // 10 rows: the quantized panels
         if cpu_amx_linear::available() {
             run_case(Kernels::TilesOnly, 1); // 5 rows read the AMX tiles
             run_case(Kernels::TilesOnly, 6); // 10 rows

@@ -21,9 +21,9 @@ use crate::cpu_isa::Isa;
 /// Output columns per panel (two AVX2 vectors).
 pub const PANEL_WIDTH: usize = 16;
 /// Rows per register tile: 6 rows x 2 vectors = 12 accumulators of the 16 AVX2 registers.
-const TILE_ROWS: usize = 6;
+pub(crate) const TILE_ROWS: usize = 6;
 /// Rows per AVX-512 tile: 12 rows x 2 panels = 24 accumulators of the 32 AVX-512 registers.
-const TILE_ROWS_512: usize = 12;
+pub(crate) const TILE_ROWS_512: usize = 12;
 
 /// Shapes of one linear-layer call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -147,6 +147,20 @@ fn run(
     Ok(())
 }
 
+/// [`linear_f32`] on at most `max_isa` (other kernels' tests compare against every path).
+#[cfg(test)]
+pub(crate) fn linear_f32_isa(
+    shape: &LinearShape,
+    x: &[f32],
+    packed: &[f32],
+    bias: &[f32],
+    out: &mut [f32],
+    num_threads: usize,
+    max_isa: Isa,
+) -> Result<(), KernelInputError> {
+    run(shape, x, packed, bias, out, num_threads, max_isa)
+}
+
 /// The output's base pointer, shared by threads that write disjoint columns (also used by
 /// `cpu_quant_linear`, which splits its output the same way).
 #[derive(Clone, Copy)]
@@ -167,7 +181,7 @@ struct Kernel<'a> {
 
 /// One register tile's results: up to 12 rows x 32 columns (two panels); the AVX2 and portable
 /// tiles fill at most 6 rows x 16 columns of it.
-type TileBuf = [[f32; 2 * PANEL_WIDTH]; TILE_ROWS_512];
+pub(crate) type TileBuf = [[f32; 2 * PANEL_WIDTH]; TILE_ROWS_512];
 
 impl Kernel<'_> {
     /// Output columns of panels `first..last`, every row.
@@ -184,8 +198,8 @@ impl Kernel<'_> {
             Isa::Avx2 => unsafe { self.run_panels_avx2(first, last) },
             _ => {
                 let k = self.shape.k;
-                let tile = |_, rows, x: &[f32], panel: &[f32], bias: &_, out: &mut _| {
-                    portable::tile(rows, x, k, panel, bias, out)
+                let tile = |_, rows, x: &[f32], panel: &[f32], out: &mut _| {
+                    portable::tile(rows, x, k, k, panel, out)
                 };
                 // SAFETY: forwarded from the caller.
                 unsafe { self.walk(first, last, 1, TILE_ROWS, tile) }
@@ -202,9 +216,9 @@ impl Kernel<'_> {
     #[target_feature(enable = "avx512f")]
     unsafe fn run_panels_avx512(&self, first: usize, last: usize) {
         let k = self.shape.k;
-        let tile = |np: usize, rows, x: &[f32], panels: &[f32], bias: &_, out: &mut _| {
+        let tile = |np: usize, rows, x: &[f32], panels: &[f32], out: &mut _| {
             // SAFETY: this CPU has AVX-512F (the caller's contract).
-            unsafe { avx512::tile(np == 2, rows, x, k, panels, bias, out) }
+            unsafe { avx512::tile::<true>(np == 2, rows, x, k, k, panels, out) }
         };
         // SAFETY: forwarded from the caller.
         unsafe { self.walk(first, last, 2, TILE_ROWS_512, tile) }
@@ -218,9 +232,9 @@ impl Kernel<'_> {
     #[target_feature(enable = "avx2,fma")]
     unsafe fn run_panels_avx2(&self, first: usize, last: usize) {
         let k = self.shape.k;
-        let tile = |_, rows, x: &[f32], panel: &[f32], bias: &_, out: &mut _| {
+        let tile = |_, rows, x: &[f32], panel: &[f32], out: &mut _| {
             // SAFETY: this CPU has AVX2 and FMA (the caller's contract).
-            unsafe { avx2::tile(rows, x, k, panel, bias, out) }
+            unsafe { avx2::tile::<true>(rows, x, k, k, panel, out) }
         };
         // SAFETY: forwarded from the caller.
         unsafe { self.walk(first, last, 1, TILE_ROWS, tile) }
@@ -229,7 +243,8 @@ impl Kernel<'_> {
     /// The walk every instruction set shares: passes of rows whose x block stays in L2, groups
     /// of up to `group` neighbouring panels, and row tiles of near-equal height, at most
     /// `tile_rows` each (16 rows at 6 = 6 + 5 + 5, not 6 + 6 + 4: a short tile does less work
-    /// per weight it loads); `tile(panels, rows, x, packed, bias, out)` computes one tile.
+    /// per weight it loads); `tile(panels, rows, x, packed, out)` adds one tile's products to
+    /// `out` (which starts as the bias).
     ///
     /// # Safety
     /// As [`Kernel::run_panels`].
@@ -240,7 +255,7 @@ impl Kernel<'_> {
         last: usize,
         group: usize,
         tile_rows: usize,
-        tile: impl Fn(usize, usize, &[f32], &[f32], &[f32; 2 * PANEL_WIDTH], &mut TileBuf),
+        tile: impl Fn(usize, usize, &[f32], &[f32], &mut TileBuf),
     ) {
         let LinearShape { m, n, k } = self.shape;
         // Rows per pass over the weights: the x block (rows_per_pass * K floats) stays in L2
@@ -264,8 +279,8 @@ impl Kernel<'_> {
                 for tile_index in 0..num_tiles {
                     let height = (rows - (r - row0)) / (num_tiles - tile_index);
                     let x = &self.x[r * k..(r + height) * k];
-                    let mut out_tile: TileBuf = [[0f32; 2 * PANEL_WIDTH]; TILE_ROWS_512];
-                    tile(np, height, x, panels, &bias, &mut out_tile);
+                    let mut out_tile: TileBuf = [bias; TILE_ROWS_512];
+                    tile(np, height, x, panels, &mut out_tile);
                     for (i, values) in out_tile.iter().take(height).enumerate() {
                         // SAFETY: row r + i < m and columns col0..col0 + cols <= n are inside
                         // `out` (validated length m * n) and belong to this thread's panels.
@@ -283,22 +298,22 @@ impl Kernel<'_> {
     }
 }
 
-mod portable {
+pub(crate) mod portable {
     use super::{TileBuf, PANEL_WIDTH, TILE_ROWS};
 
-    /// `tile[i] = bias + x[i] @ panel` for the first `rows` rows of `x` (row stride `k`).
-    pub(super) fn tile(
+    /// `tile[i] += x[i] @ panel` for the first `rows` rows of `x` (row stride `x_stride`, `kc`
+    /// inputs), `panel` `[kc][16]`.
+    pub(crate) fn tile(
         rows: usize,
         x: &[f32],
-        k: usize,
+        x_stride: usize,
+        kc: usize,
         panel: &[f32],
-        bias: &[f32; 2 * PANEL_WIDTH],
         tile: &mut TileBuf,
     ) {
         for (i, acc) in tile.iter_mut().take(rows.min(TILE_ROWS)).enumerate() {
             let acc = &mut acc[..PANEL_WIDTH];
-            acc.copy_from_slice(&bias[..PANEL_WIDTH]);
-            let x_row = &x[i * k..][..k];
+            let x_row = &x[i * x_stride..][..kc];
             for (&a, w) in x_row.iter().zip(panel.chunks_exact(PANEL_WIDTH)) {
                 for (c, &b) in acc.iter_mut().zip(w) {
                     *c += a * b;
@@ -309,61 +324,72 @@ mod portable {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     use super::{TileBuf, PANEL_WIDTH, TILE_ROWS};
     use std::arch::x86_64::*;
 
-    /// `tile[i] = bias + x[i] @ panel` for the first `rows` (1..=6) rows of `x` (row stride `k`).
+    /// `tile[i] += x[i] @ panel` for the first `rows` (1..=6) rows of `x` (row stride
+    /// `x_stride`, `kc` inputs), `panel` `[kc][16]`; with `PREFETCH`, the lines of the panel
+    /// that follows it in memory are prefetched as it goes.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn tile(
+    pub(crate) unsafe fn tile<const PREFETCH: bool>(
         rows: usize,
         x: &[f32],
-        k: usize,
+        x_stride: usize,
+        kc: usize,
         panel: &[f32],
-        bias: &[f32; 2 * PANEL_WIDTH],
         tile: &mut TileBuf,
     ) {
-        // SAFETY (all arms): the caller is on an AVX2+FMA CPU; `x` holds `rows * k` floats and
-        // `panel` `k * 16`, which `tile_rows` checks before its unchecked loads.
+        // SAFETY (all arms): the caller is on an AVX2+FMA CPU; `tile_rows` checks the slice
+        // lengths before its unchecked loads.
         unsafe {
             match rows {
-                1 => tile_rows::<1>(x, k, panel, bias, tile),
-                2 => tile_rows::<2>(x, k, panel, bias, tile),
-                3 => tile_rows::<3>(x, k, panel, bias, tile),
-                4 => tile_rows::<4>(x, k, panel, bias, tile),
-                5 => tile_rows::<5>(x, k, panel, bias, tile),
-                _ => tile_rows::<6>(x, k, panel, bias, tile),
+                1 => tile_rows::<1, PREFETCH>(x, x_stride, kc, panel, tile),
+                2 => tile_rows::<2, PREFETCH>(x, x_stride, kc, panel, tile),
+                3 => tile_rows::<3, PREFETCH>(x, x_stride, kc, panel, tile),
+                4 => tile_rows::<4, PREFETCH>(x, x_stride, kc, panel, tile),
+                5 => tile_rows::<5, PREFETCH>(x, x_stride, kc, panel, tile),
+                _ => tile_rows::<6, PREFETCH>(x, x_stride, kc, panel, tile),
             }
         }
     }
 
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn tile_rows<const R: usize>(
+    unsafe fn tile_rows<const R: usize, const PREFETCH: bool>(
         x: &[f32],
-        k: usize,
+        x_stride: usize,
+        kc: usize,
         panel: &[f32],
-        bias: &[f32; 2 * PANEL_WIDTH],
         tile: &mut TileBuf,
     ) {
-        assert!(x.len() >= R * k && panel.len() >= k * PANEL_WIDTH && R <= TILE_ROWS);
+        assert!(R <= TILE_ROWS && kc <= x_stride && panel.len() >= kc * PANEL_WIDTH);
+        assert!(x.len() >= (R - 1) * x_stride + kc);
         let (xp, wp) = (x.as_ptr(), panel.as_ptr());
-        // SAFETY: every load below is at x[r * k + kk] (r < R, kk < k) or panel[kk * 16 + 0..16],
-        // inside the slices by the assert; the CPU has AVX2+FMA (caller).
+        // SAFETY: every load below is at x[r * x_stride + kk] (r < R, kk < kc) or
+        // panel[kk * 16 + 0..16], inside the slices by the asserts; the CPU has AVX2+FMA
+        // (caller). Prefetches may point past the slices: they never fault.
         unsafe {
-            let b_lo = _mm256_loadu_ps(bias.as_ptr());
-            let b_hi = _mm256_loadu_ps(bias.as_ptr().add(8));
-            let mut lo = [b_lo; R];
-            let mut hi = [b_hi; R];
+            let mut lo = [_mm256_setzero_ps(); R];
+            let mut hi = [_mm256_setzero_ps(); R];
+            for r in 0..R {
+                lo[r] = _mm256_loadu_ps(tile[r].as_ptr());
+                hi[r] = _mm256_loadu_ps(tile[r].as_ptr().add(8));
+            }
             // The panel after this one follows it in memory: ask for its line at the same `k`
             // now, so DRAM keeps streaming while this panel's later row tiles run from cache.
-            let next = wp.wrapping_add(k * PANEL_WIDTH);
-            for kk in 0..k {
-                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(kk * PANEL_WIDTH).cast());
+            let next = wp.wrapping_add(kc * PANEL_WIDTH);
+            for kk in 0..kc {
+                if PREFETCH {
+                    _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(kk * PANEL_WIDTH).cast());
+                }
                 let w_lo = _mm256_loadu_ps(wp.add(kk * PANEL_WIDTH));
                 let w_hi = _mm256_loadu_ps(wp.add(kk * PANEL_WIDTH + 8));
                 for r in 0..R {
-                    let a = _mm256_broadcast_ss(&*xp.add(r * k + kk));
+                    let a = _mm256_broadcast_ss(&*xp.add(r * x_stride + kk));
                     lo[r] = _mm256_fmadd_ps(a, w_lo, lo[r]);
                     hi[r] = _mm256_fmadd_ps(a, w_hi, hi[r]);
                 }
@@ -377,38 +403,43 @@ mod avx2 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
+pub(crate) mod avx512 {
     use super::{TileBuf, PANEL_WIDTH, TILE_ROWS_512};
     use std::arch::x86_64::*;
 
-    /// `tile[i][..16 * P] = bias + x[i] @ panels` for the first `rows` (1..=12) rows of `x` (row
-    /// stride `k`), over one panel (`pair` false, `panels` = `k * 16` floats) or two neighbouring
-    /// ones (`pair` true, `2 * k * 16` floats: the second panel's columns follow the first's).
+    /// `tile[i][..16 * P] += x[i] @ panels` for the first `rows` (1..=12) rows of `x` (row
+    /// stride `x_stride`, `kc` inputs), over one panel (`pair` false, `panels` = `kc * 16`
+    /// floats) or two neighbouring ones (`pair` true, `2 * kc * 16` floats: the second panel's
+    /// columns follow the first's); with `PREFETCH`, the lines of the panels that follow them
+    /// in memory are prefetched as it goes.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn tile(
+    pub(crate) unsafe fn tile<const PREFETCH: bool>(
         pair: bool,
         rows: usize,
         x: &[f32],
-        k: usize,
+        x_stride: usize,
+        kc: usize,
         panels: &[f32],
-        bias: &[f32; 2 * PANEL_WIDTH],
         tile: &mut TileBuf,
     ) {
         macro_rules! dispatch {
             ($p:literal) => {
                 match rows {
-                    1 => tile_rows::<1, $p>(x, k, panels, bias, tile),
-                    2 => tile_rows::<2, $p>(x, k, panels, bias, tile),
-                    3 => tile_rows::<3, $p>(x, k, panels, bias, tile),
-                    4 => tile_rows::<4, $p>(x, k, panels, bias, tile),
-                    5 => tile_rows::<5, $p>(x, k, panels, bias, tile),
-                    6 => tile_rows::<6, $p>(x, k, panels, bias, tile),
-                    7 => tile_rows::<7, $p>(x, k, panels, bias, tile),
-                    8 => tile_rows::<8, $p>(x, k, panels, bias, tile),
-                    9 => tile_rows::<9, $p>(x, k, panels, bias, tile),
-                    10 => tile_rows::<10, $p>(x, k, panels, bias, tile),
-                    11 => tile_rows::<11, $p>(x, k, panels, bias, tile),
-                    _ => tile_rows::<12, $p>(x, k, panels, bias, tile),
+                    1 => tile_rows::<1, $p, PREFETCH>(x, x_stride, kc, panels, tile),
+                    2 => tile_rows::<2, $p, PREFETCH>(x, x_stride, kc, panels, tile),
+                    3 => tile_rows::<3, $p, PREFETCH>(x, x_stride, kc, panels, tile),
+                    4 => tile_rows::<4, $p, PREFETCH>(x, x_stride, kc, panels, tile),
+                    5 => tile_rows::<5, $p, PREFETCH>(x, x_stride, kc, panels, tile),
+                    6 => tile_rows::<6, $p, PREFETCH>(x, x_stride, kc, panels, tile),
+                    7 => tile_rows::<7, $p, PREFETCH>(x, x_stride, kc, panels, tile),
+                    8 => tile_rows::<8, $p, PREFETCH>(x, x_stride, kc, panels, tile),
+                    9 => tile_rows::<9, $p, PREFETCH>(x, x_stride, kc, panels, tile),
+                    10 => tile_rows::<10, $p, PREFETCH>(x, x_stride, kc, panels, tile),
+                    11 => tile_rows::<11, $p, PREFETCH>(x, x_stride, kc, panels, tile),
+                    _ => tile_rows::<12, $p, PREFETCH>(x, x_stride, kc, panels, tile),
                 }
             };
         }
@@ -425,38 +456,42 @@ mod avx512 {
 
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn tile_rows<const R: usize, const P: usize>(
+    unsafe fn tile_rows<const R: usize, const P: usize, const PREFETCH: bool>(
         x: &[f32],
-        k: usize,
+        x_stride: usize,
+        kc: usize,
         panels: &[f32],
-        bias: &[f32; 2 * PANEL_WIDTH],
         tile: &mut TileBuf,
     ) {
-        assert!(x.len() >= R * k && panels.len() >= P * k * PANEL_WIDTH && R <= TILE_ROWS_512);
+        assert!(R <= TILE_ROWS_512 && kc <= x_stride && panels.len() >= P * kc * PANEL_WIDTH);
+        assert!(x.len() >= (R - 1) * x_stride + kc);
         let (xp, wp) = (x.as_ptr(), panels.as_ptr());
-        // SAFETY: every load below is at x[r * k + kk] (r < R, kk < k) or at
-        // panels[j * k * 16 + kk * 16 + 0..16] (j < P), inside the slices by the assert; the
-        // CPU has AVX-512F (caller). Prefetches may point past the slices: they never fault.
+        // SAFETY: every load below is at x[r * x_stride + kk] (r < R, kk < kc), at
+        // panels[j * kc * 16 + kk * 16 + 0..16] (j < P) or in `tile`'s first R rows, inside the
+        // slices by the asserts; the CPU has AVX-512F (caller). Prefetches may point past the
+        // slices: they never fault.
         unsafe {
             let mut acc = [[_mm512_setzero_ps(); P]; R];
-            for row in acc.iter_mut() {
+            for (row, t) in acc.iter_mut().zip(tile.iter()) {
                 for (j, a) in row.iter_mut().enumerate() {
-                    *a = _mm512_loadu_ps(bias.as_ptr().add(j * PANEL_WIDTH));
+                    *a = _mm512_loadu_ps(t.as_ptr().add(j * PANEL_WIDTH));
                 }
             }
             // the panels after these follow them in memory: ask for their lines at this `k`
-            let next = wp.wrapping_add(P * k * PANEL_WIDTH);
-            for kk in 0..k {
+            let next = wp.wrapping_add(P * kc * PANEL_WIDTH);
+            for kk in 0..kc {
                 let mut w = [_mm512_setzero_ps(); P];
                 for (j, wj) in w.iter_mut().enumerate() {
-                    _mm_prefetch::<_MM_HINT_T0>(
-                        next.wrapping_add(j * k * PANEL_WIDTH + kk * PANEL_WIDTH)
-                            .cast(),
-                    );
-                    *wj = _mm512_loadu_ps(wp.add(j * k * PANEL_WIDTH + kk * PANEL_WIDTH));
+                    if PREFETCH {
+                        _mm_prefetch::<_MM_HINT_T0>(
+                            next.wrapping_add(j * kc * PANEL_WIDTH + kk * PANEL_WIDTH)
+                                .cast(),
+                        );
+                    }
+                    *wj = _mm512_loadu_ps(wp.add(j * kc * PANEL_WIDTH + kk * PANEL_WIDTH));
                 }
                 for (r, row) in acc.iter_mut().enumerate() {
-                    let a = _mm512_set1_ps(*xp.add(r * k + kk));
+                    let a = _mm512_set1_ps(*xp.add(r * x_stride + kk));
                     for (j, acc_j) in row.iter_mut().enumerate() {
                         *acc_j = _mm512_fmadd_ps(a, w[j], *acc_j);
                     }

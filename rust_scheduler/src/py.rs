@@ -613,6 +613,18 @@ fn scheduler_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(crate::py_linear::py_pack_amx_q4_1, m)?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_pack_amx_q8_0, m)?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_linear_amx_f32, m)?)?;
+    m.add_function(wrap_pyfunction!(
+        crate::py_linear::py_pack_quant_panels_q4_1,
+        m
+    )?)?;
+    m.add_function(wrap_pyfunction!(
+        crate::py_linear::py_pack_quant_panels_q8_0,
+        m
+    )?)?;
+    m.add_function(wrap_pyfunction!(
+        crate::py_linear::py_linear_quant_panels_f32,
+        m
+    )?)?;
     m.add_class::<crate::py_decoder::PyCpuDecoderStack>()?;
     m.add_class::<crate::py_guided::PyTokenVocab>()?;
     m.add_class::<crate::py_guided::PyGuidedGrammar>()?;

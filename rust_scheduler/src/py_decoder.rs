@@ -12,6 +12,7 @@ use crate::cpu_decoder::{
 };
 use crate::cpu_kv::{f16, KvElement};
 use crate::cpu_quant_linear::QuantWeight;
+use crate::cpu_quant_panels::{PanelFormat, QuantPanels};
 use crate::py_attention::{c_slice, dims};
 use numpy::{
     Element, PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn,
@@ -77,9 +78,10 @@ fn cache_slices<'a, E: Element + KvElement>(
     Ok(views)
 }
 
-/// A linear layer's arrays: `(n, k, panels, bias | None, blocks | None[, tiles | None])` from
-/// Python, blocks `("q4_1", scale, min, qs)` or `("q8_0", scale, qs)` (the `linear_q*_f32`
-/// kernels' arrays), tiles the same blocks as `pack_amx_q*` packs them.
+/// A linear layer's arrays: `(n, k, panels, bias | None, blocks | None[, tiles | None[,
+/// qpanels | None]])` from Python, blocks `("q4_1", scale, min, qs)` or `("q8_0", scale, qs)`
+/// (the `linear_q*_f32` kernels' arrays), tiles the same blocks as `pack_amx_q*` packs them,
+/// qpanels as `pack_quant_panels_q*` packs them.
 struct LinearArrays {
     n: usize,
     k: usize,
@@ -87,6 +89,7 @@ struct LinearArrays {
     bias: Option<F32Array>,
     blocks: Option<BlockArrays>,
     tiles: Option<Py<PyArrayDyn<u16>>>,
+    qpanels: Option<Py<PyArrayDyn<u8>>>,
 }
 
 enum BlockArrays {
@@ -104,14 +107,20 @@ enum BlockArrays {
 impl LinearArrays {
     fn extract(spec: &Bound<'_, PyAny>) -> PyResult<LinearArrays> {
         let spec = spec.cast::<PyTuple>()?;
-        let tiles: Option<Py<PyArrayDyn<u16>>> = match spec.len() {
+        let len = spec.len();
+        if !(5..=7).contains(&len) {
+            return Err(PyValueError::new_err(format!(
+                "a linear layer is (n, k, panels, bias, blocks[, tiles[, qpanels]]), got {len} \
+                 items"
+            )));
+        }
+        let tiles: Option<Py<PyArrayDyn<u16>>> = match len {
             5 => None,
-            6 => spec.get_item(5)?.extract()?,
-            len => {
-                return Err(PyValueError::new_err(format!(
-                    "a linear layer is (n, k, panels, bias, blocks[, tiles]), got {len} items"
-                )))
-            }
+            _ => spec.get_item(5)?.extract()?,
+        };
+        let qpanels: Option<Py<PyArrayDyn<u8>>> = match len {
+            7 => spec.get_item(6)?.extract()?,
+            _ => None,
         };
         let (n, k, panels, bias, blocks): (
             usize,
@@ -151,6 +160,7 @@ impl LinearArrays {
             bias,
             blocks,
             tiles,
+            qpanels,
         })
     }
 
@@ -171,6 +181,7 @@ impl LinearArrays {
                 }
             }),
             tiles: self.tiles.as_ref().map(|t| t.bind(py).readonly()),
+            qpanels: self.qpanels.as_ref().map(|t| t.bind(py).readonly()),
         }
     }
 }
@@ -183,6 +194,7 @@ struct LinearBorrow<'py> {
     bias: Option<PyReadonlyArrayDyn<'py, f32>>,
     blocks: Option<BlockBorrow<'py>>,
     tiles: Option<PyReadonlyArrayDyn<'py, u16>>,
+    qpanels: Option<PyReadonlyArrayDyn<'py, u8>>,
 }
 
 enum BlockBorrow<'py> {
@@ -229,6 +241,21 @@ impl LinearBorrow<'_> {
                 (Some(_), None) => {
                     return Err(PyValueError::new_err(
                         "AMX tiles come with the blocks they were packed from",
+                    ))
+                }
+            },
+            qpanels: match (&self.qpanels, &self.blocks) {
+                (None, _) => None,
+                (Some(t), Some(b)) => Some(QuantPanels {
+                    format: match b {
+                        BlockBorrow::Q4_1(..) => PanelFormat::Q4_1,
+                        BlockBorrow::Q8_0(..) => PanelFormat::Q8_0,
+                    },
+                    data: c_slice("qpanels", t)?,
+                }),
+                (Some(_), None) => {
+                    return Err(PyValueError::new_err(
+                        "quantized panels come with the blocks they were packed from",
                     ))
                 }
             },

@@ -9,6 +9,9 @@ use crate::cpu_amx_linear::{self, linear_amx_f32, AmxFormat, AmxShape, AmxTiles}
 use crate::cpu_elementwise::{rms_norm_f32, rotary_f32};
 use crate::cpu_linear::{linear_f32, LinearShape, PANEL_WIDTH};
 use crate::cpu_quant_linear::{linear_quant_f32, QuantShape, QuantWeight};
+use crate::cpu_quant_panels::{
+    self, linear_quant_panels_f32, PanelFormat, QuantPanelShape, QuantPanels,
+};
 use numpy::{
     IntoPyArray, PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadwriteArray2,
     PyReadwriteArray3, PyUntypedArrayMethods,
@@ -241,6 +244,101 @@ pub fn py_linear_amx_f32(
     let tiles = AmxTiles { format, data };
     py.detach(|| linear_amx_f32(&shape, x, tiles, bias, out, num_threads))
         .map_err(|e| PyValueError::new_err(e.0))
+}
+
+/// `pack_quant_panels_q4_1(scale, min, qs)`: Q4_1 blocks (the arrays `linear_q4_1_f32` reads)
+/// laid out as 16-feature panels for `linear_quant_panels_f32`: a uint8 array of
+/// `ceil(N / 16) * K / 32 * 384` (`cpu_quant_panels.rs`).
+#[pyfunction]
+#[pyo3(name = "pack_quant_panels_q4_1")]
+pub fn py_pack_quant_panels_q4_1<'py>(
+    py: Python<'py>,
+    scale: PyReadonlyArray2<'py, f32>,
+    min: PyReadonlyArray2<'py, f32>,
+    qs: PyReadonlyArray3<'py, u8>,
+) -> PyResult<Bound<'py, PyArray1<u8>>> {
+    let [n, nb] = [scale.shape()[0], scale.shape()[1]];
+    let w = QuantWeight::Q4_1 {
+        scale: c_contiguous("scale", scale.is_c_contiguous(), scale.as_slice())?,
+        min: c_contiguous("min", min.is_c_contiguous(), min.as_slice())?,
+        qs: c_contiguous("qs", qs.is_c_contiguous(), qs.as_slice())?,
+    };
+    pack_panels_call(py, &w, n, nb)
+}
+
+/// `pack_quant_panels_q8_0(scale, qs)`: the same for Q8_0 blocks (`qs` `[N, K / 32, 32]`
+/// int8): 576 bytes per 16 features x 32 inputs.
+#[pyfunction]
+#[pyo3(name = "pack_quant_panels_q8_0")]
+pub fn py_pack_quant_panels_q8_0<'py>(
+    py: Python<'py>,
+    scale: PyReadonlyArray2<'py, f32>,
+    qs: PyReadonlyArray3<'py, i8>,
+) -> PyResult<Bound<'py, PyArray1<u8>>> {
+    let [n, nb] = [scale.shape()[0], scale.shape()[1]];
+    let w = QuantWeight::Q8_0 {
+        scale: c_contiguous("scale", scale.is_c_contiguous(), scale.as_slice())?,
+        qs: c_contiguous("qs", qs.is_c_contiguous(), qs.as_slice())?,
+    };
+    pack_panels_call(py, &w, n, nb)
+}
+
+/// Shared tail of the two panel pack bindings.
+fn pack_panels_call<'py>(
+    py: Python<'py>,
+    w: &QuantWeight<'_>,
+    n: usize,
+    nb: usize,
+) -> PyResult<Bound<'py, PyArray1<u8>>> {
+    let data = py
+        .detach(|| cpu_quant_panels::pack(w, n, nb * crate::cpu_quant_linear::BLOCK))
+        .map_err(|e| PyValueError::new_err(e.0))?;
+    Ok(data.into_pyarray(py))
+}
+
+/// `linear_quant_panels_f32(x, panels, kind, bias, out, num_threads)`: `out[M, N] = x[M, K] @
+/// W^T + bias` with `W` packed by `pack_quant_panels_q4_1` (`kind` "q4_1") /
+/// `pack_quant_panels_q8_0` ("q8_0"); bit for bit what `linear_f32` gives over the loader's
+/// float32 weights. Writes `out`; returns None.
+#[pyfunction]
+#[pyo3(name = "linear_quant_panels_f32", signature = (x, panels, kind, bias, out, num_threads))]
+pub fn py_linear_quant_panels_f32(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    panels: PyReadonlyArray1<'_, u8>,
+    kind: &str,
+    bias: Option<PyReadonlyArray1<'_, f32>>,
+    mut out: PyReadwriteArray2<'_, f32>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let [m, k] = [x.shape()[0], x.shape()[1]];
+    let [out_m, n] = [out.shape()[0], out.shape()[1]];
+    if out_m != m {
+        return Err(PyValueError::new_err(format!(
+            "out has {out_m} rows, x has {m}"
+        )));
+    }
+    let format = panel_format(kind)?;
+    let x = c_contiguous("x", x.is_c_contiguous(), x.as_slice())?;
+    let data = c_contiguous("panels", panels.is_c_contiguous(), panels.as_slice())?;
+    let bias = bias_slice(&bias)?;
+    let out_c = out.is_c_contiguous();
+    let out = c_contiguous("out", out_c, out.as_slice_mut())?;
+    let shape = QuantPanelShape { m, n, k };
+    let panels = QuantPanels { format, data };
+    py.detach(|| linear_quant_panels_f32(&shape, x, panels, bias, out, num_threads))
+        .map_err(|e| PyValueError::new_err(e.0))
+}
+
+/// The packed format of a block kind's panels.
+pub(crate) fn panel_format(kind: &str) -> PyResult<PanelFormat> {
+    match kind {
+        "q4_1" => Ok(PanelFormat::Q4_1),
+        "q8_0" => Ok(PanelFormat::Q8_0),
+        _ => Err(PyValueError::new_err(format!(
+            "quantized panels are packed from 'q4_1' or 'q8_0' blocks, not {kind:?}"
+        ))),
+    }
 }
 
 /// The packed format of a block kind's AMX tiles ("q4_1": nibbles, "q8_0": bfloat16).

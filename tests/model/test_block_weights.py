@@ -1,7 +1,7 @@
 """GGUF blocks on the CPU decode path: every linear of the shipped SmolLM2 is found as blocks that
-reproduce its float32 weight bit for bit, small steps read them and larger ones the panels (or,
-where the CPU has AMX, the blocks packed as AMX tiles), and greedy decoding through them still
-matches transformers token for token."""
+reproduce its float32 weight bit for bit, small steps read them and larger ones the blocks
+packed as quantized panels (or, where the CPU has AMX, as AMX tiles; or the float32 panels), and
+greedy decoding through them still matches transformers token for token."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from ferrobatch.model.loader import load_model
 from ferrobatch.runtime.cpu_linear import (
     AMX_MIN_ROWS,
     QUANT_MAX_ROWS,
+    QUANT_PANELS_MIN_ROWS,
     BlockKernel,
     PanelLinear,
     pack_linear_layers,
@@ -76,57 +77,72 @@ def _counted(kernel: BlockKernel, attr: str) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("amx", [False, True], ids=["panels", "amx"])
-def test_small_steps_read_the_blocks_and_agree_with_the_panels(fresh_smollm2, gguf_blocks, amx):
-    """Steps of <= 8 rows read the blocks and larger ones the panels; where the CPU has AMX,
-    steps of >= 5 rows read the blocks' AMX tiles (the panels are zeroed then, to prove that
-    no step reads them)."""
+@pytest.mark.parametrize("mode", ["panels", "quant-panels", "amx"])
+def test_small_steps_read_the_blocks_and_agree_with_the_panels(fresh_smollm2, gguf_blocks, mode):
+    """Steps of <= 8 rows read the blocks and larger ones the float32 panels; with quantized
+    panels, steps of >= 6 rows read those instead, bit for bit what the float32 panels give;
+    where the CPU has AMX, steps of >= 5 rows read the blocks' AMX tiles. (The float32 panels
+    are zeroed in the last two modes, to prove that no step reads them.)"""
     from ferrobatch._scheduler import amx_available
+    amx = mode == "amx"
     if amx and not amx_available():
         pytest.skip("this CPU has no AMX (or FERROBATCH_CPU_ISA caps it)")
     modules = block_weights_for_modules(fresh_smollm2.model, gguf_blocks)
     for path in ("layers.1.mlp.gate_up_proj", "lm_head"):
         dense = (fresh_smollm2.model.lm_head_weight if path == "lm_head"
                  else fresh_smollm2.model.get_submodule(path).weight)
+        plain = PanelLinear(dense, num_threads=2)       # float32 panels only
         layer = PanelLinear(dense, num_threads=2)
-        layer.blocks = BlockKernel(modules[path], amx=amx)
+        layer.blocks = BlockKernel(modules[path], amx=amx, quant_panels=mode == "quant-panels")
         assert (layer.blocks.tiles is not None) == amx
-        if amx:
+        assert (layer.blocks.qpanels is not None) == (mode == "quant-panels")
+        if mode != "panels":
             layer.packed_weight.zero_()
-            assert layer.blocks.tiles.ctypes.data % 64 == 0
-        small, large = _counted(layer.blocks, "_fn"), _counted(layer.blocks, "_amx")
+            packed = layer.blocks.tiles if amx else layer.blocks.qpanels
+            assert packed.ctypes.data % 64 == 0
+        small = _counted(layer.blocks, "_fn")
+        large = None if mode == "panels" else \
+            _counted(layer.blocks, "_panels" if mode == "quant-panels" else "_amx")
         sizes = [*range(1, QUANT_MAX_ROWS + 3), 17, 40]
         for rows in sizes:
             x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(rows))
             got = layer(x)
             want = x.double() @ dense.double().T
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
-        # AMX from AMX_MIN_ROWS rows; without it the blocks up to QUANT_MAX_ROWS, then panels
-        last_block_rows = AMX_MIN_ROWS - 1 if amx else QUANT_MAX_ROWS
+            if mode == "quant-panels" and rows >= QUANT_PANELS_MIN_ROWS:
+                assert torch.equal(got, plain(x))   # the same floats, bit for bit
+        # AMX from AMX_MIN_ROWS rows, quantized panels from QUANT_PANELS_MIN_ROWS; otherwise
+        # the blocks up to QUANT_MAX_ROWS, then the float32 panels
+        last_block_rows = {"panels": QUANT_MAX_ROWS, "quant-panels": QUANT_PANELS_MIN_ROWS - 1,
+                           "amx": AMX_MIN_ROWS - 1}[mode]
         assert small == list(range(1, last_block_rows + 1))
-        assert large == (sizes[last_block_rows:] if amx else [])
+        if large is not None:
+            assert large == sizes[last_block_rows:]
 
 
 @pytest.mark.parametrize("keep_panels", [False, True])
-def test_layers_with_amx_tiles_release_their_panels(gguf_blocks, keep_panels):
-    """Where the blocks (< 5 rows) and their AMX tiles (>= 5) cover every step, the float32
-    panels are released (unless kept), and every step size still gets the right result."""
+@pytest.mark.parametrize("mode", ["quant-panels", "amx"])
+def test_layers_whose_blocks_cover_every_step_release_their_panels(gguf_blocks, mode, keep_panels):
+    """Where the blocks (< 5 or < 6 rows) and their AMX tiles or quantized panels (from there)
+    cover every step, the float32 panels are released (unless kept), and every step size still
+    gets the right result."""
     from ferrobatch._scheduler import amx_available
-    if not amx_available():
+    if mode == "amx" and not amx_available():
         pytest.skip("this CPU has no AMX (or FERROBATCH_CPU_ISA caps it)")
     loaded = load_model("smollm2")
     dense = {"layers.3.mlp.down_proj": loaded.model.get_submodule("layers.3.mlp.down_proj")
              .weight.clone(), "lm_head": loaded.model.lm_head_weight.clone()}
     modules = block_weights_for_modules(loaded.model, gguf_blocks)
-    pack_linear_layers(loaded.model, 2, modules, keep_panels=keep_panels)
+    pack_linear_layers(loaded.model, 2, modules, amx=mode == "amx", keep_panels=keep_panels)
     packed = [m for m in loaded.model.modules() if isinstance(m, PanelLinear)]
     assert len(packed) == 4 * loaded.config.num_layers + 1
     assert all(m.covered_without_panels() for m in packed)
     assert all((m.packed_weight.numel() == 0) != keep_panels for m in packed)
+    assert all((m.blocks.qpanels is not None) == (mode == "quant-panels") for m in packed)
     for path, weight in dense.items():
         layer = loaded.model.packed_lm_head if path == "lm_head" else \
             loaded.model.get_submodule(path)
-        for rows in (1, 4, 5, 9, 40):
+        for rows in (1, 4, 5, 6, 9, 40):
             x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(rows))
             want = x.double() @ weight.double().T
             torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-4)

@@ -53,13 +53,13 @@ def unsupported(model: nn.Module, backend) -> str | None:
 
 
 def _linear_spec(linear) -> tuple:
-    blocks = tiles = None
+    blocks = tiles = qpanels = None
     if linear.blocks is not None:
         blocks = (linear.blocks.kind, *linear.blocks.arrays)
-        tiles = linear.blocks.tiles
+        tiles, qpanels = linear.blocks.tiles, linear.blocks.qpanels
     bias = None if linear.bias is None else linear.bias.numpy()
     return (linear.out_features, linear.in_features, linear.packed_weight.numpy(), bias, blocks,
-            tiles)
+            tiles, qpanels)
 
 
 class FusedLayers:

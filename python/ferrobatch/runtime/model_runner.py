@@ -7,6 +7,7 @@ engine does so on CUDA); every other step runs the model eagerly.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -19,6 +20,7 @@ from ferrobatch.runtime.cpu_elementwise import swap_elementwise_ops
 from ferrobatch.runtime.cpu_linear import (
     AMX_MIN_ROWS,
     QUANT_MAX_ROWS,
+    QUANT_PANELS_MIN_ROWS,
     PanelLinear,
     pack_linear_layers,
     packing_unsupported,
@@ -51,7 +53,9 @@ class ModelRunner:
         GGUF model, steps of at most ``QUANT_MAX_ROWS`` (8) rows read the file's Q4_1 / Q8_0
         blocks instead (``cpu_linear.BlockKernel``); ``amx_tiles``: where the CPU has AMX, steps
         of at least ``AMX_MIN_ROWS`` (5) rows read those blocks packed as AMX tiles
-        (``cpu_amx_linear.rs``). All three only when the model is first packed.
+        (``cpu_amx_linear.rs``); elsewhere steps of at least ``QUANT_PANELS_MIN_ROWS`` (6) rows
+        read them packed as quantized panels (``cpu_quant_panels.rs``; ``FERROBATCH_QUANT_PANELS=0``
+        keeps float32 panels for them instead). All only when the model is first packed.
         ``fused_decode``: with packed weights on the CPU backend, steps (decode, prefill, mixed)
         run every layer in one Rust call (``runtime.cpu_decoder``). ``kv_cache_dtype``: what the
         KV cache stores (None: the model's dtype; ``kv_cache.check_kv_cache_dtype`` says which
@@ -80,20 +84,25 @@ class ModelRunner:
         self.attention_kernels = self.attn_backend.name   # likewise
         if self.rust_linears:
             blocks = _gguf_block_weights(loaded) if gguf_blocks else {}
+            quant_panels = os.environ.get("FERROBATCH_QUANT_PANELS", "1") != "0"
             num_packed = pack_linear_layers(self.model, self.kernel_threads, blocks,
-                                            amx=amx_tiles)
+                                            amx=amx_tiles, quant_panels=quant_panels)
             swap_elementwise_ops(self.model)
             if getattr(self.attn_backend, "num_threads", 0) is None:
                 self.attn_backend.num_threads = self.kernel_threads
             if hasattr(self.attn_backend, "amx"):   # AMX for long prompt chunks' attention too
                 self.attn_backend.amx = amx_tiles
             from ferrobatch._scheduler import linear_isa
-            amx = any(getattr(getattr(m, "blocks", None), "tiles", None) is not None
-                      for m in self.model.modules())
+            kernels = {id(m.blocks): m.blocks for m in self.model.modules()
+                       if getattr(m, "blocks", None) is not None}
+            amx = any(k.tiles is not None for k in kernels.values())
+            qpanels = any(k.qpanels is not None for k in kernels.values())
+            blocks_up_to = AMX_MIN_ROWS - 1 if amx else \
+                QUANT_PANELS_MIN_ROWS - 1 if qpanels else QUANT_MAX_ROWS
+            larger = " as AMX tiles" if amx else " as quantized panels" if qpanels else ""
             self.linear_kernels = f"Rust {linear_isa()} kernels" + (
-                f", GGUF blocks for steps of <= {QUANT_MAX_ROWS} rows" if blocks and not amx else
-                f", GGUF blocks for steps of < {AMX_MIN_ROWS} rows, as AMX tiles for more"
-                if blocks else "")
+                f", GGUF blocks for steps of <= {blocks_up_to} rows" if blocks else "") + (
+                f",{larger} for more" if larger else "")
             not_fused = install_fused_decode(self.model, self.attn_backend, self.kernel_threads) \
                 if fused_decode else "fused_decode=False"
             if not_fused is None:
@@ -103,20 +112,17 @@ class ModelRunner:
             logger.info("linear layers: %d prepacked for the Rust kernel (%s), %d threads",
                         num_packed, linear_isa(), self.kernel_threads)
             if blocks:
-                kernels = {id(m.blocks): m.blocks for m in self.model.modules()
-                           if getattr(m, "blocks", None) is not None}
                 logger.info("linear layers: %d also read from their GGUF blocks in steps of <= %d "
-                            "rows%s (%.0f MiB)", len(kernels),
-                            AMX_MIN_ROWS - 1 if amx else QUANT_MAX_ROWS,
-                            " and from AMX tiles of those blocks in larger steps" if amx else "",
+                            "rows%s (%.0f MiB)", len(kernels), blocks_up_to,
+                            f" and from those blocks{larger} in larger steps" if larger else "",
                             sum(k.nbytes for k in kernels.values()) / 2**20)
             released = [m for m in self.model.modules()
                         if isinstance(m, PanelLinear) and m.packed_weight.numel() == 0]
             if released:
                 logger.info("linear layers: %d keep no float32 panels (%.0f MiB less): their "
-                            "blocks and AMX tiles cover every step size", len(released),
+                            "blocks cover every step size (larger ones%s)", len(released),
                             sum(-(-m.out_features // 16) * 16 * m.in_features * 4
-                                for m in released) / 2**20)
+                                for m in released) / 2**20, larger)
             freed = return_freed_memory()   # the load's float32 copies and released panels
             if freed:
                 logger.info("returned %.0f MiB freed while loading to the OS", freed / 2**20)

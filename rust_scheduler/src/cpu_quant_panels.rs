@@ -1,0 +1,728 @@
+//! Linear layers on the CPU from GGUF's Q4_1 / Q8_0 blocks laid out as panels, for steps of more
+//! rows than `cpu_quant_linear` takes, on CPUs without AMX: `out[M, N] = x[M, K] @ W^T + bias`
+//! with `W` streamed from memory at 0.75 (Q4_1) or 1.125 (Q8_0) bytes per weight instead of the
+//! float32 panels' 4, and multiplied by exactly the float32 panels' tile kernel.
+//!
+//! Packed layout ([`pack`]): per panel of 16 output features (`cpu_linear`'s panels; features
+//! past `N` have zero scales, mins and integers), per block of 32 inputs, one record:
+//! - Q4_1 (384 bytes): the 16 features' scales (`f32 x 16`), their mins (`f32 x 16`), then 16
+//!   groups `j` of 16 bytes, byte `c` of group `j` = byte `j` of feature `c`'s GGUF block (low
+//!   nibble: input `j`, high nibble: input `j + 16`);
+//! - Q8_0 (576 bytes): the 16 scales, then 32 groups `i` of 16 int8, byte `c` = input `i` of
+//!   feature `c`.
+//!
+//! A panel's records follow each other (`K / 32` per panel), panels follow each other.
+//!
+//! The kernel walks the panels as `cpu_linear` does (the same passes of rows, groups of panels
+//! and register tiles, [`cpu_linear::run_panels`]); a group's panels are first unpacked into the
+//! task's float32 buffer (`[np][K][16]`, L2-resident), each weight formed as the loader's
+//! dequantization forms it (one float32 multiply, then one add, never fused). So the output is
+//! **bit for bit** what `linear_f32` gives over the loader's float32 weights (tests check it on
+//! every instruction set), while DRAM delivers 3.6-5.3x fewer bytes. The unpacking costs a few
+//! vector instructions per 16 weights, repeated for every pass of rows.
+//!
+//! Invariants checked by [`QuantPanelShape::validate`] before any read: `K % 32 == 0`,
+//! `x.len() == M * K`, `out.len() == M * N`, `data.len()` the packed length of `[N, K]` in its
+//! format, `bias` empty or of length `N`.
+
+use crate::cpu_error::{check_bias, check_lengths, KernelInputError};
+use crate::cpu_isa::Isa;
+use crate::cpu_linear::{
+    avx2 as linear_avx2, avx512 as linear_avx512, portable as linear_portable, OutPtr, TileBuf,
+    PANEL_WIDTH, TILE_ROWS, TILE_ROWS_512,
+};
+use crate::cpu_quant_linear::{QuantShape, QuantWeight, BLOCK};
+
+/// The fewest rows of a step that go to this kernel rather than the GGUF-block kernel
+/// (`cpu_quant_linear`), on CPUs without AMX. SmolLM2's linears on two threads of an AMD EPYC
+/// (Zen 5), three alternating rounds: blocks 7.8 vs 9.0 ms at 5 rows, 12.7 vs 9.8 at 6,
+/// 14.8 vs 10.8 at 7, 11.7 vs 11.1 at 8.
+pub const MIN_ROWS: usize = 6;
+
+/// The block format of packed panels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PanelFormat {
+    /// `w = scale * q + min`, q in 0..16 (two per byte)
+    Q4_1,
+    /// `w = scale * q`, q an int8
+    Q8_0,
+}
+
+impl PanelFormat {
+    /// The format [`pack`] gives block weights of this kind.
+    pub fn of(w: &QuantWeight<'_>) -> PanelFormat {
+        match w {
+            QuantWeight::Q4_1 { .. } => PanelFormat::Q4_1,
+            QuantWeight::Q8_0 { .. } => PanelFormat::Q8_0,
+        }
+    }
+
+    /// Bytes of one (panel, block) record.
+    pub fn record_bytes(self) -> usize {
+        match self {
+            PanelFormat::Q4_1 => 2 * 4 * PANEL_WIDTH + PANEL_WIDTH * BLOCK / 2,
+            PanelFormat::Q8_0 => 4 * PANEL_WIDTH + PANEL_WIDTH * BLOCK,
+        }
+    }
+}
+
+/// Packed panels ([`pack`]) and their format.
+#[derive(Clone, Copy)]
+pub struct QuantPanels<'a> {
+    pub format: PanelFormat,
+    pub data: &'a [u8],
+}
+
+/// Shapes of one call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QuantPanelShape {
+    /// rows of `x` and `out`
+    pub m: usize,
+    /// output features (rows of `W`)
+    pub n: usize,
+    /// input features (a multiple of 32)
+    pub k: usize,
+}
+
+impl QuantPanelShape {
+    /// Bytes [`pack`] gives a `[N, K]` weight in `format`.
+    pub fn packed_len(&self, format: PanelFormat) -> usize {
+        self.n.div_ceil(PANEL_WIDTH) * (self.k / BLOCK) * format.record_bytes()
+    }
+
+    /// Checks the module header's invariants.
+    pub fn validate(
+        &self,
+        x: &[f32],
+        panels: &QuantPanels<'_>,
+        bias: &[f32],
+        out: &[f32],
+    ) -> Result<(), KernelInputError> {
+        if self.n == 0 || self.k == 0 || !self.k.is_multiple_of(BLOCK) {
+            return Err(KernelInputError(format!(
+                "in features must be a positive multiple of {BLOCK} and out features positive \
+                 (got K={}, N={})",
+                self.k, self.n
+            )));
+        }
+        check_lengths(&[
+            ("x", x.len(), self.m * self.k),
+            (
+                "packed panels",
+                panels.data.len(),
+                self.packed_len(panels.format),
+            ),
+            ("out", out.len(), self.m * self.n),
+        ])?;
+        check_bias(bias.len(), self.n)
+    }
+}
+
+/// Packs the blocks of a `[n, k]` weight into the layout of the module header.
+pub fn pack(w: &QuantWeight<'_>, n: usize, k: usize) -> Result<Vec<u8>, KernelInputError> {
+    QuantShape { m: 0, n, k }.validate(&[], w, &[], &[])?;
+    let format = PanelFormat::of(w);
+    let shape = QuantPanelShape { m: 0, n, k };
+    let (nb, record) = (k / BLOCK, format.record_bytes());
+    let mut data = vec![0u8; shape.packed_len(format)];
+    for (j, feature_blocks) in (0..n).map(|j| (j, j * nb..(j + 1) * nb)) {
+        let (p, c) = (j / PANEL_WIDTH, j % PANEL_WIDTH);
+        for (b, block) in feature_blocks.enumerate() {
+            let rec = &mut data[(p * nb + b) * record..][..record];
+            let mut put_f32 = |at: usize, v: f32| {
+                rec[at + 4 * c..at + 4 * c + 4].copy_from_slice(&v.to_le_bytes())
+            };
+            match w {
+                QuantWeight::Q4_1 { scale, min, qs } => {
+                    put_f32(0, scale[block]);
+                    put_f32(4 * PANEL_WIDTH, min[block]);
+                    for i in 0..BLOCK / 2 {
+                        rec[8 * PANEL_WIDTH + i * PANEL_WIDTH + c] = qs[block * BLOCK / 2 + i];
+                    }
+                }
+                QuantWeight::Q8_0 { scale, qs } => {
+                    put_f32(0, scale[block]);
+                    for i in 0..BLOCK {
+                        rec[4 * PANEL_WIDTH + i * PANEL_WIDTH + c] = qs[block * BLOCK + i] as u8;
+                    }
+                }
+            }
+        }
+    }
+    Ok(data)
+}
+
+/// `out = x @ W^T + bias` with `W` packed by [`pack`]; `bias` may be empty. Splits the panels
+/// over up to `num_threads` threads. Errors instead of reading out of bounds.
+pub fn linear_quant_panels_f32(
+    shape: &QuantPanelShape,
+    x: &[f32],
+    panels: QuantPanels<'_>,
+    bias: &[f32],
+    out: &mut [f32],
+    num_threads: usize,
+) -> Result<(), KernelInputError> {
+    run(shape, x, panels, bias, out, num_threads, Isa::Avx512)
+}
+
+/// [`linear_quant_panels_f32`] using at most instruction set `max_isa` (tests compare every
+/// path).
+fn run(
+    shape: &QuantPanelShape,
+    x: &[f32],
+    panels: QuantPanels<'_>,
+    bias: &[f32],
+    out: &mut [f32],
+    num_threads: usize,
+    max_isa: Isa,
+) -> Result<(), KernelInputError> {
+    shape.validate(x, &panels, bias, out)?;
+    if shape.m == 0 {
+        return Ok(());
+    }
+    let num_panels = shape.n.div_ceil(PANEL_WIDTH);
+    // Below ~256k multiply-adds a thread's start-up costs more than its share (as `cpu_linear`).
+    let work = shape.m.max(4) * shape.n * shape.k;
+    let threads = num_threads.clamp(1, num_panels).min(1 + work / (1 << 18));
+    let kernel = Kernel {
+        shape: *shape,
+        x,
+        panels,
+        bias,
+        out: OutPtr(out.as_mut_ptr()),
+        isa: Isa::detect(max_isa),
+    };
+    if threads == 1 {
+        // SAFETY: one thread writes every column.
+        unsafe { kernel.run_panels(0, num_panels) };
+        return Ok(());
+    }
+    let pool = crate::cpu_pool::global(threads);
+    let threads = threads.min(pool.max_tasks());
+    // an even count per task: the AVX-512 tiles take panels in pairs
+    let per_thread = num_panels.div_ceil(threads).next_multiple_of(2);
+    pool.run(threads, &|t| {
+        let (first, last) = (
+            (t * per_thread).min(num_panels),
+            ((t + 1) * per_thread).min(num_panels),
+        );
+        // SAFETY: task t writes only the columns of panels first..last, which no other task
+        // writes; `out` outlives the pool job (`run` returns after every task).
+        unsafe { kernel.run_panels(first, last) };
+    });
+    Ok(())
+}
+
+/// Inputs per chunk: a group's unpacked chunk (2 panels x 64 inputs x 16 floats, 8 KiB) stays
+/// in L1 while every row tile of the step uses it.
+const CHUNK: usize = 64;
+
+/// How many chunks ahead of the one being unpacked the walk prefetches records: without it
+/// the unpacking waited on DRAM at the start of every record (`perf annotate`).
+const PREFETCH_CHUNKS: usize = 4;
+
+/// A group's unpacked chunk, `[np][kc][16]`, on a cache-line boundary.
+#[repr(align(64))]
+struct ChunkBuf([f32; 2 * CHUNK * PANEL_WIDTH]);
+
+struct Kernel<'a> {
+    shape: QuantPanelShape,
+    x: &'a [f32],
+    panels: QuantPanels<'a>,
+    bias: &'a [f32],
+    out: OutPtr,
+    /// what this CPU has, at most what the caller allowed (`Isa::detect`)
+    isa: Isa,
+}
+
+impl Kernel<'_> {
+    /// Output columns of panels `first..last`, every row.
+    ///
+    /// # Safety
+    /// No other thread may access those columns of `out` meanwhile.
+    unsafe fn run_panels(&self, first: usize, last: usize) {
+        match self.isa {
+            // SAFETY (both SIMD arms): `isa` was detected on this CPU, which therefore supports
+            // the features the functions are compiled for; the rest is the caller's.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 | Isa::Amx => unsafe { self.run_avx512(first, last) },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { self.run_avx2(first, last) },
+            _ => {
+                let unpack = |format, rec: &[u8], out: &mut [f32]| match format {
+                    PanelFormat::Q4_1 => portable::q4_1(rec, out),
+                    PanelFormat::Q8_0 => portable::q8_0(rec, out),
+                };
+                let tile = |_, rows, x: &[f32], k, kc, panel: &[f32], acc: &mut _| {
+                    linear_portable::tile(rows, x, k, kc, panel, acc)
+                };
+                // SAFETY: forwarded from the caller.
+                unsafe { self.walk(first, last, 1, TILE_ROWS, unpack, tile) }
+            }
+        }
+    }
+
+    /// [`Kernel::walk`] with AVX-512 unpacking and tiles (two panels at a time).
+    ///
+    /// # Safety
+    /// As [`Kernel::run_panels`], on a CPU with AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn run_avx512(&self, first: usize, last: usize) {
+        let unpack = |format, rec: &[u8], out: &mut [f32]| {
+            // SAFETY: this CPU has AVX-512F (the caller's contract).
+            unsafe {
+                match format {
+                    PanelFormat::Q4_1 => avx512::q4_1(rec, out),
+                    PanelFormat::Q8_0 => avx512::q8_0(rec, out),
+                }
+            }
+        };
+        let tile = |np: usize, rows, x: &[f32], k, kc, panels: &[f32], acc: &mut _| {
+            // SAFETY: as above.
+            unsafe { linear_avx512::tile::<false>(np == 2, rows, x, k, kc, panels, acc) }
+        };
+        // SAFETY: forwarded from the caller.
+        unsafe { self.walk(first, last, 2, TILE_ROWS_512, unpack, tile) }
+    }
+
+    /// [`Kernel::walk`] with AVX2 unpacking and tiles.
+    ///
+    /// # Safety
+    /// As [`Kernel::run_panels`], on a CPU with AVX2 and FMA.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run_avx2(&self, first: usize, last: usize) {
+        let unpack = |format, rec: &[u8], out: &mut [f32]| {
+            // SAFETY: this CPU has AVX2 and FMA (the caller's contract).
+            unsafe {
+                match format {
+                    PanelFormat::Q4_1 => avx2::q4_1(rec, out),
+                    PanelFormat::Q8_0 => avx2::q8_0(rec, out),
+                }
+            }
+        };
+        let tile = |_, rows, x: &[f32], k, kc, panel: &[f32], acc: &mut _| {
+            // SAFETY: as above.
+            unsafe { linear_avx2::tile::<false>(rows, x, k, kc, panel, acc) }
+        };
+        // SAFETY: forwarded from the caller.
+        unsafe { self.walk(first, last, 1, TILE_ROWS, unpack, tile) }
+    }
+
+    /// Hints the CPU to fetch the records of inputs `k0..k0 + CHUNK` of the group of `np`
+    /// panels at `p`, or of the next group where `k0` is past the panels' end.
+    #[inline(always)]
+    fn prefetch(&self, p: usize, np: usize, k0: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let record = self.panels.format.record_bytes();
+            let panel_bytes = self.shape.k / BLOCK * record;
+            let (panel, at) = if k0 < self.shape.k {
+                (p, k0 / BLOCK * record)
+            } else {
+                (p + np, (k0 - self.shape.k) / BLOCK * record)
+            };
+            let base = self.panels.data.as_ptr();
+            for j in 0..np {
+                let start = (panel + j) * panel_bytes + at;
+                for line in (0..CHUNK / BLOCK * record).step_by(64) {
+                    // SAFETY: a prefetch never faults, whatever the address.
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(start + line).cast()) };
+                }
+            }
+        }
+    }
+
+    /// The walk every instruction set shares: passes of rows whose x block stays in L2 (as
+    /// `cpu_linear`'s); per pass, groups of up to `group` neighbouring panels; per group,
+    /// chunks of [`CHUNK`] inputs unpacked (`unpack(format, record, out)`, one record into
+    /// `[32][16]` floats) into the task's buffer; per chunk, every row tile of the pass (near-
+    /// equal heights of at most `tile_rows`) adds its products to its accumulators
+    /// (`tile(panels, rows, x, x_stride, kc, chunk, acc)`), which start as the bias and end in
+    /// `out`.
+    ///
+    /// # Safety
+    /// As [`Kernel::run_panels`].
+    #[inline(always)]
+    unsafe fn walk(
+        &self,
+        first: usize,
+        last: usize,
+        group: usize,
+        tile_rows: usize,
+        unpack: impl Fn(PanelFormat, &[u8], &mut [f32]),
+        tile: impl Fn(usize, usize, &[f32], usize, usize, &[f32], &mut TileBuf),
+    ) {
+        let QuantPanelShape { m, k, .. } = self.shape;
+        // Rows per pass over the weights: the x block (rows_per_pass * K floats) stays in L2
+        // while the panels stream by.
+        let rows_per_pass =
+            ((256 * 1024 / 4) / k).clamp(tile_rows, 1 << 16) / tile_rows * tile_rows;
+        let max_tiles = m.min(rows_per_pass).div_ceil(tile_rows);
+        let mut accs: Vec<TileBuf> = vec![[[0.0; 2 * PANEL_WIDTH]; TILE_ROWS_512]; max_tiles];
+        let mut starts = vec![0usize; max_tiles + 1];
+        let mut buf = ChunkBuf([0.0; 2 * CHUNK * PANEL_WIDTH]);
+        for row0 in (0..m).step_by(rows_per_pass) {
+            let rows = (m - row0).min(rows_per_pass);
+            let num_tiles = rows.div_ceil(tile_rows);
+            // row tile t covers rows starts[t]..starts[t + 1]
+            starts[0] = row0;
+            for t in 0..num_tiles {
+                starts[t + 1] = starts[t] + (row0 + rows - starts[t]) / (num_tiles - t);
+            }
+            let accs = &mut accs[..num_tiles];
+            // SAFETY: forwarded from the caller.
+            unsafe { self.pass(first, last, group, &starts, accs, &mut buf, &unpack, &tile) };
+        }
+    }
+
+    /// One pass of [`Kernel::walk`] over the row tiles `starts[t]..starts[t + 1]`.
+    ///
+    /// # Safety
+    /// As [`Kernel::run_panels`].
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn pass(
+        &self,
+        first: usize,
+        last: usize,
+        group: usize,
+        starts: &[usize],
+        accs: &mut [TileBuf],
+        buf: &mut ChunkBuf,
+        unpack: &impl Fn(PanelFormat, &[u8], &mut [f32]),
+        tile: &impl Fn(usize, usize, &[f32], usize, usize, &[f32], &mut TileBuf),
+    ) {
+        let QuantPanelShape { n, k, .. } = self.shape;
+        let format = self.panels.format;
+        let record = format.record_bytes();
+        let panel_bytes = k / BLOCK * record;
+        let mut p = first;
+        while p < last {
+            let np = group.min(last - p);
+            let col0 = p * PANEL_WIDTH;
+            let cols = (n - col0).min(np * PANEL_WIDTH);
+            let mut bias = [0f32; 2 * PANEL_WIDTH];
+            if !self.bias.is_empty() {
+                bias[..cols].copy_from_slice(&self.bias[col0..col0 + cols]);
+            }
+            accs.iter_mut().for_each(|acc| acc.fill(bias));
+            for k0 in (0..k).step_by(CHUNK) {
+                let kc = CHUNK.min(k - k0);
+                self.prefetch(p, np, k0 + PREFETCH_CHUNKS * CHUNK);
+                for j in 0..np {
+                    let src = &self.panels.data[(p + j) * panel_bytes + k0 / BLOCK * record..];
+                    let dst = &mut buf.0[j * kc * PANEL_WIDTH..][..kc * PANEL_WIDTH];
+                    for (rec, out) in src
+                        .chunks_exact(record)
+                        .zip(dst.chunks_exact_mut(BLOCK * PANEL_WIDTH))
+                    {
+                        unpack(format, rec, out);
+                    }
+                }
+                let chunk = &buf.0[..np * kc * PANEL_WIDTH];
+                for (t, acc) in accs.iter_mut().enumerate() {
+                    let (r, height) = (starts[t], starts[t + 1] - starts[t]);
+                    let x = &self.x[r * k + k0..(r + height - 1) * k + k0 + kc];
+                    tile(np, height, x, k, kc, chunk, acc);
+                }
+            }
+            for (t, acc) in accs.iter().enumerate() {
+                for (i, values) in acc.iter().take(starts[t + 1] - starts[t]).enumerate() {
+                    // SAFETY: row starts[t] + i < m and columns col0..col0 + cols <= n are
+                    // inside `out` (validated length m * n) and belong to this task's panels.
+                    unsafe {
+                        let dst = self.out.0.add((starts[t] + i) * n + col0);
+                        std::ptr::copy_nonoverlapping(values.as_ptr(), dst, cols);
+                    }
+                }
+            }
+            p += np;
+        }
+    }
+}
+
+/// A Q4_1 record's bytes.
+const Q4_1_RECORD: usize = 384;
+/// A Q8_0 record's bytes.
+const Q8_0_RECORD: usize = 576;
+
+/// Feature `c`'s float32 at byte `at` of a record.
+fn record_f32(rec: &[u8], at: usize, c: usize) -> f32 {
+    f32::from_le_bytes(rec[at + 4 * c..at + 4 * c + 4].try_into().unwrap())
+}
+
+mod portable {
+    use super::{record_f32, PANEL_WIDTH, Q4_1_RECORD, Q8_0_RECORD};
+
+    /// One Q4_1 record into `out[input][feature]`.
+    pub(super) fn q4_1(rec: &[u8], out: &mut [f32]) {
+        assert!(rec.len() == Q4_1_RECORD);
+        for c in 0..PANEL_WIDTH {
+            let (scale, min) = (record_f32(rec, 0, c), record_f32(rec, 64, c));
+            for j in 0..16 {
+                let byte = rec[128 + 16 * j + c];
+                out[j * PANEL_WIDTH + c] = scale * f32::from(byte & 0x0F) + min;
+                out[(j + 16) * PANEL_WIDTH + c] = scale * f32::from(byte >> 4) + min;
+            }
+        }
+    }
+
+    /// One Q8_0 record into `out[input][feature]`.
+    pub(super) fn q8_0(rec: &[u8], out: &mut [f32]) {
+        assert!(rec.len() == Q8_0_RECORD);
+        for c in 0..PANEL_WIDTH {
+            let scale = record_f32(rec, 0, c);
+            for i in 0..32 {
+                out[i * PANEL_WIDTH + c] = scale * f32::from(rec[64 + 16 * i + c] as i8);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{BLOCK, PANEL_WIDTH, Q4_1_RECORD, Q8_0_RECORD};
+    use std::arch::x86_64::*;
+
+    /// One Q4_1 record into `out[input][feature]`, 16 features a vector.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn q4_1(rec: &[u8], out: &mut [f32]) {
+        assert!(rec.len() == Q4_1_RECORD && out.len() == BLOCK * PANEL_WIDTH);
+        let (r, o) = (rec.as_ptr(), out.as_mut_ptr());
+        // SAFETY: every load reads inside the 384-byte record, every store 16 floats of the
+        // 512 in `out` (input j or j + 16 < 32).
+        unsafe {
+            let scale = _mm512_loadu_ps(r.cast());
+            let min = _mm512_loadu_ps(r.add(64).cast());
+            let low = _mm512_set1_epi32(0x0F);
+            for j in 0..16 {
+                let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(r.add(128 + 16 * j).cast()));
+                let q_lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low));
+                let q_hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(bytes));
+                // scale * q, then + min: two roundings, as the loader's dequantization
+                let w_lo = _mm512_add_ps(_mm512_mul_ps(scale, q_lo), min);
+                let w_hi = _mm512_add_ps(_mm512_mul_ps(scale, q_hi), min);
+                _mm512_storeu_ps(o.add(j * PANEL_WIDTH), w_lo);
+                _mm512_storeu_ps(o.add((j + 16) * PANEL_WIDTH), w_hi);
+            }
+        }
+    }
+
+    /// One Q8_0 record into `out[input][feature]`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn q8_0(rec: &[u8], out: &mut [f32]) {
+        assert!(rec.len() == Q8_0_RECORD && out.len() == BLOCK * PANEL_WIDTH);
+        let (r, o) = (rec.as_ptr(), out.as_mut_ptr());
+        // SAFETY: as in `q4_1`, inside the 576-byte record and `out`.
+        unsafe {
+            let scale = _mm512_loadu_ps(r.cast());
+            for i in 0..32 {
+                let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(r.add(64 + 16 * i).cast()));
+                let w = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(q));
+                _mm512_storeu_ps(o.add(i * PANEL_WIDTH), w);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{BLOCK, PANEL_WIDTH, Q4_1_RECORD, Q8_0_RECORD};
+    use std::arch::x86_64::*;
+
+    /// One Q4_1 record into `out[input][feature]`, 8 features a vector.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn q4_1(rec: &[u8], out: &mut [f32]) {
+        assert!(rec.len() == Q4_1_RECORD && out.len() == BLOCK * PANEL_WIDTH);
+        let (r, o) = (rec.as_ptr(), out.as_mut_ptr());
+        // SAFETY: every load reads inside the record, every store 8 floats inside `out`.
+        unsafe {
+            let low = _mm256_set1_epi32(0x0F);
+            for h in 0..2 {
+                let scale = _mm256_loadu_ps(r.add(32 * h).cast());
+                let min = _mm256_loadu_ps(r.add(64 + 32 * h).cast());
+                for j in 0..16 {
+                    let at = 128 + 16 * j + 8 * h;
+                    let bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(r.add(at).cast()));
+                    let q_lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low));
+                    let q_hi = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(bytes));
+                    let w_lo = _mm256_add_ps(_mm256_mul_ps(scale, q_lo), min);
+                    let w_hi = _mm256_add_ps(_mm256_mul_ps(scale, q_hi), min);
+                    _mm256_storeu_ps(o.add(j * PANEL_WIDTH + 8 * h), w_lo);
+                    _mm256_storeu_ps(o.add((j + 16) * PANEL_WIDTH + 8 * h), w_hi);
+                }
+            }
+        }
+    }
+
+    /// One Q8_0 record into `out[input][feature]`.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn q8_0(rec: &[u8], out: &mut [f32]) {
+        assert!(rec.len() == Q8_0_RECORD && out.len() == BLOCK * PANEL_WIDTH);
+        let (r, o) = (rec.as_ptr(), out.as_mut_ptr());
+        // SAFETY: as in `q4_1`.
+        unsafe {
+            for h in 0..2 {
+                let scale = _mm256_loadu_ps(r.add(32 * h).cast());
+                for i in 0..32 {
+                    let at = 64 + 16 * i + 8 * h;
+                    let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(r.add(at).cast()));
+                    let w = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(q));
+                    _mm256_storeu_ps(o.add(i * PANEL_WIDTH + 8 * h), w);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu_linear::{linear_f32_isa, pack as pack_f32, LinearShape};
+    use crate::cpu_quant_linear::tests::{dequantized, random_blocks};
+    use crate::test_rng::Lcg;
+
+    const ISAS: [Isa; 3] = [Isa::Portable, Isa::Avx2, Isa::Avx512];
+
+    #[test]
+    fn record_sizes_match_the_unpackers() {
+        assert_eq!(PanelFormat::Q4_1.record_bytes(), Q4_1_RECORD);
+        assert_eq!(PanelFormat::Q8_0.record_bytes(), Q8_0_RECORD);
+    }
+
+    /// Every unpacked weight is the loader's float32 (bit for bit), on every instruction set,
+    /// and padding features are zero.
+    #[test]
+    fn unpacked_records_are_the_float32_panels_bit_for_bit() {
+        let mut rng = Lcg(7);
+        for &(n, k) in &[(16, 32), (37, 96), (50, 576)] {
+            let b = random_blocks(&mut rng, n, k);
+            for q4 in [true, false] {
+                let w = b.weight(q4);
+                let format = PanelFormat::of(&w);
+                let data = pack(&w, n, k).unwrap();
+                let want = pack_f32(&dequantized(&b, q4, n, k), n, k).unwrap();
+                for isa in ISAS {
+                    let isa = Isa::detect(isa);
+                    let mut got = vec![f32::NAN; want.len()];
+                    // record r is (panel r / nb, block r % nb): panel p's [k][16] floats follow
+                    // each other in `pack_f32`'s layout, 32 inputs a record
+                    for (rec, out) in data
+                        .chunks_exact(format.record_bytes())
+                        .zip(got.chunks_exact_mut(BLOCK * PANEL_WIDTH))
+                    {
+                        // SAFETY (x86 arms): `isa` was detected on this CPU.
+                        match (isa, q4) {
+                            #[cfg(target_arch = "x86_64")]
+                            (Isa::Avx512 | Isa::Amx, true) => unsafe { avx512::q4_1(rec, out) },
+                            #[cfg(target_arch = "x86_64")]
+                            (Isa::Avx512 | Isa::Amx, false) => unsafe { avx512::q8_0(rec, out) },
+                            #[cfg(target_arch = "x86_64")]
+                            (Isa::Avx2, true) => unsafe { avx2::q4_1(rec, out) },
+                            #[cfg(target_arch = "x86_64")]
+                            (Isa::Avx2, false) => unsafe { avx2::q8_0(rec, out) },
+                            (_, true) => portable::q4_1(rec, out),
+                            (_, false) => portable::q8_0(rec, out),
+                        }
+                    }
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            w.to_bits(),
+                            "n={n} k={k} q4={q4} isa={isa:?}: float {i}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The kernel's output is `linear_f32`'s over the loader's float32 weights, bit for bit,
+    /// across shapes, row counts (several passes and tiles), thread counts and paths.
+    #[test]
+    fn output_is_the_float32_panel_kernels_bit_for_bit() {
+        let mut rng = Lcg(11);
+        for &(n, k) in &[(1, 32), (33, 96), (100, 576), (40, 1536)] {
+            let b = random_blocks(&mut rng, n, k);
+            for q4 in [true, false] {
+                let w = b.weight(q4);
+                let data = pack(&w, n, k).unwrap();
+                let dense = pack_f32(&dequantized(&b, q4, n, k), n, k).unwrap();
+                let panels = QuantPanels {
+                    format: PanelFormat::of(&w),
+                    data: &data,
+                };
+                for &m in &[1, 5, 13, 24, 200] {
+                    let x = rng.vec(m * k);
+                    let bias = if m % 2 == 1 { rng.vec(n) } else { Vec::new() };
+                    for isa in ISAS {
+                        for threads in [1, 3] {
+                            let mut got = vec![f32::NAN; m * n]; // every element must be written
+                            let shape = QuantPanelShape { m, n, k };
+                            run(&shape, &x, panels, &bias, &mut got, threads, isa).unwrap();
+                            let mut want = vec![f32::NAN; m * n];
+                            let lin = LinearShape { m, n, k };
+                            linear_f32_isa(&lin, &x, &dense, &bias, &mut want, threads, isa)
+                                .unwrap();
+                            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                                assert_eq!(
+                                    g.to_bits(),
+                                    w.to_bits(),
+                                    "m={m} n={n} k={k} q4={q4} isa={isa:?} threads={threads}: \
+                                     out[{i}] = {g}, float32 panels {w}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn zero_rows_is_a_no_op_and_bad_shapes_are_refused() {
+        let mut rng = Lcg(3);
+        let (n, k) = (20, 64);
+        let b = random_blocks(&mut rng, n, k);
+        let w = b.weight(true);
+        let data = pack(&w, n, k).unwrap();
+        let panels = QuantPanels {
+            format: PanelFormat::Q4_1,
+            data: &data,
+        };
+        let shape = QuantPanelShape { m: 0, n, k };
+        linear_quant_panels_f32(&shape, &[], panels, &[], &mut [], 2).unwrap();
+        let x = rng.vec(2 * k);
+        let mut out = vec![0.0; 2 * n];
+        let shape = QuantPanelShape { m: 2, n, k };
+        let short = QuantPanels {
+            format: PanelFormat::Q4_1,
+            data: &data[..data.len() - 1],
+        };
+        assert!(linear_quant_panels_f32(&shape, &x, short, &[], &mut out, 2).is_err());
+        let as_q8 = QuantPanels {
+            format: PanelFormat::Q8_0,
+            data: &data,
+        };
+        assert!(linear_quant_panels_f32(&shape, &x, as_q8, &[], &mut out, 2).is_err());
+        let odd_k = QuantPanelShape { m: 2, n, k: 48 };
+        assert!(linear_quant_panels_f32(&odd_k, &x[..96], panels, &[], &mut out, 2).is_err());
+        assert!(linear_quant_panels_f32(&shape, &x, panels, &[1.0; 3], &mut out, 2).is_err());
+        assert!(pack(&w, n, 96).is_err());
+    }
+}
