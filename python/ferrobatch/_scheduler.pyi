@@ -240,14 +240,37 @@ def pack_amx_q8_0(scale: np.ndarray, qs: np.ndarray) -> np.ndarray:
 def linear_amx_f32(
     x: np.ndarray,
     tiles: np.ndarray,
+    kind: str,
     bias: np.ndarray | None,
     out: np.ndarray,
     num_threads: int,
 ) -> None:
-    """``out[M, N] = x[M, K] @ W.T + bias`` with ``W`` packed by ``pack_amx_q*`` (GIL released),
-    any M: bfloat16 tile products of the blocks' integers and ``x`` split exactly into three
-    bfloat16 parts, so float32 accuracy. ValueError on any mismatch, or where AMX is not
-    available."""
+    """``out[M, N] = x[M, K] @ W.T + bias`` with ``W`` packed by ``pack_amx_q4_1`` (``kind``
+    "q4_1") / ``pack_amx_q8_0`` ("q8_0") (GIL released), any M: bfloat16 tile products of the
+    blocks' integers and ``x`` split exactly into three bfloat16 parts, so float32 accuracy.
+    ValueError on any mismatch, or where AMX is not available."""
+
+def pack_quant_panels_q4_1(scale: np.ndarray, min: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q4_1 blocks (the arrays ``linear_q4_1_f32`` reads) laid out as 16-feature panels for
+    ``linear_quant_panels_f32``: uint8 ``[ceil(N / 16) * K / 32 * 384]`` (per panel and block of
+    32 inputs: 16 scales, 16 mins, 16 x 16 nibble bytes; ``cpu_quant_panels.rs``)."""
+
+def pack_quant_panels_q8_0(scale: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """The same for Q8_0 blocks (``qs`` ``[N, K / 32, 32]`` int8): 576 bytes per 16 features x
+    32 inputs (16 scales, 32 x 16 int8)."""
+
+def linear_quant_panels_f32(
+    x: np.ndarray,
+    panels: np.ndarray,
+    kind: str,
+    bias: np.ndarray | None,
+    out: np.ndarray,
+    num_threads: int,
+) -> None:
+    """``out[M, N] = x[M, K] @ W.T + bias`` with ``W`` packed by ``pack_quant_panels_q4_1``
+    (``kind`` "q4_1") / ``pack_quant_panels_q8_0`` ("q8_0") (GIL released), any M: each chunk of
+    the panels unpacked to the loader's float32 weights, then ``linear_f32``'s tiles, so the
+    output is bit for bit ``linear_f32``'s over those weights. ValueError on any mismatch."""
 
 def rms_norm_f32(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> None:
     """Each row of ``x`` ``[M, H]`` over its root mean square (+ eps) times ``weight`` ``[H]``,

@@ -219,6 +219,18 @@ def test_no_amx_keeps_prompt_attention_off_amx_too():
         assert runner.model.fused_layers.amx is amx
 
 
+def test_attention_description_says_amx_only_where_the_head_dim_allows_it():
+    """The banner's ``attention:`` line: long prompt chunks go to AMX tiles only where the CPU
+    has AMX and the head dim is a multiple of 64 (``cpu_amx_prefill.rs``)."""
+    from ferrobatch._scheduler import amx_available
+    from ferrobatch.runtime.attention.cpu import CpuPagedBackend
+    for head_dim, amx in ((64, True), (128, True), (48, True), (64, False), (None, True)):
+        text = CpuPagedBackend(block_size=16, head_dim=head_dim, amx=amx).description
+        on_amx = amx and amx_available() and (head_dim or 64) % 64 == 0
+        assert ("AMX" in text) is on_amx, (head_dim, amx, text)
+        assert text.startswith("Rust ")
+
+
 def test_two_runners_sharing_one_model_step_concurrently():
     """Two engines may share one loaded model (each runner installs the same fused stack); their
     step threads call it at once, each with its own KV cache. With the GIL switching as often as

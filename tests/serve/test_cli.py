@@ -60,8 +60,11 @@ async def test_serve_drains_on_sigint(smollm2_gguf_path):
         assert len(attention) == 1, "".join(lines)
         assert ("on AMX tiles" in attention[0]) == amx_available(), attention[0]
         # ... and the linear layers' kernels with the instruction set this CPU gives them
-        assert any(f"linear layers: Rust {linear_isa()} kernels" in line for line in lines), \
-            "".join(lines)
+        linear = [line for line in lines if f"linear layers: Rust {linear_isa()} kernels" in line]
+        assert len(linear) == 1, "".join(lines)
+        # ... and where their larger steps go (the GGUF blocks as AMX tiles or quantized panels)
+        larger = "as AMX tiles for more" if amx_available() else "as quantized panels for more"
+        assert larger in linear[0], linear[0]
         async with aiohttp.ClientSession() as s:
             req = asyncio.create_task(s.post(f"http://127.0.0.1:{port}/v1/completions", json={
                 "prompt": "Hello", "max_tokens": 12, "ignore_eos": True}))

@@ -49,7 +49,8 @@ def _load_cpu_backend(block_size: int,
     if reason is not None:
         raise RuntimeError(reason)
     return CpuPagedBackend(block_size=block_size,
-                           prefill_kernel=os.environ.get("FERROBATCH_PREFILL_KERNEL", "1") != "0")
+                           prefill_kernel=os.environ.get("FERROBATCH_PREFILL_KERNEL", "1") != "0",
+                           head_dim=model_shape[2] if model_shape is not None else None)
 
 
 def get_attention_backend(name: str | None, device: torch.device | str, *, block_size: int = 16,

@@ -89,7 +89,8 @@ class CpuPagedBackend(TorchReferenceBackend):
     gathers_decode = False
 
     def __init__(self, block_size: int, num_threads: int | None = None,
-                 prefill_kernel: bool = True, amx: bool = True) -> None:
+                 prefill_kernel: bool = True, amx: bool = True,
+                 head_dim: int | None = None) -> None:
         super().__init__(block_size)
         from ferrobatch._scheduler import paged_decode_attention_f32, paged_prefill_attention_f32
         self._kernel = paged_decode_attention_f32
@@ -98,6 +99,7 @@ class CpuPagedBackend(TorchReferenceBackend):
         # long prompt chunks on Intel AMX where the CPU has it (cpu_amx_prefill.rs); the model
         # runner sets this from ``amx_tiles``
         self.amx = amx
+        self.head_dim = head_dim   # the model's, if known (for ``description`` only)
 
     @property
     def description(self) -> str:
@@ -105,7 +107,8 @@ class CpuPagedBackend(TorchReferenceBackend):
         from ferrobatch._scheduler import amx_available, linear_isa
         if self._prefill_kernel is None:
             prompts = "prompt chunks on torch's SDPA"
-        elif self.amx and amx_available():
+        elif self.amx and amx_available() and (self.head_dim or 64) % 64 == 0:
+            # the AMX path takes head dims that are multiples of 64 (cpu_amx_prefill.rs)
             prompts = "long prompt chunks on AMX tiles"
         else:
             prompts = "prompt chunks in the prefill kernel"
