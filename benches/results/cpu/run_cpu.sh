@@ -207,6 +207,17 @@ $PY benches/throughput.py --workload cpu-small \
   --systems ferrobatch,ferrobatch-nodraft,ferrobatch-kv16,ferrobatch-static,hf-static@16,hf-continuous \
   --no-progress --json $OUT/throughput_cpu-small_session16.json
 
+# 24. Session 17 (AMD EPYC, Zen 5, no AMX): the GGUF blocks as quantized panels
+# (cpu_quant_panels.rs) against the float32 panels and the blocks, per row count; time to first
+# token with and without them; then the headline systems with the float32-panel engine beside.
+$PY benches/cpu_kernels.py --only blocks --repeats 7 \
+  --json $OUT/cpu_kernels_quant_panels_session17.json
+$PY benches/prefill_latency.py --lengths 512,2048,4096 --paths fused,f32panels --repeat 3 \
+  | tee $OUT/prefill_latency_quant_panels_session17.txt
+$PY benches/throughput.py --workload cpu-small \
+  --systems ferrobatch,ferrobatch-nodraft,ferrobatch-f32panels,ferrobatch-static,hf-static@16,hf-continuous \
+  --no-progress --json $OUT/throughput_cpu-small_session17.json
+
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
 #   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \
