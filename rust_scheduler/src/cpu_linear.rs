@@ -123,6 +123,7 @@ fn run(
         shape: *shape,
         x,
         packed,
+        first_panel: 0,
         bias,
         out: OutPtr(out.as_mut_ptr()),
         isa: Isa::detect(max_isa),
@@ -161,6 +162,40 @@ pub(crate) fn linear_f32_isa(
     run(shape, x, packed, bias, out, num_threads, max_isa)
 }
 
+/// Output columns of panels `first..last` of a `shape` weight, every row, on one thread, from
+/// `panels`: those panels alone (`[last - first][K][16]`, [`pack`]'s layout). For kernels that
+/// form a task's panels themselves (`cpu_quant_panels`).
+///
+/// # Safety
+/// `x`, `bias` and `out` (which outlives the call) passed `shape`'s validation, `first <= last
+/// <= shape.num_panels()`, `panels` holds `last - first` panels, `isa` came from
+/// [`Isa::detect`], and no other thread accesses those columns of `out` meanwhile.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn run_panel_range(
+    shape: &LinearShape,
+    x: &[f32],
+    panels: &[f32],
+    first: usize,
+    last: usize,
+    bias: &[f32],
+    out: OutPtr,
+    isa: Isa,
+) {
+    assert!(first <= last && last <= shape.num_panels());
+    assert!(panels.len() >= (last - first) * shape.k * PANEL_WIDTH);
+    let kernel = Kernel {
+        shape: *shape,
+        x,
+        packed: panels,
+        first_panel: first,
+        bias,
+        out,
+        isa,
+    };
+    // SAFETY: the caller's contract.
+    unsafe { kernel.run_panels(first, last) };
+}
+
 /// The output's base pointer, shared by threads that write disjoint columns (also used by
 /// `cpu_quant_linear`, which splits its output the same way).
 #[derive(Clone, Copy)]
@@ -172,7 +207,9 @@ unsafe impl Sync for OutPtr {}
 struct Kernel<'a> {
     shape: LinearShape,
     x: &'a [f32],
+    /// panels `first_panel..`, each `[K][16]`
     packed: &'a [f32],
+    first_panel: usize,
     bias: &'a [f32],
     out: OutPtr,
     /// what this CPU has, at most what the caller allowed (`Isa::detect`)
@@ -267,7 +304,8 @@ impl Kernel<'_> {
             let mut p = first;
             while p < last {
                 let np = group.min(last - p);
-                let panels = &self.packed[p * k * PANEL_WIDTH..][..np * k * PANEL_WIDTH];
+                let at = (p - self.first_panel) * k * PANEL_WIDTH;
+                let panels = &self.packed[at..][..np * k * PANEL_WIDTH];
                 let col0 = p * PANEL_WIDTH;
                 let cols = (n - col0).min(np * PANEL_WIDTH);
                 let mut bias = [0f32; 2 * PANEL_WIDTH];

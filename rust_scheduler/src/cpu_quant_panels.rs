@@ -28,10 +28,11 @@
 use crate::cpu_error::{check_bias, check_lengths, KernelInputError};
 use crate::cpu_isa::Isa;
 use crate::cpu_linear::{
-    avx2 as linear_avx2, avx512 as linear_avx512, portable as linear_portable, OutPtr, TileBuf,
-    PANEL_WIDTH, TILE_ROWS, TILE_ROWS_512,
+    avx2 as linear_avx2, avx512 as linear_avx512, portable as linear_portable, run_panel_range,
+    LinearShape, OutPtr, TileBuf, PANEL_WIDTH, TILE_ROWS, TILE_ROWS_512,
 };
 use crate::cpu_quant_linear::{QuantShape, QuantWeight, BLOCK};
+use std::cell::RefCell;
 
 /// The fewest rows of a step that go to this kernel rather than the GGUF-block kernel
 /// (`cpu_quant_linear`), on CPUs without AMX. SmolLM2's linears on two threads of an AMD EPYC
@@ -217,6 +218,21 @@ fn run(
 /// in L1 while every row tile of the step uses it.
 const CHUNK: usize = 64;
 
+/// Rows per pass over the weights (as `cpu_linear`'s walk): the x block (rows per pass x K
+/// floats) stays in L2 while the panels stream by.
+fn rows_per_pass(k: usize, tile_rows: usize) -> usize {
+    ((256 * 1024 / 4) / k).clamp(tile_rows, 1 << 16) / tile_rows * tile_rows
+}
+
+/// The most bytes a task unpacks whole for a step of several passes of rows (SmolLM2's largest
+/// layer, the gate and up projections, is 3.5 MB per task of two).
+const WHOLE_MAX_BYTES: usize = 8 << 20;
+
+thread_local! {
+    /// A task's whole unpacked panels, kept between calls (a kernel-pool thread's).
+    static WHOLE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
 /// How many chunks ahead of the one being unpacked the walk prefetches records: without it
 /// the unpacking waited on DRAM at the start of every record (`perf annotate`).
 const PREFETCH_CHUNKS: usize = 4;
@@ -241,6 +257,29 @@ impl Kernel<'_> {
     /// # Safety
     /// No other thread may access those columns of `out` meanwhile.
     unsafe fn run_panels(&self, first: usize, last: usize) {
+        let QuantPanelShape { m, n, k } = self.shape;
+        let floats = (last - first) * k * PANEL_WIDTH;
+        if m > rows_per_pass(k, TILE_ROWS_512) && 4 * floats <= WHOLE_MAX_BYTES {
+            // Several passes of rows: unpack this task's panels once, whole, and let the
+            // float32 walk read them (from L2 / L3) on every pass.
+            WHOLE.with(|whole| {
+                let mut whole = whole.borrow_mut();
+                if whole.len() < floats + 16 {
+                    *whole = vec![0.0; floats + 16];
+                }
+                let skip = whole.as_ptr().align_offset(64).min(16);
+                let panels = &mut whole[skip..skip + floats];
+                self.unpack_all(first, last, panels);
+                let shape = LinearShape { m, n, k };
+                // SAFETY: the caller's contract; `panels` holds panels first..last.
+                unsafe {
+                    run_panel_range(
+                        &shape, self.x, panels, first, last, self.bias, self.out, self.isa,
+                    )
+                };
+            });
+            return;
+        }
         match self.isa {
             // SAFETY (both SIMD arms): `isa` was detected on this CPU, which therefore supports
             // the features the functions are compiled for; the rest is the caller's.
@@ -310,6 +349,32 @@ impl Kernel<'_> {
         unsafe { self.walk(first, last, 1, TILE_ROWS, unpack, tile) }
     }
 
+    /// Unpacks panels `first..last` whole into `out` (`[last - first][K][16]`).
+    fn unpack_all(&self, first: usize, last: usize, out: &mut [f32]) {
+        let format = self.panels.format;
+        let record = format.record_bytes();
+        let panel_bytes = self.shape.k / BLOCK * record;
+        let src = &self.panels.data[first * panel_bytes..last * panel_bytes];
+        for (rec, dst) in src
+            .chunks_exact(record)
+            .zip(out.chunks_exact_mut(BLOCK * PANEL_WIDTH))
+        {
+            match (self.isa, format) {
+                // SAFETY (x86 arms): `isa` was detected on this CPU (`Isa::detect`).
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx512 | Isa::Amx, PanelFormat::Q4_1) => unsafe { avx512::q4_1(rec, dst) },
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx512 | Isa::Amx, PanelFormat::Q8_0) => unsafe { avx512::q8_0(rec, dst) },
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx2, PanelFormat::Q4_1) => unsafe { avx2::q4_1(rec, dst) },
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx2, PanelFormat::Q8_0) => unsafe { avx2::q8_0(rec, dst) },
+                (_, PanelFormat::Q4_1) => portable::q4_1(rec, dst),
+                (_, PanelFormat::Q8_0) => portable::q8_0(rec, dst),
+            }
+        }
+    }
+
     /// Hints the CPU to fetch the records of inputs `k0..k0 + CHUNK` of the group of `np`
     /// panels at `p`, or of the next group where `k0` is past the panels' end.
     #[inline(always)]
@@ -356,10 +421,7 @@ impl Kernel<'_> {
         tile: impl Fn(usize, usize, &[f32], usize, usize, &[f32], &mut TileBuf),
     ) {
         let QuantPanelShape { m, k, .. } = self.shape;
-        // Rows per pass over the weights: the x block (rows_per_pass * K floats) stays in L2
-        // while the panels stream by.
-        let rows_per_pass =
-            ((256 * 1024 / 4) / k).clamp(tile_rows, 1 << 16) / tile_rows * tile_rows;
+        let rows_per_pass = rows_per_pass(k, tile_rows);
         let max_tiles = m.min(rows_per_pass).div_ceil(tile_rows);
         let mut accs: Vec<TileBuf> = vec![[[0.0; 2 * PANEL_WIDTH]; TILE_ROWS_512]; max_tiles];
         let mut starts = vec![0usize; max_tiles + 1];
@@ -691,6 +753,47 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// A task's panels past `WHOLE_MAX_BYTES` are unpacked chunk by chunk on every pass of
+    /// rows (smaller ones whole, once, as the test above covers): the same output either way.
+    #[test]
+    fn a_task_too_large_to_unpack_whole_takes_chunks_on_every_pass() {
+        let mut rng = Lcg(5);
+        let (n, k, m): (usize, usize, usize) = (1400, 1536, 50);
+        assert!(4 * n.div_ceil(PANEL_WIDTH) * PANEL_WIDTH * k > WHOLE_MAX_BYTES);
+        assert!(m > rows_per_pass(k, TILE_ROWS_512) && m > rows_per_pass(k, TILE_ROWS));
+        let b = random_blocks(&mut rng, n, k);
+        let w = b.weight(true);
+        let data = pack(&w, n, k).unwrap();
+        let dense = pack_f32(&dequantized(&b, true, n, k), n, k).unwrap();
+        let panels = QuantPanels {
+            format: PanelFormat::Q4_1,
+            data: &data,
+        };
+        let x = rng.vec(m * k);
+        for isa in ISAS {
+            let mut got = vec![f32::NAN; m * n];
+            run(
+                &QuantPanelShape { m, n, k },
+                &x,
+                panels,
+                &[],
+                &mut got,
+                1,
+                isa,
+            )
+            .unwrap();
+            let mut want = vec![f32::NAN; m * n];
+            let lin = LinearShape { m, n, k };
+            linear_f32_isa(&lin, &x, &dense, &[], &mut want, 1, isa).unwrap();
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(g, w)| g.to_bits() == w.to_bits()),
+                "isa={isa:?}"
+            );
         }
     }
 
