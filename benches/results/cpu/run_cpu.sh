@@ -212,6 +212,8 @@ $PY benches/throughput.py --workload cpu-small \
 # token with and without them; then the headline systems with the float32-panel engine beside.
 $PY benches/cpu_kernels.py --only blocks --repeats 7 \
   --json $OUT/cpu_kernels_quant_panels_session17.json
+FERROBATCH_CPU_ISA=avx2 $PY benches/cpu_kernels.py --only blocks --repeats 5 \
+  | tail -12 > $OUT/cpu_kernels_quant_panels_avx2_session17.txt
 $PY benches/prefill_latency.py --lengths 512,2048,4096 --paths fused,f32panels --repeat 3 \
   | tee $OUT/prefill_latency_quant_panels_session17.txt
 $PY benches/throughput.py --workload cpu-small \
