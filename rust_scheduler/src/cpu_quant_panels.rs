@@ -294,65 +294,43 @@ impl Kernel<'_> {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { self.run_avx2(first, last) },
             _ => {
-                let unpack = |format, rec: &[u8], out: &mut [f32]| match format {
-                    PanelFormat::Q4_1 => portable::q4_1(rec, out),
-                    PanelFormat::Q8_0 => portable::q8_0(rec, out),
-                };
                 let tile = |_, rows, x: &[f32], k, kc, panel: &[f32], acc: &mut _| {
                     linear_portable::tile(rows, x, k, kc, panel, acc)
                 };
                 // SAFETY: forwarded from the caller.
-                unsafe { self.walk(first, last, 1, TILE_ROWS, unpack, tile) }
+                unsafe { self.walk(first, last, 1, TILE_ROWS, tile) }
             }
         }
     }
 
-    /// [`Kernel::walk`] with AVX-512 unpacking and tiles (two panels at a time).
+    /// [`Kernel::walk`] with the AVX-512 tiles (two panels at a time).
     ///
     /// # Safety
     /// As [`Kernel::run_panels`], on a CPU with AVX-512F.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
     unsafe fn run_avx512(&self, first: usize, last: usize) {
-        let unpack = |format, rec: &[u8], out: &mut [f32]| {
-            // SAFETY: this CPU has AVX-512F (the caller's contract).
-            unsafe {
-                match format {
-                    PanelFormat::Q4_1 => avx512::q4_1(rec, out),
-                    PanelFormat::Q8_0 => avx512::q8_0(rec, out),
-                }
-            }
-        };
         let tile = |np: usize, rows, x: &[f32], k, kc, panels: &[f32], acc: &mut _| {
-            // SAFETY: as above.
+            // SAFETY: this CPU has AVX-512F (the caller's contract).
             unsafe { linear_avx512::tile::<false>(np == 2, rows, x, k, kc, panels, acc) }
         };
         // SAFETY: forwarded from the caller.
-        unsafe { self.walk(first, last, 2, TILE_ROWS_512, unpack, tile) }
+        unsafe { self.walk(first, last, 2, TILE_ROWS_512, tile) }
     }
 
-    /// [`Kernel::walk`] with AVX2 unpacking and tiles.
+    /// [`Kernel::walk`] with the AVX2 tiles.
     ///
     /// # Safety
     /// As [`Kernel::run_panels`], on a CPU with AVX2 and FMA.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn run_avx2(&self, first: usize, last: usize) {
-        let unpack = |format, rec: &[u8], out: &mut [f32]| {
-            // SAFETY: this CPU has AVX2 and FMA (the caller's contract).
-            unsafe {
-                match format {
-                    PanelFormat::Q4_1 => avx2::q4_1(rec, out),
-                    PanelFormat::Q8_0 => avx2::q8_0(rec, out),
-                }
-            }
-        };
         let tile = |_, rows, x: &[f32], k, kc, panel: &[f32], acc: &mut _| {
-            // SAFETY: as above.
+            // SAFETY: this CPU has AVX2 and FMA (the caller's contract).
             unsafe { linear_avx2::tile::<false>(rows, x, k, kc, panel, acc) }
         };
         // SAFETY: forwarded from the caller.
-        unsafe { self.walk(first, last, 1, TILE_ROWS, unpack, tile) }
+        unsafe { self.walk(first, last, 1, TILE_ROWS, tile) }
     }
 
     /// Unpacks panels `first..last` whole into `out` (`[last - first][K][16]`).
@@ -365,19 +343,8 @@ impl Kernel<'_> {
             .chunks_exact(record)
             .zip(out.chunks_exact_mut(BLOCK * PANEL_WIDTH))
         {
-            match (self.isa, format) {
-                // SAFETY (x86 arms): `isa` was detected on this CPU (`Isa::detect`).
-                #[cfg(target_arch = "x86_64")]
-                (Isa::Avx512 | Isa::Amx, PanelFormat::Q4_1) => unsafe { avx512::q4_1(rec, dst) },
-                #[cfg(target_arch = "x86_64")]
-                (Isa::Avx512 | Isa::Amx, PanelFormat::Q8_0) => unsafe { avx512::q8_0(rec, dst) },
-                #[cfg(target_arch = "x86_64")]
-                (Isa::Avx2, PanelFormat::Q4_1) => unsafe { avx2::q4_1(rec, dst) },
-                #[cfg(target_arch = "x86_64")]
-                (Isa::Avx2, PanelFormat::Q8_0) => unsafe { avx2::q8_0(rec, dst) },
-                (_, PanelFormat::Q4_1) => portable::q4_1(rec, dst),
-                (_, PanelFormat::Q8_0) => portable::q8_0(rec, dst),
-            }
+            // SAFETY: `self.isa` came from `Isa::detect` (`run`).
+            unsafe { unpack_record(self.isa, format, rec, dst) };
         }
     }
 
@@ -408,8 +375,7 @@ impl Kernel<'_> {
 
     /// The walk every instruction set shares: passes of rows whose x block stays in L2 (as
     /// `cpu_linear`'s); per pass, groups of up to `group` neighbouring panels; per group,
-    /// chunks of [`CHUNK`] inputs unpacked (`unpack(format, record, out)`, one record into
-    /// `[32][16]` floats) into the task's buffer; per chunk, every row tile of the pass (near-
+    /// chunks of [`CHUNK`] inputs unpacked ([`unpack_record`]) into the task's buffer; per chunk, every row tile of the pass (near-
     /// equal heights of at most `tile_rows`) adds its products to its accumulators
     /// (`tile(panels, rows, x, x_stride, kc, chunk, acc)`), which start as the bias and end in
     /// `out`.
@@ -423,7 +389,6 @@ impl Kernel<'_> {
         last: usize,
         group: usize,
         tile_rows: usize,
-        unpack: impl Fn(PanelFormat, &[u8], &mut [f32]),
         tile: impl Fn(usize, usize, &[f32], usize, usize, &[f32], &mut TileBuf),
     ) {
         let QuantPanelShape { m, k, .. } = self.shape;
@@ -442,7 +407,7 @@ impl Kernel<'_> {
             }
             let accs = &mut accs[..num_tiles];
             // SAFETY: forwarded from the caller.
-            unsafe { self.pass(first, last, group, &starts, accs, &mut buf, &unpack, &tile) };
+            unsafe { self.pass(first, last, group, &starts, accs, &mut buf, &tile) };
         }
     }
 
@@ -460,7 +425,6 @@ impl Kernel<'_> {
         starts: &[usize],
         accs: &mut [TileBuf],
         buf: &mut ChunkBuf,
-        unpack: &impl Fn(PanelFormat, &[u8], &mut [f32]),
         tile: &impl Fn(usize, usize, &[f32], usize, usize, &[f32], &mut TileBuf),
     ) {
         let QuantPanelShape { n, k, .. } = self.shape;
@@ -487,7 +451,8 @@ impl Kernel<'_> {
                         .chunks_exact(record)
                         .zip(dst.chunks_exact_mut(BLOCK * PANEL_WIDTH))
                     {
-                        unpack(format, rec, out);
+                        // SAFETY: `self.isa` came from `Isa::detect` (`run`).
+                        unsafe { unpack_record(self.isa, format, rec, out) };
                     }
                 }
                 let chunk = &buf.0[..np * kc * PANEL_WIDTH];
@@ -509,6 +474,27 @@ impl Kernel<'_> {
             }
             p += np;
         }
+    }
+}
+
+/// Unpacks one record into `out` (`[32 inputs][16 features]` floats) with `isa`'s unpacker.
+///
+/// # Safety
+/// `isa` came from [`Isa::detect`] (on this CPU).
+#[inline]
+unsafe fn unpack_record(isa: Isa, format: PanelFormat, rec: &[u8], out: &mut [f32]) {
+    match (isa, format) {
+        // SAFETY (x86 arms): the caller's contract: this CPU has `isa`'s features.
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512 | Isa::Amx, PanelFormat::Q4_1) => unsafe { avx512::q4_1(rec, out) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512 | Isa::Amx, PanelFormat::Q8_0) => unsafe { avx512::q8_0(rec, out) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, PanelFormat::Q4_1) => unsafe { avx2::q4_1(rec, out) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, PanelFormat::Q8_0) => unsafe { avx2::q8_0(rec, out) },
+        (_, PanelFormat::Q4_1) => portable::q4_1(rec, out),
+        (_, PanelFormat::Q8_0) => portable::q8_0(rec, out),
     }
 }
 
@@ -694,19 +680,8 @@ mod tests {
                         .chunks_exact(format.record_bytes())
                         .zip(got.chunks_exact_mut(BLOCK * PANEL_WIDTH))
                     {
-                        // SAFETY (x86 arms): `isa` was detected on this CPU.
-                        match (isa, q4) {
-                            #[cfg(target_arch = "x86_64")]
-                            (Isa::Avx512 | Isa::Amx, true) => unsafe { avx512::q4_1(rec, out) },
-                            #[cfg(target_arch = "x86_64")]
-                            (Isa::Avx512 | Isa::Amx, false) => unsafe { avx512::q8_0(rec, out) },
-                            #[cfg(target_arch = "x86_64")]
-                            (Isa::Avx2, true) => unsafe { avx2::q4_1(rec, out) },
-                            #[cfg(target_arch = "x86_64")]
-                            (Isa::Avx2, false) => unsafe { avx2::q8_0(rec, out) },
-                            (_, true) => portable::q4_1(rec, out),
-                            (_, false) => portable::q8_0(rec, out),
-                        }
+                        // SAFETY: detected just above.
+                        unsafe { unpack_record(isa, format, rec, out) };
                     }
                     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                         assert_eq!(
