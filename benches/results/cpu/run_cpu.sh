@@ -219,6 +219,8 @@ $PY benches/prefill_latency.py --lengths 512,2048,4096 --paths fused,f32panels -
 $PY benches/throughput.py --workload cpu-small \
   --systems ferrobatch,ferrobatch-nodraft,ferrobatch-f32panels,ferrobatch-static,hf-static@16,hf-continuous \
   --no-progress --json $OUT/throughput_cpu-small_session17.json
+$PY benches/serving.py --servers ferrobatch --workload cpu-serve --num-prompts 32 \
+  --request-rates 0.8,1.6,3.2 --json $OUT/serving_cpu-serve_session17.json
 
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
