@@ -115,10 +115,6 @@ fn run(
     if shape.m == 0 {
         return Ok(());
     }
-    let panels = shape.num_panels();
-    // Below ~256k multiply-adds (or ~1 MB of weights) a thread's start-up costs more than its share.
-    let work = shape.m.max(4) * shape.n * shape.k;
-    let threads = num_threads.clamp(1, panels).min(1 + work / (1 << 18));
     let kernel = Kernel {
         shape: *shape,
         x,
@@ -128,24 +124,41 @@ fn run(
         out: OutPtr(out.as_mut_ptr()),
         isa: Isa::detect(max_isa),
     };
+    on_panel_ranges(shape, num_threads, &|first, last| {
+        // SAFETY: each range's columns are written by its task alone (`on_panel_ranges`); `out`
+        // outlives the call.
+        unsafe { kernel.run_panels(first, last) }
+    });
+    Ok(())
+}
+
+/// Calls `task(first, last)` for contiguous ranges of the panels of a `shape` call, an even
+/// count each (the AVX-512 tiles take panels in pairs), one range per task of the kernels'
+/// pool (`cpu_pool`): at most `num_threads` tasks, fewer for a small call (below ~256k
+/// multiply-adds, or ~1 MB of weights, a thread's start-up costs more than its share), one
+/// range on the calling thread when that is all. The ranges are disjoint and cover every
+/// panel; returns after every task.
+pub(crate) fn on_panel_ranges(
+    shape: &LinearShape,
+    num_threads: usize,
+    task: &(dyn Fn(usize, usize) + Sync),
+) {
+    let panels = shape.num_panels();
+    let work = shape.m.max(4) * shape.n * shape.k;
+    let threads = num_threads.clamp(1, panels).min(1 + work / (1 << 18));
     if threads == 1 {
-        // SAFETY: one thread writes every column.
-        unsafe { kernel.run_panels(0, panels) };
-        return Ok(());
+        task(0, panels);
+        return;
     }
     let pool = crate::cpu_pool::global(threads);
     let threads = threads.min(pool.max_tasks());
-    let per_thread = panels.div_ceil(threads);
+    let per_thread = panels.div_ceil(threads).next_multiple_of(2);
     pool.run(threads, &|t| {
-        let (first, last) = (
+        task(
             (t * per_thread).min(panels),
             ((t + 1) * per_thread).min(panels),
-        );
-        // SAFETY: task t writes only the columns of panels first..last, which no other task
-        // writes; `out` outlives the pool job (`run` returns after every task).
-        unsafe { kernel.run_panels(first, last) };
+        )
     });
-    Ok(())
 }
 
 /// [`linear_f32`] on at most `max_isa` (other kernels' tests compare against every path).

@@ -34,8 +34,8 @@
 use crate::cpu_error::{check_bias, check_lengths, KernelInputError};
 use crate::cpu_isa::Isa;
 use crate::cpu_linear::{
-    avx2 as linear_avx2, avx512 as linear_avx512, portable as linear_portable, run_panel_range,
-    LinearShape, OutPtr, TileBuf, PANEL_WIDTH, TILE_ROWS, TILE_ROWS_512,
+    avx2 as linear_avx2, avx512 as linear_avx512, on_panel_ranges, portable as linear_portable,
+    run_panel_range, LinearShape, OutPtr, TileBuf, PANEL_WIDTH, TILE_ROWS, TILE_ROWS_512,
 };
 use crate::cpu_quant_linear::{QuantShape, QuantWeight, BLOCK};
 use std::cell::RefCell;
@@ -187,10 +187,6 @@ fn run(
     if shape.m == 0 {
         return Ok(());
     }
-    let num_panels = shape.n.div_ceil(PANEL_WIDTH);
-    // Below ~256k multiply-adds a thread's start-up costs more than its share (as `cpu_linear`).
-    let work = shape.m.max(4) * shape.n * shape.k;
-    let threads = num_threads.clamp(1, num_panels).min(1 + work / (1 << 18));
     let kernel = Kernel {
         shape: *shape,
         x,
@@ -199,23 +195,11 @@ fn run(
         out: OutPtr(out.as_mut_ptr()),
         isa: Isa::detect(max_isa),
     };
-    if threads == 1 {
-        // SAFETY: one thread writes every column.
-        unsafe { kernel.run_panels(0, num_panels) };
-        return Ok(());
-    }
-    let pool = crate::cpu_pool::global(threads);
-    let threads = threads.min(pool.max_tasks());
-    // an even count per task: the AVX-512 tiles take panels in pairs
-    let per_thread = num_panels.div_ceil(threads).next_multiple_of(2);
-    pool.run(threads, &|t| {
-        let (first, last) = (
-            (t * per_thread).min(num_panels),
-            ((t + 1) * per_thread).min(num_panels),
-        );
-        // SAFETY: task t writes only the columns of panels first..last, which no other task
-        // writes; `out` outlives the pool job (`run` returns after every task).
-        unsafe { kernel.run_panels(first, last) };
+    let QuantPanelShape { m, n, k } = *shape;
+    on_panel_ranges(&LinearShape { m, n, k }, num_threads, &|first, last| {
+        // SAFETY: each range's columns are written by its task alone (`on_panel_ranges`); `out`
+        // outlives the call.
+        unsafe { kernel.run_panels(first, last) }
     });
     Ok(())
 }

@@ -7,6 +7,7 @@
 
 use crate::cpu_amx_linear::{self, linear_amx_f32, AmxFormat, AmxShape, AmxTiles};
 use crate::cpu_elementwise::{rms_norm_f32, rotary_f32};
+use crate::cpu_error::KernelInputError;
 use crate::cpu_linear::{linear_f32, LinearShape, PANEL_WIDTH};
 use crate::cpu_quant_linear::{linear_quant_f32, QuantShape, QuantWeight};
 use crate::cpu_quant_panels::{
@@ -95,14 +96,7 @@ pub fn py_linear_q4_1_f32(
     out: PyReadwriteArray2<'_, f32>,
     num_threads: usize,
 ) -> PyResult<()> {
-    let scale_s = c_contiguous("scale", scale.is_c_contiguous(), scale.as_slice())?;
-    let min_s = c_contiguous("min", min.is_c_contiguous(), min.as_slice())?;
-    let qs_s = c_contiguous("qs", qs.is_c_contiguous(), qs.as_slice())?;
-    let w = QuantWeight::Q4_1 {
-        scale: scale_s,
-        min: min_s,
-        qs: qs_s,
-    };
+    let w = q4_1_weight(&scale, &min, &qs)?;
     quant_call(py, x, scale.shape()[0], w, bias, out, num_threads)
 }
 
@@ -119,12 +113,7 @@ pub fn py_linear_q8_0_f32(
     out: PyReadwriteArray2<'_, f32>,
     num_threads: usize,
 ) -> PyResult<()> {
-    let scale_s = c_contiguous("scale", scale.is_c_contiguous(), scale.as_slice())?;
-    let qs_s = c_contiguous("qs", qs.is_c_contiguous(), qs.as_slice())?;
-    let w = QuantWeight::Q8_0 {
-        scale: scale_s,
-        qs: qs_s,
-    };
+    let w = q8_0_weight(&scale, &qs)?;
     quant_call(py, x, scale.shape()[0], w, bias, out, num_threads)
 }
 
@@ -175,12 +164,8 @@ pub fn py_pack_amx_q4_1<'py>(
     qs: PyReadonlyArray3<'py, u8>,
 ) -> PyResult<Bound<'py, PyArray1<u16>>> {
     let [n, nb] = [scale.shape()[0], scale.shape()[1]];
-    let w = QuantWeight::Q4_1 {
-        scale: c_contiguous("scale", scale.is_c_contiguous(), scale.as_slice())?,
-        min: c_contiguous("min", min.is_c_contiguous(), min.as_slice())?,
-        qs: c_contiguous("qs", qs.is_c_contiguous(), qs.as_slice())?,
-    };
-    pack_call(py, &w, n, nb)
+    let w = q4_1_weight(&scale, &min, &qs)?;
+    pack_call(py, &w, n, nb, cpu_amx_linear::pack)
 }
 
 /// `pack_amx_q8_0(scale, qs)`: the same for Q8_0 blocks (`qs` `[N, K / 32, 32]` int8): `576`
@@ -193,24 +178,46 @@ pub fn py_pack_amx_q8_0<'py>(
     qs: PyReadonlyArray3<'py, i8>,
 ) -> PyResult<Bound<'py, PyArray1<u16>>> {
     let [n, nb] = [scale.shape()[0], scale.shape()[1]];
-    let w = QuantWeight::Q8_0 {
-        scale: c_contiguous("scale", scale.is_c_contiguous(), scale.as_slice())?,
-        qs: c_contiguous("qs", qs.is_c_contiguous(), qs.as_slice())?,
-    };
-    pack_call(py, &w, n, nb)
+    let w = q8_0_weight(&scale, &qs)?;
+    pack_call(py, &w, n, nb, cpu_amx_linear::pack)
 }
 
-/// Shared tail of the two pack bindings: the packing without the GIL, as a numpy array.
-fn pack_call<'py>(
+/// The Q4_1 weight of a binding's block arrays (a `ValueError` for one not C-contiguous).
+fn q4_1_weight<'a>(
+    scale: &'a PyReadonlyArray2<'_, f32>,
+    min: &'a PyReadonlyArray2<'_, f32>,
+    qs: &'a PyReadonlyArray3<'_, u8>,
+) -> PyResult<QuantWeight<'a>> {
+    Ok(QuantWeight::Q4_1 {
+        scale: c_contiguous("scale", scale.is_c_contiguous(), scale.as_slice())?,
+        min: c_contiguous("min", min.is_c_contiguous(), min.as_slice())?,
+        qs: c_contiguous("qs", qs.is_c_contiguous(), qs.as_slice())?,
+    })
+}
+
+/// The Q8_0 weight of a binding's block arrays.
+fn q8_0_weight<'a>(
+    scale: &'a PyReadonlyArray2<'_, f32>,
+    qs: &'a PyReadonlyArray3<'_, i8>,
+) -> PyResult<QuantWeight<'a>> {
+    Ok(QuantWeight::Q8_0 {
+        scale: c_contiguous("scale", scale.is_c_contiguous(), scale.as_slice())?,
+        qs: c_contiguous("qs", qs.is_c_contiguous(), qs.as_slice())?,
+    })
+}
+
+/// Shared tail of the pack bindings: `pack(w, n, k)` without the GIL, as a numpy array.
+fn pack_call<'py, T: numpy::Element + Send>(
     py: Python<'py>,
     w: &QuantWeight<'_>,
     n: usize,
     nb: usize,
-) -> PyResult<Bound<'py, PyArray1<u16>>> {
-    let tiles = py
-        .detach(|| cpu_amx_linear::pack(w, n, nb * cpu_amx_linear::BLOCK))
+    pack: fn(&QuantWeight<'_>, usize, usize) -> Result<Vec<T>, KernelInputError>,
+) -> PyResult<Bound<'py, PyArray1<T>>> {
+    let packed = py
+        .detach(|| pack(w, n, nb * crate::cpu_quant_linear::BLOCK))
         .map_err(|e| PyValueError::new_err(e.0))?;
-    Ok(tiles.into_pyarray(py))
+    Ok(packed.into_pyarray(py))
 }
 
 /// `linear_amx_f32(x, tiles, kind, bias, out, num_threads)`: `out[M, N] = x[M, K] @ W^T + bias`
@@ -258,12 +265,8 @@ pub fn py_pack_quant_panels_q4_1<'py>(
     qs: PyReadonlyArray3<'py, u8>,
 ) -> PyResult<Bound<'py, PyArray1<u8>>> {
     let [n, nb] = [scale.shape()[0], scale.shape()[1]];
-    let w = QuantWeight::Q4_1 {
-        scale: c_contiguous("scale", scale.is_c_contiguous(), scale.as_slice())?,
-        min: c_contiguous("min", min.is_c_contiguous(), min.as_slice())?,
-        qs: c_contiguous("qs", qs.is_c_contiguous(), qs.as_slice())?,
-    };
-    pack_panels_call(py, &w, n, nb)
+    let w = q4_1_weight(&scale, &min, &qs)?;
+    pack_call(py, &w, n, nb, cpu_quant_panels::pack)
 }
 
 /// `pack_quant_panels_q8_0(scale, qs)`: the same for Q8_0 blocks (`qs` `[N, K / 32, 32]`
@@ -276,24 +279,8 @@ pub fn py_pack_quant_panels_q8_0<'py>(
     qs: PyReadonlyArray3<'py, i8>,
 ) -> PyResult<Bound<'py, PyArray1<u8>>> {
     let [n, nb] = [scale.shape()[0], scale.shape()[1]];
-    let w = QuantWeight::Q8_0 {
-        scale: c_contiguous("scale", scale.is_c_contiguous(), scale.as_slice())?,
-        qs: c_contiguous("qs", qs.is_c_contiguous(), qs.as_slice())?,
-    };
-    pack_panels_call(py, &w, n, nb)
-}
-
-/// Shared tail of the two panel pack bindings.
-fn pack_panels_call<'py>(
-    py: Python<'py>,
-    w: &QuantWeight<'_>,
-    n: usize,
-    nb: usize,
-) -> PyResult<Bound<'py, PyArray1<u8>>> {
-    let data = py
-        .detach(|| cpu_quant_panels::pack(w, n, nb * crate::cpu_quant_linear::BLOCK))
-        .map_err(|e| PyValueError::new_err(e.0))?;
-    Ok(data.into_pyarray(py))
+    let w = q8_0_weight(&scale, &qs)?;
+    pack_call(py, &w, n, nb, cpu_quant_panels::pack)
 }
 
 /// `linear_quant_panels_f32(x, panels, kind, bias, out, num_threads)`: `out[M, N] = x[M, K] @
