@@ -180,13 +180,7 @@ impl AmxShape {
         bias: &[f32],
         out: &[f32],
     ) -> Result<(), KernelInputError> {
-        if self.n == 0 || self.k == 0 || !self.k.is_multiple_of(BLOCK) {
-            return Err(KernelInputError(format!(
-                "in features must be a positive multiple of {BLOCK} and out features positive \
-                 (got K={}, N={})",
-                self.k, self.n
-            )));
-        }
+        crate::cpu_quant_linear::check_block_shape(self.n, self.k)?;
         check_lengths(&[
             ("x", x.len(), self.m * self.k),
             (

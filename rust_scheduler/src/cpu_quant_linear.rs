@@ -74,13 +74,7 @@ impl QuantShape {
         out: &[f32],
     ) -> Result<(), KernelInputError> {
         let err = |msg: String| Err(KernelInputError(msg));
-        if self.n == 0 || self.k == 0 || !self.k.is_multiple_of(BLOCK) {
-            return err(format!(
-                "in features must be a positive multiple of {BLOCK} and out features positive \
-                 (got K={}, N={})",
-                self.k, self.n
-            ));
-        }
+        check_block_shape(self.n, self.k)?;
         if self.m > MAX_ROWS {
             return err(format!("at most {MAX_ROWS} rows per call, got {}", self.m));
         }
@@ -99,6 +93,18 @@ impl QuantShape {
         check_bias(bias.len(), self.n)?;
         Ok(())
     }
+}
+
+/// The weight-shape check every kernel over GGUF blocks shares (this one, their AMX tiles,
+/// their quantized panels): `K` a positive multiple of [`BLOCK`], `N` positive.
+pub(crate) fn check_block_shape(n: usize, k: usize) -> Result<(), KernelInputError> {
+    if n == 0 || k == 0 || !k.is_multiple_of(BLOCK) {
+        return Err(KernelInputError(format!(
+            "in features must be a positive multiple of {BLOCK} and out features positive \
+             (got K={k}, N={n})"
+        )));
+    }
+    Ok(())
 }
 
 /// `out = x @ W^T + bias` with `W` in blocks; `bias` may be empty. Splits the output features

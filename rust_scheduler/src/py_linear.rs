@@ -117,31 +117,55 @@ pub fn py_linear_q8_0_f32(
     quant_call(py, x, scale.shape()[0], w, bias, out, num_threads)
 }
 
-/// Shared tail of the two quantized bindings: shape checks, then the kernel without the GIL.
-fn quant_call(
+/// Shared tail of the linear bindings over GGUF blocks (as they are, as AMX tiles, as
+/// quantized panels): `out` must have `x`'s rows (and `weight_rows` columns, when given), the
+/// arrays must be C-contiguous, then `kernel(m, n, k, x, bias, out)` runs without the GIL; its
+/// error is a `ValueError`.
+fn rows_call(
     py: Python<'_>,
     x: PyReadonlyArray2<'_, f32>,
-    weight_rows: usize,
-    w: QuantWeight<'_>,
+    weight_rows: Option<usize>,
     bias: Option<PyReadonlyArray1<'_, f32>>,
     mut out: PyReadwriteArray2<'_, f32>,
-    num_threads: usize,
+    kernel: impl FnOnce(usize, usize, usize, &[f32], &[f32], &mut [f32]) -> Result<(), KernelInputError>
+        + Send,
 ) -> PyResult<()> {
     let [m, k] = [x.shape()[0], x.shape()[1]];
     let [out_m, n] = [out.shape()[0], out.shape()[1]];
-    if out_m != m || weight_rows != n {
+    if out_m != m || weight_rows.is_some_and(|rows| rows != n) {
+        let rows = weight_rows.map_or(String::new(), |r| format!(" and the weight has {r} rows"));
         return Err(PyValueError::new_err(format!(
-            "out is [{out_m}, {n}] and the weight has {weight_rows} rows; x [{m}, {k}] needs out \
-             [{m}, N] and N weight rows"
+            "out is [{out_m}, {n}]{rows}; x [{m}, {k}] needs out [{m}, N] (N weight rows)"
         )));
     }
     let x = c_contiguous("x", x.is_c_contiguous(), x.as_slice())?;
     let bias = bias_slice(&bias)?;
     let out_c = out.is_c_contiguous();
     let out = c_contiguous("out", out_c, out.as_slice_mut())?;
-    let shape = QuantShape { m, n, k };
-    py.detach(|| linear_quant_f32(&shape, x, w, bias, out, num_threads))
+    py.detach(|| kernel(m, n, k, x, bias, out))
         .map_err(|e| PyValueError::new_err(e.0))
+}
+
+/// Shared tail of the two quantized bindings.
+fn quant_call(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    weight_rows: usize,
+    w: QuantWeight<'_>,
+    bias: Option<PyReadonlyArray1<'_, f32>>,
+    out: PyReadwriteArray2<'_, f32>,
+    num_threads: usize,
+) -> PyResult<()> {
+    rows_call(
+        py,
+        x,
+        Some(weight_rows),
+        bias,
+        out,
+        |m, n, k, x, bias, out| {
+            linear_quant_f32(&QuantShape { m, n, k }, x, w, bias, out, num_threads)
+        },
+    )
 }
 
 /// `amx_available()`: whether `linear_amx_f32` runs here (AMX-TILE, AMX-BF16 and AVX-512F, the
@@ -231,26 +255,15 @@ pub fn py_linear_amx_f32(
     tiles: PyReadonlyArray1<'_, u16>,
     kind: &str,
     bias: Option<PyReadonlyArray1<'_, f32>>,
-    mut out: PyReadwriteArray2<'_, f32>,
+    out: PyReadwriteArray2<'_, f32>,
     num_threads: usize,
 ) -> PyResult<()> {
-    let [m, k] = [x.shape()[0], x.shape()[1]];
-    let [out_m, n] = [out.shape()[0], out.shape()[1]];
-    if out_m != m {
-        return Err(PyValueError::new_err(format!(
-            "out has {out_m} rows, x has {m}"
-        )));
-    }
     let format = amx_format(kind)?;
-    let x = c_contiguous("x", x.is_c_contiguous(), x.as_slice())?;
     let data = c_contiguous("tiles", tiles.is_c_contiguous(), tiles.as_slice())?;
-    let bias = bias_slice(&bias)?;
-    let out_c = out.is_c_contiguous();
-    let out = c_contiguous("out", out_c, out.as_slice_mut())?;
-    let shape = AmxShape { m, n, k };
     let tiles = AmxTiles { format, data };
-    py.detach(|| linear_amx_f32(&shape, x, tiles, bias, out, num_threads))
-        .map_err(|e| PyValueError::new_err(e.0))
+    rows_call(py, x, None, bias, out, |m, n, k, x, bias, out| {
+        linear_amx_f32(&AmxShape { m, n, k }, x, tiles, bias, out, num_threads)
+    })
 }
 
 /// `pack_quant_panels_q4_1(scale, min, qs)`: Q4_1 blocks (the arrays `linear_q4_1_f32` reads)
@@ -295,30 +308,26 @@ pub fn py_linear_quant_panels_f32(
     panels: PyReadonlyArray1<'_, u8>,
     kind: &str,
     bias: Option<PyReadonlyArray1<'_, f32>>,
-    mut out: PyReadwriteArray2<'_, f32>,
+    out: PyReadwriteArray2<'_, f32>,
     num_threads: usize,
 ) -> PyResult<()> {
-    let [m, k] = [x.shape()[0], x.shape()[1]];
-    let [out_m, n] = [out.shape()[0], out.shape()[1]];
-    if out_m != m {
-        return Err(PyValueError::new_err(format!(
-            "out has {out_m} rows, x has {m}"
-        )));
-    }
     let format = panel_format(kind)?;
-    let x = c_contiguous("x", x.is_c_contiguous(), x.as_slice())?;
     let data = c_contiguous("panels", panels.is_c_contiguous(), panels.as_slice())?;
-    let bias = bias_slice(&bias)?;
-    let out_c = out.is_c_contiguous();
-    let out = c_contiguous("out", out_c, out.as_slice_mut())?;
-    let shape = QuantPanelShape { m, n, k };
     let panels = QuantPanels { format, data };
-    py.detach(|| linear_quant_panels_f32(&shape, x, panels, bias, out, num_threads))
-        .map_err(|e| PyValueError::new_err(e.0))
+    rows_call(py, x, None, bias, out, |m, n, k, x, bias, out| {
+        linear_quant_panels_f32(
+            &QuantPanelShape { m, n, k },
+            x,
+            panels,
+            bias,
+            out,
+            num_threads,
+        )
+    })
 }
 
 /// The packed format of a block kind's panels.
-pub(crate) fn panel_format(kind: &str) -> PyResult<PanelFormat> {
+fn panel_format(kind: &str) -> PyResult<PanelFormat> {
     match kind {
         "q4_1" => Ok(PanelFormat::Q4_1),
         "q8_0" => Ok(PanelFormat::Q8_0),
