@@ -104,11 +104,21 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.attn_backend = attn_backend
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        # On the meta device (the loader's: every weight is loaded afterwards) no initialiser
+        # runs and no table is computed: ops on meta tensors (nn.Embedding's normal_, the rotary
+        # tables' math) go through torch's Python references, whose first call imports
+        # torch._dynamo and inductor: 1.4-2.5 s of start-up and ~1,000 more modules for the
+        # garbage collector to walk.
+        meta = device is not None and torch.device(device).type == "meta"
+        weight = torch.empty(config.vocab_size, config.hidden_size, device=device,
+                             dtype=dtype) if meta else None
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device,
+                                         dtype=dtype, _weight=weight)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, device, dtype) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
-        self.rotary = RotaryEmbedding(config, device)
+        # (on meta the loader makes the tables on the real device, after `to_empty`)
+        self.rotary = None if meta else RotaryEmbedding(config, device)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:

@@ -66,9 +66,32 @@ def default_dtype(device: torch.device) -> torch.dtype:
 def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
     """Allocates the module without running any initialiser (meta -> empty on device)."""
     model = LlamaForCausalLM(config, device="meta", dtype=dtype)
-    model.to_empty(device=device)
+    _materialize(model, device)
     model.rotary = RotaryEmbedding(config, device)
     return model
+
+
+def _materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """``model.to_empty(device)``, by ``torch.empty`` of each shape: ``to_empty``'s
+    ``empty_like`` of a meta tensor runs torch's Python reference, whose first call imports
+    sympy (~420 modules, ~0.5 s). Shared parameters stay shared."""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            fresh = torch.empty(t.shape, dtype=t.dtype, device=device)
+            if isinstance(t, torch.nn.Parameter):
+                fresh = torch.nn.Parameter(fresh, requires_grad=t.requires_grad)
+            made[id(t)] = fresh
+        return made[id(t)]
+
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = empty(p)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = empty(b)
 
 
 def build_model(config: ModelConfig, state: dict[str, torch.Tensor] | None, *,
