@@ -222,6 +222,20 @@ $PY benches/throughput.py --workload cpu-small \
 $PY benches/serving.py --servers ferrobatch --workload cpu-serve --num-prompts 32 \
   --request-rates 0.8,1.6,3.2 --json $OUT/serving_cpu-serve_session17.json
 
+# 25. Session 18 (the same AMD EPYC): decode attention with its intrinsics inlined again (the
+# before/after logs ab_attention_inline_fix_*_session18.txt ran the older extension from a copy
+# of the package: PYTHONPATH=<copy> for cpu_kernels.py and throughput.py, which import the first
+# ferrobatch on the path); the headline, the ablation in alternating order, and serving.
+$PY benches/cpu_kernels.py --only attention --repeats 5
+$PY benches/throughput.py --workload cpu-small \
+  --systems ferrobatch,ferrobatch-nodraft,ferrobatch-f32panels,ferrobatch-static,hf-static@16,hf-continuous \
+  --no-progress --json $OUT/throughput_cpu-small_session18.json
+$PY benches/throughput.py --workload cpu-small \
+  --systems ferrobatch,ferrobatch-static,ferrobatch-static,ferrobatch,ferrobatch-f32panels,ferrobatch \
+  --no-progress --json $OUT/throughput_cpu-small_ablation_abba_session18.json
+$PY benches/serving.py --servers ferrobatch --workload cpu-serve --num-prompts 32 \
+  --request-rates 0.8,1.6,3.2 --json $OUT/serving_cpu-serve_session18.json
+
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
 #   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \
