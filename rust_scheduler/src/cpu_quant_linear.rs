@@ -16,7 +16,10 @@
 //! `x.len() == M * K`, `out.len() == M * N`, every weight array sized for `[N, NB]`, `bias`
 //! empty or of length `N`, `M <= MAX_ROWS`.
 //! Work split: output features in contiguous ranges, one per task of the kernels' pool
-//! (`cpu_pool`); a task writes only its own columns of `out`. Each task prefetches the blocks
+//! (`cpu_pool`); a task writes only its own columns of `out`. On AVX-512 a task takes its
+//! features two at a time, sharing every load of `x` between them (x's rows in groups of at most
+//! `PAIR_MAX_ROWS`, for the registers); each feature's products are formed and summed in the
+//! same order as alone, so the output bits do not depend on the pairing (tested). Each task prefetches the blocks
 //! of the weight row `PREFETCH_ROWS` ahead of the one it computes: without that, a one-row
 //! call streaming from DRAM waited on the block loads (`perf annotate`: half the samples on
 //! the first use of a loaded `qs`) and ran at half its in-cache speed.
@@ -163,6 +166,10 @@ fn run(
     Ok(())
 }
 
+/// Most rows of `x` per AVX-512 call on two Q4_1 weight rows at once (each row of `x` has 2 x 2
+/// accumulators: 16 registers at 4 rows); a step of more rows makes several such calls.
+const PAIR_MAX_ROWS: usize = 4;
+
 /// How many weight rows ahead of the one being computed a task prefetches (a row of SmolLM2's
 /// layers is 18-48 blocks: ~0.4-1.2 KB of Q4_1). 4, 16 and 32 measured within a few % of 8.
 const PREFETCH_ROWS: usize = 8;
@@ -215,43 +222,85 @@ impl Kernel<'_> {
     unsafe fn run_features(&self, first: usize, last: usize) {
         let QuantShape { m, n, k } = self.shape;
         let nb = k / BLOCK;
-        let mut dots = [0f32; MAX_ROWS];
-        for j in first..last {
-            self.prefetch_row(j + PREFETCH_ROWS, last);
-            let blocks = j * nb..(j + 1) * nb;
+        let mut dots = [[0f32; MAX_ROWS]; 2];
+        let mut j = first;
+        while j < last {
+            // on AVX-512 a call takes two weight rows, sharing every load of x
+            let pair = matches!(self.isa, Isa::Avx512 | Isa::Amx) && j + 1 < last;
+            let rows = if pair { 2 } else { 1 };
+            for ahead in 0..rows {
+                self.prefetch_row(j + ahead + PREFETCH_ROWS, last);
+            }
+            let blocks = j * nb..(j + rows) * nb;
             let x = self.x;
-            match self.w {
-                QuantWeight::Q4_1 { scale, min, qs } => {
+            match (self.isa, self.w) {
+                // SAFETY (every SIMD arm): `isa` was detected on this CPU.
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx512 | Isa::Amx, w) => {
+                    // x's rows in even groups of at most PAIR_MAX_ROWS (registers: 5 rows as
+                    // 3 + 2, not 4 + 1), each group reading the weight rows again (from L1)
+                    let groups = m.div_ceil(PAIR_MAX_ROWS);
+                    let mut r0 = 0;
+                    for g in 0..groups {
+                        let height = (m - r0) / (groups - g);
+                        let x = &x[r0 * k..];
+                        let mut group = [[0f32; MAX_ROWS]; 2];
+                        match w {
+                            QuantWeight::Q4_1 { scale, min, qs } => unsafe {
+                                let qs = &qs[blocks.start * BLOCK / 2..blocks.end * BLOCK / 2];
+                                let (scale, min) = (&scale[blocks.clone()], &min[blocks.clone()]);
+                                avx512::q4_1(height, pair, x, k, scale, min, qs, &mut group)
+                            },
+                            QuantWeight::Q8_0 { scale, qs } => unsafe {
+                                let qs = &qs[blocks.start * BLOCK..blocks.end * BLOCK];
+                                avx512::q8_0(
+                                    height,
+                                    pair,
+                                    x,
+                                    k,
+                                    &scale[blocks.clone()],
+                                    qs,
+                                    &mut group,
+                                )
+                            },
+                        }
+                        for (d, g) in dots.iter_mut().zip(&group) {
+                            d[r0..r0 + height].copy_from_slice(&g[..height]);
+                        }
+                        r0 += height;
+                    }
+                    debug_assert_eq!(r0, m);
+                }
+                (isa, QuantWeight::Q4_1 { scale, min, qs }) => {
                     let (scale, min) = (&scale[blocks.clone()], &min[blocks.clone()]);
                     let qs = &qs[blocks.start * BLOCK / 2..blocks.end * BLOCK / 2];
-                    match self.isa {
-                        // SAFETY (both): `isa` was detected on this CPU.
+                    match isa {
                         #[cfg(target_arch = "x86_64")]
-                        Isa::Avx512 => unsafe { avx512::q4_1(m, x, k, scale, min, qs, &mut dots) },
-                        #[cfg(target_arch = "x86_64")]
-                        Isa::Avx2 => unsafe { avx2::q4_1(m, x, k, scale, min, qs, &mut dots) },
-                        _ => portable::q4_1(m, x, k, scale, min, qs, &mut dots),
+                        Isa::Avx2 => unsafe { avx2::q4_1(m, x, k, scale, min, qs, &mut dots[0]) },
+                        _ => portable::q4_1(m, x, k, scale, min, qs, &mut dots[0]),
                     }
                 }
-                QuantWeight::Q8_0 { scale, qs } => {
-                    let scale = &scale[blocks.clone()];
-                    let qs = &qs[blocks.start * BLOCK..blocks.end * BLOCK];
-                    match self.isa {
-                        // SAFETY (both): `isa` was detected on this CPU.
+                (isa, QuantWeight::Q8_0 { scale, qs }) => {
+                    let (scale, qs) = (
+                        &scale[blocks.clone()],
+                        &qs[blocks.start * BLOCK..blocks.end * BLOCK],
+                    );
+                    match isa {
                         #[cfg(target_arch = "x86_64")]
-                        Isa::Avx512 => unsafe { avx512::q8_0(m, x, k, scale, qs, &mut dots) },
-                        #[cfg(target_arch = "x86_64")]
-                        Isa::Avx2 => unsafe { avx2::q8_0(m, x, k, scale, qs, &mut dots) },
-                        _ => portable::q8_0(m, x, k, scale, qs, &mut dots),
+                        Isa::Avx2 => unsafe { avx2::q8_0(m, x, k, scale, qs, &mut dots[0]) },
+                        _ => portable::q8_0(m, x, k, scale, qs, &mut dots[0]),
                     }
                 }
             }
-            let bias = self.bias.get(j).copied().unwrap_or(0.0);
-            for (r, &dot) in dots.iter().take(m).enumerate() {
-                // SAFETY: r < m and j < n: inside `out` (validated length m * n), a column
-                // this thread owns.
-                unsafe { *self.out.0.add(r * n + j) = dot + bias };
+            for (f, dots_f) in dots.iter().take(rows).enumerate() {
+                let bias = self.bias.get(j + f).copied().unwrap_or(0.0);
+                for (r, &dot) in dots_f.iter().take(m).enumerate() {
+                    // SAFETY: r < m and j + f < last <= n: inside `out` (validated length
+                    // m * n), a column this thread owns.
+                    unsafe { *self.out.0.add(r * n + j + f) = dot + bias };
+                }
             }
+            j += rows;
         }
     }
 }
@@ -442,130 +491,155 @@ mod avx512 {
     use super::{BLOCK, MAX_ROWS};
     use std::arch::x86_64::*;
 
-    /// `acc[r][i] += w[i] * x[r][16i..16i+16]` for the 2 vectors of one block.
-    #[inline(always)]
-    unsafe fn accumulate<const R: usize>(
-        acc: &mut [[__m512; 2]; R],
-        w: &[__m512; 2],
-        x: *const f32,
-        k: usize,
-    ) {
-        for (r, acc) in acc.iter_mut().enumerate() {
-            let xr = x.add(r * k);
-            for (i, &wi) in w.iter().enumerate() {
-                acc[i] = _mm512_fmadd_ps(wi, _mm512_loadu_ps(xr.add(16 * i)), acc[i]);
-            }
-        }
-    }
-
-    /// `dots[r]` = the sum of row `r`'s accumulators.
-    #[inline(always)]
-    unsafe fn finish<const R: usize>(acc: &[[__m512; 2]; R], dots: &mut [f32; MAX_ROWS]) {
-        for (r, acc) in acc.iter().enumerate() {
-            dots[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
-        }
-    }
-
+    /// `dots[f][r] = x[r] . w_f` for `m` (1..=[`super::PAIR_MAX_ROWS`]) rows of `x` and `F` neighbouring
+    /// weight rows (`F` = 2 with `pair`, else 1): `scale` and `min` hold `F * nb` entries and
+    /// `qs` `F * nb * 16` bytes, one row's blocks after the other's.
     #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn q4_1(
         m: usize,
+        pair: bool,
         x: &[f32],
         k: usize,
         scale: &[f32],
         min: &[f32],
         qs: &[u8],
-        dots: &mut [f32; MAX_ROWS],
+        dots: &mut [[f32; MAX_ROWS]; 2],
     ) {
-        match m {
-            1 => q4_1_rows::<1>(x, k, scale, min, qs, dots),
-            2 => q4_1_rows::<2>(x, k, scale, min, qs, dots),
-            3 => q4_1_rows::<3>(x, k, scale, min, qs, dots),
-            4 => q4_1_rows::<4>(x, k, scale, min, qs, dots),
-            5 => q4_1_rows::<5>(x, k, scale, min, qs, dots),
-            6 => q4_1_rows::<6>(x, k, scale, min, qs, dots),
-            7 => q4_1_rows::<7>(x, k, scale, min, qs, dots),
-            _ => q4_1_rows::<8>(x, k, scale, min, qs, dots),
+        match (m, pair) {
+            (1, true) => q4_1_rows::<1, 2>(x, k, scale, min, qs, dots),
+            (2, true) => q4_1_rows::<2, 2>(x, k, scale, min, qs, dots),
+            (3, true) => q4_1_rows::<3, 2>(x, k, scale, min, qs, dots),
+            (_, true) => q4_1_rows::<4, 2>(x, k, scale, min, qs, dots),
+            (1, false) => q4_1_rows::<1, 1>(x, k, scale, min, qs, dots),
+            (2, false) => q4_1_rows::<2, 1>(x, k, scale, min, qs, dots),
+            (3, false) => q4_1_rows::<3, 1>(x, k, scale, min, qs, dots),
+            (_, false) => q4_1_rows::<4, 1>(x, k, scale, min, qs, dots),
         }
     }
 
+    /// [`q4_1`] for `R` rows of `x` and `F` weight rows. Two weight rows share every load of
+    /// `x` (each row's weights are formed and summed in the same order as alone, so its dots
+    /// are the same bits).
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn q4_1_rows<const R: usize>(
+    unsafe fn q4_1_rows<const R: usize, const F: usize>(
         x: &[f32],
         k: usize,
         scale: &[f32],
         min: &[f32],
         qs: &[u8],
-        dots: &mut [f32; MAX_ROWS],
+        dots: &mut [[f32; MAX_ROWS]; 2],
     ) {
+        let nb = scale.len() / F;
+        assert!(F <= 2 && R <= MAX_ROWS && scale.len() == F * nb && min.len() == F * nb);
+        assert!(qs.len() == F * nb * 16 && nb * BLOCK <= k && x.len() >= (R - 1) * k + nb * BLOCK);
         // the sixteen values a nibble can hold, as floats
         let levels = _mm512_setr_ps(
             0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
         );
-        let mut acc = [[_mm512_setzero_ps(); 2]; R];
-        for (b, (&sc, &mn)) in scale.iter().zip(min).enumerate() {
-            // The block's sixteen possible weights, each formed by one multiply, then one add:
-            // the loader's float32 weights, bit for bit. Then each element picks its own.
-            let table = _mm512_add_ps(
-                _mm512_mul_ps(_mm512_set1_ps(sc), levels),
-                _mm512_set1_ps(mn),
-            );
-            let q = _mm_loadu_si128(qs.as_ptr().add(b * 16) as *const __m128i);
-            // vpermps reads only the low 4 bits of each index, so no nibble needs masking:
-            // byte j (low nibble: element j) and byte j shifted right by 4 (element j + 16)
-            let lo = _mm512_cvtepu8_epi32(q);
-            let hi = _mm512_cvtepu8_epi32(_mm_srli_epi16::<4>(q));
-            let w = [
-                _mm512_permutexvar_ps(lo, table),
-                _mm512_permutexvar_ps(hi, table),
-            ];
-            accumulate(&mut acc, &w, x.as_ptr().add(b * BLOCK), k);
+        let mut acc = [[[_mm512_setzero_ps(); 2]; F]; R];
+        for b in 0..nb {
+            let mut w = [[_mm512_setzero_ps(); 2]; F];
+            for (f, wf) in w.iter_mut().enumerate() {
+                let at = f * nb + b;
+                // The block's sixteen possible weights, each formed by one multiply, then one
+                // add: the loader's float32 weights, bit for bit. Then each element picks its
+                // own.
+                let table = _mm512_add_ps(
+                    _mm512_mul_ps(_mm512_set1_ps(*scale.get_unchecked(at)), levels),
+                    _mm512_set1_ps(*min.get_unchecked(at)),
+                );
+                let q = _mm_loadu_si128(qs.as_ptr().add(at * 16) as *const __m128i);
+                // vpermps reads only the low 4 bits of each index, so no nibble needs masking:
+                // byte j (low nibble: element j) and byte j shifted right by 4 (element j + 16)
+                let lo = _mm512_cvtepu8_epi32(q);
+                let hi = _mm512_cvtepu8_epi32(_mm_srli_epi16::<4>(q));
+                *wf = [
+                    _mm512_permutexvar_ps(lo, table),
+                    _mm512_permutexvar_ps(hi, table),
+                ];
+            }
+            let xb = x.as_ptr().add(b * BLOCK);
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                for i in 0..2 {
+                    let xv = _mm512_loadu_ps(xb.add(r * k + 16 * i));
+                    for (acc_f, wf) in acc_r.iter_mut().zip(&w) {
+                        acc_f[i] = _mm512_fmadd_ps(wf[i], xv, acc_f[i]);
+                    }
+                }
+            }
         }
-        finish(&acc, dots);
+        for (r, acc_r) in acc.iter().enumerate() {
+            for (dots_f, acc_f) in dots.iter_mut().zip(acc_r) {
+                dots_f[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc_f[0], acc_f[1]));
+            }
+        }
     }
 
+    /// `dots[f][r] = x[r] . w_f` for `F` neighbouring Q8_0 weight rows (as [`q4_1`]).
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn q8_0(
         m: usize,
+        pair: bool,
         x: &[f32],
         k: usize,
         scale: &[f32],
         qs: &[i8],
-        dots: &mut [f32; MAX_ROWS],
+        dots: &mut [[f32; MAX_ROWS]; 2],
     ) {
-        match m {
-            1 => q8_0_rows::<1>(x, k, scale, qs, dots),
-            2 => q8_0_rows::<2>(x, k, scale, qs, dots),
-            3 => q8_0_rows::<3>(x, k, scale, qs, dots),
-            4 => q8_0_rows::<4>(x, k, scale, qs, dots),
-            5 => q8_0_rows::<5>(x, k, scale, qs, dots),
-            6 => q8_0_rows::<6>(x, k, scale, qs, dots),
-            7 => q8_0_rows::<7>(x, k, scale, qs, dots),
-            _ => q8_0_rows::<8>(x, k, scale, qs, dots),
+        match (m, pair) {
+            (1, true) => q8_0_rows::<1, 2>(x, k, scale, qs, dots),
+            (2, true) => q8_0_rows::<2, 2>(x, k, scale, qs, dots),
+            (3, true) => q8_0_rows::<3, 2>(x, k, scale, qs, dots),
+            (_, true) => q8_0_rows::<4, 2>(x, k, scale, qs, dots),
+            (1, false) => q8_0_rows::<1, 1>(x, k, scale, qs, dots),
+            (2, false) => q8_0_rows::<2, 1>(x, k, scale, qs, dots),
+            (3, false) => q8_0_rows::<3, 1>(x, k, scale, qs, dots),
+            (_, false) => q8_0_rows::<4, 1>(x, k, scale, qs, dots),
         }
     }
 
+    /// [`q8_0`] for `R` rows of `x` and `F` weight rows, sharing x's loads (as [`q4_1_rows`]).
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn q8_0_rows<const R: usize>(
+    unsafe fn q8_0_rows<const R: usize, const F: usize>(
         x: &[f32],
         k: usize,
         scale: &[f32],
         qs: &[i8],
-        dots: &mut [f32; MAX_ROWS],
+        dots: &mut [[f32; MAX_ROWS]; 2],
     ) {
-        let mut acc = [[_mm512_setzero_ps(); 2]; R];
-        for (b, &sc) in scale.iter().enumerate() {
-            let q = qs.as_ptr().add(b * BLOCK);
-            let d = _mm512_set1_ps(sc);
-            let mut w = [_mm512_setzero_ps(); 2];
-            for (i, wi) in w.iter_mut().enumerate() {
-                let bytes = _mm_loadu_si128(q.add(16 * i) as *const __m128i);
-                *wi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+        let nb = scale.len() / F;
+        assert!(F <= 2 && R <= MAX_ROWS && scale.len() == F * nb && qs.len() == F * nb * BLOCK);
+        assert!(nb * BLOCK <= k && x.len() >= (R - 1) * k + nb * BLOCK);
+        let mut acc = [[[_mm512_setzero_ps(); 2]; F]; R];
+        for b in 0..nb {
+            let mut w = [[_mm512_setzero_ps(); 2]; F];
+            for (f, wf) in w.iter_mut().enumerate() {
+                let at = f * nb + b;
+                let q = qs.as_ptr().add(at * BLOCK);
+                let d = _mm512_set1_ps(*scale.get_unchecked(at));
+                for (i, wi) in wf.iter_mut().enumerate() {
+                    let bytes = _mm_loadu_si128(q.add(16 * i) as *const __m128i);
+                    *wi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+                }
             }
-            accumulate(&mut acc, &w, x.as_ptr().add(b * BLOCK), k);
+            let xb = x.as_ptr().add(b * BLOCK);
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                for i in 0..2 {
+                    let xv = _mm512_loadu_ps(xb.add(r * k + 16 * i));
+                    for (acc_f, wf) in acc_r.iter_mut().zip(&w) {
+                        acc_f[i] = _mm512_fmadd_ps(wf[i], xv, acc_f[i]);
+                    }
+                }
+            }
         }
-        finish(&acc, dots);
+        for (r, acc_r) in acc.iter().enumerate() {
+            for (dots_f, acc_f) in dots.iter_mut().zip(acc_r) {
+                dots_f[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc_f[0], acc_f[1]));
+            }
+        }
     }
 }
 
@@ -692,6 +766,42 @@ pub(crate) mod tests {
                         case(seed, m, n, k, q4, seed % 2 == 0, threads, isa);
                         seed += 1;
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn weight_rows_in_pairs_and_row_groups_give_the_same_bits_as_one_at_a_time() {
+        // On AVX-512 a call takes two weight rows and x's rows in groups of <= 4; each weight
+        // row's dots must still be formed and summed exactly as a call on it alone would.
+        if Isa::detect(Isa::Avx512) != Isa::Avx512 {
+            return; // no AVX-512 here: the pairs never run
+        }
+        let mut rng = Lcg(7);
+        for &(n, k) in &[(9, 64), (40, 576)] {
+            let b = random_blocks(&mut rng, n, k);
+            for m in 1..=MAX_ROWS {
+                let x = rng.vec(m * k);
+                let bias = rng.vec(n);
+                for q4 in [true, false] {
+                    let kernel = |out: &mut Vec<f32>| Kernel {
+                        shape: QuantShape { m, n, k },
+                        x: &x,
+                        w: b.weight(q4),
+                        bias: &bias,
+                        out: OutPtr(out.as_mut_ptr()),
+                        isa: Isa::Avx512,
+                    };
+                    let (mut together, mut alone) = (vec![0f32; m * n], vec![0f32; m * n]);
+                    // SAFETY: one thread; every column inside `out`.
+                    unsafe { kernel(&mut together).run_features(0, n) };
+                    for j in 0..n {
+                        // a range of one feature: never paired
+                        unsafe { kernel(&mut alone).run_features(j, j + 1) };
+                    }
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&together), bits(&alone), "m={m} n={n} k={k} q4={q4}");
                 }
             }
         }
