@@ -19,10 +19,11 @@
 //! (`cpu_pool`); a task writes only its own columns of `out`. On AVX-512 a task takes its
 //! features two at a time, sharing every load of `x` between them (x's rows in groups of at most
 //! `PAIR_MAX_ROWS`, for the registers); each feature's products are formed and summed in the
-//! same order as alone, so the output bits do not depend on the pairing (tested). Each task prefetches the blocks
-//! of the weight row `PREFETCH_ROWS` ahead of the one it computes: without that, a one-row
-//! call streaming from DRAM waited on the block loads (`perf annotate`: half the samples on
-//! the first use of a loaded `qs`) and ran at half its in-cache speed.
+//! same order as alone, so the output bits do not depend on the pairing (tested).
+//! Each task prefetches the blocks of the weight row `PREFETCH_ROWS` ahead of the one it
+//! computes: without that, a one-row call streaming from DRAM waited on the block loads
+//! (`perf annotate`: half the samples on the first use of a loaded `qs`) and ran at half its
+//! in-cache speed.
 
 use crate::cpu_error::{check_bias, check_lengths, KernelInputError};
 use crate::cpu_isa::Isa;
