@@ -492,6 +492,38 @@ mod avx512 {
     use super::{BLOCK, MAX_ROWS};
     use std::arch::x86_64::*;
 
+    /// `acc[r][f][i] += w[f][i] * x[r][16i..16i+16]` for one block's two vectors (`x` at the
+    /// block, row stride `k`): each x vector is loaded once for every weight row.
+    #[inline(always)]
+    unsafe fn accumulate<const R: usize, const F: usize>(
+        acc: &mut [[[__m512; 2]; F]; R],
+        w: &[[__m512; 2]; F],
+        x: *const f32,
+        k: usize,
+    ) {
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            for i in 0..2 {
+                let xv = _mm512_loadu_ps(x.add(r * k + 16 * i));
+                for (acc_f, wf) in acc_r.iter_mut().zip(w) {
+                    acc_f[i] = _mm512_fmadd_ps(wf[i], xv, acc_f[i]);
+                }
+            }
+        }
+    }
+
+    /// `dots[f][r]` = the sum of row `r`'s accumulators for weight row `f`.
+    #[inline(always)]
+    unsafe fn finish<const R: usize, const F: usize>(
+        acc: &[[[__m512; 2]; F]; R],
+        dots: &mut [[f32; MAX_ROWS]; 2],
+    ) {
+        for (r, acc_r) in acc.iter().enumerate() {
+            for (dots_f, acc_f) in dots.iter_mut().zip(acc_r) {
+                dots_f[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc_f[0], acc_f[1]));
+            }
+        }
+    }
+
     /// `dots[f][r] = x[r] . w_f` for `m` (1..=[`super::PAIR_MAX_ROWS`]) rows of `x` and `F` neighbouring
     /// weight rows (`F` = 2 with `pair`, else 1): `scale` and `min` hold `F * nb` entries and
     /// `qs` `F * nb * 16` bytes, one row's blocks after the other's.
@@ -561,21 +593,9 @@ mod avx512 {
                     _mm512_permutexvar_ps(hi, table),
                 ];
             }
-            let xb = x.as_ptr().add(b * BLOCK);
-            for (r, acc_r) in acc.iter_mut().enumerate() {
-                for i in 0..2 {
-                    let xv = _mm512_loadu_ps(xb.add(r * k + 16 * i));
-                    for (acc_f, wf) in acc_r.iter_mut().zip(&w) {
-                        acc_f[i] = _mm512_fmadd_ps(wf[i], xv, acc_f[i]);
-                    }
-                }
-            }
+            accumulate(&mut acc, &w, x.as_ptr().add(b * BLOCK), k);
         }
-        for (r, acc_r) in acc.iter().enumerate() {
-            for (dots_f, acc_f) in dots.iter_mut().zip(acc_r) {
-                dots_f[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc_f[0], acc_f[1]));
-            }
-        }
+        finish(&acc, dots);
     }
 
     /// `dots[f][r] = x[r] . w_f` for `F` neighbouring Q8_0 weight rows (as [`q4_1`]).
@@ -626,21 +646,9 @@ mod avx512 {
                     *wi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
                 }
             }
-            let xb = x.as_ptr().add(b * BLOCK);
-            for (r, acc_r) in acc.iter_mut().enumerate() {
-                for i in 0..2 {
-                    let xv = _mm512_loadu_ps(xb.add(r * k + 16 * i));
-                    for (acc_f, wf) in acc_r.iter_mut().zip(&w) {
-                        acc_f[i] = _mm512_fmadd_ps(wf[i], xv, acc_f[i]);
-                    }
-                }
-            }
+            accumulate(&mut acc, &w, x.as_ptr().add(b * BLOCK), k);
         }
-        for (r, acc_r) in acc.iter().enumerate() {
-            for (dots_f, acc_f) in dots.iter_mut().zip(acc_r) {
-                dots_f[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc_f[0], acc_f[1]));
-            }
-        }
+        finish(&acc, dots);
     }
 }
 
