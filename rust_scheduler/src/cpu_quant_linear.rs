@@ -227,7 +227,7 @@ impl Kernel<'_> {
         let mut j = first;
         while j < last {
             // on AVX-512 a call takes two weight rows, sharing every load of x
-            let pair = matches!(self.isa, Isa::Avx512 | Isa::Amx) && j + 1 < last;
+            let pair = self.isa == Isa::Avx512 && j + 1 < last;
             let rows = if pair { 2 } else { 1 };
             for ahead in 0..rows {
                 self.prefetch_row(j + ahead + PREFETCH_ROWS, last);
@@ -237,7 +237,7 @@ impl Kernel<'_> {
             match (self.isa, self.w) {
                 // SAFETY (every SIMD arm): `isa` was detected on this CPU.
                 #[cfg(target_arch = "x86_64")]
-                (Isa::Avx512 | Isa::Amx, w) => {
+                (Isa::Avx512, w) => {
                     // x's rows in even groups of at most PAIR_MAX_ROWS (registers: 5 rows as
                     // 3 + 2, not 4 + 1), each group reading the weight rows again (from L1)
                     let groups = m.div_ceil(PAIR_MAX_ROWS);
