@@ -296,6 +296,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--only", choices=["attention", "prefill", "linear", "blocks", "amx", "kv16"],
                    default=None, help="run one of the five parts ('amx' = 'blocks')")
+    p.add_argument("--block-rows", default="1,4,5,6,8,13,16,32,64,512",
+                   help="step sizes (rows) of part 4, comma-separated")
     a = p.parse_args()
     att = attention_rows([1, 16, 32, 64], [256, 1024], a.repeats) \
         if a.only in (None, "attention") else []
@@ -303,7 +305,7 @@ def main() -> int:
                          a.repeats) \
         if a.only in (None, "prefill") else []
     lin = linear_rows([1, 4, 16, 32, 64, 512], a.repeats) if a.only in (None, "linear") else []
-    blk = block_rows([1, 4, 5, 6, 8, 13, 16, 32, 64, 512], a.repeats) \
+    blk = block_rows([int(m) for m in a.block_rows.split(",")], a.repeats) \
         if a.only in (None, "blocks", "amx") else []
     kv16 = kv16_rows([(1, 1024), (13, 256), (16, 1024), (64, 256)], [(512, 0), (512, 1536)],
                      a.repeats) if a.only in (None, "kv16") else []

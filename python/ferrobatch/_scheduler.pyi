@@ -280,6 +280,10 @@ def linear_isa() -> str:
     """The instruction set of the linear kernels on this CPU: ``"avx512"``, ``"avx2"`` or
     ``"portable"`` (at most what ``FERROBATCH_CPU_ISA`` allows)."""
 
+def quant_panels_min_rows() -> int:
+    """The fewest rows of a step that read a GGUF layer's quantized panels rather than its
+    blocks on this CPU (no AMX): 4 on AVX2, 6 elsewhere."""
+
 def rotary_f32(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
     """Rotate-half RoPE of ``x`` ``[T, heads, D]`` in place with ``cos`` / ``sin`` ``[T, D]``
     (GIL released), float32, C-contiguous; ValueError on a shape mismatch or odd D."""

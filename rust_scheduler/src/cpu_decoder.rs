@@ -64,7 +64,7 @@ impl DecoderShape {
 /// layout) and, if the model came from GGUF, also its blocks, read for steps of at most
 /// [`MAX_ROWS`] rows, and their AMX tiles, read for steps of at least
 /// `cpu_amx_linear::MIN_ROWS` where AMX is available, or the blocks as panels, read for steps
-/// of at least `cpu_quant_panels::MIN_ROWS` where it is not (as `PanelLinear` does in Python).
+/// of at least `cpu_quant_panels::min_rows()` where it is not (as `PanelLinear` does in Python).
 #[derive(Clone, Copy)]
 pub struct Linear<'a> {
     pub n: usize,
@@ -77,7 +77,7 @@ pub struct Linear<'a> {
     /// least `cpu_amx_linear::MIN_ROWS` rows where AMX is available
     pub tiles: Option<AmxTiles<'a>>,
     /// the same blocks packed as panels (`cpu_quant_panels::pack`), read for steps of at least
-    /// `cpu_quant_panels::MIN_ROWS` rows where the AMX tiles are not
+    /// `cpu_quant_panels::min_rows()` rows where the AMX tiles are not
     pub qpanels: Option<QuantPanels<'a>>,
 }
 
@@ -97,7 +97,7 @@ impl Linear<'_> {
                 let shape = AmxShape { m: rows, n, k };
                 linear_amx_f32(&shape, x, tiles, self.bias, out, threads)
             }
-            (_, None, Some(qpanels)) if rows >= cpu_quant_panels::MIN_ROWS => {
+            (_, None, Some(qpanels)) if rows >= cpu_quant_panels::min_rows() => {
                 let shape = QuantPanelShape { m: rows, n, k };
                 linear_quant_panels_f32(&shape, x, qpanels, self.bias, out, threads)
             }
@@ -116,12 +116,13 @@ impl Linear<'_> {
         }
     }
 
-    /// No float32 panels are needed when the blocks take every step below `MIN_ROWS` rows
+    /// No float32 panels are needed when the blocks take every step below the `MIN_ROWS` rows
     /// and their AMX tiles (where AMX is available) or their quantized panels every other
     /// (`apply` never reaches the float32 panels then).
     fn blocks_cover_every_step(&self) -> bool {
         const { assert!(cpu_amx_linear::MIN_ROWS <= MAX_ROWS + 1) };
         const { assert!(cpu_quant_panels::MIN_ROWS <= MAX_ROWS + 1) };
+        const { assert!(cpu_quant_panels::MIN_ROWS_AVX2 <= MAX_ROWS + 1) };
         self.blocks.is_some()
             && ((self.tiles.is_some() && cpu_amx_linear::available()) || self.qpanels.is_some())
     }

@@ -609,6 +609,10 @@ fn scheduler_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(crate::py_linear::py_rms_norm_f32, m)?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_rotary_f32, m)?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_linear_isa, m)?)?;
+    m.add_function(wrap_pyfunction!(
+        crate::py_linear::py_quant_panels_min_rows,
+        m
+    )?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_amx_available, m)?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_pack_amx_q4_1, m)?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_pack_amx_q8_0, m)?)?;

@@ -409,3 +409,12 @@ pub fn py_rotary_f32(
 pub fn py_linear_isa() -> &'static str {
     crate::cpu_isa::Isa::detect(crate::cpu_isa::Isa::Avx512).name()
 }
+
+/// `quant_panels_min_rows()`: the fewest rows of a step that read a GGUF layer's quantized
+/// panels rather than its blocks on this CPU (without AMX): 4 on AVX2, 6 elsewhere
+/// (`cpu_quant_panels::min_rows`).
+#[pyfunction]
+#[pyo3(name = "quant_panels_min_rows")]
+pub fn py_quant_panels_min_rows() -> usize {
+    crate::cpu_quant_panels::min_rows()
+}

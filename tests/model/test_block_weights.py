@@ -5,6 +5,10 @@ greedy decoding through them still matches transformers token for token."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from parity_data import NUM_NEW_TOKENS
@@ -21,10 +25,10 @@ from ferrobatch.model.loader import load_model
 from ferrobatch.runtime.cpu_linear import (
     AMX_MIN_ROWS,
     QUANT_MAX_ROWS,
-    QUANT_PANELS_MIN_ROWS,
     BlockKernel,
     PanelLinear,
     pack_linear_layers,
+    quant_panels_min_rows,
 )
 from ferrobatch.runtime.model_runner import ModelRunner
 from ferrobatch.runtime.sampler import Sampler
@@ -109,15 +113,33 @@ def test_small_steps_read_the_blocks_and_agree_with_the_panels(fresh_smollm2, gg
             got = layer(x)
             want = x.double() @ dense.double().T
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
-            if mode == "quant-panels" and rows >= QUANT_PANELS_MIN_ROWS:
+            if mode == "quant-panels" and rows >= quant_panels_min_rows():
                 assert torch.equal(got, plain(x))   # the same floats, bit for bit
-        # AMX from AMX_MIN_ROWS rows, quantized panels from QUANT_PANELS_MIN_ROWS; otherwise
+        # AMX from AMX_MIN_ROWS rows, quantized panels from quant_panels_min_rows(); otherwise
         # the blocks up to QUANT_MAX_ROWS, then the float32 panels
-        last_block_rows = {"panels": QUANT_MAX_ROWS, "quant-panels": QUANT_PANELS_MIN_ROWS - 1,
+        last_block_rows = {"panels": QUANT_MAX_ROWS, "quant-panels": quant_panels_min_rows() - 1,
                            "amx": AMX_MIN_ROWS - 1}[mode]
         assert small == list(range(1, last_block_rows + 1))
         if large is not None:
             assert large == sizes[last_block_rows:]
+
+
+@pytest.mark.parametrize("cap", ["avx2", "avx512", "portable"])
+def test_the_quantized_panels_take_over_at_the_row_count_measured_for_the_isa(cap):
+    # the crossover from the blocks to the quantized panels depends on the instruction set the
+    # kernels run (cpu_quant_panels.rs min_rows): 4 rows on AVX2, 6 on AVX-512 (and portable)
+    code = ("from ferrobatch._scheduler import linear_isa, quant_panels_min_rows; "
+            "print(linear_isa(), quant_panels_min_rows())")
+    env = {**os.environ, "FERROBATCH_CPU_ISA": cap}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    isa, min_rows = out[0], int(out[1])
+    assert isa in {"avx2": ("avx2", "portable"), "avx512": ("avx512", "avx2", "portable"),
+                   "portable": ("portable",)}[cap]
+    assert min_rows == (4 if isa == "avx2" else 6)
+    assert min_rows <= QUANT_MAX_ROWS + 1   # the blocks still cover every smaller step
+    if cap == "avx512" and "FERROBATCH_CPU_ISA" not in os.environ:   # uncapped here too
+        assert quant_panels_min_rows() == min_rows
 
 
 @pytest.mark.parametrize("keep_panels", [False, True])

@@ -16,7 +16,7 @@ sizes. Results agree with ``F.linear`` to float32 rounding (relative ~1e-6), not
 Where the CPU has AMX, a GGUF layer's blocks are also packed as AMX tiles
 (``cpu_amx_linear.rs``), read by steps of ``AMX_MIN_ROWS`` rows or more; elsewhere they are
 packed as 16-feature panels of their quantized integers (``cpu_quant_panels.rs``), read by steps
-of ``QUANT_PANELS_MIN_ROWS`` rows or more and unpacked chunk by chunk into the float32 panel
+of :func:`quant_panels_min_rows` rows or more (4 on AVX2, 6 on AVX-512) and unpacked chunk by chunk into the float32 panel
 kernel's tiles (the same output, bit for bit, from 5.3x fewer bytes). Either way the blocks
 cover the smaller steps and the tiles or quantized panels all others, so the layer's float32
 panels are released (SmolLM2: 537 MB less, :meth:`PanelLinear.drop_panels`).
@@ -31,13 +31,23 @@ differences in the sums).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 PANEL_WIDTH = 16
 QUANT_MAX_ROWS = 8      # the quantized kernel's limit (cpu_quant_linear.rs MAX_ROWS: accumulators in registers)
 AMX_MIN_ROWS = 5        # from here the AMX tiles beat the blocks (cpu_amx_linear.rs MIN_ROWS)
-QUANT_PANELS_MIN_ROWS = 6   # from here the quantized panels beat the blocks (cpu_quant_panels.rs)
+
+
+@functools.cache
+def quant_panels_min_rows() -> int:
+    """From this many rows a step reads a GGUF layer's quantized panels rather than its blocks
+    (CPUs without AMX): 4 where the kernels run AVX2, 6 on AVX-512 (``cpu_quant_panels.rs``
+    ``min_rows``, where the measurements are; the fused decoder asks the same function)."""
+    from ferrobatch._scheduler import quant_panels_min_rows as min_rows
+    return min_rows()
 
 
 def packing_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -90,7 +100,7 @@ class PanelLinear(nn.Module):
         if blocks is not None and blocks.tiles is not None and num_rows >= AMX_MIN_ROWS:
             blocks.amx(rows.numpy(), bias, out.numpy(), self.num_threads)
         elif blocks is not None and blocks.qpanels is not None \
-                and num_rows >= QUANT_PANELS_MIN_ROWS:
+                and num_rows >= quant_panels_min_rows():
             blocks.panels(rows.numpy(), bias, out.numpy(), self.num_threads)
         elif blocks is not None and num_rows <= QUANT_MAX_ROWS:
             blocks(rows.numpy(), bias, out.numpy(), self.num_threads)
@@ -104,9 +114,9 @@ class PanelLinear(nn.Module):
 
     def covered_without_panels(self) -> bool:
         """True when the blocks take every step below ``AMX_MIN_ROWS`` (or
-        ``QUANT_PANELS_MIN_ROWS``) rows and their AMX tiles (or quantized panels) every other,
+        :func:`quant_panels_min_rows`) rows and their AMX tiles (or quantized panels) every other,
         so ``forward`` never reads the float32 panels."""
-        assert max(AMX_MIN_ROWS, QUANT_PANELS_MIN_ROWS) <= QUANT_MAX_ROWS + 1
+        assert max(AMX_MIN_ROWS, quant_panels_min_rows()) <= QUANT_MAX_ROWS + 1
         return self.blocks is not None and (self.blocks.tiles is not None
                                             or self.blocks.qpanels is not None)
 
@@ -124,7 +134,7 @@ class PanelLinear(nn.Module):
         if self.blocks is not None and self.blocks.tiles is not None:
             blocks += f", amx tiles (rows >= {AMX_MIN_ROWS})"
         if self.blocks is not None and self.blocks.qpanels is not None:
-            blocks += f", quantized panels (rows >= {QUANT_PANELS_MIN_ROWS})"
+            blocks += f", quantized panels (rows >= {quant_panels_min_rows()})"
         panels = "panels16" if self.packed_weight.numel() else "none"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"packed={panels}{blocks}, threads={self.num_threads}")
@@ -137,7 +147,7 @@ class BlockKernel:
     (``kernel.amx(...)``, for steps of ``AMX_MIN_ROWS`` or more: ``cpu_amx_linear.rs``;
     ``tiles`` is None otherwise); where they are not, with ``quant_panels``, the blocks packed
     as panels for ``linear_quant_panels_f32`` (``kernel.panels(...)``, for steps of
-    ``QUANT_PANELS_MIN_ROWS`` or more: ``cpu_quant_panels.rs``; ``qpanels`` is None
+    :func:`quant_panels_min_rows` or more: ``cpu_quant_panels.rs``; ``qpanels`` is None
     otherwise)."""
 
     def __init__(self, block_weight, amx: bool = True, quant_panels: bool = True) -> None:

@@ -20,10 +20,10 @@ from ferrobatch.runtime.cpu_elementwise import swap_elementwise_ops
 from ferrobatch.runtime.cpu_linear import (
     AMX_MIN_ROWS,
     QUANT_MAX_ROWS,
-    QUANT_PANELS_MIN_ROWS,
     PanelLinear,
     pack_linear_layers,
     packing_unsupported,
+    quant_panels_min_rows,
 )
 from ferrobatch.runtime.cpu_threads import torch_single_threaded
 from ferrobatch.runtime.cuda_graphs import DecodeGraphRunner, decode_buckets
@@ -53,8 +53,8 @@ class ModelRunner:
         GGUF model, steps of at most ``QUANT_MAX_ROWS`` (8) rows read the file's Q4_1 / Q8_0
         blocks instead (``cpu_linear.BlockKernel``); ``amx_tiles``: where the CPU has AMX, steps
         of at least ``AMX_MIN_ROWS`` (5) rows read those blocks packed as AMX tiles
-        (``cpu_amx_linear.rs``); elsewhere steps of at least ``QUANT_PANELS_MIN_ROWS`` (6) rows
-        read them packed as quantized panels (``cpu_quant_panels.rs``; ``FERROBATCH_QUANT_PANELS=0``
+        (``cpu_amx_linear.rs``); elsewhere steps of at least ``quant_panels_min_rows()`` (4 on
+        AVX2, 6 on AVX-512) rows read them packed as quantized panels (``cpu_quant_panels.rs``; ``FERROBATCH_QUANT_PANELS=0``
         keeps float32 panels for them instead). All only when the model is first packed.
         ``fused_decode``: with packed weights on the CPU backend, steps (decode, prefill, mixed)
         run every layer in one Rust call (``runtime.cpu_decoder``). ``kv_cache_dtype``: what the
@@ -98,7 +98,7 @@ class ModelRunner:
             amx = any(k.tiles is not None for k in kernels.values())
             qpanels = any(k.qpanels is not None for k in kernels.values())
             blocks_up_to = AMX_MIN_ROWS - 1 if amx else \
-                QUANT_PANELS_MIN_ROWS - 1 if qpanels else QUANT_MAX_ROWS
+                quant_panels_min_rows() - 1 if qpanels else QUANT_MAX_ROWS
             larger = " as AMX tiles" if amx else " as quantized panels" if qpanels else ""
             self.linear_kernels = f"Rust {linear_isa()} kernels" + (
                 f", GGUF blocks for steps of <= {blocks_up_to} rows" if blocks else "") + (
