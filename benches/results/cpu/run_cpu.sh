@@ -236,6 +236,20 @@ $PY benches/throughput.py --workload cpu-small \
 $PY benches/serving.py --servers ferrobatch --workload cpu-serve --num-prompts 32 \
   --request-rates 0.8,1.6,3.2 --json $OUT/serving_cpu-serve_session18.json
 
+# 26. Session 19 (an AMD EPYC Zen 3, AVX2 only): where the quantized panels take over on AVX2
+# (three rounds), then the headline (git 01789c3 before, 10157f8 after) and serving side by
+# side with transformers.
+for round in 1 2 3; do
+  $PY benches/cpu_kernels.py --only blocks --block-rows 1,2,3,4,5,6,7
+done
+$PY benches/throughput.py --workload cpu-small \
+  --systems ferrobatch,ferrobatch-static,ferrobatch-nodraft,hf-static@16,hf-continuous \
+  --plot $OUT/throughput_cpu-small_zen3_session19_occupancy.png \
+  --no-progress --json $OUT/throughput_cpu-small_zen3_session19.json
+$PY benches/serving.py --servers ferrobatch,hf --workload cpu-serve --num-prompts 32 \
+  --request-rates 0.8,1.6,3.2 --json $OUT/serving_cpu-serve_zen3_session19.json \
+  --plot $OUT/serving_cpu-serve_zen3_session19_latency.png
+
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
 #   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \
