@@ -194,10 +194,12 @@ class EngineConfig:
     def speculation(self, device_type: str) -> Speculation:
         """The prompt-lookup setting on this device, defaults filled in. On the CPU drafts run
         at any load but fill a step only up to 8 tokens (3 drafts each for up to 2 running
-        sequences, fewer shared among up to 7): a step of at most 8 rows reads the GGUF blocks
-        (``cpu_linear.QUANT_MAX_ROWS``) and costs little more per row, past that it moves to
-        the float32 panels; side by side this beat both drafting only while one sequence runs
-        and filling steps up to 16 tokens (benches/speculative.py, README Results). On CUDA it
+        sequences, fewer shared among up to 7). Chosen (session 10) when steps of at most 8 rows
+        read the GGUF blocks (``cpu_linear.QUANT_MAX_ROWS``) and larger ones the float32 panels;
+        side by side this beat both drafting only while one sequence runs and filling steps up
+        to 16 tokens (benches/speculative.py, README Results). Steps of a few rows now read the
+        blocks, their quantized panels or AMX tiles: a 4-row step's linear layers cost 1.2x a
+        one-row step's on an AVX2 Zen 3, an 8-row step's 1.9x (README, session 19). On CUDA it
         is off unless asked for: not measured there yet."""
         cuda = device_type == "cuda"
         k, running, step = (self.num_speculative_tokens, self.speculative_max_running,
