@@ -249,6 +249,8 @@ $PY benches/throughput.py --workload cpu-small \
 $PY benches/serving.py --servers ferrobatch,hf --workload cpu-serve --num-prompts 32 \
   --request-rates 0.8,1.6,3.2 --json $OUT/serving_cpu-serve_zen3_session19.json \
   --plot $OUT/serving_cpu-serve_zen3_session19_latency.png
+$PY benches/speculative.py --drafts 3/0/4,3,3/0/16 --concurrency 1,2,4,8 --rounds 2 \
+  --json $OUT/speculative_zen3_session19.json
 
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
