@@ -46,8 +46,9 @@ use std::cell::RefCell;
 /// 7.8 vs 9.0 ms at 5 rows, 12.7 vs 9.8 at 6, 14.8 vs 10.8 at 7, 11.7 vs 11.1 at 8.
 pub const MIN_ROWS: usize = 6;
 
-/// [`MIN_ROWS`] on AVX2, where 8-wide vectors leave the block kernel fewer weights per
-/// instruction. SmolLM2's linears on two threads (`benches/cpu_kernels.py --only blocks`):
+/// [`MIN_ROWS`] on AVX2, where the block kernel is bound by its instructions, not by memory (as
+/// fast from L3 as from DRAM: 5.5 GB/s on one Zen 3 thread at one row), so the panels' register
+/// tiles overtake it sooner. SmolLM2's linears on two threads (`benches/cpu_kernels.py --only blocks`):
 /// AMD EPYC Zen 3, three rounds, blocks vs these panels 10.3-10.8 vs 10.1-10.4 ms at 2 rows,
 /// 11.5-11.6 vs 10.3-10.7 at 3, 12.9-14.0 vs 10.6-11.2 at 4, 15.0-15.1 vs 12.2-12.3 at 5 (and
 /// 8.7-9.3 vs 9.8-10.0 at one row); Zen 5 capped at AVX2 (session 17): 10.8 vs 10.1 at 4 rows,
@@ -57,12 +58,7 @@ pub const MIN_ROWS_AVX2: usize = 4;
 /// The fewest rows of a step that go to this kernel on this CPU ([`MIN_ROWS_AVX2`] where its
 /// widest instruction set, at most `FERROBATCH_CPU_ISA`, is AVX2; else [`MIN_ROWS`]).
 pub fn min_rows() -> usize {
-    min_rows_for(Isa::detect(Isa::Avx512))
-}
-
-/// [`min_rows`] for the instruction set `isa`.
-pub(crate) fn min_rows_for(isa: Isa) -> usize {
-    match isa {
+    match Isa::detect(Isa::Avx512) {
         Isa::Avx2 => MIN_ROWS_AVX2,
         _ => MIN_ROWS,
     }
