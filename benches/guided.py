@@ -22,7 +22,9 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+# the checkout's package last: one already on the path (the editable install's, or a copy named
+# by PYTHONPATH for an A/B of two builds) wins
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 
 from ferrobatch import LLM, SamplingParams
 from ferrobatch.guided.json_schema import schema_to_regex

@@ -27,7 +27,9 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+# the checkout's package last: one already on the path (the editable install's, or a copy named
+# by PYTHONPATH for an A/B of two builds) wins
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "model"))
 
 from step_builder import ToyScheduler

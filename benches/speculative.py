@@ -32,7 +32,9 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+# the checkout's package last: one already on the path (the editable install's, or a copy named
+# by PYTHONPATH for an A/B of two builds) wins
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 
 from tqdm import tqdm
 
