@@ -35,7 +35,9 @@ use crate::cpu_linear::OutPtr;
 /// Inputs per quantization block (both formats).
 pub const BLOCK: usize = 32;
 /// Most rows per call: the kernel keeps every row's accumulators in registers (8 rows: one
-/// accumulator each, beside the block's 4 weight vectors, within AVX2's 16).
+/// accumulator each, beside the block's 4 weight vectors, within AVX2's 16; the AVX2 Q4_1
+/// kernel's 4 shift vectors then spill, up to ~8 % slower at 6-8 rows, steps that the quantized
+/// panels take by default).
 pub const MAX_ROWS: usize = 8;
 
 /// The block format of a weight and its arrays.
