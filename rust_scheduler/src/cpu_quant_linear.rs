@@ -22,7 +22,9 @@
 //! same order as alone, so the output bits do not depend on the pairing (tested). On AVX2 the
 //! Q4_1 kernel takes each block's nibbles apart with per-lane shifts instead of shuffles, so its
 //! vectors hold the block's elements in another order (`AVX2_Q4_1_ORDER`); `run` arranges `x`
-//! in that order once per call (1.1-1.2x at 1-3 rows on a Zen 3).
+//! in that order once per call (1.1-1.2x at 1-3 rows on a Zen 3), and a task's whole range of
+//! features runs in one target-feature call (`avx2::features`): a weight row of SmolLM2's layers
+//! is only 18-48 blocks, and the per-row call, dispatch and constants cost ~8 % of a one-row step.
 //! Each task prefetches the blocks of the weight row `PREFETCH_ROWS` ahead of the one it
 //! computes: without that, a one-row call streaming from DRAM waited on the block loads
 //! (`perf annotate`: half the samples on the first use of a loaded `qs`) and ran at half its
