@@ -252,6 +252,22 @@ $PY benches/serving.py --servers ferrobatch,hf --workload cpu-serve --num-prompt
 $PY benches/speculative.py --drafts 3/0/4,3,3/0/16 --concurrency 1,2,4,8 --rounds 2 \
   --json $OUT/speculative_zen3_session19.json
 
+# 27. Session 20 (the same Zen 3 type): the AVX2 block kernel's row loop in one call (git
+# d22e32c before, 36fc4d0 after; the two alternated via PYTHONPATH copies, three rounds), the
+# crossover re-measured, the draft default re-checked, the headline.
+for round in 1 2 3; do
+  $PY benches/single_stream.py --lengths 256 --tokens 64 --repeat 3
+done
+for round in 1 2; do
+  $PY benches/cpu_kernels.py --only blocks --block-rows 2,3,4,5
+done
+$PY benches/speculative.py --drafts 3 --concurrency 1,2 --rounds 2 \
+  --json $OUT/speculative_zen3_session20.json
+$PY benches/throughput.py --workload cpu-small \
+  --systems ferrobatch,ferrobatch-static,ferrobatch-nodraft,hf-static@16,hf-continuous \
+  --plot $OUT/throughput_cpu-small_zen3_session20_occupancy.png \
+  --no-progress --json $OUT/throughput_cpu-small_zen3_session20.json
+
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
 #   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \
