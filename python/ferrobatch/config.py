@@ -198,8 +198,9 @@ class EngineConfig:
         read the GGUF blocks (``cpu_linear.QUANT_MAX_ROWS``) and larger ones the float32 panels;
         side by side this beat both drafting only while one sequence runs and filling steps up
         to 16 tokens (benches/speculative.py, README Results). Steps of a few rows now read the
-        blocks, their quantized panels or AMX tiles: a 4-row step's linear layers cost 1.2x a
-        one-row step's on an AVX2 Zen 3, an 8-row step's 1.9x (README, session 19). On CUDA it
+        blocks, their quantized panels or AMX tiles: a 4-row step's linear layers cost 1.5x a
+        one-row step's on an AVX2 Zen 3, an 8-row step's 2.4x (session 20, after the one-row
+        step got faster; the default still won there: README Results). On CUDA it
         is off unless asked for: not measured there yet."""
         cuda = device_type == "cuda"
         k, running, step = (self.num_speculative_tokens, self.speculative_max_running,

@@ -52,7 +52,9 @@ pub const MIN_ROWS: usize = 6;
 /// AMD EPYC Zen 3, three rounds, blocks vs these panels 10.3-10.8 vs 10.1-10.4 ms at 2 rows,
 /// 11.5-11.6 vs 10.3-10.7 at 3, 12.9-14.0 vs 10.6-11.2 at 4, 15.0-15.1 vs 12.2-12.3 at 5 (and
 /// 8.7-9.3 vs 9.8-10.0 at one row); Zen 5 capped at AVX2 (session 17): 10.8 vs 10.1 at 4 rows,
-/// 12.6 vs 10.2 at 5. Four is the fewest rows where both machines gain.
+/// 12.6 vs 10.2 at 5. Four is the fewest rows where both machines gain. Re-measured on the
+/// Zen 3 after the block kernel's row loop moved into one call (session 20): 9.0 vs 10.1 ms at
+/// 3 rows, 10.4-12.1 vs 10.5-10.6 at 4, 13.3 vs 11.9 at 5, so four still holds.
 pub const MIN_ROWS_AVX2: usize = 4;
 
 /// The fewest rows of a step that go to this kernel on this CPU ([`MIN_ROWS_AVX2`] where its
