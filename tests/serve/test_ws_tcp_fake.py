@@ -207,3 +207,15 @@ async def test_bad_chat_messages_on_ws(fake_server):
         for messages in ([], [{"role": "robot", "content": "x"}], [{"role": "user"}], "hi"):
             last = [m async for m in c.generate(messages=messages, max_tokens=2)][-1]
             assert last["type"] == "error" and last["code"] == 400, last
+
+
+@pytest.mark.parametrize("fake_server", [{"served_model_name": "my-model"}], indirect=True)
+async def test_hello_reports_the_served_model_name(fake_server):
+    # `--served-model-name` is the id every door reports, not only HTTP's /v1/models
+    async with await TCPClient.connect("127.0.0.1", fake_server.tcp_port) as c:
+        assert c.server_hello["model"] == "my-model"
+    async with aiohttp.ClientSession() as s, s.ws_connect(fake_server.ws_url) as ws:
+        await ws.send_json({"type": "hello", "version": 1})
+        assert (await ws.receive_json())["model"] == "my-model"
+        async with s.get(fake_server.base + "/v1/models") as resp:
+            assert (await resp.json())["data"][0]["id"] == "my-model"

@@ -33,8 +33,11 @@ Send = Callable[[dict[str, Any], bool], Awaitable[None]]   # (message, binary) -
 class Session:
     def __init__(self, engine: Any, send: Send, *, api_key: str | None = None,
                  require_hello: bool = False, limits: dict[str, Any] | None = None,
-                 draining: Callable[[], bool] = lambda: False) -> None:
+                 draining: Callable[[], bool] = lambda: False,
+                 model_name: str | None = None) -> None:
         self._engine = engine
+        # the id `hello` reports: `--served-model-name` when set, as on HTTP
+        self._model_name = model_name or engine.model_name
         self._draining = draining
         self._send = send
         self._api_key = api_key
@@ -58,7 +61,7 @@ class Session:
             if kind == "hello":
                 self._hello(payload)
                 await self._send({"type": "hello", "version": PROTOCOL_VERSION,
-                                  "model": self._engine.model_name, "limits": self._limits},
+                                  "model": self._model_name, "limits": self._limits},
                                  binary)
                 return
             if not self._authed:

@@ -61,7 +61,8 @@ class TCPServer:
 
         state = self._state
         session = Session(state.engine, send, api_key=state.api_key, require_hello=True,
-                          limits=state.limits, draining=lambda: state.draining)
+                          limits=state.limits, draining=lambda: state.draining,
+                          model_name=state.model_name)
         state.sessions.add(session)
         try:
             while True:

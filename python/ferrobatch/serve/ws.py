@@ -36,7 +36,7 @@ async def ws_handler(request: web.Request) -> web.StreamResponse:
 
     # The HTTP upgrade already passed the API-key middleware, so no hello is needed here.
     session = Session(state.engine, send, limits=state.limits,
-                      draining=lambda: state.draining)
+                      draining=lambda: state.draining, model_name=state.model_name)
     state.sessions.add(session)
     try:
         async for msg in ws:
