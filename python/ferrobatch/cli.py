@@ -90,6 +90,14 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         speculative_ngram_min=a.speculative_ngram[0], speculative_ngram_max=a.speculative_ngram[1])
 
 
+def _origins(text: str) -> frozenset[str]:
+    from ferrobatch.serve.cors import parse_origins
+    try:
+        return parse_origins(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferrobatch", description="Continuous-batching LLM "
                                      "serving engine: OpenAI HTTP + WebSocket, msgpack/TCP.")
@@ -104,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require this key (Bearer token / TCP hello) on every route but /health; "
                         "default $FERROBATCH_API_KEY")
     s.add_argument("--served-model-name", default=None, help="model id reported to clients")
+    s.add_argument("--allowed-origins", default=None, type=_origins, metavar="ORIGINS",
+                   help="let web pages of these origins call the HTTP API from a browser "
+                        "(CORS): '*' or a comma-separated list like "
+                        "'http://localhost:3000,https://app.example'; default: CORS off")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to let in-flight requests finish on SIGINT/SIGTERM")
     _engine_args(s)
@@ -138,7 +150,8 @@ async def _serve(a: argparse.Namespace) -> int:
     engine = AsyncEngine(_config(a))
     print(f"ferrobatch: loading {a.model} ...", flush=True)
     await engine.start()
-    server = Server(engine, api_key=a.api_key, served_model_name=a.served_model_name)
+    server = Server(engine, api_key=a.api_key, served_model_name=a.served_model_name,
+                    allowed_origins=a.allowed_origins or frozenset())
     try:
         await server.start(a.host, a.port, None if a.tcp_port < 0 else a.tcp_port)
     except OSError as exc:

@@ -45,6 +45,7 @@ async def sdk(real):
 async def test_sdk_models_and_completion(real, sdk):
     models = await sdk.models.list()
     assert [m.id for m in models.data] == ["smollm2"]
+    assert (await sdk.models.retrieve("smollm2")).id == "smollm2"
     c = await sdk.completions.create(model="smollm2", prompt="The capital of France is",
                                      max_tokens=6, temperature=0)
     assert c.object == "text_completion" and "Paris" in c.choices[0].text

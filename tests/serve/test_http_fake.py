@@ -222,6 +222,15 @@ async def test_models_health_ready_metrics(fake_server):
         async with s.get(fake_server.base + "/v1/models") as resp:
             data = (await resp.json())["data"]
             assert data[0]["id"] == "fake" and data[0]["object"] == "model"
+        async with s.get(fake_server.base + "/v1/models/fake") as resp:
+            assert resp.status == 200 and await resp.json() == data[0]
+        async with s.get(fake_server.base + "/v1/models/org/other-model") as resp:
+            err = (await resp.json())["error"]
+            assert resp.status == 404 and err["type"] == "not_found_error"
+            assert "'org/other-model' does not exist" in err["message"]
+        async with s.get(fake_server.base + "/version") as resp:
+            from ferrobatch import __version__
+            assert await resp.json() == {"version": __version__}
         async with s.get(fake_server.base + "/ready") as resp:
             assert resp.status == 200
         await post(fake_server, "/v1/completions", {"prompt": "abc", "max_tokens": 3})

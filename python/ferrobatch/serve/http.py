@@ -1,4 +1,4 @@
-"""HTTP door: OpenAI-compatible routes plus /health, /ready, /metrics and /v1/models.
+"""HTTP door: OpenAI-compatible routes plus /health, /ready, /metrics, /version and /v1/models.
 
 Every request is validated and submitted before the response starts, so bad input is a 4xx with
 the OpenAI error object. Once streaming, a client that goes away (a failed write, or the handler
@@ -251,12 +251,29 @@ async def _stream(request: web.Request, req: OpenAIRequest,
 
 # -- service routes ----------------------------------------------------------------------------
 
+def _model_card(state) -> dict[str, Any]:
+    return {"id": state.model_name, "object": "model", "created": state.created,
+            "owned_by": "ferrobatch", "root": state.engine.model_name,
+            "max_model_len": state.engine.max_model_len}
+
+
 async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """`GET /v1/models/{model}` (the OpenAI SDK's `models.retrieve`)."""
     state = request.app[STATE]
-    return web.json_response({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": state.created,
-        "owned_by": "ferrobatch", "root": state.engine.model_name,
-        "max_model_len": state.engine.max_model_len}]})
+    name = request.match_info["model"]
+    if name != state.model_name:
+        return error_response(404, f"The model '{name}' does not exist; this server serves "
+                                   f"'{state.model_name}'", "not_found_error", "model")
+    return web.json_response(_model_card(state))
+
+
+async def version(request: web.Request) -> web.Response:
+    from ferrobatch import __version__
+    return web.json_response({"version": __version__})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -286,6 +303,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)
+    app.router.add_get("/version", version)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

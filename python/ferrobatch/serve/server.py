@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ferrobatch.serve.cors import install_cors
 from ferrobatch.serve.http import add_routes
 from ferrobatch.serve.metrics import ServerMetrics
 from ferrobatch.serve.middleware import auth_middleware, drain_middleware, error_middleware
@@ -27,6 +28,7 @@ def build_app(state: ServerState) -> web.Application:
         middlewares.append(auth_middleware(state.api_key))
     middlewares.append(drain_middleware(state))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    install_cors(app, state.allowed_origins)
     app[STATE] = state
     add_routes(app)
     app.router.add_get("/v1/ws", ws_handler)
@@ -35,10 +37,14 @@ def build_app(state: ServerState) -> web.Application:
 
 class Server:
     def __init__(self, engine: Any, *, api_key: str | None = None,
-                 served_model_name: str | None = None) -> None:
+                 served_model_name: str | None = None,
+                 allowed_origins: frozenset[str] = frozenset()) -> None:
+        """`allowed_origins`: the browser origins CORS lets call the HTTP API (`"*"`: any;
+        empty: CORS off), as `cors.parse_origins` makes them."""
         if api_key is not None and not api_key:
             raise ValueError("api_key must not be empty")
-        self.state = ServerState(engine, api_key=api_key, served_model_name=served_model_name)
+        self.state = ServerState(engine, api_key=api_key, served_model_name=served_model_name,
+                                 allowed_origins=frozenset(allowed_origins))
         self.state.metrics = ServerMetrics(engine, self.state.model_name)
         self.app = build_app(self.state)
         self._runner: web.AppRunner | None = None

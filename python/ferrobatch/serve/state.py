@@ -21,6 +21,7 @@ class ServerState:
     api_key: str | None = None
     metrics: Any = None
     served_model_name: str | None = None
+    allowed_origins: frozenset[str] = frozenset()    # CORS (serve/cors.py); empty: off
     sessions: set = field(default_factory=set)
     created: int = field(default_factory=lambda: int(time.time()))
     ready_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
