@@ -317,6 +317,14 @@ class CpuDecoderStack:
         ``paged_prefill_attention_f32``, with ``amx``). Every row must be attended exactly once.
         ValueError, nothing written, on any bad input."""
 
+def set_decoder_phase_timing(on: bool) -> None:
+    """Switches the fused step's phase accounting on or off (``cpu_step_timing.rs``; off by
+    default, and then free): wall time of the linear layers, attention and the rest."""
+
+def take_decoder_phase_times() -> dict[str, int]:
+    """The fused steps' totals since the last call, then zeroed: ``linear_ns``,
+    ``attention_ns``, ``other_ns``, ``steps``."""
+
 class TokenVocab:
     """The model's vocabulary as a byte trie (built once, shared by every grammar)."""
 

@@ -33,6 +33,7 @@ use crate::cpu_linear::{linear_f32, LinearShape, PANEL_WIDTH};
 use crate::cpu_prefill_attention::{paged_prefill_attention_f32, PrefillShape};
 use crate::cpu_quant_linear::{linear_quant_f32, QuantShape, QuantWeight, MAX_ROWS};
 use crate::cpu_quant_panels::{self, linear_quant_panels_f32, QuantPanelShape, QuantPanels};
+use crate::cpu_step_timing::{Phase, STEP_PHASES};
 
 /// The model's sizes, shared by every layer.
 #[derive(Clone, Copy, Debug)]
@@ -378,6 +379,8 @@ pub fn forward_step<E: KvElement>(
     threads: usize,
     amx: bool,
 ) -> Result<(), KernelInputError> {
+    // opt-in phase accounting (`cpu_step_timing`): a no-op unless switched on
+    let mut clock = STEP_PHASES.clock();
     let r = validate(shape, layers, caches, cache, hidden, rows)?;
     if r == 0 {
         return Ok(());
@@ -429,7 +432,9 @@ pub fn forward_step<E: KvElement>(
     for (layer, layer_cache) in layers.iter().zip(caches.iter_mut()) {
         let (k_cache, v_cache) = layer_cache.split_at_mut(layer_cache.len() / 2);
         rms_norm_f32(hidden, layer.input_norm, s.eps, &mut normed)?;
+        clock.lap(Phase::Other);
         layer.qkv.apply(&normed, r, &mut qkv, threads)?;
+        clock.lap(Phase::Linear);
         for (i, row) in qkv.chunks_exact_mut(qkv_size).enumerate() {
             let (cos, sin) = (&rows.cos[i * d..][..d], &rows.sin[i * d..][..d]);
             let (q_row, kv) = row.split_at_mut(q_size);
@@ -442,6 +447,7 @@ pub fn forward_step<E: KvElement>(
             E::store_row(&mut v_cache[at..at + kv_size], v_row);
         }
         let (bt, ctx) = (rows.block_tables, rows.ctx_lens);
+        clock.lap(Phase::Other);
         match rows.decode_rows {
             _ if num_decode == 0 => {}
             None => paged_decode_attention_f32(
@@ -491,14 +497,22 @@ pub fn forward_step<E: KvElement>(
                 amx,
             )?;
         }
+        clock.lap(Phase::Attention);
         layer.o_proj.apply(&attended, r, &mut projected, threads)?;
+        clock.lap(Phase::Linear);
         add_into(hidden, &projected);
         rms_norm_f32(hidden, layer.post_norm, s.eps, &mut normed)?;
+        clock.lap(Phase::Other);
         layer.gate_up.apply(&normed, r, &mut gate_up, threads)?;
+        clock.lap(Phase::Linear);
         silu_and_mul_f32(&gate_up, s.intermediate, &mut activated)?;
+        clock.lap(Phase::Other);
         layer.down.apply(&activated, r, &mut projected, threads)?;
+        clock.lap(Phase::Linear);
         add_into(hidden, &projected);
     }
+    clock.lap(Phase::Other);
+    clock.finish();
     Ok(())
 }
 

@@ -40,6 +40,7 @@ pub mod cpu_pool;
 pub mod cpu_prefill_attention;
 pub mod cpu_quant_linear;
 pub mod cpu_quant_panels;
+pub mod cpu_step_timing;
 pub mod error;
 pub mod guided;
 pub mod intake;

@@ -630,6 +630,14 @@ fn scheduler_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m
     )?)?;
     m.add_class::<crate::py_decoder::PyCpuDecoderStack>()?;
+    m.add_function(wrap_pyfunction!(
+        crate::py_decoder::py_set_decoder_phase_timing,
+        m
+    )?)?;
+    m.add_function(wrap_pyfunction!(
+        crate::py_decoder::py_take_decoder_phase_times,
+        m
+    )?)?;
     m.add_class::<crate::py_guided::PyTokenVocab>()?;
     m.add_class::<crate::py_guided::PyGuidedGrammar>()?;
     m.add_class::<crate::py_guided::PyGuidedSequence>()?;

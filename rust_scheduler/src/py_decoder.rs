@@ -487,3 +487,24 @@ impl PyCpuDecoderStack {
         }
     }
 }
+
+/// Switches the fused step's phase accounting (`cpu_step_timing`) on or off.
+#[pyfunction]
+#[pyo3(name = "set_decoder_phase_timing")]
+pub fn py_set_decoder_phase_timing(on: bool) {
+    crate::cpu_step_timing::STEP_PHASES.set_enabled(on);
+}
+
+/// The fused steps' phase totals since the last call, then zeroed: a dict of `linear_ns`,
+/// `attention_ns`, `other_ns` and `steps`.
+#[pyfunction]
+#[pyo3(name = "take_decoder_phase_times")]
+pub fn py_take_decoder_phase_times(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
+    let t = crate::cpu_step_timing::STEP_PHASES.take();
+    let d = pyo3::types::PyDict::new(py);
+    d.set_item("linear_ns", t.linear_ns)?;
+    d.set_item("attention_ns", t.attention_ns)?;
+    d.set_item("other_ns", t.other_ns)?;
+    d.set_item("steps", t.steps)?;
+    Ok(d)
+}

@@ -276,3 +276,34 @@ def test_two_runners_sharing_one_model_step_concurrently():
     for i in range(2):
         for (_, want), (_, logits) in zip(alone[i], got[i], strict=True):
             torch.testing.assert_close(logits, want, rtol=0, atol=0)
+
+
+def test_phase_timing_counts_fused_steps_only_when_on():
+    """The opt-in phase accounting (``cpu_step_timing.rs``): off, fused steps count nothing;
+    on, every fused step is counted and its linear, attention and other time is there, and
+    their sum stays within the steps' wall time."""
+    import time
+
+    from ferrobatch import _scheduler
+    runner = ModelRunner(_random_loaded(tied=True, bias=False), num_blocks=96, block_size=8,
+                         attn_backend="cpu")
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+    _scheduler.set_decoder_phase_timing(False)
+    _scheduler.take_decoder_phase_times()
+    before = runner.model.fused_layers.steps
+    _record_steps(runner, prompts, [4, 4])
+    assert runner.model.fused_layers.steps > before
+    assert _scheduler.take_decoder_phase_times() == {
+        "linear_ns": 0, "attention_ns": 0, "other_ns": 0, "steps": 0}
+    _scheduler.set_decoder_phase_timing(True)
+    try:
+        before = runner.model.fused_layers.steps
+        t0 = time.perf_counter_ns()
+        _record_steps(runner, prompts, [4, 4])
+        wall = time.perf_counter_ns() - t0
+        got = _scheduler.take_decoder_phase_times()
+    finally:
+        _scheduler.set_decoder_phase_timing(False)
+    assert got["steps"] == runner.model.fused_layers.steps - before > 0
+    assert got["linear_ns"] > 0 and got["attention_ns"] > 0 and got["other_ns"] > 0
+    assert got["linear_ns"] + got["attention_ns"] + got["other_ns"] < wall
