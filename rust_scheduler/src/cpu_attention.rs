@@ -26,6 +26,14 @@ use crate::cpu_isa::Isa;
 use crate::cpu_kv::KvElement;
 use std::sync::Mutex;
 
+/// The fewest (key, KV head) pairs per task of the kernels' pool: below it, waking a worker
+/// costs more than its share of the work. 2048 dated from threads spawned per call (~100 µs);
+/// with the pool's spinning workers, SmolLM2's decode attention at 256 keys on two threads of
+/// an AMD EPYC Zen 3 (`benches/step_breakdown.py`, session 21, two alternating rounds) took
+/// 1.21-1.28 -> 0.76-0.81 ms per step at one row and 2.32-2.45 -> 1.29-1.36 at two (both now
+/// split over the two threads), whole steps 3-10 % faster; 128 measured the same as 512.
+const MIN_KEYS_PER_TASK: usize = 512;
+
 /// Shapes of one decode-attention call.
 #[derive(Clone, Copy, Debug)]
 pub struct DecodeShape {
@@ -222,10 +230,9 @@ fn run<E: KvElement>(
     let total_blocks: usize = block_counts.iter().sum();
     let total_keys: usize =
         ctx_lens.iter().map(|&c| c as usize).sum::<usize>() * shape.num_kv_heads;
-    // Below ~2k (key, KV head) pairs waking a worker costs more than its share of the work.
     let threads = num_threads
         .clamp(1, total_blocks)
-        .min(1 + total_keys / 2048);
+        .min(1 + total_keys / MIN_KEYS_PER_TASK);
     let pool = (threads > 1).then(|| crate::cpu_pool::global(threads));
     let threads = pool.map_or(1, |pool| threads.min(pool.max_tasks()));
     // One output slice per sequence: each whole sequence's goes to the task that computes it,
@@ -1164,7 +1171,7 @@ mod tests {
 
     #[test]
     fn splits_work_over_threads_when_large() {
-        // enough keys that several threads run (1 + total_keys / 2048 > 1)
+        // enough keys that several threads run (1 + total_keys / MIN_KEYS_PER_TASK > 1)
         let mut rng = Lcg(7);
         let shape = DecodeShape {
             num_seqs: 40,
@@ -1235,7 +1242,7 @@ mod tests {
     fn sequences_split_between_threads_match_the_reference() {
         // one long sequence (split-KV: every thread takes part of it), then a mix whose cuts
         // fall inside sequences
-        // (>= 2 * 2048 (key, KV head) pairs each, so that at least two tasks run)
+        // (>= 2 * MIN_KEYS_PER_TASK (key, KV head) pairs each, so that at least two tasks run)
         for (seed, ctx) in [
             (21, vec![5000i32]),
             (22, vec![3000, 37, 5, 1900]),
