@@ -268,6 +268,20 @@ $PY benches/throughput.py --workload cpu-small \
   --plot $OUT/throughput_cpu-small_zen3_session20_occupancy.png \
   --no-progress --json $OUT/throughput_cpu-small_zen3_session20.json
 
+# 28. Session 21 (the same Zen 3 type): where a decode step's time goes; the attention thread
+# threshold (git bb75aff before, c2c4858 after) and the stack's weight views (53df1b4), each
+# alternated with a PYTHONPATH copy of the build before, two rounds; the headline.
+for round in 1 2; do
+  $PY benches/step_breakdown.py --rows 1,2,4,8 --repeats 7
+  $PY benches/single_stream.py --lengths 256,512 --tokens 64 --repeat 3
+done
+$PY benches/step_breakdown.py --rows 1,2,4,8,16 --repeats 9 \
+  --json $OUT/step_breakdown_zen3_session21.json
+$PY benches/throughput.py --workload cpu-small \
+  --systems ferrobatch,ferrobatch-static,ferrobatch-nodraft,hf-static@16,hf-continuous \
+  --plot $OUT/throughput_cpu-small_zen3_session21_occupancy.png \
+  --no-progress --json $OUT/throughput_cpu-small_zen3_session21.json
+
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
 #   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \
