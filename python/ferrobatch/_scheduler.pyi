@@ -295,7 +295,8 @@ class CpuDecoderStack:
     None, blocks | None[, tiles | None])`` (``tiles`` as ``linear_amx_f32`` reads them, for steps
     of > 8 rows where AMX is available), ``panels`` as ``linear_f32`` reads them, ``blocks`` ``("q4_1", scale,
     min, qs)`` or ``("q8_0", scale, qs)`` as ``linear_q*_f32`` read them. The arrays are
-    referenced, not copied. ValueError on any shape mismatch."""
+    referenced, not copied, and viewed once, here: they must not be written (or resized) while
+    the stack lives. ValueError on any shape mismatch."""
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  intermediate: int, eps: float, scale: float, layers: list[tuple]) -> None: ...
