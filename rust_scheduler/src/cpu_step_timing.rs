@@ -4,12 +4,12 @@
 //! "where does a step's time go" without a profiler (`benches/step_breakdown.py`).
 //!
 //! Off by default: a step then pays one relaxed atomic load and no clock reads. On, it reads
-//! the clock at every phase boundary (~11 per layer).
+//! the clock at every phase boundary (9 per layer).
 //!
 //! Invariants: every nanosecond between a step's [`PhaseCounters::clock`] and its last
 //! [`PhaseClock::lap`] is counted once, in exactly one phase; the totals only grow until
-//! [`PhaseCounters::take`], which returns them and zeroes each counter atomically (a concurrent step's lap
-//! lands in this read or the next, never in both or neither).
+//! [`PhaseCounters::take`], which returns them and zeroes each counter atomically (a
+//! concurrent step's lap lands in this read or the next, never in both or neither).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::Instant;
