@@ -7,8 +7,11 @@ import importlib.util
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 # ferrobatch sets this on import (see python/ferrobatch/__init__.py); setting it here, before any
@@ -88,6 +91,18 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def median_ms(fn: Callable[[], object], repeats: int, warm: bool = True) -> float:
+    """Median wall time of `repeats` calls of `fn`, in ms (after one untimed call if `warm`)."""
+    if warm:
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
 
 
 def write_json(path: str | os.PathLike, obj: dict) -> None:

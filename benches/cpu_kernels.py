@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import format_table, machine_info, write_json  # noqa: E402  (sets GOMP_SPINCOUNT first)
+from common import format_table, machine_info, median_ms, write_json  # noqa: E402  (sets GOMP_SPINCOUNT first)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -49,16 +48,6 @@ from ferrobatch.runtime.cpu_linear import PanelLinear  # noqa: E402
 from ferrobatch.runtime.cpu_threads import torch_single_threaded  # noqa: E402
 
 LAYERS, HQ, HKV, D, HIDDEN, FFN, VOCAB, BS = 30, 9, 3, 64, 576, 1536, 49152, 16
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e3
 
 
 def _attend_all_layers(backend, meta, query, caches):
@@ -106,7 +95,7 @@ def attention_rows(rows_list, ctx_list, repeats):
             runs = {name: partial(_attend_all_layers, b, b.build_metadata(batch, "cpu"), query, caches)
                     for name, b in backends.items()}
             for name in ("rust", "torch", "rust", "torch"):  # alternate; keep the 2nd pair
-                result[f"{name}_ms"] = _median_ms(runs[name], repeats)
+                result[f"{name}_ms"] = median_ms(runs[name], repeats)
             result["speedup"] = result["torch_ms"] / result["rust_ms"]
             result["rust_gb_per_s"] = result["kv_mb_per_step"] * 2**20 / result["rust_ms"] / 1e6
             out.append(result)
@@ -139,7 +128,7 @@ def prefill_chunks(shapes, repeats):
         runs = {name: partial(_attend_all_layers, b, b.build_metadata(batch, "cpu"), query, caches)
                 for name, b in backends.items()}
         for name in list(runs) * 2:  # alternate; keep the 2nd round
-            result[f"{name}_ms"] = _median_ms(runs[name], repeats)
+            result[f"{name}_ms"] = median_ms(runs[name], repeats)
         result["speedup"] = result["sdpa_ms"] / result["rust_ms"]
         result["amx_vs_vector"] = result["rust_vector_ms"] / result["rust_ms"]
         for name in runs:
@@ -184,7 +173,7 @@ def kv16_rows(decode_shapes, prefill_shapes, repeats):
         result = {"kind": kind, "rows": rows, "queries": q_lens, "context": ctx,
                   "f32_kv_mb": round(kv_mb, 1)}
         for name in ("f32", "f16", "f32", "f16"):  # alternate; keep the 2nd pair
-            result[f"{name}_ms"] = _median_ms(runs[name], repeats)
+            result[f"{name}_ms"] = median_ms(runs[name], repeats)
         result["speedup"] = result["f32_ms"] / result["f16_ms"]
         result["f32_gb_per_s"] = kv_mb * 2**20 / result["f32_ms"] / 1e6
         result["f16_gb_per_s"] = kv_mb / 2 * 2**20 / result["f16_ms"] / 1e6
@@ -211,7 +200,7 @@ def linear_rows(m_list, repeats):
                 "f_linear": partial(_dense_all, weights, xs)}
         r = {"rows": m}
         for name in ("rust", "onednn", "f_linear") * 2:  # alternate; keep the 2nd round
-            r[f"{name}_ms"] = _median_ms(runs[name], repeats)
+            r[f"{name}_ms"] = median_ms(runs[name], repeats)
         r["vs_onednn"] = r["onednn_ms"] / r["rust_ms"]
         r["vs_f_linear"] = r["f_linear_ms"] / r["rust_ms"]
         flops = 2 * m * sum(w.numel() for layer in weights for w in layer)
@@ -275,7 +264,7 @@ def block_rows(m_list, repeats):
         r = {"rows": m}
         with torch_single_threaded():
             for kind in kinds * 2:  # alternate; keep the 2nd round
-                r[f"{kind}_ms"] = _median_ms(partial(run, kind, xs, outs), repeats)
+                r[f"{kind}_ms"] = median_ms(partial(run, kind, xs, outs), repeats)
         best_other = min(r[f"{k}_ms"] for k in ("panels", "blocks") if f"{k}_ms" in r)
         r["qpanels_vs_panels"] = r["panels_ms"] / r["qpanels_ms"]
         r["qpanels_vs_best_other"] = best_other / r["qpanels_ms"]

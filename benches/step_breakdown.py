@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,21 +36,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from step_builder import ToyScheduler  # noqa: E402
 
-from common import format_table, machine_info, write_json  # noqa: E402  (OpenMP defaults first)
+from common import format_table, machine_info, median_ms, write_json  # noqa: E402  (OpenMP defaults first)
 from ferrobatch.model.loader import load_model  # noqa: E402
 from ferrobatch.runtime.cpu_threads import torch_single_threaded  # noqa: E402
 from ferrobatch.runtime.model_runner import ModelRunner  # noqa: E402
 
 BLOCK_SIZE = 16
-
-
-def median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e3
 
 
 def gemm_gflops(repeats: int) -> float:
@@ -106,11 +96,11 @@ def breakdown(runner: ModelRunner, rows: int, context: int, repeats: int) -> dic
         "step", "step_timed", "linear", "attention", "other", "lm_head")}
     _scheduler.set_decoder_phase_timing(False)
     for _ in range(repeats):
-        samples["step"].append(median_ms(step, 1))
+        samples["step"].append(median_ms(step, 1, warm=False))
         _scheduler.take_decoder_phase_times()
         _scheduler.set_decoder_phase_timing(True)
         try:
-            samples["step_timed"].append(median_ms(step, 1))
+            samples["step_timed"].append(median_ms(step, 1, warm=False))
             phases = _scheduler.take_decoder_phase_times()
         finally:
             _scheduler.set_decoder_phase_timing(False)
@@ -118,7 +108,7 @@ def breakdown(runner: ModelRunner, rows: int, context: int, repeats: int) -> dic
             raise RuntimeError(f"expected one fused step, the accounting saw {phases['steps']}")
         for k in ("linear", "attention", "other"):
             samples[k].append(phases[f"{k}_ns"] / 1e6)
-        samples["lm_head"].append(median_ms(lm_head, 1))
+        samples["lm_head"].append(median_ms(lm_head, 1, warm=False))
     ms = {k: float(np.median(v)) for k, v in samples.items()}
     weights = sum(m.in_features * m.out_features for m in layer_linears)
     head_bytes = head.blocks.nbytes - sum(a.nbytes for a in (head.blocks.tiles,
