@@ -143,3 +143,22 @@ def test_single_stream_bench_smoke(tmp_path: Path) -> None:
     assert row["prompt_tokens"] == 40 and len(row["samples_ms"]) == 1
     assert row["ms_per_token"] > 0
     assert row["ms_per_token"] == pytest.approx(row["samples_ms"][0], abs=0.01)
+
+
+def test_step_breakdown_smoke(tmp_path: Path) -> None:
+    # every part of the step took time, they fit within the step, the ceilings were measured
+    out = tmp_path / "breakdown.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHES / "step_breakdown.py"), "--rows", "1,2", "--context", "40",
+         "--repeats", "2", "--json", str(out)],
+        check=False, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["gemm_gflops"] > 0 and data["read_gb_per_s"] > 0
+    assert [r["rows"] for r in data["results"]] == [1, 2]
+    for r in data["results"]:
+        parts = [r[f"{p}_ms"] for p in ("linears", "attention", "other", "lm_head")]
+        assert all(p > 0 for p in parts), r
+        assert sum(parts) < 1.5 * r["step_ms"], r       # the timed parts are within the step
+        assert r["step_timed_ms"] < 1.5 * r["step_ms"], r   # and timing them costs little
+        assert r["kv_mb"] == pytest.approx(2 * r["rows"] * 40 * 3 * 64 * 4 * 30 / 2**20)
