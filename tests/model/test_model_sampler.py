@@ -9,7 +9,7 @@ import pytest
 import torch
 from step_builder import sampling_arrays
 
-from ferrobatch.runtime.sampler import RequestExtras, Sampler
+from ferrobatch.runtime.sampler import RequestExtras, Sampler, argmax_rows
 
 VOCAB = 64
 EOS = [3, 7]
@@ -42,6 +42,26 @@ def test_greedy_is_exact_argmax(sampler):
     mixed = _batch(9, temperature=[0, 1] * 4 + [0])  # greedy rows in a sampled batch stay argmax
     out = sampler.sample(logits, mixed).token_ids
     assert np.array_equal(out[::2], logits.argmax(-1).numpy()[::2])
+
+
+def test_argmax_rows_is_torch_argmax_on_ties_infinities_and_nans():
+    """numpy's argmax (the CPU path) picks exactly what torch's does: the first maximum, a NaN
+    as the maximum, -inf rows, signed zeros, random rows of every shape the sampler sees."""
+    gen = torch.Generator().manual_seed(5)
+    cases = [torch.randn(rows, 49152, generator=gen) for rows in (1, 3, 16)]
+    tied = torch.zeros(4, 64)
+    tied[0, [5, 9]] = 1.0                       # a tie: the first one
+    tied[1, :] = float("-inf")                  # every token masked
+    tied[2, [3, 7]] = float("-inf")
+    tied[2, 10] = float("nan")                  # a NaN wins, as in torch
+    tied[3, 0], tied[3, 1] = -0.0, 0.0          # equal zeros: the first
+    tied[3, 2:] = -1.0
+    cases += [tied, torch.randn(5, 97, generator=gen)[:, ::2]]   # a strided view too
+    for x in cases:
+        got = argmax_rows(x)
+        assert got.dtype == torch.int64
+        assert torch.equal(got, x.argmax(dim=-1)), x.shape
+    assert torch.equal(argmax_rows(tied.double()), tied.double().argmax(dim=-1))   # torch path
 
 
 def test_temperature_matches_softmax_distribution(sampler, logits):

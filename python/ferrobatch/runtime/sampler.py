@@ -22,6 +22,15 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` (int64, the first maximum of each row; a NaN counts as the maximum),
+    through numpy's vectorized argmax for float32 on the CPU: torch's took 62 us for one row of
+    SmolLM2's 49,152 logits and 1.03 ms for 16, numpy's 11 us and 72 us (same indices)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
+        return torch.from_numpy(np.ascontiguousarray(x.numpy().argmax(axis=-1), dtype=np.int64))
+    return x.argmax(dim=-1)
+
+
 @dataclass
 class RequestExtras:
     """Per-request data the step arrays do not carry (looked up by request id)."""
@@ -192,7 +201,7 @@ class Sampler:
             gen = torch.Generator(device=self.device).manual_seed(
                 seed_for_step(seeds[row], output_lens[row], seq_indices[row]))
             noise[row] = torch.empty(self.vocab_size, device=self.device).exponential_(generator=gen)
-        return (probs / noise).argmax(dim=-1)
+        return argmax_rows(probs / noise)
 
     # -- API ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -213,7 +222,7 @@ class Sampler:
         suppress = np.asarray(batch.suppress_eos).astype(bool)
         all_greedy = bool(np.all(temperature <= 0.0))
         if all_greedy and not (has_penalties or has_bias or has_guides or suppress.any()):
-            tokens = raw_logits.argmax(dim=-1)
+            tokens = argmax_rows(raw_logits)
         else:
             logits = raw_logits.clone()
             if has_bias:
@@ -225,7 +234,7 @@ class Sampler:
                 logits[rows[:, None], self.eos_token_ids[None, :]] = float("-inf")
             if has_guides:
                 self._apply_guides(logits, batch, extras)
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
             if not all_greedy:
                 tokens = torch.where(
                     torch.from_numpy(temperature <= 0.0).to(self.device), tokens,
