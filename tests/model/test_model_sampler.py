@@ -64,6 +64,44 @@ def test_argmax_rows_is_torch_argmax_on_ties_infinities_and_nans():
     assert torch.equal(argmax_rows(tied.double()), tied.double().argmax(dim=-1))   # torch path
 
 
+def _sorted_top_k_top_p(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray):
+    """The full-sort formulation (the sampler's until session 21): the reference."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab)[None, :]
+    k = torch.from_numpy(np.where(top_k > 0, np.minimum(top_k, vocab), vocab))
+    remove = ranks >= k[:, None]
+    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    remove |= (probs.cumsum(dim=-1) - probs) > torch.from_numpy(top_p)[:, None]
+    # (it also cut rows of top_k 0 and top_p 1.0 short: their float32 cumulative mass passes
+    # 1.0 before the tail; such a row keeps every token)
+    remove[torch.from_numpy((k.numpy() == vocab) & (top_p >= 1.0))] = False
+    return logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+
+
+def test_top_k_top_p_mask_is_the_full_sorts():
+    """The candidates-only mask keeps exactly the full sort's tokens: peaked and flat rows (a
+    nucleus past the first candidates, up to the whole vocabulary), top-k below, at and past
+    the first candidate count, mixed with rows that keep every token."""
+    vocab = 5000
+    sampler = Sampler(vocab, EOS, "cpu", seed=1)
+    gen = torch.Generator().manual_seed(11)
+    scales = torch.tensor([8.0, 3.0, 1.0, 0.3, 0.01, 2.0, 5.0, 0.5])[:, None]
+    logits = torch.randn(8, vocab, generator=gen) * scales
+    for top_k, top_p in [
+        ([0, 0, 0, 0, 0, 0, 0, 0], [0.9, 0.95, 0.9, 0.99, 0.5, 0.8, 0.3, 0.999]),
+        ([50, 0, 3, 1000, 0, 64, 65, 0], [1.0, 0.9, 0.5, 0.95, 1.0, 0.7, 1.0, 1.0]),
+        ([0, 7, 0, 0, 4999, 0, 0, 2], [1.0, 1.0, 0.9, 1.0, 0.95, 1.0, 1.0, 0.1]),
+    ]:
+        k = np.asarray(top_k, np.int32)
+        p = np.asarray(top_p, np.float32)
+        got = sampler._mask_top_k_top_p(logits, k, p)
+        want = _sorted_top_k_top_p(logits, k, p)
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), (top_k, top_p)
+        kept = ~torch.isinf(want)
+        assert torch.equal(got[kept], logits[kept])     # kept logits pass unchanged
+
+
 def test_temperature_matches_softmax_distribution(sampler, logits):
     draws = _draw_many(sampler, logits, 40_000, temperature=np.full(40_000, 0.7))
     expected = (logits / 0.7).softmax(-1).numpy()
