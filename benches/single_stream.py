@@ -1,7 +1,7 @@
 """Single-stream decode speed on the CPU: one request at a time through `ferrobatch.LLM` (SmolLM2,
-greedy, drafts off), milliseconds per output token after prompts of a few lengths.
+greedy unless `--temperature`, drafts off), milliseconds per output token after prompts of a few lengths.
 
-    python benches/single_stream.py --lengths 256,1024,2000 [--json PATH]
+    python benches/single_stream.py --lengths 256,1024,2000 [--temperature T --top-p P] [--json PATH]
 
 What one user chatting with a long history sees. For each length and repeat: a prompt of random
 token ids with `max_tokens=1` (prefill + one token), then a fresh prompt of the same length with
@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", default="256,1024,2000")
     ap.add_argument("--tokens", type=int, default=128, help="decoded tokens per measurement")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy; above: sampled (seeded), as a chat client would ask")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -39,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def timed(length: int, max_tokens: int) -> float:
         ids = rng.integers(100, 40000, size=length).tolist()
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, seed=0 if args.temperature > 0 else None,
+                                ignore_eos=True)
         t0 = time.perf_counter()
         llm.generate([ids], params)
         return time.perf_counter() - t0
@@ -56,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
                               ("ms_per_token", "ms / output token", ".2f"),
                               ("samples_ms", "samples", "")]))
     if args.json:
-        write_json(args.json, {"machine": machine_info(), "tokens": args.tokens, "results": rows})
+        write_json(args.json, {"machine": machine_info(), "tokens": args.tokens,
+                               "temperature": args.temperature, "top_p": args.top_p,
+                               "results": rows})
         print(f"json: {args.json}")
     return 0
 

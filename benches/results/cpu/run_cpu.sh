@@ -275,6 +275,9 @@ for round in 1 2; do
   $PY benches/step_breakdown.py --rows 1,2,4,8 --repeats 7
   $PY benches/single_stream.py --lengths 256,512 --tokens 64 --repeat 3
 done
+for round in 1 2; do   # the sampler (git 53df1b4 before, 1c02bdd after)
+  $PY benches/single_stream.py --lengths 256 --tokens 64 --repeat 3 --temperature 0.7 --top-p 0.9
+done
 $PY benches/step_breakdown.py --rows 1,2,4,8,16 --repeats 9 \
   --json $OUT/step_breakdown_zen3_session21.json
 $PY benches/throughput.py --workload cpu-small \
