@@ -111,9 +111,8 @@ def breakdown(runner: ModelRunner, rows: int, context: int, repeats: int) -> dic
         samples["lm_head"].append(median_ms(lm_head, 1, warm=False))
     ms = {k: float(np.median(v)) for k, v in samples.items()}
     weights = sum(m.in_features * m.out_features for m in layer_linears)
-    head_bytes = head.blocks.nbytes - sum(a.nbytes for a in (head.blocks.tiles,
-                                                              head.blocks.qpanels)
-                                          if a is not None) if head.blocks else 0
+    # the bytes of the GGUF blocks themselves (not their AMX tiles or quantized panels)
+    head_bytes = sum(a.nbytes for a in head.blocks.arrays) if head.blocks else 0
     kv_bytes = 2 * rows * context * cfg.num_kv_heads * cfg.head_dim \
         * runner.kv_cache.layers[0].element_size() * cfg.num_layers
     res = {"rows": rows, "context": context, "step_ms": ms["step"],

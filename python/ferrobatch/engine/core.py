@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,10 +61,8 @@ def rows_all_finite(logits: torch.Tensor) -> bool:
     forward (the Rust kernels own the cores), and waking them cost more than the sum itself
     (SmolLM2's logits after a 2 ms idle: 230-300 us on two threads, 54-123 us on one, 1-16
     rows; in single-stream decoding 0.138-0.143 -> 0.101-0.109 ms per step)."""
-    if logits.device.type == "cpu":
-        with torch_single_threaded():
-            return bool(torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)).all())
-    return bool(torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)).all())
+    with torch_single_threaded() if logits.device.type == "cpu" else nullcontext():
+        return bool(torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)).all())
 
 
 def _torch_dtype(name: str | None) -> Any:

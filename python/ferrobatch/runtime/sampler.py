@@ -204,13 +204,15 @@ class Sampler:
         p = torch.from_numpy(top_p.astype(np.float32)).to(self.device)[:, None]
         k = torch.from_numpy(k_row).to(self.device)[:, None]
         # rows without top-k renormalize over every logit: their log-normalizer, computed once
-        full_lse = logits.logsumexp(dim=-1, keepdim=True)
+        full_lse = logits.logsumexp(dim=-1, keepdim=True) if fixed.size < k_row.size else None
         while True:
             values, order = logits.topk(count, dim=-1)
             ranks = torch.arange(count, device=self.device)[None, :]
             remove = ranks >= k
             kept = values.masked_fill(remove, float("-inf"))
-            lse = torch.where(k < vocab, kept.logsumexp(dim=-1, keepdim=True), full_lse)
+            lse = kept.logsumexp(dim=-1, keepdim=True)
+            if full_lse is not None:
+                lse = torch.where(k < vocab, lse, full_lse)
             probs = (kept - lse).exp()
             mass = probs.cumsum(dim=-1)
             remove |= (mass - probs) > p
