@@ -16,9 +16,11 @@
 //! the `Hq * D` outputs of its whole sequences (disjoint slices); for a cut sequence each part
 //! returns its un-normalized output, running max and denominator, and the caller merges them
 //! after the job (`merge`). Each block is read once, all KV heads together (`[block_size, Hkv,
-//! D]` is contiguous). Softmax is the online (running max) form per block of keys, in f32.
-//! While one block is computed the next one the task will read is prefetched into L2, in slices
-//! spread over the block's work (the kernel waits on memory at long contexts).
+//! D]` is contiguous). Softmax is the online (running max) form, in f32, per chunk of up to
+//! `CHUNK_KEYS` keys: a chunk's K blocks give every head's scores, one softmax per head, then
+//! its V blocks. While one block is computed the next one the task will read (in that order)
+//! is prefetched into L2, in slices spread over the block's work (the kernel waits on memory at
+//! long contexts).
 
 use crate::cpu_error::KernelInputError;
 use crate::cpu_exp::exp;
@@ -33,6 +35,9 @@ use std::sync::Mutex;
 /// 1.21-1.28 -> 0.76-0.81 ms per step at one row and 2.32-2.45 -> 1.29-1.36 at two (both now
 /// split over the two threads), whole steps 3-10 % faster; 128 measured the same as 512.
 const MIN_KEYS_PER_TASK: usize = 512;
+
+/// Keys per softmax (a chunk of whole blocks: `CHUNK_KEYS / block_size` of them, at least one).
+const CHUNK_KEYS: usize = 128;
 
 /// Shapes of one decode-attention call.
 #[derive(Clone, Copy, Debug)]
@@ -383,7 +388,7 @@ struct Kernel<'a, E> {
     isa: Isa,
 }
 
-impl<E: KvElement> Kernel<'_, E> {
+impl<'a, E: KvElement> Kernel<'a, E> {
     /// Computes `segments` in order: each whole one into the next of `outs`, each split one
     /// into a [`Partial`] pushed onto `partials`.
     fn run_segments(
@@ -438,8 +443,13 @@ impl<E: KvElement> Kernel<'_, E> {
         self.run_segments_impl::<avx512::Math>(segments, outs, partials);
     }
 
-    /// The loop over segments and blocks every instruction set shares; `M` does the block math
-    /// (inlined into the `target_feature` entry that instantiates it).
+    /// The loop over segments, chunks and blocks every instruction set shares; `M` does the
+    /// block math (inlined into the `target_feature` entry that instantiates it).
+    ///
+    /// A segment goes in chunks of up to [`CHUNK_KEYS`] keys: every block's scores for all
+    /// query heads (the K pass), one softmax per head over the whole chunk, then every block's
+    /// values (the V pass). A softmax per block of 16 keys was a serial chain (max, scalar
+    /// exp, correction) too short to overlap: a fifth of the kernel's time (`perf`, session 22).
     #[inline(always)]
     fn run_segments_impl<M: BlockMath>(
         &self,
@@ -451,16 +461,26 @@ impl<E: KvElement> Kernel<'_, E> {
         let (d, bs, hkv) = (s.head_dim, s.block_size, s.num_kv_heads);
         let group = s.num_heads / hkv;
         let block_len = bs * hkv * d;
-        // scores[qh * bs + j]: query head qh against key j of the current block
-        let mut scores = vec![0f32; s.num_heads * bs];
+        let chunk_blocks = (CHUNK_KEYS / bs).max(1);
+        let chunk_cap = chunk_blocks * bs;
+        // scores[qh * chunk_cap + j]: query head qh against key j of the current chunk
+        let mut scores = vec![0f32; s.num_heads * chunk_cap];
         let mut running_max = vec![0f32; s.num_heads];
         let mut denom = vec![0f32; s.num_heads];
+        let mut correction = vec![0f32; s.num_heads];
         let mut split_acc = vec![0f32; s.num_heads * d];
         // where query head qh's KV head starts inside a block row
         let kv_offset: Vec<usize> = (0..s.num_heads).map(|qh| (qh / group) * d).collect();
         // a block's K (or V) in num_heads slices of whole 64-byte lines, one prefetched per head
         let line = 64 / std::mem::size_of::<E>();
         let slice = block_len.div_ceil(s.num_heads).next_multiple_of(line);
+        let prefetch_part = |next: Option<(&[E], usize)>, part: usize| {
+            if let Some((cache, block)) = next {
+                let start = (part * slice).min(block_len);
+                let len = slice.min(block_len - start);
+                M::prefetch(&cache[block * block_len + start..][..len]);
+            }
+        };
         let table_of = |seq: usize| &self.block_tables[seq * s.max_blocks_per_seq..];
         let mut outs = outs.iter_mut();
         for (i, segment) in segments.iter().enumerate() {
@@ -468,10 +488,10 @@ impl<E: KvElement> Kernel<'_, E> {
             let q = &self.q[seq * s.num_heads * d..][..s.num_heads * d];
             let ctx = self.ctx_lens[seq] as usize;
             let table = &table_of(seq)[segment.blocks.clone()];
-            // the first block of the task's next segment (fetched during this one's last)
+            // the first block of the task's next segment (its K is read after this one's last V)
             let next_segment_block = segments
                 .get(i + 1)
-                .map(|next| &table_of(next.seq)[next.blocks.start]);
+                .map(|next| table_of(next.seq)[next.blocks.start] as usize);
             let acc: &mut [f32] = if segment.whole {
                 outs.next().expect("an output per whole segment")
             } else {
@@ -480,43 +500,60 @@ impl<E: KvElement> Kernel<'_, E> {
             acc.fill(0.0);
             running_max.fill(f32::NEG_INFINITY);
             denom.fill(0.0);
-            for (b, &block) in table.iter().enumerate() {
-                let n = (ctx - (segment.blocks.start + b) * bs).min(bs);
-                // one block's keys and values for all KV heads: [bs, Hkv, D], contiguous
-                let k_block = &self.k_cache[block as usize * block_len..][..block_len];
-                let v_block = &self.v_cache[block as usize * block_len..][..block_len];
-                // the next block this task reads is somewhere else in memory: fetch its K
-                // while this block's scores are computed and its V while the values are, a
-                // slice per query head (every line at once was slower)
-                let next = table.get(b + 1).or(next_segment_block);
-                let next_at = next.map(|&next| next as usize * block_len);
-                let prefetch_part = |cache: &[E], part: usize| {
-                    if let Some(at) = next_at {
-                        let start = (part * slice).min(block_len);
-                        let len = slice.min(block_len - start);
-                        M::prefetch(&cache[at + start..][..len]);
-                    }
-                };
-                let head_rows = |block, qh: usize| Rows {
+            let keys_of = |b: usize| (ctx - (segment.blocks.start + b) * bs).min(bs);
+            for (c, chunk) in table.chunks(chunk_blocks).enumerate() {
+                let first = c * chunk_blocks; // the chunk's first block, in `table`
+                let chunk_keys: usize = (0..chunk.len()).map(|b| keys_of(first + b)).sum();
+                let head_rows = |block: &'a [E], b: usize, qh: usize| Rows {
                     block,
                     offset: kv_offset[qh],
                     stride: hkv * d,
-                    n,
+                    n: keys_of(first + b),
                     d,
                 };
-                for qh in 0..s.num_heads {
-                    prefetch_part(self.k_cache, qh);
-                    let (q_head, row) = (&q[qh * d..][..d], &mut scores[qh * bs..][..n]);
-                    // SAFETY: `M` is the math of the entry this was inlined into (`run_segments`).
-                    unsafe { M::scores(q_head, &head_rows(k_block, qh), self.scale, row) };
+                // The K pass. Reading order is this chunk's K blocks, then its V blocks, then
+                // the next chunk's (or segment's) K: while one block is computed the next one
+                // read is fetched into L2, a slice per query head (every line at once was
+                // slower).
+                for (b, &block) in chunk.iter().enumerate() {
+                    let next = match chunk.get(b + 1) {
+                        Some(&next) => (self.k_cache, next as usize),
+                        None => (self.v_cache, chunk[0] as usize),
+                    };
+                    let k_block = &self.k_cache[block as usize * block_len..][..block_len];
+                    for qh in 0..s.num_heads {
+                        prefetch_part(Some(next), qh);
+                        let rows = head_rows(k_block, b, qh);
+                        let row = &mut scores[qh * chunk_cap + b * bs..][..rows.n];
+                        // SAFETY: `M` is the math of the entry this was inlined into
+                        // (`run_segments`).
+                        unsafe { M::scores(&q[qh * d..][..d], &rows, self.scale, row) };
+                    }
                 }
                 for qh in 0..s.num_heads {
-                    prefetch_part(self.v_cache, qh);
-                    let (row, acc) = (&mut scores[qh * bs..][..n], &mut acc[qh * d..][..d]);
+                    let row = &mut scores[qh * chunk_cap..][..chunk_keys];
                     // SAFETY: as above.
-                    unsafe {
-                        let correction = M::softmax(row, &mut running_max[qh], &mut denom[qh]);
-                        M::accumulate(acc, row, correction, &head_rows(v_block, qh));
+                    correction[qh] =
+                        unsafe { M::softmax(row, &mut running_max[qh], &mut denom[qh]) };
+                }
+                // The V pass: the first block rescales the accumulated output once.
+                for (b, &block) in chunk.iter().enumerate() {
+                    let next = match chunk.get(b + 1) {
+                        Some(&next) => Some((self.v_cache, next as usize)),
+                        None => table
+                            .get(first + chunk.len())
+                            .map(|&next| next as usize)
+                            .or(next_segment_block)
+                            .map(|next| (self.k_cache, next)),
+                    };
+                    let v_block = &self.v_cache[block as usize * block_len..][..block_len];
+                    for qh in 0..s.num_heads {
+                        prefetch_part(next, qh);
+                        let rows = head_rows(v_block, b, qh);
+                        let p = &scores[qh * chunk_cap + b * bs..][..rows.n];
+                        let scale_by = if b == 0 { correction[qh] } else { 1.0 };
+                        // SAFETY: as above.
+                        unsafe { M::accumulate(&mut acc[qh * d..][..d], p, scale_by, &rows) };
                     }
                 }
             }
