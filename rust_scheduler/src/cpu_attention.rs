@@ -20,7 +20,8 @@
 //! `CHUNK_KEYS` keys: a chunk's K blocks give every head's scores, one softmax per head, then
 //! its V blocks. While one block is computed the next one the task will read (in that order)
 //! is prefetched into L2, in slices spread over the block's work (the kernel waits on memory at
-//! long contexts).
+//! long contexts). The query heads of one KV head go in runs of up to three
+//! (`head_subgroups`) whose scores and values share each loaded key and value vector.
 
 use crate::cpu_error::KernelInputError;
 use crate::cpu_exp::exp;
@@ -38,6 +39,10 @@ const MIN_KEYS_PER_TASK: usize = 512;
 
 /// Keys per softmax (a chunk of whole blocks: `CHUNK_KEYS / block_size` of them, at least one).
 const CHUNK_KEYS: usize = 128;
+
+/// How many blocks ahead (in the order a task reads them) the prefetch runs. 2 and 3 measured
+/// no better with the KV in DRAM and 5-10 % slower with it in L3 (16 rows x 256 keys, Zen 3).
+const PREFETCH_AHEAD: usize = 1;
 
 /// Shapes of one decode-attention call.
 #[derive(Clone, Copy, Debug)]
@@ -468,30 +473,40 @@ impl<'a, E: KvElement> Kernel<'a, E> {
         let mut running_max = vec![0f32; s.num_heads];
         let mut denom = vec![0f32; s.num_heads];
         let mut correction = vec![0f32; s.num_heads];
+        let ones = vec![1f32; s.num_heads];
+        let subgroups = head_subgroups(hkv, group);
         let mut split_acc = vec![0f32; s.num_heads * d];
         // where query head qh's KV head starts inside a block row
         let kv_offset: Vec<usize> = (0..s.num_heads).map(|qh| (qh / group) * d).collect();
-        // a block's K (or V) in num_heads slices of whole 64-byte lines, one prefetched per head
+        // the next block's K (or V) in one slice of whole 64-byte lines per run of heads, each
+        // prefetched while that run computes
         let line = 64 / std::mem::size_of::<E>();
-        let slice = block_len.div_ceil(s.num_heads).next_multiple_of(line);
-        let prefetch_part = |next: Option<(&[E], usize)>, part: usize| {
-            if let Some((cache, block)) = next {
+        let slice = block_len.div_ceil(subgroups.len()).next_multiple_of(line);
+        let fetch_part = |next: Option<(&'a [E], usize)>, part: usize| -> &'a [E] {
+            next.map_or(&[], |(cache, block)| {
                 let start = (part * slice).min(block_len);
                 let len = slice.min(block_len - start);
-                M::prefetch(&cache[block * block_len + start..][..len]);
-            }
+                &cache[block * block_len + start..][..len]
+            })
         };
         let table_of = |seq: usize| &self.block_tables[seq * s.max_blocks_per_seq..];
+        // Every (cache, block) the task reads, in order: per chunk, its K blocks then its V
+        // blocks. While item `r` is computed, item `r + PREFETCH_AHEAD` is fetched into L2.
+        let mut reads: Vec<(&'a [E], usize)> = Vec::new();
+        for segment in segments {
+            for chunk in table_of(segment.seq)[segment.blocks.clone()].chunks(chunk_blocks) {
+                let blocks = chunk.iter().map(|&b| b as usize);
+                reads.extend(blocks.clone().map(|b| (self.k_cache, b)));
+                reads.extend(blocks.map(|b| (self.v_cache, b)));
+            }
+        }
+        let mut read = 0; // the item being computed
         let mut outs = outs.iter_mut();
-        for (i, segment) in segments.iter().enumerate() {
+        for segment in segments {
             let seq = segment.seq;
             let q = &self.q[seq * s.num_heads * d..][..s.num_heads * d];
             let ctx = self.ctx_lens[seq] as usize;
             let table = &table_of(seq)[segment.blocks.clone()];
-            // the first block of the task's next segment (its K is read after this one's last V)
-            let next_segment_block = segments
-                .get(i + 1)
-                .map(|next| table_of(next.seq)[next.blocks.start] as usize);
             let acc: &mut [f32] = if segment.whole {
                 outs.next().expect("an output per whole segment")
             } else {
@@ -511,23 +526,19 @@ impl<'a, E: KvElement> Kernel<'a, E> {
                     n: keys_of(first + b),
                     d,
                 };
-                // The K pass. Reading order is this chunk's K blocks, then its V blocks, then
-                // the next chunk's (or segment's) K: while one block is computed the next one
-                // read is fetched into L2, a slice per query head (every line at once was
-                // slower).
+                // The K pass.
                 for (b, &block) in chunk.iter().enumerate() {
-                    let next = match chunk.get(b + 1) {
-                        Some(&next) => (self.k_cache, next as usize),
-                        None => (self.v_cache, chunk[0] as usize),
-                    };
+                    let next = reads.get(read + PREFETCH_AHEAD).copied();
+                    read += 1;
                     let k_block = &self.k_cache[block as usize * block_len..][..block_len];
-                    for qh in 0..s.num_heads {
-                        prefetch_part(Some(next), qh);
-                        let rows = head_rows(k_block, b, qh);
-                        let row = &mut scores[qh * chunk_cap + b * bs..][..rows.n];
+                    for (part, &(h0, hn)) in subgroups.iter().enumerate() {
+                        let fetch = fetch_part(next, part);
+                        let rows = head_rows(k_block, b, h0);
+                        let out = &mut scores[h0 * chunk_cap + b * bs..];
+                        let q = &q[h0 * d..][..hn * d];
                         // SAFETY: `M` is the math of the entry this was inlined into
                         // (`run_segments`).
-                        unsafe { M::scores(&q[qh * d..][..d], &rows, self.scale, row) };
+                        unsafe { M::scores_group(hn, q, &rows, self.scale, out, chunk_cap, fetch) };
                     }
                 }
                 for qh in 0..s.num_heads {
@@ -538,22 +549,17 @@ impl<'a, E: KvElement> Kernel<'a, E> {
                 }
                 // The V pass: the first block rescales the accumulated output once.
                 for (b, &block) in chunk.iter().enumerate() {
-                    let next = match chunk.get(b + 1) {
-                        Some(&next) => Some((self.v_cache, next as usize)),
-                        None => table
-                            .get(first + chunk.len())
-                            .map(|&next| next as usize)
-                            .or(next_segment_block)
-                            .map(|next| (self.k_cache, next)),
-                    };
+                    let next = reads.get(read + PREFETCH_AHEAD).copied();
+                    read += 1;
                     let v_block = &self.v_cache[block as usize * block_len..][..block_len];
-                    for qh in 0..s.num_heads {
-                        prefetch_part(next, qh);
-                        let rows = head_rows(v_block, b, qh);
-                        let p = &scores[qh * chunk_cap + b * bs..][..rows.n];
-                        let scale_by = if b == 0 { correction[qh] } else { 1.0 };
+                    for (part, &(h0, hn)) in subgroups.iter().enumerate() {
+                        let fetch = fetch_part(next, part);
+                        let rows = head_rows(v_block, b, h0);
+                        let p = &scores[h0 * chunk_cap + b * bs..];
+                        let scale_by = if b == 0 { &correction } else { &ones };
+                        let (acc, scale_by) = (&mut acc[h0 * d..][..hn * d], &scale_by[h0..][..hn]);
                         // SAFETY: as above.
-                        unsafe { M::accumulate(&mut acc[qh * d..][..d], p, scale_by, &rows) };
+                        unsafe { M::accumulate_group(acc, p, chunk_cap, scale_by, &rows, fetch) };
                     }
                 }
             }
@@ -574,6 +580,31 @@ impl<'a, E: KvElement> Kernel<'a, E> {
     }
 }
 
+/// The query heads in runs `(first head, count)` of at most [`MAX_SHARED_HEADS`] that read the
+/// same KV head, the runs of one KV head as even as can be (a group of 4 goes as 2 + 2, of 7 as
+/// 3 + 2 + 2), in order: `num_kv_heads` groups of `group` consecutive query heads.
+fn head_subgroups(num_kv_heads: usize, group: usize) -> Vec<(usize, usize)> {
+    let runs = group.div_ceil(MAX_SHARED_HEADS);
+    let mut out = Vec::with_capacity(num_kv_heads * runs);
+    for kvh in 0..num_kv_heads {
+        let mut first = kvh * group;
+        for r in 0..runs {
+            let count = group / runs + usize::from(r < group % runs);
+            out.push((first, count));
+            first += count;
+        }
+    }
+    out
+}
+
+/// The most query heads whose scores and values one pass over a KV head's rows computes: each
+/// key's (value's) vectors are loaded once for all of them, and their 4 x 3 accumulators (4
+/// keys, or 4 vectors of dims, per head) are twelve independent FMA chains where one head alone
+/// had eight, which two FMA units of 4-cycle latency only just keep busy. Three heads fill
+/// AVX2's 16 registers. SmolLM2's 9 query heads over 3 KV heads, Zen 3, one thread, 2048 keys:
+/// 1.34x the per-head math (session 22).
+const MAX_SHARED_HEADS: usize = 3;
+
 /// One block's math, per instruction set. The methods are `unsafe` because the SIMD ones may
 /// only run where `Kernel::run_segments` sends them (a CPU with their features, a head_dim they
 /// take); the portable ones are safe to call anywhere.
@@ -593,6 +624,46 @@ trait BlockMath {
     );
     /// Asks the CPU to start loading `data` (a hint; nothing on the portable path).
     fn prefetch<E>(_data: &[E]) {}
+
+    /// [`Self::scores`] for `heads` query heads that share `k`'s KV head: `q` is theirs
+    /// (`[heads, D]`), head `h`'s scores go to `out[h * out_stride..][..k.n]`. Prefetches
+    /// `fetch` meanwhile.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn scores_group<E: KvElement>(
+        heads: usize,
+        q: &[f32],
+        k: &Rows<'_, E>,
+        scale: f32,
+        out: &mut [f32],
+        out_stride: usize,
+        fetch: &[E],
+    ) {
+        Self::prefetch(fetch);
+        for h in 0..heads {
+            let out = &mut out[h * out_stride..][..k.n];
+            Self::scores(&q[h * k.d..][..k.d], k, scale, out);
+        }
+    }
+
+    /// [`Self::accumulate`] for `heads` query heads that share `v`'s KV head: `acc` is theirs
+    /// (`[heads, D]`), head `h`'s weights are `p[h * p_stride..][..v.n]`, its factor
+    /// `correction[h]`. Prefetches `fetch` meanwhile.
+    #[inline(always)]
+    unsafe fn accumulate_group<E: KvElement>(
+        acc: &mut [f32],
+        p: &[f32],
+        p_stride: usize,
+        correction: &[f32],
+        v: &Rows<'_, E>,
+        fetch: &[E],
+    ) {
+        Self::prefetch(fetch);
+        for (h, &factor) in correction.iter().enumerate() {
+            let (acc, p) = (&mut acc[h * v.d..][..v.d], &p[h * p_stride..][..v.n]);
+            Self::accumulate(acc, p, factor, v);
+        }
+    }
 }
 
 /// The `n` rows of one KV head inside a block: row `j` is `block[offset + j * stride..][..d]`.
@@ -716,8 +787,27 @@ mod avx2 {
             lanes::block_accumulate::<lanes::Avx2, E>(acc, p, correction, v);
         }
         #[inline(always)]
-        fn prefetch<E>(data: &[E]) {
-            prefetch(data);
+        unsafe fn scores_group<E: KvElement>(
+            heads: usize,
+            q: &[f32],
+            k: &Rows<'_, E>,
+            scale: f32,
+            out: &mut [f32],
+            out_stride: usize,
+            fetch: &[E],
+        ) {
+            lanes::heads_scores::<lanes::Avx2, E>(heads, q, k, scale, out, out_stride, fetch);
+        }
+        #[inline(always)]
+        unsafe fn accumulate_group<E: KvElement>(
+            acc: &mut [f32],
+            p: &[f32],
+            p_stride: usize,
+            correction: &[f32],
+            v: &Rows<'_, E>,
+            fetch: &[E],
+        ) {
+            lanes::heads_accumulate::<lanes::Avx2, E>(acc, p, p_stride, correction, v, fetch);
         }
     }
 
@@ -801,6 +891,16 @@ mod avx2 {
         _mm256_add_ps(lo, hi)
     }
 
+    /// The four horizontal sums of `v[0..4]`, in order, as one vector.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    pub(super) unsafe fn hsum4(v: &[__m256; 4]) -> __m128 {
+        let t0 = _mm256_hadd_ps(v[0], v[1]);
+        let t1 = _mm256_hadd_ps(v[2], v[3]);
+        let u = _mm256_hadd_ps(t0, t1); // [s0..s3 of the low halves | s0..s3 of the high halves]
+        _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1))
+    }
+
     /// The sum of the eight lanes of `v`.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
@@ -841,8 +941,27 @@ mod avx512 {
             lanes::block_accumulate::<lanes::Avx512, E>(acc, p, correction, v);
         }
         #[inline(always)]
-        fn prefetch<E>(data: &[E]) {
-            avx2::prefetch(data);
+        unsafe fn scores_group<E: KvElement>(
+            heads: usize,
+            q: &[f32],
+            k: &Rows<'_, E>,
+            scale: f32,
+            out: &mut [f32],
+            out_stride: usize,
+            fetch: &[E],
+        ) {
+            lanes::heads_scores::<lanes::Avx512, E>(heads, q, k, scale, out, out_stride, fetch);
+        }
+        #[inline(always)]
+        unsafe fn accumulate_group<E: KvElement>(
+            acc: &mut [f32],
+            p: &[f32],
+            p_stride: usize,
+            correction: &[f32],
+            v: &Rows<'_, E>,
+            fetch: &[E],
+        ) {
+            lanes::heads_accumulate::<lanes::Avx512, E>(acc, p, p_stride, correction, v, fetch);
         }
     }
 }
@@ -1052,6 +1171,223 @@ mod lanes {
             L::store(out.add(L::N * t), *r);
         }
     }
+
+    /// [`super::BlockMath::scores_group`]: two or three heads share their loads
+    /// ([`group_scores`]), one head (or more than three) goes alone ([`block_scores`]).
+    #[inline(always)]
+    pub(super) unsafe fn heads_scores<L: Lanes, E: KvElement>(
+        heads: usize,
+        q: &[f32],
+        k: &Rows<'_, E>,
+        scale: f32,
+        out: &mut [f32],
+        out_stride: usize,
+        fetch: &[E],
+    ) {
+        match heads {
+            2 => group_scores::<L, E, 2>(q, k, scale, out, out_stride, fetch),
+            3 => group_scores::<L, E, 3>(q, k, scale, out, out_stride, fetch),
+            _ => {
+                avx2::prefetch(fetch);
+                for h in 0..heads {
+                    let out = &mut out[h * out_stride..][..k.n];
+                    block_scores::<L, E>(&q[h * k.d..][..k.d], k, scale, out);
+                }
+            }
+        }
+    }
+
+    /// [`super::BlockMath::accumulate_group`]: two or three heads share their loads
+    /// ([`group_accumulate`]), one head (or more than three) goes alone
+    /// ([`block_accumulate`]).
+    #[inline(always)]
+    pub(super) unsafe fn heads_accumulate<L: Lanes, E: KvElement>(
+        acc: &mut [f32],
+        p: &[f32],
+        p_stride: usize,
+        correction: &[f32],
+        v: &Rows<'_, E>,
+        fetch: &[E],
+    ) {
+        match *correction {
+            [a, b] => group_accumulate::<L, E, 2>(acc, p, p_stride, [a, b], v, fetch),
+            [a, b, c] => group_accumulate::<L, E, 3>(acc, p, p_stride, [a, b, c], v, fetch),
+            _ => {
+                avx2::prefetch(fetch);
+                for (h, &factor) in correction.iter().enumerate() {
+                    let (acc, p) = (&mut acc[h * v.d..][..v.d], &p[h * p_stride..][..v.n]);
+                    block_accumulate::<L, E>(acc, p, factor, v);
+                }
+            }
+        }
+    }
+
+    /// Prefetches the lines of a slice into L2 a few at a time, spread over a loop's steps
+    /// (a burst of a whole run's lines measured slower at DRAM-resident contexts).
+    struct Spread {
+        next: *const i8,
+        end: *const i8,
+        per_step: usize,
+    }
+
+    impl Spread {
+        /// `data`'s lines over `steps` calls of [`Spread::step`].
+        #[inline(always)]
+        fn new<E>(data: &[E], steps: usize) -> Self {
+            let (next, bytes) = (data.as_ptr().cast::<i8>(), std::mem::size_of_val(data));
+            Spread {
+                next,
+                end: next.wrapping_add(bytes),
+                per_step: bytes.div_ceil(64).div_ceil(steps.max(1)),
+            }
+        }
+
+        /// The next `per_step` lines (fewer at the end).
+        #[inline(always)]
+        fn step(&mut self) {
+            for _ in 0..self.per_step {
+                if self.next >= self.end {
+                    return;
+                }
+                // SAFETY: a prefetch is only a hint; the address is inside the slice.
+                unsafe { _mm_prefetch::<_MM_HINT_T1>(self.next) };
+                self.next = self.next.wrapping_add(64);
+            }
+        }
+
+        /// Whatever lines are left.
+        #[inline(always)]
+        fn finish(&mut self) {
+            self.per_step = usize::MAX;
+            self.step();
+        }
+    }
+
+    /// `out[h * out_stride + j] = scale * (q[h] . row j)` for `H` query heads (`q`: `[H, D]`)
+    /// and `j < k.n`: four keys at a time, each key vector loaded once for the `H` heads, whose
+    /// `4 * H` accumulators are independent FMA chains.
+    #[inline(always)]
+    pub(super) unsafe fn group_scores<L: Lanes, E: KvElement, const H: usize>(
+        q: &[f32],
+        k: &Rows<'_, E>,
+        scale: f32,
+        out: &mut [f32],
+        out_stride: usize,
+        fetch: &[E],
+    ) {
+        let d = k.d;
+        let mut fetch = Spread::new(fetch, k.n / 4 * (d / L::N));
+        debug_assert!(d.is_multiple_of(L::N) && q.len() == H * d);
+        debug_assert!(out.len() >= (H - 1) * out_stride + k.n);
+        debug_assert!(k.n == 0 || k.offset + (k.n - 1) * k.stride + d <= k.block.len());
+        let (base, qp, op) = (k.block.as_ptr().add(k.offset), q.as_ptr(), out.as_mut_ptr());
+        let mut j = 0;
+        while j + 4 <= k.n {
+            let mut acc = [[L::zero(); 4]; H];
+            for c in (0..d).step_by(L::N) {
+                fetch.step();
+                for jj in 0..4 {
+                    let kv = L::load_kv(base.add((j + jj) * k.stride + c));
+                    for (h, a) in acc.iter_mut().enumerate() {
+                        a[jj] = L::fma(L::load(qp.add(h * d + c)), kv, a[jj]);
+                    }
+                }
+            }
+            for (h, a) in acc.iter().enumerate() {
+                // a loop, not `map`: see `block_scores`
+                let mut folded = [_mm256_setzero_ps(); 4];
+                for (f, &v) in folded.iter_mut().zip(a) {
+                    *f = L::fold8(v);
+                }
+                let sums = _mm_mul_ps(avx2::hsum4(&folded), _mm_set1_ps(scale));
+                _mm_storeu_ps(op.add(h * out_stride + j), sums);
+            }
+            j += 4;
+        }
+        for jj in j..k.n {
+            let row = base.add(jj * k.stride);
+            for h in 0..H {
+                let mut acc = L::zero();
+                for c in (0..d).step_by(L::N) {
+                    acc = L::fma(L::load(qp.add(h * d + c)), L::load_kv(row.add(c)), acc);
+                }
+                *op.add(h * out_stride + jj) = avx2::hsum(L::fold8(acc)) * scale;
+            }
+        }
+        fetch.finish();
+    }
+
+    /// `acc[h] = acc[h] * correction[h] + sum_j p[h * p_stride + j] * row j` for `H` query
+    /// heads (`acc`: `[H, D]`) and `j < v.n`, in chunks of 4 and 1 registers per head held
+    /// across the keys: each value vector is loaded once for the `H` heads.
+    #[inline(always)]
+    pub(super) unsafe fn group_accumulate<L: Lanes, E: KvElement, const H: usize>(
+        acc: &mut [f32],
+        p: &[f32],
+        p_stride: usize,
+        correction: [f32; H],
+        v: &Rows<'_, E>,
+        fetch: &[E],
+    ) {
+        let d = v.d;
+        let passes = d / (4 * L::N) + d % (4 * L::N) / L::N;
+        let mut fetch = Spread::new(fetch, passes * v.n);
+        debug_assert!(d.is_multiple_of(L::N) && acc.len() == H * d);
+        debug_assert!(p.len() >= (H - 1) * p_stride + v.n);
+        debug_assert!(v.n == 0 || v.offset + (v.n - 1) * v.stride + d <= v.block.len());
+        let mut c0 = 0;
+        while c0 + 4 * L::N <= d {
+            group_accumulate_chunk::<L, 4, E, H>(acc, c0, p, p_stride, correction, v, &mut fetch);
+            c0 += 4 * L::N;
+        }
+        while c0 < d {
+            group_accumulate_chunk::<L, 1, E, H>(acc, c0, p, p_stride, correction, v, &mut fetch);
+            c0 += L::N;
+        }
+        fetch.finish();
+    }
+
+    /// Dims `c0..c0 + W * L::N` of `group_accumulate`, held in `W * H` registers.
+    #[inline(always)]
+    unsafe fn group_accumulate_chunk<L: Lanes, const W: usize, E: KvElement, const H: usize>(
+        acc: &mut [f32],
+        c0: usize,
+        p: &[f32],
+        p_stride: usize,
+        correction: [f32; H],
+        v: &Rows<'_, E>,
+        fetch: &mut Spread,
+    ) {
+        let d = v.d;
+        let out = acc.as_mut_ptr().add(c0);
+        let mut a = [[L::zero(); W]; H];
+        for (h, regs) in a.iter_mut().enumerate() {
+            let factor = L::splat(correction[h]);
+            for (t, r) in regs.iter_mut().enumerate() {
+                *r = L::mul(L::load(out.add(h * d + L::N * t)), factor);
+            }
+        }
+        let (base, pp) = (v.block.as_ptr().add(v.offset + c0), p.as_ptr());
+        for j in 0..v.n {
+            fetch.step();
+            let row = base.add(j * v.stride);
+            let mut w = [L::zero(); H];
+            for (h, wv) in w.iter_mut().enumerate() {
+                *wv = L::splat(*pp.add(h * p_stride + j));
+            }
+            for t in 0..W {
+                let x = L::load_kv(row.add(L::N * t));
+                for (regs, &wv) in a.iter_mut().zip(&w) {
+                    regs[t] = L::fma(wv, x, regs[t]);
+                }
+            }
+        }
+        for (h, regs) in a.iter().enumerate() {
+            for (t, r) in regs.iter().enumerate() {
+                L::store(out.add(h * d + L::N * t), *r);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -1185,7 +1521,8 @@ mod tests {
     #[test]
     fn matches_reference_across_shapes_and_threads() {
         let mut seed = 1;
-        // head_dim 12: portable only; 24 / 48: the AVX2 values' 8-dim tail chunks.
+        // Query heads per KV head 1, 2, 3, 4 (runs 2 + 2), 8 (3 + 3 + 2): every shared-load
+        // width. head_dim 12: portable only; 24 / 48: the AVX2 values' 8-dim tail chunks.
         // Block sizes 8 / 32: softmax over one / four 8-score vectors, plus partial last blocks.
         for &(num_seqs, heads, head_dim, block_size) in &[
             (1, (1, 1), 8, 16),
@@ -1237,6 +1574,32 @@ mod tests {
         let want = reference(&shape, &q, &k, &v, &bt, &ctx, 0.25);
         for (a, b) in many.iter().zip(&want) {
             assert!((a - b).abs() <= 1e-5 + 1e-4 * b.abs());
+        }
+    }
+
+    #[test]
+    fn head_subgroups_cover_each_kv_heads_query_heads_in_even_runs() {
+        assert_eq!(head_subgroups(2, 1), vec![(0, 1), (1, 1)]);
+        assert_eq!(head_subgroups(3, 3), vec![(0, 3), (3, 3), (6, 3)]);
+        assert_eq!(head_subgroups(1, 4), vec![(0, 2), (2, 2)]);
+        assert_eq!(head_subgroups(1, 7), vec![(0, 3), (3, 2), (5, 2)]);
+        for kv_heads in 1..5 {
+            for group in 1..20 {
+                let runs = head_subgroups(kv_heads, group);
+                let mut next = 0;
+                for &(first, count) in &runs {
+                    assert_eq!(first, next, "{kv_heads} x {group}: {runs:?}");
+                    assert!((1..=MAX_SHARED_HEADS).contains(&count));
+                    assert_eq!(
+                        first / group,
+                        (first + count - 1) / group,
+                        "one KV head per run"
+                    );
+                    next += count;
+                }
+                assert_eq!(next, kv_heads * group);
+                assert_eq!(runs.len(), kv_heads * group.div_ceil(MAX_SHARED_HEADS));
+            }
         }
     }
 
