@@ -22,10 +22,6 @@
 5. A float16 KV cache (`--kv-cache-dtype float16`) against the float32 one, the same values in
    both: the Rust decode kernel at rows x context (it reads half the bytes) and the prefill
    kernel on a chunk after prior context (it converts the chunk's keys and values once).
-6. The KV cache on transparent huge pages (`runtime/host_memory.py`, what `KVCache` allocates
-   on the CPU) against torch's allocator (4 KiB pages), the same values in both: the Rust decode
-   kernel over 30 layers' worth at rows x context (`--only hugepages`; the AnonHugePages the
-   huge-page caches got, from /proc/meminfo, is in the JSON).
 
 Medians of repeated runs; the two sides alternate so machine noise hits both alike.
 """
@@ -50,7 +46,6 @@ from ferrobatch.runtime.attention import TorchReferenceBackend  # noqa: E402
 from ferrobatch.runtime.attention.cpu import CpuPagedBackend  # noqa: E402
 from ferrobatch.runtime.cpu_linear import PanelLinear  # noqa: E402
 from ferrobatch.runtime.cpu_threads import torch_single_threaded  # noqa: E402
-from ferrobatch.runtime.host_memory import huge_pages_available, zeros_on_huge_pages  # noqa: E402
 
 LAYERS, HQ, HKV, D, HIDDEN, FFN, VOCAB, BS = 30, 9, 3, 64, 576, 1536, 49152, 16
 
@@ -107,64 +102,6 @@ def attention_rows(rows_list, ctx_list, repeats):
             print(f"attention rows={rows} ctx={ctx}: rust {result['rust_ms']:.1f} ms, torch "
                   f"{result['torch_ms']:.1f} ms per 30 layers ({result['speedup']:.1f}x)", flush=True)
             del caches
-    return out
-
-
-def _anon_huge_pages_kib() -> int | None:
-    """AnonHugePages from /proc/meminfo (KiB), None where there is none to read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def huge_page_rows(shapes, repeats):
-    """Decode attention, 30 layers from DRAM: caches on 4 KiB pages vs on huge pages."""
-    if not huge_pages_available():
-        print("huge pages: not available on this platform (no MADV_HUGEPAGE)")
-        return []
-    rng = np.random.default_rng(2)
-    out = []
-    for rows, ctx in shapes:
-        blocks_per_seq = -(-ctx // BS)
-        num_blocks = rows * blocks_per_seq + 1
-        shape = (2, num_blocks, BS, HKV, D)
-        before = _anon_huge_pages_kib()
-        small = [torch.randn(shape) for _ in range(LAYERS)]
-        huge = [zeros_on_huge_pages(shape, torch.float32).copy_(c) for c in small]
-        after = _anon_huge_pages_kib()
-        table = rng.permutation(np.arange(1, num_blocks)).astype(np.int32)
-        table = table.reshape(rows, blocks_per_seq)
-        batch = type("Step", (), dict(
-            query_start_loc=np.arange(rows + 1, dtype=np.int32),
-            seq_lens=np.full(rows, ctx, np.int32), block_tables=table,
-            input_ids=np.zeros(rows, np.int32), slot_mapping=np.zeros(rows, np.int32)))
-        query = torch.randn(rows, HQ, D)
-        backend = CpuPagedBackend(BS)
-        meta = backend.build_metadata(batch, "cpu")
-        outs = {}
-        runs = {name: partial(_attend_all_layers, backend, meta, query, caches)
-                for name, caches in (("pages_4k", small), ("huge_pages", huge))}
-        for name in ("pages_4k", "huge_pages") * 2:   # alternate; keep the 2nd pair
-            outs[name] = median_ms(runs[name], repeats)
-        same = torch.equal(backend.forward(query, small[0], meta, D ** -0.5),
-                           backend.forward(query, huge[0], meta, D ** -0.5))
-        mb = 2 * rows * ctx * HKV * D * 4 * LAYERS / 2**20
-        result = {"rows": rows, "context": ctx, "kv_mb_per_step": round(mb, 1),
-                  "pages_4k_ms": outs["pages_4k"], "huge_pages_ms": outs["huge_pages"],
-                  "speedup": outs["pages_4k"] / outs["huge_pages"], "same_output": same,
-                  "huge_pages_gb_per_s": mb * 2**20 / outs["huge_pages"] / 1e6,
-                  "anon_huge_pages_mib": None if after is None or before is None
-                  else round((after - before) / 1024, 1)}
-        out.append(result)
-        print(f"huge pages rows={rows} ctx={ctx}: 4 KiB {outs['pages_4k']:.1f} ms, huge "
-              f"{outs['huge_pages']:.1f} ms ({result['speedup']:.2f}x; "
-              f"{result['anon_huge_pages_mib']} MiB on huge pages)", flush=True)
-        del small, huge
     return out
 
 
@@ -346,9 +283,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default=None)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--only", choices=["attention", "prefill", "linear", "blocks", "amx", "kv16",
-                                      "hugepages"],
-                   default=None, help="run one of the six parts ('amx' = 'blocks')")
+    p.add_argument("--only", choices=["attention", "prefill", "linear", "blocks", "amx", "kv16"],
+                   default=None, help="run one of the five parts ('amx' = 'blocks')")
     p.add_argument("--block-rows", default="1,4,5,6,8,13,16,32,64,512",
                    help="step sizes (rows) of part 4, comma-separated")
     a = p.parse_args()
@@ -362,8 +298,6 @@ def main() -> int:
         if a.only in (None, "blocks", "amx") else []
     kv16 = kv16_rows([(1, 1024), (13, 256), (16, 1024), (64, 256)], [(512, 0), (512, 1536)],
                      a.repeats) if a.only in (None, "kv16") else []
-    huge = huge_page_rows([(1, 1024), (16, 256), (16, 1024)], a.repeats) \
-        if a.only in (None, "hugepages") else []
     print()
     print(format_table(att, [("rows", "rows", "d"), ("context", "context", "d"),
                              ("kv_mb_per_step", "KV MB / step", ".1f"), ("rust_ms", "rust ms", ".1f"),
@@ -399,18 +333,8 @@ def main() -> int:
                                   ("f32_ms", "f32 cache ms", ".1f"), ("f16_ms", "f16 cache ms", ".1f"),
                                   ("f32_gb_per_s", "f32 GB/s", ".1f"),
                                   ("f16_gb_per_s", "f16 GB/s", ".1f"), ("speedup", "speed-up", ".2f")]))
-    if huge:
-        print()
-        print(format_table(huge, [("rows", "rows", "d"), ("context", "context", "d"),
-                                  ("kv_mb_per_step", "KV MB / step", ".1f"),
-                                  ("pages_4k_ms", "4 KiB pages ms", ".2f"),
-                                  ("huge_pages_ms", "huge pages ms", ".2f"),
-                                  ("speedup", "speed-up", ".2f"),
-                                  ("huge_pages_gb_per_s", "huge GB/s", ".1f"),
-                                  ("anon_huge_pages_mib", "on huge pages MiB", ".1f")]))
     if a.json:
         write_json(a.json, {"machine": machine_info(), "attention_30_layers": att,
-                            "kv_cache_huge_pages_vs_4k_30_layers": huge,
                             "kv_cache_f16_vs_f32_30_layers": kv16,
                             "prefill_attention_30_layers": pre,
                             "linear_30_layers_plus_head": lin,

@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from ferrobatch.model.config import ModelConfig
-from ferrobatch.runtime.host_memory import zeros_on_huge_pages
 
 # (device type, model dtype) -> the KV cache dtypes other than the model's that the attention
 # backends there read
@@ -69,8 +68,7 @@ def num_blocks_for_gpu(config: ModelConfig, block_size: int, dtype: torch.dtype,
 
 class KVCache:
     """The per-layer paged KV tensors plus block copies (copy-on-write for parallel sampling);
-    ``dtype`` is what they store (see the module docstring). On the CPU they sit on transparent
-    huge pages where Linux lends them (``runtime/host_memory.py``)."""
+    ``dtype`` is what they store (see the module docstring)."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device | str, dtype: torch.dtype) -> None:
@@ -79,12 +77,8 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.layers: list[torch.Tensor]
-        if torch.device(device).type == "cpu":   # decode attention reads it all: no TLB misses
-            self.layers = [zeros_on_huge_pages(shape, dtype) for _ in range(config.num_layers)]
-        else:
-            self.layers = [torch.zeros(shape, device=device, dtype=dtype)
-                           for _ in range(config.num_layers)]
+        self.layers: list[torch.Tensor] = [
+            torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
 
     @property
     def dtype(self) -> torch.dtype:
