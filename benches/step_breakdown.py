@@ -1,6 +1,7 @@
 """Where one CPU decode step's time goes, against this machine's own ceilings (SmolLM2 GGUF).
 
-    python benches/step_breakdown.py [--rows 1,4,16] [--context 256] [--json PATH]
+    python benches/step_breakdown.py [--rows 1,4,16] [--context 256] [--kv-cache-dtype float16]
+                                     [--json PATH]
 
 For B sequences with `context` cached tokens each, one decode step through the `ModelRunner`
 (what the engine runs per step, minus scheduling and sampling), split by the fused step's own
@@ -136,13 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "float16"], default="auto",
+                    help="what the KV cache stores (auto: the model's float32)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     rows_list = [int(r) for r in args.rows.split(",")]
 
     loaded = load_model("smollm2")
     blocks_needed = max(rows_list) * (-(-(args.context + 8) // BLOCK_SIZE)) + 2
-    runner = ModelRunner(loaded, num_blocks=blocks_needed, block_size=BLOCK_SIZE)
+    kv_dtype = torch.float16 if args.kv_cache_dtype == "float16" else None
+    runner = ModelRunner(loaded, num_blocks=blocks_needed, block_size=BLOCK_SIZE,
+                         kv_cache_dtype=kv_dtype)
     print(f"linear layers: {runner.linear_kernels}", flush=True)
     gemm, bandwidth = gemm_gflops(args.repeats), read_gb_per_s(args.repeats)
     print(f"ceilings: torch.mm {gemm:.0f} GFLOP/s (in-cache float32), torch.sum "
@@ -179,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(args.json, {"machine": machine_info(), "linear_kernels": runner.linear_kernels,
                                "gemm_gflops": gemm, "read_gb_per_s": bandwidth,
+                               "kv_cache_dtype": str(runner.kv_cache.dtype).removeprefix("torch."),
                                "results": rows})
         print(f"json: {args.json}")
     return 0
