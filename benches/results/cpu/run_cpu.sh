@@ -285,6 +285,20 @@ $PY benches/throughput.py --workload cpu-small \
   --plot $OUT/throughput_cpu-small_zen3_session21_occupancy.png \
   --no-progress --json $OUT/throughput_cpu-small_zen3_session21.json
 
+# 29. Session 22 (the same Zen 3 type): decode attention's chunked softmax (git db45c3c before,
+# 3b8e0ed after) and shared KV loads (3b8e0ed before, 3b5dc54 after) were measured on the kernel
+# alone, alternating PYTHONPATH copies of the builds (throwaway scripts, figures in the README);
+# the step, then the float16 cache's step (db45c3c before, two rounds), and one stream (the
+# huge-page experiment, 9b36284 vs 3b5dc54, seven rounds; reverted in 0258d3c).
+$PY benches/step_breakdown.py --rows 1,2,4,8,16 --repeats 9 \
+  --json $OUT/step_breakdown_zen3_session22.json
+for round in 1 2; do
+  $PY benches/step_breakdown.py --rows 1,4,16 --kv-cache-dtype float16 --repeats 7
+done
+for round in 1 2 3 4; do
+  $PY benches/single_stream.py --lengths 256,2000 --tokens 64 --repeat 3
+done
+
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
 #   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \
