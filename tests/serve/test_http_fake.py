@@ -66,6 +66,29 @@ async def test_completion_stream_with_usage(fake_server):
     assert len({e["id"] for e in events}) == 1
 
 
+async def test_stream_with_continuous_usage_stats(fake_server):
+    """vLLM's `continuous_usage_stats`: every chunk carries the usage so far (its own tokens
+    included), the last one the totals; without `include_usage` it changes nothing."""
+    for route, body in (("/v1/completions", {"prompt": "abcdef", "max_tokens": 5}),
+                        ("/v1/chat/completions",
+                         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})):
+        events = await sse_events(fake_server, route, {
+            **body, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+        usages = [e["usage"] for e in events]
+        assert all(u is not None for u in usages), events
+        prompt = usages[-1]["prompt_tokens"]
+        assert prompt > 0 and all(u["prompt_tokens"] == prompt for u in usages)
+        counts = [u["completion_tokens"] for u in usages]
+        assert counts == sorted(counts) and counts[-1] == body["max_tokens"]
+        assert all(u["total_tokens"] == prompt + u["completion_tokens"] for u in usages)
+        streamed = [c for e in events[:-1] for c in e["choices"]]
+        assert streamed and events[-1]["choices"] == []
+        events = await sse_events(fake_server, route, {
+            **body, "stream": True, "stream_options": {"continuous_usage_stats": True}})
+        assert all("usage" not in e for e in events)
+
+
 async def test_chat_stream_shape(fake_server):
     events = await sse_events(fake_server, "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True})
@@ -104,6 +127,8 @@ BAD = [
     ({"prompt": [1, -2]}, 400, "vocabulary"),
     ({"prompt": "a" * 400}, 400, "context window"),
     ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": 1}}, 400,
+     "continuous_usage_stats"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
     ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "hi", "seed": -1}, 400, "seed"),

@@ -200,12 +200,18 @@ async def _stream(request: web.Request, req: OpenAIRequest,
     offsets: dict[int, int] = {}      # per choice: completions' text_offset so far
     prompt_outs: dict[int, Any] = {}  # prompt index -> the output with its prompt logprobs
     held: dict[int, tuple[list[str], list[Any]]] = {}   # forced tool calls: text, logprobs
+    prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
+
+    def so_far() -> dict[str, int] | None:
+        """A chunk's usage: the running counts with `continuous_usage_stats`, else null."""
+        return usage(prompt_tokens, completion) if req.continuous_usage else None
+
     try:
         await sse.open()
         if req.kind == "chat":
             await sse.send(envelope(req, [
                 {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None} for k in range(n)], chunk=True))
+                 "finish_reason": None} for k in range(n)], chunk=True, usage_=so_far()))
         async for i, out in _merged(streams):
             if out.error:
                 await sse.send({"error": {"message": out.error, "type": "server_error",
@@ -238,9 +244,8 @@ async def _stream(request: web.Request, req: OpenAIRequest,
                     choices.append(choice(req, k, c.text, c.finish_reason, stream=True,
                                           logprobs=lp))
             if choices:
-                await sse.send(envelope(req, choices, chunk=True))
+                await sse.send(envelope(req, choices, chunk=True, usage_=so_far()))
         if req.include_usage:
-            prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
             await sse.send(envelope(req, [], chunk=True,
                                     usage_=usage(prompt_tokens, completion)))
         await sse.close()

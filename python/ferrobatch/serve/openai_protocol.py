@@ -23,13 +23,17 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool
     model: str
+    continuous_usage: bool = False             # stream: every chunk carries the usage so far
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     echo: bool = False                         # completions: the prompt leads each choice
     tools: ToolPlan | None = None              # chat: the output is forced tool calls
 
 
-def _check_common(body: Any, model_name: str) -> tuple[bool, bool, str]:
+def _check_common(body: Any, model_name: str) -> tuple[bool, bool, bool, str]:
+    """(stream, include_usage, continuous usage, model name) of a valid body; ProtocolError
+    otherwise. `stream_options.continuous_usage_stats` (vLLM's extension) puts the running
+    usage in every chunk; like vLLM, only together with `include_usage`."""
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
     if body.get("prompt_logprobs") is not None:
@@ -49,16 +53,19 @@ def _check_common(body: Any, model_name: str) -> tuple[bool, bool, str]:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise ProtocolError("'stream_options' must be an object", param="stream_options")
+    for key in ("include_usage", "continuous_usage_stats"):
+        if opts and not isinstance(opts.get(key, False), bool):
+            raise ProtocolError(f"'stream_options.{key}' must be a boolean",
+                                param="stream_options")
     include_usage = bool(opts and opts.get("include_usage"))
-    if opts and not isinstance(opts.get("include_usage", False), bool):
-        raise ProtocolError("'stream_options.include_usage' must be a boolean")
+    continuous_usage = include_usage and bool(opts.get("continuous_usage_stats"))
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
         raise ProtocolError("'best_of' other than n is not supported", param="best_of")
-    return stream, include_usage, model_name
+    return stream, include_usage, continuous_usage, model_name
 
 
 def parse_completion(body: Any, model_name: str) -> OpenAIRequest:
-    stream, include_usage, model = _check_common(body, model_name)
+    stream, include_usage, continuous_usage, model = _check_common(body, model_name)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
@@ -88,11 +95,12 @@ def parse_completion(body: Any, model_name: str) -> OpenAIRequest:
     if echo and params.logprobs is not None:          # the echoed prompt gets logprobs too
         params = params.replace(prompt_logprobs=params.logprobs)
     return OpenAIRequest("completion", prompts, None, params, stream, include_usage, model,
-                         id=f"cmpl-{secrets.token_hex(12)}", echo=echo)
+                         continuous_usage=continuous_usage, id=f"cmpl-{secrets.token_hex(12)}",
+                         echo=echo)
 
 
 def parse_chat(body: Any, model_name: str) -> OpenAIRequest:
-    stream, include_usage, model = _check_common(body, model_name)
+    stream, include_usage, continuous_usage, model = _check_common(body, model_name)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ProtocolError("'messages' must be a non-empty list", param="messages")
@@ -112,6 +120,7 @@ def parse_chat(body: Any, model_name: str) -> OpenAIRequest:
     params = sampling_params_from(fields, defaults={"max_tokens": None},
                                   output_kind="delta" if stream else "final")
     return OpenAIRequest("chat", [], messages, params, stream, include_usage, model,
+                         continuous_usage=continuous_usage,
                          id=f"chatcmpl-{secrets.token_hex(12)}", tools=tools)
 
 
