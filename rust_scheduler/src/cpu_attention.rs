@@ -1277,8 +1277,9 @@ mod lanes {
     ) {
         let d = k.d;
         let mut fetch = Spread::new(fetch, k.n / 4 * (d / L::N));
-        debug_assert!(d.is_multiple_of(L::N) && q.len() == H * d);
-        debug_assert!(out.len() >= (H - 1) * out_stride + k.n);
+        debug_assert!(d.is_multiple_of(L::N));
+        // the raw writes below stay inside `out` (one compare per block and run of heads)
+        assert!(q.len() == H * d && out.len() >= (H - 1) * out_stride + k.n);
         debug_assert!(k.n == 0 || k.offset + (k.n - 1) * k.stride + d <= k.block.len());
         let (base, qp, op) = (k.block.as_ptr().add(k.offset), q.as_ptr(), out.as_mut_ptr());
         let mut j = 0;
@@ -1332,8 +1333,9 @@ mod lanes {
         let d = v.d;
         let passes = d / (4 * L::N) + d % (4 * L::N) / L::N;
         let mut fetch = Spread::new(fetch, passes * v.n);
-        debug_assert!(d.is_multiple_of(L::N) && acc.len() == H * d);
-        debug_assert!(p.len() >= (H - 1) * p_stride + v.n);
+        debug_assert!(d.is_multiple_of(L::N));
+        // the raw reads and writes below stay inside `acc` and `p`
+        assert!(acc.len() == H * d && p.len() >= (H - 1) * p_stride + v.n);
         debug_assert!(v.n == 0 || v.offset + (v.n - 1) * v.stride + d <= v.block.len());
         let mut c0 = 0;
         while c0 + 4 * L::N <= d {
