@@ -155,6 +155,7 @@ def test_step_breakdown_smoke(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["gemm_gflops"] > 0 and data["read_gb_per_s"] > 0
+    assert data["kv_cache_dtype"] == "float32"      # the model's, without --kv-cache-dtype
     assert [r["rows"] for r in data["results"]] == [1, 2]
     for r in data["results"]:
         parts = [r[f"{p}_ms"] for p in ("linears", "attention", "other", "lm_head")]
