@@ -627,10 +627,44 @@ trait BlockMath {
 
     /// [`Self::scores`] for `heads` query heads that share `k`'s KV head: `q` is theirs
     /// (`[heads, D]`), head `h`'s scores go to `out[h * out_stride..][..k.n]`. Prefetches
-    /// `fetch` meanwhile.
+    /// `fetch` meanwhile. Two or three heads go through [`Self::scores_shared`], other counts
+    /// one head at a time.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     unsafe fn scores_group<E: KvElement>(
+        heads: usize,
+        q: &[f32],
+        k: &Rows<'_, E>,
+        scale: f32,
+        out: &mut [f32],
+        out_stride: usize,
+        fetch: &[E],
+    ) {
+        match heads {
+            2 => Self::scores_shared::<E, 2>(q, k, scale, out, out_stride, fetch),
+            3 => Self::scores_shared::<E, 3>(q, k, scale, out, out_stride, fetch),
+            _ => Self::scores_each(heads, q, k, scale, out, out_stride, fetch),
+        }
+    }
+
+    /// [`Self::scores_group`] for `H` heads that share each key's loads (the x86 math); one
+    /// head at a time by default.
+    #[inline(always)]
+    unsafe fn scores_shared<E: KvElement, const H: usize>(
+        q: &[f32],
+        k: &Rows<'_, E>,
+        scale: f32,
+        out: &mut [f32],
+        out_stride: usize,
+        fetch: &[E],
+    ) {
+        Self::scores_each(H, q, k, scale, out, out_stride, fetch);
+    }
+
+    /// [`Self::scores_group`] one head at a time, `fetch` prefetched first.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn scores_each<E: KvElement>(
         heads: usize,
         q: &[f32],
         k: &Rows<'_, E>,
@@ -648,9 +682,41 @@ trait BlockMath {
 
     /// [`Self::accumulate`] for `heads` query heads that share `v`'s KV head: `acc` is theirs
     /// (`[heads, D]`), head `h`'s weights are `p[h * p_stride..][..v.n]`, its factor
-    /// `correction[h]`. Prefetches `fetch` meanwhile.
+    /// `correction[h]`. Prefetches `fetch` meanwhile. Two or three heads go through
+    /// [`Self::accumulate_shared`], other counts one head at a time.
     #[inline(always)]
     unsafe fn accumulate_group<E: KvElement>(
+        acc: &mut [f32],
+        p: &[f32],
+        p_stride: usize,
+        correction: &[f32],
+        v: &Rows<'_, E>,
+        fetch: &[E],
+    ) {
+        match *correction {
+            [a, b] => Self::accumulate_shared::<E, 2>(acc, p, p_stride, [a, b], v, fetch),
+            [a, b, c] => Self::accumulate_shared::<E, 3>(acc, p, p_stride, [a, b, c], v, fetch),
+            _ => Self::accumulate_each(acc, p, p_stride, correction, v, fetch),
+        }
+    }
+
+    /// [`Self::accumulate_group`] for `H` heads that share each value's loads (the x86 math);
+    /// one head at a time by default.
+    #[inline(always)]
+    unsafe fn accumulate_shared<E: KvElement, const H: usize>(
+        acc: &mut [f32],
+        p: &[f32],
+        p_stride: usize,
+        correction: [f32; H],
+        v: &Rows<'_, E>,
+        fetch: &[E],
+    ) {
+        Self::accumulate_each(acc, p, p_stride, &correction, v, fetch);
+    }
+
+    /// [`Self::accumulate_group`] one head at a time, `fetch` prefetched first.
+    #[inline(always)]
+    unsafe fn accumulate_each<E: KvElement>(
         acc: &mut [f32],
         p: &[f32],
         p_stride: usize,
@@ -787,8 +853,11 @@ mod avx2 {
             lanes::block_accumulate::<lanes::Avx2, E>(acc, p, correction, v);
         }
         #[inline(always)]
-        unsafe fn scores_group<E: KvElement>(
-            heads: usize,
+        fn prefetch<E>(data: &[E]) {
+            prefetch(data);
+        }
+        #[inline(always)]
+        unsafe fn scores_shared<E: KvElement, const H: usize>(
             q: &[f32],
             k: &Rows<'_, E>,
             scale: f32,
@@ -796,18 +865,18 @@ mod avx2 {
             out_stride: usize,
             fetch: &[E],
         ) {
-            lanes::heads_scores::<lanes::Avx2, E>(heads, q, k, scale, out, out_stride, fetch);
+            lanes::group_scores::<lanes::Avx2, E, H>(q, k, scale, out, out_stride, fetch);
         }
         #[inline(always)]
-        unsafe fn accumulate_group<E: KvElement>(
+        unsafe fn accumulate_shared<E: KvElement, const H: usize>(
             acc: &mut [f32],
             p: &[f32],
             p_stride: usize,
-            correction: &[f32],
+            correction: [f32; H],
             v: &Rows<'_, E>,
             fetch: &[E],
         ) {
-            lanes::heads_accumulate::<lanes::Avx2, E>(acc, p, p_stride, correction, v, fetch);
+            lanes::group_accumulate::<lanes::Avx2, E, H>(acc, p, p_stride, correction, v, fetch);
         }
     }
 
@@ -941,8 +1010,11 @@ mod avx512 {
             lanes::block_accumulate::<lanes::Avx512, E>(acc, p, correction, v);
         }
         #[inline(always)]
-        unsafe fn scores_group<E: KvElement>(
-            heads: usize,
+        fn prefetch<E>(data: &[E]) {
+            avx2::prefetch(data);
+        }
+        #[inline(always)]
+        unsafe fn scores_shared<E: KvElement, const H: usize>(
             q: &[f32],
             k: &Rows<'_, E>,
             scale: f32,
@@ -950,18 +1022,18 @@ mod avx512 {
             out_stride: usize,
             fetch: &[E],
         ) {
-            lanes::heads_scores::<lanes::Avx512, E>(heads, q, k, scale, out, out_stride, fetch);
+            lanes::group_scores::<lanes::Avx512, E, H>(q, k, scale, out, out_stride, fetch);
         }
         #[inline(always)]
-        unsafe fn accumulate_group<E: KvElement>(
+        unsafe fn accumulate_shared<E: KvElement, const H: usize>(
             acc: &mut [f32],
             p: &[f32],
             p_stride: usize,
-            correction: &[f32],
+            correction: [f32; H],
             v: &Rows<'_, E>,
             fetch: &[E],
         ) {
-            lanes::heads_accumulate::<lanes::Avx512, E>(acc, p, p_stride, correction, v, fetch);
+            lanes::group_accumulate::<lanes::Avx512, E, H>(acc, p, p_stride, correction, v, fetch);
         }
     }
 }
@@ -1169,56 +1241,6 @@ mod lanes {
         }
         for (t, r) in a.iter().enumerate() {
             L::store(out.add(L::N * t), *r);
-        }
-    }
-
-    /// [`super::BlockMath::scores_group`]: two or three heads share their loads
-    /// ([`group_scores`]), one head (or more than three) goes alone ([`block_scores`]).
-    #[inline(always)]
-    pub(super) unsafe fn heads_scores<L: Lanes, E: KvElement>(
-        heads: usize,
-        q: &[f32],
-        k: &Rows<'_, E>,
-        scale: f32,
-        out: &mut [f32],
-        out_stride: usize,
-        fetch: &[E],
-    ) {
-        match heads {
-            2 => group_scores::<L, E, 2>(q, k, scale, out, out_stride, fetch),
-            3 => group_scores::<L, E, 3>(q, k, scale, out, out_stride, fetch),
-            _ => {
-                avx2::prefetch(fetch);
-                for h in 0..heads {
-                    let out = &mut out[h * out_stride..][..k.n];
-                    block_scores::<L, E>(&q[h * k.d..][..k.d], k, scale, out);
-                }
-            }
-        }
-    }
-
-    /// [`super::BlockMath::accumulate_group`]: two or three heads share their loads
-    /// ([`group_accumulate`]), one head (or more than three) goes alone
-    /// ([`block_accumulate`]).
-    #[inline(always)]
-    pub(super) unsafe fn heads_accumulate<L: Lanes, E: KvElement>(
-        acc: &mut [f32],
-        p: &[f32],
-        p_stride: usize,
-        correction: &[f32],
-        v: &Rows<'_, E>,
-        fetch: &[E],
-    ) {
-        match *correction {
-            [a, b] => group_accumulate::<L, E, 2>(acc, p, p_stride, [a, b], v, fetch),
-            [a, b, c] => group_accumulate::<L, E, 3>(acc, p, p_stride, [a, b, c], v, fetch),
-            _ => {
-                avx2::prefetch(fetch);
-                for (h, &factor) in correction.iter().enumerate() {
-                    let (acc, p) = (&mut acc[h * v.d..][..v.d], &p[h * p_stride..][..v.n]);
-                    block_accumulate::<L, E>(acc, p, factor, v);
-                }
-            }
         }
     }
 
