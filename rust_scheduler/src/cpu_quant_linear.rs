@@ -11,6 +11,11 @@
 //! Each weight is formed exactly as the loader's dequantization forms it (one float32 multiply,
 //! then one add, never fused), so this kernel multiplies by the very float32 weights the panel
 //! kernel and transformers use; only the summation order differs (float32 rounding, ~1e-6).
+//! One exception, for speed: on AVX2 a call of **one row** of x (a single decode sequence)
+//! computes a Q4_1 dot as `sum_b scale_b * (q_b . x_b) + sum_b min_b * sum(x_b)`, the same
+//! real number (each product exactly, the loader's weight `scale * q + min` unrounded), so
+//! it differs from the other paths only by float32 rounding too: no weight is formed at all
+//! (`avx2::q4_1_one_row`: SmolLM2's 120 layer linears 1.2x faster at one row on a Zen 3).
 //!
 //! Invariants checked by [`QuantShape::validate`] before any read: `K % 32 == 0`,
 //! `x.len() == M * K`, `out.len() == M * N`, every weight array sized for `[N, NB]`, `bias`
@@ -20,9 +25,10 @@
 //! features two at a time, sharing every load of `x` between them (x's rows in groups of at most
 //! `PAIR_MAX_ROWS`, for the registers); each feature's products are formed and summed in the
 //! same order as alone, so the output bits do not depend on the pairing (tested). On AVX2 the
-//! Q4_1 kernel takes each block's nibbles apart with per-lane shifts instead of shuffles, so its
-//! vectors hold the block's elements in another order (`AVX2_Q4_1_ORDER`); `run` arranges `x`
-//! in that order once per call (1.1-1.2x at 1-3 rows on a Zen 3), and a task's whole range of
+//! Q4_1 kernel widens each half of a block's bytes to 32-bit lanes and takes the two nibbles
+//! of a lane apart with a mask and a shift, so its vectors hold the block's elements in another
+//! order (`AVX2_Q4_1_ORDER`); `run` arranges `x` in that order once per call (and, for one row,
+//! the sum of each of its blocks), and a task's whole range of
 //! features runs in one target-feature call (`avx2::features`): a weight row of SmolLM2's layers
 //! is only 18-48 blocks, and the per-row call, dispatch and constants cost ~8 % of a one-row step.
 //! Each task prefetches the blocks of the weight row `PREFETCH_ROWS` ahead of the one it
@@ -149,10 +155,15 @@ fn run(
     // Below ~64k weights a thread's wake-up costs more than its share.
     let threads = num_threads.clamp(1, n).min(1 + n * shape.k / (1 << 16));
     let isa = Isa::detect(max_isa);
-    // the AVX2 Q4_1 kernel reads x in its nibble order (`AVX2_Q4_1_ORDER`), arranged once here
+    // the AVX2 Q4_1 kernel reads x in its nibble order (`AVX2_Q4_1_ORDER`), arranged once here,
+    // and for one row the sum of each block of x (`avx2::q4_1_one_row`)
     let x_nibble_order: Vec<f32>;
+    let mut x_block_sums = Vec::new();
     let x = if isa == Isa::Avx2 && matches!(w, QuantWeight::Q4_1 { .. }) {
         x_nibble_order = in_avx2_q4_1_order(x);
+        if shape.m == 1 {
+            x_block_sums = x.chunks_exact(BLOCK).map(|b| b.iter().sum()).collect();
+        }
         &x_nibble_order[..]
     } else {
         x
@@ -160,6 +171,7 @@ fn run(
     let kernel = Kernel {
         shape: *shape,
         x,
+        x_block_sums: &x_block_sums,
         w,
         bias,
         out: OutPtr(out.as_mut_ptr()),
@@ -184,13 +196,13 @@ fn run(
 }
 
 /// The order in which the AVX2 Q4_1 kernel's vectors hold a block's 32 elements: lane `l` of
-/// vector `i` is element `AVX2_Q4_1_ORDER[8 * i + l]`. The block's 16 bytes sit in both halves of
-/// a register, and one 32-bit shift per lane brings each lane's nibble down (byte `j`: element
-/// `j` in its low nibble, `j + 16` in its high), with no shuffle across lanes; `x` is arranged
-/// in this order once per call ([`in_avx2_q4_1_order`]) instead.
+/// vector `i` is element `AVX2_Q4_1_ORDER[8 * i + l]`. Each half of the block's 16 bytes is
+/// widened to eight 32-bit lanes (byte `j`: element `j` in its low nibble, `j + 16` in its
+/// high), a mask keeps the low nibbles and a shift brings down the high ones; `x` is arranged
+/// in this order once per call ([`in_avx2_q4_1_order`]) instead of shuffling the weights.
 const AVX2_Q4_1_ORDER: [usize; BLOCK] = [
-    0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15, //
-    16, 20, 24, 28, 17, 21, 25, 29, 18, 22, 26, 30, 19, 23, 27, 31,
+    0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23, //
+    8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31,
 ];
 
 /// `x` (rows of whole blocks) with each block's 32 values in [`AVX2_Q4_1_ORDER`].
@@ -215,6 +227,8 @@ const PREFETCH_ROWS: usize = 8;
 struct Kernel<'a> {
     shape: QuantShape,
     x: &'a [f32],
+    /// the sum of each block of x's one row (AVX2 Q4_1 with one row; else empty)
+    x_block_sums: &'a [f32],
     w: QuantWeight<'a>,
     bias: &'a [f32],
     out: OutPtr,
@@ -456,6 +470,15 @@ mod avx2 {
             kernel.prefetch_row(j + PREFETCH_ROWS, last);
             let blocks = j * nb..(j + 1) * nb;
             match kernel.w {
+                QuantWeight::Q4_1 { scale, min, qs } if R == 1 => {
+                    dots[0] = q4_1_one_row(
+                        x,
+                        kernel.x_block_sums,
+                        &scale[blocks.clone()],
+                        &min[blocks.clone()],
+                        &qs[blocks.start * BLOCK / 2..blocks.end * BLOCK / 2],
+                    )
+                }
                 QuantWeight::Q4_1 { scale, min, qs } => q4_1_rows::<R, A>(
                     x,
                     k,
@@ -476,6 +499,22 @@ mod avx2 {
         }
     }
 
+    /// A Q4_1 block's 32 nibbles as floats, in [`super::AVX2_Q4_1_ORDER`]: each half of its
+    /// 16 bytes widened to 32-bit lanes, then the low nibbles masked and the high ones shifted
+    /// down (a lane holds one byte, so the shift needs no mask).
+    #[inline(always)]
+    unsafe fn nibbles(qs: *const u8) -> [__m256; 4] {
+        let low = _mm256_set1_epi32(0x0F);
+        let a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs as *const __m128i));
+        let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.add(8) as *const __m128i));
+        [
+            _mm256_cvtepi32_ps(_mm256_and_si256(a, low)),
+            _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(a)),
+            _mm256_cvtepi32_ps(_mm256_and_si256(b, low)),
+            _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(b)),
+        ]
+    }
+
     #[inline(always)]
     unsafe fn q4_1_rows<const R: usize, const A: usize>(
         x: &[f32],
@@ -485,28 +524,17 @@ mod avx2 {
         qs: &[u8],
         dots: &mut [f32; MAX_ROWS],
     ) {
-        let low = _mm256_set1_epi32(0x0F);
-        // per vector, the right shift of each lane's 32 bits: lane l of vector i holds element
-        // AVX2_Q4_1_ORDER[8i + l] (x arrives in that order)
-        let shifts = [
-            _mm256_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8),
-            _mm256_setr_epi32(16, 16, 16, 16, 24, 24, 24, 24),
-            _mm256_setr_epi32(4, 4, 4, 4, 12, 12, 12, 12),
-            _mm256_setr_epi32(20, 20, 20, 20, 28, 28, 28, 28),
-        ];
+        debug_assert!(scale.len() == min.len() && qs.len() == 16 * scale.len());
+        debug_assert!(x.len() >= (R - 1) * k + scale.len() * BLOCK);
         let mut acc = [[_mm256_setzero_ps(); A]; R];
         for (b, (&sc, &mn)) in scale.iter().zip(min).enumerate() {
-            // the block's 16 bytes in both halves: 32-bit lane l holds bytes 4(l % 4)..+4
-            let q = _mm256_broadcastsi128_si256(_mm_loadu_si128(
-                qs.as_ptr().add(b * 16) as *const __m128i
-            ));
+            let q = nibbles(qs.as_ptr().add(b * 16));
             let (d, mn) = (_mm256_set1_ps(sc), _mm256_set1_ps(mn));
             // one multiply, then one add: the loader's float32 weight, bit for bit
             // (a plain loop: a closure would not inherit this function's target features)
             let mut w = [_mm256_setzero_ps(); 4];
-            for (wi, &s) in w.iter_mut().zip(&shifts) {
-                let nibbles = _mm256_and_si256(_mm256_srlv_epi32(q, s), low);
-                *wi = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(nibbles)), mn);
+            for (wi, &qi) in w.iter_mut().zip(&q) {
+                *wi = _mm256_add_ps(_mm256_mul_ps(d, qi), mn);
             }
             accumulate(&mut acc, &w, x.as_ptr().add(b * BLOCK), k);
         }
@@ -517,6 +545,58 @@ mod avx2 {
             }
             dots[r] = hsum(sum);
         }
+    }
+
+    /// `x . w` for one row of x and one weight row of Q4_1 blocks, as
+    /// `sum_b scale_b * (q_b . x_b) + sum_b min_b * x_block_sums[b]`: no weight is formed, so a
+    /// block costs its nibbles' conversion and four multiply-adds (1.2x the loader-exact
+    /// form at one row on a Zen 3; with more rows of x the weights formed once are shared and
+    /// that form is as fast). Every product is exact in real numbers, so the result is the dot
+    /// with the loader's weights up to float32 rounding of the sums (its weights round
+    /// `scale * q + min` once, which this form never does).
+    #[inline(always)]
+    unsafe fn q4_1_one_row(
+        x: &[f32],
+        x_block_sums: &[f32],
+        scale: &[f32],
+        min: &[f32],
+        qs: &[u8],
+    ) -> f32 {
+        let nb = scale.len();
+        // the raw reads below stay inside these (one check per weight row)
+        assert!(min.len() == nb && qs.len() == 16 * nb);
+        assert!(x.len() >= nb * BLOCK && x_block_sums.len() >= nb);
+        let mut acc = _mm256_setzero_ps();
+        for b in 0..nb {
+            let q = nibbles(qs.as_ptr().add(b * 16));
+            let xb = x.as_ptr().add(b * BLOCK);
+            let half0 = _mm256_fmadd_ps(
+                q[1],
+                _mm256_loadu_ps(xb.add(8)),
+                _mm256_mul_ps(q[0], _mm256_loadu_ps(xb)),
+            );
+            let half1 = _mm256_fmadd_ps(
+                q[3],
+                _mm256_loadu_ps(xb.add(24)),
+                _mm256_mul_ps(q[2], _mm256_loadu_ps(xb.add(16))),
+            );
+            let d = _mm256_set1_ps(*scale.get_unchecked(b));
+            acc = _mm256_fmadd_ps(d, _mm256_add_ps(half0, half1), acc);
+        }
+        // sum_b min_b * x_block_sums[b], eight blocks at a time
+        let mut b = 0;
+        while b + 8 <= nb {
+            let m8 = _mm256_loadu_ps(min.as_ptr().add(b));
+            acc = _mm256_fmadd_ps(m8, _mm256_loadu_ps(x_block_sums.as_ptr().add(b)), acc);
+            b += 8;
+        }
+        let mut tail = 0f32;
+        for b in b..nb {
+            tail = min
+                .get_unchecked(b)
+                .mul_add(*x_block_sums.get_unchecked(b), tail);
+        }
+        hsum(acc) + tail
     }
 
     #[inline(always)]
@@ -858,6 +938,7 @@ pub(crate) mod tests {
                     let kernel = |out: &mut Vec<f32>| Kernel {
                         shape: QuantShape { m, n, k },
                         x: &x,
+                        x_block_sums: &[],
                         w: b.weight(q4),
                         bias: &bias,
                         out: OutPtr(out.as_mut_ptr()),
@@ -905,6 +986,79 @@ pub(crate) mod tests {
                                 first + r
                             );
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn one_row_of_one_hot_x_reads_the_loaders_weights_too() {
+        // One row on AVX2 never forms a weight (`avx2::q4_1_one_row`), but for a one-hot x its
+        // sum is scale * q rounded, plus min: the loader's float32 weight again, on every path.
+        let (n, k) = (24, 288);
+        let b = random_blocks(&mut Lcg(8), n, k);
+        for q4 in [true, false] {
+            let dense = dequantized(&b, q4, n, k);
+            for i in 0..k {
+                let mut x = vec![0f32; k];
+                x[i] = 1.0;
+                for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable] {
+                    let mut out = vec![f32::NAN; n];
+                    let shape = QuantShape { m: 1, n, k };
+                    run(&shape, &x, b.weight(q4), &[], &mut out, 1, isa).unwrap();
+                    for j in 0..n {
+                        assert_eq!(
+                            out[j],
+                            dense[j * k + i],
+                            "q4={q4} {isa:?}: weight [{j}, {i}]"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn one_row_dots_stay_within_float32_rounding_of_the_loaders_weights() {
+        // The one-row AVX2 form sums scale * (q . x) + min * sum(x) per block. Here half the
+        // blocks have a min far above their scale, so the loader's `scale * q + min` rounds
+        // (that form never does) and the two sums part by more than reordering alone would;
+        // still within 2^-20 of the products' magnitude. Block counts 18 and 49 run the
+        // eight-at-a-time min sum with and without a tail; a dropped min term or a wrong
+        // block would miss by the size of the dot itself.
+        let mut rng = Lcg(11);
+        for &(n, k) in &[(40, 576), (33, 1568)] {
+            let mut b = random_blocks(&mut rng, n, k);
+            for (i, (sc, mn)) in b.scale.iter_mut().zip(&mut b.min).enumerate() {
+                if i % 2 == 1 {
+                    (*sc, *mn) = (*sc * 1e-4, 8.0 + *mn);
+                }
+            }
+            let dense = dequantized(&b, true, n, k);
+            for isa in [Isa::Avx2, Isa::Avx512, Isa::Portable] {
+                for threads in [1, 3] {
+                    let x = rng.vec(k);
+                    let mut out = vec![f32::NAN; n];
+                    let shape = QuantShape { m: 1, n, k };
+                    run(&shape, &x, b.weight(true), &[], &mut out, threads, isa).unwrap();
+                    for j in 0..n {
+                        let row = &dense[j * k..(j + 1) * k];
+                        let want: f64 = x
+                            .iter()
+                            .zip(row)
+                            .map(|(&a, &w)| f64::from(a) * f64::from(w))
+                            .sum();
+                        let size: f64 = x
+                            .iter()
+                            .zip(row)
+                            .map(|(&a, &w)| (f64::from(a) * f64::from(w)).abs())
+                            .sum();
+                        let got = f64::from(out[j]);
+                        assert!(
+                            (got - want).abs() <= size / f64::from(1u32 << 20),
+                            "k={k} {isa:?} threads={threads}: out[{j}] = {got}, reference {want} (size {size})"
+                        );
                     }
                 }
             }

@@ -26,7 +26,8 @@ A step of at most ``QUANT_MAX_ROWS`` rows (one to eight decode sequences) is bou
 weights, not by arithmetic: for layers whose GGUF blocks are known (``model.block_weights``)
 such a call reads the Q4_1 / Q8_0 blocks instead, ~6x fewer bytes, and forms each weight exactly
 as the loader did (``cpu_quant_linear.rs``; same float32 weights, float32-rounding-level
-differences in the sums).
+differences in the sums). On AVX2 a one-row Q4_1 call forms no weight: it sums
+``scale * (q . x) + min * sum(x)`` per block, the same dot up to float32 rounding.
 """
 
 from __future__ import annotations
