@@ -163,3 +163,27 @@ def test_step_breakdown_smoke(tmp_path: Path) -> None:
         assert sum(parts) < 1.5 * r["step_ms"], r       # the timed parts are within the step
         assert r["step_timed_ms"] < 1.5 * r["step_ms"], r   # and timing them costs little
         assert r["kv_mb"] == pytest.approx(2 * r["rows"] * 40 * 3 * 64 * 4 * 30 / 2**20)
+
+
+def test_build_ab_smoke(tmp_path: Path) -> None:
+    # the same build as both arms (a copy of it, so the OS loads it twice): the base build's
+    # decoder layers must load, run, and give this build's logits bit for bit
+    import shutil
+
+    from ferrobatch import _scheduler
+
+    base = tmp_path / "base" / Path(_scheduler.__file__).name
+    base.parent.mkdir()
+    shutil.copy(_scheduler.__file__, base)
+    out = tmp_path / "ab.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHES / "build_ab.py"), "--base-so", str(base), "--mode", "step",
+         "--rows", "1,2", "--context", "40", "--rounds", "2", "--num-blocks", "64",
+         "--json", str(out)],
+        check=False, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["rows"] for r in data["results"]] == [1, 2]
+    for r in data["results"]:
+        assert r["base_ms"] > 0 and r["this_ms"] > 0, r
+        assert r["logits_max_rel_diff"] == 0.0 and r["same_argmax"], r

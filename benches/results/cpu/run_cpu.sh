@@ -299,6 +299,18 @@ for round in 1 2 3 4; do
   $PY benches/single_stream.py --lengths 256,2000 --tokens 64 --repeat 3
 done
 
+# 30. Session 23 (the same Zen 3 type): the one-row Q4_1 linears (ed77644 before, 45d0459
+# after), both builds in one process; BASE_SO = ed77644's ferrobatch/_scheduler.abi3.so, built in
+# a worktree (`maturin build --release -o DIR`, then unzip it from the wheel).
+if [ -n "${BASE_SO:-}" ]; then
+  $PY benches/build_ab.py --base-so "$BASE_SO" --mode step --rows 1,2,3 --rounds 60 \
+    --json $OUT/build_ab_step_zen3_session23.json
+  $PY benches/build_ab.py --base-so "$BASE_SO" --mode stream --chat --temperature 0.7 \
+    --rounds 10 --json $OUT/build_ab_stream_chat_zen3_session23.json
+  $PY benches/build_ab.py --base-so "$BASE_SO" --mode stream --chat --rounds 10 \
+    --json $OUT/build_ab_stream_chat_greedy_zen3_session23.json
+fi
+
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
 #   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \

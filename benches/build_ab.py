@@ -1,0 +1,204 @@
+"""Two builds of the Rust extension side by side in one process: the CPU decoder layers of another
+build ("base", e.g. the commit before a kernel change) against this checkout's, interleaved.
+
+    python benches/build_ab.py --base-so /tmp/base/ferrobatch/_scheduler.abi3.so \
+        [--mode step --rows 1,2,3 --context 256] [--mode stream --tokens 128 --chat \
+        --temperature 0.7] [--json PATH]
+
+Why: the development VMs' speed drifts by 10-50 % within minutes (other tenants), so two
+processes run one after the other compare the machine's moods, not the builds. Here both builds
+run in the same process on the same model and KV cache, alternating every step (`--mode step`:
+`ModelRunner.execute` on one decode step of B sequences with `context` cached tokens) or every
+request (`--mode stream`: one `LLM` request at a time, milliseconds per output token after the
+prompt, as `single_stream.py` measures it; `--chat` asks for essays through the chat template
+instead of random token ids, drafts as configured).
+
+Only `model.fused_layers` (`cpu_decoder.FusedLayers`, i.e. every decoder layer of a CPU step:
+linears, attention, norms) comes from the base build; the LM head, sampler and scheduler are this
+checkout's in both arms. Build the base with e.g. `git worktree add /tmp/base <commit> && cd
+/tmp/base && maturin build --release -o /tmp/whl`, then unzip `ferrobatch/_scheduler*` from the
+wheel. A 2 ms pause before each timed step lets the pool of the build that ran last go to sleep
+(two pools spinning would slow whichever runs next).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "model"))
+
+from common import format_table, machine_info, write_json  # noqa: E402  (OpenMP defaults first)
+
+ESSAY_TOPICS = ("the history of bridges", "how bees make honey", "the ocean tides",
+                "learning to cook rice", "the life of a lighthouse keeper")
+
+
+def load_extension(path: str):
+    """The extension module at ``path`` under a private name (it keeps its own thread pool)."""
+    name = "ferrobatch_base._scheduler"   # the last part must match the module's init symbol
+    loader = importlib.machinery.ExtensionFileLoader(name, path)
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def base_layers(model, base_module):
+    """A ``FusedLayers`` over ``model``'s weights whose Rust stack comes from ``base_module``."""
+    from ferrobatch.runtime import cpu_decoder
+
+    here = model.fused_layers
+    if here is None:
+        raise SystemExit("the model runs without fused layers (not a packed CPU model)")
+    current = cpu_decoder._scheduler
+    cpu_decoder._scheduler = base_module
+    try:
+        return cpu_decoder.FusedLayers(model, here.num_threads, here.amx)
+    finally:
+        cpu_decoder._scheduler = current
+
+
+def interleaved(run, arms: dict, rounds: int) -> dict[str, list[float]]:
+    """``run(arm_value)`` timed ``rounds`` times per arm, the arms' order flipping every round."""
+    names = list(arms)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            times[name].append(float(run(arms[name])))
+    return times
+
+
+def step_mode(args, base_module) -> list[dict]:
+    import numpy as np
+    from step_builder import ToyScheduler
+
+    from ferrobatch.model.loader import load_model
+    from ferrobatch.runtime.model_runner import ModelRunner
+
+    runner = ModelRunner(load_model(args.model), num_blocks=args.num_blocks, block_size=16)
+    model = runner.model
+    arms = {"base": base_layers(model, base_module), "this": model.fused_layers}
+    results = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        sched = ToyScheduler(runner.num_blocks, 16, token_budget=1 << 20)
+        rng = np.random.default_rng(rows)
+        for i in range(rows):
+            sched.add(i, rng.integers(10, 40000, args.context).tolist(), max_new_tokens=4)
+        prefill = sched.schedule()
+        sched.update(runner.execute(prefill).argmax(-1).numpy())
+        batch = sched.schedule()
+        logits = {}
+
+        def run(layers, batch=batch, logits=logits):
+            model.fused_layers = layers
+            time.sleep(0.002)
+            t0 = time.perf_counter()
+            out = runner.execute(batch)
+            dt = (time.perf_counter() - t0) * 1e3
+            logits[id(layers)] = out.clone()
+            return dt
+
+        interleaved(run, arms, 4)                       # warm-up
+        times = interleaved(run, arms, args.rounds)
+        a, b = logits[id(arms["base"])], logits[id(arms["this"])]
+        res = {"mode": "step", "rows": rows, "context": args.context,
+               "base_ms": float(np.median(times["base"])), "this_ms": float(np.median(times["this"])),
+               "logits_max_rel_diff": float((a - b).abs().max() / a.abs().max()),
+               "same_argmax": bool((a.argmax(-1) == b.argmax(-1)).all())}
+        res["speedup"] = res["base_ms"] / res["this_ms"]
+        print(f"rows={rows}: base {res['base_ms']:.2f} ms, this {res['this_ms']:.2f} ms "
+              f"({res['speedup']:.3f}x)", flush=True)
+        results.append(res)
+    model.fused_layers = arms["this"]
+    return results
+
+
+def stream_mode(args, base_module) -> list[dict]:
+    import numpy as np
+
+    from ferrobatch import LLM, SamplingParams
+
+    llm = LLM(model=args.model, **({} if args.drafts is None
+                                   else {"num_speculative_tokens": args.drafts}))
+    model = llm.engine._core.runner.model
+    arms = {"base": base_layers(model, base_module), "this": model.fused_layers}
+    rng = np.random.default_rng(0)
+    count = [0]
+
+    def prompt():
+        count[0] += 1
+        if args.chat:
+            topic = ESSAY_TOPICS[count[0] % len(ESSAY_TOPICS)]
+            return [{"role": "user", "content": f"Write a long, detailed essay about {topic}."}]
+        return [rng.integers(10, 40000, args.context).tolist()]
+
+    def generate(p, max_tokens):
+        params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, seed=7,
+                                ignore_eos=True)
+        t0 = time.perf_counter()
+        (llm.chat if args.chat else llm.generate)(p, params)
+        return time.perf_counter() - t0
+
+    def run(layers):
+        model.fused_layers = layers
+        first = generate(prompt(), 1)                     # prefill + one token
+        return (generate(prompt(), args.tokens + 1) - first) / args.tokens * 1e3
+
+    try:
+        interleaved(run, arms, 2)
+        times = interleaved(run, arms, args.rounds)
+    finally:
+        model.fused_layers = arms["this"]
+        llm.close()
+    res = {"mode": "stream", "prompt": "chat essays" if args.chat else f"{args.context} random ids",
+           "tokens": args.tokens, "temperature": args.temperature, "drafts": args.drafts,
+           "base_ms_per_token": float(np.median(times["base"])),
+           "this_ms_per_token": float(np.median(times["this"])),
+           "base_samples": [round(v, 2) for v in times["base"]],
+           "this_samples": [round(v, 2) for v in times["this"]]}
+    res["speedup"] = res["base_ms_per_token"] / res["this_ms_per_token"]
+    print(f"single stream: base {res['base_ms_per_token']:.2f} ms/token, this "
+          f"{res['this_ms_per_token']:.2f} ({res['speedup']:.3f}x)", flush=True)
+    return [res]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-so", required=True, help="the other build's _scheduler*.so")
+    ap.add_argument("--mode", choices=("step", "stream"), default="step")
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--rows", default="1,2,3", help="step mode: decode rows per step")
+    ap.add_argument("--context", type=int, default=256, help="cached tokens (random-id prompts)")
+    ap.add_argument("--num-blocks", type=int, default=1024, help="step mode: KV blocks")
+    ap.add_argument("--rounds", type=int, default=30, help="timed runs per build")
+    ap.add_argument("--tokens", type=int, default=128, help="stream mode: tokens per request")
+    ap.add_argument("--chat", action="store_true", help="stream mode: essays via the chat template")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--drafts", type=int, default=None,
+                    help="stream mode: num_speculative_tokens (default: the engine's)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not Path(args.base_so).is_file():
+        raise SystemExit(f"no such file: {args.base_so}")
+    base_module = load_extension(args.base_so)
+    results = (step_mode if args.mode == "step" else stream_mode)(args, base_module)
+    print()
+    if args.mode == "step":
+        print(format_table(results, [("rows", "rows", "d"), ("base_ms", "base ms", ".2f"),
+                                     ("this_ms", "this ms", ".2f"), ("speedup", "x", ".3f"),
+                                     ("logits_max_rel_diff", "logits diff", ".1e")]))
+    if args.json:
+        write_json(args.json, {"machine": machine_info(), "base_so": args.base_so,
+                               "args": vars(args), "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
