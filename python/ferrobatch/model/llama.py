@@ -143,11 +143,15 @@ class LlamaForCausalLM(nn.Module):
         (their logits cost ``E x vocab`` floats, so the caller computes them in pieces)."""
         if self.attn_backend is None:
             raise RuntimeError("LlamaForCausalLM.attn_backend is not set")
-        hidden = self.embed_tokens(input_ids)
-        rope_tables = self.rotary.tables(positions, hidden.dtype)
-        if self.fused_layers is not None and self.fused_layers.accepts(attn_meta):
-            hidden = self.fused_layers(hidden, rope_tables, kv_caches, attn_meta)
+        fused = self.fused_layers
+        if fused is not None and fused.accepts(attn_meta):
+            hidden = fused.embed_and_run(input_ids, positions, kv_caches, attn_meta)
+            normed = fused.final_norm(hidden, logits_indices) if hidden_indices is None else None
+            if normed is not None:
+                return self.compute_logits(normed)
         else:
+            hidden = self.embed_tokens(input_ids)
+            rope_tables = self.rotary.tables(positions, hidden.dtype)
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 hidden = layer(hidden, rope_tables, kv_cache, attn_meta, self.attn_backend)
         if hidden_indices is None:

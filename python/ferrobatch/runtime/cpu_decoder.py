@@ -9,7 +9,10 @@ speculative drafts, short chunks through the decode kernel; longer chunks throug
 kernel; any mix of them): the same kernels back to back, the K/V written into the same paged
 cache, one call. Steps with prefill chunks on SDPA (``CpuPagedBackend(prefill_kernel=False)``)
 keep the module-by-module path. SiLU-and-mul is the only op computed differently (Rust's
-polynomial ``exp`` instead of torch's ``silu``; float32 rounding apart, the same values).
+polynomial ``exp`` instead of torch's ``silu``; float32 rounding apart, the same values). The
+step's embedding rows and RoPE tables are looked up, and its sampled rows' final RMSNorm run, on
+numpy views of the model's own tensors (``FusedLayers.embed_and_run`` / ``final_norm``): the
+same values, without torch's per-op dispatch.
 
 ``install_fused_decode(model, backend, num_threads)`` sets ``model.fused_layers`` when the model
 is a packed llama stack on the CPU backend; ``FERROBATCH_FUSED_DECODE=0`` turns it off (A/B runs).
@@ -80,6 +83,13 @@ class FusedLayers:
         self._stack = _scheduler.CpuDecoderStack(
             config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
             config.intermediate_size, epsilons.pop(), first.self_attn.scale, layers)
+        # numpy views of the tables a step looks rows up in (``embed_and_run``), and of the
+        # final norm (``final_norm``): at decode sizes torch's per-op dispatch cost more than
+        # the look-ups themselves (~0.3 ms of a ~7 ms one-row step on the Zen 3 dev VM)
+        self._embedding = model.embed_tokens.weight.detach().numpy()
+        self._cos = model.rotary.cos_cached.numpy()
+        self._sin = model.rotary.sin_cached.numpy()
+        self._norm = model.norm if type(model.norm) is RustRMSNorm else None
         self.num_threads = num_threads
         self.amx = amx     # long prompt chunks' attention on AMX where the CPU has it
         self.steps = 0     # steps run fused
@@ -90,14 +100,39 @@ class FusedLayers:
         return type(meta) is CpuPagedMetadata and not meta.groups and \
             (meta.decode is not None or meta.prefill is not None)
 
-    def __call__(self, hidden: torch.Tensor, rope_tables, kv_caches: list[torch.Tensor],
-                 meta) -> torch.Tensor:
-        """``hidden`` ``[T, H]`` (the embeddings; updated in place) -> the last layer's output.
+    def embed_and_run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
+        """The step's tokens -> the last layer's output ``[T, H]``: the model's embedding rows
+        and RoPE tables looked up here (the same values as ``embed_tokens`` and
+        ``RotaryEmbedding.tables``), then every layer in one Rust call.
 
         Keeps no state between calls: runners sharing one model (two engines on one loaded
         model) call it from their step threads at once, each with its own caches (~20 us per
         step to view them as numpy arrays)."""
-        cos, sin = (t.reshape(t.shape[0], t.shape[-1]).contiguous().numpy() for t in rope_tables)
+        ids = input_ids.numpy()
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self._embedding.shape[0]):
+            raise IndexError(f"token id out of range of the {self._embedding.shape[0]}-token "
+                             f"embedding")
+        pos = positions.numpy()
+        hidden = torch.from_numpy(self._embedding[ids])
+        self._run(hidden.numpy(), self._cos[pos], self._sin[pos], kv_caches, meta)
+        return hidden
+
+    def final_norm(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """The model's final RMSNorm of ``hidden[rows]`` (None when that norm is not the Rust
+        one: the caller applies the model's own)."""
+        if self._norm is None:
+            return None
+        picked = hidden.numpy()
+        index = rows.numpy()
+        if index.shape[0] != picked.shape[0] or np.any(index != np.arange(index.shape[0])):
+            picked = picked[index]
+        out = np.empty_like(picked)
+        self._norm._kernel(picked, self._norm.weight.numpy(), self._norm.eps, out)
+        return torch.from_numpy(out)
+
+    def _run(self, hidden: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+             kv_caches: list[torch.Tensor], meta) -> None:
         rows, chunks = meta.decode, meta.prefill
         if rows is None:
             tables, ctx_lens, decode_rows = _NO_TABLES, _NO_CTX, _NO_ROWS
@@ -106,12 +141,10 @@ class FusedLayers:
             decode_rows = None if rows.every_token else rows.token_index.numpy()
         prefill = None if chunks is None else \
             (chunks.q_starts, chunks.q_lens, chunks.seq_lens, chunks.block_tables)
-        hidden = hidden.contiguous()
-        self._stack.forward(hidden.numpy(), cos, sin, [t.numpy() for t in kv_caches],
+        self._stack.forward(hidden, cos, sin, [t.numpy() for t in kv_caches],
                             meta.slot_mapping.numpy(), tables, ctx_lens, self.num_threads,
                             decode_rows, prefill, amx=self.amx)
         self.steps += 1
-        return hidden
 
 
 # a step without decode-kernel rows
