@@ -309,6 +309,10 @@ if [ -n "${BASE_SO:-}" ]; then
     --rounds 10 --json $OUT/build_ab_stream_chat_zen3_session23.json
   $PY benches/build_ab.py --base-so "$BASE_SO" --mode stream --chat --rounds 10 \
     --json $OUT/build_ab_stream_chat_greedy_zen3_session23.json
+  # the control: this build against a copy of itself
+  cp python/ferrobatch/_scheduler.abi3.so /tmp/_scheduler_copy.abi3.so
+  $PY benches/build_ab.py --base-so /tmp/_scheduler_copy.abi3.so --mode step --rows 1,2,3 \
+    --rounds 60 --json $OUT/build_ab_step_control_zen3_session23.json
 fi
 
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
