@@ -228,6 +228,7 @@ struct Kernel<'a> {
     shape: QuantShape,
     x: &'a [f32],
     /// the sum of each block of x's one row (AVX2 Q4_1 with one row; else empty)
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     x_block_sums: &'a [f32],
     w: QuantWeight<'a>,
     bias: &'a [f32],
