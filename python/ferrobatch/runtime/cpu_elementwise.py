@@ -13,6 +13,7 @@ has its own vectorized one in Rust.)
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -38,6 +39,12 @@ class RustRMSNorm(nn.Module):
         out = torch.empty_like(rows)
         self._kernel(rows.numpy(), self.weight.numpy(), self.eps, out.numpy())
         return out.view(x.shape)
+
+    def of_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The same on a C-contiguous float32 ``[N, hidden]`` array, without torch."""
+        out = np.empty_like(rows)
+        self._kernel(rows, self.weight.numpy(), self.eps, out)
+        return out
 
     def extra_repr(self) -> str:
         return f"hidden={self.weight.shape[0]}, eps={self.eps}, kernel=rust"
