@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "model"))
 
 from common import format_table, machine_info, write_json  # noqa: E402  (OpenMP defaults first)
 
@@ -76,23 +75,17 @@ def interleaved(run, arms: dict, rounds: int) -> dict[str, list[float]]:
 
 def step_mode(args, base_module) -> list[dict]:
     import numpy as np
-    from step_builder import ToyScheduler
 
     from ferrobatch.model.loader import load_model
     from ferrobatch.runtime.model_runner import ModelRunner
+    from step_breakdown import decode_step
 
     runner = ModelRunner(load_model(args.model), num_blocks=args.num_blocks, block_size=16)
     model = runner.model
     arms = {"base": base_layers(model, base_module), "this": model.fused_layers}
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
-        sched = ToyScheduler(runner.num_blocks, 16, token_budget=1 << 20)
-        rng = np.random.default_rng(rows)
-        for i in range(rows):
-            sched.add(i, rng.integers(10, 40000, args.context).tolist(), max_new_tokens=4)
-        prefill = sched.schedule()
-        sched.update(runner.execute(prefill).argmax(-1).numpy())
-        batch = sched.schedule()
+        batch = decode_step(runner, rows, args.context)
         logits = {}
 
         def run(layers, batch=batch, logits=logits):

@@ -146,9 +146,8 @@ class LlamaForCausalLM(nn.Module):
         fused = self.fused_layers
         if fused is not None and fused.accepts(attn_meta):
             hidden = fused.embed_and_run(input_ids, positions, kv_caches, attn_meta)
-            normed = fused.final_norm(hidden, logits_indices) if hidden_indices is None else None
-            if normed is not None:
-                return self.compute_logits(normed)
+            if hidden_indices is None:
+                return self.compute_logits(fused.final_norm(hidden, logits_indices))
         else:
             hidden = self.embed_tokens(input_ids)
             rope_tables = self.rotary.tables(positions, hidden.dtype)

@@ -52,6 +52,8 @@ def unsupported(model: nn.Module, backend) -> str | None:
                                                     mlp.gate_up_proj, mlp.down_proj)))
         if not all(parts):
             return "a layer is not packed for the Rust kernels"
+    if type(model.norm) is not RustRMSNorm:
+        return "the final norm is not the Rust one"
     return None
 
 
@@ -89,7 +91,7 @@ class FusedLayers:
         self._embedding = model.embed_tokens.weight.detach().numpy()
         self._cos = model.rotary.cos_cached.numpy()
         self._sin = model.rotary.sin_cached.numpy()
-        self._norm = model.norm if type(model.norm) is RustRMSNorm else None
+        self._norm = model.norm
         self.num_threads = num_threads
         self.amx = amx     # long prompt chunks' attention on AMX where the CPU has it
         self.steps = 0     # steps run fused
@@ -118,11 +120,8 @@ class FusedLayers:
         self._run(hidden.numpy(), self._cos[pos], self._sin[pos], kv_caches, meta)
         return hidden
 
-    def final_norm(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
-        """The model's final RMSNorm of ``hidden[rows]`` (None when that norm is not the Rust
-        one: the caller applies the model's own)."""
-        if self._norm is None:
-            return None
+    def final_norm(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The model's final RMSNorm (a ``RustRMSNorm``) of ``hidden[rows]``."""
         picked = hidden.numpy()
         index = rows.numpy()
         if index.shape[0] != picked.shape[0] or np.any(index != np.arange(index.shape[0])):
