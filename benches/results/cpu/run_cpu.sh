@@ -315,6 +315,18 @@ if [ -n "${BASE_SO:-}" ]; then
     --rounds 60 --json $OUT/build_ab_step_control_zen3_session23.json
 fi
 
+# 31. Session 24 (the same Zen 3 type, git eac0f16): a fresh step breakdown and cpu-small
+# headline, and the static ablation alternating.
+$PY benches/step_breakdown.py --rows 1,2,4,8,16 --repeats 9 \
+  --json $OUT/step_breakdown_zen3_session24.json
+$PY benches/throughput.py --workload cpu-small \
+  --systems ferrobatch,ferrobatch-static,ferrobatch-nodraft,hf-static@16,hf-continuous \
+  --plot $OUT/throughput_cpu-small_zen3_session24_occupancy.png --no-progress \
+  --json $OUT/throughput_cpu-small_zen3_session24.json
+$PY benches/throughput.py --workload cpu-small \
+  --systems ferrobatch,ferrobatch-static,ferrobatch-static,ferrobatch,ferrobatch,ferrobatch-static \
+  --no-progress --json $OUT/throughput_cpu-small_ablation_abba_zen3_session24.json
+
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
 #   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \
