@@ -326,6 +326,8 @@ $PY benches/throughput.py --workload cpu-small \
 $PY benches/throughput.py --workload cpu-small \
   --systems ferrobatch,ferrobatch-static,ferrobatch-static,ferrobatch,ferrobatch,ferrobatch-static \
   --no-progress --json $OUT/throughput_cpu-small_ablation_abba_zen3_session24.json
+$PY benches/engine_overhead.py --running 64,256,1024 --l1 16 --l2 48 \
+  --json $OUT/engine_overhead_session24.json
 
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
