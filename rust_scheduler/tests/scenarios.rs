@@ -379,3 +379,83 @@ fn protocol_errors_change_nothing() {
     s.check_integrity().unwrap();
     assert_eq!(s.update(&[1]).unwrap().len(), 1);
 }
+
+/// A request with `n = 2` (forked children) arrives before a plain one; the cache is too small
+/// for all three sequences. Under FCFS, as under priority scheduling with equal priorities, the
+/// newest request is preempted first: the older request's child must not be the victim while
+/// the newer request keeps its blocks. (Children used to be appended behind newer requests.)
+#[test]
+fn fcfs_preempts_the_newest_request_before_an_older_requests_child() {
+    for policy in [Policy::Fcfs, Policy::Priority] {
+        let mut c = cfg(8, 2, 64); // 7 usable blocks of 2 tokens
+        c.max_preemptions = 0; // the first preemption fails its sequence: the victim shows
+        c.enable_prefix_caching = false;
+        c.policy = policy;
+        let mut s = Scheduler::new(c).unwrap();
+        let mut r = FakeRunner::new(&s);
+        let mut a = req(1, vec![5, 6], 8);
+        a.n = 2;
+        a.ignore_eos = true;
+        s.submit(a).unwrap();
+        let mut b = req(2, vec![7, 8], 8);
+        b.ignore_eos = true;
+        s.submit(b).unwrap();
+        let terminal: Vec<_> = drain(&mut s, &mut r)
+            .into_iter()
+            .filter(|e| e.3 != 0)
+            .collect();
+        assert_eq!(terminal.len(), 3, "{policy:?}: {terminal:?}");
+        assert_eq!(
+            (terminal[0].0, terminal[0].3),
+            (2, FinishReason::Error as u8),
+            "{policy:?}: the newest request is the first victim: {terminal:?}"
+        );
+    }
+}
+
+/// Under FCFS a token budget too small for every running sequence goes to the oldest request
+/// first, its forked child included: the newer request must not decode while the older
+/// request's child waits (beyond the step that forks it).
+#[test]
+fn fcfs_budget_serves_an_older_requests_child_before_a_newer_request() {
+    for policy in [Policy::Fcfs, Policy::Priority] {
+        let mut c = cfg(64, 4, 2); // budget: two tokens per step
+        c.policy = policy;
+        let mut s = Scheduler::new(c).unwrap();
+        let mut r = FakeRunner::new(&s);
+        let mut a = req(1, vec![5], 10);
+        a.n = 2;
+        a.ignore_eos = true;
+        s.submit(a).unwrap();
+        let mut b = req(2, vec![7], 20);
+        b.ignore_eos = true;
+        s.submit(b).unwrap();
+        let mut child_live = true;
+        let mut steps_child_skipped_for_newer = 0;
+        for _ in 0..200 {
+            if !s.has_unfinished() {
+                break;
+            }
+            let (batch, ev) = step(&mut s, &mut r);
+            let ran = |id: u64, k: i32| {
+                batch
+                    .seq_req_ids
+                    .iter()
+                    .zip(&batch.seq_indices)
+                    .any(|(&i, &j)| (i, j) == (id, k))
+            };
+            if child_live && ran(2, 0) && !ran(1, 1) {
+                steps_child_skipped_for_newer += 1;
+            }
+            if ev.iter().any(|e| (e.0, e.1) == (1, 1) && e.3 != 0) {
+                child_live = false;
+            }
+        }
+        assert!(!s.has_unfinished());
+        assert!(
+            steps_child_skipped_for_newer <= 1,
+            "{policy:?}: request 2 decoded while request 1's child waited in \
+             {steps_child_skipped_for_newer} steps"
+        );
+    }
+}
