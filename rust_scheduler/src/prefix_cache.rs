@@ -134,7 +134,8 @@ impl Hasher for DigestHasher {
 #[derive(Debug, Default)]
 pub struct PrefixCache {
     map: HashMap<u128, u32, DigestHasherBuilder>,
-    /// Prompt tokens looked up (vLLM's `prefix_cache_queries`).
+    /// Prompt tokens looked up on first admissions (vLLM's `prefix_cache_queries`; vLLM counts
+    /// preempted re-admissions apart, here they are not counted).
     pub queries_total: u64,
     /// Of those, tokens found cached (vLLM's `prefix_cache_hits`).
     pub hits_total: u64,

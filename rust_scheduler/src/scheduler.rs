@@ -78,7 +78,8 @@ pub struct Stats {
     pub kv_cache_usage: f64,
     /// Preemptions since start.
     pub num_preemptions_total: u64,
-    /// Prompt tokens looked up in the prefix cache.
+    /// Prompt tokens looked up in the prefix cache (on a sequence's first admission; a
+    /// preempted sequence's re-admission is not counted).
     pub prefix_cache_queries_total: u64,
     /// Prompt tokens found in the prefix cache.
     pub prefix_cache_hits_total: u64,
@@ -556,7 +557,9 @@ impl Scheduler {
                 self.seqs[h as usize].as_mut().expect("live").blocks.push(b);
             }
             self.hits_scratch = hits;
-            if self.pool.caching() {
+            // First admissions only: a preempted sequence coming back finds its own freed
+            // blocks (and its generated tokens), which says nothing about the cache's hit rate.
+            if self.pool.caching() && self.seq(h).num_preemptions == 0 {
                 self.pool.cache.queries_total += num_tokens;
                 self.pool.cache.hits_total += cached as u64;
             }

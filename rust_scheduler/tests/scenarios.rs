@@ -459,3 +459,22 @@ fn fcfs_budget_serves_an_older_requests_child_before_a_newer_request() {
         );
     }
 }
+
+/// The prefix cache's query and hit counters cover first admissions only: a preempted
+/// sequence's re-admission finds its own freed blocks (and its generated tokens), which would
+/// inflate the reported hit rate.
+#[test]
+fn prefix_cache_counters_skip_readmissions_after_preemption() {
+    let mut s = Scheduler::new(cfg(7, 2, 64)).unwrap(); // 6 usable blocks of 2 tokens
+    let mut r = FakeRunner::new(&s);
+    for id in 1..=2 {
+        let mut q = req(id, vec![id as i32 + 1, 7, 9, 11], 6);
+        q.ignore_eos = true;
+        s.submit(q).unwrap();
+    }
+    drain(&mut s, &mut r);
+    let st = s.stats();
+    assert!(st.num_preemptions_total >= 1, "the scenario must preempt");
+    assert_eq!(st.prefix_cache_queries_total, 8, "the two prompts, once each");
+    assert_eq!(st.prefix_cache_hits_total, 0, "distinct first blocks: nothing to share");
+}
