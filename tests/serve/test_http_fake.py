@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 import pytest
@@ -87,6 +88,42 @@ async def test_stream_with_continuous_usage_stats(fake_server):
         events = await sse_events(fake_server, route, {
             **body, "stream": True, "stream_options": {"continuous_usage_stats": True}})
         assert all("usage" not in e for e in events)
+
+
+@pytest.mark.parametrize("fake_server", [{"core": {"max_running": 1, "step_delay_s": 0.01}}],
+                         indirect=True)
+async def test_chat_role_chunk_waits_for_the_first_token(fake_server):
+    """The role chunk is the first chunk with choices, which clients (`vllm bench serve`) time
+    as the first token: it must not go out while the request still waits for its first token
+    (here: queued behind another request that holds the only slot for ~40 steps)."""
+    async def first_event_after() -> tuple[float, dict]:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(fake_server.base + "/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                    "stream": True}) as resp:
+                async for line in resp.content:
+                    if line.startswith(b"data: "):
+                        return time.monotonic(), json.loads(line[6:])
+        raise AssertionError("no event")
+
+    busy = asyncio.create_task(post(fake_server, "/v1/completions",
+                                    {"prompt": "ab", "max_tokens": 40, "ignore_eos": True}))
+    await asyncio.sleep(0.05)           # the busy request holds the only slot
+    t0 = time.monotonic()
+    t_first, first = await first_event_after()
+    status, _, _ = await busy
+    assert status == 200
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    # ~40 steps of 10 ms were left on the busy request; an eager role chunk came at once
+    assert t_first - t0 > 0.1, f"role chunk after {t_first - t0:.3f} s"
+
+
+async def test_a_body_that_is_not_the_gzip_it_claims_is_a_400(fake_server):
+    status, _, text = await post(fake_server, "/v1/completions", None, raw=b"xx",
+                                 headers={"Content-Encoding": "gzip",
+                                          "Content-Type": "application/json"})
+    assert status == 400, text
+    assert "could not be read" in json.loads(text)["error"]["message"]
 
 
 async def test_chat_stream_shape(fake_server):

@@ -50,6 +50,8 @@ async def read_json(request: web.Request) -> Any:
     except web.HTTPRequestEntityTooLarge:
         raise ProtocolError(f"request body exceeds {MAX_BODY_BYTES} bytes",
                             code=413) from None
+    except web.RequestPayloadError as exc:     # e.g. a body that is not the gzip it claims
+        raise ProtocolError(f"the request body could not be read: {exc}") from None
     return loads_json(raw)
 
 
@@ -206,17 +208,22 @@ async def _stream(request: web.Request, req: OpenAIRequest,
         """A chunk's usage: the running counts with `continuous_usage_stats`, else null."""
         return usage(prompt_tokens, completion) if req.continuous_usage else None
 
+    # Chat's role chunk goes out with the first output, not at once: clients (`vllm bench
+    # serve`) take the first chunk with choices as the first token, so an early role chunk
+    # would hide the queueing and prefill time from their TTFT.
+    role_sent = req.kind != "chat"
     try:
         await sse.open()
-        if req.kind == "chat":
-            await sse.send(envelope(req, [
-                {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None} for k in range(n)], chunk=True, usage_=so_far()))
         async for i, out in _merged(streams):
             if out.error:
                 await sse.send({"error": {"message": out.error, "type": "server_error",
                                           "param": None, "code": 500}})
                 break
+            if not role_sent:
+                role_sent = True
+                await sse.send(envelope(req, [
+                    {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None} for k in range(n)], chunk=True, usage_=so_far()))
             if out.prompt_logprobs is not None:
                 prompt_outs[i] = out          # a delta stream carries them once
             choices = []
