@@ -62,6 +62,14 @@ def test_decode_encode_round_trip(tokenizer, text):
     assert tokenizer.decode(tokenizer.encode(text), skip_special_tokens=False) == text
 
 
+@pytest.mark.parametrize("text", ["a\ud800b", "\udfff", "x" * 9000 + "\ud83d"])
+def test_a_lone_surrogate_is_a_value_error(tokenizer, text):
+    """JSON's "\\ud800" decodes to a lone surrogate, which no tokenizer can encode: a clear
+    ValueError (a 400 on every door), not the tokenizers library's TypeError (a 500)."""
+    with pytest.raises(ValueError, match="lone surrogate"):
+        tokenizer.encode(text)
+
+
 def test_chat_template_renders_chatml(tokenizer):
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "

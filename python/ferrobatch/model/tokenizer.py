@@ -34,6 +34,18 @@ _QWEN2_REGEX = (
 )
 
 
+def _reject_lone_surrogates(text: str) -> None:
+    """ValueError if ``text`` holds a lone UTF-16 surrogate (JSON's "\\ud800" decodes to one):
+    it is not a Unicode character, so no tokenizer can encode it."""
+    if not isinstance(text, str):
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the text holds a lone surrogate (U+{ord(text[exc.start]):04X}), "
+                         "which is not valid Unicode") from None
+
+
 def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     if pre in ("smollm", "starcoder", "refact"):
         return pre_tokenizers.Sequence([
@@ -144,10 +156,14 @@ class Tokenizer:
                 self._plain_text_backend = HFTokenizer.from_str(self._backend.to_str())
                 self._plain_text_backend.encode_special_tokens = True
             backend = self._plain_text_backend
-        if len(text) >= LONG_TEXT_CHARS:      # the batch call releases the GIL while it runs
-            ids = backend.encode_batch([text], add_special_tokens=False)[0].ids
-        else:
-            ids = backend.encode(text, add_special_tokens=False).ids
+        try:
+            if len(text) >= LONG_TEXT_CHARS:      # the batch call releases the GIL while it runs
+                ids = backend.encode_batch([text], add_special_tokens=False)[0].ids
+            else:
+                ids = backend.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            _reject_lone_surrogates(text)
+            raise
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
