@@ -43,6 +43,18 @@ def test_named_tool_choice_guides_by_its_parameters():
     assert regex.fullmatch("{}") and not regex.fullmatch('{"a":1}')
 
 
+def test_tool_arguments_are_always_an_object():
+    """`parameters: {}` (an empty schema) means no parameters, as an omitted one does, and a
+    schema without a type is an object schema: clients json.loads the arguments into a dict."""
+    for params in ({}, {"properties": {"q": {"type": "string"}}, "required": ["q"]}):
+        tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+        req = chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}})
+        assert req.params.guided_json["type"] == "object"
+        regex = re.compile(schema_to_regex(req.params.guided_json))
+        assert not regex.fullmatch('"SmolLM"') and not regex.fullmatch("[]")
+        assert regex.fullmatch("{}" if not params else '{"q": "x"}')
+
+
 def test_required_tool_choice_is_an_array_of_listed_calls():
     req = chat(tools=[WEATHER, CLOCK], tool_choice="required")
     assert req.tools.mode == "required"
@@ -81,6 +93,8 @@ def test_none_ignores_the_tools():
     (dict(tools=[WEATHER, WEATHER], tool_choice="required"), "tools", "twice"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": 3}}],
           tool_choice="required"), "tools", "JSON Schema"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+          tool_choice="required"), "tools", "type 'object'"),
     (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
      "tool_choice", "response_format"),
     (dict(tools=[WEATHER], tool_choice="required", guided_regex="a"), "tool_choice",

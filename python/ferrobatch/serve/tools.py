@@ -52,12 +52,16 @@ def _tool_list(tools: Any) -> dict[str, dict[str, Any]]:
         if name in out:
             raise ProtocolError(f"tool {name!r} is listed twice", param="tools")
         params = fn.get("parameters")
-        if params is None:      # no parameters: a call takes an empty object
+        if params is None or params == {}:      # no parameters: a call takes an empty object
             params = {"type": "object", "properties": {}, "additionalProperties": False}
         if not isinstance(params, dict):
             raise ProtocolError(f"tools[{i}].function.parameters must be a JSON Schema object",
                                 param="tools")
-        out[name] = params
+        # a call's arguments are always a JSON object (clients json.loads them into a dict)
+        if params.get("type", "object") != "object":
+            raise ProtocolError(f"tools[{i}].function.parameters must be a JSON Schema of type "
+                                "'object'", param="tools")
+        out[name] = {**params, "type": "object"}
     return out
 
 
