@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from fake_core import EOS
 from test_http_fake import post
 
 
@@ -25,6 +26,12 @@ async def test_tokenize_and_detokenize_round_trip(fake_server):
     assert body == {"tokens": [104, 233, 108, 108, 111], "count": 5, "max_model_len": 256}
     status, _, text = await post(fake_server, "/detokenize", {"tokens": body["tokens"]})
     assert status == 200 and json.loads(text) == {"prompt": "héllo"}
+
+
+async def test_detokenize_keeps_special_tokens(fake_server):
+    """As transformers' decode and vLLM: /tokenize's template ids come back as their text."""
+    status, _, text = await post(fake_server, "/detokenize", {"tokens": [104, EOS, 105]})
+    assert status == 200 and json.loads(text) == {"prompt": "h" + chr(EOS) + "i"}
 
 
 async def test_tokenize_chat_messages_uses_the_template(fake_server):

@@ -95,7 +95,10 @@ async def detokenize(request: web.Request) -> web.Response:
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
                for t in tokens):
         raise ProtocolError(f"'tokens' must be token ids in 0..{vocab - 1}", param="tokens")
-    return web.json_response({"prompt": engine.tokenizer.decode(tokens)})
+    # special tokens kept (as transformers' decode and vLLM do): /tokenize of chat messages
+    # returns the template's <|im_start|> ids, and they must come back as text
+    return web.json_response({"prompt": engine.tokenizer.decode(tokens,
+                                                                skip_special_tokens=False)})
 
 
 def add_tokenizer_routes(app: web.Application) -> None:
