@@ -134,6 +134,22 @@ def test_sampling_params_rules_become_protocol_errors(fields, message):
         parse_message({"type": "generate", "id": "r", "prompt": "hi", "params": fields})
 
 
+@pytest.mark.parametrize("fields, param", [
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"stop": [""]}, "stop"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"logit_bias": {"7": 500}}, "logit_bias"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, None),     # no single field at fault
+])
+def test_sampling_params_errors_name_the_field(fields, param):
+    """OpenAI's error object names the field at fault in `param`."""
+    with pytest.raises(ProtocolError) as info:
+        sampling_params_from(fields)
+    assert info.value.param == param, str(info.value)
+
+
 def test_response_format_counts_as_the_guided_field_for_sampling_params_rules():
     with pytest.raises(ProtocolError, match="guided_json cannot be combined with ignore_eos"):
         chat(response_format={"type": "json_object"}, ignore_eos=True)

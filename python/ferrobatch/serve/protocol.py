@@ -16,6 +16,8 @@ WebSocket / TCP messages (maps with a "type"):
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,7 +91,11 @@ def sampling_params_from(fields: dict[str, Any], *, defaults: dict[str, Any] | N
     try:
         return SamplingParams(**kw)
     except ValueError as exc:
-        raise ProtocolError(str(exc)) from None
+        # SamplingParams' messages start with the field at fault ("top_p must be ..."): name it
+        # as the error's `param`, as OpenAI does, when the request set that field
+        field = re.match(r"\w+", str(exc))
+        param = field.group() if field and field.group() in kw else None
+        raise ProtocolError(str(exc), param=param) from None
 
 
 def error_status(exc: BaseException) -> tuple[int, str]:
