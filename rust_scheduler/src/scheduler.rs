@@ -5,8 +5,10 @@
 //! chunked prefill, prefix-cache hits and recompute after preemption. `schedule()` drains the
 //! intake, then spends the token budget on running sequences first (1 token, or the next prompt
 //! chunk), preempting by recompute when blocks run out (largest (priority, arrival) key first),
-//! then admits waiting sequences in key order; speculating decodes get their prompt-lookup
-//! drafts last, from the budget and free blocks left (none in a step that preempted).
+//! then admits waiting sequences in key order (a preempted one only once its whole recompute
+//! and a block to grow into are free, or nothing else runs); speculating decodes get their
+//! prompt-lookup drafts last, from the budget and free blocks left (none in a step that
+//! preempted).
 //! `update()` advances the scheduled sequences, caches their newly full blocks, forks `n > 1`
 //! children, appends tokens, applies stop rules and frees finished sequences at once. Terminal
 //! events from `schedule()` (aborts, preemption cap failures) are reported by the following
@@ -537,7 +539,7 @@ impl Scheduler {
                 .iter()
                 .filter(|&&b| self.pool.refcount(b) == 0)
                 .count();
-            if self.pool.num_free() < need + revive {
+            if self.pool.num_free() < need + revive + self.readmission_slack(h, need) {
                 break;
             }
             self.waiting.remove(&key);
@@ -669,6 +671,20 @@ impl Scheduler {
             NGRAM_WINDOW,
             &mut self.drafts,
         )
+    }
+
+    /// Extra free blocks a preempted sequence needs to come back while others run: enough for
+    /// its whole recompute and one block to grow into, beyond the first chunk's `need`.
+    /// Without it, a sequence re-admitted into a block or two of transient room is the first
+    /// victim again when an older one grows, and thrashes into the preemption cap although it
+    /// fits on its own. Nothing running: no slack (it fits the pool, so it must come back).
+    fn readmission_slack(&self, h: u32, need: usize) -> usize {
+        let s = self.seq(h);
+        if s.num_preemptions == 0 || self.running.is_empty() {
+            return 0;
+        }
+        let whole = s.num_tokens().div_ceil(self.cfg.block_size) + 1;
+        whole.saturating_sub(self.hits_scratch.len() + need)
     }
 
     /// Prefix lookup for waiting sequence `h` into `hits_scratch`; returns

@@ -475,6 +475,52 @@ fn prefix_cache_counters_skip_readmissions_after_preemption() {
     drain(&mut s, &mut r);
     let st = s.stats();
     assert!(st.num_preemptions_total >= 1, "the scenario must preempt");
-    assert_eq!(st.prefix_cache_queries_total, 8, "the two prompts, once each");
-    assert_eq!(st.prefix_cache_hits_total, 0, "distinct first blocks: nothing to share");
+    assert_eq!(
+        st.prefix_cache_queries_total, 8,
+        "the two prompts, once each"
+    );
+    assert_eq!(
+        st.prefix_cache_hits_total, 0,
+        "distinct first blocks: nothing to share"
+    );
+}
+
+/// `n = 4` sequences that fit the pool only one or two at a time. A preempted sibling used to be
+/// re-admitted into a block of transient room, be the first victim again when an older sibling
+/// grew, and thrash into the preemption cap (error) although each sequence fits on its own.
+/// It now comes back only when its whole recompute and a block to grow into are free (or
+/// nothing else runs): every sequence finishes, with few preemptions.
+#[test]
+fn preempted_siblings_do_not_thrash_into_the_preemption_cap() {
+    let c = SchedulerConfig {
+        num_blocks: 4,
+        block_size: 16,
+        max_num_batched_tokens: 16,
+        max_model_len: 512,
+        vocab_size: 50,
+        eos_token_ids: vec![0],
+        ..SchedulerConfig::default()
+    };
+    let mut s = Scheduler::new(c).unwrap();
+    let mut r = FakeRunner::new(&s);
+    let mut q = req(1, (1..=10).collect(), 24);
+    q.n = 4;
+    q.ignore_eos = true;
+    s.submit(q).unwrap();
+    let mut terminal: Vec<_> = drain(&mut s, &mut r)
+        .into_iter()
+        .filter(|e| e.3 != 0)
+        .map(|e| (e.1, e.3))
+        .collect();
+    terminal.sort();
+    let length = FinishReason::Length as u8;
+    assert_eq!(
+        terminal,
+        vec![(0, length), (1, length), (2, length), (3, length)]
+    );
+    assert!(
+        s.stats().num_preemptions_total <= 4,
+        "{}",
+        s.stats().num_preemptions_total
+    );
 }
