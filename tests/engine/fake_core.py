@@ -97,7 +97,8 @@ class FakeCore:
     def new_detokenizer(self, prompt_ids, params):
         from ferrobatch.model.detokenizer import IncrementalDetokenizer
         return IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop,
-                                      skip_special_tokens=params.skip_special_tokens)
+                                      skip_special_tokens=params.skip_special_tokens,
+                                      min_tokens=params.min_tokens)
 
     def submit(self, req_id, ids, p, max_tokens, state) -> None:
         if self.fail_submit is not None:

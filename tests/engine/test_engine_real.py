@@ -120,6 +120,26 @@ def test_stop_string_real_model(real_llm):
     assert out.finish_reason == "stop" and out.stop_reason == stop
 
 
+def test_min_tokens_holds_back_stop_strings_and_stop_token_ids(real_llm):
+    """Below `min_tokens` neither a stop string nor a stop token id ends the output (vLLM's
+    rule, as for EOS): the stop token is never sampled there, a stop string is plain text."""
+    prompt = "Once upon a time in a small village there lived"
+    full = real_llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0,
+                                                    ignore_eos=True))[0].outputs[0]
+    second = full.token_ids[1]                       # greedy's second token
+    word = real_llm.engine.tokenizer.decode([second]).strip()
+    assert word and word in full.text
+    out = real_llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0,
+                                                   ignore_eos=True, stop=[word]))[0].outputs[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) == 2     # without min_tokens
+    out = real_llm.generate(prompt, SamplingParams(max_tokens=10, min_tokens=6, temperature=0.0,
+                                                   stop=[word]))[0].outputs[0]
+    assert len(out.token_ids) >= 6 and out.token_ids[:6] == full.token_ids[:6]
+    out = real_llm.generate(prompt, SamplingParams(max_tokens=10, min_tokens=4, temperature=0.0,
+                                                   stop_token_ids=[second]))[0].outputs[0]
+    assert second not in out.token_ids[:4] and len(out.token_ids) >= 4
+
+
 def test_chat_and_progress_bar(real_llm, capsys):
     out = real_llm.chat([{"role": "user", "content": "Say hello."}],
                         SamplingParams(max_tokens=6, temperature=0.0))[0]

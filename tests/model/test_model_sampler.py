@@ -192,6 +192,22 @@ def test_logit_bias_and_suppress_eos(sampler):
         sampler.sample(logits, _batch(2), {0: RequestExtras(logit_bias={VOCAB + 1: 1.0})})
 
 
+def test_stop_token_ids_are_masked_below_min_tokens(sampler):
+    """Below `min_tokens` a request's stop token ids are masked as EOS is; from token
+    min_tokens + 1 on (output length >= min_tokens) they are sampled again."""
+    logits = torch.zeros(4, VOCAB)
+    logits[:, 20] = 10.0            # the stop token id is every row's argmax
+    logits[:, 21] = 5.0
+    extras = {0: RequestExtras(min_tokens=3, stop_token_ids=(20,)),
+              1: RequestExtras(min_tokens=3, stop_token_ids=(20,))}
+    batch = _batch(4, sample_req_ids=[0, 0, 1, 2], sample_output_lens=[0, 2, 3, 0],
+                   temperature=[0, 1, 0, 0])
+    out = sampler.sample(logits, batch, extras).token_ids.tolist()
+    assert out[0] == 21 and out[1] != 20       # below min_tokens: masked (greedy and sampled)
+    assert out[2] == 20                        # at min_tokens: the stop token may end it
+    assert out[3] == 20                        # a request without the rule
+
+
 def test_seeded_rows_do_not_depend_on_batch_composition(logits):
     sampler_a, sampler_b = Sampler(VOCAB, EOS, "cpu", seed=1), Sampler(VOCAB, EOS, "cpu", seed=2)
     target = logits[None]

@@ -135,6 +135,28 @@ def test_stop_string_is_held_back_and_excluded(tokenizer):
     assert detok.add(ids[0]).stopped and detok.flush() == ""
 
 
+def test_stop_strings_end_the_output_only_after_min_tokens(tokenizer):
+    """vLLM's rule: a stop string counts only when it ends in token min_tokens + 1 or later;
+    an earlier match is plain text, and a match that ends later (even one that began before)
+    stops the output."""
+    ids = tokenizer.encode(" stop here and stop there and more")
+    def run(min_tokens):
+        detok = IncrementalDetokenizer(tokenizer, stop=["stop"], min_tokens=min_tokens)
+        text, n = "", 0
+        for t in ids:
+            n += 1
+            step = detok.add(t)
+            text += step.text
+            if step.stopped:
+                return text, n
+        return text + detok.flush(), None
+    assert run(0) == (" ", 1)
+    first_stop_end = len(tokenizer.encode(" stop here and stop"))
+    assert run(1) == (" stop here and ", first_stop_end)
+    text, n = run(first_stop_end)            # both matches end too early: no stop
+    assert n is None and text == tokenizer.decode(ids)
+
+
 def test_partial_stop_prefix_is_released_when_disambiguated(tokenizer):
     ids = tokenizer.encode("stop at ENDING? no: at END")
     detok = IncrementalDetokenizer(tokenizer, stop=["END!"])

@@ -175,7 +175,8 @@ class EngineCore:
     def new_detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> Any:
         from ferrobatch.model.detokenizer import IncrementalDetokenizer
         return IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop,
-                                      skip_special_tokens=params.skip_special_tokens)
+                                      skip_special_tokens=params.skip_special_tokens,
+                                      min_tokens=params.min_tokens)
 
     @property
     def guided(self) -> Any:
@@ -190,12 +191,14 @@ class EngineCore:
     def submit(self, req_id: int, ids: list[int], p: SamplingParams, max_tokens: int,
                state: Any) -> None:
         guides = self.guided.sequences(p) if p.is_guided else None   # ValueError if unusable
+        stop_masked = bool(p.min_tokens and p.stop_token_ids)
         if p.needs_token_history or p.logit_bias or p.logprobs is not None \
-                or p.prompt_logprobs is not None or guides:
+                or p.prompt_logprobs is not None or guides or stop_masked:
             from ferrobatch.runtime.sampler import RequestExtras
             history = [[] for _ in range(p.n)] if p.needs_token_history else None
             state.extras = RequestExtras(ids, history, p.logit_bias, p.logprobs,
-                                         p.prompt_logprobs, guides)
+                                         p.prompt_logprobs, guides, p.min_tokens,
+                                         tuple(p.stop_token_ids) if stop_masked else ())
             self._extras = {**self._extras, req_id: state.extras}
         # a prompt-logprobs request must compute every prompt token: a salt of its own keeps
         # other requests' cached blocks from standing in for them

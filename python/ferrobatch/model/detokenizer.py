@@ -36,8 +36,12 @@ class IncrementalDetokenizer:
     """Turns a stream of generated token ids into text pieces that join to the full decode."""
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
+        # Stop strings end the output only from token min_tokens + 1 on (vLLM's rule, and the
+        # same as EOS and stop token ids): a match that ends earlier is plain text.
+        self._min_tokens = min_tokens
+        self._num_added = 0
         self._skip_special_tokens = skip_special_tokens
         table_of = getattr(tokenizer, "token_byte_table", None)
         self._byte_table = table_of(skip_special_tokens) if table_of is not None else None
@@ -89,6 +93,7 @@ class IncrementalDetokenizer:
         if self._stopped:
             return _STOPPED
         self._ids.append(int(token_id))
+        self._num_added += 1
         delta = self._decode_new_text(final=False)
         if not delta:
             return _NOTHING
@@ -98,7 +103,8 @@ class IncrementalDetokenizer:
             return DetokenizerStep(delta)
         search_from = max(self._emitted, len(self._text) - self._max_stop_len + 1)
         self._text += delta
-        hits = [i for i in (self._text.find(s, search_from) for s in self._stop) if i >= 0]
+        hits = [i for i in (self._text.find(s, search_from) for s in self._stop) if i >= 0] \
+            if self._num_added > self._min_tokens else []
         if hits:
             end = min(hits)
             piece = self._text[self._emitted:end]
@@ -117,6 +123,7 @@ class IncrementalDetokenizer:
             raise ValueError("add_many is for detokenizers without stop strings")
         if not token_ids:
             return ""
+        self._num_added += len(token_ids)
         if self._utf8 is not None:
             table, size = self._byte_table, len(self._byte_table)
             data = b"".join(table[t] if 0 <= t < size else b"" for t in token_ids)

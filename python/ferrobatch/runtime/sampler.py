@@ -41,6 +41,8 @@ class RequestExtras:
     logprobs: int | None = None  # top-N alternatives; 0 = sampled token only
     prompt_logprobs: int | None = None   # the same for the prompt's tokens (EngineCore)
     guides: list[Any] | None = None      # per seq_index: a `GuidedSequence` (guided decoding)
+    min_tokens: int = 0                  # below it, `stop_token_ids` are masked (as EOS is)
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -148,6 +150,20 @@ class Sampler:
         if rows:
             index = (torch.tensor(rows, device=self.device), torch.tensor(tokens, device=self.device))
             logits.index_put_(index, torch.tensor(values, device=self.device), accumulate=True)
+
+    def _mask_stop_token_ids(self, logits: torch.Tensor, batch, extras) -> None:
+        """Below `min_tokens` a request's stop token ids cannot be sampled, as its EOS ids
+        cannot (the scheduler only ends a sequence on them from token min_tokens + 1 on)."""
+        rows, tokens = [], []
+        out_lens = batch.sample_output_lens
+        for row, req_id in enumerate(batch.sample_req_ids):
+            ext = extras.get(int(req_id))
+            if ext is not None and ext.stop_token_ids and out_lens[row] < ext.min_tokens:
+                rows.extend([row] * len(ext.stop_token_ids))
+                tokens.extend(ext.stop_token_ids)
+        if rows:
+            logits[torch.tensor(rows, device=self.device),
+                   torch.tensor(tokens, device=self.device)] = float("-inf")
 
     def _apply_guides(self, logits: torch.Tensor, batch, extras) -> None:
         """Keeps, in each guided row, only the logits of the tokens its grammar allows next.
@@ -260,8 +276,10 @@ class Sampler:
         has_bias = any(e.logit_bias for e in extras.values())
         has_guides = any(e.guides for e in extras.values())
         suppress = np.asarray(batch.suppress_eos).astype(bool)
+        has_stop_masks = any(e.min_tokens and e.stop_token_ids for e in extras.values())
         all_greedy = bool(np.all(temperature <= 0.0))
-        if all_greedy and not (has_penalties or has_bias or has_guides or suppress.any()):
+        if all_greedy and not (has_penalties or has_bias or has_guides or suppress.any()
+                               or has_stop_masks):
             tokens = argmax_rows(raw_logits)
         else:
             logits = raw_logits.clone()
@@ -272,6 +290,8 @@ class Sampler:
             if suppress.any() and self.eos_token_ids.numel():
                 rows = torch.from_numpy(np.flatnonzero(suppress)).to(self.device)
                 logits[rows[:, None], self.eos_token_ids[None, :]] = float("-inf")
+            if has_stop_masks:
+                self._mask_stop_token_ids(logits, batch, extras)
             if has_guides:
                 self._apply_guides(logits, batch, extras)
             tokens = argmax_rows(logits)
