@@ -119,11 +119,14 @@ async def test_chat_role_chunk_waits_for_the_first_token(fake_server):
 
 
 async def test_a_body_that_is_not_the_gzip_it_claims_is_a_400(fake_server):
-    status, _, text = await post(fake_server, "/v1/completions", None, raw=b"xx",
-                                 headers={"Content-Encoding": "gzip",
-                                          "Content-Type": "application/json"})
+    status, headers, text = await post(fake_server, "/v1/completions", None, raw=b"xx",
+                                       headers={"Content-Encoding": "gzip",
+                                                "Content-Type": "application/json"})
     assert status == 400, text
-    assert "could not be read" in json.loads(text)["error"]["message"]
+    assert "could not be decoded" in json.loads(text)["error"]["message"]
+    assert headers.get("Connection") == "close"     # nothing more can be read on it
+    status, _, _ = await post(fake_server, "/v1/completions", {"prompt": "ab", "max_tokens": 2})
+    assert status == 200
 
 
 async def test_chat_stream_shape(fake_server):

@@ -40,8 +40,11 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
 def exception_response(exc: BaseException) -> web.Response:
     status, kind = error_status(exc)
     message = str(exc) if status < 500 or status == 503 else "internal server error"
-    return error_response(status, message, kind, getattr(exc, "param", None),
+    resp = error_response(status, message, kind, getattr(exc, "param", None),
                           retry_after=getattr(exc, "retry_after_s", None) if status == 429 else None)
+    if getattr(exc, "close_connection", False):
+        resp.force_close()              # Connection: close
+    return resp
 
 
 async def read_json(request: web.Request) -> Any:
@@ -50,8 +53,16 @@ async def read_json(request: web.Request) -> Any:
     except web.HTTPRequestEntityTooLarge:
         raise ProtocolError(f"request body exceeds {MAX_BODY_BYTES} bytes",
                             code=413) from None
-    except web.RequestPayloadError as exc:     # e.g. a body that is not the gzip it claims
-        raise ProtocolError(f"the request body could not be read: {exc}") from None
+    except web.RequestPayloadError:       # e.g. a body that is not the gzip it claims
+        # Nothing more can be read; marked ended, or aiohttp would read the rest after the
+        # response, meet the same error, and log it as unhandled.
+        # The connection cannot carry another request after a broken body: closed after the
+        # answer.
+        request.content.feed_eof()
+        exc = ProtocolError("the request body could not be decoded (is it in the "
+                            "Content-Encoding it claims?)")
+        exc.close_connection = True
+        raise exc from None
     return loads_json(raw)
 
 
