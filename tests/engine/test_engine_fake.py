@@ -72,9 +72,23 @@ async def test_eos_ignore_eos_and_stop_token_ids(fake_engine):
     assert c.finish_reason == "stop" and c.text == "ab" and c.token_ids[-1] == EOS
     outs = await run(fake_engine, "ab" + chr(EOS) + "cd", max_tokens=6, ignore_eos=True)
     assert outs[-1].outputs[0].finish_reason == "length"
-    outs = await run(fake_engine, "abcd", max_tokens=10, stop_token_ids=[ord("c")])
-    c = outs[-1].outputs[0]
-    assert c.finish_reason == "stop" and c.stop_reason == ord("c")
+    # a stop token id stays in token_ids, but its text is left out unless
+    # include_stop_str_in_output (as vLLM), in every output kind
+    for kind in ("cumulative", "delta", "final"):
+        outs = await run(fake_engine, "abcd", max_tokens=10, stop_token_ids=[ord("c")],
+                         output_kind=kind)
+        text = "".join(o.outputs[0].text for o in outs) if kind == "delta" \
+            else outs[-1].outputs[0].text
+        c = outs[-1].outputs[0]
+        assert c.finish_reason == "stop" and c.stop_reason == ord("c")
+        assert text == "ab", kind
+        assert (c.token_ids if kind != "delta" else
+                [t for o in outs for t in o.outputs[0].token_ids])[-1] == ord("c")
+        outs = await run(fake_engine, "abcd", max_tokens=10, stop_token_ids=[ord("c")],
+                         include_stop_str_in_output=True, output_kind=kind)
+        text = "".join(o.outputs[0].text for o in outs) if kind == "delta" \
+            else outs[-1].outputs[0].text
+        assert text == "abc", kind
 
 
 async def test_abort_frees_and_reports(fake_engine):

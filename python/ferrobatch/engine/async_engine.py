@@ -28,7 +28,7 @@ from ferrobatch.engine.inputs import (
     normalize_messages,
 )
 from ferrobatch.engine.observer import EngineObserver
-from ferrobatch.engine.request_state import LogprobMismatch, RequestState
+from ferrobatch.engine.request_state import FINISH_STOP, LogprobMismatch, RequestState
 from ferrobatch.engine.step_loop import StepLoop
 from ferrobatch.model.tokenizer import LONG_TEXT_CHARS
 from ferrobatch.outputs import RequestOutput
@@ -423,7 +423,7 @@ class AsyncEngine:
                     taken[(rid, si)] = k + 1
                     rows = logprobs[(rid, si)]
                     entry = rows[k] if k < len(rows) else None
-                self._add_token(st, si, tok, entry)
+                self._add_token(st, si, tok, entry, stop_token=code == FINISH_STOP)
             if code:
                 st.terminal_event(si, code, r.error_messages.get(rid))
         for rid, st in touched.items():
@@ -443,9 +443,10 @@ class AsyncEngine:
             for o in self._observers:
                 o.on_step_tokens(num_tokens, itls)
 
-    def _add_token(self, st: RequestState, si: int, tok: int, logprob: Any = None) -> None:
+    def _add_token(self, st: RequestState, si: int, tok: int, logprob: Any = None,
+                   stop_token: bool = False) -> None:
         try:
-            stopped = st.add_token(si, tok, logprob)
+            stopped = st.add_token(si, tok, logprob, stop_token)
         except Exception as exc:  # noqa: BLE001 - a detokenizer failure fails this request only
             what = "output processing" if isinstance(exc, LogprobMismatch) else "detokenization"
             st.finish_seq_locally(si, "error", f"{what} failed: {exc}")

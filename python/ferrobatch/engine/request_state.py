@@ -27,6 +27,7 @@ from ferrobatch.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from ferrobatch.sampling_params import SamplingParams
 
 FINISH_NAMES = {1: "stop", 2: "length", 3: "abort", 4: "error"}
+FINISH_STOP = 1       # the scheduler's finish code for EOS / a stop token id (and stop aborts)
 
 
 class LogprobMismatch(RuntimeError):
@@ -114,9 +115,12 @@ class RequestState:
 
     # -- events from the step hand-off ---------------------------------------------------------
 
-    def add_token(self, seq_index: int, token: int, logprob: Any = None) -> bool:
+    def add_token(self, seq_index: int, token: int, logprob: Any = None,
+                  stop_token: bool = False) -> bool:
         """Append one sampled token (and, when asked for, its ``(token, logprob, top)`` from
-        the sampler); returns True when a stop string ended the sequence."""
+        the sampler); returns True when a stop string ended the sequence. ``stop_token``: the
+        scheduler ended the sequence on this token (EOS or a stop token id); it stays in
+        ``token_ids`` but its text is left out unless ``include_stop_str_in_output`` (as vLLM)."""
         seq = self.seqs[seq_index]
         if seq.finish_reason is not None:
             return False                  # locally finished: the abort is on its way
@@ -126,9 +130,15 @@ class RequestState:
                                       f"logprobs ({logprob!r})")
             seq.logprobs.append(TokenLogprob(token, logprob[1], logprob[2]))
             seq.cumulative_logprob += logprob[1]
+        hide = stop_token and not self.params.include_stop_str_in_output
+        if hide and self.defer_text:
+            self._catch_up_text(seq)      # the tokens before it, whose text is kept
         seq.token_ids.append(token)
         self.num_generated += 1
         self.version += 1
+        if hide:
+            seq.num_detokenized = len(seq.token_ids)
+            return False
         if self.defer_text:
             return False
         step = seq.detok.add(token)
