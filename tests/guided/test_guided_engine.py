@@ -137,6 +137,20 @@ def test_grammars_are_compiled_once_per_pattern(llm):
     assert compiler.grammar("alpha|beta") is compiler.grammar("alpha|beta")
 
 
+def test_schemas_differing_only_in_property_order_get_their_own_grammar(llm):
+    """The property order is the output's key order (users put "reasoning" before "answer" on
+    purpose): the grammar cache must not treat two orders as one schema."""
+    compiler = llm.engine._core.guided
+    props = {"answer": {"type": "integer"}, "reasoning": {"type": "string"}}
+    a = {"type": "object", "properties": props, "required": ["answer", "reasoning"]}
+    b = {**a, "properties": dict(reversed(list(props.items())))}
+    ga = compiler.grammar_for(SamplingParams(guided_json=a))
+    gb = compiler.grammar_for(SamplingParams(guided_json=b))
+    assert ga is not gb
+    assert gb.matches('{"reasoning": "x", "answer": 1}')
+    assert not gb.matches('{"answer": 1, "reasoning": "x"}')
+
+
 class _Refusing:
     """Wraps a GuidedSequence; refuses the token after `after` accepted ones (what a masking
     bug would look like to the engine), or reports no continuation when `dead_end`."""

@@ -91,7 +91,8 @@ class GuidedCompiler:
         if params.guided_regex is not None:
             return self.grammar(params.guided_regex)
         try:
-            key = json.dumps([params.guided_json, params.guided_choice], sort_keys=True)
+            # not sort_keys: a schema's property order is its output's key order
+            key = json.dumps([params.guided_json, params.guided_choice])
         except (TypeError, ValueError):         # not JSON data: the converter says why
             return self.grammar(pattern_for(params))
         with self._lock:
