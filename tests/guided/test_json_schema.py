@@ -561,3 +561,20 @@ def test_false_optional_property_is_left_out():
     regex = build({"type": "object", "properties": {"a": {"type": "integer"}, "b": False}})
     assert_accepts(regex, [{}, {"a": 1}])
     assert_rejects(regex, [{"b": 1}, {"a": 1, "b": 2}])
+
+
+def test_enum_and_const_are_narrowed_by_their_sibling_keywords():
+    """A listed value the schema's `type` (or a sibling const/enum) refuses is never produced;
+    when nothing is left the schema is refused, not silently widened."""
+    regex = build({"type": "string", "enum": ["a", 1, None]})
+    assert matches(regex, '"a"') and not matches(regex, "1") and not matches(regex, "null")
+    regex = build({"type": ["integer", "null"], "enum": [1, 2.0, 2.5, "x", None, True]})
+    assert all(matches(regex, t) for t in ("1", "2.0", "null"))
+    assert not any(matches(regex, t) for t in ("2.5", '"x"', "true"))
+    regex = build({"enum": [1, 2, True], "const": 2})
+    assert matches(regex, "2") and not matches(regex, "1")
+    assert matches(build({"enum": [True, 1], "const": True}), "true")
+    for schema in ({"const": "x", "type": "integer"}, {"enum": [1], "const": 2},
+                   {"enum": [True], "const": 1}):
+        with pytest.raises(GuidedSchemaError, match="no value satisfies"):
+            schema_to_regex(schema)

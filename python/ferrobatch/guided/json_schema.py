@@ -134,6 +134,26 @@ def _json_literal(value: Any, path: str) -> str:
     return escape_literal(text)
 
 
+def _is_json_type(value: Any, name: str) -> bool:
+    """Whether a JSON value (as json.loads gives it) is of a JSON Schema type."""
+    if name == "integer":
+        return (isinstance(value, int) and not isinstance(value, bool)) or \
+            (isinstance(value, float) and value.is_integer())
+    if name == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    kinds = {"string": str, "boolean": bool, "array": list, "object": dict}
+    if name == "null":
+        return value is None
+    return name in kinds and isinstance(value, kinds[name])
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """JSON equality (true is not 1, 1 is 1.0)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    return a == b
+
+
 def _count(schema: dict, key: str, path: str, cap: int) -> int | None:
     """A non-negative integer keyword (None if absent); above `cap` it is unsupported."""
     value = schema.get(key)
@@ -261,17 +281,32 @@ class _Builder:
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 return self._any_of(schema[key], _child(path, key), level)
-        if "const" in schema:
-            return _json_literal(schema["const"], _child(path, "const"))
-        if "enum" in schema:
-            values = schema["enum"]
-            if not isinstance(values, list) or not values:
-                raise GuidedSchemaError(f"'enum' must be a non-empty array at {path}")
-            return alternation([_json_literal(v, _child(path, "enum")) for v in values])
+        if "const" in schema or "enum" in schema:
+            return self._literals(schema, path)
         types = self._types(schema, path)
         if types is None:
             return self.generic(self.max_depth)
         return alternation([self._typed(t, schema, path, level) for t in types])
+
+    def _literals(self, schema: dict, path: str) -> str:
+        """`const` / `enum`: the listed values, narrowed by each other and by a sibling `type`
+        (a value the schema's other keywords refuse is never produced)."""
+        if "enum" in schema:
+            values = schema["enum"]
+            if not isinstance(values, list) or not values:
+                raise GuidedSchemaError(f"'enum' must be a non-empty array at {path}")
+        else:
+            values = [schema["const"]]
+        where = _child(path, "enum" if "enum" in schema else "const")
+        if "const" in schema and "enum" in schema:
+            values = [v for v in values if _same_json(v, schema["const"])]
+        if "type" in schema:
+            types = self._types(schema, path) or []
+            values = [v for v in values if any(_is_json_type(v, t) for t in types)]
+        if not values:
+            raise GuidedSchemaError(f"no value satisfies 'enum'/'const' together with the other "
+                                    f"keywords at {path}")
+        return alternation([_json_literal(v, where) for v in values])
 
     def _types(self, schema: dict, path: str) -> list[str] | None:
         """The value types allowed (None: any value, no type-specific keyword either)."""
