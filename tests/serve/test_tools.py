@@ -55,6 +55,29 @@ def test_tool_arguments_are_always_an_object():
         assert regex.fullmatch("{}" if not params else '{"q": "x"}')
 
 
+def test_tools_with_defs_and_root_refs(tmp_path):
+    """pydantic's nested models give `$defs` + `$ref`: both tool_choice modes accept them. In
+    "required" mode each tool's `$defs` move to the new root's and its refs follow (two tools
+    may even use the same def name for different things)."""
+    addr = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    ship = {"type": "function", "function": {"name": "ship", "parameters": {
+        "type": "object", "$defs": {"Addr": addr},
+        "properties": {"to": {"$ref": "#/$defs/Addr"}}, "required": ["to"]}}}
+    tag = {"type": "function", "function": {"name": "tag", "parameters": {
+        "$ref": "#/definitions/Addr", "definitions": {"Addr": {
+            "type": "object", "properties": {"label": {"enum": ["x", "y"]}},
+            "required": ["label"]}}}}}
+    req = chat(tools=[ship, tag], tool_choice="required")
+    regex = re.compile(schema_to_regex(req.params.guided_json))
+    assert regex.fullmatch('[{"name": "ship", "parameters": {"to": {"city": "Oslo"}}}, '
+                           '{"name": "tag", "parameters": {"label": "x"}}]')
+    assert not regex.fullmatch('[{"name": "ship", "parameters": {"to": {"label": "x"}}}]')
+    assert not regex.fullmatch('[{"name": "tag", "parameters": {"city": "Oslo"}}]')
+    req = chat(tools=[ship, tag], tool_choice={"type": "function", "function": {"name": "tag"}})
+    regex = re.compile(schema_to_regex(req.params.guided_json))
+    assert regex.fullmatch('{"label": "y"}') and not regex.fullmatch('"x"')
+
+
 def test_required_tool_choice_is_an_array_of_listed_calls():
     req = chat(tools=[WEATHER, CLOCK], tool_choice="required")
     assert req.tools.mode == "required"

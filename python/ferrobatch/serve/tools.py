@@ -33,6 +33,9 @@ class ToolPlan:
     schema: dict[str, Any]          # what the output is guided by (SamplingParams.guided_json)
 
 
+_ROOT_COMBINATORS = frozenset({"$ref", "allOf", "anyOf", "oneOf"})
+
+
 def _tool_list(tools: Any) -> dict[str, dict[str, Any]]:
     """name -> parameters schema, checking the OpenAI `tools` shape."""
     if not isinstance(tools, list) or not tools:
@@ -61,8 +64,39 @@ def _tool_list(tools: Any) -> dict[str, dict[str, Any]]:
         if params.get("type", "object") != "object":
             raise ProtocolError(f"tools[{i}].function.parameters must be a JSON Schema of type "
                                 "'object'", param="tools")
-        out[name] = {**params, "type": "object"}
+        if not _ROOT_COMBINATORS & params.keys():    # a root $ref / anyOf says what it is
+            params = {**params, "type": "object"}
+        out[name] = params
     return out
+
+
+def _rebase_refs(schema: Any, tool: str, defs: dict[str, Any]) -> Any:
+    """`schema` (a tool's parameters) to sit at `#/$defs/<tool>` of a new root: its `$defs` /
+    `definitions` go to `#/$defs/<tool>.<name>` and every "#..." `$ref` follows."""
+
+    def ref(target: str) -> str:
+        for prefix in ("#/$defs/", "#/definitions/"):
+            if target.startswith(prefix):
+                return f"#/$defs/{tool}.{target[len(prefix):]}"
+        return f"#/$defs/{tool}" + target[1:] if target.startswith("#") else target
+
+    def walk(node: Any, top: bool) -> Any:
+        if isinstance(node, list):
+            return [walk(x, False) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if top and key in ("$defs", "definitions") and isinstance(value, dict):
+                for def_name, sub in value.items():
+                    defs[f"{tool}.{def_name}"] = walk(sub, False)
+            elif key == "$ref" and isinstance(value, str):
+                out[key] = ref(value)
+            else:
+                out[key] = walk(value, False)
+        return out
+
+    return walk(schema, True)
 
 
 def parse_tools(body: dict[str, Any]) -> ToolPlan | None:
@@ -84,10 +118,16 @@ def parse_tools(body: dict[str, Any]) -> ToolPlan | None:
                             "'function': {'name': ...}} (the call is then guaranteed "
                             "well-formed), or 'none'", param="tool_choice")
     if choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": name},
-                                                    "parameters": params},
-                  "required": ["name", "parameters"]} for name, params in listed.items()]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        # each tool's schema moves under the new root's $defs, its own $defs beside it, and
+        # its "#..." references are rewritten to match (pydantic's nested models use them)
+        defs: dict[str, Any] = {}
+        calls = []
+        for name, params in listed.items():
+            defs[name] = _rebase_refs(params, name, defs)
+            calls.append({"type": "object", "properties": {
+                "name": {"const": name}, "parameters": {"$ref": f"#/$defs/{name}"}},
+                "required": ["name", "parameters"]})
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
         return ToolPlan("required", tuple(listed), schema)
     fn = choice.get("function") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" \
