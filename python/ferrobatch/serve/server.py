@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from aiohttp import web
+from aiohttp import WSCloseCode, web
 
 from ferrobatch.serve.cors import install_cors
 from ferrobatch.serve.http import add_routes
@@ -85,6 +85,11 @@ class Server:
             self._tcp.stop_listening()
         for session in list(self.state.sessions):
             await session.close()
+        # An idle WebSocket would otherwise hold its handler (and the shutdown) until aiohttp's
+        # own timeout: tell each client the server is going away (close code 1001).
+        await asyncio.gather(*(ws.close(code=WSCloseCode.GOING_AWAY,
+                                        message=b"server shutting down")
+                               for ws in list(self.state.websockets)), return_exceptions=True)
         if self._tcp is not None:
             await self._tcp.stop()
         if self._runner is not None:

@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from ferrobatch.sampling_params import MAX_LOGPROBS
-from ferrobatch.serve.codec import MAX_ARRAY_LEN, MAX_FRAME_BYTES
+from ferrobatch.serve.codec import MAX_ARRAY_LEN, MAX_FRAME_BYTES, MAX_MAP_LEN
 
 MAX_BODY_BYTES = 1 << 20          # HTTP request bodies
 
@@ -23,6 +23,7 @@ class ServerState:
     served_model_name: str | None = None
     allowed_origins: frozenset[str] = frozenset()    # CORS (serve/cors.py); empty: off
     sessions: set = field(default_factory=set)
+    websockets: set = field(default_factory=set)     # open WebSocketResponses (closed on stop)
     created: int = field(default_factory=lambda: int(time.time()))
     ready_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     draining: bool = False        # shutting down: in-flight work finishes, new work gets 503
@@ -43,6 +44,7 @@ class ServerState:
     def limits(self) -> dict[str, Any]:
         cfg = self.engine.config
         return {"max_frame_bytes": MAX_FRAME_BYTES, "max_prompt_tokens": MAX_ARRAY_LEN,
+                "max_map_entries": MAX_MAP_LEN,
                 "max_model_len": self.engine.max_model_len, "max_n": cfg.max_n,
                 "max_stop_strings": cfg.max_stop_strings, "max_logprobs": MAX_LOGPROBS}
 

@@ -38,6 +38,7 @@ async def ws_handler(request: web.Request) -> web.StreamResponse:
     session = Session(state.engine, send, limits=state.limits,
                       draining=lambda: state.draining, model_name=state.model_name)
     state.sessions.add(session)
+    state.websockets.add(ws)
     try:
         async for msg in ws:
             if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
@@ -53,6 +54,7 @@ async def ws_handler(request: web.Request) -> web.StreamResponse:
         pass
     finally:
         state.sessions.discard(session)
+        state.websockets.discard(ws)
         await session.close()
         if not ws.closed:
             await ws.close()
