@@ -16,7 +16,7 @@ from ferrobatch.serve.protocol import ProtocolError
 
 MAX_FRAME_BYTES = 1 << 20          # 1 MiB: a long prompt as text or token ids fits easily
 MAX_ARRAY_LEN = 1 << 16            # token ids in a prompt (max_model_len is far below this)
-MAX_MAP_LEN = 64
+MAX_MAP_LEN = 4096                 # map entries: logit_bias (<= 300 by default), JSON Schemas
 MAX_STR_LEN = MAX_FRAME_BYTES
 
 
