@@ -9,7 +9,10 @@
         result = await c.complete(messages=[{"role": "user", "content": "Hi"}], max_tokens=16)
 
 Many generations can run at once on one connection; each `generate` yields that request's
-messages (`delta`..., then one of `done`, `cancelled`, `error`). Leaving the loop early cancels it.
+messages (`delta`..., then one of `done`, `cancelled`, `error`). Closing the generator early
+cancels the request: at once with `contextlib.aclosing(c.generate(...))` or `await g.aclose()`,
+else when Python finalizes it (a plain `break` out of `async for` waits for that). Its id stays
+reserved until the server confirms the cancel.
 """
 
 from __future__ import annotations
@@ -24,17 +27,31 @@ from typing import Any
 import msgpack
 
 TERMINAL = ("done", "cancelled", "error")
-MAX_FRAME_BYTES = 1 << 20
+MAX_FRAME_BYTES = 1 << 20          # the server's limits (its hello reports them)
+MAX_PROMPT_TOKENS = 1 << 16
+MAX_UNROUTED = 256                 # id-less errors kept in `unrouted` (the oldest are dropped)
 _LEN = struct.Struct(">I")
+
+
+def _frame_body(body: Any) -> Any:
+    """A frame to send; ValueError when the server would refuse it unread (its error could
+    not say which request it was)."""
+    size = len(body.encode()) if isinstance(body, str) else len(body)
+    if size > MAX_FRAME_BYTES:
+        raise ValueError(f"the message is {size} bytes; the server reads frames of at most "
+                         f"{MAX_FRAME_BYTES}")
+    return body
 
 
 class _Multiplexer:
     def __init__(self) -> None:
-        self._queues: dict[Any, asyncio.Queue] = {}
+        # id -> its queue, or None while a cancelled request's last messages are on their way
+        # (they are dropped; the id is free again at the terminal one)
+        self._queues: dict[Any, asyncio.Queue | None] = {}
         self._ids = itertools.count(1)
         self._reader: asyncio.Task | None = None
         self._closed = False
-        self.unrouted: asyncio.Queue = asyncio.Queue()   # errors with no (known) id
+        self.unrouted: asyncio.Queue = asyncio.Queue(MAX_UNROUTED)   # errors with no id
 
     async def _send(self, msg: dict[str, Any]) -> None:
         raise NotImplementedError
@@ -51,15 +68,27 @@ class _Multiplexer:
                 msg = await self._recv()
                 if msg is None:
                     break
-                q = self._queues.get(msg.get("id")) if isinstance(msg, dict) else None
-                (q or self.unrouted).put_nowait(msg)
+                if not isinstance(msg, dict):
+                    continue
+                rid = msg.get("id")
+                if rid is not None and rid in self._queues:
+                    q = self._queues[rid]
+                    if q is not None:
+                        q.put_nowait(msg)
+                    elif msg.get("type") in TERMINAL:
+                        del self._queues[rid]       # the cancelled request is over
+                elif rid is None:                   # e.g. a frame the server could not read
+                    if self.unrouted.full():
+                        self.unrouted.get_nowait()
+                    self.unrouted.put_nowait(msg)
         except (ConnectionError, asyncio.IncompleteReadError, OSError):
             pass
         finally:
             self._closed = True
             for rid, q in list(self._queues.items()):
-                q.put_nowait({"type": "error", "id": rid, "code": 0,
-                              "message": "connection closed"})
+                if q is not None:
+                    q.put_nowait({"type": "error", "id": rid, "code": 0,
+                                  "message": "connection closed"})
 
     async def generate(self, prompt: str | list[int] | None = None, *,
                        messages: list[dict[str, Any]] | None = None, id: Any = None,
@@ -69,7 +98,11 @@ class _Multiplexer:
             raise ConnectionError("connection closed")
         rid = id if id is not None else f"c{next(self._ids)}"
         if rid in self._queues:
-            raise ValueError(f"id {rid!r} is already in use")
+            raise ValueError(f"id {rid!r} is already in use (a cancelled request keeps it "
+                             "until the server confirms)")
+        if isinstance(prompt, (list, tuple)) and len(prompt) > MAX_PROMPT_TOKENS:
+            raise ValueError(f"the prompt has {len(prompt)} token ids; the server reads at "
+                             f"most {MAX_PROMPT_TOKENS}")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
         msg: dict[str, Any] = {"type": "generate", "id": rid, "params": params}
@@ -77,9 +110,10 @@ class _Multiplexer:
             msg["messages"] = messages
         else:
             msg["prompt"] = prompt
-        finished = False
+        finished = sent = False
         try:
             await self._send(msg)
+            sent = True
             while True:
                 m = await q.get()
                 finished = m.get("type") in TERMINAL
@@ -87,12 +121,14 @@ class _Multiplexer:
                 if finished:
                     return
         finally:
-            if not finished and not self._closed:
+            if finished or not sent or self._closed:
+                self._queues.pop(rid, None)
+            else:
+                self._queues[rid] = None            # reserved until the server's terminal
                 try:
                     await self._send({"type": "cancel", "id": rid})
                 except (ConnectionError, OSError):
-                    pass
-            self._queues.pop(rid, None)
+                    self._queues.pop(rid, None)
 
     async def complete(self, prompt: str | list[int] | None = None, **kw: Any) -> dict[str, Any]:
         """Run one generation to the end: {text, token_ids, finish_reason, usage} (sequence 0)
@@ -169,9 +205,9 @@ class WSClient(_Multiplexer):
 
     async def _send(self, msg: dict[str, Any]) -> None:
         if self._binary:
-            await self._ws.send_bytes(msgpack.packb(msg, use_bin_type=True))
+            await self._ws.send_bytes(_frame_body(msgpack.packb(msg, use_bin_type=True)))
         else:
-            await self._ws.send_str(json.dumps(msg))
+            await self._ws.send_str(_frame_body(json.dumps(msg)))
 
     async def _recv(self) -> dict[str, Any] | None:
         import aiohttp
@@ -216,7 +252,7 @@ class TCPClient(_Multiplexer):
         return client
 
     async def _send(self, msg: dict[str, Any]) -> None:
-        body = msgpack.packb(msg, use_bin_type=True)
+        body = _frame_body(msgpack.packb(msg, use_bin_type=True))
         self._w.write(_LEN.pack(len(body)) + body)
         await self._w.drain()
 

@@ -219,3 +219,69 @@ async def test_hello_reports_the_served_model_name(fake_server):
         assert (await ws.receive_json())["model"] == "my-model"
         async with s.get(fake_server.base + "/v1/models") as resp:
             assert (await resp.json())["data"][0]["id"] == "my-model"
+
+
+@pytest.mark.parametrize("door", DOORS)
+async def test_a_closed_generator_keeps_its_id_until_the_cancel_is_confirmed(fake_server, door):
+    """Closing a generator early sends a cancel; the id stays reserved (the server still holds
+    it) and the request's trailing messages are dropped, not left in `unrouted`."""
+    async with await clients(fake_server, door) as c:
+        g = c.generate("abc", id="r", max_tokens=250)
+        await g.__anext__()
+        await g.aclose()
+        with pytest.raises(ValueError, match="already in use"):
+            await c.generate("abc", id="r", max_tokens=2).__anext__()
+        for _ in range(500):
+            if "r" not in c._queues:
+                break
+            await asyncio.sleep(0.01)
+        res = await c.complete("abc", id="r", max_tokens=2)
+        assert res["text"] == "ab" and c.unrouted.empty()
+    await fake_server.engine.check_idle_clean()
+
+
+@pytest.mark.parametrize("door", ["ws-msgpack", "tcp"])
+async def test_msgpack_doors_take_a_full_logit_bias(fake_server, door):
+    """The msgpack decoder's map limit is above the engine's logit_bias limit (300 entries):
+    the request is judged by the engine's rules, as on the JSON doors."""
+    async with await clients(fake_server, door) as c:
+        res = await c.complete("abc", max_tokens=2, logit_bias={str(t): 0.0 for t in range(300)})
+        assert res["finish_reason"] == "length"
+        with pytest.raises(RuntimeError, match="logit_bias"):
+            await c.complete("abc", max_tokens=2, logit_bias={str(t): 0.0 for t in range(400)})
+
+
+@pytest.mark.parametrize("door", DOORS)
+async def test_the_client_refuses_what_the_server_could_not_read(fake_server, door):
+    """A frame the server would refuse unread gets an error without the request's id, which no
+    generator could receive: the client refuses it at once instead of waiting forever."""
+    async with await clients(fake_server, door) as c:
+        with pytest.raises(ValueError, match="token ids"):
+            await c.generate([1] * 70000, max_tokens=2).__anext__()
+        with pytest.raises(ValueError, match="bytes"):
+            await c.generate("x" * (1 << 20), max_tokens=2).__anext__()
+        assert (await c.complete("abc", max_tokens=1))["text"] == "a"
+
+
+async def test_stopping_the_server_closes_idle_websockets_at_once():
+    """An idle WebSocket gets close code 1001 when the server stops, instead of holding the
+    shutdown until aiohttp's own timeout (~30 s)."""
+    import time
+
+    from fake_core import FakeCore
+    from serve_support import start_server
+
+    from ferrobatch.config import EngineConfig
+    from ferrobatch.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(EngineConfig(model="fake"), core=FakeCore())
+    r = await start_server(engine)
+    async with aiohttp.ClientSession() as s:
+        async with s.ws_connect(r.ws_url) as ws:
+            t0 = time.monotonic()
+            stop = asyncio.create_task(r.server.stop())
+            msg = await asyncio.wait_for(ws.receive(), 10)
+            assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == 1001
+            await asyncio.wait_for(stop, 10)
+            assert time.monotonic() - t0 < 5
+    await engine.shutdown()
