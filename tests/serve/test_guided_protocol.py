@@ -183,3 +183,17 @@ def test_generate_message_checks_guided_fields_and_knows_no_response_format():
     assert info.value.param == "guided_json"
     with pytest.raises(ProtocolError, match="unknown sampling field"):
         generate({"response_format": {"type": "json_object"}})   # an HTTP-only (OpenAI) field
+
+
+@pytest.mark.parametrize("msg, match", [
+    ({"type": "hello", "version": True}, "version"),            # true == 1 in Python
+    ({"type": "hello", "version": 1.0}, "version"),
+    ({"type": "generate", "id": "r", "prompt": "hi", "params": []}, "params"),
+    ({"type": "generate", "id": "r", "prompt": "hi", "params": 0}, "params"),
+    ({"type": "generate", "id": "r", "prompt": "hi", "params": ""}, "params"),
+    ({"type": "generate", "id": "r", "prompt": "hi", "params": False}, "params"),
+])
+def test_message_fields_of_the_wrong_type_are_refused(msg, match):
+    with pytest.raises(ProtocolError, match=match):
+        parse_message(msg)
+    assert parse_message({"type": "generate", "id": "r", "prompt": "hi", "params": None})

@@ -139,7 +139,7 @@ def parse_message(msg: Any) -> tuple[str, Any]:
     kind = msg.get("type")
     if kind == "hello":
         version = msg.get("version")
-        if version != PROTOCOL_VERSION:
+        if not _is_int(version) or version != PROTOCOL_VERSION:      # true == 1 in Python
             raise ProtocolError(f"unsupported protocol version {version!r}; this server speaks "
                                 f"version {PROTOCOL_VERSION}")
         key = msg.get("api_key")
@@ -157,7 +157,8 @@ def parse_message(msg: Any) -> tuple[str, Any]:
             raise ProtocolError("'generate' needs exactly one of 'prompt' or 'messages'")
         if prompt is not None and not isinstance(prompt, (str, list)):
             raise ProtocolError("'prompt' must be a string or a list of token ids")
-        params = msg.get("params") or {}
+        params = msg.get("params")
+        params = {} if params is None else params
         if not isinstance(params, dict):
             raise ProtocolError("'params' must be a map of sampling fields")
         unknown = sorted(str(k) for k in params if k not in SAMPLING_FIELDS)
