@@ -326,3 +326,36 @@ async def test_engine_death_marks_not_ready(fake_server):
                 assert resp.status == 503
     got, _, text = await post(fake_server, "/v1/completions", {"prompt": "abc"})
     assert got == 503
+
+
+async def test_stop_ends_streams_still_running_after_the_drain_timeout():
+    """Past `drain_timeout_s` the server aborts what still runs: the stream ends with a final
+    chunk and [DONE] at once, and stop() returns, instead of generating on for minutes."""
+    from fake_core import FakeCore
+    from serve_support import start_server
+
+    from ferrobatch.config import EngineConfig
+    from ferrobatch.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(EngineConfig(model="fake"), core=FakeCore(step_delay_s=0.05))
+    r = await start_server(engine)
+    events = []
+    async with aiohttp.ClientSession() as s:
+        async with s.post(r.base + "/v1/completions", json={
+                "prompt": "ab", "max_tokens": 200, "ignore_eos": True, "stream": True}) as resp:
+            stop = None
+            async for line in resp.content:
+                if line.startswith(b"data: "):
+                    events.append(line[6:].strip())
+                    if stop is None:
+                        t0 = time.monotonic()
+                        stop = asyncio.create_task(r.server.stop(drain_timeout_s=0.3))
+            await asyncio.wait_for(stop, 15)
+            took = time.monotonic() - t0
+    await engine.shutdown()
+    assert events[-1] == b"[DONE]"
+    final = json.loads(events[-2])["choices"][0]
+    assert final["finish_reason"] is not None
+    texts = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert 0 < len(texts) < 200
+    assert took < 8, f"stop took {took:.1f} s"

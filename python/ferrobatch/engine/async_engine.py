@@ -140,8 +140,7 @@ class AsyncEngine:
                 await asyncio.wait_for(self.wait_idle(), drain_timeout_s)
             except asyncio.TimeoutError:
                 pass
-        for st in list(self._requests.values()):
-            self._abort_state(st, "abort")
+        self.abort_all()
         if self._requests and self._dead is None:
             try:
                 await asyncio.wait_for(self.wait_idle(), 10.0)
@@ -349,6 +348,14 @@ class AsyncEngine:
             return False
         self._abort_state(self._requests[req_id], "abort")
         return True
+
+    def abort_all(self) -> int:
+        """Abort every in-flight request (each stream ends with finish reason "abort"); returns
+        how many there were."""
+        states = list(self._requests.values())
+        for st in states:
+            self._abort_state(st, "abort")
+        return len(states)
 
     def _abort_state(self, st: RequestState, reason: str, seq_index: int = -1) -> None:
         if st.all_terminal or st.req_id not in self._requests:

@@ -21,6 +21,8 @@ from ferrobatch.serve.state import MAX_BODY_BYTES, STATE, ServerState
 from ferrobatch.serve.tcp import TCPServer
 from ferrobatch.serve.ws import ws_handler
 
+SHUTDOWN_TIMEOUT_S = 5.0
+
 
 def build_app(state: ServerState) -> web.Application:
     middlewares = [error_middleware]
@@ -59,7 +61,10 @@ class Server:
         await asyncio.to_thread(self.state.token_strings)
         # handler_cancellation: a client that disconnects cancels its handler, which aborts
         # its request (the streaming path also notices failed writes).
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        # shutdown_timeout: how long cleanup waits for handlers; by then every request has been
+        # aborted (stop()), so their last chunks need little (aiohttp's default is 60 s)
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
@@ -76,6 +81,13 @@ class Server:
         if drain_timeout_s > 0:
             try:
                 await asyncio.wait_for(engine.wait_idle(), drain_timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        # What is still running past the drain is aborted, so its stream ends now with a final
+        # chunk (finish reason "abort") instead of running on until the process is killed.
+        if engine.is_running and engine.abort_all():
+            try:
+                await asyncio.wait_for(engine.wait_idle(), 10.0)
             except asyncio.TimeoutError:
                 pass
         if self._runner is not None:
