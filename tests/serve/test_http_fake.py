@@ -296,8 +296,9 @@ async def test_models_health_ready_metrics(fake_server):
         async with s.get(fake_server.base + "/version") as resp:
             from ferrobatch import __version__
             assert await resp.json() == {"version": __version__}
-        async with s.get(fake_server.base + "/ready") as resp:
-            assert resp.status == 200
+        for _ in range(3):          # readiness probes run a real step but are not traffic
+            async with s.get(fake_server.base + "/ready") as resp:
+                assert resp.status == 200
         await post(fake_server, "/v1/completions", {"prompt": "abc", "max_tokens": 3})
         async with s.get(fake_server.base + "/metrics") as resp:
             assert resp.headers["Content-Type"].startswith("text/plain")
@@ -309,9 +310,11 @@ async def test_models_health_ready_metrics(fake_server):
                  "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
                  "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket"):
         assert f"ferrobatch_{name}" in text, name
-    assert 'ferrobatch_request_success_total{finished_reason="length",model_name="fake"} 2.0' \
+    assert 'ferrobatch_request_success_total{finished_reason="length",model_name="fake"} 1.0' \
         in text
-    assert 'ferrobatch_generation_tokens_total{model_name="fake"} 4.0' in text
+    assert 'ferrobatch_generation_tokens_total{model_name="fake"} 3.0' in text
+    assert 'ferrobatch_prompt_tokens_total{model_name="fake"} 3.0' in text
+    assert 'ferrobatch_time_to_first_token_seconds_count{model_name="fake"} 1.0' in text
 
 
 async def test_engine_death_marks_not_ready(fake_server):

@@ -109,6 +109,7 @@ class AsyncEngine:
         self._unscheduled: set[int] = set()
         self._ids = itertools.count(1)
         self._observers: list[EngineObserver] = []
+        self._probes: set[int] = set()     # readiness probes: not traffic, observers skip them
         self._dead: BaseException | None = None
         self._stopped = False
         self._stats: dict[str, Any] = {}
@@ -246,7 +247,8 @@ class AsyncEngine:
         return self._core.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
 
     def add_request(self, prompt: Prompt | None = None, params: SamplingParams | None = None,
-                    request_id: str | None = None, *, messages: Any = None) -> RequestStream:
+                    request_id: str | None = None, *, messages: Any = None,
+                    _probe: bool = False) -> RequestStream:
         """Validate, tokenize and submit; raises ValueError (bad input), QueueFullError or
         EngineDeadError before anything is allocated."""
         if not self.is_running:
@@ -292,6 +294,8 @@ class AsyncEngine:
         detoks = [core.new_detokenizer(ids, params) for _ in range(params.n)]
         state = RequestState(req_id, name, text, ids, params, max_tokens, detoks, time.monotonic())
         core.submit(req_id, ids, params, max_tokens, state)   # may raise QueueFullError
+        if _probe:            # (its step results reach this thread only after we return)
+            self._probes.add(req_id)
         self._requests[req_id] = state
         self._by_name[name] = req_id
         self._unscheduled.add(req_id)
@@ -387,7 +391,7 @@ class AsyncEngine:
                 self._unscheduled.discard(rid)
                 st = requests[rid]
                 st.scheduled_time = max(step_start, st.arrival_time)
-                for o in self._observers:
+                for o in self._observers if rid not in self._probes else ():
                     o.on_scheduled(st.scheduled_time - st.arrival_time,
                                    len(st.prompt_token_ids))
         reasons = getattr(r, "failure_messages", None) or {}
@@ -422,7 +426,7 @@ class AsyncEngine:
             if rid not in touched:
                 touched[rid] = st
             if tok >= 0:
-                num_tokens += 1
+                num_tokens += rid not in self._probes
                 with_tokens.add(rid)
                 entry = None
                 if logprobs and (rid, si) in logprobs:
@@ -437,9 +441,9 @@ class AsyncEngine:
             if rid in with_tokens:
                 if st.first_token_time is None:
                     st.first_token_time = now
-                    for o in self._observers:
+                    for o in self._observers if rid not in self._probes else ():
                         o.on_first_token(now - st.arrival_time)
-                elif st.last_token_time is not None:
+                elif st.last_token_time is not None and rid not in self._probes:
                     itls.append(now - st.last_token_time)
                 st.last_token_time = now
             if st.all_terminal:
@@ -476,9 +480,12 @@ class AsyncEngine:
         reason = next((x for x in ("error", "abort") if x in reasons), reasons[0])
         self.counters["released"] += 1
         self.counters[reason] += 1
-        for o in self._observers:
-            o.on_finished(reason, now - st.arrival_time, len(st.prompt_token_ids),
-                          st.num_generated)
+        if st.req_id in self._probes:
+            self._probes.discard(st.req_id)
+        else:
+            for o in self._observers:
+                o.on_finished(reason, now - st.arrival_time, len(st.prompt_token_ids),
+                              st.num_generated)
         st.event.set()
 
     def _on_fatal(self, exc: BaseException) -> None:
@@ -548,7 +555,7 @@ class AsyncEngine:
         try:
             stream = self.add_request([self._core.ready_token_id],
                                       SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
-                                                     output_kind="final"))
+                                                     output_kind="final"), _probe=True)
         except Exception:  # noqa: BLE001 - busy or dead: not ready
             return False
 
