@@ -90,6 +90,17 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         speculative_ngram_min=a.speculative_ngram[0], speculative_ngram_max=a.speculative_ngram[1])
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {port}")
+    return port
+
+
+def _port_or_off(text: str) -> int:
+    return -1 if int(text) == -1 else _port(text)
+
+
 def _origins(text: str) -> frozenset[str]:
     from ferrobatch.serve.cors import parse_origins
     try:
@@ -106,8 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve a model over HTTP (OpenAI + WebSocket) and TCP",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    s.add_argument("--port", type=int, default=8000, help="HTTP + WebSocket port")
-    s.add_argument("--tcp-port", type=int, default=8001, help="msgpack/TCP port (-1: off)")
+    s.add_argument("--port", type=_port, default=8000, help="HTTP + WebSocket port")
+    s.add_argument("--tcp-port", type=_port_or_off, default=8001,
+                   help="msgpack/TCP port (-1: off)")
     s.add_argument("--api-key", default=os.environ.get("FERROBATCH_API_KEY"),
                    help="require this key (Bearer token / TCP hello) on every route but /health; "
                         "default $FERROBATCH_API_KEY")
@@ -131,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--top-p", type=float, default=1.0)
         g.add_argument("--top-k", type=int, default=0)
         g.add_argument("--seed", type=int, default=None)
-        g.add_argument("--system", default=None, help="system prompt (chat)")
+        if name == "chat":
+            g.add_argument("--system", default=None, help="system prompt")
         o = g.add_argument_group("guided decoding (at most one)")
         o.add_argument("--json-schema", default=None, metavar="SCHEMA",
                        help="the output follows this JSON Schema (a file path or JSON text)")
@@ -214,8 +227,8 @@ def _guided(a: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"use at most one of {', '.join(given)}")
     if a.json_schema is not None:
         text = a.json_schema
-        if not text.lstrip().startswith("{") and os.path.exists(text):
-            with open(text, encoding="utf-8") as f:
+        if not text.lstrip().startswith("{"):        # a file (JSON text starts with "{")
+            with open(text, encoding="utf-8") as f:  # FileNotFoundError: a one-line error
                 text = f.read()
         return {"guided_json": text}
     if a.json:
@@ -256,7 +269,12 @@ async def _chat(a: argparse.Namespace) -> int:
             if not line.strip():
                 break
             history.append({"role": "user", "content": line})
-            reply = await _stream_one(engine, params, messages=history)
+            try:
+                reply = await _stream_one(engine, params, messages=history)
+            except ValueError as exc:           # e.g. the conversation outgrew the context
+                history.pop()
+                print(f"ferrobatch: {exc}", file=sys.stderr, flush=True)
+                continue
             history.append({"role": "assistant", "content": reply})
     return 0
 
@@ -271,6 +289,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:                     # `ferrobatch generate ... | head`
+        sys.stdout = open(os.devnull, "w")      # noqa: SIM115 - flushing at exit must not fail
+        return 0
+    except Exception as exc:  # noqa: BLE001 - a one-line error, no traceback (unless asked)
+        if os.environ.get("FERROBATCH_DEBUG"):
+            raise
+        print(f"ferrobatch: {type(exc).__name__}: {exc} (FERROBATCH_DEBUG=1 shows the "
+              "traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

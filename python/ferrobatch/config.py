@@ -169,13 +169,20 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
     def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        try:
-            import torch
+        """The torch device to run on; ValueError for a CUDA device this machine lacks (said
+        before the model is loaded, not after)."""
+        import torch
+        if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
-        except ImportError:  # pragma: no cover - torch is a hard dependency
-            return "cpu"
+        if self.device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {self.device!r}: CUDA is not available on this machine "
+                                 "(use --device cpu or auto)")
+            index = int(self.device[5:] or 0) if self.device != "cuda" else 0
+            if index >= torch.cuda.device_count():
+                raise ValueError(f"device {self.device!r}: this machine has "
+                                 f"{torch.cuda.device_count()} CUDA device(s)")
+        return self.device
 
     def step_seq_limit(self, device_type: str) -> int:
         """Sequences per step: ``max_num_seqs``, or 128 on the CPU / 256 on a GPU when unset."""

@@ -108,3 +108,77 @@ def test_guided_flags_conflict_is_a_clean_error(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["chat", "--help"])
         assert flag in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["serve", "--port", "70000"], ["serve", "--port", "-5"],
+                                  ["serve", "--tcp-port", "-2"]])
+def test_ports_out_of_range_are_refused_before_loading(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2 and "0..65535" in capsys.readouterr().err
+    assert build_parser().parse_args(["serve", "--tcp-port", "-1"]).tcp_port == -1
+
+
+def test_any_failure_is_one_line_not_a_traceback(monkeypatch, capsys, tmp_path):
+    """Whatever goes wrong (a missing schema file, a CUDA device this machine lacks, an error
+    deep inside), the CLI prints one line and exits non-zero."""
+    from ferrobatch import cli
+    assert cli.main(["generate", "x", "--json-schema", str(tmp_path / "missing.json")]) == 2
+    assert "No such file" in capsys.readouterr().err
+
+    async def boom(args):
+        raise RuntimeError("the allocator said no")
+    monkeypatch.setattr(cli, "_generate", boom)
+    assert cli.main(["generate", "x"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "RuntimeError: the allocator said no" in err
+    assert "Traceback" not in err
+
+    async def pipe(args):
+        raise BrokenPipeError
+    monkeypatch.setattr(cli, "_generate", pipe)
+    assert cli.main(["generate", "x"]) == 0             # `... | head` is not an error
+
+
+def test_a_cuda_device_this_machine_lacks_is_refused_before_loading():
+    import torch
+
+    from ferrobatch.config import EngineConfig
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            EngineConfig(model="smollm2", device=device).resolved_device()
+    assert EngineConfig(model="smollm2", device="auto").resolved_device() == "cpu"
+
+
+def test_chat_keeps_going_when_a_turn_is_refused(monkeypatch, capsys):
+    """A turn the engine refuses (the conversation outgrew the context) is reported and
+    dropped from the history; the session goes on."""
+    from ferrobatch import cli
+
+    class Engine:
+        def __init__(self, cfg):
+            self.calls = []
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return None
+
+    seen = []
+
+    async def stream_one(engine, params, prompt=None, messages=None):
+        seen.append([m["content"] for m in messages])
+        if messages[-1]["content"] == "too long":
+            raise ValueError("prompt exceeds the context window")
+        return "ok"
+
+    lines = iter(["hi", "too long", "again", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    monkeypatch.setattr(cli, "_stream_one", stream_one)
+    monkeypatch.setattr("ferrobatch.engine.async_engine.AsyncEngine", Engine)
+    assert cli.main(["chat"]) == 0
+    assert seen == [["hi"], ["hi", "ok", "too long"], ["hi", "ok", "again"]]
+    assert "context window" in capsys.readouterr().err
