@@ -114,6 +114,25 @@ def test_non_gguf_file_and_bad_hf_dirs(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIGS["llama"]))
     with pytest.raises(FileNotFoundError, match="safetensors"):
         load_model(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"garbage, not a safetensors header")
+    with pytest.raises(ValueError, match="cannot read the weights"):
+        load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        load_model(str(tmp_path))
+
+
+def test_empty_and_corrupt_gguf_headers_are_value_errors(tmp_path):
+    import struct
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="empty"):
+        GGUFFile(str(empty))
+    for counts in ((1 << 60, 0), (0, 1 << 60), (3, 1)):      # absurd counts, truncated entries
+        bad = tmp_path / "bad.gguf"
+        bad.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, *counts) + b"\xff" * 40)
+        with pytest.raises(ValueError, match="corrupt GGUF header"):
+            GGUFFile(str(bad))
 
 
 def test_unsupported_gguf_architecture(tmp_path):

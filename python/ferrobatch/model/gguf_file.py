@@ -72,6 +72,8 @@ class GGUFFile:
 
         self.path = os.fspath(path)
         with open(self.path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                raise ValueError(f"{self.path} is empty, not a GGUF file")
             self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         cur = _Cursor(memoryview(self._mmap))
         if len(self._mmap) < 24 or bytes(cur.buf[:4]) != _MAGIC:
@@ -81,6 +83,9 @@ class GGUFFile:
         if version not in (2, 3):
             raise ValueError(f"unsupported GGUF version {version} in {self.path}")
         num_tensors, num_kv = cur.scalar("<Q"), cur.scalar("<Q")
+        if max(num_tensors, num_kv) > len(self._mmap):      # each entry takes bytes
+            raise ValueError(f"corrupt GGUF header in {self.path}: {num_tensors} tensors and "
+                             f"{num_kv} metadata entries claimed in {len(self._mmap)} bytes")
         try:
             self.metadata: dict[str, Any] = {}
             for _ in range(num_kv):
@@ -91,8 +96,8 @@ class GGUFFile:
                 name = cur.string()
                 dims = [cur.scalar("<Q") for _ in range(cur.scalar("<I"))]
                 infos.append((name, dims, cur.scalar("<I"), cur.scalar("<Q")))
-        except struct.error as exc:
-            raise ValueError(f"truncated GGUF header in {self.path}") from exc
+        except (struct.error, OverflowError, MemoryError) as exc:
+            raise ValueError(f"truncated or corrupt GGUF header in {self.path}") from exc
         alignment = int(self.metadata.get("general.alignment", 32))
         data_start = -(-cur.pos // alignment) * alignment
         self.tensors: dict[str, GGUFTensorInfo] = {}

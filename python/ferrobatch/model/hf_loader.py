@@ -76,13 +76,18 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.T
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"no config.json in model directory {path}")
     hf_cfg = _read_json(config_path)
+    if not isinstance(hf_cfg, dict):
+        raise ValueError(f"{config_path} must hold a JSON object")
     config = config_from_hf(hf_cfg)
     shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not shards:
         raise FileNotFoundError(f"no *.safetensors weights in model directory {path}")
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
-        state.update(load_file(shard, device="cpu"))
+        try:
+            state.update(load_file(shard, device="cpu"))
+        except Exception as exc:  # noqa: BLE001 - safetensors' own error types
+            raise ValueError(f"cannot read the weights in {shard}: {exc}") from exc
     tokenizer = None
     tokenizer_json = os.path.join(path, "tokenizer.json")
     if os.path.isfile(tokenizer_json):
