@@ -158,3 +158,15 @@ def test_bad_input_is_rejected_before_any_work(real_llm):
         with pytest.raises(ValueError):
             real_llm.generate(prompt, params)
     assert engine.counters["accepted"] == before
+
+
+def test_an_llm_used_after_close_says_so(loaded_smollm2, recwarn):
+    from engine_support import REAL_ENGINE_OPTIONS
+
+    from ferrobatch import LLM
+    llm = LLM("smollm2", loaded_model=loaded_smollm2, **REAL_ENGINE_OPTIONS)
+    llm.close()
+    llm.close()                                     # twice is fine
+    with pytest.raises(RuntimeError, match="LLM is closed"):
+        llm.generate("Hi", GREEDY)
+    assert not [w for w in recwarn if "never awaited" in str(w.message)]

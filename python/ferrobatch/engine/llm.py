@@ -39,6 +39,9 @@ class LLM:
             raise
 
     def _run(self, coro: Any) -> Any:
+        if self._loop.is_closed():
+            coro.close()                        # never awaited: no "never awaited" warning
+            raise RuntimeError("this LLM is closed; create a new one")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
