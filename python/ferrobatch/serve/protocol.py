@@ -17,7 +17,6 @@ WebSocket / TCP messages (maps with a "type"):
 from __future__ import annotations
 
 import re
-
 from dataclasses import dataclass
 from typing import Any
 
