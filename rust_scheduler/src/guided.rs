@@ -26,6 +26,7 @@ use regex_automata::util::primitives::StateID;
 use regex_automata::util::start;
 use regex_automata::util::syntax;
 use regex_automata::{Anchored, MatchKind};
+use regex_syntax::hir::{Hir, Look};
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
@@ -236,8 +237,30 @@ impl Grammar {
         }
         let syntax_config = syntax::Config::new().nest_limit(200);
         // Parsed alone first, so that a syntax error quotes the caller's pattern as written.
-        syntax::parse_with(pattern, &syntax_config)
+        let hir = syntax::parse_with(pattern, &syntax_config)
             .map_err(|e| GuidedError::BadPattern(format!("invalid pattern: {e}")))?;
+        // `(?:RE)$` built on the syntax tree, not as text: a trailing `# comment` of a
+        // `(?x)` pattern would swallow a textual `)$`.
+        let anchored = Hir::concat(vec![hir, Hir::look(Look::End)]);
+        let too_large_or_bad = |msg: String| {
+            if msg.contains("exceed") {
+                GuidedError::TooLarge(format!(
+                    "the pattern's automaton is larger than {} MiB: {msg}",
+                    size_limit_bytes >> 20
+                ))
+            } else {
+                GuidedError::BadPattern(format!("invalid pattern: {msg}"))
+            }
+        };
+        let nfa = thompson::Compiler::new()
+            .syntax(syntax_config)
+            .configure(
+                thompson::Config::new()
+                    .nfa_size_limit(Some(size_limit_bytes))
+                    .which_captures(thompson::WhichCaptures::None),
+            )
+            .build_from_hir(&anchored)
+            .map_err(|e| too_large_or_bad(error_chain(&e)))?;
         let dfa = dense::Builder::new()
             .configure(
                 dense::Config::new()
@@ -246,24 +269,8 @@ impl Grammar {
                     .dfa_size_limit(Some(size_limit_bytes))
                     .determinize_size_limit(Some(size_limit_bytes)),
             )
-            .syntax(syntax_config)
-            .thompson(
-                thompson::Config::new()
-                    .nfa_size_limit(Some(size_limit_bytes))
-                    .which_captures(thompson::WhichCaptures::None),
-            )
-            .build(&format!("(?:{pattern})$"))
-            .map_err(|e| {
-                let msg = error_chain(&e);
-                if msg.contains("exceed") {
-                    GuidedError::TooLarge(format!(
-                        "the pattern's automaton is larger than {} MiB: {msg}",
-                        size_limit_bytes >> 20
-                    ))
-                } else {
-                    GuidedError::BadPattern(format!("invalid pattern: {msg}"))
-                }
-            })?;
+            .build_from_nfa(&nfa)
+            .map_err(|e| too_large_or_bad(error_chain(&e)))?;
         let start = dfa
             .start_state(&start::Config::new().anchored(Anchored::Yes))
             .map_err(|e| GuidedError::BadPattern(format!("the pattern has no start state: {e}")))?;
@@ -637,6 +644,15 @@ mod tests {
             assert!(s.advance(digit));
         }
         assert_eq!(s.allowed_tokens().ids(), vec![eos]);
+    }
+
+    #[test]
+    fn a_verbose_pattern_ending_in_a_comment_is_anchored_at_the_end() {
+        // `(?x)` comments run to the end of the line: the anchoring must not be text after it
+        let (g, _, _) = grammar("(?x) ab  c+ # letters");
+        assert!(g.matches(b"abcc") && !g.matches(b"abccx") && !g.matches(b"ab"));
+        let (g, _, _) = grammar("a|b");
+        assert!(g.matches(b"a") && g.matches(b"b") && !g.matches(b"ab"));
     }
 
     #[test]
