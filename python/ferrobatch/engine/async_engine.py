@@ -116,7 +116,7 @@ class AsyncEngine:
         self._compile_lock: asyncio.Lock | None = None     # guided grammars, see prepare()
         self._pretokenized: dict[str, list[int]] = {}      # long prompts, see prepare()
         self.counters = {"accepted": 0, "released": 0, "rejected": 0, "stop": 0, "length": 0,
-                         "abort": 0, "error": 0, "guided": 0}
+                         "abort": 0, "error": 0, "guided": 0, "probes": 0}
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -482,6 +482,7 @@ class AsyncEngine:
         self.counters[reason] += 1
         if st.req_id in self._probes:
             self._probes.discard(st.req_id)
+            self.counters["probes"] += 1          # released, but not shown to observers
         else:
             for o in self._observers:
                 o.on_finished(reason, now - st.arrival_time, len(st.prompt_token_ids),
