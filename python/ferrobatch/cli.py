@@ -160,6 +160,8 @@ async def _serve(a: argparse.Namespace) -> int:
     from ferrobatch.engine.async_engine import AsyncEngine
     from ferrobatch.serve.server import Server
 
+    if a.api_key is not None and not a.api_key:
+        raise ValueError("--api-key (or FERROBATCH_API_KEY) is empty; give a key or unset it")
     engine = AsyncEngine(_config(a))
     print(f"ferrobatch: loading {a.model} ...", flush=True)
     await engine.start()
@@ -168,7 +170,9 @@ async def _serve(a: argparse.Namespace) -> int:
     try:
         await server.start(a.host, a.port, None if a.tcp_port < 0 else a.tcp_port)
     except OSError as exc:
-        print(f"ferrobatch: cannot listen: {exc}", file=sys.stderr)
+        tcp = f", TCP port {a.tcp_port}" if a.tcp_port >= 0 else ""
+        print(f"ferrobatch: cannot listen on {a.host} (HTTP port {a.port}{tcp}): {exc}",
+              file=sys.stderr)
         await engine.shutdown()
         return 1
     base = f"http://{a.host}:{server.port}"

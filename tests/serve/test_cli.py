@@ -182,3 +182,13 @@ def test_chat_keeps_going_when_a_turn_is_refused(monkeypatch, capsys):
     assert cli.main(["chat"]) == 0
     assert seen == [["hi"], ["hi", "ok", "too long"], ["hi", "ok", "again"]]
     assert "context window" in capsys.readouterr().err
+
+
+def test_an_empty_api_key_is_refused_before_loading(capsys, monkeypatch):
+    from ferrobatch import cli
+
+    def no_engine(*a, **k):
+        raise AssertionError("the model must not be loaded")
+    monkeypatch.setattr("ferrobatch.engine.async_engine.AsyncEngine", no_engine)
+    assert cli.main(["serve", "--api-key", ""]) == 2
+    assert "--api-key" in capsys.readouterr().err
