@@ -2,6 +2,7 @@
 //! `scheduler.rs` and `block_pool.rs`. O(total blocks + sequences); for tests and debugging.
 
 use crate::block_pool::NULL_BLOCK;
+use crate::config::Policy;
 use crate::error::IntegrityError;
 use crate::request::SeqStatus;
 use crate::scheduler::Scheduler;
@@ -127,6 +128,12 @@ impl Scheduler {
         }
         if self.running.len() > self.cfg.max_num_seqs {
             return err("more running sequences than max_num_seqs".into());
+        }
+        if self.cfg.policy == Policy::Fcfs {
+            let key = |h: u32| self.seqs[h as usize].as_ref().map(|s| s.key(h));
+            if self.running.windows(2).any(|w| key(w[0]) > key(w[1])) {
+                return err("FCFS running list is not in key order".into());
+            }
         }
         let in_groups: usize = self.groups.values().map(|g| g.seqs.len()).sum();
         if in_groups != live || self.groups.values().any(|g| g.seqs.is_empty()) {

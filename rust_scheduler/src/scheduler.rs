@@ -463,14 +463,16 @@ impl Scheduler {
         self.max_blocks = 0;
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut preempted = false;
-        // Running sequences in key order, for both policies: the budget goes to the oldest first
-        // and the victim search below assumes everything before `i` outranks everything after.
-        // A priority arrival can outrank running sequences, and even under FCFS the `n > 1`
-        // children forked in `update()` are appended behind newer requests. Nearly sorted input:
-        // cheap next to a step.
-        let seqs = &self.seqs;
-        self.running
-            .sort_unstable_by_key(|&h| seqs[h as usize].as_ref().map(|s| s.key(h)));
+        // Running sequences in key order: the budget goes to the oldest first and the victim
+        // search below assumes everything before `i` outranks everything after. Under FCFS the
+        // list stays in order by construction (admissions come in key order, after every
+        // running key; `update()` inserts forked children behind their siblings; checked by
+        // `check_integrity`); a priority arrival can outrank running sequences.
+        if self.cfg.policy == Policy::Priority {
+            let seqs = &self.seqs;
+            self.running
+                .sort_unstable_by_key(|&h| seqs[h as usize].as_ref().map(|s| s.key(h)));
+        }
 
         // Running sequences first. `slots` counts each scheduled one with the children it will
         // fork; it is used only when every running sequence got scheduled (see below).

@@ -179,7 +179,25 @@ impl Scheduler {
         }
         let rid = child.req.request_id;
         let c = self.new_handle(child);
-        self.running.push(c);
+        // Behind the parent and its earlier children, where its key sorts: a child pushed to
+        // the end would sit behind newer requests, to be preempted or starved before them.
+        let seqs = &self.seqs;
+        let same_request = |x: u32| {
+            seqs[x as usize]
+                .as_ref()
+                .is_some_and(|s| s.req.request_id == rid)
+        };
+        let at = match self.running.iter().position(|&x| x == h) {
+            Some(p) => {
+                p + 1
+                    + self.running[p + 1..]
+                        .iter()
+                        .take_while(|&&x| same_request(x))
+                        .count()
+            }
+            None => self.running.len(),
+        };
+        self.running.insert(at, c);
         if let Some(g) = self.groups.get_mut(&rid) {
             g.seqs.push(c);
         }
