@@ -353,6 +353,10 @@ class AsyncEngine:
         self._abort_state(self._requests[req_id], "abort")
         return True
 
+    def _observers_of(self, req_id: int) -> Sequence[EngineObserver]:
+        """Who hears about this request: nobody for a readiness probe (not traffic)."""
+        return () if req_id in self._probes else self._observers
+
     def abort_all(self) -> int:
         """Abort every in-flight request (each stream ends with finish reason "abort"); returns
         how many there were."""
@@ -391,7 +395,7 @@ class AsyncEngine:
                 self._unscheduled.discard(rid)
                 st = requests[rid]
                 st.scheduled_time = max(step_start, st.arrival_time)
-                for o in self._observers if rid not in self._probes else ():
+                for o in self._observers_of(rid):
                     o.on_scheduled(st.scheduled_time - st.arrival_time,
                                    len(st.prompt_token_ids))
         reasons = getattr(r, "failure_messages", None) or {}
@@ -441,7 +445,7 @@ class AsyncEngine:
             if rid in with_tokens:
                 if st.first_token_time is None:
                     st.first_token_time = now
-                    for o in self._observers if rid not in self._probes else ():
+                    for o in self._observers_of(rid):
                         o.on_first_token(now - st.arrival_time)
                 elif st.last_token_time is not None and rid not in self._probes:
                     itls.append(now - st.last_token_time)
