@@ -54,15 +54,11 @@ async def read_json(request: web.Request) -> Any:
         raise ProtocolError(f"request body exceeds {MAX_BODY_BYTES} bytes",
                             code=413) from None
     except web.RequestPayloadError:       # e.g. a body that is not the gzip it claims
-        # Nothing more can be read; marked ended, or aiohttp would read the rest after the
-        # response, meet the same error, and log it as unhandled.
-        # The connection cannot carry another request after a broken body: closed after the
-        # answer.
+        # Marked ended (else aiohttp reads the rest after the answer, meets the same error and
+        # logs it as unhandled); the connection cannot carry another request: closed.
         request.content.feed_eof()
-        exc = ProtocolError("the request body could not be decoded (is it in the "
-                            "Content-Encoding it claims?)")
-        exc.close_connection = True
-        raise exc from None
+        raise ProtocolError("the request body could not be decoded (is it in the "
+                            "Content-Encoding it claims?)", close_connection=True) from None
     return loads_json(raw)
 
 

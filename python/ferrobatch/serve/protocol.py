@@ -40,10 +40,12 @@ SAMPLING_FIELDS = frozenset(INT_FIELDS + NUM_FIELDS + BOOL_FIELDS + GUIDED_FIELD
 class ProtocolError(ValueError):
     """A client error with the HTTP-style status code to report (400 unless stated)."""
 
-    def __init__(self, message: str, code: int = 400, param: str | None = None) -> None:
+    def __init__(self, message: str, code: int = 400, param: str | None = None,
+                 close_connection: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.param = param
+        self.close_connection = close_connection      # HTTP: answer with Connection: close
 
 
 def _is_int(v: Any) -> bool:
