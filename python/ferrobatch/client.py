@@ -26,9 +26,11 @@ from typing import Any
 
 import msgpack
 
+# the server's own limits (its hello reports them): a frame past them is refused unread
+from ferrobatch.serve.codec import MAX_ARRAY_LEN as MAX_PROMPT_TOKENS
+from ferrobatch.serve.codec import MAX_FRAME_BYTES
+
 TERMINAL = ("done", "cancelled", "error")
-MAX_FRAME_BYTES = 1 << 20          # the server's limits (its hello reports them)
-MAX_PROMPT_TOKENS = 1 << 16
 MAX_UNROUTED = 256                 # id-less errors kept in `unrouted` (the oldest are dropped)
 _LEN = struct.Struct(">I")
 
