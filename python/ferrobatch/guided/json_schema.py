@@ -76,7 +76,12 @@ _TOO_LARGE = "the schema is too large for guided decoding"
 
 # --- fixed pieces ----------------------------------------------------------------------------------
 
-_STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+# One character of a JSON string: a raw one, a short escape, a `\\uXXXX` escape of a BMP
+# character, or a surrogate pair's two escapes (one character, as JSON Schema's lengths count;
+# a lone surrogate decodes to no Unicode text and is never produced).
+_HEX4_BMP = "(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2})"
+_HEX4_PAIR = r"[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+_STRING_CHAR = rf'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u(?:{_HEX4_BMP}|{_HEX4_PAIR}))'
 _STRING = f'"{_STRING_CHAR}*"'
 _INTEGER = r"-?(?:0|[1-9][0-9]{0,15})"
 _NUMBER = _INTEGER + r"(?:\.[0-9]{1,16})?(?:[eE][+\-]?[0-9]{1,3})?"
