@@ -143,3 +143,37 @@ async def test_long_prompts_are_tokenized_off_the_event_loop(loaded_smollm2):
         finally:
             tok.encode = encode
         await engine.check_idle_clean()
+
+
+async def test_a_compiled_grammar_does_not_wait_behind_another_compile(loaded_smollm2):
+    """Compiles run one at a time; a request whose grammar is cached must not queue behind a
+    slow compile of a different schema (a client sending big new schemas would else stall
+    everyone's guided requests)."""
+    import threading
+
+    async with AsyncEngine(loaded_model=loaded_smollm2, **REAL_ENGINE_OPTIONS) as engine:
+        compiler = engine._core.guided
+        known = SamplingParams(max_tokens=2, temperature=0.0, guided_choice=["yes", "no"])
+        compiler.grammar_for(known)                      # compiled earlier
+        release, started = threading.Event(), threading.Event()
+        compile_pattern = compiler.grammar
+
+        def slow_grammar(pattern):
+            if pattern == "left|right":
+                started.set()
+                assert release.wait(30)
+            return compile_pattern(pattern)
+
+        compiler.grammar = slow_grammar
+        slow = asyncio.ensure_future(engine.prepare(
+            SamplingParams(max_tokens=2, guided_regex="left|right")))
+        try:
+            assert await asyncio.to_thread(started.wait, 30)
+            await asyncio.wait_for(engine.prepare(known), 5)    # not held by the slow compile
+            assert not slow.done()
+            out = [o async for o in engine.generate("Answer yes or no.", known)][-1]
+            assert out.outputs[0].text in ("yes", "no")
+        finally:
+            release.set()
+            await slow
+        await engine.check_idle_clean()

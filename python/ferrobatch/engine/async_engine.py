@@ -309,7 +309,8 @@ class AsyncEngine:
         """The slow parts of accepting a request, done off the event loop so that the
         `add_request` that follows finds them done: a long text prompt (or rendered chat) is
         tokenized on a worker thread, and a guided request's grammar is compiled (one compile
-        at a time; a pathological pattern can take a second to be refused). Optional: without
+        at a time, so a big schema can hold the next new one for seconds; a grammar compiled
+        before is found in the cache without waiting). Optional: without
         it `add_request` does the same work inline. Raises ValueError for a grammar that cannot
         be used; a bad prompt is left for `add_request` to report."""
         if not self.is_running:
@@ -328,10 +329,13 @@ class AsyncEngine:
                 self._pretokenized.pop(next(iter(self._pretokenized)))
         if params is None or not params.is_guided:
             return
+        guided = self._core.guided
+        if guided.cached_grammar_for(params) is not None:
+            return                      # compiled before: no need to queue behind a compile
         if self._compile_lock is None:
             self._compile_lock = asyncio.Lock()
         async with self._compile_lock:
-            await asyncio.to_thread(self._core.guided.grammar_for, params)
+            await asyncio.to_thread(guided.grammar_for, params)
 
     async def generate(self, prompt: Prompt | None = None, params: SamplingParams | None = None,
                        request_id: str | None = None, *,

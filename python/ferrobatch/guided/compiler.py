@@ -37,6 +37,12 @@ def pattern_for(params: SamplingParams) -> str:
     raise ValueError("the request has no guided decoding field")
 
 
+def _pattern_key(params: SamplingParams) -> str:
+    """The cache key of a request's schema or choices (TypeError/ValueError if not JSON data).
+    Not sort_keys: a schema's property order is its output's key order."""
+    return json.dumps([params.guided_json, params.guided_choice])
+
+
 class GuidedCompiler:
     """Compiles guided fields into grammars over one vocabulary (thread-safe)."""
 
@@ -85,14 +91,32 @@ class GuidedCompiler:
                 self._grammars.popitem(last=False)
         return grammar
 
+    def cached_grammar_for(self, params: SamplingParams) -> Any:
+        """The grammar of a guided request if it is compiled already (None otherwise): a
+        look-up that neither converts nor compiles, so it never waits on another compile."""
+        pattern = params.guided_regex
+        if pattern is None:
+            try:
+                key = _pattern_key(params)
+            except (TypeError, ValueError):
+                return None
+            with self._lock:
+                pattern = self._patterns.get(key)
+        if pattern is None:
+            return None
+        with self._lock:
+            hit = self._grammars.get(pattern)
+            if hit is not None:
+                self._grammars.move_to_end(pattern)
+            return hit
+
     def grammar_for(self, params: SamplingParams) -> Any:
         """The grammar of a guided request. A schema or choice list is written as a regex once
         per distinct value (so `prepare` and `submit` do not both convert it)."""
         if params.guided_regex is not None:
             return self.grammar(params.guided_regex)
         try:
-            # not sort_keys: a schema's property order is its output's key order
-            key = json.dumps([params.guided_json, params.guided_choice])
+            key = _pattern_key(params)
         except (TypeError, ValueError):         # not JSON data: the converter says why
             return self.grammar(pattern_for(params))
         with self._lock:
