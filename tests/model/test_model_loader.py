@@ -84,6 +84,23 @@ def test_random_shape_loads_without_tokenizer_and_runs():
     assert logits.shape == (1, 49152) and torch.isfinite(logits).all()
 
 
+def test_a_tokenizer_less_random_model_is_refused_before_it_is_built(monkeypatch):
+    """The engine cannot serve a model without a tokenizer; `random:llama3-8b` used to build
+    32 GB of float32 weights before saying so."""
+    import ferrobatch.model.loader as loader
+    from ferrobatch.engine.core import EngineCore
+    from ferrobatch.config import EngineConfig
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the weights were built")
+
+    monkeypatch.setattr(loader, "build_model", no_build)
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        load_model("random:llama3-8b", require_tokenizer=True)
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        EngineCore.build(EngineConfig(model="random:llama3-8b", device="cpu"))
+
+
 @pytest.mark.parametrize("name, error", [
     ("random:gpt-17", ValueError),
     ("/nonexistent/model.gguf", FileNotFoundError),

@@ -110,7 +110,8 @@ class EngineCore:
 
         device = config.resolved_device()
         if loaded is None:
-            loaded = load_model(config.model, device=device, dtype=_torch_dtype(config.dtype))
+            loaded = load_model(config.model, device=device, dtype=_torch_dtype(config.dtype),
+                                require_tokenizer=True)
         if loaded.tokenizer is None:
             raise ValueError(f"model {config.model!r} has no tokenizer; it cannot be served")
         build_table = getattr(loaded.tokenizer, "token_byte_table", None)

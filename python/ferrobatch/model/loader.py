@@ -113,8 +113,9 @@ def _load_gguf_tokenizer(path: str) -> Tokenizer:
 
 
 def load_model(name_or_path: str, *, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = None) -> LoadedModel:
-    """Resolves and loads a model. FileNotFoundError for missing files, ValueError for unsupported ones."""
+               dtype: torch.dtype | None = None, require_tokenizer: bool = False) -> LoadedModel:
+    """Resolves and loads a model. FileNotFoundError for missing files, ValueError for unsupported
+    ones, and with `require_tokenizer` for a `random:<shape>` without one (before building it)."""
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     if name_or_path.startswith(RANDOM_PREFIX):
@@ -126,6 +127,9 @@ def load_model(name_or_path: str, *, device: str | torch.device = "cpu",
                 tokenizer = _load_gguf_tokenizer(smollm2_gguf_path())
             except FileNotFoundError:
                 tokenizer = None
+        if tokenizer is None and require_tokenizer:
+            raise ValueError(f"model {name_or_path!r} has no tokenizer; it cannot be served "
+                             "(random:smollm2-135m borrows the embedded SmolLM2's)")
         model = build_model(config, None, device=device, dtype=dtype)
         return LoadedModel(name_or_path, config, model, tokenizer,
                            tokenizer.chat_template if tokenizer else None, source="random")
