@@ -114,3 +114,22 @@ def test_gpu_kv_budget_leaves_the_warm_up_peak_and_the_reserve(monkeypatch):
     assert got == (5 * gib - gib - gib // 2) // block          # half of free, less peak, reserve
     with pytest.raises(ValueError, match="fewer than 2 blocks"):
         num_blocks_for_gpu(config, 16, torch.bfloat16, 0.5, "cuda", reserve_bytes=4 * gib)
+
+
+def test_a_cpu_kv_cache_larger_than_memory_is_refused_before_it_is_filled(loaded_smollm2):
+    """Zero-filling a cache past the machine's memory swaps or gets the process killed with no
+    message; the engine refuses it with the sizes instead."""
+    from ferrobatch.engine.core import EngineCore
+    from ferrobatch.runtime.kv_cache import CPU_KV_MEMORY_FRACTION, check_cpu_kv_fits
+
+    gib = 1 << 30
+    check_cpu_kv_fits(4 * gib, available=8 * gib)
+    with pytest.raises(ValueError, match="only 8.00 GiB of memory is available"):
+        check_cpu_kv_fits(int(CPU_KV_MEMORY_FRACTION * 8 * gib) + 1, available=8 * gib)
+    # on this machine: 100,000 GiB is more than any CI runner or dev VM has
+    with pytest.raises(ValueError, match="--kv-cache-gb"):
+        EngineCore.build(EngineConfig(model="smollm2", device="cpu", kv_cache_gb=100_000),
+                         loaded_smollm2)
+    with pytest.raises(ValueError, match="memory is available"):
+        EngineCore.build(EngineConfig(model="smollm2", device="cpu", num_blocks=10**9),
+                         loaded_smollm2)

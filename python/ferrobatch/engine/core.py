@@ -104,7 +104,12 @@ class EngineCore:
         """Load the model (unless given), size the KV cache, create scheduler, runner, sampler."""
         from ferrobatch._scheduler import Scheduler
         from ferrobatch.model.loader import load_model
-        from ferrobatch.runtime.kv_cache import check_kv_cache_dtype, num_blocks_for_budget
+        from ferrobatch.runtime.kv_cache import (
+            check_cpu_kv_fits,
+            check_kv_cache_dtype,
+            kv_block_bytes,
+            num_blocks_for_budget,
+        )
         from ferrobatch.runtime.model_runner import ModelRunner, num_kv_blocks
         from ferrobatch.runtime.sampler import Sampler
 
@@ -140,6 +145,8 @@ class EngineCore:
         else:
             num_blocks = num_blocks_for_budget(mcfg, config.block_size, kv_dtype,
                                                config.kv_budget_bytes_cpu())
+        if loaded.device.type == "cpu":
+            check_cpu_kv_fits(num_blocks * kv_block_bytes(mcfg, config.block_size, kv_dtype))
         runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=config.block_size,
                              device=device, attn_backend=config.attn_backend,
                              gguf_blocks=config.gguf_blocks, amx_tiles=config.amx_tiles,

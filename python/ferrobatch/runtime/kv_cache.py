@@ -50,6 +50,36 @@ def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dty
     return num_blocks
 
 
+def available_memory_bytes() -> int | None:
+    """The memory the kernel says new allocations can take without swapping (MemAvailable,
+    Linux); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+# Of the memory available once the weights are loaded, the most the KV cache may take: the rest
+# is for the step's activations, the sampler and the server.
+CPU_KV_MEMORY_FRACTION = 0.9
+
+
+def check_cpu_kv_fits(num_bytes: int, available: int | None = None) -> None:
+    """ValueError when a CPU KV cache of ``num_bytes`` would not fit in memory (its zero-fill
+    would otherwise swap or have the process killed, with no message)."""
+    available = available_memory_bytes() if available is None else available
+    if available is None or num_bytes <= CPU_KV_MEMORY_FRACTION * available:
+        return
+    raise ValueError(
+        f"the KV cache would take {num_bytes / 2**30:.2f} GiB but only {available / 2**30:.2f} "
+        f"GiB of memory is available (at most {CPU_KV_MEMORY_FRACTION:.0%} of it may go to the "
+        "cache); lower --kv-cache-gb or num_blocks")
+
+
 def num_blocks_for_gpu(config: ModelConfig, block_size: int, dtype: torch.dtype,
                        memory_fraction: float, device: torch.device, reserve_bytes: int = 0) -> int:
     """Blocks fitting in ``memory_fraction`` of the device memory still free *now*, less
