@@ -31,6 +31,7 @@ from ferrobatch.serve.codec import MAX_ARRAY_LEN as MAX_PROMPT_TOKENS
 from ferrobatch.serve.codec import MAX_FRAME_BYTES
 
 TERMINAL = ("done", "cancelled", "error")
+CONNECT_TIMEOUT_S = 30.0           # connecting plus the handshake (`connect(timeout=None)`: none)
 MAX_UNROUTED = 256                 # id-less errors kept in `unrouted` (the oldest are dropped)
 _LEN = struct.Struct(">I")
 
@@ -190,14 +191,19 @@ class WSClient(_Multiplexer):
         self._binary = binary
 
     @classmethod
-    async def connect(cls, url: str, *, api_key: str | None = None,
-                      binary: bool = False) -> "WSClient":
+    async def connect(cls, url: str, *, api_key: str | None = None, binary: bool = False,
+                      timeout: float | None = CONNECT_TIMEOUT_S) -> "WSClient":
+        """Open the WebSocket; TimeoutError when the upgrade takes over `timeout` seconds."""
         import aiohttp
         session = aiohttp.ClientSession()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         try:
-            ws = await session.ws_connect(url, headers=headers, heartbeat=20,
-                                          max_msg_size=MAX_FRAME_BYTES)
+            ws = await asyncio.wait_for(
+                session.ws_connect(url, headers=headers, heartbeat=20,
+                                   max_msg_size=MAX_FRAME_BYTES), timeout)
+        except asyncio.TimeoutError:
+            await session.close()
+            raise TimeoutError(f"no WebSocket upgrade from {url} within {timeout} s") from None
         except BaseException:
             await session.close()
             raise
@@ -238,14 +244,28 @@ class TCPClient(_Multiplexer):
 
     @classmethod
     async def connect(cls, host: str = "127.0.0.1", port: int = 8001, *,
-                      api_key: str | None = None) -> "TCPClient":
-        reader, writer = await asyncio.open_connection(host, port)
+                      api_key: str | None = None,
+                      timeout: float | None = CONNECT_TIMEOUT_S) -> "TCPClient":
+        """Connect and shake hands; TimeoutError when that takes over `timeout` seconds,
+        ConnectionError when the server refuses (or `port` is not a ferrobatch TCP door)."""
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"could not connect to {host}:{port} within {timeout} s") from None
         client = cls(reader, writer)
         hello: dict[str, Any] = {"type": "hello", "version": 1}
         if api_key is not None:
             hello["api_key"] = api_key
-        await client._send(hello)
-        reply = await client._recv()
+        try:
+            await client._send(hello)
+            reply = await asyncio.wait_for(client._recv_hello(host, port), timeout)
+        except asyncio.TimeoutError:
+            writer.close()
+            raise TimeoutError(f"no handshake from {host}:{port} within {timeout} s (is it "
+                               "ferrobatch's TCP port, --tcp-port?)") from None
+        except BaseException:
+            writer.close()
+            raise
         if not reply or reply.get("type") != "hello":
             writer.close()
             raise ConnectionError(f"handshake refused: {reply}")
@@ -253,14 +273,24 @@ class TCPClient(_Multiplexer):
         client._start_reader()
         return client
 
+    async def _recv_hello(self, host: str, port: int) -> dict[str, Any] | None:
+        try:
+            head = await self._r.readexactly(4)
+        except asyncio.IncompleteReadError:
+            return None
+        if head == b"HTTP":
+            raise ConnectionError(f"{host}:{port} answers in HTTP: it is the HTTP/WebSocket "
+                                  "port; the TCP door listens on --tcp-port (8001 by default)")
+        return await self._recv(head)
+
     async def _send(self, msg: dict[str, Any]) -> None:
         body = _frame_body(msgpack.packb(msg, use_bin_type=True))
         self._w.write(_LEN.pack(len(body)) + body)
         await self._w.drain()
 
-    async def _recv(self) -> dict[str, Any] | None:
+    async def _recv(self, head: bytes | None = None) -> dict[str, Any] | None:
         try:
-            (n,) = _LEN.unpack(await self._r.readexactly(4))
+            (n,) = _LEN.unpack(head if head is not None else await self._r.readexactly(4))
             if n > MAX_FRAME_BYTES:
                 raise ConnectionError(f"server frame of {n} bytes is too large")
             body = await self._r.readexactly(n)

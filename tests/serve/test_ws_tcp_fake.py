@@ -285,3 +285,26 @@ async def test_stopping_the_server_closes_idle_websockets_at_once():
             await asyncio.wait_for(stop, 10)
             assert time.monotonic() - t0 < 5
     await engine.shutdown()
+
+
+async def test_tcp_client_pointed_at_the_http_port_says_so(fake_server):
+    with pytest.raises(ConnectionError, match="answers in HTTP.*--tcp-port"):
+        await TCPClient.connect("127.0.0.1", fake_server.server.port, timeout=10)
+
+
+async def test_client_connects_time_out_on_a_silent_server():
+    """A server that accepts and never answers must not hold `connect` forever."""
+    accepted = []
+    silent = await asyncio.start_server(lambda reader, writer: accepted.append(writer),
+                                        "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(TimeoutError, match="no handshake from"):
+            await TCPClient.connect("127.0.0.1", port, timeout=0.5)
+        with pytest.raises(TimeoutError, match="no WebSocket upgrade"):
+            await WSClient.connect(f"ws://127.0.0.1:{port}/v1/ws", timeout=0.5)
+    finally:
+        for writer in accepted:
+            writer.close()
+        silent.close()
+        await silent.wait_closed()
