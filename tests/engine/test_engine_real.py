@@ -170,3 +170,74 @@ def test_an_llm_used_after_close_says_so(loaded_smollm2, recwarn):
     with pytest.raises(RuntimeError, match="LLM is closed"):
         llm.generate("Hi", GREEDY)
     assert not [w for w in recwarn if "never awaited" in str(w.message)]
+
+
+def test_wrong_argument_types_are_named(real_llm):
+    with pytest.raises(TypeError, match="SamplingParams"):
+        real_llm.generate("Hi", {"max_tokens": 2})
+    with pytest.raises(TypeError, match="SamplingParams"):
+        real_llm.generate(["Hi", "Yo"], [GREEDY, {"max_tokens": 2}])
+    with pytest.raises(TypeError, match="SamplingParams"):
+        real_llm.chat([{"role": "user", "content": "Hi"}], [GREEDY])
+    with pytest.raises(ValueError, match="needs a prompt"):
+        real_llm.generate(None)
+
+    async def async_generate():
+        async for _ in real_llm.engine.generate("Hi", {"max_tokens": 2}):
+            pass
+
+    with pytest.raises(TypeError, match="SamplingParams"):
+        real_llm._run(async_generate())
+
+
+def test_a_generated_name_never_takes_a_callers_name(real_llm):
+    """Requests given no id are named req-<n>; a caller may have chosen that very name."""
+    engine = real_llm.engine
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        first = engine.add_request("Hi", long)
+        n = first._state.req_id
+        chosen = engine.add_request("Hi", long, request_id=f"req-{n + 2}")
+        auto = engine.add_request("Hi", long)
+        assert auto._state.req_id == n + 2 and auto._state.request_id != f"req-{n + 2}"
+        assert engine.check_accounting()["open"] == 3
+        assert engine.abort(f"req-{n + 2}")
+        outs = {}
+        for name, stream in (("chosen", chosen), ("auto", auto), ("first", first)):
+            if name != "chosen":
+                stream.abort()
+            outs[name] = [o async for o in stream][-1].outputs[0].finish_reason
+        return outs
+
+    assert real_llm._run(scenario()) == {"chosen": "abort", "auto": "abort", "first": "abort"}
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_generate_aborts_its_requests(real_llm):
+    """Ctrl-C while `generate` waits must not leave its requests decoding in the background."""
+    import os
+    import signal
+    import threading
+    import time
+
+    def raise_interrupted(signum, frame):
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGINT, raise_interrupted)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        timer.start()
+        with pytest.raises(_Interrupted):
+            real_llm.generate(["Tell me a story."] * 4,
+                              SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+    deadline = time.monotonic() + 10
+    while real_llm.engine.stats()["num_open_requests"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert real_llm.engine.stats()["num_open_requests"] == 0

@@ -290,7 +290,7 @@ class AsyncEngine:
             max_stop_token_ids=cfg.max_stop_token_ids, max_logit_bias=cfg.max_logit_bias)
 
         req_id = next(self._ids)
-        name = request_id if request_id is not None else f"req-{req_id}"
+        name = request_id if request_id is not None else self._free_name(req_id)
         detoks = [core.new_detokenizer(ids, params) for _ in range(params.n)]
         state = RequestState(req_id, name, text, ids, params, max_tokens, detoks, time.monotonic())
         core.submit(req_id, ids, params, max_tokens, state)   # may raise QueueFullError
@@ -315,6 +315,8 @@ class AsyncEngine:
         be used; a bad prompt is left for `add_request` to report."""
         if not self.is_running:
             return
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
         text = prompt if isinstance(prompt, str) else None
         if messages is not None and prompt is None and _content_chars(messages) >= \
                 LONG_TEXT_CHARS // 2:          # short chats are rendered once, in add_request
@@ -348,6 +350,14 @@ class AsyncEngine:
                 yield out
         finally:
             stream.abort()
+
+    def _free_name(self, req_id: int) -> str:
+        """A name for a request given none: `req-<n>`, unless a caller chose that one."""
+        name, k = f"req-{req_id}", 0
+        while name in self._by_name:
+            k += 1
+            name = f"req-{req_id}.{k}"
+        return name
 
     def abort(self, request_id: str) -> bool:
         """Abort an in-flight request by id; True if it was found. The KV is freed within a step."""

@@ -21,6 +21,7 @@ from ferrobatch.outputs import RequestOutput
 from ferrobatch.sampling_params import SamplingParams
 
 PROGRESS_MIN_PROMPTS = 8
+CANCEL_WAIT_S = 10.0      # how long an interrupted call waits for its requests to be aborted
 
 
 class LLM:
@@ -42,12 +43,26 @@ class LLM:
         if self._loop.is_closed():
             coro.close()                        # never awaited: no "never awaited" warning
             raise RuntimeError("this LLM is closed; create a new one")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result()
+        except BaseException:
+            # e.g. Ctrl-C in the caller's thread: cancel the work, so its requests are aborted
+            # instead of running on to max_tokens
+            if not fut.done():
+                fut.cancel()
+                try:
+                    fut.result(timeout=CANCEL_WAIT_S)
+                except BaseException:
+                    pass
+            raise
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """One output per prompt, in order. A prompt is a string or a list of token ids."""
+        if prompts is None:
+            raise ValueError("generate needs a prompt (text or token ids) or a list of them")
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -55,7 +70,7 @@ class LLM:
         if params is None or isinstance(params, SamplingParams):
             plist = [params or SamplingParams()] * len(prompts)
         else:
-            plist = list(params)
+            plist = _params_list(params)
             if len(plist) != len(prompts):
                 raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         plist = [p.replace(output_kind="final") for p in plist]
@@ -66,6 +81,8 @@ class LLM:
              params: SamplingParams | None = None, *, use_tqdm: bool = True
              ) -> list[RequestOutput]:
         """Chat completion(s): one conversation (a list of messages) or a list of them."""
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams (one for every conversation)")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         p = (params or SamplingParams(max_tokens=None)).replace(output_kind="final")
         return self._run(self._generate_all([None] * len(convs), [p] * len(convs), convs,
@@ -120,3 +137,15 @@ class LLM:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _params_list(params: Any) -> list[SamplingParams]:
+    """`params` as a list of SamplingParams; TypeError for anything else (e.g. a dict)."""
+    if isinstance(params, (str, bytes, dict)) or not isinstance(params, Sequence):
+        raise TypeError("params must be a SamplingParams or a list of them, got "
+                        f"{type(params).__name__}")
+    plist = list(params)
+    for p in plist:
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got a {type(p).__name__} in the list")
+    return plist
