@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,14 @@ def _is_int(v: Any) -> bool:
 
 def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _as_float32(v: float) -> float:
+    """`v` as the Rust core stores it (float32): a positive value below its range becomes 0."""
+    try:
+        return struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:                   # beyond float32: the range checks refuse it
+        return float(v)
 
 
 @dataclass(frozen=True)
@@ -91,11 +100,12 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (or -1 for off), got {self.top_k!r}")
         if self.top_k == -1:
             fix("top_k", 0)
-        if not _is_num(self.top_p) or not (0.0 < self.top_p <= 1.0):
+        if not _is_num(self.top_p) or not (0.0 < _as_float32(self.top_p) <= 1.0):
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not _is_num(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
-        if not _is_num(self.repetition_penalty) or not (0.0 < self.repetition_penalty <= 10.0):
+        if not _is_num(self.repetition_penalty) or not (
+                0.0 < _as_float32(self.repetition_penalty) <= 10.0):
             raise ValueError(f"repetition_penalty must be a number in (0, 10], got "
                              f"{self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):

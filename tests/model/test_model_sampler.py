@@ -109,6 +109,24 @@ def test_temperature_matches_softmax_distribution(sampler, logits):
     assert np.abs(observed - expected).max() < 0.015
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-30, 1e-38, 1e-44])
+def test_a_tiny_temperature_is_near_greedy_not_garbage(sampler, temperature):
+    """logits / T overflowed to +-inf for T below ~1e-37: NaN probabilities, and the draw
+    returned the last token id every time."""
+    rows = torch.randn(16, VOCAB, generator=torch.Generator().manual_seed(5)) * 8.0
+    batch = _batch(16, temperature=np.full(16, temperature, np.float32))
+    assert np.array_equal(sampler.sample(rows, batch).token_ids, rows.argmax(-1).numpy())
+
+
+def test_a_tiny_repetition_penalty_does_not_overflow_the_logits(sampler):
+    """A positive logit divided by a tiny penalty became inf (NaN after the softmax)."""
+    extras = {0: RequestExtras(prompt_token_ids=[12], output_token_ids=[[11]])}
+    for temperature in (0.0, 1.0):
+        out = sampler.sample(_two_way_logits(), _batch(1, repetition_penalty=[1e-38],
+                                                       temperature=[temperature]), extras)
+        assert out.token_ids.tolist() == [11]   # the seen positive logit grows the most
+
+
 def test_top_k_keeps_only_k_best_with_renormalised_probs(sampler, logits):
     draws = _draw_many(sampler, logits, 20_000, top_k=np.full(20_000, 3))
     top3 = set(logits.topk(3).indices.tolist())

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 _GOLDEN = 0x9E3779B97F4A7C15
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _MASK63 = (1 << 63) - 1
 
 
@@ -128,7 +129,9 @@ class Sampler:
         if rep_rows.size:
             seen = self._token_counts(batch, extras, rep_rows, with_prompt=True) > 0
             penalty = self._row_tensor(batch, "repetition_penalty", torch.float32)[:, None]
-            penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+            # a tiny penalty must not overflow a logit to inf (the softmax would give NaN)
+            penalised = torch.where(logits > 0, logits / penalty, logits * penalty).clamp_(
+                min=-FLOAT32_MAX, max=FLOAT32_MAX)
             logits.copy_(torch.where(seen, penalised, logits))
         additive_rows = np.flatnonzero((pres != 0.0) | (freq != 0.0))
         if additive_rows.size:
@@ -303,7 +306,9 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, batch, temperature: np.ndarray) -> torch.Tensor:
         safe_t = torch.from_numpy(np.where(temperature > 0.0, temperature, 1.0)).to(self.device)
-        scaled = logits / safe_t[:, None]
+        # shifted so the largest is 0 first: a tiny temperature then sends the others to -inf
+        # (near-greedy) instead of every logit to +-inf (NaN probabilities, a garbage token)
+        scaled = (logits - logits.amax(dim=-1, keepdim=True)) / safe_t[:, None]
         top_k = np.asarray(batch.top_k)
         top_p = np.asarray(batch.top_p, dtype=np.float32)
         if np.any(top_k > 0) or np.any(top_p < 1.0):
