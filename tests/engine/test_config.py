@@ -133,3 +133,23 @@ def test_a_cpu_kv_cache_larger_than_memory_is_refused_before_it_is_filled(loaded
     with pytest.raises(ValueError, match="memory is available"):
         EngineCore.build(EngineConfig(model="smollm2", device="cpu", num_blocks=10**9),
                          loaded_smollm2)
+
+
+def test_max_model_len_is_lowered_to_what_the_kv_cache_holds(loaded_smollm2, caplog):
+    """A 0.05 GiB cache holds ~1,100 tokens: a request asking for the whole context
+    (max_tokens=None, the chat default) used to fail with "needs 512 KV blocks"."""
+    from ferrobatch import LLM, SamplingParams
+
+    with caplog.at_level("WARNING", logger="ferrobatch.engine.core"):
+        llm = LLM("smollm2", loaded_model=loaded_smollm2, kv_cache_gb=0.05, device="cpu")
+    try:
+        blocks = llm.engine.kv_cache_config()["num_blocks"]
+        assert llm.engine.max_model_len == (blocks - 1) * 16 + 1 < 8192
+        assert "max_model_len lowered" in caplog.text
+        out = llm.chat([{"role": "user", "content": "Say hi."}],
+                       SamplingParams(max_tokens=None, temperature=0.0, stop=["\n"]))[0]
+        assert out.outputs[0].finish_reason == "stop"
+        with pytest.raises(ValueError, match="context window"):
+            llm.generate("Hi", SamplingParams(max_tokens=llm.engine.max_model_len))
+    finally:
+        llm.close()

@@ -145,6 +145,14 @@ class EngineCore:
         else:
             num_blocks = num_blocks_for_budget(mcfg, config.block_size, kv_dtype,
                                                config.kv_budget_bytes_cpu())
+        # one sequence holds at most this many tokens (its last sampled one is never computed)
+        kv_tokens = (num_blocks - 1) * config.block_size + 1
+        if kv_tokens < max_model_len:
+            logger.warning("max_model_len lowered from %d to %d tokens: one sequence cannot "
+                           "hold more in a KV cache of %d blocks of %d (more KV memory, "
+                           "e.g. --kv-cache-gb, allows longer contexts)", max_model_len,
+                           kv_tokens, num_blocks, config.block_size)
+            max_model_len = kv_tokens
         if loaded.device.type == "cpu":
             check_cpu_kv_fits(num_blocks * kv_block_bytes(mcfg, config.block_size, kv_dtype))
         runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=config.block_size,
