@@ -17,6 +17,15 @@ from typing import Any, NamedTuple
 POLICIES = ("fcfs", "priority")
 KV_CACHE_DTYPES = ("auto", "float32", "float16")   # float16: CPU only, beside a float32 model
 MAX_SPECULATIVE_TOKENS = 16     # also the longest n-gram (the Rust scheduler's limits)
+DTYPES = ("float32", "fp32", "float16", "fp16", "half", "bfloat16", "bf16")
+ATTN_BACKENDS = ("auto", "torch", "cpu", "cuda")
+MAX_BLOCK_SIZE = 1024
+# the Rust scheduler's caps (config.rs), checked here too so that a bad value is refused before
+# the model loads and the KV cache is allocated
+INT32_MAX = (1 << 31) - 1
+CAPS = {"num_blocks": 1 << 22, "max_num_seqs": 1 << 16, "intake_capacity": 1 << 20,
+        "max_num_batched_tokens": INT32_MAX, "max_model_len": INT32_MAX,
+        "block_size": MAX_BLOCK_SIZE}
 
 
 class Speculation(NamedTuple):
@@ -41,6 +50,10 @@ class Speculation(NamedTuple):
                 if self.max_step_tokens else "")
         adapt = ", fewer after drafts the model cut short" if self.adaptive else ""
         return f"prompt lookup, up to {self.num_tokens} drafts per step {load}{fill}{adapt}"
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -114,7 +127,7 @@ class EngineConfig:
                      "max_stop_token_ids", "max_logit_bias"):
             positive_int(name)
         for name in ("cuda_graphs", "gguf_blocks", "amx_tiles", "fused_decode",
-                     "speculative_adaptive"):
+                     "speculative_adaptive", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.block_size & (self.block_size - 1):
@@ -142,15 +155,26 @@ class EngineConfig:
                 raise ValueError("num_blocks must be >= 2 (block 0 is the reserved null block)")
         if self.max_model_len is not None:
             positive_int("max_model_len")
+        for name, cap in CAPS.items():
+            v = getattr(self, name)
+            if v is not None and v > cap:
+                raise ValueError(f"{name} must be <= {cap}, got {v}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attn_backend is not None and self.attn_backend not in ATTN_BACKENDS:
+            raise ValueError(f"attn_backend must be one of {', '.join(ATTN_BACKENDS)}, got "
+                             f"{self.attn_backend!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                              f"{self.kv_cache_dtype!r}")
         if self.kv_cache_gb is not None and not (
-                isinstance(self.kv_cache_gb, (int, float)) and math.isfinite(self.kv_cache_gb)
+                _is_number(self.kv_cache_gb) and math.isfinite(self.kv_cache_gb)
                 and self.kv_cache_gb > 0):
             raise ValueError(f"kv_cache_gb must be a positive number, got {self.kv_cache_gb!r}")
-        if not (0.0 < self.gpu_memory_utilization <= 1.0):
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if not _is_number(self.gpu_memory_utilization) or \
+                not (0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got "
+                             f"{self.gpu_memory_utilization!r}")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got "
                              f"{self.scheduling_policy!r}")

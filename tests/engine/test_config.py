@@ -28,6 +28,18 @@ from ferrobatch.config import EngineConfig, Speculation
     ({"speculative_adaptive": 1}, "speculative_adaptive"),
     ({"speculative_ngram_min": 0}, "n-gram"),
     ({"speculative_ngram_min": 5, "speculative_ngram_max": 4}, "n-gram"),
+    # checked before the model loads (they used to fail after it, or allocate first)
+    ({"max_num_seqs": 2**70}, "max_num_seqs"),
+    ({"max_num_batched_tokens": 2**40}, "max_num_batched_tokens"),
+    ({"num_blocks": 2**23}, "num_blocks"),
+    ({"block_size": 2**20}, "block_size"),
+    ({"max_model_len": 2**40}, "max_model_len"),
+    ({"enable_prefix_caching": "no"}, "enable_prefix_caching"),
+    ({"gpu_memory_utilization": "x"}, "gpu_memory_utilization"),
+    ({"gpu_memory_utilization": None}, "gpu_memory_utilization"),
+    ({"kv_cache_gb": True}, "kv_cache_gb"),
+    ({"dtype": "float8"}, "dtype"),
+    ({"attn_backend": "flash"}, "attn_backend"),
 ])
 def test_bad_values_are_refused_with_the_field_named(options, match):
     with pytest.raises(ValueError, match=match):
@@ -131,7 +143,7 @@ def test_a_cpu_kv_cache_larger_than_memory_is_refused_before_it_is_filled(loaded
         EngineCore.build(EngineConfig(model="smollm2", device="cpu", kv_cache_gb=100_000),
                          loaded_smollm2)
     with pytest.raises(ValueError, match="memory is available"):
-        EngineCore.build(EngineConfig(model="smollm2", device="cpu", num_blocks=10**9),
+        EngineCore.build(EngineConfig(model="smollm2", device="cpu", num_blocks=2**22),
                          loaded_smollm2)
 
 
