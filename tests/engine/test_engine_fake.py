@@ -292,3 +292,19 @@ def test_build_output_sees_every_change_and_nothing_else(kind):
     out = st.build_output()
     assert out is not None and out.finished and out.outputs[0].finish_reason == "length"
     assert st.build_output() is None
+
+
+async def test_a_step_thread_call_given_up_on_does_not_kill_the_engine(fake_engine):
+    """`check_idle_clean` waits on a call to the step thread with a timeout; a timed-out
+    (cancelled) call used to raise InvalidStateError there, which took the engine down."""
+    import threading
+
+    release = threading.Event()
+    blocker = fake_engine._loop_thread.call(lambda: release.wait(10))
+    given_up = fake_engine._loop_thread.call(lambda: "never needed")
+    assert given_up.cancel()
+    release.set()
+    assert await asyncio.wrap_future(blocker) is True
+    out = [o async for o in fake_engine.generate("abc", SamplingParams(max_tokens=3))][-1]
+    assert out.outputs[0].finish_reason == "length"
+    assert fake_engine.is_running

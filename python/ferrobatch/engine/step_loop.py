@@ -59,6 +59,8 @@ class StepLoop:
                 fn, fut = self._calls.get_nowait()
             except queue.Empty:
                 return
+            if not fut.set_running_or_notify_cancel():
+                continue            # the caller gave up waiting (e.g. a timeout): not run
             try:
                 fut.set_result(fn())
             except Exception as exc:  # noqa: BLE001 - reported to the caller
