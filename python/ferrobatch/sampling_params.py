@@ -132,10 +132,14 @@ class SamplingParams:
                 raise ValueError("logit_bias must be a map of token id -> bias")
             bias: dict[int, float] = {}
             for k, v in self.logit_bias.items():
-                try:
+                # an int, or its decimal text (JSON object keys are strings); not 1.7 or True
+                if _is_int(k):
+                    tok = k
+                elif isinstance(k, str) and k.strip().lstrip("+-").isdigit() \
+                        and k.strip().isascii():
                     tok = int(k)
-                except (TypeError, ValueError):
-                    raise ValueError(f"logit_bias key {k!r} is not a token id") from None
+                else:
+                    raise ValueError(f"logit_bias key {k!r} is not a token id")
                 if tok < 0 or not _is_num(v) or not (-100.0 <= v <= 100.0):
                     raise ValueError(f"logit_bias[{k!r}] must be a number in [-100, 100]")
                 bias[tok] = float(v)

@@ -138,10 +138,17 @@ async def test_validation_before_allocation(fake_engine, prompt, kw, match):
     {"seed": -1}, {"stop": [""]}, {"repetition_penalty": 0}, {"max_tokens": 1.5},
     # positive, but 0 once stored as float32 (the Rust core's type)
     {"top_p": 1e-300}, {"repetition_penalty": 1e-300},
+    # a token id is an int or its decimal text, not a float or a bool that int() would take
+    {"logit_bias": {1.7: 1}}, {"logit_bias": {True: 1}}, {"logit_bias": {"1.5": 1}},
+    {"logit_bias": {"-3": 1}}, {"logit_bias": {"٣": 1}},
 ])
 def test_sampling_params_reject(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
+
+
+def test_logit_bias_keys_may_be_ids_or_their_text():
+    assert SamplingParams(logit_bias={"7": 1, 9: -2.5}).logit_bias == {7: 1.0, 9: -2.5}
 
 
 async def test_duplicate_request_id(fake_engine):
