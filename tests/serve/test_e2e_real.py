@@ -236,6 +236,25 @@ async def test_health_ready_metrics(real, sdk):
     assert info and int(info.group(1)) == real.engine.stats()["num_blocks"], text
 
 
+async def test_readiness_probes_leave_the_metrics_alone(real):
+    """A probe runs a real one-token request; no counter, histogram or gauge may show it (the
+    prefix-cache lookups counted its prompt). No `_created` series beside the counters."""
+    async with aiohttp.ClientSession() as s:
+        async def scrape():
+            await real.engine.check_idle_clean()
+            async with s.get(real.base + "/metrics") as r:
+                return await r.text()
+
+        before = await scrape()
+        for _ in range(3):
+            async with s.get(real.base + "/ready") as r:
+                assert r.status == 200
+        after = await scrape()
+    assert re.search(r"^ferrobatch_prefix_cache_queries_total\{", after, re.M)
+    assert after == before
+    assert "_created" not in after
+
+
 async def test_lm_eval_style_loglikelihood_through_the_sdk(real, sdk):
     """lm-eval's remote-tokenizer probe and loglikelihood request on the real model: /tokenize
     agrees with the tokenizer, and the echoed prompt's logprob of a continuation equals the

@@ -116,7 +116,8 @@ class AsyncEngine:
         self._compile_lock: asyncio.Lock | None = None     # guided grammars, see prepare()
         self._pretokenized: dict[str, list[int]] = {}      # long prompts, see prepare()
         self.counters = {"accepted": 0, "released": 0, "rejected": 0, "stop": 0, "length": 0,
-                         "abort": 0, "error": 0, "guided": 0, "probes": 0}
+                         "abort": 0, "error": 0, "guided": 0, "probes": 0,
+                         "probe_prompt_tokens": 0}
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -236,6 +237,7 @@ class AsyncEngine:
         s["num_open_requests"] = len(self._requests)
         s["num_unscheduled_requests"] = len(self._unscheduled)
         s["num_guided_requests_total"] = self.counters["guided"]
+        s["num_probe_prompt_tokens_total"] = self.counters["probe_prompt_tokens"]
         guided = getattr(self._core, "_guided", None)
         s["num_guided_grammars_cached"] = guided.num_cached() if guided is not None else 0
         return s
@@ -409,6 +411,8 @@ class AsyncEngine:
                 self._unscheduled.discard(rid)
                 st = requests[rid]
                 st.scheduled_time = max(step_start, st.arrival_time)
+                if rid in self._probes:       # admitted: its prompt was looked up in the cache
+                    self.counters["probe_prompt_tokens"] += len(st.prompt_token_ids)
                 for o in self._observers_of(rid):
                     o.on_scheduled(st.scheduled_time - st.arrival_time,
                                    len(st.prompt_token_ids))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ferrobatch.engine.observer import EngineObserver
@@ -50,8 +50,11 @@ class _SchedulerCollector:
                     s.get("kv_cache_usage", 0.0))
         yield counter("num_preemptions", "Preemptions since start.",
                       s.get("num_preemptions_total", 0))
+        # readiness probes are not traffic: their (one-token) prompts are not counted
+        probe_queries = s.get("num_probe_prompt_tokens_total", 0) if s.get(
+            "prefix_cache_queries_total", 0) else 0
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      s.get("prefix_cache_queries_total", 0))
+                      s.get("prefix_cache_queries_total", 0) - probe_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       s.get("prefix_cache_hits_total", 0))
         yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed by prompt lookup "
@@ -76,6 +79,7 @@ class _SchedulerCollector:
 
 class ServerMetrics(EngineObserver):
     def __init__(self, engine: Any, model_name: str) -> None:
+        disable_created_metrics()     # no `_created` gauge beside every counter and histogram
         self.registry = CollectorRegistry()
         r, m = self.registry, model_name
         lab = ["model_name"]
@@ -83,13 +87,17 @@ class ServerMetrics(EngineObserver):
                                      "requests.", lab, registry=r).labels(m)
         self.generation_tokens = Counter("ferrobatch_generation_tokens", "Generated tokens.",
                                          lab, registry=r).labels(m)
-        success = Counter("ferrobatch_request_success", "Finished requests by finish reason.",
+        success = Counter("ferrobatch_request_success", "Finished requests by finish reason "
+                          "(a request of n sequences counts once: error or abort if any "
+                          "sequence ended so, else the first sequence's reason).",
                           lab + ["finished_reason"], registry=r)
         self.success = {reason: success.labels(m, reason) for reason in FINISH_REASONS}
         self.ttft = Histogram("ferrobatch_time_to_first_token_seconds", "Time to first token.",
                               lab, buckets=TTFT_BUCKETS, registry=r).labels(m)
-        self.itl = Histogram("ferrobatch_inter_token_latency_seconds", "Time between tokens of "
-                             "a request.", lab, buckets=ITL_BUCKETS, registry=r).labels(m)
+        self.itl = Histogram("ferrobatch_inter_token_latency_seconds", "Time between the "
+                             "steps that gave a request tokens (one gap per step, however many "
+                             "sequences or accepted drafts).", lab, buckets=ITL_BUCKETS,
+                             registry=r).labels(m)
         self.e2e = Histogram("ferrobatch_e2e_request_latency_seconds", "Arrival to finish.",
                              lab, buckets=LATENCY_BUCKETS, registry=r).labels(m)
         self.queue = Histogram("ferrobatch_request_queue_time_seconds", "Arrival to first "
