@@ -88,8 +88,8 @@ def test_a_tokenizer_less_random_model_is_refused_before_it_is_built(monkeypatch
     """The engine cannot serve a model without a tokenizer; `random:llama3-8b` used to build
     32 GB of float32 weights before saying so."""
     import ferrobatch.model.loader as loader
-    from ferrobatch.engine.core import EngineCore
     from ferrobatch.config import EngineConfig
+    from ferrobatch.engine.core import EngineCore
 
     def no_build(*args, **kwargs):
         raise AssertionError("the weights were built")
