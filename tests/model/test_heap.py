@@ -40,8 +40,3 @@ print(held - kept, return_freed_memory())
     released_by_free, released_by_trim = int(out[0]), int(out[1])
     assert released_by_free < 50 << 20          # free() alone gave little back
     assert released_by_trim > 150 << 20         # the trim returned most of the 200 MB
-
-
-def test_returns_none_or_a_size():
-    freed = return_freed_memory()
-    assert freed is None or freed >= 0

@@ -16,9 +16,9 @@ from ferrobatch.runtime.kv_cache import KVCache, kv_block_bytes, num_blocks_for_
 NUM_KV_HEADS, NUM_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 6, 16, 4, 64
 
 
-def _mixed_batch(seed: int):
+def _mixed_batch(seed: int, token_budget: int = 9):
     """Three sequences: a finished prefill now decoding, a chunked prefill, a fresh prompt."""
-    sched = ToyScheduler(NUM_BLOCKS, BLOCK_SIZE, token_budget=9, seed=seed)
+    sched = ToyScheduler(NUM_BLOCKS, BLOCK_SIZE, token_budget=token_budget, seed=seed)
     rng = np.random.default_rng(seed)
     for req_id, length in enumerate((5, 13, 7)):
         sched.add(req_id, rng.integers(0, 100, length).tolist(), max_new_tokens=4)

@@ -226,11 +226,11 @@ async def test_health_ready_metrics(real, sdk):
     assert value("inter_token_latency_seconds_count") > 0
     assert value("prefix_cache_queries_total") >= value("prefix_cache_hits_total")
     assert value("spec_decode_num_draft_tokens_total") >= \
-        value("spec_decode_num_accepted_tokens_total") >= 0
+        value("spec_decode_num_accepted_tokens_total")
     assert 0.0 <= value("kv_cache_usage_perc") <= 1.0
     assert value("num_requests_running") == 0
     assert 'finished_reason="abort"' in text
-    assert value("guided_requests_total") >= 0 and value("guided_grammars_cached") >= 0
+    value("guided_requests_total"), value("guided_grammars_cached")    # present (values: below)
     info = re.search(r'^ferrobatch_cache_config_info\{[^}]*block_size="16",'
                      r'cache_dtype="float32"[^}]*num_blocks="(\d+)"\} 1\.0$', text, re.M)
     assert info and int(info.group(1)) == real.engine.stats()["num_blocks"], text
@@ -318,10 +318,13 @@ async def test_structured_outputs_on_every_door(real, sdk):
     assert choice.text.startswith("{")
     if choice.finish_reason == "stop":
         assert isinstance(json.loads(choice.text), dict)
+    else:                       # cut by max_tokens: a prefix of an object
+        assert choice.finish_reason == "length"
     guided_before = real.engine.counters["guided"]
     picked = await sdk.completions.create(model="smollm2", prompt="The best season is",
                                           max_tokens=8, n=3, temperature=1.0, seed=2,
                                           extra_body={"guided_choice": ["summer", "winter"]})
+    assert len(picked.choices) == 3
     assert {c.text for c in picked.choices} <= {"summer", "winter"}
     assert real.engine.counters["guided"] == guided_before + 1
     async with aiohttp.ClientSession() as s:
