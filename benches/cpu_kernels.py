@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from argtypes import int_list, positive_int  # noqa: E402
 from common import format_table, machine_info, median_ms, write_json  # noqa: E402  (sets GOMP_SPINCOUNT first)
 
 import numpy as np  # noqa: E402
@@ -282,10 +283,10 @@ def block_rows(m_list, repeats):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default=None)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--only", choices=["attention", "prefill", "linear", "blocks", "amx", "kv16"],
                    default=None, help="run one of the five parts ('amx' = 'blocks')")
-    p.add_argument("--block-rows", default="1,4,5,6,8,13,16,32,64,512",
+    p.add_argument("--block-rows", type=int_list, default="1,4,5,6,8,13,16,32,64,512",
                    help="step sizes (rows) of part 4, comma-separated")
     a = p.parse_args()
     att = attention_rows([1, 16, 32, 64], [256, 1024], a.repeats) \
@@ -294,7 +295,7 @@ def main() -> int:
                          a.repeats) \
         if a.only in (None, "prefill") else []
     lin = linear_rows([1, 4, 16, 32, 64, 512], a.repeats) if a.only in (None, "linear") else []
-    blk = block_rows([int(m) for m in a.block_rows.split(",")], a.repeats) \
+    blk = block_rows(a.block_rows, a.repeats) \
         if a.only in (None, "blocks", "amx") else []
     kv16 = kv16_rows([(1, 1024), (13, 256), (16, 1024), (64, 256)], [(512, 0), (512, 1536)],
                      a.repeats) if a.only in (None, "kv16") else []

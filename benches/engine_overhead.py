@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from argtypes import int_list, name_list, positive_int
 from common import REPO, format_table, load_1min, machine_info, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,6 +40,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 PROMPT_LEN = 8
+SYSTEMS = ("ferrobatch-stub", "ferrobatch-stub-stream", "ferrobatch-1layer", "hf-cb-1layer")
 STUB_TOKEN = 10
 
 
@@ -296,15 +298,18 @@ def hf_time(model_dir: str, n: int, out_len: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--running", default="64,256,1024")
-    ap.add_argument("--systems", default="ferrobatch-stub,ferrobatch-1layer,hf-cb-1layer")
-    ap.add_argument("--l1", type=int, default=16, help="short run's output tokens")
-    ap.add_argument("--l2", type=int, default=80, help="long run's output tokens")
-    ap.add_argument("--repeat", type=int, default=3,
+    ap.add_argument("--running", type=int_list, default="64,256,1024")
+    ap.add_argument("--systems", type=name_list(SYSTEMS),
+                    default="ferrobatch-stub,ferrobatch-1layer,hf-cb-1layer")
+    ap.add_argument("--l1", type=positive_int, default=16, help="short run's output tokens")
+    ap.add_argument("--l2", type=positive_int, default=80, help="long run's output tokens")
+    ap.add_argument("--repeat", type=positive_int, default=3,
                     help="timed runs per length (alternating); medians are used")
-    ap.add_argument("--threads", type=int)
+    ap.add_argument("--threads", type=positive_int)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.l2 <= args.l1:
+        ap.error(f"--l2 {args.l2} must be above --l1 {args.l1}")
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
@@ -314,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {info.get('cpu_model')} x{info.get('cpu_count')}, torch threads "
           f"{info.get('torch_threads')}, load(1m) {info.get('loadavg_1m_at_start')}", flush=True)
     rows = []
-    for n in [int(x) for x in args.running.split(",")]:
-        for system in args.systems.split(","):
+    for n in args.running:
+        for system in args.systems:
             load = load_1min()
             extra: dict = {}
             lengths = (args.l1, args.l2)

@@ -26,6 +26,7 @@ import numpy as np
 # by PYTHONPATH for an A/B of two builds) wins
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 
+from argtypes import model_ref, positive_int
 from ferrobatch import LLM, SamplingParams
 from ferrobatch.guided.json_schema import schema_to_regex
 
@@ -134,9 +135,9 @@ async def _gather(llm, prompts, params):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--model", type=model_ref, default="smollm2")
+    ap.add_argument("--requests", type=positive_int, default=16)
+    ap.add_argument("--rounds", type=positive_int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     llm = LLM(args.model, max_num_seqs=64)
@@ -149,8 +150,10 @@ def main() -> None:
         for k, v in values.items():
             print(f"  {k:45s} {v}")
     if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+        print(f"json: {args.json}")
 
 
 if __name__ == "__main__":

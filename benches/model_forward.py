@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from step_builder import ToyScheduler
 
+from argtypes import model_ref, positive_int
 from ferrobatch.model.loader import load_model
 from ferrobatch.runtime.model_runner import ModelRunner
 
@@ -55,10 +56,10 @@ def _step_for(kind: str, num_seqs: int, length: int, block_size: int, num_blocks
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="random:smollm2-135m")
+    parser.add_argument("--model", type=model_ref, default="random:smollm2-135m")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
+    parser.add_argument("--iters", type=positive_int, default=5)
     parser.add_argument("--compare-gguf-blocks", action="store_true")
     parser.add_argument("--compare-fused-decode", action="store_true")
     parser.add_argument("--compare-amx", action="store_true")

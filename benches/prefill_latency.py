@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: F401,E402 - sets the OpenMP defaults before torch is imported
+from argtypes import int_list, name_list, positive_int  # noqa: E402
 
 PATHS = {"fused": {}, "layers": {"FERROBATCH_FUSED_DECODE": "0"},
          "sdpa": {"FERROBATCH_PREFILL_KERNEL": "0"}, "vector": {},
@@ -74,24 +75,22 @@ def _engine(label: str, chunk: int):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", default="256,1024,2048")
-    ap.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens")
-    ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated, of: "
-                    + ", ".join(PATHS))
+    ap.add_argument("--lengths", type=int_list, default="256,1024,2048")
+    ap.add_argument("--chunk", type=positive_int, default=512, help="max_num_batched_tokens")
+    ap.add_argument("--repeat", type=positive_int, default=2)
+    ap.add_argument("--paths", type=name_list(PATHS), default=",".join(PATHS),
+                    help="comma-separated, of: " + ", ".join(PATHS))
     args = ap.parse_args(argv)
 
     from ferrobatch import SamplingParams
 
-    labels = [p.strip() for p in args.paths.split(",") if p.strip()]
-    if unknown := set(labels) - set(PATHS):
-        ap.error(f"unknown paths {sorted(unknown)}")
+    labels = args.paths
     engines = {label: _engine(label, args.chunk) for label in labels}
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     print("path | prompt tokens | time to first token (ms) | prefill attention (ms) | runs")
     best: dict[tuple[str, int], float] = {}
     try:
-        for length in [int(x) for x in args.lengths.split(",")]:
+        for length in args.lengths:
             rows: dict[str, list[tuple[float, float]]] = {label: [] for label in labels}
             for llm, _ in engines.values():
                 llm.generate([[100 + i % 40000 for i in range(length)]], params, use_tqdm=False)
@@ -108,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 attn = "-" if label in ("fused", "vector") else f"{b[1]:.0f}"
                 print(f"{label} | {length} | {b[0]:.0f} | {attn} | "
                       + ", ".join(f"{a:.0f}/{c:.0f}" for a, c in rows[label]))
-            if "fused" in labels:
+            if "fused" in labels and len(labels) > 1:
                 print("  time to first token vs fused: " + ", ".join(
                     f"{label} {best[label, length] / best['fused', length]:.2f}x"
                     for label in labels if label != "fused"))

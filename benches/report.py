@@ -65,8 +65,10 @@ def throughput_md(d: dict) -> str:
 def serving_md(d: dict) -> str:
     m = d["machine"]
     w = d["workload"]
+    cap = d.get("max_num_seqs")    # null: only an already running server, its cap unknown
+    cap = f"max_num_seqs {cap}" if cap is not None else "not known (an already running server)"
     lines = [(f"**serving** — workload `{w['name']}` ({w['num_prompts']} requests per rate, "
-             f"{w['output_tokens']} output tokens), server cap max_num_seqs {d['max_num_seqs']}. "
+             f"{w['output_tokens']} output tokens), server cap {cap}. "
              f"{m['date_utc']}, load(1m) {_f(m.get('loadavg_1m_at_start'), '.2f')} at start, "
              f"{_f(m.get('loadavg_1m_at_end'), '.2f')} at end."), "",
              ("| server | rate (req/s) | ok / failed | req/s | out tok/s | TTFT mean / p50 / p99 "
@@ -105,15 +107,23 @@ def render(path: str) -> str:
     """Markdown for one JSON; other benches' JSONs (kernels, speculative, ...) get one line
     naming their fields instead of a traceback."""
     d = json.loads(Path(path).read_text())
+    if not isinstance(d, dict):
+        return f"(not a result of the benches: a JSON {type(d).__name__})\n"
+    results = d.get("results")
+    first = results[0] if isinstance(results, list) and results else None
+    first = first if isinstance(first, dict) else {}
     try:
         if "method" in d:
             body = overhead_md(d)
-        elif not d.get("results"):
+        elif not results:
             body = f"(no results table in this JSON; its fields: {', '.join(sorted(d))})"
-        elif "request_rate" in d["results"][0]:
+        elif "request_rate" in first:
             body = serving_md(d)
-        else:
+        elif "workload" in d and "system" in first:
             body = throughput_md(d)
+        else:
+            body = (f"(no throughput / serving / overhead table in this JSON; its fields: "
+                    f"{', '.join(sorted(d))})")
     except (KeyError, TypeError) as e:
         body = f"(not a throughput / serving / overhead result: {type(e).__name__} {e})"
     return f"{body}\n\nCommand: `{d.get('command', '?')}`\n"
@@ -127,8 +137,12 @@ def main() -> int:
     for p in parser.parse_args().json:
         if not Path(p).is_file():
             parser.error(f"no such file: {p}")
+        try:
+            text = render(p)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            parser.error(f"{p} is not JSON: {e}")
         print(f"<!-- {p} -->")
-        print(render(p))
+        print(text)
     return 0
 
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
 import numpy as np
 
+from argtypes import positive_int
 from ferrobatch._scheduler import Scheduler
 
 WAITING = 4096
@@ -76,8 +78,10 @@ def measure(running: int, cycles: int, repeats: int = 5) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cycles", type=int, default=2000, help="cycles per repeat (5 repeats; best reported)")
-    ap.add_argument("--running", type=int, nargs="*", default=[64, 256, 1024])
+    ap.add_argument("--cycles", type=positive_int, default=2000,
+                    help="cycles per repeat at 64 running, scaled by 64 / R for R running, at "
+                    "least 200 (5 repeats; best reported)")
+    ap.add_argument("--running", type=positive_int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--json", metavar="PATH", help="write {'results': [...]} here")
     args = ap.parse_args()
     results = [measure(r, max(200, args.cycles * 64 // r)) for r in args.running]
@@ -85,8 +89,10 @@ def main() -> None:
     for r in results:
         print(f"{r['running']:>8} {r['waiting']:>8} {r['us_per_cycle']:>16.1f} {r['us_per_cycle_median']:>18.1f}")
     if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"results": results}, f, indent=2)
+        print(f"json: {args.json}")
 
 
 if __name__ == "__main__":

@@ -39,10 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 
+from argtypes import float_list, name_list, positive_float, positive_int
 from common import REPO, load_1min, machine_info, write_json
 from workloads import WORKLOADS, Request, build_requests, fresh_prompts, summarize
 
 PY = sys.executable
+SERVERS = ("ferrobatch", "ferrobatch-f32", "hf")
+DOORS = ("http", "ws", "tcp")        # ferrobatch's; hf has http only
 
 
 @dataclass
@@ -315,10 +318,14 @@ async def model_name(base: str, fallback: str) -> str:
 
 async def open_door(door: str, base: str, tcp_port: int | None):
     from ferrobatch.client import TCPClient, WSClient
-    if door == "ws":
-        return await WSClient.connect(base.replace("http://", "ws://") + "/v1/ws")
-    if door == "tcp":
-        return await TCPClient.connect("127.0.0.1", tcp_port)
+    try:
+        if door == "ws":
+            return await WSClient.connect(base.replace("http://", "ws://") + "/v1/ws")
+        if door == "tcp":
+            return await TCPClient.connect("127.0.0.1", tcp_port)
+    except Exception as exc:  # noqa: BLE001 - one line, not a traceback
+        raise SystemExit(f"cannot open the {door} door of {base}: {type(exc).__name__}: {exc}") \
+            from None
     raise ValueError(door)
 
 
@@ -394,18 +401,19 @@ def plot(results: list[dict], path: str) -> str | None:
 async def amain(args) -> int:
     w = WORKLOADS[args.workload]
     base_reqs = build_requests(w)
-    n = args.num_prompts or len(base_reqs)
+    n = args.num_prompts if args.num_prompts is not None else len(base_reqs)
     # beyond the workload's own requests, repeats get fresh token ids (no prefix-cache hits)
     reqs = [fresh_prompts([base_reqs[i % len(base_reqs)]], w, i // len(base_reqs))[0]
             for i in range(n)]
-    rates = [float(x) for x in args.request_rates.split(",")]
+    rates = args.request_rates
     info = machine_info()
     print(f"workload {w.name}: {n} requests ({summarize(reqs)['output_tokens']} output tokens); "
           f"rates {rates}; load(1m) {info['loadavg_1m_at_start']}", flush=True)
     results: list[dict] = []
     if args.base_url:
-        results += await bench_server(args.base_url, args.base_url.rstrip("/"), reqs, rates, args)
-    for kind in [s for s in (args.servers or "").split(",") if s]:
+        results += await bench_server(args.base_url, args.base_url.rstrip("/"), reqs, rates, args,
+                                      tuple(args.doors))
+    for kind in args.servers or []:
         port, tcp_port = free_port(), free_port()
         cmd = server_command(kind, port, args, tcp_port)
         env = dict(os.environ, PYTHONPATH=str(REPO / "python"), HF_HUB_OFFLINE="1")
@@ -417,7 +425,7 @@ async def amain(args) -> int:
         try:
             base = f"http://127.0.0.1:{port}"
             await wait_ready(base, proc, args.startup_timeout)
-            doors = tuple(args.doors.split(",")) if kind.startswith("ferrobatch") else ("http",)
+            doors = tuple(args.doors) if kind.startswith("ferrobatch") else ("http",)
             results += await bench_server(kind, base, reqs, rates, args, doors, tcp_port)
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -428,6 +436,7 @@ async def amain(args) -> int:
     out = {"workload": {"name": w.name, "model": args.model, "num_prompts": n,
                         **summarize(reqs)},
            "machine": {**info, "loadavg_1m_at_end": load_1min()},
+           # the launched servers' (null when only --base-url ran: its cap is not known here)
            "max_num_seqs": args.max_num_seqs,
            "max_num_batched_tokens": args.max_num_batched_tokens,
            "command": "python " + " ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
@@ -446,23 +455,27 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-url", help="an already running server (loopback)")
-    ap.add_argument("--servers", help="launch these in turn: ferrobatch,ferrobatch-f32,hf")
+    ap.add_argument("--servers", type=name_list(SERVERS),
+                    help="launch these in turn: ferrobatch,ferrobatch-f32,hf")
     ap.add_argument("--endpoint", default="/v1/completions")
-    ap.add_argument("--doors", default="http",
-                    help="ferrobatch doors to measure: http,ws,tcp (hf has http only)")
+    ap.add_argument("--doors", type=name_list(DOORS), default="http",
+                    help="ferrobatch doors to measure: http,ws,tcp (hf has http only; "
+                    "--base-url: http,ws)")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--workload", default="cpu-serve", choices=sorted(WORKLOADS))
-    ap.add_argument("--num-prompts", type=int)
-    ap.add_argument("--request-rates", default="1,2,inf")
-    ap.add_argument("--max-concurrency", type=int)
-    ap.add_argument("--max-num-seqs", type=int, default=16, help="server concurrency cap (both)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512,
-                    help="per-step token budget (both servers)")
+    ap.add_argument("--num-prompts", type=positive_int)
+    ap.add_argument("--request-rates", type=float_list, default="1,2,inf")
+    ap.add_argument("--max-concurrency", type=positive_int)
+    ap.add_argument("--max-num-seqs", type=positive_int,
+                    help="launched servers' concurrency cap (both; default 16)")
+    ap.add_argument("--max-num-batched-tokens", type=positive_int,
+                    help="launched servers' per-step token budget (both; default 512)")
     ap.add_argument("--ferrobatch-args", default="", help="extra `ferrobatch serve` flags")
-    ap.add_argument("--threads", type=int, help="torch threads of the launched servers")
+    ap.add_argument("--threads", type=positive_int, help="torch threads of the launched servers")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
-    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--timeout", type=positive_float, default=600.0,
+                    help="per-request timeout (s)")
+    ap.add_argument("--startup-timeout", type=positive_float, default=600.0)
     ap.add_argument("--json")
     ap.add_argument("--plot")
     ap.add_argument("--log-dir")
@@ -472,6 +485,19 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give --base-url or --servers")
     if args.base_url and not args.base_url.startswith(("http://127.0.0.1", "http://localhost")):
         ap.error("loopback only")
+    if args.base_url and "tcp" in args.doors:
+        # the WebSocket door is on the HTTP port; the TCP door's port is the server's own flag
+        ap.error("--doors tcp: the TCP door's port cannot be derived from --base-url "
+                 "(measure it with --servers ferrobatch)")
+    if args.servers:
+        args.max_num_seqs = args.max_num_seqs or 16
+        args.max_num_batched_tokens = args.max_num_batched_tokens or 512
+    elif given := [f for f, v in (("--max-num-seqs", args.max_num_seqs),
+                                  ("--max-num-batched-tokens", args.max_num_batched_tokens),
+                                  ("--ferrobatch-args", args.ferrobatch_args),
+                                  ("--threads", args.threads), ("--log-dir", args.log_dir)) if v]:
+        ap.error(f"{', '.join(given)}: options of the launched servers (--servers), "
+                 "not of --base-url")
     return asyncio.run(amain(args))
 
 

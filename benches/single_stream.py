@@ -18,20 +18,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from argtypes import int_list, positive_int  # noqa: E402
 from common import format_table, machine_info, write_json  # noqa: E402 - sets OpenMP defaults first
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", default="256,1024,2000")
-    ap.add_argument("--tokens", type=int, default=128, help="decoded tokens per measurement")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--lengths", type=int_list, default="256,1024,2000")
+    ap.add_argument("--tokens", type=positive_int, default=128,
+                    help="decoded tokens per measurement")
+    ap.add_argument("--repeat", type=positive_int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy; above: sampled (seeded), as a chat client would ask")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.temperature < 0:
+        ap.error(f"--temperature {args.temperature}: expected a number >= 0")
+    if not 0 < args.top_p <= 1:
+        ap.error(f"--top-p {args.top_p}: expected a number in (0, 1]")
 
     import numpy as np
 
@@ -50,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         return time.perf_counter() - t0
 
     rows = []
-    for length in (int(x) for x in args.lengths.split(",")):
+    for length in args.lengths:
         per_token = sorted((timed(length, args.tokens + 1) - timed(length, 1)) / args.tokens * 1e3
                            for _ in range(args.repeat))
         rows.append({"prompt_tokens": length, "ms_per_token": per_token[len(per_token) // 2],

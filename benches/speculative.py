@@ -38,6 +38,7 @@ sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__f
 
 from tqdm import tqdm
 
+from argtypes import int_list, model_ref, name_list, positive_int
 from ferrobatch import LLM, SamplingParams
 
 PASSAGES = [
@@ -96,12 +97,17 @@ def run_once(llm: LLM, convs: list, params: SamplingParams, concurrency: int) ->
 
 
 def engine_options(setting: str) -> dict:
-    """`K` or `K/R/S[/L]` (see the module docstring) as LLM keyword options."""
+    """`K` or `K/R/S[/L]` (see the module docstring) as LLM keyword options; ValueError for
+    anything else, or values the engine would refuse."""
+    from ferrobatch.config import EngineConfig
+
     parts = setting.split("/")
-    if len(parts) not in (1, 3, 4) or (len(parts) == 4 and parts[3] not in ("adaptive", "fixed")):
-        raise SystemExit(f"--drafts entry {setting!r}: expected K or K/R/S[/adaptive|fixed]")
+    if len(parts) not in (1, 3, 4) or (len(parts) == 4 and parts[3] not in ("adaptive", "fixed")) \
+            or not all(v.isdigit() for v in parts[:3] if v != ""):
+        raise ValueError("expected K or K/R/S[/adaptive|fixed], integers >= 0")
     names = ("num_speculative_tokens", "speculative_max_running", "speculative_max_step_tokens")
     options = {n: int(v) for n, v in zip(names, parts[:3]) if v != ""}
+    EngineConfig(**options)   # the engine's own checks (K <= 16, ...), before any model loads
     if len(parts) == 4:
         options["speculative_adaptive"] = parts[3] == "adaptive"
     return options
@@ -109,23 +115,30 @@ def engine_options(setting: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--model", type=model_ref, default="smollm2")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (the model loads in its default dtype there)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=positive_int, default=3)
+    ap.add_argument("--max-tokens", type=positive_int, default=128)
     ap.add_argument("--drafts", default="3,6",
                     help="speculative settings to compare with off: K or K/R/S[/L] (see above)")
-    ap.add_argument("--concurrency", default="1,4")
-    ap.add_argument("--workloads", default="copy,edit,open")
-    ap.add_argument("--requests", type=int, default=4,
+    ap.add_argument("--concurrency", type=int_list, default="1,4")
+    ap.add_argument("--workloads", type=name_list(workloads()), default="copy,edit,open")
+    ap.add_argument("--requests", type=positive_int, default=4,
                     help="requests per workload: its 4 prompts, cycled (identical prompts give "
                     "identical greedy answers, so the load is what varies)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     settings = ["0"] + [x.strip() for x in a.drafts.split(",") if x.strip()]
-    concurrency = [int(x) for x in a.concurrency.split(",")]
+    try:
+        for k in settings:
+            engine_options(k)
+    except ValueError as e:
+        ap.error(f"argument --drafts: entry {k!r}: {e}")
+    if twice := sorted({k for k in settings if settings.count(k) > 1}):
+        ap.error(f"argument --drafts: {', '.join(twice)} given twice ('0', off, is always run)")
+    concurrency = a.concurrency
     chosen = {k: [v[i % len(v)] for i in range(a.requests)]
-              for k, v in workloads().items() if k in a.workloads.split(",")}
+              for k, v in workloads().items() if k in a.workloads}
 
     from ferrobatch.model.loader import load_model
     loaded = load_model(a.model, device=a.device)

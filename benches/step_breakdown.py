@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from step_builder import ToyScheduler  # noqa: E402
 
+from argtypes import int_list, positive_int  # noqa: E402
 from common import format_table, machine_info, median_ms, write_json  # noqa: E402  (OpenMP defaults first)
 from ferrobatch.model.loader import load_model  # noqa: E402
 from ferrobatch.runtime.cpu_threads import torch_single_threaded  # noqa: E402
@@ -134,14 +135,14 @@ def breakdown(runner: ModelRunner, rows: int, context: int, repeats: int) -> dic
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="1,4,16")
-    ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--rows", type=int_list, default="1,4,16")
+    ap.add_argument("--context", type=positive_int, default=256)
+    ap.add_argument("--repeats", type=positive_int, default=9)
     ap.add_argument("--kv-cache-dtype", choices=["auto", "float16"], default="auto",
                     help="what the KV cache stores (auto: the model's float32)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    rows_list = [int(r) for r in args.rows.split(",")]
+    rows_list = args.rows
 
     loaded = load_model("smollm2")
     blocks_needed = max(rows_list) * (-(-(args.context + 8) // BLOCK_SIZE)) + 2

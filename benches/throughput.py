@@ -37,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from argtypes import positive_int
 from common import REPO, format_table, load_1min, machine_info, ratio_table, write_json
 from workloads import (
     WORKLOADS,
@@ -59,12 +60,23 @@ DEFAULT_SYSTEMS = "ferrobatch,ferrobatch-static,hf-static,hf-continuous"
 
 
 def parse_systems(spec: str) -> list[tuple[str, str, int | None]]:
+    """`--systems` as (name, system, cap or None); ValueError for an unknown system or a bad cap."""
     out = []
     for item in [s.strip() for s in spec.split(",") if s.strip()]:
-        base, _, n = item.partition("@")
+        base, at, n = item.partition("@")
         if base not in SYSTEMS:
-            raise SystemExit(f"unknown system {base!r}; known: {', '.join(SYSTEMS)}")
-        out.append((item, base, int(n) if n else None))
+            raise ValueError(f"unknown system {base!r}; known: {', '.join(SYSTEMS)}")
+        cap = None
+        if at:
+            try:
+                cap = int(n)
+            except ValueError:
+                cap = 0
+            if cap < 1:
+                raise ValueError(f"{item!r}: the cap after '@' must be an integer >= 1")
+        out.append((item, base, cap))
+    if not out:
+        raise ValueError(f"no system in {spec!r}; known: {', '.join(SYSTEMS)}")
     return out
 
 
@@ -268,25 +280,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default=DEFAULT_SYSTEMS)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--plot", help="batch-occupancy PNG (default: next to --json)")
-    ap.add_argument("--num-requests", type=int, help="run only the first N requests (dev runs)")
-    ap.add_argument("--max-num-seqs", type=int, help="override the workload's concurrency cap")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+    ap.add_argument("--num-requests", type=positive_int,
+                    help="run only the first N requests (dev runs)")
+    ap.add_argument("--max-num-seqs", type=positive_int,
+                    help="override the workload's concurrency cap")
+    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                     help="per-step token budget (ferrobatch and hf-continuous); default 512 on "
                     "CPU workloads, 8192 on GPU ones (the engine's defaults)")
-    ap.add_argument("--hf-static-batch-size", type=int, help="override the workload's hf-static batch")
+    ap.add_argument("--hf-static-batch-size", type=positive_int,
+                    help="override the workload's hf-static batch")
     ap.add_argument("--device", help="override the workload's device for the HF baselines")
-    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--threads", type=positive_int,
+                    help="torch intra-op threads (default: torch's)")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--replot", metavar="JSON", help="only redraw the plot of a result JSON")
     args = ap.parse_args(argv)
     if args.replot:
         import json
-        d = json.loads(Path(args.replot).read_text())
-        w = WORKLOADS[d["workload"]["name"]]
-        print(plot_occupancy(d["results"], w, args.plot
+        try:
+            d = json.loads(Path(args.replot).read_text())
+            w = WORKLOADS[d["workload"]["name"]]
+            rows = d["results"]
+            if not rows or any("system" not in r for r in rows):   # e.g. a serving result
+                raise KeyError("results[].system")
+        except OSError as e:
+            ap.error(f"--replot: cannot read {args.replot}: {e.strerror}")
+        except ValueError as e:
+            ap.error(f"--replot: {args.replot} is not JSON: {e}")
+        except (KeyError, TypeError) as e:
+            ap.error(f"--replot: {args.replot} is not a throughput result "
+                     f"({type(e).__name__} {e})")
+        print(plot_occupancy(rows, w, args.plot
                              or str(Path(args.replot).with_suffix("")) + "_occupancy.png"))
         return 0
+    try:
+        systems = parse_systems(args.systems)
+    except ValueError as e:
+        ap.error(f"--systems: {e}")
 
     if args.threads:
         import torch
@@ -297,8 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         args.max_num_batched_tokens = EngineConfig().step_token_budget(w.device)
     reqs = build_requests(w)
     if args.num_requests:
+        if args.num_requests > len(reqs):
+            ap.error(f"--num-requests {args.num_requests}: workload {w.name} has "
+                     f"{len(reqs)} requests")
         reqs = reqs[:args.num_requests]
-    systems = parse_systems(args.systems)
     info = machine_info()
     summary = summarize(reqs)
     print(f"workload {w.name}: {w.description}\n  model {w.model} ({w.dtype}, {w.device}); "
