@@ -302,3 +302,26 @@ def test_long_texts_encode_exactly_like_short_ones(tokenizer):
     assert len(plain) > len(tokenizer.encode(text))
     assert tokenizer.encode(text[:LONG_TEXT_CHARS - 1]) == \
         backend.encode(text[:LONG_TEXT_CHARS - 1], add_special_tokens=False).ids
+
+
+def test_tools_and_tool_messages_reach_a_template_that_renders_them():
+    """Templates of tool-calling models render `tools`, assistant `tool_calls`, `tool_call_id`
+    and `name`; the engine keeps them (they were dropped before the template saw them)."""
+    from ferrobatch.engine.inputs import normalize_messages
+
+    source = ("{% if tools %}TOOLS:{{ tools | map(attribute='function') | map(attribute='name')"
+              " | join(',') }};{% endif %}{% for m in messages %}{{ m.role }}"
+              "{% if m.name %}({{ m.name }}){% endif %}:{{ m.content }}"
+              "{% for c in m.tool_calls or [] %}[call {{ c.function.name }}]{% endfor %}"
+              "{% if m.tool_call_id %}[for {{ m.tool_call_id }}]{% endif %};{% endfor %}")
+    messages = normalize_messages([
+        {"role": "user", "content": "weather?", "name": "bob"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{}"}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+    ])
+    tools = [{"type": "function", "function": {"name": "get", "parameters": {}}}]
+    assert render_chat_template(source, messages, tools=tools) == \
+        "TOOLS:get;user(bob):weather?;assistant:[call get];tool:sunny[for c1];"
+    with pytest.raises(ValueError, match="tool_calls must be a list"):
+        normalize_messages([{"role": "assistant", "content": "", "tool_calls": "x"}])

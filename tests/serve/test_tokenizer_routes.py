@@ -76,3 +76,59 @@ async def test_the_api_key_guards_the_tokenizer_routes(fake_server):
     status, _, text = await post(fake_server, "/tokenize", {"prompt": "a"},
                                  headers={"Authorization": "Bearer k"})
     assert status == 200 and json.loads(text)["tokens"] == [97]
+
+
+CONTINUED = [{"role": "user", "content": "yo"}, {"role": "assistant", "content": "hel"}]
+
+
+async def test_chat_rendering_options_of_vllm_are_honoured(fake_server):
+    """add_generation_prompt, continue_final_message and text parts (joined by newlines, as
+    vLLM does) on /tokenize and /v1/chat/completions alike."""
+    async def rendered(body):
+        status, _, text = await post(fake_server, "/tokenize", body)
+        assert status == 200, text
+        return "".join(chr(t) for t in json.loads(text)["tokens"])
+
+    assert await rendered({"messages": CONTINUED}) == "<user>yo\n<assistant>hel\n<assistant>"
+    assert await rendered({"messages": CONTINUED, "add_generation_prompt": False}) == \
+        "<user>yo\n<assistant>hel\n"
+    continued = {"messages": CONTINUED, "add_generation_prompt": False,
+                 "continue_final_message": True}
+    assert await rendered(continued) == "<user>yo\n<assistant>hel"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                          {"type": "text", "text": "b"}]}]
+    assert await rendered({"messages": parts}) == "<user>a\nb\n<assistant>"
+    status, _, text = await post(fake_server, "/v1/chat/completions",
+                                 {**continued, "max_tokens": 2, "echo": False})
+    assert status == 200, text
+    assert json.loads(text)["usage"]["prompt_tokens"] == len("<user>yo\n<assistant>hel")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"add_generation_prompt": "yes"}, "add_generation_prompt"),
+    ({"continue_final_message": 1, "add_generation_prompt": False}, "continue_final_message"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"chat_template_kwargs": []}, "chat_template_kwargs"),
+    ({"chat_template": "{{ 1 }}"}, "chat_template"),
+    ({"documents": [{"text": "x"}]}, "documents"),
+    ({"echo": True}, "echo"),
+    ({"add_special_tokens": True}, "add_special_tokens"),
+])
+async def test_chat_rendering_options_that_cannot_be_honoured_are_400(fake_server, body, param):
+    status, _, text = await post(fake_server, "/v1/chat/completions",
+                                 {"messages": CONTINUED, "max_tokens": 2, **body})
+    assert status == 400, text
+    assert json.loads(text)["error"]["param"] == param
+
+
+@pytest.mark.parametrize("body,match", [
+    ({"messages": [{"role": "user", "content": "yo"}], "add_generation_prompt": False,
+      "continue_final_message": True}, "last message from the assistant"),
+    ({"messages": CONTINUED, "chat_template_kwargs": {"messages": []}}, "may not set messages"),
+])
+async def test_chat_rendering_options_checked_against_the_messages(fake_server, body, match):
+    for path in ("/tokenize", "/v1/chat/completions"):
+        status, _, text = await post(fake_server, path, {**body, "max_tokens": 2}
+                                     if path != "/tokenize" else body)
+        assert status == 400, text
+        assert match in json.loads(text)["error"]["message"]

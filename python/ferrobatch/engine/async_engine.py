@@ -92,6 +92,11 @@ class RequestStream:
             self._engine._abort_state(self._state, "abort")
 
 
+# names the chat template gets from the engine, which chat_template_kwargs may not replace
+TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token",
+                               "tools"})
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, *, loaded_model: Any = None,
                  core: Any = None, **options: Any) -> None:
@@ -244,9 +249,40 @@ class AsyncEngine:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def render_chat(self, messages: Any) -> str:
+    def render_chat(self, messages: Any, *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, tools: list | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
+        """A conversation as prompt text through the model's chat template (ValueError for bad
+        messages or options). `continue_final_message`: the text ends inside the last
+        (assistant) message, for the model to go on with it; `tools` and `template_kwargs`
+        are passed to the template (vLLM's `chat_template_kwargs`)."""
         msgs = normalize_messages(messages)
-        return self._core.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+        extra = dict(template_kwargs or {})
+        clash = sorted(set(extra) & TEMPLATE_RESERVED)
+        if clash:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
+        if tools is not None:
+            extra["tools"] = tools
+        if not continue_final_message:
+            return self._core.tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=add_generation_prompt, **extra)
+        if add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both "
+                             "be true")
+        final = msgs[-1]["content"]
+        if msgs[-1]["role"] != "assistant" or not final.strip():
+            raise ValueError("continue_final_message needs a last message from the assistant "
+                             "with some content")
+        text = self._core.tokenizer.apply_chat_template(msgs, add_generation_prompt=False,
+                                                        **extra)
+        # cut after the final message's text: what the template closes the turn with goes
+        # (a template may strip the content, so look for the stripped text if need be)
+        for piece in (final, final.strip()):
+            end = text.rfind(piece)
+            if end >= 0:
+                return text[:end + len(piece)]
+        raise ValueError("the chat template does not render the final message's text "
+                         "verbatim, so it cannot be continued")
 
     def add_request(self, prompt: Prompt | None = None, params: SamplingParams | None = None,
                     request_id: str | None = None, *, messages: Any = None,

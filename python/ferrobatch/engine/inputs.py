@@ -8,13 +8,17 @@ from typing import Any
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_MESSAGES = 1024
 MAX_PROMPT_CHARS = 1 << 20
+# message fields besides role and content that reach the chat template, with their types
+MESSAGE_EXTRAS = {"name": str, "tool_calls": list, "tool_call_id": str}
 
 
-def normalize_messages(messages: Any) -> list[dict[str, str]]:
-    """OpenAI-style chat messages -> [{"role", "content": str}]; ValueError on anything odd.
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI-style chat messages -> [{"role", "content": str, ...}]; ValueError on anything odd.
 
-    `content` may be a string or a list of `{"type": "text", "text": ...}` parts (joined);
-    `developer` is rendered as `system`, as the model's template knows no developer role.
+    `content` may be a string or a list of `{"type": "text", "text": ...}` parts (joined with
+    newlines, as vLLM does); `developer` is rendered as `system`, as the model's template knows
+    no developer role. A message's `name`, an assistant's `tool_calls` and a tool message's
+    `tool_call_id` are kept for templates that render them.
     """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list")
@@ -41,12 +45,21 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
                     raise ValueError(f"messages[{i}].content[{j}] must be a text part "
                                      "{'type': 'text', 'text': ...}")
                 texts.append(part["text"])
-            content = "".join(texts)
+            content = "\n".join(texts)
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
         if len(content) > MAX_PROMPT_CHARS:
             raise ValueError(f"messages[{i}].content is too long")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                               "content": content}
+        for key, kind in MESSAGE_EXTRAS.items():
+            value = m.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, kind):
+                raise ValueError(f"messages[{i}].{key} must be a {kind.__name__}")
+            msg[key] = value
+        out.append(msg)
     return out
 
 

@@ -51,12 +51,12 @@ def _content_text(content: Any, index: int) -> str:
                     or not isinstance(part.get("text"), str):
                 raise ValueError(f"messages[{index}].content: only text parts are supported")
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n".join(texts)
     raise ValueError(f"messages[{index}].content must be a string or a list of text parts")
 
 
-def normalize_messages(messages: Any) -> list[dict[str, str]]:
-    """Validates chat messages and flattens text-part lists into strings."""
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """Validates chat messages and flattens text-part lists into strings (other keys kept)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
     normalized = []
@@ -67,7 +67,8 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
         if role not in _ALLOWED_ROLES:
             raise ValueError(f"messages[{i}].role must be one of {sorted(_ALLOWED_ROLES)}, got {role!r}")
         content = message.get("content")
-        normalized.append({"role": role, "content": _content_text(content, i)})
+        kept = {k: v for k, v in message.items() if k not in ("role", "content")}
+        normalized.append({**kept, "role": role, "content": _content_text(content, i)})
     return normalized
 
 

@@ -28,6 +28,9 @@ class OpenAIRequest:
     created: int = field(default_factory=lambda: int(time.time()))
     echo: bool = False                         # completions: the prompt leads each choice
     tools: ToolPlan | None = None              # chat: the output is forced tool calls
+    # chat: `AsyncEngine.render_chat`'s options when any differs from its defaults (vLLM's
+    # add_generation_prompt, continue_final_message, chat_template_kwargs; the tools)
+    chat_template: dict[str, Any] | None = None
 
 
 def _check_common(body: Any, model_name: str) -> tuple[bool, bool, bool, str]:
@@ -119,9 +122,44 @@ def parse_chat(body: Any, model_name: str) -> OpenAIRequest:
     fields["logprobs"] = _chat_logprobs_count(body)
     params = sampling_params_from(fields, defaults={"max_tokens": None},
                                   output_kind="delta" if stream else "final")
+    for key, why in (("echo", "a completions field"), ("chat_template", "not supported: the "
+                     "model's own template is used"), ("documents", "not supported")):
+        if body.get(key) not in (None, False, []):
+            raise ProtocolError(f"'{key}' is {why}", param=key)
+    if body.get("add_special_tokens") not in (None, False):
+        raise ProtocolError("'add_special_tokens' must be false on chat: the chat template "
+                            "places the special tokens", param="add_special_tokens")
+    options = chat_template_options(body)
+    if tools is not None:
+        options["tools"] = body["tools"]
     return OpenAIRequest("chat", [], messages, params, stream, include_usage, model,
                          continuous_usage=continuous_usage,
-                         id=f"chatcmpl-{secrets.token_hex(12)}", tools=tools)
+                         id=f"chatcmpl-{secrets.token_hex(12)}", tools=tools,
+                         chat_template=options or None)
+
+
+def chat_template_options(body: dict) -> dict[str, Any]:
+    """vLLM's chat-rendering fields of a request body that differ from the defaults, as
+    `AsyncEngine.render_chat` keywords: `add_generation_prompt` (true), `continue_final_message`
+    (false), `chat_template_kwargs` (an object of extra template variables)."""
+    options: dict[str, Any] = {}
+    for key, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+        value = body.get(key, default)
+        if not isinstance(value, bool):
+            raise ProtocolError(f"'{key}' must be a boolean", param=key)
+        if value != default:
+            options[key] = value
+    if options.get("continue_final_message") and "add_generation_prompt" not in options:
+        raise ProtocolError("'continue_final_message' needs 'add_generation_prompt': false",
+                            param="continue_final_message")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise ProtocolError("'chat_template_kwargs' must be an object",
+                                param="chat_template_kwargs")
+        if kwargs:
+            options["template_kwargs"] = kwargs
+    return options
 
 
 def with_response_format(body: dict) -> dict:

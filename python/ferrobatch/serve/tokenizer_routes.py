@@ -4,7 +4,8 @@ vLLM users' scripts call):
 - ``GET /tokenizer_info`` -> ``{eos_token, bos_token, pad_token, chat_template,
   model_max_length, vocab_size, eos_token_ids}``
 - ``POST /tokenize`` ``{prompt: str, add_special_tokens?: bool}`` or ``{messages: [...],
-  add_generation_prompt?: bool}`` -> ``{tokens, count, max_model_len}``
+  add_generation_prompt?: bool, continue_final_message?: bool, chat_template_kwargs?: {...}}``
+  -> ``{tokens, count, max_model_len}``
 - ``POST /detokenize`` ``{tokens: [int]}`` -> ``{prompt}``
 
 Input is checked like every other door (400 with the OpenAI error object); nothing here touches
@@ -17,9 +18,10 @@ from typing import Any
 
 from aiohttp import web
 
-from ferrobatch.engine.inputs import check_prompt_text, normalize_messages
+from ferrobatch.engine.inputs import check_prompt_text
 from ferrobatch.serve.codec import MAX_ARRAY_LEN
 from ferrobatch.serve.http import read_json
+from ferrobatch.serve.openai_protocol import chat_template_options
 from ferrobatch.serve.protocol import ProtocolError
 from ferrobatch.serve.state import STATE
 
@@ -61,13 +63,8 @@ async def tokenize(request: web.Request) -> web.Response:
     if (prompt is None) == (messages is None):
         raise ProtocolError("send exactly one of 'prompt' (text) or 'messages' (chat)")
     if messages is not None:
-        add_generation = body.get("add_generation_prompt", True)
-        if not isinstance(add_generation, bool):
-            raise ProtocolError("'add_generation_prompt' must be a boolean",
-                                param="add_generation_prompt")
         try:
-            prompt = engine.tokenizer.apply_chat_template(
-                normalize_messages(messages), add_generation_prompt=add_generation)
+            prompt = engine.render_chat(messages, **chat_template_options(body))
         except ValueError as exc:
             raise ProtocolError(str(exc), param="messages") from None
         special = False                 # the template already placed the special tokens
