@@ -305,10 +305,12 @@ class Sampler:
         return self._with_logprobs(tokens, raw_logits, batch, extras)
 
     def _sample_random(self, logits: torch.Tensor, batch, temperature: np.ndarray) -> torch.Tensor:
+        """One drawn token per row; scales `logits` (the caller's working copy) in place."""
         safe_t = torch.from_numpy(np.where(temperature > 0.0, temperature, 1.0)).to(self.device)
         # shifted so the largest is 0 first: a tiny temperature then sends the others to -inf
-        # (near-greedy) instead of every logit to +-inf (NaN probabilities, a garbage token)
-        scaled = (logits - logits.amax(dim=-1, keepdim=True)) / safe_t[:, None]
+        # (near-greedy) instead of every logit to +-inf (NaN probabilities, a garbage token).
+        # In place: `logits` is the sampler's own copy, and a batch's rows are tens of MB.
+        scaled = logits.sub_(logits.amax(dim=-1, keepdim=True)).div_(safe_t[:, None])
         top_k = np.asarray(batch.top_k)
         top_p = np.asarray(batch.top_p, dtype=np.float32)
         if np.any(top_k > 0) or np.any(top_p < 1.0):
