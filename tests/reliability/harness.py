@@ -146,6 +146,14 @@ async def wait_engine_idle(engine: AsyncEngine, timeout_s: float) -> float:
 
 
 def process_snapshot() -> dict[str, float]:
+    """RSS (what the process retains: garbage collected and the allocator's free memory
+    handed back first, so a leak shows and heap slack does not), fds, threads, connections."""
+    import gc
+
+    from ferrobatch.runtime.heap import return_freed_memory
+
+    gc.collect()
+    return_freed_memory()
     p = psutil.Process()
     return {"rss_mb": p.memory_info().rss / 2**20, "fds": p.num_fds(),
             "threads": p.num_threads(), "conns": len(p.net_connections(kind="tcp"))}
