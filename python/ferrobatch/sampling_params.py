@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -28,12 +29,15 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+_DECIMAL = re.compile(r"\s*[+-]?[0-9]+\s*")        # a token id as text (JSON object keys)
+
+
 def _as_float32(v: float) -> float:
     """`v` as the Rust core stores it (float32): a positive value below its range becomes 0."""
     try:
         return struct.unpack("f", struct.pack("f", v))[0]
-    except OverflowError:                   # beyond float32: the range checks refuse it
-        return float(v)
+    except (OverflowError, struct.error):   # beyond float32 (or a float): the range checks
+        return math.inf if v > 0 else -math.inf   # refuse it
 
 
 @dataclass(frozen=True)
@@ -135,8 +139,7 @@ class SamplingParams:
                 # an int, or its decimal text (JSON object keys are strings); not 1.7 or True
                 if _is_int(k):
                     tok = k
-                elif isinstance(k, str) and k.strip().lstrip("+-").isdigit() \
-                        and k.strip().isascii():
+                elif isinstance(k, str) and _DECIMAL.fullmatch(k):
                     tok = int(k)
                 else:
                     raise ValueError(f"logit_bias key {k!r} is not a token id")

@@ -51,7 +51,8 @@ class CharTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids if not (skip_special_tokens and i == EOS))
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **extra) -> str:
+    def apply_chat_template(self, messages, /, add_generation_prompt: bool = True,
+                            **extra) -> str:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 

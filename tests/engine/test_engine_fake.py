@@ -140,7 +140,9 @@ async def test_validation_before_allocation(fake_engine, prompt, kw, match):
     {"top_p": 1e-300}, {"repetition_penalty": 1e-300},
     # a token id is an int or its decimal text, not a float or a bool that int() would take
     {"logit_bias": {1.7: 1}}, {"logit_bias": {True: 1}}, {"logit_bias": {"1.5": 1}},
-    {"logit_bias": {"-3": 1}}, {"logit_bias": {"٣": 1}},
+    {"logit_bias": {"-3": 1}}, {"logit_bias": {"٣": 1}}, {"logit_bias": {"+-5": 1}},
+    # an int past a double's range (JSON allows it): refused, not a struct.error
+    {"top_p": 10**400}, {"repetition_penalty": 10**400},
 ])
 def test_sampling_params_reject(kw):
     with pytest.raises(ValueError):

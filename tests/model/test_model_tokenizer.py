@@ -325,3 +325,26 @@ def test_tools_and_tool_messages_reach_a_template_that_renders_them():
         "TOOLS:get;user(bob):weather?;assistant:[call get];tool:sunny[for c1];"
     with pytest.raises(ValueError, match="tool_calls must be a list"):
         normalize_messages([{"role": "assistant", "content": "", "tool_calls": "x"}])
+
+
+def test_template_variables_may_have_any_name():
+    assert render_chat_template("{{ source }}-{{ extra }}", [{"role": "user", "content": "x"}],
+                                source=1, extra=2) == "1-2"
+
+
+def test_continue_final_message_cuts_after_the_text_not_inside_the_closing_tag(tokenizer):
+    """The final text "end" also occurs in ChatML's closing "<|im_end|>": the cut must come
+    right after the message's own text."""
+    from ferrobatch.engine.async_engine import AsyncEngine
+
+    class Core:            # render_chat needs only the tokenizer
+        pass
+
+    engine = AsyncEngine.__new__(AsyncEngine)
+    engine._core = Core()
+    engine._core.tokenizer = tokenizer
+    for final in ("end", "e", "im", "Sure, the colour is"):
+        text = engine.render_chat([{"role": "user", "content": "Hi"},
+                                   {"role": "assistant", "content": final}],
+                                  add_generation_prompt=False, continue_final_message=True)
+        assert text.endswith("<|im_start|>assistant\n" + final), text

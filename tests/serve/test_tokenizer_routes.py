@@ -132,3 +132,15 @@ async def test_chat_rendering_options_checked_against_the_messages(fake_server, 
                                      if path != "/tokenize" else body)
         assert status == 400, text
         assert match in json.loads(text)["error"]["message"]
+
+
+async def test_template_variables_named_like_parameters_are_fine(fake_server):
+    """chat_template_kwargs reach the template as variables, whatever their names (a key
+    such as "self" or "source" used to clash with a Python parameter: a 500)."""
+    for key in ("self", "source", "extra"):
+        body = {"messages": CONTINUED, "chat_template_kwargs": {key: 1}}
+        status, _, text = await post(fake_server, "/tokenize", body)
+        assert status == 200, text
+        status, _, text = await post(fake_server, "/v1/chat/completions",
+                                     {**body, "max_tokens": 2})
+        assert status == 200, text

@@ -92,6 +92,8 @@ class RequestStream:
             self._engine._abort_state(self._state, "abort")
 
 
+# stands in for the final message's text to find where it starts (continue_final_message)
+CONTINUE_MARKER = "\x00continue-final-message\x00"
 # names the chat template gets from the engine, which chat_template_kwargs may not replace
 TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token",
                                "tools"})
@@ -273,14 +275,17 @@ class AsyncEngine:
         if msgs[-1]["role"] != "assistant" or not final.strip():
             raise ValueError("continue_final_message needs a last message from the assistant "
                              "with some content")
-        text = self._core.tokenizer.apply_chat_template(msgs, add_generation_prompt=False,
-                                                        **extra)
-        # cut after the final message's text: what the template closes the turn with goes
-        # (a template may strip the content, so look for the stripped text if need be)
-        for piece in (final, final.strip()):
-            end = text.rfind(piece)
-            if end >= 0:
-                return text[:end + len(piece)]
+        render = self._core.tokenizer.apply_chat_template
+        text = render(msgs, add_generation_prompt=False, **extra)
+        # Where the final text starts: render once more with a marker in its place (the text
+        # before it is the same), then cut after the final text, dropping what closes the turn.
+        # (Searching for the text itself could find it inside the closing tag, e.g. "end".)
+        marked = render(msgs[:-1] + [{**msgs[-1], "content": CONTINUE_MARKER}],
+                        add_generation_prompt=False, **extra)
+        start = marked.find(CONTINUE_MARKER)
+        for piece in (final, final.strip()):          # a template may strip the content
+            if start >= 0 and text.startswith(piece, start):
+                return text[:start + len(piece)]
         raise ValueError("the chat template does not render the final message's text "
                          "verbatim, so it cannot be continued")
 

@@ -43,18 +43,22 @@ class LLM:
         if self._loop.is_closed():
             coro.close()                        # never awaited: no "never awaited" warning
             raise RuntimeError("this LLM is closed; create a new one")
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        finished = threading.Event()
+
+        async def run() -> Any:
+            try:
+                return await coro
+            finally:
+                finished.set()
+
+        fut = asyncio.run_coroutine_threadsafe(run(), self._loop)
         try:
             return fut.result()
         except BaseException:
-            # e.g. Ctrl-C in the caller's thread: cancel the work, so its requests are aborted
-            # instead of running on to max_tokens
-            if not fut.done():
-                fut.cancel()
-                try:
-                    fut.result(timeout=CANCEL_WAIT_S)
-                except BaseException:
-                    pass
+            # e.g. Ctrl-C in the caller's thread: cancel the work and wait for its cleanup, so
+            # its requests are aborted instead of running on to max_tokens
+            fut.cancel()
+            finished.wait(CANCEL_WAIT_S)
             raise
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],

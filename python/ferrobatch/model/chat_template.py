@@ -75,6 +75,7 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
 def render_chat_template(
     source: str,
     messages: Any,
+    /,
     *,
     add_generation_prompt: bool = True,
     bos_token: str = "",
@@ -84,12 +85,13 @@ def render_chat_template(
     """Renders ``messages`` with the template ``source``; ValueError on bad messages or template errors."""
     template = compile_chat_template(source)
     try:
-        return template.render(
-            messages=normalize_messages(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token,
-            eos_token=eos_token,
+        # one dict, not keywords: an extra variable may be called anything ("self" included)
+        return template.render({
             **extra,
-        )
+            "messages": normalize_messages(messages),
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": bos_token,
+            "eos_token": eos_token,
+        })
     except jinja2.TemplateError as exc:
         raise ValueError(f"chat template rejected the messages: {exc}") from exc

@@ -185,7 +185,7 @@ class Tokenizer:
         """The vocabulary string of one id."""
         return self._backend.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: list[dict], /, add_generation_prompt: bool = True,
                             **extra: Any) -> str:
         """Renders a conversation to prompt text; ValueError on bad messages or a missing template."""
         if not self.chat_template:
