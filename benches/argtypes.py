@@ -11,6 +11,7 @@ import argparse
 import math
 import os
 from collections.abc import Callable, Iterable
+from typing import Any
 
 SMOLLM2_ALIAS = "smollm2"      # ferrobatch.model.loader's names that are not paths
 RANDOM_PREFIX = "random:"
@@ -38,22 +39,19 @@ def positive_float(text: str) -> float:
     return x
 
 
-def int_list(text: str) -> list[int]:
-    """Comma-separated integers >= 1, at least one."""
-    try:
-        return [positive_int(s.strip()) for s in text.split(",")]
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers >= 1, got {text!r}") from None
+def _list_of(item: Callable[[str], Any], what: str) -> Callable[[str], list[Any]]:
+    """An argparse type: comma-separated `item`s, at least one."""
+    def parse(text: str) -> list[Any]:
+        try:
+            return [item(s.strip()) for s in text.split(",")]
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated {what}, got {text!r}") from None
+    return parse
 
 
-def float_list(text: str) -> list[float]:
-    """Comma-separated numbers > 0 (`inf` included), at least one."""
-    try:
-        return [positive_float(s.strip()) for s in text.split(",")]
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers > 0 (or inf), got {text!r}") from None
+int_list = _list_of(positive_int, "integers >= 1")
+float_list = _list_of(positive_float, "numbers > 0 (or inf)")
 
 
 def name_list(known: Iterable[str]) -> Callable[[str], list[str]]:

@@ -17,7 +17,9 @@ from typing import Any, NamedTuple
 POLICIES = ("fcfs", "priority")
 KV_CACHE_DTYPES = ("auto", "float32", "float16")   # float16: CPU only, beside a float32 model
 MAX_SPECULATIVE_TOKENS = 16     # also the longest n-gram (the Rust scheduler's limits)
-DTYPES = ("float32", "fp32", "float16", "fp16", "half", "bfloat16", "bf16")
+# the dtype names `dtype` takes -> the torch dtype each one means (`torch.<value>`)
+DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+          "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 ATTN_BACKENDS = ("auto", "torch", "cpu", "cuda")
 MAX_BLOCK_SIZE = 1024
 # the Rust scheduler's caps (config.rs), checked here too so that a bad value is refused before

@@ -69,12 +69,11 @@ def _torch_dtype(name: str | None) -> Any:
     if name is None:
         return None
     import torch
-    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-             "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16}
-    if name not in table:
-        raise ValueError(f"dtype must be one of {sorted(table)}, got {name!r}")
-    return table[name]
+
+    from ferrobatch.config import DTYPES
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return getattr(torch, DTYPES[name])
 
 
 class EngineCore:
