@@ -126,3 +126,22 @@ def test_padding_and_special_ids_are_never_allowed(tok, vocab, table):
     assert not ids & set(range(len(table), vocab.vocab_size))
     specials = {i for i, b in enumerate(table) if not b}
     assert specials and not ids & specials
+
+
+def test_an_object_of_250_optional_members_compiles_and_walks(tok, vocab):
+    """Many optional properties (a wide tool schema) compile within the default limits: the
+    object's regex is linear in its members and nests ~2 sqrt(n) groups (the parser allows 200)."""
+    from ferrobatch.guided.json_schema import schema_to_regex
+
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(250)}}
+    g = GuidedGrammar(schema_to_regex(schema), vocab, list(tok.eos_token_ids))
+
+    def walk(text: str):
+        s = g.start()
+        return s if all(s.advance(t) for t in tok.encode(text)) else None
+
+    for text in ('{}', '{"p0":1}', '{"p7":1,"p100":-2,"p249":30}', '{"p249":0}'):
+        assert walk(text) is not None and walk(text).is_accepting, text
+    for text in ('{"p100":1,"p7":1}', '{"p7":1,}', '{,"p7":1}', '{"p250":1}'):
+        s = walk(text)
+        assert s is None or not s.is_accepting, text

@@ -40,6 +40,7 @@ that ECMA-262's `\\s` matches; `minimum`, `maximum`, `exclusiveMinimum`, `exclus
 from __future__ import annotations
 
 import json
+import math
 import re
 import urllib.parse
 from typing import Any
@@ -432,23 +433,44 @@ class _Builder:
     def _members(self, members: list[tuple[str, bool]]) -> str:
         """The members of a fixed-property object, in order, optional ones possibly absent.
 
-        Built from the end: `later` matches members i.. when some member was already written
-        (each one then starts with a comma), `first` when none was. `later` is linear in the
-        member count and each `first` embeds one `later`, so the text is quadratic at worst.
+        Linear in the member count: the optional members before the first required one form an
+        optional run (`_optional_run`); the first required member follows it after a comma if
+        it is not empty; every later member is appended with its comma (optional ones in
+        `(?:...)?`), since something was written before it.
         """
-        later = first = ""
-        for text, needed in reversed(members):
+        lead = next((i for i, (_, needed) in enumerate(members) if needed), len(members))
+        run = self._optional_run([text for text, _ in members[:lead]])
+        if lead == len(members):
+            return f"(?:{run})?" if run else ""
+        run = f"(?:{run},{self.ws})?{members[lead][0]}" if run else members[lead][0]
+        for text, needed in members[lead + 1:]:
             tail = f",{self.ws}{text}"
-            new_later = (tail if needed else f"(?:{tail})?") + later
-            if needed:
-                first = text + later
-            elif first:
-                first = f"(?:{text}{later}|{first})"
-            else:
-                first = f"(?:{text}{later})?"
-            later = self._check_size(new_later)
-            self._check_size(first)
-        return first
+            run += tail if needed else f"(?:{tail})?"
+        return self._check_size(run)
+
+    def _optional_run(self, texts: list[str]) -> str:
+        """A non-empty run of `texts` in order, any of them absent, commas between ("" if none).
+
+        Grown from the front: a run of the first k texts is either a run of the first k - 1
+        followed by an optional `,text`, or the k-th text alone, so each text appears twice and
+        the text grows linearly. Done one text at a time, that nests one group per text; done a
+        block of ~sqrt(n) texts at a time (a run so far, then each of the block's texts as an
+        optional `,text`; or a run that starts inside the block), it nests ~2 sqrt(n) groups,
+        well inside the parser's nesting limit (200, guided.rs) for any schema under the size
+        limit, with each text appearing three times.
+        """
+        step = max(1, math.isqrt(len(texts)))
+        run = ""
+        for start in range(0, len(texts), step):
+            block = texts[start:start + step]
+            own = block[0]
+            for text in block[1:]:
+                own = f"(?:{own}(?:,{self.ws}{text})?|{text})"
+            if run:
+                tails = "".join(f"(?:,{self.ws}{text})?" for text in block)
+                own = f"(?:{run}{tails}|{own})"
+            run = self._check_size(own)
+        return run
 
     def _array(self, schema: dict, path: str, level: int) -> str:
         lo, hi = _bounds(schema, "minItems", "maxItems", path, MAX_ARRAY_ITEMS)
