@@ -432,6 +432,9 @@ def test_array_bounds():
      ["2024-06-01 12:30:00Z", "2024-06-01T12:30Z", "2024-06-01"]),
     ("uuid", ["123e4567-e89b-12d3-a456-426614174000", "ABCDEF00-0000-0000-0000-000000000000"],
      ["123e4567e89b12d3a456426614174000", "123e4567-e89b-12d3-a456-42661417400g"]),
+    ("email", ["a@b.co", "first.last+tag@mail.example.org"], ["a@b", "@b.co", "a b@c.de", "x"]),
+    ("ipv4", ["127.0.0.1", "255.255.255.255", "10.0.0.9"], ["256.0.0.1", "1.2.3", "01.2.3.4"]),
+    ("uri", ["https://example.com/a?b=c#d", "http://x"], ["example.com", "https://", "ftp:/x y"]),
 ])
 def test_string_formats(fmt, good, bad):
     regex = build({"type": "string", "format": fmt})
@@ -556,7 +559,6 @@ def test_unsupported_keyword_names_keyword_and_path():
 @pytest.mark.parametrize("schema, message", [
     ({"type": "object", "patternProperties": {"^a": {}}}, "'patternProperties' at $"),
     ({"if": {"type": "string"}, "then": {"maxLength": 2}}, "'if' at $"),
-    ({"type": "array", "prefixItems": [{"type": "integer"}]}, "'prefixItems' at $"),
     ({"type": "object", "properties": {"a": {"type": "object", "dependentSchemas": {}}}},
      "'dependentSchemas' at $.properties.a"),
     ({"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "decimal"}]}},
@@ -564,11 +566,21 @@ def test_unsupported_keyword_names_keyword_and_path():
     ({"$ref": "#/$defs/Missing"}, "cannot resolve $ref"),
     ({"$ref": "https://example.com/s.json"}, "unsupported $ref"),
     ({"allOf": [{"type": "string"}, {"maxLength": 3}]}, "'allOf'"),
-    ({"type": "string", "format": "email"}, "format 'email'"),
     ({"enum": ["ok", "\ud83d"]}, "lone surrogate"),
-    ({"type": "array", "maxItems": 65}, "'maxItems' above 64"),
-    ({"type": "string", "maxLength": 1025}, "'maxLength' above 1024"),
     ({"type": "string", "minLength": 3, "maxLength": 2}, "nothing can match"),
+    ({"type": "array", "minItems": 65}, "'minItems' above 64"),
+    ({"type": "string", "minLength": 1025}, "'minLength' above 1024"),
+    ({"type": "string", "pattern": "a+", "maxLength": 3}, "'pattern' with 'minLength'"),
+    ({"type": "string", "format": 7}, "'format' must be a string"),
+    ({"type": "integer", "minimum": "1"}, "'minimum' at $ must be a finite number"),
+    ({"type": "integer", "minimum": 3, "maximum": 2}, "no integer lies within"),
+    ({"type": "integer", "exclusiveMinimum": 2, "exclusiveMaximum": 3}, "no integer lies within"),
+    ({"type": "array", "prefixItems": []}, "non-empty array of schemas at $.prefixItems"),
+    ({"type": "array", "prefixItems": [{}], "items": False, "minItems": 2}, "at least 2 items"),
+    ({"type": "object", "propertyNames": {"type": "integer"}}, "'propertyNames' must be a string"),
+    ({"type": "object", "properties": {"a": {}}, "propertyNames": {"maxLength": 1}},
+     "'propertyNames' next to 'properties'"),
+    ({"type": "integer", "nullable": "yes"}, "'nullable' must be a boolean"),
     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "'b' is not listed"),
     ({"$ref": "#/$defs/A", "type": "object", "$defs": {"A": {}}}, "'type' next to '$ref'"),
     ({"type": "object", "properties": {"my key": False}, "required": ["my key"]},
@@ -624,3 +636,117 @@ def test_enum_and_const_are_narrowed_by_their_sibling_keywords():
                    {"enum": [True], "const": 1}):
         with pytest.raises(GuidedSchemaError, match="no value satisfies"):
             schema_to_regex(schema)
+
+
+# --- number bounds, formats, tuples, map keys, nullable (session 27) -----------------------------
+
+
+def test_integer_bounds_are_enforced():
+    regex = build({"type": "object", "required": ["stars", "year"], "properties": {
+        "stars": {"type": "integer", "minimum": 1, "maximum": 5},
+        "year": {"anyOf": [{"type": "integer", "minimum": 1900, "maximum": 2030}, {"type": "null"}]}}})
+    assert_accepts(regex, [{"stars": s, "year": y} for s in (1, 3, 5) for y in (1900, 1997, 2030, None)])
+    assert_rejects(regex, [{"stars": s, "year": 2000} for s in (0, 6, 124, -1)] +
+                   [{"stars": 3, "year": y} for y in (1899, 2031, 130, 2458003313101139)])
+
+
+@pytest.mark.parametrize("schema, inside, outside", [
+    ({"type": "integer", "exclusiveMinimum": 0}, [1, 2, 10**15], [0, -1]),            # gt=0
+    ({"type": "integer", "minimum": 0, "exclusiveMinimum": True}, [1], [0]),          # draft 4
+    ({"type": "integer", "maximum": 10, "exclusiveMaximum": 10}, [9, -3], [10, 11]),
+    ({"type": "integer", "minimum": 0.5, "maximum": 2.5}, [1, 2], [0, 3]),
+    ({"type": "number", "minimum": 0, "maximum": 1}, [0, 0.5, 1, 1.0, 0.999], [-0.1, 1.01, 2, -1]),
+    ({"type": "number", "exclusiveMinimum": 0, "maximum": 2}, [0.001, 2.0, 1], [0, 0.0, 2.001]),
+    ({"type": "number", "minimum": -2.5, "exclusiveMaximum": -1}, [-2.5, -1.01, -2],
+     [-2.51, -1, -1.0, 0]),
+    ({"minimum": 3}, [3, 4.5], [2.9, "x", None]),            # a bound alone implies a number
+])
+def test_number_bounds_and_their_exclusive_forms(schema, inside, outside):
+    regex = build(schema)
+    assert_accepts(regex, inside)
+    assert_rejects(regex, outside)
+
+
+def test_bounded_numbers_have_no_exponent_and_no_negative_zero():
+    regex = build({"type": "number", "minimum": -1, "maximum": 1})
+    assert_rejects_texts(regex, ["1e0", "-0", "-0.0", "0.5E1"])
+    assert matches(build({"type": "number"}), "1e3")          # unbounded ones keep exponents
+
+
+def test_enum_and_const_are_narrowed_by_bounds_and_lengths():
+    regex = build({"type": "integer", "enum": [1, 5, 10], "maximum": 5})
+    assert_accepts(regex, [1, 5])
+    assert_rejects(regex, [10])
+    regex = build({"type": "string", "enum": ["ab", "abcdef"], "maxLength": 3})
+    assert_accepts(regex, ["ab"])
+    assert_rejects(regex, ["abcdef"])
+    with pytest.raises(GuidedSchemaError, match="no value satisfies"):
+        schema_to_regex({"const": 7, "exclusiveMaximum": 7})
+
+
+def test_an_unknown_format_is_an_annotation():
+    """JSON Schema: `format` only annotates unless a validator opts in, so an unknown one leaves
+    a plain string (with its lengths)."""
+    regex = build({"type": "string", "format": "hostname", "maxLength": 3})
+    assert_accepts(regex, ["a", "abc", ""])
+    assert_rejects(regex, ["abcd"])
+
+
+def test_format_beside_lengths_and_pattern():
+    # pydantic's HttpUrl: the uri is cut to fit maxLength
+    url = build({"type": "string", "format": "uri", "minLength": 1, "maxLength": 20})
+    assert_accepts(url, ["https://example.com", "http://x"])
+    assert_rejects(url, ["https://example.com/ab", "not a url"])
+    # a fixed-length format inside the lengths keeps its shape; outside them the lengths rule
+    assert_rejects(build({"type": "string", "format": "uuid", "maxLength": 36}), ["x"])
+    assert_accepts(build({"type": "string", "format": "uuid", "maxLength": 5}), ["x"])
+    # zod's uuid: format and pattern together; the pattern asserts
+    regex = build({"type": "string", "format": "uuid", "pattern": "^[0-9a-f]{4}$"})
+    assert_accepts(regex, ["12ab"])
+    assert_rejects(regex, ["12345678-1234-1234-1234-123456789abc"])
+
+
+def test_caps_lower_a_large_maximum_and_keep_the_output_valid():
+    assert_accepts(build({"type": "array", "items": {"type": "integer"}, "maxItems": 100}),
+                   [[1] * 64])
+    assert_rejects(build({"type": "array", "items": {"type": "integer"}, "maxItems": 100}), [[1] * 65])
+    regex = build({"type": "string", "maxLength": 5000})
+    assert matches(regex, '"' + "a" * 1024 + '"') and not matches(regex, '"' + "a" * 1025 + '"')
+
+
+def test_tuples_prefix_items_and_the_array_form_of_items():
+    pair = build({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}],
+                  "minItems": 2, "maxItems": 2})                      # pydantic's tuple[int, str]
+    assert_accepts(pair, [[1, "a"]])
+    assert_rejects(pair, [[1], ["a", 1], [1, "a", 2], []])
+    open_tail = build({"type": "array", "prefixItems": [{"type": "integer"}],
+                       "items": {"type": "boolean"}})
+    assert_accepts(open_tail, [[], [1], [1, True, False]])
+    assert_rejects(open_tail, [[True], [1, 2]])
+    draft7 = build({"type": "array", "items": [{"type": "integer"}, {"type": "null"}],
+                    "additionalItems": False})                        # zod v3's tuple
+    assert_accepts(draft7, [[], [1], [1, None]])
+    assert_rejects(draft7, [[1, None, None], [None]])
+    ranged = build({"type": "array", "items": [{"const": "a"}], "minItems": 2, "maxItems": 3})
+    assert_accepts(ranged, [["a", 1], ["a", {}, None]])
+    assert_rejects(ranged, [["a"], ["b", 1], ["a", 1, 2, 3]])
+
+
+def test_property_names_constrain_a_maps_keys():
+    schema = {"type": "object", "additionalProperties": {"type": "integer"},
+              "propertyNames": {"$ref": "#/$defs/Axis"},
+              "$defs": {"Axis": {"enum": ["x", "y"], "type": "string"}}}       # dict[Axis, int]
+    regex = build(schema)
+    assert_accepts(regex, [{}, {"x": 1}, {"x": 1, "y": 2}])
+    assert_rejects(regex, [{"z": 1}, {"x": "a"}])
+    short = build({"type": "object", "propertyNames": {"maxLength": 2}})
+    assert_accepts(short, [{"ab": [1]}])
+    assert_rejects(short, [{"abc": 1}])
+    assert build({"type": "object", "propertyNames": False}) == r"\{\}"
+
+
+def test_nullable_adds_null():
+    regex = build({"type": "integer", "nullable": True, "maximum": 3})
+    assert_accepts(regex, [None, 3])
+    assert_rejects(regex, [4, "x"])
+    assert_rejects(build({"type": "integer", "nullable": False}), [None])

@@ -22,6 +22,13 @@ a generic JSON value nested at most `max_depth` containers deep; a recursive `$r
 at most `max_depth` times inside itself, after which the recursive branch is dropped (an optional
 property is left out, an array becomes empty, an `anyOf` branch goes).
 
+Bounds: `minimum` / `maximum` / `exclusiveMinimum` / `exclusiveMaximum` (numbers, or draft 4's
+boolean flags) are enforced exactly (`numeric_range`); a bounded number has no exponent. A
+`maxLength` / `maxItems` above the caps is lowered to them; `enum` / `const` values are narrowed
+by the bounds and lengths beside them. Tuples: `prefixItems` (with `items` for the rest) and
+draft 4-7's array form of `items` (with `additionalItems`). Map keys: `propertyNames` (a string
+schema, an enum, or a `$ref` to one) for objects without `properties`. OpenAPI's `nullable`.
+
 Approximations (the output is a subset of the valid texts, never a superset, except where noted):
 properties appear only in schema order; `additionalProperties` is treated as false whenever
 `properties` is given; `enum`/`const` values are written compactly; strings use canonical escapes
@@ -29,12 +36,15 @@ where the schema fixes their text; a `pattern` is anchored at both ends (JSON Sc
 `\\d \\w \\s` as ASCII classes and `.` as ECMA-262 does (any character but `\\n`, `\\r`, U+2028,
 U+2029), may not use lookaround, backreferences, `\\b`, `\\p{..}` or flags, and is rewritten into the
 dialect above so that `"`, `\\` and control characters appear JSON-escaped (`string_pattern`);
-formats are "date", "time", "date-time" (both with a UTC offset) and "uuid". Superset: `oneOf` is
-treated as `anyOf`; a pattern's `\\S` (or `[^\\s]`) also admits the Unicode spaces, such as U+00A0,
-that ECMA-262's `\\s` matches; `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`,
-`multipleOf` and `uniqueItems` are ignored, like the annotations (`title`, `description`, `default`,
-`examples`, ...). Any other keyword, and any construct that cannot be honoured, raises
-`GuidedSchemaError`, naming the keyword and its path.
+beside a `pattern`, a `format` is ignored. Formats "date", "time", "date-time" (both with a UTC
+offset), "uuid", "ipv4", "email" (a plain address) and "uri" (http / https) are enforced, a uri
+cut to fit a `maxLength`; a known format whose texts do not all fit the lengths beside it, and
+any other format, is an annotation, as JSON Schema has it (the string follows its lengths).
+Superset: `oneOf` is treated as `anyOf`; a pattern's `\\S` (or `[^\\s]`) also admits the Unicode
+spaces, such as U+00A0, that ECMA-262's `\\s` matches; `multipleOf` and `uniqueItems` are
+ignored, like the annotations (`title`, `description`, `default`, `examples`, ...). Any other
+keyword, and any construct that cannot be honoured, raises `GuidedSchemaError`, naming the
+keyword and its path.
 """
 
 from __future__ import annotations
@@ -43,12 +53,15 @@ import json
 import math
 import re
 import urllib.parse
+from decimal import Decimal
 from typing import Any
 
+from ferrobatch.guided.numeric_range import bounded_number_regex, check_bound, to_decimal
 from ferrobatch.guided.regex_text import (
     MAX_STRING_LENGTH,
     GuidedSchemaError,
     alternation,
+    escape_class_char,
     escape_literal,
     quantifier,
 )
@@ -93,11 +106,20 @@ _SCALARS = (_STRING, _NUMBER, "true", "false", _NULL)
 _DATE = "[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9})?(?:Z|[+\-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 _HEX = "[0-9a-fA-F]"
-_FORMATS = {
-    "date": _DATE,
-    "time": _TIME,
-    "date-time": f"{_DATE}T{_TIME}",
-    "uuid": f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}",
+_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_LABEL = "[A-Za-z0-9](?:[A-Za-z0-9\\-]{0,30}[A-Za-z0-9])?"   # a domain label (up to 32 here)
+_URI_CHAR = "[" + "".join(escape_class_char(c) for c in
+                          "A-Za-z0-9-._~:/?#[]@!$&'()*+,;=%".replace("A-Za-z0-9", "")) + "A-Za-z0-9]"
+# Each known `format`: its regex inside the quotes, and the shortest / longest text it matches
+# (None: unbounded), so that a sibling minLength / maxLength can be checked against it.
+_FORMATS: dict[str, tuple[str, int, int | None]] = {
+    "date": (_DATE, 10, 10),
+    "time": (_TIME, 9, 24),
+    "date-time": (f"{_DATE}T{_TIME}", 20, 35),
+    "uuid": (f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}", 36, 36),
+    "ipv4": (rf"{_OCTET}(?:\.{_OCTET}){{3}}", 7, 15),
+    "email": (rf"[A-Za-z0-9._%+\-]{{1,64}}@{_LABEL}(?:\.{_LABEL}){{0,3}}\.[A-Za-z]{{2,12}}", 6, None),
+    "uri": (f"https?://{_URI_CHAR}{{1,1024}}", 8, None),
 }
 
 # --- keyword tables -------------------------------------------------------------------------------
@@ -107,14 +129,15 @@ _ANNOTATIONS = frozenset({
     "$anchor", "deprecated", "readOnly", "writeOnly", "discriminator", "strict",
     "contentEncoding", "contentMediaType", "$defs", "definitions",
     # assertions deliberately ignored (documented above)
-    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems",
+    "multipleOf", "uniqueItems",
 })
-_OBJECT_KEYWORDS = frozenset({"properties", "required", "additionalProperties"})
-_ARRAY_KEYWORDS = frozenset({"items", "minItems", "maxItems"})
+_OBJECT_KEYWORDS = frozenset({"properties", "required", "additionalProperties", "propertyNames"})
+_ARRAY_KEYWORDS = frozenset({"items", "minItems", "maxItems", "prefixItems", "additionalItems"})
 _STRING_KEYWORDS = frozenset({"minLength", "maxLength", "pattern", "format"})
+_NUMBER_KEYWORDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
 _COMBINATORS = frozenset({"$ref", "allOf", "anyOf", "oneOf", "enum", "const"})
-_KNOWN = (_ANNOTATIONS | _OBJECT_KEYWORDS | _ARRAY_KEYWORDS | _STRING_KEYWORDS | _COMBINATORS
-          | {"type"})
+_KNOWN = (_ANNOTATIONS | _OBJECT_KEYWORDS | _ARRAY_KEYWORDS | _STRING_KEYWORDS | _NUMBER_KEYWORDS
+          | _COMBINATORS | {"type", "nullable"})
 _TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
 
 # --- small helpers ----------------------------------------------------------------------------------
@@ -161,7 +184,8 @@ def _same_json(a: Any, b: Any) -> bool:
 
 
 def _count(schema: dict, key: str, path: str, cap: int) -> int | None:
-    """A non-negative integer keyword (None if absent); above `cap` it is unsupported."""
+    """A non-negative integer keyword (None if absent); a minimum above `cap` is unsupported, a
+    maximum above it is lowered to it (the output stays valid)."""
     value = schema.get(key)
     if value is None:
         return None
@@ -170,6 +194,8 @@ def _count(schema: dict, key: str, path: str, cap: int) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise GuidedSchemaError(f"'{key}' must be a non-negative integer at {path}")
     if value > cap:
+        if key.startswith("max"):
+            return cap
         raise GuidedSchemaError(f"'{key}' above {cap} is not supported at {path}")
     return value
 
@@ -180,6 +206,38 @@ def _bounds(schema: dict, lo_key: str, hi_key: str, path: str, cap: int) -> tupl
     if hi is not None and lo > hi:
         raise GuidedSchemaError(f"'{lo_key}' exceeds '{hi_key}' at {path}: nothing can match")
     return lo, hi
+
+
+def _number_bounds(schema: dict, path: str) -> tuple[tuple[Decimal | None, bool],
+                                                     tuple[Decimal | None, bool]]:
+    """((lower, exclusive), (upper, exclusive)) of a number schema, the tighter of `minimum`
+    and `exclusiveMinimum` (a number, or draft 4's boolean flag on `minimum`) and likewise up."""
+    def one(key: str, open_key: str, tighter) -> tuple[Decimal | None, bool]:
+        bound = None if schema.get(key) is None else check_bound(schema[key], f"'{key}' at {path}")
+        flag = schema.get(open_key)
+        if isinstance(flag, bool):              # draft 4
+            return bound, flag and bound is not None
+        if flag is None:
+            return bound, False
+        open_bound = check_bound(flag, f"'{open_key}' at {path}")
+        if bound is None or tighter(open_bound, bound):
+            return open_bound, True
+        return bound, False
+    return (one("minimum", "exclusiveMinimum", lambda a, b: a >= b),
+            one("maximum", "exclusiveMaximum", lambda a, b: a <= b))
+
+
+def _fits_bounds(value: Any, schema: dict, path: str) -> bool:
+    """Whether an enum / const value keeps its schema's number bounds and string lengths."""
+    number = to_decimal(value)
+    if number is not None:
+        (lo, lo_open), (hi, hi_open) = _number_bounds(schema, path)
+        return not ((lo is not None and (number < lo or (lo_open and number == lo))) or
+                    (hi is not None and (number > hi or (hi_open and number == hi))))
+    if isinstance(value, str):
+        lo, hi = _bounds(schema, "minLength", "maxLength", path, MAX_STRING_LENGTH)
+        return lo <= len(value) and (hi is None or len(value) <= hi)
+    return True
 
 
 def _is_any(schema: Any) -> bool:
@@ -232,8 +290,8 @@ class _Builder:
     def generic_object(self, depth: int) -> str:
         return r"\{\}" if depth == 0 else self._map(self.generic(depth - 1))
 
-    def _map(self, value: str) -> str:
-        member = f"{_STRING}:{self.ws}{value}"
+    def _map(self, value: str, key: str = _STRING) -> str:
+        member = f"{key}:{self.ws}{value}"
         return rf"\{{(?:{member}(?:,{self.ws}{member})*)?\}}"
 
     def _list(self, item: str, lo: int = 0, hi: int | None = None) -> str:
@@ -267,6 +325,13 @@ class _Builder:
         for key in schema:
             if key not in _KNOWN and not key.startswith("x-"):
                 raise GuidedSchemaError(f"unsupported JSON Schema keyword {key!r} at {path}")
+        if "nullable" in schema:                # OpenAPI 3.0's way of adding null
+            nullable = schema["nullable"]
+            if not isinstance(nullable, bool):
+                raise GuidedSchemaError(f"'nullable' must be a boolean at {path}")
+            rest = {k: v for k, v in schema.items() if k != "nullable"}
+            regex = self.value(rest, path, level)
+            return self._check_size(alternation([regex, _NULL]) if nullable else regex)
         return self._check_size(self._dispatch(schema, path, level))
 
     def _dispatch(self, schema: dict, path: str, level: int) -> str:
@@ -309,6 +374,7 @@ class _Builder:
         if "type" in schema:
             types = self._types(schema, path) or []
             values = [v for v in values if any(_is_json_type(v, t) for t in types)]
+        values = [v for v in values if _fits_bounds(v, schema, path)]
         if not values:
             raise GuidedSchemaError(f"no value satisfies 'enum'/'const' together with the other "
                                     f"keywords at {path}")
@@ -319,7 +385,8 @@ class _Builder:
         declared = schema.get("type")
         if declared is None:
             families = [name for name, keys in (("object", _OBJECT_KEYWORDS), ("array", _ARRAY_KEYWORDS),
-                                                ("string", _STRING_KEYWORDS)) if keys & schema.keys()]
+                                                ("string", _STRING_KEYWORDS),
+                                                ("number", _NUMBER_KEYWORDS)) if keys & schema.keys()]
             return families or None
         names = [declared] if isinstance(declared, str) else declared
         if not isinstance(names, list) or not names:
@@ -338,7 +405,20 @@ class _Builder:
             return self._array(schema, path, level)
         if kind == "string":
             return self._string(schema, path)
-        return {"integer": _INTEGER, "number": _NUMBER, "boolean": _BOOLEAN, "null": _NULL}[kind]
+        if kind in ("integer", "number"):
+            return self._number(kind, schema, path)
+        return {"boolean": _BOOLEAN, "null": _NULL}[kind]
+
+    def _number(self, kind: str, schema: dict, path: str) -> str:
+        """An integer / number, inside `minimum` / `maximum` and their exclusive forms if given
+        (bounded ones are written without an exponent, `numeric_range`)."""
+        (lo, lo_open), (hi, hi_open) = _number_bounds(schema, path)
+        if lo is None and hi is None:
+            return _INTEGER if kind == "integer" else _NUMBER
+        regex = bounded_number_regex(lo, lo_open, hi, hi_open, integer=kind == "integer")
+        if regex is None:
+            raise GuidedSchemaError(f"no {kind} lies within the schema's bounds at {path}")
+        return regex
 
     def _any_of(self, subs: Any, path: str, level: int) -> str:
         if not isinstance(subs, list) or not subs:
@@ -396,19 +476,41 @@ class _Builder:
         if props is not None and not isinstance(props, dict):
             raise GuidedSchemaError(f"'properties' must be an object at {path}")
         if props:
+            if "propertyNames" in schema:
+                raise GuidedSchemaError(
+                    f"'propertyNames' next to 'properties' is not supported at {path}")
             return self._fixed_object(props, required, path, level)
         if required:
             raise GuidedSchemaError(
                 f"required property {required[0]!r} is not listed in 'properties' at {path}")
         extra = schema.get("additionalProperties", True)
-        if extra is False:
+        key = self._property_names(schema, path, level)
+        if extra is False or key is None:
             return r"\{\}"
-        if _is_any(extra):
+        if _is_any(extra) and key == _STRING:
             return self.generic_object(self.max_depth)
         try:
-            return self._map(self.value(extra, _child(path, "additionalProperties"), level + 1))
+            value = (self.generic(self.max_depth - 1) if _is_any(extra) and self.max_depth > 0
+                     else self.value(extra, _child(path, "additionalProperties"), level + 1))
+            return self._map(value, key)
         except _Pruned:
             return r"\{\}"
+
+    def _property_names(self, schema: dict, path: str, level: int) -> str | None:
+        """The regex of a map's keys: any string, or those `propertyNames` allows (a string
+        schema, an enum, or a $ref to one); None if no key can match."""
+        names = schema.get("propertyNames", True)
+        if _is_any(names):
+            return _STRING
+        if names is False:
+            return None
+        where = _child(path, "propertyNames")
+        target = names
+        if isinstance(names, dict) and "$ref" in names:
+            target, where = self._resolve(names["$ref"], where)
+        if not isinstance(target, dict) or target.get("type", "string") != "string":
+            raise GuidedSchemaError(f"'propertyNames' must be a string schema at {where}")
+        return self.value({**target, "type": "string"}, where, level + 1)
 
     def _fixed_object(self, props: dict, required: list[str], path: str, level: int) -> str:
         for name in required:
@@ -474,45 +576,104 @@ class _Builder:
 
     def _array(self, schema: dict, path: str, level: int) -> str:
         lo, hi = _bounds(schema, "minItems", "maxItems", path, MAX_ARRAY_ITEMS)
-        items = schema.get("items", True)
-        if isinstance(items, list):
-            raise GuidedSchemaError(f"unsupported JSON Schema keyword 'items' (array form) at {path}")
-        if _is_any(items):
-            item = self.generic(self.max_depth - 1) if self.max_depth > 0 else None
-        elif items is False:
-            item = None
+        if "prefixItems" in schema:                  # 2020-12 tuples: `items` is the rest
+            prefix_key, rest_key = "prefixItems", "items"
+        elif isinstance(schema.get("items"), list):  # draft 4-7 tuples: `additionalItems` is
+            prefix_key, rest_key = "items", "additionalItems"
         else:
-            try:
-                item = self.value(items, _child(path, "items"), level + 1)
-            except _Pruned:
-                if lo > 0:
-                    raise
-                item = None
+            prefix_key, rest_key = None, "items"
+        item = self._item(schema.get(rest_key, True), _child(path, rest_key), level,
+                          needed=lo > 0 and prefix_key is None)
+        if prefix_key is not None:
+            return self._tuple(schema[prefix_key], item, lo, hi, _child(path, prefix_key), level)
         if item is None:
             if lo > 0:
                 raise GuidedSchemaError(f"no array item can match at {path}, yet 'minItems' is {lo}")
             return r"\[\]"
         return self._list(item, lo, hi)
 
+    def _item(self, schema: Any, path: str, level: int, *, needed: bool) -> str | None:
+        """An array item's regex; None if no item can match (`false`, or a pruned recursion)."""
+        if _is_any(schema):
+            return self.generic(self.max_depth - 1) if self.max_depth > 0 else None
+        if schema is False:
+            return None
+        try:
+            return self.value(schema, path, level + 1)
+        except _Pruned:
+            if needed:
+                raise
+            return None
+
+    def _tuple(self, prefix: Any, rest: str | None, lo: int, hi: int | None, path: str,
+               level: int) -> str:
+        """An array whose first items follow `prefix`'s schemas in turn and any later ones
+        `rest` (None: there are none). As in JSON Schema, a shorter array is fine too."""
+        if not isinstance(prefix, list) or not prefix:
+            raise GuidedSchemaError(f"expected a non-empty array of schemas at {path}")
+        if len(prefix) > MAX_ARRAY_ITEMS:
+            raise GuidedSchemaError(f"more than {MAX_ARRAY_ITEMS} tuple items are not supported at {path}")
+        items: list[str] = []
+        for i, sub in enumerate(prefix):           # an item that cannot match ends the tuple
+            item = self._item(sub, _child(path, i), level, needed=lo > i)
+            if item is None:
+                rest = None
+                break
+            items.append(item)
+        longest = len(items) if rest is None else hi
+        if longest is not None and hi is not None:
+            longest = min(longest, hi)
+        if longest is not None and lo > longest:
+            raise GuidedSchemaError(f"no array of at least {lo} items can match at {path}")
+        items = items[:longest]
+        if not items:
+            return r"\[\]"
+        count = len(items)
+        body = items[-1]
+        if rest is not None and (longest is None or longest > count):
+            more = quantifier(max(lo - count, 0), None if longest is None else longest - count)
+            body += f"(?:,{self.ws}{rest}){more}"
+        for i in range(count - 2, -1, -1):          # item i + 1 is there iff the array is longer
+            after = f",{self.ws}{body}"
+            body = items[i] + (after if lo > i + 1 else f"(?:{after})?")
+        return rf"\[{body}\]" if lo > 0 else rf"\[(?:{body})?\]"
+
     def _string(self, schema: dict, path: str) -> str:
         has_length = "minLength" in schema or "maxLength" in schema
-        pattern, fmt = schema.get("pattern"), schema.get("format")
-        if pattern is not None or fmt is not None:
-            if has_length or (pattern is not None and fmt is not None):
-                raise GuidedSchemaError(
-                    f"combining 'pattern'/'format' with each other or with 'minLength'/'maxLength' "
-                    f"is not supported at {path}")
-            if pattern is not None:
-                if not isinstance(pattern, str):
-                    raise GuidedSchemaError(f"'pattern' must be a string at {path}")
-                return pattern_to_json_string_regex(pattern, _child(path, "pattern"))
-            if fmt not in _FORMATS:
-                raise GuidedSchemaError(f"unsupported string format {fmt!r} at {_child(path, 'format')}")
-            return f'"{_FORMATS[fmt]}"'
         lo, hi = _bounds(schema, "minLength", "maxLength", path, MAX_STRING_LENGTH)
+        pattern, fmt = schema.get("pattern"), schema.get("format")
+        if pattern is not None:                 # a pattern asserts; a format beside it is ignored
+            if has_length:
+                raise GuidedSchemaError(
+                    f"combining 'pattern' with 'minLength'/'maxLength' is not supported at {path}")
+            if not isinstance(pattern, str):
+                raise GuidedSchemaError(f"'pattern' must be a string at {path}")
+            return pattern_to_json_string_regex(pattern, _child(path, "pattern"))
+        if fmt is not None:
+            if not isinstance(fmt, str):
+                raise GuidedSchemaError(f"'format' must be a string at {path}")
+            regex = _format_regex(fmt, lo, hi)
+            if regex is not None:
+                return f'"{regex}"'
         if hi == 0:
             return '""'
         return f'"{_STRING_CHAR}{quantifier(lo, hi)}"'
+
+
+def _format_regex(fmt: str, lo: int, hi: int | None) -> str | None:
+    """A known format's regex, if every text it matches has a length in lo..hi; None otherwise
+    (the string is then written by its lengths alone: `format` is an annotation in JSON Schema).
+    An unbounded `uri` is cut to fit a maxLength."""
+    if fmt not in _FORMATS:
+        return None
+    regex, shortest, longest = _FORMATS[fmt]
+    if fmt == "uri" and hi is not None:
+        if hi < shortest + 1:
+            return None
+        regex, longest = f"https?://{_URI_CHAR}{quantifier(1, hi - 8)}", hi
+    if shortest < lo or (hi is not None and (longest is None or longest > hi)):
+        return None
+    return regex
 
 
 # --- public entry points ------------------------------------------------------------------------
@@ -530,7 +691,7 @@ def schema_to_regex(schema: dict | bool | str, *, whitespace: str = WHITESPACE,
     """Regex whose full matches are the (supported subset of) JSON texts valid for `schema`.
 
     `schema` is a JSON Schema as a dict, a boolean, or JSON text. Raises GuidedSchemaError for
-    invalid or unsupported schemas. `minimum`/`maximum`/`multipleOf`/`uniqueItems` are ignored.
+    invalid or unsupported schemas. `multipleOf` and `uniqueItems` are ignored.
     """
     _check_settings(whitespace, max_depth)
     if isinstance(schema, str):
