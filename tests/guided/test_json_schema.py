@@ -565,7 +565,12 @@ def test_unsupported_keyword_names_keyword_and_path():
      "type 'decimal' at $.items.anyOf[1].type"),
     ({"$ref": "#/$defs/Missing"}, "cannot resolve $ref"),
     ({"$ref": "https://example.com/s.json"}, "unsupported $ref"),
-    ({"allOf": [{"type": "string"}, {"maxLength": 3}]}, "'allOf'"),
+    ({"allOf": [{"pattern": "a"}, {"pattern": "b"}]}, "cannot merge two different 'pattern'"),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "no value has a type in both"),
+    ({"$defs": {"A": {"allOf": [{"$ref": "#/$defs/A"}, {"type": "integer"}]}}, "$ref": "#/$defs/A"},
+     "recursive"),
+    ({"allOf": [{"enum": [1, 2]}, {"enum": [3]}]}, "no value is in both enums"),
+    ({"allOf": [{"type": "integer"}, False]}, "no value satisfies all"),
     ({"enum": ["ok", "\ud83d"]}, "lone surrogate"),
     ({"type": "string", "minLength": 3, "maxLength": 2}, "nothing can match"),
     ({"type": "array", "minItems": 65}, "'minItems' above 64"),
@@ -582,7 +587,6 @@ def test_unsupported_keyword_names_keyword_and_path():
      "'propertyNames' next to 'properties'"),
     ({"type": "integer", "nullable": "yes"}, "'nullable' must be a boolean"),
     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "'b' is not listed"),
-    ({"$ref": "#/$defs/A", "type": "object", "$defs": {"A": {}}}, "'type' next to '$ref'"),
     ({"type": "object", "properties": {"my key": False}, "required": ["my key"]},
      'false: no value can match it'),
 ])
@@ -750,3 +754,71 @@ def test_nullable_adds_null():
     assert_accepts(regex, [None, 3])
     assert_rejects(regex, [4, "x"])
     assert_rejects(build({"type": "integer", "nullable": False}), [None])
+
+
+# --- schemas that must all hold: allOf, keywords beside anyOf / $ref (session 27) ---------------
+
+
+def test_all_of_objects_merge_their_properties():
+    a = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    b = {"type": "object", "properties": {"b": {"type": "string"}, "a": {"minimum": 0}},
+         "required": ["b"]}                                            # zod's a.and(b)
+    regex = build({"allOf": [a, b]})
+    assert_accepts(regex, [{"a": 0, "b": "x"}, {"a": 7, "b": ""}])
+    assert_rejects(regex, [{"a": 1}, {"b": "x"}, {"a": -1, "b": "x"}, {"a": 1.5, "b": "x"}])
+
+
+def test_all_of_narrows_bounds_types_and_enums():
+    assert_accepts(build({"allOf": [{"type": "string"}, {"maxLength": 3}]}), ["abc"])
+    assert_rejects(build({"allOf": [{"type": "string"}, {"maxLength": 3}]}), ["abcd", 1])
+    ranged = build({"allOf": [{"type": "integer", "minimum": 0, "maximum": 100},
+                              {"minimum": 5, "maximum": 10}]})
+    assert_accepts(ranged, [5, 10])
+    assert_rejects(ranged, [4, 11, 50])
+    assert_accepts(build({"allOf": [{"type": "number"}, {"type": ["integer", "null"]}]}), [3])
+    assert_rejects(build({"allOf": [{"type": "number"}, {"type": ["integer", "null"]}]}), [None, 1.5])
+    enum = build({"allOf": [{"enum": ["a", "b", 1]}, {"enum": ["b", 1, 2]}]})
+    assert_accepts(enum, ["b", 1])
+    assert_rejects(enum, ["a", 2])
+
+
+def test_keywords_beside_any_of_hold_in_every_branch():
+    schema = {"type": "object",
+              "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+              "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}      # at least one of a, b
+    regex = build(schema)
+    assert_accepts(regex, [{"a": 1}, {"b": 2}, {"a": 1, "b": 2}])
+    assert_rejects(regex, [{}, {"a": "x"}, [1]])
+
+
+def test_keywords_beside_a_ref_hold_too():
+    regex = build({"$defs": {"Name": {"type": "string", "minLength": 1}},
+                   "$ref": "#/$defs/Name", "maxLength": 2, "description": "short"})
+    assert_accepts(regex, ["a", "ab"])
+    assert_rejects(regex, ["", "abc"])
+
+
+def test_all_of_a_recursive_ref_is_cut_like_any_recursion():
+    schema = {"$defs": {"Node": {"type": "object", "properties": {
+        "next": {"allOf": [{"$ref": "#/$defs/Node"}], "description": "the next node"},
+        "tag": {"allOf": [{"$ref": "#/$defs/Node"}, {"required": ["v"]}]},
+        "v": {"type": "integer"}}}}, "$ref": "#/$defs/Node"}
+    regex = build(schema)
+    assert_accepts(regex, [{}, {"next": {"v": 1}}, {"tag": {"v": 2}, "v": 3}])
+    assert_rejects(regex, [{"tag": {}}])
+
+
+def test_two_any_ofs_pair_their_branches():
+    """(int | str) and (int >= 5 | str of <= 1 char): the int/str pairs contradict and drop out."""
+    regex = build({"allOf": [{"anyOf": [{"type": "integer"}, {"type": "string"}]},
+                             {"anyOf": [{"type": "integer", "minimum": 5},
+                                        {"type": "string", "maxLength": 1}]}]})
+    assert_accepts(regex, [5, 9, "a", ""])
+    assert_rejects(regex, ["abc", 4, None])
+
+
+def test_a_branch_no_value_satisfies_drops_out():
+    assert_accepts(build({"anyOf": [{"type": "integer", "minimum": 3, "maximum": 1},
+                                    {"type": "null"}]}), [None])
+    assert_rejects(build({"type": ["integer", "string"], "minimum": 2, "maximum": 1}), [1])
+    assert_accepts(build({"type": ["integer", "string"], "minimum": 2, "maximum": 1}), ["x"])

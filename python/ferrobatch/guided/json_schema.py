@@ -28,6 +28,9 @@ boolean flags) are enforced exactly (`numeric_range`); a bounded number has no e
 by the bounds and lengths beside them. Tuples: `prefixItems` (with `items` for the rest) and
 draft 4-7's array form of `items` (with `additionalItems`). Map keys: `propertyNames` (a string
 schema, an enum, or a `$ref` to one) for objects without `properties`. OpenAPI's `nullable`.
+`allOf`, and keywords beside an `anyOf` / `oneOf` or a `$ref`, are merged into one schema
+(`schema_merge`); a branch of an `anyOf` (or a type of a type list) that no value satisfies
+drops out.
 
 Approximations (the output is a subset of the valid texts, never a superset, except where noted):
 properties appear only in schema order; `additionalProperties` is treated as false whenever
@@ -60,11 +63,13 @@ from ferrobatch.guided.numeric_range import bounded_number_regex, check_bound, t
 from ferrobatch.guided.regex_text import (
     MAX_STRING_LENGTH,
     GuidedSchemaError,
+    Unsatisfiable,
     alternation,
     escape_class_char,
     escape_literal,
     quantifier,
 )
+from ferrobatch.guided.schema_merge import Merger
 from ferrobatch.guided.string_pattern import pattern_to_json_string_regex
 
 __all__ = [
@@ -204,7 +209,7 @@ def _bounds(schema: dict, lo_key: str, hi_key: str, path: str, cap: int) -> tupl
     lo = _count(schema, lo_key, path, cap) or 0
     hi = _count(schema, hi_key, path, cap)
     if hi is not None and lo > hi:
-        raise GuidedSchemaError(f"'{lo_key}' exceeds '{hi_key}' at {path}: nothing can match")
+        raise Unsatisfiable(f"'{lo_key}' exceeds '{hi_key}' at {path}: nothing can match")
     return lo, hi
 
 
@@ -238,6 +243,11 @@ def _fits_bounds(value: Any, schema: dict, path: str) -> bool:
         lo, hi = _bounds(schema, "minLength", "maxLength", path, MAX_STRING_LENGTH)
         return lo <= len(value) and (hi is None or len(value) <= hi)
     return True
+
+
+def _single(subs: Any) -> bool:
+    """An `allOf` of exactly one subschema (walked as that subschema)."""
+    return isinstance(subs, list) and len(subs) == 1
 
 
 def _is_any(schema: Any) -> bool:
@@ -318,7 +328,7 @@ class _Builder:
         if _is_any(schema):
             return self.generic(self.max_depth)
         if schema is False:
-            raise GuidedSchemaError(f"the schema at {path} is false: no value can match it")
+            raise Unsatisfiable(f"the schema at {path} is false: no value can match it")
         if not isinstance(schema, dict):
             raise GuidedSchemaError(
                 f"expected a schema (object or boolean) at {path}, got {type(schema).__name__}")
@@ -336,28 +346,62 @@ class _Builder:
 
     def _dispatch(self, schema: dict, path: str, level: int) -> str:
         for key in ("$ref", "allOf", "anyOf", "oneOf"):
-            if key in schema:
-                for other in schema:
-                    if other != key and other not in _ANNOTATIONS and not other.startswith("x-"):
-                        raise GuidedSchemaError(
-                            f"unsupported JSON Schema keyword {other!r} next to {key!r} at {path}")
-        if "$ref" in schema:
-            return self._ref(schema["$ref"], path)
-        if "allOf" in schema:
-            subs = schema["allOf"]
-            if not isinstance(subs, list) or len(subs) != 1:
-                raise GuidedSchemaError(
-                    f"unsupported JSON Schema keyword 'allOf' at {path}: only one subschema is supported")
-            return self.value(subs[0], _child(_child(path, "allOf"), 0), level + 1)
-        for key in ("anyOf", "oneOf"):
-            if key in schema:
-                return self._any_of(schema[key], _child(path, key), level)
+            if key not in schema:
+                continue
+            rest = {k: v for k, v in schema.items()
+                    if k != key and k not in _ANNOTATIONS and not k.startswith("x-")}
+            if key in ("anyOf", "oneOf"):        # keywords beside the branches hold in each
+                subs = schema[key]
+                if rest and isinstance(subs, list):
+                    subs = [{"allOf": [rest, sub]} for sub in subs]
+                return self._any_of(subs, _child(path, key), level)
+            if rest or (key == "allOf" and not _single(schema["allOf"])):
+                subs = [{"$ref": schema["$ref"]}] if key == "$ref" else schema["allOf"]
+                if not isinstance(subs, list) or not subs:
+                    raise GuidedSchemaError(f"'allOf' must be a non-empty array of schemas at {path}")
+                return self._all_of([*subs, rest] if rest else subs, path, level)
+            if key == "$ref":
+                return self._ref(schema["$ref"], path)
+            return self.value(schema["allOf"][0], _child(_child(path, "allOf"), 0), level + 1)
         if "const" in schema or "enum" in schema:
             return self._literals(schema, path)
         types = self._types(schema, path)
         if types is None:
             return self.generic(self.max_depth)
-        return alternation([self._typed(t, schema, path, level) for t in types])
+        return self._branches([lambda t=t: self._typed(t, schema, path, level) for t in types])
+
+    @staticmethod
+    def _branches(builders: list) -> str:
+        """The alternation of the branches that some value satisfies (each built by calling
+        it); the last branch's Unsatisfiable if none is."""
+        parts: list[str] = []
+        unsatisfiable: Unsatisfiable | None = None
+        for build in builders:
+            try:
+                parts.append(build())
+            except Unsatisfiable as exc:
+                unsatisfiable = exc
+        if not parts:
+            assert unsatisfiable is not None
+            raise unsatisfiable
+        return alternation(parts)
+
+    def _all_of(self, subs: list, path: str, level: int) -> str:
+        """Schemas that must all hold, merged into one (`schema_merge`); the $refs resolved at
+        their top count as expanded, so a recursive one is cut like any other."""
+        merger = Merger(self._resolve)
+        parts, refs = merger.flatten({"allOf": subs}, path)
+        for ref in refs:
+            if self.ref_stack.count(ref) > self.max_depth:
+                raise _Pruned(ref, path)
+        merged = merger.merge_all(parts, path)
+        if merged is False:
+            raise Unsatisfiable(f"no value satisfies all of the schemas at {path}")
+        self.ref_stack.extend(refs)
+        try:
+            return self.value(merged, path, level + 1)
+        finally:
+            del self.ref_stack[len(self.ref_stack) - len(refs):]
 
     def _literals(self, schema: dict, path: str) -> str:
         """`const` / `enum`: the listed values, narrowed by each other and by a sibling `type`
@@ -376,7 +420,7 @@ class _Builder:
             values = [v for v in values if any(_is_json_type(v, t) for t in types)]
         values = [v for v in values if _fits_bounds(v, schema, path)]
         if not values:
-            raise GuidedSchemaError(f"no value satisfies 'enum'/'const' together with the other "
+            raise Unsatisfiable(f"no value satisfies 'enum'/'const' together with the other "
                                     f"keywords at {path}")
         return alternation([_json_literal(v, where) for v in values])
 
@@ -417,26 +461,29 @@ class _Builder:
             return _INTEGER if kind == "integer" else _NUMBER
         regex = bounded_number_regex(lo, lo_open, hi, hi_open, integer=kind == "integer")
         if regex is None:
-            raise GuidedSchemaError(f"no {kind} lies within the schema's bounds at {path}")
+            raise Unsatisfiable(f"no {kind} lies within the schema's bounds at {path}")
         return regex
 
     def _any_of(self, subs: Any, path: str, level: int) -> str:
+        """The branches' alternation; a branch no value satisfies (`false`, a contradiction)
+        drops out, and a recursive one cut at the depth limit too, unless all do."""
         if not isinstance(subs, list) or not subs:
             raise GuidedSchemaError(f"expected a non-empty array of schemas at {path}")
-        parts: list[str] = []
         pruned: _Pruned | None = None
-        for i, sub in enumerate(subs):
-            if sub is False:
-                continue
+
+        def branch(i: int, sub: Any) -> str:
+            nonlocal pruned
             try:
-                parts.append(self.value(sub, _child(path, i), level + 1))
+                return self.value(sub, _child(path, i), level + 1)
             except _Pruned as exc:
                 pruned = exc
-        if parts:
-            return alternation(parts)
-        if pruned is not None:
-            raise pruned
-        raise GuidedSchemaError(f"no subschema at {path} can match any value")
+                raise Unsatisfiable(f"no subschema at {path} can match any value") from None
+        try:
+            return self._branches([lambda i=i, sub=sub: branch(i, sub) for i, sub in enumerate(subs)])
+        except Unsatisfiable:
+            if pruned is not None:
+                raise pruned from None
+            raise
 
     def _ref(self, ref: Any, path: str) -> str:
         if not isinstance(ref, str) or not ref.startswith("#"):
@@ -588,7 +635,7 @@ class _Builder:
             return self._tuple(schema[prefix_key], item, lo, hi, _child(path, prefix_key), level)
         if item is None:
             if lo > 0:
-                raise GuidedSchemaError(f"no array item can match at {path}, yet 'minItems' is {lo}")
+                raise Unsatisfiable(f"no array item can match at {path}, yet 'minItems' is {lo}")
             return r"\[\]"
         return self._list(item, lo, hi)
 
@@ -624,7 +671,7 @@ class _Builder:
         if longest is not None and hi is not None:
             longest = min(longest, hi)
         if longest is not None and lo > longest:
-            raise GuidedSchemaError(f"no array of at least {lo} items can match at {path}")
+            raise Unsatisfiable(f"no array of at least {lo} items can match at {path}")
         items = items[:longest]
         if not items:
             return r"\[\]"

@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "MAX_STRING_LENGTH",
     "GuidedSchemaError",
+    "Unsatisfiable",
     "alternation",
     "escape_class_char",
     "escape_literal",
@@ -20,6 +21,10 @@ __all__ = [
 
 class GuidedSchemaError(ValueError):
     """A schema (or choice list) that cannot be turned into a guided-decoding regex."""
+
+
+class Unsatisfiable(GuidedSchemaError):
+    """A (sub)schema that no value satisfies; an `anyOf` or a type list drops such a branch."""
 
 
 MAX_STRING_LENGTH = 1024      # largest minLength / maxLength, and largest repetition in a pattern
