@@ -26,7 +26,11 @@ use regex_automata::util::primitives::StateID;
 use regex_automata::util::start;
 use regex_automata::util::syntax;
 use regex_automata::{Anchored, MatchKind};
-use regex_syntax::hir::{Hir, Look};
+use regex_syntax::ast::{
+    self, Ast, ClassAscii, ClassAsciiKind, ClassBracketed, ClassPerl, ClassPerlKind, ClassSet,
+    ClassSetItem,
+};
+use regex_syntax::hir::{self, Hir, Look};
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
@@ -37,6 +41,82 @@ pub const DEFAULT_SIZE_LIMIT_BYTES: usize = 64 << 20;
 /// At most this many states keep their allowed tokens cached per grammar (each costs
 /// vocab_size / 8 bytes: 6 KiB for a 49k vocabulary, so 12 MiB); past it the cache starts over.
 pub const MAX_CACHED_STATES: usize = 2048;
+
+/// Deepest nesting of groups / repetitions / classes a pattern may have.
+const NEST_LIMIT: u32 = 200;
+
+/// Parses `pattern` (Unicode on) with `\d`, `\w`, `\s` and their negations read as the ASCII
+/// classes `[0-9]`, `[0-9A-Za-z_]`, `[\t\n\v\f\r ]`, as vLLM's grammar backends read them.
+/// Unicode's `\d` also admits digits such as U+1FBF8 (four bytes, after a lead byte that emoji
+/// tokens share), which a model would then be forced to spell out. `\p{Nd}` is Unicode's.
+fn parse_ascii_perl(pattern: &str) -> Result<Hir, String> {
+    let mut parsed = ast::parse::ParserBuilder::new()
+        .nest_limit(NEST_LIMIT)
+        .build()
+        .parse(pattern)
+        .map_err(|e| e.to_string())?;
+    ascii_perl(&mut parsed);
+    hir::translate::TranslatorBuilder::new()
+        .unicode(true)
+        .utf8(true)
+        .build()
+        .translate(pattern, &parsed)
+        .map_err(|e| e.to_string())
+}
+
+fn ascii_kind(perl: &ClassPerl) -> ClassAscii {
+    let kind = match perl.kind {
+        ClassPerlKind::Digit => ClassAsciiKind::Digit,
+        ClassPerlKind::Space => ClassAsciiKind::Space,
+        ClassPerlKind::Word => ClassAsciiKind::Word,
+    };
+    ClassAscii {
+        span: perl.span,
+        kind,
+        negated: perl.negated,
+    }
+}
+
+/// Every Perl class in `node` (outside and inside brackets) replaced by its ASCII class.
+/// Recursive, but the parser's nest limit bounds the depth.
+fn ascii_perl(node: &mut Ast) {
+    match node {
+        Ast::ClassPerl(perl) => {
+            let span = perl.span;
+            let class = ClassSetItem::Ascii(ascii_kind(perl));
+            *node = Ast::class_bracketed(ClassBracketed {
+                span,
+                negated: false,
+                kind: ClassSet::Item(class),
+            });
+        }
+        Ast::ClassBracketed(class) => ascii_perl_set(&mut class.kind),
+        Ast::Repetition(rep) => ascii_perl(&mut rep.ast),
+        Ast::Group(group) => ascii_perl(&mut group.ast),
+        Ast::Alternation(alt) => alt.asts.iter_mut().for_each(ascii_perl),
+        Ast::Concat(cat) => cat.asts.iter_mut().for_each(ascii_perl),
+        _ => {}
+    }
+}
+
+fn ascii_perl_set(set: &mut ClassSet) {
+    match set {
+        ClassSet::Item(item) => ascii_perl_item(item),
+        ClassSet::BinaryOp(op) => {
+            ascii_perl_set(&mut op.lhs);
+            ascii_perl_set(&mut op.rhs);
+        }
+    }
+}
+
+fn ascii_perl_item(item: &mut ClassSetItem) {
+    match item {
+        ClassSetItem::Perl(perl) => *item = ClassSetItem::Ascii(ascii_kind(perl)),
+        ClassSetItem::Bracketed(class) => ascii_perl_set(&mut class.kind),
+        ClassSetItem::Union(union) => union.items.iter_mut().for_each(ascii_perl_item),
+        _ => {}
+    }
+}
 
 /// Why a grammar could not be built or used.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -235,9 +315,9 @@ impl Grammar {
                 trie.vocab_size()
             )));
         }
-        let syntax_config = syntax::Config::new().nest_limit(200);
+        let syntax_config = syntax::Config::new().nest_limit(NEST_LIMIT);
         // Parsed alone first, so that a syntax error quotes the caller's pattern as written.
-        let hir = syntax::parse_with(pattern, &syntax_config)
+        let hir = parse_ascii_perl(pattern)
             .map_err(|e| GuidedError::BadPattern(format!("invalid pattern: {e}")))?;
         // `(?:RE)$` built on the syntax tree, not as text: a trailing `# comment` of a
         // `(?x)` pattern would swallow a textual `)$`.
@@ -506,6 +586,54 @@ mod tests {
             }
         }
         out
+    }
+
+    #[test]
+    fn perl_classes_are_ascii_inside_and_outside_brackets() {
+        let digit = "\u{1FBF8}"; // SEGMENTED DIGIT EIGHT: Unicode Nd, four bytes
+        let arabic = "\u{0663}"; // ARABIC-INDIC DIGIT THREE
+        for (pattern, yes, no) in [
+            (
+                r"\d{2}",
+                vec!["07"],
+                vec![format!("0{digit}"), format!("{arabic}1")],
+            ),
+            (r"[\d_]+", vec!["1_2"], vec![digit.to_string()]),
+            (
+                r"\w+",
+                vec!["a_Z9"],
+                vec!["é".to_string(), digit.to_string()],
+            ),
+            (r"\s", vec![" ", "\t"], vec!["\u{00A0}".to_string()]),
+            (r"\D", vec!["é", "x"], vec!["5".to_string()]),
+            (
+                r"[^\W\d]+",
+                vec!["ab_"],
+                vec!["a1".to_string(), "é".to_string()],
+            ),
+            (r"[a-z&&\w]", vec!["q"], vec!["Q".to_string()]),
+            (r"\p{Nd}", vec!["5", digit], vec!["x".to_string()]), // Unicode when asked for
+        ] {
+            let (g, _, _) = grammar(pattern);
+            for text in yes {
+                assert!(
+                    g.matches(text.as_bytes()),
+                    "{pattern} should match {text:?}"
+                );
+            }
+            for text in no {
+                assert!(
+                    !g.matches(text.as_bytes()),
+                    "{pattern} should not match {text:?}"
+                );
+            }
+        }
+        // a syntax error still quotes the pattern as written
+        let (trie, _, eos) = toy();
+        let err = Grammar::new(r"\d(", trie, &[eos], DEFAULT_SIZE_LIMIT_BYTES)
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains(r"\d("), "{err}");
     }
 
     #[test]
