@@ -346,6 +346,20 @@ async def test_structured_outputs_on_every_door(real, sdk):
             await client.close()
 
 
+async def test_vllm_structured_outputs_and_ascii_regex_classes(real, sdk):
+    """vLLM's `structured_outputs` object works like its guided_* fields; a guided regex's
+    `\\d` is an ASCII digit (Unicode's let greedy output pick segmented digits, U+1FBF8)."""
+    msgs = [{"role": "user", "content": "Is this review positive or negative? 'Great!'"}]
+    for spec in ({"choice": ["positive", "negative"]}, {"regex": "(positive|negative)"}):
+        r = await sdk.chat.completions.create(model="smollm2", messages=msgs, max_tokens=8,
+                                              temperature=0, extra_body={"structured_outputs": spec})
+        assert r.choices[0].message.content in ("positive", "negative"), spec
+    r = await sdk.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "phone"}], max_tokens=24,
+        temperature=0, extra_body={"guided_regex": r"\d{3}-\d{4}"})
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", r.choices[0].message.content), r.choices[0]
+
+
 async def test_bad_structured_output_requests_are_400_and_never_stall_streams(real, sdk):
     # a pattern whose automaton is too large is refused after ~1 s of compiling, off the
     # event loop: a stream running meanwhile finishes, and the refusal is a 400
@@ -362,6 +376,11 @@ async def test_bad_structured_output_requests_are_400_and_never_stall_streams(re
         dict(response_format={"type": "xml"}),
         dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a"}),
         dict(extra_body={"guided_choice": ["a"], "ignore_eos": True}),
+        dict(extra_body={"guided_grammar": 'root ::= "a"'}),             # never ignored
+        dict(extra_body={"structured_outputs": {"grammar": 'root ::= "a"'}}),
+        dict(extra_body={"structured_outputs": {"choice": ["a"]}, "guided_regex": "a"}),
+        dict(response_format={"type": "json_object"},
+             extra_body={"structured_outputs": {"regex": "a"}}),
     ]
     for kw in bad:
         with pytest.raises(openai.BadRequestError):
@@ -409,6 +428,21 @@ async def test_forced_tool_calls_through_the_sdk(real, sdk):
         assert reasons == ["tool_calls"]
         assert [(t.function.name, t.function.arguments) for t in streamed] == \
             [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+        # the SDK's stream helper: the finish comes in a chunk of its own, after the calls, so
+        # each call is closed with its parsed arguments; the message's content stays None
+        async with sdk.chat.completions.stream(
+                model="smollm2", messages=msgs, tools=[WEATHER_TOOL, TIME_TOOL],
+                tool_choice=tool_choice, max_tokens=80, temperature=0) as helper:
+            done = [e.name async for e in helper if e.type == "tool_calls.function.arguments.done"]
+            final = await helper.get_final_completion()
+        assert done == [t.function.name for t in c.message.tool_calls]
+        assert final.choices[0].message.content is None
+    # parallel_tool_calls=False: at most one call
+    for seed in range(3):
+        one = await sdk.chat.completions.create(
+            model="smollm2", messages=msgs, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required",
+            parallel_tool_calls=False, max_tokens=80, temperature=1.0, seed=seed)
+        assert one.choices[0].finish_reason != "tool_calls" or len(one.choices[0].message.tool_calls) == 1
     # cut by max_tokens: no call, the partial text as content, finish "length"
     cut = await sdk.chat.completions.create(
         model="smollm2", messages=msgs, tools=[WEATHER_TOOL], tool_choice="required",

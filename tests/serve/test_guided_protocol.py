@@ -197,3 +197,23 @@ def test_message_fields_of_the_wrong_type_are_refused(msg, match):
     with pytest.raises(ProtocolError, match=match):
         parse_message(msg)
     assert parse_message({"type": "generate", "id": "r", "prompt": "hi", "params": None})
+
+
+def test_vllm_structured_outputs_become_guided_fields():
+    p = sampling_params_from({"structured_outputs": {"choice": ["a", "b"]}})
+    assert p.guided_choice == ("a", "b")
+    assert sampling_params_from({"structured_outputs": {"regex": "x+"}}).guided_regex == "x+"
+    assert sampling_params_from({"structured_outputs": {"json": {"type": "integer"}}}
+                                ).guided_json == {"type": "integer"}
+    assert sampling_params_from({"structured_outputs": {"json_object": True}}
+                                ).guided_json == {"type": "object"}
+    assert sampling_params_from({"structured_outputs": {}}).guided_json is None
+    for fields, message in [
+        ({"structured_outputs": {"grammar": "root ::= x"}}, "'structured_outputs.grammar'"),
+        ({"structured_outputs": "x"}, "must be an object"),
+        ({"structured_outputs": {"regex": "a"}, "guided_choice": ["a"]}, "cannot be combined"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "cannot be combined"),
+        ({"guided_grammar": "root ::= x"}, "'guided_grammar' is not supported"),
+    ]:
+        with pytest.raises(ProtocolError, match=message):
+            sampling_params_from(fields)

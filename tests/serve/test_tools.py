@@ -128,3 +128,14 @@ def test_bad_tool_requests_name_the_field(body, param, match):
     with pytest.raises(ProtocolError, match=match) as e:
         chat(**body)
     assert e.value.code == 400 and e.value.param == param
+
+
+def test_parallel_tool_calls_false_allows_one_call():
+    one = chat(tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False)
+    regex = re.compile(schema_to_regex(one.params.guided_json))
+    call = '{"name": "now", "parameters": {}}'
+    assert regex.fullmatch(f"[{call}]") and not regex.fullmatch(f"[{call}, {call}]")
+    many = chat(tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=True)
+    assert re.fullmatch(schema_to_regex(many.params.guided_json), f"[{call}, {call}]")
+    with pytest.raises(ProtocolError, match="'parallel_tool_calls' must be a boolean"):
+        chat(tools=[WEATHER], tool_choice="required", parallel_tool_calls="no")

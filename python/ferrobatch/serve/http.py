@@ -235,12 +235,14 @@ async def _stream(request: web.Request, req: OpenAIRequest,
                 break
             if not role_sent:
                 role_sent = True
+                content = None if req.tools is not None else ""    # as OpenAI's first chunks
                 await sse.send(envelope(req, [
-                    {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None} for k in range(n)], chunk=True, usage_=so_far()))
+                    {"index": k, "delta": {"role": "assistant", "content": content},
+                     "logprobs": None, "finish_reason": None} for k in range(n)],
+                    chunk=True, usage_=so_far()))
             if out.prompt_logprobs is not None:
                 prompt_outs[i] = out          # a delta stream carries them once
-            choices = []
+            choices, finishes = [], []
             for c in out.outputs:
                 completion += len(c.token_ids)
                 k = i * n + c.index
@@ -253,8 +255,15 @@ async def _stream(request: web.Request, req: OpenAIRequest,
                         asked = req.params.logprobs is not None
                         lp = _logprobs_shape(request, req, entries if asked else None)[0]
                         calls = _tool_calls(req, whole, c.finish_reason)
-                        choices.append(choice(req, k, "" if calls else whole, c.finish_reason,
-                                              stream=True, logprobs=lp, tool_calls=calls))
+                        if calls:      # the calls, then the finish in a chunk of its own (as
+                            # OpenAI: the SDK's stream helper closes a call on that chunk)
+                            choices.append(choice(req, k, "", None, stream=True, logprobs=lp,
+                                                  tool_calls=calls))
+                            finishes.append(choice(req, k, "", c.finish_reason, stream=True,
+                                                   tool_calls=[]))
+                        else:
+                            choices.append(choice(req, k, whole, c.finish_reason, stream=True,
+                                                  logprobs=lp))
                 elif req.echo and k not in offsets:          # the choice's first chunk
                     text, lp, offsets[k] = _with_echo(request, req, prompt_outs.get(i, out),
                                                       c.text, c.logprobs)
@@ -266,6 +275,8 @@ async def _stream(request: web.Request, req: OpenAIRequest,
                                           logprobs=lp))
             if choices:
                 await sse.send(envelope(req, choices, chunk=True, usage_=so_far()))
+            if finishes:
+                await sse.send(envelope(req, finishes, chunk=True, usage_=so_far()))
         if req.include_usage:
             await sse.send(envelope(req, [], chunk=True,
                                     usage_=usage(prompt_tokens, completion)))

@@ -8,7 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ferrobatch.sampling_params import MAX_LOGPROBS, SamplingParams
-from ferrobatch.serve.protocol import GUIDED_FIELDS, ProtocolError, sampling_params_from
+from ferrobatch.serve.protocol import (
+    GUIDED_FIELDS,
+    ProtocolError,
+    sampling_params_from,
+    with_structured_outputs,
+)
 from ferrobatch.serve.tools import ToolPlan, parse_tools
 
 MAX_PROMPTS = 64
@@ -112,7 +117,8 @@ def parse_chat(body: Any, model_name: str) -> OpenAIRequest:
     if tools is not None:
         given = [f for f in GUIDED_FIELDS if fields.get(f) is not None]
         if given:
-            clash = "response_format" if body.get("response_format") else given[0]
+            clash = next((f for f in ("response_format", "structured_outputs") if body.get(f)),
+                         given[0])
             raise ProtocolError(f"a forced tool call cannot be combined with '{clash}'",
                                 param="tool_choice")
         fields["guided_json"] = tools.schema
@@ -167,7 +173,7 @@ def with_response_format(body: dict) -> dict:
     `{"type": "json_object"}` -> any JSON object, `{"type": "json_schema", "json_schema":
     {"schema": ...}}` -> that schema, `{"type": "text"}` (or none) -> unconstrained."""
     fmt = body.get("response_format")
-    fields = dict(body)
+    fields = with_structured_outputs(dict(body))
     if fmt is None:
         return fields
     kind = fmt.get("type") if isinstance(fmt, dict) else None
@@ -176,9 +182,10 @@ def with_response_format(body: dict) -> dict:
                             "'json_schema', ...}", param="response_format")
     if kind == "text":
         return fields
-    given = [f for f in GUIDED_FIELDS if body.get(f) is not None]
+    given = [f for f in GUIDED_FIELDS if fields.get(f) is not None]
     if given:
-        raise ProtocolError(f"'response_format' cannot be combined with '{given[0]}'",
+        clash = "structured_outputs" if body.get("structured_outputs") else given[0]
+        raise ProtocolError(f"'response_format' cannot be combined with '{clash}'",
                             param="response_format")
     if kind == "json_object":
         fields["guided_json"] = {"type": "object"}
@@ -230,7 +237,7 @@ def choice(req: OpenAIRequest, index: int, text: str, finish_reason: str | None,
         finish_reason = "tool_calls"
     if stream:
         delta: dict[str, Any] = {"content": text} if text else {}
-        if tool_calls is not None:
+        if tool_calls:
             delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(tool_calls)]}
         return {"index": index, "delta": delta, "logprobs": logprobs,
                 "finish_reason": finish_reason}

@@ -52,9 +52,50 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+# vLLM's `structured_outputs` object (its guided_* fields' successor): key -> our guided field
+_STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice"}
+# guided-decoding fields we cannot honour: refused, never silently ignored
+_UNSUPPORTED_GUIDED = ("guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern")
+
+
+def with_structured_outputs(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` with vLLM's `structured_outputs` ({"json" | "regex" | "choice": ...} or
+    {"json_object": true}) turned into the matching guided field; guided-decoding requests
+    this engine cannot honour (a grammar, a structural tag, ...) are a ProtocolError."""
+    for name in _UNSUPPORTED_GUIDED:
+        if fields.get(name) is not None:
+            raise ProtocolError(f"'{name}' is not supported (guided_json, guided_regex and "
+                                f"guided_choice are)", param=name)
+    spec = fields.get("structured_outputs")
+    if spec is None:
+        return fields
+    if not isinstance(spec, dict):
+        raise ProtocolError("'structured_outputs' must be an object", param="structured_outputs")
+    out = {k: v for k, v in fields.items() if k != "structured_outputs"}
+    given = [f for f in GUIDED_FIELDS if out.get(f) is not None]
+    for key, value in spec.items():
+        if value is None or value is False:
+            continue
+        if key == "json_object":
+            if value is not True:
+                raise ProtocolError("'structured_outputs.json_object' must be a boolean",
+                                    param="structured_outputs")
+            key, value = "json", {"type": "object"}
+        if key not in _STRUCTURED_OUTPUTS:
+            raise ProtocolError(f"'structured_outputs.{key}' is not supported (json, regex, "
+                                f"choice and json_object are)", param="structured_outputs")
+        if given:
+            raise ProtocolError(f"'structured_outputs' cannot be combined with '{given[0]}'",
+                                param="structured_outputs")
+        out[_STRUCTURED_OUTPUTS[key]] = value
+        given.append(_STRUCTURED_OUTPUTS[key])
+    return out
+
+
 def sampling_params_from(fields: dict[str, Any], *, defaults: dict[str, Any] | None = None,
                          **fixed: Any) -> SamplingParams:
     """Type-check the sampling fields of `fields` (unknown keys ignored) and build the params."""
+    fields = with_structured_outputs(fields)
     kw: dict[str, Any] = dict(defaults or {})
     for name in SAMPLING_FIELDS:
         if name not in fields or fields[name] is None:

@@ -110,6 +110,11 @@ def parse_tools(body: dict[str, Any]) -> ToolPlan | None:
             raise ProtocolError("'tool_choice' needs 'tools'", param="tool_choice")
         return None
     listed = _tool_list(tools)
+    parallel = body.get("parallel_tool_calls", True)
+    if parallel is None:
+        parallel = True
+    if not isinstance(parallel, bool):
+        raise ProtocolError("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
     if choice == "none":
         return None
     if choice is None or choice == "auto":
@@ -128,6 +133,8 @@ def parse_tools(body: dict[str, Any]) -> ToolPlan | None:
                 "name": {"const": name}, "parameters": {"$ref": f"#/$defs/{name}"}},
                 "required": ["name", "parameters"]})
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
+        if not parallel:                       # OpenAI: at most one call
+            schema["maxItems"] = 1
         return ToolPlan("required", tuple(listed), schema)
     fn = choice.get("function") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" \
