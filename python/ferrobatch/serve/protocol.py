@@ -54,8 +54,9 @@ def _is_int(v: Any) -> bool:
 
 # vLLM's `structured_outputs` object (its guided_* fields' successor): key -> our guided field
 _STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice"}
-# guided-decoding fields we cannot honour: refused, never silently ignored
-_UNSUPPORTED_GUIDED = ("guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern")
+# guided-decoding fields we cannot honour: refused, never silently ignored (vLLM's
+# `guided_decoding_backend` only picks an implementation, and is ignored like other unknown keys)
+_UNSUPPORTED_GUIDED = ("guided_grammar", "guided_whitespace_pattern")
 
 
 def with_structured_outputs(fields: dict[str, Any]) -> dict[str, Any]:
