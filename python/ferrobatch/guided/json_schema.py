@@ -35,7 +35,8 @@ drops out.
 Approximations (the output is a subset of the valid texts, never a superset, except where noted):
 properties appear only in schema order; `additionalProperties` is treated as false whenever
 `properties` is given; `enum`/`const` values are written compactly; strings use canonical escapes
-where the schema fixes their text; a `pattern` is anchored at both ends (JSON Schema searches), reads
+where the schema fixes their text; a string with `minLength` / `maxLength` has no `\\uXXXX` escapes
+(its characters are raw or short escapes); a `pattern` is anchored at both ends (JSON Schema searches), reads
 `\\d \\w \\s` as ASCII classes and `.` as ECMA-262 does (any character but `\\n`, `\\r`, U+2028,
 U+2029), may not use lookaround, backreferences, `\\b`, `\\p{..}` or flags, and is rewritten into the
 dialect above so that `"`, `\\` and control characters appear JSON-escaped (`string_pattern`);
@@ -102,6 +103,11 @@ _HEX4_BMP = "(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2})"
 _HEX4_PAIR = r"[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
 _STRING_CHAR = rf'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u(?:{_HEX4_BMP}|{_HEX4_PAIR}))'
 _STRING = f'"{_STRING_CHAR}*"'
+# A character of a string with minLength / maxLength: raw, or a short escape. A `\uXXXX`
+# escape is left out: every counted position would carry its hex states (and a surrogate pair's),
+# ~5x the automaton, and a raw character says the same (only the control characters without a
+# short escape, U+0000-001F but \b \f \n \r \t, cannot then appear).
+_BOUNDED_STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt])'
 _INTEGER = r"-?(?:0|[1-9][0-9]{0,15})"
 _NUMBER = _INTEGER + r"(?:\.[0-9]{1,16})?(?:[eE][+\-]?[0-9]{1,3})?"
 _BOOLEAN = "(?:true|false)"
@@ -704,7 +710,9 @@ class _Builder:
                 return f'"{regex}"'
         if hi == 0:
             return '""'
-        return f'"{_STRING_CHAR}{quantifier(lo, hi)}"'
+        if lo == 0 and hi is None:
+            return _STRING
+        return f'"{_BOUNDED_STRING_CHAR}{quantifier(lo, hi)}"'
 
 
 def _format_regex(fmt: str, lo: int, hi: int | None) -> str | None:
