@@ -145,3 +145,22 @@ def test_an_object_of_250_optional_members_compiles_and_walks(tok, vocab):
     for text in ('{"p100":1,"p7":1}', '{"p7":1,}', '{,"p7":1}', '{"p250":1}'):
         s = walk(text)
         assert s is None or not s.is_accepting, text
+
+
+def test_the_grammar_cache_is_bounded_by_count_and_by_bytes(tok, table):
+    from ferrobatch.guided.compiler import GuidedCompiler
+
+    small = GuidedCompiler(table, len(table), list(tok.eos_token_ids), cache_size=3)
+    for word in ("a", "b", "c", "d"):
+        small.grammar(word)
+    assert small.num_cached() == 3
+    one = small.grammar("[a-z]{200}").dfa_memory_bytes
+    tight = GuidedCompiler(table, len(table), list(tok.eos_token_ids), cache_bytes=2 * one + 1000)
+    first = tight.grammar("[a-z]{200}")
+    tight.grammar("[0-9]{200}")
+    assert tight.num_cached() == 2 and tight.cached_bytes() <= tight.cache_bytes
+    tight.grammar("[A-Z]{200}")                 # over the budget: the oldest goes
+    assert tight.num_cached() == 2 and tight.cached_bytes() <= tight.cache_bytes
+    assert tight.grammar("[a-z]{200}") is not first
+    huge = GuidedCompiler(table, len(table), list(tok.eos_token_ids), cache_bytes=1)
+    assert huge.grammar("abc") is huge.grammar("abc")      # the newest one always stays

@@ -21,6 +21,9 @@ from ferrobatch.sampling_params import SamplingParams
 # cached state masks (12 MiB for a 49k vocabulary; `MAX_CACHED_STATES` in guided.rs), so the
 # cache's memory is bounded however many distinct schemas clients send.
 GRAMMAR_CACHE_SIZE = 32
+# ... and at most this many bytes of DFAs in all (each grammar may take GRAMMAR_SIZE_LIMIT_BYTES,
+# so 32 big schemas would otherwise keep 1 GiB): past it the least recently used go first.
+GRAMMAR_CACHE_BYTES = 256 << 20
 # Each of the NFA, the determinisation's working memory and the DFA; bounds a compile to well
 # under a second (`AsyncEngine.prepare` runs it on a worker thread).
 GRAMMAR_SIZE_LIMIT_BYTES = 32 << 20
@@ -48,7 +51,8 @@ class GuidedCompiler:
 
     def __init__(self, token_bytes: Sequence[bytes] | None, vocab_size: int,
                  eos_token_ids: Sequence[int], *, cache_size: int = GRAMMAR_CACHE_SIZE,
-                 size_limit_bytes: int = GRAMMAR_SIZE_LIMIT_BYTES) -> None:
+                 size_limit_bytes: int = GRAMMAR_SIZE_LIMIT_BYTES,
+                 cache_bytes: int = GRAMMAR_CACHE_BYTES) -> None:
         """`token_bytes`: each token id's bytes (b"" for special tokens), None when the
         tokenizer is not byte-level (guided requests are then refused)."""
         self._token_bytes = token_bytes
@@ -56,6 +60,7 @@ class GuidedCompiler:
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.cache_size = cache_size
         self.size_limit_bytes = size_limit_bytes
+        self.cache_bytes = cache_bytes
         self._vocab: Any = None
         self._grammars: OrderedDict[str, Any] = OrderedDict()
         self._patterns: OrderedDict[str, str] = OrderedDict()   # guided field -> its regex
@@ -87,9 +92,16 @@ class GuidedCompiler:
         with self._lock:
             self._grammars[pattern] = grammar
             self._grammars.move_to_end(pattern)
-            while len(self._grammars) > self.cache_size:
-                self._grammars.popitem(last=False)
+            held = sum(g.dfa_memory_bytes for g in self._grammars.values())
+            while len(self._grammars) > 1 and (len(self._grammars) > self.cache_size
+                                               or held > self.cache_bytes):
+                held -= self._grammars.popitem(last=False)[1].dfa_memory_bytes
         return grammar
+
+    def cached_bytes(self) -> int:
+        """Bytes of the cached grammars' DFAs (their mask caches not included)."""
+        with self._lock:
+            return sum(g.dfa_memory_bytes for g in self._grammars.values())
 
     def cached_grammar_for(self, params: SamplingParams) -> Any:
         """The grammar of a guided request if it is compiled already (None otherwise): a
