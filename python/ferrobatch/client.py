@@ -29,6 +29,7 @@ import msgpack
 # the server's own limits (its hello reports them): a frame past them is refused unread
 from ferrobatch.serve.codec import MAX_ARRAY_LEN as MAX_PROMPT_TOKENS
 from ferrobatch.serve.codec import MAX_FRAME_BYTES
+from ferrobatch.serve.protocol import CHAT_OPTION_FIELDS
 
 TERMINAL = ("done", "cancelled", "error")
 CONNECT_TIMEOUT_S = 30.0           # connecting plus the handshake (`connect(timeout=None)`: none)
@@ -96,7 +97,9 @@ class _Multiplexer:
     async def generate(self, prompt: str | list[int] | None = None, *,
                        messages: list[dict[str, Any]] | None = None, id: Any = None,
                        **params: Any) -> AsyncIterator[dict[str, Any]]:
-        """Start one generation and yield its messages until the terminal one."""
+        """Start one generation and yield its messages until the terminal one. With
+        `messages`, vLLM's chat fields (`add_generation_prompt`, `continue_final_message`,
+        `chat_template_kwargs`) may be given among the keywords too."""
         if self._closed:
             raise ConnectionError("connection closed")
         rid = id if id is not None else f"c{next(self._ids)}"
@@ -108,7 +111,11 @@ class _Multiplexer:
                              f"most {MAX_PROMPT_TOKENS}")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
-        msg: dict[str, Any] = {"type": "generate", "id": rid, "params": params}
+        msg: dict[str, Any] = {"type": "generate", "id": rid}
+        for name in CHAT_OPTION_FIELDS:          # message-level fields, not sampling ones
+            if name in params:
+                msg[name] = params.pop(name)
+        msg["params"] = params
         if messages is not None:
             msg["messages"] = messages
         else:

@@ -150,6 +150,22 @@ def test_chat_and_progress_bar(real_llm, capsys):
     assert "Processed prompts" in capsys.readouterr().err
 
 
+def test_chat_takes_vllms_rendering_options(real_llm):
+    """continue_final_message: the prompt ends inside the last assistant message (no
+    <|im_end|> after it, no new assistant turn); bad options are errors before any work."""
+    convo = [{"role": "user", "content": "Count to five."},
+             {"role": "assistant", "content": "One, two,"}]
+    out = real_llm.chat(convo, SamplingParams(max_tokens=4, temperature=0.0),
+                        add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt.endswith("<|im_start|>assistant\nOne, two,")
+    plain = real_llm.chat(convo, SamplingParams(max_tokens=1, temperature=0.0))[0]
+    assert plain.prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        real_llm.chat(convo, continue_final_message=True)
+    with pytest.raises(TypeError, match="add_generation_prompt must be a bool"):
+        real_llm.chat(convo, add_generation_prompt="no")
+
+
 def test_bad_input_is_rejected_before_any_work(real_llm):
     engine = real_llm.engine
     before = engine.counters["accepted"]

@@ -340,6 +340,9 @@ async def test_structured_outputs_on_every_door(real, sdk):
             res = await client.complete("My lucky number is", max_tokens=8, temperature=0,
                                         guided_regex="[0-9]{2}")
             assert re.fullmatch("[0-9]{2}", res["text"]) and res["finish_reason"] == "stop"
+            res = await client.complete("The best season is", max_tokens=8, temperature=0,
+                                        structured_outputs={"choice": ["summer", "winter"]})
+            assert res["text"] in ("summer", "winter")
             with pytest.raises(RuntimeError, match="(?s)400.*unclosed group"):
                 await client.complete("x", guided_regex="(ab")
         finally:

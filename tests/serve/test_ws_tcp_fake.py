@@ -308,3 +308,32 @@ async def test_client_connects_time_out_on_a_silent_server():
             writer.close()
         silent.close()
         await silent.wait_closed()
+
+
+CONTINUED = [{"role": "user", "content": "yo"}, {"role": "assistant", "content": "hel"}]
+
+
+@pytest.mark.parametrize("door", DOORS)
+async def test_chat_rendering_options_on_ws_and_tcp(fake_server, door):
+    """vLLM's add_generation_prompt / continue_final_message / chat_template_kwargs reach the
+    chat template from a WS / TCP `generate` as from the HTTP chat route (the fake template
+    writes one token per character: the prompt's length tells the rendering)."""
+    c = await clients(fake_server, door)
+    try:
+        plain = await c.complete(messages=CONTINUED, max_tokens=2)
+        assert plain["usage"]["prompt_tokens"] == len("<user>yo\n<assistant>hel\n<assistant>")
+        cont = await c.complete(messages=CONTINUED, max_tokens=2, add_generation_prompt=False,
+                                continue_final_message=True, chat_template_kwargs={"x": 1})
+        assert cont["usage"]["prompt_tokens"] == len("<user>yo\n<assistant>hel")
+        for kw, match in [
+            (dict(prompt="x", structured_outputs={"grammar": "r"}), "'structured_outputs.grammar'"),
+            (dict(prompt="x", add_generation_prompt=False), "'add_generation_prompt' needs 'messages'"),
+            (dict(messages=CONTINUED, continue_final_message=True), "needs 'add_generation_prompt'"),
+            (dict(messages=CONTINUED, add_generation_prompt="no"), "must be a boolean"),
+            (dict(messages=[{"role": "user", "content": "a"}], add_generation_prompt=False,
+                  continue_final_message=True), "last message from the assistant"),
+        ]:
+            with pytest.raises(RuntimeError, match=f"400.*{match}"):
+                await c.complete(max_tokens=2, **kw)
+    finally:
+        await c.close()

@@ -38,6 +38,22 @@ Prompt = str | Sequence[int]
 PRETOKENIZED_KEPT = 8        # long prompts tokenized by prepare() and not yet added
 
 
+_CHAT_OPTIONS = frozenset({"add_generation_prompt", "continue_final_message", "tools",
+                           "template_kwargs"})
+
+
+def _chat_options(options: Any) -> dict[str, Any]:
+    """`render_chat`'s keywords from a request's chat options (TypeError for a bad shape)."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise TypeError("chat_options must be a dict of render_chat keywords")
+    unknown = sorted(set(options) - _CHAT_OPTIONS)
+    if unknown:
+        raise TypeError(f"unknown chat option(s): {', '.join(map(str, unknown))}")
+    return options
+
+
 def _content_chars(messages: Any) -> int:
     """Characters of a chat's string contents (a cheap lower bound of its rendered length)."""
     if not isinstance(messages, (list, tuple)):
@@ -291,9 +307,11 @@ class AsyncEngine:
 
     def add_request(self, prompt: Prompt | None = None, params: SamplingParams | None = None,
                     request_id: str | None = None, *, messages: Any = None,
+                    chat_options: dict[str, Any] | None = None,
                     _probe: bool = False) -> RequestStream:
         """Validate, tokenize and submit; raises ValueError (bad input), QueueFullError or
-        EngineDeadError before anything is allocated."""
+        EngineDeadError before anything is allocated. `messages` are rendered by the chat
+        template, with `chat_options` (`render_chat`'s keywords) if given."""
         if not self.is_running:
             raise EngineDeadError(self.dead_reason or "the engine is not started")
         params = params if params is not None else SamplingParams()
@@ -312,7 +330,9 @@ class AsyncEngine:
         if messages is not None:
             if prompt is not None:
                 raise ValueError("pass either a prompt or messages, not both")
-            prompt = self.render_chat(messages)
+            prompt = self.render_chat(messages, **_chat_options(chat_options))
+        elif chat_options:
+            raise ValueError("chat options need messages")
         if isinstance(prompt, str):
             text: str | None = check_prompt_text(prompt)
             ids = self._pretokenized.pop(prompt, None)        # see prepare()
@@ -348,7 +368,7 @@ class AsyncEngine:
         return RequestStream(self, state)
 
     async def prepare(self, params: SamplingParams | None, prompt: Prompt | None = None,
-                      messages: Any = None) -> None:
+                      messages: Any = None, chat_options: dict[str, Any] | None = None) -> None:
         """The slow parts of accepting a request, done off the event loop so that the
         `add_request` that follows finds them done: a long text prompt (or rendered chat) is
         tokenized on a worker thread, and a guided request's grammar is compiled (one compile
@@ -364,8 +384,8 @@ class AsyncEngine:
         if messages is not None and prompt is None and _content_chars(messages) >= \
                 LONG_TEXT_CHARS // 2:          # short chats are rendered once, in add_request
             try:
-                text = self.render_chat(messages)
-            except ValueError:
+                text = self.render_chat(messages, **_chat_options(chat_options))
+            except (TypeError, ValueError):
                 text = None
         if text is not None and LONG_TEXT_CHARS <= len(text) <= MAX_PROMPT_CHARS:
             ids = await asyncio.to_thread(self._core.tokenizer.encode, text)
@@ -383,11 +403,13 @@ class AsyncEngine:
             await asyncio.to_thread(guided.grammar_for, params)
 
     async def generate(self, prompt: Prompt | None = None, params: SamplingParams | None = None,
-                       request_id: str | None = None, *,
-                       messages: Any = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, messages: Any = None,
+                       chat_options: dict[str, Any] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs; leaving the loop early aborts the request."""
-        await self.prepare(params, prompt, messages)
-        stream = self.add_request(prompt, params, request_id, messages=messages)
+        await self.prepare(params, prompt, messages, chat_options)
+        stream = self.add_request(prompt, params, request_id, messages=messages,
+                                  chat_options=chat_options)
         try:
             async for out in stream:
                 yield out

@@ -82,25 +82,45 @@ class LLM:
                                             use_tqdm and len(prompts) >= PROGRESS_MIN_PROMPTS))
 
     def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
-             params: SamplingParams | None = None, *, use_tqdm: bool = True
-             ) -> list[RequestOutput]:
-        """Chat completion(s): one conversation (a list of messages) or a list of them."""
+             params: SamplingParams | None = None, *, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Chat completion(s): one conversation (a list of messages) or a list of them.
+
+        As vLLM's: `continue_final_message` (with `add_generation_prompt=False`) ends the
+        prompt inside the last assistant message, for the model to go on with it; `tools` and
+        `chat_template_kwargs` are passed to the chat template."""
         if params is not None and not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams (one for every conversation)")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         p = (params or SamplingParams(max_tokens=None)).replace(output_kind="final")
+        options: dict[str, Any] = {}
+        for name, value, default in (("add_generation_prompt", add_generation_prompt, True),
+                                     ("continue_final_message", continue_final_message, False)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool")
+            if value != default:
+                options[name] = value
+        if tools is not None:
+            options["tools"] = tools
+        if chat_template_kwargs:
+            options["template_kwargs"] = chat_template_kwargs
         return self._run(self._generate_all([None] * len(convs), [p] * len(convs), convs,
-                                            use_tqdm and len(convs) >= PROGRESS_MIN_PROMPTS))
+                                            use_tqdm and len(convs) >= PROGRESS_MIN_PROMPTS,
+                                            options or None))
 
     async def _generate_all(self, prompts: list[Any], plist: list[SamplingParams],
-                            convs: list[Any] | None, progress: bool) -> list[RequestOutput]:
+                            convs: list[Any] | None, progress: bool,
+                            chat_options: dict[str, Any] | None = None) -> list[RequestOutput]:
         engine = self.engine
         streams = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, plist)):
                 # Validate everything first, so one bad prompt fails the call before any work.
                 streams.append(engine.add_request(prompt, p,
-                                                  messages=convs[i] if convs else None))
+                                                  messages=convs[i] if convs else None,
+                                                  chat_options=chat_options))
             bar = None
             if progress:
                 from tqdm import tqdm

@@ -78,21 +78,15 @@ async def _serve(request: web.Request, req: OpenAIRequest) -> web.StreamResponse
     engine = request.app[STATE].engine
     streams: list[Any] = []
     # long prompts are tokenized, and a guided grammar compiled, off the event loop
-    rendered = None
-    if req.kind == "chat" and req.chat_template is not None:
-        # options the engine's own chat path does not take: rendered here, off the loop
-        rendered = await asyncio.to_thread(engine.render_chat, req.messages, **req.chat_template)
-        await engine.prepare(req.params, rendered)
-    elif req.kind == "chat":
-        await engine.prepare(req.params, messages=req.messages)
+    if req.kind == "chat":
+        await engine.prepare(req.params, messages=req.messages, chat_options=req.chat_template)
     else:
         for p in req.prompts:
             await engine.prepare(req.params, p)
     try:
-        if rendered is not None:
-            streams.append(engine.add_request(rendered, req.params))
-        elif req.kind == "chat":
-            streams.append(engine.add_request(None, req.params, messages=req.messages))
+        if req.kind == "chat":
+            streams.append(engine.add_request(None, req.params, messages=req.messages,
+                                              chat_options=req.chat_template))
         else:
             for p in req.prompts:
                 streams.append(engine.add_request(p, req.params))

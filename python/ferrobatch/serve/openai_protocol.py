@@ -11,6 +11,7 @@ from ferrobatch.sampling_params import MAX_LOGPROBS, SamplingParams
 from ferrobatch.serve.protocol import (
     GUIDED_FIELDS,
     ProtocolError,
+    chat_template_options,
     sampling_params_from,
     with_structured_outputs,
 )
@@ -142,30 +143,6 @@ def parse_chat(body: Any, model_name: str) -> OpenAIRequest:
                          continuous_usage=continuous_usage,
                          id=f"chatcmpl-{secrets.token_hex(12)}", tools=tools,
                          chat_template=options or None)
-
-
-def chat_template_options(body: dict) -> dict[str, Any]:
-    """vLLM's chat-rendering fields of a request body that differ from the defaults, as
-    `AsyncEngine.render_chat` keywords: `add_generation_prompt` (true), `continue_final_message`
-    (false), `chat_template_kwargs` (an object of extra template variables)."""
-    options: dict[str, Any] = {}
-    for key, default in (("add_generation_prompt", True), ("continue_final_message", False)):
-        value = body.get(key, default)
-        if not isinstance(value, bool):
-            raise ProtocolError(f"'{key}' must be a boolean", param=key)
-        if value != default:
-            options[key] = value
-    if options.get("continue_final_message") and "add_generation_prompt" not in options:
-        raise ProtocolError("'continue_final_message' needs 'add_generation_prompt': false",
-                            param="continue_final_message")
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None:
-        if not isinstance(kwargs, dict):
-            raise ProtocolError("'chat_template_kwargs' must be an object",
-                                param="chat_template_kwargs")
-        if kwargs:
-            options["template_kwargs"] = kwargs
-    return options
 
 
 def with_response_format(body: dict) -> dict:

@@ -4,8 +4,9 @@ One validation path for all doors: a field has the same name, type and range on 
 and TCP, and a bad one gets the same message. Nothing here touches the engine.
 
 WebSocket / TCP messages (maps with a "type"):
-  client -> server: hello {version, api_key?}; generate {id, prompt | messages, params?};
-                    cancel {id}
+  client -> server: hello {version, api_key?}; generate {id, prompt | messages, params?,
+                    add_generation_prompt?, continue_final_message?, chat_template_kwargs?
+                    (the last three with messages)}; cancel {id}
   server -> client: hello {version, model, limits}; delta {id, index, text, token_ids};
                     (+ logprobs when params.logprobs is set);
                     prompt_logprobs {id, start, logprobs} (params.prompt_logprobs: before
@@ -157,6 +158,34 @@ def error_status(exc: BaseException) -> tuple[int, str]:
     return 500, "server_error"
 
 
+# vLLM's chat-rendering fields (the OpenAI chat body, and a WS / TCP `generate` with messages)
+CHAT_OPTION_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+
+
+def chat_template_options(body: dict) -> dict[str, Any]:
+    """vLLM's chat-rendering fields of a request body that differ from the defaults, as
+    `AsyncEngine.render_chat` keywords: `add_generation_prompt` (true), `continue_final_message`
+    (false), `chat_template_kwargs` (an object of extra template variables)."""
+    options: dict[str, Any] = {}
+    for key, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+        value = body.get(key, default)
+        if not isinstance(value, bool):
+            raise ProtocolError(f"'{key}' must be a boolean", param=key)
+        if value != default:
+            options[key] = value
+    if options.get("continue_final_message") and "add_generation_prompt" not in options:
+        raise ProtocolError("'continue_final_message' needs 'add_generation_prompt': false",
+                            param="continue_final_message")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise ProtocolError("'chat_template_kwargs' must be an object",
+                                param="chat_template_kwargs")
+        if kwargs:
+            options["template_kwargs"] = kwargs
+    return options
+
+
 # -- WebSocket / TCP messages ------------------------------------------------------------------
 
 @dataclass
@@ -165,6 +194,7 @@ class GenerateMsg:
     prompt: Any
     messages: Any
     params: SamplingParams
+    chat_options: dict[str, Any] | None = None    # `AsyncEngine.render_chat` keywords
 
 
 def check_id(v: Any) -> str | int:
@@ -193,22 +223,27 @@ def parse_message(msg: Any) -> tuple[str, Any]:
         _only(msg, {"type", "id"})
         return "cancel", check_id(msg.get("id"))
     if kind == "generate":
-        _only(msg, {"type", "id", "prompt", "messages", "params"})
+        _only(msg, {"type", "id", "prompt", "messages", "params", *CHAT_OPTION_FIELDS})
         rid = check_id(msg.get("id"))
         prompt, messages = msg.get("prompt"), msg.get("messages")
         if (prompt is None) == (messages is None):
             raise ProtocolError("'generate' needs exactly one of 'prompt' or 'messages'")
+        given = [k for k in CHAT_OPTION_FIELDS if k in msg]
+        if given and messages is None:
+            raise ProtocolError(f"'{given[0]}' needs 'messages'", param=given[0])
+        chat_options = chat_template_options(msg) or None
         if prompt is not None and not isinstance(prompt, (str, list)):
             raise ProtocolError("'prompt' must be a string or a list of token ids")
         params = msg.get("params")
         params = {} if params is None else params
         if not isinstance(params, dict):
             raise ProtocolError("'params' must be a map of sampling fields")
-        unknown = sorted(str(k) for k in params if k not in SAMPLING_FIELDS)
+        unknown = sorted(str(k) for k in params
+                         if k not in SAMPLING_FIELDS and k != "structured_outputs")
         if unknown:
             raise ProtocolError(f"unknown sampling field(s): {', '.join(unknown)}")
         sp = sampling_params_from(params, output_kind="delta")
-        return "generate", GenerateMsg(rid, prompt, messages, sp)
+        return "generate", GenerateMsg(rid, prompt, messages, sp, chat_options)
     raise ProtocolError(f"unknown message type {kind!r}; expected hello, generate or cancel")
 
 

@@ -69,7 +69,8 @@ class Session:
                                     else "authentication required", code=401)
             if kind == "generate":
                 # a long prompt's tokens and a guided grammar, computed off the event loop
-                await self._engine.prepare(payload.params, payload.prompt, payload.messages)
+                await self._engine.prepare(payload.params, payload.prompt, payload.messages,
+                                           payload.chat_options)
                 self._generate(payload, binary)
             else:
                 await self._cancel(payload, binary)
@@ -93,7 +94,8 @@ class Session:
             raise ProtocolError(f"id {msg.id!r} is already in use on this connection")
         if len(self._active) >= MAX_ACTIVE_PER_CONNECTION:
             raise ProtocolError("too many active requests on this connection", code=429)
-        stream = self._engine.add_request(msg.prompt, msg.params, messages=msg.messages)
+        stream = self._engine.add_request(msg.prompt, msg.params, messages=msg.messages,
+                                          chat_options=msg.chat_options)
         task = asyncio.get_running_loop().create_task(self._pump(msg.id, stream, binary))
         self._active[msg.id] = (stream, task, binary)
 

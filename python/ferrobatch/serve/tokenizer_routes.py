@@ -21,8 +21,7 @@ from aiohttp import web
 from ferrobatch.engine.inputs import check_prompt_text
 from ferrobatch.serve.codec import MAX_ARRAY_LEN
 from ferrobatch.serve.http import read_json
-from ferrobatch.serve.openai_protocol import chat_template_options
-from ferrobatch.serve.protocol import ProtocolError
+from ferrobatch.serve.protocol import ProtocolError, chat_template_options
 from ferrobatch.serve.state import STATE
 
 
