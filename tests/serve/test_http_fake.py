@@ -362,3 +362,31 @@ async def test_stop_ends_streams_still_running_after_the_drain_timeout():
     texts = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
     assert 0 < len(texts) < 200
     assert took < 8, f"stop took {took:.1f} s"
+
+
+async def test_malformed_http_is_a_400_and_one_log_line_not_a_traceback(fake_server, caplog):
+    """aiohttp's parser refuses these before any handler runs; its log record (a traceback at
+    ERROR) becomes one WARNING line naming the client and the reason."""
+    import logging
+    port = int(fake_server.base.rsplit(":", 1)[1])
+    bad = [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+           b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Encoding: br\r\n"
+           b"Content-Length: 2\r\n\r\n{}",
+           b"GET /health HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 20000 + b"\r\n\r\n"]
+    with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
+        for data in bad:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(data)
+            await writer.drain()
+            head = await asyncio.wait_for(reader.read(64), 10)
+            writer.close()
+            assert head.startswith(b"HTTP/1.0 400") or head.startswith(b"HTTP/1.1 400"), head
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert len(records) == len(bad), [r.getMessage() for r in records]
+    for r in records:
+        assert r.levelno == logging.WARNING and r.exc_info is None and r.exc_text is None
+        assert r.getMessage().startswith("rejected a malformed HTTP request from 127.0.0.1: ")
+    assert "brotli" in records[1].getMessage()
+    async with aiohttp.ClientSession() as s:                     # the server is fine
+        async with s.get(fake_server.base + "/health") as resp:
+            assert resp.status == 200

@@ -1,4 +1,5 @@
-"""aiohttp middlewares: API-key auth (constant-time) and OpenAI-shaped errors, never tracebacks."""
+"""aiohttp middlewares: API-key auth (constant-time) and OpenAI-shaped errors, never tracebacks;
+and the log filter that keeps a client's malformed HTTP from logging one."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import hmac
 import logging
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from ferrobatch.serve.http import error_response, exception_response
 
@@ -61,3 +63,28 @@ async def error_middleware(request: web.Request, handler):
         if status.status >= 500 and status.status != 503:
             log.exception("unhandled error on %s", request.path)
         return status
+
+
+class MalformedRequestLogFilter(logging.Filter):
+    """aiohttp logs a request it cannot parse (a bad header, a line too long, a body in a
+    Content-Encoding it cannot decode, ...) with the parser's whole traceback, at ERROR: any
+    client could fill the log. Such a record becomes one WARNING line naming the client and
+    the parser's reason; the client still gets aiohttp's 400."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and 400 <= (exc.code or 0) < 500:
+            remote = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            reason = " ".join(str(exc.message).split())
+            record.msg, record.args = "rejected a malformed HTTP request from %s: %s", \
+                (remote, reason)
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def quiet_malformed_request_logs() -> None:
+    """Install `MalformedRequestLogFilter` on aiohttp's server logger (once)."""
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedRequestLogFilter) for f in server_log.filters):
+        server_log.addFilter(MalformedRequestLogFilter())

@@ -16,7 +16,12 @@ from aiohttp import WSCloseCode, web
 from ferrobatch.serve.cors import install_cors
 from ferrobatch.serve.http import add_routes
 from ferrobatch.serve.metrics import ServerMetrics
-from ferrobatch.serve.middleware import auth_middleware, drain_middleware, error_middleware
+from ferrobatch.serve.middleware import (
+    auth_middleware,
+    drain_middleware,
+    error_middleware,
+    quiet_malformed_request_logs,
+)
 from ferrobatch.serve.state import MAX_BODY_BYTES, STATE, ServerState
 from ferrobatch.serve.tcp import TCPServer
 from ferrobatch.serve.ws import ws_handler
@@ -49,6 +54,7 @@ class Server:
                                  allowed_origins=frozenset(allowed_origins))
         self.state.metrics = ServerMetrics(engine, self.state.model_name)
         self.app = build_app(self.state)
+        quiet_malformed_request_logs()
         self._runner: web.AppRunner | None = None
         self._tcp: TCPServer | None = None
         self.port: int | None = None
