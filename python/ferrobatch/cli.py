@@ -18,7 +18,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="smollm2",
                    help="'smollm2' (embedded), a .gguf file or a Hugging Face model directory")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    g.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: per device)")
+    g.add_argument("--dtype", default=None,
+                   help="auto | float32 | float16 | bfloat16 (default auto: per device)")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="most sequences in one step's batch (default 128 on CPU, 256 on GPU)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -74,7 +75,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def _config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=a.model, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
+        model=a.model, device=a.device, dtype=a.dtype, seed=getattr(a, "engine_seed", None),
+        max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
         kv_cache_gb=a.kv_cache_gb, kv_cache_dtype=a.kv_cache_dtype,
         gpu_memory_utilization=a.gpu_memory_utilization,
@@ -124,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require this key (Bearer token / TCP hello) on every route but /health; "
                         "default $FERROBATCH_API_KEY")
     s.add_argument("--served-model-name", default=None, help="model id reported to clients")
+    s.add_argument("--seed", type=int, default=None, dest="engine_seed",
+                   help="seeds the sampling of requests that carry no seed of their own "
+                   "(default: a random start)")
     s.add_argument("--allowed-origins", default=None, type=_origins, metavar="ORIGINS",
                    help="let web pages of these origins call the HTTP API from a browser "
                         "(CORS): '*' or a comma-separated list like "

@@ -18,8 +18,8 @@ POLICIES = ("fcfs", "priority")
 KV_CACHE_DTYPES = ("auto", "float32", "float16")   # float16: CPU only, beside a float32 model
 MAX_SPECULATIVE_TOKENS = 16     # also the longest n-gram (the Rust scheduler's limits)
 # the dtype names `dtype` takes -> the torch dtype each one means (`torch.<value>`)
-DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
-          "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "float16": "float16",
+          "fp16": "float16", "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 ATTN_BACKENDS = ("auto", "torch", "cpu", "cuda")
 MAX_BLOCK_SIZE = 1024
 # the Rust scheduler's caps (config.rs), checked here too so that a bad value is refused before
@@ -64,7 +64,7 @@ class EngineConfig:
 
     model: str = "smollm2"
     device: str = "auto"                 # "auto" -> cuda when available, else cpu
-    dtype: str | None = None             # None -> the runtime's default for the device
+    dtype: str | None = None             # None (or "auto") -> the runtime's default for the device
     attn_backend: str | None = None      # auto | torch | cpu | cuda; None = auto (cuda / cpu kernels)
     cuda_graphs: bool = True             # CUDA: replay captured decode steps (False = eager only)
     gguf_blocks: bool = True             # CPU, GGUF model: small steps read the Q4_1/Q8_0 blocks
@@ -87,6 +87,9 @@ class EngineConfig:
     max_model_len: int | None = None     # None -> min(model context, 8192)
     scheduling_policy: str = "fcfs"      # "fcfs" or "priority" (lower value runs first)
     max_preemptions: int = 8
+    seed: int | None = None              # seeds the sampling of requests without their own seed
+                                         # (None: a random start); as vLLM's, it makes a run
+                                         # repeatable only with the same requests in the same order
     intake_capacity: int = 4096
 
     # Speculative decoding by prompt lookup (greedy requests; README "Speculative decoding")
@@ -119,6 +122,11 @@ class EngineConfig:
 
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty string")
+        if self.dtype == "auto":                 # vLLM's name for the default
+            object.__setattr__(self, "dtype", None)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2^63) or None, got {self.seed!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):

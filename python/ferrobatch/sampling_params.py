@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
 import struct
 from dataclasses import dataclass
@@ -19,6 +20,13 @@ MAX_PRIORITY = 2**31 - 1
 MAX_LOGPROBS = 20     # top alternatives per position (OpenAI's chat limit)
 MAX_GUIDED_CHOICES = 1024
 MAX_GUIDED_TEXT_CHARS = 1 << 16   # a regex, a choice or a JSON schema's text
+
+
+# fields where None (as vLLM takes it) means the default
+_NONE_IS_DEFAULT = ("n", "min_tokens", "temperature", "top_k", "top_p", "min_p",
+                    "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
+                    "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
+                    "skip_special_tokens", "priority", "output_kind")
 
 
 def _is_int(v: Any) -> bool:
@@ -88,6 +96,17 @@ class SamplingParams:
     def __post_init__(self) -> None:
         def fix(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
+
+        for f in dataclasses.fields(self):        # vLLM's spellings: None, numpy scalars
+            v = getattr(self, f.name)
+            if v is None and f.name in _NONE_IS_DEFAULT:
+                fix(f.name, f.default)
+            elif isinstance(v, numbers.Integral) and not isinstance(v, (int, bool)):
+                fix(f.name, int(v))
+            elif isinstance(v, numbers.Real) and not isinstance(v, (int, float, bool)):
+                fix(f.name, float(v))
+        if self.seed == -1:                       # vLLM: -1 is no seed
+            fix("seed", None)
 
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
@@ -205,6 +224,10 @@ class SamplingParams:
         """True when a grammar (JSON Schema, regex or choice) constrains the output."""
         return (self.guided_json is not None or self.guided_regex is not None
                 or self.guided_choice is not None)
+
+    def clone(self) -> "SamplingParams":
+        """A copy (vLLM's name; the params are immutable, so `replace` makes changed ones)."""
+        return dataclasses.replace(self)
 
     def replace(self, **changes: Any) -> "SamplingParams":
         return dataclasses.replace(self, **changes)

@@ -135,7 +135,7 @@ async def test_validation_before_allocation(fake_engine, prompt, kw, match):
 @pytest.mark.parametrize("kw", [
     {"temperature": -1}, {"temperature": float("nan")}, {"top_p": 0}, {"top_p": 1.5},
     {"top_k": -2}, {"max_tokens": 0}, {"n": 0}, {"min_tokens": 5, "max_tokens": 2},
-    {"seed": -1}, {"stop": [""]}, {"repetition_penalty": 0}, {"max_tokens": 1.5},
+    {"seed": -2}, {"stop": [""]}, {"repetition_penalty": 0}, {"max_tokens": 1.5},
     # positive, but 0 once stored as float32 (the Rust core's type)
     {"top_p": 1e-300}, {"repetition_penalty": 1e-300},
     # a token id is an int or its decimal text, not a float or a bool that int() would take

@@ -194,7 +194,9 @@ def test_wrong_argument_types_are_named(real_llm):
     with pytest.raises(TypeError, match="SamplingParams"):
         real_llm.generate(["Hi", "Yo"], [GREEDY, {"max_tokens": 2}])
     with pytest.raises(TypeError, match="SamplingParams"):
-        real_llm.chat([{"role": "user", "content": "Hi"}], [GREEDY])
+        real_llm.chat([{"role": "user", "content": "Hi"}], [{"max_tokens": 2}])
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 conversations"):
+        real_llm.chat([{"role": "user", "content": "Hi"}], [GREEDY, GREEDY])
     with pytest.raises(ValueError, match="needs a prompt"):
         real_llm.generate(None)
 

@@ -180,6 +180,32 @@ def test_tokenizer_json_path_agrees_with_gguf_path(tokenizer, tmp_path):
     assert from_json.apply_chat_template(messages) == tokenizer.apply_chat_template(messages)
 
 
+def test_bos_follows_the_tokenizer_json_when_the_config_does_not_say(tokenizer, tmp_path):
+    """transformers adds BOS when tokenizer.json's post-processor puts it (Llama 3 has no
+    add_bos_token in its config); an explicit add_bos_token wins."""
+    import json
+
+    from ferrobatch.model.tokenizer import Tokenizer
+
+    spec = json.loads(tokenizer.backend.to_str())
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
+                   {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1],
+                                            "tokens": ["<|im_start|>"]}}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    config = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
+    tok = Tokenizer.from_hf_files(tmp_path / "tokenizer.json", config)
+    assert tok.add_bos_token and tok.encode("Hi", add_special_tokens=True)[0] == 1
+    assert tok.encode("Hi") == tokenizer.encode("Hi")              # none unless asked
+    off = Tokenizer.from_hf_files(tmp_path / "tokenizer.json", {**config, "add_bos_token": False})
+    assert not off.add_bos_token
+    (tmp_path / "plain.json").write_text(tokenizer.backend.to_str(), encoding="utf-8")
+    assert not Tokenizer.from_hf_files(tmp_path / "plain.json", config).add_bos_token
+
+
 # -- the token byte table (fast incremental detokenization) ----------------------------------
 
 class _WithoutByteTable:

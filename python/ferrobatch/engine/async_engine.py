@@ -137,7 +137,8 @@ class AsyncEngine:
         self._stopped = False
         self._stats: dict[str, Any] = {}
         self._compile_lock: asyncio.Lock | None = None     # guided grammars, see prepare()
-        self._pretokenized: dict[str, list[int]] = {}      # long prompts, see prepare()
+        # long prompts, see prepare(); keyed by (text, whether special tokens were added)
+        self._pretokenized: dict[tuple[str, bool], list[int]] = {}
         self.counters = {"accepted": 0, "released": 0, "rejected": 0, "stop": 0, "length": 0,
                          "abort": 0, "error": 0, "guided": 0, "probes": 0,
                          "probe_prompt_tokens": 0}
@@ -327,6 +328,9 @@ class AsyncEngine:
             raise QueueFullError(f"{len(self._unscheduled)} requests are already waiting; "
                                  "retry later")
         core, cfg = self._core, self.config
+        # a text prompt gets the model's BOS if it wants one (as transformers' tokenizer(text)
+        # and vLLM); a rendered chat does not: its template writes what it needs
+        special = messages is None
         if messages is not None:
             if prompt is not None:
                 raise ValueError("pass either a prompt or messages, not both")
@@ -335,9 +339,9 @@ class AsyncEngine:
             raise ValueError("chat options need messages")
         if isinstance(prompt, str):
             text: str | None = check_prompt_text(prompt)
-            ids = self._pretokenized.pop(prompt, None)        # see prepare()
+            ids = self._pretokenized.pop((prompt, special), None)        # see prepare()
             if ids is None:
-                ids = list(core.tokenizer.encode(prompt))
+                ids = list(core.tokenizer.encode(prompt, add_special_tokens=special))
             if not ids:
                 raise ValueError("prompt must not be empty")
             check_token_ids(ids, core.vocab_size, core.max_model_len)
@@ -388,8 +392,9 @@ class AsyncEngine:
             except (TypeError, ValueError):
                 text = None
         if text is not None and LONG_TEXT_CHARS <= len(text) <= MAX_PROMPT_CHARS:
-            ids = await asyncio.to_thread(self._core.tokenizer.encode, text)
-            self._pretokenized[text] = ids
+            special = isinstance(prompt, str)      # a text prompt: BOS if wanted (add_request)
+            ids = await asyncio.to_thread(self._core.tokenizer.encode, text, special)
+            self._pretokenized[(text, special)] = ids
             while len(self._pretokenized) > PRETOKENIZED_KEPT:
                 self._pretokenized.pop(next(iter(self._pretokenized)))
         if params is None or not params.is_guided:

@@ -161,7 +161,7 @@ class EngineCore:
         if loaded.device.type == "cuda":
             _maybe_capture_decode_graphs(config, runner, max_model_len)
         eos = list(loaded.tokenizer.eos_token_ids)
-        sampler = Sampler(int(mcfg.vocab_size), eos, loaded.device)
+        sampler = Sampler(int(mcfg.vocab_size), eos, loaded.device, seed=config.seed)
         device_type = loaded.device.type
         spec = config.speculation(device_type)
         spec = spec._replace(

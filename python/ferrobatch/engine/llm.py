@@ -5,12 +5,17 @@
     print(outs[0].outputs[0].text)
 
 It runs an AsyncEngine on a private event loop in a background thread, so it works from plain
-scripts, from threads and from notebooks that already run an event loop.
+scripts, from threads and from notebooks that already run an event loop. A vLLM script ports by
+its import: vLLM's spellings (`sampling_params=`, `{"prompt": ...}` / `{"prompt_token_ids":
+...}` prompts, request ids "0", "1", ..., `get_tokenizer()`, `LLM(dtype="auto", seed=0,
+enforce_eager=True, tensor_parallel_size=1, trust_remote_code=True)`) are taken as vLLM means
+them, and what cannot be honoured is an error, never silently different.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -22,12 +27,65 @@ from ferrobatch.sampling_params import SamplingParams
 
 PROGRESS_MIN_PROMPTS = 8
 CANCEL_WAIT_S = 10.0      # how long an interrupted call waits for its requests to be aborted
+# vLLM options that cannot change what is generated here (no remote code is ever run, stats
+# and swap space are the engine's own business): accepted and ignored
+_VLLM_NO_OPS = frozenset({"trust_remote_code", "disable_log_stats", "swap_space",
+                          "tokenizer_mode", "disable_custom_all_reduce"})
+
+
+def _engine_options(model: str, options: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's `LLM(...)` options as EngineConfig fields (ValueError for one that cannot be
+    honoured); the rest pass through for EngineConfig to check."""
+    out = dict(options)
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if name in out and out.pop(name) not in (1, None):
+            raise ValueError(f"{name}={options[name]!r}: ferrobatch runs a model on one device")
+    if "enforce_eager" in out:
+        eager = out.pop("enforce_eager")
+        if not isinstance(eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {eager!r}")
+        if "cuda_graphs" in out and out["cuda_graphs"] == eager:
+            raise ValueError("enforce_eager and cuda_graphs disagree")
+        out["cuda_graphs"] = not eager
+    if out.get("dtype") is not None and not isinstance(out["dtype"], str):
+        out["dtype"] = str(out["dtype"]).removeprefix("torch.")     # a torch.dtype
+    if out.pop("tokenizer", None) not in (None, model):
+        raise ValueError("a tokenizer other than the model's own is not supported")
+    if out.pop("quantization", None) is not None:
+        raise ValueError("quantization is not supported (a GGUF model's Q4_1 / Q8_0 weights are "
+                         "read as they are stored)")
+    for name in _VLLM_NO_OPS:
+        out.pop(name, None)
+    return out
+
+
+def _prompt_of(prompt: Any) -> Any:
+    """A prompt as text or token ids; vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}`
+    dicts are unwrapped (ValueError for other keys, which this engine would ignore)."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = set(prompt)
+    if keys not in ({"prompt"}, {"prompt_token_ids"}):
+        raise ValueError(f"a prompt dict needs exactly one of 'prompt' or 'prompt_token_ids' "
+                         f"(no other keys are supported), got {sorted(map(str, keys))}")
+    return prompt.get("prompt", prompt.get("prompt_token_ids"))
+
+
+def _one_params(sampling_params: Any, params: Any) -> Any:
+    if params is not None:
+        if sampling_params is not None:
+            raise TypeError("pass sampling_params or params, not both")
+        return params
+    return sampling_params
 
 
 class LLM:
     def __init__(self, model: str = "smollm2", *, loaded_model: Any = None,
                  **engine_options: Any) -> None:
-        self.config = EngineConfig.from_options(model=model, **engine_options)
+        """`engine_options`: EngineConfig fields, and vLLM's names for them."""
+        self.config = EngineConfig.from_options(model=model,
+                                                **_engine_options(model, engine_options))
+        self._request_ids = itertools.count()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ferrobatch-llm",
                                         daemon=True)
@@ -61,16 +119,30 @@ class LLM:
             finished.wait(CANCEL_WAIT_S)
             raise
 
-    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """One output per prompt, in order. A prompt is a string or a list of token ids."""
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (`encode`, `decode`, `apply_chat_template`; unlike
+        transformers', `encode` adds no special tokens and `apply_chat_template` returns text
+        unless `tokenize=True`)."""
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Any = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True, params: Any = None,
+                 prompt_token_ids: Any = None) -> list[RequestOutput]:
+        """One output per prompt, in order. A prompt is a string, a list of token ids, or
+        vLLM's `{"prompt": ...}` / `{"prompt_token_ids": [...]}`; `params` is another name for
+        `sampling_params`, `prompt_token_ids` vLLM's old way to pass token-id prompts."""
+        params = _one_params(sampling_params, params)
+        if prompt_token_ids is not None:
+            if prompts is not None:
+                raise TypeError("pass prompts or prompt_token_ids, not both")
+            prompts = prompt_token_ids
         if prompts is None:
             raise ValueError("generate needs a prompt (text or token ids) or a list of them")
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [_prompt_of(p) for p in prompts]
         if params is None or isinstance(params, SamplingParams):
             plist = [params or SamplingParams()] * len(prompts)
         else:
@@ -82,19 +154,26 @@ class LLM:
                                             use_tqdm and len(prompts) >= PROGRESS_MIN_PROMPTS))
 
     def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
-             params: SamplingParams | None = None, *, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             params: Any = None) -> list[RequestOutput]:
         """Chat completion(s): one conversation (a list of messages) or a list of them.
 
         As vLLM's: `continue_final_message` (with `add_generation_prompt=False`) ends the
         prompt inside the last assistant message, for the model to go on with it; `tools` and
-        `chat_template_kwargs` are passed to the chat template."""
-        if params is not None and not isinstance(params, SamplingParams):
-            raise TypeError("params must be a SamplingParams (one for every conversation)")
+        `chat_template_kwargs` are passed to the chat template. Without params a reply may
+        fill the context (`max_tokens=None`; vLLM's default is 16 tokens)."""
+        params = _one_params(sampling_params, params)
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        p = (params or SamplingParams(max_tokens=None)).replace(output_kind="final")
+        if params is None or isinstance(params, SamplingParams):
+            plist = [params or SamplingParams(max_tokens=None)] * len(convs)
+        else:
+            plist = _params_list(params)
+            if len(plist) != len(convs):
+                raise ValueError(f"got {len(plist)} SamplingParams for {len(convs)} conversations")
+        plist = [p.replace(output_kind="final") for p in plist]
         options: dict[str, Any] = {}
         for name, value, default in (("add_generation_prompt", add_generation_prompt, True),
                                      ("continue_final_message", continue_final_message, False)):
@@ -106,7 +185,7 @@ class LLM:
             options["tools"] = tools
         if chat_template_kwargs:
             options["template_kwargs"] = chat_template_kwargs
-        return self._run(self._generate_all([None] * len(convs), [p] * len(convs), convs,
+        return self._run(self._generate_all([None] * len(convs), plist, convs,
                                             use_tqdm and len(convs) >= PROGRESS_MIN_PROMPTS,
                                             options or None))
 
@@ -118,7 +197,7 @@ class LLM:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, plist)):
                 # Validate everything first, so one bad prompt fails the call before any work.
-                streams.append(engine.add_request(prompt, p,
+                streams.append(engine.add_request(prompt, p, str(next(self._request_ids)),
                                                   messages=convs[i] if convs else None,
                                                   chat_options=chat_options))
             bar = None

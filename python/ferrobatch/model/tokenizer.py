@@ -132,8 +132,13 @@ class Tokenizer:
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: take "default"
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        return cls(backend, bos_token_id=token_id("bos_token"), eos_token_id=token_id("eos_token"),
-                   add_bos_token=bool(cfg.get("add_bos_token", False)), chat_template=template,
+        bos = token_id("bos_token")
+        if "add_bos_token" in cfg:
+            add_bos = bool(cfg["add_bos_token"])
+        else:       # as transformers: BOS if the tokenizer's post-processor puts it (Llama 3)
+            add_bos = bos is not None and backend.encode("", add_special_tokens=True).ids[:1] == [bos]
+        return cls(backend, bos_token_id=bos, eos_token_id=token_id("eos_token"),
+                   add_bos_token=add_bos, chat_template=template,
                    extra_eos_token_ids=generation_eos_ids)
 
     # -- API ----------------------------------------------------------------------------------
@@ -186,10 +191,15 @@ class Tokenizer:
         return self._backend.id_to_token(token_id)
 
     def apply_chat_template(self, messages: list[dict], /, add_generation_prompt: bool = True,
-                            **extra: Any) -> str:
-        """Renders a conversation to prompt text; ValueError on bad messages or a missing template."""
+                            tokenize: bool = False, **extra: Any) -> str | list[int]:
+        """Renders a conversation to prompt text (its token ids with `tokenize=True`, special
+        tokens parsed, none added); ValueError on bad messages or a missing template. Unlike
+        transformers', text is the default."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain completion prompt")
+        if tokenize:
+            return self.encode(self.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, **extra))
 
         def text(token_id: int | None) -> str:
             return (self._backend.id_to_token(token_id) or "") if token_id is not None else ""
