@@ -171,7 +171,7 @@ BAD = [
      "continuous_usage_stats"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
     ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
-    ({"prompt": "hi", "seed": -1}, 400, "seed"),
+    ({"prompt": "hi", "seed": -2}, 400, "seed"),
     ({"prompt": "hi", "ignore_eos": 1}, 400, "boolean"),
     ({"prompt": "hi", "stop_token_ids": [1, 10**6]}, 400, "vocabulary"),
     ([1, 2], 400, "JSON object"),
