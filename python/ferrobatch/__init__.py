@@ -19,12 +19,12 @@ if "torch" not in _sys.modules:
     _os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 from ferrobatch.config import EngineConfig
-from ferrobatch.outputs import CompletionOutput, RequestOutput
+from ferrobatch.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprob
 from ferrobatch.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "AsyncEngine", "SamplingParams", "EngineConfig", "RequestOutput",
-           "CompletionOutput", "__version__"]
+           "CompletionOutput", "TokenLogprob", "Logprob", "__version__"]
 
 _LAZY = {"LLM": "ferrobatch.engine.llm", "AsyncEngine": "ferrobatch.engine.async_engine"}
 

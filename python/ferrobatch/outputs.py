@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import ItemsView, Iterator, KeysView, ValuesView
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class Logprob(NamedTuple):
+    """One token's entry in a `TokenLogprob` read as vLLM's dict: its log-probability, its rank
+    (1 = most likely; None when it is not among the `top` and its rank was not computed) and
+    its text (None: not decoded here, use the tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass
@@ -14,11 +26,44 @@ class TokenLogprob:
     Taken from the model's raw distribution at that position (``log_softmax`` of the logits
     before temperature, penalties, logit bias or top-k/p), whatever the sampling settings.
     `top` holds the `logprobs` most likely tokens, most likely first, as (token id, logprob).
+
+    It also reads as vLLM's per-position dict, token id -> `Logprob`, over the chosen token and
+    the `top` ones: ``out.logprobs[i][out.token_ids[i]].logprob``, ``.items()``, ``len()``.
     """
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+
+    def _as_dict(self) -> dict[int, Logprob]:
+        table = {tok: Logprob(lp, rank) for rank, (tok, lp) in enumerate(self.top, start=1)}
+        if self.token_id not in table:
+            table[self.token_id] = Logprob(self.logprob, None)
+        return table
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        return self._as_dict()[token_id]
+
+    def __contains__(self, token_id: object) -> bool:
+        return token_id in self._as_dict()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._as_dict())
+
+    def __len__(self) -> int:
+        return len(self._as_dict())
+
+    def keys(self) -> KeysView[int]:
+        return self._as_dict().keys()
+
+    def values(self) -> ValuesView[Logprob]:
+        return self._as_dict().values()
+
+    def items(self) -> ItemsView[int, Logprob]:
+        return self._as_dict().items()
+
+    def get(self, token_id: int, default: Any = None) -> Any:
+        return self._as_dict().get(token_id, default)
 
 
 @dataclass

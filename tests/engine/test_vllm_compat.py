@@ -119,3 +119,21 @@ def test_text_prompts_get_bos_when_the_model_wants_it(real_llm):
         assert chat.prompt_token_ids == tok.encode(chat.prompt)
     finally:
         tok.add_bos_token = False
+
+
+def test_logprobs_read_as_vllms_dicts(real_llm):
+    out = real_llm.generate("The capital of France is",
+                            SamplingParams(max_tokens=3, temperature=1.0, seed=5, logprobs=2,
+                                           prompt_logprobs=1))[0]
+    c = out.outputs[0]
+    for tok, entry in zip(c.token_ids, c.logprobs, strict=True):
+        assert entry[tok].logprob == entry.logprob and tok in entry      # vLLM's idiom
+        assert 2 <= len(entry) <= 3 and set(entry) == set(entry.keys())
+        ranks = {t: lp.rank for t, lp in entry.items()}
+        assert [ranks[t] for t, _ in entry.top] == [1, 2]
+        assert ranks[tok] == (next(i for i, (t, _) in enumerate(entry.top, 1) if t == tok)
+                              if tok in dict(entry.top) else None)
+        assert entry.get(-1) is None
+    assert out.prompt_logprobs[0] is None
+    first = out.prompt_logprobs[1]
+    assert first[out.prompt_token_ids[1]].logprob == first.logprob
