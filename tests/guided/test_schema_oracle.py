@@ -41,6 +41,11 @@ _LEAF = st.one_of(
     st.builds(lambda subs: {"allOf": subs}, st.lists(_number_schema("integer"), min_size=2, max_size=3)),
     st.builds(lambda subs: {"allOf": subs}, st.lists(_number_schema("number"), min_size=2, max_size=3)),
     st.builds(lambda subs: {"allOf": subs}, st.lists(_STRING, min_size=2, max_size=3)),
+    # enum beside keywords its values may break
+    st.builds(lambda v, extra: {"enum": v, **extra},
+              st.lists(st.sampled_from(["12", "ab", "x", 3, [1, 2, 3], [1]]), min_size=1, max_size=4),
+              st.sampled_from([{"type": "string", "pattern": "^[0-9]+$"}, {"maxLength": 1},
+                               {"type": "array", "maxItems": 2}, {"minimum": 5}])),
 )
 
 
@@ -61,11 +66,16 @@ def _composite(inner):
                         inner, st.lists(_NAMES, min_size=1, max_size=2, unique=True))
     any_of = st.builds(lambda subs: {"anyOf": subs}, st.lists(inner, min_size=1, max_size=3))
     all_of = st.builds(lambda subs: {"allOf": subs}, st.lists(inner, min_size=2, max_size=3))
-    objects_all_of = st.builds(lambda subs: {"allOf": subs}, st.lists(obj, min_size=2, max_size=3))
+    closed = st.builds(lambda o, extra: {**o, "additionalProperties": extra}, obj,
+                       st.one_of(st.just(False), inner))
+    objects_all_of = st.builds(lambda subs: {"allOf": subs},
+                               st.lists(st.one_of(obj, closed), min_size=2, max_size=3))
+    arrays_all_of = st.builds(lambda a, b: {"allOf": [a, b]}, array, tup)
     beside = st.builds(lambda extra, subs: {**extra, "anyOf": subs},
                        st.sampled_from([{"type": "integer"}, {"minimum": 0}, {"maxLength": 2}]),
                        st.lists(inner, min_size=1, max_size=2))
-    return st.one_of(obj, array, tup, mapping, any_of, all_of, objects_all_of, beside)
+    return st.one_of(obj, array, tup, mapping, any_of, all_of, objects_all_of, arrays_all_of,
+                     beside)
 
 
 SCHEMAS = st.recursive(_LEAF, _composite, max_leaves=6)

@@ -387,8 +387,9 @@ class AsyncEngine:
         text = prompt if isinstance(prompt, str) else None
         if messages is not None and prompt is None and _content_chars(messages) >= \
                 LONG_TEXT_CHARS // 2:          # short chats are rendered once, in add_request
-            try:
-                text = self.render_chat(messages, **_chat_options(chat_options))
+            try:              # a long chat: rendered off the event loop too
+                text = await asyncio.to_thread(self.render_chat, messages,
+                                               **_chat_options(chat_options))
             except (TypeError, ValueError):
                 text = None
         if text is not None and LONG_TEXT_CHARS <= len(text) <= MAX_PROMPT_CHARS:

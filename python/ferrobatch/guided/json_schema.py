@@ -29,8 +29,9 @@ by the bounds and lengths beside them. Tuples: `prefixItems` (with `items` for t
 draft 4-7's array form of `items` (with `additionalItems`). Map keys: `propertyNames` (a string
 schema, an enum, or a `$ref` to one) for objects without `properties`. OpenAPI's `nullable`.
 `allOf`, and keywords beside an `anyOf` / `oneOf` or a `$ref`, are merged into one schema
-(`schema_merge`); a branch of an `anyOf` (or a type of a type list) that no value satisfies
-drops out.
+(`schema_merge`); a branch of an `anyOf` (or a type of a type list), an optional property or an
+array's items that no value satisfies drop out. `enum` / `const` values are kept only where the
+regex of the schema's other keywords matches them.
 
 Approximations (the output is a subset of the valid texts, never a superset, except where noted):
 properties appear only in schema order; `additionalProperties` is treated as false whenever
@@ -41,9 +42,10 @@ where the schema fixes their text; a string with `minLength` / `maxLength` has n
 U+2029), may not use lookaround, backreferences, `\\b`, `\\p{..}` or flags, and is rewritten into the
 dialect above so that `"`, `\\` and control characters appear JSON-escaped (`string_pattern`);
 beside a `pattern`, a `format` is ignored. Formats "date", "time", "date-time" (both with a UTC
-offset), "uuid", "ipv4", "email" (a plain address) and "uri" (http / https) are enforced, a uri
-cut to fit a `maxLength`; a known format whose texts do not all fit the lengths beside it, and
-any other format, is an annotation, as JSON Schema has it (the string follows its lengths).
+offset), "uuid", "ipv4", "email" (dot-atoms @ a host) and "uri" (http / https, a host of
+labels, an optional port, path and fragment with %XX escapes) are enforced; a known format whose
+texts do not all fit the lengths beside it, and any other format, is an annotation, as JSON
+Schema has it (the string follows its lengths).
 Superset: `oneOf` is treated as `anyOf`; a pattern's `\\S` (or `[^\\s]`) also admits the Unicode
 spaces, such as U+00A0, that ECMA-262's `\\s` matches; `multipleOf` and `uniqueItems` are
 ignored, like the annotations (`title`, `description`, `default`, `examples`, ...). Any other
@@ -70,7 +72,7 @@ from ferrobatch.guided.regex_text import (
     escape_literal,
     quantifier,
 )
-from ferrobatch.guided.schema_merge import Merger
+from ferrobatch.guided.schema_merge import Merger, same_json
 from ferrobatch.guided.string_pattern import pattern_to_json_string_regex
 
 __all__ = [
@@ -119,8 +121,12 @@ _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9})?(?:Z|[+\-](
 _HEX = "[0-9a-fA-F]"
 _OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
 _LABEL = "[A-Za-z0-9](?:[A-Za-z0-9\\-]{0,30}[A-Za-z0-9])?"   # a domain label (up to 32 here)
-_URI_CHAR = "[" + "".join(escape_class_char(c) for c in
-                          "A-Za-z0-9-._~:/?#[]@!$&'()*+,;=%".replace("A-Za-z0-9", "")) + "A-Za-z0-9]"
+# a URI's path / query / fragment character: unreserved, sub-delims, ':', '@', '/', '?', or %XX
+_URI_CHAR = ("(?:[" + "".join(escape_class_char(c) for c in "-._~!$&'()*+,;=:@/?") +
+             "A-Za-z0-9]|%[0-9A-Fa-f]{2})")
+_HOST = rf"{_LABEL}(?:\.{_LABEL}){{0,3}}"                       # up to 4 labels, 131 characters
+_URI = rf"https?://{_HOST}(?::[0-9]{{1,5}})?(?:/{_URI_CHAR}{{0,512}})?(?:#{_URI_CHAR}{{0,64}})?"
+_DOT_ATOM = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~\-]{1,32}"             # an email local part's atom
 # Each known `format`: its regex inside the quotes, and the shortest / longest text it matches
 # (None: unbounded), so that a sibling minLength / maxLength can be checked against it.
 _FORMATS: dict[str, tuple[str, int, int | None]] = {
@@ -129,8 +135,8 @@ _FORMATS: dict[str, tuple[str, int, int | None]] = {
     "date-time": (f"{_DATE}T{_TIME}", 20, 35),
     "uuid": (f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}", 36, 36),
     "ipv4": (rf"{_OCTET}(?:\.{_OCTET}){{3}}", 7, 15),
-    "email": (rf"[A-Za-z0-9._%+\-]{{1,64}}@{_LABEL}(?:\.{_LABEL}){{0,3}}\.[A-Za-z]{{2,12}}", 6, None),
-    "uri": (f"https?://{_URI_CHAR}{{1,1024}}", 8, None),
+    "email": (rf"{_DOT_ATOM}(?:\.{_DOT_ATOM}){{0,1}}@{_HOST}\.[A-Za-z]{{2,12}}", 6, 211),
+    "uri": (_URI, 8, 8 + 131 + 6 + 1 + 3 * 512 + 1 + 3 * 64),     # 1,875: fits HttpUrl's 2,083
 }
 
 # --- keyword tables -------------------------------------------------------------------------------
@@ -185,13 +191,6 @@ def _is_json_type(value: Any, name: str) -> bool:
     if name == "null":
         return value is None
     return name in kinds and isinstance(value, kinds[name])
-
-
-def _same_json(a: Any, b: Any) -> bool:
-    """JSON equality (true is not 1, 1 is 1.0)."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return isinstance(a, bool) and isinstance(b, bool) and a == b
-    return a == b
 
 
 def _count(schema: dict, key: str, path: str, cap: int) -> int | None:
@@ -254,6 +253,15 @@ def _fits_bounds(value: Any, schema: dict, path: str) -> bool:
 def _single(subs: Any) -> bool:
     """An `allOf` of exactly one subschema (walked as that subschema)."""
     return isinstance(subs, list) and len(subs) == 1
+
+
+def _json_types(values: list) -> list[str]:
+    """The JSON Schema types of `values` (for the regex their other keywords are checked by)."""
+    kinds = {"number" if isinstance(v, (int, float)) and not isinstance(v, bool) else
+             "boolean" if isinstance(v, bool) else "null" if v is None else
+             "string" if isinstance(v, str) else "array" if isinstance(v, list) else "object"
+             for v in values}
+    return sorted(kinds)
 
 
 def _is_any(schema: Any) -> bool:
@@ -370,7 +378,7 @@ class _Builder:
                 return self._ref(schema["$ref"], path)
             return self.value(schema["allOf"][0], _child(_child(path, "allOf"), 0), level + 1)
         if "const" in schema or "enum" in schema:
-            return self._literals(schema, path)
+            return self._literals(schema, path, level)
         types = self._types(schema, path)
         if types is None:
             return self.generic(self.max_depth)
@@ -409,9 +417,10 @@ class _Builder:
         finally:
             del self.ref_stack[len(self.ref_stack) - len(refs):]
 
-    def _literals(self, schema: dict, path: str) -> str:
-        """`const` / `enum`: the listed values, narrowed by each other and by a sibling `type`
-        (a value the schema's other keywords refuse is never produced)."""
+    def _literals(self, schema: dict, path: str, level: int) -> str:
+        """`const` / `enum`: the listed values, narrowed by each other and by the schema's other
+        keywords (a value whose compact JSON their regex does not match is left out, so a value
+        they refuse is never produced)."""
         if "enum" in schema:
             values = schema["enum"]
             if not isinstance(values, list) or not values:
@@ -420,11 +429,21 @@ class _Builder:
             values = [schema["const"]]
         where = _child(path, "enum" if "enum" in schema else "const")
         if "const" in schema and "enum" in schema:
-            values = [v for v in values if _same_json(v, schema["const"])]
+            values = [v for v in values if same_json(v, schema["const"])]
         if "type" in schema:
             types = self._types(schema, path) or []
             values = [v for v in values if any(_is_json_type(v, t) for t in types)]
         values = [v for v in values if _fits_bounds(v, schema, path)]
+        rest = {k: v for k, v in schema.items() if k not in ("enum", "const", "type")
+                and k not in _ANNOTATIONS and not k.startswith("x-")}
+        if rest and values:
+            try:
+                others = re.compile(self.value({**rest, "type": _json_types(values)}, path, level))
+            except Unsatisfiable:
+                values = []
+            else:
+                values = [v for v in values if others.fullmatch(
+                    json.dumps(v, separators=(",", ":"), ensure_ascii=False))]
         if not values:
             raise Unsatisfiable(f"no value satisfies 'enum'/'const' together with the other "
                                     f"keywords at {path}")
@@ -551,19 +570,17 @@ class _Builder:
 
     def _property_names(self, schema: dict, path: str, level: int) -> str | None:
         """The regex of a map's keys: any string, or those `propertyNames` allows (a string
-        schema, an enum, or a $ref to one); None if no key can match."""
+        schema, an enum, a $ref, ...); None if no key can match."""
         names = schema.get("propertyNames", True)
         if _is_any(names):
             return _STRING
         if names is False:
             return None
-        where = _child(path, "propertyNames")
-        target = names
-        if isinstance(names, dict) and "$ref" in names:
-            target, where = self._resolve(names["$ref"], where)
-        if not isinstance(target, dict) or target.get("type", "string") != "string":
-            raise GuidedSchemaError(f"'propertyNames' must be a string schema at {where}")
-        return self.value({**target, "type": "string"}, where, level + 1)
+        try:      # keys are strings: the schema met with {"type": "string"} ($ref siblings kept)
+            return self.value({"allOf": [names, {"type": "string"}]},
+                              _child(path, "propertyNames"), level + 1)
+        except Unsatisfiable:
+            return None                             # no key can match: the object is empty
 
     def _fixed_object(self, props: dict, required: list[str], path: str, level: int) -> str:
         for name in required:
@@ -577,7 +594,7 @@ class _Builder:
                 continue
             try:
                 value = self.value(sub, _child(props_path, name), level + 1)
-            except _Pruned:
+            except (_Pruned, Unsatisfiable):        # an optional one is left out
                 if needed:
                     raise
                 continue
@@ -653,7 +670,7 @@ class _Builder:
             return None
         try:
             return self.value(schema, path, level + 1)
-        except _Pruned:
+        except (_Pruned, Unsatisfiable):
             if needed:
                 raise
             return None
@@ -705,7 +722,9 @@ class _Builder:
         if fmt is not None:
             if not isinstance(fmt, str):
                 raise GuidedSchemaError(f"'format' must be a string at {path}")
-            regex = _format_regex(fmt, lo, hi)
+            # the lengths as written, not lowered to the cap: a format's texts are short anyway
+            unclamped = _bounds(schema, "minLength", "maxLength", path, 1 << 62)[1]
+            regex = _format_regex(fmt, lo, unclamped)
             if regex is not None:
                 return f'"{regex}"'
         if hi == 0:
@@ -717,15 +736,10 @@ class _Builder:
 
 def _format_regex(fmt: str, lo: int, hi: int | None) -> str | None:
     """A known format's regex, if every text it matches has a length in lo..hi; None otherwise
-    (the string is then written by its lengths alone: `format` is an annotation in JSON Schema).
-    An unbounded `uri` is cut to fit a maxLength."""
+    (the string is then written by its lengths alone: `format` is an annotation in JSON Schema)."""
     if fmt not in _FORMATS:
         return None
     regex, shortest, longest = _FORMATS[fmt]
-    if fmt == "uri" and hi is not None:
-        if hi < shortest + 1:
-            return None
-        regex, longest = f"https?://{_URI_CHAR}{quantifier(1, hi - 8)}", hi
     if shortest < lo or (hi is not None and (longest is None or longest > hi)):
         return None
     return regex
@@ -767,6 +781,8 @@ def schema_to_regex(schema: dict | bool | str, *, whitespace: str = WHITESPACE,
             f"no optional branch stops the recursion") from None
     except RecursionError:
         raise GuidedSchemaError(f"{_TOO_LARGE}: it nests too deeply") from None
+    except (TypeError, AttributeError) as exc:   # a keyword of the wrong shape that no check
+        raise GuidedSchemaError(f"the schema is malformed: {exc}") from None   # named first
 
 
 def json_object_regex(*, whitespace: str = WHITESPACE, max_depth: int = DEFAULT_MAX_DEPTH) -> str:
