@@ -62,7 +62,7 @@ import urllib.parse
 from decimal import Decimal
 from typing import Any
 
-from ferrobatch.guided.numeric_range import bounded_number_regex, check_bound, to_decimal
+from ferrobatch.guided.numeric_range import bounded_number_regex, check_bound
 from ferrobatch.guided.regex_text import (
     MAX_STRING_LENGTH,
     GuidedSchemaError,
@@ -235,19 +235,6 @@ def _number_bounds(schema: dict, path: str) -> tuple[tuple[Decimal | None, bool]
         return bound, False
     return (one("minimum", "exclusiveMinimum", lambda a, b: a >= b),
             one("maximum", "exclusiveMaximum", lambda a, b: a <= b))
-
-
-def _fits_bounds(value: Any, schema: dict, path: str) -> bool:
-    """Whether an enum / const value keeps its schema's number bounds and string lengths."""
-    number = to_decimal(value)
-    if number is not None:
-        (lo, lo_open), (hi, hi_open) = _number_bounds(schema, path)
-        return not ((lo is not None and (number < lo or (lo_open and number == lo))) or
-                    (hi is not None and (number > hi or (hi_open and number == hi))))
-    if isinstance(value, str):
-        lo, hi = _bounds(schema, "minLength", "maxLength", path, MAX_STRING_LENGTH)
-        return lo <= len(value) and (hi is None or len(value) <= hi)
-    return True
 
 
 def _single(subs: Any) -> bool:
@@ -433,7 +420,6 @@ class _Builder:
         if "type" in schema:
             types = self._types(schema, path) or []
             values = [v for v in values if any(_is_json_type(v, t) for t in types)]
-        values = [v for v in values if _fits_bounds(v, schema, path)]
         rest = {k: v for k, v in schema.items() if k not in ("enum", "const", "type")
                 and k not in _ANNOTATIONS and not k.startswith("x-")}
         if rest and values:

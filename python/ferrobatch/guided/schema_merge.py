@@ -182,7 +182,7 @@ class Merger:
                 if not out[key]:
                     raise Unsatisfiable(f"no value is in both enums at {path}")
             elif key in _BOTH:
-                out[key] = {"allOf": [out[key], value]}
+                out[key] = _both(out[key], value)
             elif key.startswith("x-") or key in ("title", "description", "default", "examples",
                                                  "$comment", "$defs", "definitions"):
                 continue                                   # annotations: the first one stays
