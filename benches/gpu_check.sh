@@ -19,14 +19,20 @@
 #      out-of-bounds access hits unallocated memory), if the tool is there  -> sanitizer.log
 #   9. speculative decoding on CUDA, drafting alone and at load (never measured)   -> speculative_cuda.{txt,json}
 #  10. summary table                                                                -> summary.txt
-# Everything goes to $OUT (the device tool returns it) and to benches/results/gpu-<stamp>/.
+# GPU_CHECK_STEPS=tests,bench,... runs only the named steps (the build always runs).
+# The logs go to $OUT/logs/ while the steps run; at the end they are packed into
+# $OUT/gpu_check_logs.tar.gz beside $OUT/summary.txt (the device tool returns at most 8 files), and
+# copied to benches/results/gpu-<stamp>/. The end-to-end parity tests use the shipped SmolLM2 GGUF,
+# else $FERROBATCH_E2E_GGUF, else .device/e2e.gguf (SmolLM2's first blocks, written by
+# tests/gpu/truncate_gguf.py: the full file is too big to travel).
 # A step that fails is recorded and the script continues; the exit code is non-zero if any failed.
 set -uo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 stamp=$(date -u +%Y%m%dT%H%M%SZ)
-OUT=${OUT:-$root/benches/results/gpu-$stamp}
+TOP=${OUT:-$root/benches/results/gpu-$stamp}
+OUT=$TOP/logs
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
@@ -39,10 +45,22 @@ if ! $PY -c "import ferrobatch.runtime.cuda_ops" >/dev/null 2>&1; then
   export PYTHONPATH=$root/python${PYTHONPATH:+:$PYTHONPATH}
 fi
 
+if [[ -z ${FERROBATCH_E2E_GGUF:-} && -f $root/.device/e2e.gguf ]] \
+    && ! $PY -c "from ferrobatch.model.loader import smollm2_gguf_path as p; p()" >/dev/null 2>&1; then
+  export FERROBATCH_E2E_GGUF=$root/.device/e2e.gguf
+fi
+timeout_flag=()
+$PY -c "import pytest_timeout" >/dev/null 2>&1 && timeout_flag=(--timeout 120)
+
 budget=${GPU_CHECK_BUDGET_S:-540}
+steps=${GPU_CHECK_STEPS:-tests,bench,small,8b,ablation,sanitizer,spec}
+want() { [[ ",$steps," == *",$1,"* ]]; }
 declare -A status
 run_step() {  # name timeout_s logfile cmd...
   local name=$1 limit=$2 log=$3; shift 3
+  if [[ $name != build ]] && ! want "$name"; then
+    return 0
+  fi
   local left=$((budget - SECONDS))
   if (( left < 30 )); then
     status[$name]="skipped (budget: ${left}s left)"
@@ -78,8 +96,9 @@ grep -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT/build.log" \
   | sed -E 's/ptxas info *: //' | paste - - - >"$OUT/ptxas.txt" 2>/dev/null || true
 
 if [[ ${status[build]} == rc=0* ]]; then
+  echo "e2e model: ${FERROBATCH_E2E_GGUF:-the shipped SmolLM2}" >>"$OUT/env.txt"
   run_step tests 300 "$OUT/gpu_tests.log" $PY -m pytest -m gpu -q -p no:cacheprovider -rfEs \
-    --junitxml="$OUT/gpu_tests.xml" tests/gpu || failed=1
+    "${timeout_flag[@]}" --durations=15 --junitxml="$OUT/gpu_tests.xml" tests/gpu || failed=1
   run_step bench 180 "$OUT/attention_bandwidth.txt" $PY benches/attention_bandwidth.py \
     --measure-copy --json "$OUT/attention_bandwidth.json" || failed=1
   run_step small 150 "$OUT/throughput_gpu-small.txt" $PY benches/throughput.py \
@@ -93,7 +112,7 @@ if [[ ${status[build]} == rc=0* ]]; then
   run_step ablation 120 "$OUT/throughput_gpu-small_ablation.txt" $PY benches/throughput.py \
     --workload gpu-small --systems ferrobatch@32,ferrobatch-static@32 --no-progress \
     --json "$OUT/throughput_gpu-small_ablation.json" || failed=1
-  if command -v compute-sanitizer >/dev/null 2>&1; then
+  if want sanitizer && command -v compute-sanitizer >/dev/null 2>&1; then
     run_step sanitizer 150 "$OUT/sanitizer.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
       compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
       $PY -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_kernels.py -k \
@@ -102,6 +121,7 @@ if [[ ${status[build]} == rc=0* ]]; then
   fi
   # lowest priority: speculative decoding on CUDA (off there by default: never measured)
   run_step spec 120 "$OUT/speculative_cuda.txt" $PY benches/speculative.py --device cuda \
+    --model "${FERROBATCH_E2E_GGUF:-smollm2}" \
     --rounds 2 --max-tokens 128 --requests 8 --drafts 3/0/0,3/8/0 --concurrency 1,8 \
     --json "$OUT/speculative_cuda.json" || failed=1
 else
@@ -130,9 +150,11 @@ fi
     | sed -E 's/.*kernelI13__nv_bfloat16Li([0-9]+)ELi([0-9]+)ELb([01]).*Used ([0-9]+) registers.*/  D=\1 GP=\2 direct=\3: \4 regs/' | sort -u
 } >"$OUT/summary.txt"
 
-# keep a copy in the repo tree (on the GPU machine the tree is discarded; $OUT comes back)
-if [[ $OUT != "$root/benches/results/"* ]]; then
+# keep a copy in the repo tree (on the GPU machine the tree is discarded; $TOP comes back)
+if [[ $TOP != "$root/benches/results/"* ]]; then
   mkdir -p "$root/benches/results/gpu-$stamp" && cp -r "$OUT"/. "$root/benches/results/gpu-$stamp/" 2>/dev/null || true
 fi
-cat "$OUT/summary.txt"
+cp "$OUT/summary.txt" "$TOP/summary.txt"
+tar czf "$TOP/gpu_check_logs.tar.gz" -C "$OUT" . && rm -rf "$OUT"
+cat "$TOP/summary.txt"
 exit $failed

@@ -1,6 +1,9 @@
 """End-to-end greedy parity on the GPU: SmolLM2 through ModelRunner(attn_backend="cuda") vs
 transformers on the same GGUF weights (both float32 on CUDA), token for token.
 
+``FERROBATCH_E2E_GGUF=<path>`` runs them on another llama-family GGUF instead of the shipped one,
+e.g. SmolLM2's first blocks (``tests/gpu/truncate_gguf.py``) where the full file cannot travel.
+
 The batch mixes chunked prefills and decodes (prefill/mixed kernel) and ends in decode-only steps
 (split-KV decode kernel), so both attention paths and the cache write are on the critical path.
 """
@@ -37,7 +40,7 @@ _MODEL_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 def smollm2_cuda():
     try:
         from ferrobatch.model.loader import load_model, smollm2_gguf_path
-        path = smollm2_gguf_path()
+        path = os.environ.get("FERROBATCH_E2E_GGUF") or smollm2_gguf_path()
     except (ImportError, FileNotFoundError) as exc:
         pytest.skip(f"SmolLM2 / model loader unavailable: {exc}")
     return path, load_model(path, device="cuda", dtype=torch.float32)
