@@ -23,8 +23,10 @@ REPO = Path(__file__).resolve().parent.parent
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Make `import ferrobatch` work from a source checkout without installing (python/ is the package
-# root) and let the benches import each other when run as scripts.
-for _p in (REPO / "python", Path(__file__).resolve().parent):
+# root; an installed package, e.g. the wheel on the GPU machine, is used as it is) and let the
+# benches import each other when run as scripts.
+for _p in ((REPO / "python",) if importlib.util.find_spec("ferrobatch") is None else ()) + (
+        Path(__file__).resolve().parent,):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 

@@ -53,7 +53,8 @@ timeout_flag=()
 $PY -c "import pytest_timeout" >/dev/null 2>&1 && timeout_flag=(--timeout 120)
 
 budget=${GPU_CHECK_BUDGET_S:-540}
-steps=${GPU_CHECK_STEPS:-tests,bench,small,8b,ablation,sanitizer,spec}
+steps=${GPU_CHECK_STEPS:-tests,bench,small,8b,ablation,splits,hf,hf8b,sanitizer,spec}
+tests=${GPU_CHECK_TESTS:-tests/gpu}
 want() { [[ ",$steps," == *",$1,"* ]]; }
 declare -A status
 run_step() {  # name timeout_s logfile cmd...
@@ -98,7 +99,7 @@ grep -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT/build.log" \
 if [[ ${status[build]} == rc=0* ]]; then
   echo "e2e model: ${FERROBATCH_E2E_GGUF:-the shipped SmolLM2}" >>"$OUT/env.txt"
   run_step tests 300 "$OUT/gpu_tests.log" $PY -m pytest -m gpu -q -p no:cacheprovider -rfEs \
-    "${timeout_flag[@]}" --durations=15 --junitxml="$OUT/gpu_tests.xml" tests/gpu || failed=1
+    "${timeout_flag[@]}" --durations=15 --junitxml="$OUT/gpu_tests.xml" $tests || failed=1
   run_step bench 180 "$OUT/attention_bandwidth.txt" $PY benches/attention_bandwidth.py \
     --measure-copy --json "$OUT/attention_bandwidth.json" || failed=1
   run_step small 150 "$OUT/throughput_gpu-small.txt" $PY benches/throughput.py \
@@ -112,6 +113,18 @@ if [[ ${status[build]} == rc=0* ]]; then
   run_step ablation 120 "$OUT/throughput_gpu-small_ablation.txt" $PY benches/throughput.py \
     --workload gpu-small --systems ferrobatch@32,ferrobatch-static@32 --no-progress \
     --json "$OUT/throughput_gpu-small_ablation.json" || failed=1
+  # the decode kernel at each fixed split count (the heuristic's choice is the bench step's)
+  run_step splits 150 "$OUT/splits_sweep.txt" bash -c 'for s in 1 2 3 4 6 8 12 16 24 32; do
+      echo "== num_splits $s"; '"$PY"' benches/attention_bandwidth.py --num-splits $s \
+        --torch-ref-max-gb 0 --json "'"$OUT"'/splits_$s.json" | grep -E "^(shape|llama|smollm)"
+    done' || failed=1
+  # transformers in the same run: gpu-small, then gpu-8b (hf-static at the workload's batch size)
+  run_step hf 150 "$OUT/throughput_gpu-small_hf.txt" $PY benches/throughput.py \
+    --workload gpu-small --systems ferrobatch,hf-static --no-progress --max-num-seqs 256 \
+    --json "$OUT/throughput_gpu-small_hf.json" || failed=1
+  run_step hf8b 180 "$OUT/throughput_gpu-8b_hf.txt" $PY benches/throughput.py \
+    --workload gpu-8b --systems ferrobatch,hf-static --no-progress --max-num-seqs 256 \
+    --json "$OUT/throughput_gpu-8b_hf.json" || failed=1
   if want sanitizer && command -v compute-sanitizer >/dev/null 2>&1; then
     run_step sanitizer 150 "$OUT/sanitizer.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
       compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
@@ -131,7 +144,7 @@ fi
 
 {
   echo "ferrobatch GPU check $stamp  ($(head -n 2 "$OUT/env.txt" | tail -n 1))"
-  for k in build tests bench small 8b ablation sanitizer spec; do echo "  $k: ${status[$k]:-not run}"; done
+  for k in build tests bench small 8b ablation splits hf hf8b sanitizer spec; do echo "  $k: ${status[$k]:-not run}"; done
   echo "--- tests"
   grep -E "passed|failed|error" "$OUT/gpu_tests.log" 2>/dev/null | tail -n 3
   grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.log" 2>/dev/null | head -n 15
@@ -141,6 +154,10 @@ fi
   sed -n '/^shape /,$p' "$OUT/attention_bandwidth.txt" 2>/dev/null
   echo "--- offline throughput (goals: gpu-small >= 40,000 and gpu-8b >= 6,000 output tok/s)"
   grep -hE "^  ferrobatch" "$OUT/throughput_gpu-small.txt" "$OUT/throughput_gpu-8b.txt" 2>/dev/null
+  echo "--- against transformers (hf-static), same run each"
+  grep -hE "^  (ferrobatch|hf-static)" "$OUT/throughput_gpu-small_hf.txt" "$OUT/throughput_gpu-8b_hf.txt" 2>/dev/null
+  echo "--- decode kernel at fixed split counts (GB/s; see splits_sweep.txt)"
+  grep -cE "^(llama|smollm)" "$OUT/splits_sweep.txt" 2>/dev/null
   echo "--- continuous vs static batching, gpu-small at cap 32 (goal 1.5x; schedule bound 1.59x)"
   grep -hE "^ablation at cap" "$OUT/throughput_gpu-small_ablation.txt" 2>/dev/null
   echo "--- speculative decoding on CUDA (prompt lookup; ratios to no drafts, same token ids?)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -78,7 +79,8 @@ def test_engine_with_decode_graphs_matches_eager_engine(cuda_ops):
     from ferrobatch.model.loader import load_model
 
     try:
-        loaded = load_model("smollm2", device="cuda", dtype=torch.float32)
+        loaded = load_model(os.environ.get("FERROBATCH_E2E_GGUF") or "smollm2", device="cuda",
+                            dtype=torch.float32)
     except (ImportError, FileNotFoundError) as exc:
         pytest.skip(f"SmolLM2 unavailable: {exc}")
     prompts = ["The capital of France is", "def add(a, b):", "Once upon a time",
