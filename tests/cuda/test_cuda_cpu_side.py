@@ -224,3 +224,26 @@ def test_build_progress_reports_finished_objects(tmp_path, caplog):
     assert "compiling CUDA kernels: 2/7 files done" in caplog.text
     assert "(finished)" in caplog.text
     assert not progress._thread.is_alive()
+
+
+def test_choose_num_splits_against_the_h200_sweep():
+    """On the split-count sweep measured on the H200 (40 batch x context x model shapes, each
+    at 10 split counts), the heuristic's choice is close to the fastest measured one. Its choice
+    is taken among the measured counts, as the kernel would be timed at no other."""
+    import json
+    from pathlib import Path
+
+    sweep = json.loads((Path(__file__).resolve().parents[2] / "benches" / "results"
+                        / "gpu-2026-12-04" / "decode_splits_sweep.json").read_text())
+    kv_heads = {"llama3-8b": 8, "smollm2-135m": 3}
+    sms = sweep["meta"].get("sm_count", 132)
+    regrets = []
+    for row in sweep["rows"]:
+        times = {int(s): us for s, us in row["us_per_call"].items()}
+        measured = sorted(times)
+        chosen = max(s for s in measured if s <= cuda_ops.choose_num_splits(
+            row["batch"], kv_heads[row["shape"]], row["context"], sms, max_splits=max(measured)))
+        regrets.append(times[chosen] / min(times.values()) - 1.0)
+    assert len(regrets) == 40
+    assert sum(regrets) / len(regrets) < 0.02, regrets
+    assert max(regrets) < 0.06, regrets

@@ -382,17 +382,26 @@ def decode_chunk(seq_len: int, num_splits: int) -> int:
     return -(-c // DECODE_CHUNK_ALIGN) * DECODE_CHUNK_ALIGN
 
 
+# Per-CTA fixed cost of the decode kernel in token-equivalents (loading the queries, walking the
+# block table, writing the partial outputs): fitted to a split-count sweep on the H200
+# (benches/results/gpu-2026-12-04/decode_splits_sweep.json, 40 shapes x 10 split counts).
+DECODE_CTA_OVERHEAD_TOKENS = 256
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count: int,
                       max_splits: int = 32, ctas_per_sm: int = 3) -> int:
     """KV splits per sequence for the decode kernel (1 = no split, no reduce pass).
 
-    Models the kernel as ``ceil(ctas / slots)`` waves of CTAs that each stream one chunk, with
-    ``slots = sm_count * ctas_per_sm`` resident CTAs (3 per SM at the GP=4 kernels' 168 registers),
-    and picks the split count with the least ``waves * chunk`` (+ a small cost per extra split for
-    the partial-output round trip and the reduce launch). This avoids both an under-filled GPU at
-    small batch and a nearly empty last wave. Pure function of host ints, so a CUDA-graph capture
-    can fix it per batch bucket from an upper bound of ``max_seq_len``; the kernel re-derives each
-    sequence's actual chunks on the device.
+    Models the kernel as ``ceil(ctas / slots)`` waves of CTAs that each stream one chunk plus a
+    fixed per-CTA cost (``DECODE_CTA_OVERHEAD_TOKENS``), with ``slots = sm_count * ctas_per_sm``
+    resident CTAs (3 per SM at the GP=4 kernels' 168 registers), and picks the split count with
+    the least ``waves * (chunk + overhead)`` (+ 3 % and a little for the partial-output round trip
+    and the reduce launch of a split). This fills the GPU at small batch and avoids splitting a
+    batch that already fills it: on the H200 sweep its choice is within 2 % of the best measured
+    split count on every shape (the model without the per-CTA cost chose up to 32 splits at batch
+    128-256 and lost up to 37 %). Pure function of host ints, so a CUDA-graph capture can fix it
+    per batch bucket from an upper bound of ``max_seq_len``; the kernel re-derives each sequence's
+    actual chunks on the device.
     """
     work_items = max(1, batch * num_kv_heads)
     slots = max(1, sm_count * ctas_per_sm)
@@ -404,8 +413,9 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count:
         if used < splits:  # the partition would leave splits empty: same as a smaller count
             continue
         waves = -(-(work_items * used) // slots)
-        # A split costs ~6% extra traffic (fp32 partials written + read by the reduce) and a launch.
-        cost = waves * chunk * (1.0 if splits == 1 else 1.06) + (0 if splits == 1 else 32)
+        cost = waves * (chunk + DECODE_CTA_OVERHEAD_TOKENS)
+        if splits > 1:
+            cost = cost * 1.03 + 32
         if best_cost is None or cost < best_cost:
             best, best_cost = splits, cost
     return best
