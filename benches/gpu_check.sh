@@ -8,17 +8,21 @@
 # (GPU_CHECK_BUDGET_S, default 540 s: a step never starts with less than 30 s left and is cut at
 # the budget, so the summary is always written before the device call's own time limit):
 #   1. environment (GPU, clocks, torch/CUDA versions, nvcc)                        -> env.txt
-#   2. JIT-build the kernels for this GPU (sm_90 on H200), ptxas register report   -> build.log, ptxas.txt
-#   3. pytest -m gpu tests/gpu (kernels vs float64 reference, CUDA graphs, e2e)    -> gpu_tests.log/.xml
-#   4. decode-attention bandwidth benchmark (+ measured copy rate)                 -> attention_bandwidth.{txt,json}
-#   5. offline throughput, gpu-small with and without decode CUDA graphs (issue #6) -> throughput_gpu-small.{txt,json}
-#   6. offline throughput, gpu-8b (issue #6)                                        -> throughput_gpu-8b.{txt,json}
-#   7. continuous vs static batching on gpu-small at cap 32 (issue #6's ablation, where the
-#      schedule allows up to 1.59x)                                                -> throughput_gpu-small_ablation.{txt,json}
-#   8. compute-sanitizer memcheck on a few small kernel tests (no caching allocator, so an
-#      out-of-bounds access hits unallocated memory), if the tool is there  -> sanitizer.log
-#   9. speculative decoding on CUDA, drafting alone and at load (never measured)   -> speculative_cuda.{txt,json}
-#  10. summary table                                                                -> summary.txt
+#   2. build: JIT-build the kernels for this GPU (sm_90), ptxas register report   -> build.log, ptxas.txt
+#   3. tests: pytest -m gpu tests/gpu (kernels vs float64, CUDA graphs, e2e)       -> gpu_tests.log/.xml
+#   4. bench: decode-attention bandwidth (+ measured copy rate)                    -> attention_bandwidth.{txt,json}
+#   5. small: gpu-small with and without decode CUDA graphs (issue #6)             -> throughput_gpu-small.*
+#   6. 8b: gpu-8b (issue #6)                                                       -> throughput_gpu-8b.*
+#   7. ablation: continuous vs static on gpu-small at cap 32 (bound 1.59x)         -> throughput_gpu-small_ablation.*
+#   8. phases: where a gpu-small step's time goes, at cap 256 and 32               -> step_phases*.{txt,json}
+#   9. splits: the decode kernel at fixed split counts 1..32                       -> splits_sweep.txt, splits_*.json
+#  10. hf, hf8b: ferrobatch and hf-static side by side on gpu-small / gpu-8b       -> throughput_gpu-*_hf.*
+#  11. sanitizer: compute-sanitizer memcheck on a few small kernel tests (no caching
+#      allocator, so an out-of-bounds access hits unallocated memory), if the tool is there -> sanitizer.log
+#  12. spec: speculative decoding on CUDA, drafting alone and at load             -> speculative_cuda.{txt,json}
+#  then the summary table                                                          -> summary.txt
+# (2026-12-04, first H200 runs: build 28 s, tests 45 s, bench 10 s, small / 8b 27 s each, ablation
+# 45 s, splits 71 s, hf 113 s, hf8b > 150 s, sanitizer 12 s, spec 50 s.)
 # GPU_CHECK_STEPS=tests,bench,... runs only the named steps (the build always runs).
 # The logs go to $OUT/logs/ while the steps run; at the end they are packed into
 # $OUT/gpu_check_logs.tar.gz beside $OUT/summary.txt (the device tool returns at most 8 files), and
@@ -53,7 +57,7 @@ timeout_flag=()
 $PY -c "import pytest_timeout" >/dev/null 2>&1 && timeout_flag=(--timeout 120)
 
 budget=${GPU_CHECK_BUDGET_S:-540}
-steps=${GPU_CHECK_STEPS:-tests,bench,small,8b,ablation,splits,hf,hf8b,sanitizer,spec}
+steps=${GPU_CHECK_STEPS:-tests,bench,small,8b,ablation,phases,splits,hf,hf8b,sanitizer,spec}
 tests=${GPU_CHECK_TESTS:-tests/gpu}
 want() { [[ ",$steps," == *",$1,"* ]]; }
 declare -A status
@@ -113,6 +117,10 @@ if [[ ${status[build]} == rc=0* ]]; then
   run_step ablation 120 "$OUT/throughput_gpu-small_ablation.txt" $PY benches/throughput.py \
     --workload gpu-small --systems ferrobatch@32,ferrobatch-static@32 --no-progress \
     --json "$OUT/throughput_gpu-small_ablation.json" || failed=1
+  # where a step's time goes (schedule / graph replay / eager model / sampler / outside the step)
+  run_step phases 120 "$OUT/step_phases.txt" bash -c "$PY benches/step_phases.py --workload gpu-small \
+      --max-num-seqs 256 --json $OUT/step_phases_gpu-small.json && $PY benches/step_phases.py \
+      --workload gpu-small --max-num-seqs 32 --json $OUT/step_phases_gpu-small_cap32.json" || failed=1
   # the decode kernel at each fixed split count (the heuristic's choice is the bench step's)
   run_step splits 150 "$OUT/splits_sweep.txt" bash -c 'for s in 1 2 3 4 6 8 12 16 24 32; do
       echo "== num_splits $s"; '"$PY"' benches/attention_bandwidth.py --num-splits $s \
@@ -144,7 +152,7 @@ fi
 
 {
   echo "ferrobatch GPU check $stamp  ($(head -n 2 "$OUT/env.txt" | tail -n 1))"
-  for k in build tests bench small 8b ablation splits hf hf8b sanitizer spec; do echo "  $k: ${status[$k]:-not run}"; done
+  for k in build tests bench small 8b ablation phases splits hf hf8b sanitizer spec; do echo "  $k: ${status[$k]:-not run}"; done
   echo "--- tests"
   grep -E "passed|failed|error" "$OUT/gpu_tests.log" 2>/dev/null | tail -n 3
   grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.log" 2>/dev/null | head -n 15
@@ -158,6 +166,8 @@ fi
   grep -hE "^  (ferrobatch|hf-static)" "$OUT/throughput_gpu-small_hf.txt" "$OUT/throughput_gpu-8b_hf.txt" 2>/dev/null
   echo "--- decode kernel at fixed split counts (GB/s; see splits_sweep.txt)"
   grep -cE "^(llama|smollm)" "$OUT/splits_sweep.txt" 2>/dev/null
+  echo "--- step phases, gpu-small at cap 256 then 32 (ms per step)"
+  grep -E "^(workload|schedule|model|finite|sample|update|rest|outside)" "$OUT/step_phases.txt" 2>/dev/null
   echo "--- continuous vs static batching, gpu-small at cap 32 (goal 1.5x; schedule bound 1.59x)"
   grep -hE "^ablation at cap" "$OUT/throughput_gpu-small_ablation.txt" 2>/dev/null
   echo "--- speculative decoding on CUDA (prompt lookup; ratios to no drafts, same token ids?)"
