@@ -190,3 +190,21 @@ def test_build_ab_smoke(tmp_path: Path) -> None:
     for r in data["results"]:
         assert r["base_ms"] > 0 and r["this_ms"] > 0, r
         assert r["logits_max_rel_diff"] == 0.0 and r["same_argmax"], r
+
+
+def test_step_phases_smoke(tmp_path: Path) -> None:
+    # the smoke workload on the CPU: every step was scheduled, run eagerly, sampled and updated
+    # once, the phases add up within the run's wall time
+    out = tmp_path / "phases.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHES / "step_phases.py"), "--workload", "smoke", "--json", str(out)],
+        check=False, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    phases = {p["phase"]: p for p in data["phases"]}
+    steps = data["num_steps"]
+    assert steps > 1 and data["output_tokens"] > 0
+    for name in ("schedule", "model: eager", "sample", "update"):
+        assert phases[name]["calls"] == steps and phases[name]["seconds"] > 0, phases[name]
+    assert phases["model: decode graph"]["calls"] == 0        # no CUDA graphs on the CPU
+    assert sum(p["seconds"] for p in data["phases"]) <= data["wall_s"] * (1 + 1e-9)
