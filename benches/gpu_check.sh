@@ -130,7 +130,7 @@ if [[ ${status[build]} == rc=0* ]]; then
   run_step hf 150 "$OUT/throughput_gpu-small_hf.txt" $PY benches/throughput.py \
     --workload gpu-small --systems ferrobatch,hf-static --no-progress --max-num-seqs 256 \
     --json "$OUT/throughput_gpu-small_hf.json" || failed=1
-  run_step hf8b 180 "$OUT/throughput_gpu-8b_hf.txt" $PY benches/throughput.py \
+  run_step hf8b 240 "$OUT/throughput_gpu-8b_hf.txt" $PY benches/throughput.py \
     --workload gpu-8b --systems ferrobatch,hf-static --no-progress --max-num-seqs 256 \
     --json "$OUT/throughput_gpu-8b_hf.json" || failed=1
   if want sanitizer && command -v compute-sanitizer >/dev/null 2>&1; then
