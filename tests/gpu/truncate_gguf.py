@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     source = args.source
     if source is None:
-        sys.path.insert(0, "python")
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
         from ferrobatch.model.loader import smollm2_gguf_path
         source = smollm2_gguf_path()
     kept, original = truncate(source, args.dest, args.layers)
