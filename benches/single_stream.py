@@ -3,17 +3,17 @@ greedy unless `--temperature`, drafts off), milliseconds per output token after 
 
     python benches/single_stream.py --lengths 256,1024,2000 [--temperature T --top-p P] [--json PATH]
 
-What one user chatting with a long history sees. For each length and repeat: a prompt of random
-token ids with `max_tokens=1` (prefill + one token), then a fresh prompt of the same length with
-`max_tokens=N+1`; (second time - first time) / N is the decode time per token at that context
-(fresh ids each time: no prefix-cache hit). The median of the repeats is reported.
+What one user chatting with a long history sees. For each length and repeat: a fresh prompt of
+random token ids (no prefix-cache hit) with `max_tokens=N+1`; the request's own timings give
+(end - first token) / N, the decode time per token at that context, with the prefill left out.
+One request's two timestamps, not the difference of two runs: it cannot come out negative when the
+machine is noisy. The median of the repeats is reported.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,13 +51,15 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, seed=0 if args.temperature > 0 else None,
                                 ignore_eos=True)
-        t0 = time.perf_counter()
-        llm.generate([ids], params)
-        return time.perf_counter() - t0
+        (out,) = llm.generate([ids], params)
+        if len(out.outputs[0].token_ids) != max_tokens:
+            raise SystemExit(f"prompt {length}: {len(out.outputs[0].token_ids)} tokens, "
+                             f"asked {max_tokens}")
+        return out.metrics["e2e_s"] - out.metrics["ttft_s"]
 
     rows = []
     for length in args.lengths:
-        per_token = sorted((timed(length, args.tokens + 1) - timed(length, 1)) / args.tokens * 1e3
+        per_token = sorted(timed(length, args.tokens + 1) / args.tokens * 1e3
                            for _ in range(args.repeat))
         rows.append({"prompt_tokens": length, "ms_per_token": per_token[len(per_token) // 2],
                      "samples_ms": [round(v, 2) for v in per_token]})
