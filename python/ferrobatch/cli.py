@@ -45,7 +45,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: CUDA kernels on a GPU, the Rust decode and prefill kernels on CPU "
                    "(float32), else the torch reference")
     g.add_argument("--enforce-eager", action="store_true",
-                   help="CUDA: run every step eagerly (no decode CUDA graphs)")
+                   help="CUDA: run every step eagerly (no CUDA graphs)")
+    g.add_argument("--piecewise-max-tokens", type=int, default=None, metavar="T",
+                   help="CUDA: prefill and mixed steps of up to T tokens replay the model "
+                   "between its attention calls as CUDA graphs (0 = off; default 4096, within "
+                   "--max-num-batched-tokens)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="speculative decoding by prompt lookup: up to K tokens drafted from "
                    "the sequence's own earlier text and checked in one step (0 = off; default "
@@ -84,6 +88,7 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
         scheduling_policy=a.scheduling_policy, max_queued_requests=a.max_queued_requests,
         attn_backend=a.attention_backend, cuda_graphs=not a.enforce_eager,
+        piecewise_max_tokens=a.piecewise_max_tokens,
         gguf_blocks=not a.no_gguf_blocks, amx_tiles=not a.no_amx,
         fused_decode=not a.no_fused_decode,
         num_speculative_tokens=a.num_speculative_tokens,

@@ -67,6 +67,9 @@ class EngineConfig:
     dtype: str | None = None             # None (or "auto") -> the runtime's default for the device
     attn_backend: str | None = None      # auto | torch | cpu | cuda; None = auto (cuda / cpu kernels)
     cuda_graphs: bool = True             # CUDA: replay captured decode steps (False = eager only)
+    piecewise_max_tokens: int | None = None   # CUDA: other steps (prefill, mixed) of up to this
+                                         # many tokens replay the model between attention calls
+                                         # (None -> min(step budget, 4096); 0 = off)
     gguf_blocks: bool = True             # CPU, GGUF model: small steps read the Q4_1/Q8_0 blocks
     amx_tiles: bool = True               # CPU with AMX: GGUF blocks as AMX tiles (steps of 5+ rows),
                                          # long prompt chunks' attention on AMX
@@ -146,7 +149,7 @@ class EngineConfig:
                 or self.max_preemptions < 0:
             raise ValueError(f"max_preemptions must be an integer >= 0, got {self.max_preemptions!r}")
         for name in ("num_speculative_tokens", "speculative_max_running",
-                     "speculative_max_step_tokens"):
+                     "speculative_max_step_tokens", "piecewise_max_tokens"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
@@ -231,6 +234,15 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return 8192 if device_type == "cuda" else 512
+
+    def piecewise_token_limit(self, device_type: str) -> int:
+        """Largest step the piecewise CUDA graphs serve (0: none): ``piecewise_max_tokens``
+        (default 4096: beyond it the GPU's work, not the launches, is the cost) within the step
+        budget, on CUDA with ``cuda_graphs``."""
+        if device_type != "cuda" or not self.cuda_graphs:
+            return 0
+        limit = 4096 if self.piecewise_max_tokens is None else self.piecewise_max_tokens
+        return min(limit, self.step_token_budget(device_type))
 
     def speculation(self, device_type: str) -> Speculation:
         """The prompt-lookup setting on this device, defaults filled in. On the CPU drafts run

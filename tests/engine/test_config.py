@@ -26,6 +26,8 @@ from ferrobatch.config import EngineConfig, Speculation
     ({"speculative_max_running": 1.5}, "speculative_max_running"),
     ({"speculative_max_step_tokens": -1}, "speculative_max_step_tokens"),
     ({"speculative_adaptive": 1}, "speculative_adaptive"),
+    ({"piecewise_max_tokens": -1}, "piecewise_max_tokens"),
+    ({"piecewise_max_tokens": True}, "piecewise_max_tokens"),
     ({"speculative_ngram_min": 0}, "n-gram"),
     ({"speculative_ngram_min": 5, "speculative_ngram_max": 4}, "n-gram"),
     # checked before the model loads (they used to fail after it, or allocate first)
@@ -90,6 +92,14 @@ def test_cli_maps_engine_flags():
     cfg = _config(parser.parse_args(["serve", "--enforce-eager", "--max-num-batched-tokens", "64",
                                      "--no-gguf-blocks", "--no-fused-decode"]))
     assert cfg.cuda_graphs is False and cfg.max_num_batched_tokens == 64
+    assert cfg.piecewise_token_limit("cuda") == 0 and default.piecewise_max_tokens is None
+    assert default.piecewise_token_limit("cuda") == 4096
+    assert default.piecewise_token_limit("cpu") == 0
+    small = _config(parser.parse_args(["serve", "--max-num-batched-tokens", "1000"]))
+    assert small.piecewise_token_limit("cuda") == 1000          # within the step budget
+    off = _config(parser.parse_args(["serve", "--piecewise-max-tokens", "0"]))
+    assert off.piecewise_max_tokens == 0 and off.piecewise_token_limit("cuda") == 0
+    assert off.cuda_graphs is True
     assert cfg.gguf_blocks is False and cfg.fused_decode is False
     assert default.num_speculative_tokens is None and default.speculative_max_running is None
     cfg = _config(parser.parse_args(["serve", "--num-speculative-tokens", "0",
@@ -110,12 +120,16 @@ def test_gpu_kv_budget_leaves_the_warm_up_peak_and_the_reserve(monkeypatch):
     from ferrobatch.engine.core import _gpu_reserve_bytes
     from ferrobatch.model.config import ModelConfig
     from ferrobatch.runtime.kv_cache import kv_block_bytes, num_blocks_for_gpu
+    from ferrobatch.runtime.piecewise_graphs import pool_bytes_estimate
 
     config = ModelConfig(arch="llama", vocab_size=1000, hidden_size=64, intermediate_size=128,
                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
     graphs, eager = EngineConfig(max_num_seqs=4), EngineConfig(max_num_seqs=4, cuda_graphs=False)
+    decode_only = EngineConfig(max_num_seqs=4, piecewise_max_tokens=0)
     assert _gpu_reserve_bytes(eager, config) == 4 * 1000 * 32
-    assert _gpu_reserve_bytes(graphs, config) == 4 * 1000 * 32 + (1 + 2 + 4) * 1000 * 4
+    assert _gpu_reserve_bytes(decode_only, config) == 4 * 1000 * 32 + (1 + 2 + 4) * 1000 * 4
+    assert _gpu_reserve_bytes(graphs, config, torch.bfloat16) == \
+        _gpu_reserve_bytes(decode_only, config) + pool_bytes_estimate(config, 4096, torch.bfloat16)
     gib = 1 << 30
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 16 * gib))

@@ -19,13 +19,16 @@ GREEDY = [(SHARED + "what is the capital of France?", 6), (SHARED + "why is the 
           ("def fibonacci(n):", 17), ("1, 2, 3, 4,", 11), ("Once upon a time", 24)]
 
 
-async def _serve(loaded, graphs: bool):
+async def _serve(loaded, graphs: bool, pieces: bool = False):
     config = EngineConfig(model="smollm2", **REAL_ENGINE_OPTIONS)
     core = await asyncio.to_thread(EngineCore.build, config, loaded)
     if graphs:
         # contexts up to 256 tokens (longer steps would run eagerly); max_num_seqs 64: buckets
         # 1, 2, 4, 8, 16, 24, 32, 48, 64
         core.runner.capture_decode_graphs(config.max_num_seqs, 256, emulate=True)
+    if pieces:
+        # prefill and mixed steps up to the step budget (512 tokens) through the pieces
+        core.runner.capture_piecewise_graphs(config.max_num_batched_tokens, emulate=True)
     async with AsyncEngine(config, core=core) as engine:
         async def final(prompt, params):
             return [out async for out in engine.generate(prompt, params)][-1]
@@ -47,6 +50,8 @@ async def _serve(loaded, graphs: bool):
         await engine.check_idle_clean()
         assert engine.stats()["num_used_blocks"] == 0
     runner = core.runner
+    if pieces:
+        assert runner.piecewise_steps > 0 and runner.eager_steps == 0
     return outs, runner.graph_steps, runner.eager_steps
 
 
@@ -59,3 +64,14 @@ async def test_engine_with_emulated_decode_graphs_matches_eager(loaded_smollm2):
         assert [o.text for o in g.outputs] == [o.text for o in w.outputs]
     assert len(got[len(GREEDY)].outputs) == 3
     assert got[-1].outputs[0].finish_reason == "abort" == want[-1].outputs[0].finish_reason
+
+
+async def test_engine_with_emulated_piecewise_graphs_matches_eager(loaded_smollm2):
+    """Decode graphs and piecewise graphs together (no step left eager), the same tokens."""
+    want, _, _ = await _serve(loaded_smollm2, graphs=False)
+    got, graph_steps, eager_steps = await _serve(loaded_smollm2, graphs=True, pieces=True)
+    assert graph_steps > 10 and eager_steps == 0
+    for w, g in zip(want[:-1], got[:-1], strict=True):
+        assert [o.token_ids for o in g.outputs] == [o.token_ids for o in w.outputs]
+        assert [o.text for o in g.outputs] == [o.text for o in w.outputs]
+    assert got[-1].outputs[0].finish_reason == "abort"

@@ -87,13 +87,68 @@ def test_engine_with_decode_graphs_matches_eager_engine(cuda_ops):
                "1, 2, 3, 4,", "The speed of light", "Water boils at", "import numpy as np\n"]
     params = [SamplingParams(max_tokens=8 + 5 * i, temperature=0.0, ignore_eos=True)
               for i in range(len(prompts))]
+    # longer prompts under a 64-token step budget: chunked prefills share steps with decode rows
+    prompts += [" ".join(["The history of the printing press"] * (6 + 3 * i)) for i in range(4)]
+    params += [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 4
     outs = {}
-    for graphs in (True, False):
+    for mode in ("graphs", "decode graphs only", "eager"):
         with LLM("smollm2", loaded_model=loaded, device="cuda", dtype="float32", kv_cache_gb=1.0,
-                 max_num_seqs=16, cuda_graphs=graphs) as llm:
+                 max_num_seqs=16, max_num_batched_tokens=64, cuda_graphs=mode != "eager",
+                 piecewise_max_tokens=0 if mode == "decode graphs only" else None) as llm:
             runner = llm.engine._core.runner
-            assert (runner.decode_graphs is not None) == graphs
-            outs[graphs] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-            if graphs:
+            assert (runner.decode_graphs is not None) == (mode != "eager")
+            assert (runner.piecewise_graphs is not None) == (mode == "graphs")
+            outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            if mode != "eager":
                 assert runner.graph_steps > 0
-    assert outs[True] == outs[False]
+            if mode == "graphs":
+                assert runner.piecewise_steps > 0 and runner.eager_steps == 0
+    assert outs["graphs"] == outs["eager"]
+    assert outs["decode graphs only"] == outs["eager"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_piecewise_graph_replay_matches_eager_steps(cuda_ops, dtype):
+    """A small random Llama captured in pieces on the GPU: prefill, mixed, speculative-shaped
+    and single-row steps of every size up to the largest bucket give the eager step's logits and
+    the same KV cache; capture writes nothing into the cache."""
+    import copy
+    import sys
+    from pathlib import Path
+
+    from ferrobatch.model.config import ModelConfig
+    from ferrobatch.model.loader import LoadedModel, build_model
+    from ferrobatch.runtime.model_runner import ModelRunner
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from step_builder import context_prefill, mixed_step
+
+    block_size, vocab = 16, 512
+    config = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=256, intermediate_size=512,
+                         num_layers=3, num_heads=8, num_kv_heads=2, head_dim=64,
+                         max_position_embeddings=2048)
+    torch.manual_seed(0)
+    model = build_model(config, None, device=torch.device("cuda"), dtype=dtype)
+    loaded = LoadedModel("tiny", config, model, None, None, "random")
+    twin = copy.deepcopy(loaded)
+    eager = ModelRunner(loaded, num_blocks=600, block_size=block_size, attn_backend="cuda")
+    pieced = ModelRunner(twin, num_blocks=600, block_size=block_size, attn_backend="cuda")
+    assert pieced.capture_piecewise_graphs(512) == (16, 32, 64, 128, 256, 384, 512)
+    assert not pieced.kv_cache.layers[0].any(), "capture must not write the KV cache"
+    rng = np.random.default_rng(1)
+    steps = [[(0, 300)], [(40, 1), (0, 100), (200, 1), (33, 5)], [(70, 4), (12, 3), (500, 1)],
+             [(0, 512)], [(9, 1)], [(100, 17)] + [(i * 3, 1) for i in range(1, 60)]]
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    for chunks in steps:
+        batch = mixed_step(rng, 600, block_size, chunks, vocab)
+        fill = context_prefill(batch, block_size, vocab)
+        if fill.input_ids.shape[0]:
+            eager.execute(fill, allow_graph=False)
+            pieced.execute(fill, allow_graph=False)
+        want = eager.execute(batch).clone()
+        got = pieced.execute(batch).clone()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(got, want, **tol, msg=lambda m, c=chunks: f"{c[:3]}: {m}")
+        for layer_e, layer_p in zip(eager.kv_cache.layers, pieced.kv_cache.layers, strict=True):
+            torch.testing.assert_close(layer_p, layer_e, **tol)
+    assert pieced.piecewise_steps == len(steps) and pieced.piecewise_graphs.replays == len(steps)

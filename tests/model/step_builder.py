@@ -8,6 +8,7 @@ Per-token Python loops are fine here: this is a test helper, not the hot path.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -182,3 +183,52 @@ def run_to_completion(runner, sampler, scheduler: ToyScheduler, max_steps: int =
         logits = runner.execute(batch)
         scheduler.update(sampler.sample(logits, batch).token_ids)
     raise RuntimeError("toy scheduler did not finish")
+
+
+def mixed_step(rng, num_blocks: int, block_size: int, chunks, vocab_size: int = 64):
+    """One step (README arrays) over fresh sequences in shuffled blocks: ``chunks`` lists
+    (context tokens before, query tokens); 1 query token is a decode row, several a prefill chunk
+    or a speculative verification (rows sampled: all up to 4 query tokens, else the last). Run
+    ``context_prefill(step)`` first to write the contexts' K/V."""
+    free = list(rng.permutation(np.arange(1, num_blocks)))
+    ids, pos, slots, qsl, lens, tables, logits = [], [], [], [0], [], [], []
+    width = max(-(-(c + q) // block_size) for c, q in chunks) + 1
+    for context, query in chunks:
+        total = context + query
+        table = [int(free.pop()) for _ in range(-(-total // block_size))]
+        tables.append(table + [0] * (width - len(table)))
+        p = np.arange(context, total)
+        pos.extend(p.tolist())
+        slots.extend((np.asarray(table)[p // block_size] * block_size + p % block_size).tolist())
+        ids.extend(rng.integers(0, vocab_size, query).tolist())
+        qsl.append(qsl[-1] + query)
+        lens.append(total)
+        logits.extend(range(qsl[-1] - query, qsl[-1]) if query <= 4 else [qsl[-1] - 1])
+    return SimpleNamespace(
+        input_ids=np.asarray(ids, np.int32), positions=np.asarray(pos, np.int32),
+        slot_mapping=np.asarray(slots, np.int32), query_start_loc=np.asarray(qsl, np.int32),
+        seq_lens=np.asarray(lens, np.int32), block_tables=np.asarray(tables, np.int32),
+        logits_indices=np.asarray(logits, np.int32), block_copies=np.zeros((0, 2), np.int32))
+
+
+def context_prefill(batch, block_size: int, vocab_size: int = 64):
+    """The prefill step that writes every context token of ``mixed_step``'s sequences (same
+    blocks and slots; sequences without context left out)."""
+    qsl, lens = batch.query_start_loc, batch.seq_lens
+    ids, pos, slots, q2 = [], [], [], [0]
+    for i, total in enumerate(lens):
+        context = int(total - (qsl[i + 1] - qsl[i]))
+        p = np.arange(context)
+        table = batch.block_tables[i]
+        pos.extend(p.tolist())
+        slots.extend((table[p // block_size] * block_size + p % block_size).tolist())
+        ids.extend(((p * 7 + i) % vocab_size).tolist())
+        q2.append(q2[-1] + context)
+    keep = np.flatnonzero(np.diff(q2) > 0)
+    q2 = np.concatenate([[0], np.cumsum(np.diff(q2)[keep])])
+    return SimpleNamespace(
+        input_ids=np.asarray(ids, np.int32), positions=np.asarray(pos, np.int32),
+        slot_mapping=np.asarray(slots, np.int32), query_start_loc=q2.astype(np.int32),
+        seq_lens=(lens[keep] - np.diff(batch.query_start_loc)[keep]).astype(np.int32),
+        block_tables=batch.block_tables[keep], logits_indices=(q2[1:] - 1).astype(np.int32),
+        block_copies=np.zeros((0, 2), np.int32))

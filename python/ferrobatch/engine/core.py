@@ -139,7 +139,8 @@ class EngineCore:
                 loaded, block_size=config.block_size,
                 max_num_batched_tokens=config.step_token_budget("cuda"),
                 gpu_memory_fraction=config.gpu_memory_utilization,
-                attn_backend=config.attn_backend, reserve_bytes=_gpu_reserve_bytes(config, mcfg),
+                attn_backend=config.attn_backend,
+                reserve_bytes=_gpu_reserve_bytes(config, mcfg, loaded.dtype),
                 kv_cache_dtype=kv_dtype)
         else:
             num_blocks = num_blocks_for_budget(mcfg, config.block_size, kv_dtype,
@@ -160,6 +161,7 @@ class EngineCore:
                              fused_decode=config.fused_decode, kv_cache_dtype=kv_dtype)
         if loaded.device.type == "cuda":
             _maybe_capture_decode_graphs(config, runner, max_model_len)
+            _maybe_capture_piecewise_graphs(config, runner)
         eos = list(loaded.tokenizer.eos_token_ids)
         sampler = Sampler(int(mcfg.vocab_size), eos, loaded.device, seed=config.seed)
         device_type = loaded.device.type
@@ -427,15 +429,53 @@ def _logprobs_by_sequence(batch: Any, sample: Any, extras: dict[int, Any]) -> di
     return out
 
 
-def _gpu_reserve_bytes(config: EngineConfig, model_config: Any) -> int:
+def _gpu_reserve_bytes(config: EngineConfig, model_config: Any,
+                       dtype: torch.dtype = torch.bfloat16) -> int:
     """GPU memory kept out of the KV cache besides the warm-up's activation peak: a full batch's
     sampler working set (float32 logits, their copies and a sort's values + int64 indices: ~32
-    bytes per logit) and, with decode graphs, every bucket's float32 logits output."""
+    bytes per logit), with decode graphs every bucket's float32 logits output, and with
+    piecewise graphs their static buffers and pool (``piecewise_graphs.pool_bytes_estimate``)."""
     from ferrobatch.runtime.cuda_graphs import decode_buckets
+    from ferrobatch.runtime.piecewise_graphs import pool_bytes_estimate
 
     seqs, vocab = config.step_seq_limit("cuda"), int(model_config.vocab_size)
     graph_rows = sum(decode_buckets(seqs)) if config.cuda_graphs else 0
-    return seqs * vocab * 32 + graph_rows * vocab * 4
+    pieces = config.piecewise_token_limit("cuda")
+    pool = pool_bytes_estimate(model_config, pieces, dtype) if pieces else 0
+    return seqs * vocab * 32 + graph_rows * vocab * 4 + pool
+
+
+def _maybe_capture_piecewise_graphs(config: EngineConfig, runner: Any) -> None:
+    """On CUDA: capture the model between its attention calls for the steps decode graphs do
+    not serve, unless switched off. A failed capture is logged and those steps run eagerly."""
+    limit = config.piecewise_token_limit(torch.device(runner.device).type)
+    if not limit:
+        logger.info("piecewise CUDA graphs: off (%s)", "cuda_graphs=False / --enforce-eager"
+                    if not config.cuda_graphs else "piecewise_max_tokens=0")
+        return
+    t0 = time.perf_counter()
+    free_before = torch.cuda.mem_get_info(runner.device)[0]
+    try:
+        from ferrobatch.runtime.piecewise_graphs import piecewise_buckets
+
+        logger.info("piecewise CUDA graphs: capturing %d token buckets up to %d tokens...",
+                    len(piecewise_buckets(limit)), limit)
+
+        def progress(done: int, total: int) -> None:
+            logger.info("piecewise CUDA graphs: %d/%d buckets, %.1f s", done, total,
+                        time.perf_counter() - t0)
+
+        buckets = runner.capture_piecewise_graphs(limit, progress=progress)
+    except Exception as exc:  # noqa: BLE001 - any capture failure: those steps run eagerly
+        runner.piecewise_graphs = None
+        torch.cuda.empty_cache()
+        logger.warning("piecewise CUDA graphs: capture failed, prefill and mixed steps run "
+                       "eagerly: %s: %s", type(exc).__name__, exc)
+        return
+    used = free_before - torch.cuda.mem_get_info(runner.device)[0]
+    logger.info("piecewise CUDA graphs: %d token buckets up to %d (%d graphs each) captured in "
+                "%.1f s (%.0f MiB)", len(buckets), buckets[-1], runner.config.num_layers + 1,
+                time.perf_counter() - t0, used / 2**20)
 
 
 def _maybe_capture_decode_graphs(config: EngineConfig, runner: Any, max_model_len: int) -> None:

@@ -53,16 +53,21 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, device=device, dtype=dtype)
         self.rope = ApplyRotary()
 
-    def forward(self, hidden, rope_tables, kv_cache, attn_meta, backend) -> torch.Tensor:
+    def project(self, hidden, rope_tables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D])``: projected, q and k rotated."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rope(q, k, rope_tables)
+        return q, k, v
+
+    def forward(self, hidden, rope_tables, kv_cache, attn_meta, backend) -> torch.Tensor:
+        q, k, v = self.project(hidden, rope_tables)
         backend.write_kv(kv_cache, k, v, attn_meta)
         out = backend.forward(q, kv_cache, attn_meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(hidden.shape[0], self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -94,6 +99,18 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, hidden, rope_tables, kv_cache, attn_meta, backend) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope_tables, kv_cache,
                                          attn_meta, backend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    # The same layer cut at its attention call, for runtime.step_graphs (the parts around
+    # attention are captured in CUDA graphs, attention runs between them):
+    # forward(h) == finish(h, attention(*begin(h))).
+    def begin(self, hidden, rope_tables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Everything before attention: ``(q, k, v)`` of the normed ``hidden``."""
+        return self.self_attn.project(self.input_layernorm(hidden), rope_tables)
+
+    def finish(self, hidden, attn_out: torch.Tensor) -> torch.Tensor:
+        """Everything after attention (``attn_out [T, Hq * D]``): the next residual stream."""
+        hidden = hidden + self.self_attn.o_proj(attn_out)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -153,6 +170,11 @@ class LlamaForCausalLM(nn.Module):
             rope_tables = self.rotary.tables(positions, hidden.dtype)
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 hidden = layer(hidden, rope_tables, kv_cache, attn_meta, self.attn_backend)
+        return self.logits_from_hidden(hidden, logits_indices, hidden_indices)
+
+    def logits_from_hidden(self, hidden: torch.Tensor, logits_indices: torch.Tensor,
+                           hidden_indices: torch.Tensor | None = None):
+        """The end of ``forward`` from the last layer's output ``hidden [T, hidden]``."""
         if hidden_indices is None:
             return self.compute_logits(self.norm(hidden[logits_indices]))
         num_samples = logits_indices.shape[0]

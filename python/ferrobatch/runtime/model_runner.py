@@ -1,11 +1,14 @@
 """ModelRunner: one step's arrays -> tensors -> forward -> float32 logits at ``logits_indices``.
 
 Decode-only steps replay a captured CUDA graph when ``capture_decode_graphs`` was called (the
-engine does so on CUDA); every other step runs the model eagerly.
+engine does so on CUDA); other steps up to the largest token bucket replay the model's pieces
+between eager attention calls when ``capture_piecewise_graphs`` was called
+(``runtime.piecewise_graphs``); the rest run the model eagerly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -29,6 +32,7 @@ from ferrobatch.runtime.cpu_threads import torch_single_threaded
 from ferrobatch.runtime.cuda_graphs import DecodeGraphRunner, decode_buckets
 from ferrobatch.runtime.heap import return_freed_memory
 from ferrobatch.runtime.kv_cache import KVCache, check_kv_cache_dtype
+from ferrobatch.runtime.piecewise_graphs import PiecewiseGraphRunner, piecewise_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +139,10 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens, %s, %.0f MiB", num_blocks, block_size,
                     str(self.kv_cache.dtype).removeprefix("torch."), self.kv_cache.num_bytes / 2**20)
         self.decode_graphs: DecodeGraphRunner | None = None
+        self.piecewise_graphs: PiecewiseGraphRunner | None = None
         self.graph_steps = 0       # steps served by a decode graph replay
-        self.eager_steps = 0       # steps run eagerly (prefill / mixed / too big / graphs off)
+        self.piecewise_steps = 0   # steps served by the piecewise graphs (prefill / mixed)
+        self.eager_steps = 0       # steps run eagerly (too big for the graphs / graphs off)
 
     @property
     def num_blocks(self) -> int:
@@ -186,15 +192,31 @@ class ModelRunner:
                 and _samples_every_row(batch) and self.decode_graphs.can_run(batch):
             self.graph_steps += 1
             return self.decode_graphs.run(batch)
-        self.eager_steps += 1
         meta = self.attn_backend.build_metadata(batch, self.device)
+        logits_indices = _to_device(batch.logits_indices, self.device, torch.int64)
+        rows = None if hidden_rows is None else \
+            _to_device(np.asarray(hidden_rows), self.device, torch.int64)
+        pieces = self.piecewise_graphs
+        if allow_graph and pieces is not None and pieces.can_run(int(batch.input_ids.shape[0])):
+            self.piecewise_steps += 1
+            return self._run_pieces(batch, meta, logits_indices, rows)
+        self.eager_steps += 1
         input_ids = _to_device(batch.input_ids, self.device, torch.int64)
         positions = _to_device(batch.positions, self.device, torch.int64)
-        logits_indices = _to_device(batch.logits_indices, self.device, torch.int64)
-        if hidden_rows is None:
-            return self._forward(input_ids, positions, meta, logits_indices)
-        rows = _to_device(np.asarray(hidden_rows), self.device, torch.int64)
         return self._forward(input_ids, positions, meta, logits_indices, rows)
+
+    def _run_pieces(self, batch, meta, logits_indices: torch.Tensor,
+                    hidden_rows: torch.Tensor | None):
+        """One step through the piecewise graphs, attention eager between them."""
+        backend, model, caches = self.attn_backend, self.model, self.kv_cache.layers
+
+        def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+            backend.write_kv(caches[layer], k, v, meta)
+            return backend.forward(q, caches[layer], meta, model.layers[layer].self_attn.scale)
+
+        with torch_single_threaded() if self.rust_linears else contextlib.nullcontext():
+            hidden = self.piecewise_graphs.run(batch.input_ids, batch.positions, attention)
+            return model.logits_from_hidden(hidden, logits_indices, hidden_rows)
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, *,
                               buckets: tuple[int, ...] | None = None,
@@ -227,6 +249,26 @@ class ModelRunner:
             graphs.capture()
         self.decode_graphs = graphs
         return graphs.captured_buckets
+
+
+    def capture_piecewise_graphs(self, max_tokens: int, *, buckets: tuple[int, ...] | None = None,
+                                 emulate: bool = False, progress=None) -> tuple[int, ...]:
+        """Captures the model between its attention calls once per token bucket (default
+        ``piecewise_buckets(max_tokens)``) for the steps decode graphs do not serve; returns the
+        buckets. ``emulate=True`` replays by calling the pieces (tests on any device)."""
+        if not hasattr(self.model, "logits_from_hidden") or \
+                not all(hasattr(layer, "begin") for layer in self.model.layers):
+            raise RuntimeError(f"{type(self.model).__name__} cannot run in pieces")
+        if self.model.rotary is None:
+            raise RuntimeError("the model has no rotary tables yet")
+        buckets = tuple(buckets) if buckets else piecewise_buckets(max_tokens)
+        pieces = PiecewiseGraphRunner(self.model, buckets=buckets, device=self.device,
+                                      emulate=emulate)
+        with torch.inference_mode(), \
+                torch_single_threaded() if self.rust_linears else contextlib.nullcontext():
+            pieces.capture(progress=progress)
+        self.piecewise_graphs = pieces
+        return pieces.captured_buckets
 
 
 def _gguf_block_weights(loaded) -> dict:
