@@ -1,5 +1,5 @@
-"""The ferrobatch systems of the offline benchmark: `ferrobatch`, `-static`, `-eager`, `-nodraft`,
-`-kv16`, `-f32panels`.
+"""The ferrobatch systems of the offline benchmark: `ferrobatch`, `-static`, `-eager`,
+`-decodegraphs`, `-nodraft`, `-kv16`, `-f32panels`.
 
 Both drive the real engine through `ferrobatch.LLM.generate` (Rust scheduler, model runner,
 sampler, step thread, incremental detokenization — the engine as shipped) with token-id prompts and
@@ -13,6 +13,9 @@ sampler, step thread, incremental detokenization — the engine as shipped) with
   static mode of its own, so this is the ablation of iteration-level refill, all else equal.
 - `ferrobatch-eager`: `ferrobatch` with `cuda_graphs=False` (on a GPU every decode step runs
   eagerly instead of replaying a captured graph; on the CPU nothing differs).
+- `ferrobatch-decodegraphs`: `ferrobatch` with `piecewise_max_tokens=0` (on a GPU prefill and
+  mixed steps run eagerly instead of replaying the model's pieces between attention calls; on the
+  CPU nothing differs).
 - `ferrobatch-nodraft`: `ferrobatch` with `num_speculative_tokens=0` (no prompt-lookup drafts;
   the CPU default drafts, the GPU default does not). Every run records the drafted and accepted
   tokens: with drafts a step can yield several tokens of a sequence, so steps can fall below the
@@ -108,7 +111,7 @@ class FerrobatchRunner:
         self.recorder.reset()
         self.recorder.enabled = True
         steps0 = self._num_steps()
-        graph_steps0 = self._graph_steps()
+        graph_steps0, piecewise_steps0 = self._graph_steps(), self._graph_steps("piecewise_steps")
         stats0 = self.engine.stats()
         t0 = time.perf_counter()
         try:
@@ -132,6 +135,7 @@ class FerrobatchRunner:
         return {"elapsed_s": elapsed, "output_tokens": total, "generated_tokens": total,
                 "wasted_tokens": 0, "num_steps": steps,
                 "decode_graph_steps": self._graph_steps() - graph_steps0,
+                "piecewise_graph_steps": self._graph_steps("piecewise_steps") - piecewise_steps0,
                 "drafted_tokens": drafted, "accepted_drafts": accepted,
                 "num_sampling_steps": len(rec.tokens),
                 "occupancy": list(rec.tokens), "running": list(rec.running),
@@ -140,10 +144,11 @@ class FerrobatchRunner:
                            if static else "continuous", "model": self.w.model,
                            "api": "ferrobatch.LLM.generate", **self.options}}
 
-    def _graph_steps(self) -> int:
-        """Steps the model runner served by replaying a decode CUDA graph (0 on the CPU)."""
+    def _graph_steps(self, counter: str = "graph_steps") -> int:
+        """Steps the model runner served by replaying a decode CUDA graph (``piecewise_steps``:
+        the piecewise graphs); 0 on the CPU."""
         core = getattr(self.engine, "_core", None)
-        return int(getattr(getattr(core, "runner", None), "graph_steps", 0))
+        return int(getattr(getattr(core, "runner", None), counter, 0))
 
     def _num_steps(self) -> int | None:
         lt = getattr(self.engine, "_loop_thread", None)

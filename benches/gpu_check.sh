@@ -11,9 +11,10 @@
 #   2. build: JIT-build the kernels for this GPU (sm_90), ptxas register report   -> build.log, ptxas.txt
 #   3. tests: pytest -m gpu tests/gpu (kernels vs float64, CUDA graphs, e2e)       -> gpu_tests.log/.xml
 #   4. bench: decode-attention bandwidth (+ measured copy rate)                    -> attention_bandwidth.{txt,json}
-#   5. small: gpu-small with and without decode CUDA graphs (issue #6)             -> throughput_gpu-small.*
+#   5. small: gpu-small with all CUDA graphs, decode graphs only, none (issue #6) -> throughput_gpu-small.*
 #   6. 8b: gpu-8b (issue #6)                                                       -> throughput_gpu-8b.*
-#   7. ablation: continuous vs static on gpu-small at cap 32 (bound 1.59x)         -> throughput_gpu-small_ablation.*
+#   7. ablation: continuous vs static on gpu-small at cap 32 (bound 1.59x), and
+#      continuous with decode graphs only                                         -> throughput_gpu-small_ablation.*
 #   8. phases: where a gpu-small step's time goes, at cap 256 and 32               -> step_phases*.{txt,json}
 #   9. splits: the decode kernel at fixed split counts 1..32                       -> splits_sweep.txt, splits_*.json
 #  10. hf, hf8b: ferrobatch and hf-static side by side on gpu-small / gpu-8b       -> throughput_gpu-*_hf.*
@@ -107,15 +108,16 @@ if [[ ${status[build]} == rc=0* ]]; then
   run_step bench 180 "$OUT/attention_bandwidth.txt" $PY benches/attention_bandwidth.py \
     --measure-copy --json "$OUT/attention_bandwidth.json" || failed=1
   run_step small 150 "$OUT/throughput_gpu-small.txt" $PY benches/throughput.py \
-    --workload gpu-small --systems ferrobatch,ferrobatch-eager --no-progress \
+    --workload gpu-small --systems ferrobatch,ferrobatch-decodegraphs,ferrobatch-eager --no-progress \
     --max-num-seqs 256 \
     --json "$OUT/throughput_gpu-small.json" || failed=1
   run_step 8b 180 "$OUT/throughput_gpu-8b.txt" $PY benches/throughput.py \
     --workload gpu-8b --systems ferrobatch --no-progress \
     --max-num-seqs 256 \
     --json "$OUT/throughput_gpu-8b.json" || failed=1
-  run_step ablation 120 "$OUT/throughput_gpu-small_ablation.txt" $PY benches/throughput.py \
-    --workload gpu-small --systems ferrobatch@32,ferrobatch-static@32 --no-progress \
+  run_step ablation 150 "$OUT/throughput_gpu-small_ablation.txt" $PY benches/throughput.py \
+    --workload gpu-small --systems ferrobatch@32,ferrobatch-static@32,ferrobatch-decodegraphs@32 \
+    --no-progress \
     --json "$OUT/throughput_gpu-small_ablation.json" || failed=1
   # where a step's time goes (schedule / graph replay / eager model / sampler / outside the step)
   run_step phases 120 "$OUT/step_phases.txt" bash -c "$PY benches/step_phases.py --workload gpu-small \
@@ -169,7 +171,7 @@ fi
   echo "--- step phases, gpu-small at cap 256 then 32 (ms per step)"
   grep -E "^(workload|schedule|model|finite|sample|update|rest|outside)" "$OUT/step_phases.txt" 2>/dev/null
   echo "--- continuous vs static batching, gpu-small at cap 32 (goal 1.5x; schedule bound 1.59x)"
-  grep -hE "^ablation at cap" "$OUT/throughput_gpu-small_ablation.txt" 2>/dev/null
+  grep -hE "^ablation at cap|^  ferrobatch" "$OUT/throughput_gpu-small_ablation.txt" 2>/dev/null
   echo "--- speculative decoding on CUDA (prompt lookup; ratios to no drafts, same token ids?)"
   sed -n '/^workload /,/^wrote/p' "$OUT/speculative_cuda.txt" 2>/dev/null | grep -v '^wrote'
   echo "--- registers (ptxas) of the decode kernels, bf16"

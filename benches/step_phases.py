@@ -6,8 +6,9 @@
 Runs the workload's requests through the engine as shipped (`ferrobatch.LLM.generate`, all
 submitted at once), with a timer around each phase of `EngineCore.step`:
 - **schedule** / **update**: the Rust scheduler forming the batch / taking the sampled tokens;
-- **model: decode graph** / **model: eager**: `ModelRunner.execute` on steps served by a CUDA-graph
-  replay and on every other step (prefill or mixed chunks; every step on the CPU);
+- **model: decode graph** / **model: piecewise** / **model: eager**: `ModelRunner.execute` on
+  steps served by a decode CUDA-graph replay, by the piecewise graphs (prefill or mixed chunks,
+  attention eager between the pieces), and on every other step (every step on the CPU);
 - **finite check**, **sample**: the logits check and the sampler;
 - **rest of step**: the remainder of `EngineCore.step` (logprobs, guides, building the result);
 - **outside the step**: the wall time between steps (the step loop, output processing,
@@ -32,8 +33,8 @@ from common import write_json  # noqa: E402  (puts python/ on sys.path when not 
 from throughput import warmup_requests  # noqa: E402
 from workloads import WORKLOADS, build_requests  # noqa: E402
 
-PHASES = ("schedule", "model: decode graph", "model: eager", "finite check", "sample", "update",
-          "rest of step", "outside the step")
+PHASES = ("schedule", "model: decode graph", "model: piecewise", "model: eager", "finite check",
+          "sample", "update", "rest of step", "outside the step")
 
 
 class PhaseTimer:
@@ -84,11 +85,14 @@ def install(core, timer: PhaseTimer) -> dict[str, float]:
 
     def timed_execute(*args, **kwargs):
         graphs_before = getattr(runner, "graph_steps", 0)
+        pieces_before = getattr(runner, "piecewise_steps", 0)
         t0 = time.perf_counter()
         out = execute(*args, **kwargs)
         timer.sync()
-        graph = getattr(runner, "graph_steps", 0) != graphs_before
-        timer.add("model: decode graph" if graph else "model: eager", time.perf_counter() - t0)
+        phase = "model: decode graph" if getattr(runner, "graph_steps", 0) != graphs_before \
+            else "model: piecewise" if getattr(runner, "piecewise_steps", 0) != pieces_before \
+            else "model: eager"
+        timer.add(phase, time.perf_counter() - t0)
         return out
 
     def timed_sample(*args, **kwargs):

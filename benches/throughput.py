@@ -10,6 +10,9 @@ Systems (append `@N` to override the batch size / concurrency cap, e.g. `hf-stat
                      whole group is done (the ablation of iteration-level refill)
   ferrobatch-eager   the engine without decode CUDA graphs (`--enforce-eager`; on the CPU the
                      same as ferrobatch): the ablation of graph replay
+  ferrobatch-decodegraphs the engine with decode CUDA graphs only (`--piecewise-max-tokens 0`:
+                     prefill and mixed steps eager; on the CPU the same as ferrobatch): the
+                     ablation of piecewise graphs
   ferrobatch-nodraft the engine without speculative drafts (`--num-speculative-tokens 0`; on a
                      GPU the same as ferrobatch, where drafting is off by default): the ablation
                      of prompt lookup, which transformers' `generate` and CB do not do
@@ -53,6 +56,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 FB_VARIANTS = {"ferrobatch": "", "ferrobatch-static": "", "ferrobatch-eager": "eager",
+               "ferrobatch-decodegraphs": "decodegraphs",
                "ferrobatch-nodraft": "nodraft", "ferrobatch-kv16": "kv16",
                "ferrobatch-f32panels": "f32panels"}   # system -> engine variant (static: same engine)
 SYSTEMS = (*FB_VARIANTS, "hf-static", "hf-continuous")
@@ -117,6 +121,8 @@ class Systems:
             extra = {"max_num_batched_tokens": self.args.max_num_batched_tokens}
             if variant == "eager":
                 extra["cuda_graphs"] = False
+            if variant == "decodegraphs":
+                extra["piecewise_max_tokens"] = 0
             if variant == "nodraft":
                 extra["num_speculative_tokens"] = 0
             if variant == "kv16":

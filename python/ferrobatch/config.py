@@ -69,7 +69,7 @@ class EngineConfig:
     cuda_graphs: bool = True             # CUDA: replay captured decode steps (False = eager only)
     piecewise_max_tokens: int | None = None   # CUDA: other steps (prefill, mixed) of up to this
                                          # many tokens replay the model between attention calls
-                                         # (None -> min(step budget, 4096); 0 = off)
+                                         # (None -> the step token budget; 0 = off)
     gguf_blocks: bool = True             # CPU, GGUF model: small steps read the Q4_1/Q8_0 blocks
     amx_tiles: bool = True               # CPU with AMX: GGUF blocks as AMX tiles (steps of 5+ rows),
                                          # long prompt chunks' attention on AMX
@@ -237,12 +237,14 @@ class EngineConfig:
 
     def piecewise_token_limit(self, device_type: str) -> int:
         """Largest step the piecewise CUDA graphs serve (0: none): ``piecewise_max_tokens``
-        (default 4096: beyond it the GPU's work, not the launches, is the cost) within the step
-        budget, on CUDA with ``cuda_graphs``."""
+        within the step budget (by default the whole budget: on the H200 even an 8192-token
+        prefill of SmolLM2-135M cost more in launches than on the GPU), on CUDA with
+        ``cuda_graphs``."""
         if device_type != "cuda" or not self.cuda_graphs:
             return 0
-        limit = 4096 if self.piecewise_max_tokens is None else self.piecewise_max_tokens
-        return min(limit, self.step_token_budget(device_type))
+        budget = self.step_token_budget(device_type)
+        return budget if self.piecewise_max_tokens is None else \
+            min(self.piecewise_max_tokens, budget)
 
     def speculation(self, device_type: str) -> Speculation:
         """The prompt-lookup setting on this device, defaults filled in. On the CPU drafts run

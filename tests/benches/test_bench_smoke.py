@@ -207,4 +207,5 @@ def test_step_phases_smoke(tmp_path: Path) -> None:
     for name in ("schedule", "model: eager", "sample", "update"):
         assert phases[name]["calls"] == steps and phases[name]["seconds"] > 0, phases[name]
     assert phases["model: decode graph"]["calls"] == 0        # no CUDA graphs on the CPU
+    assert phases["model: piecewise"]["calls"] == 0
     assert sum(p["seconds"] for p in data["phases"]) <= data["wall_s"] * (1 + 1e-9)

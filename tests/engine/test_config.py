@@ -93,10 +93,15 @@ def test_cli_maps_engine_flags():
                                      "--no-gguf-blocks", "--no-fused-decode"]))
     assert cfg.cuda_graphs is False and cfg.max_num_batched_tokens == 64
     assert cfg.piecewise_token_limit("cuda") == 0 and default.piecewise_max_tokens is None
-    assert default.piecewise_token_limit("cuda") == 4096
+    assert default.piecewise_token_limit("cuda") == 8192
     assert default.piecewise_token_limit("cpu") == 0
     small = _config(parser.parse_args(["serve", "--max-num-batched-tokens", "1000"]))
-    assert small.piecewise_token_limit("cuda") == 1000          # within the step budget
+    assert small.piecewise_token_limit("cuda") == 1000          # the step budget
+    capped = _config(parser.parse_args(["serve", "--max-num-batched-tokens", "1000",
+                                        "--piecewise-max-tokens", "2048"]))
+    assert capped.piecewise_token_limit("cuda") == 1000         # within it
+    assert _config(parser.parse_args(["serve", "--piecewise-max-tokens", "512"])) \
+        .piecewise_token_limit("cuda") == 512
     off = _config(parser.parse_args(["serve", "--piecewise-max-tokens", "0"]))
     assert off.piecewise_max_tokens == 0 and off.piecewise_token_limit("cuda") == 0
     assert off.cuda_graphs is True
@@ -129,7 +134,7 @@ def test_gpu_kv_budget_leaves_the_warm_up_peak_and_the_reserve(monkeypatch):
     assert _gpu_reserve_bytes(eager, config) == 4 * 1000 * 32
     assert _gpu_reserve_bytes(decode_only, config) == 4 * 1000 * 32 + (1 + 2 + 4) * 1000 * 4
     assert _gpu_reserve_bytes(graphs, config, torch.bfloat16) == \
-        _gpu_reserve_bytes(decode_only, config) + pool_bytes_estimate(config, 4096, torch.bfloat16)
+        _gpu_reserve_bytes(decode_only, config) + pool_bytes_estimate(config, 8192, torch.bfloat16)
     gib = 1 << 30
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 16 * gib))

@@ -120,3 +120,47 @@ def test_piecewise_capture_needs_cuda_unless_emulated():
     with pytest.raises(RuntimeError, match="CUDA device"):
         runner.capture_piecewise_graphs(32)
     assert runner.piecewise_graphs is None
+
+
+def test_engine_captures_pieces_per_config_and_survives_a_failed_capture(caplog, monkeypatch):
+    from ferrobatch.config import EngineConfig
+    from ferrobatch.engine.core import _maybe_capture_piecewise_graphs
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, 2 << 30))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    class Runner:
+        device = "cuda"
+        config = ModelConfig(arch="llama", vocab_size=64, hidden_size=48, intermediate_size=64,
+                             num_layers=2, num_heads=6, num_kv_heads=2, head_dim=8)
+        piecewise_graphs = None
+        fail = False
+
+        def __init__(self):
+            self.calls = []
+
+        def capture_piecewise_graphs(self, max_tokens, progress=None):
+            self.calls.append(max_tokens)
+            buckets = piecewise_buckets(max_tokens)
+            progress(1, len(buckets))
+            if self.fail:
+                self.piecewise_graphs = "partial"
+                raise RuntimeError("CUDA out of memory")
+            self.piecewise_graphs = "captured"
+            return buckets
+
+    runner = Runner()
+    with caplog.at_level("INFO", logger="ferrobatch.engine.core"):
+        _maybe_capture_piecewise_graphs(EngineConfig(max_num_batched_tokens=300), runner)
+        assert runner.calls == [300] and runner.piecewise_graphs == "captured"
+        assert "6 token buckets up to 300" in caplog.text
+        for off in (EngineConfig(cuda_graphs=False), EngineConfig(piecewise_max_tokens=0)):
+            _maybe_capture_piecewise_graphs(off, runner)
+    assert runner.calls == [300]
+    assert "piecewise_max_tokens=0" in caplog.text
+    runner.fail = True
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ferrobatch.engine.core"):
+        _maybe_capture_piecewise_graphs(EngineConfig(piecewise_max_tokens=64), runner)
+    assert runner.calls == [300, 64] and runner.piecewise_graphs is None
+    assert "capture failed" in caplog.text and "out of memory" in caplog.text
