@@ -24,6 +24,8 @@
 #  then the summary table                                                          -> summary.txt
 # (2026-12-04, first H200 runs: build 28 s, tests 45 s, bench 10 s, small / 8b 27 s each, ablation
 # 45 s, splits 71 s, hf 113 s, hf8b > 150 s, sanitizer 12 s, spec 50 s.)
+# (Session 29 added piecewise graphs: `small` now runs three engines and two of them capture
+# graphs at start-up, `ablation` three; their durations above are from before.)
 # GPU_CHECK_STEPS=tests,bench,... runs only the named steps (the build always runs).
 # The logs go to $OUT/logs/ while the steps run; at the end they are packed into
 # $OUT/gpu_check_logs.tar.gz beside $OUT/summary.txt (the device tool returns at most 8 files), and
@@ -107,7 +109,7 @@ if [[ ${status[build]} == rc=0* ]]; then
     "${timeout_flag[@]}" --durations=15 --junitxml="$OUT/gpu_tests.xml" $tests || failed=1
   run_step bench 180 "$OUT/attention_bandwidth.txt" $PY benches/attention_bandwidth.py \
     --measure-copy --json "$OUT/attention_bandwidth.json" || failed=1
-  run_step small 150 "$OUT/throughput_gpu-small.txt" $PY benches/throughput.py \
+  run_step small 200 "$OUT/throughput_gpu-small.txt" $PY benches/throughput.py \
     --workload gpu-small --systems ferrobatch,ferrobatch-decodegraphs,ferrobatch-eager --no-progress \
     --max-num-seqs 256 \
     --json "$OUT/throughput_gpu-small.json" || failed=1
