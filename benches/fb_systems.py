@@ -1,5 +1,5 @@
 """The ferrobatch systems of the offline benchmark: `ferrobatch`, `-static`, `-eager`,
-`-decodegraphs`, `-nodraft`, `-kv16`, `-f32panels`.
+`-decodegraphs`, `-fusedops`, `-nodraft`, `-kv16`, `-f32panels`.
 
 Both drive the real engine through `ferrobatch.LLM.generate` (Rust scheduler, model runner,
 sampler, step thread, incremental detokenization — the engine as shipped) with token-id prompts and
@@ -16,6 +16,8 @@ sampler, step thread, incremental detokenization — the engine as shipped) with
 - `ferrobatch-decodegraphs`: `ferrobatch` with `piecewise_max_tokens=0` (on a GPU prefill and
   mixed steps run eagerly instead of replaying the model's pieces between attention calls; on the
   CPU nothing differs).
+- `ferrobatch-fusedops`: `ferrobatch` with `FERROBATCH_CUDA_FUSED_OPS=1` (on a GPU the fused
+  RMSNorm / SiLU-and-mul / rotary kernels; the swap changes the shared model, so it runs last).
 - `ferrobatch-nodraft`: `ferrobatch` with `num_speculative_tokens=0` (no prompt-lookup drafts;
   the CPU default drafts, the GPU default does not). Every run records the drafted and accepted
   tokens: with drafts a step can yield several tokens of a sequence, so steps can fall below the

@@ -11,7 +11,8 @@
 #   2. build: JIT-build the kernels for this GPU (sm_90), ptxas register report   -> build.log, ptxas.txt
 #   3. tests: pytest -m gpu tests/gpu (kernels vs float64, CUDA graphs, e2e)       -> gpu_tests.log/.xml
 #   4. bench: decode-attention bandwidth (+ measured copy rate)                    -> attention_bandwidth.{txt,json}
-#   5. small: gpu-small with all CUDA graphs, decode graphs only, none (issue #6) -> throughput_gpu-small.*
+#   5. small: gpu-small with all CUDA graphs, decode graphs only, none, and all graphs with
+#      the fused elementwise kernels (opt-in, session 29) (issue #6)              -> throughput_gpu-small.*
 #   6. 8b: gpu-8b (issue #6)                                                       -> throughput_gpu-8b.*
 #   7. ablation: continuous vs static on gpu-small at cap 32 (bound 1.59x), and
 #      continuous with decode graphs only                                         -> throughput_gpu-small_ablation.*
@@ -110,7 +111,8 @@ if [[ ${status[build]} == rc=0* ]]; then
   run_step bench 180 "$OUT/attention_bandwidth.txt" $PY benches/attention_bandwidth.py \
     --measure-copy --json "$OUT/attention_bandwidth.json" || failed=1
   run_step small 200 "$OUT/throughput_gpu-small.txt" $PY benches/throughput.py \
-    --workload gpu-small --systems ferrobatch,ferrobatch-decodegraphs,ferrobatch-eager --no-progress \
+    --workload gpu-small --systems ferrobatch,ferrobatch-decodegraphs,ferrobatch-eager,ferrobatch-fusedops \
+    --no-progress \
     --max-num-seqs 256 \
     --json "$OUT/throughput_gpu-small.json" || failed=1
   run_step 8b 180 "$OUT/throughput_gpu-8b.txt" $PY benches/throughput.py \

@@ -13,6 +13,9 @@ Systems (append `@N` to override the batch size / concurrency cap, e.g. `hf-stat
   ferrobatch-decodegraphs the engine with decode CUDA graphs only (`--piecewise-max-tokens 0`:
                      prefill and mixed steps eager; on the CPU the same as ferrobatch): the
                      ablation of piecewise graphs
+  ferrobatch-fusedops the engine with the fused elementwise CUDA kernels (RMSNorm, SiLU-and-mul,
+                     rotary; `FERROBATCH_CUDA_FUSED_OPS=1`, opt-in until verified). The swap
+                     replaces the shared model's modules: list it last
   ferrobatch-nodraft the engine without speculative drafts (`--num-speculative-tokens 0`; on a
                      GPU the same as ferrobatch, where drafting is off by default): the ablation
                      of prompt lookup, which transformers' `generate` and CB do not do
@@ -56,7 +59,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 FB_VARIANTS = {"ferrobatch": "", "ferrobatch-static": "", "ferrobatch-eager": "eager",
-               "ferrobatch-decodegraphs": "decodegraphs",
+               "ferrobatch-decodegraphs": "decodegraphs", "ferrobatch-fusedops": "fusedops",
                "ferrobatch-nodraft": "nodraft", "ferrobatch-kv16": "kv16",
                "ferrobatch-f32panels": "f32panels"}   # system -> engine variant (static: same engine)
 SYSTEMS = (*FB_VARIANTS, "hf-static", "hf-continuous")
@@ -127,13 +130,15 @@ class Systems:
                 extra["num_speculative_tokens"] = 0
             if variant == "kv16":
                 extra["kv_cache_dtype"] = "float16"
-            if variant == "f32panels":   # read when the engine packs its weights
-                os.environ["FERROBATCH_QUANT_PANELS"] = "0"
+            env = {"f32panels": ("FERROBATCH_QUANT_PANELS", "0"),   # read when the engine
+                   "fusedops": ("FERROBATCH_CUDA_FUSED_OPS", "1")}.get(variant)   # builds
+            if env:
+                os.environ[env[0]] = env[1]
             try:
                 self.fb[key] = FerrobatchRunner(self.w, cap, **extra)
             finally:
-                if variant == "f32panels":
-                    os.environ.pop("FERROBATCH_QUANT_PANELS", None)
+                if env:
+                    os.environ.pop(env[0], None)
             self.setup_s[f"ferrobatch{'-' + variant if variant else ''}@{cap}"] = \
                 self.fb[key].load_s
         return self.fb[key]

@@ -111,6 +111,11 @@ __device__ __forceinline__ float from_float<float>(float x) {
   return x;
 }
 
+// Scalar load of one T as fp32.
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(float x) { return x; }
+
 // ---- loads --------------------------------------------------------------------------------------
 
 // 16-byte load of K/V from the paged cache. Every K/V byte is read exactly once per launch (one CTA

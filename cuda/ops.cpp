@@ -17,10 +17,16 @@ TORCH_LIBRARY(ferrobatch, m) {
       "paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale, int max_query_len, "
       "Tensor? seq_ids=None) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("rotary_inplace(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ferrobatch, CUDA, m) {
   m.impl("reshape_and_cache", &ferrobatch::reshape_and_cache);
   m.impl("paged_decode_attention", &ferrobatch::paged_decode_attention);
   m.impl("paged_prefill_attention", &ferrobatch::paged_prefill_attention);
+  m.impl("rms_norm", &ferrobatch::rms_norm);
+  m.impl("silu_and_mul", &ferrobatch::silu_and_mul);
+  m.impl("rotary_inplace", &ferrobatch::rotary_inplace);
 }

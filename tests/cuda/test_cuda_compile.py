@@ -72,7 +72,7 @@ def test_sources_present():
     for required in ("ops.cpp", "ops.h", "common.cuh", "reshape_and_cache.cu",
                      "decode_attention.cuh", "decode_attention.cu", "decode_attention_bf16.cu",
                      "decode_attention_fp16.cu", "decode_attention_fp32.cu",
-                     "prefill_attention.cu"):
+                     "prefill_attention.cu", "elementwise.cu"):
         assert required in names, f"cuda/{required} missing"
 
 

@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 # The decode kernels are compiled one dtype per file so that the build runs them in parallel.
 SOURCE_FILES = ("ops.cpp", "reshape_and_cache.cu", "decode_attention.cu", "decode_attention_bf16.cu",
-                "decode_attention_fp16.cu", "decode_attention_fp32.cu", "prefill_attention.cu")
+                "decode_attention_fp16.cu", "decode_attention_fp32.cu", "prefill_attention.cu",
+                "elementwise.cu")
 HEADER_FILES = ("ops.h", "common.cuh", "decode_attention.cuh")
 EXTENSION_NAME = "ferrobatch_cuda_ops"
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -365,6 +366,26 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
                       slot_mapping: torch.Tensor) -> None:
     """Writes ``key``/``value`` ``[T, Hkv, D]`` into ``kv_cache`` at ``slot_mapping`` (-1 = skip)."""
     torch.ops.ferrobatch.reshape_and_cache(key, value, kv_cache, slot_mapping)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` of ``x [..., H]`` in one kernel."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.ops.ferrobatch.rms_norm(out.view(-1, x.shape[-1]), x.reshape(-1, x.shape[-1]), weight, eps)
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :I]) * x[..., I:]`` of ``x [..., 2I]`` in one kernel."""
+    inter = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)
+    torch.ops.ferrobatch.silu_and_mul(out.view(-1, inter), x.reshape(-1, x.shape[-1]))
+    return out
+
+
+def rotary_inplace(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotates ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` in place by ``cos`` / ``sin`` ``[T, D]``."""
+    torch.ops.ferrobatch.rotary_inplace(q, k, cos, sin)
 
 
 def num_sms(device: torch.device | int | None = None) -> int:

@@ -130,6 +130,14 @@ class ModelRunner:
             freed = return_freed_memory()   # the load's float32 copies and released panels
             if freed:
                 logger.info("returned %.0f MiB freed while loading to the OS", freed / 2**20)
+        if self.device.type == "cuda" and self.attn_backend.name == "cuda":
+            from ferrobatch.runtime.cuda_elementwise import (
+                fused_ops_requested,
+                swap_cuda_elementwise_ops,
+            )
+            if fused_ops_requested():
+                logger.info("elementwise ops: %d modules on the fused CUDA kernels "
+                            "(FERROBATCH_CUDA_FUSED_OPS=1)", swap_cuda_elementwise_ops(self.model))
         self.attention_kernels = getattr(self.attn_backend, "description", self.attention_kernels)
         logger.info("attention: %s", self.attention_kernels)
         self.block_size = block_size

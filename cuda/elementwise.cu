@@ -1,0 +1,181 @@
+// Elementwise ops of the Llama layer, one kernel each where torch's eager ops take several:
+//
+//   rms_norm       out = weight * (x * rsqrt(mean(x^2) + eps)).to(T)      (torch: ~8 kernels)
+//   silu_and_mul   out = silu(x[:, :I]).to(T) * x[:, I:]                   (torch: 2 kernels)
+//   rotary_inplace q, k rotated in place, half-split (GPT-NeoX / HF) form  (torch: ~10 kernels)
+//
+// Each kernel rounds where torch's eager ops round (to T after every op: the normalised row before
+// the weight, silu before the product, each product and the sum of the rotation), so bf16 / fp16
+// results match the torch reference up to the reduction order of the mean square; fp32 has no
+// intermediate rounding. Scalar loads: these ops move a few MB per step, next to the GEMMs and
+// the attention; what they save is launches (inside a CUDA graph, ~2 us each).
+// Launch: one CTA per token row (grid = T), 256 threads striding over the row.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "common.cuh"
+#include "ops.h"
+
+namespace ferrobatch {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename T>
+__device__ __forceinline__ float round_to(float x) {
+  return to_float(from_float<T>(x));
+}
+
+// Sum over the CTA (kThreads threads); every thread gets the total.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float warp_sums[kThreads / 32];
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
+  return total;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    rms_norm_kernel(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ weight,
+                    int64_t x_stride, int64_t out_stride, int hidden, float eps) {
+  const T* row = x + blockIdx.x * x_stride;
+  float sum_sq = 0.f;
+  for (int i = threadIdx.x; i < hidden; i += kThreads) {
+    const float v = to_float(row[i]);
+    sum_sq += v * v;
+  }
+  const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(hidden) + eps);
+  T* dst = out + blockIdx.x * out_stride;
+  for (int i = threadIdx.x; i < hidden; i += kThreads) {
+    const float normed = round_to<T>(__fmul_rn(to_float(row[i]), inv_rms));
+    dst[i] = from_float<T>(__fmul_rn(to_float(weight[i]), normed));
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t x_stride,
+                        int64_t out_stride, int inter) {
+  const T* row = x + blockIdx.x * x_stride;
+  T* dst = out + blockIdx.x * out_stride;
+  for (int i = threadIdx.x; i < inter; i += kThreads) {
+    const float g = to_float(row[i]);
+    const float silu = round_to<T>(g / (1.f + expf(-g)));
+    dst[i] = from_float<T>(__fmul_rn(silu, to_float(row[inter + i])));
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    rotary_kernel(T* q, T* k, const T* __restrict__ cos, const T* __restrict__ sin,
+                  int64_t q_stride_tok, int64_t q_stride_head, int64_t k_stride_tok,
+                  int64_t k_stride_head, int num_q_heads, int num_k_heads, int head_dim) {
+  const int half = head_dim / 2;
+  const int t = blockIdx.x;
+  const T* c = cos + static_cast<int64_t>(t) * head_dim;
+  const T* s = sin + static_cast<int64_t>(t) * head_dim;
+  const int pairs = (num_q_heads + num_k_heads) * half;
+  for (int i = threadIdx.x; i < pairs; i += kThreads) {
+    const int h = i / half, d = i - h * half;
+    T* row = h < num_q_heads ? q + t * q_stride_tok + h * q_stride_head
+                             : k + t * k_stride_tok + (h - num_q_heads) * k_stride_head;
+    const float x1 = to_float(row[d]), x2 = to_float(row[d + half]);
+    // x * cos + cat(-x2, x1) * sin, each op rounded to T as torch's eager ops round
+    // (__fmul_rn / __fadd_rn: never contracted into an FMA, so fp32 rounds as torch's ops do)
+    const float lo = __fadd_rn(round_to<T>(__fmul_rn(x1, to_float(c[d]))),
+                               round_to<T>(__fmul_rn(-x2, to_float(s[d]))));
+    const float hi = __fadd_rn(round_to<T>(__fmul_rn(x2, to_float(c[d + half]))),
+                               round_to<T>(__fmul_rn(x1, to_float(s[d + half]))));
+    row[d] = from_float<T>(lo);
+    row[d + half] = from_float<T>(hi);
+  }
+}
+
+void check_cuda_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(t.stride(-1) == 1, name, "'s last dimension must be contiguous");
+}
+
+}  // namespace
+
+#define FB_DISPATCH_FLOAT(DTYPE, NAME, ...)                                         \
+  switch (DTYPE) {                                                                  \
+    case at::kBFloat16: { using scalar_t = __nv_bfloat16; __VA_ARGS__; } break;     \
+    case at::kHalf: { using scalar_t = __half; __VA_ARGS__; } break;                \
+    case at::kFloat: { using scalar_t = float; __VA_ARGS__; } break;                \
+    default: TORCH_CHECK(false, NAME ": unsupported dtype ", DTYPE);                \
+  }
+
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_cuda_rows(x, "x");
+  check_cuda_rows(out, "out");
+  TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes(), "rms_norm: x and out must be [T, H]");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
+              "rms_norm: weight must be [H], contiguous");
+  TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.scalar_type() == weight.scalar_type(),
+              "rms_norm: x, weight and out must share a dtype");
+  if (x.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  FB_DISPATCH_FLOAT(x.scalar_type(), "rms_norm",
+      rms_norm_kernel<scalar_t><<<static_cast<unsigned>(x.size(0)), kThreads, 0, stream>>>(
+          static_cast<scalar_t*>(out.data_ptr()), static_cast<const scalar_t*>(x.data_ptr()),
+          static_cast<const scalar_t*>(weight.data_ptr()), x.stride(0), out.stride(0),
+          static_cast<int>(x.size(1)), static_cast<float>(eps)));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
+  check_cuda_rows(x, "x");
+  check_cuda_rows(out, "out");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0) &&
+                  x.size(1) == 2 * out.size(1),
+              "silu_and_mul: x must be [T, 2I] and out [T, I]");
+  TORCH_CHECK(x.scalar_type() == out.scalar_type(), "silu_and_mul: x and out must share a dtype");
+  if (x.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  FB_DISPATCH_FLOAT(x.scalar_type(), "silu_and_mul",
+      silu_and_mul_kernel<scalar_t><<<static_cast<unsigned>(x.size(0)), kThreads, 0, stream>>>(
+          static_cast<scalar_t*>(out.data_ptr()), static_cast<const scalar_t*>(x.data_ptr()),
+          x.stride(0), out.stride(0), static_cast<int>(out.size(1))));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void rotary_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  check_cuda_rows(q, "q");
+  check_cuda_rows(k, "k");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2),
+              "rotary_inplace: q must be [T, Hq, D] and k [T, Hkv, D]");
+  const int64_t T = q.size(0), D = q.size(2);
+  TORCH_CHECK(D % 2 == 0, "rotary_inplace: head_dim must be even");
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->is_cuda() && t->is_contiguous() && t->dim() == 2 && t->size(0) == T &&
+                    t->size(1) == D,
+                "rotary_inplace: cos and sin must be [T, D], contiguous");
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "rotary_inplace: cos/sin dtype must be q's");
+  }
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "rotary_inplace: q and k must share a dtype");
+  if (T == 0) return;
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  FB_DISPATCH_FLOAT(q.scalar_type(), "rotary_inplace",
+      rotary_kernel<scalar_t><<<static_cast<unsigned>(T), kThreads, 0, stream>>>(
+          static_cast<scalar_t*>(q.data_ptr()), static_cast<scalar_t*>(k.data_ptr()),
+          static_cast<const scalar_t*>(cos.data_ptr()), static_cast<const scalar_t*>(sin.data_ptr()),
+          q.stride(0), q.stride(1), k.stride(0), k.stride(1), static_cast<int>(q.size(1)),
+          static_cast<int>(k.size(1)), static_cast<int>(D)));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+#undef FB_DISPATCH_FLOAT
+
+}  // namespace ferrobatch
