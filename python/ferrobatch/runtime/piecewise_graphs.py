@@ -9,7 +9,8 @@ depends only on the step's token count; attention alone depends on how the token
 sequences (its grid comes from host-side lengths). So, per token *bucket* ``T``
 (``piecewise_buckets``), the model is captured as ``num_layers + 1`` graphs:
 
-* piece 0: embed ``input_ids`` -> residual stream; layer 0's norm, QKV projection, rope;
+* piece 0: embed ``input_ids`` -> residual stream; the step's rotary tables; layer 0's norm, QKV
+  projection, rope;
 * piece i (1 <= i < L): finish layer i-1 after its attention (o_proj, residual, MLP), begin
   layer i (norm, QKV, rope);
 * piece L: finish the last layer.
@@ -68,7 +69,7 @@ def pool_bytes_estimate(config, max_tokens: int, dtype: torch.dtype) -> int:
     kv = config.num_kv_heads * config.head_dim
     per_row = (3 * config.hidden_size + 2 * (q + 2 * kv) + q     # static + qkv / rope scratch
                + 3 * config.intermediate_size) * elem \
-        + 2 * config.head_dim * (4 + elem)                       # rope tables, float32 + cast
+        + 2 * config.head_dim * (4 + 2 * elem)                   # rope tables: float32, cast, static
     return int(max_tokens * per_row)
 
 
@@ -101,6 +102,9 @@ class PiecewiseGraphRunner:
         self._k = torch.zeros(big, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=dev)
         self._v = torch.zeros(big, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=dev)
         self._attn = torch.zeros(big, cfg.num_heads * cfg.head_dim, dtype=dtype, device=dev)
+        # each token's rotary tables, looked up once per step (piece 0) for every layer
+        self._cos = torch.zeros(big, 1, cfg.head_dim, dtype=dtype, device=dev)
+        self._sin = torch.zeros(big, 1, cfg.head_dim, dtype=dtype, device=dev)
         self._graphs: dict[int, list] = {}
         self._pool = None
         self.replays = 0          # steps run through the pieces
@@ -116,16 +120,21 @@ class PiecewiseGraphRunner:
         """Piece ``index`` for bucket ``t`` as a function of the static buffers alone."""
         model = self.model
 
+        tables = (self._cos[:t], self._sin[:t])
+
         def first() -> None:
             hidden = model.embed_tokens(self._input_ids[:t])
             self._hidden[:t].copy_(hidden)
-            self._begin(0, hidden, model.rotary.tables(self._positions[:t], hidden.dtype), t)
+            cos, sin = model.rotary.tables(self._positions[:t], hidden.dtype)
+            self._cos[:t].copy_(cos)
+            self._sin[:t].copy_(sin)
+            self._begin(0, hidden, tables, t)
 
         def middle() -> None:
             hidden = model.layers[index - 1].finish(self._hidden[:t], self._attn[:t])
             self._hidden[:t].copy_(hidden)
             if index < self.num_layers:
-                self._begin(index, hidden, model.rotary.tables(self._positions[:t], hidden.dtype), t)
+                self._begin(index, hidden, tables, t)
 
         return first if index == 0 else middle
 
