@@ -247,3 +247,27 @@ def test_choose_num_splits_against_the_h200_sweep():
     assert len(regrets) == 40
     assert sum(regrets) / len(regrets) < 0.02, regrets
     assert max(regrets) < 0.06, regrets
+
+
+def test_fused_elementwise_swap_replaces_every_module_and_keeps_the_weights(monkeypatch):
+    """The module swap behind FERROBATCH_CUDA_FUSED_OPS=1 (the kernels themselves run on the GPU
+    only: tests/gpu/test_elementwise.py)."""
+    from ferrobatch.model.config import ModelConfig
+    from ferrobatch.model.llama import LlamaForCausalLM, RMSNorm, SiluAndMul
+    from ferrobatch.model.rope import ApplyRotary
+    from ferrobatch.runtime import cuda_elementwise as ce
+
+    config = ModelConfig(arch="llama", vocab_size=32, hidden_size=16, intermediate_size=24,
+                         num_layers=3, num_heads=2, num_kv_heads=1, head_dim=8)
+    model = LlamaForCausalLM(config)
+    weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    assert ce.swap_cuda_elementwise_ops(model) == 3 * 2 + 1 + 3 + 3
+    kinds = [type(m) for m in model.modules()]
+    assert RMSNorm not in kinds and SiluAndMul not in kinds and ApplyRotary not in kinds
+    assert {id(m.weight) for m in model.modules() if isinstance(m, ce.CudaRMSNorm)} == weights
+    assert ce.swap_cuda_elementwise_ops(model) == 0          # nothing left to swap
+    for value, want in (("1", True), ("0", False), ("yes", False)):
+        monkeypatch.setenv(ce.ENV_FLAG, value)
+        assert ce.fused_ops_requested() is want
+    monkeypatch.delenv(ce.ENV_FLAG)
+    assert ce.fused_ops_requested() is False
