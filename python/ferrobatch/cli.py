@@ -49,7 +49,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--piecewise-max-tokens", type=int, default=None, metavar="T",
                    help="CUDA: prefill and mixed steps of up to T tokens replay the model "
                    "between its attention calls as CUDA graphs (0 = off; default: "
-                   "--max-num-batched-tokens, 8192 on a GPU)")
+                   "--max-num-batched-tokens up to 8192)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="speculative decoding by prompt lookup: up to K tokens drafted from "
                    "the sequence's own earlier text and checked in one step (0 = off; default "

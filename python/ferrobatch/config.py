@@ -25,6 +25,8 @@ MAX_BLOCK_SIZE = 1024
 # the Rust scheduler's caps (config.rs), checked here too so that a bad value is refused before
 # the model loads and the KV cache is allocated
 INT32_MAX = (1 << 31) - 1
+PIECEWISE_DEFAULT_MAX_TOKENS = 8192
+
 CAPS = {"num_blocks": 1 << 22, "max_num_seqs": 1 << 16, "intake_capacity": 1 << 20,
         "max_num_batched_tokens": INT32_MAX, "max_model_len": INT32_MAX,
         "block_size": MAX_BLOCK_SIZE}
@@ -69,7 +71,7 @@ class EngineConfig:
     cuda_graphs: bool = True             # CUDA: replay captured decode steps (False = eager only)
     piecewise_max_tokens: int | None = None   # CUDA: other steps (prefill, mixed) of up to this
                                          # many tokens replay the model between attention calls
-                                         # (None -> the step token budget; 0 = off)
+                                         # (None -> the step budget, at most 8192; 0 = off)
     gguf_blocks: bool = True             # CPU, GGUF model: small steps read the Q4_1/Q8_0 blocks
     amx_tiles: bool = True               # CPU with AMX: GGUF blocks as AMX tiles (steps of 5+ rows),
                                          # long prompt chunks' attention on AMX
@@ -237,14 +239,15 @@ class EngineConfig:
 
     def piecewise_token_limit(self, device_type: str) -> int:
         """Largest step the piecewise CUDA graphs serve (0: none): ``piecewise_max_tokens``
-        within the step budget (by default the whole budget: on the H200 even an 8192-token
-        prefill of SmolLM2-135M cost more in launches than on the GPU), on CUDA with
-        ``cuda_graphs``."""
+        within the step budget, on CUDA with ``cuda_graphs``. By default the budget up to 8192
+        tokens: on the H200 even an 8192-token prefill of SmolLM2-135M cost more in launches
+        than on the GPU, while a larger budget would mean many more buckets (one per 512
+        tokens) for steps whose GPU work hides their launches."""
         if device_type != "cuda" or not self.cuda_graphs:
             return 0
         budget = self.step_token_budget(device_type)
-        return budget if self.piecewise_max_tokens is None else \
-            min(self.piecewise_max_tokens, budget)
+        return min(budget, PIECEWISE_DEFAULT_MAX_TOKENS if self.piecewise_max_tokens is None
+                   else self.piecewise_max_tokens)
 
     def speculation(self, device_type: str) -> Speculation:
         """The prompt-lookup setting on this device, defaults filled in. On the CPU drafts run

@@ -102,6 +102,11 @@ def test_cli_maps_engine_flags():
     assert capped.piecewise_token_limit("cuda") == 1000         # within it
     assert _config(parser.parse_args(["serve", "--piecewise-max-tokens", "512"])) \
         .piecewise_token_limit("cuda") == 512
+    big = _config(parser.parse_args(["serve", "--max-num-batched-tokens", "65536"]))
+    assert big.piecewise_token_limit("cuda") == 8192             # the default's own cap
+    assert _config(parser.parse_args(["serve", "--max-num-batched-tokens", "65536",
+                                      "--piecewise-max-tokens", "16384"])) \
+        .piecewise_token_limit("cuda") == 16384
     off = _config(parser.parse_args(["serve", "--piecewise-max-tokens", "0"]))
     assert off.piecewise_max_tokens == 0 and off.piecewise_token_limit("cuda") == 0
     assert off.cuda_graphs is True
