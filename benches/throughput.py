@@ -204,6 +204,7 @@ def summarize_run(name: str, base: str, cap: int, res: dict, reqs: list[Request]
         "wasted_tokens": res.get("wasted_tokens"),
         "num_steps": res.get("num_steps"),
         "decode_graph_steps": res.get("decode_graph_steps"),
+        "piecewise_graph_steps": res.get("piecewise_graph_steps"),
         "drafted_tokens": res.get("drafted_tokens"),
         "accepted_drafts": res.get("accepted_drafts"),
         "mean_occupancy": (sum(occ) / len(occ)) if occ else None,

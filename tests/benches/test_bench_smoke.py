@@ -38,6 +38,7 @@ def test_throughput_smoke(tmp_path: Path) -> None:
     assert set(rows) == {"ferrobatch", "ferrobatch-static", "ferrobatch-eager",
                          "ferrobatch-nodraft", "hf-static", "hf-continuous"}
     assert rows["ferrobatch"]["decode_graph_steps"] == 0      # no CUDA graphs on the CPU
+    assert rows["ferrobatch"]["piecewise_graph_steps"] == 0
     assert rows["ferrobatch-eager"]["params"]["cuda_graphs"] is False
     assert rows["ferrobatch-nodraft"]["params"]["num_speculative_tokens"] == 0
     assert rows["ferrobatch-nodraft"]["drafted_tokens"] == 0
