@@ -101,7 +101,7 @@ class LlamaDecoderLayer(nn.Module):
                                          attn_meta, backend)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
-    # The same layer cut at its attention call, for runtime.step_graphs (the parts around
+    # The same layer cut at its attention call, for runtime.piecewise_graphs (the parts around
     # attention are captured in CUDA graphs, attention runs between them):
     # forward(h) == finish(h, attention(*begin(h))).
     def begin(self, hidden, rope_tables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

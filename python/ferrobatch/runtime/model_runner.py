@@ -258,7 +258,6 @@ class ModelRunner:
         self.decode_graphs = graphs
         return graphs.captured_buckets
 
-
     def capture_piecewise_graphs(self, max_tokens: int, *, buckets: tuple[int, ...] | None = None,
                                  emulate: bool = False, progress=None) -> tuple[int, ...]:
         """Captures the model between its attention calls once per token bucket (default
