@@ -33,19 +33,16 @@ about one eager step's activations at the largest bucket, whatever the number of
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
-
 
 def piecewise_buckets(max_tokens: int) -> tuple[int, ...]:
     """Token buckets up to ``max_tokens``: 16, 32, 64, 128, then every 128 up to 1024, every 256
-    up to 2048, every 512 beyond (a step pads at most ~1/4 of its tokens past 128); the cap
-    itself is always a bucket."""
+    up to 2048, every 512 beyond (from 512 tokens on a step pads at most 1/4 of its tokens); the
+    cap itself is always a bucket."""
     if max_tokens < 1:
         raise ValueError("max_tokens must be >= 1")
     candidates = [16, 32, 64, *range(128, 1025, 128), *range(1280, 2049, 256),
