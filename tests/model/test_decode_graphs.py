@@ -112,6 +112,16 @@ def _tiny_loaded(seed: int = 0):
     return LoadedModel("tiny", config, model, None, None, "random")
 
 
+def _twin_runners(num_blocks: int, backend: str, seed: int = 0):
+    """Two ModelRunners on equal copies of the tiny model: (one to keep eager, one to graph)."""
+    from ferrobatch.runtime.model_runner import ModelRunner
+
+    loaded = _tiny_loaded(seed)
+    twin = copy.deepcopy(loaded)          # before packing: packed kernels cannot be copied
+    return (ModelRunner(loaded, num_blocks=num_blocks, block_size=BLOCK_SIZE, attn_backend=backend),
+            ModelRunner(twin, num_blocks=num_blocks, block_size=BLOCK_SIZE, attn_backend=backend))
+
+
 def _greedy_run(runner, prompts, max_new, token_budget=40):
     from ferrobatch.runtime.sampler import Sampler
 
@@ -133,12 +143,7 @@ def _greedy_run(runner, prompts, max_new, token_budget=40):
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_emulated_decode_graphs_give_the_eager_tokens(backend):
-    from ferrobatch.runtime.model_runner import ModelRunner
-
-    loaded = _tiny_loaded()
-    twin = copy.deepcopy(loaded)
-    eager = ModelRunner(loaded, num_blocks=160, block_size=BLOCK_SIZE, attn_backend=backend)
-    graphed = ModelRunner(twin, num_blocks=160, block_size=BLOCK_SIZE, attn_backend=backend)
+    eager, graphed = _twin_runners(160, backend)
     buckets = graphed.capture_decode_graphs(max_num_seqs=8, max_model_len=MAX_MODEL_LEN,
                                             emulate=True)
     assert buckets == (1, 2, 4, 8)

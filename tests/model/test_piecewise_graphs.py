@@ -5,13 +5,11 @@ forward on prefill, mixed and speculative-shaped steps. Capture itself is checke
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
 from step_builder import context_prefill, mixed_step
-from test_decode_graphs import BLOCK_SIZE, _greedy_run, _tiny_loaded
+from test_decode_graphs import BLOCK_SIZE, _greedy_run, _tiny_loaded, _twin_runners
 
 from ferrobatch.model.config import ModelConfig
 from ferrobatch.runtime.piecewise_graphs import (
@@ -47,12 +45,7 @@ def test_pool_estimate_covers_the_largest_tensors():
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_emulated_pieces_match_the_eager_step(backend):
-    from ferrobatch.runtime.model_runner import ModelRunner
-
-    loaded = _tiny_loaded()
-    twin = copy.deepcopy(loaded)
-    eager = ModelRunner(loaded, num_blocks=120, block_size=BLOCK_SIZE, attn_backend=backend)
-    pieced = ModelRunner(twin, num_blocks=120, block_size=BLOCK_SIZE, attn_backend=backend)
+    eager, pieced = _twin_runners(120, backend)
     assert pieced.capture_piecewise_graphs(64, emulate=True) == (16, 32, 64)
     assert not pieced.kv_cache.layers[0].any(), "capture must not write the KV cache"
     rng = np.random.default_rng(5)
@@ -94,12 +87,7 @@ def test_emulated_pieces_match_the_eager_step(backend):
 def test_emulated_pieces_give_the_eager_greedy_tokens_with_decode_graphs():
     """A whole run of the toy scheduler's steps (chunked prefills, mixed and decode steps): decode
     graphs for the decode steps, pieces for the rest, and the same tokens as the eager runner."""
-    from ferrobatch.runtime.model_runner import ModelRunner
-
-    loaded = _tiny_loaded(1)
-    twin = copy.deepcopy(loaded)
-    eager = ModelRunner(loaded, num_blocks=160, block_size=BLOCK_SIZE, attn_backend="torch")
-    graphed = ModelRunner(twin, num_blocks=160, block_size=BLOCK_SIZE, attn_backend="torch")
+    eager, graphed = _twin_runners(160, "torch", seed=1)
     graphed.capture_decode_graphs(max_num_seqs=8, max_model_len=96, emulate=True)
     graphed.capture_piecewise_graphs(40, emulate=True)
     rng = np.random.default_rng(4)
