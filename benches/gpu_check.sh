@@ -22,6 +22,8 @@
 #  11. sanitizer: compute-sanitizer memcheck on a few small kernel tests (no caching
 #      allocator, so an out-of-bounds access hits unallocated memory), if the tool is there -> sanitizer.log
 #  12. spec: speculative decoding on CUDA, drafting alone and at load             -> speculative_cuda.{txt,json}
+#  13. hfcb: ferrobatch and transformers' continuous batching (hf-continuous) on gpu-small
+#      (never run on the GPU yet)                                                 -> throughput_gpu-small_hfcb.*
 #  then the summary table                                                          -> summary.txt
 # (2026-12-04, first H200 runs: build 28 s, tests 45 s, bench 10 s, small / 8b 27 s each, ablation
 # 45 s, splits 71 s, hf 113 s, hf8b > 150 s, sanitizer 12 s, spec 50 s.)
@@ -61,7 +63,7 @@ timeout_flag=()
 $PY -c "import pytest_timeout" >/dev/null 2>&1 && timeout_flag=(--timeout 120)
 
 budget=${GPU_CHECK_BUDGET_S:-540}
-steps=${GPU_CHECK_STEPS:-tests,bench,small,8b,ablation,phases,splits,hf,hf8b,sanitizer,spec}
+steps=${GPU_CHECK_STEPS:-tests,bench,small,8b,ablation,phases,splits,hf,hf8b,sanitizer,spec,hfcb}
 tests=${GPU_CHECK_TESTS:-tests/gpu}
 want() { [[ ",$steps," == *",$1,"* ]]; }
 declare -A status
@@ -151,6 +153,10 @@ if [[ ${status[build]} == rc=0* ]]; then
     --model "${FERROBATCH_E2E_GGUF:-smollm2}" \
     --rounds 2 --max-tokens 128 --requests 8 --drafts 3/0/0,3/8/0 --concurrency 1,8 \
     --json "$OUT/speculative_cuda.json" || failed=1
+  # transformers' own continuous batching (ContinuousBatchingManager, its CUDA graphs auto)
+  run_step hfcb 240 "$OUT/throughput_gpu-small_hfcb.txt" $PY benches/throughput.py \
+    --workload gpu-small --systems ferrobatch,hf-continuous --no-progress --max-num-seqs 256 \
+    --json "$OUT/throughput_gpu-small_hfcb.json" || failed=1
 else
   echo "build failed: skipping tests and bench" | tee -a "$OUT/steps.txt"
   failed=1
@@ -158,7 +164,7 @@ fi
 
 {
   echo "ferrobatch GPU check $stamp  ($(head -n 2 "$OUT/env.txt" | tail -n 1))"
-  for k in build tests bench small 8b ablation phases splits hf hf8b sanitizer spec; do echo "  $k: ${status[$k]:-not run}"; done
+  for k in build tests bench small 8b ablation phases splits hf hf8b sanitizer spec hfcb; do echo "  $k: ${status[$k]:-not run}"; done
   echo "--- tests"
   grep -E "passed|failed|error" "$OUT/gpu_tests.log" 2>/dev/null | tail -n 3
   grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.log" 2>/dev/null | head -n 15
@@ -168,8 +174,9 @@ fi
   sed -n '/^shape /,$p' "$OUT/attention_bandwidth.txt" 2>/dev/null
   echo "--- offline throughput (goals: gpu-small >= 40,000 and gpu-8b >= 6,000 output tok/s)"
   grep -hE "^  ferrobatch" "$OUT/throughput_gpu-small.txt" "$OUT/throughput_gpu-8b.txt" 2>/dev/null
-  echo "--- against transformers (hf-static), same run each"
-  grep -hE "^  (ferrobatch|hf-static)" "$OUT/throughput_gpu-small_hf.txt" "$OUT/throughput_gpu-8b_hf.txt" 2>/dev/null
+  echo "--- against transformers (hf-static, hf-continuous), same run each"
+  grep -hE "^  (ferrobatch|hf-static|hf-continuous)" "$OUT/throughput_gpu-small_hf.txt" \
+    "$OUT/throughput_gpu-8b_hf.txt" "$OUT/throughput_gpu-small_hfcb.txt" 2>/dev/null
   echo "--- decode kernel at fixed split counts (GB/s; see splits_sweep.txt)"
   grep -cE "^(llama|smollm)" "$OUT/splits_sweep.txt" 2>/dev/null
   echo "--- step phases, gpu-small at cap 256 then 32 (ms per step)"
