@@ -63,11 +63,11 @@ class LlamaAttention(nn.Module):
         q, k = self.rope(q, k, rope_tables)
         return q, k, v
 
-    def forward(self, hidden, rope_tables, kv_cache, attn_meta, backend) -> torch.Tensor:
-        q, k, v = self.project(hidden, rope_tables)
+    def attend(self, q, k, v, kv_cache, attn_meta, backend) -> torch.Tensor:
+        """Writes ``k`` / ``v`` into the paged cache and attends: ``[T, Hq * D]``, before o_proj."""
         backend.write_kv(kv_cache, k, v, attn_meta)
         out = backend.forward(q, kv_cache, attn_meta, self.scale)
-        return self.o_proj(out.reshape(hidden.shape[0], self.q_size))
+        return out.reshape(q.shape[0], self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -96,14 +96,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.mlp = LlamaMLP(config, device, dtype)
 
+    # The layer in three parts; runtime.piecewise_graphs captures begin and finish in CUDA graphs
+    # and runs attention (self_attn.attend) between them.
     def forward(self, hidden, rope_tables, kv_cache, attn_meta, backend) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope_tables, kv_cache,
-                                         attn_meta, backend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        q, k, v = self.begin(hidden, rope_tables)
+        return self.finish(hidden, self.self_attn.attend(q, k, v, kv_cache, attn_meta, backend))
 
-    # The same layer cut at its attention call, for runtime.piecewise_graphs (the parts around
-    # attention are captured in CUDA graphs, attention runs between them):
-    # forward(h) == finish(h, attention(*begin(h))).
     def begin(self, hidden, rope_tables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Everything before attention: ``(q, k, v)`` of the normed ``hidden``."""
         return self.self_attn.project(self.input_layernorm(hidden), rope_tables)

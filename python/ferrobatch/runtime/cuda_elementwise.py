@@ -5,7 +5,7 @@ decode step of SmolLM2-135M (30 layers, ~35 launches each) spends more on launch
 arithmetic. The kernels round where torch's eager ops round (see the .cu header).
 
 Opt-in until checked on a GPU: ``FERROBATCH_CUDA_FUSED_OPS=1`` makes ``ModelRunner`` swap them in
-on CUDA (``swap_cuda_elementwise_ops``); ``tests/gpu/test_kernels.py`` checks them against the torch
+on CUDA (``swap_cuda_elementwise_ops``); ``tests/gpu/test_elementwise.py`` checks them against the torch
 modules they replace.
 """
 

@@ -219,8 +219,7 @@ class ModelRunner:
         backend, model, caches = self.attn_backend, self.model, self.kv_cache.layers
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-            backend.write_kv(caches[layer], k, v, meta)
-            return backend.forward(q, caches[layer], meta, model.layers[layer].self_attn.scale)
+            return model.layers[layer].self_attn.attend(q, k, v, caches[layer], meta, backend)
 
         with torch_single_threaded() if self.rust_linears else contextlib.nullcontext():
             hidden = self.piecewise_graphs.run(batch.input_ids, batch.positions, attention)

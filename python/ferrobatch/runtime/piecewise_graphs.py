@@ -76,7 +76,7 @@ class PiecewiseGraphRunner:
     through them (see the module docstring).
 
     ``attention(layer, q, k, v)`` runs layer ``layer``'s K/V write and attention eagerly for the
-    step at hand (the caller binds the step's metadata) and returns ``[n, Hq, D]``.
+    step at hand (the caller binds the step's metadata) and returns ``[n, Hq * D]``.
     """
 
     def __init__(self, model, *, buckets: tuple[int, ...], device: torch.device | str,
@@ -194,7 +194,7 @@ class PiecewiseGraphRunner:
         graphs[0].replay()
         for layer in range(self.num_layers):
             out = attention(layer, self._q[:n], self._k[:n], self._v[:n])
-            self._attn[:n].copy_(out.reshape(n, -1))
+            self._attn[:n].copy_(out)
             graphs[layer + 1].replay()
         self.replays += 1
         return self._hidden[:n]
