@@ -1,5 +1,5 @@
 """The ferrobatch systems of the offline benchmark: `ferrobatch`, `-static`, `-eager`,
-`-decodegraphs`, `-fusedops`, `-nodraft`, `-kv16`, `-f32panels`.
+`-decodegraphs`, `-nativeprefill`, `-fusedops`, `-nodraft`, `-kv16`, `-f32panels`.
 
 Both drive the real engine through `ferrobatch.LLM.generate` (Rust scheduler, model runner,
 sampler, step thread, incremental detokenization — the engine as shipped) with token-id prompts and
@@ -15,6 +15,9 @@ sampler, step thread, incremental detokenization — the engine as shipped) with
   eagerly instead of replaying a captured graph; on the CPU nothing differs).
 - `ferrobatch-decodegraphs`: `ferrobatch` with `piecewise_max_tokens=0` (on a GPU prefill and
   mixed steps run eagerly instead of replaying the model's pieces between attention calls; on the
+  CPU nothing differs).
+- `ferrobatch-nativeprefill`: `ferrobatch` with `flash_prefill=False` (on a GPU in bf16/fp16
+  prefill attention runs on ferrobatch's own kernel instead of torch's FlashAttention-2; on the
   CPU nothing differs).
 - `ferrobatch-fusedops`: `ferrobatch` with `FERROBATCH_CUDA_FUSED_OPS=1` (on a GPU the fused
   RMSNorm / SiLU-and-mul / rotary kernels; the swap changes the shared model, so it runs last).

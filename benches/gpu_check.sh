@@ -10,10 +10,12 @@
 #   1. environment (GPU, clocks, torch/CUDA versions, nvcc)                        -> env.txt
 #   2. build: JIT-build the kernels for this GPU (sm_90), ptxas register report   -> build.log, ptxas.txt
 #   3. tests: pytest -m gpu tests/gpu (kernels vs float64, CUDA graphs, e2e)       -> gpu_tests.log/.xml
-#   4. bench: decode-attention bandwidth (+ measured copy rate)                    -> attention_bandwidth.{txt,json}
+#   4. bench: decode-attention bandwidth (+ measured copy rate), then prefill attention:
+#      ferrobatch's kernel vs FlashAttention-2 (session 30)   -> attention_bandwidth.*, prefill_attention.*
 #   5. small: gpu-small with all CUDA graphs, decode graphs only, none, and all graphs with
 #      the fused elementwise kernels (opt-in, session 29) (issue #6)              -> throughput_gpu-small.*
-#   6. 8b: gpu-8b (issue #6)                                                       -> throughput_gpu-8b.*
+#   6. 8b: gpu-8b, with FlashAttention prefill (the default since session 30) and with
+#      ferrobatch's prefill kernel (ferrobatch-nativeprefill) (issue #6)          -> throughput_gpu-8b.*
 #   7. ablation: continuous vs static on gpu-small at cap 32 (bound 1.59x), and
 #      continuous with decode graphs only                                         -> throughput_gpu-small_ablation.*
 #   8. phases: where a gpu-small step's time goes, at cap 256 and 32               -> step_phases*.{txt,json}
@@ -110,15 +112,16 @@ if [[ ${status[build]} == rc=0* ]]; then
   echo "e2e model: ${FERROBATCH_E2E_GGUF:-the shipped SmolLM2}" >>"$OUT/env.txt"
   run_step tests 300 "$OUT/gpu_tests.log" $PY -m pytest -m gpu -q -p no:cacheprovider -rfEs \
     "${timeout_flag[@]}" --durations=15 --junitxml="$OUT/gpu_tests.xml" $tests || failed=1
-  run_step bench 180 "$OUT/attention_bandwidth.txt" $PY benches/attention_bandwidth.py \
-    --measure-copy --json "$OUT/attention_bandwidth.json" || failed=1
+  run_step bench 180 "$OUT/attention_bandwidth.txt" bash -c "set -o pipefail; $PY benches/attention_bandwidth.py \
+      --measure-copy --json $OUT/attention_bandwidth.json && $PY benches/prefill_attention_cuda.py \
+      --json $OUT/prefill_attention.json | tee $OUT/prefill_attention.txt" || failed=1
   run_step small 200 "$OUT/throughput_gpu-small.txt" $PY benches/throughput.py \
     --workload gpu-small --systems ferrobatch,ferrobatch-decodegraphs,ferrobatch-eager,ferrobatch-fusedops \
     --no-progress \
     --max-num-seqs 256 \
     --json "$OUT/throughput_gpu-small.json" || failed=1
-  run_step 8b 180 "$OUT/throughput_gpu-8b.txt" $PY benches/throughput.py \
-    --workload gpu-8b --systems ferrobatch --no-progress \
+  run_step 8b 240 "$OUT/throughput_gpu-8b.txt" $PY benches/throughput.py \
+    --workload gpu-8b --systems ferrobatch,ferrobatch-nativeprefill --no-progress \
     --max-num-seqs 256 \
     --json "$OUT/throughput_gpu-8b.json" || failed=1
   run_step ablation 150 "$OUT/throughput_gpu-small_ablation.txt" $PY benches/throughput.py \
@@ -171,7 +174,9 @@ fi
   echo "--- sanitizer"
   grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer.log" 2>/dev/null | tail -n 3
   echo "--- decode attention bandwidth (bf16, block 16)"
-  sed -n '/^shape /,$p' "$OUT/attention_bandwidth.txt" 2>/dev/null
+  sed -n '/^shape /,/^wrote/p' "$OUT/attention_bandwidth.txt" 2>/dev/null | grep -v '^wrote'
+  echo "--- prefill attention: ferrobatch's kernel vs FlashAttention-2 (bf16, ms per layer)"
+  cat "$OUT/prefill_attention.txt" 2>/dev/null
   echo "--- offline throughput (goals: gpu-small >= 40,000 and gpu-8b >= 6,000 output tok/s)"
   grep -hE "^  ferrobatch" "$OUT/throughput_gpu-small.txt" "$OUT/throughput_gpu-8b.txt" 2>/dev/null
   echo "--- against transformers (hf-static, hf-continuous), same run each"

@@ -13,6 +13,9 @@ Systems (append `@N` to override the batch size / concurrency cap, e.g. `hf-stat
   ferrobatch-decodegraphs the engine with decode CUDA graphs only (`--piecewise-max-tokens 0`:
                      prefill and mixed steps eager; on the CPU the same as ferrobatch): the
                      ablation of piecewise graphs
+  ferrobatch-nativeprefill the engine with ferrobatch's own prefill-attention kernel instead
+                     of FlashAttention-2 (`--no-flash-prefill`; CUDA bf16/fp16 only, on the CPU
+                     the same as ferrobatch): the ablation of tensor-core prefill attention
   ferrobatch-fusedops the engine with the fused elementwise CUDA kernels (RMSNorm, SiLU-and-mul,
                      rotary; `FERROBATCH_CUDA_FUSED_OPS=1`, opt-in until verified). The swap
                      replaces the shared model's modules: list it last
@@ -60,6 +63,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 FB_VARIANTS = {"ferrobatch": "", "ferrobatch-static": "", "ferrobatch-eager": "eager",
                "ferrobatch-decodegraphs": "decodegraphs", "ferrobatch-fusedops": "fusedops",
+               "ferrobatch-nativeprefill": "nativeprefill",
                "ferrobatch-nodraft": "nodraft", "ferrobatch-kv16": "kv16",
                "ferrobatch-f32panels": "f32panels"}   # system -> engine variant (static: same engine)
 SYSTEMS = (*FB_VARIANTS, "hf-static", "hf-continuous")
@@ -126,6 +130,8 @@ class Systems:
                 extra["cuda_graphs"] = False
             if variant == "decodegraphs":
                 extra["piecewise_max_tokens"] = 0
+            if variant == "nativeprefill":
+                extra["flash_prefill"] = False
             if variant == "nodraft":
                 extra["num_speculative_tokens"] = 0
             if variant == "kv16":

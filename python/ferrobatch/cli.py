@@ -50,6 +50,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: prefill and mixed steps of up to T tokens replay the model "
                    "between its attention calls as CUDA graphs (0 = off; default: "
                    "--max-num-batched-tokens up to 8192)")
+    g.add_argument("--no-flash-prefill", action="store_true",
+                   help="CUDA, bf16/fp16: prefill attention on ferrobatch's own kernel instead "
+                   "of torch's FlashAttention-2 (which is used only after a start-up check "
+                   "against that kernel)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="speculative decoding by prompt lookup: up to K tokens drafted from "
                    "the sequence's own earlier text and checked in one step (0 = off; default "
@@ -88,7 +92,7 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
         scheduling_policy=a.scheduling_policy, max_queued_requests=a.max_queued_requests,
         attn_backend=a.attention_backend, cuda_graphs=not a.enforce_eager,
-        piecewise_max_tokens=a.piecewise_max_tokens,
+        piecewise_max_tokens=a.piecewise_max_tokens, flash_prefill=not a.no_flash_prefill,
         gguf_blocks=not a.no_gguf_blocks, amx_tiles=not a.no_amx,
         fused_decode=not a.no_fused_decode,
         num_speculative_tokens=a.num_speculative_tokens,

@@ -72,6 +72,9 @@ class EngineConfig:
     piecewise_max_tokens: int | None = None   # CUDA: other steps (prefill, mixed) of up to this
                                          # many tokens replay the model between attention calls
                                          # (None -> the step budget, at most 8192; 0 = off)
+    flash_prefill: bool = True           # CUDA, bf16/fp16: prefill attention on torch's
+                                         # FlashAttention-2 (after a start-up check against
+                                         # ferrobatch's prefill kernel; False = that kernel)
     gguf_blocks: bool = True             # CPU, GGUF model: small steps read the Q4_1/Q8_0 blocks
     amx_tiles: bool = True               # CPU with AMX: GGUF blocks as AMX tiles (steps of 5+ rows),
                                          # long prompt chunks' attention on AMX
@@ -141,7 +144,7 @@ class EngineConfig:
                      "max_queued_requests", "max_n", "max_stop_strings", "max_stop_string_len",
                      "max_stop_token_ids", "max_logit_bias"):
             positive_int(name)
-        for name in ("cuda_graphs", "gguf_blocks", "amx_tiles", "fused_decode",
+        for name in ("cuda_graphs", "flash_prefill", "gguf_blocks", "amx_tiles", "fused_decode",
                      "speculative_adaptive", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

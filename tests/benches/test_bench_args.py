@@ -56,6 +56,8 @@ CASES = [
     ("prefill_latency.py", ["--paths", "fused", "--lengths", "-1"], "--lengths"),
     ("prefill_latency.py", ["--paths", "nosuch"], "--paths"),
     ("report.py", ["{tmp}/notjson.json"], "notjson.json"),
+    ("prefill_attention_cuda.py", ["--shapes", "llama3-8b,nosuch"], "--shapes"),
+    ("prefill_attention_cuda.py", ["--reps", "0"], "--reps"),
     # these import torch before parsing their arguments (a few seconds each)
     ("model_forward.py", ["--iters", "-1"], "--iters"),
     ("model_forward.py", ["--model", "/nonexistent.gguf"], "/nonexistent.gguf"),

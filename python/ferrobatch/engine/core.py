@@ -141,7 +141,7 @@ class EngineCore:
                 gpu_memory_fraction=config.gpu_memory_utilization,
                 attn_backend=config.attn_backend,
                 reserve_bytes=_gpu_reserve_bytes(config, mcfg, loaded.dtype),
-                kv_cache_dtype=kv_dtype)
+                kv_cache_dtype=kv_dtype, flash_prefill=config.flash_prefill)
         else:
             num_blocks = num_blocks_for_budget(mcfg, config.block_size, kv_dtype,
                                                config.kv_budget_bytes_cpu())
@@ -158,7 +158,8 @@ class EngineCore:
         runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=config.block_size,
                              device=device, attn_backend=config.attn_backend,
                              gguf_blocks=config.gguf_blocks, amx_tiles=config.amx_tiles,
-                             fused_decode=config.fused_decode, kv_cache_dtype=kv_dtype)
+                             fused_decode=config.fused_decode, kv_cache_dtype=kv_dtype,
+                             flash_prefill=config.flash_prefill)
         if loaded.device.type == "cuda":
             _maybe_capture_decode_graphs(config, runner, max_model_len)
             _maybe_capture_piecewise_graphs(config, runner)

@@ -52,7 +52,8 @@ class ModelRunner:
                  attn_backend: AttentionBackend | str | None = None,
                  validate_steps: bool = True, pack_weights: bool = True,
                  gguf_blocks: bool = True, amx_tiles: bool = True,
-                 fused_decode: bool = True, kv_cache_dtype: torch.dtype | None = None) -> None:
+                 fused_decode: bool = True, kv_cache_dtype: torch.dtype | None = None,
+                 flash_prefill: bool = True) -> None:
         """``pack_weights``: CPU float32 linears in the Rust panel kernel; ``gguf_blocks``: for a
         GGUF model, steps of at most ``QUANT_MAX_ROWS`` (8) rows read the file's Q4_1 / Q8_0
         blocks instead (``cpu_linear.BlockKernel``); ``amx_tiles``: where the CPU has AMX, steps
@@ -63,7 +64,8 @@ class ModelRunner:
         ``fused_decode``: with packed weights on the CPU backend, steps (decode, prefill, mixed)
         run every layer in one Rust call (``runtime.cpu_decoder``). ``kv_cache_dtype``: what the
         KV cache stores (None: the model's dtype; ``kv_cache.check_kv_cache_dtype`` says which
-        others are allowed)."""
+        others are allowed). ``flash_prefill``: on the CUDA backend, bf16 / fp16 prefill
+        attention through torch's FlashAttention-2 (``attention.flash_prefill``)."""
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.config
@@ -146,6 +148,9 @@ class ModelRunner:
                                 check_kv_cache_dtype(kv_cache_dtype, loaded.dtype, self.device))
         logger.info("KV cache: %d blocks of %d tokens, %s, %.0f MiB", num_blocks, block_size,
                     str(self.kv_cache.dtype).removeprefix("torch."), self.kv_cache.num_bytes / 2**20)
+        if hasattr(self.attn_backend, "flash_prefill"):   # FlashAttention has no float32
+            self.attn_backend.flash_prefill = flash_prefill and \
+                self.kv_cache.dtype in (torch.bfloat16, torch.float16)
         self.decode_graphs: DecodeGraphRunner | None = None
         self.piecewise_graphs: PiecewiseGraphRunner | None = None
         self.graph_steps = 0       # steps served by a decode graph replay
@@ -319,11 +324,13 @@ def _warm_up_batch(num_tokens: int, block_size: int, vocab_size: int):
 def num_kv_blocks(loaded, *, block_size: int, max_num_batched_tokens: int,
                   cpu_kv_cache_bytes: int = 1 << 30, gpu_memory_fraction: float = 0.9,
                   attn_backend: AttentionBackend | str | None = None,
-                  reserve_bytes: int = 0, kv_cache_dtype: torch.dtype | None = None) -> int:
+                  reserve_bytes: int = 0, kv_cache_dtype: torch.dtype | None = None,
+                  flash_prefill: bool = True) -> int:
     """KV blocks to allocate: on CPU from ``cpu_kv_cache_bytes``; on GPU from ``gpu_memory_fraction``
     of the memory left after the weights, the peak of a warm-up forward of
-    ``max_num_batched_tokens`` (one prompt, at most the model's context) and ``reserve_bytes``;
-    blocks of ``kv_cache_dtype`` (None: the model's dtype)."""
+    ``max_num_batched_tokens`` (one prompt, at most the model's context; prefill attention as
+    ``flash_prefill`` chooses) and ``reserve_bytes``; blocks of ``kv_cache_dtype`` (None: the
+    model's dtype)."""
     from ferrobatch.runtime.kv_cache import num_blocks_for_budget, num_blocks_for_gpu
 
     kv_dtype = check_kv_cache_dtype(kv_cache_dtype, loaded.dtype, loaded.device)
@@ -334,7 +341,8 @@ def num_kv_blocks(loaded, *, block_size: int, max_num_batched_tokens: int,
     torch.cuda.synchronize(loaded.device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(loaded.device)
-    runner = ModelRunner(loaded, num_blocks=warm_blocks, block_size=block_size, attn_backend=attn_backend)
+    runner = ModelRunner(loaded, num_blocks=warm_blocks, block_size=block_size,
+                         attn_backend=attn_backend, flash_prefill=flash_prefill)
     runner.execute(batch)
     torch.cuda.synchronize(loaded.device)
     del runner

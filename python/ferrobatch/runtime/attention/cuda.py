@@ -5,7 +5,10 @@
   kernel + reduce. Steps with prefill chunks: the paged prefill kernel (causal over the cached
   context plus the chunk) for the prefill sequences, and in a mixed batch the decode kernel for
   the decode rows (gathered, then scattered back): a decode row would otherwise occupy a whole
-  64-row query tile of the prefill kernel.
+  64-row query tile of the prefill kernel. In bf16 / fp16 the prefill sequences go to torch's
+  FlashAttention-2 varlen kernel instead (tensor cores; ``attention.flash_prefill``), once a
+  start-up check on the model's shape agrees with ferrobatch's prefill kernel
+  (``flash_prefill=False`` keeps ferrobatch's kernel).
 
 The kernels are compiled on first use (see ``ferrobatch.runtime.cuda_ops``); ``cuda_available()``
 says whether that can work here and why not. ``get_attention_backend("auto"|"cuda"|"torch")``
@@ -24,6 +27,7 @@ import numpy as np
 import torch
 
 from ferrobatch.runtime import cuda_ops
+from ferrobatch.runtime.attention import flash_prefill as flash
 from ferrobatch.runtime.attention.base import (
     AttentionBackend,
     AttentionMetadata,
@@ -90,6 +94,9 @@ class CudaMetadata(AttentionMetadata):
     decode_max_seq_len: int = 0
     prefill_seq_ids: torch.Tensor | None = None      # int32 [n_pre]
     prefill_max_query_len: int = 0
+    # The prefill sequences laid out for FlashAttention (steps with prefill rows, when the
+    # backend's flash_prefill is on)
+    flash_plan: flash.FlashPrefillPlan | None = None
 
 
 def _device_tensor(array, dtype: np.dtype, device: torch.device) -> torch.Tensor:
@@ -106,7 +113,7 @@ class CudaPagedBackend(AttentionBackend):
     supports_decode_graphs = True
 
     def __init__(self, block_size: int = 16, device: torch.device | str | int | None = None,
-                 max_splits: int = 32) -> None:
+                 max_splits: int = 32, flash_prefill: bool = True) -> None:
         ok, reason = cuda_available(device if not isinstance(device, str) else torch.device(device))
         if not ok:
             raise RuntimeError(f"CUDA attention backend unavailable: {reason}")
@@ -123,6 +130,10 @@ class CudaPagedBackend(AttentionBackend):
         # are prepared, a workspace replaced by a bigger one is kept alive here, never freed.
         self._graph_workspaces_fixed = False
         self._retired_workspaces: list[cuda_ops.DecodeWorkspace] = []
+        # bf16 / fp16 prefill sequences through FlashAttention-2 (see the module docstring); the
+        # start-up check's verdict per (dtype, Hq, Hkv, D)
+        self.flash_prefill = flash_prefill
+        self._flash_verdicts: dict[tuple, bool] = {}
         logger.info("attention backend: cuda (ferrobatch paged kernels, sm_%s, %d SMs, %s)",
                     cuda_ops.device_arch(dev), self.sm_count, self.library)
 
@@ -209,6 +220,13 @@ class CudaPagedBackend(AttentionBackend):
                 "prefill_seq_ids": _device_tensor(pre, np.int32, device),
                 "prefill_max_query_len": int(query_lens[pre].max()),
             }
+        pre = np.flatnonzero(~is_dec) if is_dec.any() else np.arange(len(seq_lens))
+        if self.flash_prefill and int(query_lens[pre].sum()) >= flash.MIN_QUERY_TOKENS \
+                and int(query_lens.max(initial=0)) > 1 \
+                and False not in self._flash_verdicts.values():
+            mixed["flash_plan"] = flash.plan_flash_prefill(
+                qsl, seq_lens, np.asarray(batch.block_tables), self.block_size, pre,
+                lambda a, dt: _device_tensor(a, dt, device))
         return CudaMetadata(
             slot_mapping=_device_tensor(batch.slot_mapping, np.int64, device),
             query_start_loc=_device_tensor(qsl, np.int32, device),
@@ -244,19 +262,53 @@ class CudaPagedBackend(AttentionBackend):
                                scale, getattr(meta, "num_splits", None))
         elif getattr(meta, "prefill_seq_ids", None) is not None:
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-            cuda_ops.paged_prefill_attention(query, kv_cache, meta.block_tables, meta.seq_lens,
-                                             meta.query_start_loc, scale,
-                                             meta.prefill_max_query_len, out=out,
-                                             seq_ids=meta.prefill_seq_ids)
+            plan = getattr(meta, "flash_plan", None)
+            if plan is not None and self._flash_usable(query, kv_cache):
+                flash.flash_prefill_attention(query, kv_cache, plan, scale, out=out)
+            else:
+                cuda_ops.paged_prefill_attention(query, kv_cache, meta.block_tables,
+                                                 meta.seq_lens, meta.query_start_loc, scale,
+                                                 meta.prefill_max_query_len, out=out,
+                                                 seq_ids=meta.prefill_seq_ids)
             out_dec = self._decode(query.index_select(0, meta.decode_token_idx), kv_cache,
                                    meta.decode_block_tables, meta.decode_seq_lens,
                                    meta.decode_max_seq_len, scale, None)
             out.index_copy_(0, meta.decode_token_idx, out_dec)
         else:
-            out = cuda_ops.paged_prefill_attention(query, kv_cache, meta.block_tables,
-                                                   meta.seq_lens, meta.query_start_loc, scale,
-                                                   meta.max_query_len)
+            plan = getattr(meta, "flash_plan", None)
+            if plan is not None and self._flash_usable(query, kv_cache):
+                out = flash.flash_prefill_attention(query, kv_cache, plan, scale)
+            else:
+                out = cuda_ops.paged_prefill_attention(query, kv_cache, meta.block_tables,
+                                                       meta.seq_lens, meta.query_start_loc,
+                                                       scale, meta.max_query_len)
         return out if out.dtype == in_dtype else out.to(in_dtype)
+
+    def _flash_usable(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether this call's prefill rows may go to FlashAttention: a bf16 / fp16 contiguous
+        cache, not inside a CUDA-graph capture, and the start-up check passed for this shape
+        (run here, once per shape, on first use)."""
+        if not self.flash_prefill or kv_cache.dtype not in flash.FLASH_DTYPES \
+                or not kv_cache.is_contiguous():
+            return False
+        if kv_cache.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        num_heads, head_dim = query.shape[1:]
+        key = (kv_cache.dtype, num_heads, kv_cache.shape[-2], head_dim)
+        verdict = self._flash_verdicts.get(key)
+        if verdict is None:
+            verdict, detail = flash.check_flash_prefill(
+                cuda_ops.paged_prefill_attention, num_heads, kv_cache.shape[-2], head_dim,
+                kv_cache.dtype, self.block_size, kv_cache.device)
+            self._flash_verdicts[key] = verdict
+            if verdict:
+                logger.info("prefill attention: FlashAttention-2 varlen (torch) for %s, Hq %d, "
+                            "Hkv %d, D %d; start-up check: %s", str(kv_cache.dtype)[6:],
+                            num_heads, kv_cache.shape[-2], head_dim, detail)
+            else:
+                logger.warning("prefill attention: FlashAttention-2 not used, ferrobatch's "
+                               "prefill kernel instead (start-up check: %s)", detail)
+        return verdict
 
 
 # The name the model runtime's get_attention_backend() looks up.
