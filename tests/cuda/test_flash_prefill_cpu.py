@@ -193,3 +193,25 @@ def test_small_prefills_stay_on_ferrobatchs_kernel(backend, monkeypatch):
     meta = _run_step(backend, small, torch.bfloat16, 7)
     assert meta.flash_plan is None and backend._flash_verdicts == {}
     assert "prefill/subset" in backend.fake.calls
+
+
+def test_a_flash_error_at_run_time_falls_back_for_good(backend, monkeypatch, caplog):
+    """The check passed, then the kernel raises on a later step (a shape it rejects): that step
+    still gets the right answer from ferrobatch's kernel, and FlashAttention stays off."""
+    state = {"fail": False}
+
+    def flaky(*args):
+        if state["fail"]:
+            raise RuntimeError("FlashAttention: max_seqlen_k too large")
+        return flash.varlen_reference(*args)
+
+    monkeypatch.setattr(flash, "varlen_flash", flaky)
+    backend.flash_prefill = True
+    _run_step(backend, [5, 300], torch.bfloat16, 8)
+    assert list(backend._flash_verdicts.values()) == [True]
+    state["fail"] = True
+    _run_step(backend, [1, 70, 1, 133], torch.bfloat16, 9)
+    assert list(backend._flash_verdicts.values()) == [False]
+    assert "FlashAttention-2 failed" in caplog.text
+    assert backend.fake.calls.count("prefill/subset") == 2      # the check's, then the step's
+    assert _run_step(backend, [5, 300], torch.bfloat16, 10).flash_plan is None

@@ -162,3 +162,46 @@ def test_model_runner_prefill_logits_with_and_without_flash(cuda_ops):
         torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
     assert list(flash_runner.attn_backend._flash_verdicts.values()) == [True]
     assert kernel_runner.attn_backend._flash_verdicts == {}
+
+
+def test_real_model_bf16_prefill_logits_with_and_without_flash(cuda_ops):
+    """SmolLM2 (or the e2e GGUF) in bf16, one step of fresh prompts, a chunk after context and
+    decode rows: the sampled rows' logits on FlashAttention stay within bf16 noise of those on
+    ferrobatch's kernel, and their top tokens agree wherever the kernel's top two are not a
+    near-tie."""
+    import copy
+    import os
+    import sys
+    from pathlib import Path
+
+    from ferrobatch.model.loader import load_model
+    from ferrobatch.runtime.model_runner import ModelRunner
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from step_builder import context_prefill, mixed_step
+
+    try:
+        loaded = load_model(os.environ.get("FERROBATCH_E2E_GGUF") or "smollm2", device=DEV,
+                            dtype=torch.bfloat16)
+    except (ImportError, FileNotFoundError) as exc:
+        pytest.skip(f"SmolLM2 unavailable: {exc}")
+    twin = copy.deepcopy(loaded)
+    vocab = int(loaded.config.vocab_size)
+    runners = [ModelRunner(loaded, num_blocks=400, block_size=16, attn_backend="cuda"),
+               ModelRunner(twin, num_blocks=400, block_size=16, attn_backend="cuda",
+                           flash_prefill=False)]
+    rng = np.random.default_rng(4)
+    batch = mixed_step(rng, 400, 16, [(0, 200), (0, 150), (300, 130), (50, 1), (90, 1)], vocab)
+    fill = context_prefill(batch, 16, vocab)
+    logits = []
+    for runner in runners:
+        runner.execute(fill, allow_graph=False)
+        logits.append(runner.execute(batch, allow_graph=False).float())
+    torch.cuda.synchronize()
+    flash_logits, kernel_logits = logits
+    scale = kernel_logits.abs().max()
+    assert float((flash_logits - kernel_logits).abs().max() / scale) < 3e-2
+    top2 = kernel_logits.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.05 * scale
+    assert torch.equal(flash_logits.argmax(-1)[clear], kernel_logits.argmax(-1)[clear])
+    assert list(runners[0].attn_backend._flash_verdicts.values()) == [True]

@@ -261,28 +261,38 @@ class CudaPagedBackend(AttentionBackend):
             out = self._decode(query, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len,
                                scale, getattr(meta, "num_splits", None))
         elif getattr(meta, "prefill_seq_ids", None) is not None:
-            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-            plan = getattr(meta, "flash_plan", None)
-            if plan is not None and self._flash_usable(query, kv_cache):
-                flash.flash_prefill_attention(query, kv_cache, plan, scale, out=out)
-            else:
-                cuda_ops.paged_prefill_attention(query, kv_cache, meta.block_tables,
-                                                 meta.seq_lens, meta.query_start_loc, scale,
-                                                 meta.prefill_max_query_len, out=out,
-                                                 seq_ids=meta.prefill_seq_ids)
+            out = self._prefill(query, kv_cache, meta, scale,
+                                out=torch.empty(query.shape, dtype=query.dtype,
+                                                device=query.device))
             out_dec = self._decode(query.index_select(0, meta.decode_token_idx), kv_cache,
                                    meta.decode_block_tables, meta.decode_seq_lens,
                                    meta.decode_max_seq_len, scale, None)
             out.index_copy_(0, meta.decode_token_idx, out_dec)
         else:
-            plan = getattr(meta, "flash_plan", None)
-            if plan is not None and self._flash_usable(query, kv_cache):
-                out = flash.flash_prefill_attention(query, kv_cache, plan, scale)
-            else:
-                out = cuda_ops.paged_prefill_attention(query, kv_cache, meta.block_tables,
-                                                       meta.seq_lens, meta.query_start_loc,
-                                                       scale, meta.max_query_len)
+            out = self._prefill(query, kv_cache, meta, scale)
         return out if out.dtype == in_dtype else out.to(in_dtype)
+
+    def _prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of the prefill sequences: every sequence of the step, or with ``out`` those
+        of ``meta.prefill_seq_ids`` (their rows of ``out`` written). FlashAttention when usable;
+        an error from it at run time switches it off for good (logged) and the kernel runs."""
+        plan = getattr(meta, "flash_plan", None)
+        if plan is not None and self._flash_usable(query, kv_cache):
+            try:
+                return flash.flash_prefill_attention(query, kv_cache, plan, scale, out=out)
+            except RuntimeError as exc:
+                self._flash_verdicts = {k: False for k in self._flash_verdicts}
+                logger.warning("prefill attention: FlashAttention-2 failed (%s: %s); "
+                               "ferrobatch's prefill kernel from now on", type(exc).__name__, exc)
+        if out is None:
+            return cuda_ops.paged_prefill_attention(query, kv_cache, meta.block_tables,
+                                                    meta.seq_lens, meta.query_start_loc, scale,
+                                                    meta.max_query_len)
+        cuda_ops.paged_prefill_attention(query, kv_cache, meta.block_tables, meta.seq_lens,
+                                         meta.query_start_loc, scale, meta.prefill_max_query_len,
+                                         out=out, seq_ids=meta.prefill_seq_ids)
+        return out
 
     def _flash_usable(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """Whether this call's prefill rows may go to FlashAttention: a bf16 / fp16 contiguous
