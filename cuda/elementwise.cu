@@ -1,6 +1,7 @@
 // Elementwise ops of the Llama layer, one kernel each where torch's eager ops take several:
 //
 //   rms_norm       out = weight * (x * rsqrt(mean(x^2) + eps)).to(T)      (torch: ~8 kernels)
+//   add_rms_norm   sum = (x + delta).to(T), out = rms_norm(sum)             (torch: ~9 kernels)
 //   silu_and_mul   out = silu(x[:, :I]).to(T) * x[:, I:]                   (torch: 2 kernels)
 //   rotary_inplace q, k rotated in place, half-split (GPT-NeoX / HF) form  (torch: ~10 kernels)
 //
@@ -56,6 +57,31 @@ __global__ void __launch_bounds__(kThreads)
   T* dst = out + blockIdx.x * out_stride;
   for (int i = threadIdx.x; i < hidden; i += kThreads) {
     const float normed = round_to<T>(__fmul_rn(to_float(row[i]), inv_rms));
+    dst[i] = from_float<T>(__fmul_rn(to_float(weight[i]), normed));
+  }
+}
+
+// The residual add before a norm, fused: sum = x + delta rounded to T (as torch's add rounds),
+// then rms_norm of that rounded sum. Each thread re-reads only the sum elements it wrote.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    add_rms_norm_kernel(T* __restrict__ out, T* __restrict__ sum, const T* __restrict__ x,
+                        const T* __restrict__ delta, const T* __restrict__ weight,
+                        int64_t x_stride, int64_t delta_stride, int64_t out_stride,
+                        int64_t sum_stride, int hidden, float eps) {
+  const T* xr = x + blockIdx.x * x_stride;
+  const T* dr = delta + blockIdx.x * delta_stride;
+  T* sr = sum + blockIdx.x * sum_stride;
+  float sum_sq = 0.f;
+  for (int i = threadIdx.x; i < hidden; i += kThreads) {
+    const float v = round_to<T>(__fadd_rn(to_float(xr[i]), to_float(dr[i])));
+    sr[i] = from_float<T>(v);
+    sum_sq += v * v;
+  }
+  const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(hidden) + eps);
+  T* dst = out + blockIdx.x * out_stride;
+  for (int i = threadIdx.x; i < hidden; i += kThreads) {
+    const float normed = round_to<T>(__fmul_rn(to_float(sr[i]), inv_rms));
     dst[i] = from_float<T>(__fmul_rn(to_float(weight[i]), normed));
   }
 }
@@ -130,6 +156,30 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, do
           static_cast<scalar_t*>(out.data_ptr()), static_cast<const scalar_t*>(x.data_ptr()),
           static_cast<const scalar_t*>(weight.data_ptr()), x.stride(0), out.stride(0),
           static_cast<int>(x.size(1)), static_cast<float>(eps)));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void add_rms_norm(at::Tensor& out, at::Tensor& sum, const at::Tensor& x, const at::Tensor& delta,
+                  const at::Tensor& weight, double eps) {
+  const at::Tensor* rows[] = {&out, &sum, &x, &delta};
+  for (const at::Tensor* t : rows) {
+    check_cuda_rows(*t, "add_rms_norm's tensors");
+    TORCH_CHECK(t->dim() == 2 && t->sizes() == x.sizes(),
+                "add_rms_norm: out, sum, x and delta must be [T, H]");
+    TORCH_CHECK(t->scalar_type() == x.scalar_type(), "add_rms_norm: one dtype for all tensors");
+  }
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "add_rms_norm: weight must be [H], contiguous, of x's dtype");
+  if (x.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  FB_DISPATCH_FLOAT(x.scalar_type(), "add_rms_norm",
+      add_rms_norm_kernel<scalar_t><<<static_cast<unsigned>(x.size(0)), kThreads, 0, stream>>>(
+          static_cast<scalar_t*>(out.data_ptr()), static_cast<scalar_t*>(sum.data_ptr()),
+          static_cast<const scalar_t*>(x.data_ptr()), static_cast<const scalar_t*>(delta.data_ptr()),
+          static_cast<const scalar_t*>(weight.data_ptr()), x.stride(0), delta.stride(0),
+          out.stride(0), sum.stride(0), static_cast<int>(x.size(1)), static_cast<float>(eps)));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

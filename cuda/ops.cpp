@@ -18,6 +18,9 @@ TORCH_LIBRARY(ferrobatch, m) {
       "Tensor seq_lens, Tensor query_start_loc, float scale, int max_query_len, "
       "Tensor? seq_ids=None) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def(
+      "add_rms_norm(Tensor(a!) out, Tensor(b!) sum, Tensor x, Tensor delta, Tensor weight, "
+      "float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("rotary_inplace(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
 }
@@ -27,6 +30,7 @@ TORCH_LIBRARY_IMPL(ferrobatch, CUDA, m) {
   m.impl("paged_decode_attention", &ferrobatch::paged_decode_attention);
   m.impl("paged_prefill_attention", &ferrobatch::paged_prefill_attention);
   m.impl("rms_norm", &ferrobatch::rms_norm);
+  m.impl("add_rms_norm", &ferrobatch::add_rms_norm);
   m.impl("silu_and_mul", &ferrobatch::silu_and_mul);
   m.impl("rotary_inplace", &ferrobatch::rotary_inplace);
 }

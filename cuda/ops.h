@@ -46,10 +46,14 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Ten
 // Elementwise ops of the Llama layer (elementwise.cu), rounding as torch's eager ops round.
 //   rms_norm:       out = weight * (x * rsqrt(mean(x^2) + eps)).to(T); x, out [T, H] (rows may be
 //                   strided), weight [H]
+//   add_rms_norm:   sum = (x + delta).to(T), out = rms_norm(sum); out, sum, x, delta [T, H]
+//                   (rows may be strided), weight [H]
 //   silu_and_mul:   out [T, I] = silu(x[:, :I]) * x[:, I:]; x [T, 2I]
 //   rotary_inplace: rotates q [T, Hq, D] and k [T, Hkv, D] (any token/head strides) in place with
 //                   cos, sin [T, D] contiguous (the tables of each token's position), half-split form
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_rms_norm(at::Tensor& out, at::Tensor& sum, const at::Tensor& x, const at::Tensor& delta,
+                  const at::Tensor& weight, double eps);
 void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 void rotary_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
 

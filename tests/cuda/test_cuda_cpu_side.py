@@ -249,6 +249,75 @@ def test_choose_num_splits_against_the_h200_sweep():
     assert max(regrets) < 0.06, regrets
 
 
+def test_fused_elementwise_model_computes_what_the_torch_modules_do(monkeypatch):
+    """The swapped model's plumbing on the CPU, with each fused op replaced by the torch modules'
+    arithmetic (the kernels themselves run on the GPU only): a forward of every step kind gives
+    the unswapped model's logits bit for bit, and each layer's post-attention norm took the
+    residual add (``add_and_norm``) while the input norms did not."""
+    import copy
+    import os
+    import sys
+
+    from ferrobatch.model.config import ModelConfig
+    from ferrobatch.model.llama import RMSNorm, SiluAndMul
+    from ferrobatch.model.loader import LoadedModel, build_model
+    from ferrobatch.model.rope import ApplyRotary
+    from ferrobatch.runtime import cuda_elementwise as ce
+    from ferrobatch.runtime.model_runner import ModelRunner
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "model"))
+    from step_builder import context_prefill, mixed_step
+
+    calls = []
+
+    def norm_of(x, weight, eps):
+        norm = RMSNorm(x.shape[-1], eps)
+        norm.weight.data = weight
+        return norm(x)
+
+    def rms_norm(x, weight, eps):
+        calls.append("norm")
+        return norm_of(x, weight, eps)
+
+    def add_rms_norm(x, delta, weight, eps):
+        calls.append("add+norm")
+        total = x + delta
+        return total, norm_of(total, weight, eps)
+
+    def rotary_inplace(q, k, cos, sin):
+        rq, rk = ApplyRotary()(q, k, (cos[:, None], sin[:, None]))
+        q.copy_(rq)
+        k.copy_(rk)
+
+    monkeypatch.setattr(cuda_ops, "rms_norm", rms_norm)
+    monkeypatch.setattr(cuda_ops, "add_rms_norm", add_rms_norm)
+    monkeypatch.setattr(cuda_ops, "silu_and_mul", lambda x: SiluAndMul()(x))
+    monkeypatch.setattr(cuda_ops, "rotary_inplace", rotary_inplace)
+    config = ModelConfig(arch="llama", vocab_size=64, hidden_size=48, intermediate_size=64,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                         max_position_embeddings=512)
+    torch.manual_seed(3)
+    model = build_model(config, None, device=torch.device("cpu"), dtype=torch.float32)
+    loaded = LoadedModel("tiny", config, model, None, None, "random")
+    twin = copy.deepcopy(loaded)
+    ce.swap_cuda_elementwise_ops(twin.model)
+    plain = ModelRunner(loaded, num_blocks=64, block_size=16, attn_backend="torch",
+                        pack_weights=False)
+    fused = ModelRunner(twin, num_blocks=64, block_size=16, attn_backend="torch",
+                        pack_weights=False)
+    rng = np.random.default_rng(0)
+    batch = mixed_step(rng, 64, 16, [(20, 1), (0, 30), (40, 5)], 64)
+    fill = context_prefill(batch, 16, 64)
+    for runner in (plain, fused):
+        runner.execute(fill)
+    calls.clear()
+    assert torch.equal(fused.execute(batch), plain.execute(batch))
+    # per layer: input norm, then the residual add fused with the post-attention norm; the
+    # final norm
+    assert calls == ["norm", "add+norm"] * 2 + ["norm"]
+
+
 def test_fused_elementwise_swap_replaces_every_module_and_keeps_the_weights(monkeypatch):
     """The module swap behind FERROBATCH_CUDA_FUSED_OPS=1 (the kernels themselves run on the GPU
     only: tests/gpu/test_elementwise.py)."""

@@ -34,6 +34,26 @@ def test_rms_norm_matches_the_module(cuda_ops, dtype, rows, hidden):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 576), (300, 4096), (33, 1000)])
+def test_add_rms_norm_matches_the_add_then_the_module(cuda_ops, dtype, rows, hidden):
+    """The residual add fused into the norm: the sum rounds exactly as torch's add, the norm of
+    that rounded sum as the module's."""
+    from ferrobatch.model.llama import RMSNorm, add_then_norm
+    from ferrobatch.runtime.cuda_elementwise import CudaRMSNorm
+
+    gen = torch.Generator(device=DEV).manual_seed(rows * hidden + 1)
+    norm = RMSNorm(hidden, 1e-5, device=DEV, dtype=dtype)
+    norm.weight.data = torch.randn(hidden, generator=gen, device=DEV).to(dtype)
+    wide = torch.randn(rows, 2 * hidden + 8, generator=gen, device=DEV).to(dtype) * 3
+    x, delta = wide[:, :hidden], wide[:, hidden + 8:]            # strided rows
+    want_sum, want = add_then_norm(norm, x, delta)
+    got_sum, got = add_then_norm(CudaRMSNorm(norm), x, delta)
+    assert got.dtype == got_sum.dtype == dtype and got.shape == got_sum.shape == (rows, hidden)
+    assert torch.equal(got_sum, want_sum)
+    torch.testing.assert_close(got, want, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,inter", [(1, 64), (9, 1536), (257, 14336)])
 def test_silu_and_mul_matches_the_module(cuda_ops, dtype, rows, inter):
     from ferrobatch.model.llama import SiluAndMul

@@ -30,6 +30,17 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def add_then_norm(norm: nn.Module, x: torch.Tensor,
+                  delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + delta, norm(x + delta))``: a residual add and the norm after it. A norm module
+    with its own ``add_and_norm`` (``runtime.cuda_elementwise``: one fused kernel) does both."""
+    fused = getattr(norm, "add_and_norm", None)
+    if fused is not None:
+        return fused(x, delta)
+    total = x + delta
+    return total, norm(total)
+
+
 class SiluAndMul(nn.Module):
     """``silu(x[..., :I]) * x[..., I:]``: the SwiGLU activation on a fused gate/up output."""
 
@@ -108,8 +119,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def finish(self, hidden, attn_out: torch.Tensor) -> torch.Tensor:
         """Everything after attention (``attn_out [T, Hq * D]``): the next residual stream."""
-        hidden = hidden + self.self_attn.o_proj(attn_out)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden, normed = add_then_norm(self.post_attention_layernorm, hidden,
+                                       self.self_attn.o_proj(attn_out))
+        return hidden + self.mlp(normed)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,6 +1,7 @@
 """The Llama layer's elementwise modules on CUDA as ferrobatch's fused kernels (``cuda/elementwise.cu``):
-RMSNorm in one kernel instead of ~8, SiLU-and-mul in one instead of 2, rotary embedding of q and k
-in place in one instead of ~10. Inside a CUDA graph each launch costs ~2 us, so on the H200 a
+RMSNorm in one kernel instead of ~8 (with the residual add before it, where the layer has one,
+in the same kernel), SiLU-and-mul in one instead of 2, rotary embedding of q and k in place in one
+instead of ~10. Inside a CUDA graph each launch costs ~2 us, so on the H200 a
 decode step of SmolLM2-135M (30 layers, ~35 launches each) spends more on launches than on its
 arithmetic. The kernels round where torch's eager ops round (see the .cu header).
 
@@ -38,6 +39,11 @@ class CudaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cuda_ops.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor,
+                     delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + delta, self(x + delta))`` in one kernel (``llama.add_then_norm``)."""
+        return cuda_ops.add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class CudaSiluAndMul(nn.Module):

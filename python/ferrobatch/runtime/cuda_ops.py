@@ -375,6 +375,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, rms_norm(s))`` with ``s = x + delta`` rounded to the dtype, in one kernel
+    (``x``, ``delta`` ``[..., H]``)."""
+    hidden = x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.ops.ferrobatch.add_rms_norm(out.view(-1, hidden), total.view(-1, hidden),
+                                      x.reshape(-1, hidden), delta.reshape(-1, hidden), weight,
+                                      eps)
+    return total, out
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :I]) * x[..., I:]`` of ``x [..., 2I]`` in one kernel."""
     inter = x.shape[-1] // 2
