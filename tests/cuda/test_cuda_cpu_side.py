@@ -251,9 +251,8 @@ def test_choose_num_splits_against_the_h200_sweep():
 
 def test_fused_elementwise_model_computes_what_the_torch_modules_do(monkeypatch):
     """The swapped model's plumbing on the CPU, with each fused op replaced by the torch modules'
-    arithmetic (the kernels themselves run on the GPU only): a forward of every step kind gives
-    the unswapped model's logits bit for bit, and each layer's post-attention norm took the
-    residual add (``add_and_norm``) while the input norms did not."""
+    arithmetic (the kernels themselves run on the GPU only): a mixed step gives the unswapped
+    model's logits bit for bit, and every residual add went through a norm's ``add_and_norm``."""
     import copy
     import os
     import sys
@@ -313,9 +312,9 @@ def test_fused_elementwise_model_computes_what_the_torch_modules_do(monkeypatch)
         runner.execute(fill)
     calls.clear()
     assert torch.equal(fused.execute(batch), plain.execute(batch))
-    # per layer: input norm, then the residual add fused with the post-attention norm; the
-    # final norm
-    assert calls == ["norm", "add+norm"] * 2 + ["norm"]
+    # every residual add is in the norm after it: layer 0's input norm has none, its
+    # post-attention norm and layer 1's two norms take one, the final norm the last MLP's
+    assert calls == ["norm"] + ["add+norm"] * 4
 
 
 def test_fused_elementwise_swap_replaces_every_module_and_keeps_the_weights(monkeypatch):

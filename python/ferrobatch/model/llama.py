@@ -98,7 +98,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention + pre-norm MLP, each with a residual connection."""
+    """Pre-norm attention + pre-norm MLP, each with a residual connection.
+
+    The residual stream travels between layers as ``(residual, delta)``: the stream before the
+    last MLP output is added, and that output. Each residual add is done by the norm after it
+    (``add_then_norm``: the next layer's input norm, or the final norm), so with the fused CUDA
+    kernels it costs no kernel of its own; the arithmetic is the same, in the same order.
+    """
 
     def __init__(self, config: ModelConfig, device=None, dtype=None) -> None:
         super().__init__()
@@ -109,19 +115,28 @@ class LlamaDecoderLayer(nn.Module):
 
     # The layer in three parts; runtime.piecewise_graphs captures begin and finish in CUDA graphs
     # and runs attention (self_attn.attend) between them.
-    def forward(self, hidden, rope_tables, kv_cache, attn_meta, backend) -> torch.Tensor:
-        q, k, v = self.begin(hidden, rope_tables)
-        return self.finish(hidden, self.self_attn.attend(q, k, v, kv_cache, attn_meta, backend))
+    def forward(self, residual, delta, rope_tables, kv_cache, attn_meta,
+                backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(residual, delta)`` in (``delta`` None for the first layer) -> the same out."""
+        residual, q, k, v = self.begin(residual, delta, rope_tables)
+        return self.finish(residual, self.self_attn.attend(q, k, v, kv_cache, attn_meta, backend))
 
-    def begin(self, hidden, rope_tables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Everything before attention: ``(q, k, v)`` of the normed ``hidden``."""
-        return self.self_attn.project(self.input_layernorm(hidden), rope_tables)
+    def begin(self, residual, delta, rope_tables
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Everything before attention: the residual stream (``residual + delta``, or
+        ``residual`` when ``delta`` is None) and ``(q, k, v)`` of its norm."""
+        if delta is None:
+            normed = self.input_layernorm(residual)
+        else:
+            residual, normed = add_then_norm(self.input_layernorm, residual, delta)
+        return (residual, *self.self_attn.project(normed, rope_tables))
 
-    def finish(self, hidden, attn_out: torch.Tensor) -> torch.Tensor:
-        """Everything after attention (``attn_out [T, Hq * D]``): the next residual stream."""
-        hidden, normed = add_then_norm(self.post_attention_layernorm, hidden,
-                                       self.self_attn.o_proj(attn_out))
-        return hidden + self.mlp(normed)
+    def finish(self, residual, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything after attention (``attn_out [T, Hq * D]``): ``(residual, mlp output)``,
+        whose sum is the next residual stream."""
+        residual, normed = add_then_norm(self.post_attention_layernorm, residual,
+                                         self.self_attn.o_proj(attn_out))
+        return residual, self.mlp(normed)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -176,19 +191,29 @@ class LlamaForCausalLM(nn.Module):
             if hidden_indices is None:
                 return self.compute_logits(fused.final_norm(hidden, logits_indices))
         else:
-            hidden = self.embed_tokens(input_ids)
-            rope_tables = self.rotary.tables(positions, hidden.dtype)
+            residual, delta = self.embed_tokens(input_ids), None
+            rope_tables = self.rotary.tables(positions, residual.dtype)
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                hidden = layer(hidden, rope_tables, kv_cache, attn_meta, self.attn_backend)
+                residual, delta = layer(residual, delta, rope_tables, kv_cache, attn_meta,
+                                        self.attn_backend)
+            return self.logits_from_hidden(residual, logits_indices, hidden_indices, delta)
         return self.logits_from_hidden(hidden, logits_indices, hidden_indices)
 
     def logits_from_hidden(self, hidden: torch.Tensor, logits_indices: torch.Tensor,
-                           hidden_indices: torch.Tensor | None = None):
-        """The end of ``forward`` from the last layer's output ``hidden [T, hidden]``."""
+                           hidden_indices: torch.Tensor | None = None,
+                           delta: torch.Tensor | None = None):
+        """The end of ``forward`` from the last layer's output ``hidden [T, hidden]`` (with
+        ``delta``, the output is ``hidden + delta``: added on the chosen rows only, in the final
+        norm's kernel)."""
+        rows = logits_indices if hidden_indices is None \
+            else torch.cat([logits_indices, hidden_indices])
+        if delta is None:
+            normed = self.norm(hidden[rows])
+        else:
+            normed = add_then_norm(self.norm, hidden[rows], delta[rows])[1]
         if hidden_indices is None:
-            return self.compute_logits(self.norm(hidden[logits_indices]))
+            return self.compute_logits(normed)
         num_samples = logits_indices.shape[0]
-        normed = self.norm(hidden[torch.cat([logits_indices, hidden_indices])])
         return self.compute_logits(normed[:num_samples]), normed[num_samples:]
 
     def compute_logits(self, normed_hidden: torch.Tensor) -> torch.Tensor:

@@ -107,8 +107,12 @@ class PiecewiseGraphRunner:
         self.replays = 0          # steps run through the pieces
 
     # ---- the pieces ---------------------------------------------------------------------------
-    def _begin(self, layer: int, hidden: torch.Tensor, rope_tables, t: int) -> None:
-        q, k, v = self.model.layers[layer].begin(hidden, rope_tables)
+    def _begin(self, layer: int, residual: torch.Tensor, delta: torch.Tensor | None,
+               rope_tables, t: int) -> None:
+        """Layer ``layer`` up to attention: its residual stream into ``_hidden``, q/k/v into
+        theirs."""
+        residual, q, k, v = self.model.layers[layer].begin(residual, delta, rope_tables)
+        self._hidden[:t].copy_(residual)
         self._q[:t].copy_(q)
         self._k[:t].copy_(k)
         self._v[:t].copy_(v)
@@ -121,17 +125,17 @@ class PiecewiseGraphRunner:
 
         def first() -> None:
             hidden = model.embed_tokens(self._input_ids[:t])
-            self._hidden[:t].copy_(hidden)
             cos, sin = model.rotary.tables(self._positions[:t], hidden.dtype)
             self._cos[:t].copy_(cos)
             self._sin[:t].copy_(sin)
-            self._begin(0, hidden, tables, t)
+            self._begin(0, hidden, None, tables, t)
 
         def middle() -> None:
-            hidden = model.layers[index - 1].finish(self._hidden[:t], self._attn[:t])
-            self._hidden[:t].copy_(hidden)
+            residual, delta = model.layers[index - 1].finish(self._hidden[:t], self._attn[:t])
             if index < self.num_layers:
-                self._begin(index, hidden, tables, t)
+                self._begin(index, residual, delta, tables, t)
+            else:
+                self._hidden[:t].copy_(residual + delta)
 
         return first if index == 0 else middle
 
