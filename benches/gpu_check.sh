@@ -12,12 +12,15 @@
 #   3. tests: pytest -m gpu tests/gpu (kernels vs float64, CUDA graphs, e2e)       -> gpu_tests.log/.xml
 #   4. bench: decode-attention bandwidth (+ measured copy rate), then prefill attention:
 #      ferrobatch's kernel vs FlashAttention-2 (session 30)   -> attention_bandwidth.*, prefill_attention.*
-#   5. small: gpu-small with all CUDA graphs, decode graphs only, none, and all graphs with
-#      the fused elementwise kernels (opt-in, session 29) (issue #6)              -> throughput_gpu-small.*
+#   5. small: gpu-small with all CUDA graphs, decode graphs only, and all graphs with the
+#      fused elementwise kernels (opt-in, session 29) (issue #6; no graphs at all:
+#      5,668 out tok/s on 2026-12-04, no longer run)                              -> throughput_gpu-small.*
 #   6. 8b: gpu-8b, with FlashAttention prefill (the default since session 30) and with
 #      ferrobatch's prefill kernel (ferrobatch-nativeprefill) (issue #6)          -> throughput_gpu-8b.*
 #   7. ablation: continuous vs static on gpu-small at cap 32 (bound 1.59x), and
-#      continuous with decode graphs only                                         -> throughput_gpu-small_ablation.*
+#      continuous with decode graphs only, and with ferrobatch's prefill kernel instead of
+#      FlashAttention (each refill is a mixed step: FlashAttention's extra launches vs its
+#      faster prefill)                                                           -> throughput_gpu-small_ablation.*
 #   8. phases: where a gpu-small step's time goes, at cap 256 and 32               -> step_phases*.{txt,json}
 #   9. splits: the decode kernel at fixed split counts 1..32                       -> splits_sweep.txt, splits_*.json
 #  10. hf, hf8b: ferrobatch and hf-static side by side on gpu-small / gpu-8b       -> throughput_gpu-*_hf.*
@@ -116,7 +119,7 @@ if [[ ${status[build]} == rc=0* ]]; then
       --measure-copy --json $OUT/attention_bandwidth.json && $PY benches/prefill_attention_cuda.py \
       --json $OUT/prefill_attention.json | tee $OUT/prefill_attention.txt" || failed=1
   run_step small 200 "$OUT/throughput_gpu-small.txt" $PY benches/throughput.py \
-    --workload gpu-small --systems ferrobatch,ferrobatch-decodegraphs,ferrobatch-eager,ferrobatch-fusedops \
+    --workload gpu-small --systems ferrobatch,ferrobatch-decodegraphs,ferrobatch-fusedops \
     --no-progress \
     --max-num-seqs 256 \
     --json "$OUT/throughput_gpu-small.json" || failed=1
@@ -125,7 +128,7 @@ if [[ ${status[build]} == rc=0* ]]; then
     --max-num-seqs 256 \
     --json "$OUT/throughput_gpu-8b.json" || failed=1
   run_step ablation 150 "$OUT/throughput_gpu-small_ablation.txt" $PY benches/throughput.py \
-    --workload gpu-small --systems ferrobatch@32,ferrobatch-static@32,ferrobatch-decodegraphs@32 \
+    --workload gpu-small --systems ferrobatch@32,ferrobatch-static@32,ferrobatch-decodegraphs@32,ferrobatch-nativeprefill@32 \
     --no-progress \
     --json "$OUT/throughput_gpu-small_ablation.json" || failed=1
   # where a step's time goes (schedule / graph replay / eager model / sampler / outside the step)
