@@ -149,8 +149,9 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens, %s, %.0f MiB", num_blocks, block_size,
                     str(self.kv_cache.dtype).removeprefix("torch."), self.kv_cache.num_bytes / 2**20)
         if hasattr(self.attn_backend, "flash_prefill"):   # FlashAttention has no float32
-            self.attn_backend.flash_prefill = flash_prefill and \
-                self.kv_cache.dtype in (torch.bfloat16, torch.float16)
+            from ferrobatch.runtime.attention.flash_prefill import FLASH_DTYPES
+            self.attn_backend.flash_prefill = self.attn_backend.flash_prefill and \
+                flash_prefill and self.kv_cache.dtype in FLASH_DTYPES
         self.decode_graphs: DecodeGraphRunner | None = None
         self.piecewise_graphs: PiecewiseGraphRunner | None = None
         self.graph_steps = 0       # steps served by a decode graph replay
