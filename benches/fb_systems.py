@@ -1,5 +1,5 @@
 """The ferrobatch systems of the offline benchmark: `ferrobatch`, `-static`, `-eager`,
-`-decodegraphs`, `-nativeprefill`, `-fusedops`, `-nodraft`, `-kv16`, `-f32panels`.
+`-decodegraphs`, `-nativeprefill`, `-torchops`, `-nodraft`, `-kv16`, `-f32panels`.
 
 Both drive the real engine through `ferrobatch.LLM.generate` (Rust scheduler, model runner,
 sampler, step thread, incremental detokenization — the engine as shipped) with token-id prompts and
@@ -19,8 +19,9 @@ sampler, step thread, incremental detokenization — the engine as shipped) with
 - `ferrobatch-nativeprefill`: `ferrobatch` with `flash_prefill=False` (on a GPU in bf16/fp16
   prefill attention runs on ferrobatch's own kernel instead of torch's FlashAttention-2; on the
   CPU nothing differs).
-- `ferrobatch-fusedops`: `ferrobatch` with `FERROBATCH_CUDA_FUSED_OPS=1` (on a GPU the fused
-  RMSNorm / SiLU-and-mul / rotary kernels; the swap changes the shared model, so it runs last).
+- `ferrobatch-torchops`: `ferrobatch` with `FERROBATCH_CUDA_FUSED_OPS=0` (on a GPU torch's
+  elementwise modules instead of the fused RMSNorm / SiLU-and-mul / rotary kernels; the other
+  systems swap the shared model's modules, so it runs first; on the CPU nothing differs).
 - `ferrobatch-nodraft`: `ferrobatch` with `num_speculative_tokens=0` (no prompt-lookup drafts;
   the CPU default drafts, the GPU default does not). Every run records the drafted and accepted
   tokens: with drafts a step can yield several tokens of a sequence, so steps can fall below the

@@ -16,9 +16,10 @@ Systems (append `@N` to override the batch size / concurrency cap, e.g. `hf-stat
   ferrobatch-nativeprefill the engine with ferrobatch's own prefill-attention kernel instead
                      of FlashAttention-2 (`--no-flash-prefill`; CUDA bf16/fp16 only, on the CPU
                      the same as ferrobatch): the ablation of tensor-core prefill attention
-  ferrobatch-fusedops the engine with the fused elementwise CUDA kernels (RMSNorm, SiLU-and-mul,
-                     rotary; `FERROBATCH_CUDA_FUSED_OPS=1`, opt-in until verified). The swap
-                     replaces the shared model's modules: list it last
+  ferrobatch-torchops the engine with torch's elementwise modules instead of the fused CUDA
+                     kernels (RMSNorm with the residual add, SiLU-and-mul, rotary;
+                     `FERROBATCH_CUDA_FUSED_OPS=0`; on the CPU the same as ferrobatch). The
+                     other ferrobatch systems swap the shared model's modules: list it first
   ferrobatch-nodraft the engine without speculative drafts (`--num-speculative-tokens 0`; on a
                      GPU the same as ferrobatch, where drafting is off by default): the ablation
                      of prompt lookup, which transformers' `generate` and CB do not do
@@ -62,7 +63,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 FB_VARIANTS = {"ferrobatch": "", "ferrobatch-static": "", "ferrobatch-eager": "eager",
-               "ferrobatch-decodegraphs": "decodegraphs", "ferrobatch-fusedops": "fusedops",
+               "ferrobatch-decodegraphs": "decodegraphs", "ferrobatch-torchops": "torchops",
                "ferrobatch-nativeprefill": "nativeprefill",
                "ferrobatch-nodraft": "nodraft", "ferrobatch-kv16": "kv16",
                "ferrobatch-f32panels": "f32panels"}   # system -> engine variant (static: same engine)
@@ -88,6 +89,12 @@ def parse_systems(spec: str) -> list[tuple[str, str, int | None]]:
         out.append((item, base, cap))
     if not out:
         raise ValueError(f"no system in {spec!r}; known: {', '.join(SYSTEMS)}")
+    first_fb = next(base for _, base, _ in out if base in FB_VARIANTS) \
+        if any(base in FB_VARIANTS for _, base, _ in out) else None
+    if any(base == "ferrobatch-torchops" for _, base, _ in out) \
+            and first_fb != "ferrobatch-torchops":
+        raise ValueError("list ferrobatch-torchops before the other ferrobatch systems: on a GPU "
+                         "they swap the shared model's elementwise modules for the fused kernels")
     return out
 
 
@@ -137,7 +144,7 @@ class Systems:
             if variant == "kv16":
                 extra["kv_cache_dtype"] = "float16"
             env = {"f32panels": ("FERROBATCH_QUANT_PANELS", "0"),   # read when the engine
-                   "fusedops": ("FERROBATCH_CUDA_FUSED_OPS", "1")}.get(variant)   # builds
+                   "torchops": ("FERROBATCH_CUDA_FUSED_OPS", "0")}.get(variant)   # builds
             if env:
                 os.environ[env[0]] = env[1]
             try:

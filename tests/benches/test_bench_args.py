@@ -35,6 +35,7 @@ CASES = [
     ("throughput.py", ["--systems", "ferrobatch@abc"], "ferrobatch@abc"),
     ("throughput.py", ["--systems", "ferrobatch@-1"], "ferrobatch@-1"),
     ("throughput.py", ["--systems", "nosuch"], "--systems"),
+    ("throughput.py", ["--systems", "ferrobatch,ferrobatch-torchops"], "ferrobatch-torchops"),
     ("engine_overhead.py", ["--running", "-4"], "--running"),
     ("engine_overhead.py", ["--running", "abc"], "--running"),
     ("engine_overhead.py", ["--systems", "nosuch"], "--systems"),

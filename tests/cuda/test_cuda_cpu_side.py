@@ -249,24 +249,12 @@ def test_choose_num_splits_against_the_h200_sweep():
     assert max(regrets) < 0.06, regrets
 
 
-def test_fused_elementwise_model_computes_what_the_torch_modules_do(monkeypatch):
-    """The swapped model's plumbing on the CPU, with each fused op replaced by the torch modules'
-    arithmetic (the kernels themselves run on the GPU only): a mixed step gives the unswapped
-    model's logits bit for bit, and every residual add went through a norm's ``add_and_norm``."""
-    import copy
-    import os
-    import sys
-
-    from ferrobatch.model.config import ModelConfig
+@pytest.fixture
+def stand_in_ops(monkeypatch):
+    """The four fused elementwise ops replaced by the torch modules' arithmetic on the CPU (the
+    kernels themselves run on the GPU only); returns the list of calls they record."""
     from ferrobatch.model.llama import RMSNorm, SiluAndMul
-    from ferrobatch.model.loader import LoadedModel, build_model
     from ferrobatch.model.rope import ApplyRotary
-    from ferrobatch.runtime import cuda_elementwise as ce
-    from ferrobatch.runtime.model_runner import ModelRunner
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                    "model"))
-    from step_builder import context_prefill, mixed_step
 
     calls = []
 
@@ -293,12 +281,37 @@ def test_fused_elementwise_model_computes_what_the_torch_modules_do(monkeypatch)
     monkeypatch.setattr(cuda_ops, "add_rms_norm", add_rms_norm)
     monkeypatch.setattr(cuda_ops, "silu_and_mul", lambda x: SiluAndMul()(x))
     monkeypatch.setattr(cuda_ops, "rotary_inplace", rotary_inplace)
+    return calls
+
+
+def _tiny_model(dtype=torch.float32):
+    from ferrobatch.model.config import ModelConfig
+    from ferrobatch.model.loader import LoadedModel, build_model
+
     config = ModelConfig(arch="llama", vocab_size=64, hidden_size=48, intermediate_size=64,
                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                          max_position_embeddings=512)
     torch.manual_seed(3)
-    model = build_model(config, None, device=torch.device("cpu"), dtype=torch.float32)
-    loaded = LoadedModel("tiny", config, model, None, None, "random")
+    model = build_model(config, None, device=torch.device("cpu"), dtype=dtype)
+    return LoadedModel("tiny", config, model, None, None, "random")
+
+
+def test_fused_elementwise_model_computes_what_the_torch_modules_do(stand_in_ops):
+    """The swapped model's plumbing on the CPU, with torch stand-ins for the kernels: a mixed
+    step gives the unswapped model's logits bit for bit, and every residual add went through a
+    norm's ``add_and_norm``."""
+    import copy
+    import os
+    import sys
+
+    from ferrobatch.runtime import cuda_elementwise as ce
+    from ferrobatch.runtime.model_runner import ModelRunner
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "model"))
+    from step_builder import context_prefill, mixed_step
+
+    loaded = _tiny_model()
     twin = copy.deepcopy(loaded)
     ce.swap_cuda_elementwise_ops(twin.model)
     plain = ModelRunner(loaded, num_blocks=64, block_size=16, attn_backend="torch",
@@ -310,16 +323,66 @@ def test_fused_elementwise_model_computes_what_the_torch_modules_do(monkeypatch)
     fill = context_prefill(batch, 16, 64)
     for runner in (plain, fused):
         runner.execute(fill)
-    calls.clear()
+    stand_in_ops.clear()
     assert torch.equal(fused.execute(batch), plain.execute(batch))
     # every residual add is in the norm after it: layer 0's input norm has none, its
     # post-attention norm and layer 1's two norms take one, the final norm the last MLP's
-    assert calls == ["norm"] + ["add+norm"] * 4
+    assert stand_in_ops == ["norm"] + ["add+norm"] * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_ops_start_up_check_passes_for_right_kernels_only(stand_in_ops, monkeypatch,
+                                                                dtype):
+    from ferrobatch.runtime import cuda_elementwise as ce
+
+    model = _tiny_model(dtype).model
+    ok, detail = ce.check_fused_ops(model, dtype)
+    assert ok, detail
+    right = cuda_ops.silu_and_mul
+    monkeypatch.setattr(cuda_ops, "silu_and_mul", lambda x: right(x) * 1.05)
+    ok, detail = ce.check_fused_ops(model, dtype)
+    assert not ok and "silu_and_mul" in detail
+    monkeypatch.setattr(cuda_ops, "silu_and_mul", right)
+
+    def no_kernel(*args):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(cuda_ops, "rotary_inplace", no_kernel)
+    ok, detail = ce.check_fused_ops(model, dtype)
+    assert not ok and "no kernel image" in detail
+
+
+def test_the_runner_swaps_only_after_the_check_and_unless_switched_off(stand_in_ops, monkeypatch,
+                                                                       caplog):
+    from ferrobatch.runtime import cuda_elementwise as ce
+    from ferrobatch.runtime.model_runner import _use_fused_elementwise_ops
+
+    def fused_count(model):
+        return sum(isinstance(m, ce.CudaRMSNorm) for m in model.modules())
+
+    caplog.set_level("INFO", logger="ferrobatch")
+
+    monkeypatch.setenv(ce.ENV_FLAG, "0")
+    model = _tiny_model().model
+    _use_fused_elementwise_ops(model, torch.float32)
+    assert fused_count(model) == 0 and "torch's modules (FERROBATCH_CUDA_FUSED_OPS=0)" in caplog.text
+    monkeypatch.delenv(ce.ENV_FLAG)
+    right = cuda_ops.rms_norm
+    monkeypatch.setattr(cuda_ops, "rms_norm", lambda x, w, eps: right(x, w, eps) + 1.0)
+    _use_fused_elementwise_ops(model, torch.float32)
+    assert fused_count(model) == 0 and "disagree" in caplog.text
+    monkeypatch.setattr(cuda_ops, "rms_norm", right)
+    _use_fused_elementwise_ops(model, torch.float32)
+    assert fused_count(model) == 2 * 2 + 1
+    monkeypatch.setenv(ce.ENV_FLAG, "0")      # a later runner on the same (swapped) model
+    caplog.clear()
+    _use_fused_elementwise_ops(model, torch.float32)
+    assert fused_count(model) == 5 and "they stay" in caplog.text
 
 
 def test_fused_elementwise_swap_replaces_every_module_and_keeps_the_weights(monkeypatch):
-    """The module swap behind FERROBATCH_CUDA_FUSED_OPS=1 (the kernels themselves run on the GPU
-    only: tests/gpu/test_elementwise.py)."""
+    """The module swap (the kernels themselves run on the GPU only: tests/gpu/test_elementwise.py)
+    and its switch, on unless FERROBATCH_CUDA_FUSED_OPS=0."""
     from ferrobatch.model.config import ModelConfig
     from ferrobatch.model.llama import LlamaForCausalLM, RMSNorm, SiluAndMul
     from ferrobatch.model.rope import ApplyRotary
@@ -334,8 +397,8 @@ def test_fused_elementwise_swap_replaces_every_module_and_keeps_the_weights(monk
     assert RMSNorm not in kinds and SiluAndMul not in kinds and ApplyRotary not in kinds
     assert {id(m.weight) for m in model.modules() if isinstance(m, ce.CudaRMSNorm)} == weights
     assert ce.swap_cuda_elementwise_ops(model) == 0          # nothing left to swap
-    for value, want in (("1", True), ("0", False), ("yes", False)):
+    for value, want in (("1", True), ("0", False), ("yes", True)):
         monkeypatch.setenv(ce.ENV_FLAG, value)
         assert ce.fused_ops_requested() is want
     monkeypatch.delenv(ce.ENV_FLAG)
-    assert ce.fused_ops_requested() is False
+    assert ce.fused_ops_requested() is True

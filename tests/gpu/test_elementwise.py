@@ -115,3 +115,26 @@ def test_engine_with_fused_ops_gives_the_eager_engine_tokens(cuda_ops, monkeypat
             assert any(isinstance(m, CudaRMSNorm) for m in loaded.model.modules()) == fused
             outs[fused] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ["smollm2-135m", "llama3-8b-2layers"])
+def test_start_up_check_passes_on_this_gpu(cuda_ops, dtype, shape):
+    """The check that decides whether the engine swaps the kernels in (random weights of the
+    model's shapes; Llama-3-8B with 2 of its 32 layers)."""
+    from ferrobatch.model.config import ModelConfig
+    from ferrobatch.model.loader import build_model
+    from ferrobatch.runtime.cuda_elementwise import check_fused_ops
+
+    if shape == "smollm2-135m":
+        config = ModelConfig(arch="llama", vocab_size=1024, hidden_size=576,
+                             intermediate_size=1536, num_layers=2, num_heads=9, num_kv_heads=3,
+                             head_dim=64, max_position_embeddings=8192)
+    else:
+        config = ModelConfig(arch="llama", vocab_size=1024, hidden_size=4096,
+                             intermediate_size=14336, num_layers=2, num_heads=32,
+                             num_kv_heads=8, head_dim=128, max_position_embeddings=8192,
+                             rope_theta=500000.0)
+    model = build_model(config, None, device=torch.device(DEV), dtype=dtype)
+    ok, detail = check_fused_ops(model, dtype)
+    assert ok, detail

@@ -5,9 +5,12 @@ in one instead of ~10. Inside a CUDA graph each launch costs ~2 us, so on the H2
 decode step of SmolLM2-135M (30 layers, ~35 launches each) spends more on launches than on its
 arithmetic. The kernels round where torch's eager ops round (see the .cu header).
 
-Opt-in until checked on a GPU: ``FERROBATCH_CUDA_FUSED_OPS=1`` makes ``ModelRunner`` swap them in
-on CUDA (``swap_cuda_elementwise_ops``); ``tests/gpu/test_elementwise.py`` checks them against the torch
-modules they replace.
+On CUDA ``ModelRunner`` swaps them in (``swap_cuda_elementwise_ops``) once a start-up check
+(``check_fused_ops``: each kernel against the module it replaces, on random inputs of the model's
+shapes and layouts) agrees; otherwise, with the check's finding in the log, the model keeps
+torch's modules. ``FERROBATCH_CUDA_FUSED_OPS=0`` keeps them too. ``tests/gpu/test_elementwise.py``
+checks the kernels more widely. (Written in sessions 29-30 without a GPU: the check is what
+stands between them and a wrong result until that test has run.)
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ ENV_FLAG = "FERROBATCH_CUDA_FUSED_OPS"
 
 
 def fused_ops_requested() -> bool:
-    """Whether ``FERROBATCH_CUDA_FUSED_OPS=1`` asks for the fused elementwise kernels."""
-    return os.environ.get(ENV_FLAG, "0") == "1"
+    """False when ``FERROBATCH_CUDA_FUSED_OPS=0`` keeps torch's elementwise modules."""
+    return os.environ.get(ENV_FLAG, "1") != "0"
 
 
 class CudaRMSNorm(nn.Module):
@@ -81,3 +84,55 @@ def swap_cuda_elementwise_ops(model: nn.Module) -> int:
             setattr(parent, name, new)
             replaced += 1
     return replaced
+
+
+def _violation(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> float:
+    """max |got - want| / (atol + rtol |want|): <= 1 where ``torch.testing.assert_close`` passes."""
+    got, want = got.double(), want.double()
+    return float(((got - want).abs() / (atol + rtol * want.abs())).max())
+
+
+@torch.no_grad()
+def check_fused_ops(model: nn.Module, dtype: torch.dtype) -> tuple[bool, str]:
+    """Each fused kernel against the module it replaces in ``model`` (on its CUDA device, before
+    the swap), on random inputs of the model's shapes: strided rows for the norms (with and
+    without the residual add), strided q / k views of a fused QKV output for rotary, the model's
+    own rotary tables. ``(agree, what was found)``; the tolerance is the GPU tests' (1e-5 in
+    float32, 8e-3 in bf16 / fp16: the mean square's summation order may move a rounding)."""
+    from ferrobatch.model.llama import add_then_norm
+
+    cfg = model.config
+    device = model.embed_tokens.weight.device
+    tol = (1e-5, 1e-5) if dtype == torch.float32 else (8e-3, 8e-3)
+    gen = torch.Generator(device="cpu").manual_seed(1234)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    rows, hidden = 37, cfg.hidden_size
+    heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    try:
+        norm = model.layers[0].post_attention_layernorm
+        fused = CudaRMSNorm(norm)
+        wide = rand(rows, 2 * hidden + 8, scale=3.0)
+        x, delta = wide[:, :hidden], wide[:, hidden + 8:]
+        pairs = {"rms_norm": (fused(x), norm(x))}
+        (got_sum, got), (want_sum, want) = (add_then_norm(fused, x, delta),
+                                            add_then_norm(norm, x, delta))
+        pairs["add_rms_norm sum"], pairs["add_rms_norm"] = (got_sum, want_sum), (got, want)
+        gate_up = rand(rows, 2 * cfg.intermediate_size, scale=4.0)
+        pairs["silu_and_mul"] = (CudaSiluAndMul()(gate_up), SiluAndMul()(gate_up))
+        positions = torch.randint(0, cfg.max_position_embeddings, (rows,), generator=gen)
+        tables = model.rotary.tables(positions.to(device), dtype)
+        qkv = rand(rows, (heads + 2 * kv_heads) * dim)
+        q = qkv[:, :heads * dim].view(rows, heads, dim)
+        k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(rows, kv_heads, dim)
+        want_q, want_k = (t.clone() for t in ApplyRotary()(q, k, tables))
+        got_q, got_k = CudaApplyRotary()(q, k, tables)
+        pairs["rotary q"], pairs["rotary k"] = (got_q, want_q), (got_k, want_k)
+        worst = {name: _violation(g, w, *tol) for name, (g, w) in pairs.items()}
+    except Exception as exc:  # noqa: BLE001 - any failure means: keep torch's modules
+        return False, f"{type(exc).__name__}: {exc}"
+    name = max(worst, key=worst.get)
+    detail = f"worst {name}: {worst[name]:.2f} of the tolerance"
+    return all(v <= 1.0 for v in worst.values()), detail

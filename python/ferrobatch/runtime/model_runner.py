@@ -133,13 +133,7 @@ class ModelRunner:
             if freed:
                 logger.info("returned %.0f MiB freed while loading to the OS", freed / 2**20)
         if self.device.type == "cuda" and self.attn_backend.name == "cuda":
-            from ferrobatch.runtime.cuda_elementwise import (
-                fused_ops_requested,
-                swap_cuda_elementwise_ops,
-            )
-            if fused_ops_requested():
-                logger.info("elementwise ops: %d modules on the fused CUDA kernels "
-                            "(FERROBATCH_CUDA_FUSED_OPS=1)", swap_cuda_elementwise_ops(self.model))
+            _use_fused_elementwise_ops(self.model, loaded.dtype)
         self.attention_kernels = getattr(self.attn_backend, "description", self.attention_kernels)
         logger.info("attention: %s", self.attention_kernels)
         self.block_size = block_size
@@ -298,6 +292,35 @@ def _gguf_block_weights(loaded) -> dict:
     blocks = block_weights_for_modules(loaded.model, read_block_weights(source, loaded.config))
     logger.debug("GGUF blocks read and checked in %.2f s", time.perf_counter() - t0)
     return blocks
+
+
+def _use_fused_elementwise_ops(model, dtype: torch.dtype) -> None:
+    """On CUDA: the fused elementwise kernels in place of torch's modules, once their start-up
+    check agrees (``runtime.cuda_elementwise``); the log says which and why."""
+    from ferrobatch.runtime.cuda_elementwise import (
+        ENV_FLAG,
+        CudaRMSNorm,
+        check_fused_ops,
+        fused_ops_requested,
+        swap_cuda_elementwise_ops,
+    )
+    if any(isinstance(m, CudaRMSNorm) for m in model.modules()):   # e.g. the KV-sizing warm-up
+        if fused_ops_requested():
+            logger.info("elementwise ops: the fused CUDA kernels (swapped in earlier)")
+        else:
+            logger.warning("elementwise ops: %s=0, but an earlier runner swapped this model's "
+                           "modules for the fused CUDA kernels; they stay", ENV_FLAG)
+        return
+    if not fused_ops_requested():
+        logger.info("elementwise ops: torch's modules (%s=0)", ENV_FLAG)
+        return
+    ok, detail = check_fused_ops(model, dtype)
+    if not ok:
+        logger.warning("elementwise ops: torch's modules; the fused CUDA kernels disagree with "
+                       "them in the start-up check (%s)", detail)
+        return
+    logger.info("elementwise ops: %d modules on the fused CUDA kernels (start-up check: %s)",
+                swap_cuda_elementwise_ops(model), detail)
 
 
 def _samples_every_row(batch) -> bool:
