@@ -140,6 +140,7 @@ class FerrobatchRunner:
         steps = self._num_steps() - steps0 if steps0 is not None else None
         return {"elapsed_s": elapsed, "output_tokens": total, "generated_tokens": total,
                 "wasted_tokens": 0, "num_steps": steps,
+                "cuda_paths": self._cuda_paths(),
                 "decode_graph_steps": self._graph_steps() - graph_steps0,
                 "piecewise_graph_steps": self._graph_steps("piecewise_steps") - piecewise_steps0,
                 "drafted_tokens": drafted, "accepted_drafts": accepted,
@@ -155,6 +156,21 @@ class FerrobatchRunner:
         the piecewise graphs); 0 on the CPU."""
         core = getattr(self.engine, "_core", None)
         return int(getattr(getattr(core, "runner", None), counter, 0))
+
+    def _cuda_paths(self) -> dict:
+        """On the CUDA backend, which of its optional paths this engine ran: FlashAttention
+        prefill (on, off, or the start-up check's verdict) and the fused elementwise kernels;
+        empty elsewhere."""
+        runner = getattr(getattr(self.engine, "_core", None), "runner", None)
+        backend = getattr(runner, "attn_backend", None)
+        if getattr(backend, "name", None) != "cuda":
+            return {}
+        from ferrobatch.runtime.cuda_elementwise import CudaRMSNorm
+        verdicts = set(getattr(backend, "_flash_verdicts", {}).values())
+        flash = "off" if not backend.flash_prefill else \
+            "check failed" if False in verdicts else "on" if verdicts else "on, not used yet"
+        fused = any(isinstance(m, CudaRMSNorm) for m in runner.model.modules())
+        return {"flash_prefill": flash, "fused_elementwise": "on" if fused else "off"}
 
     def _num_steps(self) -> int | None:
         lt = getattr(self.engine, "_loop_thread", None)

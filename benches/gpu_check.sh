@@ -183,6 +183,9 @@ fi
   cat "$OUT/prefill_attention.txt" 2>/dev/null
   echo "--- offline throughput (goals: gpu-small >= 40,000 and gpu-8b >= 6,000 output tok/s)"
   grep -hE "^  ferrobatch" "$OUT/throughput_gpu-small.txt" "$OUT/throughput_gpu-8b.txt" 2>/dev/null
+  echo "--- start-up checks that turned a path off (FlashAttention prefill, fused elementwise ops)"
+  grep -hE "not used|disagree|FlashAttention-2 failed" "$OUT"/throughput_*.txt 2>/dev/null \
+    | sort | uniq -c | head -n 5
   echo "--- against transformers (hf-static, hf-continuous), same run each"
   grep -hE "^  (ferrobatch|hf-static|hf-continuous)" "$OUT/throughput_gpu-small_hf.txt" \
     "$OUT/throughput_gpu-8b_hf.txt" "$OUT/throughput_gpu-small_hfcb.txt" 2>/dev/null

@@ -224,6 +224,8 @@ def summarize_run(name: str, base: str, cap: int, res: dict, reqs: list[Request]
         "loadavg_1m_before": load_before, "loadavg_1m_after": load_1min(),
         "params": res.get("params", {}),
     }
+    if res.get("cuda_paths"):
+        row["cuda_paths"] = res["cuda_paths"]
     if base in FB_VARIANTS or base == "hf-static":
         mode = "static" if base in ("ferrobatch-static", "hf-static") else "continuous"
         row["ideal_decode_steps"] = ideal_decode_steps(reqs, cap, mode)
@@ -399,8 +401,10 @@ def main(argv: list[str] | None = None) -> int:
             bar.close()
         row = summarize_run(name, base, cap, res, reqs, load_before)
         rows.append(row)
+        paths = ", ".join(f"{k}: {v}" for k, v in row.get("cuda_paths", {}).items())
         print(f"  {name}: {row['output_tokens_per_s']:.1f} output tok/s, "
-              f"{row['requests_per_s']:.3f} req/s, {row['elapsed_s']:.1f} s", flush=True)
+              f"{row['requests_per_s']:.3f} req/s, {row['elapsed_s']:.1f} s"
+              + (f" [{paths}]" if paths else ""), flush=True)
         sysm.release_unneeded(systems[i + 1:])
         if args.json:   # partial results survive an interrupted run
             write_json(args.json, {**meta(), "partial": True, "results": rows})

@@ -1,0 +1,44 @@
+"""What the throughput bench reports about a CUDA engine's optional paths (FlashAttention prefill,
+fused elementwise kernels), read from the engine's runner; checked here on stand-in objects."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benches"))
+
+from fb_systems import FerrobatchRunner  # noqa: E402
+
+
+def _runner(backend_name, flash_prefill=True, verdicts=None, fused=False):
+    from ferrobatch.model.llama import RMSNorm
+    from ferrobatch.runtime.cuda_elementwise import CudaRMSNorm
+
+    norm = RMSNorm(8, 1e-5)
+    model = nn.Sequential(CudaRMSNorm(norm) if fused else norm)
+    backend = SimpleNamespace(name=backend_name, flash_prefill=flash_prefill,
+                              _flash_verdicts=verdicts or {})
+    fb = object.__new__(FerrobatchRunner)
+    fb.engine = SimpleNamespace(_core=SimpleNamespace(
+        runner=SimpleNamespace(attn_backend=backend, model=model)))
+    return fb
+
+
+@pytest.mark.parametrize("flash,verdicts,want", [
+    (True, {("bf16",): True}, "on"), (True, {("bf16",): False}, "check failed"),
+    (True, {}, "on, not used yet"), (False, {}, "off")])
+def test_cuda_paths_report_flash_and_fused_ops(flash, verdicts, want):
+    paths = _runner("cuda", flash, verdicts, fused=True)._cuda_paths()
+    assert paths == {"flash_prefill": want, "fused_elementwise": "on"}
+    assert _runner("cuda", flash, verdicts)._cuda_paths()["fused_elementwise"] == "off"
+
+
+def test_no_cuda_paths_off_the_cuda_backend():
+    assert _runner("cpu")._cuda_paths() == {}
+    assert _runner("torch")._cuda_paths() == {}
