@@ -215,3 +215,14 @@ def test_a_flash_error_at_run_time_falls_back_for_good(backend, monkeypatch, cap
     assert "FlashAttention-2 failed" in caplog.text
     assert backend.fake.calls.count("prefill/subset") == 2      # the check's, then the step's
     assert _run_step(backend, [5, 300], torch.bfloat16, 10).flash_plan is None
+
+
+def test_steps_with_too_much_context_to_gather_keep_the_kernel(backend, monkeypatch):
+    """Prefill sequences holding more than MAX_CONTEXT_TOKENS context tokens in all: no plan
+    (the gathered copy would not be in the warm-up's memory peak)."""
+    monkeypatch.setattr(flash, "varlen_flash", lambda *a: pytest.fail("flash used"))
+    monkeypatch.setattr(flash, "MAX_CONTEXT_TOKENS", 600)
+    backend.flash_prefill = True
+    meta = _run_step(backend, [1, 200, 300], torch.bfloat16, 11)    # contexts >= 200 + 300
+    total = int(np.asarray(meta.seq_lens_cpu)[1:].sum())
+    assert total > 600 and meta.flash_plan is None

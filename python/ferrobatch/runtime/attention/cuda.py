@@ -222,6 +222,7 @@ class CudaPagedBackend(AttentionBackend):
             }
         pre = np.flatnonzero(~is_dec) if is_dec.any() else np.arange(len(seq_lens))
         if self.flash_prefill and int(query_lens[pre].sum()) >= flash.MIN_QUERY_TOKENS \
+                and int(seq_lens[pre].sum()) <= flash.MAX_CONTEXT_TOKENS \
                 and int(query_lens.max(initial=0)) > 1 \
                 and False not in self._flash_verdicts.values():
             mixed["flash_plan"] = flash.plan_flash_prefill(

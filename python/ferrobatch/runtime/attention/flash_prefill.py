@@ -36,6 +36,11 @@ FLASH_DTYPES = (torch.bfloat16, torch.float16)
 # kernel's one. A guess, not a measurement: `benches/prefill_attention_cuda.py`'s "small" step
 # measures both at 128 tokens.
 MIN_QUERY_TOKENS = 128
+# Steps whose prefill sequences hold more context tokens than this keep ferrobatch's kernel too,
+# which reads the paged cache in place: the gathered K/V copy ([2, tokens, Hkv, D] per layer,
+# 134 MB at this size for Llama-3-8B) is not in the start-up warm-up's memory peak (one fresh
+# prompt of the step budget), so it must stay small next to the memory left out of the KV cache.
+MAX_CONTEXT_TOKENS = 32768
 # relative error (norm of the difference / norm of the kernel's output) the start-up check
 # accepts between this path and ferrobatch's kernel: FlashAttention rounds the probabilities to
 # the input dtype before P @ V, ferrobatch keeps them in fp32; a wrong mask or a wrong gather
