@@ -43,45 +43,31 @@ __device__ __forceinline__ float block_sum(float v) {
   return total;
 }
 
-template <typename T>
+// out = weight * (s * rsqrt(mean(s^2) + eps)).to(T) with s = x, or with kAdd (the residual add
+// before a norm, fused) s = (x + delta).to(T), rounded as torch's add rounds and also written to
+// `sum`. Each thread re-reads only the sum elements it wrote itself.
+template <typename T, bool kAdd>
 __global__ void __launch_bounds__(kThreads)
-    rms_norm_kernel(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ weight,
-                    int64_t x_stride, int64_t out_stride, int hidden, float eps) {
-  const T* row = x + blockIdx.x * x_stride;
-  float sum_sq = 0.f;
-  for (int i = threadIdx.x; i < hidden; i += kThreads) {
-    const float v = to_float(row[i]);
-    sum_sq += v * v;
-  }
-  const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(hidden) + eps);
-  T* dst = out + blockIdx.x * out_stride;
-  for (int i = threadIdx.x; i < hidden; i += kThreads) {
-    const float normed = round_to<T>(__fmul_rn(to_float(row[i]), inv_rms));
-    dst[i] = from_float<T>(__fmul_rn(to_float(weight[i]), normed));
-  }
-}
-
-// The residual add before a norm, fused: sum = x + delta rounded to T (as torch's add rounds),
-// then rms_norm of that rounded sum. Each thread re-reads only the sum elements it wrote.
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    add_rms_norm_kernel(T* __restrict__ out, T* __restrict__ sum, const T* __restrict__ x,
-                        const T* __restrict__ delta, const T* __restrict__ weight,
-                        int64_t x_stride, int64_t delta_stride, int64_t out_stride,
-                        int64_t sum_stride, int hidden, float eps) {
+    rms_norm_kernel(T* __restrict__ out, T* __restrict__ sum, const T* __restrict__ x,
+                    const T* __restrict__ delta, const T* __restrict__ weight, int64_t x_stride,
+                    int64_t delta_stride, int64_t out_stride, int64_t sum_stride, int hidden,
+                    float eps) {
   const T* xr = x + blockIdx.x * x_stride;
-  const T* dr = delta + blockIdx.x * delta_stride;
-  T* sr = sum + blockIdx.x * sum_stride;
+  T* sr = kAdd ? sum + blockIdx.x * sum_stride : nullptr;
   float sum_sq = 0.f;
   for (int i = threadIdx.x; i < hidden; i += kThreads) {
-    const float v = round_to<T>(__fadd_rn(to_float(xr[i]), to_float(dr[i])));
-    sr[i] = from_float<T>(v);
+    float v = to_float(xr[i]);
+    if (kAdd) {
+      v = round_to<T>(__fadd_rn(v, to_float(delta[blockIdx.x * delta_stride + i])));
+      sr[i] = from_float<T>(v);
+    }
     sum_sq += v * v;
   }
   const float inv_rms = rsqrtf(block_sum(sum_sq) / static_cast<float>(hidden) + eps);
+  const T* src = kAdd ? sr : xr;
   T* dst = out + blockIdx.x * out_stride;
   for (int i = threadIdx.x; i < hidden; i += kThreads) {
-    const float normed = round_to<T>(__fmul_rn(to_float(sr[i]), inv_rms));
+    const float normed = round_to<T>(__fmul_rn(to_float(src[i]), inv_rms));
     dst[i] = from_float<T>(__fmul_rn(to_float(weight[i]), normed));
   }
 }
@@ -152,9 +138,10 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, do
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   FB_DISPATCH_FLOAT(x.scalar_type(), "rms_norm",
-      rms_norm_kernel<scalar_t><<<static_cast<unsigned>(x.size(0)), kThreads, 0, stream>>>(
-          static_cast<scalar_t*>(out.data_ptr()), static_cast<const scalar_t*>(x.data_ptr()),
-          static_cast<const scalar_t*>(weight.data_ptr()), x.stride(0), out.stride(0),
+      rms_norm_kernel<scalar_t, false><<<static_cast<unsigned>(x.size(0)), kThreads, 0, stream>>>(
+          static_cast<scalar_t*>(out.data_ptr()), nullptr,
+          static_cast<const scalar_t*>(x.data_ptr()), nullptr,
+          static_cast<const scalar_t*>(weight.data_ptr()), x.stride(0), 0, out.stride(0), 0,
           static_cast<int>(x.size(1)), static_cast<float>(eps)));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -175,7 +162,7 @@ void add_rms_norm(at::Tensor& out, at::Tensor& sum, const at::Tensor& x, const a
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   FB_DISPATCH_FLOAT(x.scalar_type(), "add_rms_norm",
-      add_rms_norm_kernel<scalar_t><<<static_cast<unsigned>(x.size(0)), kThreads, 0, stream>>>(
+      rms_norm_kernel<scalar_t, true><<<static_cast<unsigned>(x.size(0)), kThreads, 0, stream>>>(
           static_cast<scalar_t*>(out.data_ptr()), static_cast<scalar_t*>(sum.data_ptr()),
           static_cast<const scalar_t*>(x.data_ptr()), static_cast<const scalar_t*>(delta.data_ptr()),
           static_cast<const scalar_t*>(weight.data_ptr()), x.stride(0), delta.stride(0),

@@ -112,25 +112,16 @@ def test_piecewise_graph_replay_matches_eager_steps(cuda_ops, dtype):
     """A small random Llama captured in pieces on the GPU: prefill, mixed, speculative-shaped
     and single-row steps of every size up to the largest bucket give the eager step's logits and
     the same KV cache; capture writes nothing into the cache."""
-    import copy
     import sys
     from pathlib import Path
 
-    from ferrobatch.model.config import ModelConfig
-    from ferrobatch.model.loader import LoadedModel, build_model
     from ferrobatch.runtime.model_runner import ModelRunner
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-    from step_builder import context_prefill, mixed_step
+    from step_builder import context_prefill, mixed_step, random_llama_twins
 
     block_size, vocab = 16, 512
-    config = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=256, intermediate_size=512,
-                         num_layers=3, num_heads=8, num_kv_heads=2, head_dim=64,
-                         max_position_embeddings=2048)
-    torch.manual_seed(0)
-    model = build_model(config, None, device=torch.device("cuda"), dtype=dtype)
-    loaded = LoadedModel("tiny", config, model, None, None, "random")
-    twin = copy.deepcopy(loaded)
+    loaded, twin = random_llama_twins("cuda", dtype, vocab)
     eager = ModelRunner(loaded, num_blocks=600, block_size=block_size, attn_backend="cuda")
     pieced = ModelRunner(twin, num_blocks=600, block_size=block_size, attn_backend="cuda")
     assert pieced.capture_piecewise_graphs(512) == (16, 32, 64, 128, 256, 384, 512)

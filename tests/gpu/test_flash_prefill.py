@@ -128,25 +128,16 @@ def test_backend_uses_flash_for_bf16_and_matches_its_kernel(cuda_ops):
 def test_model_runner_prefill_logits_with_and_without_flash(cuda_ops):
     """A small random Llama in bf16: prefill, chunk-after-context and mixed steps give the same
     logits (within bf16) on FlashAttention as on ferrobatch's prefill kernel."""
-    import copy
     import sys
     from pathlib import Path
 
-    from ferrobatch.model.config import ModelConfig
-    from ferrobatch.model.loader import LoadedModel, build_model
     from ferrobatch.runtime.model_runner import ModelRunner
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-    from step_builder import context_prefill, mixed_step
+    from step_builder import context_prefill, mixed_step, random_llama_twins
 
     block_size, vocab = 16, 512
-    config = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=256, intermediate_size=512,
-                         num_layers=3, num_heads=8, num_kv_heads=2, head_dim=64,
-                         max_position_embeddings=2048)
-    torch.manual_seed(0)
-    model = build_model(config, None, device=torch.device(DEV), dtype=torch.bfloat16)
-    loaded = LoadedModel("tiny", config, model, None, None, "random")
-    twin = copy.deepcopy(loaded)
+    loaded, twin = random_llama_twins(DEV, torch.bfloat16, vocab)
     flash_runner = ModelRunner(loaded, num_blocks=600, block_size=block_size, attn_backend="cuda")
     kernel_runner = ModelRunner(twin, num_blocks=600, block_size=block_size, attn_backend="cuda",
                                 flash_prefill=False)

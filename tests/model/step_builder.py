@@ -232,3 +232,22 @@ def context_prefill(batch, block_size: int, vocab_size: int = 64):
         seq_lens=(lens[keep] - np.diff(batch.query_start_loc)[keep]).astype(np.int32),
         block_tables=batch.block_tables[keep], logits_indices=(q2[1:] - 1).astype(np.int32),
         block_copies=np.zeros((0, 2), np.int32))
+
+
+def random_llama_twins(device, dtype, vocab_size: int = 512, seed: int = 0):
+    """A small random Llama (3 layers, hidden 256, 8 query / 2 KV heads of 64) as a LoadedModel,
+    and a deep copy of it: the same weights for two runners (each binds its own backend)."""
+    import copy
+
+    import torch
+
+    from ferrobatch.model.config import ModelConfig
+    from ferrobatch.model.loader import LoadedModel, build_model
+
+    config = ModelConfig(arch="llama", vocab_size=vocab_size, hidden_size=256,
+                         intermediate_size=512, num_layers=3, num_heads=8, num_kv_heads=2,
+                         head_dim=64, max_position_embeddings=2048)
+    torch.manual_seed(seed)
+    model = build_model(config, None, device=torch.device(device), dtype=dtype)
+    loaded = LoadedModel("tiny", config, model, None, None, "random")
+    return loaded, copy.deepcopy(loaded)
