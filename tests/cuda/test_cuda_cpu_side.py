@@ -364,19 +364,22 @@ def test_the_runner_swaps_only_after_the_check_and_unless_switched_off(stand_in_
 
     monkeypatch.setenv(ce.ENV_FLAG, "0")
     model = _tiny_model().model
-    _use_fused_elementwise_ops(model, torch.float32)
+    said = _use_fused_elementwise_ops(model, torch.float32)
     assert fused_count(model) == 0 and "torch's modules (FERROBATCH_CUDA_FUSED_OPS=0)" in caplog.text
+    assert said == "torch's modules (FERROBATCH_CUDA_FUSED_OPS=0)"      # the banner's words
     monkeypatch.delenv(ce.ENV_FLAG)
     right = cuda_ops.rms_norm
     monkeypatch.setattr(cuda_ops, "rms_norm", lambda x, w, eps: right(x, w, eps) + 1.0)
-    _use_fused_elementwise_ops(model, torch.float32)
+    said = _use_fused_elementwise_ops(model, torch.float32)
     assert fused_count(model) == 0 and "disagree" in caplog.text
+    assert said.startswith("torch's modules (the fused kernels failed their start-up check: "
+                           "worst rms_norm")
     monkeypatch.setattr(cuda_ops, "rms_norm", right)
-    _use_fused_elementwise_ops(model, torch.float32)
+    assert _use_fused_elementwise_ops(model, torch.float32).startswith("fused CUDA kernels")
     assert fused_count(model) == 2 * 2 + 1
     monkeypatch.setenv(ce.ENV_FLAG, "0")      # a later runner on the same (swapped) model
     caplog.clear()
-    _use_fused_elementwise_ops(model, torch.float32)
+    assert _use_fused_elementwise_ops(model, torch.float32).startswith("fused CUDA kernels")
     assert fused_count(model) == 5 and "they stay" in caplog.text
 
 

@@ -226,3 +226,10 @@ def test_steps_with_too_much_context_to_gather_keep_the_kernel(backend, monkeypa
     meta = _run_step(backend, [1, 200, 300], torch.bfloat16, 11)    # contexts >= 200 + 300
     total = int(np.asarray(meta.seq_lens_cpu)[1:].sum())
     assert total > 600 and meta.flash_plan is None
+
+
+def test_the_banner_says_where_prefill_attention_runs(backend):
+    backend.flash_prefill = True
+    assert "prefill: FlashAttention-2 (torch) for prefills of 128+ tokens" in backend.description
+    backend.flash_prefill = False
+    assert backend.description.endswith("prefill: ferrobatch's paged prefill kernel)")

@@ -133,9 +133,8 @@ class ModelRunner:
             if freed:
                 logger.info("returned %.0f MiB freed while loading to the OS", freed / 2**20)
         if self.device.type == "cuda" and self.attn_backend.name == "cuda":
-            _use_fused_elementwise_ops(self.model, loaded.dtype)
-        self.attention_kernels = getattr(self.attn_backend, "description", self.attention_kernels)
-        logger.info("attention: %s", self.attention_kernels)
+            self.linear_kernels += "; elementwise ops: " + _use_fused_elementwise_ops(
+                self.model, loaded.dtype)
         self.block_size = block_size
         self.validate_steps = validate_steps
         self.kv_cache = KVCache(self.config, num_blocks, block_size, self.device,
@@ -146,6 +145,8 @@ class ModelRunner:
             from ferrobatch.runtime.attention.flash_prefill import FLASH_DTYPES
             self.attn_backend.flash_prefill = self.attn_backend.flash_prefill and \
                 flash_prefill and self.kv_cache.dtype in FLASH_DTYPES
+        self.attention_kernels = getattr(self.attn_backend, "description", self.attention_kernels)
+        logger.info("attention: %s", self.attention_kernels)
         self.decode_graphs: DecodeGraphRunner | None = None
         self.piecewise_graphs: PiecewiseGraphRunner | None = None
         self.graph_steps = 0       # steps served by a decode graph replay
@@ -294,9 +295,10 @@ def _gguf_block_weights(loaded) -> dict:
     return blocks
 
 
-def _use_fused_elementwise_ops(model, dtype: torch.dtype) -> None:
+def _use_fused_elementwise_ops(model, dtype: torch.dtype) -> str:
     """On CUDA: the fused elementwise kernels in place of torch's modules, once their start-up
-    check agrees (``runtime.cuda_elementwise``); the log says which and why."""
+    check agrees (``runtime.cuda_elementwise``); the log says which and why, and so does the
+    returned phrase (for the serve banner)."""
     from ferrobatch.runtime.cuda_elementwise import (
         ENV_FLAG,
         CudaRMSNorm,
@@ -304,23 +306,25 @@ def _use_fused_elementwise_ops(model, dtype: torch.dtype) -> None:
         fused_ops_requested,
         swap_cuda_elementwise_ops,
     )
+    fused = "fused CUDA kernels (RMSNorm with the residual add, SiLU-and-mul, rotary)"
     if any(isinstance(m, CudaRMSNorm) for m in model.modules()):   # e.g. the KV-sizing warm-up
         if fused_ops_requested():
             logger.info("elementwise ops: the fused CUDA kernels (swapped in earlier)")
         else:
             logger.warning("elementwise ops: %s=0, but an earlier runner swapped this model's "
                            "modules for the fused CUDA kernels; they stay", ENV_FLAG)
-        return
+        return fused
     if not fused_ops_requested():
         logger.info("elementwise ops: torch's modules (%s=0)", ENV_FLAG)
-        return
+        return f"torch's modules ({ENV_FLAG}=0)"
     ok, detail = check_fused_ops(model, dtype)
     if not ok:
         logger.warning("elementwise ops: torch's modules; the fused CUDA kernels disagree with "
                        "them in the start-up check (%s)", detail)
-        return
+        return f"torch's modules (the fused kernels failed their start-up check: {detail})"
     logger.info("elementwise ops: %d modules on the fused CUDA kernels (start-up check: %s)",
                 swap_cuda_elementwise_ops(model), detail)
+    return fused
 
 
 def _samples_every_row(batch) -> bool:

@@ -137,6 +137,14 @@ class CudaPagedBackend(AttentionBackend):
         logger.info("attention backend: cuda (ferrobatch paged kernels, sm_%s, %d SMs, %s)",
                     cuda_ops.device_arch(dev), self.sm_count, self.library)
 
+    @property
+    def description(self) -> str:
+        """What runs attention, in words (the serve banner's ``attention:`` line)."""
+        prefill = ("FlashAttention-2 (torch) for prefills of 128+ tokens once its start-up check "
+                   "agrees, else ferrobatch's paged prefill kernel" if self.flash_prefill
+                   else "ferrobatch's paged prefill kernel")
+        return f"ferrobatch CUDA kernels (decode: split-KV paged kernel; prefill: {prefill})"
+
     # ---- capabilities -------------------------------------------------------------------------
     @staticmethod
     def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> str | None:
