@@ -17,6 +17,7 @@ from ferrobatch.config import EngineConfig, Speculation
     ({"num_blocks": 1}, "num_blocks"),
     ({"device": "tpu"}, "device"),
     ({"cuda_graphs": "no"}, "cuda_graphs"),
+    ({"flash_prefill": 0}, "flash_prefill"),
     ({"gguf_blocks": 1}, "gguf_blocks"),
     ({"fused_decode": "yes"}, "fused_decode"),
     ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
@@ -110,6 +111,8 @@ def test_cli_maps_engine_flags():
     off = _config(parser.parse_args(["serve", "--piecewise-max-tokens", "0"]))
     assert off.piecewise_max_tokens == 0 and off.piecewise_token_limit("cuda") == 0
     assert off.cuda_graphs is True
+    assert default.flash_prefill is True
+    assert _config(parser.parse_args(["serve", "--no-flash-prefill"])).flash_prefill is False
     assert cfg.gguf_blocks is False and cfg.fused_decode is False
     assert default.num_speculative_tokens is None and default.speculative_max_running is None
     cfg = _config(parser.parse_args(["serve", "--num-speculative-tokens", "0",
