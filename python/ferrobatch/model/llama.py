@@ -190,14 +190,13 @@ class LlamaForCausalLM(nn.Module):
             hidden = fused.embed_and_run(input_ids, positions, kv_caches, attn_meta)
             if hidden_indices is None:
                 return self.compute_logits(fused.final_norm(hidden, logits_indices))
-        else:
-            residual, delta = self.embed_tokens(input_ids), None
-            rope_tables = self.rotary.tables(positions, residual.dtype)
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                residual, delta = layer(residual, delta, rope_tables, kv_cache, attn_meta,
-                                        self.attn_backend)
-            return self.logits_from_hidden(residual, logits_indices, hidden_indices, delta)
-        return self.logits_from_hidden(hidden, logits_indices, hidden_indices)
+            return self.logits_from_hidden(hidden, logits_indices, hidden_indices)
+        residual, delta = self.embed_tokens(input_ids), None
+        rope_tables = self.rotary.tables(positions, residual.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            residual, delta = layer(residual, delta, rope_tables, kv_cache, attn_meta,
+                                    self.attn_backend)
+        return self.logits_from_hidden(residual, logits_indices, hidden_indices, delta)
 
     def logits_from_hidden(self, hidden: torch.Tensor, logits_indices: torch.Tensor,
                            hidden_indices: torch.Tensor | None = None,
