@@ -126,48 +126,51 @@ void check_cuda_rows(const at::Tensor& t, const char* name) {
     default: TORCH_CHECK(false, NAME ": unsupported dtype ", DTYPE);                \
   }
 
-void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_cuda_rows(x, "x");
-  check_cuda_rows(out, "out");
-  TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes(), "rms_norm: x and out must be [T, H]");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
-              "rms_norm: weight must be [H], contiguous");
-  TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.scalar_type() == weight.scalar_type(),
-              "rms_norm: x, weight and out must share a dtype");
+// rms_norm and add_rms_norm: the checks and the launch (sum and delta null for the plain norm).
+static void launch_rms_norm(at::Tensor& out, at::Tensor* sum, const at::Tensor& x,
+                            const at::Tensor* delta, const at::Tensor& weight, double eps,
+                            const char* name) {
+  for (const at::Tensor* t : {static_cast<const at::Tensor*>(&out),
+                              static_cast<const at::Tensor*>(sum), &x, delta}) {
+    if (t == nullptr) continue;
+    check_cuda_rows(*t, name);
+    TORCH_CHECK(t->dim() == 2 && t->sizes() == x.sizes(), name,
+                ": out, x (and sum, delta) must be [T, H]");
+    TORCH_CHECK(t->scalar_type() == x.scalar_type(), name, ": one dtype for all tensors");
+  }
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              name, ": weight must be [H], contiguous, of x's dtype");
   if (x.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  FB_DISPATCH_FLOAT(x.scalar_type(), "rms_norm",
-      rms_norm_kernel<scalar_t, false><<<static_cast<unsigned>(x.size(0)), kThreads, 0, stream>>>(
-          static_cast<scalar_t*>(out.data_ptr()), nullptr,
-          static_cast<const scalar_t*>(x.data_ptr()), nullptr,
-          static_cast<const scalar_t*>(weight.data_ptr()), x.stride(0), 0, out.stride(0), 0,
-          static_cast<int>(x.size(1)), static_cast<float>(eps)));
+  const unsigned rows = static_cast<unsigned>(x.size(0));
+  const int hidden = static_cast<int>(x.size(1));
+  FB_DISPATCH_FLOAT(x.scalar_type(), "rms_norm", {
+    scalar_t* o = static_cast<scalar_t*>(out.data_ptr());
+    const scalar_t* xp = static_cast<const scalar_t*>(x.data_ptr());
+    const scalar_t* w = static_cast<const scalar_t*>(weight.data_ptr());
+    if (sum != nullptr) {
+      rms_norm_kernel<scalar_t, true><<<rows, kThreads, 0, stream>>>(
+          o, static_cast<scalar_t*>(sum->data_ptr()), xp,
+          static_cast<const scalar_t*>(delta->data_ptr()), w, x.stride(0), delta->stride(0),
+          out.stride(0), sum->stride(0), hidden, static_cast<float>(eps));
+    } else {
+      rms_norm_kernel<scalar_t, false><<<rows, kThreads, 0, stream>>>(
+          o, nullptr, xp, nullptr, w, x.stride(0), 0, out.stride(0), 0, hidden,
+          static_cast<float>(eps));
+    }
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  launch_rms_norm(out, nullptr, x, nullptr, weight, eps, "rms_norm");
 }
 
 void add_rms_norm(at::Tensor& out, at::Tensor& sum, const at::Tensor& x, const at::Tensor& delta,
                   const at::Tensor& weight, double eps) {
-  const at::Tensor* rows[] = {&out, &sum, &x, &delta};
-  for (const at::Tensor* t : rows) {
-    check_cuda_rows(*t, "add_rms_norm's tensors");
-    TORCH_CHECK(t->dim() == 2 && t->sizes() == x.sizes(),
-                "add_rms_norm: out, sum, x and delta must be [T, H]");
-    TORCH_CHECK(t->scalar_type() == x.scalar_type(), "add_rms_norm: one dtype for all tensors");
-  }
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
-                  weight.scalar_type() == x.scalar_type(),
-              "add_rms_norm: weight must be [H], contiguous, of x's dtype");
-  if (x.size(0) == 0) return;
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  FB_DISPATCH_FLOAT(x.scalar_type(), "add_rms_norm",
-      rms_norm_kernel<scalar_t, true><<<static_cast<unsigned>(x.size(0)), kThreads, 0, stream>>>(
-          static_cast<scalar_t*>(out.data_ptr()), static_cast<scalar_t*>(sum.data_ptr()),
-          static_cast<const scalar_t*>(x.data_ptr()), static_cast<const scalar_t*>(delta.data_ptr()),
-          static_cast<const scalar_t*>(weight.data_ptr()), x.stride(0), delta.stride(0),
-          out.stride(0), sum.stride(0), static_cast<int>(x.size(1)), static_cast<float>(eps)));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_rms_norm(out, &sum, x, &delta, weight, eps, "add_rms_norm");
 }
 
 void silu_and_mul(at::Tensor& out, const at::Tensor& x) {

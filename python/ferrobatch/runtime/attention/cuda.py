@@ -216,9 +216,9 @@ class CudaPagedBackend(AttentionBackend):
         query_lens = np.diff(qsl.astype(np.int64))
         mixed = {}
         is_dec = query_lens == 1
+        pre = np.flatnonzero(~is_dec)             # the prefill sequences (more than one query)
         if is_dec.any() and not is_dec.all():
             dec = np.flatnonzero(is_dec)
-            pre = np.flatnonzero(~is_dec)
             tables = np.asarray(batch.block_tables)
             mixed = {
                 "decode_token_idx": _device_tensor(qsl[dec], np.int64, device),
@@ -228,10 +228,8 @@ class CudaPagedBackend(AttentionBackend):
                 "prefill_seq_ids": _device_tensor(pre, np.int32, device),
                 "prefill_max_query_len": int(query_lens[pre].max()),
             }
-        pre = np.flatnonzero(~is_dec) if is_dec.any() else np.arange(len(seq_lens))
         if self.flash_prefill and int(query_lens[pre].sum()) >= flash.MIN_QUERY_TOKENS \
                 and int(seq_lens[pre].sum()) <= flash.MAX_CONTEXT_TOKENS \
-                and int(query_lens.max(initial=0)) > 1 \
                 and False not in self._flash_verdicts.values():
             mixed["flash_plan"] = flash.plan_flash_prefill(
                 qsl, seq_lens, np.asarray(batch.block_tables), self.block_size, pre,
