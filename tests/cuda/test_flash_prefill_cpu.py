@@ -144,24 +144,44 @@ def _run_step(backend, query_lens, dtype, seed):
     return meta
 
 
-@pytest.mark.parametrize("query_lens,decode_calls", [([5, 300], 0), ([1, 70, 1, 133, 1, 2], 1)])
-def test_backend_sends_bf16_prefill_rows_to_flash_after_the_check(backend, monkeypatch,
-                                                                  query_lens, decode_calls):
+@pytest.mark.parametrize("query_lens", [[5, 300], [1, 70, 1, 133, 1, 2]])
+def test_backend_sends_bf16_steps_to_flash_after_the_check(backend, monkeypatch, query_lens):
     """bf16: the first prefill step runs the start-up check (ferrobatch's kernel once, on the
-    check's own step), then every prefill row of every step goes through the varlen kernel;
-    decode rows of a mixed step still go to the decode kernel."""
+    check's own step; FlashAttention twice: the prefill sequences, then the whole step), then
+    every row of every step goes through one varlen call: a mixed step within
+    MAX_CONTEXT_TOKENS is planned whole, its decode rows as one-query sequences."""
     used = []
     monkeypatch.setattr(flash, "varlen_flash",
                         lambda *a: used.append(1) or flash.varlen_reference(*a))
     backend.flash_prefill = True
     for seed in (1, 2):
         meta = _run_step(backend, query_lens, torch.bfloat16, seed)
-        assert meta.flash_plan is not None
+        assert meta.flash_plan is not None and meta.flash_plan.q_rows is None
+        assert meta.flash_plan.cu_q.tolist() == [0, *np.cumsum(query_lens).tolist()]
     assert list(backend._flash_verdicts.values()) == [True]
     calls = [c for c in backend.fake.calls if c != "cache"]
-    assert calls.count("prefill/subset") == 1, calls        # the check's comparison only
-    assert sum(c.startswith("decode") for c in calls) == 2 * decode_calls
-    assert len(used) == 3                                    # the check + two steps
+    assert calls == ["prefill/subset"], calls               # the check's comparison only
+    assert len(used) == 4                                    # the check's two + two steps
+
+
+def test_mixed_steps_with_too_much_context_send_only_their_prefill_rows(backend, monkeypatch):
+    """A mixed step whose decode rows' contexts would make the gather too big: FlashAttention
+    for its prefill sequences only, the decode kernel for its decode rows."""
+    used = []
+    monkeypatch.setattr(flash, "varlen_flash",
+                        lambda *a: used.append(1) or flash.varlen_reference(*a))
+    backend.flash_prefill = True
+    _run_step(backend, [5, 300], torch.bfloat16, 1)          # the start-up check passes
+    backend.fake.calls.clear()
+    query_lens = [1, 250, 1, 200]
+    monkeypatch.setattr(flash, "MAX_CONTEXT_TOKENS", 900)
+    meta = _run_step(backend, query_lens, torch.bfloat16, 12)
+    lens = np.asarray(meta.seq_lens_cpu)
+    assert lens.sum() > 900 >= lens[[1, 3]].sum(), "seed 12 no longer gives the intended step"
+    assert meta.flash_plan.q_rows.tolist() == list(range(1, 251)) + list(range(252, 452))
+    calls = [c for c in backend.fake.calls if c != "cache"]
+    assert len(calls) == 1 and calls[0].startswith("decode"), calls
+    assert len(used) == 4                    # the check's two, the first step, this step
 
 
 def test_backend_falls_back_to_its_kernel_when_the_check_fails(backend, monkeypatch, caplog):

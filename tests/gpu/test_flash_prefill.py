@@ -60,18 +60,20 @@ def test_flash_prefill_matches_the_float64_reference(dtype, num_kv_heads, group,
                     device=DEV).to(dtype)
     scale = 1.0 / math.sqrt(head_dim)
     ref = reference_attention(q, cache, pb, scale)
-    seqs = np.flatnonzero(pb.query_lens > 1) if (pb.query_lens == 1).any() \
-        else np.arange(pb.num_seqs)
-    plan = flash.plan_flash_prefill(pb.query_start_loc, pb.seq_lens, pb.block_tables,
-                                    block_size, seqs, _to_dev)
-    out = poison(q.shape, dtype, DEV)
-    flash.flash_prefill_attention(q, cache, plan, scale, out=out)
-    torch.cuda.synchronize()
-    rows = np.concatenate([np.arange(pb.query_start_loc[b], pb.query_start_loc[b + 1])
-                           for b in seqs])
-    _assert_flash_close(out[rows], ref[rows], dtype, f"flash case {case}")
-    others = np.setdiff1d(np.arange(pb.num_tokens), rows)
-    assert torch.isnan(out[others].float()).all(), "rows outside the plan were written"
+    plans = [np.arange(pb.num_seqs)]                 # the whole step (decode rows included)
+    if (pb.query_lens == 1).any():                   # and a mixed step's prefill sequences
+        plans.append(np.flatnonzero(pb.query_lens > 1))
+    for seqs in plans:
+        plan = flash.plan_flash_prefill(pb.query_start_loc, pb.seq_lens, pb.block_tables,
+                                        block_size, seqs, _to_dev)
+        out = poison(q.shape, dtype, DEV)
+        flash.flash_prefill_attention(q, cache, plan, scale, out=out)
+        torch.cuda.synchronize()
+        rows = np.concatenate([np.arange(pb.query_start_loc[b], pb.query_start_loc[b + 1])
+                               for b in seqs])
+        _assert_flash_close(out[rows], ref[rows], dtype, f"flash case {case}, {len(seqs)} seqs")
+        others = np.setdiff1d(np.arange(pb.num_tokens), rows)
+        assert torch.isnan(out[others].float()).all(), "rows outside the plan were written"
 
 
 def test_strided_query_of_a_fused_projection():

@@ -8,7 +8,10 @@
   64-row query tile of the prefill kernel. In bf16 / fp16 the prefill sequences go to torch's
   FlashAttention-2 varlen kernel instead (tensor cores; ``attention.flash_prefill``), once a
   start-up check on the model's shape agrees with ferrobatch's prefill kernel
-  (``flash_prefill=False`` keeps ferrobatch's kernel).
+  (``flash_prefill=False`` keeps ferrobatch's kernel). A mixed step whose whole context fits
+  ``flash_prefill.MAX_CONTEXT_TOKENS`` goes to FlashAttention whole, decode rows included: on
+  the H200 such a step was host-bound (~10 eager launches per layer around the piecewise
+  graphs; the cap-32 ablation's refills, session 31), one varlen call is ~4.
 
 The kernels are compiled on first use (see ``ferrobatch.runtime.cuda_ops``); ``cuda_available()``
 says whether that can work here and why not. ``get_attention_backend("auto"|"cuda"|"torch")``
@@ -229,11 +232,16 @@ class CudaPagedBackend(AttentionBackend):
                 "prefill_max_query_len": int(query_lens[pre].max()),
             }
         if self.flash_prefill and int(query_lens[pre].sum()) >= flash.MIN_QUERY_TOKENS \
-                and int(seq_lens[pre].sum()) <= flash.MAX_CONTEXT_TOKENS \
                 and False not in self._flash_verdicts.values():
-            mixed["flash_plan"] = flash.plan_flash_prefill(
-                qsl, seq_lens, np.asarray(batch.block_tables), self.block_size, pre,
-                lambda a, dt: _device_tensor(a, dt, device))
+            # A mixed step whose whole context is small goes to FlashAttention as a whole, its
+            # decode rows as sequences of one query: one varlen call per layer instead of the
+            # prefill call, the decode kernel and the gathers and scatters between them.
+            seqs = np.arange(len(seq_lens)) \
+                if int(seq_lens.sum()) <= flash.MAX_CONTEXT_TOKENS else pre
+            if int(seq_lens[seqs].sum()) <= flash.MAX_CONTEXT_TOKENS:
+                mixed["flash_plan"] = flash.plan_flash_prefill(
+                    qsl, seq_lens, np.asarray(batch.block_tables), self.block_size, seqs,
+                    lambda a, dt: _device_tensor(a, dt, device))
         return CudaMetadata(
             slot_mapping=_device_tensor(batch.slot_mapping, np.int64, device),
             query_start_loc=_device_tensor(qsl, np.int32, device),
@@ -267,31 +275,53 @@ class CudaPagedBackend(AttentionBackend):
         if meta.max_query_len <= 1 and num_tokens == meta.num_seqs:
             out = self._decode(query, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len,
                                scale, getattr(meta, "num_splits", None))
-        elif getattr(meta, "prefill_seq_ids", None) is not None:
-            out = self._prefill(query, kv_cache, meta, scale,
-                                out=torch.empty(query.shape, dtype=query.dtype,
-                                                device=query.device))
-            out_dec = self._decode(query.index_select(0, meta.decode_token_idx), kv_cache,
-                                   meta.decode_block_tables, meta.decode_seq_lens,
-                                   meta.decode_max_seq_len, scale, None)
-            out.index_copy_(0, meta.decode_token_idx, out_dec)
         else:
-            out = self._prefill(query, kv_cache, meta, scale)
+            plan = getattr(meta, "flash_plan", None)
+            out = None
+            if plan is not None and plan.q_rows is None:     # every row: one varlen call
+                out = self._flash(query, kv_cache, plan, scale, None)
+            if out is None:
+                out = self._prefill_and_decode(query, kv_cache, meta, scale)
         return out if out.dtype == in_dtype else out.to(in_dtype)
+
+    def _prefill_and_decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """A step with prefill rows: the prefill sequences through ``_prefill`` and, in a mixed
+        step, the decode rows through the decode kernel."""
+        if getattr(meta, "prefill_seq_ids", None) is None:
+            return self._prefill(query, kv_cache, meta, scale)
+        out = self._prefill(query, kv_cache, meta, scale,
+                            out=torch.empty(query.shape, dtype=query.dtype, device=query.device))
+        out_dec = self._decode(query.index_select(0, meta.decode_token_idx), kv_cache,
+                               meta.decode_block_tables, meta.decode_seq_lens,
+                               meta.decode_max_seq_len, scale, None)
+        out.index_copy_(0, meta.decode_token_idx, out_dec)
+        return out
+
+    def _flash(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: flash.FlashPrefillPlan,
+               scale: float, out: torch.Tensor | None) -> torch.Tensor | None:
+        """The plan's rows through FlashAttention (written into ``out`` when given), or None when
+        it is not usable here. An error from it at run time switches it off for good (logged)."""
+        if not self._flash_usable(query, kv_cache):
+            return None
+        try:
+            return flash.flash_prefill_attention(query, kv_cache, plan, scale, out=out)
+        except RuntimeError as exc:
+            self._flash_verdicts = {k: False for k in self._flash_verdicts}
+            logger.warning("prefill attention: FlashAttention-2 failed (%s: %s); "
+                           "ferrobatch's kernels from now on", type(exc).__name__, exc)
+            return None
 
     def _prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the prefill sequences: every sequence of the step, or with ``out`` those
-        of ``meta.prefill_seq_ids`` (their rows of ``out`` written). FlashAttention when usable;
-        an error from it at run time switches it off for good (logged) and the kernel runs."""
+        of ``meta.prefill_seq_ids`` (their rows of ``out`` written). FlashAttention when usable
+        and its plan covers just those rows, else ferrobatch's prefill kernel."""
         plan = getattr(meta, "flash_plan", None)
-        if plan is not None and self._flash_usable(query, kv_cache):
-            try:
-                return flash.flash_prefill_attention(query, kv_cache, plan, scale, out=out)
-            except RuntimeError as exc:
-                self._flash_verdicts = {k: False for k in self._flash_verdicts}
-                logger.warning("prefill attention: FlashAttention-2 failed (%s: %s); "
-                               "ferrobatch's prefill kernel from now on", type(exc).__name__, exc)
+        if plan is not None and (out is None) == (plan.q_rows is None):
+            res = self._flash(query, kv_cache, plan, scale, out)
+            if res is not None:
+                return res
         if out is None:
             return cuda_ops.paged_prefill_attention(query, kv_cache, meta.block_tables,
                                                     meta.seq_lens, meta.query_start_loc, scale,

@@ -40,6 +40,8 @@ MIN_QUERY_TOKENS = 128
 # which reads the paged cache in place: the gathered K/V copy ([2, tokens, Hkv, D] per layer,
 # 134 MB at this size for Llama-3-8B) is not in the start-up warm-up's memory peak (one fresh
 # prompt of the step budget), so it must stay small next to the memory left out of the KV cache.
+# A mixed step within it is planned whole (decode rows too, ``CudaPagedBackend.build_metadata``):
+# gathering its decode rows' contexts costs less than the decode kernel's launches around it.
 MAX_CONTEXT_TOKENS = 32768
 # relative error (norm of the difference / norm of the kernel's output) the start-up check
 # accepts between this path and ferrobatch's kernel: FlashAttention rounds the probabilities to
@@ -152,8 +154,9 @@ def flash_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: F
 
 
 # (context length after the step, query length) of the start-up check's step: a fresh prompt, a
-# chunk after prior context that ends inside a block, a decode row (left out, as in a mixed
-# step), a one-block prompt, a chunk of all but the first token
+# chunk after prior context that ends inside a block, a decode row (left out of the plan of the
+# prefill sequences, in the plan of the whole step), a one-block prompt, a chunk of all but the
+# first token
 CHECK_STEP = ((37, 37), (300, 45), (130, 1), (16, 16), (97, 96))
 
 
@@ -162,8 +165,9 @@ def check_flash_prefill(kernel: Callable[..., torch.Tensor], num_heads: int, num
                         device: torch.device, attn: VarlenFn | None = None
                         ) -> tuple[bool, str]:
     """Runs this path and ``kernel`` (``cuda_ops.paged_prefill_attention``'s signature) on
-    ``CHECK_STEP`` with random inputs of the model's shape: ``(agree, what was found)`` (the
-    relative error, or an exception's text)."""
+    ``CHECK_STEP`` with random inputs of the model's shape, planned two ways (the prefill
+    sequences of a mixed step, and the whole step with its decode row): ``(agree, what was
+    found)`` (the worse relative error, or an exception's text)."""
     gen = torch.Generator(device="cpu").manual_seed(1234)
     lens = np.array([L for L, _ in CHECK_STEP], np.int64)
     qlens = np.array([n for _, n in CHECK_STEP], np.int64)
@@ -184,14 +188,18 @@ def check_flash_prefill(kernel: Callable[..., torch.Tensor], num_heads: int, num
         def dev(a, np_dtype):
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np_dtype)).to(device)
 
-        plan = plan_flash_prefill(qsl, lens, tables, block_size, seqs, dev)
-        got = flash_prefill_attention(q, cache, plan, scale, out=torch.zeros_like(q), attn=attn)
         want = kernel(q, cache, dev(tables, np.int32), dev(lens, np.int32), dev(qsl, np.int32),
-                      scale, int(qlens[seqs].max()), out=torch.zeros_like(q),
-                      seq_ids=dev(seqs, np.int32))
-        rows = plan.q_rows
-        got, want = got.index_select(0, rows).double(), want.index_select(0, rows).double()
-        err = float((got - want).norm() / want.norm().clamp_min(1e-30))
+                      scale, int(qlens.max()), out=torch.zeros_like(q),
+                      seq_ids=dev(np.arange(len(lens)), np.int32)).double()
+        err = 0.0
+        for plan_seqs in (seqs, np.arange(len(lens))):
+            plan = plan_flash_prefill(qsl, lens, tables, block_size, plan_seqs, dev)
+            got = flash_prefill_attention(q, cache, plan, scale, out=torch.zeros_like(q),
+                                          attn=attn).double()
+            rows = plan.q_rows
+            ref = want if rows is None else want.index_select(0, rows)
+            got = got if rows is None else got.index_select(0, rows)
+            err = max(err, float((got - ref).norm() / ref.norm().clamp_min(1e-30)))
     except Exception as exc:  # noqa: BLE001 - any failure means: do not use this path
         return False, f"{type(exc).__name__}: {exc}"
     tol = CHECK_REL_TOL.get(dtype, 0.0)
