@@ -9,7 +9,9 @@ submitted at once), with a timer around each phase of `EngineCore.step`:
 - **model: decode graph** / **model: piecewise** / **model: eager**: `ModelRunner.execute` on
   steps served by a decode CUDA-graph replay, by the piecewise graphs (prefill or mixed chunks,
   attention eager between the pieces), and on every other step (every step on the CPU);
-- **finite check**, **sample**: the logits check and the sampler;
+- **greedy read-back**: a plain greedy step's tokens and finite flags, read back in one transfer
+  (`EngineCore._plain_greedy`; on a decode-graph step the graph computed them);
+- **finite check**, **sample**: the logits check and the sampler (every other step);
 - **rest of step**: the remainder of `EngineCore.step` (logprobs, guides, building the result);
 - **outside the step**: the wall time between steps (the step loop, output processing,
   detokenization, the asyncio side).
@@ -33,8 +35,9 @@ from common import write_json  # noqa: E402  (puts python/ on sys.path when not 
 from throughput import warmup_requests  # noqa: E402
 from workloads import WORKLOADS, build_requests  # noqa: E402
 
-PHASES = ("schedule", "model: decode graph", "model: piecewise", "model: eager", "finite check",
-          "sample", "update", "rest of step", "outside the step")
+PHASES = ("schedule", "model: decode graph", "model: piecewise", "model: eager",
+          "greedy read-back", "finite check", "sample", "update", "rest of step",
+          "outside the step")
 
 
 class PhaseTimer:
@@ -80,6 +83,7 @@ def install(core, timer: PhaseTimer) -> dict[str, float]:
 
     runner, sampler = core.runner, core.sampler
     execute, sample, step = runner.execute, sampler.sample, core.step
+    plain_greedy = core._plain_greedy
     finite = core_module.rows_all_finite
     in_step = {"seconds": 0.0, "last_end": None}
 
@@ -102,6 +106,12 @@ def install(core, timer: PhaseTimer) -> dict[str, float]:
         timer.add("sample", time.perf_counter() - t0)
         return out
 
+    def timed_plain_greedy(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = plain_greedy(*args, **kwargs)
+        timer.add("greedy read-back", time.perf_counter() - t0)
+        return out
+
     def timed_finite(logits):
         t0 = time.perf_counter()
         out = finite(logits)
@@ -120,6 +130,7 @@ def install(core, timer: PhaseTimer) -> dict[str, float]:
         return out
 
     runner.execute, sampler.sample, core.step = timed_execute, timed_sample, timed_step
+    core._plain_greedy = timed_plain_greedy
     core.scheduler = _TimedScheduler(core.scheduler, timer)
     core_module.rows_all_finite = timed_finite
     return in_step

@@ -176,11 +176,18 @@ def test_only_steps_that_fit_a_graph_replay_one():
         return _decode_batch(rng, lengths, 80, BLOCK_SIZE, num_tokens_vocab=64)
 
     batch = fresh([5, 9, 20])
-    graph_logits = runner.execute(batch).clone()
+    replayed = runner.execute(batch)
+    graph_logits = replayed.clone()
     assert (runner.graph_steps, runner.eager_steps) == (1, 0)
+    # the graph computed the step's argmax and finite flags too (one read-back for the engine)
+    from ferrobatch.runtime.sampler import greedy_rows
+    rows = runner.greedy_rows(replayed)
+    assert rows is not None and torch.equal(rows, greedy_rows(graph_logits))
+    assert runner.greedy_rows(graph_logits) is None     # other logits (a copy): not the graph's
     eager_logits = runner.execute(batch, allow_graph=False)
     assert (runner.graph_steps, runner.eager_steps) == (1, 1)
     torch.testing.assert_close(graph_logits, eager_logits, rtol=1e-5, atol=1e-5)
+    assert runner.greedy_rows(replayed) is None        # an eager CPU step came after it
     runner.execute(fresh([3, 4, 5, 6, 7]))                  # 5 rows > the largest bucket (4)
     partial = fresh([5, 6])
     partial.logits_indices = np.array([1], np.int32)        # not every row sampled

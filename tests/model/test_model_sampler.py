@@ -9,7 +9,7 @@ import pytest
 import torch
 from step_builder import sampling_arrays
 
-from ferrobatch.runtime.sampler import RequestExtras, Sampler, argmax_rows
+from ferrobatch.runtime.sampler import RequestExtras, Sampler, argmax_rows, greedy_rows
 
 VOCAB = 64
 EOS = [3, 7]
@@ -62,6 +62,43 @@ def test_argmax_rows_is_torch_argmax_on_ties_infinities_and_nans():
         assert got.dtype == torch.int64
         assert torch.equal(got, x.argmax(dim=-1)), x.shape
     assert torch.equal(argmax_rows(tied.double()), tied.double().argmax(dim=-1))   # torch path
+
+
+def test_greedy_rows_hold_each_rows_argmax_and_whether_it_is_finite():
+    x = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(2))
+    x[1, 5] = float("nan")
+    x[2, 9] = float("inf")
+    x[3, 0] = float("-inf")                       # a -inf also fails the sum: not finite
+    x[4, :] = 1e38                                # finite logits whose sum overflows float32
+    rows = greedy_rows(x)
+    assert rows.dtype == torch.int64 and rows.shape == (6, 2)
+    assert torch.equal(rows[:, 0], x.argmax(dim=-1))
+    assert rows[:, 1].tolist() == [1, 0, 0, 0, 0, 1]
+    # (row 4 goes to the general path, whose exact check then finds nothing to fail)
+    assert torch.equal(greedy_rows(x.to(torch.bfloat16))[:, 0], x.to(torch.bfloat16).argmax(-1))
+
+
+def test_plain_greedy_is_what_sample_returns_as_the_bare_argmax(sampler):
+    """is_plain_greedy is True exactly when sample() would take the rows' argmax and attach
+    nothing: each feature that changes the tokens or adds output turns it off."""
+    plain = _batch(4)
+    assert Sampler.is_plain_greedy(plain) and Sampler.is_plain_greedy(plain, {})
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(3))
+    assert np.array_equal(sampler.sample(logits, plain).token_ids,
+                          greedy_rows(logits)[:, 0].numpy())
+    not_plain = [
+        (_batch(4, temperature=[0, 0, 0.7, 0]), None),
+        (_batch(4, repetition_penalty=[1, 1.1, 1, 1]), None),
+        (_batch(4, presence_penalty=[0, 0, 0, 0.5]), None),
+        (_batch(4, frequency_penalty=[0.2, 0, 0, 0]), None),
+        (_batch(4, suppress_eos=[0, 1, 0, 0]), None),
+        (plain, {1: RequestExtras(logprobs=0)}),
+        (plain, {2: RequestExtras(logit_bias={5: 3.0})}),
+        (plain, {3: RequestExtras(min_tokens=2, stop_token_ids=[9])}),
+    ]
+    for batch, extras in not_plain:
+        assert not Sampler.is_plain_greedy(batch, extras), (batch, extras)
+    assert Sampler.is_plain_greedy(plain, {0: RequestExtras(prompt_token_ids=[1, 2])})
 
 
 def _sorted_top_k_top_p(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray):

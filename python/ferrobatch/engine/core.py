@@ -94,6 +94,7 @@ class EngineCore:
         bos = self.tokenizer.bos_token_id
         self.ready_token_id = int(bos) if bos is not None else 0
         self._extras: dict[int, Any] = {}     # copy-on-write: replaced, never mutated in place
+        self.plain_greedy_steps = 0           # steps sampled by _plain_greedy's one read-back
         self._guided: Any = None              # GuidedCompiler, made on the first guided request
         from ferrobatch._scheduler import QueueFullError
         self._rust_queue_full = QueueFullError
@@ -285,6 +286,12 @@ class EngineCore:
         if batch.num_samples > 0:
             if wanted is None:
                 logits = self.runner.execute(batch)
+            sampled = self._plain_greedy(batch, extras, logits) if wanted is None else None
+        else:
+            if batch.num_tokens > 0 and wanted is None:
+                self.runner.execute(batch)      # a prefill chunk that samples nothing yet
+            sampled = _EMPTY_I32
+        if sampled is None:
             if not rows_all_finite(logits):
                 finite = torch.isfinite(logits).all(dim=-1)
                 failed = self._fail_rows(batch, finite)
@@ -293,10 +300,6 @@ class EngineCore:
             sampled = np.ascontiguousarray(sample.token_ids, dtype=np.int32)
             if sample.logprobs is not None:
                 logprobs = _logprobs_by_sequence(batch, sample, extras)
-        else:
-            if batch.num_tokens > 0 and wanted is None:
-                self.runner.execute(batch)      # a prefill chunk that samples nothing yet
-            sampled = _EMPTY_I32
         out = self.scheduler.update(sampled)
         req_ids = out.req_ids
         failure_messages: dict[int, str] = {}
@@ -309,6 +312,23 @@ class EngineCore:
                           out.finish_reasons.tolist(), dict(out.error_messages),
                           batch.seq_req_ids.tolist(), self.stats(), time.perf_counter() - t0,
                           failed, logprobs, prompt_logprobs, failure_messages)
+
+    def _plain_greedy(self, batch: Any, extras: dict[int, Any], logits: Any) -> np.ndarray | None:
+        """A plain greedy step (``Sampler.is_plain_greedy``) whose logits are all finite: its
+        tokens, read back with the finite check in one transfer (``ModelRunner.greedy_rows``;
+        on CUDA this saves a host sync per step). None: take the general path (a non-finite
+        row fails its request there)."""
+        greedy_rows = getattr(self.runner, "greedy_rows", None)
+        if greedy_rows is None or not self.sampler.is_plain_greedy(batch, extras):
+            return None
+        rows = greedy_rows(logits)
+        if rows is None:
+            return None
+        rows = rows.cpu().numpy()
+        if not rows[:, 1].all():
+            return None
+        self.plain_greedy_steps += 1
+        return np.ascontiguousarray(rows[:, 0], dtype=np.int32)
 
     def _prompt_logprobs(self, hidden: Any, wanted: tuple, extras: dict[int, Any]) -> dict:
         """Logprobs of the next prompt token at each wanted row, with each request's top-N,

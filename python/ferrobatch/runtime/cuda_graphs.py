@@ -15,8 +15,8 @@ captured once and replayed for every decode step whose batch fits:
   ``block_tables = 0`` (the null block), ``input_ids = positions = 0``;
 * the split-KV count of each bucket is fixed at capture from an upper bound of the context length
   (the kernel derives each sequence's chunks from its actual length, so this stays correct);
-* outputs are the captured graph's static output tensor, sliced to ``n`` rows (valid until the
-  next replay).
+* outputs are the captured graph's static output tensor (or tuple of tensors), sliced to ``n``
+  rows (valid until the next replay).
 
 ``ModelRunner.capture_decode_graphs`` captures the model's decode step at start-up (the engine does
 so on CUDA unless ``cuda_graphs=False`` / ``--enforce-eager``) and ``ModelRunner.execute`` replays
@@ -149,9 +149,9 @@ class DecodeGraphRunner:
 
     ``forward`` must only launch device work on the current stream (no host syncs, no ``.item()``,
     no new CUDA allocations after warm-up except through torch's caching allocator, which capture
-    redirects into the graph pool). Its output's first dimension is the batch (e.g. logits
-    ``[bucket, vocab]``). Reserve the attention backend's split-KV workspace for
-    ``max(buckets)`` rows before ``capture()``.
+    redirects into the graph pool). It returns a tensor or a tuple of tensors whose first
+    dimension is the batch (e.g. logits ``[bucket, vocab]``). Reserve the attention backend's
+    split-KV workspace for ``max(buckets)`` rows before ``capture()``.
     """
 
     def __init__(self, forward: Callable[[StaticDecodeInputs], torch.Tensor], *,
@@ -177,7 +177,7 @@ class DecodeGraphRunner:
         self.emulate = emulate
         self.replays = 0
         self._graphs: dict[int, torch.cuda.CUDAGraph | _EmulatedGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, torch.Tensor | tuple[torch.Tensor, ...]] = {}
         self._pool = None
 
     def static_inputs(self, bucket: int) -> StaticDecodeInputs:
@@ -243,8 +243,9 @@ class DecodeGraphRunner:
             np.asarray(batch.block_tables).shape[1] <= self.max_blocks and \
             int(np.max(np.asarray(batch.seq_lens), initial=0)) <= self.max_seq_len
 
-    def run(self, batch) -> torch.Tensor:
-        """Copies the padded step into the static buffers, replays, returns ``output[:num_seqs]``."""
+    def run(self, batch) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Copies the padded step into the static buffers, replays, returns ``output[:num_seqs]``
+        (each output's, for a tuple)."""
         n = int(np.asarray(batch.seq_lens).shape[0])
         bucket = bucket_for(n, self.captured_buckets)
         if bucket is None:
@@ -255,7 +256,8 @@ class DecodeGraphRunner:
         self._copy_in(padded)
         self._graphs[bucket].replay()
         self.replays += 1
-        return self._outputs[bucket][:n]
+        out = self._outputs[bucket]
+        return tuple(t[:n] for t in out) if isinstance(out, tuple) else out[:n]
 
     def _copy_in(self, p: PaddedDecodeBatch) -> None:
         b = p.bucket
@@ -280,4 +282,9 @@ class _EmulatedGraph:
         self.output = forward(inputs)
 
     def replay(self) -> None:
-        self.output.copy_(self.forward(self.inputs))
+        fresh = self.forward(self.inputs)
+        if isinstance(self.output, tuple):
+            for dst, src in zip(self.output, fresh):
+                dst.copy_(src)
+        else:
+            self.output.copy_(fresh)

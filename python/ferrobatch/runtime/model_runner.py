@@ -33,6 +33,7 @@ from ferrobatch.runtime.cuda_graphs import DecodeGraphRunner, decode_buckets
 from ferrobatch.runtime.heap import return_freed_memory
 from ferrobatch.runtime.kv_cache import KVCache, check_kv_cache_dtype
 from ferrobatch.runtime.piecewise_graphs import PiecewiseGraphRunner, piecewise_buckets
+from ferrobatch.runtime.sampler import greedy_rows
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +153,9 @@ class ModelRunner:
         self.graph_steps = 0       # steps served by a decode graph replay
         self.piecewise_steps = 0   # steps served by the piecewise graphs (prefill / mixed)
         self.eager_steps = 0       # steps run eagerly (too big for the graphs / graphs off)
+        # the last decode graph replay's logits and their greedy_rows (computed in the graph)
+        self._graph_logits: torch.Tensor | None = None
+        self._graph_greedy_rows: torch.Tensor | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -176,6 +180,16 @@ class ModelRunner:
         return self.model.compute_logits(normed_hidden)
 
     @torch.inference_mode()
+    def greedy_rows(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """``sampler.greedy_rows`` of ``logits`` (argmax and finite flag per row, ``int64
+        [S, 2]``): the decode graph's own when ``logits`` is what the last step's replay
+        returned (computed inside the graph), else computed here on CUDA; None on the CPU (there
+        the engine's own check and argmax are cheaper than the extra reduction)."""
+        if self._graph_greedy_rows is not None and logits is self._graph_logits:
+            return self._graph_greedy_rows
+        return greedy_rows(logits) if logits.is_cuda else None
+
+    @torch.inference_mode()
     def execute(self, batch, *, allow_graph: bool = True, hidden_rows: np.ndarray | None = None):
         """Applies ``batch.block_copies``, runs the forward, returns logits ``[S, vocab]`` float32.
 
@@ -184,6 +198,7 @@ class ModelRunner:
         graph's output buffer, valid until the next step. With ``hidden_rows`` (token rows of
         the flat batch; prompt logprobs) the step runs eagerly and returns ``(logits, hidden)``,
         ``hidden`` the final-normed states at those rows, for ``logits_of``."""
+        self._graph_logits = self._graph_greedy_rows = None
         copies = getattr(batch, "block_copies", None)
         if copies is not None and len(copies):
             self.kv_cache.copy_blocks(copies)
@@ -200,7 +215,8 @@ class ModelRunner:
         if allow_graph and hidden_rows is None and self.decode_graphs is not None \
                 and _samples_every_row(batch) and self.decode_graphs.can_run(batch):
             self.graph_steps += 1
-            return self.decode_graphs.run(batch)
+            self._graph_logits, self._graph_greedy_rows = self.decode_graphs.run(batch)
+            return self._graph_logits
         meta = self.attn_backend.build_metadata(batch, self.device)
         logits_indices = _to_device(batch.logits_indices, self.device, torch.int64)
         rows = None if hidden_rows is None else \
@@ -245,9 +261,10 @@ class ModelRunner:
         backend.prepare_decode_graphs(max(max(buckets), max_num_seqs), cfg.num_heads, cfg.head_dim)
         rows = torch.arange(max(buckets), dtype=torch.int64, device=self.device)
 
-        def decode_step(inputs) -> torch.Tensor:
+        def decode_step(inputs) -> tuple[torch.Tensor, torch.Tensor]:
             meta = backend.static_decode_metadata(inputs)
-            return self._forward(inputs.input_ids, inputs.positions, meta, rows[:inputs.bucket])
+            logits = self._forward(inputs.input_ids, inputs.positions, meta, rows[:inputs.bucket])
+            return logits, greedy_rows(logits)
 
         graphs = DecodeGraphRunner(
             decode_step, max_blocks_per_seq=-(-max_seq_len // self.block_size),

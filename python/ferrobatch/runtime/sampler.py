@@ -32,6 +32,15 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def greedy_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``int64 [S, 2]``: each row's argmax (``argmax_rows``) and 1 when the row's sum is finite
+    (no NaN / inf in it), else 0. One small tensor, so a plain greedy step on CUDA reads its
+    tokens and the finite check back in one transfer; a decode CUDA graph computes it inside the
+    graph (``ModelRunner.greedy_rows``)."""
+    finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
+    return torch.stack([argmax_rows(logits), finite.to(torch.int64)], dim=1)
+
+
 @dataclass
 class RequestExtras:
     """Per-request data the step arrays do not carry (looked up by request id)."""
@@ -77,6 +86,12 @@ def _drafts_before(batch, row: int) -> list[int]:
         return []
     end = int(batch.logits_indices[row]) + 1
     return np.asarray(batch.input_ids[end - j:end]).tolist()
+
+
+def _has_penalties(batch) -> bool:
+    return bool(np.any(np.asarray(batch.repetition_penalty) != 1.0)
+                or np.any(np.asarray(batch.presence_penalty) != 0.0)
+                or np.any(np.asarray(batch.frequency_penalty) != 0.0))
 
 
 class Sampler:
@@ -263,6 +278,17 @@ class Sampler:
         return tokens[:, 0]
 
     # -- API ----------------------------------------------------------------------------------
+    @staticmethod
+    def is_plain_greedy(batch, extras: Mapping[int, RequestExtras] | None = None) -> bool:
+        """Whether ``sample`` would return each row's argmax of the raw logits and nothing else
+        (every row greedy; no penalty, bias, guide, suppressed EOS, stop-token mask or
+        logprobs): then ``greedy_rows`` of the logits is the whole sample."""
+        if not bool(np.all(np.asarray(batch.temperature) <= 0.0)) or _has_penalties(batch) \
+                or np.asarray(batch.suppress_eos).astype(bool).any():
+            return False
+        return not any(e.logit_bias or e.guides or (e.min_tokens and e.stop_token_ids)
+                       or e.logprobs is not None for e in (extras or {}).values())
+
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, batch,
                extras: Mapping[int, RequestExtras] | None = None) -> SamplerOutput:
@@ -273,9 +299,7 @@ class Sampler:
         extras = extras or {}
         raw_logits = logits.float()
         temperature = np.asarray(batch.temperature, dtype=np.float32)
-        has_penalties = bool(np.any(np.asarray(batch.repetition_penalty) != 1.0)
-                             or np.any(np.asarray(batch.presence_penalty) != 0.0)
-                             or np.any(np.asarray(batch.frequency_penalty) != 0.0))
+        has_penalties = _has_penalties(batch)
         has_bias = any(e.logit_bias for e in extras.values())
         has_guides = any(e.guides for e in extras.values())
         suppress = np.asarray(batch.suppress_eos).astype(bool)
