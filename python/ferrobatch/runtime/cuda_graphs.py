@@ -179,6 +179,8 @@ class DecodeGraphRunner:
         self._graphs: dict[int, torch.cuda.CUDAGraph | _EmulatedGraph] = {}
         self._outputs: dict[int, torch.Tensor | tuple[torch.Tensor, ...]] = {}
         self._pool = None
+        self._staging: tuple[torch.Tensor, ...] | None = None   # host side of _copy_in
+        self._staged = None        # CUDA event after the last copies out of _staging
 
     def static_inputs(self, bucket: int) -> StaticDecodeInputs:
         return StaticDecodeInputs(
@@ -260,15 +262,25 @@ class DecodeGraphRunner:
         return tuple(t[:n] for t in out) if isinstance(out, tuple) else out[:n]
 
     def _copy_in(self, p: PaddedDecodeBatch) -> None:
+        """The padded step into the static device buffers, through host staging buffers made
+        once (pinned on CUDA: no page-locked allocation per step and per array). The previous
+        step's copies out of them are waited for before they are overwritten."""
         b = p.bucket
-        pairs = ((self._input_ids, p.input_ids), (self._positions, p.positions),
-                 (self._slot_mapping, p.slot_mapping), (self._seq_lens, p.seq_lens),
-                 (self._block_tables, p.block_tables))
-        for dst, src in pairs:
-            host = torch.from_numpy(src)
-            if self.device.type == "cuda":
-                host = host.pin_memory()
-            dst[:b].copy_(host, non_blocking=True)
+        statics = (self._input_ids, self._positions, self._slot_mapping, self._seq_lens,
+                   self._block_tables)
+        cuda = self.device.type == "cuda"
+        if self._staging is None:
+            self._staging = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+                                  for t in statics)
+            self._staged = torch.cuda.Event() if cuda else None
+        elif self._staged is not None:
+            self._staged.synchronize()
+        arrays = (p.input_ids, p.positions, p.slot_mapping, p.seq_lens, p.block_tables)
+        for dst, host, src in zip(statics, self._staging, arrays, strict=True):
+            host[:b].numpy()[...] = src
+            dst[:b].copy_(host[:b], non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()
 
 
 class _EmulatedGraph:
