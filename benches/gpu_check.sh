@@ -23,6 +23,9 @@
 #      FlashAttention (each refill is a mixed step: FlashAttention's extra launches vs its
 #      faster prefill)                                                           -> throughput_gpu-small_ablation.*
 #   8. phases: where a gpu-small step's time goes, at cap 256 and 32               -> step_phases*.{txt,json}
+#   8b. profile: one gpu-small-shaped step at a time (decode B=32/128/256 at ctx 1024, a cap-32
+#      refill): the graph step's ms against its kernels' device time, and the top kernels
+#      (session 31; never run yet)                                                -> kernel_profile.{txt,json}
 #   9. splits: the decode kernel at fixed split counts 1..32                       -> splits_sweep.txt, splits_*.json
 #  10. hf, hf8b: ferrobatch and hf-static side by side on gpu-small / gpu-8b       -> throughput_gpu-*_hf.*
 #  11. sanitizer: compute-sanitizer memcheck on a few small kernel tests (no caching
@@ -69,7 +72,7 @@ timeout_flag=()
 $PY -c "import pytest_timeout" >/dev/null 2>&1 && timeout_flag=(--timeout 120)
 
 budget=${GPU_CHECK_BUDGET_S:-540}
-steps=${GPU_CHECK_STEPS:-tests,bench,small,8b,ablation,phases,splits,hf,hf8b,sanitizer,spec,hfcb}
+steps=${GPU_CHECK_STEPS:-tests,bench,small,8b,ablation,phases,profile,splits,hf,hf8b,sanitizer,spec,hfcb}
 tests=${GPU_CHECK_TESTS:-tests/gpu}
 want() { [[ ",$steps," == *",$1,"* ]]; }
 declare -A status
@@ -136,6 +139,9 @@ if [[ ${status[build]} == rc=0* ]]; then
   run_step phases 120 "$OUT/step_phases.txt" bash -c "$PY benches/step_phases.py --workload gpu-small \
       --max-num-seqs 256 --json $OUT/step_phases_gpu-small.json && $PY benches/step_phases.py \
       --workload gpu-small --max-num-seqs 32 --json $OUT/step_phases_gpu-small_cap32.json" || failed=1
+  # one step's kernels: graph step vs the sum of its kernels' device time, top kernels
+  run_step profile 120 "$OUT/kernel_profile.txt" $PY benches/gpu_kernel_profile.py \
+      --json "$OUT/kernel_profile.json" || failed=1
   # the decode kernel at each fixed split count (the heuristic's choice is the bench step's)
   run_step splits 150 "$OUT/splits_sweep.txt" bash -c 'for s in 1 2 3 4 6 8 12 16 24 32; do
       echo "== num_splits $s"; '"$PY"' benches/attention_bandwidth.py --num-splits $s \
@@ -178,7 +184,7 @@ fi
   echo "--- sanitizer"
   grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer.log" 2>/dev/null | tail -n 3
   echo "--- decode attention bandwidth (bf16, block 16)"
-  sed -n '/^shape /,/^wrote/p' "$OUT/attention_bandwidth.txt" 2>/dev/null | grep -v '^wrote'
+  awk '/^shape /{on=1} on{print} /^goal /{exit}' "$OUT/attention_bandwidth.txt" 2>/dev/null   # (the prefill bench follows in that file)
   echo "--- prefill attention: ferrobatch's kernel vs FlashAttention-2 (bf16, ms per layer)"
   cat "$OUT/prefill_attention.txt" 2>/dev/null
   echo "--- offline throughput (goals: gpu-small >= 40,000 and gpu-8b >= 6,000 output tok/s)"
@@ -192,7 +198,9 @@ fi
   echo "--- decode kernel at fixed split counts (GB/s; see splits_sweep.txt)"
   grep -cE "^(llama|smollm)" "$OUT/splits_sweep.txt" 2>/dev/null
   echo "--- step phases, gpu-small at cap 256 then 32 (ms per step)"
-  grep -E "^(workload|schedule|model|finite|sample|update|rest|outside)" "$OUT/step_phases.txt" 2>/dev/null
+  grep -E "^(workload|schedule|model|greedy|finite|sample|update|rest|outside)" "$OUT/step_phases.txt" 2>/dev/null
+  echo "--- one step's kernels (graph step vs its kernels' device time; top kernels)"
+  grep -vE "^(json|USDT)" "$OUT/kernel_profile.txt" 2>/dev/null | head -n 70
   echo "--- continuous vs static batching, gpu-small at cap 32 (goal 1.5x; schedule bound 1.59x)"
   grep -hE "^ablation at cap|^  ferrobatch" "$OUT/throughput_gpu-small_ablation.txt" 2>/dev/null
   echo "--- speculative decoding on CUDA (prompt lookup; ratios to no drafts, same token ids?)"

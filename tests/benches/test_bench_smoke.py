@@ -210,3 +210,24 @@ def test_step_phases_smoke(tmp_path: Path) -> None:
     assert phases["model: decode graph"]["calls"] == 0        # no CUDA graphs on the CPU
     assert phases["model: piecewise"]["calls"] == 0
     assert sum(p["seconds"] for p in data["phases"]) <= data["wall_s"] * (1 + 1e-9)
+
+
+def test_gpu_kernel_profile_smoke(tmp_path: Path) -> None:
+    # on the CPU: the steps are built and timed, and the profile lists aten ops with shares
+    # that add up (the CUDA path's kernel records need the H200: benches/gpu_check.sh `profile`)
+    out = tmp_path / "profile.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHES / "gpu_kernel_profile.py"), "--device", "cpu",
+         "--context", "16", "--decode", "2", "--mixed", "1:9", "--iters", "1",
+         "--json", str(out)],
+        check=False, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    steps = {r["step"]: r for r in data["results"]}
+    assert set(steps) == {"decode B=2 ctx=16", "mixed 1 decode + 9-token prompt"}
+    assert steps["decode B=2 ctx=16"]["num_tokens"] == 2
+    assert steps["mixed 1 decode + 9-token prompt"]["num_tokens"] == 10
+    for r in data["results"]:
+        assert r["step_ms"] > 0 and r["top"], r
+        assert sum(k["share"] for k in r["top"]) <= 1 + 1e-9
+        assert all(k["calls"] >= 1 and k["us"] > 0 for k in r["top"])
