@@ -1,5 +1,5 @@
 """The ferrobatch systems of the offline benchmark: `ferrobatch`, `-static`, `-eager`,
-`-decodegraphs`, `-nativeprefill`, `-torchops`, `-nodraft`, `-kv16`, `-f32panels`.
+`-decodegraphs`, `-nativeprefill`, `-splitmixed`, `-torchops`, `-nodraft`, `-kv16`, `-f32panels`.
 
 Both drive the real engine through `ferrobatch.LLM.generate` (Rust scheduler, model runner,
 sampler, step thread, incremental detokenization — the engine as shipped) with token-id prompts and
@@ -19,6 +19,9 @@ sampler, step thread, incremental detokenization — the engine as shipped) with
 - `ferrobatch-nativeprefill`: `ferrobatch` with `flash_prefill=False` (on a GPU in bf16/fp16
   prefill attention runs on ferrobatch's own kernel instead of torch's FlashAttention-2; on the
   CPU nothing differs).
+- `ferrobatch-splitmixed`: `ferrobatch` with `FERROBATCH_FLASH_WHOLE_STEP=0` (on a GPU a mixed
+  step's decode rows stay on the decode kernel and only its prefill sequences go to
+  FlashAttention, as before session 31; on the CPU nothing differs).
 - `ferrobatch-torchops`: `ferrobatch` with `FERROBATCH_CUDA_FUSED_OPS=0` (on a GPU torch's
   elementwise modules instead of the fused RMSNorm / SiLU-and-mul / rotary kernels; the other
   systems swap the shared model's modules, so it runs first; on the CPU nothing differs).
@@ -170,7 +173,10 @@ class FerrobatchRunner:
         flash = "off" if not backend.flash_prefill else \
             "check failed" if False in verdicts else "on" if verdicts else "on, not used yet"
         fused = any(isinstance(m, CudaRMSNorm) for m in runner.model.modules())
-        return {"flash_prefill": flash, "fused_elementwise": "on" if fused else "off"}
+        return {"flash_prefill": flash,
+                "flash_whole_steps": "on" if getattr(backend, "flash_whole_steps", False)
+                else "off",
+                "fused_elementwise": "on" if fused else "off"}
 
     def _num_steps(self) -> int | None:
         lt = getattr(self.engine, "_loop_thread", None)

@@ -19,9 +19,10 @@
 #   6. 8b: gpu-8b, with FlashAttention prefill (the default since session 30) and with
 #      ferrobatch's prefill kernel (ferrobatch-nativeprefill) (issue #6)          -> throughput_gpu-8b.*
 #   7. ablation: continuous vs static on gpu-small at cap 32 (bound 1.59x), and
-#      continuous with decode graphs only, and with ferrobatch's prefill kernel instead of
-#      FlashAttention (each refill is a mixed step: FlashAttention's extra launches vs its
-#      faster prefill)                                                           -> throughput_gpu-small_ablation.*
+#      continuous with decode graphs only, with ferrobatch's prefill kernel instead of
+#      FlashAttention (each refill is a mixed step: on 2026-12-04 run 1 the kernel won, 1.11x),
+#      and with the mixed steps split as before session 31 (FlashAttention for the prefill
+#      rows only, decode kernel for the rest)                                     -> throughput_gpu-small_ablation.*
 #   8. phases: where a gpu-small step's time goes, at cap 256 and 32               -> step_phases*.{txt,json}
 #   8b. profile: one gpu-small-shaped step at a time (decode B=32/128/256 at ctx 1024, a cap-32
 #      refill): the graph step's ms against its kernels' device time, and the top kernels
@@ -132,7 +133,7 @@ if [[ ${status[build]} == rc=0* ]]; then
     --max-num-seqs 256 \
     --json "$OUT/throughput_gpu-8b.json" || failed=1
   run_step ablation 150 "$OUT/throughput_gpu-small_ablation.txt" $PY benches/throughput.py \
-    --workload gpu-small --systems ferrobatch@32,ferrobatch-static@32,ferrobatch-decodegraphs@32,ferrobatch-nativeprefill@32 \
+    --workload gpu-small --systems ferrobatch@32,ferrobatch-static@32,ferrobatch-decodegraphs@32,ferrobatch-nativeprefill@32,ferrobatch-splitmixed@32 \
     --no-progress \
     --json "$OUT/throughput_gpu-small_ablation.json" || failed=1
   # where a step's time goes (schedule / graph replay / eager model / sampler / outside the step)

@@ -16,6 +16,10 @@ Systems (append `@N` to override the batch size / concurrency cap, e.g. `hf-stat
   ferrobatch-nativeprefill the engine with ferrobatch's own prefill-attention kernel instead
                      of FlashAttention-2 (`--no-flash-prefill`; CUDA bf16/fp16 only, on the CPU
                      the same as ferrobatch): the ablation of tensor-core prefill attention
+  ferrobatch-splitmixed the engine with a mixed step's decode rows on the decode kernel and
+                     only its prefill sequences on FlashAttention-2
+                     (`FERROBATCH_FLASH_WHOLE_STEP=0`; CUDA only): the ablation of one varlen
+                     call per layer for the whole mixed step
   ferrobatch-torchops the engine with torch's elementwise modules instead of the fused CUDA
                      kernels (RMSNorm with the residual add, SiLU-and-mul, rotary;
                      `FERROBATCH_CUDA_FUSED_OPS=0`; on the CPU the same as ferrobatch). The
@@ -64,7 +68,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 FB_VARIANTS = {"ferrobatch": "", "ferrobatch-static": "", "ferrobatch-eager": "eager",
                "ferrobatch-decodegraphs": "decodegraphs", "ferrobatch-torchops": "torchops",
-               "ferrobatch-nativeprefill": "nativeprefill",
+               "ferrobatch-nativeprefill": "nativeprefill", "ferrobatch-splitmixed": "splitmixed",
                "ferrobatch-nodraft": "nodraft", "ferrobatch-kv16": "kv16",
                "ferrobatch-f32panels": "f32panels"}   # system -> engine variant (static: same engine)
 SYSTEMS = (*FB_VARIANTS, "hf-static", "hf-continuous")
@@ -144,7 +148,8 @@ class Systems:
             if variant == "kv16":
                 extra["kv_cache_dtype"] = "float16"
             env = {"f32panels": ("FERROBATCH_QUANT_PANELS", "0"),   # read when the engine
-                   "torchops": ("FERROBATCH_CUDA_FUSED_OPS", "0")}.get(variant)   # builds
+                   "torchops": ("FERROBATCH_CUDA_FUSED_OPS", "0"),      # builds
+                   "splitmixed": ("FERROBATCH_FLASH_WHOLE_STEP", "0")}.get(variant)
             if env:
                 os.environ[env[0]] = env[1]
             try:

@@ -16,14 +16,14 @@ sys.path.insert(0, str(REPO / "benches"))
 from fb_systems import FerrobatchRunner  # noqa: E402
 
 
-def _runner(backend_name, flash_prefill=True, verdicts=None, fused=False):
+def _runner(backend_name, flash_prefill=True, verdicts=None, fused=False, whole=True):
     from ferrobatch.model.llama import RMSNorm
     from ferrobatch.runtime.cuda_elementwise import CudaRMSNorm
 
     norm = RMSNorm(8, 1e-5)
     model = nn.Sequential(CudaRMSNorm(norm) if fused else norm)
     backend = SimpleNamespace(name=backend_name, flash_prefill=flash_prefill,
-                              _flash_verdicts=verdicts or {})
+                              flash_whole_steps=whole, _flash_verdicts=verdicts or {})
     fb = object.__new__(FerrobatchRunner)
     fb.engine = SimpleNamespace(_core=SimpleNamespace(
         runner=SimpleNamespace(attn_backend=backend, model=model)))
@@ -35,8 +35,10 @@ def _runner(backend_name, flash_prefill=True, verdicts=None, fused=False):
     (True, {}, "on, not used yet"), (False, {}, "off")])
 def test_cuda_paths_report_flash_and_fused_ops(flash, verdicts, want):
     paths = _runner("cuda", flash, verdicts, fused=True)._cuda_paths()
-    assert paths == {"flash_prefill": want, "fused_elementwise": "on"}
+    assert paths == {"flash_prefill": want, "flash_whole_steps": "on", "fused_elementwise": "on"}
     assert _runner("cuda", flash, verdicts)._cuda_paths()["fused_elementwise"] == "off"
+    assert _runner("cuda", flash, verdicts, whole=False)._cuda_paths()["flash_whole_steps"] \
+        == "off"
 
 
 def test_no_cuda_paths_off_the_cuda_backend():

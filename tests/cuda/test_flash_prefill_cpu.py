@@ -164,6 +164,21 @@ def test_backend_sends_bf16_steps_to_flash_after_the_check(backend, monkeypatch,
     assert len(used) == 4                                    # the check's two + two steps
 
 
+def test_the_whole_step_knob_splits_mixed_steps_as_before(backend, monkeypatch):
+    """FERROBATCH_FLASH_WHOLE_STEP=0 (read at construction; the bench's `-splitmixed`): a mixed
+    step's prefill sequences only, even when the whole step would fit."""
+    from ferrobatch.runtime.attention.cuda import flash_whole_steps_requested
+
+    assert flash_whole_steps_requested() and backend.flash_whole_steps
+    monkeypatch.setenv("FERROBATCH_FLASH_WHOLE_STEP", "0")
+    assert not flash_whole_steps_requested()
+    monkeypatch.setattr(flash, "varlen_flash", flash.varlen_reference)
+    backend.flash_prefill, backend.flash_whole_steps = True, False
+    meta = _run_step(backend, [1, 70, 1, 133], torch.bfloat16, 13)
+    assert meta.flash_plan.q_rows is not None                      # prefill rows only
+    assert any(c.startswith("decode") for c in backend.fake.calls)
+
+
 def test_mixed_steps_with_too_much_context_send_only_their_prefill_rows(backend, monkeypatch):
     """A mixed step whose decode rows' contexts would make the gather too big: FlashAttention
     for its prefill sequences only, the decode kernel for its decode rows."""

@@ -24,6 +24,7 @@ raise ValueError at the first forward (use the torch backend for them).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,6 +103,13 @@ class CudaMetadata(AttentionMetadata):
     flash_plan: flash.FlashPrefillPlan | None = None
 
 
+def flash_whole_steps_requested() -> bool:
+    """Whether a mixed step within ``flash_prefill.MAX_CONTEXT_TOKENS`` goes to FlashAttention
+    whole (the default); ``FERROBATCH_FLASH_WHOLE_STEP=0`` sends only its prefill sequences
+    there and its decode rows to the decode kernel (the bench's ``ferrobatch-splitmixed``)."""
+    return os.environ.get("FERROBATCH_FLASH_WHOLE_STEP", "1") != "0"
+
+
 def _device_tensor(array, dtype: np.dtype, device: torch.device) -> torch.Tensor:
     host = torch.from_numpy(np.ascontiguousarray(array, dtype=dtype))
     if device.type == "cuda":
@@ -137,6 +145,7 @@ class CudaPagedBackend(AttentionBackend):
         # start-up check's verdict per (dtype, Hq, Hkv, D)
         self.flash_prefill = flash_prefill
         self._flash_verdicts: dict[tuple, bool] = {}
+        self.flash_whole_steps = flash_whole_steps_requested()
         logger.info("attention backend: cuda (ferrobatch paged kernels, sm_%s, %d SMs, %s)",
                     cuda_ops.device_arch(dev), self.sm_count, self.library)
 
@@ -236,8 +245,8 @@ class CudaPagedBackend(AttentionBackend):
             # A mixed step whose whole context is small goes to FlashAttention as a whole, its
             # decode rows as sequences of one query: one varlen call per layer instead of the
             # prefill call, the decode kernel and the gathers and scatters between them.
-            seqs = np.arange(len(seq_lens)) \
-                if int(seq_lens.sum()) <= flash.MAX_CONTEXT_TOKENS else pre
+            seqs = np.arange(len(seq_lens)) if self.flash_whole_steps \
+                and int(seq_lens.sum()) <= flash.MAX_CONTEXT_TOKENS else pre
             if int(seq_lens[seqs].sum()) <= flash.MAX_CONTEXT_TOKENS:
                 mixed["flash_plan"] = flash.plan_flash_prefill(
                     qsl, seq_lens, np.asarray(batch.block_tables), self.block_size, seqs,
