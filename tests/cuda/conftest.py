@@ -9,7 +9,6 @@ from cuda_glue import BLOCK_SIZE, FakeOps
 
 from ferrobatch.runtime import cuda_ops
 from ferrobatch.runtime.attention.cuda import CudaPagedBackend
-from ferrobatch.runtime.attention.cuda import flash_whole_steps_requested as cuda_backend_whole_steps
 
 
 @pytest.fixture
@@ -21,6 +20,6 @@ def backend(monkeypatch):
     be.block_size, be.max_splits, be.device, be.sm_count = BLOCK_SIZE, 32, torch.device("cpu"), 132
     be._workspaces, be._graph_workspaces_fixed, be._retired_workspaces = {}, False, []
     be.flash_prefill, be._flash_verdicts = False, {}   # on in test_flash_prefill_cpu.py
-    be.flash_whole_steps = cuda_backend_whole_steps()
+    be.flash_whole_steps, be._whole_step_verdicts = True, {}
     be.fake = fake
     return be

@@ -108,21 +108,25 @@ def _fake_kernel(backend):
     return backend.fake.paged_prefill_attention
 
 
+@pytest.mark.parametrize("whole_step", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_start_up_check_accepts_the_reference_and_rejects_wrong_kernels(backend, dtype):
+def test_start_up_check_accepts_the_reference_and_rejects_wrong_kernels(backend, dtype,
+                                                                        whole_step):
     kernel = _fake_kernel(backend)
-    ok, detail = flash.check_flash_prefill(kernel, 12, 4, 64, dtype, BLOCK_SIZE,
-                                           torch.device("cpu"), attn=flash.varlen_reference)
+
+    def check(attn):
+        return flash.check_flash_prefill(kernel, 12, 4, 64, dtype, BLOCK_SIZE,
+                                         torch.device("cpu"), attn=attn, whole_step=whole_step)
+
+    ok, detail = check(flash.varlen_reference)
     assert ok, detail
-    ok, detail = flash.check_flash_prefill(kernel, 12, 4, 64, dtype, BLOCK_SIZE,
-                                           torch.device("cpu"), attn=_top_left_causal)
+    ok, detail = check(_top_left_causal)
     assert not ok and "relative error" in detail
 
     def raises(*args, **kwargs):
         raise RuntimeError("FlashAttention only supports Ampere GPUs or newer")
 
-    ok, detail = flash.check_flash_prefill(kernel, 12, 4, 64, dtype, BLOCK_SIZE,
-                                           torch.device("cpu"), attn=raises)
+    ok, detail = check(raises)
     assert not ok and "Ampere" in detail
 
 
@@ -146,9 +150,9 @@ def _run_step(backend, query_lens, dtype, seed):
 
 @pytest.mark.parametrize("query_lens", [[5, 300], [1, 70, 1, 133, 1, 2]])
 def test_backend_sends_bf16_steps_to_flash_after_the_check(backend, monkeypatch, query_lens):
-    """bf16: the first prefill step runs the start-up check (ferrobatch's kernel once, on the
-    check's own step; FlashAttention twice: the prefill sequences, then the whole step), then
-    every row of every step goes through one varlen call: a mixed step within
+    """bf16: the first prefill step runs the start-up check (ferrobatch's kernel and
+    FlashAttention once each, on the check's own step; a mixed step planned whole has a second
+    check), then every row of every step goes through one varlen call: a mixed step within
     MAX_CONTEXT_TOKENS is planned whole, its decode rows as one-query sequences."""
     used = []
     monkeypatch.setattr(flash, "varlen_flash",
@@ -159,9 +163,11 @@ def test_backend_sends_bf16_steps_to_flash_after_the_check(backend, monkeypatch,
         assert meta.flash_plan is not None and meta.flash_plan.q_rows is None
         assert meta.flash_plan.cu_q.tolist() == [0, *np.cumsum(query_lens).tolist()]
     assert list(backend._flash_verdicts.values()) == [True]
+    checks = 2 if 1 in query_lens else 1
+    assert list(backend._whole_step_verdicts.values()) == [True] * (checks - 1)
     calls = [c for c in backend.fake.calls if c != "cache"]
-    assert calls == ["prefill/subset"], calls               # the check's comparison only
-    assert len(used) == 4                                    # the check's two + two steps
+    assert calls == ["prefill/subset"] * checks, calls       # the checks' comparisons only
+    assert len(used) == checks + 2                           # the checks + two steps
 
 
 def test_the_whole_step_knob_splits_mixed_steps_as_before(backend, monkeypatch):
@@ -196,7 +202,29 @@ def test_mixed_steps_with_too_much_context_send_only_their_prefill_rows(backend,
     assert meta.flash_plan.q_rows.tolist() == list(range(1, 251)) + list(range(252, 452))
     calls = [c for c in backend.fake.calls if c != "cache"]
     assert len(calls) == 1 and calls[0].startswith("decode"), calls
-    assert len(used) == 4                    # the check's two, the first step, this step
+    assert len(used) == 3                    # the check, the first step, this step
+    assert backend._whole_step_verdicts == {}                # never planned whole: no check
+
+
+def test_a_failed_whole_step_check_keeps_flash_for_prefill_rows(backend, monkeypatch, caplog):
+    """FlashAttention that mishandles one-query sequences: the whole-step check catches it,
+    that step and the later ones split (decode rows on the decode kernel), prefill rows stay
+    on FlashAttention."""
+    def wrong_for_one_query(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        out = flash.varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+        one = torch.diff(cu_q) == 1
+        out[cu_q[:-1][one].long()] = 0                      # one-query rows come out wrong
+        return out
+
+    monkeypatch.setattr(flash, "varlen_flash", wrong_for_one_query)
+    backend.flash_prefill = True
+    meta = _run_step(backend, [1, 70, 1, 133], torch.bfloat16, 14)   # still the right answer
+    assert meta.flash_plan.q_rows is None                    # planned whole before the check
+    assert list(backend._flash_verdicts.values()) == [True]
+    assert list(backend._whole_step_verdicts.values()) == [False]
+    assert not backend.flash_whole_steps and "not planned whole" in caplog.text
+    meta = _run_step(backend, [1, 70, 1, 133], torch.bfloat16, 15)
+    assert meta.flash_plan is not None and meta.flash_plan.q_rows is not None
 
 
 def test_backend_falls_back_to_its_kernel_when_the_check_fails(backend, monkeypatch, caplog):
@@ -245,10 +273,11 @@ def test_a_flash_error_at_run_time_falls_back_for_good(backend, monkeypatch, cap
     _run_step(backend, [5, 300], torch.bfloat16, 8)
     assert list(backend._flash_verdicts.values()) == [True]
     state["fail"] = True
-    _run_step(backend, [1, 70, 1, 133], torch.bfloat16, 9)
+    _run_step(backend, [70, 133], torch.bfloat16, 9)
     assert list(backend._flash_verdicts.values()) == [False]
     assert "FlashAttention-2 failed" in caplog.text
-    assert backend.fake.calls.count("prefill/subset") == 2      # the check's, then the step's
+    assert backend.fake.calls.count("prefill/subset") == 1      # the check's
+    assert backend.fake.calls.count("prefill") == 1             # the failed step's, on the kernel
     assert _run_step(backend, [5, 300], torch.bfloat16, 10).flash_plan is None
 
 
@@ -268,3 +297,26 @@ def test_the_banner_says_where_prefill_attention_runs(backend):
     assert "prefill: FlashAttention-2 (torch) for prefills of 128+ tokens" in backend.description
     backend.flash_prefill = False
     assert backend.description.endswith("prefill: ferrobatch's paged prefill kernel)")
+
+
+def test_a_flash_error_in_a_whole_mixed_step_falls_back_to_both_kernels(backend, monkeypatch):
+    """Both checks passed, then the varlen call raises on a mixed step planned whole: that step
+    gets the right answer from ferrobatch's prefill and decode kernels."""
+    state = {"fail": False}
+
+    def flaky(*args):
+        if state["fail"]:
+            raise RuntimeError("FlashAttention: out of memory")
+        return flash.varlen_reference(*args)
+
+    monkeypatch.setattr(flash, "varlen_flash", flaky)
+    backend.flash_prefill = True
+    _run_step(backend, [1, 70, 1, 133], torch.bfloat16, 16)
+    assert list(backend._whole_step_verdicts.values()) == [True]
+    backend.fake.calls.clear()
+    state["fail"] = True
+    meta = _run_step(backend, [1, 90, 1, 140], torch.bfloat16, 17)     # checked against torch
+    assert meta.flash_plan.q_rows is None
+    calls = [c for c in backend.fake.calls if c != "cache"]
+    assert calls[0] == "prefill/subset" and calls[1].startswith("decode"), calls
+    assert list(backend._flash_verdicts.values()) == [False]

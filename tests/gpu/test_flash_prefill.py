@@ -94,23 +94,27 @@ def test_strided_query_of_a_fused_projection():
     _assert_flash_close(out, reference_attention(q, cache, pb, 0.09), torch.bfloat16, "strided")
 
 
+@pytest.mark.parametrize("whole_step", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(32, 8, 128), (9, 3, 64)])   # Llama-3-8B, SmolLM2-135M
-def test_start_up_check_passes_on_this_gpu(cuda_ops, dtype, shape):
+def test_start_up_check_passes_on_this_gpu(cuda_ops, dtype, shape, whole_step):
     from ferrobatch.runtime.attention import flash_prefill as flash
 
     ok, detail = flash.check_flash_prefill(cuda_ops.paged_prefill_attention, *shape, dtype, 16,
-                                           torch.device(DEV))
+                                           torch.device(DEV), whole_step=whole_step)
     assert ok, detail
 
 
 def test_backend_uses_flash_for_bf16_and_matches_its_kernel(cuda_ops):
-    """CudaPagedBackend with and without FlashAttention on the same mixed and prefill steps."""
+    """CudaPagedBackend with and without FlashAttention on the same mixed and prefill steps (and
+    with mixed steps split: decode rows on the decode kernel)."""
     from ferrobatch.runtime.attention.cuda import CudaPagedBackend
 
     rng = np.random.default_rng(8)
     with_flash, without = CudaPagedBackend(block_size=16), CudaPagedBackend(block_size=16,
                                                                             flash_prefill=False)
+    split = CudaPagedBackend(block_size=16)
+    split.flash_whole_steps = False
     for qlens in ([1, 70, 1, 133, 1, 2], [300, 45]):
         lens = [max(q, int(x)) for q, x in zip(qlens, rng.integers(40, 700, len(qlens)))]
         pb = make_batch(rng, lens, qlens, 16)
@@ -123,8 +127,11 @@ def test_backend_uses_flash_for_bf16_and_matches_its_kernel(cuda_ops):
         b = without.forward(q, cache, meta_k, 0.125)
         ref = reference_attention(q, cache, pb, 0.125)
         _assert_flash_close(a, ref, torch.bfloat16, f"backend flash {qlens}")
+        _assert_flash_close(split.forward(q, cache, split.build_metadata(pb, DEV), 0.125), ref,
+                            torch.bfloat16, f"backend flash, split mixed step {qlens}")
         assert rel_err(b, ref) < 8e-3
     assert list(with_flash._flash_verdicts.values()) == [True]
+    assert list(with_flash._whole_step_verdicts.values()) == [True]      # the mixed step's
 
 
 def test_model_runner_prefill_logits_with_and_without_flash(cuda_ops):

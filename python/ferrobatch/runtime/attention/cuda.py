@@ -145,7 +145,9 @@ class CudaPagedBackend(AttentionBackend):
         # start-up check's verdict per (dtype, Hq, Hkv, D)
         self.flash_prefill = flash_prefill
         self._flash_verdicts: dict[tuple, bool] = {}
+        # mixed steps planned whole (decode rows in the varlen call), after a check of their own
         self.flash_whole_steps = flash_whole_steps_requested()
+        self._whole_step_verdicts: dict[tuple, bool] = {}
         logger.info("attention backend: cuda (ferrobatch paged kernels, sm_%s, %d SMs, %s)",
                     cuda_ops.device_arch(dev), self.sm_count, self.library)
 
@@ -311,7 +313,7 @@ class CudaPagedBackend(AttentionBackend):
                scale: float, out: torch.Tensor | None) -> torch.Tensor | None:
         """The plan's rows through FlashAttention (written into ``out`` when given), or None when
         it is not usable here. An error from it at run time switches it off for good (logged)."""
-        if not self._flash_usable(query, kv_cache):
+        if not self._flash_usable(query, kv_cache, plan.one_query_seqs):
             return None
         try:
             return flash.flash_prefill_attention(query, kv_cache, plan, scale, out=out)
@@ -340,10 +342,13 @@ class CudaPagedBackend(AttentionBackend):
                                          out=out, seq_ids=meta.prefill_seq_ids)
         return out
 
-    def _flash_usable(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        """Whether this call's prefill rows may go to FlashAttention: a bf16 / fp16 contiguous
-        cache, not inside a CUDA-graph capture, and the start-up check passed for this shape
-        (run here, once per shape, on first use)."""
+    def _flash_usable(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                      one_query_seqs: bool = False) -> bool:
+        """Whether this call's prefill rows (with ``one_query_seqs``: a mixed step planned whole)
+        may go to FlashAttention: a bf16 / fp16 contiguous cache, not inside a CUDA-graph
+        capture, and the start-up check passed for this shape (run here, once per shape, on
+        first use; a whole mixed step has a check of its own, whose failure only stops planning
+        mixed steps whole)."""
         if not self.flash_prefill or kv_cache.dtype not in flash.FLASH_DTYPES \
                 or not kv_cache.is_contiguous():
             return False
@@ -364,6 +369,18 @@ class CudaPagedBackend(AttentionBackend):
             else:
                 logger.warning("prefill attention: FlashAttention-2 not used, ferrobatch's "
                                "prefill kernel instead (start-up check: %s)", detail)
+        if verdict and one_query_seqs:
+            verdict = self._whole_step_verdicts.get(key)
+            if verdict is None:
+                verdict, detail = flash.check_flash_prefill(
+                    cuda_ops.paged_prefill_attention, num_heads, kv_cache.shape[-2], head_dim,
+                    kv_cache.dtype, self.block_size, kv_cache.device, whole_step=True)
+                self._whole_step_verdicts[key] = verdict
+                if not verdict:
+                    self.flash_whole_steps = False
+                    logger.warning("prefill attention: mixed steps not planned whole (their "
+                                   "decode rows stay on the decode kernel; start-up check: %s)",
+                                   detail)
         return verdict
 
 

@@ -60,13 +60,15 @@ class FlashPrefillPlan:
     cu_k: torch.Tensor           # int32 [P+1] cumulative context lengths
     max_q: int
     max_k: int
+    # decode rows among them (sequences of one query: a mixed step planned whole)
+    one_query_seqs: bool = False
 
 
 def plan_arrays(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
                 block_size: int, seqs: np.ndarray) -> dict[str, np.ndarray | int | None]:
     """The plan's host arrays for the sequences ``seqs`` (indices into the step's sequences, in
     order): ``q_rows`` (None when ``seqs`` is every sequence), ``kv_slots``, ``cu_q``, ``cu_k``,
-    ``max_q``, ``max_k``."""
+    ``max_q``, ``max_k``, ``one_query_seqs``."""
     qsl = np.asarray(query_start_loc, np.int64)
     lens = np.asarray(seq_lens, np.int64)[seqs]
     first = qsl[seqs]
@@ -81,7 +83,7 @@ def plan_arrays(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables:
     blocks = np.asarray(block_tables)[seq_of, pos // block_size].astype(np.int64)
     return {"q_rows": q_rows, "kv_slots": blocks * block_size + pos % block_size,
             "cu_q": cu_q, "cu_k": cu_k, "max_q": int(qlens.max(initial=0)),
-            "max_k": int(lens.max(initial=0))}
+            "max_k": int(lens.max(initial=0)), "one_query_seqs": bool((qlens == 1).any())}
 
 
 def plan_flash_prefill(query_start_loc: np.ndarray, seq_lens: np.ndarray,
@@ -93,7 +95,8 @@ def plan_flash_prefill(query_start_loc: np.ndarray, seq_lens: np.ndarray,
     return FlashPrefillPlan(
         q_rows=None if a["q_rows"] is None else to_device(a["q_rows"], np.int64),
         kv_slots=to_device(a["kv_slots"], np.int64), cu_q=to_device(a["cu_q"], np.int32),
-        cu_k=to_device(a["cu_k"], np.int32), max_q=a["max_q"], max_k=a["max_k"])
+        cu_k=to_device(a["cu_k"], np.int32), max_q=a["max_q"], max_k=a["max_k"],
+        one_query_seqs=a["one_query_seqs"])
 
 
 VarlenFn = Callable[..., torch.Tensor]
@@ -155,19 +158,19 @@ def flash_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: F
 
 # (context length after the step, query length) of the start-up check's step: a fresh prompt, a
 # chunk after prior context that ends inside a block, a decode row (left out of the plan of the
-# prefill sequences, in the plan of the whole step), a one-block prompt, a chunk of all but the
-# first token
+# prefill sequences, in the plan of the whole step: ``whole_step``), a one-block prompt, a chunk
+# of all but the first token
 CHECK_STEP = ((37, 37), (300, 45), (130, 1), (16, 16), (97, 96))
 
 
 def check_flash_prefill(kernel: Callable[..., torch.Tensor], num_heads: int, num_kv_heads: int,
                         head_dim: int, dtype: torch.dtype, block_size: int,
-                        device: torch.device, attn: VarlenFn | None = None
-                        ) -> tuple[bool, str]:
+                        device: torch.device, attn: VarlenFn | None = None,
+                        whole_step: bool = False) -> tuple[bool, str]:
     """Runs this path and ``kernel`` (``cuda_ops.paged_prefill_attention``'s signature) on
-    ``CHECK_STEP`` with random inputs of the model's shape, planned two ways (the prefill
-    sequences of a mixed step, and the whole step with its decode row): ``(agree, what was
-    found)`` (the worse relative error, or an exception's text)."""
+    ``CHECK_STEP`` with random inputs of the model's shape, planned as a mixed step's prefill
+    sequences or (``whole_step``) as the whole step with its decode row: ``(agree, what was
+    found)`` (the relative error, or an exception's text)."""
     gen = torch.Generator(device="cpu").manual_seed(1234)
     lens = np.array([L for L, _ in CHECK_STEP], np.int64)
     qlens = np.array([n for _, n in CHECK_STEP], np.int64)
@@ -177,7 +180,7 @@ def check_flash_prefill(kernel: Callable[..., torch.Tensor], num_heads: int, num
     tables[np.arange(len(lens)).repeat(nblk), np.concatenate([np.arange(n) for n in nblk])] = \
         perm[:int(nblk.sum())]
     qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
-    seqs = np.flatnonzero(qlens > 1)
+    seqs = np.arange(len(lens)) if whole_step else np.flatnonzero(qlens > 1)
     try:
         cache = torch.randn(2, int(perm.max()) + 1, block_size, num_kv_heads, head_dim,
                             generator=gen).to(device=device, dtype=dtype)
@@ -188,18 +191,15 @@ def check_flash_prefill(kernel: Callable[..., torch.Tensor], num_heads: int, num
         def dev(a, np_dtype):
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np_dtype)).to(device)
 
+        plan = plan_flash_prefill(qsl, lens, tables, block_size, seqs, dev)
+        got = flash_prefill_attention(q, cache, plan, scale, out=torch.zeros_like(q), attn=attn)
         want = kernel(q, cache, dev(tables, np.int32), dev(lens, np.int32), dev(qsl, np.int32),
-                      scale, int(qlens.max()), out=torch.zeros_like(q),
-                      seq_ids=dev(np.arange(len(lens)), np.int32)).double()
-        err = 0.0
-        for plan_seqs in (seqs, np.arange(len(lens))):
-            plan = plan_flash_prefill(qsl, lens, tables, block_size, plan_seqs, dev)
-            got = flash_prefill_attention(q, cache, plan, scale, out=torch.zeros_like(q),
-                                          attn=attn).double()
-            rows = plan.q_rows
-            ref = want if rows is None else want.index_select(0, rows)
-            got = got if rows is None else got.index_select(0, rows)
-            err = max(err, float((got - ref).norm() / ref.norm().clamp_min(1e-30)))
+                      scale, int(qlens[seqs].max()), out=torch.zeros_like(q),
+                      seq_ids=dev(seqs, np.int32))
+        if plan.q_rows is not None:
+            got, want = got.index_select(0, plan.q_rows), want.index_select(0, plan.q_rows)
+        got, want = got.double(), want.double()
+        err = float((got - want).norm() / want.norm().clamp_min(1e-30))
     except Exception as exc:  # noqa: BLE001 - any failure means: do not use this path
         return False, f"{type(exc).__name__}: {exc}"
     tol = CHECK_REL_TOL.get(dtype, 0.0)
