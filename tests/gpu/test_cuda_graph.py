@@ -103,6 +103,8 @@ def test_engine_with_decode_graphs_matches_eager_engine(cuda_ops):
                 assert runner.graph_steps > 0
             if mode == "graphs":
                 assert runner.piecewise_steps > 0 and runner.eager_steps == 0
+            # every step is plain greedy: one read-back each (from the graph on graph steps)
+            assert llm.engine._core.plain_greedy_steps > 0
     assert outs["graphs"] == outs["eager"]
     assert outs["decode graphs only"] == outs["eager"]
 
@@ -143,3 +145,42 @@ def test_piecewise_graph_replay_matches_eager_steps(cuda_ops, dtype):
         for layer_e, layer_p in zip(eager.kv_cache.layers, pieced.kv_cache.layers, strict=True):
             torch.testing.assert_close(layer_p, layer_e, **tol)
     assert pieced.piecewise_steps == len(steps) and pieced.piecewise_graphs.replays == len(steps)
+
+
+def test_graph_outputs_a_tuple_and_the_greedy_read_back(cuda_ops):
+    """A graph whose forward returns (logits, greedy_rows(logits)), as the model runner's decode
+    step does: both come back sliced to the step's rows, the argmax and finite flags computed
+    inside the graph match an eager computation, including a NaN row and an inf row; back-to-back
+    steps (no sync between them) reuse the pinned staging buffers safely."""
+    from ferrobatch.runtime.cuda_graphs import DecodeGraphRunner
+    from ferrobatch.runtime.sampler import greedy_rows
+
+    vocab = 4096
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    table = torch.randn(64, vocab, generator=gen, device=DEV)
+    table[7, 100] = float("nan")
+    table[9, 5] = float("inf")
+
+    def step(inp):
+        logits = table[inp.input_ids] * inp.positions[:, None].float().add(1.0)
+        return logits, greedy_rows(logits)
+
+    runner = DecodeGraphRunner(step, max_blocks_per_seq=4, max_seq_len=64, device=DEV,
+                               buckets=(4, 8))
+    runner.capture()
+    rng = np.random.default_rng(4)
+    got, want = [], []
+    for n, ids in ((3, [7, 1, 9]), (8, list(range(10, 18))), (5, [9, 2, 3, 7, 4])):
+        pb = make_batch(rng, rng.integers(1, 60, size=n), np.ones(n, np.int64), 16,
+                        extra_columns=0)
+        pb.input_ids = np.asarray(ids, np.int32)
+        logits, rows = runner.run(pb)
+        assert logits.shape == (n, vocab) and rows.shape == (n, 2)
+        got.append(rows.clone())
+        pos = torch.from_numpy(pb.positions.astype(np.int64)).to(DEV)
+        want.append(greedy_rows(table[torch.tensor(ids, device=DEV)] * pos[:, None].float()
+                                .add(1.0)))
+    torch.cuda.synchronize()
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    assert got[0][:, 1].tolist() == [0, 1, 0] and got[2][:, 1].tolist() == [0, 1, 1, 0, 1]
