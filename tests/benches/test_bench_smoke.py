@@ -231,3 +231,20 @@ def test_gpu_kernel_profile_smoke(tmp_path: Path) -> None:
         assert r["step_ms"] > 0 and r["top"], r
         assert sum(k["share"] for k in r["top"]) <= 1 + 1e-9
         assert all(k["calls"] >= 1 and k["us"] > 0 for k in r["top"])
+
+
+def test_device_idle_smoke(tmp_path: Path) -> None:
+    # the engine takes every greedy step's tokens from the emulated device's read-back (which
+    # waits for the step): no launch comes before the previous step is done, so no gap is
+    # negative, and each step lasts at least the device time
+    out = tmp_path / "idle.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHES / "device_idle.py"), "--running", "4", "--tokens", "24",
+         "--repeat", "1", "--device-ms", "1", "--json", str(out)],
+        check=False, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert {r["system"] for r in rows} == {"current", "switch-100us"}
+    for r in rows:
+        assert r["steps"] >= 10 and r["idle_us"] >= 0 and r["step_us"] >= 1000, r
+        assert r["wakeup_us"] >= 0 and r["idle_us"] <= r["idle_p90_us"] + 1e-6
