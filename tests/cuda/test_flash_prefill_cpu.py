@@ -294,7 +294,11 @@ def test_steps_with_too_much_context_to_gather_keep_the_kernel(backend, monkeypa
 
 def test_the_banner_says_where_prefill_attention_runs(backend):
     backend.flash_prefill = True
-    assert "prefill: FlashAttention-2 (torch) for prefills of 128+ tokens" in backend.description
+    assert "prefill: FlashAttention-2 (torch) for prefills of 128+ tokens, with the decode " \
+        "rows of a mixed step" in backend.description
+    backend.flash_whole_steps = False
+    assert "prefill: FlashAttention-2 (torch) for prefills of 128+ tokens once" \
+        in backend.description
     backend.flash_prefill = False
     assert backend.description.endswith("prefill: ferrobatch's paged prefill kernel)")
 

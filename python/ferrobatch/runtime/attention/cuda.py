@@ -154,9 +154,11 @@ class CudaPagedBackend(AttentionBackend):
     @property
     def description(self) -> str:
         """What runs attention, in words (the serve banner's ``attention:`` line)."""
-        prefill = ("FlashAttention-2 (torch) for prefills of 128+ tokens once its start-up check "
-                   "agrees, else ferrobatch's paged prefill kernel" if self.flash_prefill
-                   else "ferrobatch's paged prefill kernel")
+        whole = (", with the decode rows of a mixed step of <= 32k context tokens"
+                 if self.flash_whole_steps else "")
+        prefill = ("FlashAttention-2 (torch) for prefills of 128+ tokens" + whole + " once its "
+                   "start-up check agrees, else ferrobatch's paged prefill kernel"
+                   if self.flash_prefill else "ferrobatch's paged prefill kernel")
         return f"ferrobatch CUDA kernels (decode: split-KV paged kernel; prefill: {prefill})"
 
     # ---- capabilities -------------------------------------------------------------------------
