@@ -34,6 +34,8 @@
 #  12. spec: speculative decoding on CUDA, drafting alone and at load             -> speculative_cuda.{txt,json}
 #  13. hfcb: ferrobatch and transformers' continuous batching (hf-continuous) on gpu-small
 #      (never run on the GPU yet)                                                 -> throughput_gpu-small_hfcb.*
+#  14. chat: the gpu-chat workload (1000 requests, chat-like lengths, Llama-3-8B shape; never
+#      run on the GPU yet)                                                         -> throughput_gpu-chat.*
 #  then the summary table                                                          -> summary.txt
 # (2026-12-04, first H200 runs: build 28 s, tests 45 s, bench 10 s, small / 8b 27 s each, ablation
 # 45 s, splits 71 s, hf 113 s, hf8b > 150 s, sanitizer 12 s, spec 50 s.)
@@ -73,7 +75,7 @@ timeout_flag=()
 $PY -c "import pytest_timeout" >/dev/null 2>&1 && timeout_flag=(--timeout 120)
 
 budget=${GPU_CHECK_BUDGET_S:-540}
-steps=${GPU_CHECK_STEPS:-tests,bench,small,8b,ablation,phases,profile,splits,hf,hf8b,sanitizer,spec,hfcb}
+steps=${GPU_CHECK_STEPS:-tests,bench,small,8b,ablation,phases,profile,splits,hf,hf8b,sanitizer,spec,hfcb,chat}
 tests=${GPU_CHECK_TESTS:-tests/gpu}
 want() { [[ ",$steps," == *",$1,"* ]]; }
 declare -A status
@@ -171,6 +173,10 @@ if [[ ${status[build]} == rc=0* ]]; then
   run_step hfcb 240 "$OUT/throughput_gpu-small_hfcb.txt" $PY benches/throughput.py \
     --workload gpu-small --systems ferrobatch,hf-continuous --no-progress --max-num-seqs 256 \
     --json "$OUT/throughput_gpu-small_hfcb.json" || failed=1
+  # the chat-like length mix on the 8B shape (1000 requests; never run on the GPU yet)
+  run_step chat 240 "$OUT/throughput_gpu-chat.txt" $PY benches/throughput.py \
+    --workload gpu-chat --systems ferrobatch --no-progress \
+    --json "$OUT/throughput_gpu-chat.json" || failed=1
 else
   echo "build failed: skipping tests and bench" | tee -a "$OUT/steps.txt"
   failed=1
@@ -178,7 +184,7 @@ fi
 
 {
   echo "ferrobatch GPU check $stamp  ($(head -n 2 "$OUT/env.txt" | tail -n 1))"
-  for k in build tests bench small 8b ablation phases splits hf hf8b sanitizer spec hfcb; do echo "  $k: ${status[$k]:-not run}"; done
+  for k in build tests bench small 8b ablation phases profile splits hf hf8b sanitizer spec hfcb chat; do echo "  $k: ${status[$k]:-not run}"; done
   echo "--- tests"
   grep -E "passed|failed|error" "$OUT/gpu_tests.log" 2>/dev/null | tail -n 3
   grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.log" 2>/dev/null | head -n 15
@@ -196,6 +202,8 @@ fi
   echo "--- against transformers (hf-static, hf-continuous), same run each"
   grep -hE "^  (ferrobatch|hf-static|hf-continuous)" "$OUT/throughput_gpu-small_hf.txt" \
     "$OUT/throughput_gpu-8b_hf.txt" "$OUT/throughput_gpu-small_hfcb.txt" 2>/dev/null
+  echo "--- gpu-chat (1000 requests, chat-like lengths, Llama-3-8B shape)"
+  grep -hE "^  ferrobatch" "$OUT/throughput_gpu-chat.txt" 2>/dev/null
   echo "--- decode kernel at fixed split counts (GB/s; see splits_sweep.txt)"
   grep -cE "^(llama|smollm)" "$OUT/splits_sweep.txt" 2>/dev/null
   echo "--- step phases, gpu-small at cap 256 then 32 (ms per step)"
