@@ -13,7 +13,9 @@ then:
   kernel's device time (the same kernels a graph replays). ``step - kernel`` is what the step
   waits on besides arithmetic and memory traffic: launch gaps inside the graph, host work
   between pieces, the copies in;
-- the top kernels of that eager step by device time (name, calls, us, share).
+- the top kernels of that eager step by device time (name, calls, us, share);
+- with graphs, the kernel time the profiler reports for the step as the engine runs it (CUPTI
+  may or may not see the kernels a graph replays: 0 then).
 
 On the CPU (smoke runs, `tests/benches`) the profile lists aten ops by self CPU time instead.
 `--mixed D:P` is a step of D decode rows plus one fresh prompt of P tokens (a cap-32 refill).
@@ -93,17 +95,18 @@ def time_step(runner, batch, iters: int) -> float:
     return float(np.median(times[1:])) * 1e3
 
 
-def profile_step(runner, batch) -> tuple[float, list[dict]]:
-    """(sum of kernel device ms, top kernels) of one eager run of the step; on the CPU the aten
-    ops by self CPU time."""
+def profile_step(runner, batch, allow_graph: bool = False) -> tuple[float, list[dict]]:
+    """(sum of kernel device ms, top kernels) of one run of the step (eager unless
+    ``allow_graph``: then as the engine runs it, whose graph kernels CUPTI may or may not
+    report); on the CPU the aten ops by self CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = runner.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    runner.execute(batch, allow_graph=False)               # warm (allocator, lazy init)
+    runner.execute(batch, allow_graph=allow_graph)         # warm (allocator, lazy init)
     _sync(runner.device)
     with profile(activities=activities) as prof:
-        runner.execute(batch, allow_graph=False)
+        runner.execute(batch, allow_graph=allow_graph)
         _sync(runner.device)
     rows = []
     if cuda:
@@ -163,11 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     for label, batch in steps:
         step_ms = time_step(runner, batch, args.iters)
         kernel_ms, top = profile_step(runner, batch)
+        graph_ms = profile_step(runner, batch, allow_graph=True)[0] if graphs else None
         results.append({"step": label, "num_tokens": int(batch.num_tokens),
-                        "step_ms": step_ms, "kernel_ms": kernel_ms, "top": top})
+                        "step_ms": step_ms, "kernel_ms": kernel_ms,
+                        "graph_step_kernel_ms": graph_ms, "top": top})
         print(f"\n{label}: step {step_ms:.3f} ms, kernels {kernel_ms:.3f} ms "
               f"({'device' if device.type == 'cuda' else 'CPU self'} time, eager run), "
-              f"other {step_ms - kernel_ms:+.3f} ms")
+              f"other {step_ms - kernel_ms:+.3f} ms"
+              + ("" if graph_ms is None else
+                 f"; kernels the profiler saw in the graph step {graph_ms:.3f} ms"))
         print(f"  {'calls':>5} {'us':>9} {'share':>6}  kernel")
         for k in top:
             print(f"  {k['calls']:5d} {k['us']:9.1f} {k['share']:6.1%}  {k['name'][:100]}")
