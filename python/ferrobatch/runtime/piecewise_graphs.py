@@ -195,10 +195,10 @@ class PiecewiseGraphRunner:
         self._copy_in(self._input_ids, input_ids, n)
         self._copy_in(self._positions, positions, n)
         graphs = self._graphs[t]
+        q, k, v, attn = self._q[:n], self._k[:n], self._v[:n], self._attn[:n]  # views, once
         graphs[0].replay()
         for layer in range(self.num_layers):
-            out = attention(layer, self._q[:n], self._k[:n], self._v[:n])
-            self._attn[:n].copy_(out)
+            attn.copy_(attention(layer, q, k, v))
             graphs[layer + 1].replay()
         self.replays += 1
         return self._hidden[:n]
