@@ -258,17 +258,24 @@ def test_small_prefills_stay_on_ferrobatchs_kernel(backend, monkeypatch):
     assert "prefill/subset" in backend.fake.calls
 
 
-def test_a_flash_error_at_run_time_falls_back_for_good(backend, monkeypatch, caplog):
-    """The check passed, then the kernel raises on a later step (a shape it rejects): that step
-    still gets the right answer from ferrobatch's kernel, and FlashAttention stays off."""
+def _flaky_flash(monkeypatch, message: str) -> dict:
+    """Puts a varlen kernel in place that is right until ``state["fail"]`` is set, then raises
+    RuntimeError(message); returns ``state``."""
     state = {"fail": False}
 
     def flaky(*args):
         if state["fail"]:
-            raise RuntimeError("FlashAttention: max_seqlen_k too large")
+            raise RuntimeError(message)
         return flash.varlen_reference(*args)
 
     monkeypatch.setattr(flash, "varlen_flash", flaky)
+    return state
+
+
+def test_a_flash_error_at_run_time_falls_back_for_good(backend, monkeypatch, caplog):
+    """The check passed, then the kernel raises on a later step (a shape it rejects): that step
+    still gets the right answer from ferrobatch's kernel, and FlashAttention stays off."""
+    state = _flaky_flash(monkeypatch, "FlashAttention: max_seqlen_k too large")
     backend.flash_prefill = True
     _run_step(backend, [5, 300], torch.bfloat16, 8)
     assert list(backend._flash_verdicts.values()) == [True]
@@ -306,14 +313,7 @@ def test_the_banner_says_where_prefill_attention_runs(backend):
 def test_a_flash_error_in_a_whole_mixed_step_falls_back_to_both_kernels(backend, monkeypatch):
     """Both checks passed, then the varlen call raises on a mixed step planned whole: that step
     gets the right answer from ferrobatch's prefill and decode kernels."""
-    state = {"fail": False}
-
-    def flaky(*args):
-        if state["fail"]:
-            raise RuntimeError("FlashAttention: out of memory")
-        return flash.varlen_reference(*args)
-
-    monkeypatch.setattr(flash, "varlen_flash", flaky)
+    state = _flaky_flash(monkeypatch, "FlashAttention: out of memory")
     backend.flash_prefill = True
     _run_step(backend, [1, 70, 1, 133], torch.bfloat16, 16)
     assert list(backend._whole_step_verdicts.values()) == [True]
