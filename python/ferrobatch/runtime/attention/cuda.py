@@ -329,9 +329,10 @@ class CudaPagedBackend(AttentionBackend):
                  scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the prefill sequences: every sequence of the step, or with ``out`` those
         of ``meta.prefill_seq_ids`` (their rows of ``out`` written). FlashAttention when usable
-        and its plan covers just those rows, else ferrobatch's prefill kernel."""
+        and its plan covers just those rows (a plan of every row was tried by ``forward``),
+        else ferrobatch's prefill kernel."""
         plan = getattr(meta, "flash_plan", None)
-        if plan is not None and (out is None) == (plan.q_rows is None):
+        if out is not None and plan is not None and plan.q_rows is not None:
             res = self._flash(query, kv_cache, plan, scale, out)
             if res is not None:
                 return res
