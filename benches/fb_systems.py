@@ -1,5 +1,5 @@
 """The ferrobatch systems of the offline benchmark: `ferrobatch`, `-static`, `-eager`,
-`-decodegraphs`, `-nativeprefill`, `-splitmixed`, `-torchops`, `-nodraft`, `-kv16`, `-f32panels`.
+`-decodegraphs`, `-nativeprefill`, `-splitmixed`, `-rotaryapart`, `-torchops`, `-nodraft`, `-kv16`, `-f32panels`.
 
 Both drive the real engine through `ferrobatch.LLM.generate` (Rust scheduler, model runner,
 sampler, step thread, incremental detokenization — the engine as shipped) with token-id prompts and
@@ -22,6 +22,9 @@ sampler, step thread, incremental detokenization — the engine as shipped) with
 - `ferrobatch-splitmixed`: `ferrobatch` with `FERROBATCH_FLASH_WHOLE_STEP=0` (on a GPU a mixed
   step's decode rows stay on the decode kernel and only its prefill sequences go to
   FlashAttention, as before session 31; on the CPU nothing differs).
+- `ferrobatch-rotaryapart`: `ferrobatch` with `FERROBATCH_ROTARY_CACHE=0` (on a GPU rotary and
+  the K/V write into the paged cache stay two kernels per layer instead of one; the choice is
+  per engine, so it may run in any order; on the CPU nothing differs).
 - `ferrobatch-torchops`: `ferrobatch` with `FERROBATCH_CUDA_FUSED_OPS=0` (on a GPU torch's
   elementwise modules instead of the fused RMSNorm / SiLU-and-mul / rotary kernels; the other
   systems swap the shared model's modules, so it runs first; on the CPU nothing differs).
@@ -176,7 +179,9 @@ class FerrobatchRunner:
         return {"flash_prefill": flash,
                 "flash_whole_steps": "on" if getattr(backend, "flash_whole_steps", False)
                 else "off",
-                "fused_elementwise": "on" if fused else "off"}
+                "fused_elementwise": "on" if fused else "off",
+                "rotary_with_kv_write": "on" if getattr(backend, "rotary_with_kv_write", False)
+                else "off"}
 
     def _num_steps(self) -> int | None:
         lt = getattr(self.engine, "_loop_thread", None)

@@ -13,8 +13,9 @@
 #   4. bench: decode-attention bandwidth (+ measured copy rate), then prefill attention:
 #      ferrobatch's kernel vs FlashAttention-2 (session 30)   -> attention_bandwidth.*, prefill_attention.*
 #   5. small: gpu-small with torch's elementwise modules instead of the fused kernels (the
-#      default since session 30, behind a start-up check), as shipped, and with decode graphs
-#      only (issue #6; no graphs at all: 5,668 out tok/s on 2026-12-04, no longer run)
+#      default since session 30, behind a start-up check), as shipped, with decode graphs
+#      only, and with rotary apart from the K/V write (two kernels per layer, as before session
+#      33) (issue #6; no graphs at all: 5,668 out tok/s on 2026-12-04, no longer run)
 #                                                                                 -> throughput_gpu-small.*
 #   6. 8b: gpu-8b, with FlashAttention prefill (the default since session 30) and with
 #      ferrobatch's prefill kernel (ferrobatch-nativeprefill) (issue #6)          -> throughput_gpu-8b.*
@@ -126,7 +127,7 @@ if [[ ${status[build]} == rc=0* ]]; then
       --measure-copy --json $OUT/attention_bandwidth.json && $PY benches/prefill_attention_cuda.py \
       --json $OUT/prefill_attention.json | tee $OUT/prefill_attention.txt" || failed=1
   run_step small 200 "$OUT/throughput_gpu-small.txt" $PY benches/throughput.py \
-    --workload gpu-small --systems ferrobatch-torchops,ferrobatch,ferrobatch-decodegraphs \
+    --workload gpu-small --systems ferrobatch-torchops,ferrobatch,ferrobatch-decodegraphs,ferrobatch-rotaryapart \
     --no-progress \
     --max-num-seqs 256 \
     --json "$OUT/throughput_gpu-small.json" || failed=1

@@ -23,6 +23,9 @@ TORCH_LIBRARY(ferrobatch, m) {
       "float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("rotary_inplace(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def(
+      "rotary_and_cache(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, "
+      "Tensor(c!) kv_cache, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ferrobatch, CUDA, m) {
@@ -33,4 +36,5 @@ TORCH_LIBRARY_IMPL(ferrobatch, CUDA, m) {
   m.impl("add_rms_norm", &ferrobatch::add_rms_norm);
   m.impl("silu_and_mul", &ferrobatch::silu_and_mul);
   m.impl("rotary_inplace", &ferrobatch::rotary_inplace);
+  m.impl("rotary_and_cache", &ferrobatch::rotary_and_cache);
 }

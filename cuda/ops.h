@@ -56,5 +56,10 @@ void add_rms_norm(at::Tensor& out, at::Tensor& sum, const at::Tensor& x, const a
                   const at::Tensor& weight, double eps);
 void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 void rotary_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
+// rotary_and_cache: rotary_inplace, then reshape_and_cache of the rotated k and of v (same
+//                   kv_cache layout and slot_mapping rules, a negative slot skips the token) in one
+//                   kernel; v [T, Hkv, D] any token/head strides; one dtype for all
+void rotary_and_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                      const at::Tensor& sin, at::Tensor& kv_cache, const at::Tensor& slot_mapping);
 
 }  // namespace ferrobatch

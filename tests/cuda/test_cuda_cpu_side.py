@@ -251,7 +251,7 @@ def test_choose_num_splits_against_the_h200_sweep():
 
 @pytest.fixture
 def stand_in_ops(monkeypatch):
-    """The four fused elementwise ops replaced by the torch modules' arithmetic on the CPU (the
+    """The fused elementwise ops replaced by the torch modules' arithmetic on the CPU (the
     kernels themselves run on the GPU only); returns the list of calls they record."""
     from ferrobatch.model.llama import RMSNorm, SiluAndMul
     from ferrobatch.model.rope import ApplyRotary
@@ -277,10 +277,19 @@ def stand_in_ops(monkeypatch):
         q.copy_(rq)
         k.copy_(rk)
 
+    def rotary_and_cache(q, k, v, cos, sin, kv_cache, slot_mapping):
+        calls.append("rotary+write")
+        rotary_inplace(q, k, cos, sin)
+        real = slot_mapping >= 0
+        flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
+        flat[0, slot_mapping[real].long()] = k[real]
+        flat[1, slot_mapping[real].long()] = v[real]
+
     monkeypatch.setattr(cuda_ops, "rms_norm", rms_norm)
     monkeypatch.setattr(cuda_ops, "add_rms_norm", add_rms_norm)
     monkeypatch.setattr(cuda_ops, "silu_and_mul", lambda x: SiluAndMul()(x))
     monkeypatch.setattr(cuda_ops, "rotary_inplace", rotary_inplace)
+    monkeypatch.setattr(cuda_ops, "rotary_and_cache", rotary_and_cache)
     return calls
 
 
@@ -296,10 +305,13 @@ def _tiny_model(dtype=torch.float32):
     return LoadedModel("tiny", config, model, None, None, "random")
 
 
-def test_fused_elementwise_model_computes_what_the_torch_modules_do(stand_in_ops):
+@pytest.mark.parametrize("rotary_with_kv_write", [False, True])
+def test_fused_elementwise_model_computes_what_the_torch_modules_do(stand_in_ops,
+                                                                    rotary_with_kv_write):
     """The swapped model's plumbing on the CPU, with torch stand-ins for the kernels: a mixed
-    step gives the unswapped model's logits bit for bit, and every residual add went through a
-    norm's ``add_and_norm``."""
+    step gives the unswapped model's logits and KV cache bit for bit, every residual add went
+    through a norm's ``add_and_norm``, and, where the backend allows it, each layer's rotary and
+    K/V write through one ``rotary_and_cache``."""
     import copy
     import os
     import sys
@@ -318,6 +330,7 @@ def test_fused_elementwise_model_computes_what_the_torch_modules_do(stand_in_ops
                         pack_weights=False)
     fused = ModelRunner(twin, num_blocks=64, block_size=16, attn_backend="torch",
                         pack_weights=False)
+    fused.attn_backend.rotary_with_kv_write = rotary_with_kv_write
     rng = np.random.default_rng(0)
     batch = mixed_step(rng, 64, 16, [(20, 1), (0, 30), (40, 5)], 64)
     fill = context_prefill(batch, 16, 64)
@@ -325,9 +338,75 @@ def test_fused_elementwise_model_computes_what_the_torch_modules_do(stand_in_ops
         runner.execute(fill)
     stand_in_ops.clear()
     assert torch.equal(fused.execute(batch), plain.execute(batch))
+    for layer_p, layer_f in zip(plain.kv_cache.layers, fused.kv_cache.layers, strict=True):
+        assert torch.equal(layer_f, layer_p)
     # every residual add is in the norm after it: layer 0's input norm has none, its
     # post-attention norm and layer 1's two norms take one, the final norm the last MLP's
-    assert stand_in_ops == ["norm"] + ["add+norm"] * 4
+    norms = [c for c in stand_in_ops if "norm" in c]
+    assert norms == ["norm"] + ["add+norm"] * 4
+    assert stand_in_ops.count("rotary+write") == (2 if rotary_with_kv_write else 0)
+
+
+def test_rotary_cache_start_up_check_passes_for_the_right_kernel_only(stand_in_ops,
+                                                                       monkeypatch):
+    from ferrobatch.runtime import cuda_elementwise as ce
+
+    model = _tiny_model().model
+    ok, detail = ce.check_rotary_cache(model, torch.float32)
+    assert ok, detail
+    right = cuda_ops.rotary_and_cache
+
+    def unrotated_k(q, k, v, cos, sin, kv_cache, slots):      # stores k before the rotation
+        saved = k.clone()
+        right(q, k, v, cos, sin, kv_cache, slots)
+        real = slots >= 0
+        kv_cache.view(2, -1, *kv_cache.shape[-2:])[0, slots[real].long()] = saved[real]
+
+    def writes_padding(q, k, v, cos, sin, kv_cache, slots):   # slot -1 is the cache's last slot
+        right(q, k, v, cos, sin, kv_cache, slots)
+        kv_cache.view(2, -1, *kv_cache.shape[-2:])[1, slots.long()] = v
+
+    for wrong, finding in ((unrotated_k, "worst cache"),
+                           (writes_padding, "outside the step's slots")):
+        monkeypatch.setattr(cuda_ops, "rotary_and_cache", wrong)
+        ok, detail = ce.check_rotary_cache(model, torch.float32)
+        assert not ok and finding in detail, detail
+
+    def no_kernel(*args):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(cuda_ops, "rotary_and_cache", no_kernel)
+    ok, detail = ce.check_rotary_cache(model, torch.float32)
+    assert not ok and "no kernel image" in detail
+
+
+def test_the_runner_fuses_rotary_and_the_write_only_after_its_check(stand_in_ops, monkeypatch,
+                                                                    caplog):
+    from types import SimpleNamespace
+
+    from ferrobatch.runtime import cuda_elementwise as ce
+    from ferrobatch.runtime.model_runner import _use_rotary_kv_write
+
+    caplog.set_level("INFO", logger="ferrobatch")
+    model = _tiny_model().model
+    backend = SimpleNamespace(rotary_with_kv_write=True)
+    assert _use_rotary_kv_write(model, torch.float32, backend) == ""    # torch's rotary module
+    assert backend.rotary_with_kv_write is False
+    ce.swap_cuda_elementwise_ops(model)
+    monkeypatch.setenv(ce.ROTARY_CACHE_FLAG, "0")
+    said = _use_rotary_kv_write(model, torch.float32, backend)
+    assert "FERROBATCH_ROTARY_CACHE=0" in said and backend.rotary_with_kv_write is False
+    monkeypatch.delenv(ce.ROTARY_CACHE_FLAG)
+    right = cuda_ops.rotary_and_cache
+    monkeypatch.setattr(cuda_ops, "rotary_and_cache",
+                        lambda q, k, v, *rest: right(q, k, v * 2, *rest))
+    said = _use_rotary_kv_write(model, torch.float32, backend)
+    assert "failed its check: worst cache" in said and backend.rotary_with_kv_write is False
+    assert "stay two kernels" in caplog.text
+    monkeypatch.setattr(cuda_ops, "rotary_and_cache", right)
+    assert _use_rotary_kv_write(model, torch.float32, backend) == \
+        "; rotary fused with the K/V write"
+    assert backend.rotary_with_kv_write is True
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

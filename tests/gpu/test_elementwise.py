@@ -91,6 +91,60 @@ def test_rotary_in_place_matches_the_module(cuda_ops, dtype, tokens, hq, hkv, di
     assert torch.equal(qkv[:, (hq + hkv) * dim:], v_before), "v must be left alone"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,hq,hkv,dim,block_size",
+                         [(1, 9, 3, 64, 16), (17, 32, 8, 128, 16), (300, 8, 8, 64, 32),
+                          (45, 12, 4, 128, 5)])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_rotary_and_cache_is_rotary_then_reshape_and_cache(cuda_ops, dtype, tokens, hq, hkv, dim,
+                                                           block_size, slot_dtype):
+    """One kernel for rotary + the K/V write: q and k exactly as rotary_inplace leaves them, the
+    cache exactly as reshape_and_cache of those k (and v) leaves it: shuffled slots over a
+    strided cache view (block size 5: not a power of two), padding rows (slot -1) write
+    nothing, every other cache element keeps its poison."""
+    from ferrobatch.model.config import ModelConfig
+    from ferrobatch.model.rope import RotaryEmbedding
+    from ferrobatch.runtime.cuda_elementwise import CudaApplyRotary
+
+    config = ModelConfig(arch="llama", vocab_size=10, hidden_size=hq * dim, intermediate_size=8,
+                         num_layers=1, num_heads=hq, num_kv_heads=hkv, head_dim=dim,
+                         max_position_embeddings=4096)
+    gen = torch.Generator(device=DEV).manual_seed(tokens * hq + block_size)
+    tables = RotaryEmbedding(config, DEV).tables(
+        torch.randint(0, 4096, (tokens,), generator=gen, device=DEV), dtype)
+    num_blocks = (tokens + block_size - 1) // block_size + 3
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device=DEV)[:tokens]
+    slots[::7] = -1
+    slots = slots.to(slot_dtype)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * dim, generator=gen, device=DEV).to(dtype)
+    # a cache view that is one layer of a [layers, 2, ...] allocation (strided outer dims)
+    whole = torch.full((3, 2, num_blocks, block_size, hkv, dim), float("nan"), dtype=dtype,
+                       device=DEV)
+    ref_whole = whole.clone()
+
+    def views(t):
+        q, k, v = t.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
+        return q.view(tokens, hq, dim), k.view(tokens, hkv, dim), v.view(tokens, hkv, dim)
+
+    ref_qkv = qkv.clone()
+    rq, rk, rv = views(ref_qkv)
+    cos, sin = (t.reshape(tokens, dim) for t in tables)
+    cuda_ops.rotary_inplace(rq, rk, cos, sin)
+    cuda_ops.reshape_and_cache(rk, rv, ref_whole[1], slots)
+    q, k, v = views(qkv)
+    assert CudaApplyRotary().rotate_and_cache(q, k, v, tables, whole[1], slots)
+    assert torch.equal(qkv, ref_qkv), "q / k must be rotated exactly as rotary_inplace does"
+    assert torch.equal(whole.isnan(), ref_whole.isnan()), "written cache elements differ"
+    written = ~ref_whole.isnan()
+    assert written.any() and torch.equal(whole[written], ref_whole[written])
+    # with a cache of another dtype it declines and touches nothing
+    other = torch.zeros(2, num_blocks, block_size, hkv, dim, device=DEV,
+                        dtype=torch.float16 if dtype != torch.float16 else torch.float32)
+    before = qkv.clone()
+    assert not CudaApplyRotary().rotate_and_cache(q, k, v, tables, other, slots)
+    assert torch.equal(qkv, before) and not other.any()
+
+
 def test_engine_with_fused_ops_gives_the_eager_engine_tokens(cuda_ops, monkeypatch):
     """fp32 SmolLM2 (or the e2e GGUF), greedy: the fused kernels swapped in give the same tokens
     as the torch modules."""
@@ -102,8 +156,9 @@ def test_engine_with_fused_ops_gives_the_eager_engine_tokens(cuda_ops, monkeypat
     prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     outs = {}
-    for fused in (False, True):
+    for fused in (False, "apart", True):        # torch's modules; rotary apart from the write
         monkeypatch.setenv("FERROBATCH_CUDA_FUSED_OPS", "1" if fused else "0")
+        monkeypatch.setenv("FERROBATCH_ROTARY_CACHE", "1" if fused is True else "0")
         try:       # a fresh model each time: the swap replaces the model's modules
             loaded = load_model(os.environ.get("FERROBATCH_E2E_GGUF") or "smollm2", device="cuda",
                                 dtype=torch.float32)
@@ -112,9 +167,11 @@ def test_engine_with_fused_ops_gives_the_eager_engine_tokens(cuda_ops, monkeypat
         with LLM("smollm2", loaded_model=loaded, device="cuda", dtype="float32", kv_cache_gb=1.0,
                  max_num_seqs=8) as llm:
             from ferrobatch.runtime.cuda_elementwise import CudaRMSNorm
-            assert any(isinstance(m, CudaRMSNorm) for m in loaded.model.modules()) == fused
+            assert any(isinstance(m, CudaRMSNorm) for m in loaded.model.modules()) == bool(fused)
+            backend = llm.engine._core.runner.attn_backend
+            assert backend.rotary_with_kv_write == (fused is True)
             outs[fused] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert outs[True] == outs[False]
+    assert outs[True] == outs["apart"] == outs[False]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -124,7 +181,7 @@ def test_start_up_check_passes_on_this_gpu(cuda_ops, dtype, shape):
     model's shapes; Llama-3-8B with 2 of its 32 layers)."""
     from ferrobatch.model.config import ModelConfig
     from ferrobatch.model.loader import build_model
-    from ferrobatch.runtime.cuda_elementwise import check_fused_ops
+    from ferrobatch.runtime.cuda_elementwise import check_fused_ops, check_rotary_cache
 
     if shape == "smollm2-135m":
         config = ModelConfig(arch="llama", vocab_size=1024, hidden_size=576,
@@ -137,4 +194,6 @@ def test_start_up_check_passes_on_this_gpu(cuda_ops, dtype, shape):
                              rope_theta=500000.0)
     model = build_model(config, None, device=torch.device(DEV), dtype=dtype)
     ok, detail = check_fused_ops(model, dtype)
+    assert ok, detail
+    ok, detail = check_rotary_cache(model, dtype)
     assert ok, detail

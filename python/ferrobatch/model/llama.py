@@ -64,19 +64,30 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, device=device, dtype=dtype)
         self.rope = ApplyRotary()
 
-    def project(self, hidden, rope_tables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D])``: projected, q and k rotated."""
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(q, k, rope_tables)
-        return q, k, v
+    def project(self, hidden) -> torch.Tensor:
+        """The fused QKV projection ``[T, (Hq + 2 Hkv) * D]`` (``split_qkv`` gives its views)."""
+        return self.qkv_proj(hidden)
 
-    def attend(self, q, k, v, kv_cache, attn_meta, backend) -> torch.Tensor:
-        """Writes ``k`` / ``v`` into the paged cache and attends: ``[T, Hq * D]``, before o_proj."""
-        backend.write_kv(kv_cache, k, v, attn_meta)
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views ``(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D])`` of a QKV projection (not rotated:
+        ``attend`` rotates q and k)."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (q.view(num_tokens, self.num_heads, self.head_dim),
+                k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                v.view(num_tokens, self.num_kv_heads, self.head_dim))
+
+    def attend(self, qkv, rope_tables, kv_cache, attn_meta, backend) -> torch.Tensor:
+        """Rotates q and k of the projection ``qkv``, writes k / v into the paged cache and
+        attends: ``[T, Hq * D]``, before o_proj. When the backend allows it
+        (``rotary_with_kv_write``), a rotary module with ``rotate_and_cache``
+        (``runtime.cuda_elementwise``: one kernel, in place) rotates and writes together."""
+        q, k, v = self.split_qkv(qkv)
+        fused = getattr(self.rope, "rotate_and_cache", None) \
+            if getattr(backend, "rotary_with_kv_write", False) else None
+        if fused is None or not fused(q, k, v, rope_tables, kv_cache, attn_meta.slot_mapping):
+            q, k = self.rope(q, k, rope_tables)
+            backend.write_kv(kv_cache, k, v, attn_meta)
         out = backend.forward(q, kv_cache, attn_meta, self.scale)
         return out.reshape(q.shape[0], self.q_size)
 
@@ -114,22 +125,22 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, device, dtype)
 
     # The layer in three parts; runtime.piecewise_graphs captures begin and finish in CUDA graphs
-    # and runs attention (self_attn.attend) between them.
+    # and runs attention (self_attn.attend: rotary, the KV write, attention) between them.
     def forward(self, residual, delta, rope_tables, kv_cache, attn_meta,
                 backend) -> tuple[torch.Tensor, torch.Tensor]:
         """``(residual, delta)`` in (``delta`` None for the first layer) -> the same out."""
-        residual, q, k, v = self.begin(residual, delta, rope_tables)
-        return self.finish(residual, self.self_attn.attend(q, k, v, kv_cache, attn_meta, backend))
+        residual, qkv = self.begin(residual, delta)
+        return self.finish(residual, self.self_attn.attend(qkv, rope_tables, kv_cache, attn_meta,
+                                                           backend))
 
-    def begin(self, residual, delta, rope_tables
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def begin(self, residual, delta) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything before attention: the residual stream (``residual + delta``, or
-        ``residual`` when ``delta`` is None) and ``(q, k, v)`` of its norm."""
+        ``residual`` when ``delta`` is None) and the QKV projection of its norm."""
         if delta is None:
             normed = self.input_layernorm(residual)
         else:
             residual, normed = add_then_norm(self.input_layernorm, residual, delta)
-        return (residual, *self.self_attn.project(normed, rope_tables))
+        return residual, self.self_attn.project(normed)
 
     def finish(self, residual, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything after attention (``attn_out [T, Hq * D]``): ``(residual, mlp output)``,

@@ -401,6 +401,13 @@ def rotary_inplace(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     torch.ops.ferrobatch.rotary_inplace(q, k, cos, sin)
 
 
+def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``rotary_inplace(q, k, cos, sin)`` then ``reshape_and_cache(k, v, kv_cache, slot_mapping)``
+    in one kernel (one dtype for q, k, v, cos, sin and the cache; slot -1 skips a row)."""
+    torch.ops.ferrobatch.rotary_and_cache(q, k, v, cos, sin, kv_cache, slot_mapping)
+
+
 def num_sms(device: torch.device | int | None = None) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 

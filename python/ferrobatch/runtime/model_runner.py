@@ -135,7 +135,8 @@ class ModelRunner:
                 logger.info("returned %.0f MiB freed while loading to the OS", freed / 2**20)
         if self.device.type == "cuda" and self.attn_backend.name == "cuda":
             self.linear_kernels += "; elementwise ops: " + _use_fused_elementwise_ops(
-                self.model, loaded.dtype)
+                self.model, loaded.dtype) + _use_rotary_kv_write(self.model, loaded.dtype,
+                                                                 self.attn_backend)
         self.block_size = block_size
         self.validate_steps = validate_steps
         self.kv_cache = KVCache(self.config, num_blocks, block_size, self.device,
@@ -235,8 +236,9 @@ class ModelRunner:
         """One step through the piecewise graphs, attention eager between them."""
         backend, model, caches = self.attn_backend, self.model, self.kv_cache.layers
 
-        def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-            return model.layers[layer].self_attn.attend(q, k, v, caches[layer], meta, backend)
+        def attention(layer: int, qkv: torch.Tensor, rope_tables):
+            return model.layers[layer].self_attn.attend(qkv, rope_tables, caches[layer], meta,
+                                                        backend)
 
         with torch_single_threaded() if self.rust_linears else contextlib.nullcontext():
             hidden = self.piecewise_graphs.run(batch.input_ids, batch.positions, attention)
@@ -342,6 +344,32 @@ def _use_fused_elementwise_ops(model, dtype: torch.dtype) -> str:
     logger.info("elementwise ops: %d modules on the fused CUDA kernels (start-up check: %s)",
                 swap_cuda_elementwise_ops(model), detail)
     return fused
+
+
+def _use_rotary_kv_write(model, dtype: torch.dtype, backend) -> str:
+    """On CUDA with the fused rotary kernel swapped in: rotary and the K/V write as one kernel
+    (``backend.rotary_with_kv_write``, this runner only) once its start-up check agrees
+    (``cuda_elementwise.check_rotary_cache``); the returned phrase says which and why."""
+    from ferrobatch.runtime.cuda_elementwise import (
+        ROTARY_CACHE_FLAG,
+        CudaApplyRotary,
+        check_rotary_cache,
+        rotary_cache_requested,
+    )
+    backend.rotary_with_kv_write = False
+    if not any(isinstance(m, CudaApplyRotary) for m in model.modules()):
+        return ""
+    if not rotary_cache_requested():
+        logger.info("rotary and the K/V write: two kernels (%s=0)", ROTARY_CACHE_FLAG)
+        return f"; rotary apart from the K/V write ({ROTARY_CACHE_FLAG}=0)"
+    ok, detail = check_rotary_cache(model, dtype)
+    if not ok:
+        logger.warning("rotary and the K/V write stay two kernels: the fused one disagrees with "
+                       "torch in the start-up check (%s)", detail)
+        return f"; rotary apart from the K/V write (its fused kernel failed its check: {detail})"
+    backend.rotary_with_kv_write = True
+    logger.info("rotary and the K/V write: one kernel (start-up check: %s)", detail)
+    return "; rotary fused with the K/V write"
 
 
 def _samples_every_row(batch) -> bool:

@@ -9,16 +9,17 @@ depends only on the step's token count; attention alone depends on how the token
 sequences (its grid comes from host-side lengths). So, per token *bucket* ``T``
 (``piecewise_buckets``), the model is captured as ``num_layers + 1`` graphs:
 
-* piece 0: embed ``input_ids`` -> residual stream; the step's rotary tables; layer 0's norm, QKV
-  projection, rope;
+* piece 0: embed ``input_ids`` -> residual stream; the step's rotary tables; layer 0's norm and
+  QKV projection;
 * piece i (1 <= i < L): finish layer i-1 after its attention (o_proj, residual, MLP), begin
-  layer i (norm, QKV, rope);
+  layer i (norm, QKV projection);
 * piece L: finish the last layer.
 
 A step of ``n <= T`` tokens copies its ids and positions into static buffers, replays piece 0,
-then for each layer writes K/V and runs attention **eagerly** on the first ``n`` rows of the static
-q/k/v buffers (the backend's ordinary metadata of the step, so any mix of sequences works) and
-replays the next piece. Rows ``n..T`` are padding: they hold earlier steps' (finite) values, flow
+then for each layer rotates q and k, writes K/V and runs attention **eagerly** on the first ``n``
+rows of the static QKV buffer (``LlamaAttention.attend``: with the fused CUDA ops, rotary and the
+K/V write are one kernel; the step's ordinary attention metadata, so any mix of sequences works)
+and replays the next piece. Rows ``n..T`` are padding: they hold earlier steps' (finite) values, flow
 through the row-wise pieces and are never read; attention never sees them, so the KV cache is
 written only at the step's own slots. The final norm and LM head run eagerly on the sampled rows.
 (Launches per layer: ~35 eager -> 1 replay + the attention's few.)
@@ -64,7 +65,7 @@ def pool_bytes_estimate(config, max_tokens: int, dtype: torch.dtype) -> int:
     elem = torch.empty(0, dtype=dtype).element_size()
     q = config.num_heads * config.head_dim
     kv = config.num_kv_heads * config.head_dim
-    per_row = (3 * config.hidden_size + 2 * (q + 2 * kv) + q     # static + qkv / rope scratch
+    per_row = (3 * config.hidden_size + 2 * (q + 2 * kv) + q     # static + qkv scratch
                + 3 * config.intermediate_size) * elem \
         + 2 * config.head_dim * (4 + 2 * elem)                   # rope tables: float32, cast, static
     return int(max_tokens * per_row)
@@ -75,8 +76,9 @@ class PiecewiseGraphRunner:
     ``norm``, ``compute_logits``) in pieces around attention, per token bucket, and runs steps
     through them (see the module docstring).
 
-    ``attention(layer, q, k, v)`` runs layer ``layer``'s K/V write and attention eagerly for the
-    step at hand (the caller binds the step's metadata) and returns ``[n, Hq * D]``.
+    ``attention(layer, qkv, rope_tables)`` runs layer ``layer``'s rotary, K/V write and attention
+    eagerly on its QKV projection ``[n, (Hq + 2 Hkv) * D]`` for the step at hand (the caller binds
+    the step's metadata) and returns ``[n, Hq * D]``.
     """
 
     def __init__(self, model, *, buckets: tuple[int, ...], device: torch.device | str,
@@ -95,9 +97,8 @@ class PiecewiseGraphRunner:
         self._input_ids = torch.zeros(big, dtype=torch.int64, device=dev)
         self._positions = torch.zeros(big, dtype=torch.int64, device=dev)
         self._hidden = torch.zeros(big, cfg.hidden_size, dtype=dtype, device=dev)
-        self._q = torch.zeros(big, cfg.num_heads, cfg.head_dim, dtype=dtype, device=dev)
-        self._k = torch.zeros(big, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=dev)
-        self._v = torch.zeros(big, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=dev)
+        self._qkv = torch.zeros(big, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim,
+                                dtype=dtype, device=dev)
         self._attn = torch.zeros(big, cfg.num_heads * cfg.head_dim, dtype=dtype, device=dev)
         # each token's rotary tables, looked up once per step (piece 0) for every layer
         self._cos = torch.zeros(big, 1, cfg.head_dim, dtype=dtype, device=dev)
@@ -108,32 +109,28 @@ class PiecewiseGraphRunner:
 
     # ---- the pieces ---------------------------------------------------------------------------
     def _begin(self, layer: int, residual: torch.Tensor, delta: torch.Tensor | None,
-               rope_tables, t: int) -> None:
-        """Layer ``layer`` up to attention: its residual stream into ``_hidden``, q/k/v into
-        theirs."""
-        residual, q, k, v = self.model.layers[layer].begin(residual, delta, rope_tables)
+               t: int) -> None:
+        """Layer ``layer`` up to attention: its residual stream into ``_hidden``, its QKV
+        projection into ``_qkv``."""
+        residual, qkv = self.model.layers[layer].begin(residual, delta)
         self._hidden[:t].copy_(residual)
-        self._q[:t].copy_(q)
-        self._k[:t].copy_(k)
-        self._v[:t].copy_(v)
+        self._qkv[:t].copy_(qkv)
 
     def _piece(self, index: int, t: int) -> Callable[[], None]:
         """Piece ``index`` for bucket ``t`` as a function of the static buffers alone."""
         model = self.model
-
-        tables = (self._cos[:t], self._sin[:t])
 
         def first() -> None:
             hidden = model.embed_tokens(self._input_ids[:t])
             cos, sin = model.rotary.tables(self._positions[:t], hidden.dtype)
             self._cos[:t].copy_(cos)
             self._sin[:t].copy_(sin)
-            self._begin(0, hidden, None, tables, t)
+            self._begin(0, hidden, None, t)
 
         def middle() -> None:
             residual, delta = model.layers[index - 1].finish(self._hidden[:t], self._attn[:t])
             if index < self.num_layers:
-                self._begin(index, residual, delta, tables, t)
+                self._begin(index, residual, delta, t)
             else:
                 self._hidden[:t].copy_(residual + delta)
 
@@ -184,8 +181,8 @@ class PiecewiseGraphRunner:
         return bool(self._graphs) and 0 < num_tokens <= self.captured_buckets[-1]
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray,
-            attention: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-            ) -> torch.Tensor:
+            attention: Callable[[int, torch.Tensor, tuple[torch.Tensor, torch.Tensor]],
+                                torch.Tensor]) -> torch.Tensor:
         """Runs one step of ``n`` tokens; returns the last layer's residual stream ``[n, hidden]``
         (a view of the static buffer: valid until the next run)."""
         n = int(np.asarray(input_ids).shape[0])
@@ -195,10 +192,11 @@ class PiecewiseGraphRunner:
         self._copy_in(self._input_ids, input_ids, n)
         self._copy_in(self._positions, positions, n)
         graphs = self._graphs[t]
-        q, k, v, attn = self._q[:n], self._k[:n], self._v[:n], self._attn[:n]  # views, once
+        qkv, attn = self._qkv[:n], self._attn[:n]                     # views, once per step
+        tables = (self._cos[:n], self._sin[:n])
         graphs[0].replay()
         for layer in range(self.num_layers):
-            attn.copy_(attention(layer, q, k, v))
+            attn.copy_(attention(layer, qkv, tables))
             graphs[layer + 1].replay()
         self.replays += 1
         return self._hidden[:n]

@@ -77,6 +77,10 @@ class AttentionBackend(abc.ABC):
     # True: static_decode_metadata() gives metadata whose forward is capture-safe in a CUDA graph
     # (no host reads of device data, lengths taken from device tensors).
     supports_decode_graphs: bool = False
+    # True: the model may hand rotary and this backend's K/V write to one fused kernel (a rotary
+    # module's ``rotate_and_cache``, ``LlamaAttention.attend``) instead of calling ``write_kv``;
+    # set per runner by ModelRunner on CUDA once that kernel passed its start-up check.
+    rotary_with_kv_write: bool = False
 
     @abc.abstractmethod
     def build_metadata(self, batch, device: torch.device | str) -> AttentionMetadata:
