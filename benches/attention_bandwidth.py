@@ -8,7 +8,10 @@ replays it, and reports
     bandwidth = K/V bytes read / time per call      (B * ctx * Hkv * D * 2 (K and V) * 2 bytes)
 
 against the device copy rate (4300 GB/s measured on this project's H200, re-measured with
-``--measure-copy``). The split-KV reduce kernel is inside the timed region (it is part of the op);
+``--measure-copy``). Where the split count is > 1 the splits are combined by the kernel itself
+(the fused reduce, ``--reduce fused``, the engine's default once its start-up check agrees) and,
+timed side by side in the same run, by the separate reduce pass (``pass us`` column); the
+reduce is inside the timed region (it is part of the op);
 query/output/workspace bytes are not counted (< 1% at ctx >= 512). The torch reference backend is
 timed on the same inputs where its gathered copy fits ``--torch-ref-max-gb``, for a speed ratio.
 
@@ -50,6 +53,8 @@ class Row:
     pct_of_copy: float
     torch_ref_us: float | None
     speedup_vs_torch: float | None
+    reduce: str = "-"                 # how the splits were combined: fused / pass / - (1 split)
+    pass_us: float | None = None      # the same call with the reduce pass (fused rows only)
 
 
 def parse_args(argv=None):
@@ -62,6 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-splits", type=int, default=0, help="0 = the backend's heuristic")
+    p.add_argument("--reduce", choices=["fused", "pass"], default="fused",
+                   help="how splits are combined in the reported time (fused: the pass is "
+                        "timed too, side by side)")
     p.add_argument("--calls-per-graph", type=int, default=0,
                    help="calls captured per graph (0 = enough to read >= 4x L2, min 4)")
     p.add_argument("--reps", type=int, default=10, help="timed graph replays (median reported)")
@@ -120,39 +128,46 @@ def bench_one(torch, ops, backend_mod, shape: str, batch: int, ctx: int, args, l
     ws = ops.DecodeWorkspace.allocate(batch, Hq, D, max(splits, 1), "cuda")
     scale = 1.0 / math.sqrt(D)
 
-    def run_all():
-        for t in tables:
-            ops.paged_decode_attention(q, cache, t, seq_lens, scale, num_splits=splits,
-                                       workspace=ws, out=out)
+    def time_calls(fused: bool) -> float:
+        """Median seconds per call over graph replays of all ``calls`` calls."""
+        def run_all():
+            for t in tables:
+                ops.paged_decode_attention(q, cache, t, seq_lens, scale, num_splits=splits,
+                                           workspace=ws, out=out, fused_reduce=fused)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run_all()  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run_all()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(args.reps):
-        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        st.record()
-        g.replay()
-        en.record()
-        en.synchronize()
-        times.append(st.elapsed_time(en) / 1e3 / calls)
-    t = statistics.median(times)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            run_all()  # warm-up outside capture
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run_all()
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(args.reps):
+            st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            st.record()
+            g.replay()
+            en.record()
+            en.synchronize()
+            times.append(st.elapsed_time(en) / 1e3 / calls)
+        return statistics.median(times)
+
+    fused = splits > 1 and args.reduce == "fused"
+    t = time_calls(fused)
+    pass_us = time_calls(False) * 1e6 if fused else None
     gbps = kv_bytes / t / 1e9
 
     torch_us = None
     if kv_bytes <= args.torch_ref_max_gb * 1e9:
         torch_us = time_torch_reference(torch, backend_mod, q, cache, tables[0], batch, ctx, bs, scale)
     return Row(shape, batch, ctx, splits, kv_bytes, t * 1e6, gbps, gbps / args.copy_rate,
-               torch_us, (torch_us / (t * 1e6)) if torch_us else None)
+               torch_us, (torch_us / (t * 1e6)) if torch_us else None,
+               "fused" if fused else "pass" if splits > 1 else "-", pass_us)
 
 
 def time_torch_reference(torch, backend_mod, q, cache, table, batch, ctx, bs, scale) -> float:
@@ -186,13 +201,16 @@ def time_torch_reference(torch, backend_mod, q, cache, table, batch, ctx, bs, sc
 
 
 def format_table(rows: list[Row], copy_rate: float) -> str:
-    header = (f"{'shape':<13} {'batch':>5} {'ctx':>5} {'splits':>6} {'us/call':>9} {'GB/s':>7} "
-              f"{'%copy':>6} {'torch us':>9} {'x torch':>7}")
+    header = (f"{'shape':<13} {'batch':>5} {'ctx':>5} {'splits':>6} {'reduce':>6} "
+              f"{'us/call':>9} {'GB/s':>7} {'%copy':>6} {'pass us':>8} {'x pass':>6} "
+              f"{'torch us':>9} {'x torch':>7}")
     lines = [header]
     for r in rows:
         lines.append(
-            f"{r.shape:<13} {r.batch:>5} {r.context:>5} {r.num_splits:>6} {r.us_per_call:>9.1f} "
-            f"{r.gbps:>7.0f} {100 * r.pct_of_copy:>5.1f}% "
+            f"{r.shape:<13} {r.batch:>5} {r.context:>5} {r.num_splits:>6} {r.reduce:>6} "
+            f"{r.us_per_call:>9.1f} {r.gbps:>7.0f} {100 * r.pct_of_copy:>5.1f}% "
+            f"{(f'{r.pass_us:.1f}' if r.pass_us else '-'):>8} "
+            f"{(f'{r.pass_us / r.us_per_call:.2f}' if r.pass_us else '-'):>6} "
             f"{(f'{r.torch_ref_us:.0f}' if r.torch_ref_us else '-'):>9} "
             f"{(f'{r.speedup_vs_torch:.1f}' if r.speedup_vs_torch else '-'):>7}")
     goal = [r for r in rows if r.context >= 1024 and r.batch >= 16]
@@ -239,8 +257,9 @@ def main(argv=None) -> int:
                               props.multi_processor_count)
                 rows.append(r)
                 torch.cuda.empty_cache()  # the config's caches are garbage now
+                extra = f" (reduce pass: {r.pass_us:.1f} us)" if r.pass_us else ""
                 print(f"{shape} b={batch} ctx={ctx} splits={r.num_splits}: {r.us_per_call:.1f} us "
-                      f"{r.gbps:.0f} GB/s ({100 * r.pct_of_copy:.1f}%)", flush=True)
+                      f"{r.gbps:.0f} GB/s ({100 * r.pct_of_copy:.1f}%){extra}", flush=True)
     table = format_table(rows, args.copy_rate)
     print(table)
     if args.json:

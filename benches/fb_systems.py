@@ -1,5 +1,6 @@
 """The ferrobatch systems of the offline benchmark: `ferrobatch`, `-static`, `-eager`,
-`-decodegraphs`, `-nativeprefill`, `-splitmixed`, `-rotaryapart`, `-torchops`, `-nodraft`, `-kv16`, `-f32panels`.
+`-decodegraphs`, `-nativeprefill`, `-splitmixed`, `-rotaryapart`, `-reducepass`,
+`-torchops`, `-nodraft`, `-kv16`, `-f32panels`.
 
 Both drive the real engine through `ferrobatch.LLM.generate` (Rust scheduler, model runner,
 sampler, step thread, incremental detokenization — the engine as shipped) with token-id prompts and
@@ -25,6 +26,9 @@ sampler, step thread, incremental detokenization — the engine as shipped) with
 - `ferrobatch-rotaryapart`: `ferrobatch` with `FERROBATCH_ROTARY_CACHE=0` (on a GPU rotary and
   the K/V write into the paged cache stay two kernels per layer instead of one; the choice is
   per engine, so it may run in any order; on the CPU nothing differs).
+- `ferrobatch-reducepass`: `ferrobatch` with `FERROBATCH_DECODE_FUSED_REDUCE=0` (on a GPU the
+  decode kernel's KV splits are combined by a second kernel, the reduce pass, instead of by the
+  last split to finish; per engine; on the CPU nothing differs).
 - `ferrobatch-torchops`: `ferrobatch` with `FERROBATCH_CUDA_FUSED_OPS=0` (on a GPU torch's
   elementwise modules instead of the fused RMSNorm / SiLU-and-mul / rotary kernels; the other
   systems swap the shared model's modules, so it runs first; on the CPU nothing differs).
@@ -181,7 +185,8 @@ class FerrobatchRunner:
                 else "off",
                 "fused_elementwise": "on" if fused else "off",
                 "rotary_with_kv_write": "on" if getattr(backend, "rotary_with_kv_write", False)
-                else "off"}
+                else "off",
+                "decode_fused_reduce": "on" if getattr(backend, "fused_reduce", False) else "off"}
 
     def _num_steps(self) -> int | None:
         lt = getattr(self.engine, "_loop_thread", None)

@@ -10,7 +10,8 @@
 #   1. environment (GPU, clocks, torch/CUDA versions, nvcc)                        -> env.txt
 #   2. build: JIT-build the kernels for this GPU (sm_90), ptxas register report   -> build.log, ptxas.txt
 #   3. tests: pytest -m gpu tests/gpu (kernels vs float64, CUDA graphs, e2e)       -> gpu_tests.log/.xml
-#   4. bench: decode-attention bandwidth (+ measured copy rate), then prefill attention:
+#   4. bench: decode-attention bandwidth (+ measured copy rate; split shapes with the fused
+#      reduce and the reduce pass side by side), then prefill attention:
 #      ferrobatch's kernel vs FlashAttention-2 (session 30)   -> attention_bandwidth.*, prefill_attention.*
 #   5. small: gpu-small with torch's elementwise modules instead of the fused kernels (the
 #      default since session 30, behind a start-up check), as shipped, with decode graphs
@@ -22,8 +23,9 @@
 #   7. ablation: continuous vs static on gpu-small at cap 32 (bound 1.59x), and
 #      continuous with decode graphs only, with ferrobatch's prefill kernel instead of
 #      FlashAttention (each refill is a mixed step: on 2026-12-04 run 1 the kernel won, 1.11x),
-#      and with the mixed steps split as before session 31 (FlashAttention for the prefill
-#      rows only, decode kernel for the rest)                                     -> throughput_gpu-small_ablation.*
+#      with the mixed steps split as before session 31 (FlashAttention for the prefill
+#      rows only, decode kernel for the rest), and with the decode kernel's splits combined by
+#      a reduce pass (before session 33; at cap 32 decode steps split the KV)      -> throughput_gpu-small_ablation.*
 #   8. phases: where a gpu-small step's time goes, at cap 256 and 32               -> step_phases*.{txt,json}
 #   8b. profile: one gpu-small-shaped step at a time (decode B=32/128/256 at ctx 1024, a cap-32
 #      refill): the graph step's ms against its kernels' device time, and the top kernels
@@ -136,7 +138,7 @@ if [[ ${status[build]} == rc=0* ]]; then
     --max-num-seqs 256 \
     --json "$OUT/throughput_gpu-8b.json" || failed=1
   run_step ablation 150 "$OUT/throughput_gpu-small_ablation.txt" $PY benches/throughput.py \
-    --workload gpu-small --systems ferrobatch@32,ferrobatch-static@32,ferrobatch-decodegraphs@32,ferrobatch-nativeprefill@32,ferrobatch-splitmixed@32 \
+    --workload gpu-small --systems ferrobatch@32,ferrobatch-static@32,ferrobatch-decodegraphs@32,ferrobatch-nativeprefill@32,ferrobatch-splitmixed@32,ferrobatch-reducepass@32 \
     --no-progress \
     --json "$OUT/throughput_gpu-small_ablation.json" || failed=1
   # where a step's time goes (schedule / graph replay / eager model / sampler / outside the step)

@@ -23,6 +23,9 @@ Systems (append `@N` to override the batch size / concurrency cap, e.g. `hf-stat
   ferrobatch-rotaryapart the engine with rotary and the K/V write as two kernels per layer
                      instead of one (`FERROBATCH_ROTARY_CACHE=0`; CUDA only): the ablation of
                      that fusion
+  ferrobatch-reducepass the engine with the decode kernel's KV splits combined by a second
+                     kernel instead of in the kernel (`FERROBATCH_DECODE_FUSED_REDUCE=0`; CUDA
+                     only): the ablation of the fused reduce
   ferrobatch-torchops the engine with torch's elementwise modules instead of the fused CUDA
                      kernels (RMSNorm with the residual add, SiLU-and-mul, rotary;
                      `FERROBATCH_CUDA_FUSED_OPS=0`; on the CPU the same as ferrobatch). The
@@ -72,7 +75,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 FB_VARIANTS = {"ferrobatch": "", "ferrobatch-static": "", "ferrobatch-eager": "eager",
                "ferrobatch-decodegraphs": "decodegraphs", "ferrobatch-torchops": "torchops",
                "ferrobatch-nativeprefill": "nativeprefill", "ferrobatch-splitmixed": "splitmixed",
-               "ferrobatch-rotaryapart": "rotaryapart",
+               "ferrobatch-rotaryapart": "rotaryapart", "ferrobatch-reducepass": "reducepass",
                "ferrobatch-nodraft": "nodraft", "ferrobatch-kv16": "kv16",
                "ferrobatch-f32panels": "f32panels"}   # system -> engine variant (static: same engine)
 SYSTEMS = (*FB_VARIANTS, "hf-static", "hf-continuous")
@@ -154,7 +157,8 @@ class Systems:
             env = {"f32panels": ("FERROBATCH_QUANT_PANELS", "0"),   # read when the engine
                    "torchops": ("FERROBATCH_CUDA_FUSED_OPS", "0"),      # builds
                    "splitmixed": ("FERROBATCH_FLASH_WHOLE_STEP", "0"),
-                   "rotaryapart": ("FERROBATCH_ROTARY_CACHE", "0")}.get(variant)
+                   "rotaryapart": ("FERROBATCH_ROTARY_CACHE", "0"),
+                   "reducepass": ("FERROBATCH_DECODE_FUSED_REDUCE", "0")}.get(variant)
             if env:
                 os.environ[env[0]] = env[1]
             try:

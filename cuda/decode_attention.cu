@@ -23,7 +23,7 @@ int block_shift_of(int block_size) {
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             at::Tensor& partial_out, at::Tensor& partial_lse, double scale,
-                            int64_t num_splits) {
+                            int64_t num_splits, const std::optional<at::Tensor>& split_counters) {
   TORCH_CHECK(q.is_cuda() && out.is_cuda() && kv_cache.is_cuda() && block_tables.is_cuda() &&
                   seq_lens.is_cuda() && partial_out.is_cuda() && partial_lse.is_cuda(),
               "paged_decode_attention: all tensors must be on CUDA");
@@ -67,6 +67,13 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
                 "partial_lse must be contiguous float32 [>=B, Hq, S_max]");
     TORCH_CHECK(num_splits <= partial_out.size(2), "num_splits exceeds the workspace (",
                 partial_out.size(2), ")");
+    if (split_counters.has_value()) {
+      const at::Tensor& c = *split_counters;
+      TORCH_CHECK(c.is_cuda() && c.scalar_type() == at::kInt && c.is_contiguous() &&
+                      c.numel() >= B * Hq,
+                  "split_counters must be a contiguous int32 CUDA tensor of >= B * Hq elements "
+                  "(zero before the first launch; the kernel leaves it zero)");
+    }
   }
   TORCH_CHECK(B <= 65535, "batch too large for gridDim.z");
   if (B == 0) return;
@@ -80,6 +87,8 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   p.seq_lens = seq_lens.data_ptr<int32_t>();
   p.partial_out = num_splits > 1 ? partial_out.data_ptr<float>() : nullptr;
   p.partial_lse = num_splits > 1 ? partial_lse.data_ptr<float>() : nullptr;
+  p.split_counters = num_splits > 1 && split_counters.has_value()
+                         ? split_counters->data_ptr<int32_t>() : nullptr;
   p.q_stride_tok = q.stride(0);
   p.q_stride_head = q.stride(1);
   p.kv_stride_kv = kv_cache.stride(0);

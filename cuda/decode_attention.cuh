@@ -41,6 +41,15 @@
 // ---- Reduce pass ---------------------------------------------------------------------------------
 // grid = (Hq, B), D threads: out = sum_s 2^(lse_s - LSE) * o_s with LSE = log2 sum_s 2^lse_s; reads
 // num_used_splits * D fp32 per head, small next to the K/V read when chunks are >= kMinChunk tokens.
+// Fused reduce (p.split_counters set): no second kernel. Each split CTA, after writing its partial
+// state, fences (__threadfence: its writes are visible device-wide before its arrival is) and
+// counts itself in split_counters[b * Hq + kvh] with one atomicAdd; the CTA that arrives last
+// (count == the row's used splits) reads every split's state through L2 (__ldcg) and writes the
+// output with the reduce pass's arithmetic, in its order, then resets the counter to 0, so the
+// counters are zero between launches (and across CUDA-graph replays) without a memset. This saves
+// the reduce launch (~2-3 us inside a graph) where latency, not bandwidth, bounds a step: small
+// batches, short contexts. Empty splits neither count nor wait; split 0 of a padded row (L <= 0)
+// writes its zeros itself.
 //
 // ---- CUDA graphs ---------------------------------------------------------------------------------
 // No allocation, no host sync; the workspace is caller-provided and sized [B_max, Hq, S_max, D].
@@ -85,6 +94,7 @@ struct DecodeParams {
   const int32_t* seq_lens;
   float* partial_out;        // [B_ws, Hq, S_max, D]
   float* partial_lse;        // [B_ws, Hq, S_max]
+  int32_t* split_counters;   // [>= B * Hq], zero between launches: fused reduce; null: reduce pass
   int64_t q_stride_tok, q_stride_head;
   int64_t kv_stride_kv, kv_stride_block, kv_stride_tok, kv_stride_head;
   int64_t bt_stride;
@@ -118,8 +128,9 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
   const int end = min(L, start + chunk);
   if (start >= end) {
     // Empty split. In direct mode (num_splits == 1) that means L <= 0: a padded row, output 0.
-    // In split mode the reduce pass ignores unused splits and zero-fills L <= 0 rows.
-    if (kDirect) {
+    // In split mode the reduce (pass or fused) ignores unused splits; the reduce pass zero-fills
+    // L <= 0 rows, with the fused reduce split 0 does.
+    if (kDirect || (p.split_counters != nullptr && split == 0)) {
       T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.num_heads + kvh * G) * D;
       for (int i = tid; i < G * D; i += kDecodeThreads) out[i] = from_float<T>(0.f);
     }
@@ -288,6 +299,33 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
       if (d == 0) p.partial_lse[row] = lsum > 0.f ? mx + log2f(lsum) : -INFINITY;
     }
   }
+  if (kDirect || p.split_counters == nullptr) return;
+
+  // ---- fused reduce: the last split CTA of (b, kvh) to arrive combines all of them
+  __shared__ int sm_last;
+  __threadfence();
+  __syncthreads();
+  int32_t* counter = p.split_counters + static_cast<int64_t>(b) * p.num_heads + kvh;
+  const int used = ceil_div(L, chunk);
+  if (tid == 0) sm_last = atomicAdd(counter, 1) == used - 1;
+  __syncthreads();
+  if (!sm_last) return;
+  __threadfence();
+  for (int idx = tid; idx < G * D; idx += kDecodeThreads) {
+    const int g = idx / D;
+    const int d = idx - g * D;
+    const int64_t row0 = (head0 + g) * p.max_splits;
+    float mx = -INFINITY;
+    for (int s2 = 0; s2 < used; ++s2) mx = fmaxf(mx, __ldcg(p.partial_lse + row0 + s2));
+    float wsum = 0.f, o = 0.f;
+    for (int s2 = 0; s2 < used; ++s2) {
+      const float w = exp2f(__ldcg(p.partial_lse + row0 + s2) - mx);
+      wsum += w;
+      o = fmaf(w, __ldcg(p.partial_out + (row0 + s2) * D + d), o);
+    }
+    static_cast<T*>(p.out)[(head0 + g) * D + d] = from_float<T>(o / wsum);
+  }
+  if (tid == 0) *counter = 0;
 }
 
 template <typename T, int D>
@@ -325,8 +363,10 @@ void launch_decode(const DecodeParams& p, int B, int Hkv, int Hq, cudaStream_t s
   } else {
     paged_decode_kernel<T, D, GP, false><<<grid, kDecodeThreads, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    paged_decode_reduce_kernel<T, D><<<dim3(Hq, B), D, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (p.split_counters == nullptr) {
+      paged_decode_reduce_kernel<T, D><<<dim3(Hq, B), D, 0, stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
   }
 }
 
@@ -347,7 +387,8 @@ void dispatch_dim(const DecodeParams& p, int D, int B, int Hkv, int Hq, cudaStre
 
 }  // namespace
 
-// Launches the decode kernel (and its reduce pass when p.num_splits > 1) for dtype T.
+// Launches the decode kernel (and its reduce pass when p.num_splits > 1 and the reduce is not
+// fused) for dtype T.
 template <typename T>
 void decode_dispatch(const DecodeParams& p, int D, int B, int Hkv, int Hq, cudaStream_t stream) {
   dispatch_dim<T>(p, D, B, Hkv, Hq, stream);

@@ -12,7 +12,7 @@ TORCH_LIBRARY(ferrobatch, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor(b!) partial_out, Tensor(c!) partial_lse, float scale, "
-      "int num_splits) -> ()");
+      "int num_splits, Tensor(d!)? split_counters=None) -> ()");
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale, int max_query_len, "

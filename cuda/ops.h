@@ -26,10 +26,12 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 //   block_tables: [B, M] int32; seq_lens: [B] int32 (context incl. the new token; <= 0 => out = 0)
 //   partial_out:  [B_ws >= B, Hq, S_max, D] fp32 workspace; partial_lse: [B_ws, Hq, S_max] fp32
 //   num_splits:   KV splits per sequence, 1 <= num_splits <= S_max (1 = no reduce pass)
+//   split_counters: optional int32 [>= B * Hq], zero before the first launch (left zero): the
+//                 last split CTA of each (sequence, KV head) reduces, no reduce pass
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             at::Tensor& partial_out, at::Tensor& partial_lse, double scale,
-                            int64_t num_splits);
+                            int64_t num_splits, const std::optional<at::Tensor>& split_counters);
 
 // Causal attention for a flat batch of variable-length query chunks over the paged cache (prefill
 // chunks, decode tokens, or both mixed). Keys/values of the new tokens must already be in the cache.

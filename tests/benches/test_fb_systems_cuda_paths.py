@@ -17,7 +17,7 @@ from fb_systems import FerrobatchRunner  # noqa: E402
 
 
 def _runner(backend_name, flash_prefill=True, verdicts=None, fused=False, whole=True,
-            rotary_write=True):
+            rotary_write=True, fused_reduce=True):
     from ferrobatch.model.llama import RMSNorm
     from ferrobatch.runtime.cuda_elementwise import CudaRMSNorm
 
@@ -25,7 +25,7 @@ def _runner(backend_name, flash_prefill=True, verdicts=None, fused=False, whole=
     model = nn.Sequential(CudaRMSNorm(norm) if fused else norm)
     backend = SimpleNamespace(name=backend_name, flash_prefill=flash_prefill,
                               flash_whole_steps=whole, _flash_verdicts=verdicts or {},
-                              rotary_with_kv_write=rotary_write)
+                              rotary_with_kv_write=rotary_write, fused_reduce=fused_reduce)
     fb = object.__new__(FerrobatchRunner)
     fb.engine = SimpleNamespace(_core=SimpleNamespace(
         runner=SimpleNamespace(attn_backend=backend, model=model)))
@@ -38,12 +38,14 @@ def _runner(backend_name, flash_prefill=True, verdicts=None, fused=False, whole=
 def test_cuda_paths_report_flash_and_fused_ops(flash, verdicts, want):
     paths = _runner("cuda", flash, verdicts, fused=True)._cuda_paths()
     assert paths == {"flash_prefill": want, "flash_whole_steps": "on", "fused_elementwise": "on",
-                     "rotary_with_kv_write": "on"}
+                     "rotary_with_kv_write": "on", "decode_fused_reduce": "on"}
     assert _runner("cuda", flash, verdicts)._cuda_paths()["fused_elementwise"] == "off"
     assert _runner("cuda", flash, verdicts, whole=False)._cuda_paths()["flash_whole_steps"] \
         == "off"
     assert _runner("cuda", flash, verdicts, rotary_write=False)._cuda_paths()[
         "rotary_with_kv_write"] == "off"
+    assert _runner("cuda", flash, verdicts, fused_reduce=False)._cuda_paths()[
+        "decode_fused_reduce"] == "off"
 
 
 def test_no_cuda_paths_off_the_cuda_backend():

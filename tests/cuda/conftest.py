@@ -21,5 +21,6 @@ def backend(monkeypatch):
     be._workspaces, be._graph_workspaces_fixed, be._retired_workspaces = {}, False, []
     be.flash_prefill, be._flash_verdicts = False, {}   # on in test_flash_prefill_cpu.py
     be.flash_whole_steps, be._whole_step_verdicts = True, {}
+    be.fused_reduce = False
     be.fake = fake
     return be

@@ -42,8 +42,8 @@ class FakeOps:
         flat[1][slot_mapping[keep].long()] = value[keep].to(kv_cache.dtype)
 
     def paged_decode_attention(self, q, kv_cache, block_tables, seq_lens, scale, *, num_splits,
-                               workspace=None, out=None):
-        self.calls.append(f"decode/{num_splits}")
+                               workspace=None, out=None, fused_reduce=False):
+        self.calls.append(f"decode/{num_splits}" + ("/fused" if fused_reduce else ""))
         batch = q.shape[0]
         assert block_tables.shape[0] >= batch and seq_lens.shape[0] >= batch
         assert block_tables.dtype == seq_lens.dtype == torch.int32
@@ -51,6 +51,8 @@ class FakeOps:
         if num_splits > 1:   # the kernel writes partials for every (row, head, split)
             assert workspace is not None and workspace.partial_out.shape[0] >= batch
             assert workspace.max_splits >= num_splits
+            if fused_reduce:   # one arrival counter per (row, KV head), indexed b * Hq + kvh
+                assert workspace.split_counters.numel() >= batch * q.shape[1]
         res = static_decode_attention(q.float(), kv_cache.float(), block_tables[:batch],
                                       seq_lens[:batch], scale).to(q.dtype)
         if out is None:

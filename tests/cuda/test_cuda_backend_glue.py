@@ -130,3 +130,39 @@ def test_model_runner_on_the_cuda_glue_with_graphs_gives_the_reference_tokens(ba
     calls = set(backend.fake.calls)
     assert {"prefill", "prefill/subset"} <= calls            # prefill-only and mixed steps
     assert any(c.startswith("decode/") and c != "decode/1" for c in calls)   # split graphs
+
+
+def test_fused_reduce_only_after_its_start_up_check(backend, monkeypatch, caplog):
+    """``use_fused_reduce``: off with FERROBATCH_DECODE_FUSED_REDUCE=0 (no check run); on when
+    the fused reduce agrees with the reduce pass, and then a split decode step asks the op for
+    it; off, with a warning, when it disagrees. (The stand-in op computes the same either way:
+    the kernel's fused reduce itself is checked on the GPU.)"""
+    from ferrobatch.runtime import cuda_ops
+    from ferrobatch.runtime.attention import decode_reduce
+
+    caplog.set_level("INFO", logger="ferrobatch")
+    monkeypatch.setenv(decode_reduce.ENV_FLAG, "0")
+    assert backend.use_fused_reduce(6, 2, 64, torch.float32) is False
+    assert backend.fake.calls == [] and "reduce pass" not in backend.description
+    monkeypatch.delenv(decode_reduce.ENV_FLAG)
+    assert backend.use_fused_reduce(6, 2, 64, torch.float32) is True
+    n = decode_reduce.CHECK_SPLITS
+    assert backend.fake.calls == [f"decode/{n}", f"decode/{n}/fused", f"decode/{n}/fused"]
+    assert "splits reduced in the kernel" in backend.description
+    rng = np.random.default_rng(2)
+    batch, num_blocks = make_step(rng, [900, 1500], [1, 1])
+    meta = backend.build_metadata(batch, "cpu")
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, 2, 64)
+    backend.fake.calls.clear()
+    backend.forward(torch.randn(2, 6, 64), cache, meta, 0.125)
+    assert len(backend.fake.calls) == 1 and backend.fake.calls[0].endswith("/fused")
+
+    right = backend.fake.paged_decode_attention
+
+    def stale(q, *args, fused_reduce=False, **kw):      # a fused reduce that reads stale state
+        out = right(q, *args, fused_reduce=fused_reduce, **kw)
+        return out + 1.0 if fused_reduce else out
+
+    monkeypatch.setattr(cuda_ops, "paged_decode_attention", stale)
+    assert backend.use_fused_reduce(6, 2, 64, torch.float32) is False
+    assert "disagrees with it" in caplog.text and "worst" in caplog.text

@@ -19,7 +19,7 @@ SCHEMAS = {
     "paged_decode_attention": "ferrobatch::paged_decode_attention(Tensor(a!) out, Tensor q, "
                               "Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
                               "Tensor(b!) partial_out, Tensor(c!) partial_lse, float scale, "
-                              "int num_splits) -> ()",
+                              "int num_splits, Tensor(d!)? split_counters=None) -> ()",
     "paged_prefill_attention": "ferrobatch::paged_prefill_attention(Tensor(a!) out, Tensor q, "
                                "Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
                                "Tensor query_start_loc, float scale, int max_query_len, "
@@ -30,6 +30,8 @@ SCHEMAS = {
     "silu_and_mul": "ferrobatch::silu_and_mul(Tensor(a!) out, Tensor x) -> ()",
     "rotary_inplace": "ferrobatch::rotary_inplace(Tensor(a!) q, Tensor(b!) k, Tensor cos, "
                       "Tensor sin) -> ()",
+    "rotary_and_cache": "ferrobatch::rotary_and_cache(Tensor(a!) q, Tensor(b!) k, Tensor v, "
+                        "Tensor cos, Tensor sin, Tensor(c!) kv_cache, Tensor slot_mapping) -> ()",
 }
 
 

@@ -105,15 +105,17 @@ def test_decode_attention(cuda_ops, dtype, head_dim, num_kv_heads, group, batch,
     sl = torch.from_numpy(pb.seq_lens).to(DEV)
     sms = cuda_ops.num_sms()
     auto = cuda_ops.choose_num_splits(batch, num_kv_heads, int(lens.max()), sms)
+    ws = cuda_ops.DecodeWorkspace.allocate(batch + 5, Hq, head_dim, 32, DEV)
     for splits in sorted({1, auto, 7, 32}):
-        out = poison(q.shape, dtype, DEV)
-        ws = cuda_ops.DecodeWorkspace.allocate(batch + 5, Hq, head_dim, 32, DEV)
-        ws.partial_out.fill_(float("nan"))
-        ws.partial_lse.fill_(float("nan"))
-        cuda_ops.paged_decode_attention(q, cache, bt, sl, scale, num_splits=splits, workspace=ws,
-                                        out=out)
-        torch.cuda.synchronize()
-        assert_close(out, ref, dtype, f"decode splits={splits}")
+        for fused in ((False, True) if splits > 1 else (False,)):
+            out = poison(q.shape, dtype, DEV)
+            ws.partial_out.fill_(float("nan"))
+            ws.partial_lse.fill_(float("nan"))
+            cuda_ops.paged_decode_attention(q, cache, bt, sl, scale, num_splits=splits,
+                                            workspace=ws, out=out, fused_reduce=fused)
+            torch.cuda.synchronize()
+            assert_close(out, ref, dtype, f"decode splits={splits} fused_reduce={fused}")
+            assert not ws.split_counters.any(), "the fused reduce must leave its counters at 0"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32])
@@ -127,11 +129,12 @@ def test_decode_attention_fp32(cuda_ops, dtype, head_dim, num_kv_heads, group):
     q = torch.randn(9, num_kv_heads * group, head_dim, generator=gen, device=DEV)
     ref = reference_attention(q, cache, pb, 0.125)
     bt, sl = torch.from_numpy(pb.block_tables).to(DEV), torch.from_numpy(pb.seq_lens).to(DEV)
-    for splits in (1, 6):
+    for splits, fused in ((1, False), (6, False), (6, True)):
         out = poison(q.shape, dtype, DEV)
-        cuda_ops.paged_decode_attention(q, cache, bt, sl, 0.125, num_splits=splits, out=out)
+        cuda_ops.paged_decode_attention(q, cache, bt, sl, 0.125, num_splits=splits, out=out,
+                                        fused_reduce=fused)
         torch.cuda.synchronize()
-        assert_close(out, ref, dtype, f"fp32 decode splits={splits}")
+        assert_close(out, ref, dtype, f"fp32 decode splits={splits} fused_reduce={fused}")
 
 
 def test_decode_strided_query_and_zero_length_rows(cuda_ops):
@@ -148,13 +151,64 @@ def test_decode_strided_query_and_zero_length_rows(cuda_ops):
     sl = torch.from_numpy(pb.seq_lens).to(DEV)
     sl[[1, 4]] = 0
     bt = torch.from_numpy(pb.block_tables).to(DEV)
-    for splits in (1, 4):
+    for splits, fused in ((1, False), (4, False), (4, True)):
         out = poison(q.shape, torch.bfloat16, DEV)
-        cuda_ops.paged_decode_attention(q, cache, bt, sl, 0.1, num_splits=splits, out=out)
+        cuda_ops.paged_decode_attention(q, cache, bt, sl, 0.1, num_splits=splits, out=out,
+                                        fused_reduce=fused)
         torch.cuda.synchronize()
         live = [0, 2, 3, 5]
-        assert_close(out[live], ref[live], torch.bfloat16, f"strided q splits={splits}")
+        assert_close(out[live], ref[live], torch.bfloat16, f"strided q splits={splits} {fused}")
         assert torch.equal(out[[1, 4]], torch.zeros_like(out[[1, 4]]))
+
+
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(3, 3, 64), (8, 4, 128), (2, 8, 128)])
+def test_fused_reduce_in_a_replayed_graph_equals_the_reduce_pass(cuda_ops, num_kv_heads, group,
+                                                                 head_dim):
+    """One captured graph of the decode op with the fused reduce, replayed with new context
+    lengths each time (padding rows included): each replay equals the reduce pass on the same
+    inputs (within bf16 rounding; the arithmetic is the same), so the arrival counters are back
+    at zero after every replay."""
+    rng = np.random.default_rng(31)
+    B, bs, max_ctx = 24, 16, 3000
+    pb = make_batch(rng, np.full(B, max_ctx), np.ones(B, np.int64), bs)
+    gen = _gen(31)
+    cache = random_cache(pb, num_kv_heads, head_dim, torch.bfloat16, DEV, gen)
+    q = torch.randn(B, num_kv_heads * group, head_dim, generator=gen, device=DEV).to(torch.bfloat16)
+    bt = torch.from_numpy(pb.block_tables).to(DEV)
+    sl = torch.from_numpy(pb.seq_lens).to(DEV)
+    ws = cuda_ops.DecodeWorkspace.allocate(B, q.shape[1], head_dim, 8, DEV)
+    out = torch.empty_like(q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        cuda_ops.paged_decode_attention(q, cache, bt, sl, 0.09, num_splits=8, workspace=ws,
+                                        out=out, fused_reduce=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cuda_ops.paged_decode_attention(q, cache, bt, sl, 0.09, num_splits=8, workspace=ws,
+                                        out=out, fused_reduce=True)
+    for rep in range(6):
+        lens = rng.integers(0, max_ctx + 1, size=B)
+        lens[rep % B] = 0
+        sl.copy_(torch.from_numpy(lens.astype(np.int32)))
+        out.fill_(float("nan"))
+        graph.replay()
+        want = cuda_ops.paged_decode_attention(q, cache, bt, sl, 0.09, num_splits=8)
+        torch.cuda.synchronize()
+        assert_close(out, want, torch.bfloat16, f"replay {rep}")   # normally bit for bit
+        assert not ws.split_counters.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128)])
+def test_fused_reduce_start_up_check_passes_on_this_gpu(cuda_ops, dtype, num_heads,
+                                                        num_kv_heads, head_dim):
+    from ferrobatch.runtime.attention.decode_reduce import check_fused_reduce
+
+    ok, detail = check_fused_reduce(num_heads, num_kv_heads, head_dim, dtype, 16,
+                                    torch.device(DEV))
+    assert ok, detail
 
 
 # ---------------------------------------------------------------------------------- prefill / mixed

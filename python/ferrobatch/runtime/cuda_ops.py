@@ -464,17 +464,21 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count:
 
 @dataclass
 class DecodeWorkspace:
-    """fp32 split-KV workspace: partial outputs ``[B, Hq, S, D]`` and log2-sum-exps ``[B, Hq, S]``."""
+    """Split-KV workspace: fp32 partial outputs ``[B, Hq, S, D]`` and log2-sum-exps ``[B, Hq, S]``,
+    and the fused reduce's arrival counters (int32 ``[B * Hq]``, zero; each launch leaves them
+    zero)."""
 
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
+    split_counters: torch.Tensor
 
     @classmethod
     def allocate(cls, max_batch: int, num_heads: int, head_dim: int, max_splits: int,
                  device: torch.device | str) -> DecodeWorkspace:
         return cls(torch.empty(max_batch, num_heads, max_splits, head_dim, dtype=torch.float32,
                                device=device),
-                   torch.empty(max_batch, num_heads, max_splits, dtype=torch.float32, device=device))
+                   torch.empty(max_batch, num_heads, max_splits, dtype=torch.float32, device=device),
+                   torch.zeros(max_batch * num_heads, dtype=torch.int32, device=device))
 
     @property
     def max_splits(self) -> int:
@@ -488,20 +492,25 @@ class DecodeWorkspace:
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, *, num_splits: int,
                            workspace: DecodeWorkspace | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention of ``q [B, Hq, D]`` (one token per sequence) over the paged cache."""
+                           out: torch.Tensor | None = None,
+                           fused_reduce: bool = False) -> torch.Tensor:
+    """Decode attention of ``q [B, Hq, D]`` (one token per sequence) over the paged cache.
+    With ``num_splits > 1`` the splits are combined by a reduce pass (a second kernel) or, with
+    ``fused_reduce``, by the last split to finish (the workspace's ``split_counters``)."""
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    counters = None
     if num_splits > 1:
         if workspace is None:
             workspace = DecodeWorkspace.allocate(q.shape[0], q.shape[1], q.shape[2], num_splits,
                                                  q.device)
         po, pl = workspace.partial_out, workspace.partial_lse
+        counters = workspace.split_counters if fused_reduce else None
     else:
         # unused in direct mode (two tensors: the op's schema marks both as mutated)
         po, pl = out.new_empty(0, dtype=torch.float32), out.new_empty(0, dtype=torch.float32)
     torch.ops.ferrobatch.paged_decode_attention(out, q, kv_cache, block_tables, seq_lens, po, pl,
-                                                float(scale), int(num_splits))
+                                                float(scale), int(num_splits), counters)
     return out
 
 

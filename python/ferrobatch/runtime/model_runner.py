@@ -143,6 +143,9 @@ class ModelRunner:
                                 check_kv_cache_dtype(kv_cache_dtype, loaded.dtype, self.device))
         logger.info("KV cache: %d blocks of %d tokens, %s, %.0f MiB", num_blocks, block_size,
                     str(self.kv_cache.dtype).removeprefix("torch."), self.kv_cache.num_bytes / 2**20)
+        if hasattr(self.attn_backend, "use_fused_reduce"):
+            self.attn_backend.use_fused_reduce(self.config.num_heads, self.config.num_kv_heads,
+                                               self.config.head_dim, self.kv_cache.dtype)
         if hasattr(self.attn_backend, "flash_prefill"):   # FlashAttention has no float32
             from ferrobatch.runtime.attention.flash_prefill import FLASH_DTYPES
             self.attn_backend.flash_prefill = self.attn_backend.flash_prefill and \

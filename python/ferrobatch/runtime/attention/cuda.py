@@ -2,7 +2,8 @@
 
 * ``write_kv``  -> ``reshape_and_cache`` (slot -1 skips a row, for padded CUDA-graph batches).
 * ``forward``   -> decode-only steps (every sequence has one query token): split-KV paged decode
-  kernel + reduce. Steps with prefill chunks: the paged prefill kernel (causal over the cached
+  kernel + reduce (fused into the split kernel once ``use_fused_reduce``'s start-up check agrees:
+  ``attention.decode_reduce``). Steps with prefill chunks: the paged prefill kernel (causal over the cached
   context plus the chunk) for the prefill sequences, and in a mixed batch the decode kernel for
   the decode rows (gathered, then scattered back): a decode row would otherwise occupy a whole
   64-row query tile of the prefill kernel. In bf16 / fp16 the prefill sequences go to torch's
@@ -148,6 +149,9 @@ class CudaPagedBackend(AttentionBackend):
         # mixed steps planned whole (decode rows in the varlen call), after a check of their own
         self.flash_whole_steps = flash_whole_steps_requested()
         self._whole_step_verdicts: dict[tuple, bool] = {}
+        # split-KV partial states combined by the last split CTA instead of a reduce pass: off
+        # until use_fused_reduce's start-up check agrees (ModelRunner calls it)
+        self.fused_reduce = False
         logger.info("attention backend: cuda (ferrobatch paged kernels, sm_%s, %d SMs, %s)",
                     cuda_ops.device_arch(dev), self.sm_count, self.library)
 
@@ -159,7 +163,32 @@ class CudaPagedBackend(AttentionBackend):
         prefill = ("FlashAttention-2 (torch) for prefills of 128+ tokens" + whole + " once its "
                    "start-up check agrees, else ferrobatch's paged prefill kernel"
                    if self.flash_prefill else "ferrobatch's paged prefill kernel")
-        return f"ferrobatch CUDA kernels (decode: split-KV paged kernel; prefill: {prefill})"
+        reduce = ", splits reduced in the kernel" if self.fused_reduce else ""
+        return (f"ferrobatch CUDA kernels (decode: split-KV paged kernel{reduce}; "
+                f"prefill: {prefill})")
+
+    def use_fused_reduce(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                         dtype: torch.dtype) -> bool:
+        """Turns the fused split-KV reduce on for this backend when it is requested and its
+        start-up check on this shape agrees with the reduce pass (``attention.decode_reduce``);
+        logs the verdict and returns it."""
+        from ferrobatch.runtime.attention import decode_reduce
+
+        self.fused_reduce = False
+        if not decode_reduce.fused_reduce_requested():
+            logger.info("decode attention: splits combined by a reduce pass (%s=0)",
+                        decode_reduce.ENV_FLAG)
+            return False
+        ok, detail = decode_reduce.check_fused_reduce(num_heads, num_kv_heads, head_dim, dtype,
+                                                      self.block_size, self.device)
+        if ok:
+            logger.info("decode attention: splits combined in the kernel, no reduce pass "
+                        "(start-up check: %s)", detail)
+        else:
+            logger.warning("decode attention: splits combined by a reduce pass; the fused "
+                           "reduce disagrees with it in the start-up check (%s)", detail)
+        self.fused_reduce = ok
+        return ok
 
     # ---- capabilities -------------------------------------------------------------------------
     @staticmethod
@@ -205,7 +234,8 @@ class CudaPagedBackend(AttentionBackend):
             if ws is None or not ws.fits(batch, num_heads, head_dim) or ws.max_splits < splits:
                 ws = self.reserve_workspace(batch, num_heads, head_dim, max(splits, self.max_splits))
         return cuda_ops.paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale,
-                                               num_splits=splits, workspace=ws)
+                                               num_splits=splits, workspace=ws,
+                                               fused_reduce=self.fused_reduce)
 
     # ---- decode CUDA graphs -------------------------------------------------------------------
     def prepare_decode_graphs(self, max_batch: int, num_heads: int, head_dim: int) -> None:
