@@ -105,6 +105,8 @@ class PiecewiseGraphRunner:
         self._sin = torch.zeros(big, 1, cfg.head_dim, dtype=dtype, device=dev)
         self._graphs: dict[int, list] = {}
         self._pool = None
+        self._staging: torch.Tensor | None = None     # host side of _copy_in: [2, big] int64
+        self._staged = None           # CUDA event after the last copies out of _staging
         self.replays = 0          # steps run through the pieces
 
     # ---- the pieces ---------------------------------------------------------------------------
@@ -189,8 +191,7 @@ class PiecewiseGraphRunner:
         t = bucket_for(n, self.captured_buckets)
         if t is None:
             raise ValueError(f"no captured bucket holds {n} tokens")
-        self._copy_in(self._input_ids, input_ids, n)
-        self._copy_in(self._positions, positions, n)
+        self._copy_in(input_ids, positions, n)
         graphs = self._graphs[t]
         qkv, attn = self._qkv[:n], self._attn[:n]                     # views, once per step
         tables = (self._cos[:n], self._sin[:n])
@@ -201,11 +202,23 @@ class PiecewiseGraphRunner:
         self.replays += 1
         return self._hidden[:n]
 
-    def _copy_in(self, dst: torch.Tensor, src: np.ndarray, n: int) -> None:
-        host = torch.from_numpy(np.ascontiguousarray(src, dtype=np.int64))
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        dst[:n].copy_(host, non_blocking=True)
+    def _copy_in(self, input_ids: np.ndarray, positions: np.ndarray, n: int) -> None:
+        """The step's ids and positions into the static device buffers, through one host staging
+        buffer made once (pinned on CUDA: no page-locked allocation per step); the previous
+        step's copies out of it are waited for before it is overwritten."""
+        if self._staging is None:
+            cuda = self.device.type == "cuda"
+            self._staging = torch.empty(2, self.buckets[-1], dtype=torch.int64, pin_memory=cuda)
+            self._staged = torch.cuda.Event() if cuda else None
+        elif self._staged is not None:
+            self._staged.synchronize()
+        host = self._staging.numpy()
+        host[0, :n] = input_ids
+        host[1, :n] = positions
+        self._input_ids[:n].copy_(self._staging[0, :n], non_blocking=True)
+        self._positions[:n].copy_(self._staging[1, :n], non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()
 
 
 class _EmulatedPiece:
