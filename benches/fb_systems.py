@@ -1,6 +1,6 @@
 """The ferrobatch systems of the offline benchmark: `ferrobatch`, `-static`, `-eager`,
 `-decodegraphs`, `-nativeprefill`, `-splitmixed`, `-rotaryapart`, `-reducepass`,
-`-torchops`, `-nodraft`, `-kv16`, `-f32panels`.
+`-refill4`, `-torchops`, `-nodraft`, `-kv16`, `-f32panels`.
 
 Both drive the real engine through `ferrobatch.LLM.generate` (Rust scheduler, model runner,
 sampler, step thread, incremental detokenization — the engine as shipped) with token-id prompts and
@@ -29,6 +29,9 @@ sampler, step thread, incremental detokenization — the engine as shipped) with
 - `ferrobatch-reducepass`: `ferrobatch` with `FERROBATCH_DECODE_FUSED_REDUCE=0` (on a GPU the
   decode kernel's KV splits are combined by a second kernel, the reduce pass, instead of by the
   last split to finish; per engine; on the CPU nothing differs).
+- `ferrobatch-refill4`: `ferrobatch` with `admission_batch=4` (while sequences run, waiting
+  requests join only when four of them find free slots, or after 8 held steps: a refill's
+  prefill step serves several; on a GPU a refill is a mixed step costing several decode steps).
 - `ferrobatch-torchops`: `ferrobatch` with `FERROBATCH_CUDA_FUSED_OPS=0` (on a GPU torch's
   elementwise modules instead of the fused RMSNorm / SiLU-and-mul / rotary kernels; the other
   systems swap the shared model's modules, so it runs first; on the CPU nothing differs).

@@ -25,7 +25,8 @@
 #      FlashAttention (each refill is a mixed step: on 2026-12-04 run 1 the kernel won, 1.11x),
 #      with the mixed steps split as before session 31 (FlashAttention for the prefill
 #      rows only, decode kernel for the rest), and with the decode kernel's splits combined by
-#      a reduce pass (before session 33; at cap 32 decode steps split the KV)      -> throughput_gpu-small_ablation.*
+#      a reduce pass (before session 33; at cap 32 decode steps split the KV), and with
+#      refills four requests at a time (--admission-batch 4)                       -> throughput_gpu-small_ablation.*
 #   8. phases: where a gpu-small step's time goes, at cap 256 and 32               -> step_phases*.{txt,json}
 #   8b. profile: one gpu-small-shaped step at a time (decode B=32/128/256 at ctx 1024, a cap-32
 #      refill): the graph step's ms against its kernels' device time, and the top kernels
@@ -138,7 +139,7 @@ if [[ ${status[build]} == rc=0* ]]; then
     --max-num-seqs 256 \
     --json "$OUT/throughput_gpu-8b.json" || failed=1
   run_step ablation 150 "$OUT/throughput_gpu-small_ablation.txt" $PY benches/throughput.py \
-    --workload gpu-small --systems ferrobatch@32,ferrobatch-static@32,ferrobatch-decodegraphs@32,ferrobatch-nativeprefill@32,ferrobatch-splitmixed@32,ferrobatch-reducepass@32 \
+    --workload gpu-small --systems ferrobatch@32,ferrobatch-static@32,ferrobatch-decodegraphs@32,ferrobatch-nativeprefill@32,ferrobatch-splitmixed@32,ferrobatch-reducepass@32,ferrobatch-refill4@32 \
     --no-progress \
     --json "$OUT/throughput_gpu-small_ablation.json" || failed=1
   # where a step's time goes (schedule / graph replay / eager model / sampler / outside the step)

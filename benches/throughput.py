@@ -26,6 +26,8 @@ Systems (append `@N` to override the batch size / concurrency cap, e.g. `hf-stat
   ferrobatch-reducepass the engine with the decode kernel's KV splits combined by a second
                      kernel instead of in the kernel (`FERROBATCH_DECODE_FUSED_REDUCE=0`; CUDA
                      only): the ablation of the fused reduce
+  ferrobatch-refill4  the engine admitting waiting requests four at a time while others run
+                     (`--admission-batch 4`): fewer, larger refill steps
   ferrobatch-torchops the engine with torch's elementwise modules instead of the fused CUDA
                      kernels (RMSNorm with the residual add, SiLU-and-mul, rotary;
                      `FERROBATCH_CUDA_FUSED_OPS=0`; on the CPU the same as ferrobatch). The
@@ -76,6 +78,7 @@ FB_VARIANTS = {"ferrobatch": "", "ferrobatch-static": "", "ferrobatch-eager": "e
                "ferrobatch-decodegraphs": "decodegraphs", "ferrobatch-torchops": "torchops",
                "ferrobatch-nativeprefill": "nativeprefill", "ferrobatch-splitmixed": "splitmixed",
                "ferrobatch-rotaryapart": "rotaryapart", "ferrobatch-reducepass": "reducepass",
+               "ferrobatch-refill4": "refill4",
                "ferrobatch-nodraft": "nodraft", "ferrobatch-kv16": "kv16",
                "ferrobatch-f32panels": "f32panels"}   # system -> engine variant (static: same engine)
 SYSTEMS = (*FB_VARIANTS, "hf-static", "hf-continuous")
@@ -152,6 +155,8 @@ class Systems:
                 extra["flash_prefill"] = False
             if variant == "nodraft":
                 extra["num_speculative_tokens"] = 0
+            if variant == "refill4":
+                extra["admission_batch"] = 4
             if variant == "kv16":
                 extra["kv_cache_dtype"] = "float16"
             env = {"f32panels": ("FERROBATCH_QUANT_PANELS", "0"),   # read when the engine

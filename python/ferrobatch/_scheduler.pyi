@@ -112,6 +112,8 @@ class Scheduler:
         speculative_max_running: int = 0,
         speculative_max_step_tokens: int = 0,
         speculative_adaptive: bool = False,
+        admission_batch: int = 1,
+        admission_max_wait_steps: int = 8,
     ) -> None: ...
     def intake(self) -> Intake: ...
     def schedule(self) -> StepBatch:

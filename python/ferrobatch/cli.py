@@ -39,6 +39,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    g.add_argument("--admission-batch", type=int, default=1, metavar="K",
+                   help="while sequences run, waiting requests join only when K of them (all "
+                   "that wait, if fewer) find free slots, so one refill step's prefill serves "
+                   "several (1 = join as soon as a slot frees)")
+    g.add_argument("--admission-max-wait-steps", type=int, default=8, metavar="S",
+                   help="with --admission-batch: admit anyway after S held steps in a row")
     g.add_argument("--max-queued-requests", type=int, default=1024,
                    help="waiting requests beyond which new ones get 429 / an error 429")
     g.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "cuda"], default="auto",
@@ -91,6 +97,7 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=a.gpu_memory_utilization,
         block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
         scheduling_policy=a.scheduling_policy, max_queued_requests=a.max_queued_requests,
+        admission_batch=a.admission_batch, admission_max_wait_steps=a.admission_max_wait_steps,
         attn_backend=a.attention_backend, cuda_graphs=not a.enforce_eager,
         piecewise_max_tokens=a.piecewise_max_tokens, flash_prefill=not a.no_flash_prefill,
         gguf_blocks=not a.no_gguf_blocks, amx_tiles=not a.no_amx,

@@ -99,6 +99,10 @@ class EngineConfig:
                                          # (None: a random start); as vLLM's, it makes a run
                                          # repeatable only with the same requests in the same order
     intake_capacity: int = 4096
+    admission_batch: int = 1             # while sequences run, waiting ones join only once this
+                                         # many (all that wait, if fewer) find free slots: one
+                                         # refill's prefill serves several (1 = at once)
+    admission_max_wait_steps: int = 8    # ... or after this many held steps in a row
 
     # Speculative decoding by prompt lookup (greedy requests; README "Speculative decoding")
     num_speculative_tokens: int | None = None   # drafts per step and sequence (0 = off, <= 16);
@@ -140,7 +144,7 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 positive_int(name)
-        for name in ("block_size", "intake_capacity",
+        for name in ("block_size", "intake_capacity", "admission_batch",
                      "max_queued_requests", "max_n", "max_stop_strings", "max_stop_string_len",
                      "max_stop_token_ids", "max_logit_bias"):
             positive_int(name)
@@ -154,10 +158,16 @@ class EngineConfig:
                 or self.max_preemptions < 0:
             raise ValueError(f"max_preemptions must be an integer >= 0, got {self.max_preemptions!r}")
         for name in ("num_speculative_tokens", "speculative_max_running",
-                     "speculative_max_step_tokens", "piecewise_max_tokens"):
+                     "speculative_max_step_tokens", "piecewise_max_tokens",
+                     "admission_max_wait_steps"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        if self.admission_max_wait_steps > 1 << 20:
+            raise ValueError(f"admission_max_wait_steps must be <= {1 << 20}, got "
+                             f"{self.admission_max_wait_steps}")
+        if self.admission_batch > 1 << 16:
+            raise ValueError(f"admission_batch must be <= {1 << 16}, got {self.admission_batch}")
         if (self.num_speculative_tokens or 0) > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, got "
                              f"{self.num_speculative_tokens}")

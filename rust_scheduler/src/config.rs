@@ -81,6 +81,12 @@ pub struct SchedulerConfig {
     /// at `a` accepted tokens it drafts at most `a + 1` next time, after drafts accepted in
     /// full `num_speculative_tokens` again (false: always `num_speculative_tokens`).
     pub speculative_adaptive: bool,
+    /// While sequences run, waiting ones join only once at least this many of them (all that
+    /// wait, if fewer) find free slots, so that one refill step's prefill serves several
+    /// requests (1 = join as soon as one slot frees: plain continuous batching).
+    pub admission_batch: usize,
+    /// ... or once admission has been held back this many steps in a row (bounds the wait).
+    pub admission_max_wait_steps: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -104,6 +110,8 @@ impl Default for SchedulerConfig {
             speculative_max_running: 0,
             speculative_max_step_tokens: 0,
             speculative_adaptive: false,
+            admission_batch: 1,
+            admission_max_wait_steps: 8,
         }
     }
 }
@@ -164,6 +172,19 @@ impl SchedulerConfig {
                 "speculative n-gram lengths must satisfy 1 <= min <= max <= \
                  {MAX_SPECULATIVE_NGRAM}, got min {} and max {}",
                 self.speculative_ngram_min, self.speculative_ngram_max
+            ));
+        }
+        if self.admission_batch == 0 || self.admission_batch > self.max_num_seqs {
+            return bad(format!(
+                "admission_batch must be in [1, max_num_seqs ({})], got {}",
+                self.max_num_seqs, self.admission_batch
+            ));
+        }
+        if self.admission_max_wait_steps > 1 << 20 {
+            return bad(format!(
+                "admission_max_wait_steps must be <= {}, got {}",
+                1 << 20,
+                self.admission_max_wait_steps
             ));
         }
         for &e in &self.eos_token_ids {

@@ -375,7 +375,8 @@ impl PyScheduler {
         *, vocab_size, eos_token_ids=None, enable_prefix_caching=true, policy="fcfs", max_preemptions=8,
         intake_capacity=4096, long_prefill_token_threshold=0, num_speculative_tokens=0,
         speculative_ngram_min=2, speculative_ngram_max=4, speculative_max_running=0,
-        speculative_max_step_tokens=0, speculative_adaptive=false))]
+        speculative_max_step_tokens=0, speculative_adaptive=false, admission_batch=1,
+        admission_max_wait_steps=8))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
@@ -396,6 +397,8 @@ impl PyScheduler {
         speculative_max_running: i64,
         speculative_max_step_tokens: i64,
         speculative_adaptive: bool,
+        admission_batch: i64,
+        admission_max_wait_steps: i64,
     ) -> PyResult<Self> {
         let mut eos = Vec::new();
         for e in eos_token_ids.unwrap_or_default() {
@@ -458,6 +461,14 @@ impl PyScheduler {
                 i32::MAX as i64,
             )? as usize,
             speculative_adaptive,
+            admission_batch: range(admission_batch, "admission_batch", 0, i32::MAX as i64)?
+                as usize,
+            admission_max_wait_steps: range(
+                admission_max_wait_steps,
+                "admission_max_wait_steps",
+                0,
+                i32::MAX as i64,
+            )? as usize,
         };
         Ok(PyScheduler {
             inner: CoreScheduler::new(cfg).map_err(to_py)?,

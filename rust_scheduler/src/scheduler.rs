@@ -6,7 +6,9 @@
 //! intake, then spends the token budget on running sequences first (1 token, or the next prompt
 //! chunk), preempting by recompute when blocks run out (largest (priority, arrival) key first),
 //! then admits waiting sequences in key order (a preempted one only once its whole recompute
-//! and a block to grow into are free, or nothing else runs); speculating decodes get their
+//! and a block to grow into are free, or nothing else runs; with `admission_batch > 1` only
+//! once that many find free slots, or nothing runs, or admission has been held back
+//! `admission_max_wait_steps` steps); speculating decodes get their
 //! prompt-lookup drafts last, from the budget and free blocks left (none in a step that
 //! preempted).
 //! `update()` advances the scheduled sequences, caches their newly full blocks, forks `n > 1`
@@ -127,6 +129,8 @@ pub struct Scheduler {
     pub(crate) drafts: Vec<i32>,
     /// `schedule_drafts`' list of the scheduled entries asking for drafts.
     pub(crate) askers_scratch: Vec<usize>,
+    /// Steps in a row that `admission_batch` held waiting sequences back (0 after an admission).
+    pub(crate) admission_held_steps: usize,
 }
 
 impl Scheduler {
@@ -160,6 +164,7 @@ impl Scheduler {
             num_accepted_tokens_total: 0,
             drafts: Vec::new(),
             askers_scratch: Vec::new(),
+            admission_held_steps: 0,
             cfg,
         })
     }
@@ -526,7 +531,9 @@ impl Scheduler {
                         .map(|&h| 1 + self.seq(h).unforked.len())
                         .sum::<usize>()
         );
-        while !preempted && budget > 0 {
+        let held = !preempted && budget > 0 && self.holds_admission(slots);
+        let mut admitted = 0usize;
+        while !preempted && !held && budget > 0 {
             let Some(&key) = self.waiting.first() else {
                 break;
             };
@@ -572,6 +579,12 @@ impl Scheduler {
             self.scheduled.push(Scheduled::plain(h, num_new));
             budget -= num_new;
             slots += want_slots;
+            admitted += 1;
+        }
+        if held {
+            self.admission_held_steps += 1;
+        } else if admitted > 0 || self.waiting.is_empty() {
+            self.admission_held_steps = 0;
         }
 
         // Drafts last: they take only the budget and the blocks nobody else needed this step.
@@ -583,6 +596,22 @@ impl Scheduler {
         self.fill_batch();
         self.awaiting_update = true;
         Ok(&self.batch)
+    }
+
+    /// `admission_batch`: whether this step keeps the waiting sequences waiting, given the
+    /// `slots` the running ones take. Never while nothing runs, never once admission has been
+    /// held `admission_max_wait_steps` steps in a row; otherwise while fewer than
+    /// `min(admission_batch, waiting)` slots are free.
+    fn holds_admission(&self, slots: usize) -> bool {
+        let batch = self.cfg.admission_batch;
+        if batch <= 1 || self.running.is_empty() || self.waiting.is_empty() {
+            return false;
+        }
+        if self.admission_held_steps >= self.cfg.admission_max_wait_steps {
+            return false;
+        }
+        let free = self.cfg.max_num_seqs.saturating_sub(slots);
+        free < batch.min(self.waiting.len())
     }
 
     /// Gives the scheduled sequences that may speculate their prompt-lookup drafts, out of the

@@ -524,3 +524,74 @@ fn preempted_siblings_do_not_thrash_into_the_preemption_cap() {
         s.stats().num_preemptions_total
     );
 }
+
+/// `admission_batch`: with 4 slots running 4 sequences of different lengths and 6 waiting, the
+/// waiting ones join only when 2 slots are free at once (or after `admission_max_wait_steps`
+/// held steps), never one by one; once nothing runs they join at once; every request still
+/// gets all its tokens (the scenario helpers check integrity after every schedule and update).
+#[test]
+fn admission_batch_admits_waiting_sequences_in_groups() {
+    let run = |batch: usize, max_wait: usize| {
+        let mut s = Scheduler::new(SchedulerConfig {
+            max_num_seqs: 4,
+            admission_batch: batch,
+            admission_max_wait_steps: max_wait,
+            ..cfg(256, 4, 64)
+        })
+        .unwrap();
+        let mut r = FakeRunner::new(&s);
+        let lens = [3usize, 9, 5, 14, 4, 7, 6, 11, 2, 8];
+        for (i, &n) in lens.iter().enumerate() {
+            let mut q = req(i as u64 + 1, vec![3, 4, 5], n);
+            q.ignore_eos = true;
+            s.submit(q).unwrap();
+        }
+        let mut joins: Vec<usize> = vec![]; // sequences admitted per step, when some were
+        let mut seen = std::collections::HashSet::new();
+        let mut tokens = std::collections::HashMap::new();
+        for _ in 0..1000 {
+            if !s.has_unfinished() {
+                break;
+            }
+            let (b, ev) = step(&mut s, &mut r);
+            let new = b.seq_req_ids.iter().filter(|&&id| seen.insert(id)).count();
+            if new > 0 {
+                joins.push(new);
+            }
+            for (id, _, _, _) in ev {
+                *tokens.entry(id).or_insert(0usize) += 1;
+            }
+        }
+        assert!(!s.has_unfinished());
+        for (i, &n) in lens.iter().enumerate() {
+            assert_eq!(tokens[&(i as u64 + 1)], n, "request {} lost tokens", i + 1);
+        }
+        joins
+    };
+    // plain continuous batching: 4 at first, then refills one by one as slots free
+    let plain = run(1, 8);
+    assert_eq!(plain[0], 4);
+    assert!(plain[1..].contains(&1), "{plain:?}");
+    // groups of two (the last refill may hold the one request left)
+    let grouped = run(2, 100);
+    assert_eq!(grouped[0], 4);
+    assert!(grouped[1..grouped.len() - 1].iter().all(|&n| n >= 2), "{grouped:?}");
+    assert!(grouped.len() < plain.len(), "{grouped:?} vs {plain:?}");
+    // a zero wait bound holds nothing back
+    assert_eq!(run(2, 0), plain);
+    // a wait bound of one step: a single free slot is filled after one held step
+    let bounded = run(4, 1);
+    assert!(bounded[1..].contains(&1), "{bounded:?}");
+}
+
+#[test]
+fn admission_batch_is_validated() {
+    for (batch, ok) in [(0usize, false), (1, true), (4, true), (5, false)] {
+        let c = SchedulerConfig {
+            max_num_seqs: 4,
+            admission_batch: batch,
+            ..cfg(64, 4, 16)
+        };
+        assert_eq!(Scheduler::new(c).is_ok(), ok, "admission_batch {batch}");
+    }
+}

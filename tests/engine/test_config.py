@@ -43,6 +43,10 @@ from ferrobatch.config import EngineConfig, Speculation
     ({"kv_cache_gb": True}, "kv_cache_gb"),
     ({"dtype": "float8"}, "dtype"),
     ({"attn_backend": "flash"}, "attn_backend"),
+    ({"admission_batch": 0}, "admission_batch"),
+    ({"admission_batch": 2**20}, "admission_batch"),
+    ({"admission_max_wait_steps": -1}, "admission_max_wait_steps"),
+    ({"admission_max_wait_steps": 2**30}, "admission_max_wait_steps"),
 ])
 def test_bad_values_are_refused_with_the_field_named(options, match):
     with pytest.raises(ValueError, match=match):
@@ -125,6 +129,10 @@ def test_cli_maps_engine_flags():
     assert default.speculative_adaptive is True
     assert _config(parser.parse_args(["serve", "--speculative-fixed-length"])).speculative_adaptive \
         is False
+    assert (default.admission_batch, default.admission_max_wait_steps) == (1, 8)
+    cfg = _config(parser.parse_args(["serve", "--admission-batch", "4",
+                                     "--admission-max-wait-steps", "3"]))
+    assert (cfg.admission_batch, cfg.admission_max_wait_steps) == (4, 3)
 
 
 def test_gpu_kv_budget_leaves_the_warm_up_peak_and_the_reserve(monkeypatch):

@@ -509,3 +509,40 @@ def test_drafts_never_take_what_another_sequence_needs():
     assert b.input_ids.tolist() == [8, 9, 1, 2, 3, 4]
     assert (b.num_draft_tokens, b.num_prefill_tokens) == (1, 4)
     s.check_integrity()
+
+
+def test_admission_batch_refills_in_groups_and_keeps_outputs():
+    """``admission_batch=3``: once the first four run, waiting requests join three at a time
+    (or the last ones left), never one by one; the outputs are the reference's and the pool
+    ends empty. Validated at construction."""
+    def run(**kw):
+        s = make(num_blocks=128, max_num_seqs=4, **kw)
+        r = FakeRunner(s)
+        i = s.intake()
+        lens = [3, 9, 5, 14, 4, 7, 6, 11, 2, 8, 5, 3]
+        for rid, n in enumerate(lens, 1):
+            i.submit(rid, [rid % 7 + 1, 2, 3], max_tokens=n, ignore_eos=True)
+        seen, joins, events = set(), [], []
+        for _ in range(500):
+            if not s.has_unfinished():
+                break
+            b, _, ev = step(s, r)
+            new = {int(x) for x in b.seq_req_ids} - seen
+            seen |= new
+            if new:
+                joins.append(len(new))
+            events += ev
+        rest, _ = run_all(s, r)
+        for rid, n in enumerate(lens, 1):
+            assert tokens_of(events + rest, rid) == reference([rid % 7 + 1, 2, 3], 0, n)
+        return joins
+
+    plain = run()
+    assert plain[0] == 4 and 1 in plain[1:]
+    grouped = run(admission_batch=3, admission_max_wait_steps=100)
+    assert grouped[0] == 4 and all(n >= 3 for n in grouped[1:-1]), grouped
+    assert run(admission_batch=3, admission_max_wait_steps=0) == plain
+    for bad in (dict(admission_batch=0), dict(admission_batch=5), dict(admission_batch=-1),
+                dict(admission_max_wait_steps=-2)):
+        with pytest.raises(ValueError, match="admission"):
+            make(max_num_seqs=4, **bad)

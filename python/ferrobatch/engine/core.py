@@ -183,7 +183,10 @@ class EngineCore:
             speculative_ngram_max=config.speculative_ngram_max,
             speculative_max_running=spec.max_running,
             speculative_max_step_tokens=spec.max_step_tokens,
-            speculative_adaptive=spec.adaptive)
+            speculative_adaptive=spec.adaptive,
+            admission_batch=min(config.admission_batch,
+                                config.step_seq_limit(loaded.device.type)),
+            admission_max_wait_steps=config.admission_max_wait_steps)
         core = cls(config, loaded, scheduler, runner, sampler, max_model_len)
         core.speculation = spec.describe()
         logger.info("speculative decoding: %s", core.speculation)
