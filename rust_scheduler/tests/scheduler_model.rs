@@ -65,12 +65,14 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
             0..4usize,
             0..7usize,
             any::<bool>(),
+            1..4usize,
+            0..4usize,
         ),
     )
         .prop_map(
             |(
                 (bs, nb, seqs, budget, caching, prio, maxp, thr),
-                (k, ngram_min, ngram_extra, spec_running, spec_step, adaptive),
+                (k, ngram_min, ngram_extra, spec_running, spec_step, adaptive, adm, adm_wait),
             )| SchedulerConfig {
                 num_blocks: nb,
                 block_size: bs,
@@ -90,6 +92,8 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
                 speculative_max_running: spec_running,
                 speculative_max_step_tokens: spec_step,
                 speculative_adaptive: adaptive,
+                admission_batch: adm.min(seqs),
+                admission_max_wait_steps: adm_wait,
             },
         )
 }
