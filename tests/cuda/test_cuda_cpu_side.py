@@ -126,6 +126,18 @@ def test_choose_num_splits(batch, hkv, ctx):
         assert batch * hkv * s >= min(sms, batch * hkv * 32)
 
 
+def test_choose_num_splits_is_memoized_and_the_same_as_computed():
+    """Eager steps ask once per layer: the answer comes from a cache, and equals the function
+    computed afresh."""
+    fresh = cuda_ops.choose_num_splits.__wrapped__
+    for args in [(200, 3, 1100, 132), (31, 3, 900, 132), (7, 8, 30000, 78), (256, 8, 1, 132)]:
+        want = fresh(*args, max_splits=32)
+        before = cuda_ops.choose_num_splits.cache_info().hits
+        assert cuda_ops.choose_num_splits(*args, max_splits=32) == want
+        assert cuda_ops.choose_num_splits(*args, max_splits=32) == want
+        assert cuda_ops.choose_num_splits.cache_info().hits >= before + 1
+
+
 # ------------------------------------------------------------------ backend without CUDA
 def test_cuda_backend_module_imports_and_reports():
     from ferrobatch.runtime.attention import cuda as cuda_backend

@@ -16,6 +16,7 @@ The same module also builds the nvcc command lines that the CI compile check
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -429,6 +430,7 @@ def decode_chunk(seq_len: int, num_splits: int) -> int:
 DECODE_CTA_OVERHEAD_TOKENS = 256
 
 
+@functools.lru_cache(maxsize=4096)
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count: int,
                       max_splits: int = 32, ctas_per_sm: int = 3) -> int:
     """KV splits per sequence for the decode kernel (1 = no split, no reduce pass).
@@ -442,7 +444,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, sm_count:
     split count on every shape (the model without the per-CTA cost chose up to 32 splits at batch
     128-256 and lost up to 37 %). Pure function of host ints, so a CUDA-graph capture can fix it
     per batch bucket from an upper bound of ``max_seq_len``; the kernel re-derives each sequence's
-    actual chunks on the device.
+    actual chunks on the device. Memoized: an eager step asks once per layer (~20 us of Python
+    a call, ~0.5 ms per 30-layer mixed step otherwise).
     """
     work_items = max(1, batch * num_kv_heads)
     slots = max(1, sm_count * ctas_per_sm)
