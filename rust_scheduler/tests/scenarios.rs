@@ -575,7 +575,10 @@ fn admission_batch_admits_waiting_sequences_in_groups() {
     // groups of two (the last refill may hold the one request left)
     let grouped = run(2, 100);
     assert_eq!(grouped[0], 4);
-    assert!(grouped[1..grouped.len() - 1].iter().all(|&n| n >= 2), "{grouped:?}");
+    assert!(
+        grouped[1..grouped.len() - 1].iter().all(|&n| n >= 2),
+        "{grouped:?}"
+    );
     assert!(grouped.len() < plain.len(), "{grouped:?} vs {plain:?}");
     // a zero wait bound holds nothing back
     assert_eq!(run(2, 0), plain);
