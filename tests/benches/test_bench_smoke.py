@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -111,7 +112,11 @@ def test_engine_overhead_smoke(tmp_path: Path) -> None:
                          "hf-cb-1layer"}
     for r in rows.values():
         assert len(r["t_short_all_s"]) == len(r["t_long_all_s"]) == 2
-        assert r["running"] == 4 and r["us_per_step"] > 0
+        assert r["running"] == 4 and r["t_short_s"] > 0 and r["t_long_s"] > 0
+        # the per-step figure is a difference of two short runs (4 steps apart here): on a busy
+        # machine noise can exceed it, so the smoke run checks it is a number, not its sign
+        assert math.isfinite(r["us_per_step"])
+        assert (r["steps_per_s"] is None) == (r["us_per_step"] <= 0)
     assert rows["ferrobatch-stub"]["core_timed_steps"] > 0
 
 
