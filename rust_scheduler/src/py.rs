@@ -546,6 +546,7 @@ impl PyScheduler {
         d.set_item("num_generation_tokens_total", s.num_generation_tokens_total)?;
         d.set_item("num_draft_tokens_total", s.num_draft_tokens_total)?;
         d.set_item("num_accepted_tokens_total", s.num_accepted_tokens_total)?;
+        d.set_item("num_admission_holds_total", s.num_admission_holds_total)?;
         d.set_item("intake_queue_len", s.intake_queue_len)?;
         Ok(d)
     }

@@ -95,6 +95,8 @@ pub struct Stats {
     pub num_draft_tokens_total: u64,
     /// Draft tokens the model agreed with (each one a token gained without a step of its own).
     pub num_accepted_tokens_total: u64,
+    /// Steps in which `admission_batch` kept waiting sequences waiting (free slots left idle).
+    pub num_admission_holds_total: u64,
     /// Intake commands not yet drained.
     pub intake_queue_len: usize,
 }
@@ -131,6 +133,7 @@ pub struct Scheduler {
     pub(crate) askers_scratch: Vec<usize>,
     /// Steps in a row that `admission_batch` held waiting sequences back (0 after an admission).
     pub(crate) admission_held_steps: usize,
+    pub(crate) num_admission_holds_total: u64,
 }
 
 impl Scheduler {
@@ -165,6 +168,7 @@ impl Scheduler {
             drafts: Vec::new(),
             askers_scratch: Vec::new(),
             admission_held_steps: 0,
+            num_admission_holds_total: 0,
             cfg,
         })
     }
@@ -217,6 +221,7 @@ impl Scheduler {
             num_generation_tokens_total: self.num_generation_tokens_total,
             num_draft_tokens_total: self.num_draft_tokens_total,
             num_accepted_tokens_total: self.num_accepted_tokens_total,
+            num_admission_holds_total: self.num_admission_holds_total,
             intake_queue_len: self.intake.queue_len(),
         }
     }
@@ -583,6 +588,7 @@ impl Scheduler {
         }
         if held {
             self.admission_held_steps += 1;
+            self.num_admission_holds_total += 1;
         } else if admitted > 0 || self.waiting.is_empty() {
             self.admission_held_steps = 0;
         }

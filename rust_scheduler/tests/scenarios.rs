@@ -566,6 +566,8 @@ fn admission_batch_admits_waiting_sequences_in_groups() {
         for (i, &n) in lens.iter().enumerate() {
             assert_eq!(tokens[&(i as u64 + 1)], n, "request {} lost tokens", i + 1);
         }
+        let holds = s.stats().num_admission_holds_total;
+        assert_eq!(holds == 0, batch == 1 || max_wait == 0, "holds {holds}");
         joins
     };
     // plain continuous batching: 4 at first, then refills one by one as slots free

@@ -535,6 +535,9 @@ def test_admission_batch_refills_in_groups_and_keeps_outputs():
         rest, _ = run_all(s, r)
         for rid, n in enumerate(lens, 1):
             assert tokens_of(events + rest, rid) == reference([rid % 7 + 1, 2, 3], 0, n)
+        holds = s.stats()["num_admission_holds_total"]
+        assert (holds > 0) == (kw.get("admission_batch", 1) > 1
+                               and kw.get("admission_max_wait_steps", 8) > 0), holds
         return joins
 
     plain = run()

@@ -307,6 +307,7 @@ async def test_models_health_ready_metrics(fake_server):
                  "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
                  "prefix_cache_queries_total", "prefix_cache_hits_total",
                  "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
+                 "num_admission_holds_total",
                  "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
                  "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket"):
         assert f"ferrobatch_{name}" in text, name

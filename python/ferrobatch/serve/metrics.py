@@ -63,6 +63,9 @@ class _SchedulerCollector:
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens the model agreed with "
                       "(each one a token without a step of its own).",
                       s.get("num_accepted_tokens_total", 0))
+        yield counter("num_admission_holds", "Steps in which --admission-batch kept waiting "
+                      "requests waiting for more free slots.",
+                      s.get("num_admission_holds_total", 0))
         yield counter("guided_requests", "Accepted requests with guided decoding (JSON Schema, "
                       "regex or choice).", s.get("num_guided_requests_total", 0))
         yield gauge("guided_grammars_cached", "Compiled guided-decoding grammars kept for reuse.",
