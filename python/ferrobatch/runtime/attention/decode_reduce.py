@@ -24,6 +24,7 @@ import os
 import torch
 
 from ferrobatch.runtime import cuda_ops
+from ferrobatch.runtime.cuda_elementwise import check_tolerance, tolerance_violation
 
 ENV_FLAG = "FERROBATCH_DECODE_FUSED_REDUCE"
 CHECK_SPLITS = 4
@@ -72,11 +73,8 @@ def check_fused_reduce(num_heads: int, num_kv_heads: int, head_dim: int, dtype: 
         return False, f"{left} arrival counters were left non-zero"
     if not bool(got[0][0].eq(0).all()):
         return False, "a padded row (context 0) was not written as zeros"
-    atol = rtol = 1e-5 if dtype == torch.float32 else 8e-3
-    worst = 0.0
-    for g in got:
-        if bool(g.isnan().any()):
-            return False, "an output element was not written"
-        diff = (g.double() - want.double()).abs() / (atol + rtol * want.double().abs())
-        worst = max(worst, float(diff.max()))
+    if any(bool(g.isnan().any()) for g in got):
+        return False, "an output element was not written"
+    tol = check_tolerance(dtype)
+    worst = max(tolerance_violation(g, want, *tol) for g in got)
     return worst <= 1.0, f"worst {worst:.2f} of the tolerance"
