@@ -10,7 +10,19 @@ import sys
 from typing import Any
 
 from ferrobatch.config import KV_CACHE_DTYPES, EngineConfig
+from ferrobatch.engine.stats_logger import DEFAULT_INTERVAL_S
+from ferrobatch.log_config import LOG_LEVELS, configure_logging
 from ferrobatch.sampling_params import SamplingParams
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default unless it is None or False, or its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False) or "default" in text:
+            return text
+        return super()._get_help_string(action)
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -35,10 +47,16 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "float32 model) holds twice the tokens per GiB and halves what decode "
                    "attention reads, but greedy output is no longer token-identical to a "
                    "float32 reference")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: the share of the memory left after the weights, a warm-up "
+                   "step's peak and the graphs' reserve that the KV cache takes "
+                   "(--kv-cache-gb sets its size instead)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse the KV blocks of prompt prefixes computed before")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="fcfs: arrival order; priority: a request's priority first (lower "
+                   "runs first), then arrival")
     g.add_argument("--admission-batch", type=int, default=1, metavar="K",
                    help="while sequences run, waiting requests join only when K of them (all "
                    "that wait, if fewer) find free slots, so one refill step's prefill serves "
@@ -120,6 +138,16 @@ def _port_or_off(text: str) -> int:
     return -1 if int(text) == -1 else _port(text)
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
+
+
 def _origins(text: str) -> frozenset[str]:
     from ferrobatch.serve.cors import parse_origins
     try:
@@ -128,13 +156,18 @@ def _origins(text: str) -> frozenset[str]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _log_level_arg(g: Any, default: str) -> None:
+    g.add_argument("--log-level", choices=LOG_LEVELS, default=default,
+                   help="the least severe log records shown (on stderr, timestamped)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferrobatch", description="Continuous-batching LLM "
                                      "serving engine: OpenAI HTTP + WebSocket, msgpack/TCP.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve a model over HTTP (OpenAI + WebSocket) and TCP",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=_HelpFormatter)
     s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     s.add_argument("--port", type=_port, default=8000, help="HTTP + WebSocket port")
     s.add_argument("--tcp-port", type=_port_or_off, default=8001,
@@ -152,12 +185,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "'http://localhost:3000,https://app.example'; default: CORS off")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to let in-flight requests finish on SIGINT/SIGTERM")
+    lg = s.add_argument_group("logging")
+    _log_level_arg(lg, "info")
+    lg.add_argument("--log-stats-interval", type=_seconds, default=DEFAULT_INTERVAL_S,
+                    metavar="S", help="log a line of engine activity (prompt and generation "
+                    "tok/s, running and waiting requests, KV cache use, prefix cache hits) "
+                    "every S seconds while there is any (0 = never)")
+    lg.add_argument("--disable-log-stats", action="store_true",
+                    help="no periodic engine line (vLLM's flag; --log-stats-interval 0)")
+    lg.add_argument("--access-log", action="store_true",
+                    help="one INFO line per HTTP request: client, request line, status, bytes, "
+                    "seconds (WebSocket and TCP sessions are not logged)")
     _engine_args(s)
 
     for name, helptext in (("generate", "generate a completion for one prompt"),
                            ("chat", "chat with the model in the terminal")):
-        g = sub.add_parser(name, help=helptext,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        g = sub.add_parser(name, help=helptext, formatter_class=_HelpFormatter)
         if name == "generate":
             g.add_argument("prompt", help="prompt text")
         g.add_argument("--max-tokens", type=int, default=128 if name == "generate" else 256)
@@ -167,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--seed", type=int, default=None)
         if name == "chat":
             g.add_argument("--system", default=None, help="system prompt")
+        _log_level_arg(g, "warning")
         o = g.add_argument_group("guided decoding (at most one)")
         o.add_argument("--json-schema", default=None, metavar="SCHEMA",
                        help="the output follows this JSON Schema (a file path or JSON text)")
@@ -188,7 +232,9 @@ async def _serve(a: argparse.Namespace) -> int:
     print(f"ferrobatch: loading {a.model} ...", flush=True)
     await engine.start()
     server = Server(engine, api_key=a.api_key, served_model_name=a.served_model_name,
-                    allowed_origins=a.allowed_origins or frozenset())
+                    allowed_origins=a.allowed_origins or frozenset(),
+                    log_stats_interval_s=0.0 if a.disable_log_stats else a.log_stats_interval,
+                    access_log=a.access_log)
     try:
         await server.start(a.host, a.port, None if a.tcp_port < 0 else a.tcp_port)
     except OSError as exc:
@@ -307,6 +353,7 @@ async def _chat(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
     try:
         run = {"serve": _serve, "generate": _generate, "chat": _chat}[args.command]
         return asyncio.run(run(args))

@@ -21,14 +21,17 @@ def test_help_is_complete(capsys):
     for cmd, flags in [("serve", ["--host", "--port", "--tcp-port", "--api-key", "--model",
                                   "--max-num-seqs", "--max-num-batched-tokens", "--kv-cache-gb",
                                   "--max-queued-requests", "--drain-timeout",
-                                  "--attention-backend"]),
-                       ("generate", ["--max-tokens", "--temperature", "--model"]),
+                                  "--attention-backend", "--log-level", "--log-stats-interval",
+                                  "--disable-log-stats", "--access-log"]),
+                       ("generate", ["--max-tokens", "--temperature", "--model", "--log-level"]),
                        ("chat", ["--max-tokens", "--system"])]:
         with pytest.raises(SystemExit):
             build_parser().parse_args([cmd, "--help"])
         out = capsys.readouterr().out
         for flag in flags:
             assert flag in out, (cmd, flag)
+        # a default of None says nothing (the help text says what happens instead)
+        assert "(default: None)" not in out, cmd
     args = build_parser().parse_args(["serve"])
     assert args.host == "127.0.0.1"            # loopback by default
 
@@ -38,7 +41,8 @@ async def test_serve_drains_on_sigint(smollm2_gguf_path):
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "ferrobatch", "serve", "--model", "smollm2", "--device", "cpu",
         "--port", "0", "--tcp-port", "0", "--kv-cache-gb", "0.05", "--max-num-seqs", "8",
-        "--drain-timeout", "60", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+        "--drain-timeout", "60", "--log-stats-interval", "0.5",
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
         cwd=ROOT)
     lines = []
     try:
@@ -56,11 +60,14 @@ async def test_serve_drains_on_sigint(smollm2_gguf_path):
                    for line in lines), "".join(lines)
         # ... its kernels, and where long prompt chunks go (AMX tiles where the CPU has AMX) ...
         from ferrobatch._scheduler import amx_available, linear_isa
-        attention = [line for line in lines if f"attention: Rust {linear_isa()} kernels" in line]
+        banner = [line for line in lines if line.startswith("  ")]    # not the log's lines
+        attention = [line for line in banner
+                     if f"attention: Rust {linear_isa()} kernels" in line]
         assert len(attention) == 1, "".join(lines)
         assert ("on AMX tiles" in attention[0]) == amx_available(), attention[0]
         # ... and the linear layers' kernels with the instruction set this CPU gives them
-        linear = [line for line in lines if f"linear layers: Rust {linear_isa()} kernels" in line]
+        linear = [line for line in banner
+                  if f"linear layers: Rust {linear_isa()} kernels" in line]
         assert len(linear) == 1, "".join(lines)
         # ... and where their larger steps go (the GGUF blocks as AMX tiles or quantized panels)
         larger = "as AMX tiles for more" if amx_available() else "as quantized panels for more"
@@ -77,6 +84,13 @@ async def test_serve_drains_on_sigint(smollm2_gguf_path):
         rest = (await asyncio.wait_for(proc.stdout.read(), 60)).decode()
         assert await proc.wait() == 0, "".join(lines) + rest
         assert "draining" in rest and "stopped" in rest
+        # the log: the start-up's INFO lines, timestamped on stderr, and the periodic engine
+        # line, whose interval that saw the request finish says so
+        log = "".join(lines) + rest
+        assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d INFO "
+                         r"ferrobatch\.runtime\.model_runner: KV cache: ", log, re.M), log
+        stats = re.findall(r"INFO ferrobatch\.stats: engine: (.*)", log)
+        assert sum("finished 1 (length 1)" in line for line in stats) == 1, stats
     finally:
         if proc.returncode is None:
             proc.kill()

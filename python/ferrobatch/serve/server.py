@@ -9,10 +9,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from typing import Any
 
 from aiohttp import WSCloseCode, web
 
+from ferrobatch.engine.stats_logger import StatsLogger
 from ferrobatch.serve.cors import install_cors
 from ferrobatch.serve.http import add_routes
 from ferrobatch.serve.metrics import ServerMetrics
@@ -27,6 +30,8 @@ from ferrobatch.serve.tcp import TCPServer
 from ferrobatch.serve.ws import ws_handler
 
 SHUTDOWN_TIMEOUT_S = 5.0
+# --access-log: client, request line, status, response bytes, seconds
+ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf'
 
 
 def build_app(state: ServerState) -> web.Application:
@@ -45,14 +50,21 @@ def build_app(state: ServerState) -> web.Application:
 class Server:
     def __init__(self, engine: Any, *, api_key: str | None = None,
                  served_model_name: str | None = None,
-                 allowed_origins: frozenset[str] = frozenset()) -> None:
+                 allowed_origins: frozenset[str] = frozenset(),
+                 log_stats_interval_s: float = 0.0, access_log: bool = False) -> None:
         """`allowed_origins`: the browser origins CORS lets call the HTTP API (`"*"`: any;
-        empty: CORS off), as `cors.parse_origins` makes them."""
+        empty: CORS off), as `cors.parse_origins` makes them. `log_stats_interval_s` > 0: an
+        INFO line of engine activity that often while the server runs (`StatsLogger`);
+        `access_log`: an INFO line per HTTP request (logger `ferrobatch.access`)."""
         if api_key is not None and not api_key:
             raise ValueError("api_key must not be empty")
         self.state = ServerState(engine, api_key=api_key, served_model_name=served_model_name,
                                  allowed_origins=frozenset(allowed_origins))
         self.state.metrics = ServerMetrics(engine, self.state.model_name)
+        self.stats_logger = (StatsLogger(engine, log_stats_interval_s)
+                             if log_stats_interval_s > 0 else None)
+        self._stats_task: asyncio.Task | None = None
+        self._access_log = logging.getLogger("ferrobatch.access") if access_log else None
         self.app = build_app(self.state)
         quiet_malformed_request_logs()
         self._runner: web.AppRunner | None = None
@@ -69,7 +81,9 @@ class Server:
         # its request (the streaming path also notices failed writes).
         # shutdown_timeout: how long cleanup waits for handlers; by then every request has been
         # aborted (stop()), so their last chunks need little (aiohttp's default is 60 s)
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+        self._runner = web.AppRunner(self.app, handler_cancellation=True,
+                                     access_log=self._access_log,
+                                     access_log_format=ACCESS_LOG_FORMAT,
                                      shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
@@ -78,6 +92,8 @@ class Server:
         if tcp_port is not None:
             self._tcp = TCPServer(self.state)
             self.tcp_port = await self._tcp.start(host, tcp_port)
+        if self.stats_logger is not None:
+            self._stats_task = asyncio.create_task(self.stats_logger.run())
 
     async def stop(self, drain_timeout_s: float = 0.0) -> None:
         """Refuse new work (503, /ready too), let in-flight requests finish up to the timeout,
@@ -112,3 +128,9 @@ class Server:
             await self._tcp.stop()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._stats_task is not None:          # the engine is idle now: one last line
+            self._stats_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._stats_task
+            self._stats_task = None
+            self.stats_logger.log_line()
