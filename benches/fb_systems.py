@@ -77,7 +77,10 @@ class StepRecorder:
     def on_first_token(self, ttft_s):
         pass
 
-    def on_finished(self, finish_reason, e2e_s, num_prompt_tokens, num_generated):
+    def on_step(self, num_batched_tokens):
+        pass
+
+    def on_finished(self, request):
         pass
 
     def on_step_tokens(self, num_tokens, inter_token_latencies):

@@ -175,6 +175,7 @@ class FakeCore:
                         if code == 4:
                             errors[rid] = "aborted with error"
         scheduled = []
+        computed = 0                            # tokens this step computes
         logprobs: dict = {}
         prompt_logprobs: dict = {}
         for rid in list(self._order):
@@ -187,6 +188,8 @@ class FakeCore:
                          fake_top(r.prompt[p + 1], p, r.prompt_logprobs,
                                   fake_prompt_logprob(p))))
                     for p in range(len(r.prompt) - 1)]
+            if not r.scheduled:
+                computed += len(r.prompt)       # the whole prompt in its first step
             r.scheduled = True
             scheduled.append(rid)
             for i in range(r.n):
@@ -197,6 +200,7 @@ class FakeCore:
                 if r.logprobs is not None and not self.drop_logprobs:
                     logprobs[(rid, i)] = [(tok, fake_logprob(k), fake_top(tok, k, r.logprobs))]
                 r.produced[i] += 1
+                computed += k > 0                # a decode (the first token came with the prompt)
                 code = 0
                 if (tok == EOS and not r.ignore_eos) or tok in r.stop_ids:
                     code = 1
@@ -214,4 +218,5 @@ class FakeCore:
             return None
         return StepResult([e[0] for e in ev], [e[1] for e in ev], [e[2] for e in ev],
                           [e[3] for e in ev], errors, scheduled, self.stats(), self.step_delay_s,
-                          logprobs=logprobs or None, prompt_logprobs=prompt_logprobs or None)
+                          logprobs=logprobs or None, prompt_logprobs=prompt_logprobs or None,
+                          num_batched_tokens=computed)

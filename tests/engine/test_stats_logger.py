@@ -8,7 +8,12 @@ import logging
 
 import pytest
 
+from ferrobatch.engine.observer import FinishedRequest
 from ferrobatch.engine.stats_logger import StatsLogger
+
+
+def finished(reason: str) -> FinishedRequest:
+    return FinishedRequest(reason, 10, 5, 5, 1, 1.0, 1.1, 1.2, 1.5, 1.6)
 
 
 class FakeEngine:
@@ -83,9 +88,8 @@ def test_optional_parts_show_the_interval_deltas_only():
                            num_probe_prompt_tokens_total=10, num_preemptions_total=9,
                            num_draft_tokens_total=62, num_accepted_tokens_total=29,
                            num_running=1)
-    sl2.on_finished("stop", 1.0, 10, 5)
-    sl2.on_finished("length", 1.0, 10, 5)
-    sl2.on_finished("stop", 1.0, 10, 5)
+    for reason in ("stop", "length", "stop"):
+        sl2.on_finished(finished(reason))
     clock.t += 10.0
     parts = sl2.line().split(" | ")
     assert "prefix cache hits 50.0 %" in parts          # 95 / (200 - 10)
@@ -140,3 +144,12 @@ async def test_run_logs_each_interval_and_survives_a_failing_snapshot(caplog):
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(lines) >= 2 and all(r.levelno == logging.INFO for r in lines)
     assert len(warnings) == 1 and "snapshot broke" in warnings[0].message   # said once
+
+
+def test_finished_request_phases():
+    r = FinishedRequest("length", 10, 5, 5, 1, arrival_time=1.0, scheduled_time=1.5,
+                        first_token_time=2.0, last_token_time=4.0, finish_time=4.25)
+    assert (r.e2e_s, r.prefill_s, r.decode_s, r.inference_s) == (3.25, 0.5, 2.0, 2.5)
+    never = FinishedRequest("abort", 10, 0, 5, 1, 1.0, None, None, None, 2.0)
+    assert never.e2e_s == 1.0 and never.prefill_s is None and never.decode_s is None
+    assert never.inference_s is None

@@ -101,10 +101,12 @@ class FinishCounter:
 
     def on_scheduled(self, *a: Any) -> None: ...
     def on_first_token(self, *a: Any) -> None: ...
+    def on_step(self, *a: Any) -> None: ...
     def on_step_tokens(self, *a: Any) -> None: ...
 
-    def on_finished(self, reason: str, *a: Any) -> None:
+    def on_finished(self, request: Any) -> None:
         self.finished += 1
+        reason = request.finish_reason
         self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
 
 

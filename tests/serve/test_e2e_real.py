@@ -224,6 +224,14 @@ async def test_health_ready_metrics(real, sdk):
     assert value("time_to_first_token_seconds_count") > 0
     assert value("e2e_request_latency_seconds_count") > 0
     assert value("inter_token_latency_seconds_count") > 0
+    finished = value("e2e_request_latency_seconds_count")
+    for name in ("request_prompt_tokens", "request_generation_tokens",
+                 "request_params_max_tokens", "request_params_n",
+                 "request_inference_time_seconds"):
+        assert value(f"{name}_count") == finished, name
+    # every generated token came out of a step, and the prompts' uncached tokens went in one
+    assert value("iteration_tokens_total_sum") >= value("generation_tokens_total")
+    assert 0 < value("iteration_tokens_total_count") <= value("iteration_tokens_total_sum")
     assert value("prefix_cache_queries_total") >= value("prefix_cache_hits_total")
     assert value("spec_decode_num_draft_tokens_total") >= \
         value("spec_decode_num_accepted_tokens_total")

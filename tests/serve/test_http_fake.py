@@ -316,6 +316,19 @@ async def test_models_health_ready_metrics(fake_server):
     assert 'ferrobatch_generation_tokens_total{model_name="fake"} 3.0' in text
     assert 'ferrobatch_prompt_tokens_total{model_name="fake"} 3.0' in text
     assert 'ferrobatch_time_to_first_token_seconds_count{model_name="fake"} 1.0' in text
+    # per finished request (vLLM's names): its lengths, its bounds, its phases' times
+    assert 'ferrobatch_request_prompt_tokens_sum{model_name="fake"} 3.0' in text
+    assert 'ferrobatch_request_generation_tokens_sum{model_name="fake"} 3.0' in text
+    assert 'ferrobatch_request_generation_tokens_bucket{le="2.0",model_name="fake"} 0.0' in text
+    assert 'ferrobatch_request_generation_tokens_bucket{le="5.0",model_name="fake"} 1.0' in text
+    assert 'ferrobatch_request_params_max_tokens_sum{model_name="fake"} 3.0' in text
+    assert 'ferrobatch_request_params_n_sum{model_name="fake"} 1.0' in text
+    for phase in ("prefill", "decode", "inference"):
+        assert f'ferrobatch_request_{phase}_time_seconds_count{{model_name="fake"}} 1.0' in text
+    # per step: the probes' steps are not counted; the request's are: its 3-token prompt with
+    # its first token, then two decodes
+    assert 'ferrobatch_iteration_tokens_total_count{model_name="fake"} 3.0' in text
+    assert 'ferrobatch_iteration_tokens_total_sum{model_name="fake"} 5.0' in text
 
 
 async def test_engine_death_marks_not_ready(fake_server):

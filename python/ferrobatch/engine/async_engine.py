@@ -27,7 +27,7 @@ from ferrobatch.engine.inputs import (
     check_token_ids,
     normalize_messages,
 )
-from ferrobatch.engine.observer import EngineObserver
+from ferrobatch.engine.observer import EngineObserver, FinishedRequest
 from ferrobatch.engine.request_state import FINISH_STOP, LogprobMismatch, RequestState
 from ferrobatch.engine.step_loop import StepLoop
 from ferrobatch.model.tokenizer import LONG_TEXT_CHARS
@@ -474,6 +474,11 @@ class AsyncEngine:
         now = time.monotonic()
         self._stats = r.stats
         requests = self._requests
+        # tokens the step computed, unless it ran readiness probes only (not traffic; checked
+        # before this step's releases forget them)
+        computed = getattr(r, "num_batched_tokens", 0)
+        if computed and self._probes and self._probes.issuperset(r.scheduled_req_ids):
+            computed = 0
         if self._unscheduled and r.scheduled_req_ids:
             step_start = now - r.step_time_s
             for rid in self._unscheduled.intersection(r.scheduled_req_ids):
@@ -544,6 +549,9 @@ class AsyncEngine:
         if num_tokens:
             for o in self._observers:
                 o.on_step_tokens(num_tokens, itls)
+        if computed:
+            for o in self._observers:
+                o.on_step(computed)
 
     def _add_token(self, st: RequestState, si: int, tok: int, logprob: Any = None,
                    stop_token: bool = False) -> None:
@@ -575,9 +583,12 @@ class AsyncEngine:
             self._probes.discard(st.req_id)
             self.counters["probes"] += 1          # released, but not shown to observers
         else:
+            done = FinishedRequest(reason, len(st.prompt_token_ids), st.num_generated,
+                                   st.max_tokens, len(st.seqs), st.arrival_time,
+                                   st.scheduled_time, st.first_token_time, st.last_token_time,
+                                   now)
             for o in self._observers:
-                o.on_finished(reason, now - st.arrival_time, len(st.prompt_token_ids),
-                              st.num_generated)
+                o.on_finished(done)
         st.event.set()
 
     def _on_fatal(self, exc: BaseException) -> None:

@@ -50,6 +50,7 @@ class StepResult:
     # why each of failed_req_ids failed, when not non-finite logits (e.g. a guided request
     # whose grammar no token can continue)
     failure_messages: dict[int, str] = field(default_factory=dict)
+    num_batched_tokens: int = 0      # tokens the step computed (prompt chunks, decodes, drafts)
 
 
 def rows_all_finite(logits: torch.Tensor) -> bool:
@@ -314,7 +315,8 @@ class EngineCore:
         return StepResult(req_ids.tolist(), out.seq_indices.tolist(), out.token_ids.tolist(),
                           out.finish_reasons.tolist(), dict(out.error_messages),
                           batch.seq_req_ids.tolist(), self.stats(), time.perf_counter() - t0,
-                          failed, logprobs, prompt_logprobs, failure_messages)
+                          failed, logprobs, prompt_logprobs, failure_messages,
+                          int(batch.num_tokens))
 
     def _plain_greedy(self, batch: Any, extras: dict[int, Any], logits: Any) -> np.ndarray | None:
         """A plain greedy step (``Sampler.is_plain_greedy``) whose logits are all finite: its

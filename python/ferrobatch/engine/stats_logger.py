@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from ferrobatch.engine.observer import EngineObserver
+from ferrobatch.engine.observer import EngineObserver, FinishedRequest
 
 logger = logging.getLogger("ferrobatch.stats")
 
@@ -63,9 +63,8 @@ class StatsLogger(EngineObserver):
     def on_step_tokens(self, num_tokens: int, inter_token_latencies: list[float]) -> None:
         self._generation_tokens += num_tokens
 
-    def on_finished(self, finish_reason: str, e2e_s: float, num_prompt_tokens: int,
-                    num_generated: int) -> None:
-        self._finished[finish_reason] += 1
+    def on_finished(self, request: FinishedRequest) -> None:
+        self._finished[request.finish_reason] += 1
 
     # -- the line -------------------------------------------------------------------------------
 
