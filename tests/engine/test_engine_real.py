@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -147,7 +148,11 @@ def test_chat_and_progress_bar(real_llm, capsys):
     outs = real_llm.generate([f"Number {i}:" for i in range(8)],
                              SamplingParams(max_tokens=1, temperature=0.0))
     assert len(outs) == 8
-    assert "Processed prompts" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err
+    # the bar's last state: all 8, with the speed of what finished (8 one-token outputs)
+    assert re.search(r"8/8 .*est\. speed input: \d+\.\d toks/s, output: \d+\.\d toks/s",
+                     err), err
 
 
 def test_chat_takes_vllms_rendering_options(real_llm):

@@ -205,11 +205,20 @@ class LLM:
                 from tqdm import tqdm
                 bar = tqdm(total=len(streams), desc="Processed prompts", dynamic_ncols=True)
 
+            done_tokens = [0, 0]        # prompt, output tokens of the finished requests
+
             async def one(s: Any) -> RequestOutput:
                 last = None
                 async for out in s:
                     last = out
                 if bar is not None:
+                    done_tokens[0] += len(last.prompt_token_ids or ())
+                    done_tokens[1] += sum(len(o.token_ids) for o in last.outputs)
+                    elapsed = bar.format_dict["elapsed"]
+                    if elapsed > 0:             # as vLLM's bar says it
+                        bar.set_postfix_str(f"est. speed input: {done_tokens[0] / elapsed:.1f} "
+                                            f"toks/s, output: {done_tokens[1] / elapsed:.1f} "
+                                            f"toks/s", refresh=False)
                     bar.update(1)
                 return last
 
