@@ -15,6 +15,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ferrobatch.serve.codec import loads_json
+from ferrobatch.serve.hermes_tools import HermesStream
 from ferrobatch.serve.logprobs import (
     chat_logprobs,
     completion_logprobs,
@@ -25,7 +26,7 @@ from ferrobatch.serve.openai_protocol import OpenAIRequest, choice, envelope, pa
 from ferrobatch.serve.protocol import ProtocolError, error_status
 from ferrobatch.serve.sse import SSEWriter
 from ferrobatch.serve.state import MAX_BODY_BYTES, STATE
-from ferrobatch.serve.tools import tool_calls_from_text
+from ferrobatch.serve.tools import tool_calls_of
 
 READY_TIMEOUT_S = 30.0
 
@@ -71,7 +72,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    return await _serve(request, parse_chat(await read_json(request), state.model_name))
+    return await _serve(request, parse_chat(await read_json(request), state.model_name,
+                                            hermes_tools=state.hermes_tools))
 
 
 async def _serve(request: web.Request, req: OpenAIRequest) -> web.StreamResponse:
@@ -188,18 +190,13 @@ async def _collect(request: web.Request, req: OpenAIRequest, streams: list[Any])
             text, lp, _ = _with_echo(request, req, last[k // n], texts[k], logprobs[k])
         else:
             text, lp = texts[k], _logprobs_shape(request, req, logprobs[k])[0]
+        calls = None
+        if req.tools is not None:
+            text, calls = tool_calls_of(req.tools, text, reasons[k])
         choices.append(choice(req, k, text, reasons[k], stream=False, logprobs=lp,
-                              tool_calls=_tool_calls(req, text, reasons[k])))
+                              tool_calls=calls))
     return web.json_response(envelope(req, choices, chunk=False,
                                       usage_=usage(prompt_tokens, completion)))
-
-
-def _tool_calls(req: OpenAIRequest, text: str, finish_reason: str | None) -> list | None:
-    """A forced tool call's `tool_calls`, once its output is complete (None otherwise: the
-    text then goes out as content, e.g. a call cut by max_tokens)."""
-    if req.tools is None or finish_reason != "stop":
-        return None
-    return tool_calls_from_text(req.tools, text)
 
 
 async def _stream(request: web.Request, req: OpenAIRequest,
@@ -210,6 +207,7 @@ async def _stream(request: web.Request, req: OpenAIRequest,
     offsets: dict[int, int] = {}      # per choice: completions' text_offset so far
     prompt_outs: dict[int, Any] = {}  # prompt index -> the output with its prompt logprobs
     held: dict[int, tuple[list[str], list[Any]]] = {}   # forced tool calls: text, logprobs
+    hermes: dict[int, tuple[HermesStream, list[Any]]] = {}  # "auto" tools: parser, logprobs
     prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
 
     def so_far() -> dict[str, int] | None:
@@ -229,7 +227,8 @@ async def _stream(request: web.Request, req: OpenAIRequest,
                 break
             if not role_sent:
                 role_sent = True
-                content = None if req.tools is not None else ""    # as OpenAI's first chunks
+                forced = req.tools is not None and req.tools.forced
+                content = None if forced else ""                    # as OpenAI's first chunks
                 await sse.send(envelope(req, [
                     {"index": k, "delta": {"role": "assistant", "content": content},
                      "logprobs": None, "finish_reason": None} for k in range(n)],
@@ -240,15 +239,35 @@ async def _stream(request: web.Request, req: OpenAIRequest,
             for c in out.outputs:
                 completion += len(c.token_ids)
                 k = i * n + c.index
-                if req.tools is not None:          # a tool call goes out whole, once complete
+                asked = req.params.logprobs is not None
+                if req.tools is not None and not req.tools.forced:   # "auto": the model's
+                    # text streams until a <tool_call> block may start; the blocks are held
+                    parser, entries = hermes.setdefault(k, (HermesStream(req.tools.names), []))
+                    entries.extend(c.logprobs or ())
+                    out_text = parser.feed(c.text)
+                    calls = None
+                    if c.finish_reason is not None:
+                        rest, calls = parser.finish(complete=c.finish_reason == "stop")
+                        out_text += rest
+                    if out_text or c.finish_reason is not None:
+                        lp = _logprobs_shape(request, req, entries if asked else None)[0]
+                        entries.clear()         # a token's entry goes with its text's chunk
+                        if calls:
+                            choices.append(choice(req, k, out_text, None, stream=True,
+                                                  logprobs=lp, tool_calls=calls))
+                            finishes.append(choice(req, k, "", c.finish_reason, stream=True,
+                                                   tool_calls=[]))
+                        else:
+                            choices.append(choice(req, k, out_text, c.finish_reason,
+                                                  stream=True, logprobs=lp))
+                elif req.tools is not None:        # a forced call goes out whole, once complete
                     text, entries = held.setdefault(k, ([], []))
                     text.append(c.text)
                     entries.extend(c.logprobs or ())
                     if c.finish_reason is not None:
                         whole = "".join(text)
-                        asked = req.params.logprobs is not None
                         lp = _logprobs_shape(request, req, entries if asked else None)[0]
-                        calls = _tool_calls(req, whole, c.finish_reason)
+                        whole, calls = tool_calls_of(req.tools, whole, c.finish_reason)
                         if calls:      # the calls, then the finish in a chunk of its own (as
                             # OpenAI: the SDK's stream helper closes a call on that chunk)
                             choices.append(choice(req, k, "", None, stream=True, logprobs=lp,

@@ -33,7 +33,7 @@ class OpenAIRequest:
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     echo: bool = False                         # completions: the prompt leads each choice
-    tools: ToolPlan | None = None              # chat: the output is forced tool calls
+    tools: ToolPlan | None = None              # chat: how the output becomes tool calls
     # chat: `AsyncEngine.render_chat`'s options when any differs from its defaults (vLLM's
     # add_generation_prompt, continue_final_message, chat_template_kwargs; the tools)
     chat_template: dict[str, Any] | None = None
@@ -108,14 +108,16 @@ def parse_completion(body: Any, model_name: str) -> OpenAIRequest:
                          echo=echo)
 
 
-def parse_chat(body: Any, model_name: str) -> OpenAIRequest:
+def parse_chat(body: Any, model_name: str, hermes_tools: bool = False) -> OpenAIRequest:
+    """A chat request; `hermes_tools`: the model writes Hermes `<tool_call>` blocks, so
+    tool_choice "auto" is served."""
     stream, include_usage, continuous_usage, model = _check_common(body, model_name)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ProtocolError("'messages' must be a non-empty list", param="messages")
     fields = with_response_format(body)
-    tools = parse_tools(body)
-    if tools is not None:
+    tools = parse_tools(body, hermes_tools)
+    if tools is not None and tools.forced:
         given = [f for f in GUIDED_FIELDS if fields.get(f) is not None]
         if given:
             clash = next((f for f in ("response_format", "structured_outputs") if body.get(f)),
@@ -206,7 +208,8 @@ def choice(req: OpenAIRequest, index: int, text: str, finish_reason: str | None,
            tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One choice of a response or chunk; `logprobs` is already in the route's shape
     (`serve.logprobs`), None when not asked for. With `tool_calls` (chat) the choice carries
-    them instead of content, and a finish by the grammar's end reads "tool_calls"."""
+    them, with `text` (what the model wrote before them) as content or null, and a finish by
+    the model's own end reads "tool_calls"."""
     if req.kind == "completion":
         return {"index": index, "text": text, "logprobs": logprobs,
                 "finish_reason": finish_reason}
@@ -219,8 +222,8 @@ def choice(req: OpenAIRequest, index: int, text: str, finish_reason: str | None,
         return {"index": index, "delta": delta, "logprobs": logprobs,
                 "finish_reason": finish_reason}
     message: dict[str, Any] = {"role": "assistant", "content": text}
-    if tool_calls is not None:
-        message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
+    if tool_calls is not None:       # any text the model wrote before its calls, else null
+        message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
     return {"index": index, "message": message, "logprobs": logprobs,
             "finish_reason": finish_reason}
 

@@ -37,6 +37,13 @@ class ServerState:
         return self._token_strings
 
     @property
+    def hermes_tools(self) -> bool:
+        """The model writes tool calls as Hermes `<tool_call>` blocks (its chat template says
+        so): tool_choice "auto" is served (serve/hermes_tools.py)."""
+        from ferrobatch.serve.hermes_tools import template_has_hermes_calls
+        return template_has_hermes_calls(getattr(self.engine.tokenizer, "chat_template", None))
+
+    @property
     def model_name(self) -> str:
         return self.served_model_name or self.engine.model_name
 

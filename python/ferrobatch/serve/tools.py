@@ -5,9 +5,11 @@ constrained to a JSON text that *is* the call: the named function's `parameters`
 "required", a non-empty array of `{"name": ..., "parameters": {...}}` over the listed tools.
 The reply then carries `tool_calls` (with `function.arguments` as a JSON string) instead of
 `content`, and `finish_reason` "tool_calls". "none" ignores the tools. "auto" (the default
-when tools are sent) would need the model's own tool-call format, which SmolLM2 has none of:
-it is refused with a 400 that says what to send instead. The model sees the tools only if its
-chat template renders them; the grammar guarantees a well-formed call either way.
+when tools are sent) lets the model decide, which needs its own tool-call format: for a model
+whose chat template writes Hermes `<tool_call>` blocks (Qwen2.5, Hermes, ...) the output is
+free and its blocks become the calls (`hermes_tools.py`); for others (SmolLM2) it is refused
+with a 400 that says what to send instead. The model sees the tools only if its chat template
+renders them; for the forced modes the grammar guarantees a well-formed call either way.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from ferrobatch.serve.hermes_tools import split_calls
 from ferrobatch.serve.protocol import ProtocolError
 
 MAX_TOOLS = 128
@@ -28,9 +31,15 @@ _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 class ToolPlan:
     """How a chat request's output becomes tool calls."""
 
-    mode: str                       # "named" (one call of `names[0]`) or "required" (1+ calls)
+    mode: str                       # "named" (one call of `names[0]`), "required" (1+ calls)
+    #                                 or "auto" (the model's own Hermes blocks, if any)
     names: tuple[str, ...]
-    schema: dict[str, Any]          # what the output is guided by (SamplingParams.guided_json)
+    schema: dict[str, Any] | None   # what the output is guided by (guided_json); None: "auto"
+
+    @property
+    def forced(self) -> bool:
+        """The output is guided to be the call(s)."""
+        return self.mode != "auto"
 
 
 _ROOT_COMBINATORS = frozenset({"$ref", "allOf", "anyOf", "oneOf"})
@@ -99,8 +108,9 @@ def _rebase_refs(schema: Any, tool: str, defs: dict[str, Any]) -> Any:
     return walk(schema, True)
 
 
-def parse_tools(body: dict[str, Any]) -> ToolPlan | None:
-    """The request's tool plan, or None when it asks for no tool call."""
+def parse_tools(body: dict[str, Any], hermes: bool = False) -> ToolPlan | None:
+    """The request's tool plan, or None when it asks for no tool call. `hermes`: the model
+    writes Hermes `<tool_call>` blocks, so "auto" can be served."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if body.get("functions") is not None or body.get("function_call") is not None:
         raise ProtocolError("'functions' / 'function_call' are deprecated: send 'tools' and "
@@ -118,10 +128,13 @@ def parse_tools(body: dict[str, Any]) -> ToolPlan | None:
     if choice == "none":
         return None
     if choice is None or choice == "auto":
+        if hermes:
+            return ToolPlan("auto", tuple(listed), None)
         raise ProtocolError("tool_choice 'auto' needs a tool-call format this model does not "
-                            "have; send tool_choice 'required' or {'type': 'function', "
-                            "'function': {'name': ...}} (the call is then guaranteed "
-                            "well-formed), or 'none'", param="tool_choice")
+                            "have (its chat template writes no <tool_call> blocks); send "
+                            "tool_choice 'required' or {'type': 'function', 'function': "
+                            "{'name': ...}} (the call is then guaranteed well-formed), or "
+                            "'none'", param="tool_choice")
     if choice == "required":
         # each tool's schema moves under the new root's $defs, its own $defs beside it, and
         # its "#..." references are rewritten to match (pydantic's nested models use them)
@@ -147,9 +160,21 @@ def parse_tools(body: dict[str, Any]) -> ToolPlan | None:
     return ToolPlan("named", (fn["name"],), listed[fn["name"]])
 
 
+def tool_calls_of(plan: ToolPlan, text: str,
+                  finish_reason: str | None) -> tuple[str, list[dict[str, Any]] | None]:
+    """A finished output as (the content to show, its `tool_calls` or None). A forced call
+    shows no content; one cut by max_tokens (not a whole call) is content, as is an "auto"
+    output with no clean `<tool_call>` blocks."""
+    if not plan.forced:
+        found = split_calls(text, plan.names, complete=finish_reason == "stop")
+        return (text, None) if found is None else found
+    calls = tool_calls_from_text(plan, text) if finish_reason == "stop" else None
+    return ("", calls) if calls else (text, None)
+
+
 def tool_calls_from_text(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
-    """The OpenAI `tool_calls` of a finished output (None when the text is not a whole call,
-    e.g. cut by max_tokens)."""
+    """The OpenAI `tool_calls` of a forced call's finished output (None when the text is not a
+    whole call, e.g. cut by max_tokens)."""
     try:
         value = json.loads(text)
     except ValueError:
