@@ -86,6 +86,28 @@ async def test_sdk_chat_stream_and_non_stream(real, sdk):
     assert n3.usage.completion_tokens <= 12
 
 
+async def test_responses_api_matches_chat_on_the_real_model(real, sdk):
+    """`client.responses.create` / `.stream` give the text chat completions gives for the same
+    conversation (greedy), with the instructions as its system message."""
+    msgs = [{"role": "system", "content": "Answer in one word."},
+            {"role": "user", "content": "What is the capital of France?"}]
+    chat = await sdk.chat.completions.create(model="smollm2", messages=msgs, max_tokens=12,
+                                             temperature=0)
+    resp = await sdk.responses.create(model="smollm2", instructions=msgs[0]["content"],
+                                      input=msgs[1]["content"], max_output_tokens=12,
+                                      temperature=0)
+    assert resp.output_text == chat.choices[0].message.content
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    assert resp.usage.output_tokens == chat.usage.completion_tokens
+    assert resp.status == ("completed" if chat.choices[0].finish_reason == "stop"
+                           else "incomplete")
+    async with sdk.responses.stream(model="smollm2", input=msgs[1:], instructions=msgs[0][
+            "content"], max_output_tokens=12, temperature=0) as stream:
+        deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
+        final = await stream.get_final_response()
+    assert "".join(deltas) == final.output_text == resp.output_text
+
+
 async def test_sdk_errors_are_openai_errors(real, sdk):
     with pytest.raises(openai.BadRequestError) as e:
         await sdk.completions.create(model="smollm2", prompt="hi", max_tokens=5000)

@@ -358,5 +358,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    from ferrobatch.serve.responses_api import responses
+    app.router.add_post("/v1/responses", responses)
     from ferrobatch.serve.tokenizer_routes import add_tokenizer_routes
     add_tokenizer_routes(app)

@@ -1,0 +1,152 @@
+"""`POST /v1/responses` on FakeCore (which echoes its rendered prompt `<role>content\\n...`
+`<assistant>`, so the output is known), through the `openai` SDK: its typed objects and its
+stream helper (which checks the events' order) are the oracle for the wire shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import openai
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from ferrobatch.serve.protocol import ProtocolError
+from ferrobatch.serve.responses_api import parse_responses
+
+EOS = "\x03"        # FakeCore's end of sequence: the output stops there, as a model does
+
+
+@pytest.fixture
+async def client(fake_server):
+    c = openai.AsyncOpenAI(base_url=fake_server.base + "/v1", api_key="unused", max_retries=0)
+    yield c
+    await c.close()
+
+
+async def raw_post(r, body):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(r.base + "/v1/responses", json=body) as resp:
+            return resp.status, await resp.json()
+
+
+async def test_create_returns_a_response_object(fake_server, client):
+    resp = await client.responses.create(model="fake", input="hello", max_output_tokens=7)
+    assert resp.object == "response" and resp.id.startswith("resp_")
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    assert resp.output_text == "<user>h"                   # the echo, cut at 7 tokens
+    prompt = "<user>hello\n<assistant>"
+    assert (resp.usage.input_tokens, resp.usage.output_tokens) == (len(prompt), 7)
+    assert resp.usage.total_tokens == len(prompt) + 7
+    # ended by the model: completed; the raw JSON validates against the SDK's model (every
+    # field it requires is there, of its type)
+    status, body = await raw_post(fake_server, {"input": "hi" + EOS, "metadata": {"k": "v"}})
+    assert status == 200
+    strict = Response.model_validate(body)
+    assert strict.status == "completed" and strict.incomplete_details is None
+    assert strict.output_text == "<user>hi" and body["metadata"] == {"k": "v"}
+    assert body["output"][0]["status"] == "completed" and body["output"][0]["role"] == "assistant"
+
+
+async def test_instructions_and_message_list_render_through_the_template(client):
+    resp = await client.responses.create(
+        model="fake", instructions="Be brief.", max_output_tokens=150,
+        input=[{"role": "user", "content": "q1"},
+               {"role": "assistant", "content": [{"type": "output_text", "text": "a1"}]},
+               {"type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": "q2"},
+                            {"type": "input_text", "text": "more" + EOS}]}])
+    assert resp.output_text == "<system>Be brief.\n<user>q1\n<assistant>a1\n<user>q2\nmore"
+    assert resp.status == "completed"
+
+
+async def test_stream_events_in_order(client):
+    kinds, deltas = [], []
+    async with client.responses.stream(model="fake", input="abc" + EOS) as stream:
+        async for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+        final = await stream.get_final_response()
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"} and deltas
+    assert "".join(deltas) == "<user>abc" == final.output_text
+    assert final.status == "completed" and final.usage.output_tokens == len("<user>abc") + 1
+
+
+async def test_stream_cut_by_max_output_tokens_ends_incomplete(fake_server):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(fake_server.base + "/v1/responses", json={
+                "input": "hello", "max_output_tokens": 5, "stream": True}) as resp:
+            raw = (await resp.read()).decode()
+    events = [b for b in raw.split("\n\n") if b]
+    kinds = [b.split("\n")[0].removeprefix("event: ") for b in events]
+    datas = [json.loads(b.split("\n")[1].removeprefix("data: ")) for b in events]
+    assert kinds[-1] == "response.incomplete" and "[DONE]" not in raw
+    assert [d["sequence_number"] for d in datas] == list(range(len(datas)))
+    assert all(d["type"] == k for d, k in zip(datas, kinds))
+    event = TypeAdapter(ResponseStreamEvent)
+    for d in datas:                        # every event validates against the SDK's union
+        assert event.validate_python(d).type == d["type"]
+    assert datas[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert datas[-1]["response"]["output"][0]["content"][0]["text"] == "<user"
+
+
+@pytest.mark.parametrize("fake_server", [{"core": {"step_delay_s": 0.02}}], indirect=True)
+async def test_a_client_that_leaves_mid_stream_aborts_its_request(fake_server):
+    engine = fake_server.engine
+    async with aiohttp.ClientSession() as s:
+        async with s.post(fake_server.base + "/v1/responses", json={
+                "input": "x", "max_output_tokens": 200, "stream": True}) as resp:
+            async for line in resp.content:
+                if b"output_text.delta" in line:
+                    break                       # one token seen: leave
+    await engine.check_idle_clean(5.0)
+    assert engine.counters["abort"] == 1
+
+
+@pytest.mark.parametrize("body, param, status", [
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools", 400),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", 400),
+    ({"input": "x", "background": True}, "background", 400),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+     "input", 400),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "o"}]}, "input", 400),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input", 400),
+    ({"input": ""}, "input", 400),
+    ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text", 400),
+    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", 400),
+    ({"input": "x", "max_output_tokens": 0}, "max_tokens", 400),
+    ({"input": "x", "model": "other"}, "model", 404),
+])
+async def test_what_cannot_be_served_is_refused_by_name(fake_server, body, param, status):
+    got, err = await raw_post(fake_server, body)
+    assert got == status and err["error"]["param"] == param, err
+    assert err["error"]["type"] in ("invalid_request_error", "not_found_error")
+
+
+def test_text_format_becomes_guided_decoding():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    req = parse_responses({"input": "x", "text": {"format": {
+        "type": "json_schema", "name": "thing", "schema": schema, "strict": True}}}, "m")
+    assert req.params.guided_json == schema
+    assert req.echo["text"]["format"]["name"] == "thing"
+    req = parse_responses({"input": "x", "text": {"format": {"type": "json_object"}}}, "m")
+    assert req.params.guided_json == {"type": "object"}
+    req = parse_responses({"input": "x", "temperature": 0, "top_p": 0.5, "top_k": 3}, "m")
+    assert (req.params.temperature, req.params.top_p, req.params.top_k) == (0.0, 0.5, 3)
+    assert req.params.max_tokens is None                  # the context's room, as chat
+    with pytest.raises(ProtocolError, match="metadata"):
+        parse_responses({"input": "x", "metadata": {"k": 1}}, "m")
+
+
+async def test_concurrent_responses_do_not_mix(client):
+    outs = await asyncio.gather(*(client.responses.create(
+        model="fake", input=f"n{i}" + EOS) for i in range(8)))
+    assert [o.output_text for o in outs] == [f"<user>n{i}" for i in range(8)]
+    assert len({o.id for o in outs}) == 8
