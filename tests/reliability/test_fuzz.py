@@ -47,7 +47,8 @@ json_val = st.recursive(json_leaf, lambda c: st.one_of(
     st.lists(c, max_size=4), st.dictionaries(st.text(max_size=8), c, max_size=4)), max_leaves=12)
 FIELDS = ["type", "id", "prompt", "messages", "params", "version", "api_key", "max_tokens", "n",
           "temperature", "stop", "stop_token_ids", "logit_bias", "stream", "stream_options",
-          "model", "top_p", "seed", "min_tokens", "ignore_eos"]
+          "model", "top_p", "seed", "min_tokens", "ignore_eos", "input", "instructions",
+          "max_output_tokens", "text", "metadata", "include", "tools", "tool_choice"]
 near_valid = st.fixed_dictionaries(
     {"type": st.sampled_from(["generate", "cancel", "hello", "x"])},
     optional={f: json_val for f in FIELDS if f != "type"} | {
@@ -143,7 +144,7 @@ def test_fuzz_ws_messages(fuzz_srv, msgs):
 
 
 @FUZZ
-@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses"]),
        body=st.one_of(near_valid.map(lambda o: json.dumps(o).encode()),
                       st.fixed_dictionaries({}, optional={f: json_val for f in FIELDS})
                       .map(lambda o: json.dumps(o).encode()),
