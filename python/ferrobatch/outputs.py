@@ -105,6 +105,9 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which
     # nothing predicts), once the whole prompt has been computed; a "delta" stream gets it once
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # prompt tokens found in the prefix cache when the request was first scheduled (as vLLM's
+    # field); None until then
+    num_cached_tokens: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -264,3 +264,17 @@ def test_an_interrupted_generate_aborts_its_requests(real_llm):
     while real_llm.engine.stats()["num_open_requests"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert real_llm.engine.stats()["num_open_requests"] == 0
+
+
+def test_num_cached_tokens_counts_the_prefix_cache_hits(real_llm):
+    """RequestOutput.num_cached_tokens (vLLM's field): the prompt tokens found in the prefix
+    cache at the first schedule: whole blocks of a prompt seen before, none for a new one."""
+    block = real_llm.engine.kv_cache_config()["block_size"]
+    tok = real_llm.engine.tokenizer
+    shared = tok.encode("A long shared preamble about the weather in many cities. " * 5)
+    p = SamplingParams(max_tokens=2, temperature=0.0)
+    fresh = real_llm.generate([[7, 8, 9] + shared + [11]], p)[0]
+    assert fresh.num_cached_tokens == 0
+    again = real_llm.generate([[7, 8, 9] + shared + [12, 13]], p)[0]
+    cached = again.num_cached_tokens
+    assert cached % block == 0 and len(shared) + 3 - block < cached <= len(shared) + 3

@@ -108,6 +108,30 @@ async def test_responses_api_matches_chat_on_the_real_model(real, sdk):
     assert "".join(deltas) == final.output_text == resp.output_text
 
 
+async def test_usage_reports_prefix_cache_hits(real, sdk):
+    """`usage.prompt_tokens_details.cached_tokens` (chat, completions) and the Responses API's
+    `input_tokens_details.cached_tokens`: 0 for a new prompt, the shared blocks' tokens for a
+    prompt seen before."""
+    system = "You answer questions about a made-up kingdom of seven rivers. " * 4
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Name one."}]
+    first = await sdk.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = await sdk.chat.completions.create(model="smollm2", messages=msgs[:1] + [
+        {"role": "user", "content": "Name two."}], max_tokens=2)
+    hits = second.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= hits < second.usage.prompt_tokens and hits % 16 == 0
+    stream = await sdk.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2,
+                                               stream=True, stream_options={"include_usage": True})
+    usage = [c.usage async for c in stream if c.usage is not None][-1]
+    assert usage.prompt_tokens_details.cached_tokens >= hits
+    for tail, least in ((" One", 0), (" Two", 16)):      # no chat template: its own prefix
+        comp = await sdk.completions.create(model="smollm2", prompt=system + tail, max_tokens=2)
+        assert comp.usage.prompt_tokens_details.cached_tokens >= least
+    resp = await sdk.responses.create(model="smollm2", instructions=system, input="Name three.",
+                                      max_output_tokens=2)
+    assert resp.usage.input_tokens_details.cached_tokens >= hits
+
+
 async def test_sdk_errors_are_openai_errors(real, sdk):
     with pytest.raises(openai.BadRequestError) as e:
         await sdk.completions.create(model="smollm2", prompt="hi", max_tokens=5000)

@@ -481,10 +481,17 @@ class AsyncEngine:
             computed = 0
         if self._unscheduled and r.scheduled_req_ids:
             step_start = now - r.step_time_s
+            starts = getattr(r, "seq_start_positions", None) or ()
+            first = {}                            # newly scheduled id -> its sequence's start
+            if starts:
+                for rid, start in zip(r.scheduled_req_ids, starts):
+                    if rid in self._unscheduled:
+                        first.setdefault(rid, start)
             for rid in self._unscheduled.intersection(r.scheduled_req_ids):
                 self._unscheduled.discard(rid)
                 st = requests[rid]
                 st.scheduled_time = max(step_start, st.arrival_time)
+                st.num_cached_tokens = first.get(rid)
                 if rid in self._probes:       # admitted: its prompt was looked up in the cache
                     self.counters["probe_prompt_tokens"] += len(st.prompt_token_ids)
                 for o in self._observers_of(rid):

@@ -51,6 +51,19 @@ class StepResult:
     # whose grammar no token can continue)
     failure_messages: dict[int, str] = field(default_factory=dict)
     num_batched_tokens: int = 0      # tokens the step computed (prompt chunks, decodes, drafts)
+    # per entry of scheduled_req_ids: the tokens of that sequence computed (or found in the
+    # prefix cache) before this step; for a request's first step, its cached prompt tokens
+    seq_start_positions: list[int] = field(default_factory=list)
+
+
+def _seq_start_positions(batch: Any) -> list[int]:
+    """Per scheduled sequence: its context before this step (context length after the step
+    minus the tokens the step computes for it)."""
+    n = batch.num_seqs
+    if n == 0:
+        return []
+    qsl = batch.query_start_loc
+    return (batch.seq_lens[:n] - (qsl[1:n + 1] - qsl[:n])).tolist()
 
 
 def rows_all_finite(logits: torch.Tensor) -> bool:
@@ -316,7 +329,7 @@ class EngineCore:
                           out.finish_reasons.tolist(), dict(out.error_messages),
                           batch.seq_req_ids.tolist(), self.stats(), time.perf_counter() - t0,
                           failed, logprobs, prompt_logprobs, failure_messages,
-                          int(batch.num_tokens))
+                          int(batch.num_tokens), _seq_start_positions(batch))
 
     def _plain_greedy(self, batch: Any, extras: dict[int, Any], logits: Any) -> np.ndarray | None:
         """A plain greedy step (``Sampler.is_plain_greedy``) whose logits are all finite: its

@@ -63,7 +63,7 @@ class RequestState:
                  "scheduled_time", "first_token_time", "last_token_time", "finish_time",
                  "num_generated", "final_emitted", "extras", "defer_text", "version",
                  "seen_version", "prompt_logprobs", "prompt_logprobs_missing",
-                 "prompt_logprobs_sent")
+                 "prompt_logprobs_sent", "num_cached_tokens")
 
     def __init__(self, req_id: int, request_id: str, prompt: str | None,
                  prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
@@ -84,6 +84,7 @@ class RequestState:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finish_time: float | None = None
+        self.num_cached_tokens: int | None = None    # prompt tokens the prefix cache held
         self.num_generated = 0
         self.final_emitted = False
         self.extras: Any = None       # the sampler's per-request extras, when it needs them
@@ -267,7 +268,8 @@ class RequestState:
         if finished:
             self.final_emitted = True
         out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                            finished=finished, error=self.error, metrics=self.timings())
+                            finished=finished, error=self.error, metrics=self.timings(),
+                            num_cached_tokens=self.num_cached_tokens)
         if self.prompt_logprobs is not None and self.prompt_logprobs_missing == 0 \
                 and not (kind == "delta" and self.prompt_logprobs_sent):
             out.prompt_logprobs = self.prompt_logprobs   # complete: never changes again

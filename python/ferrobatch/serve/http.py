@@ -22,7 +22,15 @@ from ferrobatch.serve.logprobs import (
     echo_completion_logprobs,
     joined,
 )
-from ferrobatch.serve.openai_protocol import OpenAIRequest, choice, envelope, parse_chat, parse_completion, usage
+from ferrobatch.serve.openai_protocol import (
+    OpenAIRequest,
+    cached_total,
+    choice,
+    envelope,
+    parse_chat,
+    parse_completion,
+    usage,
+)
 from ferrobatch.serve.protocol import ProtocolError, error_status
 from ferrobatch.serve.sse import SSEWriter
 from ferrobatch.serve.state import MAX_BODY_BYTES, STATE
@@ -196,7 +204,8 @@ async def _collect(request: web.Request, req: OpenAIRequest, streams: list[Any])
         choices.append(choice(req, k, text, reasons[k], stream=False, logprobs=lp,
                               tool_calls=calls))
     return web.json_response(envelope(req, choices, chunk=False,
-                                      usage_=usage(prompt_tokens, completion)))
+                                      usage_=usage(prompt_tokens, completion,
+                                                   cached_total(last.values()))))
 
 
 async def _stream(request: web.Request, req: OpenAIRequest,
@@ -206,13 +215,15 @@ async def _stream(request: web.Request, req: OpenAIRequest,
     completion = 0
     offsets: dict[int, int] = {}      # per choice: completions' text_offset so far
     prompt_outs: dict[int, Any] = {}  # prompt index -> the output with its prompt logprobs
+    latest: dict[int, Any] = {}       # prompt index -> its latest output (cached tokens)
     held: dict[int, tuple[list[str], list[Any]]] = {}   # forced tool calls: text, logprobs
     hermes: dict[int, tuple[HermesStream, list[Any]]] = {}  # "auto" tools: parser, logprobs
     prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
 
     def so_far() -> dict[str, int] | None:
         """A chunk's usage: the running counts with `continuous_usage_stats`, else null."""
-        return usage(prompt_tokens, completion) if req.continuous_usage else None
+        return (usage(prompt_tokens, completion, cached_total(latest.values()))
+                if req.continuous_usage else None)
 
     # Chat's role chunk goes out with the first output, not at once: clients (`vllm bench
     # serve`) take the first chunk with choices as the first token, so an early role chunk
@@ -233,6 +244,7 @@ async def _stream(request: web.Request, req: OpenAIRequest,
                     {"index": k, "delta": {"role": "assistant", "content": content},
                      "logprobs": None, "finish_reason": None} for k in range(n)],
                     chunk=True, usage_=so_far()))
+            latest[i] = out
             if out.prompt_logprobs is not None:
                 prompt_outs[i] = out          # a delta stream carries them once
             choices, finishes = [], []
@@ -292,7 +304,8 @@ async def _stream(request: web.Request, req: OpenAIRequest,
                 await sse.send(envelope(req, finishes, chunk=True, usage_=so_far()))
         if req.include_usage:
             await sse.send(envelope(req, [], chunk=True,
-                                    usage_=usage(prompt_tokens, completion)))
+                                    usage_=usage(prompt_tokens, completion,
+                                                 cached_total(latest.values()))))
         await sse.close()
     except ConnectionError:
         pass                        # the client left: the finally in _serve aborts the request

@@ -198,9 +198,21 @@ def _chat_logprobs_count(body: dict) -> int | None:
     return (top or 0) if wanted else None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int,
+          cached_tokens: int | None = None) -> dict[str, Any]:
+    """The usage object; `cached_tokens`: prompt tokens the prefix cache held (OpenAI's
+    `prompt_tokens_details`), left out when not known yet."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
+
+
+def cached_total(outputs: Any) -> int | None:
+    """The prompts' cached tokens over these RequestOutputs (None if none is known yet)."""
+    known = [o.num_cached_tokens for o in outputs if o.num_cached_tokens is not None]
+    return sum(known) if known else None
 
 
 def choice(req: OpenAIRequest, index: int, text: str, finish_reason: str | None,

@@ -186,7 +186,7 @@ def _item(req: ResponsesRequest, text: str | None, status: str) -> dict[str, Any
 
 
 def response_object(req: ResponsesRequest, status: str, text: str | None = None,
-                    finish_reason: str | None = None, usage: tuple[int, int] | None = None,
+                    finish_reason: str | None = None, usage: tuple[int, int, int] | None = None,
                     error: str | None = None) -> dict[str, Any]:
     """The `response` object: `status` "in_progress" (no output yet), "completed",
     "incomplete" (cut by max_output_tokens or the context) or "failed"."""
@@ -202,10 +202,11 @@ def response_object(req: ResponsesRequest, status: str, text: str | None = None,
     if error is not None:
         out["error"] = {"code": "server_error", "message": error}
     if usage is not None:
-        prompt, generated = usage
+        prompt, generated, cached = usage
         out["usage"] = {"input_tokens": prompt, "output_tokens": generated,
                         "total_tokens": prompt + generated,
-                        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                        "input_tokens_details": {"cached_tokens": cached,
+                                                 "cache_write_tokens": 0},
                         "output_tokens_details": {"reasoning_tokens": 0}}
     return out
 
@@ -255,7 +256,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
         c = last.outputs[0]
         return web.json_response(response_object(
             req, _status(c.finish_reason, None), c.text, c.finish_reason,
-            (len(stream.prompt_token_ids), len(c.token_ids))))
+            (len(stream.prompt_token_ids), len(c.token_ids), last.num_cached_tokens or 0)))
     finally:
         stream.abort()
 
@@ -270,8 +271,9 @@ async def _stream(request: web.Request, req: ResponsesRequest, stream: Any) -> w
         await events.send("response.output_item.added", output_index=0,
                           item=_item(req, None, "in_progress"))
         await events.send("response.content_part.added", part=_part(""), **ids)
-        text, generated, finish, error = [], 0, None, None
+        text, generated, finish, error, cached = [], 0, None, None, 0
         async for out in stream:
+            cached = out.num_cached_tokens or 0
             c = out.outputs[0]
             generated += len(c.token_ids)
             if c.text:
@@ -283,13 +285,13 @@ async def _stream(request: web.Request, req: ResponsesRequest, stream: Any) -> w
         status = _status(finish, error)
         if status == "failed":
             await events.send("response.failed", response=response_object(
-                req, status, whole, finish, (len(stream.prompt_token_ids), generated),
+                req, status, whole, finish, (len(stream.prompt_token_ids), generated, cached),
                 error or "the request was aborted"))
         else:
             await events.send("response.output_text.done", text=whole, logprobs=[], **ids)
             await events.send("response.content_part.done", part=_part(whole), **ids)
             final = response_object(req, status, whole, finish,
-                                    (len(stream.prompt_token_ids), generated))
+                                    (len(stream.prompt_token_ids), generated, cached))
             await events.send("response.output_item.done", output_index=0,
                               item=final["output"][0])
             await events.send(f"response.{status}", response=final)
