@@ -34,7 +34,8 @@ async def test_multiplexed_generations(fake_server, door):
     for i, res in enumerate(results):
         want = (f"q{i:02d}" * 3)[:3 + i % 4]
         assert res["text"] == want and res["finish_reason"] == "length"
-        assert res["usage"] == {"prompt_tokens": 3, "completion_tokens": len(want)}
+        assert res["usage"] == {"prompt_tokens": 3, "completion_tokens": len(want),
+                                "cached_tokens": 0}
     assert chat["text"] == "<use"
     assert n2["texts"] == ["ab", "bc"] and n2["finish_reasons"] == ["length", "length"]
     assert n2["usage"]["completion_tokens"] == 4

@@ -111,8 +111,10 @@ class Session:
         completion = 0
         reasons: dict[int, str] = {}
         error: str | None = None
+        cached = 0                  # prompt tokens the prefix cache held
         try:
             async for out in stream:
+                cached = out.num_cached_tokens or cached
                 if out.prompt_logprobs is not None:     # once, before the first delta
                     entries = [None] + message_logprobs(out.prompt_logprobs[1:])
                     for start in range(0, len(entries), PROMPT_LOGPROBS_PER_MESSAGE):
@@ -139,7 +141,8 @@ class Session:
                 await send({"type": "done", "id": rid, "finish_reason": ordered[0],
                             "finish_reasons": ordered,
                             "usage": {"prompt_tokens": len(stream.prompt_token_ids),
-                                      "completion_tokens": completion}}, binary)
+                                      "completion_tokens": completion,
+                                      "cached_tokens": cached}}, binary)
         except (ConnectionError, asyncio.CancelledError):
             pass
         except Exception:  # noqa: BLE001 - the transport failed; the connection is going away
