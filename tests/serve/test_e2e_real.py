@@ -509,3 +509,43 @@ async def test_forced_tool_calls_through_the_sdk(real, sdk):
     with pytest.raises(openai.BadRequestError, match="auto"):
         await sdk.chat.completions.create(model="smollm2", messages=msgs, tools=[WEATHER_TOOL],
                                           max_tokens=8)
+
+
+async def test_responses_api_forced_function_calls(real, sdk):
+    """/v1/responses with function tools on SmolLM2: a forced choice gives `function_call`
+    items (the same calls chat gives, greedy), streamed as their events; the call's output sent
+    back as a `function_call_output` item reaches the template and the model answers in text."""
+    import json
+    flat = [{"type": "function", **t["function"]} for t in (WEATHER_TOOL, TIME_TOOL)]
+    question = "What's the weather in Paris?"
+    chat = await sdk.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": question}],
+        tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required", max_tokens=80, temperature=0)
+    want = [(t.function.name, json.loads(t.function.arguments))
+            for t in chat.choices[0].message.tool_calls]
+    resp = await sdk.responses.create(model="smollm2", input=question, tools=flat,
+                                      tool_choice="required", max_output_tokens=80,
+                                      temperature=0)
+    calls = [o for o in resp.output if o.type == "function_call"]
+    assert resp.status == "completed" and [o.type for o in resp.output] == ["function_call"] * len(
+        calls)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == want
+    async with sdk.responses.stream(model="smollm2", input=question, tools=flat,
+                                    tool_choice={"type": "function", "name": "get_weather"},
+                                    max_output_tokens=80, temperature=0) as stream:
+        done = [e.arguments async for e in stream
+                if e.type == "response.function_call_arguments.done"]
+        final = await stream.get_final_response()
+    assert len(done) == 1 and json.loads(done[0])["city"]
+    assert final.output[0].type == "function_call" and final.output[0].arguments == done[0]
+    # the next turn: the call and its output go back; no tool_choice -> "auto" is refused for
+    # SmolLM2, so the follow-up says "none" and gets text
+    follow = await sdk.responses.create(model="smollm2", tools=flat, tool_choice="none",
+                                        max_output_tokens=12, temperature=0, input=[
+        {"role": "user", "content": question},
+        {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
+         "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 C"}])
+    assert follow.output[0].type == "message" and follow.output_text
+    with pytest.raises(openai.BadRequestError, match="tool_choice 'auto'"):
+        await sdk.responses.create(model="smollm2", input=question, tools=flat)

@@ -111,12 +111,16 @@ async def test_a_client_that_leaves_mid_stream_aborts_its_request(fake_server):
 
 
 @pytest.mark.parametrize("body, param, status", [
-    ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools", 400),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", 400),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tool_choice", 400),
+    ({"input": "x", "tool_choice": "required"}, "tool_choice", 400),
+    ({"input": [{"type": "function_call", "call_id": "", "name": "f", "arguments": "{}"}]},
+     "input", 400),
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", 400),
     ({"input": "x", "background": True}, "background", 400),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
      "input", 400),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "o"}]}, "input", 400),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input", 400),
     ({"input": [{"role": "robot", "content": "x"}]}, "input", 400),
     ({"input": ""}, "input", 400),
     ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text", 400),
@@ -150,3 +154,90 @@ async def test_concurrent_responses_do_not_mix(client):
         model="fake", input=f"n{i}" + EOS) for i in range(8)))
     assert [o.output_text for o in outs] == [f"<user>n{i}" for i in range(8)]
     assert len({o.id for o in outs}) == 8
+
+
+# -- function tools --------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+HERMES_TEMPLATE = "{{ tools }} answer with <tool_call>{...}</tool_call>"
+
+
+def test_tool_turns_become_chat_messages_and_forced_choices_guide():
+    req = parse_responses({"tools": [WEATHER], "tool_choice": {"type": "function",
+                                                               "name": "get_weather"},
+                           "input": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call", "call_id": "call_2", "name": "get_weather",
+         "arguments": '{"city": "Lyon"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "call_2",
+         "output": [{"type": "input_text", "text": "rain"}]}]}, "m")
+    assert req.messages == [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_2", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "rain"}]
+    assert req.tools.mode == "named" and req.params.guided_json == WEATHER["parameters"]
+    assert req.chat_options["tools"][0]["function"]["name"] == "get_weather"
+    assert req.echo["tools"] == [WEATHER] and req.echo["tool_choice"]["name"] == "get_weather"
+    with pytest.raises(ProtocolError, match="text.format"):
+        parse_responses({"input": "x", "tools": [WEATHER], "tool_choice": "required",
+                         "text": {"format": {"type": "json_object"}}}, "m")
+    auto = parse_responses({"input": "x", "tools": [WEATHER]}, "m", hermes_tools=True)
+    assert auto.tools.mode == "auto" and auto.params.guided_json is None
+
+
+async def test_auto_calls_as_function_call_items(fake_server, client):
+    fake_server.engine.tokenizer.chat_template = HERMES_TEMPLATE
+    resp = await client.responses.create(model="fake", tools=[WEATHER],
+                                         input="Sure." + CALL + EOS, max_output_tokens=150)
+    assert resp.status == "completed"
+    assert [o.type for o in resp.output] == ["message", "function_call"]
+    assert resp.output_text == "<user>Sure."
+    call = resp.output[1]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    # no block: a plain message, no call
+    resp = await client.responses.create(model="fake", tools=[WEATHER], input=[
+        {"role": "user", "content": "x"}], instructions=None, max_output_tokens=150)
+    assert [o.type for o in resp.output] == ["message"]     # plain text: no call
+
+
+async def test_auto_calls_stream_as_items(fake_server, client):
+    fake_server.engine.tokenizer.chat_template = HERMES_TEMPLATE
+    kinds = []
+    async with client.responses.stream(model="fake", tools=[WEATHER],
+                                       input="Sure." + CALL + EOS) as stream:
+        async for event in stream:
+            kinds.append(event.type)
+        final = await stream.get_final_response()
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-8:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.output_item.added",
+                          "response.function_call_arguments.delta",
+                          "response.function_call_arguments.done",
+                          "response.output_item.done", "response.completed"]
+    assert final.output_text == "<user>Sure."
+    assert [o.type for o in final.output] == ["message", "function_call"]
+    assert json.loads(final.output[1].arguments) == {"city": "Paris"}
+    # the same on the wire: every event validates against the SDK's union, in order
+    async with aiohttp.ClientSession() as s:
+        async with s.post(fake_server.base + "/v1/responses", json={
+                "tools": [WEATHER], "input": "Sure." + CALL + EOS, "stream": True}) as resp:
+            raw = (await resp.read()).decode()
+    datas = [json.loads(b.split("\n")[1].removeprefix("data: ")) for b in raw.split("\n\n")
+             if b]
+    event = TypeAdapter(ResponseStreamEvent)
+    assert [event.validate_python(d).sequence_number for d in datas] == list(range(len(datas)))
+    added = [d for d in datas if d["type"] == "response.output_item.added"]
+    assert [d["output_index"] for d in added] == [0, 1]
+    assert added[1]["item"]["type"] == "function_call" and added[1]["item"]["arguments"] == ""

@@ -7,9 +7,13 @@ as text or `input_text` / `output_text` parts), `instructions` (a system message
 `json_schema`: guided decoding), `metadata` (echoed), `stream` (the typed events:
 `response.created` ... `response.output_text.delta` ... `response.completed`), and the vLLM
 sampling extras the other routes take (`top_k`, `min_p`, `repetition_penalty`, `seed`, `stop`,
-...). Nothing is stored: `previous_response_id`, `conversation` and `background` are refused,
-as are tools, reasoning items and non-text input (images, files), each with a 400 naming the
-field, rather than silently ignored.
+...). Function tools as on the chat route (`tools.py`): `tool_choice` "required" or a named
+function guide the output to be the call(s); "auto" is served for models that write Hermes
+`<tool_call>` blocks. The calls come back as `function_call` output items, and the next turn's
+`function_call` / `function_call_output` input items become the chat template's assistant
+tool calls and tool messages. Nothing is stored: `previous_response_id`, `conversation` and
+`background` are refused, as are other tool types, reasoning items and non-text input
+(images, files), each with a 400 naming the field, rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from aiohttp import web
 
 from ferrobatch.sampling_params import SamplingParams
 from ferrobatch.serve.codec import dumps_json
+from ferrobatch.serve.hermes_tools import HermesStream
 from ferrobatch.serve.http import error_response, read_json
 from ferrobatch.serve.protocol import ProtocolError, sampling_params_from
 from ferrobatch.serve.state import STATE
+from ferrobatch.serve.tools import ToolPlan, parse_tools, tool_calls_of
 
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -34,8 +40,7 @@ REFUSED = {"previous_response_id": "nothing is stored on this server: send the w
            "conversation": "nothing is stored on this server: send the whole conversation as "
            "'input'",
            "background": "background responses need storage, which this server does not have",
-           "prompt": "stored prompt templates are not supported",
-           "tools": "tools are served on /v1/chat/completions, not on /v1/responses yet"}
+           "prompt": "stored prompt templates are not supported"}
 # the Responses names of the sampling fields, and the vLLM extras taken as they are
 EXTRAS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
           "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "priority",
@@ -45,10 +50,13 @@ EXTRAS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency
 class ResponsesRequest:
     """A parsed `/v1/responses` body: the conversation, the sampling, what is echoed back."""
 
-    def __init__(self, messages: list[dict[str, str]], params: SamplingParams, stream: bool,
-                 model: str, echo: dict[str, Any]) -> None:
+    def __init__(self, messages: list[dict[str, Any]], params: SamplingParams, stream: bool,
+                 model: str, echo: dict[str, Any], tools: ToolPlan | None = None,
+                 chat_options: dict[str, Any] | None = None) -> None:
         self.messages = messages
         self.params = params
+        self.tools = tools                # how the output becomes function calls, if it may
+        self.chat_options = chat_options  # the chat template's extras (the tools)
         self.stream = stream
         self.model = model
         self.echo = echo                  # request fields the response object repeats
@@ -94,15 +102,73 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
         if not isinstance(item, dict):
             raise ProtocolError(f"{where} must be a message object", param="input")
         kind = item.get("type", "message")
+        if kind in ("function_call", "function_call_output"):
+            _tool_turn(messages, item, kind, where)
+            continue
         if kind != "message":
-            raise ProtocolError(f"{where} is of type {kind!r}: only messages are served (no "
-                                "tool calls, tool outputs or reasoning items)", param="input")
+            raise ProtocolError(f"{where} is of type {kind!r}: only messages, function calls "
+                                "and their outputs are served (no reasoning items or other "
+                                "tools)", param="input")
         role = item.get("role")
         if role not in ROLES:
             raise ProtocolError(f"{where}.role must be one of {', '.join(ROLES)}",
                                 param="input")
         messages.append({"role": role, "content": _text_of(item.get("content"), where)})
     return messages
+
+
+def _tool_turn(messages: list[dict[str, Any]], item: dict[str, Any], kind: str,
+               where: str) -> None:
+    """A function call the model made (joined to the assistant message before it, as one
+    turn) or the output the caller got from running it (a tool message), in chat shape."""
+    call_id = item.get("call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise ProtocolError(f"{where}.call_id must be a non-empty string", param="input")
+    if kind == "function_call_output":
+        output = item.get("output")
+        if not isinstance(output, str):
+            output = _text_of(output, where)
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        return
+    name, arguments = item.get("name"), item.get("arguments")
+    if not isinstance(name, str) or not isinstance(arguments, str):
+        raise ProtocolError(f"{where} must have a 'name' and its 'arguments' as a JSON string",
+                            param="input")
+    call = {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant" and "tool_call_id" not in last:
+        last.setdefault("tool_calls", []).append(call)
+    else:
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
+def _tool_plan(body: dict[str, Any], hermes: bool) -> tuple[ToolPlan | None, list | None]:
+    """The Responses API's flat function tools and tool_choice, as the chat route's plan (and
+    the chat-shaped tools the template renders)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise ProtocolError("'tool_choice' needs 'tools'", param="tool_choice")
+        return None, None
+    if not isinstance(tools, list):
+        raise ProtocolError("'tools' must be a list", param="tools")
+    chat_tools = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise ProtocolError(f"tools[{i}] is of type {kind!r}: only function tools are "
+                                "served", param="tools")
+        fn = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+        chat_tools.append({"type": "function", "function": fn})
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise ProtocolError("'tool_choice' must be 'none', 'auto', 'required' or "
+                                "{'type': 'function', 'name': ...}", param="tool_choice")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    plan = parse_tools({"tools": chat_tools, "tool_choice": choice,
+                        "parallel_tool_calls": body.get("parallel_tool_calls")}, hermes)
+    return plan, chat_tools
 
 
 def _text_format(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -128,9 +194,10 @@ def _text_format(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
                         "'json_schema', ...}", param="text")
 
 
-def parse_responses(body: Any, model_name: str) -> ResponsesRequest:
+def parse_responses(body: Any, model_name: str, hermes_tools: bool = False) -> ResponsesRequest:
     """A `/v1/responses` body as a ResponsesRequest; ProtocolError (a 400, 404 for another
-    model) for anything it cannot serve as asked."""
+    model) for anything it cannot serve as asked. `hermes_tools`: the model writes Hermes
+    `<tool_call>` blocks, so tool_choice "auto" is served."""
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
     model = body.get("model")
@@ -142,9 +209,6 @@ def parse_responses(body: Any, model_name: str) -> ResponsesRequest:
     for key, why in REFUSED.items():
         if body.get(key) not in (None, False, [], {}):
             raise ProtocolError(f"'{key}' is not supported: {why}", param=key)
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise ProtocolError("'tool_choice' needs tools, which /v1/responses does not serve yet",
-                            param="tool_choice")
     if body.get("include"):
         raise ProtocolError("'include' is not supported (no logprobs or other extras on "
                             "/v1/responses yet)", param="include")
@@ -160,6 +224,12 @@ def parse_responses(body: Any, model_name: str) -> ResponsesRequest:
                             "values", param="metadata")
     messages = _messages(body)
     guided, text = _text_format(body)
+    plan, chat_tools = _tool_plan(body, hermes_tools)
+    if plan is not None and plan.forced:
+        if guided:
+            raise ProtocolError("a forced tool call cannot be combined with 'text.format'",
+                                param="tool_choice")
+        guided = {"guided_json": plan.schema}
     fields = {k: body[k] for k in EXTRAS if k in body}
     fields.update(guided)
     for ours, theirs in (("max_tokens", "max_output_tokens"), ("temperature", "temperature"),
@@ -170,8 +240,12 @@ def parse_responses(body: Any, model_name: str) -> ResponsesRequest:
                                   output_kind="delta" if stream else "final")
     echo = {"instructions": body.get("instructions"), "metadata": metadata or {},
             "max_output_tokens": body.get("max_output_tokens"),
-            "temperature": params.temperature, "top_p": params.top_p, "text": text}
-    return ResponsesRequest(messages, params, stream, model_name, echo)
+            "temperature": params.temperature, "top_p": params.top_p, "text": text,
+            "tools": list(body.get("tools") or []),
+            "tool_choice": body.get("tool_choice") or ("auto" if plan else "none"),
+            "parallel_tool_calls": body.get("parallel_tool_calls") is not False}
+    return ResponsesRequest(messages, params, stream, model_name, echo, plan,
+                            {"tools": chat_tools} if chat_tools else None)
 
 
 # -- the response object and the stream's events -------------------------------------------------
@@ -180,23 +254,45 @@ def _part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _item(req: ResponsesRequest, text: str | None, status: str) -> dict[str, Any]:
+def _message_item(req: ResponsesRequest, text: str | None, status: str) -> dict[str, Any]:
     return {"type": "message", "id": req.item_id, "role": "assistant", "status": status,
             "content": [] if text is None else [_part(text)]}
 
 
+def _call_item(call: dict[str, Any], arguments: str | None = None) -> dict[str, Any]:
+    """A `function_call` output item from a chat-shaped tool call (`arguments` None: whole;
+    "" while its arguments stream)."""
+    fn = call["function"]
+    return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"),
+            "call_id": call["id"], "name": fn["name"],
+            "arguments": fn["arguments"] if arguments is None else arguments,
+            "status": "completed" if arguments is None else "in_progress"}
+
+
+def _outcome(req: ResponsesRequest, text: str,
+             finish_reason: str | None) -> tuple[str, list[dict[str, Any]] | None]:
+    """(the text shown as the message, the calls or None) of a finished output."""
+    if req.tools is None:
+        return text, None
+    return tool_calls_of(req.tools, text, finish_reason)
+
+
 def response_object(req: ResponsesRequest, status: str, text: str | None = None,
-                    finish_reason: str | None = None, usage: tuple[int, int, int] | None = None,
+                    calls: list[dict[str, Any]] | None = None,
+                    usage: tuple[int, int, int] | None = None,
                     error: str | None = None) -> dict[str, Any]:
     """The `response` object: `status` "in_progress" (no output yet), "completed",
-    "incomplete" (cut by max_output_tokens or the context) or "failed"."""
+    "incomplete" (cut by max_output_tokens or the context) or "failed". The output is the
+    message (when there is text, or no call) and then one `function_call` item per call."""
     out: dict[str, Any] = {
         "id": req.id, "object": "response", "created_at": req.created_at, "model": req.model,
-        "status": status, "output": [], "parallel_tool_calls": False, "tool_choice": "none",
-        "tools": [], "error": None, "incomplete_details": None, "usage": None, **req.echo}
+        "status": status, "output": [], "error": None, "incomplete_details": None,
+        "usage": None, **req.echo}
     if text is not None:
-        out["output"] = [_item(req, text, "incomplete" if status == "incomplete"
-                               else "completed")]
+        if text or not calls:
+            out["output"].append(_message_item(req, text, "incomplete" if status == "incomplete"
+                                               else "completed"))
+        out["output"] += [_call_item(c) for c in calls or ()]
     if status == "incomplete":
         out["incomplete_details"] = {"reason": "max_output_tokens"}
     if error is not None:
@@ -211,10 +307,11 @@ def response_object(req: ResponsesRequest, status: str, text: str | None = None,
     return out
 
 
-def _status(finish_reason: str | None, error: str | None) -> str:
+def _status(finish_reason: str | None, error: str | None,
+            calls: list[dict[str, Any]] | None = None) -> str:
     if error is not None or finish_reason in ("error", "abort"):
         return "failed"
-    return "incomplete" if finish_reason == "length" else "completed"
+    return "incomplete" if finish_reason == "length" and not calls else "completed"
 
 
 class _Events:
@@ -241,10 +338,12 @@ class _Events:
 async def responses(request: web.Request) -> web.StreamResponse:
     """`POST /v1/responses`."""
     state = request.app[STATE]
-    req = parse_responses(await read_json(request), state.model_name)
+    req = parse_responses(await read_json(request), state.model_name,
+                          hermes_tools=state.hermes_tools)
     engine = state.engine
-    await engine.prepare(req.params, messages=req.messages)
-    stream = engine.add_request(None, req.params, messages=req.messages)
+    await engine.prepare(req.params, messages=req.messages, chat_options=req.chat_options)
+    stream = engine.add_request(None, req.params, messages=req.messages,
+                                chat_options=req.chat_options)
     try:
         if req.stream:
             return await _stream(request, req, stream)
@@ -254,46 +353,95 @@ async def responses(request: web.Request) -> web.StreamResponse:
         if last.error:                    # as the other routes: the engine's error, a 500
             return error_response(500, last.error, "server_error")
         c = last.outputs[0]
+        text, calls = _outcome(req, c.text, c.finish_reason)
         return web.json_response(response_object(
-            req, _status(c.finish_reason, None), c.text, c.finish_reason,
+            req, _status(c.finish_reason, None, calls), text, calls,
             (len(stream.prompt_token_ids), len(c.token_ids), last.num_cached_tokens or 0)))
     finally:
         stream.abort()
 
 
+class _MessageEvents:
+    """The message item's events, opened at its first text (or at once without tools)."""
+
+    def __init__(self, events: _Events, req: ResponsesRequest) -> None:
+        self.events, self.req = events, req
+        self.ids = dict(item_id=req.item_id, output_index=0, content_index=0)
+        self.opened = False
+        self.text: list[str] = []
+
+    async def open(self) -> None:
+        if not self.opened:
+            self.opened = True
+            await self.events.send("response.output_item.added", output_index=0,
+                                   item=_message_item(self.req, None, "in_progress"))
+            await self.events.send("response.content_part.added", part=_part(""), **self.ids)
+
+    async def delta(self, text: str) -> None:
+        if text:
+            await self.open()
+            self.text.append(text)
+            await self.events.send("response.output_text.delta", delta=text, logprobs=[],
+                                   **self.ids)
+
+    async def close(self, item: dict[str, Any]) -> None:
+        whole = "".join(self.text)
+        await self.events.send("response.output_text.done", text=whole, logprobs=[],
+                               **self.ids)
+        await self.events.send("response.content_part.done", part=_part(whole), **self.ids)
+        await self.events.send("response.output_item.done", output_index=0, item=item)
+
+
 async def _stream(request: web.Request, req: ResponsesRequest, stream: Any) -> web.StreamResponse:
     events = _Events(request)
-    ids = dict(item_id=req.item_id, output_index=0, content_index=0)
+    message = _MessageEvents(events, req)
+    # tools: a forced call is held whole; "auto" passes text until a <tool_call> may start
+    hermes = HermesStream(req.tools.names) if req.tools and not req.tools.forced else None
+    held: list[str] = []
     try:
         await events.open()
         await events.send("response.created", response=response_object(req, "in_progress"))
         await events.send("response.in_progress", response=response_object(req, "in_progress"))
-        await events.send("response.output_item.added", output_index=0,
-                          item=_item(req, None, "in_progress"))
-        await events.send("response.content_part.added", part=_part(""), **ids)
-        text, generated, finish, error, cached = [], 0, None, None, 0
+        if req.tools is None:
+            await message.open()
+        raw, generated, finish, error, cached = [], 0, None, None, 0
         async for out in stream:
-            cached = out.num_cached_tokens or 0
+            cached = out.num_cached_tokens or cached
             c = out.outputs[0]
             generated += len(c.token_ids)
-            if c.text:
-                text.append(c.text)
-                await events.send("response.output_text.delta", delta=c.text, logprobs=[],
-                                  **ids)
+            raw.append(c.text)
+            if req.tools is None:
+                await message.delta(c.text)
+            elif hermes is not None:
+                await message.delta(hermes.feed(c.text))
+            else:
+                held.append(c.text)
             finish, error = c.finish_reason, out.error
-        whole = "".join(text)
-        status = _status(finish, error)
+        text, calls = _outcome(req, "".join(raw), finish)
+        status = _status(finish, error, calls)
+        usage = (len(stream.prompt_token_ids), generated, cached)
         if status == "failed":
             await events.send("response.failed", response=response_object(
-                req, status, whole, finish, (len(stream.prompt_token_ids), generated, cached),
-                error or "the request was aborted"))
+                req, status, text, calls, usage, error or "the request was aborted"))
         else:
-            await events.send("response.output_text.done", text=whole, logprobs=[], **ids)
-            await events.send("response.content_part.done", part=_part(whole), **ids)
-            final = response_object(req, status, whole, finish,
-                                    (len(stream.prompt_token_ids), generated, cached))
-            await events.send("response.output_item.done", output_index=0,
-                              item=final["output"][0])
+            if calls is None:             # what was held back is text after all
+                rest = "".join(held) if hermes is None else hermes.finish(finish == "stop")[0]
+                await message.delta(rest)
+            final = response_object(req, status, text, calls, usage)
+            if message.opened or not calls:
+                await message.open()
+                await message.close(final["output"][0])
+            first_call = 1 if message.opened else 0
+            for k, call in enumerate(calls or ()):
+                index = first_call + k
+                item = _call_item(call)
+                await events.send("response.output_item.added", output_index=index,
+                                  item=_call_item(call, ""))
+                await events.send("response.function_call_arguments.delta", item_id=item["id"],
+                                  output_index=index, delta=item["arguments"])
+                await events.send("response.function_call_arguments.done", item_id=item["id"],
+                                  output_index=index, arguments=item["arguments"])
+                await events.send("response.output_item.done", output_index=index, item=item)
             await events.send(f"response.{status}", response=final)
         await events.response.write_eof()
     except ConnectionError:
