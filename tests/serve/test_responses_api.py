@@ -241,3 +241,11 @@ async def test_auto_calls_stream_as_items(fake_server, client):
     added = [d for d in datas if d["type"] == "response.output_item.added"]
     assert [d["output_index"] for d in added] == [0, 1]
     assert added[1]["item"]["type"] == "function_call" and added[1]["item"]["arguments"] == ""
+
+
+async def test_stored_responses_are_a_clear_404(client):
+    resp = await client.responses.create(model="fake", input="hi" + EOS)
+    for call in (client.responses.retrieve(resp.id), client.responses.delete(resp.id),
+                 client.responses.cancel(resp.id)):
+        with pytest.raises(openai.NotFoundError, match="not stored"):
+            await call

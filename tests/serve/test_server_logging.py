@@ -95,3 +95,18 @@ def test_configure_logging_shows_the_level_and_up_timestamped_once(restore_ferro
     assert len(out.getvalue().splitlines()) == 1
     with pytest.raises(ValueError, match="log level"):
         configure_logging("verbose")
+
+
+async def test_debug_logs_a_line_per_request(fake_server, caplog):
+    caplog.set_level(logging.DEBUG, logger="ferrobatch.engine.async_engine")
+    async with aiohttp.ClientSession() as s:
+        async with s.get(fake_server.base + "/ready") as resp:      # a probe: not logged
+            assert resp.status == 200
+    status, _ = await complete(fake_server, {"prompt": "hello", "max_tokens": 4})
+    assert status == 200
+    lines = [r.getMessage() for r in caplog.records
+             if r.name == "ferrobatch.engine.async_engine"]
+    assert len(lines) == 2, lines
+    assert re.fullmatch(r"request \S+: 5 prompt tokens, max_tokens 4, n 1, temperature 1", lines[0])
+    assert re.fullmatch(r"request \S+ finished: length, 4 tokens generated, [\d.]+ s \(queued "
+                        r"[\d.]+ s\)", lines[1])

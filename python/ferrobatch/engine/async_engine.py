@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -35,6 +36,8 @@ from ferrobatch.outputs import RequestOutput
 from ferrobatch.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
+logger = logging.getLogger(__name__)     # DEBUG: a line per request accepted and finished
+
 PRETOKENIZED_KEPT = 8        # long prompts tokenized by prepare() and not yet added
 
 
@@ -369,6 +372,10 @@ class AsyncEngine:
         self.counters["accepted"] += 1
         if params.is_guided:
             self.counters["guided"] += 1
+        if logger.isEnabledFor(logging.DEBUG) and not _probe:
+            logger.debug("request %s: %d prompt tokens, max_tokens %d, n %d, temperature %g%s",
+                         name, len(ids), max_tokens, params.n, params.temperature,
+                         ", guided" if params.is_guided else "")
         return RequestStream(self, state)
 
     async def prepare(self, params: SamplingParams | None, prompt: Prompt | None = None,
@@ -596,6 +603,10 @@ class AsyncEngine:
                                    now)
             for o in self._observers:
                 o.on_finished(done)
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("request %s finished: %s, %d tokens generated, %.3f s (queued "
+                             "%.3f s)", st.request_id, reason, st.num_generated, done.e2e_s,
+                             (st.scheduled_time or now) - st.arrival_time)
         st.event.set()
 
     def _on_fatal(self, exc: BaseException) -> None:

@@ -371,7 +371,10 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
-    from ferrobatch.serve.responses_api import responses
+    from ferrobatch.serve.responses_api import responses, stored_response
     app.router.add_post("/v1/responses", responses)
+    app.router.add_get("/v1/responses/{response_id}", stored_response)
+    app.router.add_delete("/v1/responses/{response_id}", stored_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", stored_response)
     from ferrobatch.serve.tokenizer_routes import add_tokenizer_routes
     add_tokenizer_routes(app)

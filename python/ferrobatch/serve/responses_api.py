@@ -34,7 +34,7 @@ from ferrobatch.serve.tools import ToolPlan, parse_tools, tool_calls_of
 
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
-# fields whose meaning this server cannot honour (no storage, no tools): refused, not ignored
+# fields whose meaning this server cannot honour (it stores nothing): refused, not ignored
 REFUSED = {"previous_response_id": "nothing is stored on this server: send the whole "
            "conversation as 'input'",
            "conversation": "nothing is stored on this server: send the whole conversation as "
@@ -359,6 +359,16 @@ async def responses(request: web.Request) -> web.StreamResponse:
             (len(stream.prompt_token_ids), len(c.token_ids), last.num_cached_tokens or 0)))
     finally:
         stream.abort()
+
+
+async def stored_response(request: web.Request) -> web.Response:
+    """`GET` / `DELETE /v1/responses/{id}`, `POST .../cancel`: nothing is stored, so a 404
+    that says so (the SDK's `responses.retrieve` raises NotFoundError with it)."""
+    rid = request.match_info["response_id"]
+    shown = rid if len(rid) <= 64 and rid.replace("_", "").isalnum() else "this id"
+    return error_response(404, f"response {shown} is not stored: this server keeps no "
+                          "responses (each one is returned, or streamed, once)",
+                          "not_found_error")
 
 
 class _MessageEvents:
