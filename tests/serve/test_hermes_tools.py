@@ -161,3 +161,14 @@ async def test_auto_streaming_keeps_every_token_logprob(fake_server):
                for x in c["logprobs"]["content"]]
     assert len(entries) == events[-1]["usage"]["completion_tokens"]
     assert "".join(x["token"] for x in entries).startswith("<user>Sure." + OPEN)
+
+
+def test_a_calls_chunk_keeps_the_text_that_came_with_it():
+    """The last delta may hold both the end of the text and the block: the chunk carries both."""
+    from ferrobatch.serve.openai_protocol import choice
+    req = parse_chat({"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
+                      "stream": True}, "m", hermes_tools=True)
+    _, calls = split_calls("Sure." + CALL, NAMES, complete=True)
+    c = choice(req, 0, "Sure.", None, stream=True, tool_calls=calls)
+    assert c["delta"]["content"] == "Sure." and c["delta"]["tool_calls"][0]["index"] == 0
+    assert "content" not in choice(req, 0, "", None, stream=True, tool_calls=calls)["delta"]

@@ -229,8 +229,8 @@ def choice(req: OpenAIRequest, index: int, text: str, finish_reason: str | None,
         finish_reason = "tool_calls"
     if stream:
         delta: dict[str, Any] = {"content": text} if text else {}
-        if tool_calls:
-            delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(tool_calls)]}
+        if tool_calls:       # with any text that came in the same piece of output before them
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
         return {"index": index, "delta": delta, "logprobs": logprobs,
                 "finish_reason": finish_reason}
     message: dict[str, Any] = {"role": "assistant", "content": text}
