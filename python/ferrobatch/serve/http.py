@@ -15,7 +15,6 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ferrobatch.serve.codec import loads_json
-from ferrobatch.serve.hermes_tools import HermesStream
 from ferrobatch.serve.logprobs import (
     chat_logprobs,
     completion_logprobs,
@@ -34,7 +33,7 @@ from ferrobatch.serve.openai_protocol import (
 from ferrobatch.serve.protocol import ProtocolError, error_status
 from ferrobatch.serve.sse import SSEWriter
 from ferrobatch.serve.state import MAX_BODY_BYTES, STATE
-from ferrobatch.serve.tools import tool_calls_of
+from ferrobatch.serve.tools import ToolOutputStream, tool_calls_of
 
 READY_TIMEOUT_S = 30.0
 
@@ -216,8 +215,7 @@ async def _stream(request: web.Request, req: OpenAIRequest,
     offsets: dict[int, int] = {}      # per choice: completions' text_offset so far
     prompt_outs: dict[int, Any] = {}  # prompt index -> the output with its prompt logprobs
     latest: dict[int, Any] = {}       # prompt index -> its latest output (cached tokens)
-    held: dict[int, tuple[list[str], list[Any]]] = {}   # forced tool calls: text, logprobs
-    hermes: dict[int, tuple[HermesStream, list[Any]]] = {}  # "auto" tools: parser, logprobs
+    tool_streams: dict[int, ToolOutputStream] = {}   # per choice, with a tool plan
     prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
 
     def so_far() -> dict[str, int] | None:
@@ -252,19 +250,19 @@ async def _stream(request: web.Request, req: OpenAIRequest,
                 completion += len(c.token_ids)
                 k = i * n + c.index
                 asked = req.params.logprobs is not None
-                if req.tools is not None and not req.tools.forced:   # "auto": the model's
-                    # text streams until a <tool_call> block may start; the blocks are held
-                    parser, entries = hermes.setdefault(k, (HermesStream(req.tools.names), []))
-                    entries.extend(c.logprobs or ())
-                    out_text = parser.feed(c.text)
-                    calls = None
+                if req.tools is not None:    # a forced call goes out whole, once complete;
+                    # "auto" text streams until a <tool_call> block may start
+                    ts = tool_streams.setdefault(k, ToolOutputStream(req.tools))
+                    ts.entries.extend(c.logprobs or ())
+                    out_text, calls = ts.feed(c.text), None
                     if c.finish_reason is not None:
-                        rest, calls = parser.finish(complete=c.finish_reason == "stop")
+                        rest, calls = ts.finish(c.finish_reason)
                         out_text += rest
                     if out_text or c.finish_reason is not None:
-                        lp = _logprobs_shape(request, req, entries if asked else None)[0]
-                        entries.clear()         # a token's entry goes with its text's chunk
-                        if calls:
+                        lp = _logprobs_shape(request, req, ts.entries if asked else None)[0]
+                        ts.entries = []         # a token's entry goes with its text's chunk
+                        if calls:      # the calls, then the finish in a chunk of its own (as
+                            # OpenAI: the SDK's stream helper closes a call on that chunk)
                             choices.append(choice(req, k, out_text, None, stream=True,
                                                   logprobs=lp, tool_calls=calls))
                             finishes.append(choice(req, k, "", c.finish_reason, stream=True,
@@ -272,23 +270,6 @@ async def _stream(request: web.Request, req: OpenAIRequest,
                         else:
                             choices.append(choice(req, k, out_text, c.finish_reason,
                                                   stream=True, logprobs=lp))
-                elif req.tools is not None:        # a forced call goes out whole, once complete
-                    text, entries = held.setdefault(k, ([], []))
-                    text.append(c.text)
-                    entries.extend(c.logprobs or ())
-                    if c.finish_reason is not None:
-                        whole = "".join(text)
-                        lp = _logprobs_shape(request, req, entries if asked else None)[0]
-                        whole, calls = tool_calls_of(req.tools, whole, c.finish_reason)
-                        if calls:      # the calls, then the finish in a chunk of its own (as
-                            # OpenAI: the SDK's stream helper closes a call on that chunk)
-                            choices.append(choice(req, k, "", None, stream=True, logprobs=lp,
-                                                  tool_calls=calls))
-                            finishes.append(choice(req, k, "", c.finish_reason, stream=True,
-                                                   tool_calls=[]))
-                        else:
-                            choices.append(choice(req, k, whole, c.finish_reason, stream=True,
-                                                  logprobs=lp))
                 elif req.echo and k not in offsets:          # the choice's first chunk
                     text, lp, offsets[k] = _with_echo(request, req, prompt_outs.get(i, out),
                                                       c.text, c.logprobs)

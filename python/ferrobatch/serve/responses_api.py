@@ -26,11 +26,10 @@ from aiohttp import web
 
 from ferrobatch.sampling_params import SamplingParams
 from ferrobatch.serve.codec import dumps_json
-from ferrobatch.serve.hermes_tools import HermesStream
 from ferrobatch.serve.http import error_response, read_json
 from ferrobatch.serve.protocol import ProtocolError, sampling_params_from
 from ferrobatch.serve.state import STATE
-from ferrobatch.serve.tools import ToolPlan, parse_tools, tool_calls_of
+from ferrobatch.serve.tools import ToolOutputStream, ToolPlan, parse_tools, tool_calls_of
 
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -406,8 +405,7 @@ async def _stream(request: web.Request, req: ResponsesRequest, stream: Any) -> w
     events = _Events(request)
     message = _MessageEvents(events, req)
     # tools: a forced call is held whole; "auto" passes text until a <tool_call> may start
-    hermes = HermesStream(req.tools.names) if req.tools and not req.tools.forced else None
-    held: list[str] = []
+    tool_stream = ToolOutputStream(req.tools) if req.tools is not None else None
     try:
         await events.open()
         await events.send("response.created", response=response_object(req, "in_progress"))
@@ -420,24 +418,18 @@ async def _stream(request: web.Request, req: ResponsesRequest, stream: Any) -> w
             c = out.outputs[0]
             generated += len(c.token_ids)
             raw.append(c.text)
-            if req.tools is None:
-                await message.delta(c.text)
-            elif hermes is not None:
-                await message.delta(hermes.feed(c.text))
-            else:
-                held.append(c.text)
+            await message.delta(c.text if tool_stream is None else tool_stream.feed(c.text))
             finish, error = c.finish_reason, out.error
-        text, calls = _outcome(req, "".join(raw), finish)
+        # what was held back: the calls, or text after all
+        rest, calls = tool_stream.finish(finish) if tool_stream is not None else ("", None)
         status = _status(finish, error, calls)
         usage = (len(stream.prompt_token_ids), generated, cached)
         if status == "failed":
             await events.send("response.failed", response=response_object(
-                req, status, text, calls, usage, error or "the request was aborted"))
+                req, status, "".join(raw), None, usage, error or "the request was aborted"))
         else:
-            if calls is None:             # what was held back is text after all
-                rest = "".join(held) if hermes is None else hermes.finish(finish == "stop")[0]
-                await message.delta(rest)
-            final = response_object(req, status, text, calls, usage)
+            await message.delta(rest)
+            final = response_object(req, status, "".join(message.text), calls, usage)
             if message.opened or not calls:
                 await message.open()
                 await message.close(final["output"][0])

@@ -20,7 +20,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from ferrobatch.serve.hermes_tools import split_calls
+from ferrobatch.serve.hermes_tools import HermesStream, split_calls
 from ferrobatch.serve.protocol import ProtocolError
 
 MAX_TOOLS = 128
@@ -170,6 +170,30 @@ def tool_calls_of(plan: ToolPlan, text: str,
         return (text, None) if found is None else found
     calls = tool_calls_from_text(plan, text) if finish_reason == "stop" else None
     return ("", calls) if calls else (text, None)
+
+
+class ToolOutputStream:
+    """One streamed choice of a request with a tool plan: `feed` returns the text that can go
+    out as content now (a forced call: none, it goes out whole; "auto": the text before any
+    `<tool_call>` block), `finish` what is left: (content, the calls or None). `entries` holds
+    the logprob entries of the text not sent yet, for the route to send with it."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.entries: list[Any] = []
+        self._hermes = None if plan.forced else HermesStream(plan.names)
+        self._held: list[str] = []
+
+    def feed(self, text: str) -> str:
+        if self._hermes is not None:
+            return self._hermes.feed(text)
+        self._held.append(text)
+        return ""
+
+    def finish(self, finish_reason: str | None) -> tuple[str, list[dict[str, Any]] | None]:
+        if self._hermes is not None:
+            return self._hermes.finish(complete=finish_reason == "stop")
+        return tool_calls_of(self.plan, "".join(self._held), finish_reason)
 
 
 def tool_calls_from_text(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
