@@ -216,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the output follows this JSON Schema (a file path or JSON text)")
         o.add_argument("--json", action="store_true", help="the output is a JSON object")
         o.add_argument("--regex", default=None, help="the output is a full match of this regex")
+        o.add_argument("--grammar", default=None, metavar="GBNF",
+                       help="the output follows this GBNF grammar (llama.cpp's format; a file "
+                       "path or the grammar's text), from its root rule")
         o.add_argument("--choice", action="append", default=None, metavar="TEXT",
                        help="the output is one of these strings (repeat the flag)")
         _engine_args(g)
@@ -294,6 +297,7 @@ def _guided(a: argparse.Namespace) -> dict[str, Any]:
     """The guided-decoding fields of `generate` / `chat` (ValueError if more than one)."""
     given = [flag for flag, on in (("--json-schema", a.json_schema is not None),
                                    ("--json", a.json), ("--regex", a.regex is not None),
+                                   ("--grammar", a.grammar is not None),
                                    ("--choice", a.choice is not None)) if on]
     if len(given) > 1:
         raise ValueError(f"use at most one of {', '.join(given)}")
@@ -307,6 +311,12 @@ def _guided(a: argparse.Namespace) -> dict[str, Any]:
         return {"guided_json": {"type": "object"}}
     if a.regex is not None:
         return {"guided_regex": a.regex}
+    if a.grammar is not None:
+        text = a.grammar
+        if "::=" not in text:                        # a file (a grammar's text has rules)
+            with open(text, encoding="utf-8") as f:  # FileNotFoundError: a one-line error
+                text = f.read()
+        return {"guided_grammar": text}
     if a.choice is not None:
         return {"guided_choice": tuple(a.choice)}
     return {}

@@ -19,7 +19,8 @@ MAX_SEED = 2**63 - 1
 MAX_PRIORITY = 2**31 - 1
 MAX_LOGPROBS = 20     # top alternatives per position (OpenAI's chat limit)
 MAX_GUIDED_CHOICES = 1024
-MAX_GUIDED_TEXT_CHARS = 1 << 16   # a regex, a choice or a JSON schema's text
+MAX_GUIDED_TEXT_CHARS = 1 << 16   # a regex, a choice, a JSON schema's or a grammar's text
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 # fields where None (as vLLM takes it) means the default
@@ -63,7 +64,8 @@ class SamplingParams:
     Guided decoding (structured outputs), at most one of: `guided_json` (a JSON Schema as a
     dict or JSON text; `{"type": "object"}` is any JSON object), `guided_regex` (the output is a
     full match of this regex, Rust regex syntax), `guided_choice` (the output is exactly one of
-    these strings). Only tokens that keep the output a prefix of a valid text are sampled, and
+    these strings), `guided_grammar` (a GBNF grammar, llama.cpp's format, from its `root`
+    rule; recursion is expanded 3 deep, `guided/gbnf.py`). Only tokens that keep the output a prefix of a valid text are sampled, and
     end-of-sequence only where it is complete; `ignore_eos` and `min_tokens` cannot be combined
     with it (the grammar decides where the output ends).
     """
@@ -92,6 +94,7 @@ class SamplingParams:
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: tuple[str, ...] | None = None
+    guided_grammar: str | None = None
 
     def __post_init__(self) -> None:
         def fix(name: str, value: Any) -> None:
@@ -184,13 +187,18 @@ class SamplingParams:
             fix(name, float(v))
 
     def _check_guided(self, fix: Any) -> None:
-        given = [n for n in ("guided_json", "guided_regex", "guided_choice")
-                 if getattr(self, n) is not None]
+        given = [n for n in GUIDED_FIELDS if getattr(self, n) is not None]
         if not given:
             return
         if len(given) > 1:
-            raise ValueError(f"at most one of guided_json, guided_regex, guided_choice may be "
-                             f"set, got {', '.join(given)}")
+            raise ValueError(f"at most one of {', '.join(GUIDED_FIELDS)} may be set, got "
+                             f"{', '.join(given)}")
+        if self.guided_grammar is not None:
+            if not isinstance(self.guided_grammar, str) or not self.guided_grammar.strip():
+                raise ValueError("guided_grammar must be a non-empty GBNF text")
+            if len(self.guided_grammar) > MAX_GUIDED_TEXT_CHARS:
+                raise ValueError(f"guided_grammar is longer than {MAX_GUIDED_TEXT_CHARS} "
+                                 "characters")
         if self.guided_regex is not None:
             if not isinstance(self.guided_regex, str) or not self.guided_regex:
                 raise ValueError("guided_regex must be a non-empty string")
@@ -221,9 +229,9 @@ class SamplingParams:
 
     @property
     def is_guided(self) -> bool:
-        """True when a grammar (JSON Schema, regex or choice) constrains the output."""
+        """True when a grammar (JSON Schema, regex, choice or GBNF) constrains the output."""
         return (self.guided_json is not None or self.guided_regex is not None
-                or self.guided_choice is not None)
+                or self.guided_choice is not None or self.guided_grammar is not None)
 
     def clone(self) -> "SamplingParams":
         """A copy (vLLM's name; the params are immutable, so `replace` makes changed ones)."""

@@ -118,7 +118,12 @@ def test_guided_flags_conflict_is_a_clean_error(capsys):
     assert main(["generate", "x", "--json", "--regex", "[0-9]+"]) == 2
     err = capsys.readouterr().err
     assert "at most one of --json, --regex" in err and "Traceback" not in err
-    for flag in ("--json-schema", "--json", "--regex", "--choice"):
+    assert main(["generate", "x", "--grammar", 'root ::= "a"', "--regex", "a"]) == 2
+    assert "at most one of --regex, --grammar" in capsys.readouterr().err
+    # a grammar file is read; one that is missing is a one-line error before any loading
+    assert main(["generate", "x", "--grammar", "/nonexistent/g.gbnf"]) == 2
+    assert "No such file" in capsys.readouterr().err
+    for flag in ("--json-schema", "--json", "--regex", "--grammar", "--choice"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["chat", "--help"])
         assert flag in capsys.readouterr().out

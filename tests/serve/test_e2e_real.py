@@ -433,8 +433,9 @@ async def test_bad_structured_output_requests_are_400_and_never_stall_streams(re
         dict(response_format={"type": "xml"}),
         dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a"}),
         dict(extra_body={"guided_choice": ["a"], "ignore_eos": True}),
-        dict(extra_body={"guided_grammar": 'root ::= "a"'}),             # never ignored
-        dict(extra_body={"structured_outputs": {"grammar": 'root ::= "a"'}}),
+        dict(extra_body={"guided_grammar": 'root ::= undefined'}),
+        dict(extra_body={"structured_outputs": {"grammar": 'answer ::= "a"'}}),   # no root
+        dict(extra_body={"structured_outputs": {"structural_tag": "a"}}),       # never ignored
         dict(extra_body={"structured_outputs": {"choice": ["a"]}, "guided_regex": "a"}),
         dict(response_format={"type": "json_object"},
              extra_body={"structured_outputs": {"regex": "a"}}),
@@ -549,3 +550,26 @@ async def test_responses_api_forced_function_calls(real, sdk):
     assert follow.output[0].type == "message" and follow.output_text
     with pytest.raises(openai.BadRequestError, match="tool_choice 'auto'"):
         await sdk.responses.create(model="smollm2", input=question, tools=flat)
+
+
+async def test_gbnf_grammars_on_every_door(real, sdk):
+    """A GBNF grammar (`guided_grammar`, `structured_outputs.grammar`) constrains the output on
+    HTTP, WS and TCP alike; a bad one is a 400 that says where."""
+    grammar = 'root ::= "Answer: " ("yes" | "no") "."'
+    msgs = [{"role": "user", "content": "Is water wet?"}]
+    for extra in ({"guided_grammar": grammar}, {"structured_outputs": {"grammar": grammar}}):
+        r = await sdk.chat.completions.create(model="smollm2", messages=msgs, max_tokens=20,
+                                              temperature=0, extra_body=extra)
+        assert r.choices[0].message.content in ("Answer: yes.", "Answer: no.")
+        assert r.choices[0].finish_reason == "stop"
+    from ferrobatch.client import TCPClient, WSClient
+    for client in (await WSClient.connect(real.ws_url),
+                   await TCPClient.connect("127.0.0.1", real.tcp_port)):
+        try:
+            out = await client.complete(messages=msgs, max_tokens=20, guided_grammar=grammar)
+            assert out["text"] in ("Answer: yes.", "Answer: no."), out
+        finally:
+            await client.close()
+    with pytest.raises(openai.BadRequestError, match="undefined rule 'nope' at line 1"):
+        await sdk.chat.completions.create(model="smollm2", messages=msgs, max_tokens=4,
+                                          extra_body={"guided_grammar": "root ::= nope"})

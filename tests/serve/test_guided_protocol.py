@@ -116,7 +116,8 @@ def test_badly_typed_guided_fields_name_the_field(parse, field, value, message):
 
 @pytest.mark.parametrize("fields, message", [
     ({"guided_regex": "a+", "guided_choice": ["a"]},
-     "at most one of guided_json, guided_regex, guided_choice may be set, got guided_regex, guided_choice"),
+     "at most one of guided_json, guided_regex, guided_choice, guided_grammar may be set, got "
+     "guided_regex, guided_choice"),
     ({"guided_json": SCHEMA, "guided_regex": "a+"}, "got guided_json, guided_regex"),
     ({"guided_choice": ["a"], "ignore_eos": True}, "guided_choice cannot be combined with ignore_eos"),
     ({"guided_json": SCHEMA, "min_tokens": 2}, "guided_json cannot be combined with min_tokens"),
@@ -208,12 +209,15 @@ def test_vllm_structured_outputs_become_guided_fields():
     assert sampling_params_from({"structured_outputs": {"json_object": True}}
                                 ).guided_json == {"type": "object"}
     assert sampling_params_from({"structured_outputs": {}}).guided_json is None
+    assert sampling_params_from({"structured_outputs": {"grammar": 'root ::= "x"'}}
+                                ).guided_grammar == 'root ::= "x"'
     for fields, message in [
-        ({"structured_outputs": {"grammar": "root ::= x"}}, "'structured_outputs.grammar'"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "'structured_outputs.structural_tag'"),
+        ({"guided_grammar": ["root ::= x"]}, "'guided_grammar' must be a string"),
         ({"structured_outputs": "x"}, "must be an object"),
         ({"structured_outputs": {"regex": "a"}, "guided_choice": ["a"]}, "cannot be combined"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "cannot be combined"),
-        ({"guided_grammar": "root ::= x"}, "'guided_grammar' is not supported"),
+        ({"guided_whitespace_pattern": " "}, "'guided_whitespace_pattern' is not supported"),
     ]:
         with pytest.raises(ProtocolError, match=message):
             sampling_params_from(fields)

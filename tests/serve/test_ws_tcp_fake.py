@@ -327,7 +327,8 @@ async def test_chat_rendering_options_on_ws_and_tcp(fake_server, door):
                                 continue_final_message=True, chat_template_kwargs={"x": 1})
         assert cont["usage"]["prompt_tokens"] == len("<user>yo\n<assistant>hel")
         for kw, match in [
-            (dict(prompt="x", structured_outputs={"grammar": "r"}), "'structured_outputs.grammar'"),
+            (dict(prompt="x", structured_outputs={"structural_tag": "r"}),
+             "'structured_outputs.structural_tag'"),
             (dict(prompt="x", add_generation_prompt=False), "'add_generation_prompt' needs 'messages'"),
             (dict(messages=CONTINUED, continue_final_message=True), "needs 'add_generation_prompt'"),
             (dict(messages=CONTINUED, add_generation_prompt="no"), "must be a boolean"),

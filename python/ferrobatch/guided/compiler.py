@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from ferrobatch.guided.gbnf import gbnf_to_regex
 from ferrobatch.guided.json_schema import choice_to_regex, schema_to_regex
 from ferrobatch.sampling_params import SamplingParams
 
@@ -37,13 +38,15 @@ def pattern_for(params: SamplingParams) -> str:
         return choice_to_regex(list(params.guided_choice))
     if params.guided_json is not None:
         return schema_to_regex(params.guided_json)
+    if params.guided_grammar is not None:
+        return gbnf_to_regex(params.guided_grammar)
     raise ValueError("the request has no guided decoding field")
 
 
 def _pattern_key(params: SamplingParams) -> str:
-    """The cache key of a request's schema or choices (TypeError/ValueError if not JSON data).
-    Not sort_keys: a schema's property order is its output's key order."""
-    return json.dumps([params.guided_json, params.guided_choice])
+    """The cache key of a request's schema, choices or grammar (TypeError/ValueError if not JSON
+    data). Not sort_keys: a schema's property order is its output's key order."""
+    return json.dumps([params.guided_json, params.guided_choice, params.guided_grammar])
 
 
 class GuidedCompiler:

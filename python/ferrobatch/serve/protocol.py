@@ -33,7 +33,7 @@ INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "priority", "log
 NUM_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
               "frequency_penalty")
 BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
-GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice")
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 SAMPLING_FIELDS = frozenset(INT_FIELDS + NUM_FIELDS + BOOL_FIELDS + GUIDED_FIELDS
                             + ("stop", "stop_token_ids", "logit_bias"))
 
@@ -54,10 +54,11 @@ def _is_int(v: Any) -> bool:
 
 
 # vLLM's `structured_outputs` object (its guided_* fields' successor): key -> our guided field
-_STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice"}
+_STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                       "grammar": "guided_grammar"}
 # guided-decoding fields we cannot honour: refused, never silently ignored (vLLM's
 # `guided_decoding_backend` only picks an implementation, and is ignored like other unknown keys)
-_UNSUPPORTED_GUIDED = ("guided_grammar", "guided_whitespace_pattern")
+_UNSUPPORTED_GUIDED = ("guided_whitespace_pattern",)
 
 
 def with_structured_outputs(fields: dict[str, Any]) -> dict[str, Any]:
@@ -66,8 +67,8 @@ def with_structured_outputs(fields: dict[str, Any]) -> dict[str, Any]:
     this engine cannot honour (a grammar, a structural tag, ...) are a ProtocolError."""
     for name in _UNSUPPORTED_GUIDED:
         if fields.get(name) is not None:
-            raise ProtocolError(f"'{name}' is not supported (guided_json, guided_regex and "
-                                f"guided_choice are)", param=name)
+            raise ProtocolError(f"'{name}' is not supported (guided_json, guided_regex, "
+                                f"guided_choice and guided_grammar are)", param=name)
     spec = fields.get("structured_outputs")
     if spec is None:
         return fields
@@ -85,7 +86,8 @@ def with_structured_outputs(fields: dict[str, Any]) -> dict[str, Any]:
             key, value = "json", {"type": "object"}
         if key not in _STRUCTURED_OUTPUTS:
             raise ProtocolError(f"'structured_outputs.{key}' is not supported (json, regex, "
-                                f"choice and json_object are)", param="structured_outputs")
+                                f"choice, grammar and json_object are)",
+                                param="structured_outputs")
         if given:
             raise ProtocolError(f"'structured_outputs' cannot be combined with '{given[0]}'",
                                 param="structured_outputs")
@@ -124,8 +126,8 @@ def sampling_params_from(fields: dict[str, Any], *, defaults: dict[str, Any] | N
         if name == "guided_json" and not isinstance(v, (dict, str)):
             raise ProtocolError("'guided_json' must be a JSON Schema (an object or its JSON "
                                 "text)", param=name)
-        if name == "guided_regex" and not isinstance(v, str):
-            raise ProtocolError("'guided_regex' must be a string", param=name)
+        if name in ("guided_regex", "guided_grammar") and not isinstance(v, str):
+            raise ProtocolError(f"'{name}' must be a string", param=name)
         if name == "guided_choice":
             if not isinstance(v, list) or not all(isinstance(c, str) for c in v):
                 raise ProtocolError("'guided_choice' must be a list of strings", param=name)
