@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ferrobatch._scheduler import GuidedGrammar, TokenVocab
 from ferrobatch.guided.gbnf import GrammarError, gbnf_to_regex
@@ -126,3 +128,25 @@ def test_the_rust_dfa_reads_the_regex_the_same(tok):
             s = g.start()
             ok = all(s.advance(t) for t in tok.encode(text)) and s.is_accepting
             assert ok == full(regex, text), (grammar, text)
+
+
+def test_deep_or_huge_input_is_refused_not_crashing():
+    with pytest.raises(GrammarError, match="nest deeper"):
+        gbnf_to_regex("root ::= " + "(" * 5000 + '"a"' + ")" * 5000)
+    chain = "\n".join(f'r{i} ::= r{i + 1} "x"' for i in range(3000)) + '\nr3000 ::= "y"'
+    with pytest.raises(GrammarError, match="inside each other"):
+        gbnf_to_regex("root ::= r0\n" + chain)
+    doubling = "\n".join(f"r{i} ::= r{i + 1} r{i + 1}" for i in range(40)) + '\nr40 ::= "ab"'
+    with pytest.raises(GrammarError, match="regex passes"):
+        gbnf_to_regex("root ::= r0\n" + doubling)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list('root::=|()[]^-"\\*+?{},.ab019 \n#xu')),
+               max_size=80))
+def test_any_text_gives_a_regex_or_a_grammar_error(text):
+    try:
+        regex = gbnf_to_regex(text)
+    except GrammarError:
+        return
+    re.compile(regex)                        # and what it gives is a valid pattern

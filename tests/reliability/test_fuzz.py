@@ -48,7 +48,8 @@ json_val = st.recursive(json_leaf, lambda c: st.one_of(
 FIELDS = ["type", "id", "prompt", "messages", "params", "version", "api_key", "max_tokens", "n",
           "temperature", "stop", "stop_token_ids", "logit_bias", "stream", "stream_options",
           "model", "top_p", "seed", "min_tokens", "ignore_eos", "input", "instructions",
-          "max_output_tokens", "text", "metadata", "include", "tools", "tool_choice"]
+          "max_output_tokens", "text", "metadata", "include", "tools", "tool_choice",
+          "guided_grammar"]
 near_valid = st.fixed_dictionaries(
     {"type": st.sampled_from(["generate", "cancel", "hello", "x"])},
     optional={f: json_val for f in FIELDS if f != "type"} | {

@@ -34,6 +34,8 @@ DEFAULT_MAX_DEPTH = 3
 MAX_REPEAT = 1024            # largest m / n of {m,n}, as patterns elsewhere
 MAX_GRAMMAR_CHARS = 65_536
 MAX_REGEX_CHARS = 4 << 20    # the regex text; the compiled automaton has its own limit
+MAX_NESTING = 64             # parentheses inside each other
+MAX_RULE_CHAIN = 128         # rules expanded inside each other (references, recursion included)
 
 
 class GrammarError(GuidedSchemaError):
@@ -90,6 +92,7 @@ class _Parser:
     def __init__(self, text: str) -> None:
         self.s = text
         self.i = 0
+        self.depth = 0                          # open parentheses
         self.rules: dict[str, Node] = {}
 
     # -- positions and errors --------------------------------------------------------------
@@ -170,9 +173,13 @@ class _Parser:
                 self.i += 1
                 items.append(AnyChar())
             elif c == "(":
+                self.depth += 1
+                if self.depth > MAX_NESTING:
+                    raise self.error(f"parentheses nest deeper than {MAX_NESTING}")
                 self.i += 1
                 self.space(True)
                 inner = self.alternatives(nested=True)
+                self.depth -= 1
                 self.space(True)
                 if self.peek() != ")":
                     raise self.error("expected ')'")
@@ -301,6 +308,9 @@ class _Writer:
             return self.done[name]
         if self.stack.count(name) > self.max_depth:
             raise _TooDeep(f"rule {name!r} recurses deeper than {self.max_depth}")
+        if len(self.stack) >= MAX_RULE_CHAIN:
+            raise GrammarError(f"grammar: rules expand inside each other more than "
+                               f"{MAX_RULE_CHAIN} deep")
         self.stack.append(name)
         try:
             out = self.node(self.rules[name])
@@ -418,7 +428,10 @@ def gbnf_to_regex(text: str, max_depth: int = DEFAULT_MAX_DEPTH) -> str:
     if len(text) > MAX_GRAMMAR_CHARS:
         raise GrammarError(f"grammar: longer than {MAX_GRAMMAR_CHARS} characters")
     parser = _Parser(text)
-    rules = parser.grammar()
+    try:
+        rules = parser.grammar()
+    except RecursionError:
+        raise GrammarError("grammar: nested too deeply") from None
     if "root" not in rules:
         raise GrammarError("grammar: no 'root' rule (the output starts there)")
     for name, body in rules.items():
@@ -435,3 +448,5 @@ def gbnf_to_regex(text: str, max_depth: int = DEFAULT_MAX_DEPTH) -> str:
         return _Writer(rules, max_depth).rule("root")
     except _TooDeep:
         raise GrammarError("grammar: 'root' cannot end without recursing forever") from None
+    except RecursionError:        # the limits above keep real grammars far from this
+        raise GrammarError("grammar: nested too deeply") from None
