@@ -597,16 +597,17 @@ class AsyncEngine:
             self._probes.discard(st.req_id)
             self.counters["probes"] += 1          # released, but not shown to observers
         else:
-            done = FinishedRequest(reason, len(st.prompt_token_ids), st.num_generated,
-                                   st.max_tokens, len(st.seqs), st.arrival_time,
-                                   st.scheduled_time, st.first_token_time, st.last_token_time,
-                                   now)
-            for o in self._observers:
-                o.on_finished(done)
+            if self._observers:
+                done = FinishedRequest(reason, len(st.prompt_token_ids), st.num_generated,
+                                       st.max_tokens, len(st.seqs), st.arrival_time,
+                                       st.scheduled_time, st.first_token_time,
+                                       st.last_token_time, now)
+                for o in self._observers:
+                    o.on_finished(done)
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("request %s finished: %s, %d tokens generated, %.3f s (queued "
-                             "%.3f s)", st.request_id, reason, st.num_generated, done.e2e_s,
-                             (st.scheduled_time or now) - st.arrival_time)
+                             "%.3f s)", st.request_id, reason, st.num_generated,
+                             now - st.arrival_time, (st.scheduled_time or now) - st.arrival_time)
         st.event.set()
 
     def _on_fatal(self, exc: BaseException) -> None:

@@ -329,7 +329,10 @@ class EngineCore:
                           out.finish_reasons.tolist(), dict(out.error_messages),
                           batch.seq_req_ids.tolist(), self.stats(), time.perf_counter() - t0,
                           failed, logprobs, prompt_logprobs, failure_messages,
-                          int(batch.num_tokens), _seq_start_positions(batch))
+                          int(batch.num_tokens),
+                          # a request's first step computes prompt tokens: decode-only steps
+                          # have no first step in them, and skip the arrays
+                          _seq_start_positions(batch) if batch.num_prefill_tokens else [])
 
     def _plain_greedy(self, batch: Any, extras: dict[int, Any], logits: Any) -> np.ndarray | None:
         """A plain greedy step (``Sampler.is_plain_greedy``) whose logits are all finite: its
