@@ -63,6 +63,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "several (1 = join as soon as a slot frees)")
     g.add_argument("--admission-max-wait-steps", type=int, default=8, metavar="S",
                    help="with --admission-batch: admit anyway after S held steps in a row")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_JINJA",
+                   help="a Jinja chat template (a file, or the template's text) replacing the "
+                   "model's own, e.g. for a base model that has none")
     g.add_argument("--max-queued-requests", type=int, default=1024,
                    help="waiting requests beyond which new ones get 429 / an error 429")
     g.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "cuda"], default="auto",
@@ -124,7 +127,16 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         speculative_max_running=a.speculative_max_running,
         speculative_max_step_tokens=a.speculative_max_step_tokens,
         speculative_adaptive=not a.speculative_fixed_length,
-        speculative_ngram_min=a.speculative_ngram[0], speculative_ngram_max=a.speculative_ngram[1])
+        speculative_ngram_min=a.speculative_ngram[0], speculative_ngram_max=a.speculative_ngram[1],
+        chat_template=_template_text(a.chat_template))
+
+
+def _template_text(value: str | None) -> str | None:
+    """--chat-template's value: the template's text, read from a file unless it is Jinja."""
+    if value is None or "{{" in value or "{%" in value:
+        return value
+    with open(value, encoding="utf-8") as f:        # FileNotFoundError: a one-line error
+        return f.read()
 
 
 def _port(text: str) -> int:

@@ -125,6 +125,7 @@ class EngineConfig:
     max_stop_string_len: int = 256
     max_stop_token_ids: int = 64
     max_logit_bias: int = 300
+    chat_template: str | None = None     # Jinja text replacing the model's chat template
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -134,6 +135,11 @@ class EngineConfig:
 
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty string")
+        if self.chat_template is not None:
+            if not isinstance(self.chat_template, str) or not self.chat_template.strip():
+                raise ValueError("chat_template must be a non-empty Jinja text")
+            from ferrobatch.model.chat_template import compile_chat_template
+            compile_chat_template(self.chat_template)    # a syntax error fails before loading
         if self.dtype == "auto":                 # vLLM's name for the default
             object.__setattr__(self, "dtype", None)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from engine_support import REAL_ENGINE_OPTIONS
 
+from ferrobatch.config import EngineConfig
 from ferrobatch.engine.async_engine import AsyncEngine
 from ferrobatch.sampling_params import SamplingParams
 
@@ -177,3 +179,29 @@ async def test_a_compiled_grammar_does_not_wait_behind_another_compile(loaded_sm
             release.set()
             await slow
         await engine.check_idle_clean()
+
+
+async def test_an_operator_chat_template_replaces_the_models(loaded_smollm2):
+    """EngineConfig(chat_template=...) / --chat-template: chat requests render with it (and the
+    model loaded once for every test keeps its own template)."""
+    template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}[assistant] {% endif %}")
+    original = loaded_smollm2.tokenizer.chat_template
+    async with AsyncEngine(loaded_model=loaded_smollm2, chat_template=template,
+                           **REAL_ENGINE_OPTIONS) as engine:
+        msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        assert engine.render_chat(msgs) == "[system] Be brief.\n[user] Hi\n[assistant] "
+        stream = engine.add_request(None, SamplingParams(max_tokens=2, temperature=0.0),
+                                    messages=msgs)
+        async for _ in stream:
+            pass
+        want = engine.tokenizer.encode("[system] Be brief.\n[user] Hi\n[assistant] ")
+        assert stream.prompt_token_ids == want
+    assert loaded_smollm2.tokenizer.chat_template == original
+
+
+def test_a_chat_template_that_does_not_compile_is_refused_before_loading():
+    with pytest.raises(ValueError, match="invalid chat template"):
+        EngineConfig(chat_template="{% for %}")
+    with pytest.raises(ValueError, match="non-empty"):
+        EngineConfig(chat_template=" ")

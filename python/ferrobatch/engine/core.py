@@ -133,6 +133,13 @@ class EngineCore:
                                 require_tokenizer=True)
         if loaded.tokenizer is None:
             raise ValueError(f"model {config.model!r} has no tokenizer; it cannot be served")
+        if config.chat_template is not None:      # the operator's template replaces the model's
+            import copy
+            import dataclasses
+            tokenizer = copy.copy(loaded.tokenizer)   # (a shared loaded model keeps its own)
+            tokenizer.chat_template = config.chat_template
+            loaded = dataclasses.replace(loaded, tokenizer=tokenizer,
+                                         chat_template=config.chat_template)
         build_table = getattr(loaded.tokenizer, "token_byte_table", None)
         if build_table is not None:
             build_table(True)     # the detokenizer's fast path, built and checked up front
