@@ -16,6 +16,7 @@ import torch
 from ferrobatch.model.config import ModelConfig
 from ferrobatch.model.dequant import dequantize_tensor
 from ferrobatch.model.gguf_file import GGUFFile
+from ferrobatch.model.progress import load_progress
 
 _GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2"}
 
@@ -162,7 +163,11 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
         config = dataclasses.replace(
             config, rope_scaling={"rope_type": "freq_factors", "factors": values.tolist()})
     state: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors.values():
+    tensors = list(reader.tensors.values())
+    total = sum(t.data.nbytes for t in tensors)
+    bar = load_progress(total, "Dequantizing GGUF weights")
+    for tensor in tensors:
+        bar.update(tensor.data.nbytes)
         name = _hf_name(tensor.name)
         if name is None:
             continue  # e.g. rope_freqs (not used) or tensors of other heads
@@ -172,4 +177,5 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
         elif config.arch == "llama" and ".k_proj." in name:
             weight = reverse_llama_permute(weight, config.num_kv_heads)
         state[name] = weight
+    bar.close()
     return config, state, read_tokenizer_metadata(reader)

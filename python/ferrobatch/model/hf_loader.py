@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ferrobatch.model.config import SUPPORTED_ARCHS, ModelConfig
+from ferrobatch.model.progress import load_progress
 from ferrobatch.model.tokenizer import Tokenizer
 
 
@@ -83,11 +84,14 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.T
     if not shards:
         raise FileNotFoundError(f"no *.safetensors weights in model directory {path}")
     state: dict[str, torch.Tensor] = {}
+    bar = load_progress(sum(os.path.getsize(s) for s in shards), "Reading safetensors shards")
     for shard in shards:
         try:
             state.update(load_file(shard, device="cpu"))
         except Exception as exc:  # noqa: BLE001 - safetensors' own error types
             raise ValueError(f"cannot read the weights in {shard}: {exc}") from exc
+        bar.update(os.path.getsize(shard))
+    bar.close()
     tokenizer = None
     tokenizer_json = os.path.join(path, "tokenizer.json")
     if os.path.isfile(tokenizer_json):
