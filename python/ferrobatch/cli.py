@@ -96,6 +96,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "A accepted tokens, a sequence drafts at most A + 1 next)")
     g.add_argument("--speculative-ngram", type=int, nargs=2, default=(2, 4),
                    metavar=("MIN", "MAX"), help="n-gram lengths prompt lookup matches")
+    g.add_argument("--threads", type=int, default=None, metavar="N", dest="cpu_threads",
+                   help="CPU: threads the kernels run on (default: torch's count, i.e. the "
+                   "cores or $OMP_NUM_THREADS)")
     g.add_argument("--no-gguf-blocks", action="store_true",
                    help="CPU: never read a GGUF model's Q4_1/Q8_0 blocks, nor their AMX tiles "
                    "(float32 panels only; saves their memory, slower steps)")
@@ -128,7 +131,7 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         speculative_max_step_tokens=a.speculative_max_step_tokens,
         speculative_adaptive=not a.speculative_fixed_length,
         speculative_ngram_min=a.speculative_ngram[0], speculative_ngram_max=a.speculative_ngram[1],
-        chat_template=_template_text(a.chat_template))
+        chat_template=_template_text(a.chat_template), cpu_threads=a.cpu_threads)
 
 
 def _template_text(value: str | None) -> str | None:

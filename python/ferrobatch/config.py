@@ -126,6 +126,8 @@ class EngineConfig:
     max_stop_token_ids: int = 64
     max_logit_bias: int = 300
     chat_template: str | None = None     # Jinja text replacing the model's chat template
+    cpu_threads: int | None = None       # CPU: the kernels' threads (None: torch's count, the
+    #                                      cores or OMP_NUM_THREADS); sets torch's, process-wide
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -147,7 +149,7 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer in [0, 2^63) or None, got {self.seed!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "cpu_threads"):
             if getattr(self, name) is not None:
                 positive_int(name)
         for name in ("block_size", "intake_capacity", "admission_batch",

@@ -205,3 +205,20 @@ def test_a_chat_template_that_does_not_compile_is_refused_before_loading():
         EngineConfig(chat_template="{% for %}")
     with pytest.raises(ValueError, match="non-empty"):
         EngineConfig(chat_template=" ")
+
+
+async def test_cpu_threads_sets_the_kernels_thread_count(loaded_smollm2):
+    """EngineConfig(cpu_threads=N) / --threads N: the runner's kernels run on N threads."""
+    import torch
+    before = torch.get_num_threads()
+    try:
+        async with AsyncEngine(loaded_model=loaded_smollm2, cpu_threads=1,
+                               **REAL_ENGINE_OPTIONS) as engine:
+            assert engine._core.runner.kernel_threads == 1
+            outs = [o async for o in engine.generate("Hello", SamplingParams(
+                max_tokens=4, temperature=0.0))]
+            assert len(outs[-1].outputs[0].token_ids) == 4
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="cpu_threads must be a positive integer"):
+        EngineConfig(cpu_threads=0)

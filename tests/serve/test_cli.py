@@ -22,7 +22,7 @@ def test_help_is_complete(capsys):
                                   "--max-num-seqs", "--max-num-batched-tokens", "--kv-cache-gb",
                                   "--max-queued-requests", "--drain-timeout",
                                   "--attention-backend", "--log-level", "--log-stats-interval",
-                                  "--disable-log-stats", "--access-log", "--chat-template"]),
+                                  "--disable-log-stats", "--access-log", "--chat-template", "--threads"]),
                        ("generate", ["--max-tokens", "--temperature", "--model", "--log-level"]),
                        ("chat", ["--max-tokens", "--system"])]:
         with pytest.raises(SystemExit):

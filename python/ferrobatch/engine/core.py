@@ -177,6 +177,9 @@ class EngineCore:
             max_model_len = kv_tokens
         if loaded.device.type == "cpu":
             check_cpu_kv_fits(num_blocks * kv_block_bytes(mcfg, config.block_size, kv_dtype))
+            if config.cpu_threads is not None:    # the runner's kernels take torch's count
+                import torch
+                torch.set_num_threads(config.cpu_threads)
         runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=config.block_size,
                              device=device, attn_backend=config.attn_backend,
                              gguf_blocks=config.gguf_blocks, amx_tiles=config.amx_tiles,
