@@ -222,3 +222,21 @@ async def test_cpu_threads_sets_the_kernels_thread_count(loaded_smollm2):
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="cpu_threads must be a positive integer"):
         EngineConfig(cpu_threads=0)
+
+
+async def test_a_per_call_chat_template_and_kwargs_that_may_not_replace_it(loaded_smollm2):
+    """render_chat / LLM.chat(chat_template=...) use the given template for that conversation;
+    chat_template_kwargs (what network clients send) can never swap the template in."""
+    async with AsyncEngine(loaded_model=loaded_smollm2, **REAL_ENGINE_OPTIONS) as engine:
+        msgs = [{"role": "user", "content": "Hi"}]
+        own = engine.render_chat(msgs)
+        assert engine.render_chat(msgs, chat_template="<{{ messages[0].content }}>") == "<Hi>"
+        assert engine.render_chat(msgs) == own                 # the model's, unchanged
+        for key in ("chat_template", "tokenize", "messages"):
+            with pytest.raises(ValueError, match="may not set"):
+                engine.render_chat(msgs, template_kwargs={key: "{{ 1 }}"})
+        stream = engine.add_request(None, SamplingParams(max_tokens=1), messages=msgs,
+                                    chat_options={"chat_template": "<{{ messages[0].content }}>"})
+        async for _ in stream:
+            pass
+        assert stream.prompt_token_ids == engine.tokenizer.encode("<Hi>")

@@ -125,6 +125,9 @@ async def test_chat_rendering_options_that_cannot_be_honoured_are_400(fake_serve
     ({"messages": [{"role": "user", "content": "yo"}], "add_generation_prompt": False,
       "continue_final_message": True}, "last message from the assistant"),
     ({"messages": CONTINUED, "chat_template_kwargs": {"messages": []}}, "may not set messages"),
+    # a client cannot swap the operator's template in through the template's variables
+    ({"messages": CONTINUED, "chat_template_kwargs": {"chat_template": "{{ 7 }}"}},
+     "may not set chat_template"),
 ])
 async def test_chat_rendering_options_checked_against_the_messages(fake_server, body, match):
     for path in ("/tokenize", "/v1/chat/completions"):

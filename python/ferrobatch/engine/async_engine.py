@@ -42,7 +42,7 @@ PRETOKENIZED_KEPT = 8        # long prompts tokenized by prepare() and not yet a
 
 
 _CHAT_OPTIONS = frozenset({"add_generation_prompt", "continue_final_message", "tools",
-                           "template_kwargs"})
+                           "template_kwargs", "chat_template"})
 
 
 def _chat_options(options: Any) -> dict[str, Any]:
@@ -114,8 +114,10 @@ class RequestStream:
 # stands in for the final message's text to find where it starts (continue_final_message)
 CONTINUE_MARKER = "\x00continue-final-message\x00"
 # names the chat template gets from the engine, which chat_template_kwargs may not replace
+# names chat_template_kwargs may not set: the template's own inputs, and apply_chat_template's
+# keywords (a client's `chat_template` there would replace the operator's template)
 TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token",
-                               "tools"})
+                               "tools", "chat_template", "tokenize"})
 
 
 class AsyncEngine:
@@ -273,11 +275,14 @@ class AsyncEngine:
 
     def render_chat(self, messages: Any, *, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, tools: list | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> str:
+                    template_kwargs: dict[str, Any] | None = None,
+                    chat_template: str | None = None) -> str:
         """A conversation as prompt text through the model's chat template (ValueError for bad
         messages or options). `continue_final_message`: the text ends inside the last
         (assistant) message, for the model to go on with it; `tools` and `template_kwargs`
-        are passed to the template (vLLM's `chat_template_kwargs`)."""
+        are passed to the template (vLLM's `chat_template_kwargs`); `chat_template` (Jinja
+        text) is used instead of the model's for this conversation (Python only: the network
+        doors refuse a client's template)."""
         msgs = normalize_messages(messages)
         extra = dict(template_kwargs or {})
         clash = sorted(set(extra) & TEMPLATE_RESERVED)
@@ -285,6 +290,10 @@ class AsyncEngine:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
         if tools is not None:
             extra["tools"] = tools
+        if chat_template is not None:
+            if not isinstance(chat_template, str) or not chat_template.strip():
+                raise ValueError("chat_template must be a non-empty Jinja text")
+            extra["chat_template"] = chat_template
         if not continue_final_message:
             return self._core.tokenizer.apply_chat_template(
                 msgs, add_generation_prompt=add_generation_prompt, **extra)

@@ -158,12 +158,13 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
-             params: Any = None) -> list[RequestOutput]:
+             chat_template: str | None = None, params: Any = None) -> list[RequestOutput]:
         """Chat completion(s): one conversation (a list of messages) or a list of them.
 
         As vLLM's: `continue_final_message` (with `add_generation_prompt=False`) ends the
         prompt inside the last assistant message, for the model to go on with it; `tools` and
-        `chat_template_kwargs` are passed to the chat template. Without params a reply may
+        `chat_template_kwargs` are passed to the chat template; `chat_template` (Jinja text)
+        replaces the model's for these conversations. Without params a reply may
         fill the context (`max_tokens=None`; vLLM's default is 16 tokens)."""
         params = _one_params(sampling_params, params)
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -185,6 +186,8 @@ class LLM:
             options["tools"] = tools
         if chat_template_kwargs:
             options["template_kwargs"] = chat_template_kwargs
+        if chat_template is not None:
+            options["chat_template"] = chat_template
         return self._run(self._generate_all([None] * len(convs), plist, convs,
                                             use_tqdm and len(convs) >= PROGRESS_MIN_PROMPTS,
                                             options or None))

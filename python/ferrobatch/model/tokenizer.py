@@ -191,20 +191,23 @@ class Tokenizer:
         return self._backend.id_to_token(token_id)
 
     def apply_chat_template(self, messages: list[dict], /, add_generation_prompt: bool = True,
-                            tokenize: bool = False, **extra: Any) -> str | list[int]:
+                            tokenize: bool = False, chat_template: str | None = None,
+                            **extra: Any) -> str | list[int]:
         """Renders a conversation to prompt text (its token ids with `tokenize=True`, special
         tokens parsed, none added); ValueError on bad messages or a missing template. Unlike
-        transformers', text is the default."""
-        if not self.chat_template:
+        transformers', text is the default; as there, `chat_template` replaces the model's."""
+        source = chat_template or self.chat_template
+        if not source:
             raise ValueError("this model has no chat template; send a plain completion prompt")
         if tokenize:
             return self.encode(self.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, **extra))
+                messages, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template, **extra))
 
         def text(token_id: int | None) -> str:
             return (self._backend.id_to_token(token_id) or "") if token_id is not None else ""
 
         return render_chat_template(
-            self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+            source, messages, add_generation_prompt=add_generation_prompt,
             bos_token=text(self.bos_token_id), eos_token=text(self.eos_token_id), **extra,
         )
