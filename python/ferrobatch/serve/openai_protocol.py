@@ -39,6 +39,26 @@ class OpenAIRequest:
     chat_template: dict[str, Any] | None = None
 
 
+def check_model(body: dict, model_name: str) -> None:
+    """The body's `model`, if given, must be the one served (404 otherwise, as OpenAI)."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ProtocolError("'model' must be a string", param="model")
+    if model not in (None, model_name):
+        raise ProtocolError(f"The model '{model}' does not exist; this server serves "
+                            f"'{model_name}'", code=404, param="model")
+
+
+def stream_flag(body: dict) -> bool:
+    """The body's `stream` (false when absent or null)."""
+    stream = body.get("stream", False)
+    if stream is None:
+        return False
+    if not isinstance(stream, bool):
+        raise ProtocolError("'stream' must be a boolean", param="stream")
+    return stream
+
+
 def _check_common(body: Any, model_name: str) -> tuple[bool, bool, bool, str]:
     """(stream, include_usage, continuous usage, model name) of a valid body; ProtocolError
     otherwise. `stream_options.continuous_usage_stats` (vLLM's extension) puts the running
@@ -48,17 +68,8 @@ def _check_common(body: Any, model_name: str) -> tuple[bool, bool, bool, str]:
     if body.get("prompt_logprobs") is not None:
         raise ProtocolError("'prompt_logprobs' is not an HTTP field here: send 'echo': true "
                             "with 'logprobs' (completions)", param="prompt_logprobs")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ProtocolError("'model' must be a string", param="model")
-    if model not in (None, model_name):
-        raise ProtocolError(f"The model '{model}' does not exist; this server serves "
-                            f"'{model_name}'", code=404, param="model")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise ProtocolError("'stream' must be a boolean", param="stream")
+    check_model(body, model_name)
+    stream = stream_flag(body)
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise ProtocolError("'stream_options' must be an object", param="stream_options")

@@ -27,7 +27,9 @@ from aiohttp import web
 from ferrobatch.sampling_params import SamplingParams
 from ferrobatch.serve.codec import dumps_json
 from ferrobatch.serve.http import error_response, read_json
+from ferrobatch.serve.openai_protocol import check_model, stream_flag
 from ferrobatch.serve.protocol import ProtocolError, sampling_params_from
+from ferrobatch.serve.sse import SSEWriter
 from ferrobatch.serve.state import STATE
 from ferrobatch.serve.tools import ToolOutputStream, ToolPlan, parse_tools, tool_calls_of
 
@@ -199,23 +201,14 @@ def parse_responses(body: Any, model_name: str, hermes_tools: bool = False) -> R
     `<tool_call>` blocks, so tool_choice "auto" is served."""
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ProtocolError("'model' must be a string", param="model")
-    if model not in (None, model_name):
-        raise ProtocolError(f"The model '{model}' does not exist; this server serves "
-                            f"'{model_name}'", code=404, param="model")
+    check_model(body, model_name)
     for key, why in REFUSED.items():
         if body.get(key) not in (None, False, [], {}):
             raise ProtocolError(f"'{key}' is not supported: {why}", param=key)
     if body.get("include"):
         raise ProtocolError("'include' is not supported (no logprobs or other extras on "
                             "/v1/responses yet)", param="include")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise ProtocolError("'stream' must be a boolean", param="stream")
+    stream = stream_flag(body)
     metadata = body.get("metadata")
     if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
@@ -313,20 +306,15 @@ def _status(finish_reason: str | None, error: str | None,
     return "incomplete" if finish_reason == "length" and not calls else "completed"
 
 
-class _Events:
-    """The stream's SSE events (`event: <type>`, `data: <json>`), numbered in order."""
+class _Events(SSEWriter):
+    """The stream's SSE events (`event: <type>`, `data: <json>`), numbered in order; no
+    `[DONE]` at the end (the Responses API ends with its `response.*` event)."""
 
     def __init__(self, request: web.Request) -> None:
-        self._request = request
-        self.response = web.StreamResponse(status=200, headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no"})
+        super().__init__(request)
         self._seq = 0
 
-    async def open(self) -> None:
-        await self.response.prepare(self._request)
-
-    async def send(self, kind: str, **fields: Any) -> None:
+    async def emit(self, kind: str, **fields: Any) -> None:
         """Raises ConnectionResetError once the client has gone."""
         data = {"type": kind, "sequence_number": self._seq, **fields}
         self._seq += 1
@@ -382,23 +370,23 @@ class _MessageEvents:
     async def open(self) -> None:
         if not self.opened:
             self.opened = True
-            await self.events.send("response.output_item.added", output_index=0,
+            await self.events.emit("response.output_item.added", output_index=0,
                                    item=_message_item(self.req, None, "in_progress"))
-            await self.events.send("response.content_part.added", part=_part(""), **self.ids)
+            await self.events.emit("response.content_part.added", part=_part(""), **self.ids)
 
     async def delta(self, text: str) -> None:
         if text:
             await self.open()
             self.text.append(text)
-            await self.events.send("response.output_text.delta", delta=text, logprobs=[],
+            await self.events.emit("response.output_text.delta", delta=text, logprobs=[],
                                    **self.ids)
 
     async def close(self, item: dict[str, Any]) -> None:
         whole = "".join(self.text)
-        await self.events.send("response.output_text.done", text=whole, logprobs=[],
+        await self.events.emit("response.output_text.done", text=whole, logprobs=[],
                                **self.ids)
-        await self.events.send("response.content_part.done", part=_part(whole), **self.ids)
-        await self.events.send("response.output_item.done", output_index=0, item=item)
+        await self.events.emit("response.content_part.done", part=_part(whole), **self.ids)
+        await self.events.emit("response.output_item.done", output_index=0, item=item)
 
 
 async def _stream(request: web.Request, req: ResponsesRequest, stream: Any) -> web.StreamResponse:
@@ -408,8 +396,8 @@ async def _stream(request: web.Request, req: ResponsesRequest, stream: Any) -> w
     tool_stream = ToolOutputStream(req.tools) if req.tools is not None else None
     try:
         await events.open()
-        await events.send("response.created", response=response_object(req, "in_progress"))
-        await events.send("response.in_progress", response=response_object(req, "in_progress"))
+        await events.emit("response.created", response=response_object(req, "in_progress"))
+        await events.emit("response.in_progress", response=response_object(req, "in_progress"))
         if req.tools is None:
             await message.open()
         raw, generated, finish, error, cached = [], 0, None, None, 0
@@ -425,7 +413,7 @@ async def _stream(request: web.Request, req: ResponsesRequest, stream: Any) -> w
         status = _status(finish, error, calls)
         usage = (len(stream.prompt_token_ids), generated, cached)
         if status == "failed":
-            await events.send("response.failed", response=response_object(
+            await events.emit("response.failed", response=response_object(
                 req, status, "".join(raw), None, usage, error or "the request was aborted"))
         else:
             await message.delta(rest)
@@ -437,14 +425,14 @@ async def _stream(request: web.Request, req: ResponsesRequest, stream: Any) -> w
             for k, call in enumerate(calls or ()):
                 index = first_call + k
                 item = _call_item(call)
-                await events.send("response.output_item.added", output_index=index,
+                await events.emit("response.output_item.added", output_index=index,
                                   item=_call_item(call, ""))
-                await events.send("response.function_call_arguments.delta", item_id=item["id"],
+                await events.emit("response.function_call_arguments.delta", item_id=item["id"],
                                   output_index=index, delta=item["arguments"])
-                await events.send("response.function_call_arguments.done", item_id=item["id"],
+                await events.emit("response.function_call_arguments.done", item_id=item["id"],
                                   output_index=index, arguments=item["arguments"])
-                await events.send("response.output_item.done", output_index=index, item=item)
-            await events.send(f"response.{status}", response=final)
+                await events.emit("response.output_item.done", output_index=index, item=item)
+            await events.emit(f"response.{status}", response=final)
         await events.response.write_eof()
     except ConnectionError:
         pass                      # the client left: the caller's finally aborts the request
