@@ -124,7 +124,10 @@ async def test_a_client_that_leaves_mid_stream_aborts_its_request(fake_server):
     ({"input": [{"role": "robot", "content": "x"}]}, "input", 400),
     ({"input": ""}, "input", 400),
     ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text", 400),
-    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", 400),
+    ({"input": "x", "include": ["file_search_call.results"]}, "include", 400),
+    ({"input": "x", "top_logprobs": 3}, "top_logprobs", 400),
+    ({"input": "x", "top_logprobs": 21, "include": ["message.output_text.logprobs"]},
+     "top_logprobs", 400),
     ({"input": "x", "max_output_tokens": 0}, "max_tokens", 400),
     ({"input": "x", "model": "other"}, "model", 404),
 ])
@@ -249,3 +252,31 @@ async def test_stored_responses_are_a_clear_404(client):
                  client.responses.cancel(resp.id)):
         with pytest.raises(openai.NotFoundError, match="not stored"):
             await call
+
+
+async def test_logprobs_through_include(fake_server):
+    body = {"input": "hello" + EOS, "include": ["message.output_text.logprobs"],
+            "top_logprobs": 2}
+    status, resp = await raw_post(fake_server, body)
+    assert status == 200
+    part = Response.model_validate(resp).output[0].content[0]
+    # one entry per generated token, the end-of-sequence one included (as chat's logprobs)
+    assert len(part.logprobs) == resp["usage"]["output_tokens"]
+    assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    assert "".join(lp.token for lp in part.logprobs).startswith(part.text)
+    # streamed: each delta carries its tokens' entries, the done events all of them
+    async with aiohttp.ClientSession() as s:
+        async with s.post(fake_server.base + "/v1/responses",
+                          json={**body, "stream": True}) as r:
+            raw = (await r.read()).decode()
+    datas = [json.loads(b.split("\n")[1].removeprefix("data: ")) for b in raw.split("\n\n")
+             if b]
+    event = TypeAdapter(ResponseStreamEvent)
+    for d in datas:
+        event.validate_python(d)
+    streamed = [x for d in datas if d["type"] == "response.output_text.delta"
+                for x in d["logprobs"]]
+    done = next(d for d in datas if d["type"] == "response.output_text.done")
+    final = datas[-1]["response"]["output"][0]["content"][0]
+    assert streamed == done["logprobs"] == final["logprobs"] == resp["output"][0]["content"][0][
+        "logprobs"]

@@ -4,7 +4,8 @@
 Served: `input` as text or a list of messages (roles user, system, developer, assistant; content
 as text or `input_text` / `output_text` parts), `instructions` (a system message first),
 `max_output_tokens`, `temperature`, `top_p`, `text.format` (`text`, `json_object`,
-`json_schema`: guided decoding), `metadata` (echoed), `stream` (the typed events:
+`json_schema`: guided decoding), `metadata` (echoed), `include:
+["message.output_text.logprobs"]` with `top_logprobs`, `stream` (the typed events:
 `response.created` ... `response.output_text.delta` ... `response.completed`), and the vLLM
 sampling extras the other routes take (`top_k`, `min_p`, `repetition_penalty`, `seed`, `stop`,
 ...). Function tools as on the chat route (`tools.py`): `tool_choice` "required" or a named
@@ -24,9 +25,10 @@ from typing import Any
 
 from aiohttp import web
 
-from ferrobatch.sampling_params import SamplingParams
+from ferrobatch.sampling_params import MAX_LOGPROBS, SamplingParams
 from ferrobatch.serve.codec import dumps_json
 from ferrobatch.serve.http import error_response, read_json
+from ferrobatch.serve.logprobs import chat_logprobs
 from ferrobatch.serve.openai_protocol import check_model, stream_flag
 from ferrobatch.serve.protocol import ProtocolError, sampling_params_from
 from ferrobatch.serve.sse import SSEWriter
@@ -35,6 +37,7 @@ from ferrobatch.serve.tools import ToolOutputStream, ToolPlan, parse_tools, tool
 
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # fields whose meaning this server cannot honour (it stores nothing): refused, not ignored
 REFUSED = {"previous_response_id": "nothing is stored on this server: send the whole "
            "conversation as 'input'",
@@ -205,9 +208,18 @@ def parse_responses(body: Any, model_name: str, hermes_tools: bool = False) -> R
     for key, why in REFUSED.items():
         if body.get(key) not in (None, False, [], {}):
             raise ProtocolError(f"'{key}' is not supported: {why}", param=key)
-    if body.get("include"):
-        raise ProtocolError("'include' is not supported (no logprobs or other extras on "
-                            "/v1/responses yet)", param="include")
+    include = body.get("include") or []
+    if not isinstance(include, list) or any(x != LOGPROBS_INCLUDE for x in include):
+        raise ProtocolError(f"'include' may only hold {LOGPROBS_INCLUDE!r} here (nothing else "
+                            "is kept to include)", param="include")
+    top = body.get("top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int)
+                            or not 0 <= top <= MAX_LOGPROBS):
+        raise ProtocolError(f"'top_logprobs' must be an integer in [0, {MAX_LOGPROBS}]",
+                            param="top_logprobs")
+    if top and not include:
+        raise ProtocolError(f"'top_logprobs' needs 'include': [{LOGPROBS_INCLUDE!r}]",
+                            param="top_logprobs")
     stream = stream_flag(body)
     metadata = body.get("metadata")
     if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
@@ -217,6 +229,8 @@ def parse_responses(body: Any, model_name: str, hermes_tools: bool = False) -> R
     messages = _messages(body)
     guided, text = _text_format(body)
     plan, chat_tools = _tool_plan(body, hermes_tools)
+    if include and plan is not None:
+        raise ProtocolError("logprobs are not served together with tools", param="include")
     if plan is not None and plan.forced:
         if guided:
             raise ProtocolError("a forced tool call cannot be combined with 'text.format'",
@@ -224,6 +238,8 @@ def parse_responses(body: Any, model_name: str, hermes_tools: bool = False) -> R
         guided = {"guided_json": plan.schema}
     fields = {k: body[k] for k in EXTRAS if k in body}
     fields.update(guided)
+    if include:
+        fields["logprobs"] = top or 0
     for ours, theirs in (("max_tokens", "max_output_tokens"), ("temperature", "temperature"),
                          ("top_p", "top_p")):
         if body.get(theirs) is not None:
@@ -242,13 +258,19 @@ def parse_responses(body: Any, model_name: str, hermes_tools: bool = False) -> R
 
 # -- the response object and the stream's events -------------------------------------------------
 
-def _part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _part(text: str, logprobs: list | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def _message_item(req: ResponsesRequest, text: str | None, status: str) -> dict[str, Any]:
+def _message_item(req: ResponsesRequest, text: str | None, status: str,
+                  logprobs: list | None = None) -> dict[str, Any]:
     return {"type": "message", "id": req.item_id, "role": "assistant", "status": status,
-            "content": [] if text is None else [_part(text)]}
+            "content": [] if text is None else [_part(text, logprobs)]}
+
+
+def _logprob_items(request: web.Request, entries: Any) -> list[dict[str, Any]]:
+    """The output_text logprobs of `entries` (chat's shape: token, logprob, bytes, top)."""
+    return chat_logprobs(entries or (), request.app[STATE].token_strings())["content"]
 
 
 def _call_item(call: dict[str, Any], arguments: str | None = None) -> dict[str, Any]:
@@ -272,7 +294,7 @@ def _outcome(req: ResponsesRequest, text: str,
 def response_object(req: ResponsesRequest, status: str, text: str | None = None,
                     calls: list[dict[str, Any]] | None = None,
                     usage: tuple[int, int, int] | None = None,
-                    error: str | None = None) -> dict[str, Any]:
+                    error: str | None = None, logprobs: list | None = None) -> dict[str, Any]:
     """The `response` object: `status` "in_progress" (no output yet), "completed",
     "incomplete" (cut by max_output_tokens or the context) or "failed". The output is the
     message (when there is text, or no call) and then one `function_call` item per call."""
@@ -283,7 +305,7 @@ def response_object(req: ResponsesRequest, status: str, text: str | None = None,
     if text is not None:
         if text or not calls:
             out["output"].append(_message_item(req, text, "incomplete" if status == "incomplete"
-                                               else "completed"))
+                                               else "completed", logprobs))
         out["output"] += [_call_item(c) for c in calls or ()]
     if status == "incomplete":
         out["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -341,9 +363,12 @@ async def responses(request: web.Request) -> web.StreamResponse:
             return error_response(500, last.error, "server_error")
         c = last.outputs[0]
         text, calls = _outcome(req, c.text, c.finish_reason)
+        logprobs = _logprob_items(request, c.logprobs) if req.params.logprobs is not None \
+            else None
         return web.json_response(response_object(
             req, _status(c.finish_reason, None, calls), text, calls,
-            (len(stream.prompt_token_ids), len(c.token_ids), last.num_cached_tokens or 0)))
+            (len(stream.prompt_token_ids), len(c.token_ids), last.num_cached_tokens or 0),
+            logprobs=logprobs))
     finally:
         stream.abort()
 
@@ -366,6 +391,7 @@ class _MessageEvents:
         self.ids = dict(item_id=req.item_id, output_index=0, content_index=0)
         self.opened = False
         self.text: list[str] = []
+        self.logprobs: list[dict[str, Any]] = []
 
     async def open(self) -> None:
         if not self.opened:
@@ -374,18 +400,20 @@ class _MessageEvents:
                                    item=_message_item(self.req, None, "in_progress"))
             await self.events.emit("response.content_part.added", part=_part(""), **self.ids)
 
-    async def delta(self, text: str) -> None:
-        if text:
+    async def delta(self, text: str, logprobs: list | None = None) -> None:
+        if text or logprobs:
             await self.open()
             self.text.append(text)
-            await self.events.emit("response.output_text.delta", delta=text, logprobs=[],
-                                   **self.ids)
+            self.logprobs += logprobs or ()
+            await self.events.emit("response.output_text.delta", delta=text,
+                                   logprobs=logprobs or [], **self.ids)
 
     async def close(self, item: dict[str, Any]) -> None:
         whole = "".join(self.text)
-        await self.events.emit("response.output_text.done", text=whole, logprobs=[],
+        await self.events.emit("response.output_text.done", text=whole,
+                               logprobs=self.logprobs, **self.ids)
+        await self.events.emit("response.content_part.done", part=_part(whole, self.logprobs),
                                **self.ids)
-        await self.events.emit("response.content_part.done", part=_part(whole), **self.ids)
         await self.events.emit("response.output_item.done", output_index=0, item=item)
 
 
@@ -406,7 +434,11 @@ async def _stream(request: web.Request, req: ResponsesRequest, stream: Any) -> w
             c = out.outputs[0]
             generated += len(c.token_ids)
             raw.append(c.text)
-            await message.delta(c.text if tool_stream is None else tool_stream.feed(c.text))
+            if tool_stream is not None:
+                await message.delta(tool_stream.feed(c.text))
+            else:                 # (logprobs are asked for only without tools)
+                await message.delta(c.text, _logprob_items(request, c.logprobs)
+                                    if req.params.logprobs is not None else None)
             finish, error = c.finish_reason, out.error
         # what was held back: the calls, or text after all
         rest, calls = tool_stream.finish(finish) if tool_stream is not None else ("", None)
@@ -417,7 +449,8 @@ async def _stream(request: web.Request, req: ResponsesRequest, stream: Any) -> w
                 req, status, "".join(raw), None, usage, error or "the request was aborted"))
         else:
             await message.delta(rest)
-            final = response_object(req, status, "".join(message.text), calls, usage)
+            final = response_object(req, status, "".join(message.text), calls, usage,
+                                    logprobs=message.logprobs)
             if message.opened or not calls:
                 await message.open()
                 await message.close(final["output"][0])
