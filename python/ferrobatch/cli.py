@@ -190,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get("FERROBATCH_API_KEY"),
                    help="require this key (Bearer token / TCP hello) on every route but /health; "
                         "default $FERROBATCH_API_KEY")
-    s.add_argument("--served-model-name", default=None, help="model id reported to clients")
+    s.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
+                   help="the model id(s) clients use; the first is the one reported "
+                   "(default: the model's name)")
     s.add_argument("--seed", type=int, default=None, dest="engine_seed",
                    help="seeds the sampling of requests that carry no seed of their own "
                    "(default: a random start)")

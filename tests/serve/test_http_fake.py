@@ -404,3 +404,29 @@ async def test_malformed_http_is_a_400_and_one_log_line_not_a_traceback(fake_ser
     async with aiohttp.ClientSession() as s:                     # the server is fine
         async with s.get(fake_server.base + "/health") as resp:
             assert resp.status == 200
+
+
+@pytest.mark.parametrize("fake_server", [{"served_model_name": ["main", "alias"]}],
+                         indirect=True)
+async def test_served_model_name_aliases(fake_server):
+    """`--served-model-name main alias`: both are listed and accepted; a response reports the
+    name it was asked for (the first when none), anything else is a 404."""
+    async with aiohttp.ClientSession() as s:
+        async with s.get(fake_server.base + "/v1/models") as resp:
+            assert [m["id"] for m in (await resp.json())["data"]] == ["main", "alias"]
+        async with s.get(fake_server.base + "/v1/models/alias") as resp:
+            assert resp.status == 200 and (await resp.json())["id"] == "alias"
+    for asked, reported in ((None, "main"), ("main", "main"), ("alias", "alias")):
+        body = {"prompt": "hi", "max_tokens": 2, **({"model": asked} if asked else {})}
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+            if path == "/v1/chat/completions":
+                body = {k: v for k, v in body.items() if k != "prompt"} | {
+                    "messages": [{"role": "user", "content": "hi"}]}
+            if path == "/v1/responses":
+                body = {k: v for k, v in body.items() if k not in ("messages", "max_tokens")} | {
+                    "input": "hi", "max_output_tokens": 2}
+            status, _, text = await post(fake_server, path, body)
+            assert status == 200 and json.loads(text)["model"] == reported, (path, text)
+    status, _, text = await post(fake_server, "/v1/completions", {"prompt": "x",
+                                                                  "model": "other"})
+    assert status == 404 and "serves 'main'" in json.loads(text)["error"]["message"]

@@ -74,12 +74,12 @@ async def read_json(request: web.Request) -> Any:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    return await _serve(request, parse_completion(await read_json(request), state.model_name))
+    return await _serve(request, parse_completion(await read_json(request), state.model_names))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    return await _serve(request, parse_chat(await read_json(request), state.model_name,
+    return await _serve(request, parse_chat(await read_json(request), state.model_names,
                                             hermes_tools=state.hermes_tools))
 
 
@@ -295,24 +295,27 @@ async def _stream(request: web.Request, req: OpenAIRequest,
 
 # -- service routes ----------------------------------------------------------------------------
 
-def _model_card(state) -> dict[str, Any]:
-    return {"id": state.model_name, "object": "model", "created": state.created,
+def _model_card(state, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": state.created,
             "owned_by": "ferrobatch", "root": state.engine.model_name,
             "max_model_len": state.engine.max_model_len}
 
 
 async def models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+    """One card per served name (`--served-model-name a b`: both)."""
+    state = request.app[STATE]
+    return web.json_response({"object": "list",
+                              "data": [_model_card(state, n) for n in state.model_names]})
 
 
 async def model(request: web.Request) -> web.Response:
     """`GET /v1/models/{model}` (the OpenAI SDK's `models.retrieve`)."""
     state = request.app[STATE]
     name = request.match_info["model"]
-    if name != state.model_name:
+    if name not in state.model_names:
         return error_response(404, f"The model '{name}' does not exist; this server serves "
                                    f"'{state.model_name}'", "not_found_error", "model")
-    return web.json_response(_model_card(state))
+    return web.json_response(_model_card(state, name))
 
 
 async def version(request: web.Request) -> web.Response:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,14 +40,19 @@ class OpenAIRequest:
     chat_template: dict[str, Any] | None = None
 
 
-def check_model(body: dict, model_name: str) -> None:
-    """The body's `model`, if given, must be the one served (404 otherwise, as OpenAI)."""
+def check_model(body: dict, model_names: str | Sequence[str]) -> str:
+    """The model name a response reports: the body's `model`, which must be one of the served
+    names (404 otherwise, as OpenAI), or the first name when the body gives none."""
+    names = (model_names,) if isinstance(model_names, str) else tuple(model_names)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ProtocolError("'model' must be a string", param="model")
-    if model not in (None, model_name):
+    if model is None:
+        return names[0]
+    if model not in names:
         raise ProtocolError(f"The model '{model}' does not exist; this server serves "
-                            f"'{model_name}'", code=404, param="model")
+                            f"'{names[0]}'", code=404, param="model")
+    return model
 
 
 def stream_flag(body: dict) -> bool:
@@ -59,7 +65,7 @@ def stream_flag(body: dict) -> bool:
     return stream
 
 
-def _check_common(body: Any, model_name: str) -> tuple[bool, bool, bool, str]:
+def _check_common(body: Any, model_name: str | Sequence[str]) -> tuple[bool, bool, bool, str]:
     """(stream, include_usage, continuous usage, model name) of a valid body; ProtocolError
     otherwise. `stream_options.continuous_usage_stats` (vLLM's extension) puts the running
     usage in every chunk; like vLLM, only together with `include_usage`."""
@@ -68,7 +74,7 @@ def _check_common(body: Any, model_name: str) -> tuple[bool, bool, bool, str]:
     if body.get("prompt_logprobs") is not None:
         raise ProtocolError("'prompt_logprobs' is not an HTTP field here: send 'echo': true "
                             "with 'logprobs' (completions)", param="prompt_logprobs")
-    check_model(body, model_name)
+    model = check_model(body, model_name)
     stream = stream_flag(body)
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
@@ -81,10 +87,10 @@ def _check_common(body: Any, model_name: str) -> tuple[bool, bool, bool, str]:
     continuous_usage = include_usage and bool(opts.get("continuous_usage_stats"))
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
         raise ProtocolError("'best_of' other than n is not supported", param="best_of")
-    return stream, include_usage, continuous_usage, model_name
+    return stream, include_usage, continuous_usage, model
 
 
-def parse_completion(body: Any, model_name: str) -> OpenAIRequest:
+def parse_completion(body: Any, model_name: str | Sequence[str]) -> OpenAIRequest:
     stream, include_usage, continuous_usage, model = _check_common(body, model_name)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -119,7 +125,8 @@ def parse_completion(body: Any, model_name: str) -> OpenAIRequest:
                          echo=echo)
 
 
-def parse_chat(body: Any, model_name: str, hermes_tools: bool = False) -> OpenAIRequest:
+def parse_chat(body: Any, model_name: str | Sequence[str],
+               hermes_tools: bool = False) -> OpenAIRequest:
     """A chat request; `hermes_tools`: the model writes Hermes `<tool_call>` blocks, so
     tool_choice "auto" is served."""
     stream, include_usage, continuous_usage, model = _check_common(body, model_name)

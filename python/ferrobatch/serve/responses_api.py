@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
@@ -198,13 +199,14 @@ def _text_format(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
                         "'json_schema', ...}", param="text")
 
 
-def parse_responses(body: Any, model_name: str, hermes_tools: bool = False) -> ResponsesRequest:
+def parse_responses(body: Any, model_name: str | Sequence[str],
+                    hermes_tools: bool = False) -> ResponsesRequest:
     """A `/v1/responses` body as a ResponsesRequest; ProtocolError (a 400, 404 for another
     model) for anything it cannot serve as asked. `hermes_tools`: the model writes Hermes
     `<tool_call>` blocks, so tool_choice "auto" is served."""
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
-    check_model(body, model_name)
+    model = check_model(body, model_name)
     for key, why in REFUSED.items():
         if body.get(key) not in (None, False, [], {}):
             raise ProtocolError(f"'{key}' is not supported: {why}", param=key)
@@ -252,7 +254,7 @@ def parse_responses(body: Any, model_name: str, hermes_tools: bool = False) -> R
             "tools": list(body.get("tools") or []),
             "tool_choice": body.get("tool_choice") or ("auto" if plan else "none"),
             "parallel_tool_calls": body.get("parallel_tool_calls") is not False}
-    return ResponsesRequest(messages, params, stream, model_name, echo, plan,
+    return ResponsesRequest(messages, params, stream, model, echo, plan,
                             {"tools": chat_tools} if chat_tools else None)
 
 
@@ -347,7 +349,7 @@ class _Events(SSEWriter):
 async def responses(request: web.Request) -> web.StreamResponse:
     """`POST /v1/responses`."""
     state = request.app[STATE]
-    req = parse_responses(await read_json(request), state.model_name,
+    req = parse_responses(await read_json(request), state.model_names,
                           hermes_tools=state.hermes_tools)
     engine = state.engine
     await engine.prepare(req.params, messages=req.messages, chat_options=req.chat_options)

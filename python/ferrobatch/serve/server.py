@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import WSCloseCode, web
@@ -49,7 +50,7 @@ def build_app(state: ServerState) -> web.Application:
 
 class Server:
     def __init__(self, engine: Any, *, api_key: str | None = None,
-                 served_model_name: str | None = None,
+                 served_model_name: str | Sequence[str] | None = None,
                  allowed_origins: frozenset[str] = frozenset(),
                  log_stats_interval_s: float = 0.0, access_log: bool = False) -> None:
         """`allowed_origins`: the browser origins CORS lets call the HTTP API (`"*"`: any;
@@ -58,6 +59,11 @@ class Server:
         `access_log`: an INFO line per HTTP request (logger `ferrobatch.access`)."""
         if api_key is not None and not api_key:
             raise ValueError("api_key must not be empty")
+        if served_model_name is not None and not isinstance(served_model_name, str):
+            served_model_name = tuple(served_model_name)
+            if not served_model_name or not all(isinstance(n, str) and n
+                                                for n in served_model_name):
+                raise ValueError("served_model_name must be a name or a list of names")
         self.state = ServerState(engine, api_key=api_key, served_model_name=served_model_name,
                                  allowed_origins=frozenset(allowed_origins))
         self.state.metrics = ServerMetrics(engine, self.state.model_name)

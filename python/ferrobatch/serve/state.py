@@ -20,7 +20,8 @@ class ServerState:
     engine: Any
     api_key: str | None = None
     metrics: Any = None
-    served_model_name: str | None = None
+    served_model_name: str | tuple[str, ...] | None = None   # names clients use; the first
+#                                                           is the one reported
     allowed_origins: frozenset[str] = frozenset()    # CORS (serve/cors.py); empty: off
     sessions: set = field(default_factory=set)
     websockets: set = field(default_factory=set)     # open WebSocketResponses (closed on stop)
@@ -44,8 +45,16 @@ class ServerState:
         return template_has_hermes_calls(getattr(self.engine.tokenizer, "chat_template", None))
 
     @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request may give as `model` (the first is reported by default)."""
+        names = self.served_model_name
+        if isinstance(names, str):
+            return (names,)
+        return tuple(names) if names else (self.engine.model_name,)
+
+    @property
     def model_name(self) -> str:
-        return self.served_model_name or self.engine.model_name
+        return self.model_names[0]
 
     @property
     def limits(self) -> dict[str, Any]:
