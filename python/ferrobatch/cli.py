@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -215,6 +216,22 @@ def build_parser() -> argparse.ArgumentParser:
                     "seconds (WebSocket and TCP sessions are not logged)")
     _engine_args(s)
 
+    b = sub.add_parser("batch", help="answer a file of OpenAI batch requests (JSONL) offline",
+                       formatter_class=_HelpFormatter,
+                       description="Each input line is {\"custom_id\", \"method\": \"POST\", "
+                       "\"url\": \"/v1/chat/completions\" | \"/v1/completions\" | "
+                       "\"/v1/responses\", \"body\"}; each output line answers one, in the "
+                       "order they finish (match them by custom_id).")
+    b.add_argument("-i", "--input", required=True, help="the requests, one JSON per line "
+                   "('-': stdin)")
+    b.add_argument("-o", "--output", required=True, help="where the answers go ('-': stdout)")
+    b.add_argument("--concurrency", type=int, default=256,
+                   help="requests in flight at once")
+    b.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name the requests use (default: the model's name)")
+    _log_level_arg(b, "warning")
+    _engine_args(b)
+
     for name, helptext in (("generate", "generate a completion for one prompt"),
                            ("chat", "chat with the model in the terminal")):
         g = sub.add_parser(name, help=helptext, formatter_class=_HelpFormatter)
@@ -344,6 +361,34 @@ def _params(a: argparse.Namespace) -> SamplingParams:
                           top_k=a.top_k, seed=a.seed, output_kind="delta", **_guided(a))
 
 
+async def _batch(a: argparse.Namespace) -> int:
+    from ferrobatch.batch import run_batch
+    from ferrobatch.engine.async_engine import AsyncEngine
+
+    if a.concurrency < 1:
+        raise ValueError("--concurrency must be >= 1")
+    source = sys.stdin if a.input == "-" else open(a.input, encoding="utf-8")  # noqa: SIM115
+    with source:                                    # FileNotFoundError: a one-line error
+        lines = source.read().splitlines()
+    sink = sys.stdout if a.output == "-" else open(a.output, "w", encoding="utf-8")  # noqa: SIM115
+
+    def write(out: dict[str, Any]) -> None:
+        sink.write(json.dumps(out, ensure_ascii=False) + "\n")
+        sink.flush()
+
+    try:
+        async with AsyncEngine(_config(a)) as engine:
+            summary = await run_batch(engine, lines, write, concurrency=a.concurrency,
+                                      progress=sys.stderr.isatty(),
+                                      served_model_name=a.served_model_name)
+    finally:
+        if sink is not sys.stdout:
+            sink.close()
+    print(f"ferrobatch: {summary.total} requests, {summary.succeeded} answered, "
+          f"{summary.failed} failed", file=sys.stderr)
+    return 0
+
+
 async def _generate(a: argparse.Namespace) -> int:
     from ferrobatch.engine.async_engine import AsyncEngine
     params = _params(a)
@@ -382,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
     try:
-        run = {"serve": _serve, "generate": _generate, "chat": _chat}[args.command]
+        run = {"serve": _serve, "generate": _generate, "chat": _chat,
+               "batch": _batch}[args.command]
         return asyncio.run(run(args))
     except (ValueError, FileNotFoundError) as exc:
         print(f"ferrobatch: {exc}", file=sys.stderr)
