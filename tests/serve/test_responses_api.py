@@ -14,7 +14,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from ferrobatch.serve.protocol import ProtocolError
-from ferrobatch.serve.responses_api import parse_responses
+from ferrobatch.serve.responses_protocol import parse_responses
 
 EOS = "\x03"        # FakeCore's end of sequence: the output stops there, as a model does
 
