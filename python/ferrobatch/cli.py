@@ -135,12 +135,20 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         chat_template=_template_text(a.chat_template), cpu_threads=a.cpu_threads)
 
 
+def _text_or_file(value: str, is_text: bool) -> str:
+    """An option that takes a text or a file holding it: `value` itself when `is_text`, else
+    the file's content (FileNotFoundError: a one-line error)."""
+    if is_text:
+        return value
+    with open(value, encoding="utf-8") as f:
+        return f.read()
+
+
 def _template_text(value: str | None) -> str | None:
     """--chat-template's value: the template's text, read from a file unless it is Jinja."""
-    if value is None or "{{" in value or "{%" in value:
-        return value
-    with open(value, encoding="utf-8") as f:        # FileNotFoundError: a one-line error
-        return f.read()
+    if value is None:
+        return None
+    return _text_or_file(value, "{{" in value or "{%" in value)
 
 
 def _port(text: str) -> int:
@@ -336,21 +344,16 @@ def _guided(a: argparse.Namespace) -> dict[str, Any]:
     if len(given) > 1:
         raise ValueError(f"use at most one of {', '.join(given)}")
     if a.json_schema is not None:
-        text = a.json_schema
-        if not text.lstrip().startswith("{"):        # a file (JSON text starts with "{")
-            with open(text, encoding="utf-8") as f:  # FileNotFoundError: a one-line error
-                text = f.read()
-        return {"guided_json": text}
+        # JSON text starts with "{"; anything else names a file
+        return {"guided_json": _text_or_file(a.json_schema,
+                                             a.json_schema.lstrip().startswith("{"))}
     if a.json:
         return {"guided_json": {"type": "object"}}
     if a.regex is not None:
         return {"guided_regex": a.regex}
     if a.grammar is not None:
-        text = a.grammar
-        if "::=" not in text:                        # a file (a grammar's text has rules)
-            with open(text, encoding="utf-8") as f:  # FileNotFoundError: a one-line error
-                text = f.read()
-        return {"guided_grammar": text}
+        # a grammar's text has rules; anything else names a file
+        return {"guided_grammar": _text_or_file(a.grammar, "::=" in a.grammar)}
     if a.choice is not None:
         return {"guided_choice": tuple(a.choice)}
     return {}
