@@ -21,13 +21,16 @@ MAX_LOGPROBS = 20     # top alternatives per position (OpenAI's chat limit)
 MAX_GUIDED_CHOICES = 1024
 MAX_GUIDED_TEXT_CHARS = 1 << 16   # a regex, a choice, a JSON schema's or a grammar's text
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
 
 
 # fields where None (as vLLM takes it) means the default
 _NONE_IS_DEFAULT = ("n", "min_tokens", "temperature", "top_k", "top_p", "min_p",
                     "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
                     "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
-                    "skip_special_tokens", "priority", "output_kind")
+                    "skip_special_tokens", "priority", "output_kind", "bad_words")
 
 
 def _is_int(v: Any) -> bool:
@@ -60,6 +63,13 @@ class SamplingParams:
     logits). `priority`: lower runs first under the "priority" policy. `output_kind` chooses what
     `AsyncEngine.generate` yields: the whole text so far ("cumulative"), only what is new since
     the previous yield ("delta"), or a single final output ("final").
+
+    Token restrictions (vLLM's): `allowed_token_ids` — only these tokens may be generated (EOS
+    too only if listed); `bad_words` — words never generated: each is tokenized as written and
+    with a leading space, and the last token of such a sequence is masked wherever the output
+    so far ends with the tokens before it. `truncate_prompt_tokens` keeps only the prompt's last
+    that many tokens (-1: as many as fit beside `max_tokens`, or one output token when it is
+    None) instead of refusing a prompt that is too long.
 
     Guided decoding (structured outputs), at most one of: `guided_json` (a JSON Schema as a
     dict or JSON text; `{"type": "object"}` is any JSON object), `guided_regex` (the output is a
@@ -95,6 +105,9 @@ class SamplingParams:
     guided_regex: str | None = None
     guided_choice: tuple[str, ...] | None = None
     guided_grammar: str | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         def fix(name: str, value: Any) -> None:
@@ -174,6 +187,7 @@ class SamplingParams:
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (or None), "
                                  f"got {v!r}")
+        self._check_token_restrictions(fix)
         if not _is_int(self.priority) or abs(self.priority) > MAX_PRIORITY:
             raise ValueError(f"priority must be a 32-bit integer, got {self.priority!r}")
         if self.output_kind not in OUTPUT_KINDS:
@@ -185,6 +199,30 @@ class SamplingParams:
             if not math.isfinite(v):
                 raise ValueError(f"{name} must be finite")
             fix(name, float(v))
+
+    def _check_token_restrictions(self, fix: Any) -> None:
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if not isinstance(ids, (tuple, list)) or not all(_is_int(t) and t >= 0 for t in ids):
+                raise ValueError("allowed_token_ids must be a list of non-negative integers")
+            if not ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+            if len(ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids may hold at most {MAX_ALLOWED_TOKEN_IDS} ids")
+            fix("allowed_token_ids", tuple(ids))
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
+        if not isinstance(words, (tuple, list)) or not all(isinstance(w, str) for w in words):
+            raise ValueError("bad_words must be a list of strings")
+        if any(not w.strip() for w in words):
+            raise ValueError("bad_words must not hold empty or blank strings")
+        if len(words) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_CHARS for w in words):
+            raise ValueError(f"bad_words may hold at most {MAX_BAD_WORDS} words of at most "
+                             f"{MAX_BAD_WORD_CHARS} characters")
+        fix("bad_words", tuple(words))
+        t = self.truncate_prompt_tokens
+        if t is not None and (not _is_int(t) or not (t == -1 or t >= 1)):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 (or -1: as many "
+                             f"as fit), got {t!r}")
 
     def _check_guided(self, fix: Any) -> None:
         given = [n for n in GUIDED_FIELDS if getattr(self, n) is not None]
@@ -220,6 +258,9 @@ class SamplingParams:
                 raise ValueError(f"guided_json is longer than {MAX_GUIDED_TEXT_CHARS} characters")
             if not isinstance(schema, (dict, str, bool)):
                 raise ValueError("guided_json must be a JSON Schema (an object, or its JSON text)")
+        if self.allowed_token_ids is not None:
+            raise ValueError(f"{given[0]} cannot be combined with allowed_token_ids: the "
+                             "grammar decides which tokens may come")
         if self.ignore_eos:
             raise ValueError(f"{given[0]} cannot be combined with ignore_eos: the grammar "
                              "decides where the output ends")
@@ -254,9 +295,25 @@ class SamplingParams:
 
     @property
     def needs_token_history(self) -> bool:
-        """True when the sampler needs this request's generated tokens (penalties)."""
+        """True when the sampler needs this request's generated tokens (penalties, bad words)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+                or self.frequency_penalty != 0.0 or bool(self.bad_words))
+
+    def truncated_prompt(self, ids: list[int], max_model_len: int) -> list[int]:
+        """`ids` cut to their last `truncate_prompt_tokens` (ValueError when that is more than
+        the context window holds); `ids` unchanged when it is not set."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        if keep == -1:
+            keep = max_model_len - (self.max_tokens or 1)
+            if keep < 1:
+                raise ValueError(f"max_tokens ({self.max_tokens}) leaves no room for a prompt "
+                                 f"in the {max_model_len}-token context window")
+        elif keep >= max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({keep}) must be below the context "
+                             f"window of {max_model_len} tokens")
+        return ids[-keep:]
 
     def check_against(self, *, prompt_len: int, max_model_len: int, vocab_size: int,
                       max_n: int, max_stop_strings: int, max_stop_string_len: int,
@@ -275,6 +332,8 @@ class SamplingParams:
         if bad:
             raise ValueError(f"stop_token_ids {bad[:4]} are outside the vocabulary "
                              f"(size {vocab_size})")
+        if self.allowed_token_ids is not None and max(self.allowed_token_ids) >= vocab_size:
+            raise ValueError(f"allowed_token_ids must be token ids below {vocab_size}")
         if self.logit_bias:
             if len(self.logit_bias) > max_logit_bias:
                 raise ValueError(f"logit_bias may hold at most {max_logit_bias} entries")

@@ -278,3 +278,62 @@ def test_num_cached_tokens_counts_the_prefix_cache_hits(real_llm):
     again = real_llm.generate([[7, 8, 9] + shared + [12, 13]], p)[0]
     cached = again.num_cached_tokens
     assert cached % block == 0 and len(shared) + 3 - block < cached <= len(shared) + 3
+
+
+def _first_completion(history: list[int], seq: tuple[int, ...]) -> int | None:
+    """The first index at which `history` completes `seq` (its last token's index)."""
+    for end in range(len(seq), len(history) + 1):
+        if tuple(history[end - len(seq):end]) == seq:
+            return end - 1
+    return None
+
+
+def test_bad_words_change_greedy_output_exactly_where_the_word_would_end(real_llm):
+    """Greedy with `bad_words=["Paris"]` equals plain greedy up to the token that would finish
+    a spelling of the word, takes another token there, and never writes either spelling."""
+    from ferrobatch.runtime.token_restrictions import bad_word_sequences
+    prompt = "The capital of France is"
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = real_llm.generate(prompt, greedy)[0].outputs[0].token_ids
+    spellings = bad_word_sequences(real_llm.engine.tokenizer, ["Paris"])
+    ends = [e for e in (_first_completion(plain, s) for s in spellings) if e is not None]
+    assert ends, "the plain greedy text should name Paris"
+    cut = min(ends)
+    out = real_llm.generate(prompt, greedy.replace(bad_words=("Paris",)))[0].outputs[0]
+    assert out.token_ids[:cut] == plain[:cut] and out.token_ids[cut] != plain[cut]
+    assert all(_first_completion(out.token_ids, s) is None for s in spellings)
+    assert real_llm.engine.check_accounting()["tracked_extras"] == 0
+
+
+def test_allowed_token_ids_take_the_best_allowed_token(real_llm):
+    """With the plain run's 2nd..5th best first tokens allowed, the first token is the 2nd best
+    (the raw logits' order, from logprobs) and every token is one of the allowed."""
+    prompt = "My favourite fruit is"
+    base = SamplingParams(max_tokens=6, temperature=0.0, logprobs=5, ignore_eos=True)
+    top = real_llm.generate(prompt, base)[0].outputs[0].logprobs[0].top
+    allowed = [t for t, _ in top[1:5]]
+    out = real_llm.generate(prompt, base.replace(allowed_token_ids=tuple(allowed)))[0]
+    assert out.outputs[0].token_ids[0] == top[1][0]
+    assert set(out.outputs[0].token_ids) <= set(allowed)
+    sampled = real_llm.generate(prompt, SamplingParams(
+        max_tokens=6, temperature=1.5, seed=3, allowed_token_ids=allowed, ignore_eos=True))[0]
+    assert set(sampled.outputs[0].token_ids) <= set(allowed)
+
+
+def test_truncate_prompt_tokens_equals_the_shortened_prompt(real_llm):
+    """A prompt cut by `truncate_prompt_tokens` gives what its last tokens give alone; a prompt
+    longer than the context window is accepted when cut, refused when not."""
+    tok = real_llm.engine.tokenizer
+    ids = tok.encode("One two three four five six seven eight nine ten. " * 30)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    cut = real_llm.generate({"prompt_token_ids": ids},
+                            params.replace(truncate_prompt_tokens=40))[0]
+    alone = real_llm.generate({"prompt_token_ids": ids[-40:]}, params)[0]
+    assert cut.prompt_token_ids == ids[-40:]
+    assert cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    long_text = "word " * 3000                  # > max_model_len (2048) tokens
+    with pytest.raises(ValueError, match="context window"):
+        real_llm.generate(long_text, params)
+    out = real_llm.generate(long_text, params.replace(truncate_prompt_tokens=-1))[0]
+    assert len(out.prompt_token_ids) == 2048 - 8
+    assert out.prompt == tok.decode(out.prompt_token_ids, skip_special_tokens=False)

@@ -573,3 +573,41 @@ async def test_gbnf_grammars_on_every_door(real, sdk):
     with pytest.raises(openai.BadRequestError, match="undefined rule 'nope' at line 1"):
         await sdk.chat.completions.create(model="smollm2", messages=msgs, max_tokens=4,
                                           extra_body={"guided_grammar": "root ::= nope"})
+
+
+async def test_token_restrictions_and_truncation_on_every_door(real, sdk):
+    """vLLM's `bad_words`, `allowed_token_ids` and `truncate_prompt_tokens` as extra fields on
+    completions and chat, and as params on WS and TCP: each door's greedy output equals the
+    engine's own for the same params."""
+    from ferrobatch.sampling_params import SamplingParams
+    prompt = "The capital of France is"
+    extra = {"bad_words": ["Paris"], "ignore_eos": True}
+    params = SamplingParams(max_tokens=8, temperature=0.0, bad_words=("Paris",), ignore_eos=True,
+                            output_kind="final")
+    expect = [o async for o in real.engine.generate(prompt, params)][-1].outputs[0].text
+    assert expect and "Paris" not in expect
+    comp = await sdk.completions.create(model="smollm2", prompt=prompt, max_tokens=8,
+                                        temperature=0, extra_body=extra)
+    assert comp.choices[0].text == expect
+    ws = await WSClient.connect(real.ws_url)
+    tcp = await TCPClient.connect("127.0.0.1", real.tcp_port)
+    try:
+        for client in (ws, tcp):
+            res = await client.complete(prompt, max_tokens=8, temperature=0.0, **extra)
+            assert res["text"] == expect
+    finally:
+        await ws.close()
+        await tcp.close()
+    tok = real.engine.tokenizer
+    allowed = tok.encode(" yes no maybe Yes No", add_special_tokens=False)
+    chat = await sdk.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Is the sky blue?"}],
+        max_tokens=4, temperature=0, extra_body={"allowed_token_ids": allowed})
+    text = chat.choices[0].message.content
+    assert text and set(tok.encode(text, add_special_tokens=False)) <= set(allowed)
+    long_prompt = "one two three " * 1000                       # > 2048 tokens
+    with pytest.raises(openai.BadRequestError, match="context window"):
+        await sdk.completions.create(model="smollm2", prompt=long_prompt, max_tokens=4)
+    cut = await sdk.completions.create(model="smollm2", prompt=long_prompt, max_tokens=4,
+                                       extra_body={"truncate_prompt_tokens": 100})
+    assert cut.usage.prompt_tokens == 100

@@ -142,6 +142,12 @@ def test_sampling_params_rules_become_protocol_errors(fields, message):
     ({"stop": [""]}, "stop"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     ({"logit_bias": {"7": 500}}, "logit_bias"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": ["7"]}, "allowed_token_ids"),
+    ({"bad_words": "word"}, "bad_words"),
+    ({"bad_words": [""]}, "bad_words"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": "8"}, "truncate_prompt_tokens"),
     ({"guided_regex": "a+", "guided_choice": ["a"]}, None),     # no single field at fault
 ])
 def test_sampling_params_errors_name_the_field(fields, param):

@@ -356,11 +356,16 @@ class AsyncEngine:
                 ids = list(core.tokenizer.encode(prompt, add_special_tokens=special))
             if not ids:
                 raise ValueError("prompt must not be empty")
+            kept = params.truncated_prompt(ids, core.max_model_len)
+            if len(kept) < len(ids):      # the prompt reported is the text the model saw
+                ids, text = kept, core.tokenizer.decode(kept, skip_special_tokens=False)
             check_token_ids(ids, core.vocab_size, core.max_model_len)
         elif prompt is None:
             raise ValueError("a prompt (text or token ids) or messages is required")
         else:
             text = None
+            if isinstance(prompt, (list, tuple)):
+                prompt = params.truncated_prompt(list(prompt), core.max_model_len)
             ids = check_token_ids(prompt, core.vocab_size, core.max_model_len)
         max_tokens = params.check_against(
             prompt_len=len(ids), max_model_len=core.max_model_len, vocab_size=core.vocab_size,

@@ -239,12 +239,17 @@ class EngineCore:
         guides = self.guided.sequences(p) if p.is_guided else None   # ValueError if unusable
         stop_masked = bool(p.min_tokens and p.stop_token_ids)
         if p.needs_token_history or p.logit_bias or p.logprobs is not None \
-                or p.prompt_logprobs is not None or guides or stop_masked:
+                or p.prompt_logprobs is not None or guides or stop_masked \
+                or p.allowed_token_ids is not None:
             from ferrobatch.runtime.sampler import RequestExtras
+            from ferrobatch.runtime.token_restrictions import allowed_mask, bad_word_sequences
             history = [[] for _ in range(p.n)] if p.needs_token_history else None
-            state.extras = RequestExtras(ids, history, p.logit_bias, p.logprobs,
-                                         p.prompt_logprobs, guides, p.min_tokens,
-                                         tuple(p.stop_token_ids) if stop_masked else ())
+            state.extras = RequestExtras(
+                ids, history, p.logit_bias, p.logprobs, p.prompt_logprobs, guides, p.min_tokens,
+                tuple(p.stop_token_ids) if stop_masked else (),
+                allowed_mask=(allowed_mask(p.allowed_token_ids, self.vocab_size)
+                              if p.allowed_token_ids is not None else None),
+                bad_word_ids=bad_word_sequences(self.tokenizer, p.bad_words))
             self._extras = {**self._extras, req_id: state.extras}
         # a prompt-logprobs request must compute every prompt token: a salt of its own keeps
         # other requests' cached blocks from standing in for them

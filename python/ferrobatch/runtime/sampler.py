@@ -1,5 +1,6 @@
-"""Batched sampler on the model's device: penalties, logit bias, temperature, top-k/top-p/min-p,
-per-request seeds and logprobs, all driven by the step's per-sample arrays.
+"""Batched sampler on the model's device: penalties, logit bias, token restrictions
+(`allowed_token_ids`, `bad_words`), temperature, top-k/top-p/min-p, per-request seeds and
+logprobs, all driven by the step's per-sample arrays.
 
 A guided row (structured outputs) only keeps the logits of the tokens its grammar allows; that
 mask is applied last, after penalties and bias. Greedy rows take the exact argmax of the
@@ -17,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from ferrobatch.runtime.token_restrictions import apply_token_restrictions
 
 _GOLDEN = 0x9E3779B97F4A7C15
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -53,6 +56,12 @@ class RequestExtras:
     guides: list[Any] | None = None      # per seq_index: a `GuidedSequence` (guided decoding)
     min_tokens: int = 0                  # below it, `stop_token_ids` are masked (as EOS is)
     stop_token_ids: tuple[int, ...] = ()
+    allowed_mask: np.ndarray | None = None   # bool [V]: `allowed_token_ids` (token_restrictions)
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()   # `bad_words` as token sequences
+
+    @property
+    def restricts_tokens(self) -> bool:
+        return self.allowed_mask is not None or bool(self.bad_word_ids)
 
 
 @dataclass
@@ -183,6 +192,21 @@ class Sampler:
             logits[torch.tensor(rows, device=self.device),
                    torch.tensor(tokens, device=self.device)] = float("-inf")
 
+    def _apply_restrictions(self, logits: torch.Tensor, batch, extras) -> None:
+        """`allowed_token_ids` and `bad_words` (``token_restrictions``); a speculative row's
+        history includes the drafts before it."""
+        rows = []
+        for row, (rid, si) in enumerate(zip(np.asarray(batch.sample_req_ids).tolist(),
+                                            np.asarray(batch.sample_seq_indices).tolist())):
+            ext = extras.get(rid)
+            if ext is None or not ext.restricts_tokens:
+                continue
+            history: list[int] = []
+            if ext.bad_word_ids:
+                history = ext.output_token_ids[si] + _drafts_before(batch, row)
+            rows.append((row, ext, history))
+        apply_token_restrictions(logits, rows)
+
     def _apply_guides(self, logits: torch.Tensor, batch, extras) -> None:
         """Keeps, in each guided row, only the logits of the tokens its grammar allows next.
 
@@ -287,7 +311,8 @@ class Sampler:
                 or np.asarray(batch.suppress_eos).astype(bool).any():
             return False
         return not any(e.logit_bias or e.guides or (e.min_tokens and e.stop_token_ids)
-                       or e.logprobs is not None for e in (extras or {}).values())
+                       or e.logprobs is not None or e.restricts_tokens
+                       for e in (extras or {}).values())
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, batch,
@@ -304,9 +329,10 @@ class Sampler:
         has_guides = any(e.guides for e in extras.values())
         suppress = np.asarray(batch.suppress_eos).astype(bool)
         has_stop_masks = any(e.min_tokens and e.stop_token_ids for e in extras.values())
+        has_restrictions = any(e.restricts_tokens for e in extras.values())
         all_greedy = bool(np.all(temperature <= 0.0))
         if all_greedy and not (has_penalties or has_bias or has_guides or suppress.any()
-                               or has_stop_masks):
+                               or has_stop_masks or has_restrictions):
             tokens = argmax_rows(raw_logits)
         else:
             logits = raw_logits.clone()
@@ -314,6 +340,8 @@ class Sampler:
                 self._apply_logit_bias(logits, batch, extras)
             if has_penalties:
                 self._apply_penalties(logits, batch, extras)
+            if has_restrictions:
+                self._apply_restrictions(logits, batch, extras)
             if suppress.any() and self.eos_token_ids.numel():
                 rows = torch.from_numpy(np.flatnonzero(suppress)).to(self.device)
                 logits[rows[:, None], self.eos_token_ids[None, :]] = float("-inf")

@@ -29,13 +29,14 @@ MAX_ID_LEN = 128
 
 # Sampling fields accepted on every door (OpenAI names plus the usual vLLM extras).
 INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "priority", "logprobs",
-              "prompt_logprobs")
+              "prompt_logprobs", "truncate_prompt_tokens")
 NUM_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
               "frequency_penalty")
 BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 SAMPLING_FIELDS = frozenset(INT_FIELDS + NUM_FIELDS + BOOL_FIELDS + GUIDED_FIELDS
-                            + ("stop", "stop_token_ids", "logit_bias"))
+                            + ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids",
+                               "bad_words"))
 
 
 class ProtocolError(ValueError):
@@ -117,9 +118,13 @@ def sampling_params_from(fields: dict[str, Any], *, defaults: dict[str, Any] | N
             if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
                 raise ProtocolError("'stop' must be a string or a list of strings", param=name)
             v = tuple(v)
-        if name == "stop_token_ids":
+        if name in ("stop_token_ids", "allowed_token_ids"):
             if not isinstance(v, list) or not all(_is_int(t) for t in v):
-                raise ProtocolError("'stop_token_ids' must be a list of integers", param=name)
+                raise ProtocolError(f"'{name}' must be a list of integers", param=name)
+            v = tuple(v)
+        if name == "bad_words":
+            if not isinstance(v, list) or not all(isinstance(w, str) for w in v):
+                raise ProtocolError("'bad_words' must be a list of strings", param=name)
             v = tuple(v)
         if name == "logit_bias" and not isinstance(v, dict):
             raise ProtocolError("'logit_bias' must be a map of token id -> bias", param=name)
