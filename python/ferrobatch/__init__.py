@@ -24,9 +24,10 @@ from ferrobatch.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "AsyncEngine", "SamplingParams", "EngineConfig", "RequestOutput",
-           "CompletionOutput", "TokenLogprob", "Logprob", "__version__"]
+           "CompletionOutput", "TokenLogprob", "Logprob", "BeamSearchParams", "__version__"]
 
-_LAZY = {"LLM": "ferrobatch.engine.llm", "AsyncEngine": "ferrobatch.engine.async_engine"}
+_LAZY = {"LLM": "ferrobatch.engine.llm", "AsyncEngine": "ferrobatch.engine.async_engine",
+         "BeamSearchParams": "ferrobatch.engine.beam_search"}
 
 
 def __getattr__(name: str) -> Any:

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from ferrobatch.config import EngineConfig
+from ferrobatch.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from ferrobatch.engine.errors import DuplicateRequestError, EngineDeadError, QueueFullError
 from ferrobatch.engine.inputs import (
     MAX_PROMPT_CHARS,
@@ -442,6 +443,15 @@ class AsyncEngine:
                 yield out
         finally:
             stream.abort()
+
+    async def beam_search(self, prompt: Prompt | None, params: BeamSearchParams, *,
+                          messages: Any = None, chat_options: dict[str, Any] | None = None
+                          ) -> BeamSearchOutput:
+        """Beam search with transformers' rules (`engine/beam_search.py`): the best
+        `params.beam_width` beams, best first. Each step's beams are one-token requests batched
+        with the other traffic; cancelling the call aborts them."""
+        return await beam_search(self, prompt, params, messages=messages,
+                                 chat_options=chat_options)
 
     def _free_name(self, req_id: int) -> str:
         """A name for a request given none: `req-<n>`, unless a caller chose that one."""

@@ -22,6 +22,7 @@ from typing import Any
 
 from ferrobatch.config import EngineConfig
 from ferrobatch.engine.async_engine import AsyncEngine
+from ferrobatch.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from ferrobatch.outputs import RequestOutput
 from ferrobatch.sampling_params import SamplingParams
 
@@ -152,6 +153,41 @@ class LLM:
         plist = [p.replace(output_kind="final") for p in plist]
         return self._run(self._generate_all(prompts, plist, None,
                                             use_tqdm and len(prompts) >= PROGRESS_MIN_PROMPTS))
+
+    def beam_search(self, prompts: Any, params: BeamSearchParams, *,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: one `BeamSearchOutput` per prompt (a string, token ids or
+        a prompt dict), its `sequences` the best `params.beam_width` beams, best first. The
+        searches run side by side; transformers' rules (`engine/beam_search.py`)."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError("params must be a BeamSearchParams")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = [_prompt_of(p) for p in prompts]
+
+        async def run() -> list[BeamSearchOutput]:
+            bar = None
+            if use_tqdm:
+                from tqdm import tqdm
+                bar = tqdm(total=len(prompts), desc="Beam search", dynamic_ncols=True)
+
+            async def one(prompt: Any) -> BeamSearchOutput:
+                out = await self.engine.beam_search(prompt, params)
+                if bar is not None:
+                    bar.update(1)
+                return out
+
+            tasks = [asyncio.ensure_future(one(p)) for p in prompts]
+            try:
+                return list(await asyncio.gather(*tasks))
+            finally:
+                for t in tasks:
+                    t.cancel()
+                if bar is not None:
+                    bar.close()
+
+        return self._run(run())
 
     def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

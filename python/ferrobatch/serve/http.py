@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ferrobatch.serve.beam_http import beam_params_of, serve_beams
 from ferrobatch.serve.codec import loads_json
 from ferrobatch.serve.logprobs import (
     chat_logprobs,
@@ -74,16 +75,23 @@ async def read_json(request: web.Request) -> Any:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    return await _serve(request, parse_completion(await read_json(request), state.model_names))
+    body = await read_json(request)
+    req = parse_completion(body, state.model_names)
+    req.beam = beam_params_of(body, req.params)
+    return await _serve(request, req)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    return await _serve(request, parse_chat(await read_json(request), state.model_names,
-                                            hermes_tools=state.hermes_tools))
+    body = await read_json(request)
+    req = parse_chat(body, state.model_names, hermes_tools=state.hermes_tools)
+    req.beam = beam_params_of(body, req.params)
+    return await _serve(request, req)
 
 
 async def _serve(request: web.Request, req: OpenAIRequest) -> web.StreamResponse:
+    if req.beam is not None:
+        return await serve_beams(request, req)
     engine = request.app[STATE].engine
     streams: list[Any] = []
     # long prompts are tokenized, and a guided grammar compiled, off the event loop

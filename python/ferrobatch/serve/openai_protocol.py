@@ -38,6 +38,7 @@ class OpenAIRequest:
     # chat: `AsyncEngine.render_chat`'s options when any differs from its defaults (vLLM's
     # add_generation_prompt, continue_final_message, chat_template_kwargs; the tools)
     chat_template: dict[str, Any] | None = None
+    beam: Any = None          # a `BeamSearchParams` with `use_beam_search` (serve/beam_http.py)
 
 
 def check_model(body: dict, model_names: str | Sequence[str]) -> str:
