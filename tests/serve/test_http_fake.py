@@ -430,3 +430,47 @@ async def test_served_model_name_aliases(fake_server):
     status, _, text = await post(fake_server, "/v1/completions", {"prompt": "x",
                                                                   "model": "other"})
     assert status == 404 and "serves 'main'" in json.loads(text)["error"]["message"]
+
+
+def _rid(headers: dict) -> str | None:
+    """The X-Request-Id of a response's headers (as a plain dict: aiohttp spells it -ID)."""
+    return next((v for k, v in headers.items() if k.lower() == "x-request-id"), None)
+
+
+@pytest.mark.parametrize("fake_server", [{"api_key": "sekret"}], indirect=True)
+async def test_x_request_id_is_echoed_and_names_the_response(fake_server):
+    """A client's X-Request-Id comes back in the header (errors and streams too) and as the
+    base of the object id; without one the server makes a fresh one per request; a malformed
+    one is a 400 that does not reflect it."""
+    auth = {"Authorization": "Bearer sekret"}
+    body = {"prompt": "hi", "max_tokens": 2}
+    got, headers, text = await post(fake_server, "/v1/completions", body,
+                                    headers={**auth, "X-Request-Id": "trace-7/a:b"})
+    assert got == 200 and _rid(headers) == "trace-7/a:b"
+    assert json.loads(text)["id"] == "cmpl-trace-7/a:b"
+    got, headers, text = await post(fake_server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        headers={**auth, "X-Request-Id": "c1"})
+    assert json.loads(text)["id"] == "chatcmpl-c1" and _rid(headers) == "c1"
+    got, headers, _ = await post(fake_server, "/v1/completions", body,
+                                 headers={"X-Request-Id": "no-key"})
+    assert got == 401 and _rid(headers) == "no-key"          # errors carry it too
+    ids = set()
+    for _ in range(2):
+        got, headers, text = await post(fake_server, "/v1/completions", body, headers=auth)
+        assert got == 200 and len(_rid(headers)) == 24
+        assert not json.loads(text)["id"].endswith(_rid(headers))
+        ids.add(_rid(headers))
+    assert len(ids) == 2
+    async with aiohttp.ClientSession() as s:
+        async with s.post(fake_server.base + "/v1/completions", json={**body, "stream": True},
+                          headers={**auth, "X-Request-Id": "s1"}) as resp:
+            assert resp.headers["x-request-id"] == "s1"
+            chunks = [json.loads(line[6:]) for line in (await resp.text()).split("\n\n")
+                      if line.startswith("data: {")]
+    assert chunks and all(c["id"] == "cmpl-s1" for c in chunks)
+    for bad in ("x" * 129, "two words", "<script>"):
+        got, headers, text = await post(fake_server, "/v1/completions", body,
+                                        headers={**auth, "X-Request-Id": bad})
+        assert got == 400 and "X-Request-Id" in text and bad not in text
+        assert _rid(headers) is None

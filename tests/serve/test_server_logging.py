@@ -38,7 +38,7 @@ async def test_stats_and_access_lines_while_serving(fake_server, caplog):
     assert len(done) == 1 and "finished 1 (length 1)" in done[0], stats
     assert re.search(r"generation \d+\.\d tok/s \| running 0, waiting 0 \| KV cache", done[0])
     access = [r.getMessage() for r in caplog.records if r.name == "ferrobatch.access"]
-    assert any(re.fullmatch(r'127\.0\.0\.1 "POST /v1/completions HTTP/1\.1" 200 \d+ [\d.]+', m)
+    assert any(re.fullmatch(r'127\.0\.0\.1 "POST /v1/completions HTTP/1\.1" 200 \d+ [\d.]+ [0-9a-f]{24}', m)
                for m in access), access
     assert any('"POST /v1/completions HTTP/1.1" 400' in m for m in access), access
     # idle now: after the line showing the drop to zero the engine line goes quiet

@@ -6,8 +6,8 @@ on the user's loopback. With origins configured:
   `Access-Control-Request-Method`) itself: 204 before the API-key check (browsers never send
   credentials on a preflight), or 403 for an origin that is not allowed;
 - every response to an allowed origin gets `Access-Control-Allow-Origin` (the origin, or `*`
-  when every origin is allowed) and `Vary: Origin` as it is prepared, so streams and error
-  bodies carry them too.
+  when every origin is allowed), `Access-Control-Expose-Headers: X-Request-Id` and `Vary:
+  Origin` as it is prepared, so streams and error bodies carry them too.
 WebSocket upgrades are not checked (CORS does not apply to them).
 """
 
@@ -73,6 +73,7 @@ def install_cors(app: web.Application, origins: frozenset[str]) -> None:
         allowed = allow_origin(request)
         if allowed is not None:
             response.headers["Access-Control-Allow-Origin"] = allowed
+            response.headers["Access-Control-Expose-Headers"] = "X-Request-Id"
             response.headers.add("Vary", "Origin")
 
     app.middlewares.insert(0, preflight)

@@ -32,6 +32,7 @@ from ferrobatch.serve.openai_protocol import (
     usage,
 )
 from ferrobatch.serve.protocol import ProtocolError, error_status
+from ferrobatch.serve.request_ids import object_id
 from ferrobatch.serve.sse import SSEWriter
 from ferrobatch.serve.state import MAX_BODY_BYTES, STATE
 from ferrobatch.serve.tools import ToolOutputStream, tool_calls_of
@@ -77,6 +78,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
     req = parse_completion(body, state.model_names)
+    req.id = object_id(request, "cmpl-", req.id)
     req.beam = beam_params_of(body, req.params)
     return await _serve(request, req)
 
@@ -85,6 +87,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
     req = parse_chat(body, state.model_names, hermes_tools=state.hermes_tools)
+    req.id = object_id(request, "chatcmpl-", req.id)
     req.beam = beam_params_of(body, req.params)
     return await _serve(request, req)
 

@@ -26,6 +26,7 @@ from aiohttp import web
 from ferrobatch.serve.codec import dumps_json
 from ferrobatch.serve.http import error_response, read_json
 from ferrobatch.serve.logprobs import chat_logprobs
+from ferrobatch.serve.request_ids import object_id
 from ferrobatch.serve.responses_protocol import (
     ResponsesRequest,
     call_item,
@@ -74,6 +75,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_responses(await read_json(request), state.model_names,
                           hermes_tools=state.hermes_tools)
+    req.id = object_id(request, "resp_", req.id)
     engine = state.engine
     await engine.prepare(req.params, messages=req.messages, chat_options=req.chat_options)
     stream = engine.add_request(None, req.params, messages=req.messages,

@@ -26,21 +26,23 @@ from ferrobatch.serve.middleware import (
     error_middleware,
     quiet_malformed_request_logs,
 )
+from ferrobatch.serve.request_ids import add_request_id_header, request_id_middleware
 from ferrobatch.serve.state import MAX_BODY_BYTES, STATE, ServerState
 from ferrobatch.serve.tcp import TCPServer
 from ferrobatch.serve.ws import ws_handler
 
 SHUTDOWN_TIMEOUT_S = 5.0
-# --access-log: client, request line, status, response bytes, seconds
-ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf'
+# --access-log: client, request line, status, response bytes, seconds, X-Request-Id
+ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf %{X-Request-Id}o'
 
 
 def build_app(state: ServerState) -> web.Application:
-    middlewares = [error_middleware]
+    middlewares = [request_id_middleware(), error_middleware]
     if state.api_key is not None:
         middlewares.append(auth_middleware(state.api_key))
     middlewares.append(drain_middleware(state))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    app.on_response_prepare.append(add_request_id_header)
     install_cors(app, state.allowed_origins)
     app[STATE] = state
     add_routes(app)
