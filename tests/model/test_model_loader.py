@@ -183,6 +183,12 @@ TINY_CONFIGS = {
                   "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
                   "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
                   "max_position_embeddings": 256, "tie_word_embeddings": False},
+    # head_dim 32 with 4 heads: q is 128 wide over a hidden size of 64 (as Qwen3-0.6B's)
+    "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 64,
+              "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 128, "rms_norm_eps": 1e-6,
+              "rope_theta": 1000000.0, "max_position_embeddings": 256,
+              "tie_word_embeddings": True},
 }
 
 
@@ -307,3 +313,76 @@ def test_a_hub_id_loads_from_its_snapshot(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(FileNotFoundError, match="Hub could not provide it: OSError: no network"):
         load_model("some-org/missing")
+
+
+def _write_qwen3_gguf(path, reference, cfg: dict) -> None:
+    """A GGUF file (float32) of a transformers Qwen3 model, named and keyed as llama.cpp's
+    converter writes them (no Q/K permutation for Qwen: rotate-half RoPE), with a byte-level
+    vocabulary of single characters."""
+    import gguf
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(cfg["rope_theta"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    alphabet = ByteLevel.alphabet()
+    writer.add_token_list(sorted(alphabet)[:cfg["vocab_size"]])
+    writer.add_token_merges([])
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, tensor in reference.state_dict().items():
+        if name == "lm_head.weight":
+            continue                               # tied
+        parts = name.removeprefix("model.").split(".")
+        if parts[0] == "layers":
+            module = ".".join(parts[2:-1])
+            gguf_name = f"blk.{parts[1]}.{names[module]}.{parts[-1]}"
+        else:
+            gguf_name = f"{names[parts[0]]}.{parts[-1]}"
+        writer.add_tensor(gguf_name, tensor.detach().float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_qwen3_gguf_matches_transformers_logits(tmp_path):
+    """A Qwen3 GGUF (per-head q / k norms, head_dim wider than hidden / heads) gives
+    transformers' logits for the same weights."""
+    transformers = pytest.importorskip("transformers")
+    cfg = TINY_CONFIGS["qwen3"]
+    torch.manual_seed(1)
+    reference = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**cfg), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.normal_(0.0, 0.1)
+    path = tmp_path / "tiny-qwen3.gguf"
+    _write_qwen3_gguf(path, reference, cfg)
+    loaded = load_model(str(path))
+    assert loaded.config.arch == "qwen3" and loaded.config.qk_norm
+    assert loaded.config.head_dim == 32 and loaded.config.tie_word_embeddings
+    prompt = list(range(3, 30))
+    runner = ModelRunner(loaded, num_blocks=32, block_size=4)
+    sched = ToyScheduler(32, 4, token_budget=16)
+    sched.add(0, prompt, 1)
+    while (batch := sched.schedule()) is not None:
+        out = runner.execute(batch)
+        sched.update(out.argmax(-1).numpy())
+    with torch.no_grad():
+        want = reference(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(out[0], want, rtol=1e-4, atol=1e-4)

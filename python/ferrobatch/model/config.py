@@ -5,12 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2)."""
+    """Shape and numerics of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3).
+
+    `qk_norm`: each head's query and key are RMS-normed (own weights per layer, over
+    `head_dim`) before the rotary embedding, as in Qwen3."""
 
     arch: str
     vocab_size: int
@@ -26,6 +29,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
 

@@ -18,7 +18,7 @@ from ferrobatch.model.dequant import dequantize_tensor
 from ferrobatch.model.gguf_file import GGUFFile
 from ferrobatch.model.progress import load_progress
 
-_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2"}
+_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 # GGUF per-block tensor name -> Hugging Face module name.
 _BLOCK_TENSORS = {
@@ -28,6 +28,8 @@ _BLOCK_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",      # Qwen3: per-head q / k RMSNorm weights
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -113,6 +115,7 @@ def _read_config(reader: GGUFFile, tensor_names: set[str]) -> ModelConfig:
         max_position_embeddings=int(_field_value(reader, f"{a}.context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         bos_token_id=_field_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field_value(reader, "tokenizer.ggml.eos_token_id"),
     )

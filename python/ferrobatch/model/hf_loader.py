@@ -61,6 +61,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
             bos_token_id=_first_id(cfg.get("bos_token_id")),
             eos_token_id=_first_id(cfg.get("eos_token_id")),
         )

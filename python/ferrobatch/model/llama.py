@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) over one flat batch of tokens.
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3) over one flat batch of tokens.
 
 A step's T tokens (decode tokens and prefill chunks of different sequences) go through every
 linear layer together; attention writes the new K/V into the paged cache at ``slot_mapping`` and
@@ -50,7 +50,8 @@ class SiluAndMul(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """GQA self-attention with fused QKV projection and RoPE."""
+    """GQA self-attention with fused QKV projection and RoPE (with ``config.qk_norm``, each
+    head's q and k are RMS-normed first: ``q_norm`` / ``k_norm``, Qwen3)."""
 
     def __init__(self, config: ModelConfig, device=None, dtype=None) -> None:
         super().__init__()
@@ -63,6 +64,10 @@ class LlamaAttention(nn.Module):
                                   bias=config.attention_bias, device=device, dtype=dtype)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, device=device, dtype=dtype)
         self.rope = ApplyRotary()
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, device, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, device, dtype)
 
     def project(self, hidden) -> torch.Tensor:
         """The fused QKV projection ``[T, (Hq + 2 Hkv) * D]`` (``split_qkv`` gives its views)."""
@@ -83,6 +88,8 @@ class LlamaAttention(nn.Module):
         (``rotary_with_kv_write``), a rotary module with ``rotate_and_cache``
         (``runtime.cuda_elementwise``: one kernel, in place) rotates and writes together."""
         q, k, v = self.split_qkv(qkv)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         fused = getattr(self.rope, "rotate_and_cache", None) \
             if getattr(backend, "rotary_with_kv_write", False) else None
         if fused is None or not fused(q, k, v, rope_tables, kv_cache, attn_meta.slot_mapping):
@@ -261,6 +268,9 @@ class LlamaForCausalLM(nn.Module):
                 bias = [take(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
                 copy(attn.qkv_proj.bias, torch.cat(bias), f"{p}self_attn.qkv_proj.bias")
             copy(attn.o_proj.weight, take(f"{p}self_attn.o_proj.weight"), f"{p}self_attn.o_proj.weight")
+            if attn.q_norm is not None:
+                for norm, n in ((attn.q_norm, "q_norm"), (attn.k_norm, "k_norm")):
+                    copy(norm.weight, take(f"{p}self_attn.{n}.weight"), f"{p}self_attn.{n}.weight")
             gate_up = torch.cat([take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")])
             copy(mlp.gate_up_proj.weight, gate_up, f"{p}mlp.gate_up_proj.weight")
             copy(mlp.down_proj.weight, take(f"{p}mlp.down_proj.weight"), f"{p}mlp.down_proj.weight")

@@ -43,6 +43,8 @@ def unsupported(model: nn.Module, backend) -> str | None:
         return f"the attention backend is {getattr(backend, 'name', backend)!r}, not 'cpu'"
     if type(model) is not LlamaForCausalLM:
         return f"{type(model).__name__} is not the llama decoder stack"
+    if model.config.qk_norm:
+        return "its layers norm q and k per head (Qwen3), which the Rust stack does not"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         parts = (type(layer) is LlamaDecoderLayer, type(layer.input_layernorm) is RustRMSNorm,
