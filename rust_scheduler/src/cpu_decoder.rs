@@ -1,6 +1,7 @@
 //! A step through every decoder layer of a Llama-family model on the CPU, in one call.
 //!
-//! Per layer: RMSNorm -> fused QKV projection -> RoPE of q and k -> the step's K/V written into
+//! Per layer: RMSNorm -> fused QKV projection -> (Qwen3: each head of q and of k RMS-normed by
+//! the layer's `q_norm` / `k_norm`) -> RoPE of q and k -> the step's K/V written into
 //! the layer's paged cache -> paged attention -> output projection, added to the
 //! residual -> RMSNorm -> fused gate/up projection -> SiLU-and-mul -> down projection, added to
 //! the residual. These are the kernels the Python modules call one at a time (`cpu_elementwise`,
@@ -179,6 +180,9 @@ pub struct Layer<'a> {
     /// `[gate; up]` stacked: `n = 2 I`
     pub gate_up: Linear<'a>,
     pub down: Linear<'a>,
+    /// per-head RMSNorm weights `[D]` of q and k before RoPE (Qwen3), or both empty
+    pub q_norm: &'a [f32],
+    pub k_norm: &'a [f32],
 }
 
 impl Layer<'_> {
@@ -195,6 +199,13 @@ impl Layer<'_> {
                     s.hidden
                 ));
             }
+        }
+        let head_norms = (self.q_norm.len(), self.k_norm.len());
+        if head_norms != (0, 0) && head_norms != (s.head_dim, s.head_dim) {
+            return bad(format!(
+                "q_norm and k_norm have {} and {} elements: both {} or both none",
+                head_norms.0, head_norms.1, s.head_dim
+            ));
         }
         self.qkv.check("qkv", s.qkv_size(), s.hidden)?;
         self.o_proj.check("o_proj", s.hidden, s.q_size())?;
@@ -402,6 +413,7 @@ pub fn forward_step<E: KvElement>(
     let mut normed = vec![0f32; r * s.hidden];
     let mut qkv = vec![0f32; r * qkv_size];
     let mut q = vec![0f32; r * q_size];
+    let mut head_normed = vec![0f32; q_size]; // one row's q (or k) after its head norms
     let mut attended = vec![0f32; r * q_size];
     let mut projected = vec![0f32; r * s.hidden];
     let mut gate_up = vec![0f32; r * 2 * s.intermediate];
@@ -439,6 +451,13 @@ pub fn forward_step<E: KvElement>(
             let (cos, sin) = (&rows.cos[i * d..][..d], &rows.sin[i * d..][..d]);
             let (q_row, kv) = row.split_at_mut(q_size);
             let (k_row, v_row) = kv.split_at_mut(kv_size);
+            if !layer.q_norm.is_empty() {
+                for (part, weight) in [(&mut *q_row, layer.q_norm), (&mut *k_row, layer.k_norm)] {
+                    let out = &mut head_normed[..part.len()];
+                    rms_norm_f32(part, weight, s.eps, out)?;
+                    part.copy_from_slice(out);
+                }
+            }
             rotary_f32(q_row, d, cos, sin)?;
             rotary_f32(k_row, d, cos, sin)?;
             q[i * q_size..][..q_size].copy_from_slice(q_row);
@@ -658,6 +677,8 @@ mod tests {
 
     struct LayerWeights {
         norms: [Vec<f32>; 2],
+        /// q / k head norms `[D]` (Qwen3), if the layer has them
+        head_norms: Option<[Vec<f32>; 2]>,
         qkv: Weight,
         o: Weight,
         gate_up: Weight,
@@ -669,6 +690,7 @@ mod tests {
         let norm = |rng: &mut Lcg| (0..s.hidden).map(|_| 1.0 + 0.3 * rng.next_f32()).collect();
         LayerWeights {
             norms: [norm(rng), norm(rng)],
+            head_norms: None,
             qkv: Weight::new(rng, s.qkv_size(), s.hidden, true),
             o: Weight::new(rng, s.hidden, s.q_size(), false),
             gate_up: Weight::new(rng, 2 * s.intermediate, s.hidden, false),
@@ -726,6 +748,15 @@ mod tests {
             let mut queries = vec![];
             for i in 0..r {
                 let mut qkv = w.qkv.apply(&rms_norm(&x[i * h..][..h], &w.norms[0]));
+                if let Some([qn, kn]) = &w.head_norms {
+                    let (q_part, k_part) = qkv.split_at_mut(s.q_size());
+                    for (part, weight) in [(q_part, qn), (&mut k_part[..kv], kn)] {
+                        for head in part.chunks_exact_mut(d) {
+                            let normed = rms_norm(head, weight);
+                            head.copy_from_slice(&normed);
+                        }
+                    }
+                }
                 let (cos, sin) = (&rows.cos[i * d..][..d], &rows.sin[i * d..][..d]);
                 rope(&mut qkv[..s.q_size()], cos, sin);
                 rope(&mut qkv[s.q_size()..s.q_size() + kv], cos, sin);
@@ -859,6 +890,8 @@ mod tests {
                     post_norm: &w.norms[1],
                     gate_up: w.gate_up.linear(kernels),
                     down: w.down.linear(kernels),
+                    q_norm: w.head_norms.as_ref().map_or(&[][..], |n| &n[0]),
+                    k_norm: w.head_norms.as_ref().map_or(&[][..], |n| &n[1]),
                 })
                 .collect()
         }
@@ -938,6 +971,31 @@ mod tests {
             run_case(Kernels::NoPanels, 6); // 10 rows: the tiles
         } else {
             eprintln!("AMX not available here: the decoder's AMX path is not exercised");
+        }
+    }
+
+    #[test]
+    fn qwen3_head_norms_are_applied_to_q_and_k_before_rope() {
+        let mut case = Case::new(31, 2);
+        let mut rng = Lcg(99);
+        let d = SHAPE.head_dim;
+        for w in &mut case.weights {
+            let norm = |rng: &mut Lcg| (0..d).map(|_| 0.5 + rng.next_f32()).collect();
+            w.head_norms = Some([norm(&mut rng), norm(&mut rng)]);
+        }
+        check(&case, &case.rows(), &case.rows(), Kernels::Panels);
+        // a layer with one of the two, or of the wrong width, is refused before any write
+        let mut layers = case.layers(Kernels::Panels);
+        let half = &case.weights[0].head_norms.as_ref().unwrap()[0][..d / 2];
+        for (q_norm, k_norm) in [(layers[0].q_norm, &[][..]), (half, half)] {
+            layers[0].q_norm = q_norm;
+            layers[0].k_norm = k_norm;
+            let mut caches = case.caches.clone();
+            let mut views: Vec<&mut [f32]> = caches.iter_mut().map(|c| c.as_mut_slice()).collect();
+            let (result, hidden) = case.run(&layers, &mut views, &case.rows(), 2);
+            assert!(result.unwrap_err().0.contains("q_norm and k_norm"));
+            assert_eq!(hidden, case.hidden);
+            assert_eq!(caches, case.caches);
         }
     }
 

@@ -272,6 +272,8 @@ impl LinearBorrow<'_> {
 struct LayerArrays {
     input_norm: F32Array,
     post_norm: F32Array,
+    /// Qwen3's per-head q / k norms, when the layer has them
+    head_norms: Option<(F32Array, F32Array)>,
     /// qkv, o_proj, gate_up, down
     linears: [LinearArrays; 4],
 }
@@ -279,12 +281,17 @@ struct LayerArrays {
 struct LayerBorrow<'py> {
     input_norm: PyReadonlyArrayDyn<'py, f32>,
     post_norm: PyReadonlyArrayDyn<'py, f32>,
+    head_norms: Option<(PyReadonlyArrayDyn<'py, f32>, PyReadonlyArrayDyn<'py, f32>)>,
     linears: [LinearBorrow<'py>; 4],
 }
 
 impl LayerBorrow<'_> {
     fn view(&self) -> PyResult<Layer<'_>> {
         let [qkv, o_proj, gate_up, down] = &self.linears;
+        let (q_norm, k_norm) = match &self.head_norms {
+            Some((q, k)) => (c_slice("q_norm", q)?, c_slice("k_norm", k)?),
+            None => (&[][..], &[][..]),
+        };
         Ok(Layer {
             input_norm: c_slice("input_norm", &self.input_norm)?,
             qkv: qkv.view()?,
@@ -292,13 +299,16 @@ impl LayerBorrow<'_> {
             post_norm: c_slice("post_norm", &self.post_norm)?,
             gate_up: gate_up.view()?,
             down: down.view()?,
+            q_norm,
+            k_norm,
         })
     }
 }
 
 /// `CpuDecoderStack(hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, scale,
 /// layers)`: a Llama-family model's decoder layers for fused CPU decode steps. `layers[i]` is
-/// `(input_norm, qkv, o_proj, post_norm, gate_up, down)`, norms float32 `[hidden]`, each linear
+/// `(input_norm, qkv, o_proj, post_norm, gate_up, down[, q_norm, k_norm])`, norms float32
+/// `[hidden]` (Qwen3's per-head `q_norm` / `k_norm`: `[head_dim]`), each linear
 /// `(n, k, panels, bias | None, blocks | None[, tiles | None])` with `panels` as `linear_f32`
 /// reads them, `blocks` `("q4_1", scale, min, qs)` / `("q8_0", scale, qs)` as `linear_q*_f32`
 /// read them and `tiles` as `linear_amx_f32` reads them.
@@ -319,6 +329,10 @@ fn borrow_layers<'py>(py: Python<'py>, layers: &[LayerArrays]) -> Vec<LayerBorro
         .map(|l| LayerBorrow {
             input_norm: l.input_norm.bind(py).readonly(),
             post_norm: l.post_norm.bind(py).readonly(),
+            head_norms: l
+                .head_norms
+                .as_ref()
+                .map(|(q, k)| (q.bind(py).readonly(), k.bind(py).readonly())),
             linears: std::array::from_fn(|i| l.linears[i].borrow(py)),
         })
         .collect()
@@ -363,10 +377,10 @@ impl PyCpuDecoderStack {
         }
         let mut arrays = Vec::with_capacity(layers.len());
         for (i, t) in layers.iter().enumerate() {
-            if t.len() != 6 {
+            if t.len() != 6 && t.len() != 8 {
                 return Err(PyValueError::new_err(format!(
-                    "layer {i}: need (input_norm, qkv, o_proj, post_norm, gate_up, down), got {} \
-                     items",
+                    "layer {i}: need (input_norm, qkv, o_proj, post_norm, gate_up, down[, q_norm, \
+                     k_norm]), got {} items",
                     t.len()
                 )));
             }
@@ -374,6 +388,11 @@ impl PyCpuDecoderStack {
             arrays.push(LayerArrays {
                 input_norm: t.get_item(0)?.extract()?,
                 post_norm: t.get_item(3)?.extract()?,
+                head_norms: if t.len() == 8 {
+                    Some((t.get_item(6)?.extract()?, t.get_item(7)?.extract()?))
+                } else {
+                    None
+                },
                 linears: [linear(1)?, linear(2)?, linear(4)?, linear(5)?],
             });
         }

@@ -21,13 +21,19 @@ pytestmark = pytest.mark.skipif(packing_unsupported(torch.device("cpu"), torch.f
                                 reason="the Rust CPU kernels need AVX2 (packing unsupported)")
 
 
-def _random_loaded(tied: bool, bias: bool) -> LoadedModel:
-    config = ModelConfig(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=96,
-                         num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
-                         tie_word_embeddings=tied, attention_bias=bias,
-                         max_position_embeddings=512)
+def _random_loaded(tied: bool, bias: bool, qk_norm: bool = False) -> LoadedModel:
+    config = ModelConfig(arch="qwen3" if qk_norm else "llama", vocab_size=97, hidden_size=64,
+                         intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
+                         head_dim=16, tie_word_embeddings=tied, attention_bias=bias,
+                         max_position_embeddings=512, qk_norm=qk_norm)
     model = LlamaForCausalLM(config).eval()
     init_random_weights(model, seed=3, std=0.2)
+    if qk_norm:   # head norms other than ones (init_random_weights sets norms to 1)
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for layer in model.layers:
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.uniform_(0.5, 1.5, generator=gen)
     if bias:   # random biases too (init_random_weights zeroes them)
         gen = torch.Generator().manual_seed(4)
         with torch.no_grad():
@@ -80,12 +86,15 @@ def _compare(loaded_fused: LoadedModel, loaded_plain: LoadedModel, prompts, max_
     return len(steps), num_fused
 
 
-@pytest.mark.parametrize("tied,bias", [(True, False), (False, True)], ids=["tied", "qkv-bias"])
-def test_fused_steps_match_the_layer_by_layer_forward_on_a_random_model(tied, bias):
+@pytest.mark.parametrize("tied,bias,qk_norm", [(True, False, False), (False, True, False),
+                                              (True, False, True)],
+                         ids=["tied", "qkv-bias", "qwen3-head-norms"])
+def test_fused_steps_match_the_layer_by_layer_forward_on_a_random_model(tied, bias, qk_norm):
     rng = np.random.default_rng(0)
     # 48-token steps: prompts chunked, mixed with decodes and short prompts
     prompts = [rng.integers(0, 97, size=n).tolist() for n in (30, 4, 17, 3, 5, 40, 70)]
-    num_steps, num_fused = _compare(_random_loaded(tied, bias), _random_loaded(tied, bias),
+    num_steps, num_fused = _compare(_random_loaded(tied, bias, qk_norm),
+                                    _random_loaded(tied, bias, qk_norm),
                                     prompts, [12, 20, 6, 9, 15, 3, 5])
     assert num_fused == num_steps          # prefill, mixed and decode steps alike
 

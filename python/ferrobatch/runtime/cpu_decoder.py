@@ -43,12 +43,12 @@ def unsupported(model: nn.Module, backend) -> str | None:
         return f"the attention backend is {getattr(backend, 'name', backend)!r}, not 'cpu'"
     if type(model) is not LlamaForCausalLM:
         return f"{type(model).__name__} is not the llama decoder stack"
-    if model.config.qk_norm:
-        return "its layers norm q and k per head (Qwen3), which the Rust stack does not"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         parts = (type(layer) is LlamaDecoderLayer, type(layer.input_layernorm) is RustRMSNorm,
                  type(layer.post_attention_layernorm) is RustRMSNorm,
+                 attn.q_norm is None or (type(attn.q_norm) is RustRMSNorm
+                                         and type(attn.k_norm) is RustRMSNorm),
                  type(attn.rope) is RustApplyRotary, type(mlp.act) is SiluAndMul,
                  *(type(m) is PanelLinear for m in (attn.qkv_proj, attn.o_proj,
                                                     mlp.gate_up_proj, mlp.down_proj)))
@@ -57,6 +57,13 @@ def unsupported(model: nn.Module, backend) -> str | None:
     if type(model.norm) is not RustRMSNorm:
         return "the final norm is not the Rust one"
     return None
+
+
+def _head_norms(attn) -> tuple:
+    """Qwen3's per-head q / k norm weights, or nothing."""
+    if attn.q_norm is None:
+        return ()
+    return attn.q_norm.weight.numpy(), attn.k_norm.weight.numpy()
 
 
 def _linear_spec(linear) -> tuple:
@@ -78,10 +85,13 @@ class FusedLayers:
         layers = [(layer.input_layernorm.weight.numpy(), _linear_spec(layer.self_attn.qkv_proj),
                    _linear_spec(layer.self_attn.o_proj),
                    layer.post_attention_layernorm.weight.numpy(),
-                   _linear_spec(layer.mlp.gate_up_proj), _linear_spec(layer.mlp.down_proj))
+                   _linear_spec(layer.mlp.gate_up_proj), _linear_spec(layer.mlp.down_proj),
+                   *_head_norms(layer.self_attn))
                   for layer in model.layers]
-        epsilons = {layer.input_layernorm.eps for layer in model.layers} | \
-            {layer.post_attention_layernorm.eps for layer in model.layers}
+        norms = [n for layer in model.layers for n in (
+            layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm,
+            layer.self_attn.k_norm) if n is not None]
+        epsilons = {n.eps for n in norms}
         if len(epsilons) != 1:
             raise ValueError(f"the layers' RMSNorms differ in eps: {sorted(epsilons)}")
         self._stack = _scheduler.CpuDecoderStack(
