@@ -199,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get("FERROBATCH_API_KEY"),
                    help="require this key (Bearer token / TCP hello) on every route but /health; "
                         "default $FERROBATCH_API_KEY")
+    s.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="serve a chat reply's <think>...</think> part as reasoning_content "
+                   "(deepseek_r1: the reply starts inside it; qwen3: when it opens with <think>)")
     s.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                    help="the model id(s) clients use; the first is the one reported "
                    "(default: the model's name)")
@@ -279,7 +282,7 @@ async def _serve(a: argparse.Namespace) -> int:
     server = Server(engine, api_key=a.api_key, served_model_name=a.served_model_name,
                     allowed_origins=a.allowed_origins or frozenset(),
                     log_stats_interval_s=0.0 if a.disable_log_stats else a.log_stats_interval,
-                    access_log=a.access_log)
+                    access_log=a.access_log, reasoning_parser=a.reasoning_parser)
     try:
         await server.start(a.host, a.port, None if a.tcp_port < 0 else a.tcp_port)
     except OSError as exc:

@@ -664,3 +664,31 @@ async def test_a_client_leaving_a_beam_search_aborts_its_requests(real):
     await asyncio.sleep(1.0)                 # a search still running would send more steps
     assert real.engine.check_accounting()["released"] == done
     assert done - before < 4 * 200 // 2
+
+
+async def test_reasoning_parser_on_the_real_model(real, sdk):
+    """A second server on the same engine with `reasoning_parser="deepseek_r1"`: SmolLM2 never
+    closes a <think>, so a reply is all reasoning (content null), the same text the plain
+    server gives as content; a guided reply stays content."""
+    from ferrobatch.serve.server import Server
+    server = Server(real.engine, served_model_name="smollm2", reasoning_parser="deepseek_r1")
+    await server.start("127.0.0.1", 0, tcp_port=None)
+    msgs = [{"role": "user", "content": "What is 2 + 2?"}]
+    try:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1",
+                                    api_key="unused", max_retries=0)
+        plain = await sdk.chat.completions.create(model="smollm2", messages=msgs, max_tokens=8,
+                                                  temperature=0)
+        parsed = await client.chat.completions.create(model="smollm2", messages=msgs,
+                                                      max_tokens=8, temperature=0)
+        message = parsed.choices[0].message
+        assert message.content is None
+        assert message.model_extra["reasoning_content"] == plain.choices[0].message.content
+        guided = await client.chat.completions.create(
+            model="smollm2", messages=msgs, max_tokens=4, temperature=0,
+            extra_body={"guided_choice": ["four", "five"]})
+        assert guided.choices[0].message.content in ("four", "five")
+        assert guided.choices[0].message.model_extra.get("reasoning_content") is None
+        await client.close()
+    finally:
+        await server.stop()

@@ -32,6 +32,7 @@ from ferrobatch.serve.openai_protocol import (
     usage,
 )
 from ferrobatch.serve.protocol import ProtocolError, error_status
+from ferrobatch.serve.reasoning import ReasoningSplitter, split_reasoning
 from ferrobatch.serve.request_ids import object_id
 from ferrobatch.serve.sse import SSEWriter
 from ferrobatch.serve.state import MAX_BODY_BYTES, STATE
@@ -88,6 +89,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req = parse_chat(body, state.model_names, hermes_tools=state.hermes_tools)
     req.id = object_id(request, "chatcmpl-", req.id)
+    if not req.params.is_guided:          # a grammar shapes the whole reply: no <think> part
+        req.reasoning_parser = state.reasoning_parser
     req.beam = beam_params_of(body, req.params)
     return await _serve(request, req)
 
@@ -208,11 +211,14 @@ async def _collect(request: web.Request, req: OpenAIRequest, streams: list[Any])
             text, lp, _ = _with_echo(request, req, last[k // n], texts[k], logprobs[k])
         else:
             text, lp = texts[k], _logprobs_shape(request, req, logprobs[k])[0]
+        reasoning = None
+        if req.reasoning_parser is not None:
+            reasoning, text = split_reasoning(req.reasoning_parser, text)
         calls = None
         if req.tools is not None:
             text, calls = tool_calls_of(req.tools, text, reasons[k])
         choices.append(choice(req, k, text, reasons[k], stream=False, logprobs=lp,
-                              tool_calls=calls))
+                              tool_calls=calls, reasoning=reasoning))
     return web.json_response(envelope(req, choices, chunk=False,
                                       usage_=usage(prompt_tokens, completion,
                                                    cached_total(last.values()))))
@@ -227,6 +233,7 @@ async def _stream(request: web.Request, req: OpenAIRequest,
     prompt_outs: dict[int, Any] = {}  # prompt index -> the output with its prompt logprobs
     latest: dict[int, Any] = {}       # prompt index -> its latest output (cached tokens)
     tool_streams: dict[int, ToolOutputStream] = {}   # per choice, with a tool plan
+    splitters: dict[int, ReasoningSplitter] = {}     # per choice, with a reasoning parser
     prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
 
     def so_far() -> dict[str, int] | None:
@@ -261,35 +268,44 @@ async def _stream(request: web.Request, req: OpenAIRequest,
                 completion += len(c.token_ids)
                 k = i * n + c.index
                 asked = req.params.logprobs is not None
+                text, reasoning = c.text, ""
+                if req.reasoning_parser is not None:
+                    rs = splitters.setdefault(k, ReasoningSplitter(req.reasoning_parser))
+                    reasoning, text = rs.feed(c.text)
+                    if c.finish_reason is not None:
+                        more_reasoning, more_text = rs.finish()
+                        reasoning, text = reasoning + more_reasoning, text + more_text
                 if req.tools is not None:    # a forced call goes out whole, once complete;
                     # "auto" text streams until a <tool_call> block may start
                     ts = tool_streams.setdefault(k, ToolOutputStream(req.tools))
                     ts.entries.extend(c.logprobs or ())
-                    out_text, calls = ts.feed(c.text), None
+                    out_text, calls = ts.feed(text), None
                     if c.finish_reason is not None:
                         rest, calls = ts.finish(c.finish_reason)
                         out_text += rest
-                    if out_text or c.finish_reason is not None:
+                    if out_text or reasoning or c.finish_reason is not None:
                         lp = _logprobs_shape(request, req, ts.entries if asked else None)[0]
                         ts.entries = []         # a token's entry goes with its text's chunk
                         if calls:      # the calls, then the finish in a chunk of its own (as
                             # OpenAI: the SDK's stream helper closes a call on that chunk)
                             choices.append(choice(req, k, out_text, None, stream=True,
-                                                  logprobs=lp, tool_calls=calls))
+                                                  logprobs=lp, tool_calls=calls,
+                                                  reasoning=reasoning))
                             finishes.append(choice(req, k, "", c.finish_reason, stream=True,
                                                    tool_calls=[]))
                         else:
                             choices.append(choice(req, k, out_text, c.finish_reason,
-                                                  stream=True, logprobs=lp))
+                                                  stream=True, logprobs=lp,
+                                                  reasoning=reasoning))
                 elif req.echo and k not in offsets:          # the choice's first chunk
                     text, lp, offsets[k] = _with_echo(request, req, prompt_outs.get(i, out),
                                                       c.text, c.logprobs)
                     choices.append(choice(req, k, text, c.finish_reason, stream=True,
                                           logprobs=lp))
-                elif c.text or c.finish_reason is not None or c.logprobs:
+                elif text or reasoning or c.finish_reason is not None or c.logprobs:
                     lp, offsets[k] = _logprobs_shape(request, req, c.logprobs, offsets.get(k, 0))
-                    choices.append(choice(req, k, c.text, c.finish_reason, stream=True,
-                                          logprobs=lp))
+                    choices.append(choice(req, k, text, c.finish_reason, stream=True,
+                                          logprobs=lp, reasoning=reasoning))
             if choices:
                 await sse.send(envelope(req, choices, chunk=True, usage_=so_far()))
             if finishes:

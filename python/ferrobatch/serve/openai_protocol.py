@@ -39,6 +39,7 @@ class OpenAIRequest:
     # add_generation_prompt, continue_final_message, chat_template_kwargs; the tools)
     chat_template: dict[str, Any] | None = None
     beam: Any = None          # a `BeamSearchParams` with `use_beam_search` (serve/beam_http.py)
+    reasoning_parser: str | None = None   # chat: the reply's <think> part (serve/reasoning.py)
 
 
 def check_model(body: dict, model_names: str | Sequence[str]) -> str:
@@ -236,18 +237,23 @@ def cached_total(outputs: Any) -> int | None:
 
 def choice(req: OpenAIRequest, index: int, text: str, finish_reason: str | None,
            stream: bool, logprobs: dict[str, Any] | None = None,
-           tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+           tool_calls: list[dict[str, Any]] | None = None,
+           reasoning: str | None = None) -> dict[str, Any]:
     """One choice of a response or chunk; `logprobs` is already in the route's shape
     (`serve.logprobs`), None when not asked for. With `tool_calls` (chat) the choice carries
     them, with `text` (what the model wrote before them) as content or null, and a finish by
-    the model's own end reads "tool_calls"."""
+    the model's own end reads "tool_calls". With a reasoning parser (chat), `reasoning` is the
+    reply's reasoning part (`reasoning_content`; a message without one says null, a chunk
+    leaves it out)."""
     if req.kind == "completion":
         return {"index": index, "text": text, "logprobs": logprobs,
                 "finish_reason": finish_reason}
     if tool_calls is not None and finish_reason == "stop":
         finish_reason = "tool_calls"
     if stream:
-        delta: dict[str, Any] = {"content": text} if text else {}
+        delta: dict[str, Any] = {"reasoning_content": reasoning} if reasoning else {}
+        if text:
+            delta["content"] = text
         if tool_calls:       # with any text that came in the same piece of output before them
             delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
         return {"index": index, "delta": delta, "logprobs": logprobs,
@@ -255,6 +261,10 @@ def choice(req: OpenAIRequest, index: int, text: str, finish_reason: str | None,
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if tool_calls is not None:       # any text the model wrote before its calls, else null
         message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+    if req.reasoning_parser is not None:
+        message["reasoning_content"] = reasoning
+        if reasoning is not None and not text:
+            message["content"] = None
     return {"index": index, "message": message, "logprobs": logprobs,
             "finish_reason": finish_reason}
 

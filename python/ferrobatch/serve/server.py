@@ -26,6 +26,7 @@ from ferrobatch.serve.middleware import (
     error_middleware,
     quiet_malformed_request_logs,
 )
+from ferrobatch.serve.reasoning import PARSERS as REASONING_PARSERS
 from ferrobatch.serve.request_ids import add_request_id_header, request_id_middleware
 from ferrobatch.serve.state import MAX_BODY_BYTES, STATE, ServerState
 from ferrobatch.serve.tcp import TCPServer
@@ -54,11 +55,14 @@ class Server:
     def __init__(self, engine: Any, *, api_key: str | None = None,
                  served_model_name: str | Sequence[str] | None = None,
                  allowed_origins: frozenset[str] = frozenset(),
-                 log_stats_interval_s: float = 0.0, access_log: bool = False) -> None:
+                 log_stats_interval_s: float = 0.0, access_log: bool = False,
+                 reasoning_parser: str | None = None) -> None:
         """`allowed_origins`: the browser origins CORS lets call the HTTP API (`"*"`: any;
         empty: CORS off), as `cors.parse_origins` makes them. `log_stats_interval_s` > 0: an
         INFO line of engine activity that often while the server runs (`StatsLogger`);
-        `access_log`: an INFO line per HTTP request (logger `ferrobatch.access`)."""
+        `access_log`: an INFO line per HTTP request (logger `ferrobatch.access`).
+        `reasoning_parser` ("deepseek_r1", "qwen3"): chat replies' `<think>` part is served as
+        `reasoning_content` (`serve/reasoning.py`)."""
         if api_key is not None and not api_key:
             raise ValueError("api_key must not be empty")
         if served_model_name is not None and not isinstance(served_model_name, str):
@@ -66,8 +70,12 @@ class Server:
             if not served_model_name or not all(isinstance(n, str) and n
                                                 for n in served_model_name):
                 raise ValueError("served_model_name must be a name or a list of names")
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: "
+                             f"{', '.join(REASONING_PARSERS)}")
         self.state = ServerState(engine, api_key=api_key, served_model_name=served_model_name,
-                                 allowed_origins=frozenset(allowed_origins))
+                                 allowed_origins=frozenset(allowed_origins),
+                                 reasoning_parser=reasoning_parser)
         self.state.metrics = ServerMetrics(engine, self.state.model_name)
         self.stats_logger = (StatsLogger(engine, log_stats_interval_s)
                              if log_stats_interval_s > 0 else None)

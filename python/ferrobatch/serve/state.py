@@ -23,6 +23,7 @@ class ServerState:
     served_model_name: str | tuple[str, ...] | None = None   # names clients use; the first
 #                                                           is the one reported
     allowed_origins: frozenset[str] = frozenset()    # CORS (serve/cors.py); empty: off
+    reasoning_parser: str | None = None   # chat replies' <think> part (serve/reasoning.py)
     sessions: set = field(default_factory=set)
     websockets: set = field(default_factory=set)     # open WebSocketResponses (closed on stop)
     created: int = field(default_factory=lambda: int(time.time()))

@@ -1,0 +1,94 @@
+"""Reasoning parsers: the splitter against its whole-text form on every way of cutting a reply
+into pieces, both parsers' rules, and `reasoning_content` on the chat route (FakeCore)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import aiohttp
+import pytest
+
+from ferrobatch.serve.reasoning import ReasoningSplitter, split_reasoning
+
+CASES = {
+    # (parser, reply): (reasoning, content)
+    ("deepseek_r1", "Let me think.</think>\n\nThe answer is 4."): ("Let me think.",
+                                                                 "The answer is 4."),
+    ("deepseek_r1", "<think>\nhm</think>4"): ("\nhm", "4"),
+    ("deepseek_r1", "cut off before the end"): ("cut off before the end", ""),
+    ("deepseek_r1", "</think>only an answer"): ("", "only an answer"),
+    ("deepseek_r1", "a < b and </thin is not a tag</think> ok"): ("a < b and </thin is not a tag",
+                                                                 "ok"),
+    ("qwen3", "<think>\nfirst, 2 + 2\n</think>\n\n4"): ("\nfirst, 2 + 2\n", "4"),
+    ("qwen3", "  <think>x</think>y"): ("x", "y"),
+    ("qwen3", "No thinking here </think> at all"): (None, "No thinking here </think> at all"),
+    ("qwen3", "<thin"): (None, "<thin"),
+    ("qwen3", "<think>never closed"): ("never closed", ""),
+    ("qwen3", ""): (None, ""),
+}
+
+
+@pytest.mark.parametrize("parser, reply", sorted(CASES))
+def test_whole_replies_split_by_each_parsers_rules(parser, reply):
+    assert split_reasoning(parser, reply) == CASES[parser, reply]
+
+
+@pytest.mark.parametrize("parser, reply", sorted(CASES))
+def test_any_cut_into_pieces_gives_the_whole_replys_split(parser, reply):
+    """Pieces of every size (1 character up): the joined pieces equal the whole-text split,
+    and nothing of a tag ever leaves as text."""
+    rng = random.Random(hash((parser, reply)) & 0xFFFF)
+    want_reasoning, want_content = CASES[parser, reply]
+    for _ in range(40):
+        splitter, reasoning, content, at = ReasoningSplitter(parser), [], [], 0
+        while at < len(reply):
+            step = rng.randint(1, 4)
+            r, c = splitter.feed(reply[at:at + step])
+            reasoning.append(r)
+            content.append(c)
+            at += step
+        r, c = splitter.finish()
+        assert "".join(reasoning) + r == (want_reasoning or "")
+        assert "".join(content) + c == want_content
+        assert all("<think>" not in p and "</think>" not in p for p in reasoning)
+
+
+def test_an_unknown_parser_is_refused():
+    with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
+        ReasoningSplitter("r2d2")
+
+
+REPLY = "<user>ponder</think>\n\nanswer"     # FakeCore echoes the rendered chat prompt
+BODY = {"messages": [{"role": "user", "content": "ponder</think>\n\nanswer"}],
+        "max_tokens": len(REPLY)}
+
+
+@pytest.mark.parametrize("fake_server", [{"reasoning_parser": "deepseek_r1"}], indirect=True)
+async def test_chat_serves_reasoning_content_whole_and_streamed(fake_server):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(fake_server.base + "/v1/chat/completions", json=BODY) as resp:
+            message = (await resp.json())["choices"][0]["message"]
+        assert message == {"role": "assistant", "content": "answer",
+                           "reasoning_content": "<user>ponder"}
+        async with s.post(fake_server.base + "/v1/chat/completions",
+                          json={**BODY, "stream": True}) as resp:
+            chunks = [json.loads(line[6:]) for line in (await resp.text()).split("\n\n")
+                      if line.startswith("data: {")]
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == "<user>ponder"
+        assert "".join(d.get("content") or "" for d in deltas) == "answer"
+        first = next(i for i, d in enumerate(deltas) if d.get("content"))
+        assert all("reasoning_content" not in d for d in deltas[first:])
+        # completions are left alone
+        async with s.post(fake_server.base + "/v1/completions", json={
+                "prompt": "a</think>b", "max_tokens": 10}) as resp:
+            assert (await resp.json())["choices"][0]["text"] == "a</think>b"
+
+
+@pytest.mark.parametrize("fake_server", [{}], indirect=True)
+async def test_without_a_parser_the_reply_is_all_content(fake_server):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(fake_server.base + "/v1/chat/completions", json=BODY) as resp:
+            message = (await resp.json())["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": REPLY}
