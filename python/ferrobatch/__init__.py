@@ -20,11 +20,13 @@ if "torch" not in _sys.modules:
 
 from ferrobatch.config import EngineConfig
 from ferrobatch.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprob
+from ferrobatch.pooling_params import PoolingParams
 from ferrobatch.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "AsyncEngine", "SamplingParams", "EngineConfig", "RequestOutput",
-           "CompletionOutput", "TokenLogprob", "Logprob", "BeamSearchParams", "__version__"]
+           "CompletionOutput", "TokenLogprob", "Logprob", "BeamSearchParams", "PoolingParams",
+           "__version__"]
 
 _LAZY = {"LLM": "ferrobatch.engine.llm", "AsyncEngine": "ferrobatch.engine.async_engine",
          "BeamSearchParams": "ferrobatch.engine.beam_search"}

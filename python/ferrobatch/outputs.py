@@ -108,6 +108,8 @@ class RequestOutput:
     # prompt tokens found in the prefix cache when the request was first scheduled (as vLLM's
     # field); None until then
     num_cached_tokens: int | None = None
+    # an embedding request's pooled vector (`AsyncEngine.embed`), once its prompt is computed
+    embedding: list[float] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -692,3 +692,33 @@ async def test_reasoning_parser_on_the_real_model(real, sdk):
         await client.close()
     finally:
         await server.stop()
+
+
+async def test_embeddings_route_through_the_sdk(real, sdk):
+    """`/v1/embeddings` as the `openai` SDK calls it (base64, decoded by the SDK) and as floats:
+    the engine's own `embed` vectors, in input order, with the usage of the prompts."""
+    import numpy as np
+
+    from ferrobatch.pooling_params import PoolingParams
+    texts = ["The capital of France is Paris.", "A cat sat on the mat."]
+    want = [np.asarray((await real.engine.embed(t)).outputs.embedding) for t in texts]
+    res = await sdk.embeddings.create(model="smollm2", input=texts)
+    assert [d.index for d in res.data] == [0, 1]
+    for d, w in zip(res.data, want):
+        np.testing.assert_allclose(np.asarray(d.embedding), w, atol=1e-6)
+    tok = real.engine.tokenizer
+    assert res.usage.prompt_tokens == sum(len(tok.encode(t, add_special_tokens=True))
+                                          for t in texts)
+    ids = tok.encode(texts[0], add_special_tokens=True)
+    short = await sdk.embeddings.create(model="smollm2", input=[ids], dimensions=32,
+                                        encoding_format="float")
+    cut = (await real.engine.embed(ids,
+                                   PoolingParams(dimensions=32))).outputs.embedding
+    np.testing.assert_allclose(short.data[0].embedding, cut, atol=1e-6)
+    assert len(short.data[0].embedding) == 32
+    for bad, param in ((dict(input=""), None), (dict(input=[]), "input"),
+                       (dict(input="x", encoding_format="hex"), "encoding_format"),
+                       (dict(input="x", dimensions=0), "dimensions")):
+        with pytest.raises(openai.BadRequestError) as info:
+            await sdk.embeddings.create(model="smollm2", **bad)
+        assert info.value.body.get("param") == param, (bad, info.value.body)

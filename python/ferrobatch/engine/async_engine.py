@@ -34,6 +34,7 @@ from ferrobatch.engine.request_state import FINISH_STOP, LogprobMismatch, Reques
 from ferrobatch.engine.step_loop import StepLoop
 from ferrobatch.model.tokenizer import LONG_TEXT_CHARS
 from ferrobatch.outputs import RequestOutput
+from ferrobatch.pooling_params import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from ferrobatch.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -322,10 +323,12 @@ class AsyncEngine:
     def add_request(self, prompt: Prompt | None = None, params: SamplingParams | None = None,
                     request_id: str | None = None, *, messages: Any = None,
                     chat_options: dict[str, Any] | None = None,
+                    pooling: PoolingParams | None = None,
                     _probe: bool = False) -> RequestStream:
         """Validate, tokenize and submit; raises ValueError (bad input), QueueFullError or
         EngineDeadError before anything is allocated. `messages` are rendered by the chat
-        template, with `chat_options` (`render_chat`'s keywords) if given."""
+        template, with `chat_options` (`render_chat`'s keywords) if given. With `pooling` the
+        final output also carries the prompt's embedding (`embed` is the short way)."""
         if not self.is_running:
             raise EngineDeadError(self.dead_reason or "the engine is not started")
         params = params if params is not None else SamplingParams()
@@ -378,6 +381,10 @@ class AsyncEngine:
         name = request_id if request_id is not None else self._free_name(req_id)
         detoks = [core.new_detokenizer(ids, params) for _ in range(params.n)]
         state = RequestState(req_id, name, text, ids, params, max_tokens, detoks, time.monotonic())
+        if pooling is not None:
+            if not isinstance(pooling, PoolingParams):
+                raise TypeError("pooling must be a PoolingParams")
+            state.pooling = pooling
         core.submit(req_id, ids, params, max_tokens, state)   # may raise QueueFullError
         if _probe:            # (its step results reach this thread only after we return)
             self._probes.add(req_id)
@@ -443,6 +450,28 @@ class AsyncEngine:
                 yield out
         finally:
             stream.abort()
+
+    async def embed(self, prompt: Prompt, pooling: PoolingParams | None = None,
+                    request_id: str | None = None, *,
+                    truncate_prompt_tokens: int | None = None) -> EmbeddingRequestOutput:
+        """The prompt's embedding (`PoolingParams`: last-token or mean pooling of the final
+        hidden states, cut to `dimensions`, normalized); batched with all other traffic.
+        Raises ValueError for bad input; cancelling it aborts the request."""
+        pooling = pooling if pooling is not None else PoolingParams()
+        params = SamplingParams(max_tokens=1, temperature=0.0, output_kind="final",
+                                truncate_prompt_tokens=truncate_prompt_tokens)
+        stream = self.add_request(prompt, params, request_id, pooling=pooling)
+        try:
+            last = None
+            async for out in stream:
+                last = out
+        finally:
+            stream.abort()
+        if last is None or last.error or last.embedding is None:
+            raise RuntimeError("embedding failed: " + (last.error if last is not None and
+                                                       last.error else "no embedding came back"))
+        return EmbeddingRequestOutput(last.request_id, last.prompt_token_ids,
+                                      EmbeddingOutput(last.embedding))
 
     async def beam_search(self, prompt: Prompt | None, params: BeamSearchParams, *,
                           messages: Any = None, chat_options: dict[str, Any] | None = None
@@ -537,6 +566,11 @@ class AsyncEngine:
                                            "request")
                 for s in st.seqs:
                     st.finish_seq_locally(s.index, "error", message)
+        for rid, vec in (getattr(r, "embeddings", None) or {}).items():
+            st = requests.get(rid)
+            if st is not None:
+                st.embedding = vec
+                st.version += 1
         for rid, entries in (getattr(r, "prompt_logprobs", None) or {}).items():
             st = requests.get(rid)
             if st is not None and st.prompt_logprobs is not None:

@@ -18,6 +18,7 @@ import torch
 
 from ferrobatch.config import EngineConfig
 from ferrobatch.engine.errors import QueueFullError
+from ferrobatch.engine.pooling import PoolingState, pooled_embeddings, pooling_rows
 from ferrobatch.runtime.cpu_threads import torch_single_threaded
 from ferrobatch.sampling_params import SamplingParams
 
@@ -54,6 +55,8 @@ class StepResult:
     # per entry of scheduled_req_ids: the tokens of that sequence computed (or found in the
     # prefix cache) before this step; for a request's first step, its cached prompt tokens
     seq_start_positions: list[int] = field(default_factory=list)
+    # req id -> its embedding (float32), for the pooling requests this step completed
+    embeddings: dict[int, Any] | None = None
 
 
 def _seq_start_positions(batch: Any) -> list[int]:
@@ -238,9 +241,10 @@ class EngineCore:
                state: Any) -> None:
         guides = self.guided.sequences(p) if p.is_guided else None   # ValueError if unusable
         stop_masked = bool(p.min_tokens and p.stop_token_ids)
+        pooling = getattr(state, "pooling", None)      # an embedding request
         if p.needs_token_history or p.logit_bias or p.logprobs is not None \
                 or p.prompt_logprobs is not None or guides or stop_masked \
-                or p.allowed_token_ids is not None:
+                or p.allowed_token_ids is not None or pooling is not None:
             from ferrobatch.runtime.sampler import RequestExtras
             from ferrobatch.runtime.token_restrictions import allowed_mask, bad_word_sequences
             history = [[] for _ in range(p.n)] if p.needs_token_history else None
@@ -249,11 +253,14 @@ class EngineCore:
                 tuple(p.stop_token_ids) if stop_masked else (),
                 allowed_mask=(allowed_mask(p.allowed_token_ids, self.vocab_size)
                               if p.allowed_token_ids is not None else None),
-                bad_word_ids=bad_word_sequences(self.tokenizer, p.bad_words))
+                bad_word_ids=bad_word_sequences(self.tokenizer, p.bad_words),
+                pooling=PoolingState(pooling, len(ids)) if pooling is not None else None)
             self._extras = {**self._extras, req_id: state.extras}
         # a prompt-logprobs request must compute every prompt token: a salt of its own keeps
         # other requests' cached blocks from standing in for them
         salt = f"prompt-logprobs/{req_id}" if p.prompt_logprobs is not None else None
+        if pooling is not None and pooling.pooling == "mean":   # every prompt row is needed
+            salt = f"pooling/{req_id}"
         try:
             self.intake.submit(
                 req_id, ids, max_tokens=max_tokens, min_tokens=p.min_tokens,
@@ -310,17 +317,27 @@ class EngineCore:
         batch = self.scheduler.schedule()
         extras = self._extras
         failed: list[int] = []
-        logprobs = prompt_logprobs = None
-        wanted = _prompt_logprob_rows(batch, extras) if extras and batch.num_tokens > 0 else None
-        if wanted is not None:
-            logits, hidden = self.runner.execute(batch, hidden_rows=wanted[0])
-            prompt_logprobs = self._prompt_logprobs(hidden, wanted, extras)
+        logprobs = prompt_logprobs = embeddings = None
+        scored = pooled = None          # the rows prompt logprobs / embeddings need
+        if extras and batch.num_tokens > 0:
+            scored = _prompt_logprob_rows(batch, extras)
+            pooled = pooling_rows(batch, extras)
+        wanted = scored is not None or pooled is not None
+        if wanted:
+            rows = np.concatenate([w[0] for w in (scored, pooled) if w is not None])
+            logits, hidden = self.runner.execute(batch, hidden_rows=rows)
+            num_scored = 0 if scored is None else len(scored[0])
+            if scored is not None:
+                prompt_logprobs = self._prompt_logprobs(hidden[:num_scored], scored, extras)
+            if pooled is not None:
+                embeddings = pooled_embeddings(hidden[num_scored:].float().cpu().numpy(),
+                                               pooled, extras)
         if batch.num_samples > 0:
-            if wanted is None:
+            if not wanted:
                 logits = self.runner.execute(batch)
-            sampled = self._plain_greedy(batch, extras, logits) if wanted is None else None
+            sampled = self._plain_greedy(batch, extras, logits) if not wanted else None
         else:
-            if batch.num_tokens > 0 and wanted is None:
+            if batch.num_tokens > 0 and not wanted:
                 self.runner.execute(batch)      # a prefill chunk that samples nothing yet
             sampled = _EMPTY_I32
         if sampled is None:
@@ -347,7 +364,8 @@ class EngineCore:
                           int(batch.num_tokens),
                           # a request's first step computes prompt tokens: decode-only steps
                           # have no first step in them, and skip the arrays
-                          _seq_start_positions(batch) if batch.num_prefill_tokens else [])
+                          _seq_start_positions(batch) if batch.num_prefill_tokens else [],
+                          embeddings)
 
     def _plain_greedy(self, batch: Any, extras: dict[int, Any], logits: Any) -> np.ndarray | None:
         """A plain greedy step (``Sampler.is_plain_greedy``) whose logits are all finite: its

@@ -24,6 +24,7 @@ from ferrobatch.config import EngineConfig
 from ferrobatch.engine.async_engine import AsyncEngine
 from ferrobatch.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from ferrobatch.outputs import RequestOutput
+from ferrobatch.pooling_params import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from ferrobatch.sampling_params import SamplingParams
 
 PROGRESS_MIN_PROMPTS = 8
@@ -154,6 +155,36 @@ class LLM:
         return self._run(self._generate_all(prompts, plist, None,
                                             use_tqdm and len(prompts) >= PROGRESS_MIN_PROMPTS))
 
+    def embed(self, prompts: Any, pooling_params: PoolingParams | None = None, *,
+              use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's `LLM.embed`: one `EmbeddingRequestOutput` per prompt (a string, token ids or
+        a prompt dict), in order; `outputs.embedding` is the pooled vector (`PoolingParams`:
+        last-token pooling, normalized, by default). All prompts are checked before any runs."""
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise TypeError("pooling_params must be a PoolingParams")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = [_prompt_of(p) for p in prompts]
+        pooling = pooling_params or PoolingParams()
+        params = SamplingParams(max_tokens=1, temperature=0.0, output_kind="final",
+                                truncate_prompt_tokens=truncate_prompt_tokens)
+
+        async def run() -> list[EmbeddingRequestOutput]:
+            outs = await self._generate_all(
+                prompts, [params] * len(prompts), None,
+                use_tqdm and len(prompts) >= PROGRESS_MIN_PROMPTS, pooling=pooling)
+            result = []
+            for out in outs:
+                if out.error or out.embedding is None:
+                    raise RuntimeError(f"embedding failed: {out.error or 'no embedding'}")
+                result.append(EmbeddingRequestOutput(out.request_id, out.prompt_token_ids,
+                                                     EmbeddingOutput(out.embedding)))
+            return result
+
+        return self._run(run())
+
     def beam_search(self, prompts: Any, params: BeamSearchParams, *,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: one `BeamSearchOutput` per prompt (a string, token ids or
@@ -230,7 +261,8 @@ class LLM:
 
     async def _generate_all(self, prompts: list[Any], plist: list[SamplingParams],
                             convs: list[Any] | None, progress: bool,
-                            chat_options: dict[str, Any] | None = None) -> list[RequestOutput]:
+                            chat_options: dict[str, Any] | None = None,
+                            pooling: PoolingParams | None = None) -> list[RequestOutput]:
         engine = self.engine
         streams = []
         try:
@@ -238,7 +270,7 @@ class LLM:
                 # Validate everything first, so one bad prompt fails the call before any work.
                 streams.append(engine.add_request(prompt, p, str(next(self._request_ids)),
                                                   messages=convs[i] if convs else None,
-                                                  chat_options=chat_options))
+                                                  chat_options=chat_options, pooling=pooling))
             bar = None
             if progress:
                 from tqdm import tqdm

@@ -63,7 +63,7 @@ class RequestState:
                  "scheduled_time", "first_token_time", "last_token_time", "finish_time",
                  "num_generated", "final_emitted", "extras", "defer_text", "version",
                  "seen_version", "prompt_logprobs", "prompt_logprobs_missing",
-                 "prompt_logprobs_sent", "num_cached_tokens")
+                 "prompt_logprobs_sent", "num_cached_tokens", "pooling", "embedding")
 
     def __init__(self, req_id: int, request_id: str, prompt: str | None,
                  prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
@@ -93,6 +93,8 @@ class RequestState:
         # its work when nothing changed since the output it last built
         self.version = 0
         self.seen_version = 0
+        self.pooling: Any = None      # an embedding request's PoolingParams
+        self.embedding: Any = None    # its pooled vector (float32), once computed
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.prompt_logprobs_missing = 0
         self.prompt_logprobs_sent = False
@@ -270,6 +272,8 @@ class RequestState:
         out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
                             finished=finished, error=self.error, metrics=self.timings(),
                             num_cached_tokens=self.num_cached_tokens)
+        if self.embedding is not None:
+            out.embedding = self.embedding.tolist()
         if self.prompt_logprobs is not None and self.prompt_logprobs_missing == 0 \
                 and not (kind == "delta" and self.prompt_logprobs_sent):
             out.prompt_logprobs = self.prompt_logprobs   # complete: never changes again

@@ -58,6 +58,7 @@ class RequestExtras:
     stop_token_ids: tuple[int, ...] = ()
     allowed_mask: np.ndarray | None = None   # bool [V]: `allowed_token_ids` (token_restrictions)
     bad_word_ids: tuple[tuple[int, ...], ...] = ()   # `bad_words` as token sequences
+    pooling: Any = None      # an embedding request's `engine.pooling.PoolingState`
 
     @property
     def restricts_tokens(self) -> bool:
