@@ -4,8 +4,9 @@ Each input line is one request,
 
     {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
 
-with `url` one of `/v1/chat/completions`, `/v1/completions`, `/v1/responses`. Every request goes
-through the very HTTP routes `ferrobatch serve` runs (a server on an ephemeral loopback port,
+with `url` one of `/v1/chat/completions`, `/v1/completions`, `/v1/responses`,
+`/v1/embeddings`. Every request goes through the very HTTP routes `ferrobatch serve` runs (a
+server on an ephemeral loopback port,
 inside this process), all of them in flight at once up to `concurrency`, so continuous batching
 packs them as it packs live traffic. Each output line answers one input line, in the order
 they finish (match them by `custom_id`, as with OpenAI's batch output):
@@ -31,7 +32,7 @@ from typing import Any
 
 import aiohttp
 
-URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 DEFAULT_CONCURRENCY = 256
 MAX_LINE_BYTES = 1 << 20          # as the server's largest body
 

@@ -22,7 +22,7 @@ async def test_every_line_gets_one_answer(fake_server):
               line("resp", "/v1/responses", input="hi", max_output_tokens=2),
               line("bad-body", "/v1/completions", prompt="x", max_tokens=0),
               line("stream", "/v1/completions", prompt="x", stream=True),
-              line("embed", "/v1/embeddings", input="x"),
+              line("audio", "/v1/audio/transcriptions", input="x"),
               "{not json", "", "   ", json.dumps({"custom_id": 7, "url": "/v1/completions"})]
     out = []
     summary = await run_batch(engine, lines, out.append, concurrency=8, progress=False)
@@ -38,7 +38,7 @@ async def test_every_line_gets_one_answer(fake_server):
     bad = by_id["bad-body"]["response"]
     assert bad["status_code"] == 400 and "max_tokens" in bad["body"]["error"]["message"]
     assert by_id["stream"]["error"]["code"] == "invalid_request"
-    assert "url" in by_id["embed"]["error"]["message"]
+    assert "url" in by_id["audio"]["error"]["message"]
     assert sum(o["error"] is not None and o["error"]["code"] == "invalid_json" for o in out) == 1
     assert len({o["id"] for o in out}) == len(out)
     await engine.check_idle_clean()
@@ -64,11 +64,14 @@ def test_the_cli_answers_a_file(tmp_path, smollm2_gguf_path, capsys):
     src.write_text("\n".join([
         line("q", "/v1/chat/completions", max_tokens=6, temperature=0,
              messages=[{"role": "user", "content": "What is the capital of France?"}]),
-        line("r", "/v1/responses", input="Hello", max_output_tokens=3)]) + "\n")
+        line("r", "/v1/responses", input="Hello", max_output_tokens=3),
+        line("e", "/v1/embeddings", input=["Hello", "World"])]) + "\n")
     assert main(["batch", "-i", str(src), "-o", str(dst), "--device", "cpu",
                  "--kv-cache-gb", "0.05"]) == 0
     out = [json.loads(x) for x in dst.read_text().splitlines()]
-    assert sorted(o["custom_id"] for o in out) == ["q", "r"]
+    assert sorted(o["custom_id"] for o in out) == ["e", "q", "r"]
     assert all(o["response"]["status_code"] == 200 for o in out)
-    assert "2 requests, 2 answered, 0 failed" in capsys.readouterr().err
+    vectors = next(o for o in out if o["custom_id"] == "e")["response"]["body"]["data"]
+    assert [len(v["embedding"]) for v in vectors] == [576, 576]      # SmolLM2's hidden size
+    assert "3 requests, 3 answered, 0 failed" in capsys.readouterr().err
     assert main(["batch", "-i", str(tmp_path / "missing.jsonl"), "-o", str(dst)]) == 2
