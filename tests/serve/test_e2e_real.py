@@ -722,3 +722,22 @@ async def test_embeddings_route_through_the_sdk(real, sdk):
         with pytest.raises(openai.BadRequestError) as info:
             await sdk.embeddings.create(model="smollm2", **bad)
         assert info.value.body.get("param") == param, (bad, info.value.body)
+
+
+async def test_a_client_leaving_an_embeddings_call_cancels_its_inputs(real):
+    """400 inputs, the client gone after a few are embedded: the rest never run, the engine
+    ends idle with every block free and its request tables empty."""
+    body = {"model": "smollm2", "input": [f"sentence number {i} " * 20 for i in range(400)]}
+    before = real.engine.check_accounting()["released"]
+    async with aiohttp.ClientSession() as session:
+        task = asyncio.ensure_future(session.post(real.base + "/v1/embeddings", json=body))
+        for _ in range(400):
+            await asyncio.sleep(0.05)
+            if real.engine.check_accounting()["released"] - before > 8:
+                break
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    await real.engine.check_idle_clean(10.0)
+    done = real.engine.check_accounting()["released"] - before
+    await asyncio.sleep(0.5)
+    assert real.engine.check_accounting()["released"] - before == done < 400
