@@ -71,6 +71,10 @@ class SamplingParams:
     that many tokens (-1: as many as fit beside `max_tokens`, or one output token when it is
     None) instead of refusing a prompt that is too long.
 
+    `cache_salt` (vLLM's, there passed beside the prompt): the request's prompt blocks are
+    shared through the prefix cache only with requests of the same salt, so tenants cannot
+    probe each other's prompts by timing (use a long random secret per tenant).
+
     Guided decoding (structured outputs), at most one of: `guided_json` (a JSON Schema as a
     dict or JSON text; `{"type": "object"}` is any JSON object), `guided_regex` (the output is a
     full match of this regex, Rust regex syntax), `guided_choice` (the output is exactly one of
@@ -108,6 +112,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     truncate_prompt_tokens: int | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         def fix(name: str, value: Any) -> None:
@@ -219,6 +224,9 @@ class SamplingParams:
             raise ValueError(f"bad_words may hold at most {MAX_BAD_WORDS} words of at most "
                              f"{MAX_BAD_WORD_CHARS} characters")
         fix("bad_words", tuple(words))
+        salt = self.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= 256):
+            raise ValueError("cache_salt must be a string of 1 to 256 characters")
         t = self.truncate_prompt_tokens
         if t is not None and (not _is_int(t) or not (t == -1 or t >= 1)):
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 (or -1: as many "

@@ -337,3 +337,23 @@ def test_truncate_prompt_tokens_equals_the_shortened_prompt(real_llm):
     out = real_llm.generate(long_text, params.replace(truncate_prompt_tokens=-1))[0]
     assert len(out.prompt_token_ids) == 2048 - 8
     assert out.prompt == tok.decode(out.prompt_token_ids, skip_special_tokens=False)
+
+
+def test_cache_salt_keeps_prefix_cache_hits_within_a_tenant(real_llm):
+    """The same prompt: a hit for a second request of the same salt (or both unsalted), none
+    across salts; vLLM's `{"prompt": ..., "cache_salt": ...}` dict says the same."""
+    prompt = "Tenant isolation matters when many users share one server. " * 6
+    params = SamplingParams(max_tokens=1)
+
+    def cached(p, salt=None):
+        return real_llm.generate(p, params.replace(cache_salt=salt))[0].num_cached_tokens
+
+    assert cached(prompt, "alice") == 0
+    assert cached(prompt, "alice") > 0            # the same tenant shares its blocks
+    assert cached(prompt, "bob") == 0             # another tenant does not see them
+    assert cached(prompt) == 0                    # nor does an unsalted request
+    assert cached(prompt) > 0
+    out = real_llm.generate({"prompt": prompt, "cache_salt": "bob"}, params)[0]
+    assert out.num_cached_tokens > 0              # bob's own blocks, from above
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt="")

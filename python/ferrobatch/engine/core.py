@@ -258,7 +258,9 @@ class EngineCore:
             self._extras = {**self._extras, req_id: state.extras}
         # a prompt-logprobs request must compute every prompt token: a salt of its own keeps
         # other requests' cached blocks from standing in for them
-        salt = f"prompt-logprobs/{req_id}" if p.prompt_logprobs is not None else None
+        salt = None if p.cache_salt is None else f"tenant/{p.cache_salt}"
+        if p.prompt_logprobs is not None:
+            salt = f"prompt-logprobs/{req_id}"
         if pooling is not None and pooling.pooling == "mean":   # every prompt row is needed
             salt = f"pooling/{req_id}"
         try:

@@ -63,14 +63,23 @@ def _engine_options(model: str, options: dict[str, Any]) -> dict[str, Any]:
 
 def _prompt_of(prompt: Any) -> Any:
     """A prompt as text or token ids; vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}`
-    dicts are unwrapped (ValueError for other keys, which this engine would ignore)."""
+    dicts are unwrapped (ValueError for other keys, which this engine would ignore; a
+    `cache_salt` beside them is taken by `_salted`)."""
     if not isinstance(prompt, dict):
         return prompt
-    keys = set(prompt)
+    keys = set(prompt) - {"cache_salt"}
     if keys not in ({"prompt"}, {"prompt_token_ids"}):
         raise ValueError(f"a prompt dict needs exactly one of 'prompt' or 'prompt_token_ids' "
-                         f"(no other keys are supported), got {sorted(map(str, keys))}")
+                         f"(besides 'cache_salt', no other keys are supported), got "
+                         f"{sorted(map(str, keys))}")
     return prompt.get("prompt", prompt.get("prompt_token_ids"))
+
+
+def _salted(prompts: list[Any], plist: list[SamplingParams]) -> list[SamplingParams]:
+    """vLLM's `{"prompt": ..., "cache_salt": ...}`: the salt moves into that prompt's params."""
+    return [p.replace(cache_salt=prompt["cache_salt"])
+            if isinstance(prompt, dict) and "cache_salt" in prompt else p
+            for prompt, p in zip(prompts, plist)]
 
 
 def _one_params(sampling_params: Any, params: Any) -> Any:
@@ -144,14 +153,14 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = [_prompt_of(p) for p in prompts]
         if params is None or isinstance(params, SamplingParams):
             plist = [params or SamplingParams()] * len(prompts)
         else:
             plist = _params_list(params)
             if len(plist) != len(prompts):
                 raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        plist = [p.replace(output_kind="final") for p in plist]
+        plist = [p.replace(output_kind="final") for p in _salted(prompts, plist)]
+        prompts = [_prompt_of(p) for p in prompts]
         return self._run(self._generate_all(prompts, plist, None,
                                             use_tqdm and len(prompts) >= PROGRESS_MIN_PROMPTS))
 

@@ -36,7 +36,7 @@ BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 SAMPLING_FIELDS = frozenset(INT_FIELDS + NUM_FIELDS + BOOL_FIELDS + GUIDED_FIELDS
                             + ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids",
-                               "bad_words"))
+                               "bad_words", "cache_salt"))
 
 
 class ProtocolError(ValueError):
@@ -122,6 +122,8 @@ def sampling_params_from(fields: dict[str, Any], *, defaults: dict[str, Any] | N
             if not isinstance(v, list) or not all(_is_int(t) for t in v):
                 raise ProtocolError(f"'{name}' must be a list of integers", param=name)
             v = tuple(v)
+        if name == "cache_salt" and not isinstance(v, str):
+            raise ProtocolError("'cache_salt' must be a string", param=name)
         if name == "bad_words":
             if not isinstance(v, list) or not all(isinstance(w, str) for w in v):
                 raise ProtocolError("'bad_words' must be a list of strings", param=name)
