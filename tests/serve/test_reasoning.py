@@ -92,3 +92,56 @@ async def test_without_a_parser_the_reply_is_all_content(fake_server):
         async with s.post(fake_server.base + "/v1/chat/completions", json=BODY) as resp:
             message = (await resp.json())["choices"][0]["message"]
     assert message == {"role": "assistant", "content": REPLY}
+
+
+async def _responses_events(r, body) -> list[dict]:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(r.base + "/v1/responses", json={**body, "stream": True}) as resp:
+            raw = (await resp.read()).decode()
+    return [json.loads(b.split("\n")[1].removeprefix("data: ")) for b in raw.split("\n\n") if b]
+
+
+@pytest.mark.parametrize("fake_server", [{"reasoning_parser": "deepseek_r1"}], indirect=True)
+async def test_responses_carry_a_reasoning_item_before_the_message(fake_server):
+    """`/v1/responses` with a reasoning parser: output 0 is the `reasoning` item, output 1 the
+    message, whole and streamed; every object and event validates against the SDK's types, and
+    the streamed final response equals the whole one."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    body = {"input": "ponder</think>\n\nanswer", "max_output_tokens": len(REPLY)}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(fake_server.base + "/v1/responses", json=body) as resp:
+            whole = await resp.json()
+    typed = Response.model_validate(whole)
+    assert [o.type for o in typed.output] == ["reasoning", "message"]
+    assert typed.output[0].content[0].text == "<user>ponder"
+    assert typed.output_text == "answer"
+    datas = await _responses_events(fake_server, body)
+    adapter = TypeAdapter(ResponseStreamEvent)
+    assert [adapter.validate_python(d).sequence_number for d in datas] == \
+        list(range(len(datas)))
+    kinds = [(d["type"], d.get("output_index")) for d in datas]
+    first_message = kinds.index(("response.output_item.added", 1))
+    assert kinds[2] == ("response.output_item.added", 0)
+    assert kinds[first_message - 1] == ("response.output_item.done", 0)
+    assert "".join(d["delta"] for d in datas if d["type"] == "response.reasoning_text.delta") \
+        == "<user>ponder"
+    assert "".join(d["delta"] for d in datas if d["type"] == "response.output_text.delta") \
+        == "answer"
+    final = datas[-1]["response"]
+    assert final["status"] == whole["status"] == "incomplete"     # cut by max_output_tokens
+    for a, b in zip(final["output"], whole["output"]):
+        assert {**a, "id": None} == {**b, "id": None}
+
+
+@pytest.mark.parametrize("fake_server", [{"reasoning_parser": "qwen3"}], indirect=True)
+async def test_a_reply_without_reasoning_has_no_reasoning_item(fake_server):
+    body = {"input": "just an answer", "max_output_tokens": 8}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(fake_server.base + "/v1/responses", json=body) as resp:
+            whole = await resp.json()
+    assert [o["type"] for o in whole["output"]] == ["message"]
+    datas = await _responses_events(fake_server, body)
+    assert not any("reasoning" in d["type"] for d in datas)
+    assert {d.get("output_index") for d in datas if "output_index" in d} == {0}

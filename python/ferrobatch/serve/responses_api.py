@@ -26,12 +26,14 @@ from aiohttp import web
 from ferrobatch.serve.codec import dumps_json
 from ferrobatch.serve.http import error_response, read_json
 from ferrobatch.serve.logprobs import chat_logprobs
+from ferrobatch.serve.reasoning import ReasoningSplitter, split_reasoning
 from ferrobatch.serve.request_ids import object_id
 from ferrobatch.serve.responses_protocol import (
     ResponsesRequest,
     call_item,
     message_item,
     parse_responses,
+    reasoning_item,
     response_object,
     status_of,
     text_part,
@@ -76,6 +78,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
     req = parse_responses(await read_json(request), state.model_names,
                           hermes_tools=state.hermes_tools)
     req.id = object_id(request, "resp_", req.id)
+    if not req.params.is_guided:          # a grammar shapes the whole reply: no <think> part
+        req.reasoning_parser = state.reasoning_parser
     engine = state.engine
     await engine.prepare(req.params, messages=req.messages, chat_options=req.chat_options)
     stream = engine.add_request(None, req.params, messages=req.messages,
@@ -89,13 +93,16 @@ async def responses(request: web.Request) -> web.StreamResponse:
         if last.error:                    # as the other routes: the engine's error, a 500
             return error_response(500, last.error, "server_error")
         c = last.outputs[0]
-        text, calls = _outcome(req, c.text, c.finish_reason)
+        reasoning, text = None, c.text
+        if req.reasoning_parser is not None:
+            reasoning, text = split_reasoning(req.reasoning_parser, text)
+        text, calls = _outcome(req, text, c.finish_reason)
         logprobs = _logprob_items(request, c.logprobs) if req.params.logprobs is not None \
             else None
         return web.json_response(response_object(
             req, status_of(c.finish_reason, None, calls), text, calls,
             (len(stream.prompt_token_ids), len(c.token_ids), last.num_cached_tokens or 0),
-            logprobs=logprobs))
+            logprobs=logprobs, reasoning=reasoning))
     finally:
         stream.abort()
 
@@ -110,8 +117,37 @@ async def stored_response(request: web.Request) -> web.Response:
                           "not_found_error")
 
 
+class _ReasoningEvents:
+    """The reasoning item's events (a reasoning parser): opened at the reply's first reasoning
+    text, closed when the answer starts or the reply ends; always output 0."""
+
+    def __init__(self, events: _Events, req: ResponsesRequest) -> None:
+        self.events, self.req = events, req
+        self.ids = dict(item_id=req.reasoning_id, output_index=0, content_index=0)
+        self.opened = self.closed = False
+        self.text: list[str] = []
+
+    async def delta(self, text: str) -> None:
+        if not self.opened:
+            self.opened = True
+            await self.events.emit("response.output_item.added", output_index=0,
+                                   item=reasoning_item(self.req, None, "in_progress"))
+        if text:
+            self.text.append(text)
+            await self.events.emit("response.reasoning_text.delta", delta=text, **self.ids)
+
+    async def close(self) -> None:
+        if self.opened and not self.closed:
+            self.closed = True
+            whole = "".join(self.text)
+            await self.events.emit("response.reasoning_text.done", text=whole, **self.ids)
+            await self.events.emit("response.output_item.done", output_index=0,
+                                   item=reasoning_item(self.req, whole, "completed"))
+
+
 class _MessageEvents:
-    """The message item's events, opened at its first text (or at once without tools)."""
+    """The message item's events, opened at its first text (or at once without tools or a
+    reasoning parser); output 1 after a reasoning item, else 0."""
 
     def __init__(self, events: _Events, req: ResponsesRequest) -> None:
         self.events, self.req = events, req
@@ -120,16 +156,18 @@ class _MessageEvents:
         self.text: list[str] = []
         self.logprobs: list[dict[str, Any]] = []
 
-    async def open(self) -> None:
+    async def open(self, output_index: int = 0) -> None:
         if not self.opened:
             self.opened = True
-            await self.events.emit("response.output_item.added", output_index=0,
+            self.ids["output_index"] = output_index
+            await self.events.emit("response.output_item.added", output_index=output_index,
                                    item=message_item(self.req, None, "in_progress"))
             await self.events.emit("response.content_part.added", part=text_part(""), **self.ids)
 
-    async def delta(self, text: str, logprobs: list | None = None) -> None:
+    async def delta(self, text: str, logprobs: list | None = None,
+                    output_index: int = 0) -> None:
         if text or logprobs:
-            await self.open()
+            await self.open(output_index)
             self.text.append(text)
             self.logprobs += logprobs or ()
             await self.events.emit("response.output_text.delta", delta=text,
@@ -141,7 +179,8 @@ class _MessageEvents:
                                logprobs=self.logprobs, **self.ids)
         await self.events.emit("response.content_part.done", part=text_part(whole, self.logprobs),
                                **self.ids)
-        await self.events.emit("response.output_item.done", output_index=0, item=item)
+        await self.events.emit("response.output_item.done",
+                               output_index=self.ids["output_index"], item=item)
 
 
 async def _stream(request: web.Request, req: ResponsesRequest, stream: Any) -> web.StreamResponse:
@@ -149,11 +188,17 @@ async def _stream(request: web.Request, req: ResponsesRequest, stream: Any) -> w
     message = _MessageEvents(events, req)
     # tools: a forced call is held whole; "auto" passes text until a <tool_call> may start
     tool_stream = ToolOutputStream(req.tools) if req.tools is not None else None
+    splitter = ReasoningSplitter(req.reasoning_parser) if req.reasoning_parser else None
+    thinking = _ReasoningEvents(events, req)
+
+    def message_index() -> int:
+        return 1 if thinking.opened else 0
+
     try:
         await events.open()
         await events.emit("response.created", response=response_object(req, "in_progress"))
         await events.emit("response.in_progress", response=response_object(req, "in_progress"))
-        if req.tools is None:
+        if req.tools is None and splitter is None:
             await message.open()
         raw, generated, finish, error, cached = [], 0, None, None, 0
         async for out in stream:
@@ -161,27 +206,40 @@ async def _stream(request: web.Request, req: ResponsesRequest, stream: Any) -> w
             c = out.outputs[0]
             generated += len(c.token_ids)
             raw.append(c.text)
+            text = c.text
+            if splitter is not None:
+                reasoning, text = splitter.feed(c.text)
+                if c.finish_reason is not None:
+                    more_reasoning, more_text = splitter.finish()
+                    reasoning, text = reasoning + more_reasoning, text + more_text
+                if reasoning or (splitter.saw_reasoning and not thinking.opened):
+                    await thinking.delta(reasoning)
+                if text or c.finish_reason is not None:
+                    await thinking.close()          # the answer has begun (or the reply ended)
             if tool_stream is not None:
-                await message.delta(tool_stream.feed(c.text))
+                await message.delta(tool_stream.feed(text), output_index=message_index())
             else:                 # (logprobs are asked for only without tools)
-                await message.delta(c.text, _logprob_items(request, c.logprobs)
-                                    if req.params.logprobs is not None else None)
+                await message.delta(text, _logprob_items(request, c.logprobs)
+                                    if req.params.logprobs is not None else None,
+                                    output_index=message_index())
             finish, error = c.finish_reason, out.error
+        await thinking.close()
         # what was held back: the calls, or text after all
         rest, calls = tool_stream.finish(finish) if tool_stream is not None else ("", None)
         status = status_of(finish, error, calls)
         usage = (len(stream.prompt_token_ids), generated, cached)
+        reasoning_text = "".join(thinking.text) if thinking.opened else None
         if status == "failed":
             await events.emit("response.failed", response=response_object(
                 req, status, "".join(raw), None, usage, error or "the request was aborted"))
         else:
-            await message.delta(rest)
+            await message.delta(rest, output_index=message_index())
             final = response_object(req, status, "".join(message.text), calls, usage,
-                                    logprobs=message.logprobs)
+                                    logprobs=message.logprobs, reasoning=reasoning_text)
             if message.opened or not calls:
-                await message.open()
-                await message.close(final["output"][0])
-            first_call = 1 if message.opened else 0
+                await message.open(message_index())
+                await message.close(final["output"][message_index()])
+            first_call = message_index() + (1 if message.opened else 0)
             for k, call in enumerate(calls or ()):
                 index = first_call + k
                 item = call_item(call)

@@ -48,6 +48,8 @@ class ResponsesRequest:
         self.echo = echo                  # request fields the response object repeats
         self.id = f"resp_{secrets.token_hex(12)}"
         self.item_id = f"msg_{secrets.token_hex(12)}"
+        self.reasoning_id = f"rs_{secrets.token_hex(12)}"
+        self.reasoning_parser: str | None = None   # the reply's <think> part as a reasoning item
         self.created_at = int(time.time())
 
 
@@ -251,6 +253,12 @@ def message_item(req: ResponsesRequest, text: str | None, status: str,
             "content": [] if text is None else [text_part(text, logprobs)]}
 
 
+def reasoning_item(req: ResponsesRequest, text: str | None, status: str) -> dict[str, Any]:
+    """The `reasoning` output item (`text` None: opened, no content yet)."""
+    return {"type": "reasoning", "id": req.reasoning_id, "summary": [], "status": status,
+            "content": [] if text is None else [{"type": "reasoning_text", "text": text}]}
+
+
 def call_item(call: dict[str, Any], arguments: str | None = None) -> dict[str, Any]:
     """A `function_call` output item from a chat-shaped tool call (`arguments` None: whole;
     "" while its arguments stream)."""
@@ -264,15 +272,19 @@ def call_item(call: dict[str, Any], arguments: str | None = None) -> dict[str, A
 def response_object(req: ResponsesRequest, status: str, text: str | None = None,
                     calls: list[dict[str, Any]] | None = None,
                     usage: tuple[int, int, int] | None = None,
-                    error: str | None = None, logprobs: list | None = None) -> dict[str, Any]:
+                    error: str | None = None, logprobs: list | None = None,
+                    reasoning: str | None = None) -> dict[str, Any]:
     """The `response` object: `status` "in_progress" (no output yet), "completed",
     "incomplete" (cut by max_output_tokens or the context) or "failed". The output is the
-    message (when there is text, or no call) and then one `function_call` item per call."""
+    reasoning item (with a reasoning parser, when the reply had a reasoning part), the message
+    (when there is text, or no call) and then one `function_call` item per call."""
     out: dict[str, Any] = {
         "id": req.id, "object": "response", "created_at": req.created_at, "model": req.model,
         "status": status, "output": [], "error": None, "incomplete_details": None,
         "usage": None, **req.echo}
     if text is not None:
+        if reasoning is not None:
+            out["output"].append(reasoning_item(req, reasoning, "completed"))
         if text or not calls:
             out["output"].append(message_item(req, text, "incomplete" if status == "incomplete"
                                                else "completed", logprobs))
