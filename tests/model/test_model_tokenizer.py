@@ -353,6 +353,21 @@ def test_tools_and_tool_messages_reach_a_template_that_renders_them():
         normalize_messages([{"role": "assistant", "content": "", "tool_calls": "x"}])
 
 
+def test_reasoning_content_of_earlier_turns_reaches_the_template():
+    """A reasoning model's template may render an assistant turn's `reasoning_content` (what a
+    reasoning parser served as such); it is kept, and must be text."""
+    from ferrobatch.engine.inputs import normalize_messages
+
+    source = ("{% for m in messages %}{{ m.role }}:{% if m.reasoning_content %}<think>"
+              "{{ m.reasoning_content }}</think>{% endif %}{{ m.content }};{% endfor %}")
+    messages = normalize_messages([
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "add them"}])
+    assert render_chat_template(source, messages) == "user:2+2?;assistant:<think>add them</think>4;"
+    with pytest.raises(ValueError, match="reasoning_content must be a str"):
+        normalize_messages([{"role": "assistant", "content": "", "reasoning_content": 1}])
+
+
 def test_template_variables_may_have_any_name():
     assert render_chat_template("{{ source }}-{{ extra }}", [{"role": "user", "content": "x"}],
                                 source=1, extra=2) == "1-2"

@@ -9,7 +9,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_MESSAGES = 1024
 MAX_PROMPT_CHARS = 1 << 20
 # message fields besides role and content that reach the chat template, with their types
-MESSAGE_EXTRAS = {"name": str, "tool_calls": list, "tool_call_id": str}
+MESSAGE_EXTRAS = {"name": str, "tool_calls": list, "tool_call_id": str, "reasoning_content": str}
 
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
@@ -17,8 +17,9 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
 
     `content` may be a string or a list of `{"type": "text", "text": ...}` parts (joined with
     newlines, as vLLM does); `developer` is rendered as `system`, as the model's template knows
-    no developer role. A message's `name`, an assistant's `tool_calls` and a tool message's
-    `tool_call_id` are kept for templates that render them.
+    no developer role. A message's `name`, an assistant's `tool_calls` and
+    `reasoning_content` (a reasoning model's earlier thinking, as `--reasoning-parser` serves
+    it) and a tool message's `tool_call_id` are kept for templates that render them.
     """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list")
