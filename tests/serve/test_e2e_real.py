@@ -702,7 +702,18 @@ async def test_embeddings_route_through_the_sdk(real, sdk):
     from ferrobatch.pooling_params import PoolingParams
     texts = ["The capital of France is Paris.", "A cat sat on the mat."]
     want = [np.asarray((await real.engine.embed(t)).outputs.embedding) for t in texts]
+
+    async def metric(name):
+        async with aiohttp.ClientSession() as s, s.get(real.base + "/metrics") as r:
+            m = re.search(rf"^ferrobatch_{name}(?:{{[^}}]*}})? (\S+)$", await r.text(), re.M)
+        return float(m.group(1))
+
+    generated, prompts = await metric("generation_tokens_total"), \
+        await metric("prompt_tokens_total")
     res = await sdk.embeddings.create(model="smollm2", input=texts)
+    # an embedding reads its prompt and generates nothing
+    assert await metric("generation_tokens_total") == generated
+    assert await metric("prompt_tokens_total") == prompts + res.usage.prompt_tokens
     assert [d.index for d in res.data] == [0, 1]
     for d, w in zip(res.data, want):
         np.testing.assert_allclose(np.asarray(d.embedding), w, atol=1e-6)

@@ -594,7 +594,8 @@ class AsyncEngine:
             if rid not in touched:
                 touched[rid] = st
             if tok >= 0:
-                num_tokens += rid not in self._probes
+                # an embedding's one sampled token is no generation (nor is a probe's)
+                num_tokens += rid not in self._probes and st.pooling is None
                 with_tokens.add(rid)
                 entry = None
                 if logprobs and (rid, si) in logprobs:
@@ -656,7 +657,8 @@ class AsyncEngine:
             self.counters["probes"] += 1          # released, but not shown to observers
         else:
             if self._observers:
-                done = FinishedRequest(reason, len(st.prompt_token_ids), st.num_generated,
+                generated = 0 if st.pooling is not None else st.num_generated
+                done = FinishedRequest(reason, len(st.prompt_token_ids), generated,
                                        st.max_tokens, len(st.seqs), st.arrival_time,
                                        st.scheduled_time, st.first_token_time,
                                        st.last_token_time, now)
