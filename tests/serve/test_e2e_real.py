@@ -689,6 +689,14 @@ async def test_reasoning_parser_on_the_real_model(real, sdk):
             extra_body={"guided_choice": ["four", "five"]})
         assert guided.choices[0].message.content in ("four", "five")
         assert guided.choices[0].message.model_extra.get("reasoning_content") is None
+        from ferrobatch.engine.beam_search import BeamSearchParams
+        beams = await client.chat.completions.create(
+            model="smollm2", messages=msgs, max_tokens=6, n=2,
+            extra_body={"use_beam_search": True})
+        expect = await real.engine.beam_search(None, BeamSearchParams(beam_width=2, max_tokens=6),
+                                               messages=msgs)
+        assert [c.message.model_extra["reasoning_content"] for c in beams.choices] == \
+            [s.text for s in expect.sequences]
         await client.close()
     finally:
         await server.stop()
@@ -729,7 +737,8 @@ async def test_embeddings_route_through_the_sdk(real, sdk):
     assert len(short.data[0].embedding) == 32
     for bad, param in ((dict(input=""), None), (dict(input=[]), "input"),
                        (dict(input="x", encoding_format="hex"), "encoding_format"),
-                       (dict(input="x", dimensions=0), "dimensions")):
+                       (dict(input="x", dimensions=0), "dimensions"),
+                       (dict(input="x", dimensions=577), "dimensions")):
         with pytest.raises(openai.BadRequestError) as info:
             await sdk.embeddings.create(model="smollm2", **bad)
         assert info.value.body.get("param") == param, (bad, info.value.body)

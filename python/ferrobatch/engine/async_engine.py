@@ -384,6 +384,10 @@ class AsyncEngine:
         if pooling is not None:
             if not isinstance(pooling, PoolingParams):
                 raise TypeError("pooling must be a PoolingParams")
+            hidden = getattr(core, "hidden_size", None)
+            if hidden is not None and (pooling.dimensions or 0) > hidden:
+                raise ValueError(f"dimensions ({pooling.dimensions}) exceeds this model's "
+                                 f"embedding size ({hidden})")
             state.pooling = pooling
         core.submit(req_id, ids, params, max_tokens, state)   # may raise QueueFullError
         if _probe:            # (its step results reach this thread only after we return)

@@ -105,6 +105,7 @@ class EngineCore:
         self.sampler = sampler
         self.max_model_len = max_model_len
         self.vocab_size = int(loaded.config.vocab_size)
+        self.hidden_size = int(loaded.config.hidden_size)      # an embedding's length
         self.model_name = config.model
         self.num_blocks = int(runner.num_blocks)
         self.speculation = "off"              # set by build(): Speculation.describe()

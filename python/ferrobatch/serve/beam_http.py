@@ -20,6 +20,7 @@ from ferrobatch.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from ferrobatch.sampling_params import SamplingParams
 from ferrobatch.serve.openai_protocol import OpenAIRequest, choice, envelope, usage
 from ferrobatch.serve.protocol import ProtocolError
+from ferrobatch.serve.reasoning import split_reasoning
 from ferrobatch.serve.state import STATE
 
 # SamplingParams fields a beam search takes (or, for the sampling ones, has no use for)
@@ -80,8 +81,11 @@ async def serve_beams(request: web.Request, req: OpenAIRequest) -> web.Response:
     for i, out in enumerate(outs):
         for j, seq in enumerate(out.sequences):
             completion += len(seq.output_token_ids)
-            choices.append(choice(req, i * req.beam.beam_width + j, seq.text, seq.finish_reason,
-                                  stream=False))
+            reasoning, text = None, seq.text
+            if req.reasoning_parser is not None:        # chat with --reasoning-parser
+                reasoning, text = split_reasoning(req.reasoning_parser, text)
+            choices.append(choice(req, i * req.beam.beam_width + j, text, seq.finish_reason,
+                                  stream=False, reasoning=reasoning))
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
     return web.json_response(envelope(req, choices, chunk=False,
                                       usage_=usage(prompt_tokens, completion)))

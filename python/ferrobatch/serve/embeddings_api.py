@@ -94,6 +94,10 @@ async def embeddings(request: web.Request) -> web.Response:
     tasks = [asyncio.ensure_future(one(p)) for p in inputs]
     try:
         outs = await asyncio.gather(*tasks)
+    except ValueError as exc:           # a bad input: a 400 naming the field when there is one
+        field = str(exc).split()[0] if str(exc) else ""
+        raise ProtocolError(str(exc), param=field if field in (
+            "dimensions", "truncate_prompt_tokens") else None) from None
     finally:
         for t in tasks:
             t.cancel()
