@@ -31,7 +31,7 @@ from ferrobatch.serve.codec import MAX_ARRAY_LEN as MAX_PROMPT_TOKENS
 from ferrobatch.serve.codec import MAX_FRAME_BYTES
 from ferrobatch.serve.protocol import CHAT_OPTION_FIELDS
 
-TERMINAL = ("done", "cancelled", "error")
+TERMINAL = ("done", "cancelled", "error", "embedding")
 CONNECT_TIMEOUT_S = 30.0           # connecting plus the handshake (`connect(timeout=None)`: none)
 MAX_UNROUTED = 256                 # id-less errors kept in `unrouted` (the oldest are dropped)
 _LEN = struct.Struct(">I")
@@ -100,6 +100,34 @@ class _Multiplexer:
         """Start one generation and yield its messages until the terminal one. With
         `messages`, vLLM's chat fields (`add_generation_prompt`, `continue_final_message`,
         `chat_template_kwargs`) may be given among the keywords too."""
+        msg: dict[str, Any] = {"type": "generate"}
+        for name in CHAT_OPTION_FIELDS:          # message-level fields, not sampling ones
+            if name in params:
+                msg[name] = params.pop(name)
+        msg["params"] = params
+        if messages is not None:
+            msg["messages"] = messages
+        else:
+            msg["prompt"] = prompt
+        async for m in self._exchange(msg, prompt, id):
+            yield m
+
+    async def embed(self, prompt: str | list[int], *, id: Any = None,
+                    **params: Any) -> list[float]:
+        """The prompt's embedding (`pooling`, `normalize`, `dimensions`,
+        `truncate_prompt_tokens` as keywords); RuntimeError with the server's error."""
+        msg = {"type": "embed", "prompt": prompt, "params": params}
+        async for m in self._exchange(msg, prompt, id):
+            if m["type"] == "embedding":
+                return m["embedding"]
+            if m["type"] == "error":
+                raise RuntimeError(f"embedding failed ({m.get('code')}): {m.get('message')}")
+        raise ConnectionError("connection closed")
+
+    async def _exchange(self, msg: dict[str, Any], prompt: Any,
+                        id: Any) -> AsyncIterator[dict[str, Any]]:
+        """Send `msg` under a fresh (or the given) id; yield its replies until the terminal
+        one; leaving early cancels it."""
         if self._closed:
             raise ConnectionError("connection closed")
         rid = id if id is not None else f"c{next(self._ids)}"
@@ -111,15 +139,7 @@ class _Multiplexer:
                              f"most {MAX_PROMPT_TOKENS}")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
-        msg: dict[str, Any] = {"type": "generate", "id": rid}
-        for name in CHAT_OPTION_FIELDS:          # message-level fields, not sampling ones
-            if name in params:
-                msg[name] = params.pop(name)
-        msg["params"] = params
-        if messages is not None:
-            msg["messages"] = messages
-        else:
-            msg["prompt"] = prompt
+        msg = {**msg, "id": rid}
         finished = sent = False
         try:
             await self._send(msg)

@@ -761,3 +761,26 @@ async def test_a_client_leaving_an_embeddings_call_cancels_its_inputs(real):
     done = real.engine.check_accounting()["released"] - before
     await asyncio.sleep(0.5)
     assert real.engine.check_accounting()["released"] - before == done < 400
+
+
+async def test_embed_messages_on_ws_and_tcp(real):
+    """WS (JSON, msgpack) and TCP `embed`: the engine's own vector; bad fields are `error`
+    messages, and the connection keeps serving."""
+    import numpy as np
+
+    from ferrobatch.pooling_params import PoolingParams
+    text = "The capital of France is Paris."
+    want = (await real.engine.embed(text, PoolingParams(dimensions=48))).outputs.embedding
+    for client in (await WSClient.connect(real.ws_url),
+                   await WSClient.connect(real.ws_url, binary=True),
+                   await TCPClient.connect("127.0.0.1", real.tcp_port)):
+        try:
+            got = await client.embed(text, dimensions=48)
+            np.testing.assert_allclose(got, want, atol=1e-6)
+            with pytest.raises(RuntimeError, match="dimensions"):
+                await client.embed(text, dimensions=0)
+            with pytest.raises(RuntimeError, match="unknown embedding field"):
+                await client.embed(text, temperature=0.5)
+            assert len(await client.embed(list(range(10, 40)))) == 576
+        finally:
+            await client.close()

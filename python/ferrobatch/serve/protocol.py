@@ -6,12 +6,14 @@ and TCP, and a bad one gets the same message. Nothing here touches the engine.
 WebSocket / TCP messages (maps with a "type"):
   client -> server: hello {version, api_key?}; generate {id, prompt | messages, params?,
                     add_generation_prompt?, continue_final_message?, chat_template_kwargs?
-                    (the last three with messages)}; cancel {id}
+                    (the last three with messages)}; embed {id, prompt, params? (pooling,
+                    normalize, dimensions, truncate_prompt_tokens)}; cancel {id}
   server -> client: hello {version, model, limits}; delta {id, index, text, token_ids};
                     (+ logprobs when params.logprobs is set);
                     prompt_logprobs {id, start, logprobs} (params.prompt_logprobs: before
                     the first delta, in pieces of at most 256 prompt positions);
-                    done {id, finish_reason, finish_reasons, usage}; cancelled {id};
+                    done {id, finish_reason, finish_reasons, usage}; embedding {id,
+                    embedding, usage} (an embed's answer); cancelled {id};
                     error {id | None, code, message}
 """
 
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferrobatch.engine.errors import DuplicateRequestError, EngineDeadError, QueueFullError
+from ferrobatch.pooling_params import PoolingParams
 from ferrobatch.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -206,6 +209,17 @@ class GenerateMsg:
     chat_options: dict[str, Any] | None = None    # `AsyncEngine.render_chat` keywords
 
 
+@dataclass
+class EmbedMsg:
+    id: str | int
+    prompt: Any
+    pooling: PoolingParams
+    truncate_prompt_tokens: int | None = None
+
+
+EMBED_FIELDS = ("pooling", "normalize", "dimensions", "truncate_prompt_tokens")
+
+
 def check_id(v: Any) -> str | int:
     if isinstance(v, str) and 0 < len(v) <= MAX_ID_LEN:
         return v
@@ -253,7 +267,31 @@ def parse_message(msg: Any) -> tuple[str, Any]:
             raise ProtocolError(f"unknown sampling field(s): {', '.join(unknown)}")
         sp = sampling_params_from(params, output_kind="delta")
         return "generate", GenerateMsg(rid, prompt, messages, sp, chat_options)
-    raise ProtocolError(f"unknown message type {kind!r}; expected hello, generate or cancel")
+    if kind == "embed":
+        _only(msg, {"type", "id", "prompt", "params"})
+        rid = check_id(msg.get("id"))
+        prompt = msg.get("prompt")
+        if not isinstance(prompt, (str, list)):
+            raise ProtocolError("'embed' needs a 'prompt': a string or a list of token ids")
+        params = msg.get("params") or {}
+        if not isinstance(params, dict):
+            raise ProtocolError("'params' must be a map")
+        unknown = sorted(str(k) for k in params if k not in EMBED_FIELDS)
+        if unknown:
+            raise ProtocolError(f"unknown embedding field(s): {', '.join(unknown)} (known: "
+                                f"{', '.join(EMBED_FIELDS)})")
+        truncate = params.get("truncate_prompt_tokens")
+        if truncate is not None and not _is_int(truncate):
+            raise ProtocolError("'truncate_prompt_tokens' must be an integer",
+                                param="truncate_prompt_tokens")
+        try:
+            pooling = PoolingParams(**{k: v for k, v in params.items()
+                                       if k != "truncate_prompt_tokens" and v is not None})
+        except ValueError as exc:
+            raise ProtocolError(str(exc), param=str(exc).split()[0]) from None
+        return "embed", EmbedMsg(rid, prompt, pooling, truncate)
+    raise ProtocolError(f"unknown message type {kind!r}; expected hello, generate, embed or "
+                        "cancel")
 
 
 def _only(msg: dict, allowed: set[str]) -> None:

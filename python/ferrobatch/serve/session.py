@@ -13,9 +13,11 @@ import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ferrobatch.sampling_params import SamplingParams
 from ferrobatch.serve.logprobs import message_logprobs
 from ferrobatch.serve.protocol import (
     PROTOCOL_VERSION,
+    EmbedMsg,
     GenerateMsg,
     ProtocolError,
     error_msg,
@@ -67,6 +69,9 @@ class Session:
             if not self._authed:
                 raise ProtocolError("send 'hello' first" if self._require_hello
                                     else "authentication required", code=401)
+            if kind == "embed":
+                self._embed(payload, binary)
+                return
             if kind == "generate":
                 # a long prompt's tokens and a guided grammar, computed off the event loop
                 await self._engine.prepare(payload.params, payload.prompt, payload.messages,
@@ -85,19 +90,56 @@ class Session:
                 raise ProtocolError("invalid or missing api_key", code=401)
         self._authed = True
 
-    def _generate(self, msg: GenerateMsg, binary: bool) -> None:
+    def _admit(self, rid: Any) -> None:
+        """Refuses a new request on a closing, draining or full connection, or a reused id."""
         if self._closed:
             raise ProtocolError("connection is closing", code=503)
         if self._draining():
             raise ProtocolError("the server is shutting down; retry elsewhere", code=503)
-        if msg.id in self._active:
-            raise ProtocolError(f"id {msg.id!r} is already in use on this connection")
+        if rid in self._active:
+            raise ProtocolError(f"id {rid!r} is already in use on this connection")
         if len(self._active) >= MAX_ACTIVE_PER_CONNECTION:
             raise ProtocolError("too many active requests on this connection", code=429)
+
+    def _generate(self, msg: GenerateMsg, binary: bool) -> None:
+        self._admit(msg.id)
         stream = self._engine.add_request(msg.prompt, msg.params, messages=msg.messages,
                                           chat_options=msg.chat_options)
         task = asyncio.get_running_loop().create_task(self._pump(msg.id, stream, binary))
         self._active[msg.id] = (stream, task, binary)
+
+    def _embed(self, msg: EmbedMsg, binary: bool) -> None:
+        self._admit(msg.id)
+        params = SamplingParams(max_tokens=1, temperature=0.0, output_kind="final",
+                                truncate_prompt_tokens=msg.truncate_prompt_tokens)
+        stream = self._engine.add_request(msg.prompt, params, pooling=msg.pooling)
+        task = asyncio.get_running_loop().create_task(self._pump_embedding(msg.id, stream,
+                                                                           binary))
+        self._active[msg.id] = (stream, task, binary)
+
+    async def _pump_embedding(self, rid: Any, stream: Any, binary: bool) -> None:
+        """An `embed` request's one reply: `embedding`, `cancelled` or `error`."""
+        try:
+            last = None
+            async for out in stream:
+                last = out
+            if last is not None and last.embedding is not None:
+                await self._send({"type": "embedding", "id": rid, "embedding": last.embedding,
+                                  "usage": {"prompt_tokens": len(stream.prompt_token_ids)}},
+                                 binary)
+            elif rid in self._cancelled:
+                await self._send({"type": "cancelled", "id": rid}, binary)
+            else:
+                message = last.error if last is not None and last.error else "embedding failed"
+                await self._send(error_msg(rid, 500, message), binary)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        except Exception:  # noqa: BLE001 - the transport failed; the connection is going away
+            pass
+        finally:
+            stream.abort()
+            self._active.pop(rid, None)
+            self._cancelled.discard(rid)
 
     async def _cancel(self, rid: Any, binary: bool) -> None:
         entry = self._active.get(rid)
