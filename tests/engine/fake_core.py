@@ -7,7 +7,9 @@ are applied at the next step, and `update` semantics are mimicked in `step()`.
 The "model" echoes its prompt: sequence `i` of a request emits the prompt's tokens cyclically,
 starting `i` tokens in. The tokenizer is one character per token (ids = code points < 512);
 token 3 is EOS. A request that asks for logprobs gets `fake_logprob(k)` for its k-th token of a
-sequence and N alternatives: the token itself, then the next ids with one nat less each.
+sequence and N alternatives: the token itself, then the next ids with one nat less each. An
+embedding request gets `fake_embedding(prompt)` (pooled as its PoolingParams say) with its
+prompt's step.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ferrobatch.engine.core import StepResult
+from ferrobatch.engine.pooling import finish_embedding
 
 EOS = 3
 
@@ -31,6 +36,15 @@ def fake_logprob(k: int) -> float:
 def fake_prompt_logprob(position: int) -> float:
     """The logprob FakeCore reports for prompt token `position` + 1."""
     return -1.0 - 0.125 * position
+
+
+FAKE_HIDDEN = 8
+
+
+def fake_embedding(prompt: list[int]) -> np.ndarray:
+    """FakeCore's pooled hidden state of a prompt, before `dimensions` / `normalize`."""
+    return np.array([len(prompt), *prompt[-(FAKE_HIDDEN - 1):]]
+                    + [0] * max(0, FAKE_HIDDEN - 1 - len(prompt)), dtype=np.float64)
 
 
 def fake_top(token: int, k: int, n: int, first: float | None = None) -> list[tuple[int, float]]:
@@ -70,11 +84,13 @@ class _Req:
     scheduled: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    pooling: Any = None
 
 
 class FakeCore:
     model_name = "fake"
     vocab_size = 512
+    hidden_size = FAKE_HIDDEN
     ready_token_id = ord("r")
 
     def __init__(self, *, max_model_len: int = 256, step_delay_s: float = 0.002,
@@ -108,7 +124,8 @@ class FakeCore:
         self.submitted += 1
         self._inbox.put(("submit", _Req(req_id, list(ids), max_tokens, p.ignore_eos, p.n,
                                         tuple(p.stop_token_ids), [0] * p.n, [False] * p.n,
-                                        logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs)))
+                                        logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs,
+                                        pooling=getattr(state, "pooling", None))))
         self._wake.set()
 
     def abort(self, req_id, seq_index, reason) -> None:
@@ -178,6 +195,7 @@ class FakeCore:
         computed = 0                            # tokens this step computes
         logprobs: dict = {}
         prompt_logprobs: dict = {}
+        embeddings: dict = {}
         for rid in list(self._order):
             r = self._reqs[rid]
             if not r.scheduled and len(scheduled) >= self.max_running:
@@ -188,6 +206,8 @@ class FakeCore:
                          fake_top(r.prompt[p + 1], p, r.prompt_logprobs,
                                   fake_prompt_logprob(p))))
                     for p in range(len(r.prompt) - 1)]
+            if not r.scheduled and r.pooling is not None:
+                embeddings[rid] = finish_embedding(fake_embedding(r.prompt), r.pooling)
             if not r.scheduled:
                 computed += len(r.prompt)       # the whole prompt in its first step
             r.scheduled = True
@@ -219,4 +239,4 @@ class FakeCore:
         return StepResult([e[0] for e in ev], [e[1] for e in ev], [e[2] for e in ev],
                           [e[3] for e in ev], errors, scheduled, self.stats(), self.step_delay_s,
                           logprobs=logprobs or None, prompt_logprobs=prompt_logprobs or None,
-                          num_batched_tokens=computed)
+                          num_batched_tokens=computed, embeddings=embeddings or None)

@@ -49,9 +49,11 @@ FIELDS = ["type", "id", "prompt", "messages", "params", "version", "api_key", "m
           "temperature", "stop", "stop_token_ids", "logit_bias", "stream", "stream_options",
           "model", "top_p", "seed", "min_tokens", "ignore_eos", "input", "instructions",
           "max_output_tokens", "text", "metadata", "include", "tools", "tool_choice",
-          "guided_grammar"]
+          "guided_grammar", "dimensions", "pooling", "normalize", "encoding_format",
+          "use_beam_search", "length_penalty", "early_stopping", "bad_words",
+          "allowed_token_ids", "truncate_prompt_tokens", "cache_salt"]
 near_valid = st.fixed_dictionaries(
-    {"type": st.sampled_from(["generate", "cancel", "hello", "x"])},
+    {"type": st.sampled_from(["generate", "embed", "cancel", "hello", "x"])},
     optional={f: json_val for f in FIELDS if f != "type"} | {
         "params": st.dictionaries(st.sampled_from(FIELDS), json_val, max_size=5),
         "prompt": st.one_of(st.text(max_size=30), st.lists(st.integers(-5, 600), max_size=10))})
@@ -145,7 +147,8 @@ def test_fuzz_ws_messages(fuzz_srv, msgs):
 
 
 @FUZZ
-@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses"]),
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses",
+                             "/v1/embeddings"]),
        body=st.one_of(near_valid.map(lambda o: json.dumps(o).encode()),
                       st.fixed_dictionaries({}, optional={f: json_val for f in FIELDS})
                       .map(lambda o: json.dumps(o).encode()),

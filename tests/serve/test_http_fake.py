@@ -474,3 +474,39 @@ async def test_x_request_id_is_echoed_and_names_the_response(fake_server):
                                         headers={**auth, "X-Request-Id": bad})
         assert got == 400 and "X-Request-Id" in text and bad not in text
         assert _rid(headers) is None
+
+
+async def test_embeddings_route_shapes_on_fakecore(fake_server):
+    """`/v1/embeddings`: one item per input in order, float and base64 (little-endian float32)
+    alike, usage of the prompts; bad bodies are 400s naming the field."""
+    import base64
+
+    import numpy as np
+    from fake_core import fake_embedding
+
+    from ferrobatch.engine.pooling import finish_embedding
+    from ferrobatch.pooling_params import PoolingParams
+
+    inputs = ["abc", "hi", "hello"]
+    status, _, text = await post(fake_server, "/v1/embeddings", {"input": inputs})
+    body = json.loads(text)
+    assert status == 200 and body["object"] == "list" and body["model"] == "fake"
+    prompts = [[ord(c) for c in text] for text in inputs]
+    for i, (item, p) in enumerate(zip(body["data"], prompts)):
+        assert item["index"] == i and item["object"] == "embedding"
+        want = finish_embedding(fake_embedding(p), PoolingParams())
+        np.testing.assert_allclose(item["embedding"], want, rtol=1e-6)
+    assert body["usage"] == {"prompt_tokens": 10, "total_tokens": 10}
+    status, _, text = await post(fake_server, "/v1/embeddings", {
+        "input": "abc", "encoding_format": "base64", "dimensions": 3, "normalize": False})
+    raw = np.frombuffer(base64.b64decode(json.loads(text)["data"][0]["embedding"]), "<f4")
+    np.testing.assert_allclose(raw, fake_embedding(prompts[0])[:3])
+    status, _, text = await post(fake_server, "/v1/embeddings", {"input": [[104, 105], [97]]})
+    assert [len(d["embedding"]) for d in json.loads(text)["data"]] == [8, 8]
+    for bad, param in (({"input": 5}, "input"), ({"input": ["a", [1]]}, "input"),
+                       ({"input": "x", "dimensions": 9}, "dimensions"),
+                       ({"input": "x", "pooling": "cls"}, "pooling"),
+                       ({"input": "x", "encoding_format": "hex"}, "encoding_format"),
+                       ({"input": "x", "model": "other"}, "model")):
+        status, _, text = await post(fake_server, "/v1/embeddings", bad)
+        assert status in (400, 404) and json.loads(text)["error"]["param"] == param, (bad, text)
