@@ -89,8 +89,12 @@ async def test_soak_short(oracle, tiny_model):
     await soak(oracle, tiny_model, 40.0)
 
 
+SOAK_LONG_S = float(os.environ.get("FB_SOAK_S", "600"))
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(SOAK_LONG_S + 300)     # the soak itself, plus loading and draining
 async def test_soak_long(oracle, loaded_smollm2):
-    out = await soak(oracle, loaded_smollm2, float(os.environ.get("FB_SOAK_S", "600")))
+    out = await soak(oracle, loaded_smollm2, SOAK_LONG_S)
     assert abs(out["rss_slope_mb_per_min"]) < 5, out
     record_result("soak_long", out)
