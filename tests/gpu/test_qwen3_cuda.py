@@ -23,18 +23,13 @@ CONFIG = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_
 
 
 def test_qwen3_cuda_logits_equal_transformers(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    from hf_tiny import random_hf_model
     from step_builder import ToyScheduler
 
     from ferrobatch.model.loader import load_model
     from ferrobatch.runtime.model_runner import ModelRunner
 
-    torch.manual_seed(0)
-    reference = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(**CONFIG), dtype=torch.float32).eval()
-    with torch.no_grad():
-        for param in reference.parameters():
-            param.normal_(0.0, 0.1)
+    reference = random_hf_model(CONFIG, seed=0)
     reference.save_pretrained(tmp_path, safe_serialization=True)
     reference = reference.to("cuda")
     loaded = load_model(str(tmp_path), device="cuda", dtype=torch.float32)

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from hf_tiny import random_hf_model
 from step_builder import ToyScheduler
 
 from ferrobatch.model.dequant import dequantize_tensor
@@ -194,13 +195,7 @@ TINY_CONFIGS = {
 
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 def test_hf_directory_matches_transformers_logits(tmp_path, name):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(**TINY_CONFIGS[name])
-    reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for param in reference.parameters():
-            param.normal_(0.0, 0.1)
+    reference = random_hf_model(TINY_CONFIGS[name], seed=0)
     reference.save_pretrained(tmp_path, safe_serialization=True)
     loaded = load_model(str(tmp_path))
     assert loaded.tokenizer is None and loaded.config.arch == TINY_CONFIGS[name]["model_type"]
@@ -363,14 +358,8 @@ def _write_qwen3_gguf(path, reference, cfg: dict) -> None:
 def test_qwen3_gguf_matches_transformers_logits(tmp_path):
     """A Qwen3 GGUF (per-head q / k norms, head_dim wider than hidden / heads) gives
     transformers' logits for the same weights."""
-    transformers = pytest.importorskip("transformers")
     cfg = TINY_CONFIGS["qwen3"]
-    torch.manual_seed(1)
-    reference = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(**cfg), dtype=torch.float32).eval()
-    with torch.no_grad():
-        for param in reference.parameters():
-            param.normal_(0.0, 0.1)
+    reference = random_hf_model(cfg, seed=1)
     path = tmp_path / "tiny-qwen3.gguf"
     _write_qwen3_gguf(path, reference, cfg)
     loaded = load_model(str(path))

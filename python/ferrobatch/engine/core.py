@@ -19,6 +19,7 @@ import torch
 from ferrobatch.config import EngineConfig
 from ferrobatch.engine.errors import QueueFullError
 from ferrobatch.engine.pooling import PoolingState, pooled_embeddings, pooling_rows
+from ferrobatch.engine.step_rows import rows_of_requests
 from ferrobatch.runtime.cpu_threads import torch_single_threaded
 from ferrobatch.sampling_params import SamplingParams
 
@@ -461,20 +462,9 @@ def _prompt_logprob_rows(batch: Any, extras: dict[int, Any]) -> tuple | None:
     position p < len(prompt) - 1 of a request that asked for prompt logprobs predicts prompt
     token p + 1. Returns (rows, req ids, positions, target tokens) arrays, or None."""
     asking = [rid for rid, e in extras.items() if e.prompt_logprobs is not None]
-    if not asking:
-        return None
-    seq_req_ids = np.asarray(batch.seq_req_ids)
-    seqs = np.flatnonzero(np.isin(seq_req_ids, np.asarray(asking, dtype=np.uint64)))
-    if not seqs.size:
-        return None
-    qsl = np.asarray(batch.query_start_loc)
-    positions = np.asarray(batch.positions)
     rows, rids, pos, targets = [], [], [], []
-    for b in seqs.tolist():
-        rid = int(seq_req_ids[b])
+    for rid, span, p in rows_of_requests(batch, asking):
         prompt = np.asarray(extras[rid].prompt_token_ids, dtype=np.int64)
-        span = np.arange(int(qsl[b]), int(qsl[b + 1]))
-        p = positions[span].astype(np.int64)
         keep = p < len(prompt) - 1
         if keep.any():
             rows.append(span[keep])

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ferrobatch.engine.step_rows import rows_of_requests
 from ferrobatch.pooling_params import PoolingParams
 
 
@@ -63,19 +64,8 @@ def finish_embedding(pooled: np.ndarray, params: PoolingParams) -> np.ndarray:
 def pooling_rows(batch: Any, extras: dict[int, Any]) -> tuple | None:
     """The step's rows pooling requests need: (rows, req ids, positions) arrays, or None."""
     asking = [rid for rid, e in extras.items() if e.pooling is not None]
-    if not asking:
-        return None
-    seq_req_ids = np.asarray(batch.seq_req_ids)
-    seqs = np.flatnonzero(np.isin(seq_req_ids, np.asarray(asking, dtype=np.uint64)))
-    if not seqs.size:
-        return None
-    qsl = np.asarray(batch.query_start_loc)
-    positions = np.asarray(batch.positions)
     rows, rids, pos = [], [], []
-    for b in seqs.tolist():
-        rid = int(seq_req_ids[b])
-        span = np.arange(int(qsl[b]), int(qsl[b + 1]))
-        p = positions[span].astype(np.int64)
+    for rid, span, p in rows_of_requests(batch, asking):
         keep = extras[rid].pooling.wants(p)
         if keep.any():
             rows.append(span[keep])

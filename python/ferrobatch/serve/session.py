@@ -137,9 +137,7 @@ class Session:
         except Exception:  # noqa: BLE001 - the transport failed; the connection is going away
             pass
         finally:
-            stream.abort()
-            self._active.pop(rid, None)
-            self._cancelled.discard(rid)
+            self._retire(rid, stream)
 
     async def _cancel(self, rid: Any, binary: bool) -> None:
         entry = self._active.get(rid)
@@ -190,9 +188,13 @@ class Session:
         except Exception:  # noqa: BLE001 - the transport failed; the connection is going away
             pass
         finally:
-            stream.abort()
-            self._active.pop(rid, None)
-            self._cancelled.discard(rid)
+            self._retire(rid, stream)
+
+    def _retire(self, rid: Any, stream: Any) -> None:
+        """A pump's end: its request aborted if still running, its id free again."""
+        stream.abort()
+        self._active.pop(rid, None)
+        self._cancelled.discard(rid)
 
     async def close(self) -> None:
         """Abort every active request of this connection and stop its pump tasks."""
