@@ -9,6 +9,7 @@ the mean over every prompt token ("mean"); then cut to its first `dimensions` va
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 POOLING_TYPES = ("last", "mean")
 
@@ -51,3 +52,12 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+    @classmethod
+    def of(cls, out: Any) -> "EmbeddingRequestOutput":
+        """From the final `RequestOutput` of an embedding request; RuntimeError when it
+        failed or carries no embedding."""
+        if out is None or out.error or out.embedding is None:
+            why = out.error if out is not None and out.error else "no embedding came back"
+            raise RuntimeError(f"embedding failed: {why}")
+        return cls(out.request_id, out.prompt_token_ids, EmbeddingOutput(out.embedding))

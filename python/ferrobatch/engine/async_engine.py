@@ -34,7 +34,7 @@ from ferrobatch.engine.request_state import FINISH_STOP, LogprobMismatch, Reques
 from ferrobatch.engine.step_loop import StepLoop
 from ferrobatch.model.tokenizer import LONG_TEXT_CHARS
 from ferrobatch.outputs import RequestOutput
-from ferrobatch.pooling_params import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
+from ferrobatch.pooling_params import EmbeddingRequestOutput, PoolingParams
 from ferrobatch.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -471,11 +471,7 @@ class AsyncEngine:
                 last = out
         finally:
             stream.abort()
-        if last is None or last.error or last.embedding is None:
-            raise RuntimeError("embedding failed: " + (last.error if last is not None and
-                                                       last.error else "no embedding came back"))
-        return EmbeddingRequestOutput(last.request_id, last.prompt_token_ids,
-                                      EmbeddingOutput(last.embedding))
+        return EmbeddingRequestOutput.of(last)
 
     async def beam_search(self, prompt: Prompt | None, params: BeamSearchParams, *,
                           messages: Any = None, chat_options: dict[str, Any] | None = None

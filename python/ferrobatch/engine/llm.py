@@ -24,7 +24,7 @@ from ferrobatch.config import EngineConfig
 from ferrobatch.engine.async_engine import AsyncEngine
 from ferrobatch.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from ferrobatch.outputs import RequestOutput
-from ferrobatch.pooling_params import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
+from ferrobatch.pooling_params import EmbeddingRequestOutput, PoolingParams
 from ferrobatch.sampling_params import SamplingParams
 
 PROGRESS_MIN_PROMPTS = 8
@@ -184,13 +184,7 @@ class LLM:
             outs = await self._generate_all(
                 prompts, [params] * len(prompts), None,
                 use_tqdm and len(prompts) >= PROGRESS_MIN_PROMPTS, pooling=pooling)
-            result = []
-            for out in outs:
-                if out.error or out.embedding is None:
-                    raise RuntimeError(f"embedding failed: {out.error or 'no embedding'}")
-                result.append(EmbeddingRequestOutput(out.request_id, out.prompt_token_ids,
-                                                     EmbeddingOutput(out.embedding)))
-            return result
+            return [EmbeddingRequestOutput.of(out) for out in outs]
 
         return self._run(run())
 
