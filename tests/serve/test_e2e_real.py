@@ -656,7 +656,9 @@ async def test_a_client_leaving_a_beam_search_aborts_its_requests(real):
             await asyncio.sleep(0.05)
             if real.engine.check_accounting()["released"] - before > 12:
                 break
-        assert real.engine.check_accounting()["open"] > 0
+        # a few steps in (a search of 200 steps x 4 beams is far from done; between two of
+        # its steps no request of it may be open, so that is not asserted)
+        assert real.engine.check_accounting()["released"] - before > 12
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     await real.engine.check_idle_clean(10.0)
