@@ -253,3 +253,17 @@ def test_device_idle_smoke(tmp_path: Path) -> None:
     for r in rows:
         assert r["steps"] >= 10 and r["idle_us"] >= 0 and r["step_us"] >= 1000, r
         assert r["wakeup_us"] >= 0 and r["idle_us"] <= r["idle_p90_us"] + 1e-6
+
+
+def test_embeddings_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "emb.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHES / "embeddings.py"), "--num", "3", "--min-len", "4",
+         "--max-len", "20", "--repeat", "1", "--hf-batch", "2", "--json", str(out)],
+        check=False, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["system"] for r in data["results"]] == ["ferrobatch", "hf"]
+    assert all(r["embeddings_per_s"] > 0 for r in data["results"])
+    assert data["max_abs_diff"] < 1e-4          # the same model's vectors, two ways
+    assert "emb/s" in proc.stdout
