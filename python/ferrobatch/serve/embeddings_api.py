@@ -19,10 +19,9 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from ferrobatch.pooling_params import PoolingParams
 from ferrobatch.serve.http import read_json
 from ferrobatch.serve.openai_protocol import check_model
-from ferrobatch.serve.protocol import ProtocolError
+from ferrobatch.serve.protocol import ProtocolError, pooling_params_from
 from ferrobatch.serve.request_ids import object_id
 from ferrobatch.serve.state import STATE
 
@@ -49,16 +48,6 @@ def parse_inputs(value: Any) -> list[Any]:
                         "ids or list of token-id lists", param="input")
 
 
-def parse_pooling(body: dict) -> PoolingParams:
-    fields = {"dimensions": body.get("dimensions"), "pooling": body.get("pooling", "last"),
-              "normalize": body.get("normalize", True)}
-    try:
-        return PoolingParams(**{k: v for k, v in fields.items() if v is not None})
-    except ValueError as exc:
-        name = str(exc).split()[0]
-        raise ProtocolError(str(exc), param=name) from None
-
-
 def _encoded(vector: list[float], encoding: str) -> Any:
     if encoding == "float":
         return vector
@@ -79,7 +68,7 @@ async def embeddings(request: web.Request) -> web.Response:
     if encoding not in ("float", "base64"):
         raise ProtocolError("'encoding_format' must be \"float\" or \"base64\"",
                             param="encoding_format")
-    pooling = parse_pooling(body)
+    pooling = pooling_params_from(body)
     truncate = body.get("truncate_prompt_tokens")
     if truncate is not None and not _is_int(truncate):
         raise ProtocolError("'truncate_prompt_tokens' must be an integer",

@@ -220,6 +220,16 @@ class EmbedMsg:
 EMBED_FIELDS = ("pooling", "normalize", "dimensions", "truncate_prompt_tokens")
 
 
+def pooling_params_from(fields: dict[str, Any]) -> PoolingParams:
+    """The embedding fields of `fields` (`pooling`, `normalize`, `dimensions`; absent or null:
+    the default) as PoolingParams; a bad one is a ProtocolError naming it. Every door's."""
+    try:
+        return PoolingParams(**{k: fields[k] for k in ("pooling", "normalize", "dimensions")
+                                if fields.get(k) is not None})
+    except ValueError as exc:
+        raise ProtocolError(str(exc), param=str(exc).split()[0]) from None
+
+
 def check_id(v: Any) -> str | int:
     if isinstance(v, str) and 0 < len(v) <= MAX_ID_LEN:
         return v
@@ -284,12 +294,7 @@ def parse_message(msg: Any) -> tuple[str, Any]:
         if truncate is not None and not _is_int(truncate):
             raise ProtocolError("'truncate_prompt_tokens' must be an integer",
                                 param="truncate_prompt_tokens")
-        try:
-            pooling = PoolingParams(**{k: v for k, v in params.items()
-                                       if k != "truncate_prompt_tokens" and v is not None})
-        except ValueError as exc:
-            raise ProtocolError(str(exc), param=str(exc).split()[0]) from None
-        return "embed", EmbedMsg(rid, prompt, pooling, truncate)
+        return "embed", EmbedMsg(rid, prompt, pooling_params_from(params), truncate)
     raise ProtocolError(f"unknown message type {kind!r}; expected hello, generate, embed or "
                         "cancel")
 

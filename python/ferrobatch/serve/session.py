@@ -30,6 +30,7 @@ from ferrobatch.serve.protocol import (
 PROMPT_LOGPROBS_PER_MESSAGE = 256
 MAX_ACTIVE_PER_CONNECTION = 1024
 Send = Callable[[dict[str, Any], bool], Awaitable[None]]   # (message, binary) -> None
+Pump = Callable[[Any, Any, bool], Awaitable[None]]        # (id, stream, binary) -> None
 
 
 class Session:
@@ -105,39 +106,46 @@ class Session:
         self._admit(msg.id)
         stream = self._engine.add_request(msg.prompt, msg.params, messages=msg.messages,
                                           chat_options=msg.chat_options)
-        task = asyncio.get_running_loop().create_task(self._pump(msg.id, stream, binary))
-        self._active[msg.id] = (stream, task, binary)
+        self._start(msg.id, stream, binary, self._pump)
 
     def _embed(self, msg: EmbedMsg, binary: bool) -> None:
         self._admit(msg.id)
         params = SamplingParams(max_tokens=1, temperature=0.0, output_kind="final",
                                 truncate_prompt_tokens=msg.truncate_prompt_tokens)
         stream = self._engine.add_request(msg.prompt, params, pooling=msg.pooling)
-        task = asyncio.get_running_loop().create_task(self._pump_embedding(msg.id, stream,
-                                                                           binary))
-        self._active[msg.id] = (stream, task, binary)
+        self._start(msg.id, stream, binary, self._pump_embedding)
 
-    async def _pump_embedding(self, rid: Any, stream: Any, binary: bool) -> None:
-        """An `embed` request's one reply: `embedding`, `cancelled` or `error`."""
+    def _start(self, rid: Any, stream: Any, binary: bool, pump: Pump) -> None:
+        """Runs `pump` for an accepted request in a task of its own; the request is active
+        until the pump ends (`_pumped`)."""
+        task = asyncio.get_running_loop().create_task(self._pumped(rid, stream, binary, pump))
+        self._active[rid] = (stream, task, binary)
+
+    async def _pumped(self, rid: Any, stream: Any, binary: bool, pump: Pump) -> None:
+        """`pump` to its end; a transport failure or a cancelled task ends it quietly, and
+        either way the request is retired."""
         try:
-            last = None
-            async for out in stream:
-                last = out
-            if last is not None and last.embedding is not None:
-                await self._send({"type": "embedding", "id": rid, "embedding": last.embedding,
-                                  "usage": {"prompt_tokens": len(stream.prompt_token_ids)}},
-                                 binary)
-            elif rid in self._cancelled:
-                await self._send({"type": "cancelled", "id": rid}, binary)
-            else:
-                message = last.error if last is not None and last.error else "embedding failed"
-                await self._send(error_msg(rid, 500, message), binary)
+            await pump(rid, stream, binary)
         except (ConnectionError, asyncio.CancelledError):
             pass
         except Exception:  # noqa: BLE001 - the transport failed; the connection is going away
             pass
         finally:
             self._retire(rid, stream)
+
+    async def _pump_embedding(self, rid: Any, stream: Any, binary: bool) -> None:
+        """An `embed` request's one reply: `embedding`, `cancelled` or `error`."""
+        last = None
+        async for out in stream:
+            last = out
+        if last is not None and last.embedding is not None:
+            await self._send({"type": "embedding", "id": rid, "embedding": last.embedding,
+                              "usage": {"prompt_tokens": len(stream.prompt_token_ids)}}, binary)
+        elif rid in self._cancelled:
+            await self._send({"type": "cancelled", "id": rid}, binary)
+        else:
+            message = last.error if last is not None and last.error else "embedding failed"
+            await self._send(error_msg(rid, 500, message), binary)
 
     async def _cancel(self, rid: Any, binary: bool) -> None:
         entry = self._active.get(rid)
@@ -147,48 +155,43 @@ class Session:
         entry[0].abort()
 
     async def _pump(self, rid: Any, stream: Any, binary: bool) -> None:
+        """A generation's messages: deltas (and prompt logprobs), then `done`, `cancelled` or
+        `error`."""
         send = self._send
         completion = 0
         reasons: dict[int, str] = {}
         error: str | None = None
         cached = 0                  # prompt tokens the prefix cache held
-        try:
-            async for out in stream:
-                cached = out.num_cached_tokens or cached
-                if out.prompt_logprobs is not None:     # once, before the first delta
-                    entries = [None] + message_logprobs(out.prompt_logprobs[1:])
-                    for start in range(0, len(entries), PROMPT_LOGPROBS_PER_MESSAGE):
-                        await send({"type": "prompt_logprobs", "id": rid, "start": start,
-                                    "logprobs": entries[start:start + PROMPT_LOGPROBS_PER_MESSAGE]},
-                                   binary)
-                for c in out.outputs:
-                    if c.text or c.token_ids:
-                        completion += len(c.token_ids)
-                        msg = {"type": "delta", "id": rid, "index": c.index, "text": c.text,
-                               "token_ids": c.token_ids}
-                        if c.logprobs is not None:
-                            msg["logprobs"] = message_logprobs(c.logprobs)
-                        await send(msg, binary)
-                    if c.finish_reason is not None:
-                        reasons[c.index] = c.finish_reason
-                error = out.error or error
-            ordered = [reasons.get(i, "abort") for i in range(len(reasons) or 1)]
-            if rid in self._cancelled and all(r == "abort" for r in ordered):
-                await send({"type": "cancelled", "id": rid}, binary)
-            elif "error" in ordered:
-                await send(error_msg(rid, 500, error or "generation failed"), binary)
-            else:
-                await send({"type": "done", "id": rid, "finish_reason": ordered[0],
-                            "finish_reasons": ordered,
-                            "usage": {"prompt_tokens": len(stream.prompt_token_ids),
-                                      "completion_tokens": completion,
-                                      "cached_tokens": cached}}, binary)
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        except Exception:  # noqa: BLE001 - the transport failed; the connection is going away
-            pass
-        finally:
-            self._retire(rid, stream)
+        async for out in stream:
+            cached = out.num_cached_tokens or cached
+            if out.prompt_logprobs is not None:     # once, before the first delta
+                entries = [None] + message_logprobs(out.prompt_logprobs[1:])
+                for start in range(0, len(entries), PROMPT_LOGPROBS_PER_MESSAGE):
+                    await send({"type": "prompt_logprobs", "id": rid, "start": start,
+                                "logprobs": entries[start:start + PROMPT_LOGPROBS_PER_MESSAGE]},
+                               binary)
+            for c in out.outputs:
+                if c.text or c.token_ids:
+                    completion += len(c.token_ids)
+                    msg = {"type": "delta", "id": rid, "index": c.index, "text": c.text,
+                           "token_ids": c.token_ids}
+                    if c.logprobs is not None:
+                        msg["logprobs"] = message_logprobs(c.logprobs)
+                    await send(msg, binary)
+                if c.finish_reason is not None:
+                    reasons[c.index] = c.finish_reason
+            error = out.error or error
+        ordered = [reasons.get(i, "abort") for i in range(len(reasons) or 1)]
+        if rid in self._cancelled and all(r == "abort" for r in ordered):
+            await send({"type": "cancelled", "id": rid}, binary)
+        elif "error" in ordered:
+            await send(error_msg(rid, 500, error or "generation failed"), binary)
+        else:
+            await send({"type": "done", "id": rid, "finish_reason": ordered[0],
+                        "finish_reasons": ordered,
+                        "usage": {"prompt_tokens": len(stream.prompt_token_ids),
+                                  "completion_tokens": completion,
+                                  "cached_tokens": cached}}, binary)
 
     def _retire(self, rid: Any, stream: Any) -> None:
         """A pump's end: its request aborted if still running, its id free again."""
