@@ -19,6 +19,7 @@ if "torch" not in _sys.modules:
     _os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 from ferrobatch.config import EngineConfig
+from ferrobatch.lora_request import LoRARequest
 from ferrobatch.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprob
 from ferrobatch.pooling_params import PoolingParams
 from ferrobatch.sampling_params import SamplingParams
@@ -26,7 +27,7 @@ from ferrobatch.sampling_params import SamplingParams
 __version__ = "0.1.0"
 __all__ = ["LLM", "AsyncEngine", "SamplingParams", "EngineConfig", "RequestOutput",
            "CompletionOutput", "TokenLogprob", "Logprob", "BeamSearchParams", "PoolingParams",
-           "__version__"]
+           "LoRARequest", "__version__"]
 
 _LAZY = {"LLM": "ferrobatch.engine.llm", "AsyncEngine": "ferrobatch.engine.async_engine",
          "BeamSearchParams": "ferrobatch.engine.beam_search"}

@@ -30,6 +30,7 @@ PIECEWISE_DEFAULT_MAX_TOKENS = 8192
 CAPS = {"num_blocks": 1 << 22, "max_num_seqs": 1 << 16, "intake_capacity": 1 << 20,
         "max_num_batched_tokens": INT32_MAX, "max_model_len": INT32_MAX,
         "block_size": MAX_BLOCK_SIZE}
+MAX_LORAS, MAX_LORA_RANK = 256, 1024
 
 
 class Speculation(NamedTuple):
@@ -129,6 +130,12 @@ class EngineConfig:
     cpu_threads: int | None = None       # CPU: the kernels' threads (None: torch's count, the
     #                                      cores or OMP_NUM_THREADS); sets torch's, process-wide
 
+    # LoRA adapters (README "LoRA adapters"): requests name one (LoRARequest / the `model` field)
+    enable_lora: bool = False
+    max_loras: int = 4                   # adapters loaded at once (each in a slot; the least
+                                         # recently used idle one makes room for another)
+    max_lora_rank: int = 64              # adapters of a higher rank are refused
+
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
             v = getattr(self, name)
@@ -154,10 +161,10 @@ class EngineConfig:
                 positive_int(name)
         for name in ("block_size", "intake_capacity", "admission_batch",
                      "max_queued_requests", "max_n", "max_stop_strings", "max_stop_string_len",
-                     "max_stop_token_ids", "max_logit_bias"):
+                     "max_stop_token_ids", "max_logit_bias", "max_loras", "max_lora_rank"):
             positive_int(name)
         for name in ("cuda_graphs", "flash_prefill", "gguf_blocks", "amx_tiles", "fused_decode",
-                     "speculative_adaptive", "enable_prefix_caching"):
+                     "speculative_adaptive", "enable_prefix_caching", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.block_size & (self.block_size - 1):
@@ -191,7 +198,8 @@ class EngineConfig:
                 raise ValueError("num_blocks must be >= 2 (block 0 is the reserved null block)")
         if self.max_model_len is not None:
             positive_int("max_model_len")
-        for name, cap in CAPS.items():
+        for name, cap in (*CAPS.items(), ("max_loras", MAX_LORAS),
+                          ("max_lora_rank", MAX_LORA_RANK)):
             v = getattr(self, name)
             if v is not None and v > cap:
                 raise ValueError(f"{name} must be <= {cap}, got {v}")

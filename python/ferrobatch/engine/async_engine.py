@@ -9,11 +9,14 @@ intake; nothing is allocated for a request that fails validation. The step threa
 step's output back once (`_on_step`), where tokens are detokenized, stop strings are checked
 and each request's stream is woken. A request leaves every table exactly when the scheduler has
 reported the terminal event of each of its sequences (`_release`, the one release path).
+A LoRA request whose adapter finds no free slot (every one held by running requests) is accepted
+and waits here, in order, until a running LoRA request releases one (`_submit_lora_waiting`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -22,7 +25,12 @@ from typing import Any
 
 from ferrobatch.config import EngineConfig
 from ferrobatch.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from ferrobatch.engine.errors import DuplicateRequestError, EngineDeadError, QueueFullError
+from ferrobatch.engine.errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    LoraSlotsBusyError,
+    QueueFullError,
+)
 from ferrobatch.engine.inputs import (
     MAX_PROMPT_CHARS,
     check_prompt_text,
@@ -32,6 +40,7 @@ from ferrobatch.engine.inputs import (
 from ferrobatch.engine.observer import EngineObserver, FinishedRequest
 from ferrobatch.engine.request_state import FINISH_STOP, LogprobMismatch, RequestState
 from ferrobatch.engine.step_loop import StepLoop
+from ferrobatch.lora_request import LoRARequest
 from ferrobatch.model.tokenizer import LONG_TEXT_CHARS
 from ferrobatch.outputs import RequestOutput
 from ferrobatch.pooling_params import EmbeddingRequestOutput, PoolingParams
@@ -137,6 +146,9 @@ class AsyncEngine:
         self._requests: dict[int, RequestState] = {}
         self._by_name: dict[str, int] = {}
         self._unscheduled: set[int] = set()
+        # accepted LoRA requests waiting for a slot (every slot held by running requests),
+        # submitted in order as running requests release theirs (_submit_lora_waiting)
+        self._lora_waiting: collections.deque[RequestState] = collections.deque()
         self._ids = itertools.count(1)
         self._observers: list[EngineObserver] = []
         self._probes: set[int] = set()     # readiness probes: not traffic, observers skip them
@@ -267,6 +279,7 @@ class AsyncEngine:
         s = dict(self._stats)
         s["num_open_requests"] = len(self._requests)
         s["num_unscheduled_requests"] = len(self._unscheduled)
+        s["num_lora_waiting_requests"] = len(self._lora_waiting)
         s["num_guided_requests_total"] = self.counters["guided"]
         s["num_probe_prompt_tokens_total"] = self.counters["probe_prompt_tokens"]
         guided = getattr(self._core, "_guided", None)
@@ -324,16 +337,20 @@ class AsyncEngine:
                     request_id: str | None = None, *, messages: Any = None,
                     chat_options: dict[str, Any] | None = None,
                     pooling: PoolingParams | None = None,
+                    lora_request: LoRARequest | None = None,
                     _probe: bool = False) -> RequestStream:
         """Validate, tokenize and submit; raises ValueError (bad input), QueueFullError or
         EngineDeadError before anything is allocated. `messages` are rendered by the chat
         template, with `chat_options` (`render_chat`'s keywords) if given. With `pooling` the
-        final output also carries the prompt's embedding (`embed` is the short way)."""
+        final output also carries the prompt's embedding (`embed` is the short way). With
+        `lora_request` the request runs with that LoRA adapter (`enable_lora`)."""
         if not self.is_running:
             raise EngineDeadError(self.dead_reason or "the engine is not started")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise TypeError("lora_request must be a LoRARequest")
         if request_id is not None and (not isinstance(request_id, str) or not request_id
                                        or len(request_id) > 256):
             raise ValueError("request_id must be a non-empty string of at most 256 characters")
@@ -389,7 +406,12 @@ class AsyncEngine:
                 raise ValueError(f"dimensions ({pooling.dimensions}) exceeds this model's "
                                  f"embedding size ({hidden})")
             state.pooling = pooling
-        core.submit(req_id, ids, params, max_tokens, state)   # may raise QueueFullError
+        state.lora = lora_request
+        try:
+            core.submit(req_id, ids, params, max_tokens, state)   # may raise QueueFullError
+        except LoraSlotsBusyError:
+            # every slot holds an adapter of a running request: wait for one (FIFO), accepted
+            self._lora_waiting.append(state)
         if _probe:            # (its step results reach this thread only after we return)
             self._probes.add(req_id)
         self._requests[req_id] = state
@@ -443,12 +465,13 @@ class AsyncEngine:
 
     async def generate(self, prompt: Prompt | None = None, params: SamplingParams | None = None,
                        request_id: str | None = None, *, messages: Any = None,
-                       chat_options: dict[str, Any] | None = None
+                       chat_options: dict[str, Any] | None = None,
+                       lora_request: LoRARequest | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs; leaving the loop early aborts the request."""
         await self.prepare(params, prompt, messages, chat_options)
         stream = self.add_request(prompt, params, request_id, messages=messages,
-                                  chat_options=chat_options)
+                                  chat_options=chat_options, lora_request=lora_request)
         try:
             async for out in stream:
                 yield out
@@ -457,14 +480,16 @@ class AsyncEngine:
 
     async def embed(self, prompt: Prompt, pooling: PoolingParams | None = None,
                     request_id: str | None = None, *,
-                    truncate_prompt_tokens: int | None = None) -> EmbeddingRequestOutput:
+                    truncate_prompt_tokens: int | None = None,
+                    lora_request: LoRARequest | None = None) -> EmbeddingRequestOutput:
         """The prompt's embedding (`PoolingParams`: last-token or mean pooling of the final
         hidden states, cut to `dimensions`, normalized); batched with all other traffic.
         Raises ValueError for bad input; cancelling it aborts the request."""
         pooling = pooling if pooling is not None else PoolingParams()
         params = SamplingParams(max_tokens=1, temperature=0.0, output_kind="final",
                                 truncate_prompt_tokens=truncate_prompt_tokens)
-        stream = self.add_request(prompt, params, request_id, pooling=pooling)
+        stream = self.add_request(prompt, params, request_id, pooling=pooling,
+                                  lora_request=lora_request)
         try:
             last = None
             async for out in stream:
@@ -512,6 +537,10 @@ class AsyncEngine:
 
     def _abort_state(self, st: RequestState, reason: str, seq_index: int = -1) -> None:
         if st.all_terminal or st.req_id not in self._requests:
+            return
+        if st in self._lora_waiting:   # never reached the scheduler (no tokens yet): end it here
+            self._lora_waiting.remove(st)
+            self._end_locally(st, reason, None)
             return
         if seq_index == -1:
             if st.abort_sent:
@@ -647,6 +676,8 @@ class AsyncEngine:
         self._by_name.pop(st.request_id, None)
         self._unscheduled.discard(st.req_id)
         self._core.forget(st.req_id)
+        if st.lora is not None and self._lora_waiting and not self._stopped:
+            self._submit_lora_waiting()
         st.finish_time = now
         reasons = [s.finish_reason or "error" for s in st.seqs]
         reason = next((x for x in ("error", "abort") if x in reasons), reasons[0])
@@ -679,14 +710,36 @@ class AsyncEngine:
 
     def _fail_all(self, message: str, reason: str) -> None:
         """The scheduler will report nothing more: end every open stream now."""
-        now = time.monotonic()
+        self._lora_waiting.clear()
         for st in list(self._requests.values()):
-            for s in st.seqs:
-                st.finish_seq_locally(s.index, reason, message if reason == "error" else None)
-                if not s.terminal:
-                    s.terminal = True
-                    st.num_terminal += 1
-            self._release(st, now)
+            self._end_locally(st, reason, message if reason == "error" else None)
+
+    def _end_locally(self, st: RequestState, reason: str, message: str | None) -> None:
+        """Ends every sequence of ``st`` here (the scheduler has no terminal event to send for
+        it) and releases it."""
+        for s in st.seqs:
+            st.finish_seq_locally(s.index, reason, message)
+            if not s.terminal:
+                s.terminal = True
+                st.num_terminal += 1
+        self._release(st, time.monotonic())
+
+    def _submit_lora_waiting(self) -> None:
+        """Submits the LoRA requests waiting for a slot, in order, until one must wait on; one
+        the core refuses for another reason (e.g. its adapter fails to load) ends with that
+        error."""
+        core = self._core
+        while self._lora_waiting:
+            st = self._lora_waiting[0]
+            try:
+                core.submit(st.req_id, st.prompt_token_ids, st.params, st.max_tokens, st)
+            except LoraSlotsBusyError:
+                return
+            except Exception as exc:  # noqa: BLE001 - this request fails, the engine goes on
+                self._lora_waiting.popleft()
+                self._end_locally(st, "error", f"{type(exc).__name__}: {exc}")
+                continue
+            self._lora_waiting.popleft()
 
     # -- accounting and readiness --------------------------------------------------------------
 
@@ -701,6 +754,8 @@ class AsyncEngine:
             problems.append(f"{len(self._by_name)} names for {open_} open requests")
         if not self._unscheduled <= self._requests.keys():
             problems.append("unscheduled ids not in the request table")
+        if not {st.req_id for st in self._lora_waiting} <= self._unscheduled:
+            problems.append("requests waiting for a LoRA slot are not unscheduled ones")
         if c["released"] != sum(c[k] for k in ("stop", "length", "abort", "error")):
             problems.append("released requests without a finish reason")
         if problems:
@@ -725,10 +780,21 @@ class AsyncEngine:
             raise RuntimeError(f"scheduler not idle: {s}")
         if self._core is not None and not self._core.all_blocks_free(s):
             raise RuntimeError(f"KV blocks still held at idle: {s}")
+        loras = self.loras
+        if loras is not None:
+            loras.check()
+            if loras.num_refs:
+                raise RuntimeError(f"{loras.num_refs} LoRA adapter references held at idle")
         if self._core is not None and self.is_running:
             await asyncio.wait_for(asyncio.wrap_future(
                 self._loop_thread.call(self._core.check_integrity)), timeout_s)
         return acc
+
+    @property
+    def loras(self) -> Any:
+        """The engine's `LoraRegistry` (`enable_lora`), or None: its served adapters,
+        `add_served` / `remove_served`, and what is loaded (asyncio thread only)."""
+        return getattr(self._core, "loras", None)
 
     async def check_ready(self, timeout_s: float = 30.0) -> bool:
         """A real one-token generation through the whole engine."""

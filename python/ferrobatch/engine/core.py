@@ -115,6 +115,9 @@ class EngineCore:
         self._extras: dict[int, Any] = {}     # copy-on-write: replaced, never mutated in place
         self.plain_greedy_steps = 0           # steps sampled by _plain_greedy's one read-back
         self._guided: Any = None              # GuidedCompiler, made on the first guided request
+        # LoRA: the registry (asyncio thread) and each request's (slot, adapter id), copy-on-write
+        self.loras: Any = None                # LoraRegistry when config.enable_lora
+        self._lora_of: dict[int, tuple[int, int]] = {}
         from ferrobatch._scheduler import QueueFullError
         self._rust_queue_full = QueueFullError
 
@@ -218,6 +221,8 @@ class EngineCore:
             admission_max_wait_steps=config.admission_max_wait_steps)
         core = cls(config, loaded, scheduler, runner, sampler, max_model_len)
         core.speculation = spec.describe()
+        if config.enable_lora:
+            core.loras = _lora_registry(config, loaded, runner)
         logger.info("speculative decoding: %s", core.speculation)
         return core
 
@@ -242,6 +247,10 @@ class EngineCore:
     def submit(self, req_id: int, ids: list[int], p: SamplingParams, max_tokens: int,
                state: Any) -> None:
         guides = self.guided.sequences(p) if p.is_guided else None   # ValueError if unusable
+        lora = getattr(state, "lora", None)            # a LoRARequest
+        if lora is not None and self.loras is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with "
+                             "enable_lora=True / --enable-lora)")
         stop_masked = bool(p.min_tokens and p.stop_token_ids)
         pooling = getattr(state, "pooling", None)      # an embedding request
         if p.needs_token_history or p.logit_bias or p.logprobs is not None \
@@ -258,14 +267,19 @@ class EngineCore:
                 bad_word_ids=bad_word_sequences(self.tokenizer, p.bad_words),
                 pooling=PoolingState(pooling, len(ids)) if pooling is not None else None)
             self._extras = {**self._extras, req_id: state.extras}
+        salt = None if p.cache_salt is None else f"tenant/{p.cache_salt}"
+        if lora is not None:        # KV computed with an adapter serves only that adapter
+            salt = f"lora/{lora.lora_int_id}" + ("" if salt is None else f"/{salt}")
         # a prompt-logprobs request must compute every prompt token: a salt of its own keeps
         # other requests' cached blocks from standing in for them
-        salt = None if p.cache_salt is None else f"tenant/{p.cache_salt}"
         if p.prompt_logprobs is not None:
             salt = f"prompt-logprobs/{req_id}"
         if pooling is not None and pooling.pooling == "mean":   # every prompt row is needed
             salt = f"pooling/{req_id}"
         try:
+            if lora is not None:    # ValueError / LoraSlotsBusyError: nothing held
+                slot = self.loras.acquire(lora)
+                self._lora_of = {**self._lora_of, req_id: (slot, lora.lora_int_id)}
             self.intake.submit(
                 req_id, ids, max_tokens=max_tokens, min_tokens=p.min_tokens,
                 ignore_eos=p.ignore_eos, stop_token_ids=list(p.stop_token_ids), n=p.n,
@@ -288,9 +302,14 @@ class EngineCore:
             extras = dict(self._extras)
             del extras[req_id]
             self._extras = extras
+        held = self._lora_of.get(req_id)
+        if held is not None:
+            self._lora_of = {r: v for r, v in self._lora_of.items() if r != req_id}
+            self.loras.release(held[1])
 
     def num_tracked(self) -> int:
-        return len(self._extras)
+        """Requests the core still keeps anything for (extras or a held LoRA adapter)."""
+        return len(self._extras.keys() | self._lora_of.keys())
 
     def wake(self) -> None:
         self.intake.notify()
@@ -320,6 +339,10 @@ class EngineCore:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         extras = self._extras
+        lora_of = self._lora_of
+        # per scheduled sequence its LoRA slot, for the runner (only when some request has one)
+        lora = {"lora_slots": [lora_of.get(r, (0,))[0] for r in batch.seq_req_ids.tolist()]} \
+            if lora_of and batch.num_tokens > 0 else {}
         failed: list[int] = []
         logprobs = prompt_logprobs = embeddings = None
         scored = pooled = None          # the rows prompt logprobs / embeddings need
@@ -329,7 +352,7 @@ class EngineCore:
         wanted = scored is not None or pooled is not None
         if wanted:
             rows = np.concatenate([w[0] for w in (scored, pooled) if w is not None])
-            logits, hidden = self.runner.execute(batch, hidden_rows=rows)
+            logits, hidden = self.runner.execute(batch, hidden_rows=rows, **lora)
             num_scored = 0 if scored is None else len(scored[0])
             if scored is not None:
                 prompt_logprobs = self._prompt_logprobs(hidden[:num_scored], scored, extras)
@@ -338,11 +361,12 @@ class EngineCore:
                                                pooled, extras)
         if batch.num_samples > 0:
             if not wanted:
-                logits = self.runner.execute(batch)
+                logits = self.runner.execute(batch, **lora)
             sampled = self._plain_greedy(batch, extras, logits) if not wanted else None
         else:
             if batch.num_tokens > 0 and not wanted:
-                self.runner.execute(batch)      # a prefill chunk that samples nothing yet
+                # a prefill chunk that samples nothing yet
+                self.runner.execute(batch, **lora)
             sampled = _EMPTY_I32
         if sampled is None:
             if not rows_all_finite(logits):
@@ -495,6 +519,22 @@ def _logprobs_by_sequence(batch: Any, sample: Any, extras: dict[int, Any]) -> di
         out.setdefault((rid, si), []).append(
             (int(sample.token_ids[row]), float(sample.logprobs[row]), top))
     return out
+
+
+def _lora_registry(config: EngineConfig, loaded: Any, runner: Any) -> Any:
+    """The LoRA registry of an engine: ``config.max_loras`` slots in the runner, adapters read
+    as the model's dtype onto its device."""
+    from ferrobatch.engine.lora_registry import LoraRegistry
+    from ferrobatch.model.lora_adapter import read_lora_adapter
+
+    def load(request: Any) -> Any:
+        return read_lora_adapter(request.lora_path, loaded.config,
+                                 max_rank=config.max_lora_rank, dtype=loaded.dtype,
+                                 device=loaded.device)
+
+    logger.info("LoRA: up to %d adapters at once, ranks up to %d", config.max_loras,
+                config.max_lora_rank)
+    return LoraRegistry(runner.enable_lora(config.max_loras), load)
 
 
 def _gpu_reserve_bytes(config: EngineConfig, model_config: Any,

@@ -17,5 +17,10 @@ class QueueFullError(EngineError):
     retry_after_s = 1
 
 
+class LoraSlotsBusyError(QueueFullError):
+    """Every LoRA slot holds an adapter of a running request (the engine queues the request
+    until one frees; raised only to the engine itself)."""
+
+
 class DuplicateRequestError(ValueError):
     """A request id that is still in flight was reused."""

@@ -23,6 +23,7 @@ from typing import Any
 from ferrobatch.config import EngineConfig
 from ferrobatch.engine.async_engine import AsyncEngine
 from ferrobatch.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from ferrobatch.lora_request import LoRARequest
 from ferrobatch.outputs import RequestOutput
 from ferrobatch.pooling_params import EmbeddingRequestOutput, PoolingParams
 from ferrobatch.sampling_params import SamplingParams
@@ -139,10 +140,13 @@ class LLM:
     def generate(self, prompts: Any = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, params: Any = None,
-                 prompt_token_ids: Any = None) -> list[RequestOutput]:
+                 prompt_token_ids: Any = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """One output per prompt, in order. A prompt is a string, a list of token ids, or
         vLLM's `{"prompt": ...}` / `{"prompt_token_ids": [...]}`; `params` is another name for
-        `sampling_params`, `prompt_token_ids` vLLM's old way to pass token-id prompts."""
+        `sampling_params`, `prompt_token_ids` vLLM's old way to pass token-id prompts.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (`enable_lora`)."""
         params = _one_params(sampling_params, params)
         if prompt_token_ids is not None:
             if prompts is not None:
@@ -160,13 +164,16 @@ class LLM:
             if len(plist) != len(prompts):
                 raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         plist = [p.replace(output_kind="final") for p in _salted(prompts, plist)]
+        loras = _loras_list(lora_request, len(prompts))
         prompts = [_prompt_of(p) for p in prompts]
         return self._run(self._generate_all(prompts, plist, None,
-                                            use_tqdm and len(prompts) >= PROGRESS_MIN_PROMPTS))
+                                            use_tqdm and len(prompts) >= PROGRESS_MIN_PROMPTS,
+                                            loras=loras))
 
     def embed(self, prompts: Any, pooling_params: PoolingParams | None = None, *,
-              use_tqdm: bool = True,
-              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+              ) -> list[EmbeddingRequestOutput]:
         """vLLM's `LLM.embed`: one `EmbeddingRequestOutput` per prompt (a string, token ids or
         a prompt dict), in order; `outputs.embedding` is the pooled vector (`PoolingParams`:
         last-token pooling, normalized, by default). All prompts are checked before any runs."""
@@ -175,6 +182,7 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
+        loras = _loras_list(lora_request, len(prompts))
         prompts = [_prompt_of(p) for p in prompts]
         pooling = pooling_params or PoolingParams()
         params = SamplingParams(max_tokens=1, temperature=0.0, output_kind="final",
@@ -183,7 +191,7 @@ class LLM:
         async def run() -> list[EmbeddingRequestOutput]:
             outs = await self._generate_all(
                 prompts, [params] * len(prompts), None,
-                use_tqdm and len(prompts) >= PROGRESS_MIN_PROMPTS, pooling=pooling)
+                use_tqdm and len(prompts) >= PROGRESS_MIN_PROMPTS, pooling=pooling, loras=loras)
             return [EmbeddingRequestOutput.of(out) for out in outs]
 
         return self._run(run())
@@ -228,14 +236,17 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
-             chat_template: str | None = None, params: Any = None) -> list[RequestOutput]:
+             chat_template: str | None = None, params: Any = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Chat completion(s): one conversation (a list of messages) or a list of them.
 
         As vLLM's: `continue_final_message` (with `add_generation_prompt=False`) ends the
         prompt inside the last assistant message, for the model to go on with it; `tools` and
         `chat_template_kwargs` are passed to the chat template; `chat_template` (Jinja text)
         replaces the model's for these conversations. Without params a reply may
-        fill the context (`max_tokens=None`; vLLM's default is 16 tokens)."""
+        fill the context (`max_tokens=None`; vLLM's default is 16 tokens). `lora_request`: the
+        LoRA adapter of every conversation, or one per conversation."""
         params = _one_params(sampling_params, params)
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if params is None or isinstance(params, SamplingParams):
@@ -258,14 +269,17 @@ class LLM:
             options["template_kwargs"] = chat_template_kwargs
         if chat_template is not None:
             options["chat_template"] = chat_template
+        loras = _loras_list(lora_request, len(convs))
         return self._run(self._generate_all([None] * len(convs), plist, convs,
                                             use_tqdm and len(convs) >= PROGRESS_MIN_PROMPTS,
-                                            options or None))
+                                            options or None, loras=loras))
 
     async def _generate_all(self, prompts: list[Any], plist: list[SamplingParams],
                             convs: list[Any] | None, progress: bool,
                             chat_options: dict[str, Any] | None = None,
-                            pooling: PoolingParams | None = None) -> list[RequestOutput]:
+                            pooling: PoolingParams | None = None,
+                            loras: list[LoRARequest | None] | None = None
+                            ) -> list[RequestOutput]:
         engine = self.engine
         streams = []
         try:
@@ -273,7 +287,8 @@ class LLM:
                 # Validate everything first, so one bad prompt fails the call before any work.
                 streams.append(engine.add_request(prompt, p, str(next(self._request_ids)),
                                                   messages=convs[i] if convs else None,
-                                                  chat_options=chat_options, pooling=pooling))
+                                                  chat_options=chat_options, pooling=pooling,
+                                                  lora_request=loras[i] if loras else None))
             bar = None
             if progress:
                 from tqdm import tqdm
@@ -323,6 +338,20 @@ class LLM:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _loras_list(lora_request: Any, count: int) -> list[LoRARequest | None] | None:
+    """One LoRARequest (or None) per prompt from vLLM's `lora_request` argument."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return None if lora_request is None else [lora_request] * count
+    if isinstance(lora_request, (str, bytes, dict)) or not isinstance(lora_request, Sequence):
+        raise TypeError("lora_request must be a LoRARequest or a list of them")
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"got {len(loras)} LoRA requests for {count} prompts")
+    if not all(r is None or isinstance(r, LoRARequest) for r in loras):
+        raise TypeError("lora_request must be a LoRARequest or a list of them")
+    return loras
 
 
 def _params_list(params: Any) -> list[SamplingParams]:

@@ -68,10 +68,17 @@ class LlamaAttention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, device, dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, device, dtype)
+        self.lora = None     # runtime.lora.LayerLora once LoRA is installed
 
     def project(self, hidden) -> torch.Tensor:
         """The fused QKV projection ``[T, (Hq + 2 Hkv) * D]`` (``split_qkv`` gives its views)."""
-        return self.qkv_proj(hidden)
+        qkv = self.qkv_proj(hidden)
+        return qkv if self.lora is None else self.lora.add("qkv_proj", hidden, qkv)
+
+    def output(self, attn_out: torch.Tensor) -> torch.Tensor:
+        """The output projection of the attention ``[T, Hq * D]`` -> ``[T, hidden]``."""
+        out = self.o_proj(attn_out)
+        return out if self.lora is None else self.lora.add("o_proj", attn_out, out)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views ``(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D])`` of a QKV projection (not rotated:
@@ -110,9 +117,13 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False,
                                    device=device, dtype=dtype)
         self.act = SiluAndMul()
+        self.lora = None     # runtime.lora.LayerLora once LoRA is installed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        if self.lora is None:
+            return self.down_proj(self.act(self.gate_up_proj(x)))
+        hidden = self.act(self.lora.add("gate_up_proj", x, self.gate_up_proj(x)))
+        return self.lora.add("down_proj", hidden, self.down_proj(hidden))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -153,7 +164,7 @@ class LlamaDecoderLayer(nn.Module):
         """Everything after attention (``attn_out [T, Hq * D]``): ``(residual, mlp output)``,
         whose sum is the next residual stream."""
         residual, normed = add_then_norm(self.post_attention_layernorm, residual,
-                                         self.self_attn.o_proj(attn_out))
+                                         self.self_attn.output(attn_out))
         return residual, self.mlp(normed)
 
 
@@ -189,6 +200,8 @@ class LlamaForCausalLM(nn.Module):
         # Runs every decoder layer of the steps it accepts in one call (set by
         # runtime.cpu_decoder for CPU decode steps), or None.
         self.fused_layers = None
+        # The LoRA adapters the layers can apply (runtime.lora.install_lora), or None.
+        self.lora = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -204,7 +217,8 @@ class LlamaForCausalLM(nn.Module):
         if self.attn_backend is None:
             raise RuntimeError("LlamaForCausalLM.attn_backend is not set")
         fused = self.fused_layers
-        if fused is not None and fused.accepts(attn_meta):
+        if fused is not None and fused.accepts(attn_meta) and \
+                (self.lora is None or not self.lora.active):
             hidden = fused.embed_and_run(input_ids, positions, kv_caches, attn_meta)
             if hidden_indices is None:
                 return self.compute_logits(fused.final_norm(hidden, logits_indices))

@@ -32,6 +32,7 @@ from ferrobatch.runtime.cpu_threads import torch_single_threaded
 from ferrobatch.runtime.cuda_graphs import DecodeGraphRunner, decode_buckets
 from ferrobatch.runtime.heap import return_freed_memory
 from ferrobatch.runtime.kv_cache import KVCache, check_kv_cache_dtype
+from ferrobatch.runtime.lora import LoraSlots, install_lora, token_rows_by_slot
 from ferrobatch.runtime.piecewise_graphs import PiecewiseGraphRunner, piecewise_buckets
 from ferrobatch.runtime.sampler import greedy_rows
 
@@ -160,6 +161,15 @@ class ModelRunner:
         # the last decode graph replay's logits and their greedy_rows (computed in the graph)
         self._graph_logits: torch.Tensor | None = None
         self._graph_greedy_rows: torch.Tensor | None = None
+        self.lora_slots: LoraSlots | None = None   # enable_lora()
+
+    def enable_lora(self, max_loras: int) -> LoraSlots:
+        """Hooks the model for LoRA (``runtime.lora``) and gives this runner ``max_loras``
+        adapter slots; ``execute(..., lora_slots=...)`` then applies them."""
+        if self.lora_slots is None:
+            install_lora(self.model)
+            self.lora_slots = LoraSlots(self.config.num_layers, max_loras)
+        return self.lora_slots
 
     @property
     def num_blocks(self) -> int:
@@ -194,15 +204,26 @@ class ModelRunner:
         return greedy_rows(logits) if logits.is_cuda else None
 
     @torch.inference_mode()
-    def execute(self, batch, *, allow_graph: bool = True, hidden_rows: np.ndarray | None = None):
+    def execute(self, batch, *, allow_graph: bool = True, hidden_rows: np.ndarray | None = None,
+                lora_slots=None):
         """Applies ``batch.block_copies``, runs the forward, returns logits ``[S, vocab]`` float32.
 
         A decode-only step that samples every row replays a decode graph when one fits
         (``allow_graph=False`` forces the eager forward); the logits are then a view of the
         graph's output buffer, valid until the next step. With ``hidden_rows`` (token rows of
         the flat batch; prompt logprobs) the step runs eagerly and returns ``(logits, hidden)``,
-        ``hidden`` the final-normed states at those rows, for ``logits_of``."""
+        ``hidden`` the final-normed states at those rows, for ``logits_of``. ``lora_slots``
+        (per scheduled sequence: its LoRA slot, 0 for none; ``enable_lora`` first) applies
+        those adapters; a step with adapter rows runs eagerly."""
         self._graph_logits = self._graph_greedy_rows = None
+        if lora_slots is not None and any(lora_slots):
+            if self.lora_slots is None:
+                raise RuntimeError("a step asks for LoRA adapters; call enable_lora first")
+            adapters = self.lora_slots.adapters
+            active = [(adapters[slot], rows) for slot, rows in token_rows_by_slot(
+                batch.query_start_loc, lora_slots, self.device).items() if slot in adapters]
+            with self.model.lora.step(active):
+                return self.execute(batch, allow_graph=False, hidden_rows=hidden_rows)
         copies = getattr(batch, "block_copies", None)
         if copies is not None and len(copies):
             self.kv_cache.copy_blocks(copies)

@@ -1,0 +1,156 @@
+"""LoraRegistry: which adapters an engine knows, which are loaded in which slot, who holds them.
+
+Invariants (checked by ``check``; asyncio thread only):
+
+- every loaded adapter (by ``lora_int_id``) sits in exactly one slot of ``1..max_loras`` and the
+  runner's slots hold exactly the loaded adapters;
+- an adapter's ``refs`` counts the unfinished requests running with it; an adapter is evicted
+  (its slot reused) only at ``refs == 0``, least recently used first;
+- the served names (``--lora-modules``, ``add_served``) map to distinct adapter ids; one id
+  means one adapter (the same name and directory) for as long as it is loaded.
+
+Loading reads the adapter's files on the calling thread: adapters are small (a rank-8 adapter
+of every SmolLM2-135M projection is ~5 MiB), and the served ones are loaded at start-up.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ferrobatch.engine.errors import LoraSlotsBusyError
+from ferrobatch.lora_request import LoRARequest
+
+if TYPE_CHECKING:
+    from ferrobatch.model.lora_adapter import LoraAdapter
+    from ferrobatch.runtime.lora import LoraSlots
+
+
+@dataclass
+class _Loaded:
+    request: LoRARequest
+    slot: int
+    adapter: LoraAdapter
+    refs: int = 0
+
+
+class LoraRegistry:
+    """Adapters by id, in the runner's ``slots``; ``load`` reads one from its directory."""
+
+    def __init__(self, slots: LoraSlots, load: Callable[[LoRARequest], LoraAdapter]) -> None:
+        self.slots = slots
+        self._load = load
+        self._loaded: OrderedDict[int, _Loaded] = OrderedDict()   # least recently used first
+        self.served: dict[str, LoRARequest] = {}
+        self.loads = 0          # adapters read from disk (evictions make a reload count again)
+        self.evictions = 0
+
+    @property
+    def max_loras(self) -> int:
+        return self.slots.max_loras
+
+    def acquire(self, request: LoRARequest) -> int:
+        """The slot of ``request``'s adapter, loaded if needed, held until ``release``.
+        Raises ValueError (a bad adapter, or an id already used by another adapter) or
+        LoraSlotsBusyError (every slot held by running requests)."""
+        if not isinstance(request, LoRARequest):
+            raise TypeError("lora_request must be a LoRARequest")
+        entry = self._loaded.get(request.lora_int_id)
+        if entry is not None:
+            if (entry.request.lora_name, entry.request.lora_path) != \
+                    (request.lora_name, request.lora_path):
+                raise ValueError(f"lora_int_id {request.lora_int_id} is already adapter "
+                                 f"{entry.request.lora_name!r} ({entry.request.lora_path}); "
+                                 f"give another adapter another id")
+            self._loaded.move_to_end(request.lora_int_id)
+        else:
+            entry = self._load_into_slot(request)
+        entry.refs += 1
+        return entry.slot
+
+    def release(self, lora_int_id: int) -> None:
+        """A request holding adapter ``lora_int_id`` is done with it."""
+        entry = self._loaded.get(lora_int_id)
+        if entry is None or entry.refs <= 0:
+            raise RuntimeError(f"LoRA adapter {lora_int_id} released more often than acquired")
+        entry.refs -= 1
+
+    def _load_into_slot(self, request: LoRARequest) -> _Loaded:
+        used = {e.slot for e in self._loaded.values()}
+        free = next((s for s in range(1, self.max_loras + 1) if s not in used), None)
+        victim = None
+        if free is None:
+            victim = next((i for i, e in self._loaded.items() if e.refs == 0), None)
+            if victim is None:
+                raise LoraSlotsBusyError(
+                    f"all {self.max_loras} LoRA slots hold adapters of running requests "
+                    f"(max_loras)")
+        adapter = self._load(request)        # ValueError for a bad adapter: nothing changed
+        if victim is not None:
+            free = self._loaded.pop(victim).slot
+            self.evictions += 1
+        self.slots.put(free, adapter)
+        self.loads += 1
+        entry = self._loaded[request.lora_int_id] = _Loaded(request, free, adapter)
+        return entry
+
+    def add_served(self, request: LoRARequest) -> None:
+        """Serves ``request``'s adapter under its name (the doors' ``model`` field), loading it
+        now so that a bad adapter fails here. ValueError for a name or id already served as
+        another adapter."""
+        known = self.served.get(request.lora_name)
+        if known is not None and known != request:
+            raise ValueError(f"LoRA adapter name {request.lora_name!r} is already served "
+                             f"({known.lora_path})")
+        for other in self.served.values():
+            if other.lora_int_id == request.lora_int_id and other != request:
+                raise ValueError(f"lora_int_id {request.lora_int_id} is already served as "
+                                 f"{other.lora_name!r}")
+        self.acquire(request)
+        self.release(request.lora_int_id)
+        self.served[request.lora_name] = request
+
+    def remove_served(self, name: str) -> LoRARequest:
+        """Stops serving adapter ``name`` (requests running with it finish normally; its slot
+        is freed now if none does, else when it is next needed). KeyError if not served."""
+        request = self.served.pop(name)
+        entry = self._loaded.get(request.lora_int_id)
+        if entry is not None and entry.refs == 0:
+            del self._loaded[request.lora_int_id]
+            self.slots.clear(entry.slot)
+        return request
+
+    def next_free_id(self) -> int:
+        """An adapter id no served or loaded adapter uses."""
+        used = {r.lora_int_id for r in self.served.values()} | set(self._loaded)
+        return max(used, default=0) + 1
+
+    @property
+    def num_refs(self) -> int:
+        """Requests holding an adapter now (0 at idle)."""
+        return sum(e.refs for e in self._loaded.values())
+
+    def loaded(self) -> list[dict]:
+        """The loaded adapters, least recently used first (stats, /v1/models)."""
+        return [{"name": e.request.lora_name, "id": i, "slot": e.slot, "refs": e.refs,
+                 "rank": e.adapter.rank, "modules": e.adapter.modules,
+                 "bytes": e.adapter.num_bytes} for i, e in self._loaded.items()]
+
+    def check(self) -> None:
+        """The invariants above; RuntimeError when broken."""
+        slots = [e.slot for e in self._loaded.values()]
+        problems = []
+        if len(set(slots)) != len(slots) or not all(1 <= s <= self.max_loras for s in slots):
+            problems.append(f"slots {slots} are not distinct slots of 1..{self.max_loras}")
+        if {e.slot: id(e.adapter) for e in self._loaded.values()} != \
+                {s: id(a) for s, a in self.slots.adapters.items()}:
+            problems.append("the runner's slots differ from the loaded adapters")
+        if any(e.refs < 0 for e in self._loaded.values()):
+            problems.append("a negative reference count")
+        ids = [r.lora_int_id for r in self.served.values()]
+        if len(set(ids)) != len(ids):
+            problems.append("two served names share an adapter id")
+        if problems:
+            raise RuntimeError("LoRA registry broken: " + "; ".join(problems))

@@ -1,0 +1,203 @@
+"""Reading a LoRA adapter in Hugging Face PEFT's format for a loaded llama-family model.
+
+A PEFT directory holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``, ...)
+and ``adapter_model.safetensors`` with, per adapted linear layer ``W [out, in]``, the matrices
+``lora_A [r, in]`` and ``lora_B [out, r]``; the adapted layer computes
+``W x + scale * B (A x)`` with ``scale = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with
+``use_rslora``). ferrobatch fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``,
+so an adapter's q, k and v (gate and up) pairs become one :class:`LoraWeights` whose A matrices
+are stacked (one matmul for all of them) and whose B matrices each write their slice of the
+fused output. The scale is folded into B once, here.
+
+Only what this file can apply exactly is accepted: anything else (DoRA, bias training, embedding
+or LM-head adapters, pickle checkpoints) is a ValueError naming it, never a silent difference.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ferrobatch.model.config import ModelConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# The HF module names of one decoder layer -> (ferrobatch's fused module, which slice)
+HF_MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0),
+              "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\."
+                  r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\."
+                  r"lora_([AB])(?:\.[A-Za-z0-9_\-]+)?\.weight$")
+
+
+@dataclass(eq=False)
+class LoraWeights:
+    """One fused module's adapter: ``a [R, in]`` (the parts' A matrices stacked) and per part
+    ``(out_start, out_stop, a_start, a_stop, b [out_stop - out_start, a_stop - a_start])``,
+    scale folded into ``b``: the module's output rows ``out_start:out_stop`` gain
+    ``(x @ a[a_start:a_stop].T) @ b.T``."""
+
+    a: torch.Tensor
+    parts: list[tuple[int, int, int, int, torch.Tensor]]
+
+
+@dataclass(eq=False)
+class LoraAdapter:
+    """An adapter's weights per decoder layer: ``layers[i]`` maps a fused module name
+    (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``) to its :class:`LoraWeights`
+    (modules the adapter leaves alone are absent)."""
+
+    path: str
+    rank: int                    # the largest r of its modules
+    layers: list[dict[str, LoraWeights]] = field(default_factory=list)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes its weights take."""
+        return sum(w.a.numel() * w.a.element_size() + sum(
+            b.numel() * b.element_size() for *_, b in w.parts)
+            for layer in self.layers for w in layer.values())
+
+    @property
+    def modules(self) -> list[str]:
+        """The fused modules it adapts in some layer, in model order."""
+        seen = {name for layer in self.layers for name in layer}
+        return [m for m in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if m in seen]
+
+
+def _module_shapes(config: ModelConfig) -> dict[str, tuple[int, int, int]]:
+    """HF module -> (in_features, out_features, offset of its rows in the fused output)."""
+    h, q = config.hidden_size, config.num_heads * config.head_dim
+    kv, inter = config.num_kv_heads * config.head_dim, config.intermediate_size
+    return {"q_proj": (h, q, 0), "k_proj": (h, kv, q), "v_proj": (h, kv, q + kv),
+            "o_proj": (q, h, 0), "gate_proj": (h, inter, 0), "up_proj": (h, inter, inter),
+            "down_proj": (inter, h, 0)}
+
+
+def _pattern_value(patterns: dict, module_name: str, default):
+    """PEFT's ``rank_pattern`` / ``alpha_pattern`` look-up: a key names the module itself or a
+    suffix of its dotted name (or is a regex that matches such a suffix)."""
+    for key, value in (patterns or {}).items():
+        if module_name == key or module_name.endswith("." + key) or \
+                re.fullmatch(rf"(?:.*\.)?{key}", module_name):
+            return value
+    return default
+
+
+def read_adapter_config(path: str) -> dict:
+    """The adapter's ``adapter_config.json``, checked for what ferrobatch can apply."""
+    if not os.path.isdir(path):
+        raise ValueError(f"LoRA adapter {path!r} is not a directory (a PEFT adapter directory "
+                         f"holds {CONFIG_FILE} and {WEIGHTS_FILE})")
+    cfg_path = os.path.join(path, CONFIG_FILE)
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"LoRA adapter {path!r} has no {CONFIG_FILE}") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"LoRA adapter {path!r}: {CONFIG_FILE} is unreadable: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"LoRA adapter {path!r}: {CONFIG_FILE} is not a JSON object")
+    kind = cfg.get("peft_type", "LORA")
+    if kind != "LORA":
+        raise ValueError(f"LoRA adapter {path!r} is a {kind} adapter; only LORA is supported")
+    refusals = (("use_dora", "DoRA adapters are not supported"),
+                ("fan_in_fan_out", "fan_in_fan_out adapters (GPT-2 style Conv1D) do not fit "
+                                   "llama's linear layers"),
+                ("modules_to_save", "adapters that retrain whole modules (modules_to_save) "
+                                    "are not supported"),
+                ("layer_replication", "layer_replication is not supported"))
+    for key, why in refusals:
+        if cfg.get(key):
+            raise ValueError(f"LoRA adapter {path!r}: {why} ({key}={cfg[key]!r})")
+    if cfg.get("bias", "none") != "none":
+        raise ValueError(f"LoRA adapter {path!r}: trained biases (bias={cfg['bias']!r}) are "
+                         f"not supported")
+    for key in ("r", "lora_alpha"):
+        value = cfg.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"LoRA adapter {path!r}: {key} must be a positive number, got "
+                             f"{value!r}")
+    return cfg
+
+
+def read_lora_adapter(path: str, config: ModelConfig, *, max_rank: int = 64,
+                      dtype: torch.dtype = torch.float32,
+                      device: torch.device | str = "cpu") -> LoraAdapter:
+    """The PEFT adapter at ``path`` for a model of ``config``, as ``dtype`` on ``device``.
+
+    Raises ValueError for anything it cannot apply exactly: a missing or pickle-only checkpoint,
+    an unknown tensor, a shape that does not fit the model, a rank above ``max_rank``."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = os.path.abspath(os.path.expanduser(path))
+    cfg = read_adapter_config(path)
+    weights_path = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(weights_path):
+        if os.path.isfile(os.path.join(path, "adapter_model.bin")):
+            raise ValueError(f"LoRA adapter {path!r} has only adapter_model.bin (a pickle "
+                             f"file, which ferrobatch never loads); save it with "
+                             f"safe_serialization=True")
+        raise ValueError(f"LoRA adapter {path!r} has no {WEIGHTS_FILE}")
+    try:
+        state = load_file(weights_path, device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} is unreadable: {exc}") from None
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise ValueError(f"LoRA adapter {path!r}: tensor {key!r} is not a LoRA A/B matrix "
+                             f"of a llama decoder layer's q/k/v/o/gate/up/down projection")
+        layer, module, which = int(m.group(1)), m.group(2), m.group(3)
+        if layer >= config.num_layers:
+            raise ValueError(f"LoRA adapter {path!r}: tensor {key!r} names layer {layer}; the "
+                             f"model has {config.num_layers}")
+        pairs.setdefault((layer, module), {})[which] = tensor
+    if not pairs:
+        raise ValueError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} holds no LoRA matrices")
+    shapes = _module_shapes(config)
+    use_rslora = bool(cfg.get("use_rslora", False))
+    adapter = LoraAdapter(path, 0, [{} for _ in range(config.num_layers)])
+    grouped: dict[tuple[int, str], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
+    for (layer, module), ab in sorted(pairs.items(), key=lambda kv: (
+            kv[0][0], list(HF_MODULES).index(kv[0][1]))):
+        name = f"model.layers.{layer}.{module}"
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"LoRA adapter {path!r}: {name} has lora_{''.join(ab)} without "
+                             f"its pair")
+        a, b = ab["A"], ab["B"]
+        in_features, out_features, offset = shapes[module]
+        rank = a.shape[0] if a.dim() == 2 else -1
+        if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != (rank, in_features) or \
+                tuple(b.shape) != (out_features, rank):
+            raise ValueError(f"LoRA adapter {path!r}: {name}'s lora_A {tuple(a.shape)} / "
+                             f"lora_B {tuple(b.shape)} do not fit the model's "
+                             f"[{out_features} x {in_features}] layer")
+        if rank > max_rank:
+            raise ValueError(f"LoRA adapter {path!r}: {name} has rank {rank}, above "
+                             f"max_lora_rank {max_rank}")
+        alpha = float(_pattern_value(cfg.get("alpha_pattern"), name, cfg["lora_alpha"]))
+        scale = alpha / (math.sqrt(rank) if use_rslora else rank)
+        adapter.rank = max(adapter.rank, rank)
+        fused, _ = HF_MODULES[module]
+        grouped.setdefault((layer, fused), []).append(
+            (offset, offset + out_features, a.float(), b.float() * scale))
+    for (layer, fused), parts in grouped.items():
+        a = torch.cat([p[2] for p in parts]).to(device=device, dtype=dtype).contiguous()
+        placed, start = [], 0
+        for out_start, out_stop, a_part, b_part in parts:
+            stop = start + a_part.shape[0]
+            placed.append((out_start, out_stop, start, stop,
+                           b_part.to(device=device, dtype=dtype).contiguous()))
+            start = stop
+        adapter.layers[layer][fused] = LoraWeights(a, placed)
+    return adapter

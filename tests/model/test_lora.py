@@ -1,0 +1,265 @@
+"""LoRA adapters (PEFT format) on SmolLM2: greedy output equals transformers' with the adapter
+merged into the weights (PEFT's ``merge_and_unload`` arithmetic), token for token; base and
+several adapters in one batch each give what they give alone; the prefix cache never serves
+one adapter's KV to another; slots are reused least-recently-used first; bad adapters are clear
+errors."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+from engine_support import REAL_ENGINE_OPTIONS  # noqa: E402
+from lora_files import ATTN, MLP, merge_into, module_dims, write_peft_adapter  # noqa: E402
+
+from ferrobatch.lora_request import LoRARequest  # noqa: E402
+from ferrobatch.sampling_params import SamplingParams  # noqa: E402
+
+NEW_TOKENS = 20
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, there"]
+# (targets, r, alpha, rslora, seed): the PEFT default (q, v), every projection, rsLoRA
+ADAPTERS = {"qv": (("q_proj", "v_proj"), 8, 16, False, 1),
+            "all": (ATTN + MLP, 4, 8, False, 2),
+            "rs": (("k_proj", "o_proj", "down_proj"), 16, 4, True, 3)}
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, loaded_smollm2):
+    """name -> (LoRARequest, {(layer, module): (A, B)}, scale)."""
+    cfg = loaded_smollm2.config
+    out = {}
+    for i, (name, (targets, r, alpha, rslora, seed)) in enumerate(ADAPTERS.items()):
+        path = str(tmp_path_factory.mktemp(f"lora-{name}"))
+        pairs = write_peft_adapter(path, cfg, targets=targets, r=r, alpha=alpha, seed=seed,
+                                   use_rslora=rslora, b_std=0.03)
+        scale = alpha / (r ** 0.5 if rslora else r)
+        out[name] = (LoRARequest(name, i + 1, path), pairs, scale)
+    return out
+
+
+@pytest.fixture(scope="module")
+def llm(loaded_smollm2):
+    from ferrobatch.engine.llm import LLM
+    with LLM("smollm2", loaded_model=loaded_smollm2, enable_lora=True, max_loras=2,
+             **REAL_ENGINE_OPTIONS) as llm:
+        yield llm
+
+
+def _ids(llm, text: str) -> list[int]:
+    return llm.get_tokenizer().encode(text, add_special_tokens=True)
+
+
+def _hf_greedy(model, ids: list[int]) -> list[int]:
+    with torch.inference_mode():
+        x = torch.tensor([ids])
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def oracle(hf_oracle_model, adapters, llm):
+    """(adapter name or None, prompt index) -> transformers' greedy tokens, the adapter merged
+    into a copy of the weights."""
+    hf_oracle_model.generation_config.eos_token_id = None
+    ids = [_ids(llm, t) for t in PROMPTS]
+    want = {(None, i): _hf_greedy(hf_oracle_model, p) for i, p in enumerate(ids)}
+    for name, (_, pairs, scale) in adapters.items():
+        merged = copy.deepcopy(hf_oracle_model)
+        merge_into(merged, pairs, scale)
+        for i, p in enumerate(ids):
+            want[(name, i)] = _hf_greedy(merged, p)
+        del merged
+    return want
+
+
+def _greedy(llm, prompts, loras):
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": _ids(llm, PROMPTS[i])} for i in prompts], params,
+                        use_tqdm=False, lora_request=loras)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_adapter_output_equals_transformers_with_merged_weights(llm, adapters, oracle, name):
+    request = adapters[name][0]
+    # the base model saw these prompts first: its cached blocks must not stand in for them
+    assert _greedy(llm, [0, 1, 2], None) == [oracle[(None, i)] for i in range(3)]
+    got = _greedy(llm, [0, 1, 2], request)
+    assert got == [oracle[(name, i)] for i in range(3)]
+    assert got != [oracle[(None, i)] for i in range(3)], "the adapter changed nothing"
+    assert llm.engine.check_accounting()["tracked_extras"] == 0
+    assert llm.engine.loras.num_refs == 0
+
+
+def test_base_and_adapters_in_one_batch(llm, adapters, oracle):
+    """Six requests (base and two adapters, two prompts each) in one generate call: each row
+    gets its own adapter's update and nothing else."""
+    qv, everything = adapters["qv"][0], adapters["all"][0]
+    loras = [None, qv, everything, everything, qv, None]
+    prompts = [0, 1, 2, 0, 2, 1]
+    got = _greedy(llm, prompts, loras)
+    names = [None if r is None else r.lora_name for r in loras]
+    assert got == [oracle[(n, i)] for n, i in zip(names, prompts)]
+
+
+def test_slots_are_reused_least_recently_used_first(llm, adapters, oracle):
+    """max_loras=2 with three adapters: each new one evicts the idle adapter used least
+    recently, and a reloaded adapter computes what it did before."""
+    loras = llm.engine.loras
+    loads = loras.loads
+    for name in ("qv", "all", "rs", "qv"):
+        assert _greedy(llm, [0], adapters[name][0]) == [oracle[(name, 0)]]
+        loaded = [e["name"] for e in loras.loaded()]
+        assert len(loaded) <= 2 and loaded[-1] == name
+        loras.check()
+    assert loras.loads > loads and loras.evictions >= 1
+    assert loras.num_refs == 0
+
+
+def test_more_adapters_than_slots_wait_for_one(llm, adapters, oracle):
+    """Three adapters at once with two slots: the third waits (accepted) until a running
+    request releases its slot, then computes what it computes alone."""
+    names = ["qv", "all", "rs", "qv", "rs"]
+    got = _greedy(llm, [0, 1, 2, 1, 0], [adapters[n][0] for n in names])
+    assert got == [oracle[(n, i)] for n, i in zip(names, [0, 1, 2, 1, 0])]
+    llm._run(llm.engine.check_idle_clean())
+    assert llm.engine.stats()["num_lora_waiting_requests"] == 0
+
+
+def test_waiting_request_aborted_or_failed_leaves_nothing(llm, adapters, tmp_path):
+    """A request waiting for a slot that is aborted ends at once; one whose adapter fails to
+    load when its turn comes ends with that error; the engine goes on."""
+    engine = llm.engine
+    broken = tmp_path / "broken"
+    broken.mkdir()
+
+    async def run():
+        long = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+        busy = [engine.add_request(PROMPTS[0], long, lora_request=adapters[n][0])
+                for n in ("qv", "all")]
+        waiting = engine.add_request(PROMPTS[1], long, lora_request=adapters["rs"][0])
+        doomed = engine.add_request(PROMPTS[1], long,
+                                    lora_request=LoRARequest("broken", 99, str(broken)))
+        assert engine.stats()["num_lora_waiting_requests"] == 2
+        engine.check_accounting()
+        waiting.abort()
+        assert engine.stats()["num_lora_waiting_requests"] == 1
+        outs = []
+        for stream in (waiting, *busy, doomed):
+            outs.append([o async for o in stream][-1])
+        return outs
+    aborted, first, second, failed = llm._run(run())
+    assert aborted.outputs[0].finish_reason == "abort" and aborted.outputs[0].token_ids == []
+    assert [len(o.outputs[0].token_ids) for o in (first, second)] == [64, 64]
+    assert failed.outputs[0].finish_reason == "error"
+    assert "adapter_config.json" in (failed.error or "")
+    llm._run(engine.check_idle_clean())
+
+
+def test_same_id_for_another_adapter_is_refused(llm, adapters):
+    qv = adapters["qv"][0]
+    _greedy(llm, [0], qv)
+    other = LoRARequest("other", qv.lora_int_id, adapters["all"][0].lora_path)
+    with pytest.raises(ValueError, match="already adapter"):
+        _greedy(llm, [0], other)
+
+
+def test_lora_without_enable_lora_is_a_clear_error(loaded_smollm2, adapters):
+    from ferrobatch.engine.llm import LLM
+    with LLM("smollm2", loaded_model=loaded_smollm2, **REAL_ENGINE_OPTIONS) as plain:
+        with pytest.raises(ValueError, match="enable_lora"):
+            _greedy(plain, [0], adapters["qv"][0])
+        assert plain.engine.check_accounting()["open"] == 0
+
+
+# -- reading adapters (no engine) ---------------------------------------------------------------
+
+def test_fused_slices_carry_each_modules_update(tmp_path, loaded_smollm2):
+    """The stacked A and per-part B of a fused module add exactly ``scale * B @ A x`` to each
+    HF module's slice of the fused output."""
+    from ferrobatch.model.lora_adapter import read_lora_adapter
+    cfg = loaded_smollm2.config
+    pairs = write_peft_adapter(str(tmp_path), cfg, targets=("q_proj", "v_proj", "up_proj"),
+                               r=4, alpha=12, layers=[0, 5])
+    adapter = read_lora_adapter(str(tmp_path), cfg)
+    assert adapter.rank == 4 and adapter.modules == ["qkv_proj", "gate_up_proj"]
+    assert adapter.layers[1] == {} and set(adapter.layers[5]) == {"qkv_proj", "gate_up_proj"}
+    dims = module_dims(cfg)
+    q, kv, inter = dims["q_proj"][1], dims["k_proj"][1], dims["up_proj"][1]
+    offsets = {"q_proj": (0, q), "v_proj": (q + kv, q + 2 * kv), "up_proj": (inter, 2 * inter)}
+    x = torch.randn(3, cfg.hidden_size)
+    for layer in (0, 5):
+        for fused, modules in (("qkv_proj", ("q_proj", "v_proj")), ("gate_up_proj", ("up_proj",))):
+            w = adapter.layers[layer][fused]
+            size = q + 2 * kv if fused == "qkv_proj" else 2 * inter
+            got = torch.zeros(3, size)
+            xa = x @ w.a.T
+            for start, stop, a0, a1, b in w.parts:
+                got[:, start:stop] += xa[:, a0:a1] @ b.T
+            want = torch.zeros(3, size)
+            for m in modules:
+                a, b = pairs[(layer, m)]
+                lo, hi = offsets[m]
+                want[:, lo:hi] = 3.0 * (x @ a.T @ b.T)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"use_dora": True}, "DoRA"),
+    ({"bias": "all"}, "biases"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"peft_type": "IA3"}, "only LORA"),
+    ({"r": 0}, "r must be a positive number"),
+])
+def test_adapter_configs_it_cannot_apply_are_refused(tmp_path, loaded_smollm2, change, message):
+    from ferrobatch.model.lora_adapter import read_lora_adapter
+    write_peft_adapter(str(tmp_path), loaded_smollm2.config, layers=[0], extra_config=change)
+    with pytest.raises(ValueError, match=message):
+        read_lora_adapter(str(tmp_path), loaded_smollm2.config)
+
+
+def test_bad_adapter_files_are_clear_errors(tmp_path, loaded_smollm2):
+    from safetensors.torch import save_file
+
+    from ferrobatch.model.lora_adapter import read_lora_adapter
+    cfg = loaded_smollm2.config
+    with pytest.raises(ValueError, match="not a directory"):
+        read_lora_adapter(str(tmp_path / "missing"), cfg)
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        read_lora_adapter(str(tmp_path), cfg)
+    write_peft_adapter(str(tmp_path), cfg, layers=[0], r=8)
+    with pytest.raises(ValueError, match="above max_lora_rank 4"):
+        read_lora_adapter(str(tmp_path), cfg, max_rank=4)
+    os.remove(tmp_path / "adapter_model.safetensors")
+    (tmp_path / "adapter_model.bin").write_bytes(b"\x80\x04")
+    with pytest.raises(ValueError, match="pickle"):
+        read_lora_adapter(str(tmp_path), cfg)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+    for tensors, message in (
+            ({key.format("A"): torch.zeros(8, 7), key.format("B"): torch.zeros(576, 8)},
+             "do not fit"),
+            ({key.format("A"): torch.zeros(8, 576)}, "without its pair"),
+            ({"base_model.model.lm_head.lora_A.weight": torch.zeros(8, 576)}, "not a LoRA A/B"),
+            ({key.replace("layers.0", "layers.99").format("A"): torch.zeros(8, 576)},
+             "layer 99")):
+        save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+        with pytest.raises(ValueError, match=message):
+            read_lora_adapter(str(tmp_path), cfg)
+    (tmp_path / "adapter_config.json").write_text(json.dumps([1, 2]))
+    with pytest.raises(ValueError, match="not a JSON object"):
+        read_lora_adapter(str(tmp_path), cfg)
+
+
+def test_lora_request_fields_are_checked():
+    for args, message in ((("", 1, "/x"), "lora_name"), (("a", 0, "/x"), "lora_int_id"),
+                          (("a", True, "/x"), "lora_int_id"), (("a", 1, ""), "lora_path")):
+        with pytest.raises(ValueError, match=message):
+            LoRARequest(*args)
