@@ -111,6 +111,23 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-fused-decode", action="store_true",
                    help="CPU: run steps layer by layer from Python instead of all layers "
                    "in one Rust call (same results, slower; for comparison)")
+    lo = p.add_argument_group("LoRA adapters (Hugging Face PEFT directories)")
+    lo.add_argument("--enable-lora", action="store_true",
+                    help="requests may run with LoRA adapters (implied by --lora-modules, --lora "
+                    "and --allow-runtime-lora)")
+    lo.add_argument("--max-loras", type=int, default=4, metavar="N",
+                    help="adapters loaded at once; a request whose adapter finds every slot "
+                    "held by running requests waits for one")
+    lo.add_argument("--max-lora-rank", type=int, default=64, metavar="R",
+                    help="adapters of a higher rank are refused")
+    if p.prog.split()[-1] in ("serve", "batch"):
+        lo.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        type=_lora_module,
+                        help="serve these adapters, each as a model name of its own (also "
+                        "vLLM's JSON form '{\"name\": ..., \"path\": ...}')")
+    else:
+        lo.add_argument("--lora", default=None, metavar="PATH",
+                        help="run with this adapter")
 
 
 def _config(a: argparse.Namespace) -> EngineConfig:
@@ -132,7 +149,26 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         speculative_max_step_tokens=a.speculative_max_step_tokens,
         speculative_adaptive=not a.speculative_fixed_length,
         speculative_ngram_min=a.speculative_ngram[0], speculative_ngram_max=a.speculative_ngram[1],
-        chat_template=_template_text(a.chat_template), cpu_threads=a.cpu_threads)
+        chat_template=_template_text(a.chat_template), cpu_threads=a.cpu_threads,
+        enable_lora=a.enable_lora or bool(getattr(a, "lora_modules", None))
+        or getattr(a, "allow_runtime_lora", False) or getattr(a, "lora", None) is not None,
+        max_loras=a.max_loras, max_lora_rank=a.max_lora_rank)
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    from ferrobatch.serve.lora_api import parse_lora_module
+    try:
+        return parse_lora_module(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _lora_request(a: argparse.Namespace) -> Any:
+    """`generate` / `chat`'s `--lora PATH` as a LoRARequest (None without it)."""
+    if getattr(a, "lora", None) is None:
+        return None
+    from ferrobatch.lora_request import LoRARequest
+    return LoRARequest(os.path.basename(os.path.normpath(a.lora)) or "lora", 1, a.lora)
 
 
 def _text_or_file(value: str, is_text: bool) -> str:
@@ -214,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "'http://localhost:3000,https://app.example'; default: CORS off")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to let in-flight requests finish on SIGINT/SIGTERM")
+    s.add_argument("--allow-runtime-lora", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lets "
+                   "any API client make the server read a directory)")
     lg = s.add_argument_group("logging")
     _log_level_arg(lg, "info")
     lg.add_argument("--log-stats-interval", type=_seconds, default=DEFAULT_INTERVAL_S,
@@ -282,7 +321,13 @@ async def _serve(a: argparse.Namespace) -> int:
     server = Server(engine, api_key=a.api_key, served_model_name=a.served_model_name,
                     allowed_origins=a.allowed_origins or frozenset(),
                     log_stats_interval_s=0.0 if a.disable_log_stats else a.log_stats_interval,
-                    access_log=a.access_log, reasoning_parser=a.reasoning_parser)
+                    access_log=a.access_log, reasoning_parser=a.reasoning_parser,
+                    allow_runtime_lora=a.allow_runtime_lora)
+    try:
+        adapters = _serve_lora_modules(engine, a, server.state.base_model_names)
+    except ValueError:
+        await engine.shutdown()
+        raise
     try:
         await server.start(a.host, a.port, None if a.tcp_port < 0 else a.tcp_port)
     except OSError as exc:
@@ -298,6 +343,8 @@ async def _serve(a: argparse.Namespace) -> int:
     print(f"  attention: {engine.attention_kernels}")
     print(f"  linear layers: {engine.linear_kernels}")
     print(f"  speculative decoding: {engine.speculation}")
+    if adapters:
+        print(f"  LoRA adapters: {', '.join(r.lora_name for r in adapters)} (model names)")
     print(f"  OpenAI HTTP : {base}/v1  (completions, chat/completions, models)")
     print(f"  WebSocket   : ws://{a.host}:{server.port}/v1/ws")
     if server.tcp_port is not None:
@@ -320,15 +367,24 @@ async def _serve(a: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _serve_lora_modules(engine: Any, a: argparse.Namespace, reserved: Any) -> list[Any]:
+    """`--lora-modules`: each adapter served under its name (ValueError for a bad one)."""
+    if not getattr(a, "lora_modules", None):
+        return []
+    from ferrobatch.serve.lora_api import serve_lora_modules
+    return serve_lora_modules(engine, a.lora_modules, reserved)
+
+
 async def _wait_dead(engine: Any) -> None:
     while engine.is_running:
         await asyncio.sleep(0.5)
 
 
 async def _stream_one(engine: Any, params: SamplingParams, prompt: str | None = None,
-                      messages: Any = None) -> str:
+                      messages: Any = None, lora_request: Any = None) -> str:
     text = []
-    async for out in engine.generate(prompt, params, messages=messages):
+    async for out in engine.generate(prompt, params, messages=messages,
+                                     lora_request=lora_request):
         piece = out.outputs[0].text if out.outputs else ""
         text.append(piece)
         print(piece, end="", flush=True)
@@ -384,6 +440,7 @@ async def _batch(a: argparse.Namespace) -> int:
 
     try:
         async with AsyncEngine(_config(a)) as engine:
+            _serve_lora_modules(engine, a, (a.served_model_name or engine.model_name,))
             summary = await run_batch(engine, lines, write, concurrency=a.concurrency,
                                       progress=sys.stderr.isatty(),
                                       served_model_name=a.served_model_name)
@@ -399,7 +456,7 @@ async def _generate(a: argparse.Namespace) -> int:
     from ferrobatch.engine.async_engine import AsyncEngine
     params = _params(a)
     async with AsyncEngine(_config(a)) as engine:
-        await _stream_one(engine, params, prompt=a.prompt)
+        await _stream_one(engine, params, prompt=a.prompt, lora_request=_lora_request(a))
     return 0
 
 
@@ -420,7 +477,8 @@ async def _chat(a: argparse.Namespace) -> int:
                 break
             history.append({"role": "user", "content": line})
             try:
-                reply = await _stream_one(engine, params, messages=history)
+                reply = await _stream_one(engine, params, messages=history,
+                                          lora_request=_lora_request(a))
             except ValueError as exc:           # e.g. the conversation outgrew the context
                 history.pop()
                 print(f"ferrobatch: {exc}", file=sys.stderr, flush=True)

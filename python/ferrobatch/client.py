@@ -96,11 +96,15 @@ class _Multiplexer:
 
     async def generate(self, prompt: str | list[int] | None = None, *,
                        messages: list[dict[str, Any]] | None = None, id: Any = None,
+                       model: str | None = None,
                        **params: Any) -> AsyncIterator[dict[str, Any]]:
         """Start one generation and yield its messages until the terminal one. With
         `messages`, vLLM's chat fields (`add_generation_prompt`, `continue_final_message`,
-        `chat_template_kwargs`) may be given among the keywords too."""
+        `chat_template_kwargs`) may be given among the keywords too. `model`: a served name
+        (a LoRA adapter's selects it)."""
         msg: dict[str, Any] = {"type": "generate"}
+        if model is not None:
+            msg["model"] = model
         for name in CHAT_OPTION_FIELDS:          # message-level fields, not sampling ones
             if name in params:
                 msg[name] = params.pop(name)
@@ -112,11 +116,14 @@ class _Multiplexer:
         async for m in self._exchange(msg, prompt, id):
             yield m
 
-    async def embed(self, prompt: str | list[int], *, id: Any = None,
+    async def embed(self, prompt: str | list[int], *, id: Any = None, model: str | None = None,
                     **params: Any) -> list[float]:
         """The prompt's embedding (`pooling`, `normalize`, `dimensions`,
-        `truncate_prompt_tokens` as keywords); RuntimeError with the server's error."""
-        msg = {"type": "embed", "prompt": prompt, "params": params}
+        `truncate_prompt_tokens` as keywords; `model` as in `generate`); RuntimeError with the
+        server's error."""
+        msg: dict[str, Any] = {"type": "embed", "prompt": prompt, "params": params}
+        if model is not None:
+            msg["model"] = model
         async for m in self._exchange(msg, prompt, id):
             if m["type"] == "embedding":
                 return m["embedding"]

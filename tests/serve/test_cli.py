@@ -211,3 +211,23 @@ def test_an_empty_api_key_is_refused_before_loading(capsys, monkeypatch):
     monkeypatch.setattr("ferrobatch.engine.async_engine.AsyncEngine", no_engine)
     assert cli.main(["serve", "--api-key", ""]) == 2
     assert "--api-key" in capsys.readouterr().err
+
+
+def test_lora_flags_parse_and_imply_enable_lora(capsys):
+    from ferrobatch.cli import _config
+    from ferrobatch.serve.lora_api import parse_lora_module
+    assert parse_lora_module("poet=/a/b") == ("poet", "/a/b")
+    assert parse_lora_module('{"name": "poet", "path": "/a=b"}') == ("poet", "/a=b")
+    for bad in ("poet", "=/a", "poet=", '{"name": "x"}', "{bad json"):
+        with pytest.raises(ValueError, match="lora-modules"):
+            parse_lora_module(bad)
+    args = build_parser().parse_args(["serve", "--lora-modules", "a=/x", "b=/y",
+                                      "--max-loras", "2"])
+    assert args.lora_modules == [("a", "/x"), ("b", "/y")]
+    config = _config(args)
+    assert config.enable_lora and config.max_loras == 2
+    assert not _config(build_parser().parse_args(["serve"])).enable_lora
+    assert _config(build_parser().parse_args(["generate", "x", "--lora", "/x"])).enable_lora
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--lora-modules", "nameonly"])
+    assert "NAME=PATH" in capsys.readouterr().err

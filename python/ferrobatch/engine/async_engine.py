@@ -499,13 +499,13 @@ class AsyncEngine:
         return EmbeddingRequestOutput.of(last)
 
     async def beam_search(self, prompt: Prompt | None, params: BeamSearchParams, *,
-                          messages: Any = None, chat_options: dict[str, Any] | None = None
-                          ) -> BeamSearchOutput:
+                          messages: Any = None, chat_options: dict[str, Any] | None = None,
+                          lora_request: LoRARequest | None = None) -> BeamSearchOutput:
         """Beam search with transformers' rules (`engine/beam_search.py`): the best
         `params.beam_width` beams, best first. Each step's beams are one-token requests batched
         with the other traffic; cancelling the call aborts them."""
         return await beam_search(self, prompt, params, messages=messages,
-                                 chat_options=chat_options)
+                                 chat_options=chat_options, lora_request=lora_request)
 
     def _free_name(self, req_id: int) -> str:
         """A name for a request given none: `req-<n>`, unless a caller chose that one."""

@@ -183,9 +183,10 @@ async def _top_tokens(engine: "AsyncEngine", prompt: Any, params: SamplingParams
 
 
 async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchParams, *,
-                      messages: Any = None,
-                      chat_options: dict[str, Any] | None = None) -> BeamSearchOutput:
-    """Run one beam search on `engine` (a text or token-id prompt, or chat `messages`).
+                      messages: Any = None, chat_options: dict[str, Any] | None = None,
+                      lora_request: Any = None) -> BeamSearchOutput:
+    """Run one beam search on `engine` (a text or token-id prompt, or chat `messages`; with
+    `lora_request`, every step runs with that LoRA adapter).
 
     Raises ValueError for bad input before the first step; cancelling it aborts the step's
     requests."""
@@ -199,7 +200,7 @@ async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchPara
     step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=state.keep,
                                  output_kind="final")
     prompt_ids, top = await _top_tokens(engine, prompt, step_params, messages=messages,
-                                        chat_options=chat_options)
+                                        chat_options=chat_options, lora_request=lora_request)
     room = engine.max_model_len - len(prompt_ids)
     if params.max_tokens is None:
         params = dataclasses.replace(params, max_tokens=room)
@@ -210,7 +211,8 @@ async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchPara
     tops = [top]
     while not state.step(tops):
         tasks = [asyncio.ensure_future(_top_tokens(engine, prompt_ids + beam.tokens,
-                                                   step_params)) for beam in state.running]
+                                                   step_params, lora_request=lora_request))
+                 for beam in state.running]
         try:
             tops = [t for _, t in await asyncio.gather(*tasks)]
         finally:

@@ -197,7 +197,9 @@ class LLM:
         return self._run(run())
 
     def beam_search(self, prompts: Any, params: BeamSearchParams, *,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    use_tqdm: bool = False,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                    ) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: one `BeamSearchOutput` per prompt (a string, token ids or
         a prompt dict), its `sequences` the best `params.beam_width` beams, best first. The
         searches run side by side; transformers' rules (`engine/beam_search.py`)."""
@@ -206,6 +208,7 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
+        loras = _loras_list(lora_request, len(prompts)) or [None] * len(prompts)
         prompts = [_prompt_of(p) for p in prompts]
 
         async def run() -> list[BeamSearchOutput]:
@@ -214,13 +217,13 @@ class LLM:
                 from tqdm import tqdm
                 bar = tqdm(total=len(prompts), desc="Beam search", dynamic_ncols=True)
 
-            async def one(prompt: Any) -> BeamSearchOutput:
-                out = await self.engine.beam_search(prompt, params)
+            async def one(prompt: Any, lora: LoRARequest | None) -> BeamSearchOutput:
+                out = await self.engine.beam_search(prompt, params, lora_request=lora)
                 if bar is not None:
                     bar.update(1)
                 return out
 
-            tasks = [asyncio.ensure_future(one(p)) for p in prompts]
+            tasks = [asyncio.ensure_future(one(p, r)) for p, r in zip(prompts, loras)]
             try:
                 return list(await asyncio.gather(*tasks))
             finally:

@@ -51,10 +51,15 @@ class LoraRegistry:
     def max_loras(self) -> int:
         return self.slots.max_loras
 
-    def acquire(self, request: LoRARequest) -> int:
-        """The slot of ``request``'s adapter, loaded if needed, held until ``release``.
-        Raises ValueError (a bad adapter, or an id already used by another adapter) or
-        LoraSlotsBusyError (every slot held by running requests)."""
+    def read(self, request: LoRARequest) -> LoraAdapter:
+        """``request``'s adapter read from its directory (ValueError for a bad one); touches no
+        registry state, so it may run on a worker thread."""
+        return self._load(request)
+
+    def acquire(self, request: LoRARequest, adapter: LoraAdapter | None = None) -> int:
+        """The slot of ``request``'s adapter, loaded if needed (``adapter``: already read),
+        held until ``release``. Raises ValueError (a bad adapter, or an id already used by
+        another adapter) or LoraSlotsBusyError (every slot held by running requests)."""
         if not isinstance(request, LoRARequest):
             raise TypeError("lora_request must be a LoRARequest")
         entry = self._loaded.get(request.lora_int_id)
@@ -66,7 +71,7 @@ class LoraRegistry:
                                  f"give another adapter another id")
             self._loaded.move_to_end(request.lora_int_id)
         else:
-            entry = self._load_into_slot(request)
+            entry = self._load_into_slot(request, adapter)
         entry.refs += 1
         return entry.slot
 
@@ -77,7 +82,7 @@ class LoraRegistry:
             raise RuntimeError(f"LoRA adapter {lora_int_id} released more often than acquired")
         entry.refs -= 1
 
-    def _load_into_slot(self, request: LoRARequest) -> _Loaded:
+    def _load_into_slot(self, request: LoRARequest, adapter: LoraAdapter | None) -> _Loaded:
         used = {e.slot for e in self._loaded.values()}
         free = next((s for s in range(1, self.max_loras + 1) if s not in used), None)
         victim = None
@@ -87,7 +92,8 @@ class LoraRegistry:
                 raise LoraSlotsBusyError(
                     f"all {self.max_loras} LoRA slots hold adapters of running requests "
                     f"(max_loras)")
-        adapter = self._load(request)        # ValueError for a bad adapter: nothing changed
+        if adapter is None:                  # ValueError for a bad adapter: nothing changed
+            adapter = self._load(request)
         if victim is not None:
             free = self._loaded.pop(victim).slot
             self.evictions += 1
@@ -96,10 +102,11 @@ class LoraRegistry:
         entry = self._loaded[request.lora_int_id] = _Loaded(request, free, adapter)
         return entry
 
-    def add_served(self, request: LoRARequest) -> None:
+    def add_served(self, request: LoRARequest, adapter: LoraAdapter | None = None) -> None:
         """Serves ``request``'s adapter under its name (the doors' ``model`` field), loading it
-        now so that a bad adapter fails here. ValueError for a name or id already served as
-        another adapter."""
+        now (``adapter``: already read) so that a bad adapter fails here. ValueError for a name
+        or id already served as another adapter. When every slot is busy it is only
+        registered, and loaded by its first request."""
         known = self.served.get(request.lora_name)
         if known is not None and known != request:
             raise ValueError(f"LoRA adapter name {request.lora_name!r} is already served "
@@ -108,8 +115,12 @@ class LoraRegistry:
             if other.lora_int_id == request.lora_int_id and other != request:
                 raise ValueError(f"lora_int_id {request.lora_int_id} is already served as "
                                  f"{other.lora_name!r}")
-        self.acquire(request)
-        self.release(request.lora_int_id)
+        try:
+            self.acquire(request, adapter)
+            self.release(request.lora_int_id)
+        except LoraSlotsBusyError:
+            if adapter is None:
+                self.read(request)           # still checked now
         self.served[request.lora_name] = request
 
     def remove_served(self, name: str) -> LoRARequest:

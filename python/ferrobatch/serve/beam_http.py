@@ -67,9 +67,10 @@ async def serve_beams(request: web.Request, req: OpenAIRequest) -> web.Response:
     engine = request.app[STATE].engine
     if req.kind == "chat":
         searches = [engine.beam_search(None, req.beam, messages=req.messages,
-                                       chat_options=req.chat_template)]
+                                       chat_options=req.chat_template, lora_request=req.lora)]
     else:
-        searches = [engine.beam_search(p, req.beam) for p in req.prompts]
+        searches = [engine.beam_search(p, req.beam, lora_request=req.lora)
+                    for p in req.prompts]
     tasks = [asyncio.ensure_future(s) for s in searches]
     try:
         outs: list[BeamSearchOutput] = list(await asyncio.gather(*tasks))

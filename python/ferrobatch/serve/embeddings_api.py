@@ -20,6 +20,7 @@ import numpy as np
 from aiohttp import web
 
 from ferrobatch.serve.http import read_json
+from ferrobatch.serve.lora_api import lora_for
 from ferrobatch.serve.openai_protocol import check_model
 from ferrobatch.serve.protocol import ProtocolError, pooling_params_from
 from ferrobatch.serve.request_ids import object_id
@@ -74,11 +75,13 @@ async def embeddings(request: web.Request) -> web.Response:
         raise ProtocolError("'truncate_prompt_tokens' must be an integer",
                             param="truncate_prompt_tokens")
     engine = state.engine
+    lora = lora_for(state, model)
     gate = asyncio.Semaphore(MAX_IN_FLIGHT)
 
     async def one(prompt: Any) -> Any:
         async with gate:
-            return await engine.embed(prompt, pooling, truncate_prompt_tokens=truncate)
+            return await engine.embed(prompt, pooling, truncate_prompt_tokens=truncate,
+                                      lora_request=lora)
 
     tasks = [asyncio.ensure_future(one(p)) for p in inputs]
     try:

@@ -22,6 +22,7 @@ from ferrobatch.serve.logprobs import (
     echo_completion_logprobs,
     joined,
 )
+from ferrobatch.serve.lora_api import adapter_cards, add_lora_routes, lora_for
 from ferrobatch.serve.openai_protocol import (
     OpenAIRequest,
     cached_total,
@@ -80,6 +81,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req = parse_completion(body, state.model_names)
     req.id = object_id(request, "cmpl-", req.id)
+    req.lora = lora_for(state, req.model)
     req.beam = beam_params_of(body, req.params)
     return await _serve(request, req)
 
@@ -89,6 +91,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req = parse_chat(body, state.model_names, hermes_tools=state.hermes_tools)
     req.id = object_id(request, "chatcmpl-", req.id)
+    req.lora = lora_for(state, req.model)
     if not req.params.is_guided:          # a grammar shapes the whole reply: no <think> part
         req.reasoning_parser = state.reasoning_parser
     req.beam = beam_params_of(body, req.params)
@@ -109,10 +112,11 @@ async def _serve(request: web.Request, req: OpenAIRequest) -> web.StreamResponse
     try:
         if req.kind == "chat":
             streams.append(engine.add_request(None, req.params, messages=req.messages,
-                                              chat_options=req.chat_template))
+                                              chat_options=req.chat_template,
+                                              lora_request=req.lora))
         else:
             for p in req.prompts:
-                streams.append(engine.add_request(p, req.params))
+                streams.append(engine.add_request(p, req.params, lora_request=req.lora))
         if req.stream:
             return await _stream(request, req, streams)
         return await _collect(request, req, streams)
@@ -329,10 +333,11 @@ def _model_card(state, name: str) -> dict[str, Any]:
 
 
 async def models(request: web.Request) -> web.Response:
-    """One card per served name (`--served-model-name a b`: both)."""
+    """One card per served name (`--served-model-name a b`: both), then one per served LoRA
+    adapter (with its `parent`)."""
     state = request.app[STATE]
-    return web.json_response({"object": "list",
-                              "data": [_model_card(state, n) for n in state.model_names]})
+    cards = [_model_card(state, n) for n in state.base_model_names] + adapter_cards(state)
+    return web.json_response({"object": "list", "data": cards})
 
 
 async def model(request: web.Request) -> web.Response:
@@ -342,7 +347,8 @@ async def model(request: web.Request) -> web.Response:
     if name not in state.model_names:
         return error_response(404, f"The model '{name}' does not exist; this server serves "
                                    f"'{state.model_name}'", "not_found_error", "model")
-    return web.json_response(_model_card(state, name))
+    card = next((c for c in adapter_cards(state) if c["id"] == name), None)
+    return web.json_response(card or _model_card(state, name))
 
 
 async def version(request: web.Request) -> web.Response:
@@ -391,3 +397,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/embeddings", embeddings)
     from ferrobatch.serve.tokenizer_routes import add_tokenizer_routes
     add_tokenizer_routes(app)
+    add_lora_routes(app, app[STATE].allow_runtime_lora)

@@ -40,6 +40,7 @@ class OpenAIRequest:
     chat_template: dict[str, Any] | None = None
     beam: Any = None          # a `BeamSearchParams` with `use_beam_search` (serve/beam_http.py)
     reasoning_parser: str | None = None   # chat: the reply's <think> part (serve/reasoning.py)
+    lora: Any = None          # the LoRARequest its `model` names (serve/lora_api.py), or None
 
 
 def check_model(body: dict, model_names: str | Sequence[str]) -> str:

@@ -6,8 +6,9 @@ and TCP, and a bad one gets the same message. Nothing here touches the engine.
 WebSocket / TCP messages (maps with a "type"):
   client -> server: hello {version, api_key?}; generate {id, prompt | messages, params?,
                     add_generation_prompt?, continue_final_message?, chat_template_kwargs?
-                    (the last three with messages)}; embed {id, prompt, params? (pooling,
-                    normalize, dimensions, truncate_prompt_tokens)}; cancel {id}
+                    (the last three with messages), model? (a served name: a LoRA adapter's
+                    runs with it)}; embed {id, prompt, params? (pooling, normalize,
+                    dimensions, truncate_prompt_tokens), model?}; cancel {id}
   server -> client: hello {version, model, limits}; delta {id, index, text, token_ids};
                     (+ logprobs when params.logprobs is set);
                     prompt_logprobs {id, start, logprobs} (params.prompt_logprobs: before
@@ -207,6 +208,7 @@ class GenerateMsg:
     messages: Any
     params: SamplingParams
     chat_options: dict[str, Any] | None = None    # `AsyncEngine.render_chat` keywords
+    model: Any = None                             # a served model name, or None (unchecked)
 
 
 @dataclass
@@ -215,6 +217,7 @@ class EmbedMsg:
     prompt: Any
     pooling: PoolingParams
     truncate_prompt_tokens: int | None = None
+    model: Any = None                             # a served model name, or None (unchecked)
 
 
 EMBED_FIELDS = ("pooling", "normalize", "dimensions", "truncate_prompt_tokens")
@@ -256,7 +259,8 @@ def parse_message(msg: Any) -> tuple[str, Any]:
         _only(msg, {"type", "id"})
         return "cancel", check_id(msg.get("id"))
     if kind == "generate":
-        _only(msg, {"type", "id", "prompt", "messages", "params", *CHAT_OPTION_FIELDS})
+        _only(msg, {"type", "id", "prompt", "messages", "params", "model",
+                    *CHAT_OPTION_FIELDS})
         rid = check_id(msg.get("id"))
         prompt, messages = msg.get("prompt"), msg.get("messages")
         if (prompt is None) == (messages is None):
@@ -276,9 +280,10 @@ def parse_message(msg: Any) -> tuple[str, Any]:
         if unknown:
             raise ProtocolError(f"unknown sampling field(s): {', '.join(unknown)}")
         sp = sampling_params_from(params, output_kind="delta")
-        return "generate", GenerateMsg(rid, prompt, messages, sp, chat_options)
+        return "generate", GenerateMsg(rid, prompt, messages, sp, chat_options,
+                                       msg.get("model"))
     if kind == "embed":
-        _only(msg, {"type", "id", "prompt", "params"})
+        _only(msg, {"type", "id", "prompt", "params", "model"})
         rid = check_id(msg.get("id"))
         prompt = msg.get("prompt")
         if not isinstance(prompt, (str, list)):
@@ -294,7 +299,8 @@ def parse_message(msg: Any) -> tuple[str, Any]:
         if truncate is not None and not _is_int(truncate):
             raise ProtocolError("'truncate_prompt_tokens' must be an integer",
                                 param="truncate_prompt_tokens")
-        return "embed", EmbedMsg(rid, prompt, pooling_params_from(params), truncate)
+        return "embed", EmbedMsg(rid, prompt, pooling_params_from(params), truncate,
+                                 msg.get("model"))
     raise ProtocolError(f"unknown message type {kind!r}; expected hello, generate, embed or "
                         "cancel")
 

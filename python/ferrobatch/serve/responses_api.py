@@ -26,6 +26,7 @@ from aiohttp import web
 from ferrobatch.serve.codec import dumps_json
 from ferrobatch.serve.http import error_response, read_json
 from ferrobatch.serve.logprobs import chat_logprobs
+from ferrobatch.serve.lora_api import lora_for
 from ferrobatch.serve.reasoning import ReasoningSplitter, split_reasoning
 from ferrobatch.serve.request_ids import object_id
 from ferrobatch.serve.responses_protocol import (
@@ -83,7 +84,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
     engine = state.engine
     await engine.prepare(req.params, messages=req.messages, chat_options=req.chat_options)
     stream = engine.add_request(None, req.params, messages=req.messages,
-                                chat_options=req.chat_options)
+                                chat_options=req.chat_options,
+                                lora_request=lora_for(state, req.model))
     try:
         if req.stream:
             return await _stream(request, req, stream)

@@ -56,13 +56,14 @@ class Server:
                  served_model_name: str | Sequence[str] | None = None,
                  allowed_origins: frozenset[str] = frozenset(),
                  log_stats_interval_s: float = 0.0, access_log: bool = False,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, allow_runtime_lora: bool = False) -> None:
         """`allowed_origins`: the browser origins CORS lets call the HTTP API (`"*"`: any;
         empty: CORS off), as `cors.parse_origins` makes them. `log_stats_interval_s` > 0: an
         INFO line of engine activity that often while the server runs (`StatsLogger`);
         `access_log`: an INFO line per HTTP request (logger `ferrobatch.access`).
         `reasoning_parser` ("deepseek_r1", "qwen3"): chat replies' `<think>` part is served as
-        `reasoning_content` (`serve/reasoning.py`)."""
+        `reasoning_content` (`serve/reasoning.py`). `allow_runtime_lora`: LoRA adapters may be
+        loaded and unloaded over HTTP (`serve/lora_api.py`; needs an engine with enable_lora)."""
         if api_key is not None and not api_key:
             raise ValueError("api_key must not be empty")
         if served_model_name is not None and not isinstance(served_model_name, str):
@@ -73,9 +74,12 @@ class Server:
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: "
                              f"{', '.join(REASONING_PARSERS)}")
+        if allow_runtime_lora and getattr(engine, "loras", None) is None:
+            raise ValueError("allow_runtime_lora needs an engine started with enable_lora")
         self.state = ServerState(engine, api_key=api_key, served_model_name=served_model_name,
                                  allowed_origins=frozenset(allowed_origins),
-                                 reasoning_parser=reasoning_parser)
+                                 reasoning_parser=reasoning_parser,
+                                 allow_runtime_lora=allow_runtime_lora)
         self.state.metrics = ServerMetrics(engine, self.state.model_name)
         self.stats_logger = (StatsLogger(engine, log_stats_interval_s)
                              if log_stats_interval_s > 0 else None)

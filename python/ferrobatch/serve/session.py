@@ -37,8 +37,12 @@ class Session:
     def __init__(self, engine: Any, send: Send, *, api_key: str | None = None,
                  require_hello: bool = False, limits: dict[str, Any] | None = None,
                  draining: Callable[[], bool] = lambda: False,
-                 model_name: str | None = None) -> None:
+                 model_name: str | None = None,
+                 lora_of: Callable[[Any], Any] = lambda model: None) -> None:
+        """`lora_of`: a message's `model` -> its LoRARequest or None (ProtocolError for a name
+        the server does not serve; `lora_api.resolve_model`)."""
         self._engine = engine
+        self._lora_of = lora_of
         # the id `hello` reports: `--served-model-name` when set, as on HTTP
         self._model_name = model_name or engine.model_name
         self._draining = draining
@@ -105,14 +109,16 @@ class Session:
     def _generate(self, msg: GenerateMsg, binary: bool) -> None:
         self._admit(msg.id)
         stream = self._engine.add_request(msg.prompt, msg.params, messages=msg.messages,
-                                          chat_options=msg.chat_options)
+                                          chat_options=msg.chat_options,
+                                          lora_request=self._lora_of(msg.model))
         self._start(msg.id, stream, binary, self._pump)
 
     def _embed(self, msg: EmbedMsg, binary: bool) -> None:
         self._admit(msg.id)
         params = SamplingParams(max_tokens=1, temperature=0.0, output_kind="final",
                                 truncate_prompt_tokens=msg.truncate_prompt_tokens)
-        stream = self._engine.add_request(msg.prompt, params, pooling=msg.pooling)
+        stream = self._engine.add_request(msg.prompt, params, pooling=msg.pooling,
+                                          lora_request=self._lora_of(msg.model))
         self._start(msg.id, stream, binary, self._pump_embedding)
 
     def _start(self, rid: Any, stream: Any, binary: bool, pump: Pump) -> None:

@@ -24,6 +24,7 @@ class ServerState:
 #                                                           is the one reported
     allowed_origins: frozenset[str] = frozenset()    # CORS (serve/cors.py); empty: off
     reasoning_parser: str | None = None   # chat replies' <think> part (serve/reasoning.py)
+    allow_runtime_lora: bool = False  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
     sessions: set = field(default_factory=set)
     websockets: set = field(default_factory=set)     # open WebSocketResponses (closed on stop)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -46,16 +47,25 @@ class ServerState:
         return template_has_hermes_calls(getattr(self.engine.tokenizer, "chat_template", None))
 
     @property
-    def model_names(self) -> tuple[str, ...]:
-        """Every name a request may give as `model` (the first is reported by default)."""
+    def base_model_names(self) -> tuple[str, ...]:
+        """The names of the base model (the first is reported by default)."""
         names = self.served_model_name
         if isinstance(names, str):
             return (names,)
         return tuple(names) if names else (self.engine.model_name,)
 
     @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request may give as `model`: the base model's, then the served LoRA
+        adapters' (serve/lora_api.py)."""
+        registry = getattr(self.engine, "loras", None)
+        base = self.base_model_names
+        return base + tuple(registry.served) if registry is not None and registry.served \
+            else base
+
+    @property
     def model_name(self) -> str:
-        return self.model_names[0]
+        return self.base_model_names[0]
 
     @property
     def limits(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import struct
 from typing import Any
 
 from ferrobatch.serve.codec import MAX_FRAME_BYTES, pack, unpack
+from ferrobatch.serve.lora_api import resolve_model
 from ferrobatch.serve.protocol import ProtocolError, error_msg
 from ferrobatch.serve.session import Session
 
@@ -62,7 +63,8 @@ class TCPServer:
         state = self._state
         session = Session(state.engine, send, api_key=state.api_key, require_hello=True,
                           limits=state.limits, draining=lambda: state.draining,
-                          model_name=state.model_name)
+                          model_name=state.model_name,
+                          lora_of=lambda model: resolve_model(state, model))
         state.sessions.add(session)
         try:
             while True:

@@ -12,6 +12,7 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from ferrobatch.serve.codec import MAX_FRAME_BYTES, dumps_json, loads_json, pack, unpack
+from ferrobatch.serve.lora_api import resolve_model
 from ferrobatch.serve.protocol import ProtocolError, error_msg
 from ferrobatch.serve.session import Session
 from ferrobatch.serve.state import STATE
@@ -36,7 +37,8 @@ async def ws_handler(request: web.Request) -> web.StreamResponse:
 
     # The HTTP upgrade already passed the API-key middleware, so no hello is needed here.
     session = Session(state.engine, send, limits=state.limits,
-                      draining=lambda: state.draining, model_name=state.model_name)
+                      draining=lambda: state.draining, model_name=state.model_name,
+                      lora_of=lambda model: resolve_model(state, model))
     state.sessions.add(session)
     state.websockets.add(ws)
     try:
