@@ -188,7 +188,7 @@ def test_chat_keeps_going_when_a_turn_is_refused(monkeypatch, capsys):
 
     seen = []
 
-    async def stream_one(engine, params, prompt=None, messages=None):
+    async def stream_one(engine, params, prompt=None, messages=None, lora_request=None):
         seen.append([m["content"] for m in messages])
         if messages[-1]["content"] == "too long":
             raise ValueError("prompt exceeds the context window")

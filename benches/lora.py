@@ -1,0 +1,103 @@
+"""What serving LoRA adapters costs, side by side in one run: the same greedy requests on the
+base model, all on one adapter, and spread over several adapters in the same batches.
+
+    python benches/lora.py [--num 16] [--max-tokens 64] [--adapters 4] [--rank 8] \
+        [--rounds 2] [--json benches/results/cpu/lora.json]
+
+Systems (one engine, `enable_lora=True`, SmolLM2 GGUF on the CPU; rounds alternate):
+
+- `base`: no adapter (steps run every layer in one Rust call, as without LoRA);
+- `base-layered`: no adapter, on a second engine over the same weights with
+  `fused_decode=False` (steps layer by layer from Python: where every LoRA step runs, so
+  `lora-1 / base-layered` is the adapter math alone);
+- `lora-1`: every request on one adapter (rank `--rank`, all seven projections);
+- `lora-K`: requests spread round-robin over `--adapters` adapters.
+
+Prompts are seeded random token ids of 64..128 tokens; EOS is ignored, so every request
+generates `--max-tokens` tokens. The prefix cache and prompt-lookup drafts are off, so every
+round computes the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
+                                "model"))
+from common import format_table, machine_info, write_json  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num", type=int, default=16, help="requests per run")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--adapters", type=int, default=4, help="K of the lora-K system")
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    a = parser.parse_args(argv)
+    if min(a.num, a.max_tokens, a.adapters, a.rank, a.rounds) < 1:
+        parser.error("every count must be >= 1")
+    from lora_files import ATTN, MLP, write_peft_adapter
+    from tqdm import tqdm
+
+    from ferrobatch import LLM, LoRARequest, SamplingParams
+
+    options = dict(enable_lora=True, max_loras=max(a.adapters, 1), enable_prefix_caching=False,
+                   num_speculative_tokens=0, max_model_len=1024)
+    llm = LLM("smollm2", **options)
+    layered = LLM("smollm2", loaded_model=llm.engine._core.loaded, fused_decode=False,
+                  **options)
+    cfg = llm.engine._core.loaded.config
+    rng = np.random.default_rng(a.seed)
+    prompts = [{"prompt_token_ids": rng.integers(100, 40000, size=int(n)).tolist()}
+               for n in rng.integers(64, 129, size=a.num)]
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = []
+        for k in range(a.adapters):
+            path = os.path.join(tmp, f"adapter{k}")
+            write_peft_adapter(path, cfg, targets=ATTN + MLP, r=a.rank, alpha=2 * a.rank,
+                               seed=k + 1)
+            adapters.append(LoRARequest(f"adapter{k}", k + 1, path))
+        systems = {"base": (llm, None), "base-layered": (layered, None),
+                   "lora-1": (llm, [adapters[0]] * a.num),
+                   f"lora-{a.adapters}": (llm, [adapters[i % a.adapters]
+                                                for i in range(a.num)])}
+        for engine, loras in systems.values():          # warm-up (and every adapter loaded)
+            engine.generate(prompts[:2], params.replace(max_tokens=2), use_tqdm=False,
+                            lora_request=None if loras is None else loras[:2])
+        times: dict[str, list[float]] = {s: [] for s in systems}
+        with tqdm(total=a.rounds * len(systems), desc="lora bench", unit="run") as bar:
+            for _ in range(a.rounds):
+                for name, (engine, loras) in systems.items():
+                    t0 = time.perf_counter()
+                    outs = engine.generate(prompts, params, use_tqdm=False, lora_request=loras)
+                    times[name].append(time.perf_counter() - t0)
+                    assert all(len(o.outputs[0].token_ids) == a.max_tokens for o in outs)
+                    bar.update(1)
+    tokens = a.num * a.max_tokens
+    base = tokens / min(times["base"])
+    rows = [{"system": s, "output_tokens_per_s": tokens / min(t), "time_s": min(t),
+             "vs_base": (tokens / min(t)) / base, "times_s": t} for s, t in times.items()]
+    print(f"{a.num} requests x {a.max_tokens} tokens, prompts 64..128 tokens, rank {a.rank}, "
+          f"best of {a.rounds} (systems alternating)")
+    print(format_table(rows, [("system", "system", ""), ("output_tokens_per_s", "out tok/s", ".1f"),
+                              ("time_s", "time (s)", ".2f"), ("vs_base", "vs base", ".2f")]))
+    if a.json:
+        write_json(a.json, {"machine": machine_info(), "args": vars(a), "results": rows})
+    layered.close()
+    llm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
