@@ -183,8 +183,8 @@ def test_lora_without_enable_lora_is_a_clear_error(loaded_smollm2, adapters):
 # -- reading adapters (no engine) ---------------------------------------------------------------
 
 def test_fused_slices_carry_each_modules_update(tmp_path, loaded_smollm2):
-    """The stacked A and per-part B of a fused module add exactly ``scale * B @ A x`` to each
-    HF module's slice of the fused output."""
+    """The stacked A and block-placed B of a fused module add exactly ``scale * B @ A x`` to
+    each HF module's slice of the fused output, and nothing to the other slices."""
     from ferrobatch.model.lora_adapter import read_lora_adapter
     cfg = loaded_smollm2.config
     pairs = write_peft_adapter(str(tmp_path), cfg, targets=("q_proj", "v_proj", "up_proj"),
@@ -200,10 +200,7 @@ def test_fused_slices_carry_each_modules_update(tmp_path, loaded_smollm2):
         for fused, modules in (("qkv_proj", ("q_proj", "v_proj")), ("gate_up_proj", ("up_proj",))):
             w = adapter.layers[layer][fused]
             size = q + 2 * kv if fused == "qkv_proj" else 2 * inter
-            got = torch.zeros(3, size)
-            xa = x @ w.a.T
-            for start, stop, a0, a1, b in w.parts:
-                got[:, start:stop] += xa[:, a0:a1] @ b.T
+            got = (x @ w.a_t) @ w.b_t
             want = torch.zeros(3, size)
             for m in modules:
                 a, b = pairs[(layer, m)]
@@ -263,3 +260,45 @@ def test_lora_request_fields_are_checked():
                           (("a", True, "/x"), "lora_int_id"), (("a", 1, ""), "lora_path")):
         with pytest.raises(ValueError, match=message):
             LoRARequest(*args)
+
+
+def test_stacked_step_equals_each_rows_own_adapter():
+    """Three adapters of different ranks and modules stacked, rows interleaved (the gather
+    path) and in one run (the view path): each row gains its own adapter's update only, base
+    rows nothing; adapters lacking a module in a layer add nothing there."""
+    from ferrobatch.model.lora_adapter import LoraAdapter, LoraWeights
+    from ferrobatch.runtime.lora import LayerLora, LoraHooks, LoraSlots, lora_step
+
+    gen = torch.Generator().manual_seed(0)
+    dim_in, dim_out, num_layers = 12, 10, 2
+
+    def weights(rank):
+        return LoraWeights(torch.randn(dim_in, rank, generator=gen),
+                           torch.randn(rank, dim_out, generator=gen))
+    adapters = {2: LoraAdapter("a", 2, [{"o_proj": weights(2)}, {}]),
+                3: LoraAdapter("b", 5, [{"o_proj": weights(5)}, {"o_proj": weights(5)}]),
+                4: LoraAdapter("c", 3, [{}, {"o_proj": weights(3)}])}
+    slots = LoraSlots(num_layers, 4)
+    for slot, adapter in adapters.items():
+        slots.put(slot, adapter)
+    assert slots.stacked.slots == (2, 3, 4) and slots.stacked.widths["o_proj"] == 5
+    hooks = LoraHooks()
+    x = torch.randn(7, dim_in, generator=gen)
+    for seq_slots in ([3, 0, 2, 4, 3, 0, 2], [0, 0, 3, 3, 3, 0, 0], [2, 2, 2, 2, 2, 2, 2]):
+        starts = list(range(8))             # one token per sequence
+        step = lora_step(slots.stacked, starts, seq_slots, torch.device("cpu"))
+        for layer in range(num_layers):
+            base = torch.randn(7, dim_out, generator=gen)
+            want = base.clone()
+            for row, slot in enumerate(seq_slots):
+                w = adapters[slot].layers[layer].get("o_proj") if slot else None
+                if w is not None:
+                    want[row] += (x[row] @ w.a_t) @ w.b_t
+            with hooks.step(step):
+                got = LayerLora(hooks, layer).add("o_proj", x, base.clone())
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert isinstance(lora_step(slots.stacked, starts, [0, 0, 3, 3, 3, 0, 0],
+                                torch.device("cpu")).rows, slice)
+    assert lora_step(slots.stacked, starts, [0] * 7, torch.device("cpu")) is None
+    slots.clear(3)
+    assert slots.stacked.slots == (2, 4) and slots.stacked.widths["o_proj"] == 3

@@ -5,9 +5,12 @@ and ``adapter_model.safetensors`` with, per adapted linear layer ``W [out, in]``
 ``lora_A [r, in]`` and ``lora_B [out, r]``; the adapted layer computes
 ``W x + scale * B (A x)`` with ``scale = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with
 ``use_rslora``). ferrobatch fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``,
-so an adapter's q, k and v (gate and up) pairs become one :class:`LoraWeights` whose A matrices
-are stacked (one matmul for all of them) and whose B matrices each write their slice of the
-fused output. The scale is folded into B once, here.
+so an adapter's q, k and v (gate and up) pairs become one :class:`LoraWeights`: their A matrices
+stacked, their B matrices placed block-diagonally (each part's rows of the fused output, its
+columns of the stacked A, zeros elsewhere), so one fused module's update is two matmuls,
+``(x @ A.T) @ B.T``, whatever it adapts. Both are kept transposed and contiguous (the layout
+torch's CPU matmul takes fastest: half the time of the transposed views at decode sizes), and
+the scale is folded into B once, here.
 
 Only what this file can apply exactly is accepted: anything else (DoRA, bias training, embedding
 or LM-head adapters, pickle checkpoints) is a ValueError naming it, never a silent difference.
@@ -38,13 +41,12 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|
 
 @dataclass(eq=False)
 class LoraWeights:
-    """One fused module's adapter: ``a [R, in]`` (the parts' A matrices stacked) and per part
-    ``(out_start, out_stop, a_start, a_stop, b [out_stop - out_start, a_stop - a_start])``,
-    scale folded into ``b``: the module's output rows ``out_start:out_stop`` gain
-    ``(x @ a[a_start:a_stop].T) @ b.T``."""
+    """One fused module's adapter: ``a_t [in, R]`` (the parts' A matrices stacked, transposed)
+    and ``b_t [R, out]`` (each part's B times its scale in its block, zeros elsewhere,
+    transposed): the module's output gains ``(x @ a_t) @ b_t``."""
 
-    a: torch.Tensor
-    parts: list[tuple[int, int, int, int, torch.Tensor]]
+    a_t: torch.Tensor
+    b_t: torch.Tensor
 
 
 @dataclass(eq=False)
@@ -60,9 +62,8 @@ class LoraAdapter:
     @property
     def num_bytes(self) -> int:
         """Bytes its weights take."""
-        return sum(w.a.numel() * w.a.element_size() + sum(
-            b.numel() * b.element_size() for *_, b in w.parts)
-            for layer in self.layers for w in layer.values())
+        return sum(w.a_t.numel() * w.a_t.element_size() + w.b_t.numel() * w.b_t.element_size()
+                   for layer in self.layers for w in layer.values())
 
     @property
     def modules(self) -> list[str]:
@@ -78,6 +79,13 @@ def _module_shapes(config: ModelConfig) -> dict[str, tuple[int, int, int]]:
     return {"q_proj": (h, q, 0), "k_proj": (h, kv, q), "v_proj": (h, kv, q + kv),
             "o_proj": (q, h, 0), "gate_proj": (h, inter, 0), "up_proj": (h, inter, inter),
             "down_proj": (inter, h, 0)}
+
+
+def _fused_out_features(config: ModelConfig) -> dict[str, int]:
+    """Output features of each fused module."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {"qkv_proj": q + 2 * kv, "o_proj": config.hidden_size,
+            "gate_up_proj": 2 * config.intermediate_size, "down_proj": config.hidden_size}
 
 
 def _pattern_value(patterns: dict, module_name: str, default):
@@ -191,13 +199,15 @@ def read_lora_adapter(path: str, config: ModelConfig, *, max_rank: int = 64,
         fused, _ = HF_MODULES[module]
         grouped.setdefault((layer, fused), []).append(
             (offset, offset + out_features, a.float(), b.float() * scale))
+    out_features = _fused_out_features(config)
     for (layer, fused), parts in grouped.items():
-        a = torch.cat([p[2] for p in parts]).to(device=device, dtype=dtype).contiguous()
-        placed, start = [], 0
+        a = torch.cat([p[2] for p in parts])
+        b = torch.zeros(out_features[fused], a.shape[0])
+        start = 0
         for out_start, out_stop, a_part, b_part in parts:
-            stop = start + a_part.shape[0]
-            placed.append((out_start, out_stop, start, stop,
-                           b_part.to(device=device, dtype=dtype).contiguous()))
-            start = stop
-        adapter.layers[layer][fused] = LoraWeights(a, placed)
+            b[out_start:out_stop, start:start + a_part.shape[0]] = b_part
+            start += a_part.shape[0]
+        adapter.layers[layer][fused] = LoraWeights(
+            a.T.to(device=device, dtype=dtype).contiguous(),
+            b.T.to(device=device, dtype=dtype).contiguous())
     return adapter

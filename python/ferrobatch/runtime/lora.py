@@ -2,36 +2,93 @@
 
 ``install_lora(model)`` gives the model a :class:`LoraHooks` (``model.lora``) and each attention
 / MLP module a :class:`LayerLora` hook (``.lora``). An engine keeps its adapters in numbered
-slots (:class:`LoraSlots`, 1..max_loras). For a step with adapter rows, the runner activates
-``[(adapter, token rows), ...]`` (``LoraHooks.step``); each hooked linear then adds, for every
-adapter, ``(x[rows] @ A.T) @ B.T`` into its output rows (``index_add_``: rows of other adapters,
-and base-model rows, are untouched). Outside such a step the hooks return the output as it is,
-so steps without adapter rows run exactly as without LoRA (fused CPU steps, CUDA graphs
-included); steps with adapter rows run eagerly, layer by layer.
+slots (:class:`LoraSlots`, 1..max_loras) and, beside them, every loaded adapter stacked into one
+pair of matrices per layer and module (:class:`StackedLora`: adapter ``i``'s A columns and B rows
+in block ``i`` of width W, the module's largest rank, zero-padded). For a step with adapter rows
+the runner activates a :class:`LoraStep` (``LoraHooks.step``): the step's adapter rows and each
+row's block. Each hooked linear then adds ``((x[rows] @ A_all) * mask) @ B_all`` into those rows,
+the mask keeping each row's own block: five torch ops per module whatever the number of
+adapters in the step (per-adapter matmuls cost four per adapter); a step whose adapter rows all
+use one adapter takes that adapter's own matrices, without the mask (`benches/lora.py` measured
+the choices, README Results). A row of another adapter's block adds exact zeros; base-model rows
+are not touched. Outside such a step the hooks return the output as it is, so steps without adapter rows
+run exactly as without LoRA (fused CPU steps, CUDA graphs included); steps with adapter rows run
+eagerly, layer by layer.
 
-Threads: slots are filled and emptied on the asyncio thread (the engine's registry) by replacing
-the ``adapters`` dict whole (copy-on-write); the step thread only reads it, and a slot is
-emptied only when no running request holds it.
+Threads: slots are filled and emptied on the asyncio thread (the engine's registry), which
+replaces the ``adapters`` dict and the stack whole (copy-on-write); the step thread reads
+``LoraSlots.stacked`` once per step, and a slot is emptied only when no running request holds it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ferrobatch.model.lora_adapter import LoraAdapter
 
+MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+@dataclass(eq=False)
+class StackedLora:
+    """Every loaded adapter in one pair per layer and module: ``layers[i][module] = (a_t
+    [in, K * W], b_t [K * W, out])``, adapter ``k`` (slot ``slots[k]``) in columns / rows
+    ``k * W .. k * W + rank`` (``W = widths[module]``), zeros elsewhere; modules no adapter
+    adapts in a layer are absent there."""
+
+    slots: tuple[int, ...]
+    adapters: tuple[LoraAdapter, ...]          # the adapter of each block
+    widths: dict[str, int]
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    owners: dict[str, torch.Tensor] = field(default_factory=dict)   # column -> its block k
+
+    @classmethod
+    def of(cls, adapters: dict[int, LoraAdapter], num_layers: int) -> StackedLora | None:
+        """The stack of ``adapters`` (by slot), or None when there are none."""
+        if not adapters:
+            return None
+        slots = tuple(sorted(adapters))
+        stacked = [adapters[s] for s in slots]
+        widths = {m: max((layer[m].a_t.shape[1] for a in stacked for layer in a.layers
+                          if m in layer), default=0) for m in MODULES}
+        layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        for i in range(num_layers):
+            here: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+            for m in MODULES:
+                present = [(k, a.layers[i][m]) for k, a in enumerate(stacked)
+                           if m in a.layers[i]]
+                if not present:
+                    continue
+                w, first = widths[m], present[0][1]
+                a_t = first.a_t.new_zeros(first.a_t.shape[0], len(slots) * w)
+                b_t = first.b_t.new_zeros(len(slots) * w, first.b_t.shape[1])
+                for k, weights in present:
+                    rank = weights.a_t.shape[1]
+                    a_t[:, k * w:k * w + rank] = weights.a_t
+                    b_t[k * w:k * w + rank] = weights.b_t
+                here[m] = (a_t, b_t)
+            layers.append(here)
+        device = next(w.a_t.device for a in stacked for layer in a.layers
+                      for w in layer.values())
+        owners = {m: torch.arange(len(slots), device=device).repeat_interleave(w)
+                  for m, w in widths.items() if w}
+        return cls(slots, tuple(stacked), widths, layers, owners)
+
 
 class LoraSlots:
-    """One engine's adapters by slot (``adapters``: slot 1..max_loras -> :class:`LoraAdapter`)."""
+    """One engine's adapters by slot (``adapters``: slot 1..max_loras -> :class:`LoraAdapter`)
+    and their :class:`StackedLora` (``stacked``, rebuilt whenever a slot changes)."""
 
     def __init__(self, num_layers: int, max_loras: int) -> None:
         self.num_layers = num_layers
         self.max_loras = max_loras
         self.adapters: dict[int, LoraAdapter] = {}
+        self.stacked: StackedLora | None = None
 
     def put(self, slot: int, adapter: LoraAdapter) -> None:
         """Places ``adapter`` in ``slot`` (replacing what was there)."""
@@ -40,26 +97,83 @@ class LoraSlots:
         if len(adapter.layers) != self.num_layers:
             raise ValueError(f"the adapter has {len(adapter.layers)} layers, the model "
                              f"{self.num_layers}")
-        self.adapters = {**self.adapters, slot: adapter}
+        self._replace({**self.adapters, slot: adapter})
 
     def clear(self, slot: int) -> None:
         """Empties ``slot``."""
-        self.adapters = {s: a for s, a in self.adapters.items() if s != slot}
+        self._replace({s: a for s, a in self.adapters.items() if s != slot})
+
+    def _replace(self, adapters: dict[int, LoraAdapter]) -> None:
+        stacked = StackedLora.of(adapters, self.num_layers)
+        self.adapters, self.stacked = adapters, stacked      # the step thread reads `stacked`
+
+
+@dataclass(eq=False)
+class LoraStep:
+    """One step's adapter rows: ``rows`` (a slice when they are one run of the flat batch, else
+    an index tensor) and either ``single``, the one adapter they all use (its own matrices, no
+    mask), or each row's block of ``stacked`` (``blocks``) with, per module, the mask keeping
+    each row's own block (made on first use, shared by every layer)."""
+
+    stacked: StackedLora
+    rows: slice | torch.Tensor
+    blocks: torch.Tensor | None
+    single: LoraAdapter | None = None
+    _masks: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def weights(self, layer: int, module: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """``(a_t, b_t, mask or None)`` of ``module`` in ``layer``; None where no adapter of
+        the step adapts it."""
+        if self.single is not None:
+            w = self.single.layers[layer].get(module)
+            return None if w is None else (w.a_t, w.b_t, None)
+        pair = self.stacked.layers[layer].get(module)
+        if pair is None:
+            return None
+        mask = self._masks.get(module)
+        if mask is None:        # [rows, K * W]: 1 in each row's own block, 0 elsewhere
+            mask = self._masks[module] = (self.stacked.owners[module][None, :]
+                                          == self.blocks[:, None]).to(pair[0].dtype)
+        return (*pair, mask)
+
+
+def lora_step(stacked: StackedLora, query_start_loc, seq_slots,
+              device: torch.device) -> LoraStep | None:
+    """The :class:`LoraStep` of a step from its per-sequence query starts (``[S + 1]``) and
+    each sequence's slot (0: the base model); None when no sequence has a loaded adapter."""
+    block_of = {slot: k for k, slot in enumerate(stacked.slots)}
+    rows: list[int] = []
+    blocks: list[int] = []
+    for i, slot in enumerate(seq_slots):
+        k = block_of.get(int(slot)) if slot else None
+        if k is not None:
+            lo, hi = int(query_start_loc[i]), int(query_start_loc[i + 1])
+            rows.extend(range(lo, hi))
+            blocks.extend([k] * (hi - lo))
+    if not rows:
+        return None
+    run = rows[-1] - rows[0] + 1 == len(rows)       # ascending: one run iff no gap
+    index = slice(rows[0], rows[-1] + 1) if run else \
+        torch.tensor(rows, dtype=torch.int64, device=device)
+    if blocks.count(blocks[0]) == len(blocks):      # one adapter: its own matrices
+        return LoraStep(stacked, index, None, single=stacked.adapters[blocks[0]])
+    return LoraStep(stacked, index, torch.tensor(blocks, dtype=torch.int64, device=device))
 
 
 class LoraHooks:
-    """``model.lora``: the step the calling thread runs, as ``[(adapter, token rows), ...]``
-    (``active``, per thread: two engines may share one loaded model and step at once)."""
+    """``model.lora``: the :class:`LoraStep` the calling thread runs (``active``, per thread:
+    two engines may share one loaded model and step at once)."""
 
     def __init__(self) -> None:
         self._local = threading.local()
 
     @property
-    def active(self) -> list[tuple[LoraAdapter, torch.Tensor]] | None:
+    def active(self) -> LoraStep | None:
         return getattr(self._local, "active", None)
 
     @contextlib.contextmanager
-    def step(self, active: list[tuple[LoraAdapter, torch.Tensor]]):
+    def step(self, active: LoraStep):
         """Applies ``active`` to the forward passes this thread runs inside the block."""
         self._local.active = active
         try:
@@ -76,18 +190,24 @@ class LayerLora:
         self.layer = layer
 
     def add(self, module: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out`` (``module``'s output for the step's rows ``x``) with each active adapter's
-        update added in place on that adapter's rows; ``out`` unchanged outside a LoRA step."""
-        active = self.hooks.active
-        if not active:
+        """``out`` (``module``'s output for the step's rows ``x``) with each adapter row's
+        update added in place; ``out`` unchanged outside a LoRA step."""
+        step = self.hooks.active
+        if step is None:
             return out
-        for adapter, rows in active:
-            weights = adapter.layers[self.layer].get(module)
-            if weights is None:
-                continue
-            xa = x.index_select(0, rows) @ weights.a.T
-            for out_start, out_stop, a_start, a_stop, b in weights.parts:
-                out[:, out_start:out_stop].index_add_(0, rows, xa[:, a_start:a_stop] @ b.T)
+        weights = step.weights(self.layer, module)
+        if weights is None:
+            return out
+        a_t, b_t, mask = weights
+        rows = step.rows
+        one_run = isinstance(rows, slice)
+        xa = (x[rows] if one_run else x.index_select(0, rows)) @ a_t
+        if mask is not None:
+            xa.mul_(mask)
+        if one_run:
+            out[rows].addmm_(xa, b_t)
+        else:
+            out.index_add_(0, rows, xa @ b_t)
         return out
 
 
@@ -104,16 +224,3 @@ def install_lora(model: nn.Module) -> LoraHooks:
         layer.mlp.lora = hook
     model.lora = hooks
     return hooks
-
-
-def token_rows_by_slot(query_start_loc, seq_slots, device: torch.device
-                       ) -> dict[int, torch.Tensor]:
-    """``{slot: token rows}`` of a step from its per-sequence query starts (``[S + 1]``) and
-    each sequence's slot (0 = the base model); {} when no sequence has an adapter."""
-    by_slot: dict[int, list[int]] = {}
-    for i, slot in enumerate(seq_slots):
-        if slot:
-            by_slot.setdefault(int(slot), []).extend(
-                range(int(query_start_loc[i]), int(query_start_loc[i + 1])))
-    return {slot: torch.tensor(rows, dtype=torch.int64, device=device)
-            for slot, rows in by_slot.items()}

@@ -32,7 +32,7 @@ from ferrobatch.runtime.cpu_threads import torch_single_threaded
 from ferrobatch.runtime.cuda_graphs import DecodeGraphRunner, decode_buckets
 from ferrobatch.runtime.heap import return_freed_memory
 from ferrobatch.runtime.kv_cache import KVCache, check_kv_cache_dtype
-from ferrobatch.runtime.lora import LoraSlots, install_lora, token_rows_by_slot
+from ferrobatch.runtime.lora import LoraSlots, install_lora, lora_step
 from ferrobatch.runtime.piecewise_graphs import PiecewiseGraphRunner, piecewise_buckets
 from ferrobatch.runtime.sampler import greedy_rows
 
@@ -219,11 +219,12 @@ class ModelRunner:
         if lora_slots is not None and any(lora_slots):
             if self.lora_slots is None:
                 raise RuntimeError("a step asks for LoRA adapters; call enable_lora first")
-            adapters = self.lora_slots.adapters
-            active = [(adapters[slot], rows) for slot, rows in token_rows_by_slot(
-                batch.query_start_loc, lora_slots, self.device).items() if slot in adapters]
-            with self.model.lora.step(active):
-                return self.execute(batch, allow_graph=False, hidden_rows=hidden_rows)
+            stacked = self.lora_slots.stacked
+            step = None if stacked is None else \
+                lora_step(stacked, batch.query_start_loc, lora_slots, self.device)
+            if step is not None:
+                with self.model.lora.step(step):
+                    return self.execute(batch, allow_graph=False, hidden_rows=hidden_rows)
         copies = getattr(batch, "block_copies", None)
         if copies is not None and len(copies):
             self.kv_cache.copy_blocks(copies)
