@@ -9,7 +9,7 @@
 # the budget, so the summary is always written before the device call's own time limit):
 #   1. environment (GPU, clocks, torch/CUDA versions, nvcc)                        -> env.txt
 #   2. build: JIT-build the kernels for this GPU (sm_90), ptxas register report   -> build.log, ptxas.txt
-#   3. tests: pytest -m gpu tests/gpu (kernels vs float64, CUDA graphs, e2e)       -> gpu_tests.log/.xml
+#   3. tests: pytest -m gpu tests/gpu (+ multi-LoRA at the runner) (kernels vs float64, CUDA graphs, e2e)       -> gpu_tests.log/.xml
 #   4. bench: decode-attention bandwidth (+ measured copy rate; split shapes with the fused
 #      reduce and the reduce pass side by side), then prefill attention:
 #      ferrobatch's kernel vs FlashAttention-2 (session 30)   -> attention_bandwidth.*, prefill_attention.*
@@ -80,7 +80,7 @@ $PY -c "import pytest_timeout" >/dev/null 2>&1 && timeout_flag=(--timeout 120)
 
 budget=${GPU_CHECK_BUDGET_S:-540}
 steps=${GPU_CHECK_STEPS:-tests,bench,small,8b,ablation,phases,profile,splits,hf,hf8b,sanitizer,spec,hfcb,chat}
-tests=${GPU_CHECK_TESTS:-tests/gpu}
+tests=${GPU_CHECK_TESTS:-tests/gpu tests/model/test_lora_runner.py}
 want() { [[ ",$steps," == *",$1,"* ]]; }
 declare -A status
 run_step() {  # name timeout_s logfile cmd...

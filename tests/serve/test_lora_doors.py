@@ -175,3 +175,18 @@ async def test_runtime_routes_are_off_unless_allowed(loaded_smollm2):
     finally:
         await stop_server(r)
 
+
+
+async def test_metrics_name_the_adapters(real, sdk):
+    await sdk.completions.create(model="poet", prompt=PROMPT, max_tokens=2)
+    async with aiohttp.ClientSession() as s:
+        text = await (await s.get(real.base + "/metrics")).text()
+    line = next(x for x in text.splitlines() if x.startswith("ferrobatch_lora_requests_info{"))
+    assert 'max_lora="2"' in line and 'running_lora_adapters=""' in line
+    loads = next(x for x in text.splitlines() if x.startswith("ferrobatch_lora_adapter_loads"))
+    assert float(loads.split()[-1]) >= 2
+    engine = real.engine
+    stream = engine.add_request(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True),
+                                lora_request=engine.loras.served["coder"])
+    assert engine.stats()["lora"]["running"] == ["coder"]
+    stream.abort()

@@ -280,6 +280,12 @@ class AsyncEngine:
         s["num_open_requests"] = len(self._requests)
         s["num_unscheduled_requests"] = len(self._unscheduled)
         s["num_lora_waiting_requests"] = len(self._lora_waiting)
+        loras = self.loras
+        if loras is not None:
+            s["lora"] = {"max_loras": loras.max_loras, "loads_total": loras.loads,
+                         "evictions_total": loras.evictions,
+                         "running": sorted(e["name"] for e in loras.loaded() if e["refs"]),
+                         "waiting": sorted({st.lora.lora_name for st in self._lora_waiting})}
         s["num_guided_requests_total"] = self.counters["guided"]
         s["num_probe_prompt_tokens_total"] = self.counters["probe_prompt_tokens"]
         guided = getattr(self._core, "_guided", None)

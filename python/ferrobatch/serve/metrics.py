@@ -83,6 +83,19 @@ class _SchedulerCollector:
                       "regex or choice).", s.get("num_guided_requests_total", 0))
         yield gauge("guided_grammars_cached", "Compiled guided-decoding grammars kept for reuse.",
                     s.get("num_guided_grammars_cached", 0))
+        lora = s.get("lora")
+        if lora is not None:        # vLLM's gauge: the adapters in the labels, the value 1
+            names = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
+            info = GaugeMetricFamily("ferrobatch_lora_requests_info", "LoRA adapters of running "
+                                     "and waiting requests, in the labels (the value is 1).",
+                                     labels=labels + list(names))
+            info.add_metric([self._model, str(lora["max_loras"]), ",".join(lora["running"]),
+                             ",".join(lora["waiting"])], 1.0)
+            yield info
+            yield counter("lora_adapter_loads", "LoRA adapters read into a slot (a reload "
+                          "after an eviction counts again).", lora["loads_total"])
+            yield counter("lora_adapter_evictions", "Idle LoRA adapters evicted to make room "
+                          "for another.", lora["evictions_total"])
         config = getattr(self._engine, "kv_cache_config", lambda: None)()
         if config is not None:
             names = ("block_size", "num_blocks", "cache_dtype")
