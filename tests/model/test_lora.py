@@ -164,6 +164,45 @@ def test_waiting_request_aborted_or_failed_leaves_nothing(llm, adapters, tmp_pat
     llm._run(engine.check_idle_clean())
 
 
+def test_a_waiting_adapter_is_not_starved_by_busy_ones(llm, adapters):
+    """Two slots held by running requests (qv ends after 40 tokens, all after 160); a request
+    for a third adapter waits, and new qv requests arriving after it (that alone would keep qv
+    busy past 160 tokens) queue behind it: qv, the least recently used adapter, drains at 40 and
+    the waiting request runs then, long before all's request ends."""
+    engine = llm.engine
+
+    def params(n):
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                              output_kind="final")
+
+    async def run():
+        import asyncio
+        finished = []
+
+        async def drain(name, stream):
+            out = [o async for o in stream][-1]
+            finished.append(name)
+            return out
+        qv, everything, rs = (adapters[n][0] for n in ("qv", "all", "rs"))
+        tasks = [asyncio.ensure_future(drain("qv-40", engine.add_request(
+                     PROMPTS[0], params(40), lora_request=qv))),
+                 asyncio.ensure_future(drain("all-160", engine.add_request(
+                     PROMPTS[1], params(160), lora_request=everything)))]
+        await asyncio.sleep(0.2)
+        tasks.append(asyncio.ensure_future(drain("rs", engine.add_request(
+            PROMPTS[2], params(4), lora_request=rs))))
+        assert engine.stats()["num_lora_waiting_requests"] == 1
+        tasks += [asyncio.ensure_future(drain(f"qv-{n}", engine.add_request(
+            PROMPTS[0], params(n), lora_request=qv))) for n in (170, 180)]
+        assert engine.stats()["num_lora_waiting_requests"] == 3
+        await asyncio.gather(*tasks)
+        return finished
+    finished = llm._run(run())
+    assert finished.index("rs") < finished.index("all-160"), finished
+    assert finished[-2:] == ["qv-170", "qv-180"]
+    llm._run(engine.check_idle_clean())
+
+
 def test_same_id_for_another_adapter_is_refused(llm, adapters):
     qv = adapters["qv"][0]
     _greedy(llm, [0], qv)

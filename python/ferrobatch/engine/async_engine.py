@@ -413,8 +413,11 @@ class AsyncEngine:
                                  f"embedding size ({hidden})")
             state.pooling = pooling
         state.lora = lora_request
+        # behind requests that wait for a LoRA slot: FIFO (lora_registry.must_queue)
+        queue = {"lora_queue": True} if lora_request is not None and self._lora_waiting and \
+            self.loras is not None and self.loras.must_queue(lora_request.lora_int_id) else {}
         try:
-            core.submit(req_id, ids, params, max_tokens, state)   # may raise QueueFullError
+            core.submit(req_id, ids, params, max_tokens, state, **queue)  # QueueFullError...
         except LoraSlotsBusyError:
             # every slot holds an adapter of a running request: wait for one (FIFO), accepted
             self._lora_waiting.append(state)
@@ -546,7 +549,7 @@ class AsyncEngine:
             return
         if st in self._lora_waiting:   # never reached the scheduler (no tokens yet): end it here
             self._lora_waiting.remove(st)
-            self._end_locally(st, reason, None)
+            self._end_locally(st, reason, None)      # (its release submits those behind it)
             return
         if seq_index == -1:
             if st.abort_sent:

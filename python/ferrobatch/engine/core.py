@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ferrobatch.config import EngineConfig
-from ferrobatch.engine.errors import QueueFullError
+from ferrobatch.engine.errors import LoraSlotsBusyError, QueueFullError
 from ferrobatch.engine.pooling import PoolingState, pooled_embeddings, pooling_rows
 from ferrobatch.engine.step_rows import rows_of_requests
 from ferrobatch.runtime.cpu_threads import torch_single_threaded
@@ -245,7 +245,10 @@ class EngineCore:
         return self._guided
 
     def submit(self, req_id: int, ids: list[int], p: SamplingParams, max_tokens: int,
-               state: Any) -> None:
+               state: Any, *, lora_queue: bool = False) -> None:
+        """Hands a validated request to the scheduler (ValueError for one it cannot serve).
+        A LoRA request raises LoraSlotsBusyError, holding nothing, when its adapter finds no
+        slot, or at once with ``lora_queue`` (the engine keeps it waiting, in order)."""
         guides = self.guided.sequences(p) if p.is_guided else None   # ValueError if unusable
         lora = getattr(state, "lora", None)            # a LoRARequest
         if lora is not None and self.loras is None:
@@ -278,6 +281,8 @@ class EngineCore:
             salt = f"pooling/{req_id}"
         try:
             if lora is not None:    # ValueError / LoraSlotsBusyError: nothing held
+                if lora_queue:
+                    raise LoraSlotsBusyError("requests wait for a LoRA slot ahead of this one")
                 slot = self.loras.acquire(lora)
                 self._lora_of = {**self._lora_of, req_id: (slot, lora.lora_int_id)}
             self.intake.submit(

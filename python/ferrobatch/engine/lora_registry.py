@@ -75,6 +75,13 @@ class LoraRegistry:
         entry.refs += 1
         return entry.slot
 
+    def must_queue(self, lora_int_id: int) -> bool:
+        """While requests wait for a slot: does a new request for adapter ``lora_int_id`` queue
+        behind them? Yes unless its adapter is loaded and not the least recently used one (that
+        one is left to drain, so that a slot frees even when every adapter has steady traffic;
+        its new requests queue behind the ones waiting)."""
+        return lora_int_id not in self._loaded or next(iter(self._loaded)) == lora_int_id
+
     def release(self, lora_int_id: int) -> None:
         """A request holding adapter ``lora_int_id`` is done with it."""
         entry = self._loaded.get(lora_int_id)
