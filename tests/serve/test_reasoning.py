@@ -86,6 +86,31 @@ async def test_chat_serves_reasoning_content_whole_and_streamed(fake_server):
             assert (await resp.json())["choices"][0]["text"] == "a</think>b"
 
 
+@pytest.mark.parametrize("fake_server", [{"reasoning_parser": "deepseek_r1"}], indirect=True)
+async def test_a_guided_reply_is_split_too(fake_server):
+    """A guided reply reasons first (its grammar applies after `</think>`: engine side in
+    tests/guided/test_after_reasoning.py), so the route splits it like any other; the engine is
+    told which parser (`add_request(reasoning_parser=...)`)."""
+    seen = []
+    add_request = fake_server.engine.add_request
+
+    def spy(*args, **kw):
+        seen.append(kw.get("reasoning_parser"))
+        return add_request(*args, **kw)
+    async def no_grammar(*args, **kw):      # FakeCore compiles no grammar (nor applies one)
+        return None
+    fake_server.engine.add_request = spy
+    fake_server.engine.prepare = no_grammar
+    body = {"messages": [{"role": "user", "content": "ponder</think>\n\n{}"}],
+            "max_tokens": len("<user>ponder</think>\n\n{}"),
+            "response_format": {"type": "json_object"}}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(fake_server.base + "/v1/chat/completions", json=body) as resp:
+            message = (await resp.json())["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "{}", "reasoning_content": "<user>ponder"}
+    assert seen == ["deepseek_r1"]
+
+
 @pytest.mark.parametrize("fake_server", [{}], indirect=True)
 async def test_without_a_parser_the_reply_is_all_content(fake_server):
     async with aiohttp.ClientSession() as s:

@@ -40,6 +40,7 @@ from ferrobatch.engine.inputs import (
 from ferrobatch.engine.observer import EngineObserver, FinishedRequest
 from ferrobatch.engine.request_state import FINISH_STOP, LogprobMismatch, RequestState
 from ferrobatch.engine.step_loop import StepLoop
+from ferrobatch.guided.after_reasoning import PARSERS as REASONING_PARSERS
 from ferrobatch.lora_request import LoRARequest
 from ferrobatch.model.tokenizer import LONG_TEXT_CHARS
 from ferrobatch.outputs import RequestOutput
@@ -344,12 +345,15 @@ class AsyncEngine:
                     chat_options: dict[str, Any] | None = None,
                     pooling: PoolingParams | None = None,
                     lora_request: LoRARequest | None = None,
+                    reasoning_parser: str | None = None,
                     _probe: bool = False) -> RequestStream:
         """Validate, tokenize and submit; raises ValueError (bad input), QueueFullError or
         EngineDeadError before anything is allocated. `messages` are rendered by the chat
         template, with `chat_options` (`render_chat`'s keywords) if given. With `pooling` the
         final output also carries the prompt's embedding (`embed` is the short way). With
-        `lora_request` the request runs with that LoRA adapter (`enable_lora`)."""
+        `lora_request` the request runs with that LoRA adapter (`enable_lora`). With
+        `reasoning_parser` ("deepseek_r1", "qwen3") a guided request's grammar applies only
+        after the reply's reasoning (`guided/after_reasoning.py`)."""
         if not self.is_running:
             raise EngineDeadError(self.dead_reason or "the engine is not started")
         params = params if params is not None else SamplingParams()
@@ -357,6 +361,9 @@ class AsyncEngine:
             raise TypeError("params must be a SamplingParams")
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise TypeError("lora_request must be a LoRARequest")
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: "
+                             f"{', '.join(REASONING_PARSERS)}")
         if request_id is not None and (not isinstance(request_id, str) or not request_id
                                        or len(request_id) > 256):
             raise ValueError("request_id must be a non-empty string of at most 256 characters")
@@ -413,6 +420,7 @@ class AsyncEngine:
                                  f"embedding size ({hidden})")
             state.pooling = pooling
         state.lora = lora_request
+        state.reasoning_parser = reasoning_parser
         # behind requests that wait for a LoRA slot: FIFO (lora_registry.must_queue)
         queue = {"lora_queue": True} if lora_request is not None and self._lora_waiting and \
             self.loras is not None and self.loras.must_queue(lora_request.lora_int_id) else {}

@@ -250,6 +250,9 @@ class EngineCore:
         A LoRA request raises LoraSlotsBusyError, holding nothing, when its adapter finds no
         slot, or at once with ``lora_queue`` (the engine keeps it waiting, in order)."""
         guides = self.guided.sequences(p) if p.is_guided else None   # ValueError if unusable
+        thinking = getattr(state, "reasoning_parser", None)
+        if guides and thinking is not None:            # the grammar applies after the reasoning
+            guides = self.guided.after_reasoning(guides, thinking)
         lora = getattr(state, "lora", None)            # a LoRARequest
         if lora is not None and self.loras is None:
             raise ValueError("this engine serves no LoRA adapters (start it with "

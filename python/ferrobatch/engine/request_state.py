@@ -63,7 +63,8 @@ class RequestState:
                  "scheduled_time", "first_token_time", "last_token_time", "finish_time",
                  "num_generated", "final_emitted", "extras", "defer_text", "version",
                  "seen_version", "prompt_logprobs", "prompt_logprobs_missing",
-                 "prompt_logprobs_sent", "num_cached_tokens", "pooling", "embedding", "lora")
+                 "prompt_logprobs_sent", "num_cached_tokens", "pooling", "embedding", "lora",
+                 "reasoning_parser")
 
     def __init__(self, req_id: int, request_id: str, prompt: str | None,
                  prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
@@ -95,6 +96,7 @@ class RequestState:
         self.seen_version = 0
         self.pooling: Any = None      # an embedding request's PoolingParams
         self.lora: Any = None         # the LoRARequest it runs with, or None
+        self.reasoning_parser: str | None = None  # guided: the grammar starts after reasoning
         self.embedding: Any = None    # its pooled vector (float32), once computed
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.prompt_logprobs_missing = 0

@@ -14,6 +14,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from ferrobatch.guided.gbnf import gbnf_to_regex
 from ferrobatch.guided.json_schema import choice_to_regex, schema_to_regex
 from ferrobatch.sampling_params import SamplingParams
@@ -68,6 +70,7 @@ class GuidedCompiler:
         self._grammars: OrderedDict[str, Any] = OrderedDict()
         self._patterns: OrderedDict[str, str] = OrderedDict()   # guided field -> its regex
         self._lock = threading.Lock()
+        self._think_ids: Any = None          # the ids whose bytes are `<think>` (made once)
 
     def _vocabulary(self) -> Any:
         if self._vocab is None:
@@ -154,6 +157,15 @@ class GuidedCompiler:
             raise ValueError("no token of this model's vocabulary can start an output the "
                              "guided decoding field allows")
         return [first] + [first.copy() for _ in range(params.n - 1)]
+
+    def after_reasoning(self, guides: list[Any], parser: str) -> list[Any]:
+        """`guides` (one request's `sequences`) wrapped to apply after the reply's reasoning
+        (`guided/after_reasoning.py`; `parser`: "deepseek_r1" or "qwen3")."""
+        from ferrobatch.guided.after_reasoning import THINK_START, AfterReasoning
+        if self._think_ids is None:
+            self._think_ids = np.asarray([i for i, b in enumerate(self._token_bytes or ())
+                                          if b == THINK_START], dtype=np.int64)
+        return [AfterReasoning(g, parser, self._token_bytes, self._think_ids) for g in guides]
 
     def num_cached(self) -> int:
         with self._lock:

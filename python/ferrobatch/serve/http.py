@@ -92,8 +92,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat(body, state.model_names, hermes_tools=state.hermes_tools)
     req.id = object_id(request, "chatcmpl-", req.id)
     req.lora = lora_for(state, req.model)
-    if not req.params.is_guided:          # a grammar shapes the whole reply: no <think> part
-        req.reasoning_parser = state.reasoning_parser
+    # a guided reply's grammar applies after its reasoning (guided/after_reasoning.py)
+    req.reasoning_parser = state.reasoning_parser
     req.beam = beam_params_of(body, req.params)
     return await _serve(request, req)
 
@@ -113,7 +113,8 @@ async def _serve(request: web.Request, req: OpenAIRequest) -> web.StreamResponse
         if req.kind == "chat":
             streams.append(engine.add_request(None, req.params, messages=req.messages,
                                               chat_options=req.chat_template,
-                                              lora_request=req.lora))
+                                              lora_request=req.lora,
+                                              reasoning_parser=req.reasoning_parser))
         else:
             for p in req.prompts:
                 streams.append(engine.add_request(p, req.params, lora_request=req.lora))

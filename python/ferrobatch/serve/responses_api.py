@@ -79,13 +79,14 @@ async def responses(request: web.Request) -> web.StreamResponse:
     req = parse_responses(await read_json(request), state.model_names,
                           hermes_tools=state.hermes_tools)
     req.id = object_id(request, "resp_", req.id)
-    if not req.params.is_guided:          # a grammar shapes the whole reply: no <think> part
-        req.reasoning_parser = state.reasoning_parser
+    # a guided reply's grammar applies after its reasoning (guided/after_reasoning.py)
+    req.reasoning_parser = state.reasoning_parser
     engine = state.engine
     await engine.prepare(req.params, messages=req.messages, chat_options=req.chat_options)
     stream = engine.add_request(None, req.params, messages=req.messages,
                                 chat_options=req.chat_options,
-                                lora_request=lora_for(state, req.model))
+                                lora_request=lora_for(state, req.model),
+                                reasoning_parser=req.reasoning_parser)
     try:
         if req.stream:
             return await _stream(request, req, stream)
