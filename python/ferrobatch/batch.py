@@ -5,7 +5,7 @@ Each input line is one request,
     {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
 
 with `url` one of `/v1/chat/completions`, `/v1/completions`, `/v1/responses`,
-`/v1/embeddings`. Every request goes through the very HTTP routes `ferrobatch serve` runs (a
+`/v1/embeddings`, `/v1/score`, `/v1/rerank`. Every request goes through the very HTTP routes `ferrobatch serve` runs (a
 server on an ephemeral loopback port,
 inside this process), all of them in flight at once up to `concurrency`, so continuous batching
 packs them as it packs live traffic. Each output line answers one input line, in the order
@@ -32,7 +32,8 @@ from typing import Any
 
 import aiohttp
 
-URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
+        "/v1/score", "/v1/rerank")
 DEFAULT_CONCURRENCY = 256
 MAX_LINE_BYTES = 1 << 20          # as the server's largest body
 

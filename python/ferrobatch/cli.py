@@ -270,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=_HelpFormatter,
                        description="Each input line is {\"custom_id\", \"method\": \"POST\", "
                        "\"url\": \"/v1/chat/completions\" | \"/v1/completions\" | "
-                       "\"/v1/responses\", \"body\"}; each output line answers one, in the "
+                       "\"/v1/responses\" | \"/v1/embeddings\" | \"/v1/score\" | "
+                       "\"/v1/rerank\", \"body\"}; each output line answers one, in the "
                        "order they finish (match them by custom_id).")
     b.add_argument("-i", "--input", required=True, help="the requests, one JSON per line "
                    "('-': stdin)")

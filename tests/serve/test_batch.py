@@ -20,14 +20,16 @@ async def test_every_line_gets_one_answer(fake_server):
     lines += [line("chat", "/v1/chat/completions", max_tokens=4,
                    messages=[{"role": "user", "content": "hi"}]),
               line("resp", "/v1/responses", input="hi", max_output_tokens=2),
+              line("score", "/v1/score", text_1="ab", text_2=["ab", "cd"]),
+              line("rerank", "/v1/rerank", query="ab", documents=["cd", "ab"]),
               line("bad-body", "/v1/completions", prompt="x", max_tokens=0),
               line("stream", "/v1/completions", prompt="x", stream=True),
               line("audio", "/v1/audio/transcriptions", input="x"),
               "{not json", "", "   ", json.dumps({"custom_id": 7, "url": "/v1/completions"})]
     out = []
     summary = await run_batch(engine, lines, out.append, concurrency=8, progress=False)
-    # blank lines are skipped: 47 requests, of which 5 are refused (one by the server)
-    assert summary.total == len(out) == 47 and summary.succeeded == 42 and summary.failed == 5
+    # blank lines are skipped: 49 requests, of which 5 are refused (one by the server)
+    assert summary.total == len(out) == 49 and summary.succeeded == 44 and summary.failed == 5
     by_id = {o["custom_id"]: o for o in out if o["custom_id"]}
     for i in range(40):                      # FakeCore echoes its prompt: p{i} -> "p{i}"[:3]
         r = by_id[f"c{i}"]["response"]
@@ -35,6 +37,8 @@ async def test_every_line_gets_one_answer(fake_server):
         assert r["request_id"] == r["body"]["id"]
     assert by_id["chat"]["response"]["body"]["object"] == "chat.completion"
     assert by_id["resp"]["response"]["body"]["object"] == "response"
+    assert abs(by_id["score"]["response"]["body"]["data"][0]["score"] - 1.0) < 1e-6
+    assert by_id["rerank"]["response"]["body"]["results"][0]["index"] == 1
     bad = by_id["bad-body"]["response"]
     assert bad["status_code"] == 400 and "max_tokens" in bad["body"]["error"]["message"]
     assert by_id["stream"]["error"]["code"] == "invalid_request"

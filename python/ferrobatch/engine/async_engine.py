@@ -39,6 +39,8 @@ from ferrobatch.engine.inputs import (
 )
 from ferrobatch.engine.observer import EngineObserver, FinishedRequest
 from ferrobatch.engine.request_state import FINISH_STOP, LogprobMismatch, RequestState
+from ferrobatch.engine.scoring import ScoringRequestOutput, pairs_of
+from ferrobatch.engine.scoring import score as score_pairs
 from ferrobatch.engine.step_loop import StepLoop
 from ferrobatch.guided.after_reasoning import PARSERS as REASONING_PARSERS
 from ferrobatch.lora_request import LoRARequest
@@ -514,6 +516,16 @@ class AsyncEngine:
         finally:
             stream.abort()
         return EmbeddingRequestOutput.of(last)
+
+    async def score(self, text_1: Any, text_2: Any, pooling: PoolingParams | None = None, *,
+                    truncate_prompt_tokens: int | None = None,
+                    lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's scoring for embedding models: the cosine similarity of each pair's
+        embeddings (`engine/scoring.py`; one text against a list, or two lists pairwise).
+        ValueError for bad input."""
+        return await score_pairs(self, pairs_of(text_1, text_2), pooling,
+                                 truncate_prompt_tokens=truncate_prompt_tokens,
+                                 lora_request=lora_request)
 
     async def beam_search(self, prompt: Prompt | None, params: BeamSearchParams, *,
                           messages: Any = None, chat_options: dict[str, Any] | None = None,

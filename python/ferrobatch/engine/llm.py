@@ -23,6 +23,7 @@ from typing import Any
 from ferrobatch.config import EngineConfig
 from ferrobatch.engine.async_engine import AsyncEngine
 from ferrobatch.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from ferrobatch.engine.scoring import ScoringRequestOutput
 from ferrobatch.lora_request import LoRARequest
 from ferrobatch.outputs import RequestOutput
 from ferrobatch.pooling_params import EmbeddingRequestOutput, PoolingParams
@@ -195,6 +196,21 @@ class LLM:
             return [EmbeddingRequestOutput.of(out) for out in outs]
 
         return self._run(run())
+
+    def score(self, text_1: Any, text_2: Any, pooling_params: PoolingParams | None = None, *,
+              truncate_prompt_tokens: int | None = None,
+              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's `LLM.score` for embedding models: one `ScoringRequestOutput` per pair,
+        `outputs.score` the cosine similarity of the two texts' embeddings. `text_1` is one
+        text (scored against each of `text_2`) or a list as long as `text_2` (pairwise); a
+        text is a string or token ids."""
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise TypeError("pooling_params must be a PoolingParams")
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise TypeError("lora_request must be a LoRARequest")
+        return self._run(self.engine.score(text_1, text_2, pooling_params,
+                                           truncate_prompt_tokens=truncate_prompt_tokens,
+                                           lora_request=lora_request))
 
     def beam_search(self, prompts: Any, params: BeamSearchParams, *,
                     use_tqdm: bool = False,

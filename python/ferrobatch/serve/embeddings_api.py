@@ -22,16 +22,18 @@ from aiohttp import web
 from ferrobatch.serve.http import read_json
 from ferrobatch.serve.lora_api import lora_for
 from ferrobatch.serve.openai_protocol import check_model
-from ferrobatch.serve.protocol import ProtocolError, pooling_params_from
+from ferrobatch.serve.protocol import (
+    ProtocolError,
+    is_int,
+    pooling_params_from,
+    truncate_prompt_tokens_of,
+)
 from ferrobatch.serve.request_ids import object_id
 from ferrobatch.serve.state import STATE
 
 MAX_INPUTS = 2048
 MAX_IN_FLIGHT = 256
 
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def parse_inputs(value: Any) -> list[Any]:
@@ -41,9 +43,9 @@ def parse_inputs(value: Any) -> list[Any]:
     if isinstance(value, list) and value:
         if all(isinstance(v, str) for v in value):
             return list(value)
-        if all(_is_int(v) for v in value):
+        if all(is_int(v) for v in value):
             return [value]
-        if all(isinstance(v, list) and v and all(_is_int(t) for t in v) for v in value):
+        if all(isinstance(v, list) and v and all(is_int(t) for t in v) for v in value):
             return list(value)
     raise ProtocolError("'input' must be a non-empty string, list of strings, list of token "
                         "ids or list of token-id lists", param="input")
@@ -70,10 +72,7 @@ async def embeddings(request: web.Request) -> web.Response:
         raise ProtocolError("'encoding_format' must be \"float\" or \"base64\"",
                             param="encoding_format")
     pooling = pooling_params_from(body)
-    truncate = body.get("truncate_prompt_tokens")
-    if truncate is not None and not _is_int(truncate):
-        raise ProtocolError("'truncate_prompt_tokens' must be an integer",
-                            param="truncate_prompt_tokens")
+    truncate = truncate_prompt_tokens_of(body)
     engine = state.engine
     lora = lora_for(state, model)
     gate = asyncio.Semaphore(MAX_IN_FLIGHT)

@@ -399,3 +399,5 @@ def add_routes(app: web.Application) -> None:
     from ferrobatch.serve.tokenizer_routes import add_tokenizer_routes
     add_tokenizer_routes(app)
     add_lora_routes(app, app[STATE].allow_runtime_lora)
+    from ferrobatch.serve.score_api import add_score_routes
+    add_score_routes(app)

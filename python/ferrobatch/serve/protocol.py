@@ -54,7 +54,8 @@ class ProtocolError(ValueError):
         self.close_connection = close_connection      # HTTP: answer with Connection: close
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
+    """An int that is not a bool (JSON / msgpack true is not 1 here)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -110,7 +111,7 @@ def sampling_params_from(fields: dict[str, Any], *, defaults: dict[str, Any] | N
         if name not in fields or fields[name] is None:
             continue
         v = fields[name]
-        if name in INT_FIELDS and not _is_int(v):
+        if name in INT_FIELDS and not is_int(v):
             raise ProtocolError(f"'{name}' must be an integer", param=name)
         if name in NUM_FIELDS and (isinstance(v, bool) or not isinstance(v, (int, float))):
             raise ProtocolError(f"'{name}' must be a number", param=name)
@@ -123,7 +124,7 @@ def sampling_params_from(fields: dict[str, Any], *, defaults: dict[str, Any] | N
                 raise ProtocolError("'stop' must be a string or a list of strings", param=name)
             v = tuple(v)
         if name in ("stop_token_ids", "allowed_token_ids"):
-            if not isinstance(v, list) or not all(_is_int(t) for t in v):
+            if not isinstance(v, list) or not all(is_int(t) for t in v):
                 raise ProtocolError(f"'{name}' must be a list of integers", param=name)
             v = tuple(v)
         if name == "cache_salt" and not isinstance(v, str):
@@ -233,10 +234,20 @@ def pooling_params_from(fields: dict[str, Any]) -> PoolingParams:
         raise ProtocolError(str(exc), param=str(exc).split()[0]) from None
 
 
+def truncate_prompt_tokens_of(fields: dict[str, Any]) -> int | None:
+    """The `truncate_prompt_tokens` of a pooling request's fields (None when absent); a
+    non-integer is a ProtocolError (the range is checked with the prompt)."""
+    truncate = fields.get("truncate_prompt_tokens")
+    if truncate is not None and not is_int(truncate):
+        raise ProtocolError("'truncate_prompt_tokens' must be an integer",
+                            param="truncate_prompt_tokens")
+    return truncate
+
+
 def check_id(v: Any) -> str | int:
     if isinstance(v, str) and 0 < len(v) <= MAX_ID_LEN:
         return v
-    if _is_int(v) and -(2**63) <= v < 2**64:
+    if is_int(v) and -(2**63) <= v < 2**64:
         return v
     raise ProtocolError(f"'id' must be a non-empty string (<= {MAX_ID_LEN} chars) or an integer")
 
@@ -248,7 +259,7 @@ def parse_message(msg: Any) -> tuple[str, Any]:
     kind = msg.get("type")
     if kind == "hello":
         version = msg.get("version")
-        if not _is_int(version) or version != PROTOCOL_VERSION:      # true == 1 in Python
+        if not is_int(version) or version != PROTOCOL_VERSION:      # true == 1 in Python
             raise ProtocolError(f"unsupported protocol version {version!r}; this server speaks "
                                 f"version {PROTOCOL_VERSION}")
         key = msg.get("api_key")
@@ -295,11 +306,8 @@ def parse_message(msg: Any) -> tuple[str, Any]:
         if unknown:
             raise ProtocolError(f"unknown embedding field(s): {', '.join(unknown)} (known: "
                                 f"{', '.join(EMBED_FIELDS)})")
-        truncate = params.get("truncate_prompt_tokens")
-        if truncate is not None and not _is_int(truncate):
-            raise ProtocolError("'truncate_prompt_tokens' must be an integer",
-                                param="truncate_prompt_tokens")
-        return "embed", EmbedMsg(rid, prompt, pooling_params_from(params), truncate,
+        return "embed", EmbedMsg(rid, prompt, pooling_params_from(params),
+                                 truncate_prompt_tokens_of(params),
                                  msg.get("model"))
     raise ProtocolError(f"unknown message type {kind!r}; expected hello, generate, embed or "
                         "cancel")
