@@ -59,3 +59,34 @@ def merge_into(hf_model, pairs: dict, scale: float) -> None:
             block = hf_model.model.layers[layer]
             linear = getattr(block.self_attn if module in ATTN else block.mlp, module)
             linear.weight += scale * (b @ a)
+
+
+GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+def write_gguf_lora(path: str, cfg, pairs: dict, alpha: float, *, arch: str = "llama",
+                    f16: bool = False, adapter_type: str = "lora") -> None:
+    """The GGUF LoRA file llama.cpp's `convert_lora_to_gguf.py` writes for `pairs` (as
+    `write_peft_adapter` returns them): `blk.{i}.{name}.weight.lora_a / .lora_b`, B's rows of
+    attn_q / attn_k permuted as the converter permutes them for llama."""
+    import gguf
+    import numpy as np
+
+    from ferrobatch.model.gguf_loader import llama_permute
+
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", adapter_type)
+    writer.add_float32("adapter.lora.alpha", float(alpha))
+    for (layer, module), (a, b) in sorted(pairs.items()):
+        if arch == "llama" and module in ("q_proj", "k_proj"):
+            b = llama_permute(b, cfg.num_heads if module == "q_proj" else cfg.num_kv_heads)
+        base = f"blk.{layer}.{GGUF_NAMES[module]}.weight"
+        for suffix, t in (("lora_a", a), ("lora_b", b)):
+            array = t.numpy().astype(np.float16 if f16 else np.float32)
+            writer.add_tensor(f"{base}.{suffix}", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -341,3 +341,45 @@ def test_stacked_step_equals_each_rows_own_adapter():
     assert lora_step(slots.stacked, starts, [0] * 7, torch.device("cpu")) is None
     slots.clear(3)
     assert slots.stacked.slots == (2, 4) and slots.stacked.widths["o_proj"] == 3
+
+
+@pytest.mark.parametrize("f16", [False, True])
+def test_a_gguf_lora_file_reads_as_its_peft_directory(tmp_path, loaded_smollm2, f16):
+    """The same adapter as a PEFT directory and as the GGUF file llama.cpp's converter writes
+    (B of q / k permuted for llama's rotary layout, alpha in the metadata): the same matrices
+    (float16's rounding apart), so the same outputs."""
+    from lora_files import write_gguf_lora
+
+    from ferrobatch.model.lora_adapter import read_lora_adapter
+    cfg = loaded_smollm2.config
+    pairs = write_peft_adapter(str(tmp_path / "peft"), cfg, targets=ATTN + MLP, r=4, alpha=8,
+                               layers=[0, 3])
+    write_gguf_lora(str(tmp_path / "a.gguf"), cfg, pairs, 8, f16=f16)
+    peft = read_lora_adapter(str(tmp_path / "peft"), cfg)
+    gguf = read_lora_adapter(str(tmp_path / "a.gguf"), cfg)
+    assert gguf.modules == peft.modules and gguf.rank == peft.rank == 4
+    tol = dict(rtol=2e-3, atol=2e-4) if f16 else dict(rtol=1e-6, atol=1e-7)
+    for layer in (0, 3):
+        for module, w in peft.layers[layer].items():
+            torch.testing.assert_close(gguf.layers[layer][module].a_t, w.a_t, **tol)
+            torch.testing.assert_close(gguf.layers[layer][module].b_t, w.b_t, **tol)
+
+
+def test_gguf_files_that_are_not_this_models_lora_are_refused(tmp_path, loaded_smollm2,
+                                                              smollm2_gguf_path):
+    from lora_files import write_gguf_lora
+
+    from ferrobatch.model.lora_adapter import read_lora_adapter
+    cfg = loaded_smollm2.config
+    pairs = write_peft_adapter(str(tmp_path / "peft"), cfg, layers=[0])
+    with pytest.raises(ValueError, match="not a GGUF LoRA adapter"):
+        read_lora_adapter(smollm2_gguf_path, cfg)            # the model itself
+    write_gguf_lora(str(tmp_path / "qwen.gguf"), cfg, pairs, 16, arch="qwen2")
+    with pytest.raises(ValueError, match="architecture 'qwen2'"):
+        read_lora_adapter(str(tmp_path / "qwen.gguf"), cfg)
+    write_gguf_lora(str(tmp_path / "cvec.gguf"), cfg, pairs, 16, adapter_type="control_vector")
+    with pytest.raises(ValueError, match="not a GGUF LoRA adapter"):
+        read_lora_adapter(str(tmp_path / "cvec.gguf"), cfg)
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf")
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        read_lora_adapter(str(tmp_path / "junk.gguf"), cfg)

@@ -1,4 +1,5 @@
-"""Reading a LoRA adapter in Hugging Face PEFT's format for a loaded llama-family model.
+"""Reading a LoRA adapter (Hugging Face PEFT's format, or llama.cpp's GGUF: `gguf_lora.py`) for
+a loaded llama-family model.
 
 A PEFT directory holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``, ...)
 and ``adapter_model.safetensors`` with, per adapted linear layer ``W [out, in]``, the matrices
@@ -22,6 +23,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -139,14 +141,28 @@ def read_adapter_config(path: str) -> dict:
 def read_lora_adapter(path: str, config: ModelConfig, *, max_rank: int = 64,
                       dtype: torch.dtype = torch.float32,
                       device: torch.device | str = "cpu") -> LoraAdapter:
-    """The PEFT adapter at ``path`` for a model of ``config``, as ``dtype`` on ``device``.
+    """The adapter at ``path`` for a model of ``config``, as ``dtype`` on ``device``: a PEFT
+    directory, or a llama.cpp GGUF LoRA file (``.gguf``, what ``convert_lora_to_gguf.py``
+    writes; ``gguf_lora.py``).
 
     Raises ValueError for anything it cannot apply exactly: a missing or pickle-only checkpoint,
     an unknown tensor, a shape that does not fit the model, a rank above ``max_rank``."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if path.endswith(".gguf") and os.path.isfile(path):
+        from ferrobatch.model.gguf_lora import read_gguf_lora
+        pairs, scale_of = read_gguf_lora(path, config)
+    else:
+        pairs, scale_of = _read_peft(path, config)
+    if not pairs:
+        raise ValueError(f"LoRA adapter {path!r} holds no LoRA matrices")
+    return _assemble(path, config, pairs, scale_of, max_rank, dtype, device)
+
+
+def _read_peft(path: str, config: ModelConfig) -> tuple[dict, Callable[[str, int], float]]:
+    """A PEFT directory's ``{(layer, HF module): {"A": a, "B": b}}`` and its scale rule."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    path = os.path.abspath(os.path.expanduser(path))
     cfg = read_adapter_config(path)
     weights_path = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(weights_path):
@@ -170,10 +186,20 @@ def read_lora_adapter(path: str, config: ModelConfig, *, max_rank: int = 64,
             raise ValueError(f"LoRA adapter {path!r}: tensor {key!r} names layer {layer}; the "
                              f"model has {config.num_layers}")
         pairs.setdefault((layer, module), {})[which] = tensor
-    if not pairs:
-        raise ValueError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} holds no LoRA matrices")
-    shapes = _module_shapes(config)
     use_rslora = bool(cfg.get("use_rslora", False))
+
+    def scale_of(name: str, rank: int) -> float:
+        alpha = float(_pattern_value(cfg.get("alpha_pattern"), name, cfg["lora_alpha"]))
+        return alpha / (math.sqrt(rank) if use_rslora else rank)
+    return pairs, scale_of
+
+
+def _assemble(path: str, config: ModelConfig, pairs: dict,
+              scale_of: Callable[[str, int], float], max_rank: int, dtype: torch.dtype,
+              device: torch.device | str) -> LoraAdapter:
+    """The A/B pairs of HF modules, checked against the model's shapes, as fused modules'
+    :class:`LoraWeights`, ``scale_of(module name, rank)`` folded into B."""
+    shapes = _module_shapes(config)
     adapter = LoraAdapter(path, 0, [{} for _ in range(config.num_layers)])
     grouped: dict[tuple[int, str], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
     for (layer, module), ab in sorted(pairs.items(), key=lambda kv: (
@@ -193,8 +219,7 @@ def read_lora_adapter(path: str, config: ModelConfig, *, max_rank: int = 64,
         if rank > max_rank:
             raise ValueError(f"LoRA adapter {path!r}: {name} has rank {rank}, above "
                              f"max_lora_rank {max_rank}")
-        alpha = float(_pattern_value(cfg.get("alpha_pattern"), name, cfg["lora_alpha"]))
-        scale = alpha / (math.sqrt(rank) if use_rslora else rank)
+        scale = scale_of(name, rank)
         adapter.rank = max(adapter.rank, rank)
         fused, _ = HF_MODULES[module]
         grouped.setdefault((layer, fused), []).append(
