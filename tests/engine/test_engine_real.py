@@ -179,6 +179,12 @@ def test_bad_input_is_rejected_before_any_work(real_llm):
         with pytest.raises(ValueError):
             real_llm.generate(prompt, params)
     assert engine.counters["accepted"] == before
+    for priority in ([1], [1, "2"], "12", [2**40, 0]):       # one 32-bit integer per prompt
+        with pytest.raises(ValueError, match="priority"):
+            real_llm.generate(["a", "b"], GREEDY, priority=priority)
+    assert engine.counters["accepted"] == before
+    outs = real_llm.generate(["a", "b"], GREEDY, priority=[3, -3])
+    assert [len(o.outputs) for o in outs] == [1, 1]
 
 
 def test_an_llm_used_after_close_says_so(loaded_smollm2, recwarn):

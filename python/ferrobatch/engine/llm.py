@@ -142,12 +142,14 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, params: Any = None,
                  prompt_token_ids: Any = None,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-                 ) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """One output per prompt, in order. A prompt is a string, a list of token ids, or
         vLLM's `{"prompt": ...}` / `{"prompt_token_ids": [...]}`; `params` is another name for
         `sampling_params`, `prompt_token_ids` vLLM's old way to pass token-id prompts.
-        `lora_request`: the LoRA adapter of every prompt, or one per prompt (`enable_lora`)."""
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (`enable_lora`);
+        `priority`: one per prompt (vLLM's; lower runs first under the "priority" policy),
+        replacing the params' own."""
         params = _one_params(sampling_params, params)
         if prompt_token_ids is not None:
             if prompts is not None:
@@ -165,6 +167,12 @@ class LLM:
             if len(plist) != len(prompts):
                 raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         plist = [p.replace(output_kind="final") for p in _salted(prompts, plist)]
+        if priority is not None:
+            if isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence) or \
+                    len(priority) != len(prompts):
+                raise ValueError(f"priority must be a list of one integer per prompt "
+                                 f"({len(prompts)})")
+            plist = [p.replace(priority=k) for p, k in zip(plist, priority)]
         loras = _loras_list(lora_request, len(prompts))
         prompts = [_prompt_of(p) for p in prompts]
         return self._run(self._generate_all(prompts, plist, None,
