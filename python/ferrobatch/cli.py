@@ -238,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
                    help="serve a chat reply's <think>...</think> part as reasoning_content "
                    "(deepseek_r1: the reply starts inside it; qwen3: when it opens with <think>)")
+    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="how the model writes its own tool calls, for tool_choice 'auto' "
+                   "(default: what its chat template asks for: Hermes <tool_call> blocks or "
+                   "Llama 3 JSON calls)")
     s.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                    help="the model id(s) clients use; the first is the one reported "
                    "(default: the model's name)")
@@ -323,7 +327,8 @@ async def _serve(a: argparse.Namespace) -> int:
                     allowed_origins=a.allowed_origins or frozenset(),
                     log_stats_interval_s=0.0 if a.disable_log_stats else a.log_stats_interval,
                     access_log=a.access_log, reasoning_parser=a.reasoning_parser,
-                    allow_runtime_lora=a.allow_runtime_lora)
+                    allow_runtime_lora=a.allow_runtime_lora,
+                    tool_call_parser=a.tool_call_parser)
     try:
         adapters = _serve_lora_modules(engine, a, server.state.base_model_names)
     except ValueError:

@@ -35,14 +35,14 @@ def test_the_template_decides():
     assert template_has_hermes_calls(QWEN_LIKE)
     assert not template_has_hermes_calls("{{ messages }}") and not template_has_hermes_calls(None)
     msgs = [{"role": "user", "content": "hi"}]
-    req = parse_chat({"messages": msgs, "tools": [WEATHER]}, "m", hermes_tools=True)
+    req = parse_chat({"messages": msgs, "tools": [WEATHER]}, "m", tool_parser="hermes")
     assert req.tools.mode == "auto" and not req.tools.forced
     assert req.params.guided_json is None                 # the output is the model's own
     assert req.chat_template["tools"] == [WEATHER]        # ... and the template sees the tools
     req = parse_chat({"messages": msgs, "tools": [WEATHER], "tool_choice": "auto",
-                      "response_format": {"type": "json_object"}}, "m", hermes_tools=True)
+                      "response_format": {"type": "json_object"}}, "m", tool_parser="hermes")
     assert req.tools.mode == "auto"                       # no clash: nothing is forced
-    with pytest.raises(ProtocolError, match="writes no <tool_call> blocks"):
+    with pytest.raises(ProtocolError, match="neither <tool_call> blocks nor Llama 3 JSON calls"):
         parse_chat({"messages": msgs, "tools": [WEATHER]}, "m")
 
 
@@ -167,7 +167,7 @@ def test_a_calls_chunk_keeps_the_text_that_came_with_it():
     """The last delta may hold both the end of the text and the block: the chunk carries both."""
     from ferrobatch.serve.openai_protocol import choice
     req = parse_chat({"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
-                      "stream": True}, "m", hermes_tools=True)
+                      "stream": True}, "m", tool_parser="hermes")
     _, calls = split_calls("Sure." + CALL, NAMES, complete=True)
     c = choice(req, 0, "Sure.", None, stream=True, tool_calls=calls)
     assert c["delta"]["content"] == "Sure." and c["delta"]["tool_calls"][0]["index"] == 0

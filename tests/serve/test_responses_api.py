@@ -194,7 +194,7 @@ def test_tool_turns_become_chat_messages_and_forced_choices_guide():
     with pytest.raises(ProtocolError, match="text.format"):
         parse_responses({"input": "x", "tools": [WEATHER], "tool_choice": "required",
                          "text": {"format": {"type": "json_object"}}}, "m")
-    auto = parse_responses({"input": "x", "tools": [WEATHER]}, "m", hermes_tools=True)
+    auto = parse_responses({"input": "x", "tools": [WEATHER]}, "m", tool_parser="hermes")
     assert auto.tools.mode == "auto" and auto.params.guided_json is None
 
 

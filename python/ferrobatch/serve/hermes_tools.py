@@ -36,6 +36,12 @@ def _call(block: str, names: tuple[str, ...]) -> dict[str, Any] | None:
         value = json.loads(block)
     except ValueError:
         return None
+    return openai_call(value, names)
+
+
+def openai_call(value: Any, names: tuple[str, ...]) -> dict[str, Any] | None:
+    """A decoded `{"name", "arguments" | "parameters"}` call of a tool in `names` as an OpenAI
+    `tool_calls` entry (arguments as JSON text); None for anything else."""
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
     args = value.get("arguments", value.get("parameters", {}))

@@ -89,7 +89,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
-    req = parse_chat(body, state.model_names, hermes_tools=state.hermes_tools)
+    req = parse_chat(body, state.model_names, tool_parser=state.tool_call_parser)
     req.id = object_id(request, "chatcmpl-", req.id)
     req.lora = lora_for(state, req.model)
     # a guided reply's grammar applies after its reasoning (guided/after_reasoning.py)

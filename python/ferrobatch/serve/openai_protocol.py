@@ -129,15 +129,15 @@ def parse_completion(body: Any, model_name: str | Sequence[str]) -> OpenAIReques
 
 
 def parse_chat(body: Any, model_name: str | Sequence[str],
-               hermes_tools: bool = False) -> OpenAIRequest:
-    """A chat request; `hermes_tools`: the model writes Hermes `<tool_call>` blocks, so
-    tool_choice "auto" is served."""
+               tool_parser: str | None = None) -> OpenAIRequest:
+    """A chat request; `tool_parser`: how the model writes its own tool calls
+    (`tools.AUTO_PARSERS`), so tool_choice "auto" is served."""
     stream, include_usage, continuous_usage, model = _check_common(body, model_name)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ProtocolError("'messages' must be a non-empty list", param="messages")
     fields = with_response_format(body)
-    tools = parse_tools(body, hermes_tools)
+    tools = parse_tools(body, tool_parser)
     if tools is not None and tools.forced:
         given = [f for f in GUIDED_FIELDS if fields.get(f) is not None]
         if given:

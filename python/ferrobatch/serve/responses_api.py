@@ -77,7 +77,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     """`POST /v1/responses`."""
     state = request.app[STATE]
     req = parse_responses(await read_json(request), state.model_names,
-                          hermes_tools=state.hermes_tools)
+                          tool_parser=state.tool_call_parser)
     req.id = object_id(request, "resp_", req.id)
     # a guided reply's grammar applies after its reasoning (guided/after_reasoning.py)
     req.reasoning_parser = state.reasoning_parser

@@ -131,7 +131,7 @@ def _tool_turn(messages: list[dict[str, Any]], item: dict[str, Any], kind: str,
         messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
 
 
-def _tool_plan(body: dict[str, Any], hermes: bool) -> tuple[ToolPlan | None, list | None]:
+def _tool_plan(body: dict[str, Any], parser: str | None) -> tuple[ToolPlan | None, list | None]:
     """The Responses API's flat function tools and tool_choice, as the chat route's plan (and
     the chat-shaped tools the template renders)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
@@ -155,7 +155,7 @@ def _tool_plan(body: dict[str, Any], hermes: bool) -> tuple[ToolPlan | None, lis
                                 "{'type': 'function', 'name': ...}", param="tool_choice")
         choice = {"type": "function", "function": {"name": choice["name"]}}
     plan = parse_tools({"tools": chat_tools, "tool_choice": choice,
-                        "parallel_tool_calls": body.get("parallel_tool_calls")}, hermes)
+                        "parallel_tool_calls": body.get("parallel_tool_calls")}, parser)
     return plan, chat_tools
 
 
@@ -183,10 +183,10 @@ def _text_format(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def parse_responses(body: Any, model_name: str | Sequence[str],
-                    hermes_tools: bool = False) -> ResponsesRequest:
+                    tool_parser: str | None = None) -> ResponsesRequest:
     """A `/v1/responses` body as a ResponsesRequest; ProtocolError (a 400, 404 for another
-    model) for anything it cannot serve as asked. `hermes_tools`: the model writes Hermes
-    `<tool_call>` blocks, so tool_choice "auto" is served."""
+    model) for anything it cannot serve as asked. `tool_parser`: how the model writes its own
+    tool calls (`tools.AUTO_PARSERS`), so tool_choice "auto" is served."""
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
     model = check_model(body, model_name)
@@ -213,7 +213,7 @@ def parse_responses(body: Any, model_name: str | Sequence[str],
                             "values", param="metadata")
     messages = _messages(body)
     guided, text = _text_format(body)
-    plan, chat_tools = _tool_plan(body, hermes_tools)
+    plan, chat_tools = _tool_plan(body, tool_parser)
     if include and plan is not None:
         raise ProtocolError("logprobs are not served together with tools", param="include")
     if plan is not None and plan.forced:

@@ -56,14 +56,17 @@ class Server:
                  served_model_name: str | Sequence[str] | None = None,
                  allowed_origins: frozenset[str] = frozenset(),
                  log_stats_interval_s: float = 0.0, access_log: bool = False,
-                 reasoning_parser: str | None = None, allow_runtime_lora: bool = False) -> None:
+                 reasoning_parser: str | None = None, allow_runtime_lora: bool = False,
+                 tool_call_parser: str | None = None) -> None:
         """`allowed_origins`: the browser origins CORS lets call the HTTP API (`"*"`: any;
         empty: CORS off), as `cors.parse_origins` makes them. `log_stats_interval_s` > 0: an
         INFO line of engine activity that often while the server runs (`StatsLogger`);
         `access_log`: an INFO line per HTTP request (logger `ferrobatch.access`).
         `reasoning_parser` ("deepseek_r1", "qwen3"): chat replies' `<think>` part is served as
         `reasoning_content` (`serve/reasoning.py`). `allow_runtime_lora`: LoRA adapters may be
-        loaded and unloaded over HTTP (`serve/lora_api.py`; needs an engine with enable_lora)."""
+        loaded and unloaded over HTTP (`serve/lora_api.py`; needs an engine with enable_lora).
+        `tool_call_parser` ("hermes", "llama3_json"): how the model writes its own tool calls,
+        for tool_choice "auto" (default: what the chat template asks for)."""
         if api_key is not None and not api_key:
             raise ValueError("api_key must not be empty")
         if served_model_name is not None and not isinstance(served_model_name, str):
@@ -74,12 +77,17 @@ class Server:
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: "
                              f"{', '.join(REASONING_PARSERS)}")
+        from ferrobatch.serve.tools import AUTO_PARSERS
+        if tool_call_parser is not None and tool_call_parser not in AUTO_PARSERS:
+            raise ValueError(f"unknown tool-call parser {tool_call_parser!r}; known: "
+                             f"{', '.join(AUTO_PARSERS)}")
         if allow_runtime_lora and getattr(engine, "loras", None) is None:
             raise ValueError("allow_runtime_lora needs an engine started with enable_lora")
         self.state = ServerState(engine, api_key=api_key, served_model_name=served_model_name,
                                  allowed_origins=frozenset(allowed_origins),
                                  reasoning_parser=reasoning_parser,
-                                 allow_runtime_lora=allow_runtime_lora)
+                                 allow_runtime_lora=allow_runtime_lora,
+                                 tool_parser=tool_call_parser)
         self.state.metrics = ServerMetrics(engine, self.state.model_name)
         self.stats_logger = (StatsLogger(engine, log_stats_interval_s)
                              if log_stats_interval_s > 0 else None)

@@ -25,6 +25,7 @@ class ServerState:
     allowed_origins: frozenset[str] = frozenset()    # CORS (serve/cors.py); empty: off
     reasoning_parser: str | None = None   # chat replies' <think> part (serve/reasoning.py)
     allow_runtime_lora: bool = False  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+    tool_parser: str | None = None    # --tool-call-parser (None: from the chat template)
     sessions: set = field(default_factory=set)
     websockets: set = field(default_factory=set)     # open WebSocketResponses (closed on stop)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -40,11 +41,14 @@ class ServerState:
         return self._token_strings
 
     @property
-    def hermes_tools(self) -> bool:
-        """The model writes tool calls as Hermes `<tool_call>` blocks (its chat template says
-        so): tool_choice "auto" is served (serve/hermes_tools.py)."""
-        from ferrobatch.serve.hermes_tools import template_has_hermes_calls
-        return template_has_hermes_calls(getattr(self.engine.tokenizer, "chat_template", None))
+    def tool_call_parser(self) -> str | None:
+        """How the model writes its own tool calls, so tool_choice "auto" is served: the
+        server's `--tool-call-parser`, else what its chat template asks for (Hermes
+        `<tool_call>` blocks or Llama 3 JSON calls: serve/tools.py); None: neither."""
+        if self.tool_parser is not None:
+            return self.tool_parser
+        from ferrobatch.serve.tools import template_tool_parser
+        return template_tool_parser(getattr(self.engine.tokenizer, "chat_template", None))
 
     @property
     def base_model_names(self) -> tuple[str, ...]:

@@ -7,7 +7,8 @@ The reply then carries `tool_calls` (with `function.arguments` as a JSON string)
 `content`, and `finish_reason` "tool_calls". "none" ignores the tools. "auto" (the default
 when tools are sent) lets the model decide, which needs its own tool-call format: for a model
 whose chat template writes Hermes `<tool_call>` blocks (Qwen2.5, Hermes, ...) the output is
-free and its blocks become the calls (`hermes_tools.py`); for others (SmolLM2) it is refused
+free and its blocks become the calls (`hermes_tools.py`), and so do a Llama 3 model's JSON
+calls (`llama3_tools.py`); for others (SmolLM2) it is refused
 with a 400 that says what to send instead. The model sees the tools only if its chat template
 renders them; for the forced modes the grammar guarantees a well-formed call either way.
 """
@@ -20,7 +21,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from ferrobatch.serve.hermes_tools import HermesStream, split_calls
+from ferrobatch.serve import hermes_tools, llama3_tools
 from ferrobatch.serve.protocol import ProtocolError
 
 MAX_TOOLS = 128
@@ -32,14 +33,29 @@ class ToolPlan:
     """How a chat request's output becomes tool calls."""
 
     mode: str                       # "named" (one call of `names[0]`), "required" (1+ calls)
-    #                                 or "auto" (the model's own Hermes blocks, if any)
+    #                                 or "auto" (the model's own calls, if any)
     names: tuple[str, ...]
     schema: dict[str, Any] | None   # what the output is guided by (guided_json); None: "auto"
+    parser: str | None = None       # "auto": how the model writes calls (AUTO_PARSERS)
 
     @property
     def forced(self) -> bool:
         """The output is guided to be the call(s)."""
         return self.mode != "auto"
+
+
+# the tool-call formats "auto" understands: name -> (split_calls, its stream class)
+AUTO_PARSERS = {"hermes": (hermes_tools.split_calls, hermes_tools.HermesStream),
+                "llama3_json": (llama3_tools.split_calls, llama3_tools.Llama3Stream)}
+
+
+def template_tool_parser(chat_template: str | None) -> str | None:
+    """The tool-call format a chat template asks its model for, or None."""
+    if hermes_tools.template_has_hermes_calls(chat_template):
+        return "hermes"
+    if llama3_tools.template_has_llama3_calls(chat_template):
+        return "llama3_json"
+    return None
 
 
 _ROOT_COMBINATORS = frozenset({"$ref", "allOf", "anyOf", "oneOf"})
@@ -108,9 +124,9 @@ def _rebase_refs(schema: Any, tool: str, defs: dict[str, Any]) -> Any:
     return walk(schema, True)
 
 
-def parse_tools(body: dict[str, Any], hermes: bool = False) -> ToolPlan | None:
-    """The request's tool plan, or None when it asks for no tool call. `hermes`: the model
-    writes Hermes `<tool_call>` blocks, so "auto" can be served."""
+def parse_tools(body: dict[str, Any], parser: str | None = None) -> ToolPlan | None:
+    """The request's tool plan, or None when it asks for no tool call. `parser`: how the model
+    writes its own calls (a key of AUTO_PARSERS), so "auto" can be served."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if body.get("functions") is not None or body.get("function_call") is not None:
         raise ProtocolError("'functions' / 'function_call' are deprecated: send 'tools' and "
@@ -128,10 +144,11 @@ def parse_tools(body: dict[str, Any], hermes: bool = False) -> ToolPlan | None:
     if choice == "none":
         return None
     if choice is None or choice == "auto":
-        if hermes:
-            return ToolPlan("auto", tuple(listed), None)
+        if parser is not None:
+            return ToolPlan("auto", tuple(listed), None, parser)
         raise ProtocolError("tool_choice 'auto' needs a tool-call format this model does not "
-                            "have (its chat template writes no <tool_call> blocks); send "
+                            "have (its chat template asks for neither <tool_call> blocks nor "
+                            "Llama 3 JSON calls; serve --tool-call-parser names one); send "
                             "tool_choice 'required' or {'type': 'function', 'function': "
                             "{'name': ...}} (the call is then guaranteed well-formed), or "
                             "'none'", param="tool_choice")
@@ -166,6 +183,7 @@ def tool_calls_of(plan: ToolPlan, text: str,
     shows no content; one cut by max_tokens (not a whole call) is content, as is an "auto"
     output with no clean `<tool_call>` blocks."""
     if not plan.forced:
+        split_calls = AUTO_PARSERS[plan.parser][0]
         found = split_calls(text, plan.names, complete=finish_reason == "stop")
         return (text, None) if found is None else found
     calls = tool_calls_from_text(plan, text) if finish_reason == "stop" else None
@@ -181,7 +199,7 @@ class ToolOutputStream:
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.entries: list[Any] = []
-        self._hermes = None if plan.forced else HermesStream(plan.names)
+        self._hermes = None if plan.forced else AUTO_PARSERS[plan.parser][1](plan.names)
         self._held: list[str] = []
 
     def feed(self, text: str) -> str:

@@ -1,0 +1,117 @@
+"""tool_choice "auto" for Llama 3 models, whose calls are the whole reply as JSON
+(serve/llama3_tools.py): the parser on finished and streamed text (every way of cutting it),
+and the chat route on FakeCore with its template rendering only the user's text (so the user
+message decides what the "model" writes)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import aiohttp
+import pytest
+
+from ferrobatch.serve.llama3_tools import (
+    PYTHON_TAG,
+    Llama3Stream,
+    split_calls,
+    template_has_llama3_calls,
+)
+from ferrobatch.serve.tools import template_tool_parser
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}}}}}
+NAMES = ("get_weather", "now")
+CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+LLAMA_LIKE = ('Respond in the format {"name": function name, "parameters": dictionary of '
+              'argument name and its value}. Do not use variables. {{ messages }}')
+
+
+def calls_of(text):
+    found = split_calls(text, NAMES, complete=True)
+    return None if found is None else [(c["function"]["name"], json.loads(c["function"][
+        "arguments"])) for c in found[1]]
+
+
+def test_the_template_decides():
+    assert template_has_llama3_calls(LLAMA_LIKE) and template_tool_parser(LLAMA_LIKE) == \
+        "llama3_json"
+    assert template_tool_parser("<tool_call>x</tool_call>") == "hermes"
+    assert template_tool_parser("{{ messages }}") is None and template_tool_parser(None) is None
+
+
+@pytest.mark.parametrize("text, want", [
+    (CALL, [("get_weather", {"city": "Paris"})]),
+    ("  " + PYTHON_TAG + CALL + "\n", [("get_weather", {"city": "Paris"})]),
+    (CALL + "; " + '{"name": "now", "arguments": {}}', [("get_weather", {"city": "Paris"}),
+                                                         ("now", {})]),
+    ('{"name": "now", "parameters": "{\\"tz\\": \\"UTC\\"}"}', [("now", {"tz": "UTC"})]),
+    ('{"name": "other", "parameters": {}}', None),          # not a listed tool
+    (CALL + " and some words", None),                       # text after the call
+    ('{"name": "now", "parameters": {', None),              # cut off
+    ("It is sunny in Paris.", None),
+    ("", None),
+])
+def test_whole_replies(text, want):
+    assert calls_of(text) == want
+
+
+@pytest.mark.parametrize("reply", [CALL, PYTHON_TAG + CALL, " \n" + CALL + ";" + CALL,
+                                   "Plain answer, no call.", "<|pyramid|> is not the tag",
+                                   "{not json at all", ""])
+def test_any_cut_into_pieces_gives_the_whole_replys_answer(reply):
+    rng = random.Random(len(reply))
+    want = calls_of(reply)
+    for _ in range(30):
+        stream, sent, at = Llama3Stream(NAMES), [], 0
+        while at < len(reply):
+            step = rng.randint(1, 5)
+            sent.append(stream.feed(reply[at:at + step]))
+            at += step
+        rest, calls = stream.finish(complete=True)
+        if want is not None:
+            assert "".join(sent) == rest == "" and [c["function"]["name"] for c in calls] == \
+                [name for name, _ in want]
+        else:
+            assert calls is None and "".join(sent) + rest == reply
+    plain = Llama3Stream(NAMES)
+    assert plain.feed("Hello") == "Hello" and plain.feed(" there") == " there"
+
+
+def _echoing(r, content):
+    """FakeCore echoes its rendered prompt; this template renders the user's text alone, as
+    the reply of a Llama 3 "model" (ending at the EOS character, as it stops by itself)."""
+    tok = r.engine.tokenizer
+    tok.chat_template = LLAMA_LIKE
+    tok.apply_chat_template = lambda messages, add_generation_prompt=True, **extra: \
+        messages[-1]["content"]
+    return {"messages": [{"role": "user", "content": content + "\x03"}], "tools": [WEATHER],
+            "max_tokens": 140}
+
+
+async def _chat(r, body):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(r.base + "/v1/chat/completions", json=body) as resp:
+            if not body.get("stream"):
+                return resp.status, await resp.json()
+            return resp.status, [json.loads(line[6:]) async for line in resp.content
+                                 if line.startswith(b"data: {")]
+
+
+async def test_auto_on_the_chat_route_whole_and_streamed(fake_server):
+    status, body = await _chat(fake_server, _echoing(fake_server, CALL))
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == \
+        {"city": "Paris"}
+    status, events = await _chat(fake_server, {**_echoing(fake_server, CALL), "stream": True})
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    assert not "".join(d.get("content") or "" for d in deltas)
+    calls = [t for d in deltas for t in d.get("tool_calls") or ()]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert events[-1]["choices"][-1]["finish_reason"] == "tool_calls"
+    status, body = await _chat(fake_server, _echoing(fake_server, "Sunny, 21 C."))
+    assert body["choices"][0]["message"]["content"] == "Sunny, 21 C."
+    assert body["choices"][0]["finish_reason"] == "stop"
