@@ -383,3 +383,15 @@ def test_gguf_files_that_are_not_this_models_lora_are_refused(tmp_path, loaded_s
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf")
     with pytest.raises(ValueError, match="not a readable GGUF"):
         read_lora_adapter(str(tmp_path / "junk.gguf"), cfg)
+
+
+def test_add_remove_and_list_loras_as_vllm(llm, adapters):
+    qv, rs = adapters["qv"][0], adapters["rs"][0]
+    assert llm.add_lora(qv) and qv.lora_int_id in llm.list_loras()
+    assert llm.remove_lora(qv.lora_int_id) and qv.lora_int_id not in llm.list_loras()
+    assert not llm.remove_lora(qv.lora_int_id)               # not loaded any more
+    assert llm.add_lora(rs) and llm.add_lora(qv)
+    assert {qv.lora_int_id, rs.lora_int_id} <= llm.list_loras()
+    with pytest.raises(ValueError, match="not a directory"):
+        llm.add_lora(LoRARequest("missing", 77, "/no/such/adapter"))
+    llm.engine.loras.check()

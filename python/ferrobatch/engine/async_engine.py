@@ -819,6 +819,32 @@ class AsyncEngine:
                 self._loop_thread.call(self._core.check_integrity)), timeout_s)
         return acc
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """vLLM's `add_lora`: loads the adapter into a slot now (a bad one is a ValueError
+        here rather than on its first request). False when every slot is held by running
+        requests (it then loads on first use)."""
+        loras = self._lora_registry()
+        try:
+            loras.load(lora_request)
+        except LoraSlotsBusyError:
+            return False
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """vLLM's `remove_lora`: frees the adapter's slot; False when it is not loaded or a
+        running request holds it."""
+        return self._lora_registry().evict(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """vLLM's `list_loras`: the ids of the loaded adapters."""
+        return {e["id"] for e in self._lora_registry().loaded()}
+
+    def _lora_registry(self) -> Any:
+        if self.loras is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with "
+                             "enable_lora=True / --enable-lora)")
+        return self.loras
+
     @property
     def loras(self) -> Any:
         """The engine's `LoraRegistry` (`enable_lora`), or None: its served adapters,

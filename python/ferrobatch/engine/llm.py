@@ -220,6 +220,19 @@ class LLM:
                                            truncate_prompt_tokens=truncate_prompt_tokens,
                                            lora_request=lora_request))
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads a LoRA adapter now (vLLM's `llm.llm_engine.add_lora`); see
+        `AsyncEngine.add_lora`."""
+        return self._run(_call(self.engine.add_lora, lora_request))
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Frees a LoRA adapter's slot (vLLM's `remove_lora`); see `AsyncEngine.remove_lora`."""
+        return self._run(_call(self.engine.remove_lora, lora_int_id))
+
+    def list_loras(self) -> set[int]:
+        """The ids of the loaded LoRA adapters (vLLM's `list_loras`)."""
+        return self._run(_call(self.engine.list_loras))
+
     def beam_search(self, prompts: Any, params: BeamSearchParams, *,
                     use_tqdm: bool = False,
                     lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
@@ -365,6 +378,11 @@ class LLM:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+async def _call(fn: Any, *args: Any) -> Any:
+    """`fn(*args)` on the engine's event loop thread (where the LoRA registry lives)."""
+    return fn(*args)
 
 
 def _loras_list(lora_request: Any, count: int) -> list[LoRARequest | None] | None:

@@ -123,22 +123,33 @@ class LoraRegistry:
                 raise ValueError(f"lora_int_id {request.lora_int_id} is already served as "
                                  f"{other.lora_name!r}")
         try:
-            self.acquire(request, adapter)
-            self.release(request.lora_int_id)
+            self.load(request, adapter)
         except LoraSlotsBusyError:
             if adapter is None:
                 self.read(request)           # still checked now
         self.served[request.lora_name] = request
 
+    def load(self, request: LoRARequest, adapter: LoraAdapter | None = None) -> None:
+        """Loads ``request``'s adapter into a slot now (held by nothing): acquire's errors."""
+        self.acquire(request, adapter)
+        self.release(request.lora_int_id)
+
     def remove_served(self, name: str) -> LoRARequest:
         """Stops serving adapter ``name`` (requests running with it finish normally; its slot
         is freed now if none does, else when it is next needed). KeyError if not served."""
         request = self.served.pop(name)
-        entry = self._loaded.get(request.lora_int_id)
-        if entry is not None and entry.refs == 0:
-            del self._loaded[request.lora_int_id]
-            self.slots.clear(entry.slot)
+        self.evict(request.lora_int_id)
         return request
+
+    def evict(self, lora_int_id: int) -> bool:
+        """Frees adapter ``lora_int_id``'s slot if no running request holds it; True if it
+        was loaded and is now gone."""
+        entry = self._loaded.get(lora_int_id)
+        if entry is None or entry.refs:
+            return False
+        del self._loaded[lora_int_id]
+        self.slots.clear(entry.slot)
+        return True
 
     def next_free_id(self) -> int:
         """An adapter id no served or loaded adapter uses."""
