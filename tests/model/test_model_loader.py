@@ -217,6 +217,37 @@ def test_hf_directory_matches_transformers_logits(tmp_path, name):
     assert os.path.isfile(tmp_path / "config.json")
 
 
+@pytest.mark.parametrize("name, tied", [("qwen3", True), ("llama", False)])
+def test_a_base_model_checkpoint_gives_transformers_hidden_states(tmp_path, name, tied, caplog):
+    """A checkpoint of the base model alone (`Qwen3Model` / `LlamaModel`, as embedding models
+    such as Qwen3-Embedding ship it: no `model.` prefix, no LM head) loads; its final-normed
+    hidden states (what embeddings pool) equal transformers' `last_hidden_state`."""
+    import numpy as np
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(1)
+    cfg = {**TINY_CONFIGS[name], "tie_word_embeddings": tied}
+    cfg.pop("architectures")
+    reference = transformers.AutoModel.from_config(
+        transformers.AutoConfig.for_model(**cfg), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.normal_(0.0, 0.1)
+    reference.save_pretrained(tmp_path, safe_serialization=True)
+    with caplog.at_level("WARNING"):
+        loaded = load_model(str(tmp_path))
+    assert ("no LM head" in caplog.text) == (not tied)
+    assert loaded.config.tie_word_embeddings
+    prompt = list(range(3, 30))
+    runner = ModelRunner(loaded, num_blocks=32, block_size=4)
+    sched = ToyScheduler(32, 4, token_budget=64)
+    sched.add(0, prompt, 1)
+    batch = sched.schedule()
+    _, hidden = runner.execute(batch, hidden_rows=np.arange(len(prompt)))
+    with torch.no_grad():
+        want = reference(torch.tensor([prompt])).last_hidden_state[0]
+    torch.testing.assert_close(hidden, want, rtol=1e-4, atol=1e-4)
+
+
 def test_rope_freq_factors_equal_llama3_scaling():
     from ferrobatch.model.config import ModelConfig
     from ferrobatch.model.rope import rope_inverse_frequencies

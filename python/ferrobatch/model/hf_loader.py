@@ -2,12 +2,18 @@
 
 Expects ``config.json`` + ``*.safetensors`` (sharded or not) and, optionally, ``tokenizer.json``,
 ``tokenizer_config.json`` (chat template, special tokens) and ``generation_config.json`` (EOS ids).
+A base-model checkpoint (``Qwen3Model``, ``LlamaModel``: what embedding models such as
+Qwen3-Embedding ship) names its weights without the ``model.`` prefix and has no LM head: its
+names get the prefix, and its logits (only sampled to finish embedding requests) reuse the
+token embeddings.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
+import logging
 import os
 from typing import Any
 
@@ -16,6 +22,8 @@ import torch
 from ferrobatch.model.config import SUPPORTED_ARCHS, ModelConfig
 from ferrobatch.model.progress import load_progress
 from ferrobatch.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -93,6 +101,12 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.T
             raise ValueError(f"cannot read the weights in {shard}: {exc}") from exc
         bar.update(os.path.getsize(shard))
     bar.close()
+    if "model.embed_tokens.weight" not in state and "embed_tokens.weight" in state:
+        state = {f"model.{name}": w for name, w in state.items()}      # a base model
+    if "lm_head.weight" not in state and not config.tie_word_embeddings:
+        logger.warning("%s has no LM head (a base or embedding model): its logits reuse the "
+                       "token embeddings, so serve it for embeddings, not text", path)
+        config = dataclasses.replace(config, tie_word_embeddings=True)
     tokenizer = None
     tokenizer_json = os.path.join(path, "tokenizer.json")
     if os.path.isfile(tokenizer_json):
