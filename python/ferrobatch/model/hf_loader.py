@@ -101,9 +101,10 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.T
             raise ValueError(f"cannot read the weights in {shard}: {exc}") from exc
         bar.update(os.path.getsize(shard))
     bar.close()
-    if "model.embed_tokens.weight" not in state and "embed_tokens.weight" in state:
-        state = {f"model.{name}": w for name, w in state.items()}      # a base model
-    if "lm_head.weight" not in state and not config.tie_word_embeddings:
+    base_model = "model.embed_tokens.weight" not in state and "embed_tokens.weight" in state
+    if base_model:
+        state = {f"model.{name}": w for name, w in state.items()}
+    if base_model and "lm_head.weight" not in state and not config.tie_word_embeddings:
         logger.warning("%s has no LM head (a base or embedding model): its logits reuse the "
                        "token embeddings, so serve it for embeddings, not text", path)
         config = dataclasses.replace(config, tie_word_embeddings=True)
