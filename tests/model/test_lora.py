@@ -395,3 +395,26 @@ def test_add_remove_and_list_loras_as_vllm(llm, adapters):
     with pytest.raises(ValueError, match="not a directory"):
         llm.add_lora(LoRARequest("missing", 77, "/no/such/adapter"))
     llm.engine.loras.check()
+
+
+def test_a_hub_id_resolves_to_its_snapshot(tmp_path, loaded_smollm2, monkeypatch):
+    """`org/name` that is no local path is fetched as models are (the cached snapshot, else a
+    download); a Hub that cannot provide it is a ValueError naming the id."""
+    import huggingface_hub
+
+    from ferrobatch.model.lora_adapter import read_lora_adapter
+    cfg = loaded_smollm2.config
+    write_peft_adapter(str(tmp_path / "snap"), cfg, layers=[0])
+    asked = []
+
+    def snapshot_download(repo_id, **kw):
+        asked.append(repo_id)
+        if repo_id != "someone/poet-lora":
+            raise FileNotFoundError("404 Client Error: Repository Not Found")
+        return str(tmp_path / "snap")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.chdir(tmp_path)                       # no local "someone/poet-lora" here
+    adapter = read_lora_adapter("someone/poet-lora", cfg)
+    assert adapter.path == str(tmp_path / "snap") and asked[0] == "someone/poet-lora"
+    with pytest.raises(ValueError, match="'nobody/nothing'.*Hub could not provide it"):
+        read_lora_adapter("nobody/nothing", cfg)

@@ -16,7 +16,7 @@ from ferrobatch.model.rope import RotaryEmbedding
 from ferrobatch.model.tokenizer import Tokenizer
 
 SMOLLM2_ALIAS = "smollm2"
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+")    # "org/name", as on the Hugging Face Hub
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+")    # "org/name", as on the Hugging Face Hub
 _HUB_FILES = ["*.json", "*.safetensors"]                   # config, tokenizer, weights
 
 
@@ -158,7 +158,7 @@ def load_model(name_or_path: str, *, device: str | torch.device = "cpu",
         return LoadedModel(name_or_path, config, model, tokenizer,
                            tokenizer.chat_template if tokenizer else None, source="random")
     path = smollm2_gguf_path() if name_or_path == SMOLLM2_ALIAS else os.path.expanduser(name_or_path)
-    if not os.path.exists(path) and _HUB_ID.fullmatch(name_or_path):
+    if not os.path.exists(path) and HUB_ID.fullmatch(name_or_path):
         path = hub_snapshot(name_or_path)
     if os.path.isdir(path):
         from ferrobatch.model.hf_loader import load_hf_dir

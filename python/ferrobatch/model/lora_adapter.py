@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ferrobatch.model.config import ModelConfig
+from ferrobatch.model.loader import HUB_ID, hub_snapshot
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -142,12 +143,19 @@ def read_lora_adapter(path: str, config: ModelConfig, *, max_rank: int = 64,
                       dtype: torch.dtype = torch.float32,
                       device: torch.device | str = "cpu") -> LoraAdapter:
     """The adapter at ``path`` for a model of ``config``, as ``dtype`` on ``device``: a PEFT
-    directory, or a llama.cpp GGUF LoRA file (``.gguf``, what ``convert_lora_to_gguf.py``
-    writes; ``gguf_lora.py``).
+    directory, a Hugging Face Hub id of one (``org/name``: its cached snapshot, else
+    downloaded, as models are), or a llama.cpp GGUF LoRA file (``.gguf``, what
+    ``convert_lora_to_gguf.py`` writes; ``gguf_lora.py``).
 
     Raises ValueError for anything it cannot apply exactly: a missing or pickle-only checkpoint,
     an unknown tensor, a shape that does not fit the model, a rank above ``max_rank``."""
-    path = os.path.abspath(os.path.expanduser(path))
+    local = os.path.expanduser(path)
+    if not os.path.exists(local) and HUB_ID.fullmatch(path):       # "org/name" on the Hub
+        try:
+            local = hub_snapshot(path)
+        except FileNotFoundError as exc:
+            raise ValueError(f"LoRA adapter {path!r}: {exc}") from None
+    path = os.path.abspath(local)
     if path.endswith(".gguf") and os.path.isfile(path):
         from ferrobatch.model.gguf_lora import read_gguf_lora
         pairs, scale_of = read_gguf_lora(path, config)
