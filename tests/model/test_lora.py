@@ -418,3 +418,19 @@ def test_a_hub_id_resolves_to_its_snapshot(tmp_path, loaded_smollm2, monkeypatch
     assert adapter.path == str(tmp_path / "snap") and asked[0] == "someone/poet-lora"
     with pytest.raises(ValueError, match="'nobody/nothing'.*Hub could not provide it"):
         read_lora_adapter("nobody/nothing", cfg)
+
+
+def test_the_gpu_reserve_covers_what_full_slots_hold(tmp_path, loaded_smollm2):
+    """`reserve_bytes` (kept out of a GPU KV cache) equals what `max_loras` adapters of the
+    largest rank on every projection take, each with its share of the stack."""
+    from ferrobatch.model.lora_adapter import read_lora_adapter
+    from ferrobatch.runtime.lora import LoraSlots, reserve_bytes
+    cfg = loaded_smollm2.config
+    slots = LoraSlots(cfg.num_layers, 2)
+    for slot in (1, 2):
+        write_peft_adapter(str(tmp_path / str(slot)), cfg, targets=ATTN + MLP, r=4, seed=slot)
+        slots.put(slot, read_lora_adapter(str(tmp_path / str(slot)), cfg))
+    held = sum(a.num_bytes for a in slots.adapters.values()) + sum(
+        t.numel() * t.element_size() for layer in slots.stacked.layers
+        for pair in layer.values() for t in pair)
+    assert reserve_bytes(cfg, 2, 4, torch.float32) == held

@@ -549,8 +549,10 @@ def _gpu_reserve_bytes(config: EngineConfig, model_config: Any,
                        dtype: torch.dtype = torch.bfloat16) -> int:
     """GPU memory kept out of the KV cache besides the warm-up's activation peak: a full batch's
     sampler working set (float32 logits, their copies and a sort's values + int64 indices: ~32
-    bytes per logit), with decode graphs every bucket's float32 logits output, and with
-    piecewise graphs their static buffers and pool (``piecewise_graphs.pool_bytes_estimate``)."""
+    bytes per logit), with decode graphs every bucket's float32 logits output, with piecewise
+    graphs their static buffers and pool (``piecewise_graphs.pool_bytes_estimate``), and with
+    LoRA the adapters the slots can hold (``runtime.lora.reserve_bytes``: loaded after the KV
+    cache is sized, so kept out of it)."""
     from ferrobatch.runtime.cuda_graphs import decode_buckets
     from ferrobatch.runtime.piecewise_graphs import pool_bytes_estimate
 
@@ -558,7 +560,11 @@ def _gpu_reserve_bytes(config: EngineConfig, model_config: Any,
     graph_rows = sum(decode_buckets(seqs)) if config.cuda_graphs else 0
     pieces = config.piecewise_token_limit("cuda")
     pool = pool_bytes_estimate(model_config, pieces, dtype) if pieces else 0
-    return seqs * vocab * 32 + graph_rows * vocab * 4 + pool
+    lora = 0
+    if config.enable_lora:
+        from ferrobatch.runtime.lora import reserve_bytes
+        lora = reserve_bytes(model_config, config.max_loras, config.max_lora_rank, dtype)
+    return seqs * vocab * 32 + graph_rows * vocab * 4 + pool + lora
 
 
 def _maybe_capture_piecewise_graphs(config: EngineConfig, runner: Any) -> None:

@@ -211,6 +211,18 @@ class LayerLora:
         return out
 
 
+def reserve_bytes(config, max_loras: int, max_rank: int, dtype: torch.dtype) -> int:
+    """Device memory ``max_loras`` adapters of rank ``max_rank`` on every projection can take:
+    each adapter's own matrices plus its share of the stack (twice its size)."""
+    h, q = config.hidden_size, config.num_heads * config.head_dim
+    kv, inter = config.num_kv_heads * config.head_dim, config.intermediate_size
+    # per layer and rank, the fused modules' A [in, parts * r] and B [parts * r, out] (B is
+    # block-diagonal, zeros included): qkv (3 parts), o, gate_up (2 parts), down
+    per_rank = 3 * h + 3 * (q + 2 * kv) + (q + h) + (2 * h + 4 * inter) + (inter + h)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return 2 * max_loras * config.num_layers * max_rank * per_rank * itemsize
+
+
 def install_lora(model: nn.Module) -> LoraHooks:
     """Hooks every decoder layer of ``model`` (a ``LlamaForCausalLM``) once; returns
     ``model.lora``. The hooks cost one attribute look-up per module outside LoRA steps."""
