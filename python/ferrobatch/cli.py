@@ -118,7 +118,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     lo.add_argument("--max-loras", type=int, default=4, metavar="N",
                     help="adapters loaded at once; a request whose adapter finds every slot "
                     "held by running requests waits for one")
-    lo.add_argument("--max-lora-rank", type=int, default=64, metavar="R",
+    lo.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
                     help="adapters of a higher rank are refused")
     if p.prog.split()[-1] in ("serve", "batch"):
         lo.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",

@@ -134,7 +134,8 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 4                   # adapters loaded at once (each in a slot; the least
                                          # recently used idle one makes room for another)
-    max_lora_rank: int = 64              # adapters of a higher rank are refused
+    max_lora_rank: int = 16              # adapters of a higher rank are refused (as vLLM;
+                                         # on a GPU the KV cache leaves room for max_loras of it)
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:

@@ -139,7 +139,7 @@ def read_adapter_config(path: str) -> dict:
     return cfg
 
 
-def read_lora_adapter(path: str, config: ModelConfig, *, max_rank: int = 64,
+def read_lora_adapter(path: str, config: ModelConfig, *, max_rank: int = 16,
                       dtype: torch.dtype = torch.float32,
                       device: torch.device | str = "cpu") -> LoraAdapter:
     """The adapter at ``path`` for a model of ``config``, as ``dtype`` on ``device``: a PEFT
