@@ -434,3 +434,27 @@ def test_the_gpu_reserve_covers_what_full_slots_hold(tmp_path, loaded_smollm2):
         t.numel() * t.element_size() for layer in slots.stacked.layers
         for pair in layer.values() for t in pair)
     assert reserve_bytes(cfg, 2, 4, torch.float32) == held
+
+
+def test_adapter_files_are_read_off_the_event_loop(llm, adapters, monkeypatch):
+    """A request for an adapter not loaded has its files read on a worker thread (`prepare`,
+    or in the background while it waits for a slot), never on the engine's event loop, where
+    every stream would stall for the read."""
+    import threading
+    engine = llm.engine
+    registry = engine.loras
+    for request, _, _ in adapters.values():              # nothing loaded, nothing read ahead
+        registry.evict(request.lora_int_id)
+    reads = []
+    read = registry._load
+
+    def spy(request):
+        reads.append(threading.current_thread() is llm._thread)
+        return read(request)
+    monkeypatch.setattr(registry, "_load", spy)
+    # two slots for three adapters at once: the third waits, read in the background meanwhile
+    names = ["qv", "all", "rs"]
+    outs = _greedy(llm, [0, 1, 2], [adapters[n][0] for n in names])
+    assert all(len(o) == NEW_TOKENS for o in outs)
+    assert len(reads) >= 3 and not any(reads), reads
+    llm._run(engine.check_idle_clean())

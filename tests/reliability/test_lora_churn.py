@@ -41,7 +41,9 @@ async def chat_stream(s: aiohttp.ClientSession, base: str, model: str, prompt: s
         async for line in r.content:
             if not line.startswith(b"data: {"):
                 continue
-            for c in json.loads(line[6:])["choices"]:
+            event = json.loads(line[6:])
+            assert "choices" in event, event
+            for c in event["choices"]:
                 if c["delta"].get("content"):
                     text += c["delta"]["content"]
                     deltas += 1

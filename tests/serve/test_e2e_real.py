@@ -671,7 +671,9 @@ async def test_a_client_leaving_a_beam_search_aborts_its_requests(real):
 async def test_reasoning_parser_on_the_real_model(real, sdk):
     """A second server on the same engine with `reasoning_parser="deepseek_r1"`: SmolLM2 never
     closes a <think>, so a reply is all reasoning (content null), the same text the plain
-    server gives as content; a guided reply stays content."""
+    server gives as content; a guided reply reasons freely too (its grammar waits for
+    `</think>`, which never comes), while with `qwen3` (a reply that does not open with
+    <think> has no reasoning) its grammar applies from the first token."""
     from ferrobatch.serve.server import Server
     server = Server(real.engine, served_model_name="smollm2", reasoning_parser="deepseek_r1")
     await server.start("127.0.0.1", 0, tcp_port=None)
@@ -687,8 +689,21 @@ async def test_reasoning_parser_on_the_real_model(real, sdk):
         assert message.content is None
         assert message.model_extra["reasoning_content"] == plain.choices[0].message.content
         guided = await client.chat.completions.create(
-            model="smollm2", messages=msgs, max_tokens=4, temperature=0,
+            model="smollm2", messages=msgs, max_tokens=8, temperature=0,
             extra_body={"guided_choice": ["four", "five"]})
+        assert guided.choices[0].message.content is None
+        assert guided.choices[0].message.model_extra["reasoning_content"] == \
+            plain.choices[0].message.content           # not held to the grammar
+        qwen3 = Server(real.engine, served_model_name="smollm2", reasoning_parser="qwen3")
+        await qwen3.start("127.0.0.1", 0, tcp_port=None)
+        try:
+            async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{qwen3.port}/v1",
+                                          api_key="unused", max_retries=0) as q:
+                guided = await q.chat.completions.create(
+                    model="smollm2", messages=msgs, max_tokens=4, temperature=0,
+                    extra_body={"guided_choice": ["four", "five"]})
+        finally:
+            await qwen3.stop()
         assert guided.choices[0].message.content in ("four", "five")
         assert guided.choices[0].message.model_extra.get("reasoning_content") is None
         from ferrobatch.engine.beam_search import BeamSearchParams

@@ -152,6 +152,7 @@ class AsyncEngine:
         # accepted LoRA requests waiting for a slot (every slot held by running requests),
         # submitted in order as running requests release theirs (_submit_lora_waiting)
         self._lora_waiting: collections.deque[RequestState] = collections.deque()
+        self._tasks: set[asyncio.Task] = set()      # background work (_background)
         self._ids = itertools.count(1)
         self._observers: list[EngineObserver] = []
         self._probes: set[int] = set()     # readiness probes: not traffic, observers skip them
@@ -429,8 +430,11 @@ class AsyncEngine:
         try:
             core.submit(req_id, ids, params, max_tokens, state, **queue)  # QueueFullError...
         except LoraSlotsBusyError:
-            # every slot holds an adapter of a running request: wait for one (FIFO), accepted
+            # every slot holds an adapter of a running request: wait for one (FIFO), accepted;
+            # meanwhile its adapter's files are read off the event loop
             self._lora_waiting.append(state)
+            if self.loras.needs_read(lora_request):
+                self._background(self._read_adapter(lora_request))
         if _probe:            # (its step results reach this thread only after we return)
             self._probes.add(req_id)
         self._requests[req_id] = state
@@ -446,18 +450,22 @@ class AsyncEngine:
         return RequestStream(self, state)
 
     async def prepare(self, params: SamplingParams | None, prompt: Prompt | None = None,
-                      messages: Any = None, chat_options: dict[str, Any] | None = None) -> None:
+                      messages: Any = None, chat_options: dict[str, Any] | None = None,
+                      lora_request: LoRARequest | None = None) -> None:
         """The slow parts of accepting a request, done off the event loop so that the
         `add_request` that follows finds them done: a long text prompt (or rendered chat) is
-        tokenized on a worker thread, and a guided request's grammar is compiled (one compile
+        tokenized on a worker thread, a LoRA adapter not loaded yet is read from its files, and
+        a guided request's grammar is compiled (one compile
         at a time, so a big schema can hold the next new one for seconds; a grammar compiled
         before is found in the cache without waiting). Optional: without
         it `add_request` does the same work inline. Raises ValueError for a grammar that cannot
-        be used; a bad prompt is left for `add_request` to report."""
+        be used; a bad prompt (or adapter) is left for `add_request` to report."""
         if not self.is_running:
             return
         if params is not None and not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
+        if isinstance(lora_request, LoRARequest):
+            await self._read_adapter(lora_request)
         text = prompt if isinstance(prompt, str) else None
         if messages is not None and prompt is None and _content_chars(messages) >= \
                 LONG_TEXT_CHARS // 2:          # short chats are rendered once, in add_request
@@ -488,7 +496,7 @@ class AsyncEngine:
                        lora_request: LoRARequest | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs; leaving the loop early aborts the request."""
-        await self.prepare(params, prompt, messages, chat_options)
+        await self.prepare(params, prompt, messages, chat_options, lora_request)
         stream = self.add_request(prompt, params, request_id, messages=messages,
                                   chat_options=chat_options, lora_request=lora_request)
         try:
@@ -507,6 +515,7 @@ class AsyncEngine:
         pooling = pooling if pooling is not None else PoolingParams()
         params = SamplingParams(max_tokens=1, temperature=0.0, output_kind="final",
                                 truncate_prompt_tokens=truncate_prompt_tokens)
+        await self.prepare(params, prompt, lora_request=lora_request)
         stream = self.add_request(prompt, params, request_id, pooling=pooling,
                                   lora_request=lora_request)
         try:
@@ -838,6 +847,25 @@ class AsyncEngine:
     def list_loras(self) -> set[int]:
         """vLLM's `list_loras`: the ids of the loaded adapters."""
         return {e["id"] for e in self._lora_registry().loaded()}
+
+    async def _read_adapter(self, lora_request: LoRARequest) -> None:
+        """Reads an adapter that is not loaded on a worker thread and keeps it for the slot it
+        will take (`LoraRegistry.keep_read`), so that loading it into a slot on the event loop
+        costs no file reading. A bad adapter is left for `add_request` to report."""
+        loras = self.loras
+        if loras is None or not loras.needs_read(lora_request):
+            return
+        try:
+            adapter = await asyncio.to_thread(loras.read, lora_request)
+        except Exception:  # noqa: BLE001 - reported when the request is submitted
+            return
+        loras.keep_read(lora_request, adapter)
+
+    def _background(self, coro: Any) -> None:
+        """Runs `coro` as a task of this loop, kept referenced until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _lora_registry(self) -> Any:
         if self.loras is None:

@@ -199,6 +199,8 @@ async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchPara
                          "for)")
     step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=state.keep,
                                  output_kind="final")
+    if lora_request is not None:           # its adapter's files read off the event loop
+        await engine.prepare(None, lora_request=lora_request)
     prompt_ids, top = await _top_tokens(engine, prompt, step_params, messages=messages,
                                         chat_options=chat_options, lora_request=lora_request)
     room = engine.max_model_len - len(prompt_ids)

@@ -322,6 +322,9 @@ class LLM:
                             ) -> list[RequestOutput]:
         engine = self.engine
         streams = []
+        distinct = {r.lora_int_id: r for r in loras or () if r is not None}
+        # adapters not loaded yet are read from their files off the engine's event loop
+        await asyncio.gather(*(engine.prepare(None, lora_request=r) for r in distinct.values()))
         try:
             for i, (prompt, p) in enumerate(zip(prompts, plist)):
                 # Validate everything first, so one bad prompt fails the call before any work.

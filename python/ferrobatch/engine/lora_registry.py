@@ -36,6 +36,9 @@ class _Loaded:
     refs: int = 0
 
 
+READ_AHEAD_KEPT = 8        # adapters read off the event loop and not yet in a slot
+
+
 class LoraRegistry:
     """Adapters by id, in the runner's ``slots``; ``load`` reads one from its directory."""
 
@@ -44,7 +47,9 @@ class LoraRegistry:
         self._load = load
         self._loaded: OrderedDict[int, _Loaded] = OrderedDict()   # least recently used first
         self.served: dict[str, LoRARequest] = {}
-        self.loads = 0          # adapters read from disk (evictions make a reload count again)
+        # adapters read off the event loop for a slot they will take (keep_read), by id
+        self._read: OrderedDict[int, tuple[LoRARequest, LoraAdapter]] = OrderedDict()
+        self.loads = 0          # adapters put into a slot (evictions make a reload count again)
         self.evictions = 0
 
     @property
@@ -55,6 +60,20 @@ class LoraRegistry:
         """``request``'s adapter read from its directory (ValueError for a bad one); touches no
         registry state, so it may run on a worker thread."""
         return self._load(request)
+
+    def needs_read(self, request: LoRARequest) -> bool:
+        """True when ``request``'s adapter is neither loaded nor read ahead (``keep_read``)."""
+        return request.lora_int_id not in self._loaded and request.lora_int_id not in self._read
+
+    def keep_read(self, request: LoRARequest, adapter: LoraAdapter) -> None:
+        """Keeps an adapter read ahead (on a worker thread) for its first ``acquire``; at most
+        READ_AHEAD_KEPT are kept, the oldest dropped first (it is then read again, inline)."""
+        if request.lora_int_id in self._loaded:
+            return
+        self._read[request.lora_int_id] = (request, adapter)
+        self._read.move_to_end(request.lora_int_id)
+        while len(self._read) > READ_AHEAD_KEPT:
+            self._read.popitem(last=False)
 
     def acquire(self, request: LoRARequest, adapter: LoraAdapter | None = None) -> int:
         """The slot of ``request``'s adapter, loaded if needed (``adapter``: already read),
@@ -99,6 +118,9 @@ class LoraRegistry:
                 raise LoraSlotsBusyError(
                     f"all {self.max_loras} LoRA slots hold adapters of running requests "
                     f"(max_loras)")
+        ahead = self._read.pop(request.lora_int_id, None)
+        if adapter is None and ahead is not None and ahead[0] == request:
+            adapter = ahead[1]                  # read on a worker thread (keep_read)
         if adapter is None:                  # ValueError for a bad adapter: nothing changed
             adapter = self._load(request)
         if victim is not None:

@@ -224,15 +224,16 @@ def reserve_bytes(config, max_loras: int, max_rank: int, dtype: torch.dtype) -> 
 
 
 def install_lora(model: nn.Module) -> LoraHooks:
-    """Hooks every decoder layer of ``model`` (a ``LlamaForCausalLM``) once; returns
-    ``model.lora``. The hooks cost one attribute look-up per module outside LoRA steps."""
-    hooks = getattr(model, "lora", None)
-    if hooks is not None:
-        return hooks
-    hooks = LoraHooks()
+    """Hooks every decoder layer of ``model`` (a ``LlamaForCausalLM``); returns ``model.lora``.
+    Hooks already in place for this model's layers, at their positions, are kept (engines
+    sharing one loaded model share them); any other layer is (re)hooked. The hooks cost one
+    attribute look-up per module outside LoRA steps."""
+    hooks = getattr(model, "lora", None) or LoraHooks()
     for i, layer in enumerate(model.layers):
-        hook = LayerLora(hooks, i)
-        layer.self_attn.lora = hook
-        layer.mlp.lora = hook
+        hook = getattr(layer.self_attn, "lora", None)
+        if hook is None or hook.hooks is not hooks or hook.layer != i or layer.mlp.lora is not hook:
+            hook = LayerLora(hooks, i)
+            layer.self_attn.lora = hook
+            layer.mlp.lora = hook
     model.lora = hooks
     return hooks

@@ -105,10 +105,11 @@ async def _serve(request: web.Request, req: OpenAIRequest) -> web.StreamResponse
     streams: list[Any] = []
     # long prompts are tokenized, and a guided grammar compiled, off the event loop
     if req.kind == "chat":
-        await engine.prepare(req.params, messages=req.messages, chat_options=req.chat_template)
+        await engine.prepare(req.params, messages=req.messages, chat_options=req.chat_template,
+                             lora_request=req.lora)
     else:
         for p in req.prompts:
-            await engine.prepare(req.params, p)
+            await engine.prepare(req.params, p, lora_request=req.lora)
     try:
         if req.kind == "chat":
             streams.append(engine.add_request(None, req.params, messages=req.messages,

@@ -82,10 +82,11 @@ async def responses(request: web.Request) -> web.StreamResponse:
     # a guided reply's grammar applies after its reasoning (guided/after_reasoning.py)
     req.reasoning_parser = state.reasoning_parser
     engine = state.engine
-    await engine.prepare(req.params, messages=req.messages, chat_options=req.chat_options)
+    lora = lora_for(state, req.model)
+    await engine.prepare(req.params, messages=req.messages, chat_options=req.chat_options,
+                         lora_request=lora)
     stream = engine.add_request(None, req.params, messages=req.messages,
-                                chat_options=req.chat_options,
-                                lora_request=lora_for(state, req.model),
+                                chat_options=req.chat_options, lora_request=lora,
                                 reasoning_parser=req.reasoning_parser)
     try:
         if req.stream:

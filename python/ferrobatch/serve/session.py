@@ -80,7 +80,7 @@ class Session:
             if kind == "generate":
                 # a long prompt's tokens and a guided grammar, computed off the event loop
                 await self._engine.prepare(payload.params, payload.prompt, payload.messages,
-                                           payload.chat_options)
+                                           payload.chat_options, self._lora_of(payload.model))
                 self._generate(payload, binary)
             else:
                 await self._cancel(payload, binary)
