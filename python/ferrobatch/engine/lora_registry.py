@@ -9,8 +9,11 @@ Invariants (checked by ``check``; asyncio thread only):
 - the served names (``--lora-modules``, ``add_served``) map to distinct adapter ids; one id
   means one adapter (the same name and directory) for as long as it is loaded.
 
-Loading reads the adapter's files on the calling thread: adapters are small (a rank-8 adapter
-of every SmolLM2-135M projection is ~5 MiB), and the served ones are loaded at start-up.
+Reading an adapter's files is the slow part of loading it (an 8B model's rank-16 adapter is
+~130 MB): the engine reads one that is not loaded on a worker thread before its request is
+submitted, or while it waits for a slot (``read`` then ``keep_read``), so that putting it into
+a slot on the event loop reads nothing; the served ones are loaded at start-up. Only an adapter
+dropped from the read-ahead (more than READ_AHEAD_KEPT at once) is read again inline.
 """
 
 from __future__ import annotations
