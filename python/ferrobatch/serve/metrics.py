@@ -92,7 +92,7 @@ class _SchedulerCollector:
             info.add_metric([self._model, str(lora["max_loras"]), ",".join(lora["running"]),
                              ",".join(lora["waiting"])], 1.0)
             yield info
-            yield counter("lora_adapter_loads", "LoRA adapters read into a slot (a reload "
+            yield counter("lora_adapter_loads", "LoRA adapters put into a slot (a reload "
                           "after an eviction counts again).", lora["loads_total"])
             yield counter("lora_adapter_evictions", "Idle LoRA adapters evicted to make room "
                           "for another.", lora["evictions_total"])
