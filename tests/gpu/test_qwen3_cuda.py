@@ -24,7 +24,7 @@ CONFIG = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_
 
 def test_qwen3_cuda_logits_equal_transformers(tmp_path):
     from hf_tiny import random_hf_model
-    from step_builder import ToyScheduler
+    from step_builder import ToyScheduler, greedy_run
 
     from ferrobatch.model.loader import load_model
     from ferrobatch.runtime.model_runner import ModelRunner
@@ -39,15 +39,7 @@ def test_qwen3_cuda_logits_equal_transformers(tmp_path):
     sched = ToyScheduler(64, 16, token_budget=64)
     for i, p in enumerate(prompts):
         sched.add(i, p, 8)
-    generated: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    last: dict[int, torch.Tensor] = {}
-    while (batch := sched.schedule()) is not None:
-        logits = runner.execute(batch)
-        tokens = logits.argmax(-1)
-        for row, req in enumerate(batch.sample_req_ids):
-            generated[int(req)].append(int(tokens[row]))
-            last[int(req)] = logits[row]
-        sched.update(tokens.cpu().numpy())
+    generated, last = greedy_run(runner, sched)
     with torch.no_grad():
         for i, p in enumerate(prompts):
             ids = torch.tensor([p + generated[i][:-1]], device="cuda")

@@ -185,6 +185,23 @@ def run_to_completion(runner, sampler, scheduler: ToyScheduler, max_steps: int =
     raise RuntimeError("toy scheduler did not finish")
 
 
+def greedy_run(runner, scheduler: ToyScheduler, execute=None) -> tuple[dict, dict]:
+    """Greedy decoding of every sequence the toy scheduler holds: ``(req id -> its tokens,
+    req id -> the logits row of its last token)``. ``execute(batch)`` runs a step (default
+    ``runner.execute``)."""
+    execute = execute or runner.execute
+    generated: dict[int, list[int]] = {}
+    last: dict = {}
+    while (batch := scheduler.schedule()) is not None:
+        logits = execute(batch)
+        tokens = logits.argmax(-1)
+        for row, req in enumerate(batch.sample_req_ids):
+            generated.setdefault(int(req), []).append(int(tokens[row]))
+            last[int(req)] = logits[row]
+        scheduler.update(tokens.cpu().numpy())
+    return generated, last
+
+
 def mixed_step(rng, num_blocks: int, block_size: int, chunks, vocab_size: int = 64):
     """One step (README arrays) over fresh sequences in shuffled blocks: ``chunks`` lists
     (context tokens before, query tokens); 1 query token is a decode row, several a prefill chunk

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hf_tiny import random_hf_model
 from lora_files import ATTN, MLP, merge_into, write_peft_adapter
-from step_builder import ToyScheduler
+from step_builder import ToyScheduler, greedy_run
 
 CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 128,
           "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -51,15 +51,8 @@ def test_runner_mixes_base_and_adapter_rows_like_merged_transformers(tmp_path, d
     sched = ToyScheduler(64, 16, token_budget=48)
     for i, p in enumerate(prompts):
         sched.add(i, p, 6)
-    generated: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    last: dict[int, torch.Tensor] = {}
-    while (batch := sched.schedule()) is not None:
-        logits = runner.execute(batch, lora_slots=[seq_slot[int(r)] for r in batch.seq_req_ids])
-        tokens = logits.argmax(-1)
-        for row, req in enumerate(batch.sample_req_ids):
-            generated[int(req)].append(int(tokens[row]))
-            last[int(req)] = logits[row]
-        sched.update(tokens.cpu().numpy())
+    generated, last = greedy_run(runner, sched, lambda batch: runner.execute(
+        batch, lora_slots=[seq_slot[int(r)] for r in batch.seq_req_ids]))
     with torch.no_grad():
         for i, p in enumerate(prompts):
             ids = torch.tensor([p + generated[i][:-1]], device=device)
