@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from ferrobatch.engine.async_engine import AsyncEngine
 from ferrobatch.serve.server import Server
 
@@ -22,6 +24,19 @@ async def start_server(engine: AsyncEngine, **kw) -> Running:
     server = Server(engine, **kw)
     await server.start("127.0.0.1", 0, tcp_port=0)
     return Running(server, engine)
+
+
+@contextlib.asynccontextmanager
+async def sdk_client(r: Running):
+    """The `openai` SDK's async client on `r`'s HTTP door; on leaving, the engine must be idle
+    with every block free and the request tables empty."""
+    import openai
+    client = openai.AsyncOpenAI(base_url=r.base + "/v1", api_key="unused", max_retries=0)
+    try:
+        yield client
+    finally:
+        await client.close()
+    await r.engine.check_idle_clean(10.0)
 
 
 async def stop_server(r: Running) -> None:

@@ -16,7 +16,7 @@ import openai
 import pytest
 import pytest_asyncio
 from engine_support import REAL_ENGINE_OPTIONS
-from serve_support import start_server, stop_server
+from serve_support import sdk_client, start_server, stop_server
 
 from ferrobatch.client import TCPClient, WSClient
 from ferrobatch.engine.async_engine import AsyncEngine
@@ -36,10 +36,8 @@ async def real(loaded_smollm2):
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def sdk(real):
-    client = openai.AsyncOpenAI(base_url=real.base + "/v1", api_key="unused", max_retries=0)
-    yield client
-    await client.close()
-    await real.engine.check_idle_clean(10.0)
+    async with sdk_client(real) as client:
+        yield client
 
 
 async def test_sdk_models_and_completion(real, sdk):

@@ -15,7 +15,7 @@ import openai
 import pytest
 import pytest_asyncio
 from engine_support import REAL_ENGINE_OPTIONS
-from serve_support import start_server, stop_server
+from serve_support import sdk_client, start_server, stop_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 from lora_files import ATTN, MLP, write_peft_adapter  # noqa: E402
@@ -52,10 +52,8 @@ async def real(loaded_smollm2, tmp_path_factory):
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def sdk(real):
-    client = openai.AsyncOpenAI(base_url=real.base + "/v1", api_key="unused", max_retries=0)
-    yield client
-    await client.close()
-    await real.engine.check_idle_clean(10.0)
+    async with sdk_client(real) as client:
+        yield client
 
 
 async def _engine_text(engine, model: str | None, max_tokens: int = 12) -> str:
