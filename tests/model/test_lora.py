@@ -267,8 +267,11 @@ def test_bad_adapter_files_are_clear_errors(tmp_path, loaded_smollm2):
 
     from ferrobatch.model.lora_adapter import read_lora_adapter
     cfg = loaded_smollm2.config
-    with pytest.raises(ValueError, match="not a directory"):
+    with pytest.raises(ValueError, match="does not exist"):
         read_lora_adapter(str(tmp_path / "missing"), cfg)
+    (tmp_path / "adapter.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="is not a directory"):
+        read_lora_adapter(str(tmp_path / "adapter.bin"), cfg)
     with pytest.raises(ValueError, match="no adapter_config.json"):
         read_lora_adapter(str(tmp_path), cfg)
     write_peft_adapter(str(tmp_path), cfg, layers=[0], r=8)
@@ -392,7 +395,7 @@ def test_add_remove_and_list_loras_as_vllm(llm, adapters):
     assert not llm.remove_lora(qv.lora_int_id)               # not loaded any more
     assert llm.add_lora(rs) and llm.add_lora(qv)
     assert {qv.lora_int_id, rs.lora_int_id} <= llm.list_loras()
-    with pytest.raises(ValueError, match="not a directory"):
+    with pytest.raises(ValueError, match="does not exist"):
         llm.add_lora(LoRARequest("missing", 77, "/no/such/adapter"))
     llm.engine.loras.check()
 

@@ -149,7 +149,7 @@ async def test_adapters_load_and_unload_at_run_time(real, sdk):
         for body, status, text in (
                 ({"lora_name": "spare", "lora_path": real.spare}, 400, "already served"),
                 ({"lora_name": "smollm2", "lora_path": real.spare}, 400, "already served"),
-                ({"lora_name": "x", "lora_path": "/no/such/dir"}, 400, "not a directory"),
+                ({"lora_name": "x", "lora_path": "/no/such/dir"}, 400, "does not exist"),
                 ({"lora_name": "x"}, 400, "lora_path")):
             r = await s.post(url + "load_lora_adapter", json=body)
             assert r.status == status and text in (await r.json())["error"]["message"]

@@ -104,8 +104,10 @@ def _pattern_value(patterns: dict, module_name: str, default):
 def read_adapter_config(path: str) -> dict:
     """The adapter's ``adapter_config.json``, checked for what ferrobatch can apply."""
     if not os.path.isdir(path):
-        raise ValueError(f"LoRA adapter {path!r} is not a directory (a PEFT adapter directory "
-                         f"holds {CONFIG_FILE} and {WEIGHTS_FILE})")
+        what = "is not a directory" if os.path.exists(path) else "does not exist"
+        raise ValueError(f"LoRA adapter {path!r} {what} (a PEFT adapter directory holds "
+                         f"{CONFIG_FILE} and {WEIGHTS_FILE}; a llama.cpp adapter is a .gguf "
+                         f"file)")
     cfg_path = os.path.join(path, CONFIG_FILE)
     try:
         with open(cfg_path, encoding="utf-8") as f:
