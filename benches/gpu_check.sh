@@ -38,7 +38,8 @@
 #  12. spec: speculative decoding on CUDA, drafting alone and at load             -> speculative_cuda.{txt,json}
 #  13. hfcb: ferrobatch and transformers' continuous batching (hf-continuous) on gpu-small
 #      (never run on the GPU yet)                                                 -> throughput_gpu-small_hfcb.*
-#  14. chat: the gpu-chat workload (1000 requests, chat-like lengths, Llama-3-8B shape; never
+#  14. lora: benches/lora.py on CUDA (base, base-eager, one and four adapters)    -> lora_cuda.{txt,json}
+#  15. chat: the gpu-chat workload (1000 requests, chat-like lengths, Llama-3-8B shape; never
 #      run on the GPU yet)                                                         -> throughput_gpu-chat.*
 #  then the summary table                                                          -> summary.txt
 # (2026-12-04, first H200 runs: build 28 s, tests 45 s, bench 10 s, small / 8b 27 s each, ablation
@@ -79,7 +80,7 @@ timeout_flag=()
 $PY -c "import pytest_timeout" >/dev/null 2>&1 && timeout_flag=(--timeout 120)
 
 budget=${GPU_CHECK_BUDGET_S:-540}
-steps=${GPU_CHECK_STEPS:-tests,bench,small,8b,ablation,phases,profile,splits,hf,hf8b,sanitizer,spec,hfcb,chat}
+steps=${GPU_CHECK_STEPS:-tests,bench,small,8b,ablation,phases,profile,splits,hf,hf8b,sanitizer,spec,hfcb,lora,chat}
 tests=${GPU_CHECK_TESTS:-tests/gpu tests/model/test_lora_runner.py}
 want() { [[ ",$steps," == *",$1,"* ]]; }
 declare -A status
@@ -177,6 +178,10 @@ if [[ ${status[build]} == rc=0* ]]; then
   run_step hfcb 240 "$OUT/throughput_gpu-small_hfcb.txt" $PY benches/throughput.py \
     --workload gpu-small --systems ferrobatch,hf-continuous --no-progress --max-num-seqs 256 \
     --json "$OUT/throughput_gpu-small_hfcb.json" || failed=1
+  # LoRA on CUDA (session 36, never run on a GPU): steps with adapter rows run eagerly
+  run_step lora 150 "$OUT/lora_cuda.txt" $PY benches/lora.py --device cuda \
+    --model "${FERROBATCH_E2E_GGUF:-smollm2}" --num 32 --rounds 2 \
+    --json "$OUT/lora_cuda.json" || failed=1
   # the chat-like length mix on the 8B shape (1000 requests; never run on the GPU yet)
   run_step chat 240 "$OUT/throughput_gpu-chat.txt" $PY benches/throughput.py \
     --workload gpu-chat --systems ferrobatch --no-progress \
@@ -188,7 +193,7 @@ fi
 
 {
   echo "ferrobatch GPU check $stamp  ($(head -n 2 "$OUT/env.txt" | tail -n 1))"
-  for k in build tests bench small 8b ablation phases profile splits hf hf8b sanitizer spec hfcb chat; do echo "  $k: ${status[$k]:-not run}"; done
+  for k in build tests bench small 8b ablation phases profile splits hf hf8b sanitizer spec hfcb lora chat; do echo "  $k: ${status[$k]:-not run}"; done
   echo "--- tests"
   grep -E "passed|failed|error" "$OUT/gpu_tests.log" 2>/dev/null | tail -n 3
   grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.log" 2>/dev/null | head -n 15

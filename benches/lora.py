@@ -2,14 +2,15 @@
 base model, all on one adapter, and spread over several adapters in the same batches.
 
     python benches/lora.py [--num 16] [--max-tokens 64] [--adapters 4] [--rank 8] \
-        [--rounds 2] [--json benches/results/cpu/lora.json]
+        [--rounds 2] [--model smollm2] [--device cpu] [--json benches/results/cpu/lora.json]
 
-Systems (one engine, `enable_lora=True`, SmolLM2 GGUF on the CPU; rounds alternate):
+Systems (one engine, `enable_lora=True`, SmolLM2 GGUF on the CPU by default; rounds alternate):
 
-- `base`: no adapter (steps run every layer in one Rust call, as without LoRA);
-- `base-layered`: no adapter, on a second engine over the same weights with
-  `fused_decode=False` (steps layer by layer from Python: where every LoRA step runs, so
-  `lora-1 / base-layered` is the adapter math alone);
+- `base`: no adapter (steps run every layer in one Rust call on the CPU, replay CUDA graphs on
+  a GPU, as without LoRA);
+- `base-layered` (CPU) / `base-eager` (CUDA): no adapter, on a second engine over the same
+  weights with `fused_decode=False` / `cuda_graphs=False`: how every step with adapter rows
+  runs, so `lora-1` against it is the adapter math alone;
 - `lora-1`: every request on one adapter (rank `--rank`, all seven projections);
 - `lora-K`: requests spread round-robin over `--adapters` adapters.
 
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="smollm2", help="a model LLM() takes")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--json", default=None)
     a = parser.parse_args(argv)
     if min(a.num, a.max_tokens, a.adapters, a.rank, a.rounds) < 1:
@@ -52,10 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     from ferrobatch import LLM, LoRARequest, SamplingParams
 
     options = dict(enable_lora=True, max_loras=max(a.adapters, 1), enable_prefix_caching=False,
-                   num_speculative_tokens=0, max_model_len=1024)
-    llm = LLM("smollm2", **options)
-    layered = LLM("smollm2", loaded_model=llm.engine._core.loaded, fused_decode=False,
-                  **options)
+                   num_speculative_tokens=0, max_model_len=1024, device=a.device,
+                   max_lora_rank=max(16, a.rank))
+    llm = LLM(a.model, **options)
+    cuda = a.device.startswith("cuda")
+    slow_name = "base-eager" if cuda else "base-layered"
+    layered = LLM(a.model, loaded_model=llm.engine._core.loaded,
+                  **({"cuda_graphs": False} if cuda else {"fused_decode": False}), **options)
     cfg = llm.engine._core.loaded.config
     rng = np.random.default_rng(a.seed)
     prompts = [{"prompt_token_ids": rng.integers(100, 40000, size=int(n)).tolist()}
@@ -68,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             write_peft_adapter(path, cfg, targets=ATTN + MLP, r=a.rank, alpha=2 * a.rank,
                                seed=k + 1)
             adapters.append(LoRARequest(f"adapter{k}", k + 1, path))
-        systems = {"base": (llm, None), "base-layered": (layered, None),
+        systems = {"base": (llm, None), slow_name: (layered, None),
                    "lora-1": (llm, [adapters[0]] * a.num),
                    f"lora-{a.adapters}": (llm, [adapters[i % a.adapters]
                                                 for i in range(a.num)])}
@@ -88,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     base = tokens / min(times["base"])
     rows = [{"system": s, "output_tokens_per_s": tokens / min(t), "time_s": min(t),
              "vs_base": (tokens / min(t)) / base, "times_s": t} for s, t in times.items()]
-    print(f"{a.num} requests x {a.max_tokens} tokens, prompts 64..128 tokens, rank {a.rank}, "
-          f"best of {a.rounds} (systems alternating)")
+    print(f"{a.model} on {a.device}: {a.num} requests x {a.max_tokens} tokens, prompts 64..128 "
+          f"tokens, rank {a.rank}, best of {a.rounds} (systems alternating)")
     print(format_table(rows, [("system", "system", ""), ("output_tokens_per_s", "out tok/s", ".1f"),
                               ("time_s", "time (s)", ".2f"), ("vs_base", "vs base", ".2f")]))
     if a.json:

@@ -267,3 +267,17 @@ def test_embeddings_bench_smoke(tmp_path: Path) -> None:
     assert all(r["embeddings_per_s"] > 0 for r in data["results"])
     assert data["max_abs_diff"] < 1e-4          # the same model's vectors, two ways
     assert "emb/s" in proc.stdout
+
+
+def test_lora_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "lora.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHES / "lora.py"), "--num", "3", "--max-tokens", "4",
+         "--adapters", "2", "--rank", "4", "--rounds", "1", "--json", str(out)],
+        check=False, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["system"] for r in data["results"]] == ["base", "base-layered", "lora-1",
+                                                       "lora-2"]
+    assert all(r["output_tokens_per_s"] > 0 for r in data["results"])
+    assert data["results"][0]["vs_base"] == 1.0 and "vs base" in proc.stdout
