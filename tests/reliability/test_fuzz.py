@@ -51,7 +51,8 @@ FIELDS = ["type", "id", "prompt", "messages", "params", "version", "api_key", "m
           "max_output_tokens", "text", "metadata", "include", "tools", "tool_choice",
           "guided_grammar", "dimensions", "pooling", "normalize", "encoding_format",
           "use_beam_search", "length_penalty", "early_stopping", "bad_words",
-          "allowed_token_ids", "truncate_prompt_tokens", "cache_salt"]
+          "allowed_token_ids", "truncate_prompt_tokens", "cache_salt", "text_1", "text_2",
+          "query", "documents", "top_n", "return_documents"]
 near_valid = st.fixed_dictionaries(
     {"type": st.sampled_from(["generate", "embed", "cancel", "hello", "x"])},
     optional={f: json_val for f in FIELDS if f != "type"} | {
@@ -148,7 +149,7 @@ def test_fuzz_ws_messages(fuzz_srv, msgs):
 
 @FUZZ
 @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses",
-                             "/v1/embeddings"]),
+                             "/v1/embeddings", "/v1/score", "/v1/rerank"]),
        body=st.one_of(near_valid.map(lambda o: json.dumps(o).encode()),
                       st.fixed_dictionaries({}, optional={f: json_val for f in FIELDS})
                       .map(lambda o: json.dumps(o).encode()),
