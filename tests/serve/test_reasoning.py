@@ -170,3 +170,49 @@ async def test_a_reply_without_reasoning_has_no_reasoning_item(fake_server):
     datas = await _responses_events(fake_server, body)
     assert not any("reasoning" in d["type"] for d in datas)
     assert {d.get("output_index") for d in datas if "output_index" in d} == {0}
+
+
+@pytest.mark.parametrize("parser, tokens, want", [
+    ("deepseek_r1", ["Let", " me", " think", "</think>", "\n\n", "4"], 4),
+    ("deepseek_r1", ["hm", "</thi", "nk>", "4"], 3),              # the tag in pieces
+    ("deepseek_r1", ["never", " closed"], 2),                     # cut before the end: all
+    ("qwen3", ["<think>", "x", "</think>", "y"], 3),
+    ("qwen3", ["No", " thinking"], 0),
+    ("qwen3", [], 0),
+])
+def test_reasoning_tokens_are_counted_up_to_the_closing_tag(parser, tokens, want):
+    from ferrobatch.serve.reasoning import count_reasoning_tokens
+    assert count_reasoning_tokens(parser, tokens) == want
+
+
+@pytest.mark.parametrize("fake_server", [{"reasoning_parser": "deepseek_r1"}], indirect=True)
+async def test_usage_counts_the_reasoning_tokens(fake_server):
+    """FakeCore writes one character per token: the reply's reasoning is `<user>ponder` and its
+    `</think>`, 20 tokens, in chat's `completion_tokens_details` (whole and in the streamed
+    usage chunk) and in the Responses API's `output_tokens_details`."""
+    want = len("<user>ponder</think>")
+    async with aiohttp.ClientSession() as s:
+        async with s.post(fake_server.base + "/v1/chat/completions", json=BODY) as resp:
+            whole = (await resp.json())["usage"]
+        async with s.post(fake_server.base + "/v1/chat/completions", json={
+                **BODY, "stream": True, "stream_options": {"include_usage": True}}) as resp:
+            chunks = [json.loads(line[6:]) for line in (await resp.text()).split("\n\n")
+                      if line.startswith("data: {")]
+        async with s.post(fake_server.base + "/v1/responses", json={
+                "input": "ponder</think>\n\nanswer", "max_output_tokens": len(REPLY)}) as resp:
+            responses = (await resp.json())["usage"]
+    assert whole["completion_tokens_details"] == {"reasoning_tokens": want}
+    assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": want}
+    assert responses["output_tokens_details"] == {"reasoning_tokens": want}
+    for event in await _responses_events(fake_server, {"input": "ponder</think>\n\nanswer",
+                                                       "max_output_tokens": len(REPLY)}):
+        if event["type"] == "response.incomplete":
+            assert event["response"]["usage"]["output_tokens_details"] == \
+                {"reasoning_tokens": want}
+
+
+@pytest.mark.parametrize("fake_server", [{}], indirect=True)
+async def test_without_a_parser_usage_has_no_reasoning_details(fake_server):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(fake_server.base + "/v1/chat/completions", json=BODY) as resp:
+            assert "completion_tokens_details" not in (await resp.json())["usage"]

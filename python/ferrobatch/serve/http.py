@@ -33,7 +33,11 @@ from ferrobatch.serve.openai_protocol import (
     usage,
 )
 from ferrobatch.serve.protocol import ProtocolError, error_status
-from ferrobatch.serve.reasoning import ReasoningSplitter, split_reasoning
+from ferrobatch.serve.reasoning import (
+    ReasoningSplitter,
+    count_reasoning_tokens,
+    split_reasoning,
+)
 from ferrobatch.serve.request_ids import object_id
 from ferrobatch.serve.sse import SSEWriter
 from ferrobatch.serve.state import MAX_BODY_BYTES, STATE
@@ -199,6 +203,7 @@ async def _collect(request: web.Request, req: OpenAIRequest, streams: list[Any])
     texts: dict[int, str] = {}
     reasons: dict[int, str | None] = {}
     logprobs: dict[int, Any] = {}
+    token_ids: dict[int, list[int]] = {}
     last: dict[int, Any] = {}                 # prompt index -> its latest output (echo)
     completion = 0
     async for i, out in _merged(streams):
@@ -209,6 +214,7 @@ async def _collect(request: web.Request, req: OpenAIRequest, streams: list[Any])
             texts[i * n + c.index] = c.text
             reasons[i * n + c.index] = c.finish_reason
             logprobs[i * n + c.index] = c.logprobs
+            token_ids[i * n + c.index] = c.token_ids
             completion += len(c.token_ids)
     prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
     choices = []
@@ -227,7 +233,18 @@ async def _collect(request: web.Request, req: OpenAIRequest, streams: list[Any])
                               tool_calls=calls, reasoning=reasoning))
     return web.json_response(envelope(req, choices, chunk=False,
                                       usage_=usage(prompt_tokens, completion,
-                                                   cached_total(last.values()))))
+                                                   cached_total(last.values()),
+                                                   _reasoning_tokens(request, req, token_ids))))
+
+
+def _reasoning_tokens(request: web.Request, req: OpenAIRequest,
+                      token_ids: dict[int, list[int]]) -> int | None:
+    """The choices' reasoning tokens together, with a reasoning parser (else None)."""
+    if req.reasoning_parser is None:
+        return None
+    strings = request.app[STATE].token_strings()
+    return sum(count_reasoning_tokens(req.reasoning_parser, (strings.text(t) for t in ids))
+               for ids in token_ids.values())
 
 
 async def _stream(request: web.Request, req: OpenAIRequest,
@@ -240,6 +257,7 @@ async def _stream(request: web.Request, req: OpenAIRequest,
     latest: dict[int, Any] = {}       # prompt index -> its latest output (cached tokens)
     tool_streams: dict[int, ToolOutputStream] = {}   # per choice, with a tool plan
     splitters: dict[int, ReasoningSplitter] = {}     # per choice, with a reasoning parser
+    token_ids: dict[int, list[int]] = {}              # per choice, with a reasoning parser
     prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
 
     def so_far() -> dict[str, int] | None:
@@ -273,6 +291,8 @@ async def _stream(request: web.Request, req: OpenAIRequest,
             for c in out.outputs:
                 completion += len(c.token_ids)
                 k = i * n + c.index
+                if req.reasoning_parser is not None:
+                    token_ids.setdefault(k, []).extend(c.token_ids)
                 asked = req.params.logprobs is not None
                 text, reasoning = c.text, ""
                 if req.reasoning_parser is not None:
@@ -319,7 +339,8 @@ async def _stream(request: web.Request, req: OpenAIRequest,
         if req.include_usage:
             await sse.send(envelope(req, [], chunk=True,
                                     usage_=usage(prompt_tokens, completion,
-                                                 cached_total(latest.values()))))
+                                                 cached_total(latest.values()),
+                                                 _reasoning_tokens(request, req, token_ids))))
         await sse.close()
     except ConnectionError:
         pass                        # the client left: the finally in _serve aborts the request

@@ -220,13 +220,17 @@ def _chat_logprobs_count(body: dict) -> int | None:
 
 
 def usage(prompt_tokens: int, completion_tokens: int,
-          cached_tokens: int | None = None) -> dict[str, Any]:
+          cached_tokens: int | None = None,
+          reasoning_tokens: int | None = None) -> dict[str, Any]:
     """The usage object; `cached_tokens`: prompt tokens the prefix cache held (OpenAI's
-    `prompt_tokens_details`), left out when not known yet."""
+    `prompt_tokens_details`), left out when not known yet; `reasoning_tokens`: completion
+    tokens that were reasoning (`completion_tokens_details`, with a reasoning parser)."""
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                            "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens is not None:
         out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return out
 
 

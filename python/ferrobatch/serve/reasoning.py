@@ -15,6 +15,8 @@ returns, joined, are exactly what `split_reasoning` gives for the whole text.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 THINK_START = "<think>"
 THINK_END = "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
@@ -89,9 +91,28 @@ class ReasoningSplitter:
             return rest, ""
         return "", rest if self._state == _CONTENT else ""
 
+    @property
+    def past_reasoning(self) -> bool:
+        """The text fed so far has left the reasoning (its `</think>`, or content from the
+        start)."""
+        return self._state in (_AFTER_END, _CONTENT)
+
     def _enter_reasoning(self) -> None:
         self._state = _REASONING
         self.saw_reasoning = True
+
+
+def count_reasoning_tokens(parser: str, token_texts: Iterable[str]) -> int:
+    """How many of a reply's tokens (their texts, in order) are its reasoning: every token up
+    to and including the one that closes it (`</think>`; all of them in a reply cut before
+    that), none in a reply without reasoning. OpenAI's `reasoning_tokens`."""
+    splitter, count = ReasoningSplitter(parser), 0
+    for text in token_texts:
+        if splitter.past_reasoning:
+            break
+        splitter.feed(text)
+        count += 1
+    return count if splitter.saw_reasoning else 0
 
 
 def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:

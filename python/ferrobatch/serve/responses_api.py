@@ -27,7 +27,11 @@ from ferrobatch.serve.codec import dumps_json
 from ferrobatch.serve.http import error_response, read_json
 from ferrobatch.serve.logprobs import chat_logprobs
 from ferrobatch.serve.lora_api import lora_for
-from ferrobatch.serve.reasoning import ReasoningSplitter, split_reasoning
+from ferrobatch.serve.reasoning import (
+    ReasoningSplitter,
+    count_reasoning_tokens,
+    split_reasoning,
+)
 from ferrobatch.serve.request_ids import object_id
 from ferrobatch.serve.responses_protocol import (
     ResponsesRequest,
@@ -105,7 +109,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
             else None
         return web.json_response(response_object(
             req, status_of(c.finish_reason, None, calls), text, calls,
-            (len(stream.prompt_token_ids), len(c.token_ids), last.num_cached_tokens or 0),
+            (len(stream.prompt_token_ids), len(c.token_ids), last.num_cached_tokens or 0,
+             _reasoning_tokens(request, req, c.token_ids)),
             logprobs=logprobs, reasoning=reasoning))
     finally:
         stream.abort()
@@ -187,6 +192,14 @@ class _MessageEvents:
                                output_index=self.ids["output_index"], item=item)
 
 
+def _reasoning_tokens(request: web.Request, req: ResponsesRequest, token_ids: list[int]) -> int:
+    """How many of the reply's tokens are its reasoning (0 without a reasoning parser)."""
+    if req.reasoning_parser is None:
+        return 0
+    strings = request.app[STATE].token_strings()
+    return count_reasoning_tokens(req.reasoning_parser, (strings.text(t) for t in token_ids))
+
+
 async def _stream(request: web.Request, req: ResponsesRequest, stream: Any) -> web.StreamResponse:
     events = _Events(request)
     message = _MessageEvents(events, req)
@@ -205,10 +218,12 @@ async def _stream(request: web.Request, req: ResponsesRequest, stream: Any) -> w
         if req.tools is None and splitter is None:
             await message.open()
         raw, generated, finish, error, cached = [], 0, None, None, 0
+        token_ids: list[int] = []
         async for out in stream:
             cached = out.num_cached_tokens or cached
             c = out.outputs[0]
             generated += len(c.token_ids)
+            token_ids += c.token_ids
             raw.append(c.text)
             text = c.text
             if splitter is not None:
@@ -231,7 +246,8 @@ async def _stream(request: web.Request, req: ResponsesRequest, stream: Any) -> w
         # what was held back: the calls, or text after all
         rest, calls = tool_stream.finish(finish) if tool_stream is not None else ("", None)
         status = status_of(finish, error, calls)
-        usage = (len(stream.prompt_token_ids), generated, cached)
+        usage = (len(stream.prompt_token_ids), generated, cached,
+                 _reasoning_tokens(request, req, token_ids))
         reasoning_text = "".join(thinking.text) if thinking.opened else None
         if status == "failed":
             await events.emit("response.failed", response=response_object(

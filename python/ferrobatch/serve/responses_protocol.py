@@ -271,13 +271,14 @@ def call_item(call: dict[str, Any], arguments: str | None = None) -> dict[str, A
 
 def response_object(req: ResponsesRequest, status: str, text: str | None = None,
                     calls: list[dict[str, Any]] | None = None,
-                    usage: tuple[int, int, int] | None = None,
+                    usage: tuple[int, ...] | None = None,
                     error: str | None = None, logprobs: list | None = None,
                     reasoning: str | None = None) -> dict[str, Any]:
     """The `response` object: `status` "in_progress" (no output yet), "completed",
     "incomplete" (cut by max_output_tokens or the context) or "failed". The output is the
     reasoning item (with a reasoning parser, when the reply had a reasoning part), the message
-    (when there is text, or no call) and then one `function_call` item per call."""
+    (when there is text, or no call) and then one `function_call` item per call. `usage`:
+    (input tokens, output tokens, cached input tokens[, reasoning output tokens])."""
     out: dict[str, Any] = {
         "id": req.id, "object": "response", "created_at": req.created_at, "model": req.model,
         "status": status, "output": [], "error": None, "incomplete_details": None,
@@ -294,12 +295,13 @@ def response_object(req: ResponsesRequest, status: str, text: str | None = None,
     if error is not None:
         out["error"] = {"code": "server_error", "message": error}
     if usage is not None:
-        prompt, generated, cached = usage
+        prompt, generated, cached, *thought = usage
         out["usage"] = {"input_tokens": prompt, "output_tokens": generated,
                         "total_tokens": prompt + generated,
                         "input_tokens_details": {"cached_tokens": cached,
                                                  "cache_write_tokens": 0},
-                        "output_tokens_details": {"reasoning_tokens": 0}}
+                        "output_tokens_details": {"reasoning_tokens": thought[0] if thought
+                                                  else 0}}
     return out
 
 
