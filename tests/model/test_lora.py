@@ -461,3 +461,25 @@ def test_adapter_files_are_read_off_the_event_loop(llm, adapters, monkeypatch):
     assert all(len(o) == NEW_TOKENS for o in outs)
     assert len(reads) >= 3 and not any(reads), reads
     llm._run(engine.check_idle_clean())
+
+
+def test_loads_and_evictions_are_logged(tmp_path, loaded_smollm2, caplog):
+    """Each adapter put into a slot, and each one evicted, is one INFO line saying which and
+    why (what it adapts, its size, the model it says it was trained on)."""
+    from ferrobatch.engine.lora_registry import LoraRegistry
+    from ferrobatch.model.lora_adapter import read_lora_adapter
+    from ferrobatch.runtime.lora import LoraSlots
+    cfg = loaded_smollm2.config
+    registry = LoraRegistry(LoraSlots(cfg.num_layers, 1),
+                            lambda r: read_lora_adapter(r.lora_path, cfg))
+    for k in (1, 2):
+        write_peft_adapter(str(tmp_path / str(k)), cfg, layers=[0], seed=k, extra_config={
+            "base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"})
+    with caplog.at_level("INFO", logger="ferrobatch.engine.lora_registry"):
+        registry.load(LoRARequest("one", 1, str(tmp_path / "1")))
+        registry.load(LoRARequest("two", 2, str(tmp_path / "2")))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("LoRA adapter 'one' (id 1) in slot 1: rank 8 on qkv_proj")
+    assert "trained on HuggingFaceTB/SmolLM2-135M-Instruct" in lines[0]
+    assert lines[1] == "LoRA adapter 'one' (id 1) evicted from slot 1: idle, least recently used"
+    assert lines[2].startswith("LoRA adapter 'two' (id 2) in slot 1")

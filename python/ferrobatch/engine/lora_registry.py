@@ -18,6 +18,7 @@ dropped from the read-ahead (more than READ_AHEAD_KEPT at once) is read again in
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ class _Loaded:
     adapter: LoraAdapter
     refs: int = 0
 
+
+logger = logging.getLogger(__name__)
 
 READ_AHEAD_KEPT = 8        # adapters read off the event loop and not yet in a slot
 
@@ -127,11 +130,18 @@ class LoraRegistry:
         if adapter is None:                  # ValueError for a bad adapter: nothing changed
             adapter = self._load(request)
         if victim is not None:
-            free = self._loaded.pop(victim).slot
+            gone = self._loaded.pop(victim)
+            free = gone.slot
             self.evictions += 1
+            logger.info("LoRA adapter %r (id %d) evicted from slot %d: idle, least recently "
+                        "used", gone.request.lora_name, victim, free)
         self.slots.put(free, adapter)
         self.loads += 1
         entry = self._loaded[request.lora_int_id] = _Loaded(request, free, adapter)
+        logger.info("LoRA adapter %r (id %d) in slot %d: rank %d on %s, %.1f MiB%s",
+                    request.lora_name, request.lora_int_id, free, adapter.rank,
+                    ", ".join(adapter.modules), adapter.num_bytes / 2**20,
+                    f", trained on {adapter.base_model}" if adapter.base_model else "")
         return entry
 
     def add_served(self, request: LoRARequest, adapter: LoraAdapter | None = None) -> None:

@@ -61,6 +61,7 @@ class LoraAdapter:
     path: str
     rank: int                    # the largest r of its modules
     layers: list[dict[str, LoraWeights]] = field(default_factory=list)
+    base_model: str | None = None   # the model it says it was trained on, if it says
 
     @property
     def num_bytes(self) -> int:
@@ -165,7 +166,11 @@ def read_lora_adapter(path: str, config: ModelConfig, *, max_rank: int = 16,
         pairs, scale_of = _read_peft(path, config)
     if not pairs:
         raise ValueError(f"LoRA adapter {path!r} holds no LoRA matrices")
-    return _assemble(path, config, pairs, scale_of, max_rank, dtype, device)
+    adapter = _assemble(path, config, pairs, scale_of, max_rank, dtype, device)
+    if os.path.isdir(path):
+        base = read_adapter_config(path).get("base_model_name_or_path")
+        adapter.base_model = base if isinstance(base, str) and base else None
+    return adapter
 
 
 def _read_peft(path: str, config: ModelConfig) -> tuple[dict, Callable[[str, int], float]]:
