@@ -243,7 +243,7 @@ def _reasoning_tokens(request: web.Request, req: OpenAIRequest,
     if req.reasoning_parser is None:
         return None
     strings = request.app[STATE].token_strings()
-    return sum(count_reasoning_tokens(req.reasoning_parser, (strings.text(t) for t in ids))
+    return sum(count_reasoning_tokens(req.reasoning_parser, ids, strings.text)
                for ids in token_ids.values())
 
 

@@ -15,7 +15,8 @@ returns, joined, are exactly what `split_reasoning` gives for the whole text.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -102,15 +103,17 @@ class ReasoningSplitter:
         self.saw_reasoning = True
 
 
-def count_reasoning_tokens(parser: str, token_texts: Iterable[str]) -> int:
-    """How many of a reply's tokens (their texts, in order) are its reasoning: every token up
-    to and including the one that closes it (`</think>`; all of them in a reply cut before
-    that), none in a reply without reasoning. OpenAI's `reasoning_tokens`."""
+def count_reasoning_tokens(parser: str, tokens: Iterable[Any],
+                           text_of: Callable[[Any], str] = str) -> int:
+    """How many of a reply's tokens (in order; `text_of` gives each one's text, e.g. a token
+    id's) are its reasoning: every token up to and including the one that closes it
+    (`</think>`; all of them in a reply cut before that), none in a reply without reasoning.
+    OpenAI's `reasoning_tokens`."""
     splitter, count = ReasoningSplitter(parser), 0
-    for text in token_texts:
+    for token in tokens:
         if splitter.past_reasoning:
             break
-        splitter.feed(text)
+        splitter.feed(text_of(token))
         count += 1
     return count if splitter.saw_reasoning else 0
 

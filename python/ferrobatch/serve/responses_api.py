@@ -196,8 +196,8 @@ def _reasoning_tokens(request: web.Request, req: ResponsesRequest, token_ids: li
     """How many of the reply's tokens are its reasoning (0 without a reasoning parser)."""
     if req.reasoning_parser is None:
         return 0
-    strings = request.app[STATE].token_strings()
-    return count_reasoning_tokens(req.reasoning_parser, (strings.text(t) for t in token_ids))
+    return count_reasoning_tokens(req.reasoning_parser, token_ids,
+                                  request.app[STATE].token_strings().text)
 
 
 async def _stream(request: web.Request, req: ResponsesRequest, stream: Any) -> web.StreamResponse:
