@@ -111,6 +111,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-fused-decode", action="store_true",
                    help="CPU: run steps layer by layer from Python instead of all layers "
                    "in one Rust call (same results, slower; for comparison)")
+    g.add_argument("--logits-processors", nargs="+", default=(), metavar="MODULE:NAME",
+                   help="engine-wide logits processor factories, by import path: each is "
+                   "called with a request's SamplingParams (its extra_args: the HTTP body's "
+                   "vllm_xargs) and returns a processor fn(output_token_ids, logits) for it, "
+                   "or None")
     lo = p.add_argument_group("LoRA adapters (Hugging Face PEFT directories)")
     lo.add_argument("--enable-lora", action="store_true",
                     help="requests may run with LoRA adapters (implied by --lora-modules, --lora "
@@ -152,7 +157,8 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         chat_template=_template_text(a.chat_template), cpu_threads=a.cpu_threads,
         enable_lora=a.enable_lora or bool(getattr(a, "lora_modules", None))
         or getattr(a, "allow_runtime_lora", False) or getattr(a, "lora", None) is not None,
-        max_loras=a.max_loras, max_lora_rank=a.max_lora_rank)
+        max_loras=a.max_loras, max_lora_rank=a.max_lora_rank,
+        logits_processors=tuple(a.logits_processors))
 
 
 def _lora_module(text: str) -> tuple[str, str]:

@@ -137,6 +137,11 @@ class EngineConfig:
     max_lora_rank: int = 16              # adapters of a higher rank are refused (as vLLM;
                                          # on a GPU the KV cache leaves room for max_loras of it)
 
+    # engine-wide logits processor factories: callables, classes or import paths
+    # ("package.module:name"); each gives a request its processor or None
+    # (runtime/logits_processors.py; vLLM's --logits-processors)
+    logits_processors: tuple[Any, ...] = ()
+
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
             v = getattr(self, name)
@@ -220,6 +225,15 @@ class EngineConfig:
                 not (0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}")
+        entries = self.logits_processors
+        if not isinstance(entries, (tuple, list)) or not all(
+                isinstance(e, str) or callable(e) for e in entries):
+            raise ValueError("logits_processors must be a list of import paths "
+                             "('package.module:name') or callables")
+        object.__setattr__(self, "logits_processors", tuple(entries))
+        if entries:
+            from ferrobatch.runtime.logits_processors import resolve_factories
+            resolve_factories(entries)           # an import error fails before loading
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got "
                              f"{self.scheduling_policy!r}")

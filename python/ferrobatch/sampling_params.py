@@ -30,7 +30,8 @@ MAX_ALLOWED_TOKEN_IDS = 1 << 18
 _NONE_IS_DEFAULT = ("n", "min_tokens", "temperature", "top_k", "top_p", "min_p",
                     "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
                     "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
-                    "skip_special_tokens", "priority", "output_kind", "bad_words")
+                    "skip_special_tokens", "priority", "output_kind", "bad_words",
+                    "logits_processors")
 
 
 def _is_int(v: Any) -> bool:
@@ -82,6 +83,15 @@ class SamplingParams:
     rule; recursion is expanded 3 deep, `guided/gbnf.py`). Only tokens that keep the output a prefix of a valid text are sampled, and
     end-of-sequence only where it is complete; `ignore_eos` and `min_tokens` cannot be combined
     with it (the grammar decides where the output ends).
+
+    `logits_processors` (vLLM's, Python module only): callables ``fn(output_token_ids, logits)``
+    or ``fn(prompt_token_ids, output_token_ids, logits)`` returning the logits row to sample
+    from, run in order on every generated token of each sequence before the sampler's own steps
+    (`runtime/logits_processors.py`); a processor that raises fails its request only. Such a
+    request does not draft speculatively (a processor may keep state between calls).
+    `extra_args` (vLLM's; the HTTP body's `vllm_xargs`): named values for the engine-wide
+    processors (`EngineConfig.logits_processors`), which decide from them whether and how to
+    act on the request; the engine itself reads nothing in it.
     """
 
     n: int = 1
@@ -113,6 +123,8 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     truncate_prompt_tokens: int | None = None
     cache_salt: str | None = None
+    logits_processors: tuple[Any, ...] = ()
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         def fix(name: str, value: Any) -> None:
@@ -198,12 +210,30 @@ class SamplingParams:
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
         self._check_guided(fix)
+        self._check_logits_processors(fix)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             v = getattr(self, name)
             if not math.isfinite(v):
                 raise ValueError(f"{name} must be finite")
             fix(name, float(v))
+
+    def _check_logits_processors(self, fix: Any) -> None:
+        fns = self.logits_processors
+        if callable(fns):
+            fns = (fns,)
+        if not isinstance(fns, (tuple, list)):
+            raise ValueError("logits_processors must be a list of callables")
+        if fns:
+            from ferrobatch.runtime.logits_processors import processor_arity
+            for fn in fns:
+                processor_arity(fn)             # ValueError for one that cannot be called so
+        fix("logits_processors", tuple(fns))
+        extra = self.extra_args
+        if extra is not None:
+            if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+                raise ValueError("extra_args must be a map of names (strings) to values")
+            fix("extra_args", dict(extra) or None)
 
     def _check_token_restrictions(self, fix: Any) -> None:
         ids = self.allowed_token_ids
@@ -292,20 +322,22 @@ class SamplingParams:
     @property
     def allows_speculation(self) -> bool:
         """True when prompt-lookup drafts may be checked for this request in one step: one
-        sequence. Each drafted row's token is drawn from that row's own distribution (bias
+        sequence, and no logits processors (they may keep state between calls). Each drafted row's token is drawn from that row's own distribution (bias
         applied, penalties counting the drafts before it, the grammar's mask after them,
         logprobs taken from it), and keeping drafts while the drawn token equals them is exact
         speculative sampling for a draft that is one fixed token: a draft survives with its
         probability, and a refused one leaves a draw from the rest. Greedy and seeded outputs
         are the very tokens the engine gives without drafts (a seeded row's draw is keyed by
         its position)."""
-        return self.n == 1
+        return self.n == 1 and not self.logits_processors
 
     @property
     def needs_token_history(self) -> bool:
-        """True when the sampler needs this request's generated tokens (penalties, bad words)."""
+        """True when the sampler needs this request's generated tokens (penalties, bad words,
+        logits processors)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0 or bool(self.bad_words))
+                or self.frequency_penalty != 0.0 or bool(self.bad_words)
+                or bool(self.logits_processors))
 
     def truncated_prompt(self, ids: list[int], max_model_len: int) -> list[int]:
         """`ids` cut to their last `truncate_prompt_tokens` (ValueError when that is more than

@@ -64,6 +64,19 @@ def test_greedy_outputs_do_not_change_alone_or_batched(engines):
     assert _drafts(plain) == (0, 0)
 
 
+def test_requests_with_logits_processors_do_not_draft(engines):
+    """A processor may keep state between calls: its request never drafts (same tokens)."""
+    plain, drafting = engines
+    want = plain.chat(COPY, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    before = _drafts(drafting)
+    out = drafting.chat(COPY, GREEDY.replace(logits_processors=[lambda history, row: row]),
+                        use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == want
+    assert _drafts(drafting) == before
+    drafting.chat(COPY, GREEDY, use_tqdm=False)          # the same request drafts without it
+    assert _drafts(drafting)[0] > before[0]
+
+
 def test_only_single_sequence_requests_draft(engines):
     _, drafting = engines
     p = SamplingParams(max_tokens=24, temperature=0.0, n=2)

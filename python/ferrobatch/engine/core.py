@@ -21,6 +21,11 @@ from ferrobatch.engine.errors import LoraSlotsBusyError, QueueFullError
 from ferrobatch.engine.pooling import PoolingState, pooled_embeddings, pooling_rows
 from ferrobatch.engine.step_rows import rows_of_requests
 from ferrobatch.runtime.cpu_threads import torch_single_threaded
+from ferrobatch.runtime.logits_processors import (
+    apply_logits_processors,
+    request_processors,
+    resolve_factories,
+)
 from ferrobatch.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -118,6 +123,8 @@ class EngineCore:
         # LoRA: the registry (asyncio thread) and each request's (slot, adapter id), copy-on-write
         self.loras: Any = None                # LoraRegistry when config.enable_lora
         self._lora_of: dict[int, tuple[int, int]] = {}
+        # engine-wide logits processor factories (config.logits_processors), asked per request
+        self.processor_factories = resolve_factories(config.logits_processors)
         from ferrobatch._scheduler import QueueFullError
         self._rust_queue_full = QueueFullError
 
@@ -257,21 +264,25 @@ class EngineCore:
         if lora is not None and self.loras is None:
             raise ValueError("this engine serves no LoRA adapters (start it with "
                              "enable_lora=True / --enable-lora)")
+        processors = request_processors(p, self.processor_factories) \
+            if p.logits_processors or self.processor_factories else ()   # ValueError: refused
         stop_masked = bool(p.min_tokens and p.stop_token_ids)
         pooling = getattr(state, "pooling", None)      # an embedding request
         if p.needs_token_history or p.logit_bias or p.logprobs is not None \
                 or p.prompt_logprobs is not None or guides or stop_masked \
-                or p.allowed_token_ids is not None or pooling is not None:
+                or p.allowed_token_ids is not None or pooling is not None \
+                or processors:
             from ferrobatch.runtime.sampler import RequestExtras
             from ferrobatch.runtime.token_restrictions import allowed_mask, bad_word_sequences
-            history = [[] for _ in range(p.n)] if p.needs_token_history else None
+            history = [[] for _ in range(p.n)] if p.needs_token_history or processors else None
             state.extras = RequestExtras(
                 ids, history, p.logit_bias, p.logprobs, p.prompt_logprobs, guides, p.min_tokens,
                 tuple(p.stop_token_ids) if stop_masked else (),
                 allowed_mask=(allowed_mask(p.allowed_token_ids, self.vocab_size)
                               if p.allowed_token_ids is not None else None),
                 bad_word_ids=bad_word_sequences(self.tokenizer, p.bad_words),
-                pooling=PoolingState(pooling, len(ids)) if pooling is not None else None)
+                pooling=PoolingState(pooling, len(ids)) if pooling is not None else None,
+                logits_processors=processors)
             self._extras = {**self._extras, req_id: state.extras}
         salt = None if p.cache_salt is None else f"tenant/{p.cache_salt}"
         if lora is not None:        # KV computed with an adapter serves only that adapter
@@ -294,7 +305,8 @@ class EngineCore:
                 priority=p.priority, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                 min_p=p.min_p, repetition_penalty=p.repetition_penalty,
                 presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                seed=p.seed, cache_salt=salt, speculate=p.allows_speculation)
+                seed=p.seed, cache_salt=salt,
+                speculate=p.allows_speculation and not processors)
         except self._rust_queue_full as exc:
             self.forget(req_id)
             raise QueueFullError(f"the engine's intake queue is full: {exc}") from None
@@ -352,6 +364,7 @@ class EngineCore:
         lora = {"lora_slots": [lora_of.get(r, (0,))[0] for r in batch.seq_req_ids.tolist()]} \
             if lora_of and batch.num_tokens > 0 else {}
         failed: list[int] = []
+        processor_failures: dict[int, str] = {}
         logprobs = prompt_logprobs = embeddings = None
         scored = pooled = None          # the rows prompt logprobs / embeddings need
         if extras and batch.num_tokens > 0:
@@ -381,6 +394,9 @@ class EngineCore:
                 finite = torch.isfinite(logits).all(dim=-1)
                 failed = self._fail_rows(batch, finite)
                 logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
+            if any(e.logits_processors for e in extras.values()):
+                logits, processor_failures = self._run_logits_processors(logits, batch, extras)
+                failed = sorted(set(failed) | processor_failures.keys())
             sample = self.sampler.sample(logits, batch, extras)
             sampled = np.ascontiguousarray(sample.token_ids, dtype=np.int32)
             if sample.logprobs is not None:
@@ -391,6 +407,7 @@ class EngineCore:
         if extras and len(req_ids):
             self._record_history(extras, out)
             failure_messages = self._advance_guides(extras, out, failed)
+        failure_messages.update(processor_failures)
         if not len(req_ids) and batch.num_seqs == 0:
             return None
         return StepResult(req_ids.tolist(), out.seq_indices.tolist(), out.token_ids.tolist(),
@@ -419,6 +436,16 @@ class EngineCore:
             return None
         self.plain_greedy_steps += 1
         return np.ascontiguousarray(rows[:, 0], dtype=np.int32)
+
+    def _run_logits_processors(self, logits: Any, batch: Any, extras: dict[int, Any]
+                               ) -> tuple[Any, dict[int, str]]:
+        """The step's logits (float32) after the requests' logits processors; a request whose
+        processor failed is aborted with "error" (its message returned with it)."""
+        logits = logits.float()
+        failures = apply_logits_processors(logits, batch, extras)
+        for rid in failures:
+            self.intake.abort(rid, -1, "error")
+        return logits, failures
 
     def _prompt_logprobs(self, hidden: Any, wanted: tuple, extras: dict[int, Any]) -> dict:
         """Logprobs of the next prompt token at each wanted row, with each request's top-N,

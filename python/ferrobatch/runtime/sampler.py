@@ -59,6 +59,8 @@ class RequestExtras:
     allowed_mask: np.ndarray | None = None   # bool [V]: `allowed_token_ids` (token_restrictions)
     bad_word_ids: tuple[tuple[int, ...], ...] = ()   # `bad_words` as token sequences
     pooling: Any = None      # an embedding request's `engine.pooling.PoolingState`
+    # (callable, arity) pairs: `logits_processors`, run by the engine before `Sampler.sample`
+    logits_processors: tuple[tuple[Any, int], ...] = ()
 
     @property
     def restricts_tokens(self) -> bool:
@@ -312,7 +314,7 @@ class Sampler:
                 or np.asarray(batch.suppress_eos).astype(bool).any():
             return False
         return not any(e.logit_bias or e.guides or (e.min_tokens and e.stop_token_ids)
-                       or e.logprobs is not None or e.restricts_tokens
+                       or e.logprobs is not None or e.restricts_tokens or e.logits_processors
                        for e in (extras or {}).values())
 
     @torch.inference_mode()

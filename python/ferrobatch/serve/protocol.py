@@ -40,7 +40,8 @@ BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 SAMPLING_FIELDS = frozenset(INT_FIELDS + NUM_FIELDS + BOOL_FIELDS + GUIDED_FIELDS
                             + ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids",
-                               "bad_words", "cache_salt"))
+                               "bad_words", "cache_salt", "extra_args"))
+MAX_EXTRA_ARGS = 64           # names in `extra_args` / `vllm_xargs`
 
 
 class ProtocolError(ValueError):
@@ -65,6 +66,35 @@ _STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice":
 # guided-decoding fields we cannot honour: refused, never silently ignored (vLLM's
 # `guided_decoding_backend` only picks an implementation, and is ignored like other unknown keys)
 _UNSUPPORTED_GUIDED = ("guided_whitespace_pattern",)
+
+
+def _extra_args_of(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` with vLLM's `vllm_xargs` under our name, `extra_args` (a ProtocolError when both
+    are given)."""
+    if fields.get("vllm_xargs") is None:
+        return fields
+    if fields.get("extra_args") is not None:
+        raise ProtocolError("give 'vllm_xargs' or 'extra_args', not both", param="vllm_xargs")
+    out = {k: v for k, v in fields.items() if k != "vllm_xargs"}
+    out["extra_args"] = fields["vllm_xargs"]
+    return out
+
+
+def _check_extra_args(v: Any) -> dict[str, Any]:
+    """vLLM's `vllm_xargs` type: names to strings, numbers, booleans or lists of them."""
+    def scalar(x: Any) -> bool:
+        return isinstance(x, (str, int, float, bool))
+
+    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+        raise ProtocolError("'extra_args' must be an object", param="extra_args")
+    if len(v) > MAX_EXTRA_ARGS:
+        raise ProtocolError(f"'extra_args' holds at most {MAX_EXTRA_ARGS} names",
+                            param="extra_args")
+    for key, x in v.items():
+        if not (scalar(x) or (isinstance(x, list) and all(scalar(e) for e in x))):
+            raise ProtocolError(f"'extra_args.{key}' must be a string, a number, a boolean or "
+                                f"a list of them", param="extra_args")
+    return dict(v)
 
 
 def with_structured_outputs(fields: dict[str, Any]) -> dict[str, Any]:
@@ -105,7 +135,7 @@ def with_structured_outputs(fields: dict[str, Any]) -> dict[str, Any]:
 def sampling_params_from(fields: dict[str, Any], *, defaults: dict[str, Any] | None = None,
                          **fixed: Any) -> SamplingParams:
     """Type-check the sampling fields of `fields` (unknown keys ignored) and build the params."""
-    fields = with_structured_outputs(fields)
+    fields = _extra_args_of(with_structured_outputs(fields))
     kw: dict[str, Any] = dict(defaults or {})
     for name in SAMPLING_FIELDS:
         if name not in fields or fields[name] is None:
@@ -133,6 +163,8 @@ def sampling_params_from(fields: dict[str, Any], *, defaults: dict[str, Any] | N
             if not isinstance(v, list) or not all(isinstance(w, str) for w in v):
                 raise ProtocolError("'bad_words' must be a list of strings", param=name)
             v = tuple(v)
+        if name == "extra_args":
+            v = _check_extra_args(v)
         if name == "logit_bias" and not isinstance(v, dict):
             raise ProtocolError("'logit_bias' must be a map of token id -> bias", param=name)
         if name == "guided_json" and not isinstance(v, (dict, str)):
@@ -287,7 +319,8 @@ def parse_message(msg: Any) -> tuple[str, Any]:
         if not isinstance(params, dict):
             raise ProtocolError("'params' must be a map of sampling fields")
         unknown = sorted(str(k) for k in params
-                         if k not in SAMPLING_FIELDS and k != "structured_outputs")
+                         if k not in SAMPLING_FIELDS
+                         and k not in ("structured_outputs", "vllm_xargs"))
         if unknown:
             raise ProtocolError(f"unknown sampling field(s): {', '.join(unknown)}")
         sp = sampling_params_from(params, output_kind="delta")
