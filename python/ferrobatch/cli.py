@@ -111,6 +111,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-fused-decode", action="store_true",
                    help="CPU: run steps layer by layer from Python instead of all layers "
                    "in one Rust call (same results, slower; for comparison)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults for fields a request leaves unset: 'auto' = the "
+                   "model's generation_config.json (GGUF: general.sampling.*), 'vllm' = the "
+                   "built-in ones, or a directory holding a generation_config.json")
+    g.add_argument("--override-generation-config", type=_json_object, default=None,
+                   metavar="JSON", help="sampling defaults set over those, e.g. "
+                   "'{\"temperature\": 0.5}' (temperature, top_p, top_k, min_p, "
+                   "repetition_penalty, max_tokens)")
     g.add_argument("--logits-processors", nargs="+", default=(), metavar="MODULE:NAME",
                    help="engine-wide logits processor factories, by import path: each is "
                    "called with a request's SamplingParams (its extra_args: the HTTP body's "
@@ -158,7 +166,18 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         enable_lora=a.enable_lora or bool(getattr(a, "lora_modules", None))
         or getattr(a, "allow_runtime_lora", False) or getattr(a, "lora", None) is not None,
         max_loras=a.max_loras, max_lora_rank=a.max_lora_rank,
-        logits_processors=tuple(a.logits_processors))
+        logits_processors=tuple(a.logits_processors), generation_config=a.generation_config,
+        override_generation_config=a.override_generation_config)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -299,9 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "generate":
             g.add_argument("prompt", help="prompt text")
         g.add_argument("--max-tokens", type=int, default=128 if name == "generate" else 256)
-        g.add_argument("--temperature", type=float, default=0.0)
-        g.add_argument("--top-p", type=float, default=1.0)
-        g.add_argument("--top-k", type=int, default=0)
+        g.add_argument("--temperature", type=float, default=None,
+                       help="default: the model's (--generation-config), else 0 (greedy)")
+        g.add_argument("--top-p", type=float, default=None)
+        g.add_argument("--top-k", type=int, default=None)
         g.add_argument("--seed", type=int, default=None)
         if name == "chat":
             g.add_argument("--system", default=None, help="system prompt")
@@ -430,9 +450,15 @@ def _guided(a: argparse.Namespace) -> dict[str, Any]:
     return {}
 
 
-def _params(a: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
-                          top_k=a.top_k, seed=a.seed, output_kind="delta", **_guided(a))
+def _params(a: argparse.Namespace, model_defaults: dict[str, Any] | None = None
+            ) -> SamplingParams:
+    """`generate` / `chat`'s sampling: the flags given, then the model's defaults
+    (`--generation-config`), then greedy."""
+    given = {k: getattr(a, k) for k in ("temperature", "top_p", "top_k")
+             if getattr(a, k) is not None}
+    return SamplingParams(**{"temperature": 0.0, **(model_defaults or {}), **given,
+                             "max_tokens": a.max_tokens, "seed": a.seed, "output_kind": "delta",
+                             **_guided(a)})
 
 
 async def _batch(a: argparse.Namespace) -> int:
@@ -466,19 +492,21 @@ async def _batch(a: argparse.Namespace) -> int:
 
 async def _generate(a: argparse.Namespace) -> int:
     from ferrobatch.engine.async_engine import AsyncEngine
-    params = _params(a)
+    _params(a)                                  # bad flags fail before the model loads
     async with AsyncEngine(_config(a)) as engine:
+        params = _params(a, engine.default_sampling_fields)
         await _stream_one(engine, params, prompt=a.prompt, lora_request=_lora_request(a))
     return 0
 
 
 async def _chat(a: argparse.Namespace) -> int:
     from ferrobatch.engine.async_engine import AsyncEngine
-    params = _params(a)
+    _params(a)                                  # bad flags fail before the model loads
     history: list[dict[str, str]] = []
     if a.system:
         history.append({"role": "system", "content": a.system})
     async with AsyncEngine(_config(a)) as engine:
+        params = _params(a, engine.default_sampling_fields)
         print("ferrobatch chat: empty line or Ctrl-D to quit", flush=True)
         while True:
             try:

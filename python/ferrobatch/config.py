@@ -142,6 +142,12 @@ class EngineConfig:
     # (runtime/logits_processors.py; vLLM's --logits-processors)
     logits_processors: tuple[Any, ...] = ()
 
+    # the sampling defaults of requests that leave a field unset (model/generation_defaults.py):
+    # "auto" (the model's generation_config.json / GGUF general.sampling.*), "vllm" (the
+    # built-in ones) or a directory with a generation_config.json; override sets fields on top
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
+
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
             v = getattr(self, name)
@@ -234,6 +240,8 @@ class EngineConfig:
         if entries:
             from ferrobatch.runtime.logits_processors import resolve_factories
             resolve_factories(entries)           # an import error fails before loading
+        from ferrobatch.model.generation_defaults import check_setting
+        check_setting(self.generation_config, self.override_generation_config)
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got "
                              f"{self.scheduling_policy!r}")

@@ -177,6 +177,8 @@ def test_chat_keeps_going_when_a_turn_is_refused(monkeypatch, capsys):
     from ferrobatch import cli
 
     class Engine:
+        default_sampling_fields: dict = {}
+
         def __init__(self, cfg):
             self.calls = []
 

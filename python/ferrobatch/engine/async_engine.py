@@ -44,6 +44,7 @@ from ferrobatch.engine.scoring import score as score_pairs
 from ferrobatch.engine.step_loop import StepLoop
 from ferrobatch.guided.after_reasoning import PARSERS as REASONING_PARSERS
 from ferrobatch.lora_request import LoRARequest
+from ferrobatch.model.generation_defaults import under_door_defaults
 from ferrobatch.model.tokenizer import LONG_TEXT_CHARS
 from ferrobatch.outputs import RequestOutput
 from ferrobatch.pooling_params import EmbeddingRequestOutput, PoolingParams
@@ -265,6 +266,19 @@ class AsyncEngine:
         return self._core.tokenizer
 
     @property
+    def default_sampling_fields(self) -> dict[str, Any]:
+        """The SamplingParams fields a request that leaves them unset takes: the model's
+        generation config (``EngineConfig.generation_config``), ``{}`` when it has none."""
+        return dict(getattr(self._core, "default_sampling", None) or {})
+
+    def default_sampling_params(self, **door: Any) -> SamplingParams:
+        """SamplingParams of the model's defaults (vLLM's ``get_default_sampling_params``):
+        what a request without params runs with; `door` sets fields over them
+        (``generation_defaults.under_door_defaults``: ``max_tokens=None`` yields to the
+        model's)."""
+        return SamplingParams(**under_door_defaults(self.default_sampling_fields, door))
+
+    @property
     def is_running(self) -> bool:
         return (self._core is not None and self._dead is None and not self._stopped
                 and self._loop_thread is not None and self._loop_thread.alive)
@@ -359,7 +373,7 @@ class AsyncEngine:
         after the reply's reasoning (`guided/after_reasoning.py`)."""
         if not self.is_running:
             raise EngineDeadError(self.dead_reason or "the engine is not started")
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
         if lora_request is not None and not isinstance(lora_request, LoRARequest):

@@ -20,6 +20,7 @@ from ferrobatch.config import EngineConfig
 from ferrobatch.engine.errors import LoraSlotsBusyError, QueueFullError
 from ferrobatch.engine.pooling import PoolingState, pooled_embeddings, pooling_rows
 from ferrobatch.engine.step_rows import rows_of_requests
+from ferrobatch.model import generation_defaults
 from ferrobatch.runtime.cpu_threads import torch_single_threaded
 from ferrobatch.runtime.logits_processors import (
     apply_logits_processors,
@@ -115,6 +116,8 @@ class EngineCore:
         self.model_name = config.model
         self.num_blocks = int(runner.num_blocks)
         self.speculation = "off"              # set by build(): Speculation.describe()
+        # SamplingParams fields a request leaves unset take (model/generation_defaults.py)
+        self.default_sampling: dict[str, Any] = {}
         bos = self.tokenizer.bos_token_id
         self.ready_token_id = int(bos) if bos is not None else 0
         self._extras: dict[int, Any] = {}     # copy-on-write: replaced, never mutated in place
@@ -228,6 +231,12 @@ class EngineCore:
             admission_max_wait_steps=config.admission_max_wait_steps)
         core = cls(config, loaded, scheduler, runner, sampler, max_model_len)
         core.speculation = spec.describe()
+        core.default_sampling = generation_defaults.resolve(
+            loaded.source, config.generation_config, config.override_generation_config)
+        if core.default_sampling:
+            logger.info("sampling defaults for fields a request leaves unset (generation_config "
+                        "%r; 'vllm' turns them off): %s", config.generation_config,
+                        ", ".join(f"{k}={v}" for k, v in core.default_sampling.items()))
         if config.enable_lora:
             core.loras = _lora_registry(config, loaded, runner)
         logger.info("speculative decoding: %s", core.speculation)

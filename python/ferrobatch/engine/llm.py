@@ -132,6 +132,12 @@ class LLM:
             finished.wait(CANCEL_WAIT_S)
             raise
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` runs with when given no params: the model's sampling defaults
+        (`generation_config`: its generation_config.json or GGUF general.sampling.*) over
+        SamplingParams' own."""
+        return self.engine.default_sampling_params()
+
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (`encode`, `decode`, `apply_chat_template`; unlike
         transformers', `encode` adds no special tokens and `apply_chat_template` returns text
@@ -161,7 +167,7 @@ class LLM:
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
-            plist = [params or SamplingParams()] * len(prompts)
+            plist = [params or self.get_default_sampling_params()] * len(prompts)
         else:
             plist = _params_list(params)
             if len(plist) != len(prompts):
@@ -290,7 +296,7 @@ class LLM:
         params = _one_params(sampling_params, params)
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if params is None or isinstance(params, SamplingParams):
-            plist = [params or SamplingParams(max_tokens=None)] * len(convs)
+            plist = [params or self.engine.default_sampling_params(max_tokens=None)] * len(convs)
         else:
             plist = _params_list(params)
             if len(plist) != len(convs):

@@ -29,9 +29,10 @@ _BEAM_FIELDS = frozenset({"n", "max_tokens", "ignore_eos", "temperature", "top_p
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 
 
-def beam_params_of(body: dict, params: SamplingParams) -> BeamSearchParams | None:
+def beam_params_of(body: dict, params: SamplingParams,
+                   sampling_defaults: dict[str, Any] | None = None) -> BeamSearchParams | None:
     """The request's beam search (None without `use_beam_search`); ProtocolError for a field it
-    cannot honour."""
+    cannot honour (set by the request: the model's `sampling_defaults` are not its doing)."""
     use = body.get("use_beam_search")
     if use is None or use is False:
         for name in ("length_penalty", "early_stopping"):
@@ -46,7 +47,8 @@ def beam_params_of(body: dict, params: SamplingParams) -> BeamSearchParams | Non
     for name in ("echo", "tools", "best_of"):
         if body.get(name) not in (None, False, [], params.n):
             raise ProtocolError(f"'{name}' cannot be combined with use_beam_search", param=name)
-    for name, default in _DEFAULTS.items():
+    defaults = {**_DEFAULTS, **(sampling_defaults or {})}
+    for name, default in defaults.items():
         if name not in _BEAM_FIELDS and getattr(params, name) != default:
             raise ProtocolError(f"'{name}' cannot be combined with use_beam_search", param=name)
     kw: dict[str, Any] = {}

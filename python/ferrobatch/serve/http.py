@@ -83,22 +83,23 @@ async def read_json(request: web.Request) -> Any:
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
-    req = parse_completion(body, state.model_names)
+    req = parse_completion(body, state.model_names, state.engine.default_sampling_fields)
     req.id = object_id(request, "cmpl-", req.id)
     req.lora = lora_for(state, req.model)
-    req.beam = beam_params_of(body, req.params)
+    req.beam = beam_params_of(body, req.params, state.engine.default_sampling_fields)
     return await _serve(request, req)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
-    req = parse_chat(body, state.model_names, tool_parser=state.tool_call_parser)
+    req = parse_chat(body, state.model_names, tool_parser=state.tool_call_parser,
+                     sampling_defaults=state.engine.default_sampling_fields)
     req.id = object_id(request, "chatcmpl-", req.id)
     req.lora = lora_for(state, req.model)
     # a guided reply's grammar applies after its reasoning (guided/after_reasoning.py)
     req.reasoning_parser = state.reasoning_parser
-    req.beam = beam_params_of(body, req.params)
+    req.beam = beam_params_of(body, req.params, state.engine.default_sampling_fields)
     return await _serve(request, req)
 
 

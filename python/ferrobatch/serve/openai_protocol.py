@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ferrobatch.model.generation_defaults import under_door_defaults
 from ferrobatch.sampling_params import MAX_LOGPROBS, SamplingParams
 from ferrobatch.serve.protocol import (
     GUIDED_FIELDS,
@@ -93,7 +94,10 @@ def _check_common(body: Any, model_name: str | Sequence[str]) -> tuple[bool, boo
     return stream, include_usage, continuous_usage, model
 
 
-def parse_completion(body: Any, model_name: str | Sequence[str]) -> OpenAIRequest:
+def parse_completion(body: Any, model_name: str | Sequence[str],
+                     sampling_defaults: Mapping[str, Any] | None = None) -> OpenAIRequest:
+    """A completions request; `sampling_defaults`: the model's (the engine's
+    ``default_sampling_fields``) for the fields the body leaves unset."""
     stream, include_usage, continuous_usage, model = _check_common(body, model_name)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -119,7 +123,9 @@ def parse_completion(body: Any, model_name: str | Sequence[str]) -> OpenAIReques
         raise ProtocolError("'echo' must be a boolean", param="echo")
     if body.get("suffix"):
         raise ProtocolError("'suffix' is not supported", param="suffix")
-    params = sampling_params_from(with_response_format(body), defaults={"max_tokens": 16},
+    params = sampling_params_from(with_response_format(body),
+                                  defaults=under_door_defaults(sampling_defaults or {},
+                                                               {"max_tokens": 16}),
                                   output_kind="delta" if stream else "final")
     if echo and params.logprobs is not None:          # the echoed prompt gets logprobs too
         params = params.replace(prompt_logprobs=params.logprobs)
@@ -128,10 +134,11 @@ def parse_completion(body: Any, model_name: str | Sequence[str]) -> OpenAIReques
                          echo=echo)
 
 
-def parse_chat(body: Any, model_name: str | Sequence[str],
-               tool_parser: str | None = None) -> OpenAIRequest:
+def parse_chat(body: Any, model_name: str | Sequence[str], tool_parser: str | None = None,
+               sampling_defaults: Mapping[str, Any] | None = None) -> OpenAIRequest:
     """A chat request; `tool_parser`: how the model writes its own tool calls
-    (`tools.AUTO_PARSERS`), so tool_choice "auto" is served."""
+    (`tools.AUTO_PARSERS`), so tool_choice "auto" is served; `sampling_defaults` as for
+    `parse_completion`."""
     stream, include_usage, continuous_usage, model = _check_common(body, model_name)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -150,7 +157,8 @@ def parse_chat(body: Any, model_name: str | Sequence[str],
     if mct is not None:
         fields["max_tokens"] = mct
     fields["logprobs"] = _chat_logprobs_count(body)
-    params = sampling_params_from(fields, defaults={"max_tokens": None},
+    params = sampling_params_from(fields, defaults=under_door_defaults(sampling_defaults or {},
+                                                                       {"max_tokens": None}),
                                   output_kind="delta" if stream else "final")
     for key, why in (("echo", "a completions field"), ("chat_template", "not supported: the "
                      "model's own template is used"), ("documents", "not supported")):

@@ -284,8 +284,10 @@ def check_id(v: Any) -> str | int:
     raise ProtocolError(f"'id' must be a non-empty string (<= {MAX_ID_LEN} chars) or an integer")
 
 
-def parse_message(msg: Any) -> tuple[str, Any]:
-    """Validate one client message; returns (type, payload). ProtocolError when malformed."""
+def parse_message(msg: Any, sampling_defaults: dict[str, Any] | None = None
+                  ) -> tuple[str, Any]:
+    """Validate one client message; returns (type, payload). ProtocolError when malformed.
+    `sampling_defaults`: the model's, for the sampling fields a `generate` leaves unset."""
     if not isinstance(msg, dict):
         raise ProtocolError("each message must be a map with a 'type'")
     kind = msg.get("type")
@@ -323,7 +325,7 @@ def parse_message(msg: Any) -> tuple[str, Any]:
                          and k not in ("structured_outputs", "vllm_xargs"))
         if unknown:
             raise ProtocolError(f"unknown sampling field(s): {', '.join(unknown)}")
-        sp = sampling_params_from(params, output_kind="delta")
+        sp = sampling_params_from(params, defaults=sampling_defaults, output_kind="delta")
         return "generate", GenerateMsg(rid, prompt, messages, sp, chat_options,
                                        msg.get("model"))
     if kind == "embed":

@@ -81,7 +81,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
     """`POST /v1/responses`."""
     state = request.app[STATE]
     req = parse_responses(await read_json(request), state.model_names,
-                          tool_parser=state.tool_call_parser)
+                          tool_parser=state.tool_call_parser,
+                          sampling_defaults=state.engine.default_sampling_fields)
     req.id = object_id(request, "resp_", req.id)
     # a guided reply's grammar applies after its reasoning (guided/after_reasoning.py)
     req.reasoning_parser = state.reasoning_parser

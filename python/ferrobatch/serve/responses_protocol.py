@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ferrobatch.model.generation_defaults import under_door_defaults
 from ferrobatch.sampling_params import MAX_LOGPROBS, SamplingParams
 from ferrobatch.serve.openai_protocol import check_model, stream_flag
 from ferrobatch.serve.protocol import ProtocolError, sampling_params_from
@@ -182,8 +183,8 @@ def _text_format(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
                         "'json_schema', ...}", param="text")
 
 
-def parse_responses(body: Any, model_name: str | Sequence[str],
-                    tool_parser: str | None = None) -> ResponsesRequest:
+def parse_responses(body: Any, model_name: str | Sequence[str], tool_parser: str | None = None,
+                    sampling_defaults: Mapping[str, Any] | None = None) -> ResponsesRequest:
     """A `/v1/responses` body as a ResponsesRequest; ProtocolError (a 400, 404 for another
     model) for anything it cannot serve as asked. `tool_parser`: how the model writes its own
     tool calls (`tools.AUTO_PARSERS`), so tool_choice "auto" is served."""
@@ -229,7 +230,8 @@ def parse_responses(body: Any, model_name: str | Sequence[str],
                          ("top_p", "top_p")):
         if body.get(theirs) is not None:
             fields[ours] = body[theirs]
-    params = sampling_params_from(fields, defaults={"max_tokens": None},
+    params = sampling_params_from(fields, defaults=under_door_defaults(sampling_defaults or {},
+                                                                       {"max_tokens": None}),
                                   output_kind="delta" if stream else "final")
     echo = {"instructions": body.get("instructions"), "metadata": metadata or {},
             "max_output_tokens": body.get("max_output_tokens"),

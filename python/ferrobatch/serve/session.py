@@ -64,7 +64,7 @@ class Session:
         rid = raw.get("id") if isinstance(raw, dict) else None
         rid = rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
         try:
-            kind, payload = parse_message(raw)
+            kind, payload = parse_message(raw, self._engine.default_sampling_fields)
             if kind == "hello":
                 self._hello(payload)
                 await self._send({"type": "hello", "version": PROTOCOL_VERSION,
