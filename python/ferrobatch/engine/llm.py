@@ -290,8 +290,9 @@ class LLM:
         As vLLM's: `continue_final_message` (with `add_generation_prompt=False`) ends the
         prompt inside the last assistant message, for the model to go on with it; `tools` and
         `chat_template_kwargs` are passed to the chat template; `chat_template` (Jinja text)
-        replaces the model's for these conversations. Without params a reply may
-        fill the context (`max_tokens=None`; vLLM's default is 16 tokens). `lora_request`: the
+        replaces the model's for these conversations. Without params a reply takes the
+        model's sampling defaults (`get_default_sampling_params`) and may fill the context
+        (`max_tokens=None`, unless the model caps it; vLLM's default is 16 tokens). `lora_request`: the
         LoRA adapter of every conversation, or one per conversation."""
         params = _one_params(sampling_params, params)
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
