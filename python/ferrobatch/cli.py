@@ -263,10 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
                    help="serve a chat reply's <think>...</think> part as reasoning_content "
                    "(deepseek_r1: the reply starts inside it; qwen3: when it opens with <think>)")
-    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+    s.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral"],
                    help="how the model writes its own tool calls, for tool_choice 'auto' "
-                   "(default: what its chat template asks for: Hermes <tool_call> blocks or "
-                   "Llama 3 JSON calls)")
+                   "(default: what its chat template asks for: Hermes <tool_call> blocks, "
+                   "Llama 3 JSON calls or Mistral's [TOOL_CALLS])")
     s.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                    help="the model id(s) clients use; the first is the one reported "
                    "(default: the model's name)")

@@ -42,7 +42,8 @@ def test_the_template_decides():
     req = parse_chat({"messages": msgs, "tools": [WEATHER], "tool_choice": "auto",
                       "response_format": {"type": "json_object"}}, "m", tool_parser="hermes")
     assert req.tools.mode == "auto"                       # no clash: nothing is forced
-    with pytest.raises(ProtocolError, match="neither <tool_call> blocks nor Llama 3 JSON calls"):
+    with pytest.raises(ProtocolError,
+                       match="no <tool_call> blocks, Llama 3 JSON calls or \\[TOOL_CALLS\\]"):
         parse_chat({"messages": msgs, "tools": [WEATHER]}, "m")
 
 

@@ -89,23 +89,30 @@ class HermesStream:
     `finish` returns what is left: the calls (with the withheld text before them) or, if the
     held text is not a clean call list, that text as content."""
 
+    opening = OPEN                            # what starts the calls (a subclass's own)
+
     def __init__(self, names: tuple[str, ...]) -> None:
         self.names = names
         self.sent = ""           # content released so far
         self.held = ""           # text not released: a block (or a possible start of one) on
         self.in_block = False
 
+    def split(self, text: str, complete: bool) -> tuple[str, list[dict[str, Any]]] | None:
+        """The format's `split_calls`."""
+        return split_calls(text, self.names, complete)
+
     def feed(self, delta: str) -> str:
         self.held += delta
         if self.in_block:
             return ""
-        start = self.held.find(OPEN)
+        opening = self.opening
+        start = self.held.find(opening)
         if start >= 0:
             self.in_block = True
             out, self.held = self.held[:start], self.held[start:]
         else:
-            keep = next((k for k in range(min(len(OPEN) - 1, len(self.held)), 0, -1)
-                         if OPEN.startswith(self.held[-k:])), 0)
+            keep = next((k for k in range(min(len(opening) - 1, len(self.held)), 0, -1)
+                         if opening.startswith(self.held[-k:])), 0)
             cut = len(self.held) - keep
             out, self.held = self.held[:cut], self.held[cut:]
         self.sent += out
@@ -116,7 +123,7 @@ class HermesStream:
         text before the block already went out."""
         held, self.held = self.held, ""
         if self.in_block:
-            found = split_calls(held, self.names, complete)
+            found = self.split(held, complete)
             if found is not None:
                 return "", found[1]
         return held, None

@@ -145,6 +145,9 @@ def parse_chat(body: Any, model_name: str | Sequence[str], tool_parser: str | No
         raise ProtocolError("'messages' must be a non-empty list", param="messages")
     fields = with_response_format(body)
     tools = parse_tools(body, tool_parser)
+    if tools is not None and tools.keeps_special_tokens and \
+            fields.get("skip_special_tokens") is None:
+        fields["skip_special_tokens"] = False
     if tools is not None and tools.forced:
         given = [f for f in GUIDED_FIELDS if fields.get(f) is not None]
         if given:

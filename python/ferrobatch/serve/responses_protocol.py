@@ -224,6 +224,9 @@ def parse_responses(body: Any, model_name: str | Sequence[str], tool_parser: str
         guided = {"guided_json": plan.schema}
     fields = {k: body[k] for k in EXTRAS if k in body}
     fields.update(guided)
+    if plan is not None and plan.keeps_special_tokens and \
+            fields.get("skip_special_tokens") is None:
+        fields["skip_special_tokens"] = False
     if include:
         fields["logprobs"] = top or 0
     for ours, theirs in (("max_tokens", "max_output_tokens"), ("temperature", "temperature"),

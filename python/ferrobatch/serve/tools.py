@@ -21,7 +21,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from ferrobatch.serve import hermes_tools, llama3_tools
+from ferrobatch.serve import hermes_tools, llama3_tools, mistral_tools
 from ferrobatch.serve.protocol import ProtocolError
 
 MAX_TOOLS = 128
@@ -43,10 +43,19 @@ class ToolPlan:
         """The output is guided to be the call(s)."""
         return self.mode != "auto"
 
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """The model's own calls start with a special token (Mistral's `[TOOL_CALLS]`): the
+        request's text must keep special tokens for the parser to see them."""
+        return not self.forced and self.parser in KEEPS_SPECIAL_TOKENS
+
 
 # the tool-call formats "auto" understands: name -> (split_calls, its stream class)
 AUTO_PARSERS = {"hermes": (hermes_tools.split_calls, hermes_tools.HermesStream),
-                "llama3_json": (llama3_tools.split_calls, llama3_tools.Llama3Stream)}
+                "llama3_json": (llama3_tools.split_calls, llama3_tools.Llama3Stream),
+                "mistral": (mistral_tools.split_calls, mistral_tools.MistralStream)}
+# formats whose calls start with a special token: their requests keep special tokens in the text
+KEEPS_SPECIAL_TOKENS = frozenset({"mistral"})
 
 
 def template_tool_parser(chat_template: str | None) -> str | None:
@@ -55,6 +64,8 @@ def template_tool_parser(chat_template: str | None) -> str | None:
         return "hermes"
     if llama3_tools.template_has_llama3_calls(chat_template):
         return "llama3_json"
+    if mistral_tools.template_has_mistral_calls(chat_template):
+        return "mistral"
     return None
 
 
@@ -147,8 +158,8 @@ def parse_tools(body: dict[str, Any], parser: str | None = None) -> ToolPlan | N
         if parser is not None:
             return ToolPlan("auto", tuple(listed), None, parser)
         raise ProtocolError("tool_choice 'auto' needs a tool-call format this model does not "
-                            "have (its chat template asks for neither <tool_call> blocks nor "
-                            "Llama 3 JSON calls; serve --tool-call-parser names one); send "
+                            "have (its chat template asks for no <tool_call> blocks, Llama 3 "
+                            "JSON calls or [TOOL_CALLS]; serve --tool-call-parser names one); send "
                             "tool_choice 'required' or {'type': 'function', 'function': "
                             "{'name': ...}} (the call is then guaranteed well-formed), or "
                             "'none'", param="tool_choice")
