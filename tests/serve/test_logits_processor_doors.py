@@ -81,6 +81,14 @@ async def test_http_vllm_xargs_reach_the_factory(real):
             extra_body={"vllm_xargs": {"ban_token_ids": first}})
         assert by_fn.choices[0].message.content == by_bias.choices[0].message.content \
             != plain_chat.choices[0].message.content
+        kw = dict(model="smollm2", input="Say hello.", max_output_tokens=6, temperature=0.0)
+        plain_resp = await sdk.responses.create(**kw)
+        first = tok.encode(plain_resp.output_text)[:1]
+        resp_bias = await sdk.responses.create(**kw, extra_body={
+            "logit_bias": {str(first[0]): -100}})
+        resp_fn = await sdk.responses.create(**kw, extra_body={
+            "vllm_xargs": {"ban_token_ids": first}})
+        assert resp_fn.output_text == resp_bias.output_text != plain_resp.output_text
 
 
 @pytest.mark.parametrize("body, message", [

@@ -31,7 +31,8 @@ REFUSED = {"previous_response_id": "nothing is stored on this server: send the w
 EXTRAS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
           "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "priority",
           "skip_special_tokens", "include_stop_str_in_output", "logit_bias",
-          "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "cache_salt")
+          "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "cache_salt",
+          "vllm_xargs")
 
 
 class ResponsesRequest:
