@@ -124,6 +124,8 @@ class Scheduler:
         mismatch or out-of-range token (nothing changes then)."""
     def has_unfinished(self) -> bool: ...
     def stats(self) -> dict[str, int | float]: ...
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache's free blocks (used ones stay shared); returns how many."""
     def check_integrity(self) -> None:
         """Raise RuntimeError describing a broken invariant."""
     @property

@@ -208,6 +208,24 @@ impl BlockPool {
         }
     }
 
+    /// Forgets every free block's cached content: their hashes leave the prefix cache and
+    /// they become plain free blocks (used blocks keep theirs: running sequences share them).
+    /// Returns how many blocks were dropped. O(free blocks).
+    pub fn drop_free_cached(&mut self) -> usize {
+        let mut dropped = 0;
+        let mut b = self.head;
+        while b != NIL {
+            if let Some(h) = self.hash[b as usize].take() {
+                let removed = self.cache.remove(h);
+                debug_assert_eq!(removed, Some(b));
+                self.num_cached_free -= 1;
+                dropped += 1;
+            }
+            b = self.next[b as usize];
+        }
+        dropped
+    }
+
     /// Block holding hash `h`, if cached (used or free).
     #[inline]
     pub fn lookup(&self, h: u128) -> Option<u32> {

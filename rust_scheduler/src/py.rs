@@ -551,6 +551,11 @@ impl PyScheduler {
         Ok(d)
     }
 
+    /// Forget the prefix cache's free blocks (used ones stay shared); returns how many.
+    fn reset_prefix_cache(&mut self) -> usize {
+        self.inner.reset_prefix_cache()
+    }
+
     /// Raise RuntimeError describing the first broken invariant, if any.
     fn check_integrity(&self) -> PyResult<()> {
         self.inner

@@ -203,6 +203,12 @@ impl Scheduler {
         &self.output
     }
 
+    /// Forgets the prefix cache's free blocks (vLLM's `reset_prefix_cache`): later requests
+    /// find no prefix that no running sequence holds. Returns the blocks dropped.
+    pub fn reset_prefix_cache(&mut self) -> usize {
+        self.pool.drop_free_cached()
+    }
+
     /// Current counters.
     pub fn stats(&self) -> Stats {
         let used = self.pool.num_used();

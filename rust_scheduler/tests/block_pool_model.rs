@@ -1,5 +1,5 @@
 //! Model-based property test of the block pool: random alloc / share / free / register /
-//! revive sequences against a plain reference model (ref counts, hash map, LRU list), with
+//! revive / drop-cached sequences against a plain reference model (ref counts, hash map, LRU list), with
 //! `check_integrity()` after every operation.
 #![cfg(not(loom))]
 
@@ -14,6 +14,7 @@ enum Op {
     Free(usize),
     Register(usize, u8),
     Revive(u8),
+    DropCached,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -23,6 +24,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => any::<usize>().prop_map(Op::Free),
         2 => (any::<usize>(), 0..6u8).prop_map(|(i, h)| Op::Register(i, h)),
         1 => (0..6u8).prop_map(Op::Revive),
+        1 => Just(Op::DropCached),
     ]
 }
 
@@ -96,6 +98,14 @@ proptest! {
                         }
                         *r += 1;
                         m.owners.push(b);
+                    }
+                }
+                Op::DropCached => {
+                    prop_assert_eq!(p.drop_free_cached(), m.cached_lru.len());
+                    for b in std::mem::take(&mut m.cached_lru) {
+                        let h = m.hash_of.remove(&b).unwrap();
+                        m.block_of.remove(&h);
+                        m.plain_free += 1;
                     }
                 }
                 _ => {}

@@ -30,6 +30,7 @@ enum Op {
         speculate: bool,
     },
     Step,
+    ResetPrefixCache,
     Abort {
         pick: usize,
         seq: Option<u32>,
@@ -42,6 +43,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (0..3usize, prop::collection::vec(1..16i32, 0..10), 1..10usize, 0..3usize, 1..4usize, any::<bool>(), prop::bool::weighted(0.2), 0..3i64, prop::bool::weighted(0.7))
             .prop_map(|(prefix, extra, max_tokens, min_tokens, n, ignore_eos, salt, priority, speculate)| Op::Submit { prefix, extra, max_tokens, min_tokens, n, ignore_eos, salt, priority, speculate }),
         6 => Just(Op::Step),
+        1 => Just(Op::ResetPrefixCache),
         1 => (any::<usize>(), prop::option::weighted(0.3, 0..3u32), 0..3u8).prop_map(|(pick, seq, reason)| Op::Abort { pick, seq, reason }),
     ]
 }
@@ -249,6 +251,11 @@ fn run(cfg: SchedulerConfig, local_model: bool, ops: Vec<Op>) -> Result<(), Test
                 next_id += 1;
             }
             Op::Step => apply(&mut s, &mut runner, &mut reqs)?,
+            Op::ResetPrefixCache => {
+                let cached = s.stats().num_cached_blocks;
+                prop_assert_eq!(s.reset_prefix_cache(), cached);
+                prop_assert_eq!(s.stats().num_cached_blocks, 0);
+            }
             Op::Abort { pick, seq, reason } => {
                 if next_id > 0 {
                     let id = pick as u64 % next_id;

@@ -345,6 +345,35 @@ def test_truncate_prompt_tokens_equals_the_shortened_prompt(real_llm):
     assert out.prompt == tok.decode(out.prompt_token_ids, skip_special_tokens=False)
 
 
+def test_reset_prefix_cache_forgets_free_blocks_only(real_llm):
+    """After a reset a prompt seen before finds nothing cached (and gives the same tokens);
+    blocks a running request holds are kept: a reset in the middle of a request changes
+    nothing for it, and the accounting stays whole."""
+    prompt = "The prefix cache keeps full blocks of prompts it has seen. " * 6
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    first = real_llm.generate(prompt, params)[0]
+    assert real_llm.generate(prompt, params)[0].num_cached_tokens > 0
+    assert real_llm.reset_prefix_cache() > 0
+    cold = real_llm.generate(prompt, params)[0]
+    assert cold.num_cached_tokens == 0 and cold.outputs[0].token_ids == first.outputs[0].token_ids
+    assert real_llm.reset_prefix_cache() > 0          # what `cold` left behind
+
+    async def reset_midway():
+        engine = real_llm.engine
+        long = params.replace(max_tokens=40, output_kind="delta")
+        tokens, resets = [], []
+        async for out in engine.generate(prompt, long):
+            tokens.extend(out.outputs[0].token_ids)
+            if len(tokens) >= (3, 20, 41)[len(resets)]:   # twice, drafts may jump ahead
+                resets.append(await engine.reset_prefix_cache())
+        return tokens, resets
+
+    tokens, resets = real_llm._run(reset_midway())
+    solo = real_llm.generate(prompt, params.replace(max_tokens=40))[0].outputs[0].token_ids
+    assert tokens == solo and resets == [0, 0]        # its own blocks are in use, not free
+    real_llm._run(real_llm.engine.check_idle_clean())
+
+
 def test_cache_salt_keeps_prefix_cache_hits_within_a_tenant(real_llm):
     """The same prompt: a hit for a second request of the same salt (or both unsalted), none
     across salts; vLLM's `{"prompt": ..., "cache_salt": ...}` dict says the same."""

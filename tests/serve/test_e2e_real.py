@@ -130,6 +130,25 @@ async def test_usage_reports_prefix_cache_hits(real, sdk):
     assert resp.usage.input_tokens_details.cached_tokens >= hits
 
 
+async def test_reset_prefix_cache_route(real, sdk):
+    """`POST /reset_prefix_cache`: a prompt seen before hits the cache, after the reset it
+    does not (and gives the same reply)."""
+    prompt = "A prompt about the prefix cache being reset between two runs. " * 4
+    first = await sdk.completions.create(model="smollm2", prompt=prompt, max_tokens=4,
+                                         temperature=0.0)
+    again = await sdk.completions.create(model="smollm2", prompt=prompt, max_tokens=4,
+                                         temperature=0.0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    async with aiohttp.ClientSession() as s:
+        async with s.post(real.base + "/reset_prefix_cache") as resp:
+            assert resp.status == 200
+            assert (await resp.json())["num_blocks_dropped"] > 0
+    cold = await sdk.completions.create(model="smollm2", prompt=prompt, max_tokens=4,
+                                        temperature=0.0)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert cold.choices[0].text == again.choices[0].text == first.choices[0].text
+
+
 async def test_sdk_errors_are_openai_errors(real, sdk):
     with pytest.raises(openai.BadRequestError) as e:
         await sdk.completions.create(model="smollm2", prompt="hi", max_tokens=5000)

@@ -842,6 +842,16 @@ class AsyncEngine:
                 self._loop_thread.call(self._core.check_integrity)), timeout_s)
         return acc
 
+    async def reset_prefix_cache(self) -> int:
+        """vLLM's `reset_prefix_cache`: the prefix cache forgets every block no running
+        sequence holds, so later requests find no cached prefix (a cold start for benchmarks,
+        or after changing what prompts mean); returns how many blocks it dropped."""
+        if not self.is_running:
+            raise EngineDeadError(self.dead_reason or "the engine is not started")
+        dropped = await asyncio.wrap_future(self._loop_thread.call(self._core.reset_prefix_cache))
+        logger.info("prefix cache reset: %d cached blocks dropped", dropped)
+        return dropped
+
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """vLLM's `add_lora`: loads the adapter into a slot now (a bad one is a ValueError
         here rather than on its first request). False when every slot is held by running

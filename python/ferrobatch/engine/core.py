@@ -351,6 +351,11 @@ class EngineCore:
         """The scheduler's invariant check; step thread only (see StepLoop.call)."""
         self.scheduler.check_integrity()
 
+    def reset_prefix_cache(self) -> int:
+        """Forgets the prefix cache's free blocks (used ones stay shared by their sequences);
+        returns how many. Step thread only (see StepLoop.call)."""
+        return int(self.scheduler.reset_prefix_cache())
+
     def stats(self) -> dict[str, Any]:
         s = dict(self.scheduler.stats())
         s.setdefault("num_blocks", self.num_blocks)

@@ -132,6 +132,11 @@ class LLM:
             finished.wait(CANCEL_WAIT_S)
             raise
 
+    def reset_prefix_cache(self) -> int:
+        """The prefix cache forgets every block no running request holds (`AsyncEngine.
+        reset_prefix_cache`); returns how many blocks it dropped."""
+        return self._run(self.engine.reset_prefix_cache())
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` runs with when given no params: the model's sampling defaults
         (`generation_config`: its generation_config.json or GGUF general.sampling.*) over

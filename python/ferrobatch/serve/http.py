@@ -403,6 +403,13 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """`POST /reset_prefix_cache` (vLLM's): the prefix cache forgets every block no running
+    request holds; answers how many it dropped."""
+    dropped = await request.app[STATE].engine.reset_prefix_cache()
+    return web.json_response({"num_blocks_dropped": dropped})
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -412,6 +419,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     from ferrobatch.serve.responses_api import responses, stored_response
     app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/responses/{response_id}", stored_response)
