@@ -8,6 +8,7 @@ every KV block free and the request tables empty.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 
@@ -128,6 +129,49 @@ async def test_usage_reports_prefix_cache_hits(real, sdk):
     resp = await sdk.responses.create(model="smollm2", instructions=system, input="Name three.",
                                       max_output_tokens=2)
     assert resp.usage.input_tokens_details.cached_tokens >= hits
+
+
+async def test_return_token_ids_whole_and_streamed(real):
+    """vLLM's `return_token_ids`: a choice's `token_ids` are its text's tokens (a stream's
+    chunks carry them piece by piece, together the same), the prompt's `prompt_token_ids` are
+    what the engine computed (completions: per choice; chat: on the response, the stream's
+    first chunk)."""
+    tok = real.engine.tokenizer
+    prompt = "Write the numbers from one to five:"
+    messages = [{"role": "user", "content": "Say hello twice."}]
+
+    async def post(path, body):
+        async with aiohttp.ClientSession() as s:
+            async with s.post(real.base + path, json={"model": "smollm2", "temperature": 0.0,
+                                                      "return_token_ids": True, **body}) as r:
+                assert r.status == 200, await r.text()
+                if not body.get("stream"):
+                    return await r.json()
+                return [json.loads(line[6:]) async for line in r.content
+                        if line.startswith(b"data: {")]
+
+    whole = await post("/v1/completions", {"prompt": prompt, "max_tokens": 12})
+    ch = whole["choices"][0]
+    assert ch["prompt_token_ids"] == tok.encode(prompt)
+    assert len(ch["token_ids"]) == whole["usage"]["completion_tokens"]
+    assert tok.decode(ch["token_ids"]) == ch["text"]
+    chunks = await post("/v1/completions", {"prompt": prompt, "max_tokens": 12, "stream": True})
+    got = [c for e in chunks for c in e["choices"]]
+    assert [t for c in got for t in c.get("token_ids", [])] == ch["token_ids"]
+    assert [c["prompt_token_ids"] for c in got if "prompt_token_ids" in c] == \
+        [ch["prompt_token_ids"]]
+    chat = await post("/v1/chat/completions", {"messages": messages, "max_tokens": 10})
+    assert chat["prompt_token_ids"][-4:] == tok.encode("<|im_start|>assistant\n")
+    ids = chat["choices"][0]["token_ids"]
+    assert tok.decode(ids, skip_special_tokens=True) == chat["choices"][0]["message"]["content"]
+    events = await post("/v1/chat/completions", {"messages": messages, "max_tokens": 10,
+                                                 "stream": True})
+    assert events[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert [t for e in events for c in e["choices"] for t in c.get("token_ids", [])] == ids
+    async with aiohttp.ClientSession() as s:
+        async with s.post(real.base + "/v1/completions", json={
+                "prompt": prompt, "return_token_ids": "yes"}) as r:
+            assert r.status == 400
 
 
 async def test_reset_prefix_cache_route(real, sdk):

@@ -232,10 +232,16 @@ async def _collect(request: web.Request, req: OpenAIRequest, streams: list[Any])
             text, calls = tool_calls_of(req.tools, text, reasons[k])
         choices.append(choice(req, k, text, reasons[k], stream=False, logprobs=lp,
                               tool_calls=calls, reasoning=reasoning))
-    return web.json_response(envelope(req, choices, chunk=False,
-                                      usage_=usage(prompt_tokens, completion,
-                                                   cached_total(last.values()),
-                                                   _reasoning_tokens(request, req, token_ids))))
+        if req.return_token_ids:
+            choices[-1]["token_ids"] = token_ids[k]
+            if req.kind == "completion":
+                choices[-1]["prompt_token_ids"] = streams[k // n].prompt_token_ids
+    body = envelope(req, choices, chunk=False,
+                    usage_=usage(prompt_tokens, completion, cached_total(last.values()),
+                                 _reasoning_tokens(request, req, token_ids)))
+    if req.return_token_ids and req.kind == "chat":
+        body["prompt_token_ids"] = streams[0].prompt_token_ids
+    return web.json_response(body)
 
 
 def _reasoning_tokens(request: web.Request, req: OpenAIRequest,
@@ -259,7 +265,22 @@ async def _stream(request: web.Request, req: OpenAIRequest,
     tool_streams: dict[int, ToolOutputStream] = {}   # per choice, with a tool plan
     splitters: dict[int, ReasoningSplitter] = {}     # per choice, with a reasoning parser
     token_ids: dict[int, list[int]] = {}              # per choice, with a reasoning parser
+    unsent_ids: dict[int, list[int]] = {}   # per choice, `return_token_ids`: not in a chunk yet
     prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
+
+    def with_token_ids(chunk_choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`return_token_ids`: each choice's first chunk of this output takes its token ids
+        not sent yet (completions' first chunk of a choice also its prompt's ids)."""
+        for ch in chunk_choices if req.return_token_ids else ():
+            k = ch["index"]
+            if k in unsent_ids:
+                ch["token_ids"] = unsent_ids.pop(k)
+                if req.kind == "completion" and k not in offsets_with_prompt:
+                    offsets_with_prompt.add(k)
+                    ch["prompt_token_ids"] = streams[k // n].prompt_token_ids
+        return chunk_choices
+
+    offsets_with_prompt: set[int] = set()    # completions' choices whose prompt ids went out
 
     def so_far() -> dict[str, int] | None:
         """A chunk's usage: the running counts with `continuous_usage_stats`, else null."""
@@ -281,10 +302,13 @@ async def _stream(request: web.Request, req: OpenAIRequest,
                 role_sent = True
                 forced = req.tools is not None and req.tools.forced
                 content = None if forced else ""                    # as OpenAI's first chunks
-                await sse.send(envelope(req, [
+                first = envelope(req, [
                     {"index": k, "delta": {"role": "assistant", "content": content},
                      "logprobs": None, "finish_reason": None} for k in range(n)],
-                    chunk=True, usage_=so_far()))
+                    chunk=True, usage_=so_far())
+                if req.return_token_ids:
+                    first["prompt_token_ids"] = streams[0].prompt_token_ids
+                await sse.send(first)
             latest[i] = out
             if out.prompt_logprobs is not None:
                 prompt_outs[i] = out          # a delta stream carries them once
@@ -292,6 +316,8 @@ async def _stream(request: web.Request, req: OpenAIRequest,
             for c in out.outputs:
                 completion += len(c.token_ids)
                 k = i * n + c.index
+                if req.return_token_ids:
+                    unsent_ids.setdefault(k, []).extend(c.token_ids)
                 if req.reasoning_parser is not None:
                     token_ids.setdefault(k, []).extend(c.token_ids)
                 asked = req.params.logprobs is not None
@@ -334,7 +360,8 @@ async def _stream(request: web.Request, req: OpenAIRequest,
                     choices.append(choice(req, k, text, c.finish_reason, stream=True,
                                           logprobs=lp, reasoning=reasoning))
             if choices:
-                await sse.send(envelope(req, choices, chunk=True, usage_=so_far()))
+                await sse.send(envelope(req, with_token_ids(choices), chunk=True,
+                                        usage_=so_far()))
             if finishes:
                 await sse.send(envelope(req, finishes, chunk=True, usage_=so_far()))
         if req.include_usage:

@@ -42,6 +42,9 @@ class OpenAIRequest:
     beam: Any = None          # a `BeamSearchParams` with `use_beam_search` (serve/beam_http.py)
     reasoning_parser: str | None = None   # chat: the reply's <think> part (serve/reasoning.py)
     lora: Any = None          # the LoRARequest its `model` names (serve/lora_api.py), or None
+    # vLLM's `return_token_ids`: each choice's `token_ids` (a chunk's: its new ones) and the
+    # prompt's `prompt_token_ids` (completions: on each choice; chat: on the response)
+    return_token_ids: bool = False
 
 
 def check_model(body: dict, model_names: str | Sequence[str]) -> str:
@@ -91,6 +94,8 @@ def _check_common(body: Any, model_name: str | Sequence[str]) -> tuple[bool, boo
     continuous_usage = include_usage and bool(opts.get("continuous_usage_stats"))
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
         raise ProtocolError("'best_of' other than n is not supported", param="best_of")
+    if not isinstance(body.get("return_token_ids", False), (bool, type(None))):
+        raise ProtocolError("'return_token_ids' must be a boolean", param="return_token_ids")
     return stream, include_usage, continuous_usage, model
 
 
@@ -131,7 +136,7 @@ def parse_completion(body: Any, model_name: str | Sequence[str],
         params = params.replace(prompt_logprobs=params.logprobs)
     return OpenAIRequest("completion", prompts, None, params, stream, include_usage, model,
                          continuous_usage=continuous_usage, id=f"cmpl-{secrets.token_hex(12)}",
-                         echo=echo)
+                         echo=echo, return_token_ids=bool(body.get("return_token_ids")))
 
 
 def parse_chat(body: Any, model_name: str | Sequence[str], tool_parser: str | None = None,
@@ -176,7 +181,8 @@ def parse_chat(body: Any, model_name: str | Sequence[str], tool_parser: str | No
     return OpenAIRequest("chat", [], messages, params, stream, include_usage, model,
                          continuous_usage=continuous_usage,
                          id=f"chatcmpl-{secrets.token_hex(12)}", tools=tools,
-                         chat_template=options or None)
+                         chat_template=options or None,
+                         return_token_ids=bool(body.get("return_token_ids")))
 
 
 def with_response_format(body: dict) -> dict:
