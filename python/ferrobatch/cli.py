@@ -268,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the model writes its own tool calls, for tool_choice 'auto' "
                    "(default: what its chat template asks for: Hermes <tool_call> blocks, "
                    "Llama 3 JSON calls or Mistral's [TOOL_CALLS])")
+    s.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs show each token as 'token_id:<id>' (a request's "
+                   "return_tokens_as_token_ids overrides it)")
     s.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                    help="the model id(s) clients use; the first is the one reported "
                    "(default: the model's name)")
@@ -355,7 +358,8 @@ async def _serve(a: argparse.Namespace) -> int:
                     log_stats_interval_s=0.0 if a.disable_log_stats else a.log_stats_interval,
                     access_log=a.access_log, reasoning_parser=a.reasoning_parser,
                     allow_runtime_lora=a.allow_runtime_lora,
-                    tool_call_parser=a.tool_call_parser)
+                    tool_call_parser=a.tool_call_parser,
+                    return_tokens_as_token_ids=a.return_tokens_as_token_ids)
     try:
         adapters = _serve_lora_modules(engine, a, server.state.base_model_names)
     except ValueError:

@@ -172,6 +172,18 @@ async def test_return_token_ids_whole_and_streamed(real):
         async with s.post(real.base + "/v1/completions", json={
                 "prompt": prompt, "return_token_ids": "yes"}) as r:
             assert r.status == 400
+    # return_tokens_as_token_ids: logprobs name each token by id, the ids `token_ids` lists
+    as_ids = await post("/v1/completions", {"prompt": prompt, "max_tokens": 12, "logprobs": 2,
+                                            "return_tokens_as_token_ids": True})
+    lp = as_ids["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in ch["token_ids"]]
+    assert all(re.fullmatch(r"token_id:\d+", t) for top in lp["top_logprobs"] for t in top)
+    chat_ids = await post("/v1/chat/completions", {"messages": messages, "max_tokens": 10,
+                                                   "logprobs": True, "top_logprobs": 2,
+                                                   "return_tokens_as_token_ids": True})
+    content = chat_ids["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in ids]
+    assert content[0]["bytes"] == list(content[0]["token"].encode())
 
 
 async def test_reset_prefix_cache_route(real, sdk):

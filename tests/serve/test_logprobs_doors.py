@@ -34,6 +34,17 @@ async def test_completion_logprobs_legacy_shape(fake_server):
     assert lp["top_logprobs"][2] == {"l": fake_logprob(2), "m": fake_logprob(2) - 1}
 
 
+@pytest.mark.parametrize("fake_server", [{"return_tokens_as_token_ids": True}], indirect=True)
+async def test_the_server_default_shows_tokens_as_ids_unless_a_request_says_no(fake_server):
+    body = {"prompt": "hi", "max_tokens": 2, "logprobs": 1}
+    _, _, text = await post(fake_server, "/v1/completions", body)
+    lp = json.loads(text)["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{ord('h')}", f"token_id:{ord('i')}"]
+    _, _, text = await post(fake_server, "/v1/completions",
+                            {**body, "return_tokens_as_token_ids": False})
+    assert json.loads(text)["choices"][0]["logprobs"]["tokens"] == ["h", "i"]
+
+
 async def test_completion_logprobs_zero_still_names_the_sampled_token(fake_server):
     _, _, text = await post(fake_server, "/v1/completions",
                             {"prompt": "ab", "max_tokens": 2, "logprobs": 0})

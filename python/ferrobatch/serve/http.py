@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ferrobatch.serve.beam_http import beam_params_of, serve_beams
 from ferrobatch.serve.codec import loads_json
 from ferrobatch.serve.logprobs import (
+    TokenIdStrings,
     chat_logprobs,
     completion_logprobs,
     echo_completion_logprobs,
@@ -162,13 +163,23 @@ async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, Any]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _token_strings(request: web.Request, req: OpenAIRequest) -> Any:
+    """How logprobs show tokens: their text, or `token_id:<id>` with
+    `return_tokens_as_token_ids` (the request's, or the server's default)."""
+    state = request.app[STATE]
+    as_ids = req.return_tokens_as_token_ids
+    if as_ids is None:
+        as_ids = state.return_tokens_as_token_ids
+    return TokenIdStrings() if as_ids else state.token_strings()
+
+
 def _logprobs_shape(request: web.Request, req: OpenAIRequest, entries: Any,
                     offset: int = 0) -> tuple[dict[str, Any] | None, int]:
     """The route's logprobs object for `entries` (None when not asked for), and the completions
     text offset after them."""
     if entries is None:
         return None, offset
-    strings = request.app[STATE].token_strings()
+    strings = _token_strings(request, req)
     if req.kind == "chat":
         return chat_logprobs(entries, strings), offset
     return completion_logprobs(entries, strings, offset)
@@ -185,7 +196,7 @@ def _echo(request: web.Request, req: OpenAIRequest,
     if req.params.logprobs is None:
         return text, None, 0
     obj, offset = echo_completion_logprobs(out.prompt_token_ids, out.prompt_logprobs,
-                                           request.app[STATE].token_strings())
+                                           _token_strings(request, req))
     return text, obj, offset
 
 

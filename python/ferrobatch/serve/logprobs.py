@@ -53,6 +53,19 @@ class TokenStrings:
         return self.get(token_id)[0]
 
 
+class TokenIdStrings:
+    """`TokenStrings`' face for vLLM's `return_tokens_as_token_ids`: every token shows as
+    ``token_id:<id>`` (its bytes that text's), so a client gets ids even for tokens that are
+    not valid UTF-8 on their own."""
+
+    def get(self, token_id: int) -> tuple[str, bytes]:
+        text = f"token_id:{int(token_id)}"
+        return text, text.encode()
+
+    def text(self, token_id: int) -> str:
+        return f"token_id:{int(token_id)}"
+
+
 def completion_logprobs(entries: Sequence[Any], strings: TokenStrings,
                         text_offset: int = 0) -> tuple[dict[str, list], int]:
     """The completions ``logprobs`` object of `entries` (``TokenLogprob``s) and the text offset

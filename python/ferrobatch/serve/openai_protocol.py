@@ -45,6 +45,8 @@ class OpenAIRequest:
     # vLLM's `return_token_ids`: each choice's `token_ids` (a chunk's: its new ones) and the
     # prompt's `prompt_token_ids` (completions: on each choice; chat: on the response)
     return_token_ids: bool = False
+    # vLLM's `return_tokens_as_token_ids`: logprobs show `token_id:<id>` (None: the server's)
+    return_tokens_as_token_ids: bool | None = None
 
 
 def check_model(body: dict, model_names: str | Sequence[str]) -> str:
@@ -94,8 +96,9 @@ def _check_common(body: Any, model_name: str | Sequence[str]) -> tuple[bool, boo
     continuous_usage = include_usage and bool(opts.get("continuous_usage_stats"))
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
         raise ProtocolError("'best_of' other than n is not supported", param="best_of")
-    if not isinstance(body.get("return_token_ids", False), (bool, type(None))):
-        raise ProtocolError("'return_token_ids' must be a boolean", param="return_token_ids")
+    for name in ("return_token_ids", "return_tokens_as_token_ids"):
+        if not isinstance(body.get(name, False), (bool, type(None))):
+            raise ProtocolError(f"'{name}' must be a boolean", param=name)
     return stream, include_usage, continuous_usage, model
 
 
@@ -136,7 +139,8 @@ def parse_completion(body: Any, model_name: str | Sequence[str],
         params = params.replace(prompt_logprobs=params.logprobs)
     return OpenAIRequest("completion", prompts, None, params, stream, include_usage, model,
                          continuous_usage=continuous_usage, id=f"cmpl-{secrets.token_hex(12)}",
-                         echo=echo, return_token_ids=bool(body.get("return_token_ids")))
+                         echo=echo, return_token_ids=bool(body.get("return_token_ids")),
+                         return_tokens_as_token_ids=body.get("return_tokens_as_token_ids"))
 
 
 def parse_chat(body: Any, model_name: str | Sequence[str], tool_parser: str | None = None,
@@ -182,7 +186,8 @@ def parse_chat(body: Any, model_name: str | Sequence[str], tool_parser: str | No
                          continuous_usage=continuous_usage,
                          id=f"chatcmpl-{secrets.token_hex(12)}", tools=tools,
                          chat_template=options or None,
-                         return_token_ids=bool(body.get("return_token_ids")))
+                         return_token_ids=bool(body.get("return_token_ids")),
+                         return_tokens_as_token_ids=body.get("return_tokens_as_token_ids"))
 
 
 def with_response_format(body: dict) -> dict:

@@ -57,7 +57,8 @@ class Server:
                  allowed_origins: frozenset[str] = frozenset(),
                  log_stats_interval_s: float = 0.0, access_log: bool = False,
                  reasoning_parser: str | None = None, allow_runtime_lora: bool = False,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None,
+                 return_tokens_as_token_ids: bool = False) -> None:
         """`allowed_origins`: the browser origins CORS lets call the HTTP API (`"*"`: any;
         empty: CORS off), as `cors.parse_origins` makes them. `log_stats_interval_s` > 0: an
         INFO line of engine activity that often while the server runs (`StatsLogger`);
@@ -65,8 +66,10 @@ class Server:
         `reasoning_parser` ("deepseek_r1", "qwen3"): chat replies' `<think>` part is served as
         `reasoning_content` (`serve/reasoning.py`). `allow_runtime_lora`: LoRA adapters may be
         loaded and unloaded over HTTP (`serve/lora_api.py`; needs an engine with enable_lora).
-        `tool_call_parser` ("hermes", "llama3_json"): how the model writes its own tool calls,
-        for tool_choice "auto" (default: what the chat template asks for)."""
+        `tool_call_parser` ("hermes", "llama3_json", "mistral"): how the model writes its own
+        tool calls, for tool_choice "auto" (default: what the chat template asks for).
+        `return_tokens_as_token_ids`: logprobs show tokens as `token_id:<id>` unless a request
+        says otherwise (vLLM's flag)."""
         if api_key is not None and not api_key:
             raise ValueError("api_key must not be empty")
         if served_model_name is not None and not isinstance(served_model_name, str):
@@ -87,7 +90,8 @@ class Server:
                                  allowed_origins=frozenset(allowed_origins),
                                  reasoning_parser=reasoning_parser,
                                  allow_runtime_lora=allow_runtime_lora,
-                                 tool_parser=tool_call_parser)
+                                 tool_parser=tool_call_parser,
+                                 return_tokens_as_token_ids=return_tokens_as_token_ids)
         self.state.metrics = ServerMetrics(engine, self.state.model_name)
         self.stats_logger = (StatsLogger(engine, log_stats_interval_s)
                              if log_stats_interval_s > 0 else None)
