@@ -52,7 +52,8 @@ FIELDS = ["type", "id", "prompt", "messages", "params", "version", "api_key", "m
           "guided_grammar", "dimensions", "pooling", "normalize", "encoding_format",
           "use_beam_search", "length_penalty", "early_stopping", "bad_words",
           "allowed_token_ids", "truncate_prompt_tokens", "cache_salt", "text_1", "text_2",
-          "query", "documents", "top_n", "return_documents"]
+          "query", "documents", "top_n", "return_documents", "vllm_xargs", "extra_args",
+          "return_token_ids", "return_tokens_as_token_ids"]
 near_valid = st.fixed_dictionaries(
     {"type": st.sampled_from(["generate", "embed", "cancel", "hello", "x"])},
     optional={f: json_val for f in FIELDS if f != "type"} | {
