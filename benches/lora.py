@@ -8,11 +8,19 @@ Systems (one engine, `enable_lora=True`, SmolLM2 GGUF on the CPU by default; rou
 
 - `base`: no adapter (steps run every layer in one Rust call on the CPU, replay CUDA graphs on
   a GPU, as without LoRA);
-- `base-layered` (CPU) / `base-eager` (CUDA): no adapter, on a second engine over the same
-  weights with `fused_decode=False` / `cuda_graphs=False`: how every step with adapter rows
-  runs, so `lora-1` against it is the adapter math alone;
 - `lora-1`: every request on one adapter (rank `--rank`, all seven projections);
-- `lora-K`: requests spread round-robin over `--adapters` adapters.
+- `lora-K`: requests spread round-robin over `--adapters` adapters (on the CPU, steps with
+  adapter rows run fused too, the adapters' updates added in Rust: `cpu_lora.rs`);
+- CPU: `base-layered` and `lora-K-layered`: the same engine with the model's fused step taken
+  away for those runs (`model.fused_layers = None`), every step layer by layer from Python:
+  what the fused step buys, with and without adapters (before session 37, every step with
+  adapter rows ran so);
+- CUDA: `base-eager`: no adapter, on a second engine over the same weights with
+  `cuda_graphs=False`: how every step with adapter rows runs there.
+
+(Until session 37 the CPU's `base-layered` was a second engine with `fused_decode=False` over
+the same loaded model, and building it took the fused step away from the first engine too:
+session 36's CPU figures compared layered steps with layered steps.)
 
 Prompts are seeded random token ids of 64..128 tokens; EOS is ignored, so every request
 generates `--max-tokens` tokens. The prefix cache and prompt-lookup drafts are off, so every
@@ -59,9 +67,13 @@ def main(argv: list[str] | None = None) -> int:
                    max_lora_rank=max(16, a.rank))
     llm = LLM(a.model, **options)
     cuda = a.device.startswith("cuda")
-    slow_name = "base-eager" if cuda else "base-layered"
-    layered = LLM(a.model, loaded_model=llm.engine._core.loaded,
-                  **({"cuda_graphs": False} if cuda else {"fused_decode": False}), **options)
+    model = llm.engine._core.loaded.model
+    fused = getattr(model, "fused_layers", None)
+    # CUDA: a second engine over the same weights without graphs (graphs belong to a runner);
+    # CPU: the same engine without its model's fused step (a second runner over the same
+    # model would take the fused step away from the first one too)
+    eager = LLM(a.model, loaded_model=llm.engine._core.loaded, cuda_graphs=False,
+                **options) if cuda else None
     cfg = llm.engine._core.loaded.config
     rng = np.random.default_rng(a.seed)
     prompts = [{"prompt_token_ids": rng.integers(100, 40000, size=int(n)).tolist()}
@@ -74,19 +86,33 @@ def main(argv: list[str] | None = None) -> int:
             write_peft_adapter(path, cfg, targets=ATTN + MLP, r=a.rank, alpha=2 * a.rank,
                                seed=k + 1)
             adapters.append(LoRARequest(f"adapter{k}", k + 1, path))
-        systems = {"base": (llm, None), slow_name: (layered, None),
-                   "lora-1": (llm, [adapters[0]] * a.num),
-                   f"lora-{a.adapters}": (llm, [adapters[i % a.adapters]
-                                                for i in range(a.num)])}
-        for engine, loras in systems.values():          # warm-up (and every adapter loaded)
-            engine.generate(prompts[:2], params.replace(max_tokens=2), use_tqdm=False,
-                            lora_request=None if loras is None else loras[:2])
+        spread = [adapters[i % a.adapters] for i in range(a.num)]
+        # name -> (engine, LoRA requests, whether the model's fused CPU step is taken away)
+        systems = {"base": (llm, None, False), "lora-1": (llm, [adapters[0]] * a.num, False),
+                   f"lora-{a.adapters}": (llm, spread, False)}
+        if cuda:
+            systems["base-eager"] = (eager, None, False)
+        elif fused is not None:
+            systems["base-layered"] = (llm, None, True)
+            systems[f"lora-{a.adapters}-layered"] = (llm, spread, True)
+
+        def run(engine, loras, layered, count, params_):
+            """The first `count` requests of a system, with or without the fused CPU step."""
+            model.fused_layers = None if layered else fused
+            try:
+                return engine.generate(prompts[:count], params_, use_tqdm=False,
+                                       lora_request=None if loras is None else loras[:count])
+            finally:
+                model.fused_layers = fused
+
+        for engine, loras, layered in systems.values():  # warm-up (and every adapter loaded)
+            run(engine, loras, layered, 2, params.replace(max_tokens=2))
         times: dict[str, list[float]] = {s: [] for s in systems}
         with tqdm(total=a.rounds * len(systems), desc="lora bench", unit="run") as bar:
             for _ in range(a.rounds):
-                for name, (engine, loras) in systems.items():
+                for name, (engine, loras, layered) in systems.items():
                     t0 = time.perf_counter()
-                    outs = engine.generate(prompts, params, use_tqdm=False, lora_request=loras)
+                    outs = run(engine, loras, layered, a.num, params)
                     times[name].append(time.perf_counter() - t0)
                     assert all(len(o.outputs[0].token_ids) == a.max_tokens for o in outs)
                     bar.update(1)
@@ -100,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                               ("time_s", "time (s)", ".2f"), ("vs_base", "vs base", ".2f")]))
     if a.json:
         write_json(a.json, {"machine": machine_info(), "args": vars(a), "results": rows})
-    layered.close()
+    if eager is not None:
+        eager.close()
     llm.close()
     return 0
 

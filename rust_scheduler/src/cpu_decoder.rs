@@ -24,6 +24,9 @@
 //! `hidden`, `cos`, `sin`, one slot per row inside the cache, every row attended exactly once
 //! ([`validate`]), and the attention kernels' own checks (block tables, context lengths, chunk
 //! rows) on the step's buffers. A failed check leaves `hidden` and every cache untouched.
+//!
+//! With LoRA adapters (`cpu_lora`), each linear layer's output then gets the step's adapter
+//! rows' low-rank updates; their weights and row blocks are checked with the rest.
 
 use crate::cpu_amx_linear::{self, linear_amx_f32, AmxShape, AmxTiles};
 use crate::cpu_attention::{paged_decode_attention_f32, DecodeShape};
@@ -31,6 +34,7 @@ use crate::cpu_elementwise::{rms_norm_f32, rotary_f32, silu_and_mul_f32};
 use crate::cpu_error::KernelInputError;
 use crate::cpu_kv::KvElement;
 use crate::cpu_linear::{linear_f32, LinearShape, PANEL_WIDTH};
+use crate::cpu_lora::{add_lora_rows, check_row_blocks, LoraWeights, StepLora};
 use crate::cpu_prefill_attention::{paged_prefill_attention_f32, PrefillShape};
 use crate::cpu_quant_linear::{linear_quant_f32, QuantShape, QuantWeight, MAX_ROWS};
 use crate::cpu_quant_panels::{self, linear_quant_panels_f32, QuantPanelShape, QuantPanels};
@@ -389,14 +393,24 @@ pub fn forward_step<E: KvElement>(
     rows: &StepRows<'_>,
     threads: usize,
     amx: bool,
+    lora: Option<&StepLora<'_>>,
 ) -> Result<(), KernelInputError> {
     // opt-in phase accounting (`cpu_step_timing`): a no-op unless switched on
     let mut clock = STEP_PHASES.clock();
     let r = validate(shape, layers, caches, cache, hidden, rows)?;
+    if let Some(l) = lora {
+        validate_lora(shape, layers.len(), l, r)?;
+    }
     if r == 0 {
         return Ok(());
     }
     let s = shape;
+    // after linear layer `m` (0 qkv, 1 o_proj, 2 gate_up, 3 down) of layer `i`: its LoRA rows
+    let add_lora = |i: usize, m: usize, k: usize, n: usize, x: &[f32], out: &mut [f32]| {
+        if let Some(w) = lora.and_then(|l| l.layers[i][m].as_ref()) {
+            add_lora_rows(w, k, n, lora.map_or(&[], |l| l.row_blocks), x, out, threads);
+        }
+    };
     let (d, q_size, kv_size, qkv_size) = (s.head_dim, s.q_size(), s.kv_size(), s.qkv_size());
     let num_decode = rows.num_decode_rows(r);
     let attn = attention_shape(s, cache, num_decode, rows.max_blocks_per_seq);
@@ -441,11 +455,12 @@ pub fn forward_step<E: KvElement>(
             shape.validate(&q, k, v, p.block_tables, chunks, &attended)?;
         }
     }
-    for (layer, layer_cache) in layers.iter().zip(caches.iter_mut()) {
+    for (li, (layer, layer_cache)) in layers.iter().zip(caches.iter_mut()).enumerate() {
         let (k_cache, v_cache) = layer_cache.split_at_mut(layer_cache.len() / 2);
         rms_norm_f32(hidden, layer.input_norm, s.eps, &mut normed)?;
         clock.lap(Phase::Other);
         layer.qkv.apply(&normed, r, &mut qkv, threads)?;
+        add_lora(li, 0, s.hidden, qkv_size, &normed, &mut qkv);
         clock.lap(Phase::Linear);
         for (i, row) in qkv.chunks_exact_mut(qkv_size).enumerate() {
             let (cos, sin) = (&rows.cos[i * d..][..d], &rows.sin[i * d..][..d]);
@@ -518,21 +533,57 @@ pub fn forward_step<E: KvElement>(
         }
         clock.lap(Phase::Attention);
         layer.o_proj.apply(&attended, r, &mut projected, threads)?;
+        add_lora(li, 1, q_size, s.hidden, &attended, &mut projected);
         clock.lap(Phase::Linear);
         add_into(hidden, &projected);
         rms_norm_f32(hidden, layer.post_norm, s.eps, &mut normed)?;
         clock.lap(Phase::Other);
         layer.gate_up.apply(&normed, r, &mut gate_up, threads)?;
+        add_lora(li, 2, s.hidden, 2 * s.intermediate, &normed, &mut gate_up);
         clock.lap(Phase::Linear);
         silu_and_mul_f32(&gate_up, s.intermediate, &mut activated)?;
         clock.lap(Phase::Other);
         layer.down.apply(&activated, r, &mut projected, threads)?;
+        add_lora(li, 3, s.intermediate, s.hidden, &activated, &mut projected);
         clock.lap(Phase::Linear);
         add_into(hidden, &projected);
     }
     clock.lap(Phase::Other);
     clock.finish();
     Ok(())
+}
+
+/// The step's LoRA weights against the model's linear layers, and its row blocks against the
+/// step's `r` rows and every module's blocks.
+fn validate_lora(
+    s: &DecoderShape,
+    num_layers: usize,
+    lora: &StepLora<'_>,
+    r: usize,
+) -> Result<(), KernelInputError> {
+    if lora.layers.len() != num_layers {
+        return bad(format!(
+            "LoRA weights for {} layers, the model has {num_layers}",
+            lora.layers.len()
+        ));
+    }
+    // (name, n, k) of qkv, o_proj, gate_up, down
+    let dims = [
+        ("qkv", s.qkv_size(), s.hidden),
+        ("o_proj", s.hidden, s.q_size()),
+        ("gate_up", 2 * s.intermediate, s.hidden),
+        ("down", s.hidden, s.intermediate),
+    ];
+    let mut blocks = usize::MAX;
+    for (i, layer) in lora.layers.iter().enumerate() {
+        for (w, (name, n, k)) in layer.iter().zip(dims) {
+            if let Some(w) = w {
+                let here = LoraWeights::check(w, &format!("layer {i} {name}"), n, k)?;
+                blocks = blocks.min(here);
+            }
+        }
+    }
+    check_row_blocks(lora.row_blocks, r, blocks)
 }
 
 fn add_into(acc: &mut [f32], x: &[f32]) {
@@ -914,6 +965,7 @@ mod tests {
                 rows,
                 threads,
                 true,
+                None,
             );
             (result, hidden)
         }
@@ -975,6 +1027,131 @@ mod tests {
     }
 
     #[test]
+    fn lora_rows_match_the_reference_with_the_adapter_merged() {
+        // one adapter of width 2 on every linear layer of both layers, every row using it:
+        // the fused step with LoRA against the f64 reference of weights W + B A; and with
+        // every row a base row, bit for bit the step without LoRA
+        let mut case = Case::new(41, 3);
+        let mut rng = Lcg(5);
+        let width = 2;
+        let s = SHAPE;
+        let dims = [
+            (s.qkv_size(), s.hidden),
+            (s.hidden, s.q_size()),
+            (2 * s.intermediate, s.hidden),
+            (s.hidden, s.intermediate),
+        ];
+        let arrays: Vec<Vec<(Vec<f32>, Vec<f32>)>> = (0..2)
+            .map(|_| {
+                dims.iter()
+                    .map(|&(n, k)| {
+                        let a: Vec<f32> = rng.vec(width * k).iter().map(|v| v * 0.1).collect();
+                        let b_t: Vec<f32> = rng.vec(width * n).iter().map(|v| v * 0.1).collect();
+                        (a, b_t)
+                    })
+                    .collect()
+            })
+            .collect();
+        let lora_layers: Vec<crate::cpu_lora::LoraLayer<'_>> = arrays
+            .iter()
+            .map(|layer| {
+                std::array::from_fn(|m| {
+                    Some(LoraWeights {
+                        a: &layer[m].0,
+                        b_t: &layer[m].1,
+                        width,
+                        b_cols: &[],
+                    })
+                })
+            })
+            .collect();
+        let rows = case.ctx.len();
+        let run = |case: &Case, blocks: Option<&[i32]>| {
+            let layers = case.layers(Kernels::Panels);
+            let mut caches = case.caches.clone();
+            let mut views: Vec<&mut [f32]> = caches.iter_mut().map(|c| c.as_mut_slice()).collect();
+            let mut hidden = case.hidden.clone();
+            let lora = blocks.map(|row_blocks| StepLora {
+                layers: &lora_layers,
+                row_blocks,
+            });
+            let r = case.rows();
+            forward_step(
+                &SHAPE,
+                &layers,
+                &mut views,
+                &CACHE,
+                &mut hidden,
+                &r,
+                2,
+                true,
+                lora.as_ref(),
+            )
+            .unwrap();
+            hidden
+        };
+        let plain = run(&case, None);
+        assert_eq!(run(&case, Some(&vec![-1; rows])), plain);
+        let adapted = run(&case, Some(&vec![0; rows]));
+        assert!(adapted != plain);
+        let bad = {
+            let layers = case.layers(Kernels::Panels);
+            let mut caches = case.caches.clone();
+            let mut views: Vec<&mut [f32]> = caches.iter_mut().map(|c| c.as_mut_slice()).collect();
+            let mut hidden = case.hidden.clone();
+            let blocks = vec![1; rows]; // only block 0 exists
+            let lora = StepLora {
+                layers: &lora_layers,
+                row_blocks: &blocks,
+            };
+            let r = case.rows();
+            let err = forward_step(
+                &SHAPE,
+                &layers,
+                &mut views,
+                &CACHE,
+                &mut hidden,
+                &r,
+                2,
+                true,
+                Some(&lora),
+            );
+            (err.is_err(), hidden == case.hidden)
+        };
+        assert_eq!(
+            bad,
+            (true, true),
+            "a bad row block is an error that writes nothing"
+        );
+        // merge: W[o][t] += sum_j B[o][j] A[j][t]
+        for (layer, lw) in case.weights.iter_mut().zip(&arrays) {
+            for (w, (a, b_t)) in [
+                &mut layer.qkv,
+                &mut layer.o,
+                &mut layer.gate_up,
+                &mut layer.down,
+            ]
+            .into_iter()
+            .zip(lw)
+            {
+                for o in 0..w.n {
+                    for t in 0..w.k {
+                        let add: f32 = (0..width).map(|j| b_t[j * w.n + o] * a[j * w.k + t]).sum();
+                        w.dense[o * w.k + t] += add;
+                    }
+                }
+            }
+        }
+        let (want, _) = reference(&case.weights, &case.caches, &case.hidden, &case.rows());
+        for (j, (&got, &want)) in adapted.iter().zip(&want).enumerate() {
+            assert!(
+                (got as f64 - want).abs() <= 2e-4 * (1.0 + want.abs()),
+                "hidden[{j}]: {got} vs {want}"
+            );
+        }
+    }
+
+    #[test]
     fn qwen3_head_norms_are_applied_to_q_and_k_before_rope() {
         let mut case = Case::new(31, 2);
         let mut rng = Lcg(99);
@@ -1028,6 +1205,7 @@ mod tests {
                 rows,
                 threads,
                 true,
+                None,
             )
             .unwrap();
             for (j, (&got, &want)) in hidden.iter().zip(&want_hidden).enumerate() {

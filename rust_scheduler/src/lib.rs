@@ -15,7 +15,8 @@
 //! split their work over `cpu_pool`, the kernels' persistent thread pool, pick their SIMD
 //! path with `cpu_isa`, and report bad input as `cpu_error::KernelInputError`; `cpu_exp` is
 //! the polynomial exp of the softmax and SiLU. `cpu_decoder` chains them through every
-//! decoder layer of a step in one call (binding `py_decoder`).
+//! decoder layer of a step in one call (binding `py_decoder`), adding LoRA adapters' updates
+//! after its linear layers with `cpu_lora`.
 //! And `guided` (structured outputs: a regex's DFA walked over the vocabulary's byte trie to
 //! find the tokens allowed next; binding `py_guided`), used by the Python sampler.
 //! And `ngram` (prompt-lookup drafts: `scheduler` schedules them for speculative decoding,
@@ -36,6 +37,7 @@ mod cpu_exp;
 mod cpu_isa;
 pub mod cpu_kv;
 pub mod cpu_linear;
+pub mod cpu_lora;
 pub mod cpu_pool;
 pub mod cpu_prefill_attention;
 pub mod cpu_quant_linear;

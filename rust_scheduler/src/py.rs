@@ -647,6 +647,7 @@ fn scheduler_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m
     )?)?;
     m.add_class::<crate::py_decoder::PyCpuDecoderStack>()?;
+    m.add_class::<crate::py_decoder::PyCpuLoraStack>()?;
     m.add_function(wrap_pyfunction!(
         crate::py_decoder::py_set_decoder_phase_timing,
         m

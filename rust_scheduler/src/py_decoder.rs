@@ -17,6 +17,7 @@ use crate::cpu_decoder::{
     forward_step, CacheShape, DecoderShape, Layer, Linear, PrefillChunks, StepRows,
 };
 use crate::cpu_kv::{f16, KvElement};
+use crate::cpu_lora::{LoraLayer, LoraWeights, StepLora};
 use crate::cpu_quant_linear::QuantWeight;
 use crate::cpu_quant_panels::{PanelFormat, QuantPanels};
 use crate::py_attention::{c_slice, dims};
@@ -338,6 +339,71 @@ fn borrow_layers<'py>(py: Python<'py>, layers: &[LayerArrays]) -> Vec<LayerBorro
         .collect()
 }
 
+/// `CpuLoraStack(layers)`: an engine's stacked LoRA adapters for fused steps (`cpu_lora`'s
+/// layout). `layers[i]` holds four entries, qkv, o_proj, gate_up, down, each None or
+/// `(a, b_t, width, b_cols)`: float32 `a` `[blocks * width, k]` and `b_t` `[blocks * width,
+/// n]`, int32 `b_cols` `[blocks * width, 2]` (each row of `b_t`'s nonzero columns `lo..hi`),
+/// all C-contiguous. Referenced, not copied (as `CpuDecoderStack`'s weights); their shapes are
+/// checked against the model on every step that uses them.
+#[pyclass(name = "CpuLoraStack", module = "ferrobatch._scheduler", frozen)]
+pub struct PyCpuLoraStack {
+    views: Vec<LoraLayer<'static>>,
+    _arrays: Vec<[Option<LoraArrays>; 4]>,
+}
+
+/// One module's arrays as Python gave them: `(a, b_t, width, b_cols)`.
+type LoraArrays = (F32Array, F32Array, usize, Py<PyArrayDyn<i32>>);
+
+#[pymethods]
+impl PyCpuLoraStack {
+    #[new]
+    fn new(py: Python<'_>, layers: Vec<Vec<Option<LoraArrays>>>) -> PyResult<Self> {
+        let mut arrays = Vec::with_capacity(layers.len());
+        let mut views = Vec::with_capacity(layers.len());
+        for (i, layer) in layers.into_iter().enumerate() {
+            let Ok(layer) = <[Option<LoraArrays>; 4]>::try_from(layer) else {
+                return Err(PyValueError::new_err(format!(
+                    "LoRA layer {i}: need 4 entries (qkv, o_proj, gate_up, down)"
+                )));
+            };
+            let mut view: LoraLayer<'static> = [None; 4];
+            for (m, entry) in layer.iter().enumerate() {
+                let Some((a, b_t, width, b_cols)) = entry else {
+                    continue;
+                };
+                let (a, b_t, b_cols) = (
+                    a.bind(py).readonly(),
+                    b_t.bind(py).readonly(),
+                    b_cols.bind(py).readonly(),
+                );
+                let name = |what: &str| format!("LoRA layer {i} module {m} {what}");
+                let (a, b_t, b_cols) = (
+                    c_slice(&name("a"), &a)?,
+                    c_slice(&name("b_t"), &b_t)?,
+                    c_slice(&name("b_cols"), &b_cols)?,
+                );
+                // SAFETY: as for `CpuDecoderStack`'s views: the arrays are referenced by
+                // `_arrays` for as long as `views` lives, a numpy array does not move its data
+                // while referenced, and they are not written meanwhile.
+                view[m] = Some(unsafe {
+                    LoraWeights {
+                        a: std::mem::transmute::<&[f32], &'static [f32]>(a),
+                        b_t: std::mem::transmute::<&[f32], &'static [f32]>(b_t),
+                        width: *width,
+                        b_cols: std::mem::transmute::<&[i32], &'static [i32]>(b_cols),
+                    }
+                });
+            }
+            arrays.push(layer);
+            views.push(view);
+        }
+        Ok(PyCpuLoraStack {
+            views,
+            _arrays: arrays,
+        })
+    }
+}
+
 /// The prefill kernel's chunks as numpy arrays: `(q_starts, q_lens, seq_lens, block_tables)`.
 type PrefillArrays<'py> = (
     PyReadonlyArray1<'py, i32>,
@@ -427,10 +493,11 @@ impl PyCpuDecoderStack {
     /// `decode_rows` `[N]` int64 (None: all, N = R) with `block_tables` `[N, max_blocks]` /
     /// `ctx_lens` `[N]` int32; `prefill` None or the prefill kernel's chunks `(q_starts, q_lens,
     /// seq_lens, block_tables)` (int32 `[P]`, `[P]`, `[P]`, `[P, max_blocks]`); `amx=False`
-    /// keeps the prompt chunks' attention off AMX.
+    /// keeps the prompt chunks' attention off AMX; `lora` None or `(CpuLoraStack, row_blocks)`
+    /// (int32 `[R]`: each row's block of the stack, negative for base-model rows).
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (hidden, cos, sin, caches, slots, block_tables, ctx_lens, num_threads,
-                        decode_rows=None, prefill=None, amx=true))]
+                        decode_rows=None, prefill=None, amx=true, lora=None))]
     fn forward(
         &self,
         py: Python<'_>,
@@ -445,6 +512,7 @@ impl PyCpuDecoderStack {
         decode_rows: Option<PyReadonlyArray1<'_, i64>>,
         prefill: Option<PrefillArrays<'_>>,
         amx: bool,
+        lora: Option<(Bound<'_, PyCpuLoraStack>, PyReadonlyArray1<'_, i32>)>,
     ) -> PyResult<()> {
         let s = self.shape;
         let caches = LayerCaches::extract(caches)?;
@@ -480,6 +548,13 @@ impl PyCpuDecoderStack {
                 }),
             },
         };
+        let lora_step = match &lora {
+            None => None,
+            Some((stack, row_blocks)) => Some(StepLora {
+                layers: &stack.get().views,
+                row_blocks: c_slice("lora row_blocks", row_blocks)?,
+            }),
+        };
         let hidden_c = hidden.is_c_contiguous();
         let hidden = match (hidden_c, hidden.as_slice_mut()) {
             (true, Ok(h)) => h,
@@ -504,6 +579,7 @@ impl PyCpuDecoderStack {
                         &rows,
                         num_threads,
                         amx,
+                        lora_step.as_ref(),
                     )
                 })
                 .map_err(|e| PyValueError::new_err(e.0))

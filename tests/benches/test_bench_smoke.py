@@ -277,7 +277,7 @@ def test_lora_bench_smoke(tmp_path: Path) -> None:
         check=False, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert [r["system"] for r in data["results"]] == ["base", "base-layered", "lora-1",
-                                                       "lora-2"]
+    assert [r["system"] for r in data["results"]] == ["base", "lora-1", "lora-2",
+                                                       "base-layered", "lora-2-layered"]
     assert all(r["output_tokens_per_s"] > 0 for r in data["results"])
     assert data["results"][0]["vs_base"] == 1.0 and "vs base" in proc.stdout

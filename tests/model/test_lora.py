@@ -110,6 +110,18 @@ def test_base_and_adapters_in_one_batch(llm, adapters, oracle):
     assert got == [oracle[(n, i)] for n, i in zip(names, prompts)]
 
 
+def test_lora_steps_run_in_the_fused_cpu_step(llm, adapters, oracle):
+    """On the CPU, steps with adapter rows (mixed with base rows too) stay in the fused Rust
+    step (``cpu_lora``), and still give transformers' merged tokens."""
+    runner = llm.engine._core.runner
+    fused = runner.model.fused_layers
+    before = (fused.steps, runner.eager_steps)
+    loras = [adapters["qv"][0], None, adapters["all"][0]]
+    got = _greedy(llm, [0, 1, 2], loras)
+    assert got == [oracle[("qv", 0)], oracle[(None, 1)], oracle[("all", 2)]]
+    assert fused.steps - before[0] == runner.eager_steps - before[1] > 0
+
+
 def test_slots_are_reused_least_recently_used_first(llm, adapters, oracle):
     """max_loras=2 with three adapters: each new one evicts the idle adapter used least
     recently, and a reloaded adapter computes what it did before."""

@@ -217,9 +217,12 @@ class LlamaForCausalLM(nn.Module):
         if self.attn_backend is None:
             raise RuntimeError("LlamaForCausalLM.attn_backend is not set")
         fused = self.fused_layers
+        lora = None if self.lora is None else self.lora.active
+        fused_lora = None if lora is None or fused is None else lora.fused()
         if fused is not None and fused.accepts(attn_meta) and \
-                (self.lora is None or not self.lora.active):
-            hidden = fused.embed_and_run(input_ids, positions, kv_caches, attn_meta)
+                (lora is None or fused_lora is not None):
+            hidden = fused.embed_and_run(input_ids, positions, kv_caches, attn_meta,
+                                         lora=fused_lora)
             if hidden_indices is None:
                 return self.compute_logits(fused.final_norm(hidden, logits_indices))
             return self.logits_from_hidden(hidden, logits_indices, hidden_indices)

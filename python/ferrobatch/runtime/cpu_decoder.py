@@ -115,10 +115,13 @@ class FusedLayers:
             (meta.decode is not None or meta.prefill is not None)
 
     def embed_and_run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      kv_caches: list[torch.Tensor], meta) -> torch.Tensor:
+                      kv_caches: list[torch.Tensor], meta, lora: tuple | None = None
+                      ) -> torch.Tensor:
         """The step's tokens -> the last layer's output ``[T, H]``: the model's embedding rows
         and RoPE tables looked up here (the same values as ``embed_tokens`` and
-        ``RotaryEmbedding.tables``), then every layer in one Rust call.
+        ``RotaryEmbedding.tables``), then every layer in one Rust call; with ``lora``
+        (``LoraStep.fused``: the stacked adapters and each row's block) each linear layer
+        adds the adapter rows' updates.
 
         Keeps no state between calls: runners sharing one model (two engines on one loaded
         model) call it from their step threads at once, each with its own caches (~20 us per
@@ -129,7 +132,7 @@ class FusedLayers:
                              f"embedding")
         pos = positions.numpy()
         hidden = torch.from_numpy(self._embedding[ids])
-        self._run(hidden.numpy(), self._cos[pos], self._sin[pos], kv_caches, meta)
+        self._run(hidden.numpy(), self._cos[pos], self._sin[pos], kv_caches, meta, lora)
         return hidden
 
     def final_norm(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -141,7 +144,7 @@ class FusedLayers:
         return torch.from_numpy(self._norm.of_rows(picked))
 
     def _run(self, hidden: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-             kv_caches: list[torch.Tensor], meta) -> None:
+             kv_caches: list[torch.Tensor], meta, lora: tuple | None = None) -> None:
         rows, chunks = meta.decode, meta.prefill
         if rows is None:
             tables, ctx_lens, decode_rows = _NO_TABLES, _NO_CTX, _NO_ROWS
@@ -152,7 +155,7 @@ class FusedLayers:
             (chunks.q_starts, chunks.q_lens, chunks.seq_lens, chunks.block_tables)
         self._stack.forward(hidden, cos, sin, [t.numpy() for t in kv_caches],
                             meta.slot_mapping.numpy(), tables, ctx_lens, self.num_threads,
-                            decode_rows, prefill, amx=self.amx)
+                            decode_rows, prefill, amx=self.amx, lora=lora)
         self.steps += 1
 
 

@@ -12,8 +12,10 @@ adapters in the step (per-adapter matmuls cost four per adapter); a step whose a
 use one adapter takes that adapter's own matrices, without the mask (`benches/lora.py` measured
 the choices, README Results). A row of another adapter's block adds exact zeros; base-model rows
 are not touched. Outside such a step the hooks return the output as it is, so steps without adapter rows
-run exactly as without LoRA (fused CPU steps, CUDA graphs included); steps with adapter rows run
-eagerly, layer by layer.
+run exactly as without LoRA (fused CPU steps, CUDA graphs included). On the CPU a step with
+adapter rows still runs fused (``LoraStep.fused``: the stack as a ``CpuLoraStack``, each row's
+block; ``rust_scheduler/src/cpu_lora.rs`` adds the updates after each linear layer); on CUDA it
+runs eagerly, layer by layer, through the hooks.
 
 Threads: slots are filled and emptied on the asyncio thread (the engine's registry), which
 replaces the ``adapters`` dict and the stack whole (copy-on-write); the step thread reads
@@ -26,6 +28,7 @@ import contextlib
 import threading
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -46,6 +49,21 @@ class StackedLora:
     widths: dict[str, int]
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
     owners: dict[str, torch.Tensor] = field(default_factory=dict)   # column -> its block k
+    _cpu: tuple | None = None        # (CpuLoraStack, the arrays it views), made on first use
+
+    def cpu_stack(self):
+        """The stack as the fused CPU step takes it (``_scheduler.CpuLoraStack``: per layer and
+        module A ``[K * W, in]`` and B transposed ``[K * W, out]``, float32), made on first use
+        and kept; None when the adapters are not float32 on the CPU."""
+        if self._cpu is None:
+            first = next((a for layer in self.layers for a, _ in layer.values()), None)
+            if first is None or first.device.type != "cpu" or first.dtype != torch.float32:
+                return None
+            from ferrobatch import _scheduler
+            arrays = [[None if m not in layer else _cpu_arrays(*layer[m], self.widths[m])
+                       for m in MODULES] for layer in self.layers]
+            self._cpu = (_scheduler.CpuLoraStack(arrays), arrays)
+        return self._cpu[0]
 
     @classmethod
     def of(cls, adapters: dict[int, LoraAdapter], num_layers: int) -> StackedLora | None:
@@ -78,6 +96,19 @@ class StackedLora:
         owners = {m: torch.arange(len(slots), device=device).repeat_interleave(w)
                   for m, w in widths.items() if w}
         return cls(slots, tuple(stacked), widths, layers, owners)
+
+
+def _cpu_arrays(a_t: torch.Tensor, b_t: torch.Tensor, width: int) -> tuple:
+    """One module of the stack as ``CpuLoraStack`` takes it: A ``[K * W, in]``, B transposed
+    ``[K * W, out]`` (numpy views of contiguous float32 copies) and each B row's nonzero
+    columns ``lo..hi`` (a fused module's B is block-diagonal; a padding row is empty)."""
+    b = b_t.contiguous()
+    nonzero = (b != 0).numpy()
+    any_col = nonzero.any(axis=1)
+    lo = np.where(any_col, nonzero.argmax(axis=1), 0)
+    hi = np.where(any_col, b.shape[1] - nonzero[:, ::-1].argmax(axis=1), 0)
+    cols = np.ascontiguousarray(np.stack([lo, hi], axis=1), dtype=np.int32)
+    return a_t.t().contiguous().numpy(), b.numpy(), width, cols
 
 
 class LoraSlots:
@@ -119,7 +150,16 @@ class LoraStep:
     rows: slice | torch.Tensor
     blocks: torch.Tensor | None
     single: LoraAdapter | None = None
+    # int32 [T]: each token row's block of ``stacked`` (-1 for base-model rows), for the fused
+    # CPU step (``fused``)
+    row_blocks: np.ndarray | None = None
     _masks: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def fused(self) -> tuple | None:
+        """``(CpuLoraStack, row_blocks)`` for ``FusedLayers.embed_and_run``, or None when the
+        adapters cannot run in the fused CPU step (not float32 on the CPU)."""
+        stack = self.stacked.cpu_stack()
+        return None if stack is None or self.row_blocks is None else (stack, self.row_blocks)
 
     def weights(self, layer: int, module: str
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
@@ -153,12 +193,16 @@ def lora_step(stacked: StackedLora, query_start_loc, seq_slots,
             blocks.extend([k] * (hi - lo))
     if not rows:
         return None
+    row_blocks = np.full(int(query_start_loc[len(seq_slots)]), -1, dtype=np.int32)
+    row_blocks[rows] = blocks
     run = rows[-1] - rows[0] + 1 == len(rows)       # ascending: one run iff no gap
     index = slice(rows[0], rows[-1] + 1) if run else \
         torch.tensor(rows, dtype=torch.int64, device=device)
     if blocks.count(blocks[0]) == len(blocks):      # one adapter: its own matrices
-        return LoraStep(stacked, index, None, single=stacked.adapters[blocks[0]])
-    return LoraStep(stacked, index, torch.tensor(blocks, dtype=torch.int64, device=device))
+        return LoraStep(stacked, index, None, single=stacked.adapters[blocks[0]],
+                        row_blocks=row_blocks)
+    return LoraStep(stacked, index, torch.tensor(blocks, dtype=torch.int64, device=device),
+                    row_blocks=row_blocks)
 
 
 class LoraHooks:
