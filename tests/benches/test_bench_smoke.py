@@ -24,17 +24,22 @@ def _env() -> dict:
     return env
 
 
-def test_throughput_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "smoke.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHES / "throughput.py"), "--workload", "smoke",
-         "--systems",
-         "ferrobatch,ferrobatch-static,ferrobatch-eager,ferrobatch-nodraft,hf-static,hf-continuous",
-         "--json", str(out), "--plot", str(tmp_path / "occ.png"), "--no-progress",
-         "--threads", "1"],
-        check=False, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
+def _bench(script: str, *args: str, json_out: Path, timeout: int = 240) -> tuple[dict, str]:
+    """Runs ``benches/<script> *args --json json_out`` in a subprocess; a non-zero exit fails
+    the test with the tail of its output. Returns the JSON it wrote and its stdout."""
+    proc = subprocess.run([sys.executable, str(BENCHES / script), *args, "--json", str(json_out)],
+                          check=False, capture_output=True, text=True, timeout=timeout,
+                          env=_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
+    return json.loads(json_out.read_text()), proc.stdout
+
+
+def test_throughput_smoke(tmp_path: Path) -> None:
+    data, stdout = _bench(
+        "throughput.py", "--workload", "smoke", "--systems",
+        "ferrobatch,ferrobatch-static,ferrobatch-eager,ferrobatch-nodraft,hf-static,hf-continuous",
+        "--plot", str(tmp_path / "occ.png"), "--no-progress", "--threads", "1",
+        json_out=tmp_path / "smoke.json")
     rows = {r["system"]: r for r in data["results"]}
     assert set(rows) == {"ferrobatch", "ferrobatch-static", "ferrobatch-eager",
                          "ferrobatch-nodraft", "hf-static", "hf-continuous"}
@@ -50,7 +55,7 @@ def test_throughput_smoke(tmp_path: Path) -> None:
         assert r["output_tokens_per_s"] > 0 and r["requests_per_s"] > 0
     # static batching decodes every batch to its longest request: waste is counted, not output
     assert rows["hf-static"]["generated_tokens"] >= want
-    assert "ratio of output_tokens_per_s" in proc.stdout
+    assert "ratio of output_tokens_per_s" in stdout
     (ablation,) = data["ablation"]            # ferrobatch and ferrobatch-static at one cap
     assert ablation["cap"] == rows["ferrobatch"]["batch_cap"]
     assert ablation["measured"] == pytest.approx(rows["ferrobatch"]["output_tokens_per_s"]
@@ -98,15 +103,12 @@ def test_serving_runs_never_share_a_prompt_block() -> None:
 
 
 def test_engine_overhead_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "overhead.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHES / "engine_overhead.py"), "--running", "4",
-         "--systems", "ferrobatch-stub,ferrobatch-stub-stream,ferrobatch-1layer,hf-cb-1layer",
-         "--l1", "2", "--l2", "6",
-         "--repeat", "2", "--threads", "1", "--json", str(out)],
-        check=False, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data, _ = _bench(
+        "engine_overhead.py", "--running", "4",
+        "--systems", "ferrobatch-stub,ferrobatch-stub-stream,ferrobatch-1layer,hf-cb-1layer",
+        "--l1", "2", "--l2", "6",
+        "--repeat", "2", "--threads", "1",
+        json_out=tmp_path / "overhead.json")
     rows = {r["system"]: r for r in data["results"]}
     assert set(rows) == {"ferrobatch-stub", "ferrobatch-stub-stream", "ferrobatch-1layer",
                          "hf-cb-1layer"}
@@ -123,14 +125,11 @@ def test_engine_overhead_smoke(tmp_path: Path) -> None:
 def test_speculative_bench_smoke(tmp_path: Path) -> None:
     """The speculative-decoding bench on the real SmolLM2, shortened: it exits non-zero when a
     drafting engine's greedy tokens differ from the plain engine's."""
-    out = tmp_path / "spec.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHES / "speculative.py"), "--rounds", "1", "--max-tokens", "12",
-         "--drafts", "3,3/0/16/fixed", "--concurrency", "1", "--workloads", "copy",
-         "--json", str(out)],
-        check=False, capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {r["setting"]: r for r in json.loads(out.read_text())["results"]}
+    data, _ = _bench(
+        "speculative.py", "--rounds", "1", "--max-tokens", "12",
+        "--drafts", "3,3/0/16/fixed", "--concurrency", "1", "--workloads", "copy",
+        json_out=tmp_path / "spec.json", timeout=300)
+    rows = {r["setting"]: r for r in data["results"]}
     assert set(rows) == {"0", "3", "3/0/16/fixed"}
     assert rows["0"]["drafted"] == 0 and rows["3"]["drafted"] > 0
     assert rows["3/0/16/fixed"]["drafted"] > 0
@@ -139,13 +138,11 @@ def test_speculative_bench_smoke(tmp_path: Path) -> None:
 
 def test_single_stream_bench_smoke(tmp_path: Path) -> None:
     """The single-stream decode bench on the real SmolLM2, shortened: one length, a few tokens."""
-    out = tmp_path / "single.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHES / "single_stream.py"), "--lengths", "40", "--tokens", "4",
-         "--repeat", "1", "--json", str(out)],
-        check=False, capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (row,) = json.loads(out.read_text())["results"]
+    data, _ = _bench(
+        "single_stream.py", "--lengths", "40", "--tokens", "4",
+        "--repeat", "1",
+        json_out=tmp_path / "single.json", timeout=300)
+    (row,) = data["results"]
     assert row["prompt_tokens"] == 40 and len(row["samples_ms"]) == 1
     assert row["ms_per_token"] > 0
     assert row["ms_per_token"] == pytest.approx(row["samples_ms"][0], abs=0.01)
@@ -153,13 +150,10 @@ def test_single_stream_bench_smoke(tmp_path: Path) -> None:
 
 def test_step_breakdown_smoke(tmp_path: Path) -> None:
     # every part of the step took time, they fit within the step, the ceilings were measured
-    out = tmp_path / "breakdown.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHES / "step_breakdown.py"), "--rows", "1,2", "--context", "40",
-         "--repeats", "2", "--json", str(out)],
-        check=False, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data, _ = _bench(
+        "step_breakdown.py", "--rows", "1,2", "--context", "40",
+        "--repeats", "2",
+        json_out=tmp_path / "breakdown.json")
     assert data["gemm_gflops"] > 0 and data["read_gb_per_s"] > 0
     assert data["kv_cache_dtype"] == "float32"      # the model's, without --kv-cache-dtype
     assert [r["rows"] for r in data["results"]] == [1, 2]
@@ -184,14 +178,10 @@ def test_build_ab_smoke(tmp_path: Path) -> None:
     base = tmp_path / "base" / Path(_scheduler.__file__).name
     base.parent.mkdir()
     shutil.copy(_scheduler.__file__, base)
-    out = tmp_path / "ab.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHES / "build_ab.py"), "--base-so", str(base), "--mode", "step",
-         "--rows", "1,2", "--context", "40", "--rounds", "2", "--num-blocks", "64",
-         "--json", str(out)],
-        check=False, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data, _ = _bench(
+        "build_ab.py", "--base-so", str(base), "--mode", "step",
+        "--rows", "1,2", "--context", "40", "--rounds", "2", "--num-blocks", "64",
+        json_out=tmp_path / "ab.json")
     assert [r["rows"] for r in data["results"]] == [1, 2]
     for r in data["results"]:
         assert r["base_ms"] > 0 and r["this_ms"] > 0, r
@@ -201,12 +191,9 @@ def test_build_ab_smoke(tmp_path: Path) -> None:
 def test_step_phases_smoke(tmp_path: Path) -> None:
     # the smoke workload on the CPU: every step was scheduled, run eagerly, sampled and updated
     # once, the phases add up within the run's wall time
-    out = tmp_path / "phases.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHES / "step_phases.py"), "--workload", "smoke", "--json", str(out)],
-        check=False, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data, _ = _bench(
+        "step_phases.py", "--workload", "smoke",
+        json_out=tmp_path / "phases.json")
     phases = {p["phase"]: p for p in data["phases"]}
     steps = data["num_steps"]
     assert steps > 1 and data["output_tokens"] > 0
@@ -220,14 +207,10 @@ def test_step_phases_smoke(tmp_path: Path) -> None:
 def test_gpu_kernel_profile_smoke(tmp_path: Path) -> None:
     # on the CPU: the steps are built and timed, and the profile lists aten ops with shares
     # that add up (the CUDA path's kernel records need the H200: benches/gpu_check.sh `profile`)
-    out = tmp_path / "profile.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHES / "gpu_kernel_profile.py"), "--device", "cpu",
-         "--context", "16", "--decode", "2", "--mixed", "1:9", "--iters", "1",
-         "--json", str(out)],
-        check=False, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data, _ = _bench(
+        "gpu_kernel_profile.py", "--device", "cpu",
+        "--context", "16", "--decode", "2", "--mixed", "1:9", "--iters", "1",
+        json_out=tmp_path / "profile.json")
     steps = {r["step"]: r for r in data["results"]}
     assert set(steps) == {"decode B=2 ctx=16", "mixed 1 decode + 9-token prompt"}
     assert steps["decode B=2 ctx=16"]["num_tokens"] == 2
@@ -242,13 +225,11 @@ def test_device_idle_smoke(tmp_path: Path) -> None:
     # the engine takes every greedy step's tokens from the emulated device's read-back (which
     # waits for the step): no launch comes before the previous step is done, so no gap is
     # negative, and each step lasts at least the device time
-    out = tmp_path / "idle.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHES / "device_idle.py"), "--running", "4", "--tokens", "24",
-         "--repeat", "1", "--device-ms", "1", "--json", str(out)],
-        check=False, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["results"]
+    data, _ = _bench(
+        "device_idle.py", "--running", "4", "--tokens", "24",
+        "--repeat", "1", "--device-ms", "1",
+        json_out=tmp_path / "idle.json")
+    rows = data["results"]
     assert {r["system"] for r in rows} == {"current", "switch-100us"}
     for r in rows:
         assert r["steps"] >= 10 and r["idle_us"] >= 0 and r["step_us"] >= 1000, r
@@ -256,28 +237,22 @@ def test_device_idle_smoke(tmp_path: Path) -> None:
 
 
 def test_embeddings_bench_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "emb.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHES / "embeddings.py"), "--num", "3", "--min-len", "4",
-         "--max-len", "20", "--repeat", "1", "--hf-batch", "2", "--json", str(out)],
-        check=False, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data, stdout = _bench(
+        "embeddings.py", "--num", "3", "--min-len", "4",
+        "--max-len", "20", "--repeat", "1", "--hf-batch", "2",
+        json_out=tmp_path / "emb.json")
     assert [r["system"] for r in data["results"]] == ["ferrobatch", "hf"]
     assert all(r["embeddings_per_s"] > 0 for r in data["results"])
     assert data["max_abs_diff"] < 1e-4          # the same model's vectors, two ways
-    assert "emb/s" in proc.stdout
+    assert "emb/s" in stdout
 
 
 def test_lora_bench_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "lora.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHES / "lora.py"), "--num", "3", "--max-tokens", "4",
-         "--adapters", "2", "--rank", "4", "--rounds", "1", "--json", str(out)],
-        check=False, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data, stdout = _bench(
+        "lora.py", "--num", "3", "--max-tokens", "4",
+        "--adapters", "2", "--rank", "4", "--rounds", "1",
+        json_out=tmp_path / "lora.json")
     assert [r["system"] for r in data["results"]] == ["base", "lora-1", "lora-2",
                                                        "base-layered", "lora-2-layered"]
     assert all(r["output_tokens_per_s"] > 0 for r in data["results"])
-    assert data["results"][0]["vs_base"] == 1.0 and "vs base" in proc.stdout
+    assert data["results"][0]["vs_base"] == 1.0 and "vs base" in stdout
