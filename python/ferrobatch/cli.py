@@ -268,6 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the model writes its own tool calls, for tool_choice 'auto' "
                    "(default: what its chat template asks for: Hermes <tool_call> blocks, "
                    "Llama 3 JSON calls or Mistral's [TOOL_CALLS])")
+    s.add_argument("--enable-response-store", action="store_true",
+                   help="the Responses API keeps finished responses in memory: "
+                   "previous_response_id continues one, GET /v1/responses/{id} returns it")
+    s.add_argument("--max-stored-responses", type=int, default=1024, metavar="N",
+                   help="with --enable-response-store: the most kept at once (the least "
+                   "recently used go first)")
     s.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs show each token as 'token_id:<id>' (a request's "
                    "return_tokens_as_token_ids overrides it)")
@@ -359,7 +365,8 @@ async def _serve(a: argparse.Namespace) -> int:
                     access_log=a.access_log, reasoning_parser=a.reasoning_parser,
                     allow_runtime_lora=a.allow_runtime_lora,
                     tool_call_parser=a.tool_call_parser,
-                    return_tokens_as_token_ids=a.return_tokens_as_token_ids)
+                    return_tokens_as_token_ids=a.return_tokens_as_token_ids,
+                    response_store=a.max_stored_responses if a.enable_response_store else 0)
     try:
         adapters = _serve_lora_modules(engine, a, server.state.base_model_names)
     except ValueError:

@@ -280,3 +280,100 @@ async def test_logprobs_through_include(fake_server):
     final = datas[-1]["response"]["output"][0]["content"][0]
     assert streamed == done["logprobs"] == final["logprobs"] == resp["output"][0]["content"][0][
         "logprobs"]
+
+
+# -- the response store (serve --enable-response-store) ------------------------------------
+
+STORE = pytest.mark.parametrize("fake_server", [{"response_store": 4}], indirect=True)
+
+
+@STORE
+async def test_previous_response_id_continues_the_stored_conversation(client):
+    """The echo shows what the model was given: the stored turns (the first response's input
+    and output) before the new input; the first response's instructions do not carry over,
+    the new request's lead."""
+    first = await client.responses.create(model="fake", input="q1", instructions="Be brief.",
+                                          max_output_tokens=3)
+    assert first.output_text == "<sy" and first.store is True
+    second = await client.responses.create(model="fake", input="q2" + EOS,
+                                           previous_response_id=first.id,
+                                           max_output_tokens=100)
+    assert second.output_text == "<user>q1\n<assistant><sy\n<user>q2"
+    assert second.previous_response_id == first.id
+    third = await client.responses.create(model="fake", input="q3" + EOS, instructions="New.",
+                                          previous_response_id=second.id,
+                                          max_output_tokens=100)
+    # (the echo stops at q2's end-of-sequence mark, before the second response's turn)
+    assert third.output_text == "<system>New.\n<user>q1\n<assistant><sy\n<user>q2"
+    got = await client.responses.retrieve(second.id)
+    assert got.id == second.id and got.output_text == second.output_text
+
+
+@STORE
+async def test_a_streamed_response_is_stored_too(client):
+    async with client.responses.stream(model="fake", input="hi" + EOS) as stream:
+        final = await stream.get_final_response()
+    got = await client.responses.retrieve(final.id)
+    assert got.output_text == final.output_text == "<user>hi"
+
+
+@STORE
+async def test_store_false_delete_cancel_and_eviction(client):
+    kept = await client.responses.create(model="fake", input="a" + EOS)
+    unkept = await client.responses.create(model="fake", input="b" + EOS, store=False)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError, match="not stored"):
+        await client.responses.retrieve(unkept.id)
+    with pytest.raises(openai.BadRequestError, match="only background responses"):
+        await client.responses.cancel(kept.id)
+    await client.responses.delete(kept.id)
+    for call in (client.responses.retrieve(kept.id), client.responses.create(
+            model="fake", input="c", previous_response_id=kept.id)):
+        with pytest.raises(openai.NotFoundError, match="not"):
+            await call
+    ids = [(await client.responses.create(model="fake", input=f"{i}" + EOS)).id
+           for i in range(5)]                  # a store of 4: the first goes
+    with pytest.raises(openai.NotFoundError, match="keeps the last 4"):
+        await client.responses.retrieve(ids[0])
+    assert (await client.responses.retrieve(ids[4])).id == ids[4]
+
+
+async def test_without_a_store_previous_response_id_says_how_to_get_one(fake_server):
+    status, body = await raw_post(fake_server, {"input": "x", "previous_response_id": "r"})
+    assert status == 400 and "--enable-response-store" in body["error"]["message"]
+    status, body = await raw_post(fake_server, {"input": "x" + EOS})
+    assert status == 200 and body["store"] is False
+
+
+def test_a_stored_function_call_and_its_output_make_the_next_turn():
+    """The stored assistant turn keeps its tool calls; the next input's function_call_output
+    becomes the tool message after it; storing never lets a later request change the stored
+    conversation."""
+    from ferrobatch.serve.response_store import ResponseStore, assistant_turn
+
+    store = ResponseStore(2)
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    conversation = [{"role": "user", "content": "Weather in Paris?"}]
+    store.put({"id": "resp_a"}, conversation + [assistant_turn("", [call])])
+    body = {"previous_response_id": "resp_a", "instructions": "Use tools.",
+            "input": [{"type": "function_call_output", "call_id": "call_1", "output": "21 C"},
+                      {"type": "function_call", "call_id": "call_2", "name": "get_weather",
+                       "arguments": "{}"}]}
+    req = parse_responses(body, "m", store=store)
+    assert req.messages == [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_2", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{}"}}]}]
+    assert req.conversation == req.messages[1:] and req.store
+    assert store.get("resp_a").conversation[-1] == {"role": "assistant", "content": "",
+                                                    "tool_calls": [call]}
+    with pytest.raises(ProtocolError, match="not found") as err:
+        parse_responses({**body, "previous_response_id": "resp_zz"}, "m", store=store)
+    assert err.value.code == 404
+    with pytest.raises(ProtocolError, match="'store' must be a boolean"):
+        parse_responses({"input": "x", "store": "yes"}, "m", store=store)

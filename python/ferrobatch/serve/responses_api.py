@@ -12,9 +12,12 @@ sampling extras the other routes take (`top_k`, `min_p`, `repetition_penalty`, `
 function guide the output to be the call(s); "auto" is served for models that write Hermes
 `<tool_call>` blocks. The calls come back as `function_call` output items, and the next turn's
 `function_call` / `function_call_output` input items become the chat template's assistant
-tool calls and tool messages. Nothing is stored: `previous_response_id`, `conversation` and
-`background` are refused, as are other tool types, reasoning items and non-text input
-(images, files), each with a 400 naming the field, rather than silently ignored.
+tool calls and tool messages. With `serve --enable-response-store` finished responses are kept
+in memory (`response_store.py`; `store: false` opts a response out): `previous_response_id`
+continues one, `GET` / `DELETE /v1/responses/{id}` find and forget them; without it
+`previous_response_id` is refused. `conversation` and `background` are refused, as are other
+tool types, reasoning items and non-text input (images, files), each with a 400 naming the
+field, rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from ferrobatch.serve.reasoning import (
     split_reasoning,
 )
 from ferrobatch.serve.request_ids import object_id
+from ferrobatch.serve.response_store import assistant_turn
 from ferrobatch.serve.responses_protocol import (
     ResponsesRequest,
     call_item,
@@ -82,7 +86,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_responses(await read_json(request), state.model_names,
                           tool_parser=state.tool_call_parser,
-                          sampling_defaults=state.engine.default_sampling_fields)
+                          sampling_defaults=state.engine.default_sampling_fields,
+                          store=state.responses)
     req.id = object_id(request, "resp_", req.id)
     # a guided reply's grammar applies after its reasoning (guided/after_reasoning.py)
     req.reasoning_parser = state.reasoning_parser
@@ -108,23 +113,45 @@ async def responses(request: web.Request) -> web.StreamResponse:
         text, calls = _outcome(req, text, c.finish_reason)
         logprobs = _logprob_items(request, c.logprobs) if req.params.logprobs is not None \
             else None
-        return web.json_response(response_object(
+        final = response_object(
             req, status_of(c.finish_reason, None, calls), text, calls,
             (len(stream.prompt_token_ids), len(c.token_ids), last.num_cached_tokens or 0,
              _reasoning_tokens(request, req, c.token_ids)),
-            logprobs=logprobs, reasoning=reasoning))
+            logprobs=logprobs, reasoning=reasoning)
+        _keep(request, req, final, text, calls)
+        return web.json_response(final)
     finally:
         stream.abort()
 
 
+def _keep(request: web.Request, req: ResponsesRequest, final: dict[str, Any], text: str | None,
+          calls: list[dict[str, Any]] | None) -> None:
+    """Stores a finished response (`store`, on a server with a store) with its conversation:
+    what a later `previous_response_id` continues."""
+    store = request.app[STATE].responses
+    if req.store and store is not None and final["status"] in ("completed", "incomplete"):
+        store.put(final, req.conversation + [assistant_turn(text, calls)])
+
+
 async def stored_response(request: web.Request) -> web.Response:
-    """`GET` / `DELETE /v1/responses/{id}`, `POST .../cancel`: nothing is stored, so a 404
-    that says so (the SDK's `responses.retrieve` raises NotFoundError with it)."""
+    """`GET` / `DELETE /v1/responses/{id}`, `POST .../cancel`: the stored response, its
+    deletion, or (no response runs in the background) a 400; a 404 for one not stored (the
+    SDK's `responses.retrieve` raises NotFoundError with it)."""
     rid = request.match_info["response_id"]
     shown = rid if len(rid) <= 64 and rid.replace("_", "").isalnum() else "this id"
-    return error_response(404, f"response {shown} is not stored: this server keeps no "
-                          "responses (each one is returned, or streamed, once)",
-                          "not_found_error")
+    store = request.app[STATE].responses
+    stored = None if store is None else store.get(rid)
+    if stored is None:
+        why = (f"the store keeps the last {store.max_responses} responses" if store is not None
+               else "this server keeps no responses (start it with --enable-response-store)")
+        return error_response(404, f"response {shown} is not stored: {why}", "not_found_error")
+    if request.method == "DELETE":
+        store.delete(rid)
+        return web.json_response({"id": rid, "object": "response", "deleted": True})
+    if request.path.endswith("/cancel"):
+        return error_response(400, f"response {shown} is finished: only background responses "
+                              "can be cancelled, and none run here", "invalid_request_error")
+    return web.json_response(stored.response)
 
 
 class _ReasoningEvents:
@@ -271,6 +298,7 @@ async def _stream(request: web.Request, req: ResponsesRequest, stream: Any) -> w
                 await events.emit("response.function_call_arguments.done", item_id=item["id"],
                                   output_index=index, arguments=item["arguments"])
                 await events.emit("response.output_item.done", output_index=index, item=item)
+            _keep(request, req, final, "".join(message.text), calls)
             await events.emit(f"response.{status}", response=final)
         await events.response.write_eof()
     except ConnectionError:

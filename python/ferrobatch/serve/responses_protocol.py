@@ -6,6 +6,7 @@ output items. What is served and what is refused is listed in `responses_api.py`
 
 from __future__ import annotations
 
+import copy
 import secrets
 import time
 from collections.abc import Mapping, Sequence
@@ -20,13 +21,14 @@ from ferrobatch.serve.tools import ToolPlan, parse_tools
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-# fields whose meaning this server cannot honour (it stores nothing): refused, not ignored
-REFUSED = {"previous_response_id": "nothing is stored on this server: send the whole "
-           "conversation as 'input'",
-           "conversation": "nothing is stored on this server: send the whole conversation as "
-           "'input'",
-           "background": "background responses need storage, which this server does not have",
+# fields whose meaning this server cannot honour: refused, not ignored
+REFUSED = {"conversation": "conversations are not stored on this server: send the whole "
+           "conversation as 'input' (or 'previous_response_id' with "
+           "--enable-response-store)",
+           "background": "background responses are not run on this server",
            "prompt": "stored prompt templates are not supported"}
+NO_STORE = ("nothing is stored on this server (start it with --enable-response-store): send "
+            "the whole conversation as 'input'")
 # the Responses names of the sampling fields, and the vLLM extras taken as they are
 EXTRAS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
           "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "priority",
@@ -40,8 +42,12 @@ class ResponsesRequest:
 
     def __init__(self, messages: list[dict[str, Any]], params: SamplingParams, stream: bool,
                  model: str, echo: dict[str, Any], tools: ToolPlan | None = None,
-                 chat_options: dict[str, Any] | None = None) -> None:
+                 chat_options: dict[str, Any] | None = None,
+                 conversation: list[dict[str, Any]] | None = None, store: bool = False) -> None:
         self.messages = messages
+        # the messages without the instructions: what a stored response keeps (response_store)
+        self.conversation = messages if conversation is None else conversation
+        self.store = store                # keep the finished response (the server has a store)
         self.params = params
         self.tools = tools                # how the output becomes function calls, if it may
         self.chat_options = chat_options  # the chat template's extras (the tools)
@@ -72,14 +78,21 @@ def _text_of(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    given = body.get("input")
-    messages: list[dict[str, str]] = []
+def _instructions(body: dict[str, Any]) -> list[dict[str, str]]:
+    """`instructions` as the system message that leads the conversation (none without)."""
     instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise ProtocolError("'instructions' must be a string", param="instructions")
-        messages.append({"role": "system", "content": instructions})
+    if instructions is None:
+        return []
+    if not isinstance(instructions, str):
+        raise ProtocolError("'instructions' must be a string", param="instructions")
+    return [{"role": "system", "content": instructions}]
+
+
+def _messages(body: dict[str, Any],
+              messages: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """`input` as chat messages, after `messages` (a stored conversation it continues)."""
+    given = body.get("input")
+    messages = copy.deepcopy(messages or [])       # a stored conversation stays as stored
     if isinstance(given, str):
         if not given:
             raise ProtocolError("'input' must not be empty", param="input")
@@ -185,16 +198,22 @@ def _text_format(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def parse_responses(body: Any, model_name: str | Sequence[str], tool_parser: str | None = None,
-                    sampling_defaults: Mapping[str, Any] | None = None) -> ResponsesRequest:
+                    sampling_defaults: Mapping[str, Any] | None = None,
+                    store: Any = None) -> ResponsesRequest:
     """A `/v1/responses` body as a ResponsesRequest; ProtocolError (a 400, 404 for another
-    model) for anything it cannot serve as asked. `tool_parser`: how the model writes its own
-    tool calls (`tools.AUTO_PARSERS`), so tool_choice "auto" is served."""
+    model or an unknown previous response) for anything it cannot serve as asked.
+    `tool_parser`: how the model writes its own tool calls (`tools.AUTO_PARSERS`), so
+    tool_choice "auto" is served; `store`: the server's `ResponseStore`, or None."""
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
     model = check_model(body, model_name)
     for key, why in REFUSED.items():
         if body.get(key) not in (None, False, [], {}):
             raise ProtocolError(f"'{key}' is not supported: {why}", param=key)
+    keep = body.get("store", True)
+    if not isinstance(keep, (bool, type(None))):
+        raise ProtocolError("'store' must be a boolean", param="store")
+    previous = _previous_conversation(body.get("previous_response_id"), store)
     include = body.get("include") or []
     if not isinstance(include, list) or any(x != LOGPROBS_INCLUDE for x in include):
         raise ProtocolError(f"'include' may only hold {LOGPROBS_INCLUDE!r} here (nothing else "
@@ -213,7 +232,8 @@ def parse_responses(body: Any, model_name: str | Sequence[str], tool_parser: str
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
         raise ProtocolError("'metadata' must be a map of at most 16 string keys to string "
                             "values", param="metadata")
-    messages = _messages(body)
+    conversation = _messages(body, previous)
+    messages = _instructions(body) + conversation
     guided, text = _text_format(body)
     plan, chat_tools = _tool_plan(body, tool_parser)
     if include and plan is not None:
@@ -242,9 +262,32 @@ def parse_responses(body: Any, model_name: str | Sequence[str], tool_parser: str
             "temperature": params.temperature, "top_p": params.top_p, "text": text,
             "tools": list(body.get("tools") or []),
             "tool_choice": body.get("tool_choice") or ("auto" if plan else "none"),
-            "parallel_tool_calls": body.get("parallel_tool_calls") is not False}
+            "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
+            "previous_response_id": body.get("previous_response_id"),
+            "store": store is not None and keep is not False}
     return ResponsesRequest(messages, params, stream, model, echo, plan,
-                            {"tools": chat_tools} if chat_tools else None)
+                            {"tools": chat_tools} if chat_tools else None,
+                            conversation=conversation, store=echo["store"])
+
+
+def _previous_conversation(response_id: Any, store: Any) -> list[dict[str, Any]] | None:
+    """The conversation `previous_response_id` continues (None without one); ProtocolError for
+    a server without a store (400) or an id it does not hold (404)."""
+    if response_id is None:
+        return None
+    if not isinstance(response_id, str) or not response_id:
+        raise ProtocolError("'previous_response_id' must be a response id",
+                            param="previous_response_id")
+    if store is None:
+        raise ProtocolError(f"'previous_response_id' is not supported: {NO_STORE}",
+                            param="previous_response_id")
+    stored = store.get(response_id)
+    if stored is None:
+        shown = response_id if len(response_id) <= 64 else response_id[:64] + "..."
+        raise ProtocolError(f"previous response {shown!r} not found (never stored, deleted, "
+                            f"or evicted: the store keeps the last {store.max_responses})",
+                            code=404, param="previous_response_id")
+    return stored.conversation
 
 
 # -- the response object and the stream's events -------------------------------------------------

@@ -58,7 +58,8 @@ class Server:
                  log_stats_interval_s: float = 0.0, access_log: bool = False,
                  reasoning_parser: str | None = None, allow_runtime_lora: bool = False,
                  tool_call_parser: str | None = None,
-                 return_tokens_as_token_ids: bool = False) -> None:
+                 return_tokens_as_token_ids: bool = False,
+                 response_store: int = 0) -> None:
         """`allowed_origins`: the browser origins CORS lets call the HTTP API (`"*"`: any;
         empty: CORS off), as `cors.parse_origins` makes them. `log_stats_interval_s` > 0: an
         INFO line of engine activity that often while the server runs (`StatsLogger`);
@@ -69,7 +70,8 @@ class Server:
         `tool_call_parser` ("hermes", "llama3_json", "mistral"): how the model writes its own
         tool calls, for tool_choice "auto" (default: what the chat template asks for).
         `return_tokens_as_token_ids`: logprobs show tokens as `token_id:<id>` unless a request
-        says otherwise (vLLM's flag)."""
+        says otherwise (vLLM's flag). `response_store` > 0: the Responses API keeps that many
+        finished responses in memory (`previous_response_id`, `GET /v1/responses/{id}`)."""
         if api_key is not None and not api_key:
             raise ValueError("api_key must not be empty")
         if served_model_name is not None and not isinstance(served_model_name, str):
@@ -92,6 +94,9 @@ class Server:
                                  allow_runtime_lora=allow_runtime_lora,
                                  tool_parser=tool_call_parser,
                                  return_tokens_as_token_ids=return_tokens_as_token_ids)
+        if response_store:
+            from ferrobatch.serve.response_store import ResponseStore
+            self.state.responses = ResponseStore(response_store)
         self.state.metrics = ServerMetrics(engine, self.state.model_name)
         self.stats_logger = (StatsLogger(engine, log_stats_interval_s)
                              if log_stats_interval_s > 0 else None)

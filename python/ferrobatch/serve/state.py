@@ -27,6 +27,7 @@ class ServerState:
     allow_runtime_lora: bool = False  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
     tool_parser: str | None = None    # --tool-call-parser (None: from the chat template)
     return_tokens_as_token_ids: bool = False   # logprobs show token_id:<id> unless asked not to
+    responses: Any = None         # the Responses API's ResponseStore (--enable-response-store)
     sessions: set = field(default_factory=set)
     websockets: set = field(default_factory=set)     # open WebSocketResponses (closed on stop)
     created: int = field(default_factory=lambda: int(time.time()))
