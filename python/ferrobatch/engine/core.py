@@ -233,6 +233,10 @@ class EngineCore:
         core.speculation = spec.describe()
         core.default_sampling = generation_defaults.resolve(
             loaded.source, config.generation_config, config.override_generation_config)
+        if config.logits_processors:
+            logger.info("engine-wide logits processors (asked per request): %s",
+                        ", ".join(e if isinstance(e, str) else getattr(e, "__qualname__", repr(e))
+                                  for e in config.logits_processors))
         if core.default_sampling:
             logger.info("sampling defaults for fields a request leaves unset (generation_config "
                         "%r; 'vllm' turns them off): %s", config.generation_config,
