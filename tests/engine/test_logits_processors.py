@@ -232,3 +232,54 @@ def test_a_raising_processor_fails_its_request_and_the_engine_goes_on(real_llm):
     again = real_llm.generate(prompts[1], params)[0].outputs[0]
     assert again.finish_reason == "length" and again.token_ids == solo[1]
     assert real_llm.engine.check_accounting()["tracked_extras"] == 0
+
+
+def test_failing_and_cancelled_processor_requests_leave_nothing_behind(real_llm):
+    """24 concurrent requests: a third with a processor that raises at some token, a third
+    cancelled part-way (with a processor), the rest plain. The failed ones end with "error",
+    the plain ones give their solo outputs, and the engine ends idle with nothing tracked."""
+    import asyncio
+    import random
+
+    engine = real_llm.engine
+    rng = random.Random(3)
+    prompts = [f"Story {i}: once upon a time" for i in range(24)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    solo = {i: real_llm.generate(prompts[i], params)[0].outputs[0].token_ids
+            for i in range(0, 24, 3)}
+
+    def raising_at(k):
+        def fn(history, row):
+            if len(history) == k:
+                raise ValueError(f"bad at {k}")
+            return row
+        return fn
+
+    async def one(i):
+        kind = i % 3                     # 0 plain, 1 a processor that raises, 2 cancelled
+        p = params.replace(output_kind="delta")
+        if kind:
+            p = p.replace(logits_processors=[raising_at(rng.randrange(1, 10)) if kind == 1
+                                             else (lambda h, row: row)])
+        tokens, last = [], None
+        async for out in engine.generate(prompts[i], p, request_id=f"storm-{i}"):
+            tokens.extend(out.outputs[0].token_ids)
+            last = out
+            if kind == 2 and len(tokens) >= 4:
+                engine.abort(f"storm-{i}")
+        return kind, last, tokens
+
+    async def storm():
+        return await asyncio.gather(*(one(i) for i in range(24)))
+
+    results = real_llm._run(storm())
+    for i, (kind, last, tokens) in enumerate(results):
+        reason = last.outputs[0].finish_reason
+        if kind == 0:
+            assert tokens == solo[i] and reason == "length"
+        elif kind == 1:
+            assert reason == "error" and "bad at" in last.error
+        else:
+            assert reason == "abort"
+    real_llm._run(engine.check_idle_clean())
+    assert engine.check_accounting()["tracked_extras"] == 0
