@@ -136,6 +136,8 @@ class LoraSlots:
 
     def _replace(self, adapters: dict[int, LoraAdapter]) -> None:
         stacked = StackedLora.of(adapters, self.num_layers)
+        if stacked is not None:
+            stacked.cpu_stack()      # made here, not in the first fused step (CPU float32 only)
         self.adapters, self.stacked = adapters, stacked      # the step thread reads `stacked`
 
 
