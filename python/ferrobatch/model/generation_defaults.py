@@ -16,6 +16,7 @@ model's files that a request could not carry (out of range) is skipped with a wa
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -83,11 +84,19 @@ def read_model_defaults(source: str) -> dict[str, Any]:
     if os.path.isdir(source):
         return _from_hf_json(_json_path(source))
     if os.path.isfile(source) and source.endswith(".gguf"):
-        from ferrobatch.model.gguf_file import GGUFFile
-        metadata = GGUFFile(source).metadata
-        return {name: metadata[key] for key, name in GGUF_FIELDS.items()
-                if metadata.get(key) is not None}
+        stat = os.stat(source)
+        return dict(_gguf_defaults(source, stat.st_mtime_ns, stat.st_size))
     return {}
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_defaults(path: str, mtime_ns: int, size: int) -> tuple[tuple[str, Any], ...]:
+    """A GGUF file's sampling keys, read once per version of the file (its header takes ~0.1 s
+    to parse, and every engine started on the file asks)."""
+    from ferrobatch.model.gguf_file import GGUFFile
+    metadata = GGUFFile(path).metadata
+    return tuple((name, metadata[key]) for key, name in GGUF_FIELDS.items()
+                 if metadata.get(key) is not None)
 
 
 def _json_path(path: str) -> str:
