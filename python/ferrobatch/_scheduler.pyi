@@ -310,7 +310,7 @@ class CpuDecoderStack:
                 caches: list[np.ndarray], slots: np.ndarray, block_tables: np.ndarray,
                 ctx_lens: np.ndarray, num_threads: int, decode_rows: np.ndarray | None = None,
                 prefill: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
-                amx: bool = True) -> None:
+                amx: bool = True, lora: tuple[CpuLoraStack, np.ndarray] | None = None) -> None:
         """Runs the step's ``R`` rows through every layer (GIL released): ``hidden`` ``[R, H]``
         in place (embeddings in, the last layer's output out), ``cos`` / ``sin`` ``[R, D]``, one
         ``[2, num_blocks, block_size, Hkv, D]`` cache per layer, all float32 or all float16 (row
@@ -320,7 +320,20 @@ class CpuDecoderStack:
         ``block_tables[i]`` (int32 ``[N, max_blocks]`` / ``[N]``); the prefill kernel attends
         each chunk of ``prefill = (q_starts, q_lens, seq_lens, block_tables)`` (int32, as in
         ``paged_prefill_attention_f32``, with ``amx``). Every row must be attended exactly once.
-        ValueError, nothing written, on any bad input."""
+        With ``lora = (stack, row_blocks)`` (int32 ``[R]``: each row's block of the stack, -1 for
+        base-model rows) each linear layer's output gets the adapter rows' updates. ValueError,
+        nothing written, on any bad input."""
+
+class CpuLoraStack:
+    """An engine's stacked LoRA adapters for fused CPU steps (``runtime.lora.StackedLora.
+    cpu_stack``; source ``rust_scheduler/src/cpu_lora.rs``). ``layers[i]`` holds four entries
+    (qkv, o_proj, gate_up, down), each None or ``(a, b_t, width, b_cols)``: float32 ``a``
+    ``[blocks * width, k]``, ``b_t`` ``[blocks * width, n]`` and int32 ``b_cols``
+    ``[blocks * width, 2]`` (each row of ``b_t``'s nonzero columns ``lo..hi``). Referenced, not
+    copied: they must not be written while the stack lives; their shapes are checked against
+    the model on every step that uses them."""
+
+    def __init__(self, layers: list[list[tuple | None]]) -> None: ...
 
 def set_decoder_phase_timing(on: bool) -> None:
     """Switches the fused step's phase accounting on or off (``cpu_step_timing.rs``; off by
