@@ -233,3 +233,29 @@ def test_lora_flags_parse_and_imply_enable_lora(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--lora-modules", "nameonly"])
     assert "NAME=PATH" in capsys.readouterr().err
+
+
+def test_processor_generation_config_and_store_flags_reach_the_engine(tmp_path, monkeypatch, capsys):
+    """--logits-processors, --generation-config / --override-generation-config reach the
+    engine's config; generate's sampling flags fall back to the model's defaults, then greedy."""
+    from ferrobatch.cli import _config, _params
+    (tmp_path / "procs.py").write_text("def factory(params):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = build_parser().parse_args([
+        "serve", "--logits-processors", "procs:factory", "--generation-config", "vllm",
+        "--override-generation-config", '{"temperature": 0.3}', "--enable-response-store",
+        "--max-stored-responses", "8", "--return-tokens-as-token-ids"])
+    config = _config(args)
+    assert config.logits_processors == ("procs:factory",)
+    assert config.generation_config == "vllm"
+    assert config.override_generation_config == {"temperature": 0.3}
+    assert args.enable_response_store and args.max_stored_responses == 8
+    assert args.return_tokens_as_token_ids
+    gen = build_parser().parse_args(["generate", "x"])
+    assert _params(gen).temperature == 0.0                      # no model default: greedy
+    assert _params(gen, {"temperature": 0.7, "top_k": 20}).temperature == 0.7
+    own = build_parser().parse_args(["generate", "x", "--temperature", "0.2"])
+    assert _params(own, {"temperature": 0.7}).temperature == 0.2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--override-generation-config", "[1]"])
+    assert "JSON object" in capsys.readouterr().err
