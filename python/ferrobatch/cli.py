@@ -466,11 +466,12 @@ def _params(a: argparse.Namespace, model_defaults: dict[str, Any] | None = None
             ) -> SamplingParams:
     """`generate` / `chat`'s sampling: the flags given, then the model's defaults
     (`--generation-config`), then greedy."""
+    from ferrobatch.model.generation_defaults import under_door_defaults
     given = {k: getattr(a, k) for k in ("temperature", "top_p", "top_k")
              if getattr(a, k) is not None}
-    return SamplingParams(**{"temperature": 0.0, **(model_defaults or {}), **given,
-                             "max_tokens": a.max_tokens, "seed": a.seed, "output_kind": "delta",
-                             **_guided(a)})
+    fields = {"temperature": 0.0, **under_door_defaults(model_defaults or {}, given)}
+    return SamplingParams(**fields, max_tokens=a.max_tokens, seed=a.seed, output_kind="delta",
+                          **_guided(a))
 
 
 async def _batch(a: argparse.Namespace) -> int:

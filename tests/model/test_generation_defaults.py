@@ -99,13 +99,12 @@ def test_settings_and_overrides_are_checked_when_configured(tmp_path):
 
 def test_a_doors_defaults_over_the_models():
     model = {"temperature": 0.7, "max_tokens": 64}
-    # completions' 16 stays; chat's "fill the context" gives way to the model's cap
+    # the door's max_tokens stays (the model's caps "fill the context" in the engine instead)
     assert gd.under_door_defaults(model, {"max_tokens": 16}) == {"temperature": 0.7,
                                                                    "max_tokens": 16}
-    assert gd.under_door_defaults(model, {"max_tokens": None})["max_tokens"] == 64
-    assert gd.under_door_defaults({"temperature": 0.7}, {"max_tokens": None}) == {
-        "temperature": 0.7, "max_tokens": None}
-    assert gd.under_door_defaults(model, {}) == model
+    assert gd.under_door_defaults(model, {"max_tokens": None}) == {"temperature": 0.7,
+                                                                     "max_tokens": None}
+    assert gd.under_door_defaults(model, {"temperature": 0.1}) == {"temperature": 0.1}
 
 
 def test_llm_generate_and_chat_take_them(loaded_smollm2, tmp_path):
@@ -114,10 +113,20 @@ def test_llm_generate_and_chat_take_them(loaded_smollm2, tmp_path):
     llm = LLM("smollm2", loaded_model=loaded_smollm2, generation_config=str(tmp_path),
               **REAL_ENGINE_OPTIONS)
     try:
-        assert llm.get_default_sampling_params().max_tokens == 5
-        assert len(llm.generate("The capital of France is")[0].outputs[0].token_ids) == 5
-        assert len(llm.chat([{"role": "user", "content": "Name three colours."}])[0].outputs[0].token_ids) == 5
-        greedy = llm.generate("The capital of France is", SamplingParams(max_tokens=5, temperature=0.0))
-        assert llm.generate("The capital of France is")[0].outputs[0].text == greedy[0].outputs[0].text
+        assert llm.get_default_sampling_params().temperature == 0.0
+        # generate keeps SamplingParams' 16; chat fills the context up to the model's 5
+        assert len(llm.generate("The capital of France is")[0].outputs[0].token_ids) == 16
+        chat = llm.chat([{"role": "user", "content": "Name three colours."}])
+        assert len(chat[0].outputs[0].token_ids) == 5
+        greedy = llm.generate("The capital of France is",
+                              SamplingParams(max_tokens=16, temperature=0.0))
+        assert llm.generate("The capital of France is")[0].outputs[0].text == \
+            greedy[0].outputs[0].text
+        # a prompt 3 tokens short of the 2048-token context is not refused for the model's
+        # cap of 5: filling the context gives the 3 that fit
+        ids = llm.get_tokenizer().encode("word " * 2100)[:2045]
+        out = llm.generate({"prompt_token_ids": ids},
+                           SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 3
     finally:
         llm.close()

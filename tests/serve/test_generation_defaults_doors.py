@@ -1,8 +1,8 @@
 """The model's sampling defaults on every door, on the real SmolLM2 (one server for the module,
 CPU) started with a generation_config.json of greedy top-k 1, a six-token cap and a repetition
 penalty: requests that leave those fields unset take them, requests that set them keep theirs,
-completions keep their 16-token default, and beam search is not refused for the model's
-penalty."""
+the cap applies to requests that fill the context (chat, responses), completions and WS / TCP
+keep their 16-token default, and beam search is not refused for the model's penalty."""
 
 from __future__ import annotations
 
@@ -47,8 +47,11 @@ async def test_the_engine_reports_and_applies_them(real):
     assert engine.default_sampling_fields == {"temperature": 0.0, "max_tokens": 6,
                                               "repetition_penalty": 1.3, "top_k": 1}
     p = engine.default_sampling_params()
-    assert (p.temperature, p.max_tokens, p.repetition_penalty, p.top_k) == (0.0, 6, 1.3, 1)
-    outs = [o async for o in engine.generate(PROMPT)]          # no params at all
+    assert (p.temperature, p.max_tokens, p.repetition_penalty, p.top_k) == (0.0, 16, 1.3, 1)
+    outs = [o async for o in engine.generate(PROMPT)]          # no params: SamplingParams' 16
+    assert len(outs[-1].outputs[0].token_ids) == 16
+    fill = SamplingParams(max_tokens=None, output_kind="final")
+    outs = [o async for o in engine.generate(PROMPT, fill)]    # fill the context: capped
     assert len(outs[-1].outputs[0].token_ids) == 6
 
 
@@ -87,7 +90,7 @@ async def test_beam_search_is_not_refused_for_the_models_penalty(real):
 
 
 async def test_ws_and_tcp_generate_takes_them(real):
-    want = await _text(real.engine, SamplingParams(max_tokens=6, temperature=0.0,
+    want = await _text(real.engine, SamplingParams(max_tokens=16, temperature=0.0,
                                                    repetition_penalty=1.3))
     ws = await WSClient.connect(real.ws_url)
     tcp = await TCPClient.connect("127.0.0.1", real.tcp_port)

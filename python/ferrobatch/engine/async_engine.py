@@ -267,15 +267,16 @@ class AsyncEngine:
 
     @property
     def default_sampling_fields(self) -> dict[str, Any]:
-        """The SamplingParams fields a request that leaves them unset takes: the model's
-        generation config (``EngineConfig.generation_config``), ``{}`` when it has none."""
+        """The model's sampling defaults (``EngineConfig.generation_config``; ``{}`` when it has
+        none): the fields a request leaves unset take them, except ``max_tokens``, which caps
+        the requests that fill the context."""
         return dict(getattr(self._core, "default_sampling", None) or {})
 
     def default_sampling_params(self, **door: Any) -> SamplingParams:
         """SamplingParams of the model's defaults (vLLM's ``get_default_sampling_params``):
         what a request without params runs with; `door` sets fields over them
-        (``generation_defaults.under_door_defaults``: ``max_tokens=None`` yields to the
-        model's)."""
+        (``generation_defaults.under_door_defaults``; the model's ``max_tokens`` caps requests
+        that fill the context, when they are accepted)."""
         return SamplingParams(**under_door_defaults(self.default_sampling_fields, door))
 
     @property
@@ -423,6 +424,9 @@ class AsyncEngine:
             max_n=cfg.max_n, max_stop_strings=cfg.max_stop_strings,
             max_stop_string_len=cfg.max_stop_string_len,
             max_stop_token_ids=cfg.max_stop_token_ids, max_logit_bias=cfg.max_logit_bias)
+        model_cap = (getattr(core, "default_sampling", None) or {}).get("max_tokens")
+        if params.max_tokens is None and model_cap is not None:   # the model's max_new_tokens
+            max_tokens = min(max_tokens, model_cap)
 
         req_id = next(self._ids)
         name = request_id if request_id is not None else self._free_name(req_id)

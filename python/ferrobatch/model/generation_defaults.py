@@ -7,6 +7,9 @@ Read from Hugging Face: ``temperature``, ``top_k``, ``top_p``, ``min_p``,
 ``general.sampling.temp`` / ``top_k`` / ``top_p`` / ``min_p``; llama.cpp's ``penalty_repeat`` is
 not read (it counts only the last ``penalty_last_n`` tokens; ``repetition_penalty`` counts all).
 
+The model's ``max_tokens`` is not a field default: it caps the requests that fill the context
+(``max_tokens`` None), so a long prompt is never refused for it (``under_door_defaults``).
+
 ``generation_config``: "auto" (the model's own; nothing for ``random:`` shapes), "vllm" (none:
 the engine's built-in defaults), or a directory holding a ``generation_config.json`` (or that
 file). ``override`` (vLLM's ``--override-generation-config``) sets fields on top. A value in the
@@ -71,12 +74,11 @@ def resolve(source: str, setting: str = "auto",
 
 def under_door_defaults(model: Mapping[str, Any], door: Mapping[str, Any]) -> dict[str, Any]:
     """The defaults of a request on a door (``sampling_params_from``'s `defaults`): the door's
-    own (completions' ``max_tokens`` 16, chat's None = fill the context) over the model's,
-    except that a door's "fill the context" gives way to the model's ``max_tokens``."""
-    out = {**model, **door}
-    if "max_tokens" in door and door["max_tokens"] is None and "max_tokens" in model:
-        out["max_tokens"] = model["max_tokens"]
-    return out
+    own (completions' ``max_tokens`` 16, chat's None = fill the context) over the model's
+    sampling fields. The model's ``max_tokens`` is not among them: it caps the requests that
+    fill the context (``max_tokens=None``) when the engine accepts them, so that a long prompt
+    is never refused for it (``AsyncEngine.add_request``)."""
+    return {**{k: v for k, v in model.items() if k != "max_tokens"}, **door}
 
 
 def read_model_defaults(source: str) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferrobatch.engine.errors import DuplicateRequestError, EngineDeadError, QueueFullError
+from ferrobatch.model.generation_defaults import under_door_defaults
 from ferrobatch.pooling_params import PoolingParams
 from ferrobatch.sampling_params import SamplingParams
 
@@ -325,7 +326,9 @@ def parse_message(msg: Any, sampling_defaults: dict[str, Any] | None = None
                          and k not in ("structured_outputs", "vllm_xargs"))
         if unknown:
             raise ProtocolError(f"unknown sampling field(s): {', '.join(unknown)}")
-        sp = sampling_params_from(params, defaults=sampling_defaults, output_kind="delta")
+        sp = sampling_params_from(params, defaults=under_door_defaults(sampling_defaults or {},
+                                                                       {}),
+                                  output_kind="delta")
         return "generate", GenerateMsg(rid, prompt, messages, sp, chat_options,
                                        msg.get("model"))
     if kind == "embed":
