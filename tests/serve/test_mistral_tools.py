@@ -10,8 +10,8 @@ import json
 import random
 import re
 
-import aiohttp
 import pytest
+from tool_replies import echoing_reply, post_chat
 
 from ferrobatch.serve.mistral_tools import (
     BOT,
@@ -112,27 +112,11 @@ def test_a_plan_for_mistral_keeps_special_tokens():
 
 
 def _echoing(r, content):
-    """FakeCore echoes its rendered prompt; this template renders the user's text alone, as
-    the reply of a Mistral "model" (ending at the EOS character, as it stops by itself)."""
-    tok = r.engine.tokenizer
-    tok.chat_template = MISTRAL_LIKE
-    tok.apply_chat_template = lambda messages, add_generation_prompt=True, **extra: \
-        messages[-1]["content"]
-    return {"messages": [{"role": "user", "content": content + "\x03"}], "tools": [WEATHER],
-            "max_tokens": 140}
-
-
-async def _chat(r, body):
-    async with aiohttp.ClientSession() as s:
-        async with s.post(r.base + "/v1/chat/completions", json=body) as resp:
-            if not body.get("stream"):
-                return resp.status, await resp.json()
-            return resp.status, [json.loads(line[6:]) async for line in resp.content
-                                 if line.startswith(b"data: {")]
+    return echoing_reply(r, content, MISTRAL_LIKE, [WEATHER])
 
 
 async def test_auto_on_the_chat_route_whole_and_streamed(fake_server):
-    status, body = await _chat(fake_server, _echoing(fake_server, "Checking. " + V3))
+    status, body = await post_chat(fake_server, _echoing(fake_server, "Checking. " + V3))
     assert status == 200, body
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
@@ -141,13 +125,13 @@ async def test_auto_on_the_chat_route_whole_and_streamed(fake_server):
     assert re.fullmatch(r"[A-Za-z0-9]{9}", call["id"])
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
     two = BOT + 'get_weather{"city": "Paris"}' + BOT + 'get_weather[ARGS]{"city": "Rome"}'
-    status, events = await _chat(fake_server, {**_echoing(fake_server, two), "stream": True})
+    status, events = await post_chat(fake_server, {**_echoing(fake_server, two), "stream": True})
     deltas = [c["delta"] for e in events for c in e["choices"]]
     assert not "".join(d.get("content") or "" for d in deltas)
     calls = [t for d in deltas for t in d.get("tool_calls") or ()]
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"},
                                                                        {"city": "Rome"}]
     assert events[-1]["choices"][-1]["finish_reason"] == "tool_calls"
-    status, body = await _chat(fake_server, _echoing(fake_server, "Sunny, 21 C."))
+    status, body = await post_chat(fake_server, _echoing(fake_server, "Sunny, 21 C."))
     assert body["choices"][0]["message"]["content"] == "Sunny, 21 C."
     assert body["choices"][0]["finish_reason"] == "stop"

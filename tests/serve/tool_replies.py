@@ -1,0 +1,34 @@
+"""FakeCore as a model that writes a reply the test chooses, for the tool-call parsers' route
+tests: FakeCore echoes its rendered prompt, and the chat template set here renders the user's
+text alone, so the user message is the "model's" reply (ending at the EOS character, as a model
+stops by itself)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+
+EOS_CHAR = "\x03"
+
+
+def echoing_reply(r: Any, reply: str, chat_template: str, tools: list[dict]) -> dict:
+    """A chat body whose output on `r`'s FakeCore server is `reply`, the model's template
+    (`chat_template`, which decides the tool-call format) in place."""
+    tok = r.engine.tokenizer
+    tok.chat_template = chat_template
+    tok.apply_chat_template = lambda messages, add_generation_prompt=True, **extra: \
+        messages[-1]["content"]
+    return {"messages": [{"role": "user", "content": reply + EOS_CHAR}], "tools": tools,
+            "max_tokens": 140}
+
+
+async def post_chat(r: Any, body: dict) -> tuple[int, Any]:
+    """(status, the response's JSON), or with `stream` (status, every chunk's JSON)."""
+    async with aiohttp.ClientSession() as s:
+        async with s.post(r.base + "/v1/chat/completions", json=body) as resp:
+            if not body.get("stream"):
+                return resp.status, await resp.json()
+            return resp.status, [json.loads(line[6:]) async for line in resp.content
+                                 if line.startswith(b"data: {")]
