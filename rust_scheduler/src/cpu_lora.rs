@@ -225,13 +225,49 @@ fn update_row_body<const FMA: bool>(
             0.0 // B's row is zero: A's row is not needed
         };
     }
-    for (j, &v) in xa.iter().enumerate() {
+    // B rows with the same columns (a part of a fused module: q, k, v, gate, up) are added
+    // together, a chunk of the output row at a time kept in registers across them
+    let mut j = 0;
+    while j < xa.len() {
         let (lo, hi) = cols(j);
-        if v != 0.0 && lo < hi {
-            let b_row = &w.b_t[(first + j) * n..][lo..hi];
-            for (o, &bv) in out[lo..hi].iter_mut().zip(b_row) {
-                *o = madd::<FMA>(v, bv, *o);
+        let mut end = j + 1;
+        while end < xa.len() && cols(end) == (lo, hi) {
+            end += 1;
+        }
+        if lo < hi {
+            add_rows_of_b::<FMA>(&xa[j..end], &w.b_t[(first + j) * n..], n, lo, hi, out);
+        }
+        j = end;
+    }
+}
+
+/// `out[lo..hi] += sum_j xa[j] * b[j * n + lo..hi]`, CHUNK columns at a time.
+#[inline(always)]
+fn add_rows_of_b<const FMA: bool>(
+    xa: &[f32],
+    b: &[f32],
+    n: usize,
+    lo: usize,
+    hi: usize,
+    out: &mut [f32],
+) {
+    const CHUNK: usize = 32;
+    let mut c = lo;
+    while c + CHUNK <= hi {
+        let mut acc: [f32; CHUNK] = out[c..c + CHUNK].try_into().expect("a chunk");
+        for (j, &v) in xa.iter().enumerate() {
+            let row = &b[j * n + c..][..CHUNK];
+            for l in 0..CHUNK {
+                acc[l] = madd::<FMA>(v, row[l], acc[l]);
             }
+        }
+        out[c..c + CHUNK].copy_from_slice(&acc);
+        c += CHUNK;
+    }
+    for (j, &v) in xa.iter().enumerate() {
+        let row = &b[j * n..];
+        for col in c..hi {
+            out[col] = madd::<FMA>(v, row[col], out[col]);
         }
     }
 }
