@@ -8,6 +8,7 @@ import json
 
 import aiohttp
 import pytest
+from tool_replies import NAMES, WEATHER
 
 from ferrobatch.serve.hermes_tools import (
     OPEN,
@@ -18,10 +19,6 @@ from ferrobatch.serve.hermes_tools import (
 from ferrobatch.serve.openai_protocol import parse_chat
 from ferrobatch.serve.protocol import ProtocolError
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}}}}}
-NAMES = ("get_weather", "now")
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 QWEN_LIKE = ("{%- if tools %}<tools>{{ tools }}</tools> For each function call, return "
              "<tool_call>{...}</tool_call>{%- endif %}")

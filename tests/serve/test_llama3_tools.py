@@ -9,7 +9,7 @@ import json
 import random
 
 import pytest
-from tool_replies import echoing_reply, post_chat
+from tool_replies import NAMES, WEATHER, echoing_reply, post_chat
 
 from ferrobatch.serve.llama3_tools import (
     PYTHON_TAG,
@@ -19,10 +19,6 @@ from ferrobatch.serve.llama3_tools import (
 )
 from ferrobatch.serve.tools import template_tool_parser
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}}}}}
-NAMES = ("get_weather", "now")
 CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 LLAMA_LIKE = ('Respond in the format {"name": function name, "parameters": dictionary of '
               'argument name and its value}. Do not use variables. {{ messages }}')

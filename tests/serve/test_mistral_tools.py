@@ -11,7 +11,7 @@ import random
 import re
 
 import pytest
-from tool_replies import echoing_reply, post_chat
+from tool_replies import NAMES, WEATHER, echoing_reply, post_chat
 
 from ferrobatch.serve.mistral_tools import (
     BOT,
@@ -23,10 +23,6 @@ from ferrobatch.serve.openai_protocol import parse_chat
 from ferrobatch.serve.responses_protocol import parse_responses
 from ferrobatch.serve.tools import parse_tools, template_tool_parser
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}}}}}
-NAMES = ("get_weather", "now")
 V3 = BOT + ' [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
 V11 = BOT + 'get_weather{"city": "Paris"}' + BOT + "now{}"
 MISTRAL_LIKE = ("{%- if message.tool_calls %}[TOOL_CALLS][{%- for c in message.tool_calls %}"

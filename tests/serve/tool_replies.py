@@ -11,6 +11,11 @@ from typing import Any
 import aiohttp
 
 EOS_CHAR = "\x03"
+# the tool the parser tests offer, and the names their replies call (one of them not offered)
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}}}}}
+NAMES = ("get_weather", "now")
 
 
 def echoing_reply(r: Any, reply: str, chat_template: str, tools: list[dict]) -> dict:
