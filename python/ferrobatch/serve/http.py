@@ -277,6 +277,7 @@ async def _stream(request: web.Request, req: OpenAIRequest,
     splitters: dict[int, ReasoningSplitter] = {}     # per choice, with a reasoning parser
     token_ids: dict[int, list[int]] = {}              # per choice, with a reasoning parser
     unsent_ids: dict[int, list[int]] = {}   # per choice, `return_token_ids`: not in a chunk yet
+    prompt_ids_sent: set[int] = set()       # completions' choices whose prompt ids went out
     prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
 
     def with_token_ids(chunk_choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -286,12 +287,10 @@ async def _stream(request: web.Request, req: OpenAIRequest,
             k = ch["index"]
             if k in unsent_ids:
                 ch["token_ids"] = unsent_ids.pop(k)
-                if req.kind == "completion" and k not in offsets_with_prompt:
-                    offsets_with_prompt.add(k)
+                if req.kind == "completion" and k not in prompt_ids_sent:
+                    prompt_ids_sent.add(k)
                     ch["prompt_token_ids"] = streams[k // n].prompt_token_ids
         return chunk_choices
-
-    offsets_with_prompt: set[int] = set()    # completions' choices whose prompt ids went out
 
     def so_far() -> dict[str, int] | None:
         """A chunk's usage: the running counts with `continuous_usage_stats`, else null."""
