@@ -16,7 +16,9 @@ Systems (one engine, `enable_lora=True`, SmolLM2 GGUF on the CPU by default; rou
   what the fused step buys, with and without adapters (before session 37, every step with
   adapter rows ran so);
 - CUDA: `base-eager`: no adapter, on a second engine over the same weights with
-  `cuda_graphs=False`: how every step with adapter rows runs there.
+  `cuda_graphs=False`; `lora-K-eager`: `lora-K` with the LoRA decode graphs taken away for
+  those runs (`runner.lora_decode_graphs = None`), every step with adapter rows eager: how
+  they all ran before session 38 (`runtime/lora_graphs.py`).
 
 (Until session 37 the CPU's `base-layered` was a second engine with `fused_decode=False` over
 the same loaded model, and building it took the fused step away from the first engine too:
@@ -69,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     cuda = a.device.startswith("cuda")
     model = llm.engine._core.loaded.model
     fused = getattr(model, "fused_layers", None)
+    runner = llm.engine._core.runner
+    lora_graphs = runner.lora_decode_graphs
     # CUDA: a second engine over the same weights without graphs (graphs belong to a runner);
     # CPU: the same engine without its model's fused step (a second runner over the same
     # model would take the fused step away from the first one too)
@@ -87,43 +91,52 @@ def main(argv: list[str] | None = None) -> int:
                                seed=k + 1)
             adapters.append(LoRARequest(f"adapter{k}", k + 1, path))
         spread = [adapters[i % a.adapters] for i in range(a.num)]
-        # name -> (engine, LoRA requests, whether the model's fused CPU step is taken away)
-        systems = {"base": (llm, None, False), "lora-1": (llm, [adapters[0]] * a.num, False),
-                   f"lora-{a.adapters}": (llm, spread, False)}
+        # name -> (engine, LoRA requests, what is taken away for its runs: None, "layered" (the
+        # model's fused CPU step) or "lora-graphs" (the runner's LoRA decode graphs))
+        systems = {"base": (llm, None, None), "lora-1": (llm, [adapters[0]] * a.num, None),
+                   f"lora-{a.adapters}": (llm, spread, None)}
         if cuda:
-            systems["base-eager"] = (eager, None, False)
+            systems["base-eager"] = (eager, None, None)
+            if lora_graphs is not None:
+                systems[f"lora-{a.adapters}-eager"] = (llm, spread, "lora-graphs")
         elif fused is not None:
-            systems["base-layered"] = (llm, None, True)
-            systems[f"lora-{a.adapters}-layered"] = (llm, spread, True)
+            systems["base-layered"] = (llm, None, "layered")
+            systems[f"lora-{a.adapters}-layered"] = (llm, spread, "layered")
 
-        def run(engine, loras, layered, count, params_):
-            """The first `count` requests of a system, with or without the fused CPU step."""
-            model.fused_layers = None if layered else fused
+        def run(engine, loras, without, count, params_):
+            """The first `count` requests of a system, `without` taken away meanwhile."""
+            model.fused_layers = None if without == "layered" else fused
+            runner.lora_decode_graphs = None if without == "lora-graphs" else lora_graphs
             try:
                 return engine.generate(prompts[:count], params_, use_tqdm=False,
                                        lora_request=None if loras is None else loras[:count])
             finally:
-                model.fused_layers = fused
+                model.fused_layers, runner.lora_decode_graphs = fused, lora_graphs
 
-        for engine, loras, layered in systems.values():  # warm-up (and every adapter loaded)
-            run(engine, loras, layered, 2, params.replace(max_tokens=2))
+        for engine, loras, without in systems.values():  # warm-up (and every adapter loaded)
+            run(engine, loras, without, 2, params.replace(max_tokens=2))
         times: dict[str, list[float]] = {s: [] for s in systems}
+        lora_graph_steps: dict[str, int] = dict.fromkeys(systems, 0)
         with tqdm(total=a.rounds * len(systems), desc="lora bench", unit="run") as bar:
             for _ in range(a.rounds):
-                for name, (engine, loras, layered) in systems.items():
+                for name, (engine, loras, without) in systems.items():
+                    steps0 = runner.lora_graph_steps
                     t0 = time.perf_counter()
-                    outs = run(engine, loras, layered, a.num, params)
+                    outs = run(engine, loras, without, a.num, params)
                     times[name].append(time.perf_counter() - t0)
+                    lora_graph_steps[name] += runner.lora_graph_steps - steps0
                     assert all(len(o.outputs[0].token_ids) == a.max_tokens for o in outs)
                     bar.update(1)
     tokens = a.num * a.max_tokens
     base = tokens / min(times["base"])
     rows = [{"system": s, "output_tokens_per_s": tokens / min(t), "time_s": min(t),
-             "vs_base": (tokens / min(t)) / base, "times_s": t} for s, t in times.items()]
+             "vs_base": (tokens / min(t)) / base, "times_s": t,
+             "lora_graph_steps": lora_graph_steps[s]} for s, t in times.items()]
     print(f"{a.model} on {a.device}: {a.num} requests x {a.max_tokens} tokens, prompts 64..128 "
           f"tokens, rank {a.rank}, best of {a.rounds} (systems alternating)")
     print(format_table(rows, [("system", "system", ""), ("output_tokens_per_s", "out tok/s", ".1f"),
-                              ("time_s", "time (s)", ".2f"), ("vs_base", "vs base", ".2f")]))
+                              ("time_s", "time (s)", ".2f"), ("vs_base", "vs base", ".2f"),
+                              ("lora_graph_steps", "LoRA graph steps", "d")]))
     if a.json:
         write_json(a.json, {"machine": machine_info(), "args": vars(a), "results": rows})
     if eager is not None:

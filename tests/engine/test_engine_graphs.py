@@ -6,6 +6,8 @@ an abort mid-stream — give the same tokens and leave nothing behind."""
 from __future__ import annotations
 
 import asyncio
+import sys
+from pathlib import Path
 
 from engine_support import REAL_ENGINE_OPTIONS
 
@@ -13,6 +15,11 @@ from ferrobatch.config import EngineConfig
 from ferrobatch.engine.async_engine import AsyncEngine
 from ferrobatch.engine.core import EngineCore
 from ferrobatch.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+from lora_files import ATTN, MLP, write_peft_adapter  # noqa: E402
+
+from ferrobatch.lora_request import LoRARequest  # noqa: E402
 
 SHARED = "You are a careful assistant. Answer in one short sentence. Question: "
 GREEDY = [(SHARED + "what is the capital of France?", 6), (SHARED + "why is the sky blue?", 30),
@@ -78,3 +85,41 @@ async def test_engine_with_emulated_piecewise_graphs_matches_eager(loaded_smollm
         assert [o.token_ids for o in g.outputs] == [o.token_ids for o in w.outputs]
         assert [o.text for o in g.outputs] == [o.text for o in w.outputs]
     assert got[-1].outputs[0].finish_reason == "abort"
+
+
+async def _serve_loras(loaded, loras: dict, graphs: bool):
+    """Base and two adapters' requests, interleaved, in one engine (two slots)."""
+    config = EngineConfig(model="smollm2", enable_lora=True, max_loras=2, **REAL_ENGINE_OPTIONS)
+    core = await asyncio.to_thread(EngineCore.build, config, loaded)
+    if graphs:
+        core.runner.capture_decode_graphs(config.max_num_seqs, 256, emulate=True)
+    async with AsyncEngine(config, core=core) as engine:
+        async def final(prompt, lora):
+            params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+            outs = [o async for o in engine.generate(prompt, params, lora_request=lora)]
+            return outs[-1].outputs[0].token_ids
+
+        runs = [(0, None), (0, "qv"), (0, "all"), (2, "all"), (2, None), (2, "qv")]
+        tokens = await asyncio.gather(*(final(GREEDY[p][0], loras.get(n)) for p, n in runs))
+        await engine.check_idle_clean()
+        assert engine.loras.num_refs == 0
+    return tokens, core.runner
+
+
+async def test_lora_decode_graphs_match_eager_steps(loaded_smollm2, tmp_path):
+    """The scheduler's real batches mixing base and adapter rows: with emulated decode graphs
+    the decode steps with adapter rows replay the LoRA graphs, and every request gets the
+    tokens of the eager steps (which test_lora.py checks against transformers)."""
+    cfg = loaded_smollm2.config
+    loras = {}
+    for i, (name, targets, r) in enumerate([("qv", ("q_proj", "v_proj"), 8),
+                                            ("all", ATTN + MLP, 4)]):
+        write_peft_adapter(str(tmp_path / name), cfg, targets=targets, r=r, alpha=2 * r,
+                           seed=i + 1, b_std=0.1)
+        loras[name] = LoRARequest(name, i + 1, str(tmp_path / name))
+    want, eager = await _serve_loras(loaded_smollm2, loras, graphs=False)
+    got, runner = await _serve_loras(loaded_smollm2, loras, graphs=True)
+    assert eager.lora_graph_steps == 0 and runner.lora_graph_steps > 5
+    assert got == want
+    for first in (0, 3):        # one prompt, three models: three answers
+        assert len({tuple(t) for t in want[first:first + 3]}) == 3

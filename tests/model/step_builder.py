@@ -197,7 +197,7 @@ def greedy_run(runner, scheduler: ToyScheduler, execute=None) -> tuple[dict, dic
         tokens = logits.argmax(-1)
         for row, req in enumerate(batch.sample_req_ids):
             generated.setdefault(int(req), []).append(int(tokens[row]))
-            last[int(req)] = logits[row]
+            last[int(req)] = logits[row].clone()    # a graph's output is reused
         scheduler.update(tokens.cpu().numpy())
     return generated, last
 

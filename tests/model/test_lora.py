@@ -437,9 +437,11 @@ def test_a_hub_id_resolves_to_its_snapshot(tmp_path, loaded_smollm2, monkeypatch
 
 def test_the_gpu_reserve_covers_what_full_slots_hold(tmp_path, loaded_smollm2):
     """`reserve_bytes` (kept out of a GPU KV cache) equals what `max_loras` adapters of the
-    largest rank on every projection take, each with its share of the stack."""
+    largest rank on every projection take, each with its share of the stack, and with decode
+    graphs the LoRA graphs' static weights besides."""
     from ferrobatch.model.lora_adapter import read_lora_adapter
     from ferrobatch.runtime.lora import LoraSlots, reserve_bytes
+    from ferrobatch.runtime.lora_graphs import GraphLoraWeights
     cfg = loaded_smollm2.config
     slots = LoraSlots(cfg.num_layers, 2)
     for slot in (1, 2):
@@ -449,6 +451,8 @@ def test_the_gpu_reserve_covers_what_full_slots_hold(tmp_path, loaded_smollm2):
         t.numel() * t.element_size() for layer in slots.stacked.layers
         for pair in layer.values() for t in pair)
     assert reserve_bytes(cfg, 2, 4, torch.float32) == held
+    assert reserve_bytes(cfg, 2, 4, torch.float32, graphs=True) == \
+        held + GraphLoraWeights(cfg, 2, 4, torch.float32, "cpu").num_bytes
 
 
 def test_adapter_files_are_read_off_the_event_loop(llm, adapters, monkeypatch):

@@ -19,8 +19,14 @@ CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_
           "max_position_embeddings": 512, "tie_word_embeddings": False}
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_runner_mixes_base_and_adapter_rows_like_merged_transformers(tmp_path, device):
+@pytest.mark.parametrize("device,graphs", [
+    ("cpu", False), ("cpu", True),
+    pytest.param("cuda", False, marks=pytest.mark.gpu),
+    pytest.param("cuda", True, marks=pytest.mark.gpu)])
+def test_runner_mixes_base_and_adapter_rows_like_merged_transformers(tmp_path, device, graphs):
+    """With ``graphs`` the decode steps replay decode graphs (emulated on the CPU: the same
+    static buffers, each replay re-running the forward), the adapter rows' through the LoRA
+    decode graphs; then slot 1 takes slot 2's adapter and the graphs' weights follow."""
     from ferrobatch.model.loader import load_model
     from ferrobatch.model.lora_adapter import read_lora_adapter
     from ferrobatch.runtime.model_runner import ModelRunner
@@ -33,14 +39,19 @@ def test_runner_mixes_base_and_adapter_rows_like_merged_transformers(tmp_path, d
     cfg = loaded.config
     specs = {1: (("q_proj", "v_proj"), 8, 0.2), 2: (ATTN + MLP, 4, 0.1)}   # slot: targets
     references = {0: reference.to(device)}
+    adapters = {}
     runner = ModelRunner(loaded, num_blocks=64, block_size=16,
                          attn_backend="cuda" if device == "cuda" else None)
-    slots = runner.enable_lora(max_loras=2)
+    slots = runner.enable_lora(max_loras=2, max_rank=8)
+    if graphs:
+        runner.capture_decode_graphs(8, 512, emulate=device == "cpu")
+        assert runner.lora_decode_graphs.captured_buckets == runner.decode_graphs.captured_buckets
     for slot, (targets, rank, std) in specs.items():
         path = tmp_path / f"adapter{slot}"
         pairs = write_peft_adapter(str(path), cfg, targets=targets, r=rank, alpha=2 * rank,
                                    seed=slot, b_std=std)
-        slots.put(slot, read_lora_adapter(str(path), cfg, device=device))
+        adapters[slot] = read_lora_adapter(str(path), cfg, device=device)
+        slots.put(slot, adapters[slot])
         merged = copy.deepcopy(reference).cpu()
         merge_into(merged, pairs, 2.0)
         references[slot] = merged.to(device)
@@ -48,17 +59,31 @@ def test_runner_mixes_base_and_adapter_rows_like_merged_transformers(tmp_path, d
     prompts = [list(range(3, 60)), list(range(100, 104)), list(range(200, 250)),
                list(range(30, 90)), list(range(5, 9))]
     seq_slot = {0: 0, 1: 1, 2: 2, 3: 1, 4: 2}
-    sched = ToyScheduler(64, 16, token_budget=48)
-    for i, p in enumerate(prompts):
-        sched.add(i, p, 6)
-    generated, last = greedy_run(runner, sched, lambda batch: runner.execute(
-        batch, lora_slots=[seq_slot[int(r)] for r in batch.seq_req_ids]))
-    with torch.no_grad():
+
+    def check(reference_of_slot):
+        sched = ToyScheduler(64, 16, token_budget=48)
         for i, p in enumerate(prompts):
-            ids = torch.tensor([p + generated[i][:-1]], device=device)
-            want = references[seq_slot[i]](ids).logits[0]
-            assert want[len(p) - 1:].argmax(-1).tolist() == generated[i], i
-            torch.testing.assert_close(last[i], want[-1], rtol=1e-3, atol=1e-3)
-            if seq_slot[i]:      # the adapter matters: the base model's logits differ
-                base = references[0](ids).logits[0][-1]
-                assert (base - want[-1]).abs().max() > 1e-2
+            sched.add(i, p, 6)
+        generated, last = greedy_run(runner, sched, lambda batch: runner.execute(
+            batch, lora_slots=[seq_slot[int(r)] for r in batch.seq_req_ids]))
+        with torch.no_grad():
+            for i, p in enumerate(prompts):
+                ids = torch.tensor([p + generated[i][:-1]], device=device)
+                want = references[reference_of_slot[seq_slot[i]]](ids).logits[0]
+                assert want[len(p) - 1:].argmax(-1).tolist() == generated[i], i
+                torch.testing.assert_close(last[i], want[-1], rtol=1e-3, atol=1e-3)
+                if seq_slot[i]:      # the adapter matters: the base model's logits differ
+                    base = references[0](ids).logits[0][-1]
+                    assert (base - want[-1]).abs().max() > 1e-2
+
+    check({0: 0, 1: 1, 2: 2})
+    if not graphs:
+        assert runner.lora_graph_steps == 0
+        return
+    # decode steps with adapter rows replayed the LoRA graphs (5 tokens each, the last 2+)
+    assert runner.lora_graph_steps >= 4 and runner.graph_lora.syncs == 1
+    slots.clear(1)
+    slots.put(1, adapters[2])
+    before = runner.lora_graph_steps
+    check({0: 0, 1: 2, 2: 2})
+    assert runner.lora_graph_steps > before and runner.graph_lora.syncs == 2

@@ -203,6 +203,8 @@ class EngineCore:
                              gguf_blocks=config.gguf_blocks, amx_tiles=config.amx_tiles,
                              fused_decode=config.fused_decode, kv_cache_dtype=kv_dtype,
                              flash_prefill=config.flash_prefill)
+        if config.enable_lora:     # before the decode graphs: LoRA steps get graphs of their own
+            runner.enable_lora(config.max_loras, config.max_lora_rank)
         if loaded.device.type == "cuda":
             _maybe_capture_decode_graphs(config, runner, max_model_len)
             _maybe_capture_piecewise_graphs(config, runner)
@@ -587,7 +589,7 @@ def _lora_registry(config: EngineConfig, loaded: Any, runner: Any) -> Any:
 
     logger.info("LoRA: up to %d adapters at once, ranks up to %d", config.max_loras,
                 config.max_lora_rank)
-    return LoraRegistry(runner.enable_lora(config.max_loras), load)
+    return LoraRegistry(runner.enable_lora(config.max_loras, config.max_lora_rank), load)
 
 
 def _gpu_reserve_bytes(config: EngineConfig, model_config: Any,
@@ -597,18 +599,22 @@ def _gpu_reserve_bytes(config: EngineConfig, model_config: Any,
     bytes per logit), with decode graphs every bucket's float32 logits output, with piecewise
     graphs their static buffers and pool (``piecewise_graphs.pool_bytes_estimate``), and with
     LoRA the adapters the slots can hold (``runtime.lora.reserve_bytes``: loaded after the KV
-    cache is sized, so kept out of it)."""
+    cache is sized, so kept out of it) and, with decode graphs, the LoRA graphs' outputs and
+    static weights (``runtime.lora_graphs``)."""
     from ferrobatch.runtime.cuda_graphs import decode_buckets
     from ferrobatch.runtime.piecewise_graphs import pool_bytes_estimate
 
     seqs, vocab = config.step_seq_limit("cuda"), int(model_config.vocab_size)
     graph_rows = sum(decode_buckets(seqs)) if config.cuda_graphs else 0
+    if config.enable_lora:      # the LoRA decode graphs: the same buckets again
+        graph_rows *= 2
     pieces = config.piecewise_token_limit("cuda")
     pool = pool_bytes_estimate(model_config, pieces, dtype) if pieces else 0
     lora = 0
     if config.enable_lora:
         from ferrobatch.runtime.lora import reserve_bytes
-        lora = reserve_bytes(model_config, config.max_loras, config.max_lora_rank, dtype)
+        lora = reserve_bytes(model_config, config.max_loras, config.max_lora_rank, dtype,
+                             graphs=config.cuda_graphs)
     return seqs * vocab * 32 + graph_rows * vocab * 4 + pool + lora
 
 
@@ -661,7 +667,7 @@ def _maybe_capture_decode_graphs(config: EngineConfig, runner: Any, max_model_le
     try:
         buckets = runner.capture_decode_graphs(config.step_seq_limit("cuda"), max_model_len)
     except Exception as exc:  # noqa: BLE001 - any capture failure: fall back to eager steps
-        runner.decode_graphs = None
+        runner.decode_graphs = runner.lora_decode_graphs = runner.graph_lora = None
         logger.warning("decode CUDA graphs: capture failed, every step runs eagerly: %s: %s",
                        type(exc).__name__, exc)
         return

@@ -16,7 +16,9 @@ captured once and replayed for every decode step whose batch fits:
 * the split-KV count of each bucket is fixed at capture from an upper bound of the context length
   (the kernel derives each sequence's chunks from its actual length, so this stays correct);
 * outputs are the captured graph's static output tensor (or tuple of tensors), sliced to ``n``
-  rows (valid until the next replay).
+  rows (valid until the next replay);
+* with ``lora_blocks=True`` one more static buffer holds each row's LoRA block (-1 on padding and
+  base-model rows; ``runtime.lora_graphs``).
 
 ``ModelRunner.capture_decode_graphs`` captures the model's decode step at start-up (the engine does
 so on CUDA unless ``cuda_graphs=False`` / ``--enforce-eager``) and ``ModelRunner.execute`` replays
@@ -42,6 +44,7 @@ MAX_GRAPH_BATCH = 512      # larger decode steps run eagerly
 PAD_SLOT = -1
 PAD_SEQ_LEN = 0
 PAD_BLOCK = 0
+PAD_LORA_BLOCK = -1        # no adapter (base-model rows and padding)
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -76,6 +79,7 @@ class PaddedDecodeBatch:
     block_tables: np.ndarray   # int32 [bucket, max_blocks], PAD_BLOCK past each table / on padding
     num_seqs: int
     bucket: int
+    lora_blocks: np.ndarray | None = None   # int64 [bucket], PAD_LORA_BLOCK on padding
 
 
 def is_decode_only(batch) -> bool:
@@ -85,8 +89,10 @@ def is_decode_only(batch) -> bool:
     return n > 0 and qsl.shape == (n + 1,) and bool(np.all(np.diff(qsl) == 1))
 
 
-def pad_decode_batch(batch, bucket: int, max_blocks: int) -> PaddedDecodeBatch:
-    """Pads a decode-only StepBatch-like object (README arrays) to ``bucket`` rows.
+def pad_decode_batch(batch, bucket: int, max_blocks: int,
+                     lora_blocks: np.ndarray | None = None) -> PaddedDecodeBatch:
+    """Pads a decode-only StepBatch-like object (README arrays) to ``bucket`` rows, and each
+    sequence's LoRA block when given.
 
     ValueError when the step is not decode-only, is larger than the bucket, or its block tables
     are wider than ``max_blocks``.
@@ -122,6 +128,11 @@ def pad_decode_batch(batch, bucket: int, max_blocks: int) -> PaddedDecodeBatch:
     out.slot_mapping[:n] = np.asarray(batch.slot_mapping)
     out.seq_lens[:n] = seq_lens
     out.block_tables[:n, :width] = tables
+    if lora_blocks is not None:
+        if np.shape(lora_blocks) != (n,):
+            raise ValueError(f"lora_blocks must hold one block per sequence ({n})")
+        out.lora_blocks = np.full(bucket, PAD_LORA_BLOCK, np.int64)
+        out.lora_blocks[:n] = lora_blocks
     return out
 
 
@@ -138,6 +149,7 @@ class StaticDecodeInputs:
     bucket: int
     num_splits: int
     max_seq_len: int
+    lora_blocks: torch.Tensor | None = None   # int64: each row's LoRA block (lora_blocks=True)
 
 
 class DecodeGraphRunner:
@@ -152,12 +164,17 @@ class DecodeGraphRunner:
     redirects into the graph pool). It returns a tensor or a tuple of tensors whose first
     dimension is the batch (e.g. logits ``[bucket, vocab]``). Reserve the attention backend's
     split-KV workspace for ``max(buckets)`` rows before ``capture()``.
+
+    ``lora_blocks=True`` adds the static LoRA-block buffer (``run(batch, lora_blocks=...)``);
+    ``pool`` captures into another runner's memory pool (``.pool``: graphs that never replay at
+    once may share one).
     """
 
     def __init__(self, forward: Callable[[StaticDecodeInputs], torch.Tensor], *,
                  max_blocks_per_seq: int, max_seq_len: int, device: torch.device | str,
                  num_splits_for: Callable[[int], int] | None = None,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, emulate: bool = False) -> None:
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, emulate: bool = False,
+                 lora_blocks: bool = False, pool=None) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError("buckets must be positive batch sizes")
         self.forward = forward
@@ -174,11 +191,13 @@ class DecodeGraphRunner:
         self._seq_lens = torch.zeros(big, dtype=torch.int32, device=dev)
         self._query_start_loc = torch.arange(big + 1, dtype=torch.int32, device=dev)
         self._block_tables = torch.zeros(big, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self._lora_blocks = torch.full((big,), PAD_LORA_BLOCK, dtype=torch.int64, device=dev) \
+            if lora_blocks else None
         self.emulate = emulate
         self.replays = 0
         self._graphs: dict[int, torch.cuda.CUDAGraph | _EmulatedGraph] = {}
         self._outputs: dict[int, torch.Tensor | tuple[torch.Tensor, ...]] = {}
-        self._pool = None
+        self._pool = pool
         self._staging: tuple[torch.Tensor, ...] | None = None   # host side of _copy_in
         self._staged = None        # CUDA event after the last copies out of _staging
 
@@ -193,7 +212,13 @@ class DecodeGraphRunner:
             bucket=bucket,
             num_splits=int(self.num_splits_for(bucket)),
             max_seq_len=self.max_seq_len,
+            lora_blocks=None if self._lora_blocks is None else self._lora_blocks[:bucket],
         )
+
+    @property
+    def pool(self):
+        """The memory pool of the captured graphs (None before capture, or emulated)."""
+        return self._pool
 
     @property
     def captured_buckets(self) -> tuple[int, ...]:
@@ -209,6 +234,8 @@ class DecodeGraphRunner:
         self._slot_mapping.fill_(PAD_SLOT)
         self._seq_lens.zero_()
         self._block_tables.zero_()
+        if self._lora_blocks is not None:
+            self._lora_blocks.fill_(PAD_LORA_BLOCK)
         if self.emulate:
             for bucket in reversed(self.buckets):
                 graph = _EmulatedGraph(self.forward, self.static_inputs(bucket))
@@ -245,16 +272,20 @@ class DecodeGraphRunner:
             np.asarray(batch.block_tables).shape[1] <= self.max_blocks and \
             int(np.max(np.asarray(batch.seq_lens), initial=0)) <= self.max_seq_len
 
-    def run(self, batch) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """Copies the padded step into the static buffers, replays, returns ``output[:num_seqs]``
-        (each output's, for a tuple)."""
+    def run(self, batch, lora_blocks: np.ndarray | None = None
+            ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Copies the padded step (and each sequence's LoRA block, which a runner made with
+        ``lora_blocks=True`` needs) into the static buffers, replays, returns
+        ``output[:num_seqs]`` (each output's, for a tuple)."""
+        if (lora_blocks is None) != (self._lora_blocks is None):
+            raise ValueError("LoRA blocks go with, and only with, graphs made with lora_blocks")
         n = int(np.asarray(batch.seq_lens).shape[0])
         bucket = bucket_for(n, self.captured_buckets)
         if bucket is None:
             raise ValueError(f"no captured bucket holds {n} sequences")
         if int(np.max(np.asarray(batch.seq_lens), initial=0)) > self.max_seq_len:
             raise ValueError("a sequence is longer than the graphs' max_seq_len")
-        padded = pad_decode_batch(batch, bucket, self.max_blocks)
+        padded = pad_decode_batch(batch, bucket, self.max_blocks, lora_blocks)
         self._copy_in(padded)
         self._graphs[bucket].replay()
         self.replays += 1
@@ -268,6 +299,9 @@ class DecodeGraphRunner:
         b = p.bucket
         statics = (self._input_ids, self._positions, self._slot_mapping, self._seq_lens,
                    self._block_tables)
+        arrays = (p.input_ids, p.positions, p.slot_mapping, p.seq_lens, p.block_tables)
+        if self._lora_blocks is not None:
+            statics, arrays = (*statics, self._lora_blocks), (*arrays, p.lora_blocks)
         cuda = self.device.type == "cuda"
         if self._staging is None:
             self._staging = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
@@ -275,7 +309,6 @@ class DecodeGraphRunner:
             self._staged = torch.cuda.Event() if cuda else None
         elif self._staged is not None:
             self._staged.synchronize()
-        arrays = (p.input_ids, p.positions, p.slot_mapping, p.seq_lens, p.block_tables)
         for dst, host, src in zip(statics, self._staging, arrays, strict=True):
             host[:b].numpy()[...] = src
             dst[:b].copy_(host[:b], non_blocking=True)

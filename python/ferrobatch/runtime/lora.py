@@ -14,8 +14,9 @@ the choices, README Results). A row of another adapter's block adds exact zeros;
 are not touched. Outside such a step the hooks return the output as it is, so steps without adapter rows
 run exactly as without LoRA (fused CPU steps, CUDA graphs included). On the CPU a step with
 adapter rows still runs fused (``LoraStep.fused``: the stack as a ``CpuLoraStack``, each row's
-block; ``rust_scheduler/src/cpu_lora.rs`` adds the updates after each linear layer); on CUDA it
-runs eagerly, layer by layer, through the hooks.
+block; ``rust_scheduler/src/cpu_lora.rs`` adds the updates after each linear layer); on CUDA a
+decode step replays the LoRA decode graphs (``runtime.lora_graphs``: the adapters at fixed
+addresses by slot), any other step runs eagerly, layer by layer, through the hooks.
 
 Threads: slots are filled and emptied on the asyncio thread (the engine's registry), which
 replaces the ``adapters`` dict and the stack whole (copy-on-write); the step thread reads
@@ -112,12 +113,14 @@ def _cpu_arrays(a_t: torch.Tensor, b_t: torch.Tensor, width: int) -> tuple:
 
 
 class LoraSlots:
-    """One engine's adapters by slot (``adapters``: slot 1..max_loras -> :class:`LoraAdapter`)
-    and their :class:`StackedLora` (``stacked``, rebuilt whenever a slot changes)."""
+    """One engine's adapters by slot (``adapters``: slot 1..max_loras -> :class:`LoraAdapter`,
+    ranks up to ``max_rank``) and their :class:`StackedLora` (``stacked``, rebuilt whenever a
+    slot changes)."""
 
-    def __init__(self, num_layers: int, max_loras: int) -> None:
+    def __init__(self, num_layers: int, max_loras: int, max_rank: int = 16) -> None:
         self.num_layers = num_layers
         self.max_loras = max_loras
+        self.max_rank = max_rank
         self.adapters: dict[int, LoraAdapter] = {}
         self.stacked: StackedLora | None = None
 
@@ -128,6 +131,9 @@ class LoraSlots:
         if len(adapter.layers) != self.num_layers:
             raise ValueError(f"the adapter has {len(adapter.layers)} layers, the model "
                              f"{self.num_layers}")
+        if adapter.rank > self.max_rank:
+            raise ValueError(f"the adapter's rank {adapter.rank} exceeds max_lora_rank "
+                             f"{self.max_rank}")
         self._replace({**self.adapters, slot: adapter})
 
     def clear(self, slot: int) -> None:
@@ -257,16 +263,18 @@ class LayerLora:
         return out
 
 
-def reserve_bytes(config, max_loras: int, max_rank: int, dtype: torch.dtype) -> int:
+def reserve_bytes(config, max_loras: int, max_rank: int, dtype: torch.dtype, *,
+                  graphs: bool = False) -> int:
     """Device memory ``max_loras`` adapters of rank ``max_rank`` on every projection can take:
-    each adapter's own matrices plus its share of the stack (twice its size)."""
+    each adapter's own matrices plus its share of the stack (twice its size), and with decode
+    graphs its block of the graphs' static weights (``runtime.lora_graphs``; three times)."""
     h, q = config.hidden_size, config.num_heads * config.head_dim
     kv, inter = config.num_kv_heads * config.head_dim, config.intermediate_size
     # per layer and rank, the fused modules' A [in, parts * r] and B [parts * r, out] (B is
     # block-diagonal, zeros included): qkv (3 parts), o, gate_up (2 parts), down
     per_rank = 3 * h + 3 * (q + 2 * kv) + (q + h) + (2 * h + 4 * inter) + (inter + h)
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    return 2 * max_loras * config.num_layers * max_rank * per_rank * itemsize
+    return (3 if graphs else 2) * max_loras * config.num_layers * max_rank * per_rank * itemsize
 
 
 def install_lora(model: nn.Module) -> LoraHooks:

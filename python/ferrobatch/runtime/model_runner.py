@@ -1,7 +1,8 @@
 """ModelRunner: one step's arrays -> tensors -> forward -> float32 logits at ``logits_indices``.
 
 Decode-only steps replay a captured CUDA graph when ``capture_decode_graphs`` was called (the
-engine does so on CUDA); other steps up to the largest token bucket replay the model's pieces
+engine does so on CUDA; steps with LoRA adapter rows replay graphs of their own,
+``runtime.lora_graphs``); other steps up to the largest token bucket replay the model's pieces
 between eager attention calls when ``capture_piecewise_graphs`` was called
 (``runtime.piecewise_graphs``); the rest run the model eagerly.
 """
@@ -33,6 +34,7 @@ from ferrobatch.runtime.cuda_graphs import DecodeGraphRunner, decode_buckets
 from ferrobatch.runtime.heap import return_freed_memory
 from ferrobatch.runtime.kv_cache import KVCache, check_kv_cache_dtype
 from ferrobatch.runtime.lora import LoraSlots, install_lora, lora_step
+from ferrobatch.runtime.lora_graphs import GraphLoraWeights
 from ferrobatch.runtime.piecewise_graphs import PiecewiseGraphRunner, piecewise_buckets
 from ferrobatch.runtime.sampler import greedy_rows
 
@@ -162,13 +164,20 @@ class ModelRunner:
         self._graph_logits: torch.Tensor | None = None
         self._graph_greedy_rows: torch.Tensor | None = None
         self.lora_slots: LoraSlots | None = None   # enable_lora()
+        # decode graphs for steps with adapter rows (captured with the plain ones once LoRA is
+        # enabled), the adapters' weights they read, and the steps they served
+        self.lora_decode_graphs: DecodeGraphRunner | None = None
+        self.graph_lora: GraphLoraWeights | None = None
+        self.lora_graph_steps = 0
 
-    def enable_lora(self, max_loras: int) -> LoraSlots:
+    def enable_lora(self, max_loras: int, max_rank: int = 16) -> LoraSlots:
         """Hooks the model for LoRA (``runtime.lora``) and gives this runner ``max_loras``
-        adapter slots; ``execute(..., lora_slots=...)`` then applies them."""
+        adapter slots for ranks up to ``max_rank``; ``execute(..., lora_slots=...)`` then
+        applies them. Before ``capture_decode_graphs`` for decode steps with adapters to replay
+        graphs too."""
         if self.lora_slots is None:
             install_lora(self.model)
-            self.lora_slots = LoraSlots(self.config.num_layers, max_loras)
+            self.lora_slots = LoraSlots(self.config.num_layers, max_loras, max_rank)
         return self.lora_slots
 
     @property
@@ -214,20 +223,28 @@ class ModelRunner:
         the flat batch; prompt logprobs) the step runs eagerly and returns ``(logits, hidden)``,
         ``hidden`` the final-normed states at those rows, for ``logits_of``. ``lora_slots``
         (per scheduled sequence: its LoRA slot, 0 for none; ``enable_lora`` first) applies
-        those adapters; a step with adapter rows runs eagerly."""
+        those adapters; a decode step with adapter rows replays the LoRA decode graphs when
+        they fit it, any other such step runs eagerly."""
         self._graph_logits = self._graph_greedy_rows = None
         if lora_slots is not None and any(lora_slots):
             if self.lora_slots is None:
                 raise RuntimeError("a step asks for LoRA adapters; call enable_lora first")
             stacked = self.lora_slots.stacked
+            if stacked is not None and allow_graph and hidden_rows is None \
+                    and self._fits_decode_graphs(batch, self.lora_decode_graphs):
+                self._apply_block_copies(batch)
+                self.graph_lora.sync(stacked)
+                self.graph_steps += 1
+                self.lora_graph_steps += 1
+                self._graph_logits, self._graph_greedy_rows = self.lora_decode_graphs.run(
+                    batch, lora_blocks=self.graph_lora.row_blocks(stacked, lora_slots))
+                return self._graph_logits
             step = None if stacked is None else \
                 lora_step(stacked, batch.query_start_loc, lora_slots, self.device)
             if step is not None:
                 with self.model.lora.step(step):
                     return self.execute(batch, allow_graph=False, hidden_rows=hidden_rows)
-        copies = getattr(batch, "block_copies", None)
-        if copies is not None and len(copies):
-            self.kv_cache.copy_blocks(copies)
+        self._apply_block_copies(batch)
         num_samples = int(np.asarray(batch.logits_indices).shape[0])
         if int(np.asarray(batch.input_ids).shape[0]) == 0:
             empty = torch.empty(num_samples, self.config.vocab_size, device=self.device)
@@ -238,8 +255,8 @@ class ModelRunner:
             check_step_arrays(batch, self.block_size, self.kv_cache.num_blocks)
             if int(np.asarray(batch.positions).max()) >= self.config.max_position_embeddings:
                 raise ValueError("a position exceeds the model's max_position_embeddings")
-        if allow_graph and hidden_rows is None and self.decode_graphs is not None \
-                and _samples_every_row(batch) and self.decode_graphs.can_run(batch):
+        if allow_graph and hidden_rows is None and \
+                self._fits_decode_graphs(batch, self.decode_graphs, checked=True):
             self.graph_steps += 1
             self._graph_logits, self._graph_greedy_rows = self.decode_graphs.run(batch)
             return self._graph_logits
@@ -255,6 +272,23 @@ class ModelRunner:
         input_ids = _to_device(batch.input_ids, self.device, torch.int64)
         positions = _to_device(batch.positions, self.device, torch.int64)
         return self._forward(input_ids, positions, meta, logits_indices, rows)
+
+    def _apply_block_copies(self, batch) -> None:
+        copies = getattr(batch, "block_copies", None)
+        if copies is not None and len(copies):
+            self.kv_cache.copy_blocks(copies)
+
+    def _fits_decode_graphs(self, batch, graphs: DecodeGraphRunner | None, *,
+                            checked: bool = False) -> bool:
+        """Whether ``graphs`` can replay ``batch`` (a decode step sampling every row that fits a
+        bucket), its arrays checked first with ``validate_steps`` unless ``checked``."""
+        if graphs is None or not _samples_every_row(batch) or not graphs.can_run(batch):
+            return False
+        if self.validate_steps and not checked:
+            check_step_arrays(batch, self.block_size, self.kv_cache.num_blocks)
+            if int(np.asarray(batch.positions).max()) >= self.config.max_position_embeddings:
+                raise ValueError("a position exceeds the model's max_position_embeddings")
+        return True
 
     def _run_pieces(self, batch, meta, logits_indices: torch.Tensor,
                     hidden_rows: torch.Tensor | None):
@@ -300,7 +334,32 @@ class ModelRunner:
         with torch.inference_mode():
             graphs.capture()
         self.decode_graphs = graphs
+        if self.lora_slots is not None:
+            self._capture_lora_decode_graphs(decode_step, graphs, emulate)
         return graphs.captured_buckets
+
+    def _capture_lora_decode_graphs(self, decode_step, plain: DecodeGraphRunner,
+                                    emulate: bool) -> None:
+        """The decode step with every slot's adapter applied by row (``runtime.lora_graphs``),
+        captured at ``plain``'s buckets into its memory pool."""
+        slots = self.lora_slots
+        weights = GraphLoraWeights(self.config, slots.max_loras, slots.max_rank,
+                                   self.loaded.dtype, self.device)
+        hooks = self.model.lora
+
+        def lora_decode_step(inputs):
+            with hooks.step(weights.step(inputs.lora_blocks)):
+                return decode_step(inputs)
+
+        graphs = DecodeGraphRunner(
+            lora_decode_step, max_blocks_per_seq=plain.max_blocks, max_seq_len=plain.max_seq_len,
+            device=self.device, buckets=plain.captured_buckets, emulate=emulate,
+            num_splits_for=plain.num_splits_for, lora_blocks=True, pool=plain.pool)
+        with torch.inference_mode():
+            graphs.capture()
+        self.graph_lora, self.lora_decode_graphs = weights, graphs
+        logger.info("LoRA decode graphs: %d slots of rank <= %d, static weights %.0f MiB",
+                    slots.max_loras, slots.max_rank, weights.num_bytes / 2**20)
 
     def capture_piecewise_graphs(self, max_tokens: int, *, buckets: tuple[int, ...] | None = None,
                                  emulate: bool = False, progress=None) -> tuple[int, ...]:
