@@ -38,7 +38,7 @@
 #  12. spec: speculative decoding on CUDA, drafting alone and at load             -> speculative_cuda.{txt,json}
 #  13. hfcb: ferrobatch and transformers' continuous batching (hf-continuous) on gpu-small
 #      (never run on the GPU yet)                                                 -> throughput_gpu-small_hfcb.*
-#  14. lora: benches/lora.py on CUDA (base, base-eager, one and four adapters)    -> lora_cuda.{txt,json}
+#  14. lora: benches/lora.py on CUDA (base, base-eager, one and four adapters, lora-4-eager) -> lora_cuda.{txt,json}
 #  15. chat: the gpu-chat workload (1000 requests, chat-like lengths, Llama-3-8B shape; never
 #      run on the GPU yet)                                                         -> throughput_gpu-chat.*
 #  then the summary table                                                          -> summary.txt
