@@ -292,6 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-runtime-lora", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lets "
                    "any API client make the server read a directory)")
+    s.add_argument("--allow-weight-updates", action="store_true",
+                   help="serve POST /update_weights_from_disk {\"model_path\": ...}: the "
+                   "model's weights replaced in place from a checkpoint of its shape (lets any "
+                   "API client make the server read a path and change every later reply)")
     lg = s.add_argument_group("logging")
     _log_level_arg(lg, "info")
     lg.add_argument("--log-stats-interval", type=_seconds, default=DEFAULT_INTERVAL_S,
@@ -364,6 +368,7 @@ async def _serve(a: argparse.Namespace) -> int:
                     log_stats_interval_s=0.0 if a.disable_log_stats else a.log_stats_interval,
                     access_log=a.access_log, reasoning_parser=a.reasoning_parser,
                     allow_runtime_lora=a.allow_runtime_lora,
+                    allow_weight_updates=a.allow_weight_updates,
                     tool_call_parser=a.tool_call_parser,
                     return_tokens_as_token_ids=a.return_tokens_as_token_ids,
                     response_store=a.max_stored_responses if a.enable_response_store else 0)

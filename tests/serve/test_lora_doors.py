@@ -170,6 +170,9 @@ async def test_runtime_routes_are_off_unless_allowed(loaded_smollm2):
             resp = await s.post(r.base + "/v1/load_lora_adapter",
                                 json={"lora_name": "a", "lora_path": "/tmp"})
             assert resp.status == 404
+            resp = await s.post(r.base + "/update_weights_from_disk",
+                                json={"model_path": "/tmp"})
+            assert resp.status == 404
     finally:
         await stop_server(r)
 

@@ -856,6 +856,37 @@ class AsyncEngine:
         logger.info("prefix cache reset: %d cached blocks dropped", dropped)
         return dropped
 
+    async def update_weights(self, weights: Any) -> dict[str, Any]:
+        """Replaces the served model's weights in place (what RL loops do between rollouts):
+        ``weights`` is ``(name, tensor)`` pairs or a dict, named as in Hugging Face
+        checkpoints (``model.layers.0.self_attn.q_proj.weight``), any subset. Every tensor is
+        checked (name, shape, finite values) before any is written: a bad one is a ValueError
+        and nothing changes. Runs between two steps: running requests go on with the new
+        weights (their cached KV stays theirs); later requests never reuse KV computed before
+        (update while idle for every token to see the new weights). Returns
+        ``{"tensors", "skipped", "gguf_layers_unblocked", "prefix_blocks_dropped",
+        "weights_version"}``."""
+        if not self.is_running:
+            raise EngineDeadError(self.dead_reason or "the engine is not started")
+        pairs = list(weights.items() if isinstance(weights, dict) else weights)
+        t0 = time.perf_counter()
+        summary = await asyncio.wrap_future(
+            self._loop_thread.call(lambda: self._core.update_weights(pairs)))
+        logger.info("weights updated: %d tensors in %.2f s (version %d; %d cached blocks "
+                    "dropped)", summary["tensors"], time.perf_counter() - t0,
+                    summary["weights_version"], summary["prefix_blocks_dropped"])
+        return summary
+
+    async def update_weights_from_disk(self, path: str) -> dict[str, Any]:
+        """``update_weights`` with every tensor of a checkpoint on disk (a model directory's
+        safetensors or a ``.gguf`` file of the served model's shape), read off the event
+        loop; FileNotFoundError / ValueError for one it cannot use."""
+        from ferrobatch.model.loader import read_checkpoint_weights
+        if not self.is_running:
+            raise EngineDeadError(self.dead_reason or "the engine is not started")
+        state = await asyncio.to_thread(read_checkpoint_weights, path, self._core.loaded.config)
+        return await self.update_weights(state)
+
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """vLLM's `add_lora`: loads the adapter into a slot now (a bad one is a ValueError
         here rather than on its first request). False when every slot is held by running

@@ -137,6 +137,17 @@ class LLM:
         reset_prefix_cache`); returns how many blocks it dropped."""
         return self._run(self.engine.reset_prefix_cache())
 
+    def update_weights(self, weights: Any) -> dict[str, Any]:
+        """Replaces the model's weights in place from ``(Hugging Face name, tensor)`` pairs or
+        a dict (`AsyncEngine.update_weights`: any subset, all checked before any is written;
+        later requests never reuse KV computed with the old weights)."""
+        return self._run(self.engine.update_weights(weights))
+
+    def update_weights_from_disk(self, path: str) -> dict[str, Any]:
+        """`update_weights` from a checkpoint on disk (a model directory or a .gguf file of
+        the same shape)."""
+        return self._run(self.engine.update_weights_from_disk(path))
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` runs with when given no params: the model's sampling defaults
         (`generation_config`: its generation_config.json or GGUF general.sampling.*) over

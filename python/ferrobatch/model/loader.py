@@ -180,3 +180,35 @@ def load_model(name_or_path: str, *, device: str | torch.device = "cpu",
     model = build_model(config, state, device=device, dtype=dtype)
     return LoadedModel(name_or_path, config, model, tokenizer,
                        tokenizer.chat_template if tokenizer else None, source=source)
+
+
+# what must agree between a served model and a checkpoint of new weights for it
+_SHAPE_FIELDS = ("arch", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                 "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings",
+                 "attention_bias", "qk_norm")
+
+
+def read_checkpoint_weights(path: str, like: ModelConfig) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint on disk (a Hugging Face model directory's safetensors, or a
+    ``.gguf`` file, dequantized as ``load_model`` does) under their Hugging Face names, for
+    updating a served model of config ``like`` in place. FileNotFoundError for a missing path;
+    ValueError for another format or a checkpoint of another shape (naming what differs)."""
+    path = os.path.expanduser(path)
+    if os.path.isdir(path):
+        from ferrobatch.model.hf_loader import load_hf_dir
+        config, state, _ = load_hf_dir(path)
+    elif os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"unsupported checkpoint {path}: expected a .gguf file or a model "
+                             f"directory")
+        from ferrobatch.model.gguf_loader import load_gguf
+        config, state, _ = load_gguf(path)
+    else:
+        raise FileNotFoundError(f"checkpoint {path!r} not found (a model directory or a .gguf "
+                                f"file on the server)")
+    differ = [f"{f} {getattr(config, f)!r} (served: {getattr(like, f)!r})"
+              for f in _SHAPE_FIELDS if getattr(config, f) != getattr(like, f)]
+    if differ:
+        raise ValueError(f"checkpoint {path} is not of the served model's shape: "
+                         + ", ".join(differ))
+    return state

@@ -130,6 +130,34 @@ class PanelLinear(nn.Module):
         self.packed_weight = torch.empty(0)
         return freed
 
+    def dense_weight(self) -> torch.Tensor:
+        """The float32 weight ``[N, K]`` (a copy): from the panels, or from the GGUF blocks
+        once the panels are released (the loader's own dequantization of them)."""
+        if self.packed_weight.numel():
+            panels, k, width = self.packed_weight.shape
+            return self.packed_weight.transpose(1, 2).reshape(panels * width, k)[
+                :self.out_features].clone()
+        return self.blocks.block_weight().dequantize()
+
+    @torch.no_grad()
+    def write_rows(self, start: int, rows: torch.Tensor) -> None:
+        """Weight rows ``start ..`` become ``rows`` (float32 ``[R, K]``), in the panels in
+        place (views of them, the fused step's included, see the new values). A layer also
+        read from GGUF blocks stops reading them (they no longer hold its weights), and gets
+        its float32 panels back if they were released."""
+        stop = start + rows.shape[0]
+        if not 0 <= start <= stop <= self.out_features or rows.shape[1:] != (self.in_features,):
+            raise ValueError(f"rows {start}..{stop} of {tuple(rows.shape)} do not fit a "
+                             f"[{self.out_features}, {self.in_features}] weight")
+        if self.packed_weight.numel() == 0:
+            weight = self.dense_weight()
+            weight[start:stop] = rows
+            self.packed_weight = pack_panels(weight)
+        else:
+            index = torch.arange(start, stop)
+            self.packed_weight[index // PANEL_WIDTH, :, index % PANEL_WIDTH] = rows.float()
+        self.blocks = None
+
     def extra_repr(self) -> str:
         blocks = f", blocks={self.blocks.kind} (rows <= {QUANT_MAX_ROWS})" if self.blocks else ""
         if self.blocks is not None and self.blocks.tiles is not None:
@@ -155,6 +183,7 @@ class BlockKernel:
         from ferrobatch import _scheduler
         from ferrobatch.model.block_weights import Q4_1
 
+        self.type_id = block_weight.type_id
         self.kind = "q4_1" if block_weight.type_id == Q4_1 else "q8_0"
         self.arrays = block_weight.kernel_arrays()
         self._fn = _scheduler.linear_q4_1_f32 if self.kind == "q4_1" else _scheduler.linear_q8_0_f32
@@ -166,6 +195,18 @@ class BlockKernel:
             else _scheduler.pack_quant_panels_q8_0
         self.qpanels = _aligned_64(pack(*self.arrays)) if quant_panels and not use_amx else None
         self._panels = _scheduler.linear_quant_panels_f32
+
+    def block_weight(self):
+        """The GGUF blocks these arrays came from (``BlockWeight``), byte for byte: the fp16
+        scales (and Q4_1 minimums) were read as float32 exactly."""
+        import numpy as np
+
+        from ferrobatch.model.block_weights import BlockWeight
+
+        halves = [a.astype(np.float16)[..., None].view(np.uint8) for a in self.arrays[:-1]]
+        quants = self.arrays[-1].view(np.uint8)
+        raw = np.concatenate([*halves, quants], axis=-1)
+        return BlockWeight(self.type_id, torch.from_numpy(raw))
 
     @property
     def nbytes(self) -> int:

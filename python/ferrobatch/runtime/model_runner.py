@@ -37,6 +37,7 @@ from ferrobatch.runtime.lora import LoraSlots, install_lora, lora_step
 from ferrobatch.runtime.lora_graphs import GraphLoraWeights
 from ferrobatch.runtime.piecewise_graphs import PiecewiseGraphRunner, piecewise_buckets
 from ferrobatch.runtime.sampler import greedy_rows
+from ferrobatch.runtime.weight_update import apply_update, plan_update
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,24 @@ class ModelRunner:
             install_lora(self.model)
             self.lora_slots = LoraSlots(self.config.num_layers, max_loras, max_rank)
         return self.lora_slots
+
+    def update_weights(self, weights) -> dict:
+        """Replaces the model's weights named in ``weights`` (``(Hugging Face name, tensor)``
+        pairs, any subset; ``runtime.weight_update``), every one checked before any is
+        written (ValueError). Between steps only. Returns ``{"tensors", "skipped",
+        "gguf_layers_unblocked"}``."""
+        plan = plan_update(self.model, weights)
+        unblocked = apply_update(self.model, plan)
+        if self.model.fused_layers is not None:     # its views of replaced panels / blocks
+            install_fused_decode(self.model, self.attn_backend, self.kernel_threads)
+        if unblocked:
+            freed = return_freed_memory()
+            logger.info("weights update: %d linear layers read float32 panels instead of their "
+                        "GGUF blocks from now on (%.0f MiB returned to the OS)", unblocked,
+                        freed / 2**20)
+            self.linear_kernels += f"; {unblocked} layers' GGUF blocks replaced by updated weights"
+        return {"tensors": plan.num_tensors, "skipped": plan.skipped,
+                "gguf_layers_unblocked": unblocked}
 
     @property
     def num_blocks(self) -> int:

@@ -467,5 +467,7 @@ def add_routes(app: web.Application) -> None:
     from ferrobatch.serve.tokenizer_routes import add_tokenizer_routes
     add_tokenizer_routes(app)
     add_lora_routes(app, app[STATE].allow_runtime_lora)
+    from ferrobatch.serve.weights_api import add_weights_routes
+    add_weights_routes(app, app[STATE].allow_weight_updates)
     from ferrobatch.serve.score_api import add_score_routes
     add_score_routes(app)

@@ -57,6 +57,7 @@ class Server:
                  allowed_origins: frozenset[str] = frozenset(),
                  log_stats_interval_s: float = 0.0, access_log: bool = False,
                  reasoning_parser: str | None = None, allow_runtime_lora: bool = False,
+                 allow_weight_updates: bool = False,
                  tool_call_parser: str | None = None,
                  return_tokens_as_token_ids: bool = False,
                  response_store: int = 0) -> None:
@@ -67,6 +68,8 @@ class Server:
         `reasoning_parser` ("deepseek_r1", "qwen3"): chat replies' `<think>` part is served as
         `reasoning_content` (`serve/reasoning.py`). `allow_runtime_lora`: LoRA adapters may be
         loaded and unloaded over HTTP (`serve/lora_api.py`; needs an engine with enable_lora).
+        `allow_weight_updates`: `POST /update_weights_from_disk` replaces the model's weights
+        from a checkpoint on the server's disk (`serve/weights_api.py`).
         `tool_call_parser` ("hermes", "llama3_json", "mistral"): how the model writes its own
         tool calls, for tool_choice "auto" (default: what the chat template asks for).
         `return_tokens_as_token_ids`: logprobs show tokens as `token_id:<id>` unless a request
@@ -92,6 +95,7 @@ class Server:
                                  allowed_origins=frozenset(allowed_origins),
                                  reasoning_parser=reasoning_parser,
                                  allow_runtime_lora=allow_runtime_lora,
+                                 allow_weight_updates=allow_weight_updates,
                                  tool_parser=tool_call_parser,
                                  return_tokens_as_token_ids=return_tokens_as_token_ids)
         if response_store:

@@ -25,6 +25,7 @@ class ServerState:
     allowed_origins: frozenset[str] = frozenset()    # CORS (serve/cors.py); empty: off
     reasoning_parser: str | None = None   # chat replies' <think> part (serve/reasoning.py)
     allow_runtime_lora: bool = False  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+    allow_weight_updates: bool = False   # POST /update_weights_from_disk
     tool_parser: str | None = None    # --tool-call-parser (None: from the chat template)
     return_tokens_as_token_ids: bool = False   # logprobs show token_id:<id> unless asked not to
     responses: Any = None         # the Responses API's ResponseStore (--enable-response-store)

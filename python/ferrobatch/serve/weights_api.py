@@ -1,0 +1,43 @@
+"""``POST /update_weights_from_disk`` (SGLang's route): the served model's weights replaced in
+place from a checkpoint on the server's disk, between two steps (``AsyncEngine.
+update_weights_from_disk``): what an RL trainer calls after saving new weights, without
+restarting the server. Body ``{"model_path": "/ckpt/step-200"}`` (a model directory with
+safetensors, or a .gguf file, of the served model's shape); answers ``{"success": true,
+"message", "num_tensors", "weights_version", "prefix_blocks_dropped"}``. A missing path is a
+404, a checkpoint it cannot use a 400 naming why; either way nothing changes.
+
+Only with ``serve --allow-weight-updates`` (off by default: it lets any API client make the
+server read a path and change what every later request gets)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from ferrobatch.serve.protocol import ProtocolError
+from ferrobatch.serve.state import STATE
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    from ferrobatch.serve.http import read_json
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    path = body.get("model_path")
+    if not isinstance(path, str) or not path:
+        raise ProtocolError("'model_path' must be a non-empty string", param="model_path")
+    try:
+        summary = await request.app[STATE].engine.update_weights_from_disk(path)
+    except FileNotFoundError as exc:
+        raise ProtocolError(str(exc), code=404, param="model_path") from None
+    except ValueError as exc:
+        raise ProtocolError(str(exc), param="model_path") from None
+    return web.json_response({
+        "success": True, "message": f"weights of {path} loaded",
+        "num_tensors": summary["tensors"], "weights_version": summary["weights_version"],
+        "prefix_blocks_dropped": summary["prefix_blocks_dropped"]})
+
+
+def add_weights_routes(app: web.Application, allow_weight_updates: bool) -> None:
+    """The weight-update route, when allowed."""
+    if allow_weight_updates:
+        app.router.add_post("/update_weights_from_disk", update_weights_from_disk)

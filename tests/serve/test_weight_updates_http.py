@@ -1,0 +1,70 @@
+"""`POST /update_weights_from_disk` (serve --allow-weight-updates): a server started on random
+weights of SmolLM2's shape is given the real SmolLM2's weights over HTTP and from then on
+answers as the real model does (the engine on the real weights, the oracle here; its own
+output is checked against transformers elsewhere); bad bodies and checkpoints are clear
+errors that change nothing."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+import pytest_asyncio
+import torch
+from engine_support import REAL_ENGINE_OPTIONS
+from serve_support import start_server, stop_server
+
+from ferrobatch.engine.async_engine import AsyncEngine
+from ferrobatch.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+PROMPT = "The capital of France is"
+BODY = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def random_server():
+    from ferrobatch.model.loader import load_model
+    loaded = load_model("random:smollm2-135m", device="cpu", dtype=torch.float32)
+    engine = AsyncEngine(loaded_model=loaded, **REAL_ENGINE_OPTIONS)
+    r = await start_server(engine, allow_weight_updates=True)
+    yield r
+    await stop_server(r)
+
+
+async def _real_text(loaded_smollm2) -> str:
+    async with AsyncEngine(loaded_model=loaded_smollm2, **REAL_ENGINE_OPTIONS) as engine:
+        outs = [o async for o in engine.generate(PROMPT, SamplingParams(
+            max_tokens=10, temperature=0.0))]
+    return outs[-1].outputs[0].text
+
+
+async def test_random_weights_become_the_real_model(random_server, loaded_smollm2,
+                                                    smollm2_gguf_path, tmp_path):
+    want = await _real_text(loaded_smollm2)
+    async with aiohttp.ClientSession() as s:
+        async def complete() -> str:
+            async with s.post(random_server.base + "/v1/completions", json=BODY) as resp:
+                assert resp.status == 200
+                return (await resp.json())["choices"][0]["text"]
+
+        async def update(body) -> tuple[int, dict]:
+            async with s.post(random_server.base + "/update_weights_from_disk",
+                              json=body) as resp:
+                return resp.status, await resp.json()
+
+        before = await complete()
+        assert before != want
+        for body, status, words in [
+                ({"model_path": 5}, 400, "non-empty string"),
+                ({}, 400, "non-empty string"),
+                ({"model_path": str(tmp_path / "none")}, 404, "not found"),
+                ({"model_path": __file__}, 400, "expected a .gguf file")]:
+            got_status, reply = await update(body)
+            assert got_status == status and words in reply["error"]["message"], reply
+        assert await complete() == before            # nothing changed
+        status, reply = await update({"model_path": smollm2_gguf_path})
+        assert status == 200 and reply["success"] is True, reply
+        assert reply["num_tensors"] > 200 and reply["weights_version"] == 1
+        assert await complete() == want
+    await random_server.engine.check_idle_clean(10.0)
