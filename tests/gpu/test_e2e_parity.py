@@ -240,3 +240,37 @@ def test_cuda_backend_matches_torch_backend_logits(smollm2_cuda):
         logits[backend] = runner.execute(sched.schedule()).double()
     err = float((logits["cuda"] - logits["torch"]).norm() / logits["torch"].norm())
     assert err < 1e-4, err
+
+
+def test_weights_updated_in_place_under_cuda_graphs(smollm2_cuda, hf_greedy):
+    """The engine on CUDA with decode graphs captured: an update of one layer changes what the
+    replays compute (the graphs read the parameters by address), and the checkpoint read back
+    from disk gives transformers' tokens again (written in session 38 without a device)."""
+    from ferrobatch.engine.llm import LLM
+    from ferrobatch.model.loader import load_model
+    from ferrobatch.sampling_params import SamplingParams
+
+    path, _ = smollm2_cuda
+    prompts, expected, _ = hf_greedy
+    loaded = load_model(path, device="cuda", dtype=torch.float32)   # its own: it is changed
+    llm = LLM("smollm2", loaded_model=loaded, device="cuda", num_blocks=NUM_BLOCKS,
+              max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024)
+    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    try:
+        runner = llm.engine._core.runner
+
+        def greedy():
+            steps = runner.graph_steps
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert runner.graph_steps > steps
+            return [o.outputs[0].token_ids for o in outs]
+
+        assert greedy() == expected
+        o_proj = loaded.model.layers[0].self_attn.o_proj.weight
+        llm.update_weights({"model.layers.0.self_attn.o_proj.weight":
+                            torch.randn_like(o_proj) * 0.1})
+        assert greedy() != expected
+        llm.update_weights_from_disk(path)
+        assert greedy() == expected
+    finally:
+        llm.close()
