@@ -13,7 +13,7 @@ request (`--mode stream`: one `LLM` request at a time, milliseconds per output t
 prompt, as `single_stream.py` measures it; `--chat` asks for essays through the chat template
 instead of random token ids, drafts as configured).
 
-Only `model.fused_layers` (`cpu_decoder.FusedLayers`, i.e. every decoder layer of a CPU step:
+Only the runner's `fused_layers` (`cpu_decoder.FusedLayers`, i.e. every decoder layer of a CPU step:
 linears, attention, norms) comes from the base build; the LM head, sampler and scheduler are this
 checkout's in both arms. Build the base with e.g. `git worktree add /tmp/base <commit> && cd
 /tmp/base && maturin build --release -o /tmp/whl`, then unzip `ferrobatch/_scheduler*` from the
@@ -82,14 +82,14 @@ def step_mode(args, base_module) -> list[dict]:
 
     runner = ModelRunner(load_model(args.model), num_blocks=args.num_blocks, block_size=16)
     model = runner.model
-    arms = {"base": base_layers(model, base_module), "this": model.fused_layers}
+    arms = {"base": base_layers(model, base_module), "this": runner.fused_layers}
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         batch = decode_step(runner, rows, args.context)
         logits = {}
 
         def run(layers, batch=batch, logits=logits):
-            model.fused_layers = layers
+            runner.fused_layers = layers
             time.sleep(0.002)
             t0 = time.perf_counter()
             out = runner.execute(batch)
@@ -108,7 +108,7 @@ def step_mode(args, base_module) -> list[dict]:
         print(f"rows={rows}: base {res['base_ms']:.2f} ms, this {res['this_ms']:.2f} ms "
               f"({res['speedup']:.3f}x)", flush=True)
         results.append(res)
-    model.fused_layers = arms["this"]
+    runner.fused_layers = arms["this"]
     return results
 
 
@@ -119,8 +119,9 @@ def stream_mode(args, base_module) -> list[dict]:
 
     llm = LLM(model=args.model, **({} if args.drafts is None
                                    else {"num_speculative_tokens": args.drafts}))
-    model = llm.engine._core.runner.model
-    arms = {"base": base_layers(model, base_module), "this": model.fused_layers}
+    runner = llm.engine._core.runner
+    model = runner.model
+    arms = {"base": base_layers(model, base_module), "this": runner.fused_layers}
     rng = np.random.default_rng(0)
     count = [0]
 
@@ -139,7 +140,7 @@ def stream_mode(args, base_module) -> list[dict]:
         return time.perf_counter() - t0
 
     def run(layers):
-        model.fused_layers = layers
+        runner.fused_layers = layers
         first = generate(prompt(), 1)                     # prefill + one token
         return (generate(prompt(), args.tokens + 1) - first) / args.tokens * 1e3
 
@@ -147,7 +148,7 @@ def stream_mode(args, base_module) -> list[dict]:
         interleaved(run, arms, 2)
         times = interleaved(run, arms, args.rounds)
     finally:
-        model.fused_layers = arms["this"]
+        runner.fused_layers = arms["this"]
         llm.close()
     res = {"mode": "stream", "prompt": "chat essays" if args.chat else f"{args.context} random ids",
            "tokens": args.tokens, "temperature": args.temperature, "drafts": args.drafts,

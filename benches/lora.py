@@ -11,8 +11,8 @@ Systems (one engine, `enable_lora=True`, SmolLM2 GGUF on the CPU by default; rou
 - `lora-1`: every request on one adapter (rank `--rank`, all seven projections);
 - `lora-K`: requests spread round-robin over `--adapters` adapters (on the CPU, steps with
   adapter rows run fused too, the adapters' updates added in Rust: `cpu_lora.rs`);
-- CPU: `base-layered` and `lora-K-layered`: the same engine with the model's fused step taken
-  away for those runs (`model.fused_layers = None`), every step layer by layer from Python:
+- CPU: `base-layered` and `lora-K-layered`: the same engine with its runner's fused step taken
+  away for those runs (`runner.fused_layers = None`), every step layer by layer from Python:
   what the fused step buys, with and without adapters (before session 37, every step with
   adapter rows ran so);
 - CUDA: `base-eager`: no adapter, on a second engine over the same weights with
@@ -69,13 +69,11 @@ def main(argv: list[str] | None = None) -> int:
                    max_lora_rank=max(16, a.rank))
     llm = LLM(a.model, **options)
     cuda = a.device.startswith("cuda")
-    model = llm.engine._core.loaded.model
-    fused = getattr(model, "fused_layers", None)
     runner = llm.engine._core.runner
+    fused = runner.fused_layers
     lora_graphs = runner.lora_decode_graphs
     # CUDA: a second engine over the same weights without graphs (graphs belong to a runner);
-    # CPU: the same engine without its model's fused step (a second runner over the same
-    # model would take the fused step away from the first one too)
+    # CPU: the same engine with its runner's fused step taken away for the layered runs
     eager = LLM(a.model, loaded_model=llm.engine._core.loaded, cuda_graphs=False,
                 **options) if cuda else None
     cfg = llm.engine._core.loaded.config
@@ -105,13 +103,13 @@ def main(argv: list[str] | None = None) -> int:
 
         def run(engine, loras, without, count, params_):
             """The first `count` requests of a system, `without` taken away meanwhile."""
-            model.fused_layers = None if without == "layered" else fused
+            runner.fused_layers = None if without == "layered" else fused
             runner.lora_decode_graphs = None if without == "lora-graphs" else lora_graphs
             try:
                 return engine.generate(prompts[:count], params_, use_tqdm=False,
                                        lora_request=None if loras is None else loras[:count])
             finally:
-                model.fused_layers, runner.lora_decode_graphs = fused, lora_graphs
+                runner.fused_layers, runner.lora_decode_graphs = fused, lora_graphs
 
         for engine, loras, without in systems.values():  # warm-up (and every adapter loaded)
             run(engine, loras, without, 2, params.replace(max_tokens=2))

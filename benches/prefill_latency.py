@@ -56,7 +56,7 @@ def _engine(label: str, chunk: int):
     backend = llm.engine._core.runner.attn_backend
     if label in NO_AMX_ATTENTION:
         backend.amx = False
-        fused = llm.engine._core.runner.model.fused_layers
+        fused = llm.engine._core.runner.fused_layers
         if fused is not None:
             fused.amx = False
     spent = {"s": 0.0}

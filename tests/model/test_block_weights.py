@@ -197,7 +197,7 @@ def test_greedy_decoding_through_the_blocks_matches_transformers(
         assert seq.output_ids == hf_greedy_outputs[i], i
     decode_steps = 3 * (NUM_NEW_TOKENS - 1)
     if fused:   # the layers' blocks are read in Rust; the LM head's still through BlockKernel
-        assert runner.model.fused_layers.steps >= decode_steps
+        assert runner.fused_layers.steps >= decode_steps
         assert calls[0] >= decode_steps
     else:
         assert calls[0] >= decode_steps * (4 * fresh_smollm2.config.num_layers + 1)

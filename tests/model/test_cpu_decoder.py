@@ -63,14 +63,14 @@ def _compare(loaded_fused: LoadedModel, loaded_plain: LoadedModel, prompts, max_
     fused)."""
     fused = ModelRunner(loaded_fused, num_blocks=96, block_size=block_size, attn_backend="cpu",
                         kv_cache_dtype=kv_cache_dtype)
-    assert isinstance(fused.model.fused_layers, FusedLayers)
+    assert isinstance(fused.fused_layers, FusedLayers)
     assert "steps fused" in fused.linear_kernels
     steps = _record_steps(fused, prompts, max_new)
-    num_fused = fused.model.fused_layers.steps
+    num_fused = fused.fused_layers.steps
     fused_caches = [t.clone() for t in fused.kv_cache.layers]
     plain = ModelRunner(loaded_plain, num_blocks=96, block_size=block_size, attn_backend="cpu",
                         fused_decode=False, kv_cache_dtype=kv_cache_dtype)
-    assert plain.model.fused_layers is None
+    assert plain.fused_layers is None
     for i, (batch, want) in enumerate(steps):
         got = plain.execute(batch)
         scale = float(want.abs().max())
@@ -137,17 +137,17 @@ def test_fused_decode_is_only_installed_where_it_applies(loaded_smollm2, monkeyp
         model, num_blocks=8, block_size=8, attn_backend="cpu", pack_weights=False).attn_backend)
     torch_runner = ModelRunner(_random_loaded(True, False), num_blocks=8, block_size=8,
                                attn_backend="torch")
-    assert torch_runner.model.fused_layers is None
+    assert torch_runner.fused_layers is None
     assert "'torch'" in unsupported(torch_runner.model, torch_runner.attn_backend)
     monkeypatch.setenv("FERROBATCH_FUSED_DECODE", "0")
     off = ModelRunner(_random_loaded(True, False), num_blocks=8, block_size=8, attn_backend="cpu")
-    assert off.model.fused_layers is None
+    assert off.fused_layers is None
     assert "steps fused" not in off.linear_kernels
 
 
 def test_the_stack_rejects_bad_input_with_value_errors():
     runner = ModelRunner(_random_loaded(False, True), num_blocks=16, block_size=8, attn_backend="cpu")
-    stack = runner.model.fused_layers._stack
+    stack = runner.fused_layers._stack
     assert stack.num_layers == 3
     caches = [t.numpy() for t in runner.kv_cache.layers]
     before = [c.copy() for c in caches]
@@ -214,7 +214,7 @@ def test_the_engine_switch_reaches_the_runner(loaded_smollm2):
     from ferrobatch.engine.core import EngineCore
     for fused in (True, False):
         core = EngineCore.build(EngineConfig(num_blocks=64, fused_decode=fused), loaded_smollm2)
-        assert (core.runner.model.fused_layers is not None) is fused
+        assert (core.runner.fused_layers is not None) is fused
         assert ("steps fused" in core.runner.linear_kernels) is fused
 
 
@@ -225,7 +225,7 @@ def test_no_amx_keeps_prompt_attention_off_amx_too():
         runner = ModelRunner(_random_loaded(True, False), num_blocks=8, block_size=8,
                              attn_backend="cpu", amx_tiles=amx)
         assert runner.attn_backend.amx is amx
-        assert runner.model.fused_layers.amx is amx
+        assert runner.fused_layers.amx is amx
 
 
 def test_attention_description_says_amx_only_where_the_head_dim_allows_it():
@@ -259,7 +259,7 @@ def test_two_runners_sharing_one_model_step_concurrently():
         alone.append(_record_steps(runner, p, max_new))
     runners = [ModelRunner(loaded, num_blocks=96, block_size=8, attn_backend="cpu")
                for _ in prompts]
-    assert runners[0].model.fused_layers is runners[1].model.fused_layers
+    assert runners[0].fused_layers is not None and runners[1].fused_layers is not None
     got: list = [None, None]
     errors: list = []
 
@@ -287,6 +287,34 @@ def test_two_runners_sharing_one_model_step_concurrently():
             torch.testing.assert_close(logits, want, rtol=0, atol=0)
 
 
+def test_runners_sharing_a_model_keep_their_own_backend_and_fused_step():
+    """A second runner over the same loaded model, layer by layer on the torch backend, takes
+    neither the first one's fused step away nor its backend (each runner's steps run bound to
+    its own); the same steps through both give the same logits. A weight update through one
+    reaches the other's fused step too (rebuilt over the new arrays before its next step)."""
+    loaded = _random_loaded(True, False)
+    prompts, max_new = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]], [5, 3]
+    first = ModelRunner(loaded, num_blocks=96, block_size=8, attn_backend="cpu")
+    second = ModelRunner(loaded, num_blocks=96, block_size=8, attn_backend="torch",
+                         fused_decode=False)
+    assert second.fused_layers is None and loaded.model.fused_layers is None
+    steps = _record_steps(first, prompts, max_new)
+    assert first.fused_layers.steps == len(steps)       # every step still fused
+    for batch, want in steps:
+        torch.testing.assert_close(second.execute(batch), want, rtol=1e-4, atol=1e-4)
+    assert first.fused_layers.steps == len(steps)       # the second runner's ran layered
+    # new weights through the second runner: the first one's fused step follows
+    new = {"model.layers.1.mlp.down_proj.weight":
+           torch.randn(64, 96, generator=torch.Generator().manual_seed(9)) * 0.2}
+    stale = first.fused_layers
+    second.update_weights(new)
+    after = _record_steps(second, prompts, max_new)
+    for batch, want in after:
+        torch.testing.assert_close(first.execute(batch), want, rtol=1e-4, atol=1e-4)
+    assert first.fused_layers is not stale and first.fused_layers.steps > len(steps)
+    assert any(not torch.allclose(a, b) for (_, a), (_, b) in zip(steps, after))
+
+
 def test_phase_timing_counts_fused_steps_only_when_on():
     """The opt-in phase accounting (``cpu_step_timing.rs``): off, fused steps count nothing;
     on, every fused step is counted and its linear, attention and other time is there, and
@@ -299,20 +327,20 @@ def test_phase_timing_counts_fused_steps_only_when_on():
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
     _scheduler.set_decoder_phase_timing(False)
     _scheduler.take_decoder_phase_times()
-    before = runner.model.fused_layers.steps
+    before = runner.fused_layers.steps
     _record_steps(runner, prompts, [4, 4])
-    assert runner.model.fused_layers.steps > before
+    assert runner.fused_layers.steps > before
     assert _scheduler.take_decoder_phase_times() == {
         "linear_ns": 0, "attention_ns": 0, "other_ns": 0, "steps": 0}
     _scheduler.set_decoder_phase_timing(True)
     try:
-        before = runner.model.fused_layers.steps
+        before = runner.fused_layers.steps
         t0 = time.perf_counter_ns()
         _record_steps(runner, prompts, [4, 4])
         wall = time.perf_counter_ns() - t0
         got = _scheduler.take_decoder_phase_times()
     finally:
         _scheduler.set_decoder_phase_timing(False)
-    assert got["steps"] == runner.model.fused_layers.steps - before > 0
+    assert got["steps"] == runner.fused_layers.steps - before > 0
     assert got["linear_ns"] > 0 and got["attention_ns"] > 0 and got["other_ns"] > 0
     assert got["linear_ns"] + got["attention_ns"] + got["other_ns"] < wall

@@ -416,7 +416,7 @@ def test_runner_gives_the_cores_to_the_kernels_during_the_forward(loaded_smollm2
     torch.set_num_threads(2)
     try:
         fused = ModelRunner(loaded_smollm2, num_blocks=64, block_size=16, attn_backend="cpu")
-        assert fused.model.fused_layers.num_threads == 2
+        assert fused.fused_layers.num_threads == 2
         # layer by layer, so a hook on the first layer sees the forward's thread count
         runner = ModelRunner(loaded_smollm2, num_blocks=64, block_size=16, attn_backend="cpu",
                              fused_decode=False)

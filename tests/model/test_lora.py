@@ -114,7 +114,7 @@ def test_lora_steps_run_in_the_fused_cpu_step(llm, adapters, oracle):
     """On the CPU, steps with adapter rows (mixed with base rows too) stay in the fused Rust
     step (``cpu_lora``), and still give transformers' merged tokens."""
     runner = llm.engine._core.runner
-    fused = runner.model.fused_layers
+    fused = runner.fused_layers
     before = (fused.steps, runner.eager_steps)
     loras = [adapters["qv"][0], None, adapters["all"][0]]
     got = _greedy(llm, [0, 1, 2], loras)

@@ -93,18 +93,18 @@ def test_updated_weights_give_transformers_tokens_and_no_stale_kv(llm, hf_oracle
     assert summary["gguf_layers_unblocked"] == 4
     assert layers[0].self_attn.qkv_proj.blocks is None
     assert layers[1].self_attn.qkv_proj.blocks is not None
-    assert runner.model.fused_layers is not None
+    assert runner.fused_layers is not None
 
     merged = copy.deepcopy(hf_oracle_model)
     merged.load_state_dict(new, strict=False)
     assert merged.lm_head.weight.data_ptr() == merged.model.embed_tokens.weight.data_ptr()
     want = _hf_greedy(merged, llm)
     assert want != before                   # the update matters
-    steps = runner.model.fused_layers.steps
+    steps = runner.fused_layers.steps
     got, cached = _greedy(llm)
     assert got == want
     assert cached == [0, 0, 0]              # nothing computed with the old weights reused
-    assert runner.model.fused_layers.steps > steps      # still in the fused step
+    assert runner.fused_layers.steps > steps      # still in the fused step
 
     # the checkpoint on disk brings the original weights back (every tensor, so every GGUF
     # layer now reads float32 panels)
@@ -127,6 +127,7 @@ def test_updated_weights_give_transformers_tokens_and_no_stale_kv(llm, hf_oracle
     ([("model.norm.weight", torch.ones(576)), ("model.norm.weight", torch.ones(576))],
      "given twice"),
     ([("model.layers.0.self_attn.q_proj.bias", torch.zeros(576))], "has no bias"),
+    ([("model.norm.weight",)], r"\(name, torch.Tensor\) pairs"),
 ])
 def test_bad_tensors_change_nothing(llm, weights, message):
     """Every tensor is checked before any is written: the good q_proj before the bad name is

@@ -8,6 +8,9 @@ computed only at ``logits_indices``. Q/K/V and gate/up projections are fused int
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -168,8 +171,16 @@ class LlamaDecoderLayer(nn.Module):
         return residual, self.mlp(normed)
 
 
+# per thread: id(model) -> the (attention backend, fused layers) its forward runs with
+# (LlamaForCausalLM.bound); a module-level local, so that a model stays deep-copyable
+_bindings = threading.local()
+
+
 class LlamaForCausalLM(nn.Module):
-    """The decoder stack plus LM head; ``attn_backend`` decides how paged attention runs."""
+    """The decoder stack plus LM head; ``attn_backend`` decides how paged attention runs (and
+    ``fused_layers``, when set, runs the steps it accepts), unless the calling thread is
+    inside ``bound(...)``, which a ModelRunner enters with its own: engines sharing one loaded
+    model each keep theirs."""
 
     def __init__(self, config: ModelConfig, attn_backend=None, device=None, dtype=None) -> None:
         super().__init__()
@@ -202,6 +213,25 @@ class LlamaForCausalLM(nn.Module):
         self.fused_layers = None
         # The LoRA adapters the layers can apply (runtime.lora.install_lora), or None.
         self.lora = None
+        # Times the weights were replaced in place (runtime.weight_update): what a FusedLayers
+        # built earlier (views of the replaced arrays) compares to know it is stale.
+        self.weights_generation = 0
+
+    @contextlib.contextmanager
+    def bound(self, attn_backend, fused_layers):
+        """This thread's forward passes inside the block run with ``attn_backend`` and
+        ``fused_layers`` (None: layer by layer), whatever the model's attributes hold."""
+        pairs = _bindings.__dict__.setdefault("pairs", {})
+        key = id(self)
+        outer = pairs.get(key)
+        pairs[key] = (attn_backend, fused_layers)
+        try:
+            yield
+        finally:
+            if outer is None:
+                del pairs[key]
+            else:
+                pairs[key] = outer
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -214,9 +244,11 @@ class LlamaForCausalLM(nn.Module):
         """Runs T tokens -> float32 logits ``[S, vocab]`` at ``logits_indices``; with
         ``hidden_indices``, also the final-normed hidden states ``[E, hidden]`` at those rows
         (their logits cost ``E x vocab`` floats, so the caller computes them in pieces)."""
-        if self.attn_backend is None:
+        pairs = getattr(_bindings, "pairs", None)
+        pair = pairs.get(id(self)) if pairs else None
+        backend, fused = pair if pair is not None else (self.attn_backend, self.fused_layers)
+        if backend is None:
             raise RuntimeError("LlamaForCausalLM.attn_backend is not set")
-        fused = self.fused_layers
         lora = None if self.lora is None else self.lora.active
         fused_lora = None if lora is None or fused is None else lora.fused()
         if fused is not None and fused.accepts(attn_meta) and \
@@ -230,7 +262,7 @@ class LlamaForCausalLM(nn.Module):
         rope_tables = self.rotary.tables(positions, residual.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             residual, delta = layer(residual, delta, rope_tables, kv_cache, attn_meta,
-                                    self.attn_backend)
+                                    backend)
         return self.logits_from_hidden(residual, logits_indices, hidden_indices, delta)
 
     def logits_from_hidden(self, hidden: torch.Tensor, logits_indices: torch.Tensor,

@@ -107,6 +107,8 @@ class FusedLayers:
         self.num_threads = num_threads
         self.amx = amx     # long prompt chunks' attention on AMX where the CPU has it
         self.steps = 0     # steps run fused
+        # the model's weights_generation its views were taken at (runtime.weight_update)
+        self.generation = getattr(model, "weights_generation", 0)
 
     @staticmethod
     def accepts(meta) -> bool:
@@ -163,6 +165,14 @@ class FusedLayers:
 _NO_TABLES = np.zeros((0, 1), np.int32)
 _NO_CTX = np.zeros(0, np.int32)
 _NO_ROWS = np.zeros(0, np.int64)
+
+
+def rebuild_fused_layers(model: nn.Module, stale: FusedLayers) -> FusedLayers:
+    """A FusedLayers over the model's arrays as they are now, with ``stale``'s settings and
+    step count (after the weights were replaced in place)."""
+    fresh = FusedLayers(model, stale.num_threads, amx=stale.amx)
+    fresh.steps = stale.steps
+    return fresh
 
 
 def install_fused_decode(model: nn.Module, backend, num_threads: int) -> str | None:

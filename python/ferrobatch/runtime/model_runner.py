@@ -19,7 +19,7 @@ import torch
 
 from ferrobatch.runtime.attention import AttentionBackend, get_attention_backend
 from ferrobatch.runtime.attention.base import check_step_arrays
-from ferrobatch.runtime.cpu_decoder import install_fused_decode
+from ferrobatch.runtime.cpu_decoder import install_fused_decode, rebuild_fused_layers
 from ferrobatch.runtime.cpu_elementwise import swap_elementwise_ops
 from ferrobatch.runtime.cpu_linear import (
     AMX_MIN_ROWS,
@@ -83,9 +83,12 @@ class ModelRunner:
             shape = (self.config.num_heads, self.config.num_kv_heads, self.config.head_dim, loaded.dtype)
             self.attn_backend = get_attention_backend(attn_backend, self.device, block_size=block_size,
                                                       model_shape=shape)
+        # the model's defaults (for direct calls); this runner's own steps run with its own
+        # backend and fused layers (``model.bound``), whatever another runner sets here
         self.model.attn_backend = self.attn_backend
         if hasattr(self.model, "fused_layers"):   # bound to an earlier runner's backend
             self.model.fused_layers = None
+        self.fused_layers = None     # FusedLayers: every layer of a CPU step in one Rust call
         logger.info("attention backend: %s (%s)", self.attn_backend.name, self.device)
         # CPU float32: linear layers (and decode attention) in the Rust kernels, which then own
         # the threads torch had; torch runs single-threaded during the forward (cpu_threads.py).
@@ -117,6 +120,7 @@ class ModelRunner:
             not_fused = install_fused_decode(self.model, self.attn_backend, self.kernel_threads) \
                 if fused_decode else "fused_decode=False"
             if not_fused is None:
+                self.fused_layers = self.model.fused_layers
                 self.linear_kernels += ", steps fused (one Rust call for all layers)"
             logger.info("steps: %s", "all layers in one Rust call" if not_fused is None
                         else f"layer by layer ({not_fused})")
@@ -188,8 +192,9 @@ class ModelRunner:
         "gguf_layers_unblocked"}``."""
         plan = plan_update(self.model, weights)
         unblocked = apply_update(self.model, plan)
-        if self.model.fused_layers is not None:     # its views of replaced panels / blocks
-            install_fused_decode(self.model, self.attn_backend, self.kernel_threads)
+        stale = self.fused_layers
+        if self._current_fused() is not stale and self.model.fused_layers is stale:
+            self.model.fused_layers = self.fused_layers
         if unblocked:
             freed = return_freed_memory()
             logger.info("weights update: %d linear layers read float32 panels instead of their "
@@ -204,14 +209,20 @@ class ModelRunner:
         """Blocks in the KV cache (block 0 is the scheduler's null block)."""
         return self.kv_cache.num_blocks
 
+    def _current_fused(self):
+        """This runner's FusedLayers, rebuilt first when the model's weights were replaced
+        since it was built (its views would hold arrays no longer the model's)."""
+        fused = self.fused_layers
+        if fused is not None and fused.generation != self.model.weights_generation:
+            fused = self.fused_layers = rebuild_fused_layers(self.model, fused)
+        return fused
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
                  logits_indices: torch.Tensor, hidden_indices: torch.Tensor | None = None):
-        if self.rust_linears:
-            with torch_single_threaded():
-                return self.model(input_ids, positions, self.kv_cache.layers, meta,
-                                  logits_indices, hidden_indices)
-        return self.model(input_ids, positions, self.kv_cache.layers, meta, logits_indices,
-                          hidden_indices)
+        with self.model.bound(self.attn_backend, self._current_fused()), \
+                torch_single_threaded() if self.rust_linears else contextlib.nullcontext():
+            return self.model(input_ids, positions, self.kv_cache.layers, meta, logits_indices,
+                              hidden_indices)
 
     @torch.inference_mode()
     def logits_of(self, normed_hidden: torch.Tensor) -> torch.Tensor:

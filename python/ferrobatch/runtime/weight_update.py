@@ -22,7 +22,7 @@ weights (``EngineCore.update_weights``).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -92,7 +92,8 @@ def _linear_shape(module: nn.Module) -> tuple[int, int]:
     return tuple(module.weight.shape)
 
 
-def plan_update(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightUpdate:
+def plan_update(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]] | Mapping
+                ) -> WeightUpdate:
     """Checks every ``(name, tensor)`` against ``model`` (a ``LlamaForCausalLM``) and returns
     where each goes; ValueError (naming the tensor) for an unknown name, a shape that does not
     fit, a non-finite value or a name given twice. Reads nothing of the model's weights."""
@@ -100,9 +101,11 @@ def plan_update(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -
     writes: list[_Write] = []
     skipped: list[str] = []
     seen: set[str] = set()
-    for name, value in weights:
-        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
-            raise ValueError("weights are (name, torch.Tensor) pairs")
+    for pair in weights.items() if isinstance(weights, Mapping) else weights:
+        if not isinstance(pair, tuple | list) or len(pair) != 2 \
+                or not isinstance(pair[0], str) or not isinstance(pair[1], torch.Tensor):
+            raise ValueError("weights are (name, torch.Tensor) pairs or a dict of them")
+        name, value = pair
         if name in seen:
             raise ValueError(f"{name}: given twice")
         seen.add(name)
@@ -177,4 +180,5 @@ def apply_update(model: nn.Module, update: WeightUpdate) -> int:
     if embedding_changed and model.lm_head is None and isinstance(head, PanelLinear):
         unblocked += head.blocks is not None       # the tied head's packed copy
         head.write_rows(0, model.embed_tokens.weight.float())
+    model.weights_generation = getattr(model, "weights_generation", 0) + 1
     return unblocked
