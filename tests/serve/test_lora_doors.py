@@ -173,6 +173,7 @@ async def test_runtime_routes_are_off_unless_allowed(loaded_smollm2):
             resp = await s.post(r.base + "/update_weights_from_disk",
                                 json={"model_path": "/tmp"})
             assert resp.status == 404
+            assert (await s.post(r.base + "/pause")).status == 404
     finally:
         await stop_server(r)
 

@@ -1,10 +1,14 @@
-"""`POST /update_weights_from_disk` (serve --allow-weight-updates): a server started on random
-weights of SmolLM2's shape is given the real SmolLM2's weights over HTTP and from then on
+"""`POST /update_weights_from_disk` with `/pause` and `/resume` (serve --allow-weight-updates): a
+server started on random weights of SmolLM2's shape is paused (its running stream aborted, a
+new request held), given the real SmolLM2's weights over HTTP, resumed, and from then on
 answers as the real model does (the engine on the real weights, the oracle here; its own
 output is checked against transformers elsewhere); bad bodies and checkpoints are clear
 errors that change nothing."""
 
 from __future__ import annotations
+
+import asyncio
+import json
 
 import aiohttp
 import pytest
@@ -63,8 +67,38 @@ async def test_random_weights_become_the_real_model(random_server, loaded_smollm
             got_status, reply = await update(body)
             assert got_status == status and words in reply["error"]["message"], reply
         assert await complete() == before            # nothing changed
+
+        # an RL loop's round: pause (the running stream is aborted), update, resume; a
+        # request sent while paused is held and answered by the new weights
+        async def stream_finish() -> str:
+            body = {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True, "stream": True}
+            finish = None
+            async with s.post(random_server.base + "/v1/completions", json=body) as resp:
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        finish = json.loads(line[6:])["choices"][0]["finish_reason"] or finish
+                        started.set()
+            return finish
+
+        started = asyncio.Event()
+        streaming = asyncio.create_task(stream_finish())
+        await started.wait()
+        async with s.post(random_server.base + "/pause") as resp:
+            assert resp.status == 200 and await resp.json() == {"is_paused": True,
+                                                                "num_aborted": 1}
+        assert await streaming == "abort"
+        async with s.get(random_server.base + "/is_paused") as resp:
+            assert (await resp.json())["is_paused"] is True
+        held = asyncio.create_task(complete())
+        await asyncio.sleep(0.3)
+        assert not held.done()
         status, reply = await update({"model_path": smollm2_gguf_path})
         assert status == 200 and reply["success"] is True, reply
         assert reply["num_tensors"] > 200 and reply["weights_version"] == 1
+        async with s.post(random_server.base + "/pause?clear_cache=maybe") as resp:
+            assert resp.status == 400
+        async with s.post(random_server.base + "/resume") as resp:
+            assert resp.status == 200 and (await resp.json())["is_paused"] is False
+        assert await held == want
         assert await complete() == want
     await random_server.engine.check_idle_clean(10.0)

@@ -163,6 +163,9 @@ class AsyncEngine:
         self._compile_lock: asyncio.Lock | None = None     # guided grammars, see prepare()
         # long prompts, see prepare(); keyed by (text, whether special tokens were added)
         self._pretokenized: dict[tuple[str, bool], list[int]] = {}
+        # cleared while generation is paused (pause_generation): new requests wait in prepare()
+        self._resumed: asyncio.Event | None = None
+        self._closing = False      # shutdown() has begun: no new request is accepted
         self.counters = {"accepted": 0, "released": 0, "rejected": 0, "stop": 0, "length": 0,
                          "abort": 0, "error": 0, "guided": 0, "probes": 0,
                          "probe_prompt_tokens": 0}
@@ -190,6 +193,9 @@ class AsyncEngine:
                 await asyncio.wait_for(self.wait_idle(), drain_timeout_s)
             except asyncio.TimeoutError:
                 pass
+        self._closing = True               # drained: nothing new from here on
+        self._resume_doors()               # requests waiting for a resume meet a dead engine
+        self._loop_thread.set_paused(False)      # (aborts take effect in steps)
         self.abort_all()
         if self._requests and self._dead is None:
             try:
@@ -374,6 +380,8 @@ class AsyncEngine:
         after the reply's reasoning (`guided/after_reasoning.py`)."""
         if not self.is_running:
             raise EngineDeadError(self.dead_reason or "the engine is not started")
+        if self._closing:
+            raise EngineDeadError("the engine is shutting down")
         params = params if params is not None else self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
@@ -480,6 +488,10 @@ class AsyncEngine:
         be used; a bad prompt (or adapter) is left for `add_request` to report."""
         if not self.is_running:
             return
+        if self._resumed is not None and not self._resumed.is_set():
+            await self._resumed.wait()       # generation paused: wait for resume_generation
+            if not self.is_running:
+                return
         if params is not None and not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
         if isinstance(lora_request, LoRARequest):
@@ -855,6 +867,50 @@ class AsyncEngine:
         dropped = await asyncio.wrap_future(self._loop_thread.call(self._core.reset_prefix_cache))
         logger.info("prefix cache reset: %d cached blocks dropped", dropped)
         return dropped
+
+    @property
+    def is_paused(self) -> bool:
+        """Whether generation is paused (``pause_generation``)."""
+        return self._resumed is not None and not self._resumed.is_set()
+
+    async def pause_generation(self, *, wait_for_inflight_requests: bool = False,
+                               clear_cache: bool = True) -> int:
+        """vLLM's, for RL loops updating weights between rollouts: new requests wait (every
+        door: they are held before they enter the engine, and a request added without
+        ``prepare`` waits in the scheduler) until ``resume_generation``. In-flight requests are
+        aborted (finish reason ``abort``), or with ``wait_for_inflight_requests`` run to
+        their end first; then no step runs (``update_weights`` still does), and with
+        ``clear_cache`` the prefix cache forgets its blocks. Returns how many in-flight
+        requests were aborted. Pausing a paused engine does nothing."""
+        if not self.is_running:
+            raise EngineDeadError(self.dead_reason or "the engine is not started")
+        if self.is_paused:
+            return 0
+        if self._resumed is None:
+            self._resumed = asyncio.Event()
+        self._resumed.clear()
+        aborted = 0
+        if not wait_for_inflight_requests:
+            aborted = self.abort_all()
+        await self.wait_idle()
+        if self.is_paused:             # (not resumed meanwhile)
+            self._loop_thread.set_paused(True)
+            if clear_cache:
+                await self.reset_prefix_cache()
+        logger.info("generation paused (%d in-flight requests aborted)", aborted)
+        return aborted
+
+    async def resume_generation(self) -> None:
+        """Ends a ``pause_generation``: steps run again and the held requests go in."""
+        if self._loop_thread is not None:
+            self._loop_thread.set_paused(False)
+        if self.is_paused:
+            logger.info("generation resumed")
+        self._resume_doors()
+
+    def _resume_doors(self) -> None:
+        if self._resumed is not None:
+            self._resumed.set()
 
     async def update_weights(self, weights: Any) -> dict[str, Any]:
         """Replaces the served model's weights in place (what RL loops do between rollouts):

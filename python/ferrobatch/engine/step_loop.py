@@ -30,6 +30,9 @@ class StepLoop:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ferrobatch-step", daemon=True)
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._poke = threading.Event()    # a call or a resume for a paused loop
+        # paused: no step runs (calls still do), whatever waits; AsyncEngine.pause_generation
+        self.paused = False
         self.num_steps = 0
 
     def start(self) -> None:
@@ -38,6 +41,7 @@ class StepLoop:
     def stop(self, timeout_s: float = 30.0) -> bool:
         """Ask the thread to exit after its current step; returns True once it has."""
         self._stopping.set()
+        self._poke.set()
         self._core.wake()
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
@@ -50,8 +54,15 @@ class StepLoop:
         """Run `fn` on the step thread between two steps (the scheduler is not thread-safe)."""
         fut: Future = Future()
         self._calls.put((fn, fut))
+        self._poke.set()
         self._core.wake()
         return fut
+
+    def set_paused(self, paused: bool) -> None:
+        """Stops running steps after the current one (calls still run), or starts again."""
+        self.paused = paused
+        self._poke.set()
+        self._core.wake()
 
     def _run_calls(self) -> None:
         while True:
@@ -70,7 +81,11 @@ class StepLoop:
         core, stopping = self._core, self._stopping
         try:
             while not stopping.is_set():
+                self._poke.clear()
                 self._run_calls()
+                if self.paused:
+                    self._poke.wait(IDLE_WAIT_S)
+                    continue
                 if not core.has_unfinished() and not core.wait_for_work(IDLE_WAIT_S):
                     continue
                 result = core.step()

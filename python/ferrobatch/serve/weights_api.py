@@ -6,8 +6,13 @@ safetensors, or a .gguf file, of the served model's shape); answers ``{"success"
 "message", "num_tensors", "weights_version", "prefix_blocks_dropped"}``. A missing path is a
 404, a checkpoint it cannot use a 400 naming why; either way nothing changes.
 
+vLLM's ``POST /pause?wait_for_inflight_requests=false&clear_cache=true``, ``POST /resume`` and
+``GET /is_paused`` go with it: an RL loop pauses generation (in-flight requests aborted, or run
+to their end; new ones held until the resume; ``AsyncEngine.pause_generation``), updates the
+weights, and resumes, so that no token of any request mixes old and new weights.
+
 Only with ``serve --allow-weight-updates`` (off by default: it lets any API client make the
-server read a path and change what every later request gets)."""
+server read a path, change what every later request gets, or stop serving)."""
 
 from __future__ import annotations
 
@@ -37,7 +42,38 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         "prefix_blocks_dropped": summary["prefix_blocks_dropped"]})
 
 
+def _flag(request: web.Request, name: str, default: bool) -> bool:
+    value = request.query.get(name)
+    if value is None:
+        return default
+    if value.lower() in ("true", "1"):
+        return True
+    if value.lower() in ("false", "0"):
+        return False
+    raise ProtocolError(f"'{name}' must be true or false, not {value!r}", param=name)
+
+
+async def pause(request: web.Request) -> web.Response:
+    wait = _flag(request, "wait_for_inflight_requests", False)
+    clear = _flag(request, "clear_cache", True)
+    aborted = await request.app[STATE].engine.pause_generation(
+        wait_for_inflight_requests=wait, clear_cache=clear)
+    return web.json_response({"is_paused": True, "num_aborted": aborted})
+
+
+async def resume(request: web.Request) -> web.Response:
+    await request.app[STATE].engine.resume_generation()
+    return web.json_response({"is_paused": False})
+
+
+async def is_paused(request: web.Request) -> web.Response:
+    return web.json_response({"is_paused": request.app[STATE].engine.is_paused})
+
+
 def add_weights_routes(app: web.Application, allow_weight_updates: bool) -> None:
-    """The weight-update route, when allowed."""
+    """The weight-update and pause routes, when allowed."""
     if allow_weight_updates:
         app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
+        app.router.add_post("/pause", pause)
+        app.router.add_post("/resume", resume)
+        app.router.add_get("/is_paused", is_paused)
