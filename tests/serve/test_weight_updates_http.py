@@ -89,6 +89,9 @@ async def test_random_weights_become_the_real_model(random_server, loaded_smollm
         assert await streaming == "abort"
         async with s.get(random_server.base + "/is_paused") as resp:
             assert (await resp.json())["is_paused"] is True
+        async with s.get(random_server.base + "/metrics") as resp:
+            text = await resp.text()
+        assert 'ferrobatch_generation_paused{model_name="smollm2"} 1.0' in text
         held = asyncio.create_task(complete())
         await asyncio.sleep(0.3)
         assert not held.done()
@@ -100,5 +103,10 @@ async def test_random_weights_become_the_real_model(random_server, loaded_smollm
         async with s.post(random_server.base + "/resume") as resp:
             assert resp.status == 200 and (await resp.json())["is_paused"] is False
         assert await held == want
+        async with s.get(random_server.base + "/metrics") as resp:
+            text = await resp.text()
+        assert "ferrobatch_weights_version{" in text and \
+            'ferrobatch_weights_version{model_name="smollm2"} 1.0' in text
+        assert 'ferrobatch_generation_paused{model_name="smollm2"} 0.0' in text
         assert await complete() == want
     await random_server.engine.check_idle_clean(10.0)

@@ -315,6 +315,8 @@ class AsyncEngine:
         s["num_probe_prompt_tokens_total"] = self.counters["probe_prompt_tokens"]
         guided = getattr(self._core, "_guided", None)
         s["num_guided_grammars_cached"] = guided.num_cached() if guided is not None else 0
+        s["weights_version"] = getattr(self._core, "weights_version", 0)
+        s["generation_paused"] = self.is_paused
         return s
 
     # -- requests ------------------------------------------------------------------------------

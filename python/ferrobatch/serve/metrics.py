@@ -83,6 +83,11 @@ class _SchedulerCollector:
                       "regex or choice).", s.get("num_guided_requests_total", 0))
         yield gauge("guided_grammars_cached", "Compiled guided-decoding grammars kept for reuse.",
                     s.get("num_guided_grammars_cached", 0))
+        yield gauge("weights_version", "Times the model's weights were updated in place since "
+                    "start (update_weights, POST /update_weights_from_disk).",
+                    s.get("weights_version", 0))
+        yield gauge("generation_paused", "1 while generation is paused (pause_generation, "
+                    "POST /pause), else 0.", 1.0 if s.get("generation_paused") else 0.0)
         lora = s.get("lora")
         if lora is not None:        # vLLM's gauge: the adapters in the labels, the value 1
             names = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
