@@ -31,6 +31,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="smollm2",
                    help="'smollm2' (embedded), a .gguf file, a Hugging Face model directory "
                    "or a Hub id ('org/name': its cached snapshot, else downloaded)")
+    g.add_argument("--tokenizer", default=None, metavar="PATH_OR_HUB_ID",
+                   help="take the tokenizer (and chat template) from here instead of the "
+                   "model: a Hugging Face directory or Hub id, or a .gguf file (vLLM's; e.g. "
+                   "a GGUF model with its base model's tokenizer)")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM's commands: ferrobatch runs no code from a model "
+                   "repository, whatever this says")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--dtype", default=None,
                    help="auto | float32 | float16 | bfloat16 (default auto: per device)")
@@ -162,7 +169,8 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         speculative_max_step_tokens=a.speculative_max_step_tokens,
         speculative_adaptive=not a.speculative_fixed_length,
         speculative_ngram_min=a.speculative_ngram[0], speculative_ngram_max=a.speculative_ngram[1],
-        chat_template=_template_text(a.chat_template), cpu_threads=a.cpu_threads,
+        chat_template=_template_text(a.chat_template), tokenizer=a.tokenizer,
+        cpu_threads=a.cpu_threads,
         enable_lora=a.enable_lora or bool(getattr(a, "lora_modules", None))
         or getattr(a, "allow_runtime_lora", False) or getattr(a, "lora", None) is not None,
         max_loras=a.max_loras, max_lora_rank=a.max_lora_rank,
@@ -253,6 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve a model over HTTP (OpenAI + WebSocket) and TCP",
                        formatter_class=_HelpFormatter)
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as --model takes it (vLLM's `vllm serve MODEL`)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's commands: tool_choice 'auto' is on wherever a "
+                   "tool-call parser applies (--tool-call-parser, or the chat template's)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     s.add_argument("--port", type=_port, default=8000, help="HTTP + WebSocket port")
     s.add_argument("--tcp-port", type=_port_or_off, default=8001,
@@ -545,8 +558,20 @@ async def _chat(a: argparse.Namespace) -> int:
     return 0
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, `serve MODEL` (vLLM's positional model) folded into `--model`."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model not in ("smollm2", tag):
+            parser.error(f"the model is given twice: {tag!r} and --model {args.model!r}")
+        args.model = tag
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     configure_logging(args.log_level)
     try:
         run = {"serve": _serve, "generate": _generate, "chat": _chat,

@@ -127,6 +127,8 @@ class EngineConfig:
     max_stop_token_ids: int = 64
     max_logit_bias: int = 300
     chat_template: str | None = None     # Jinja text replacing the model's chat template
+    tokenizer: str | None = None         # vLLM's --tokenizer: a HF directory, Hub id or .gguf
+    #                                      whose tokenizer (and chat template) replaces the model's
     cpu_threads: int | None = None       # CPU: the kernels' threads (None: torch's count, the
     #                                      cores or OMP_NUM_THREADS); sets torch's, process-wide
 

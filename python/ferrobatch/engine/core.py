@@ -153,6 +153,8 @@ class EngineCore:
                                 require_tokenizer=True)
         if loaded.tokenizer is None:
             raise ValueError(f"model {config.model!r} has no tokenizer; it cannot be served")
+        if config.tokenizer is not None:          # another tokenizer (and its template)
+            loaded = _with_tokenizer(loaded, config.tokenizer)
         if config.chat_template is not None:      # the operator's template replaces the model's
             import copy
             import dataclasses
@@ -589,6 +591,21 @@ def _logprobs_by_sequence(batch: Any, sample: Any, extras: dict[int, Any]) -> di
         out.setdefault((rid, si), []).append(
             (int(sample.token_ids[row]), float(sample.logprobs[row]), top))
     return out
+
+
+def _with_tokenizer(loaded: Any, name: str) -> Any:
+    """``loaded`` with the tokenizer ``name`` (``loader.load_tokenizer``) and its chat
+    template; ValueError when its token ids reach past the model's vocabulary."""
+    import dataclasses
+
+    from ferrobatch.model.loader import load_tokenizer
+    tokenizer = load_tokenizer(name)
+    if tokenizer.vocab_size > int(loaded.config.vocab_size):
+        raise ValueError(f"tokenizer {name!r} has {tokenizer.vocab_size} tokens, more than "
+                         f"the model's {loaded.config.vocab_size}-token vocabulary")
+    logger.info("tokenizer: %s (%d tokens) in place of the model's", name,
+                tokenizer.vocab_size)
+    return dataclasses.replace(loaded, tokenizer=tokenizer, chat_template=tokenizer.chat_template)
 
 
 def _lora_registry(config: EngineConfig, loaded: Any, runner: Any) -> Any:

@@ -53,8 +53,8 @@ def _engine_options(model: str, options: dict[str, Any]) -> dict[str, Any]:
         out["cuda_graphs"] = not eager
     if out.get("dtype") is not None and not isinstance(out["dtype"], str):
         out["dtype"] = str(out["dtype"]).removeprefix("torch.")     # a torch.dtype
-    if out.pop("tokenizer", None) not in (None, model):
-        raise ValueError("a tokenizer other than the model's own is not supported")
+    if out.get("tokenizer") in (None, model):      # the model's own: nothing to replace
+        out.pop("tokenizer", None)
     if out.pop("quantization", None) is not None:
         raise ValueError("quantization is not supported (a GGUF model's Q4_1 / Q8_0 weights are "
                          "read as they are stored)")

@@ -108,17 +108,23 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.T
         logger.warning("%s has no LM head (a base or embedding model): its logits reuse the "
                        "token embeddings, so serve it for embeddings, not text", path)
         config = dataclasses.replace(config, tie_word_embeddings=True)
-    tokenizer = None
+    return config, state, read_hf_tokenizer(path)
+
+
+def read_hf_tokenizer(path: str) -> Tokenizer | None:
+    """The tokenizer of a Hugging Face directory (``tokenizer.json``, with
+    ``tokenizer_config.json``, ``chat_template.jinja`` and ``generation_config.json``'s EOS ids
+    where present); None without a ``tokenizer.json``."""
     tokenizer_json = os.path.join(path, "tokenizer.json")
-    if os.path.isfile(tokenizer_json):
-        tok_cfg_path = os.path.join(path, "tokenizer_config.json")
-        tok_cfg = _read_json(tok_cfg_path) if os.path.isfile(tok_cfg_path) else {}
-        gen_path = os.path.join(path, "generation_config.json")
-        gen_eos = _read_json(gen_path).get("eos_token_id") if os.path.isfile(gen_path) else None
-        gen_eos_ids = gen_eos if isinstance(gen_eos, list) else ([] if gen_eos is None else [gen_eos])
-        template_path = os.path.join(path, "chat_template.jinja")
-        if "chat_template" not in tok_cfg and os.path.isfile(template_path):
-            with open(template_path, encoding="utf-8") as f:
-                tok_cfg = {**tok_cfg, "chat_template": f.read()}
-        tokenizer = Tokenizer.from_hf_files(tokenizer_json, tok_cfg, gen_eos_ids)
-    return config, state, tokenizer
+    if not os.path.isfile(tokenizer_json):
+        return None
+    tok_cfg_path = os.path.join(path, "tokenizer_config.json")
+    tok_cfg = _read_json(tok_cfg_path) if os.path.isfile(tok_cfg_path) else {}
+    gen_path = os.path.join(path, "generation_config.json")
+    gen_eos = _read_json(gen_path).get("eos_token_id") if os.path.isfile(gen_path) else None
+    gen_eos_ids = gen_eos if isinstance(gen_eos, list) else ([] if gen_eos is None else [gen_eos])
+    template_path = os.path.join(path, "chat_template.jinja")
+    if "chat_template" not in tok_cfg and os.path.isfile(template_path):
+        with open(template_path, encoding="utf-8") as f:
+            tok_cfg = {**tok_cfg, "chat_template": f.read()}
+    return Tokenizer.from_hf_files(tokenizer_json, tok_cfg, gen_eos_ids)

@@ -17,24 +17,27 @@ from ferrobatch.model.tokenizer import Tokenizer
 
 SMOLLM2_ALIAS = "smollm2"
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+")    # "org/name", as on the Hugging Face Hub
-_HUB_FILES = ["*.json", "*.safetensors"]                   # config, tokenizer, weights
+_HUB_FILES = ["*.json", "*.jinja", "*.safetensors"]   # config, tokenizer, chat template, weights
+_HUB_TOKENIZER_FILES = ["*.json", "*.jinja"]
 
 
-def hub_snapshot(repo_id: str) -> str:
+def hub_snapshot(repo_id: str, files: list[str] | None = None) -> str:
     """A Hugging Face Hub model's local directory: the cached snapshot, else downloaded (its
-    JSON files and safetensors weights only, with a progress bar). FileNotFoundError saying why
-    when neither works (offline, no such model, a gated one without a token)."""
+    JSON files, chat template and safetensors weights only, or the ``files`` patterns given,
+    with a progress bar). FileNotFoundError saying why when neither works (offline, no such
+    model, a gated one without a token)."""
+    files = files or _HUB_FILES
     try:
         from huggingface_hub import snapshot_download
     except ImportError:                 # tokenizers brings it; a trimmed install may not
         raise FileNotFoundError(f"model {repo_id!r} is not a local path, and huggingface_hub "
                                 "is not installed to fetch it") from None
     try:
-        return snapshot_download(repo_id, allow_patterns=_HUB_FILES, local_files_only=True)
+        return snapshot_download(repo_id, allow_patterns=files, local_files_only=True)
     except Exception:  # noqa: BLE001 - not cached (any reason): try the Hub
         pass
     try:
-        return snapshot_download(repo_id, allow_patterns=_HUB_FILES)
+        return snapshot_download(repo_id, allow_patterns=files)
     except Exception as exc:  # noqa: BLE001 - every failure is "could not get the model"
         raise FileNotFoundError(f"model {repo_id!r} is not a local path, and the Hugging Face "
                                 f"Hub could not provide it: {type(exc).__name__}: "
@@ -127,6 +130,29 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor] | None, *,
     else:
         model.load_hf_state_dict(state)
     return model.eval().requires_grad_(False)
+
+
+def load_tokenizer(name_or_path: str) -> Tokenizer:
+    """A tokenizer from elsewhere than the model (vLLM's ``--tokenizer``): a Hugging Face
+    directory, a Hub id (its JSON files and chat template only) or a ``.gguf`` file.
+    FileNotFoundError / ValueError saying why it cannot be used."""
+    path = smollm2_gguf_path() if name_or_path == SMOLLM2_ALIAS else \
+        os.path.expanduser(name_or_path)
+    if not os.path.exists(path) and HUB_ID.fullmatch(name_or_path):
+        path = hub_snapshot(name_or_path, _HUB_TOKENIZER_FILES)
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"tokenizer {name_or_path!r}: expected a .gguf file or a "
+                             f"directory holding tokenizer.json")
+        return _load_gguf_tokenizer(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"tokenizer {name_or_path!r} not found: expected a directory "
+                                f"holding tokenizer.json, a .gguf file or a Hub id")
+    from ferrobatch.model.hf_loader import read_hf_tokenizer
+    tokenizer = read_hf_tokenizer(path)
+    if tokenizer is None:
+        raise ValueError(f"tokenizer {name_or_path!r}: {path} holds no tokenizer.json")
+    return tokenizer
 
 
 def _load_gguf_tokenizer(path: str) -> Tokenizer:
