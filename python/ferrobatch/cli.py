@@ -277,10 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve a chat reply's <think>...</think> part as reasoning_content "
                    "(deepseek_r1: the reply starts inside it; qwen3: when it opens with <think>)")
     s.add_argument("--tool-call-parser", default=None,
-                   choices=["hermes", "llama3_json", "mistral"],
+                   choices=["hermes", "llama3_json", "mistral", "pythonic"],
                    help="how the model writes its own tool calls, for tool_choice 'auto' "
                    "(default: what its chat template asks for: Hermes <tool_call> blocks, "
-                   "Llama 3 JSON calls or Mistral's [TOOL_CALLS])")
+                   "Llama 3 JSON calls, Mistral's [TOOL_CALLS] or a Python list of calls, "
+                   "as Llama 3.2's lightweight models and Llama 4 write them)")
     s.add_argument("--enable-response-store", action="store_true",
                    help="the Responses API keeps finished responses in memory: "
                    "previous_response_id continues one, GET /v1/responses/{id} returns it")

@@ -21,7 +21,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from ferrobatch.serve import hermes_tools, llama3_tools, mistral_tools
+from ferrobatch.serve import hermes_tools, llama3_tools, mistral_tools, pythonic_tools
 from ferrobatch.serve.protocol import ProtocolError
 
 MAX_TOOLS = 128
@@ -53,7 +53,8 @@ class ToolPlan:
 # the tool-call formats "auto" understands: name -> (split_calls, its stream class)
 AUTO_PARSERS = {"hermes": (hermes_tools.split_calls, hermes_tools.HermesStream),
                 "llama3_json": (llama3_tools.split_calls, llama3_tools.Llama3Stream),
-                "mistral": (mistral_tools.split_calls, mistral_tools.MistralStream)}
+                "mistral": (mistral_tools.split_calls, mistral_tools.MistralStream),
+                "pythonic": (pythonic_tools.split_calls, pythonic_tools.PythonicStream)}
 # formats whose calls start with a special token: their requests keep special tokens in the text
 KEEPS_SPECIAL_TOKENS = frozenset({"mistral"})
 
@@ -66,6 +67,8 @@ def template_tool_parser(chat_template: str | None) -> str | None:
         return "llama3_json"
     if mistral_tools.template_has_mistral_calls(chat_template):
         return "mistral"
+    if pythonic_tools.template_has_pythonic_calls(chat_template):
+        return "pythonic"
     return None
 
 
