@@ -183,3 +183,12 @@ def test_kv_of_a_request_running_across_an_update_serves_no_later_request(llm):
 
     assert llm._run(run()) == 0
     assert engine.check_accounting()["tracked_extras"] == 0
+
+
+def test_apply_model_runs_a_function_on_the_served_model(llm):
+    """vLLM's `apply_model`: a list of one result; an exception reaches the caller and the
+    engine serves on."""
+    assert llm.apply_model(lambda model: model.config.num_layers) == [30]
+    with pytest.raises(ZeroDivisionError):
+        llm.apply_model(lambda model: 1 / 0)
+    assert len(_greedy(llm, PROMPTS[:1])[0][0]) == NEW_TOKENS

@@ -870,6 +870,17 @@ class AsyncEngine:
         logger.info("prefix cache reset: %d cached blocks dropped", dropped)
         return dropped
 
+    async def apply_model(self, func: Any) -> Any:
+        """``func(model)`` run on the step thread between two steps (vLLM's ``apply_model``:
+        inspect the served ``torch.nn.Module``); returns what it returns, raises what it
+        raises (the engine serves on). Change weights with ``update_weights``, which keeps the
+        kernels' copies and the prefix cache right; a ``func`` that writes them itself does
+        not."""
+        if not self.is_running:
+            raise EngineDeadError(self.dead_reason or "the engine is not started")
+        model = self._core.runner.model
+        return await asyncio.wrap_future(self._loop_thread.call(lambda: func(model)))
+
     @property
     def is_paused(self) -> bool:
         """Whether generation is paused (``pause_generation``)."""

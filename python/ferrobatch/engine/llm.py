@@ -137,6 +137,11 @@ class LLM:
         reset_prefix_cache`); returns how many blocks it dropped."""
         return self._run(self.engine.reset_prefix_cache())
 
+    def apply_model(self, func: Any) -> list[Any]:
+        """vLLM's: ``[func(model)]`` (one model here, vLLM's list of one per worker), run
+        between two steps; see `AsyncEngine.apply_model`."""
+        return [self._run(self.engine.apply_model(func))]
+
     def update_weights(self, weights: Any) -> dict[str, Any]:
         """Replaces the model's weights in place from ``(Hugging Face name, tensor)`` pairs or
         a dict (`AsyncEngine.update_weights`: any subset, all checked before any is written;
