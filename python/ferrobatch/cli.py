@@ -318,6 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "every S seconds while there is any (0 = never)")
     lg.add_argument("--disable-log-stats", action="store_true",
                     help="no periodic engine line (vLLM's flag; --log-stats-interval 0)")
+    lg.add_argument("--vllm-metric-names", action="store_true",
+                    help="/metrics names its metrics vllm:... (vllm:num_requests_running, "
+                    "vllm:time_to_first_token_seconds, ...) as vLLM does, so that dashboards "
+                    "made for vLLM read them (default: ferrobatch_...)")
     lg.add_argument("--access-log", action="store_true",
                     help="one INFO line per HTTP request: client, request line, status, bytes, "
                     "seconds (WebSocket and TCP sessions are not logged)")
@@ -383,6 +387,7 @@ async def _serve(a: argparse.Namespace) -> int:
                     access_log=a.access_log, reasoning_parser=a.reasoning_parser,
                     allow_runtime_lora=a.allow_runtime_lora,
                     allow_weight_updates=a.allow_weight_updates,
+                    vllm_metric_names=a.vllm_metric_names,
                     tool_call_parser=a.tool_call_parser,
                     return_tokens_as_token_ids=a.return_tokens_as_token_ids,
                     response_store=a.max_stored_responses if a.enable_response_store else 0)

@@ -510,3 +510,21 @@ async def test_embeddings_route_shapes_on_fakecore(fake_server):
                        ({"input": "x", "model": "other"}, "model")):
         status, _, text = await post(fake_server, "/v1/embeddings", bad)
         assert status in (400, 404) and json.loads(text)["error"]["param"] == param, (bad, text)
+
+
+@pytest.mark.parametrize("fake_server", [{"vllm_metric_names": True}], indirect=True)
+async def test_metrics_can_carry_vllms_names(fake_server):
+    """`serve --vllm-metric-names`: every metric as vLLM names it (`vllm:` for `ferrobatch_`),
+    so that dashboards made for vLLM read them."""
+    await post(fake_server, "/v1/completions", {"prompt": "abc", "max_tokens": 3})
+    async with aiohttp.ClientSession() as s:
+        async with s.get(fake_server.base + "/metrics") as resp:
+            text = await resp.text()
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines()
+             if line and not line.startswith("#")}
+    assert names and all(n.startswith("vllm:") for n in names), names
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:request_success_total", "vllm:num_preemptions_total"):
+        assert name in names, name
+    assert 'vllm:generation_tokens_total{model_name="fake"} 3.0' in text

@@ -1,4 +1,5 @@
-"""Prometheus metrics (prefix `ferrobatch_`), in a registry of their own per server.
+"""Prometheus metrics (prefix `ferrobatch_`, or vLLM's `vllm:` with `serve --vllm-metric-names`),
+in a registry of their own per server.
 
 Counters and histograms are fed by the engine's observer hooks; gauges and the scheduler's own
 cumulative counters (preemptions, prefix cache) are read from the engine's latest step snapshot
@@ -37,21 +38,22 @@ def buckets_1_2_5(limit: int) -> tuple[int, ...]:
 
 
 class _SchedulerCollector:
-    def __init__(self, engine: Any, model: str) -> None:
+    def __init__(self, engine: Any, model: str, prefix: str) -> None:
         self._engine = engine
         self._model = model
+        self._prefix = prefix
 
     def collect(self) -> Iterable[Any]:
         s = self._engine.stats()
         labels = ["model_name"]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(f"ferrobatch_{name}", doc, labels=labels)
+            g = GaugeMetricFamily(f"{self._prefix}{name}", doc, labels=labels)
             g.add_metric([self._model], float(value))
             return g
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(f"ferrobatch_{name}", doc, labels=labels)
+            c = CounterMetricFamily(f"{self._prefix}{name}", doc, labels=labels)
             c.add_metric([self._model], float(value))
             return c
 
@@ -91,7 +93,7 @@ class _SchedulerCollector:
         lora = s.get("lora")
         if lora is not None:        # vLLM's gauge: the adapters in the labels, the value 1
             names = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
-            info = GaugeMetricFamily("ferrobatch_lora_requests_info", "LoRA adapters of running "
+            info = GaugeMetricFamily(f"{self._prefix}lora_requests_info", "LoRA adapters of running "
                                      "and waiting requests, in the labels (the value is 1).",
                                      labels=labels + list(names))
             info.add_metric([self._model, str(lora["max_loras"]), ",".join(lora["running"]),
@@ -104,7 +106,7 @@ class _SchedulerCollector:
         config = getattr(self._engine, "kv_cache_config", lambda: None)()
         if config is not None:
             names = ("block_size", "num_blocks", "cache_dtype")
-            info = GaugeMetricFamily("ferrobatch_cache_config_info", "The KV cache's "
+            info = GaugeMetricFamily(f"{self._prefix}cache_config_info", "The KV cache's "
                                      "configuration, in the labels (the value is 1).",
                                      labels=labels + list(names))
             info.add_metric([self._model] + [str(config[n]) for n in names], 1.0)
@@ -112,33 +114,37 @@ class _SchedulerCollector:
 
 
 class ServerMetrics(EngineObserver):
-    def __init__(self, engine: Any, model_name: str) -> None:
+    """The Prometheus metrics of a server, named ``ferrobatch_...``, or with ``prefix="vllm:"``
+    (``serve --vllm-metric-names``) as vLLM names the same ones, so that dashboards made for
+    vLLM read them."""
+
+    def __init__(self, engine: Any, model_name: str, prefix: str = "ferrobatch_") -> None:
         disable_created_metrics()     # no `_created` gauge beside every counter and histogram
         self.registry = CollectorRegistry()
-        r, m = self.registry, model_name
+        r, m, px = self.registry, model_name, prefix
         lab = ["model_name"]
-        self.prompt_tokens = Counter("ferrobatch_prompt_tokens", "Prompt tokens of scheduled "
+        self.prompt_tokens = Counter(f"{px}prompt_tokens", "Prompt tokens of scheduled "
                                      "requests.", lab, registry=r).labels(m)
-        self.generation_tokens = Counter("ferrobatch_generation_tokens", "Generated tokens.",
+        self.generation_tokens = Counter(f"{px}generation_tokens", "Generated tokens.",
                                          lab, registry=r).labels(m)
-        success = Counter("ferrobatch_request_success", "Finished requests by finish reason "
+        success = Counter(f"{px}request_success", "Finished requests by finish reason "
                           "(a request of n sequences counts once: error or abort if any "
                           "sequence ended so, else the first sequence's reason).",
                           lab + ["finished_reason"], registry=r)
         self.success = {reason: success.labels(m, reason) for reason in FINISH_REASONS}
-        self.ttft = Histogram("ferrobatch_time_to_first_token_seconds", "Time to first token.",
+        self.ttft = Histogram(f"{px}time_to_first_token_seconds", "Time to first token.",
                               lab, buckets=TTFT_BUCKETS, registry=r).labels(m)
-        self.itl = Histogram("ferrobatch_inter_token_latency_seconds", "Time between the "
+        self.itl = Histogram(f"{px}inter_token_latency_seconds", "Time between the "
                              "steps that gave a request tokens (one gap per step, however many "
                              "sequences or accepted drafts).", lab, buckets=ITL_BUCKETS,
                              registry=r).labels(m)
-        self.e2e = Histogram("ferrobatch_e2e_request_latency_seconds", "Arrival to finish.",
+        self.e2e = Histogram(f"{px}e2e_request_latency_seconds", "Arrival to finish.",
                              lab, buckets=LATENCY_BUCKETS, registry=r).labels(m)
-        self.queue = Histogram("ferrobatch_request_queue_time_seconds", "Arrival to first "
+        self.queue = Histogram(f"{px}request_queue_time_seconds", "Arrival to first "
                                "scheduled.", lab, buckets=LATENCY_BUCKETS, registry=r).labels(m)
 
         def latency(name: str, doc: str) -> Any:
-            return Histogram(f"ferrobatch_request_{name}_time_seconds", doc, lab,
+            return Histogram(f"{px}request_{name}_time_seconds", doc, lab,
                              buckets=LATENCY_BUCKETS, registry=r).labels(m)
 
         self.prefill = latency("prefill", "First scheduled to first token.")
@@ -147,7 +153,7 @@ class ServerMetrics(EngineObserver):
         lengths = buckets_1_2_5(getattr(engine, "max_model_len", 8192))
 
         def per_request(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
-            return Histogram(f"ferrobatch_request_{name}", doc, lab, buckets=buckets,
+            return Histogram(f"{px}request_{name}", doc, lab, buckets=buckets,
                              registry=r).labels(m)
 
         self.request_prompt_tokens = per_request("prompt_tokens", "Prompt tokens of finished "
@@ -160,11 +166,11 @@ class ServerMetrics(EngineObserver):
                                               "none was given).", lengths)
         self.request_n = per_request("params_n", "The n (sequences) of finished requests.",
                                      N_BUCKETS)
-        self.iteration_tokens = Histogram("ferrobatch_iteration_tokens_total", "Tokens computed "
+        self.iteration_tokens = Histogram(f"{px}iteration_tokens_total", "Tokens computed "
                                           "per engine step (prompt chunks, decodes, drafts).",
                                           lab, buckets=ITERATION_BUCKETS,
                                           registry=r).labels(m)
-        r.register(_SchedulerCollector(engine, m))
+        r.register(_SchedulerCollector(engine, m, prefix))
         engine.add_observer(self)
 
     def on_scheduled(self, queue_time_s: float, num_prompt_tokens: int) -> None:

@@ -57,7 +57,7 @@ class Server:
                  allowed_origins: frozenset[str] = frozenset(),
                  log_stats_interval_s: float = 0.0, access_log: bool = False,
                  reasoning_parser: str | None = None, allow_runtime_lora: bool = False,
-                 allow_weight_updates: bool = False,
+                 allow_weight_updates: bool = False, vllm_metric_names: bool = False,
                  tool_call_parser: str | None = None,
                  return_tokens_as_token_ids: bool = False,
                  response_store: int = 0) -> None:
@@ -69,7 +69,8 @@ class Server:
         `reasoning_content` (`serve/reasoning.py`). `allow_runtime_lora`: LoRA adapters may be
         loaded and unloaded over HTTP (`serve/lora_api.py`; needs an engine with enable_lora).
         `allow_weight_updates`: `POST /update_weights_from_disk` replaces the model's weights
-        from a checkpoint on the server's disk (`serve/weights_api.py`).
+        from a checkpoint on the server's disk (`serve/weights_api.py`). `vllm_metric_names`:
+        `/metrics` names its metrics `vllm:...` as vLLM does (its dashboards read them).
         `tool_call_parser` ("hermes", "llama3_json", "mistral"): how the model writes its own
         tool calls, for tool_choice "auto" (default: what the chat template asks for).
         `return_tokens_as_token_ids`: logprobs show tokens as `token_id:<id>` unless a request
@@ -101,7 +102,8 @@ class Server:
         if response_store:
             from ferrobatch.serve.response_store import ResponseStore
             self.state.responses = ResponseStore(response_store)
-        self.state.metrics = ServerMetrics(engine, self.state.model_name)
+        self.state.metrics = ServerMetrics(engine, self.state.model_name,
+                                           "vllm:" if vllm_metric_names else "ferrobatch_")
         self.stats_logger = (StatsLogger(engine, log_stats_interval_s)
                              if log_stats_interval_s > 0 else None)
         self._stats_task: asyncio.Task | None = None
