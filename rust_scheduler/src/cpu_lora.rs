@@ -168,8 +168,10 @@ unsafe fn row_start(out: &OutPtr, at: usize) -> *mut f32 {
     out.0.add(at)
 }
 
-/// One row's update through block `b`; `xa` is scratch of `width` floats. On AVX2 CPUs the
-/// loops are compiled with AVX2 and FMA (the same sums, fused multiply-adds).
+/// One row's update through block `b`; `xa` is scratch of `width` floats. The loops are
+/// compiled for AVX-512 or AVX2 + FMA where the CPU has them (the same sums: fused
+/// multiply-adds over 16 partial sums either way; AVX-512 measured 25.2 against AVX2's 28.9 us
+/// for 16 rows of a 576 -> 960 module at width 24, session 38).
 fn update_row(
     w: &LoraWeights<'_>,
     k: usize,
@@ -180,12 +182,27 @@ fn update_row(
     xa: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if Isa::detect(Isa::Avx512) >= Isa::Avx2 {
-        // SAFETY: this CPU has AVX2 and FMA (detected above).
-        unsafe { update_row_avx2(w, k, n, b, x, out, xa) };
-        return;
+    match Isa::detect(Isa::Avx512) {
+        // SAFETY: this CPU has AVX-512F (and AVX2 and FMA), or AVX2 and FMA (detected here).
+        Isa::Avx512 => return unsafe { update_row_avx512(w, k, n, b, x, out, xa) },
+        Isa::Avx2 => return unsafe { update_row_avx2(w, k, n, b, x, out, xa) },
+        _ => {}
     }
     update_row_body::<false>(w, k, n, b, x, out, xa);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn update_row_avx512(
+    w: &LoraWeights<'_>,
+    k: usize,
+    n: usize,
+    b: usize,
+    x: &[f32],
+    out: &mut [f32],
+    xa: &mut [f32],
+) {
+    update_row_body::<true>(w, k, n, b, x, out, xa);
 }
 
 #[cfg(target_arch = "x86_64")]
