@@ -874,3 +874,41 @@ async def test_embed_messages_on_ws_and_tcp(real):
             assert len(await client.embed(list(range(10, 40)))) == 576
         finally:
             await client.close()
+
+
+async def test_beam_search_on_the_websocket_and_tcp_doors(real):
+    """`use_beam_search` in a `generate`'s params: each beam, best first, as one delta of its
+    index, then `done` with their finish reasons; what the engine's own search gives. A field
+    it cannot honour is an error by name; a cancelled search ends as `cancelled` and leaves
+    the engine idle and clean."""
+    from ferrobatch.engine.beam_search import BeamSearchParams
+    prompt = "The best way to learn a new language is"
+    expect = await real.engine.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=8))
+    ws = await WSClient.connect(real.ws_url)
+    tcp = await TCPClient.connect("127.0.0.1", real.tcp_port)
+    try:
+        for client in (ws, tcp):
+            got = await client.complete(prompt, max_tokens=8, n=3, use_beam_search=True)
+            assert got["texts"] == [s.text for s in expect.sequences]
+            assert got["finish_reasons"] == [s.finish_reason for s in expect.sequences]
+            assert got["usage"]["completion_tokens"] == sum(len(s.output_token_ids)
+                                                            for s in expect.sequences)
+            with pytest.raises(RuntimeError, match="'stop' cannot be combined"):
+                await client.complete(prompt, max_tokens=4, use_beam_search=True, stop=["x"])
+            with pytest.raises(RuntimeError, match="'length_penalty' needs"):
+                await client.complete(prompt, max_tokens=4, length_penalty=0.5)
+            async def story(client=client):
+                return [m async for m in client.generate(
+                    "Tell me a long story about a dragon.", id="b", max_tokens=200, n=4,
+                    use_beam_search=True, ignore_eos=True)]
+            before = real.engine.check_accounting()["released"]
+            task = asyncio.ensure_future(story())
+            while real.engine.check_accounting()["released"] - before < 12:   # a few steps in
+                await asyncio.sleep(0.02)
+            await client.cancel("b")
+            assert [m["type"] for m in await task] == ["cancelled"]
+            await real.engine.check_idle_clean(10.0)
+    finally:
+        await ws.close()
+        await tcp.close()
+    await real.engine.check_idle_clean(10.0)

@@ -43,6 +43,8 @@ SAMPLING_FIELDS = frozenset(INT_FIELDS + NUM_FIELDS + BOOL_FIELDS + GUIDED_FIELD
                             + ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids",
                                "bad_words", "cache_salt", "extra_args"))
 MAX_EXTRA_ARGS = 64           # names in `extra_args` / `vllm_xargs`
+# beam search's fields (vLLM's `use_beam_search`; serve/beam_http.py checks them)
+BEAM_FIELDS = ("use_beam_search", "length_penalty", "early_stopping")
 
 
 class ProtocolError(ValueError):
@@ -243,6 +245,7 @@ class GenerateMsg:
     params: SamplingParams
     chat_options: dict[str, Any] | None = None    # `AsyncEngine.render_chat` keywords
     model: Any = None                             # a served model name, or None (unchecked)
+    beam: Any = None          # a BeamSearchParams with `use_beam_search` (vLLM's)
 
 
 @dataclass
@@ -323,14 +326,16 @@ def parse_message(msg: Any, sampling_defaults: dict[str, Any] | None = None
             raise ProtocolError("'params' must be a map of sampling fields")
         unknown = sorted(str(k) for k in params
                          if k not in SAMPLING_FIELDS
-                         and k not in ("structured_outputs", "vllm_xargs"))
+                         and k not in ("structured_outputs", "vllm_xargs") + BEAM_FIELDS)
         if unknown:
             raise ProtocolError(f"unknown sampling field(s): {', '.join(unknown)}")
         sp = sampling_params_from(params, defaults=under_door_defaults(sampling_defaults or {},
                                                                        {}),
                                   output_kind="delta")
+        from ferrobatch.serve.beam_http import beam_params_of
+        beam = beam_params_of(params, sp, sampling_defaults)
         return "generate", GenerateMsg(rid, prompt, messages, sp, chat_options,
-                                       msg.get("model"))
+                                       msg.get("model"), beam)
     if kind == "embed":
         _only(msg, {"type", "id", "prompt", "params", "model"})
         rid = check_id(msg.get("id"))

@@ -108,6 +108,12 @@ class Session:
 
     def _generate(self, msg: GenerateMsg, binary: bool) -> None:
         self._admit(msg.id)
+        if msg.beam is not None:
+            search = self._engine.beam_search(msg.prompt, msg.beam, messages=msg.messages,
+                                              chat_options=msg.chat_options,
+                                              lora_request=self._lora_of(msg.model))
+            self._start(msg.id, _BeamSearch(search), binary, self._pump_beams)
+            return
         stream = self._engine.add_request(msg.prompt, msg.params, messages=msg.messages,
                                           chat_options=msg.chat_options,
                                           lora_request=self._lora_of(msg.model))
@@ -152,6 +158,36 @@ class Session:
         else:
             message = last.error if last is not None and last.error else "embedding failed"
             await self._send(error_msg(rid, 500, message), binary)
+
+    async def _pump_beams(self, rid: Any, search: _BeamSearch, binary: bool) -> None:
+        """A beam search's messages: each returned beam, best first, as one `delta` of its
+        index (its whole text and tokens), then `done` with each beam's finish reason; or
+        `cancelled`, or `error` (a bad request is a 400)."""
+        try:
+            out = await search.task
+        except asyncio.CancelledError:
+            if rid not in self._cancelled:
+                raise                            # the connection is closing: nothing to send
+            await self._send({"type": "cancelled", "id": rid}, binary)
+            return
+        except ValueError as exc:
+            await self._send(error_msg(rid, 400, str(exc)), binary)
+            return
+        except Exception as exc:  # noqa: BLE001 - reported to the client
+            code, _ = error_status(exc)
+            await self._send(error_msg(rid, code, str(exc) if code < 500 or code == 503
+                                       else "beam search failed"), binary)
+            return
+        for j, seq in enumerate(out.sequences):
+            await self._send({"type": "delta", "id": rid, "index": j, "text": seq.text,
+                              "token_ids": seq.output_token_ids}, binary)
+        reasons = [seq.finish_reason for seq in out.sequences] or ["abort"]
+        await self._send({"type": "done", "id": rid, "finish_reason": reasons[0],
+                          "finish_reasons": reasons,
+                          "usage": {"prompt_tokens": len(out.prompt_token_ids),
+                                    "completion_tokens": sum(len(s.output_token_ids)
+                                                             for s in out.sequences),
+                                    "cached_tokens": 0}}, binary)
 
     async def _cancel(self, rid: Any, binary: bool) -> None:
         entry = self._active.get(rid)
@@ -215,3 +251,14 @@ class Session:
             tasks.append(task)
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _BeamSearch:
+    """A running beam search in the place of a request stream: `abort()` cancels it (its
+    requests are aborted as the search unwinds)."""
+
+    def __init__(self, search: Any) -> None:
+        self.task = asyncio.ensure_future(search)
+
+    def abort(self) -> None:
+        self.task.cancel()
