@@ -282,9 +282,7 @@ class ModelRunner:
                 return empty, torch.empty(0, self.config.hidden_size, device=self.device)
             return empty
         if self.validate_steps:
-            check_step_arrays(batch, self.block_size, self.kv_cache.num_blocks)
-            if int(np.asarray(batch.positions).max()) >= self.config.max_position_embeddings:
-                raise ValueError("a position exceeds the model's max_position_embeddings")
+            self._validate(batch)
         if allow_graph and hidden_rows is None and \
                 self._fits_decode_graphs(batch, self.decode_graphs, checked=True):
             self.graph_steps += 1
@@ -315,10 +313,14 @@ class ModelRunner:
         if graphs is None or not _samples_every_row(batch) or not graphs.can_run(batch):
             return False
         if self.validate_steps and not checked:
-            check_step_arrays(batch, self.block_size, self.kv_cache.num_blocks)
-            if int(np.asarray(batch.positions).max()) >= self.config.max_position_embeddings:
-                raise ValueError("a position exceeds the model's max_position_embeddings")
+            self._validate(batch)
         return True
+
+    def _validate(self, batch) -> None:
+        """``validate_steps``: the step's arrays against the cache and the model (ValueError)."""
+        check_step_arrays(batch, self.block_size, self.kv_cache.num_blocks)
+        if int(np.asarray(batch.positions).max()) >= self.config.max_position_embeddings:
+            raise ValueError("a position exceeds the model's max_position_embeddings")
 
     def _run_pieces(self, batch, meta, logits_indices: torch.Tensor,
                     hidden_rows: torch.Tensor | None):
