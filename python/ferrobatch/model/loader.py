@@ -215,11 +215,13 @@ _SHAPE_FIELDS = ("arch", "vocab_size", "hidden_size", "intermediate_size", "num_
 
 
 def read_checkpoint_weights(path: str, like: ModelConfig) -> dict[str, torch.Tensor]:
-    """The tensors of a checkpoint on disk (a Hugging Face model directory's safetensors, or a
-    ``.gguf`` file, dequantized as ``load_model`` does) under their Hugging Face names, for
+    """The tensors of a checkpoint (a Hugging Face model directory's safetensors, a Hub id's, or
+    a ``.gguf`` file, dequantized as ``load_model`` does) under their Hugging Face names, for
     updating a served model of config ``like`` in place. FileNotFoundError for a missing path;
     ValueError for another format or a checkpoint of another shape (naming what differs)."""
-    path = os.path.expanduser(path)
+    name, path = path, os.path.expanduser(path)
+    if not os.path.exists(path) and HUB_ID.fullmatch(name):
+        path = hub_snapshot(name)
     if os.path.isdir(path):
         from ferrobatch.model.hf_loader import load_hf_dir
         config, state, _ = load_hf_dir(path)
