@@ -49,6 +49,19 @@ pub fn salt_digest(salt: Option<&str>) -> u64 {
     }
 }
 
+/// The salt a sequence's block hashes use: its request's (`salt_digest`), and from cache epoch
+/// 1 on the epoch too (a 64-bit hash of both: different pairs collide as unlikely as any
+/// two salts).
+pub fn hash_salt(salt: u64, epoch: u64) -> u64 {
+    if epoch == 0 {
+        return salt;
+    }
+    let mut buf = [0u8; 16];
+    buf[..8].copy_from_slice(&salt.to_le_bytes());
+    buf[8..].copy_from_slice(&epoch.to_le_bytes());
+    xxh3_64(&buf) | 1
+}
+
 /// Extends `hashes` with the hashes of every full block of `tokens` not hashed yet,
 /// up to (not including) block `limit_blocks`.
 pub fn extend_hashes(

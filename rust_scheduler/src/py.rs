@@ -556,6 +556,12 @@ impl PyScheduler {
         self.inner.reset_prefix_cache()
     }
 
+    /// Start cache epoch `epoch` (the engine's weights version): sequences admitted from now
+    /// on never reuse KV computed before.
+    fn set_cache_epoch(&mut self, epoch: u64) {
+        self.inner.set_cache_epoch(epoch);
+    }
+
     /// Raise RuntimeError describing the first broken invariant, if any.
     fn check_integrity(&self) -> PyResult<()> {
         self.inner

@@ -9,7 +9,8 @@
 //! Sequence invariants (checked by `Scheduler::check_integrity`):
 //! - `num_computed_tokens <= tokens.len()`, `prompt_len >= 1`, `prompt_len <= tokens.len()`;
 //! - a waiting sequence holds no blocks and has `num_computed_tokens == 0`;
-//! - `block_hashes[k]` is the chained hash of full block `k` of `tokens` (a prefix of all of them).
+//! - `block_hashes[k]` is the chained hash of full block `k` of `tokens` (a prefix of all of them),
+//!   salted with the request's salt and the sequence's `hash_epoch`.
 
 use crate::config::SchedulerConfig;
 use crate::error::SchedError;
@@ -283,6 +284,10 @@ pub struct Sequence {
     pub unforked: Vec<u32>,
     /// Leading full blocks already offered to the prefix cache.
     pub num_registered: usize,
+    /// The scheduler's cache epoch when this sequence was last admitted: its block hashes are
+    /// salted with it (`prefix_cache::hash_salt`), so that KV computed in one epoch (before a
+    /// weight update) never serves a sequence admitted in a later one.
+    pub hash_epoch: u64,
     /// Speculative decoding: drafts refused outright in a row (the model disagreed with the
     /// first draft token), and decode steps left before this sequence drafts again.
     pub draft_misses: u8,

@@ -31,7 +31,7 @@ use crate::block_pool::BlockPool;
 use crate::config::{Policy, SchedulerConfig};
 use crate::error::SchedError;
 use crate::intake::{Command, Intake};
-use crate::prefix_cache::{extend_hashes, salt_digest};
+use crate::prefix_cache::{extend_hashes, hash_salt, salt_digest};
 use crate::request::{FinishReason, NewRequest, RequestGroup, RequestShared, SeqStatus, Sequence};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -134,6 +134,9 @@ pub struct Scheduler {
     /// Steps in a row that `admission_batch` held waiting sequences back (0 after an admission).
     pub(crate) admission_held_steps: usize,
     pub(crate) num_admission_holds_total: u64,
+    /// Salted into the block hashes of every sequence admitted from now on (see
+    /// [`Scheduler::set_cache_epoch`]).
+    pub(crate) cache_epoch: u64,
 }
 
 impl Scheduler {
@@ -169,6 +172,7 @@ impl Scheduler {
             askers_scratch: Vec::new(),
             admission_held_steps: 0,
             num_admission_holds_total: 0,
+            cache_epoch: 0,
             cfg,
         })
     }
@@ -207,6 +211,14 @@ impl Scheduler {
     /// find no prefix that no running sequence holds. Returns the blocks dropped.
     pub fn reset_prefix_cache(&mut self) -> usize {
         self.pool.drop_free_cached()
+    }
+
+    /// Starts cache epoch `epoch` (the engine's weights version): a sequence admitted from now
+    /// on hashes its blocks with it, so the KV of blocks computed before (cached, or held by
+    /// sequences running across the change) never stands in for its tokens; a waiting
+    /// sequence hashed in an earlier epoch is hashed again when admitted.
+    pub fn set_cache_epoch(&mut self, epoch: u64) {
+        self.cache_epoch = epoch;
     }
 
     /// Current counters.
@@ -309,6 +321,7 @@ impl Scheduler {
             status: SeqStatus::Waiting,
             unforked: (1..r.n as u32).collect(),
             num_registered: 0,
+            hash_epoch: self.cache_epoch,
             draft_misses: 0,
             draft_backoff: 0,
             draft_len: self.cfg.num_speculative_tokens as u8,
@@ -736,11 +749,23 @@ impl Scheduler {
         let bs = self.cfg.block_size;
         self.hits_scratch.clear();
         let caching = self.pool.caching();
+        let epoch = self.cache_epoch;
         let s = self.seqs[h as usize].as_mut().expect("live handle");
         if caching {
+            if s.hash_epoch != epoch {
+                // hashed in an earlier epoch (before a weight update): hashed again in this one
+                s.block_hashes.clear();
+                s.hash_epoch = epoch;
+            }
             // Never the whole sequence: at least one token is always computed.
             let limit = (s.num_tokens() - 1) / bs;
-            extend_hashes(&mut s.block_hashes, &s.tokens, bs, s.req.salt, limit);
+            extend_hashes(
+                &mut s.block_hashes,
+                &s.tokens,
+                bs,
+                hash_salt(s.req.salt, epoch),
+                limit,
+            );
             for &hash in &s.block_hashes[..limit.min(s.block_hashes.len())] {
                 match self.pool.lookup(hash) {
                     Some(b) => self.hits_scratch.push(b),

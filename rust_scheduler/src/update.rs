@@ -20,7 +20,7 @@
 
 use crate::batch::StepOutput;
 use crate::error::SchedError;
-use crate::prefix_cache::extend_hashes;
+use crate::prefix_cache::{extend_hashes, hash_salt};
 use crate::request::{FinishReason, SeqStatus, Sequence};
 use crate::scheduler::{Scheduled, Scheduler};
 
@@ -101,7 +101,8 @@ impl Scheduler {
         let s = self.seqs[h as usize].as_mut().expect("live handle");
         let full = s.num_computed_tokens / bs;
         if full > s.num_registered {
-            extend_hashes(&mut s.block_hashes, &s.tokens, bs, s.req.salt, full);
+            let salt = hash_salt(s.req.salt, s.hash_epoch);
+            extend_hashes(&mut s.block_hashes, &s.tokens, bs, salt, full);
             for k in s.num_registered..full {
                 self.pool.register(s.blocks[k], s.block_hashes[k]);
             }
@@ -170,6 +171,7 @@ impl Scheduler {
             status: SeqStatus::Running,
             unforked: Vec::new(),
             num_registered: p.num_registered,
+            hash_epoch: p.hash_epoch,
             draft_misses: 0,
             draft_backoff: 0,
             draft_len: p.draft_len,

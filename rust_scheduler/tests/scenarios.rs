@@ -127,6 +127,37 @@ fn prefix_hit_computes_only_the_rest_and_same_output() {
 }
 
 #[test]
+fn a_new_cache_epoch_shares_no_block_computed_before() {
+    // the engine's weight update: a sequence running across it keeps its blocks, but neither
+    // they nor cached ones stand in for a sequence admitted after it, even one submitted
+    // before; within the new epoch, sharing works as before
+    let mut s = Scheduler::new(cfg(64, 4, 64)).unwrap();
+    let mut r = FakeRunner::new(&s);
+    let prompt: Vec<i32> = (1..=9).collect();
+    s.submit(req(1, prompt.clone(), 3)).unwrap();
+    drain(&mut s, &mut r); // its blocks are cached and free now
+    s.submit(req(2, prompt.clone(), 20)).unwrap();
+    assert_eq!(
+        step(&mut s, &mut r).0.num_tokens(),
+        1,
+        "a hit within the epoch"
+    );
+    s.submit(req(3, prompt.clone(), 2)).unwrap(); // submitted, not admitted yet
+    s.set_cache_epoch(1);
+    let (b, _) = step(&mut s, &mut r); // request 2 decodes (its blocks held), 3 is admitted
+    assert_eq!(b.num_tokens(), 1 + 9, "request 3 computes its whole prompt");
+    drain(&mut s, &mut r);
+    s.submit(req(4, prompt.clone(), 1)).unwrap();
+    assert_eq!(
+        step(&mut s, &mut r).0.num_tokens(),
+        1,
+        "epoch 1's own blocks are shared"
+    );
+    drain(&mut s, &mut r);
+    assert_eq!(s.stats().num_used_blocks, 0);
+}
+
+#[test]
 fn caching_off_recomputes_everything() {
     let mut c = cfg(64, 4, 64);
     c.enable_prefix_caching = false;

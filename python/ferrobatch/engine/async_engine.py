@@ -931,8 +931,8 @@ class AsyncEngine:
         checkpoints (``model.layers.0.self_attn.q_proj.weight``), any subset. Every tensor is
         checked (name, shape, finite values) before any is written: a bad one is a ValueError
         and nothing changes. Runs between two steps: running requests go on with the new
-        weights (their cached KV stays theirs); later requests never reuse KV computed before
-        (update while idle for every token to see the new weights). Returns
+        weights (their cached KV stays theirs); a request admitted after it never reuses KV
+        computed before (pause around it for every token to see the new weights). Returns
         ``{"tensors", "skipped", "gguf_layers_unblocked", "prefix_blocks_dropped",
         "weights_version"}``."""
         if not self.is_running:

@@ -126,7 +126,7 @@ class EngineCore:
         # LoRA: the registry (asyncio thread) and each request's (slot, adapter id), copy-on-write
         self.loras: Any = None                # LoraRegistry when config.enable_lora
         self._lora_of: dict[int, tuple[int, int]] = {}
-        # weight updates so far (update_weights); in every later request's prefix-cache salt
+        # weight updates so far (update_weights): the scheduler's cache epoch
         self.weights_version = 0
         # engine-wide logits processor factories (config.logits_processors), asked per request
         self.processor_factories = resolve_factories(config.logits_processors)
@@ -304,8 +304,6 @@ class EngineCore:
                 logits_processors=processors)
             self._extras = {**self._extras, req_id: state.extras}
         salt = None if p.cache_salt is None else f"tenant/{p.cache_salt}"
-        if self.weights_version:    # KV computed with earlier weights serves no later request
-            salt = f"weights/{self.weights_version}" + ("" if salt is None else f"/{salt}")
         if lora is not None:        # KV computed with an adapter serves only that adapter
             salt = f"lora/{lora.lora_int_id}" + ("" if salt is None else f"/{salt}")
         # a prompt-logprobs request must compute every prompt token: a salt of its own keeps
@@ -369,12 +367,14 @@ class EngineCore:
         return int(self.scheduler.reset_prefix_cache())
 
     def update_weights(self, weights: list) -> dict[str, Any]:
-        """Replaces the named weights (``ModelRunner.update_weights``), then keeps cached KV
-        computed with the old ones from serving later requests: their prefix-cache salt
-        carries the new ``weights_version`` and the free cached blocks are dropped. Step
-        thread only (see StepLoop.call)."""
+        """Replaces the named weights (``ModelRunner.update_weights``), then keeps KV computed
+        with the old ones from serving any sequence admitted after: the scheduler starts cache
+        epoch ``weights_version`` (salted into the block hashes of every sequence admitted
+        from now on, even one submitted before) and drops the free cached blocks. Step thread
+        only (see StepLoop.call)."""
         summary = self.runner.update_weights(weights)
         self.weights_version += 1
+        self.scheduler.set_cache_epoch(self.weights_version)
         summary["prefix_blocks_dropped"] = self.reset_prefix_cache()
         summary["weights_version"] = self.weights_version
         return summary
