@@ -60,8 +60,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "step's peak and the graphs' reserve that the KV cache takes "
                    "(--kv-cache-gb sets its size instead)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    g.add_argument("--no-prefix-caching", action="store_true",
+    g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
                    help="do not reuse the KV blocks of prompt prefixes computed before")
+    v = p.add_argument_group("accepted for vLLM's command lines (what they ask is how "
+                             "ferrobatch runs anyway)")
+    v.add_argument("--enable-prefix-caching", action="store_true",
+                   help="prefix caching is on unless --no-prefix-caching")
+    v.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="long prompts are always prefilled in chunks beside the decodes")
+    v.add_argument("--disable-log-requests", action="store_true",
+                   help="no request is logged unless --access-log")
+    v.add_argument("-tp", "--tensor-parallel-size", type=_one_device, default=1, metavar="1",
+                   help="ferrobatch runs a model on one device: only 1")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                    help="fcfs: arrival order; priority: a request's priority first (lower "
                    "runs first), then arrival")
@@ -218,6 +228,13 @@ def _template_text(value: str | None) -> str | None:
     if value is None:
         return None
     return _text_or_file(value, "{{" in value or "{%" in value)
+
+
+def _one_device(text: str) -> int:
+    if text.strip() != "1":
+        raise argparse.ArgumentTypeError(f"{text!r}: ferrobatch runs a model on one device "
+                                         "(only 1)")
+    return 1
 
 
 def _port(text: str) -> int:

@@ -90,3 +90,11 @@ def test_serve_takes_the_model_as_vllm_does(capsys):
     with pytest.raises(SystemExit):
         parse_args(["serve", "a.gguf", "--model", "b.gguf"])
     assert "given twice" in capsys.readouterr().err
+    # vLLM's flags for how ferrobatch runs anyway; the one that turns something off does
+    vllm_like = parse_args(["serve", "m", "--enable-prefix-caching", "--enable-chunked-prefill",
+                            "--disable-log-requests", "-tp", "1"])
+    assert _config(vllm_like).enable_prefix_caching
+    assert not _config(parse_args(["serve", "--no-enable-prefix-caching"])).enable_prefix_caching
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--tensor-parallel-size", "2"])
+    assert "one device" in capsys.readouterr().err
