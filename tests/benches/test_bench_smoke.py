@@ -256,3 +256,13 @@ def test_lora_bench_smoke(tmp_path: Path) -> None:
                                                        "base-layered", "lora-2-layered"]
     assert all(r["output_tokens_per_s"] > 0 for r in data["results"])
     assert data["results"][0]["vs_base"] == 1.0 and "vs base" in stdout
+
+
+def test_weight_update_bench_smoke(tmp_path: Path) -> None:
+    data, stdout = _bench("weight_update.py", "--repeats", "1",
+                          json_out=tmp_path / "weights.json")
+    names = [r["update"] for r in data["results"]]
+    assert names[0].startswith("all tensors, first") and names[-1].startswith("from disk")
+    assert [r["tensors"] for r in data["results"]] == [272, 272, 9, 1, 272]
+    assert all(r["best_ms"] > 0 for r in data["results"]) and data["decode_step_ms"] > 0
+    assert "decode steps" in stdout

@@ -192,3 +192,35 @@ def test_apply_model_runs_a_function_on_the_served_model(llm):
     with pytest.raises(ZeroDivisionError):
         llm.apply_model(lambda model: 1 / 0)
     assert len(_greedy(llm, PROMPTS[:1])[0][0]) == NEW_TOKENS
+
+
+def test_finite_values_whose_sum_overflows_are_accepted(llm):
+    """The fast check (a tensor's sum) only sends a tensor to the exact one: finite values
+    whose sum is infinite pass, one NaN among them does not."""
+    from ferrobatch.runtime.weight_update import plan_update
+    model = llm.engine._core.runner.model
+    huge = torch.full((576,), 3e38)
+    assert not torch.isfinite(huge.sum())
+    assert plan_update(model, [("model.norm.weight", huge)]).num_tensors == 1
+    huge[7] = float("nan")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        plan_update(model, [("model.norm.weight", huge)])
+
+
+@pytest.mark.parametrize("out_features", [37, 48, 50])
+def test_rows_written_into_panels_equal_panels_packed_anew(out_features):
+    """`PanelLinear.write_rows` (whole panels at once where the rows allow, else row by row)
+    leaves the panels `pack_panels` makes of the edited weight, zero padding included."""
+    from ferrobatch.runtime.cpu_linear import PanelLinear, pack_panels
+    gen = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, 20, generator=gen)
+    linear = PanelLinear(weight)
+    assert torch.equal(linear.dense_weight(), weight)
+    for start, rows in ((0, 16), (16, out_features - 16), (32, out_features - 32), (3, 5),
+                        (0, out_features)):
+        new = torch.randn(rows, 20, generator=gen)
+        linear.write_rows(start, new)
+        weight[start:start + rows] = new
+        assert torch.equal(linear.packed_weight, pack_panels(weight)), (start, rows)
+    with pytest.raises(ValueError, match="do not fit"):
+        linear.write_rows(out_features - 2, torch.zeros(3, 20))

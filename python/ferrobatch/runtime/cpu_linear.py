@@ -153,6 +153,13 @@ class PanelLinear(nn.Module):
             weight = self.dense_weight()
             weight[start:stop] = rows
             self.packed_weight = pack_panels(weight)
+        elif start % PANEL_WIDTH == 0 and (stop % PANEL_WIDTH == 0 or stop == self.out_features):
+            first, end = start // PANEL_WIDTH, -(-stop // PANEL_WIDTH)    # whole panels
+            padded = rows.new_zeros((end - first) * PANEL_WIDTH, self.in_features,
+                                    dtype=torch.float32)
+            padded[:rows.shape[0]] = rows
+            self.packed_weight[first:end] = padded.view(end - first, PANEL_WIDTH,
+                                                        self.in_features).transpose(1, 2)
         else:
             index = torch.arange(start, stop)
             self.packed_weight[index // PANEL_WIDTH, :, index % PANEL_WIDTH] = rows.float()

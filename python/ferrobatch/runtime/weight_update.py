@@ -118,7 +118,9 @@ def plan_update(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]] | 
             raise ValueError(f"{name}: shape {tuple(value.shape)}, the model's is {want}")
         if not value.is_floating_point():
             raise ValueError(f"{name}: dtype {value.dtype} is not a floating-point type")
-        if not bool(torch.isfinite(value).all()):
+        # any NaN or inf makes the sum non-finite; a non-finite sum of finite values (an
+        # overflow) is told apart by the exact check
+        if not bool(torch.isfinite(value.sum())) and not bool(torch.isfinite(value).all()):
             raise ValueError(f"{name}: holds NaN or infinite values")
         writes.append(write)
     return WeightUpdate(writes, skipped)
