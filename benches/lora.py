@@ -16,9 +16,10 @@ Systems (one engine, `enable_lora=True`, SmolLM2 GGUF on the CPU by default; rou
   what the fused step buys, with and without adapters (before session 37, every step with
   adapter rows ran so);
 - CUDA: `base-eager`: no adapter, on a second engine over the same weights with
-  `cuda_graphs=False`; `lora-K-eager`: `lora-K` with the LoRA decode graphs taken away for
-  those runs (`runner.lora_decode_graphs = None`), every step with adapter rows eager: how
-  they all ran before session 38 (`runtime/lora_graphs.py`).
+  `cuda_graphs=False`; `lora-K-eager`: `lora-K` with the LoRA decode and piecewise graphs
+  taken away for those runs (`runner.lora_decode_graphs = runner.lora_piecewise_graphs =
+  None`), every step with adapter rows eager: how they all ran before session 38
+  (`runtime/lora_graphs.py`).
 
 (Until session 37 the CPU's `base-layered` was a second engine with `fused_decode=False` over
 the same loaded model, and building it took the fused step away from the first engine too:
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = a.device.startswith("cuda")
     runner = llm.engine._core.runner
     fused = runner.fused_layers
-    lora_graphs = runner.lora_decode_graphs
+    lora_graphs = (runner.lora_decode_graphs, runner.lora_piecewise_graphs)
     # CUDA: a second engine over the same weights without graphs (graphs belong to a runner);
     # CPU: the same engine with its runner's fused step taken away for the layered runs
     eager = LLM(a.model, loaded_model=llm.engine._core.loaded, cuda_graphs=False,
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"lora-{a.adapters}": (llm, spread, None)}
         if cuda:
             systems["base-eager"] = (eager, None, None)
-            if lora_graphs is not None:
+            if lora_graphs[0] is not None:
                 systems[f"lora-{a.adapters}-eager"] = (llm, spread, "lora-graphs")
         elif fused is not None:
             systems["base-layered"] = (llm, None, "layered")
@@ -104,12 +105,14 @@ def main(argv: list[str] | None = None) -> int:
         def run(engine, loras, without, count, params_):
             """The first `count` requests of a system, `without` taken away meanwhile."""
             runner.fused_layers = None if without == "layered" else fused
-            runner.lora_decode_graphs = None if without == "lora-graphs" else lora_graphs
+            runner.lora_decode_graphs, runner.lora_piecewise_graphs = \
+                (None, None) if without == "lora-graphs" else lora_graphs
             try:
                 return engine.generate(prompts[:count], params_, use_tqdm=False,
                                        lora_request=None if loras is None else loras[:count])
             finally:
-                runner.fused_layers, runner.lora_decode_graphs = fused, lora_graphs
+                runner.fused_layers = fused
+                runner.lora_decode_graphs, runner.lora_piecewise_graphs = lora_graphs
 
         for engine, loras, without in systems.values():  # warm-up (and every adapter loaded)
             run(engine, loras, without, 2, params.replace(max_tokens=2))
@@ -118,11 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         with tqdm(total=a.rounds * len(systems), desc="lora bench", unit="run") as bar:
             for _ in range(a.rounds):
                 for name, (engine, loras, without) in systems.items():
-                    steps0 = runner.lora_graph_steps
+                    steps0 = runner.lora_graph_steps + runner.lora_piecewise_steps
                     t0 = time.perf_counter()
                     outs = run(engine, loras, without, a.num, params)
                     times[name].append(time.perf_counter() - t0)
-                    lora_graph_steps[name] += runner.lora_graph_steps - steps0
+                    lora_graph_steps[name] += \
+                        runner.lora_graph_steps + runner.lora_piecewise_steps - steps0
                     assert all(len(o.outputs[0].token_ids) == a.max_tokens for o in outs)
                     bar.update(1)
     tokens = a.num * a.max_tokens

@@ -93,6 +93,7 @@ async def _serve_loras(loaded, loras: dict, graphs: bool):
     core = await asyncio.to_thread(EngineCore.build, config, loaded)
     if graphs:
         core.runner.capture_decode_graphs(config.max_num_seqs, 256, emulate=True)
+        core.runner.capture_piecewise_graphs(config.max_num_batched_tokens, emulate=True)
     async with AsyncEngine(config, core=core) as engine:
         async def final(prompt, lora):
             params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
@@ -107,9 +108,10 @@ async def _serve_loras(loaded, loras: dict, graphs: bool):
 
 
 async def test_lora_decode_graphs_match_eager_steps(loaded_smollm2, tmp_path):
-    """The scheduler's real batches mixing base and adapter rows: with emulated decode graphs
-    the decode steps with adapter rows replay the LoRA graphs, and every request gets the
-    tokens of the eager steps (which test_lora.py checks against transformers)."""
+    """The scheduler's real batches mixing base and adapter rows: with emulated decode and
+    piecewise graphs the steps with adapter rows replay the LoRA ones (no step eager), and
+    every request gets the tokens of the eager steps (which test_lora.py checks against
+    transformers)."""
     cfg = loaded_smollm2.config
     loras = {}
     for i, (name, targets, r) in enumerate([("qv", ("q_proj", "v_proj"), 8),
@@ -120,6 +122,7 @@ async def test_lora_decode_graphs_match_eager_steps(loaded_smollm2, tmp_path):
     want, eager = await _serve_loras(loaded_smollm2, loras, graphs=False)
     got, runner = await _serve_loras(loaded_smollm2, loras, graphs=True)
     assert eager.lora_graph_steps == 0 and runner.lora_graph_steps > 5
+    assert runner.lora_piecewise_steps > 0 and runner.eager_steps == 0
     assert got == want
     for first in (0, 3):        # one prompt, three models: three answers
         assert len({tuple(t) for t in want[first:first + 3]}) == 3

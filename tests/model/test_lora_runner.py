@@ -24,9 +24,10 @@ CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_
     pytest.param("cuda", False, marks=pytest.mark.gpu),
     pytest.param("cuda", True, marks=pytest.mark.gpu)])
 def test_runner_mixes_base_and_adapter_rows_like_merged_transformers(tmp_path, device, graphs):
-    """With ``graphs`` the decode steps replay decode graphs (emulated on the CPU: the same
-    static buffers, each replay re-running the forward), the adapter rows' through the LoRA
-    decode graphs; then slot 1 takes slot 2's adapter and the graphs' weights follow."""
+    """With ``graphs`` the decode steps replay decode graphs and the prefill / mixed steps the
+    piecewise graphs (emulated on the CPU: the same static buffers, each replay re-running the
+    forward), steps with adapter rows through the LoRA ones; then slot 1 takes slot 2's
+    adapter and the graphs' weights follow."""
     from ferrobatch.model.loader import load_model
     from ferrobatch.model.lora_adapter import read_lora_adapter
     from ferrobatch.runtime.model_runner import ModelRunner
@@ -46,6 +47,9 @@ def test_runner_mixes_base_and_adapter_rows_like_merged_transformers(tmp_path, d
     if graphs:
         runner.capture_decode_graphs(8, 512, emulate=device == "cpu")
         assert runner.lora_decode_graphs.captured_buckets == runner.decode_graphs.captured_buckets
+        runner.capture_piecewise_graphs(48, emulate=device == "cpu")     # the prefill steps
+        assert runner.lora_piecewise_graphs.captured_buckets == \
+            runner.piecewise_graphs.captured_buckets
     for slot, (targets, rank, std) in specs.items():
         path = tmp_path / f"adapter{slot}"
         pairs = write_peft_adapter(str(path), cfg, targets=targets, r=rank, alpha=2 * rank,
@@ -80,10 +84,13 @@ def test_runner_mixes_base_and_adapter_rows_like_merged_transformers(tmp_path, d
     if not graphs:
         assert runner.lora_graph_steps == 0
         return
-    # decode steps with adapter rows replayed the LoRA graphs (5 tokens each, the last 2+)
-    assert runner.lora_graph_steps >= 4 and runner.graph_lora.syncs == 1
+    # decode steps with adapter rows replayed the LoRA decode graphs (5 tokens each, the last
+    # 2+), prefill and mixed ones the LoRA pieces: no step ran eagerly
+    assert runner.lora_graph_steps >= 4 and runner.lora_piecewise_steps >= 2
+    assert runner.eager_steps == 0 and runner.graph_lora.syncs == 1
     slots.clear(1)
     slots.put(1, adapters[2])
-    before = runner.lora_graph_steps
+    before = runner.lora_graph_steps, runner.lora_piecewise_steps
     check({0: 0, 1: 2, 2: 2})
-    assert runner.lora_graph_steps > before and runner.graph_lora.syncs == 2
+    assert runner.lora_graph_steps > before[0] and runner.lora_piecewise_steps > before[1]
+    assert runner.graph_lora.syncs == 2

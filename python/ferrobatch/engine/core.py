@@ -672,7 +672,7 @@ def _maybe_capture_piecewise_graphs(config: EngineConfig, runner: Any) -> None:
 
         buckets = runner.capture_piecewise_graphs(limit, progress=progress)
     except Exception as exc:  # noqa: BLE001 - any capture failure: those steps run eagerly
-        runner.piecewise_graphs = None
+        runner.piecewise_graphs = runner.lora_piecewise_graphs = None
         torch.cuda.empty_cache()
         logger.warning("piecewise CUDA graphs: capture failed, prefill and mixed steps run "
                        "eagerly: %s: %s", type(exc).__name__, exc)

@@ -9,7 +9,8 @@ ones when LoRA is enabled) that read:
   ``gate_up_proj``, 1 otherwise); the adapter in slot ``s`` sits in block ``s - 1`` (its own
   columns / rows first, zeros after them and in empty slots);
 * the decode graphs' static ``lora_blocks`` buffer (``StaticDecodeInputs.lora_blocks``): each
-  row's block, -1 for base-model rows and padding.
+  row's block, -1 for base-model rows and padding; the piecewise graphs' (``lora=...``,
+  ``ModelRunner.lora_piecewise_graphs``) the same per token, for prefill and mixed steps.
 
 Each hooked linear then adds ``((x @ a_t) * mask) @ b_t`` into every row, ``mask[row, c]`` being
 1 where column ``c`` belongs to the row's block (computed inside the graph from the buffer, once
@@ -108,6 +109,14 @@ class GraphLoraWeights:
         loaded = set(stacked.slots)
         return np.array([int(s) - 1 if s and int(s) in loaded else -1 for s in seq_slots],
                         dtype=np.int64)
+
+    @staticmethod
+    def token_blocks(stacked: StackedLora, query_start_loc, seq_slots) -> np.ndarray:
+        """Each token row's block (int64 ``[T]``) for the piecewise graphs: its sequence's
+        (``row_blocks``) over the sequence's query tokens."""
+        starts = np.asarray(query_start_loc, dtype=np.int64)
+        per_seq = GraphLoraWeights.row_blocks(stacked, seq_slots)
+        return np.repeat(per_seq, np.diff(starts[:len(per_seq) + 1]))
 
     def step(self, blocks: torch.Tensor) -> GraphLoraStep:
         """The ``LoraHooks`` step of one captured forward: every row, each its ``blocks`` row's

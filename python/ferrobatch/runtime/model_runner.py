@@ -172,8 +172,10 @@ class ModelRunner:
         # decode graphs for steps with adapter rows (captured with the plain ones once LoRA is
         # enabled), the adapters' weights they read, and the steps they served
         self.lora_decode_graphs: DecodeGraphRunner | None = None
+        self.lora_piecewise_graphs: PiecewiseGraphRunner | None = None
         self.graph_lora: GraphLoraWeights | None = None
-        self.lora_graph_steps = 0
+        self.lora_graph_steps = 0          # LoRA steps replaying decode graphs
+        self.lora_piecewise_steps = 0      # LoRA steps through the piecewise graphs
 
     def enable_lora(self, max_loras: int, max_rank: int = 16) -> LoraSlots:
         """Hooks the model for LoRA (``runtime.lora``) and gives this runner ``max_loras``
@@ -269,6 +271,21 @@ class ModelRunner:
                 self._graph_logits, self._graph_greedy_rows = self.lora_decode_graphs.run(
                     batch, lora_blocks=self.graph_lora.row_blocks(stacked, lora_slots))
                 return self._graph_logits
+            pieces = self.lora_piecewise_graphs
+            if stacked is not None and allow_graph and pieces is not None \
+                    and pieces.can_run(int(np.asarray(batch.input_ids).shape[0])):
+                self._apply_block_copies(batch)
+                if self.validate_steps:
+                    self._validate(batch)
+                self.graph_lora.sync(stacked)
+                self.piecewise_steps += 1
+                self.lora_piecewise_steps += 1
+                meta = self.attn_backend.build_metadata(batch, self.device)
+                logits_indices = _to_device(batch.logits_indices, self.device, torch.int64)
+                rows = None if hidden_rows is None else \
+                    _to_device(np.asarray(hidden_rows), self.device, torch.int64)
+                blocks = self.graph_lora.token_blocks(stacked, batch.query_start_loc, lora_slots)
+                return self._run_pieces(batch, meta, logits_indices, rows, pieces, blocks)
             step = None if stacked is None else \
                 lora_step(stacked, batch.query_start_loc, lora_slots, self.device)
             if step is not None:
@@ -323,8 +340,12 @@ class ModelRunner:
             raise ValueError("a position exceeds the model's max_position_embeddings")
 
     def _run_pieces(self, batch, meta, logits_indices: torch.Tensor,
-                    hidden_rows: torch.Tensor | None):
-        """One step through the piecewise graphs, attention eager between them."""
+                    hidden_rows: torch.Tensor | None,
+                    pieces: PiecewiseGraphRunner | None = None,
+                    lora_blocks: np.ndarray | None = None):
+        """One step through the piecewise graphs (``pieces``: the LoRA ones, with each token's
+        block), attention eager between them."""
+        pieces = pieces or self.piecewise_graphs
         backend, model, caches = self.attn_backend, self.model, self.kv_cache.layers
 
         def attention(layer: int, qkv: torch.Tensor, rope_tables):
@@ -332,7 +353,7 @@ class ModelRunner:
                                                         backend)
 
         with torch_single_threaded() if self.rust_linears else contextlib.nullcontext():
-            hidden = self.piecewise_graphs.run(batch.input_ids, batch.positions, attention)
+            hidden = pieces.run(batch.input_ids, batch.positions, attention, lora_blocks)
             return model.logits_from_hidden(hidden, logits_indices, hidden_rows)
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, *,
@@ -374,10 +395,7 @@ class ModelRunner:
                                     emulate: bool) -> None:
         """The decode step with every slot's adapter applied by row (``runtime.lora_graphs``),
         captured at ``plain``'s buckets into its memory pool."""
-        slots = self.lora_slots
-        weights = GraphLoraWeights(self.config, slots.max_loras, slots.max_rank,
-                                   self.loaded.dtype, self.device)
-        hooks = self.model.lora
+        weights, hooks = self._graph_lora_weights(), self.model.lora
 
         def lora_decode_step(inputs):
             with hooks.step(weights.step(inputs.lora_blocks)):
@@ -389,9 +407,17 @@ class ModelRunner:
             num_splits_for=plain.num_splits_for, lora_blocks=True, pool=plain.pool)
         with torch.inference_mode():
             graphs.capture()
-        self.graph_lora, self.lora_decode_graphs = weights, graphs
-        logger.info("LoRA decode graphs: %d slots of rank <= %d, static weights %.0f MiB",
-                    slots.max_loras, slots.max_rank, weights.num_bytes / 2**20)
+        self.lora_decode_graphs = graphs
+
+    def _graph_lora_weights(self) -> GraphLoraWeights:
+        """The adapters' static weights every LoRA graph reads (made on first use)."""
+        if self.graph_lora is None:
+            slots = self.lora_slots
+            self.graph_lora = GraphLoraWeights(self.config, slots.max_loras, slots.max_rank,
+                                               self.loaded.dtype, self.device)
+            logger.info("LoRA graphs: %d slots of rank <= %d, static weights %.0f MiB",
+                        slots.max_loras, slots.max_rank, self.graph_lora.num_bytes / 2**20)
+        return self.graph_lora
 
     def capture_piecewise_graphs(self, max_tokens: int, *, buckets: tuple[int, ...] | None = None,
                                  emulate: bool = False, progress=None) -> tuple[int, ...]:
@@ -410,6 +436,14 @@ class ModelRunner:
                 torch_single_threaded() if self.rust_linears else contextlib.nullcontext():
             pieces.capture(progress=progress)
         self.piecewise_graphs = pieces
+        if self.lora_slots is not None:     # the same pieces with every slot's adapter
+            lora = PiecewiseGraphRunner(
+                self.model, buckets=buckets, device=self.device, emulate=emulate,
+                lora=(self.model.lora, self._graph_lora_weights()), pool=pieces.pool)
+            with torch.inference_mode(), \
+                    torch_single_threaded() if self.rust_linears else contextlib.nullcontext():
+                lora.capture()
+            self.lora_piecewise_graphs = lora
         return pieces.captured_buckets
 
 

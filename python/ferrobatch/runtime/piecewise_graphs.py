@@ -30,6 +30,10 @@ about one eager step's activations at the largest bucket, whatever the number of
 
 ``emulate=True`` captures nothing and "replays" by calling the piece: the whole data flow
 (padding, static buffers, the attention between pieces) is tested on any device.
+
+With ``lora=(hooks, weights)`` every piece runs inside a LoRA step of the static adapter
+weights (``runtime.lora_graphs``) and one more static buffer, each token's block (-1: a
+base-model token, and the padding): the pieces of steps with adapter tokens.
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ class PiecewiseGraphRunner:
     """
 
     def __init__(self, model, *, buckets: tuple[int, ...], device: torch.device | str,
-                 emulate: bool = False) -> None:
+                 emulate: bool = False, lora: tuple | None = None, pool=None) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError("buckets must be positive token counts")
         self.model = model
@@ -104,7 +108,10 @@ class PiecewiseGraphRunner:
         self._cos = torch.zeros(big, 1, cfg.head_dim, dtype=dtype, device=dev)
         self._sin = torch.zeros(big, 1, cfg.head_dim, dtype=dtype, device=dev)
         self._graphs: dict[int, list] = {}
-        self._pool = None
+        self._pool = pool            # another runner's pool may be shared: never run at once
+        self._lora = lora
+        self._lora_blocks = None if lora is None else \
+            torch.full((big,), -1, dtype=torch.int64, device=dev)
         self._staging: torch.Tensor | None = None     # host side of _copy_in: [2, big] int64
         self._staged = None           # CUDA event after the last copies out of _staging
         self.replays = 0          # steps run through the pieces
@@ -136,12 +143,26 @@ class PiecewiseGraphRunner:
             else:
                 self._hidden[:t].copy_(residual + delta)
 
-        return first if index == 0 else middle
+        piece = first if index == 0 else middle
+        if self._lora is None:
+            return piece
+        hooks, weights = self._lora
+
+        def with_lora() -> None:
+            with hooks.step(weights.step(self._lora_blocks[:t])):
+                piece()
+
+        return with_lora
 
     # ---- capture ------------------------------------------------------------------------------
     @property
     def captured_buckets(self) -> tuple[int, ...]:
         return tuple(sorted(self._graphs))
+
+    @property
+    def pool(self):
+        """The captured pieces' memory pool (None before capture, or emulated)."""
+        return self._pool
 
     def capture(self, warmup_iters: int = 2,
                 progress: Callable[[int, int], None] | None = None) -> None:
@@ -184,14 +205,20 @@ class PiecewiseGraphRunner:
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray,
             attention: Callable[[int, torch.Tensor, tuple[torch.Tensor, torch.Tensor]],
-                                torch.Tensor]) -> torch.Tensor:
-        """Runs one step of ``n`` tokens; returns the last layer's residual stream ``[n, hidden]``
-        (a view of the static buffer: valid until the next run)."""
+                                torch.Tensor],
+            lora_blocks: np.ndarray | None = None) -> torch.Tensor:
+        """Runs one step of ``n`` tokens (with each token's LoRA block, which a runner made
+        with ``lora`` needs); returns the last layer's residual stream ``[n, hidden]`` (a view
+        of the static buffer: valid until the next run)."""
         n = int(np.asarray(input_ids).shape[0])
         t = bucket_for(n, self.captured_buckets)
         if t is None:
             raise ValueError(f"no captured bucket holds {n} tokens")
-        self._copy_in(input_ids, positions, n)
+        if (lora_blocks is None) != (self._lora is None):
+            raise ValueError("LoRA blocks go with, and only with, pieces made with lora")
+        if lora_blocks is not None and np.shape(lora_blocks) != (n,):
+            raise ValueError(f"lora_blocks must hold one block per token ({n})")
+        self._copy_in(input_ids, positions, n, t, lora_blocks)
         graphs = self._graphs[t]
         qkv, attn = self._qkv[:n], self._attn[:n]                     # views, once per step
         tables = (self._cos[:n], self._sin[:n])
@@ -202,13 +229,15 @@ class PiecewiseGraphRunner:
         self.replays += 1
         return self._hidden[:n]
 
-    def _copy_in(self, input_ids: np.ndarray, positions: np.ndarray, n: int) -> None:
-        """The step's ids and positions into the static device buffers, through one host staging
-        buffer made once (pinned on CUDA: no page-locked allocation per step); the previous
-        step's copies out of it are waited for before it is overwritten."""
+    def _copy_in(self, input_ids: np.ndarray, positions: np.ndarray, n: int, t: int,
+                 lora_blocks: np.ndarray | None = None) -> None:
+        """The step's ids and positions (and tokens' LoRA blocks, -1 on the padding up to the
+        bucket ``t``) into the static device buffers, through one host staging buffer made once
+        (pinned on CUDA: no page-locked allocation per step); the previous step's copies out of
+        it are waited for before it is overwritten."""
         if self._staging is None:
             cuda = self.device.type == "cuda"
-            self._staging = torch.empty(2, self.buckets[-1], dtype=torch.int64, pin_memory=cuda)
+            self._staging = torch.empty(3, self.buckets[-1], dtype=torch.int64, pin_memory=cuda)
             self._staged = torch.cuda.Event() if cuda else None
         elif self._staged is not None:
             self._staged.synchronize()
@@ -217,6 +246,10 @@ class PiecewiseGraphRunner:
         host[1, :n] = positions
         self._input_ids[:n].copy_(self._staging[0, :n], non_blocking=True)
         self._positions[:n].copy_(self._staging[1, :n], non_blocking=True)
+        if lora_blocks is not None:
+            host[2, :n] = lora_blocks
+            host[2, n:t] = -1
+            self._lora_blocks[:t].copy_(self._staging[2, :t], non_blocking=True)
         if self._staged is not None:
             self._staged.record()
 
