@@ -122,6 +122,10 @@ def test_fuzz_tcp_frames(fuzz_srv, bodies, lie):
                                st.integers(10, 3000).map(lambda d: ("t", "[" * d + "]" * d)),
                                hostile_bodies().map(lambda b: ("b", b))), min_size=1, max_size=3))
 def test_fuzz_ws_messages(fuzz_srv, msgs):
+    def decode(m):
+        return json.loads(m.data) if m.type == aiohttp.WSMsgType.TEXT else \
+            msgpack.unpackb(m.data, raw=False)
+
     async def go():
         async with aiohttp.ClientSession() as s:
             async with s.ws_connect(fuzz_srv.ws_url) as ws:
@@ -134,15 +138,16 @@ def test_fuzz_ws_messages(fuzz_srv, msgs):
                         break
                     if m.type not in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
                         break
-                    obj = json.loads(m.data) if m.type == aiohttp.WSMsgType.TEXT else \
-                        msgpack.unpackb(m.data, raw=False)
+                    obj = decode(m)
                     if obj["type"] == "error":
                         assert 400 <= obj["code"] < 500, obj
                 await ws.send_str(json.dumps({"type": "generate", "id": "v", "prompt": "ok",
                                               "params": {"max_tokens": 2}}))
                 last = None
                 while last is None or last["type"] == "delta" or last.get("id") != "v":
-                    last = json.loads((await ws.receive(timeout=10)).data)
+                    # (a reply to a fuzz message may come late, past the wait above: a binary
+                    # message's in msgpack)
+                    last = decode(await ws.receive(timeout=10))
                 assert last["type"] == "done", last
     COUNT["ws"] += len(msgs)
     fuzz_srv.run(go())
