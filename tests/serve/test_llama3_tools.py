@@ -6,10 +6,9 @@ message decides what the "model" writes)."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
-from tool_replies import NAMES, WEATHER, echoing_reply, post_chat
+from tool_replies import NAMES, WEATHER, cut_streams, echoing_reply, post_chat
 
 from ferrobatch.serve.llama3_tools import (
     PYTHON_TAG,
@@ -57,20 +56,13 @@ def test_whole_replies(text, want):
                                    "Plain answer, no call.", "<|pyramid|> is not the tag",
                                    "{not json at all", ""])
 def test_any_cut_into_pieces_gives_the_whole_replys_answer(reply):
-    rng = random.Random(len(reply))
     want = calls_of(reply)
-    for _ in range(30):
-        stream, sent, at = Llama3Stream(NAMES), [], 0
-        while at < len(reply):
-            step = rng.randint(1, 5)
-            sent.append(stream.feed(reply[at:at + step]))
-            at += step
-        rest, calls = stream.finish(complete=True)
+    for sent, rest, calls in cut_streams(lambda: Llama3Stream(NAMES), reply):
         if want is not None:
-            assert "".join(sent) == rest == "" and [c["function"]["name"] for c in calls] == \
+            assert sent == rest == "" and [c["function"]["name"] for c in calls] == \
                 [name for name, _ in want]
         else:
-            assert calls is None and "".join(sent) + rest == reply
+            assert calls is None and sent + rest == reply
     plain = Llama3Stream(NAMES)
     assert plain.feed("Hello") == "Hello" and plain.feed(" there") == " there"
 

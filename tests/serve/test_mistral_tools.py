@@ -7,11 +7,10 @@ the user message decides what the "model" writes), special tokens kept for such 
 from __future__ import annotations
 
 import json
-import random
 import re
 
 import pytest
-from tool_replies import NAMES, WEATHER, echoing_reply, post_chat
+from tool_replies import NAMES, WEATHER, cut_streams, echoing_reply, post_chat
 
 from ferrobatch.serve.mistral_tools import (
     BOT,
@@ -75,20 +74,13 @@ def test_call_ids_are_mistrals():
 @pytest.mark.parametrize("reply", [V3, V11, "Sure. " + V3, "Plain answer, no call.",
                                    "[TOOL is not the token", BOT + "{not json", ""])
 def test_any_cut_into_pieces_gives_the_whole_replys_answer(reply):
-    rng = random.Random(len(reply))
     want = calls_of(reply)
-    for _ in range(30):
-        stream, sent, at = MistralStream(NAMES), [], 0
-        while at < len(reply):
-            step = rng.randint(1, 5)
-            sent.append(stream.feed(reply[at:at + step]))
-            at += step
-        rest, calls = stream.finish(complete=True)
+    for sent, rest, calls in cut_streams(lambda: MistralStream(NAMES), reply):
         if want is not None:
-            assert "".join(sent).strip() == want[0] and rest == ""
+            assert sent.strip() == want[0] and rest == ""
             assert [c["function"]["name"] for c in calls] == [n for n, _ in want[1]]
         else:
-            assert calls is None and "".join(sent) + rest == reply
+            assert calls is None and sent + rest == reply
 
 
 def test_a_plan_for_mistral_keeps_special_tokens():

@@ -6,6 +6,8 @@ stops by itself)."""
 from __future__ import annotations
 
 import json
+import random
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -27,6 +29,21 @@ def echoing_reply(r: Any, reply: str, chat_template: str, tools: list[dict]) -> 
         messages[-1]["content"]
     return {"messages": [{"role": "user", "content": reply + EOS_CHAR}], "tools": tools,
             "max_tokens": 140}
+
+
+def cut_streams(make_stream: Callable[[], Any], reply: str,
+                tries: int = 30) -> Iterator[tuple[str, str, Any]]:
+    """(the deltas sent, joined; what `finish` still sends; the calls) of `tries` streams of
+    `reply`, each fed in random pieces of 1..5 characters (seeded by the reply's length)."""
+    rng = random.Random(len(reply))
+    for _ in range(tries):
+        stream, sent, at = make_stream(), [], 0
+        while at < len(reply):
+            step = rng.randint(1, 5)
+            sent.append(stream.feed(reply[at:at + step]))
+            at += step
+        rest, calls = stream.finish(complete=True)
+        yield "".join(sent), rest, calls
 
 
 async def post_chat(r: Any, body: dict) -> tuple[int, Any]:

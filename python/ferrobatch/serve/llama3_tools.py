@@ -66,6 +66,16 @@ class Llama3Stream:
         self.held = ""
         self.holding: bool | None = None      # None: not decided (only whitespace so far)
 
+    def starts_calls(self, start: str) -> bool | None:
+        """Whether a reply beginning with `start` (no leading whitespace) is held as calls:
+        True, False, or None while it may still become the tag."""
+        if start.startswith("{") or start.startswith(PYTHON_TAG):
+            return True
+        return None if PYTHON_TAG.startswith(start) else False
+
+    def split(self, text: str, complete: bool) -> tuple[str, list[dict[str, Any]]] | None:
+        return split_calls(text, self.names, complete)
+
     def feed(self, delta: str) -> str:
         if self.holding is False:
             return delta
@@ -73,12 +83,12 @@ class Llama3Stream:
         start = self.held.lstrip()
         if not start:
             return ""
-        if start.startswith("{") or start.startswith(PYTHON_TAG) or \
-                PYTHON_TAG.startswith(start):
-            if not (PYTHON_TAG.startswith(start) and len(start) < len(PYTHON_TAG)):
-                self.holding = True           # a call, or the tag: held to the end
+        decided = self.starts_calls(start)
+        if decided is None:
             return ""
-        self.holding = False
+        self.holding = decided
+        if decided:
+            return ""                         # a call, or the tag: held to the end
         out, self.held = self.held, ""
         return out
 
@@ -86,7 +96,7 @@ class Llama3Stream:
         """(content still to send, the calls or None)."""
         held, self.held = self.held, ""
         if held.strip():
-            found = split_calls(held, self.names, complete)
+            found = self.split(held, complete)
             if found is not None:
                 return "", found[1]
         return held, None

@@ -21,6 +21,8 @@ import json
 import secrets
 from typing import Any
 
+from ferrobatch.serve.llama3_tools import Llama3Stream
+
 START, END = "<|python_start|>", "<|python_end|>"
 TEMPLATE_MARK = "func_name1(params_name1=params_value1"
 _JSON_NAMES = {"true": True, "false": False, "null": None}
@@ -82,36 +84,14 @@ def split_calls(text: str, names: tuple[str, ...],
     return "", calls
 
 
-class PythonicStream:
-    """One choice's streamed deltas (the same face as `HermesStream`): a reply that starts
-    like a call list is held whole and decided at the end; any other goes out as it comes."""
+class PythonicStream(Llama3Stream):
+    """One choice's streamed deltas (`Llama3Stream`'s face): a reply that starts like a call
+    list is held whole and decided at the end; any other goes out as it comes."""
 
-    def __init__(self, names: tuple[str, ...]) -> None:
-        self.names = names
-        self.held = ""
-        self.holding: bool | None = None      # None: not decided (only whitespace so far)
-
-    def feed(self, delta: str) -> str:
-        if self.holding is False:
-            return delta
-        self.held += delta
-        start = self.held.lstrip()
-        if not start:
-            return ""
+    def starts_calls(self, start: str) -> bool | None:
         if start.startswith("[") or start.startswith(START):
-            self.holding = True
-            return ""
-        if START.startswith(start):           # maybe the tag, not whole yet
-            return ""
-        self.holding = False
-        out, self.held = self.held, ""
-        return out
+            return True
+        return None if START.startswith(start) else False
 
-    def finish(self, complete: bool) -> tuple[str, list[dict[str, Any]] | None]:
-        """(content still to send, the calls or None)."""
-        held, self.held = self.held, ""
-        if held.strip():
-            found = split_calls(held, self.names, complete)
-            if found is not None:
-                return "", found[1]
-        return held, None
+    def split(self, text: str, complete: bool) -> tuple[str, list[dict[str, Any]]] | None:
+        return split_calls(text, self.names, complete)
