@@ -190,6 +190,38 @@ class Outcome:
         self.first_token = asyncio.Event()
 
 
+async def chat_stream(s: aiohttp.ClientSession, base: str, prompt: str, cut_after: int | None,
+                      *, model: str | None = None, max_tokens: int = 16) -> dict:
+    """One streamed greedy chat completion (`model`: a served name; None or "base": the
+    default); with `cut_after`, the connection is closed after that many content deltas (0:
+    before the first one, while it may still wait, e.g. for a LoRA slot). Returns {text,
+    finish} ("cut" when closed)."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    if model not in (None, "base"):
+        body["model"] = model
+    text, deltas, finish = "", 0, None
+    async with s.post(base + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        if cut_after == 0:
+            r.close()
+            return {"text": "", "finish": "cut"}
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            assert "choices" in event, event
+            for c in event["choices"]:
+                if c["delta"].get("content"):
+                    text += c["delta"]["content"]
+                    deltas += 1
+                finish = c.get("finish_reason") or finish
+            if cut_after is not None and deltas >= cut_after and finish is None:
+                r.close()
+                return {"text": text, "finish": "cut"}
+    return {"text": text, "finish": finish}
+
+
 def gen_body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
     return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, **extra}

@@ -7,13 +7,12 @@ survivor gives, in full, the text its adapter gives alone."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import sys
 from pathlib import Path
 
 import aiohttp
-from harness import PROMPTS
+from harness import PROMPTS, chat_stream
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 from lora_files import ATTN, MLP, write_peft_adapter  # noqa: E402
@@ -22,36 +21,6 @@ from ferrobatch.serve.lora_api import serve_lora_modules  # noqa: E402
 
 STREAMS, TOKENS = 32, 16
 MODELS = ["base", "a", "b", "c"]
-
-
-async def chat_stream(s: aiohttp.ClientSession, base: str, model: str, prompt: str,
-                      cut_after: int | None) -> dict:
-    """One streamed chat completion; with `cut_after`, the connection is closed after that many
-    content deltas (0: before the first one, while it may still wait for a LoRA slot)."""
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": TOKENS,
-            "temperature": 0, "ignore_eos": True, "stream": True}
-    if model != "base":
-        body["model"] = model
-    text, deltas, finish = "", 0, None
-    async with s.post(base + "/v1/chat/completions", json=body) as r:
-        assert r.status == 200, await r.text()
-        if cut_after == 0:
-            r.close()
-            return {"text": "", "finish": "cut"}
-        async for line in r.content:
-            if not line.startswith(b"data: {"):
-                continue
-            event = json.loads(line[6:])
-            assert "choices" in event, event
-            for c in event["choices"]:
-                if c["delta"].get("content"):
-                    text += c["delta"]["content"]
-                    deltas += 1
-                finish = c.get("finish_reason") or finish
-            if cut_after is not None and deltas >= cut_after and finish is None:
-                r.close()
-                return {"text": text, "finish": "cut"}
-    return {"text": text, "finish": finish}
 
 
 async def test_cut_streams_across_adapters_leave_nothing_behind(oracle, tiny_model, tmp_path):
@@ -67,7 +36,7 @@ async def test_cut_streams_across_adapters_leave_nothing_behind(oracle, tiny_mod
     registry = srv.engine.loras
     rng = random.Random(36)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-        solo = {(m, p): await chat_stream(s, srv.base, m, p, None)
+        solo = {(m, p): await chat_stream(s, srv.base, p, None, model=m, max_tokens=TOKENS)
                 for m in MODELS for p in PROMPTS[:2]}
         assert len({solo[m, PROMPTS[0]]["text"] for m in MODELS}) > 1, "adapters changed nothing"
         cuts = [rng.randint(0, TOKENS // 2) if i % 2 else None for i in range(STREAMS)]
@@ -83,7 +52,8 @@ async def test_cut_streams_across_adapters_leave_nothing_behind(oracle, tiny_mod
         watcher = asyncio.ensure_future(watch())
         try:
             outs = await asyncio.wait_for(asyncio.gather(*(
-                chat_stream(s, srv.base, m, p, cuts[i]) for i, (m, p) in enumerate(jobs))),
+                chat_stream(s, srv.base, p, cuts[i], model=m, max_tokens=TOKENS)
+                for i, (m, p) in enumerate(jobs))),
                 300)
         finally:
             watcher.cancel()

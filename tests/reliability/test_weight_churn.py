@@ -8,36 +8,13 @@ original weights are back every prompt gives, in full, what it gave before any u
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 
 import aiohttp
 import torch
-from harness import PROMPTS, truncated_model
+from harness import PROMPTS, chat_stream, truncated_model
 
 STREAMS, TOKENS, ROUNDS = 24, 16, 4
-
-
-async def chat_stream(s: aiohttp.ClientSession, base: str, prompt: str,
-                      cut_after: int | None) -> dict:
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": TOKENS,
-            "temperature": 0, "ignore_eos": True, "stream": True}
-    text, deltas, finish = "", 0, None
-    async with s.post(base + "/v1/chat/completions", json=body) as r:
-        assert r.status == 200, await r.text()
-        async for line in r.content:
-            if not line.startswith(b"data: {"):
-                continue
-            event = json.loads(line[6:])
-            assert "choices" in event, event
-            for c in event["choices"]:
-                text += c["delta"].get("content") or ""
-                deltas += bool(c["delta"].get("content"))
-                finish = c.get("finish_reason") or finish
-            if cut_after is not None and deltas >= cut_after and finish is None:
-                r.close()
-                return {"text": text, "finish": "cut"}
-    return {"text": text, "finish": finish}
 
 
 async def test_pause_update_resume_rounds_under_cut_streams(oracle, smollm2_gguf_path):
@@ -54,14 +31,15 @@ async def test_pause_update_resume_rounds_under_cut_streams(oracle, smollm2_gguf
     other = {n: t + 0.3 * t.std() * torch.randn(t.shape, generator=gen) for n, t in state.items()}
     rng = random.Random(38)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-        solo = {p: await chat_stream(s, srv.base, p, None) for p in PROMPTS[:3]}
+        solo = {p: await chat_stream(s, srv.base, p, None, max_tokens=TOKENS)
+                for p in PROMPTS[:3]}
         cuts = [rng.randint(0, TOKENS // 2) if i % 2 else None for i in range(STREAMS)]
         jobs = [PROMPTS[i % 3] for i in range(STREAMS)]
         delays = [rng.uniform(0.0, 1.0) for _ in range(STREAMS)]
 
         async def later(i, p):        # arrivals spread over the rounds
             await asyncio.sleep(delays[i])
-            return await chat_stream(s, srv.base, p, cuts[i])
+            return await chat_stream(s, srv.base, p, cuts[i], max_tokens=TOKENS)
 
         async def rl_loop():
             for r in range(ROUNDS):
@@ -77,6 +55,7 @@ async def test_pause_update_resume_rounds_under_cut_streams(oracle, smollm2_gguf
         assert all(o["finish"] in ("length", "abort", "cut") for o in outs), outs
         assert any(o["finish"] == "length" for o in outs)
         # the original weights are back (the last round): every prompt as before any update
-        again = {p: await chat_stream(s, srv.base, p, None) for p in PROMPTS[:3]}
+        again = {p: await chat_stream(s, srv.base, p, None, max_tokens=TOKENS)
+                 for p in PROMPTS[:3]}
     assert again == solo
     await oracle.check()
