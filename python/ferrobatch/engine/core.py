@@ -631,15 +631,13 @@ def _gpu_reserve_bytes(config: EngineConfig, model_config: Any,
     bytes per logit), with decode graphs every bucket's float32 logits output, with piecewise
     graphs their static buffers and pool (``piecewise_graphs.pool_bytes_estimate``), and with
     LoRA the adapters the slots can hold (``runtime.lora.reserve_bytes``: loaded after the KV
-    cache is sized, so kept out of it) and, with decode graphs, the LoRA graphs' outputs and
-    static weights (``runtime.lora_graphs``)."""
+    cache is sized, so kept out of it) and, with decode graphs, the LoRA graphs' static weights
+    (``runtime.lora_graphs``; their outputs are the plain graphs')."""
     from ferrobatch.runtime.cuda_graphs import decode_buckets
     from ferrobatch.runtime.piecewise_graphs import pool_bytes_estimate
 
     seqs, vocab = config.step_seq_limit("cuda"), int(model_config.vocab_size)
     graph_rows = sum(decode_buckets(seqs)) if config.cuda_graphs else 0
-    if config.enable_lora:      # the LoRA decode graphs: the same buckets again
-        graph_rows *= 2
     pieces = config.piecewise_token_limit("cuda")
     pool = pool_bytes_estimate(model_config, pieces, dtype) if pieces else 0
     lora = 0

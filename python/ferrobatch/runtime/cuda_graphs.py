@@ -224,6 +224,10 @@ class DecodeGraphRunner:
     def captured_buckets(self) -> tuple[int, ...]:
         return tuple(sorted(self._graphs))
 
+    def output_of(self, bucket: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The captured graph's static output of ``bucket`` (all its rows)."""
+        return self._outputs[bucket]
+
     def capture(self, warmup_iters: int = 2) -> None:
         """Captures every bucket, largest first (smaller graphs reuse the shared memory pool).
 

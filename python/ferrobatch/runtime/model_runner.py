@@ -394,12 +394,18 @@ class ModelRunner:
     def _capture_lora_decode_graphs(self, decode_step, plain: DecodeGraphRunner,
                                     emulate: bool) -> None:
         """The decode step with every slot's adapter applied by row (``runtime.lora_graphs``),
-        captured at ``plain``'s buckets into its memory pool."""
+        captured at ``plain``'s buckets into its memory pool. Each writes its logits and greedy
+        rows into the plain graph's outputs of its bucket (one step replays one graph, and its
+        outputs are read before the next), so the LoRA graphs keep no outputs of their own."""
         weights, hooks = self._graph_lora_weights(), self.model.lora
 
         def lora_decode_step(inputs):
             with hooks.step(weights.step(inputs.lora_blocks)):
-                return decode_step(inputs)
+                fresh = decode_step(inputs)
+            shared = plain.output_of(inputs.bucket)
+            for dst, src in zip(shared, fresh, strict=True):
+                dst.copy_(src)
+            return shared
 
         graphs = DecodeGraphRunner(
             lora_decode_step, max_blocks_per_seq=plain.max_blocks, max_seq_len=plain.max_seq_len,
