@@ -1105,7 +1105,11 @@ mod tests {
             let scalar = worst(Isa::Portable);
             for isa in ISAS {
                 let err = worst(isa);
-                proptest::prop_assert!(err <= 4.0 * scalar + 1e-6, "{:?}: {} vs scalar {}", isa, err, scalar);
+                // 1e-5: ~80 float32 ulps of outputs near 1, the floor for a case where the
+                // scalar path happens to land unusually close (seen: AVX2 3.7e-6 against
+                // scalar 4.3e-7, a 128-token context at magnitude 6; saved in
+                // proptest-regressions)
+                proptest::prop_assert!(err <= 4.0 * scalar + 1e-5, "{:?}: {} vs scalar {}", isa, err, scalar);
             }
         }
     }
