@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from tool_replies import NAMES, WEATHER, cut_streams, echoing_reply, post_chat
+from tool_replies import NAMES, check_auto_route, cut_streams
 
 from ferrobatch.serve.pythonic_tools import (
     END,
@@ -80,22 +80,5 @@ def test_any_cut_into_pieces_gives_the_whole_replys_answer(reply):
     assert plain.feed("Hello") == "Hello" and plain.feed(" there") == " there"
 
 
-def _echoing(r, content):
-    return echoing_reply(r, content, PYTHONIC_LIKE, [WEATHER])
-
-
 async def test_auto_on_the_chat_route_whole_and_streamed(fake_server):
-    status, body = await post_chat(fake_server, _echoing(fake_server, CALL))
-    assert status == 200, body
-    choice = body["choices"][0]
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
-    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == \
-        {"city": "Paris"}
-    status, events = await post_chat(fake_server, {**_echoing(fake_server, CALL), "stream": True})
-    deltas = [c["delta"] for e in events for c in e["choices"]]
-    assert not "".join(d.get("content") or "" for d in deltas)
-    calls = [t for d in deltas for t in d.get("tool_calls") or ()]
-    assert [c["function"]["name"] for c in calls] == ["get_weather"]
-    assert events[-1]["choices"][-1]["finish_reason"] == "tool_calls"
-    status, body = await post_chat(fake_server, _echoing(fake_server, "Sunny, 21 C."))
-    assert body["choices"][0]["message"]["content"] == "Sunny, 21 C."
+    await check_auto_route(fake_server, PYTHONIC_LIKE, CALL)

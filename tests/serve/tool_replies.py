@@ -46,6 +46,30 @@ def cut_streams(make_stream: Callable[[], Any], reply: str,
         yield "".join(sent), rest, calls
 
 
+async def check_auto_route(r: Any, chat_template: str, call: str) -> dict:
+    """tool_choice "auto" on `r`'s chat route with the model's `chat_template`: a reply that
+    is `call` (get_weather for Paris) comes back as tool_calls, whole and streamed; a plain
+    reply as content. Returns the plain reply's body."""
+    def echoing(content):
+        return echoing_reply(r, content, chat_template, [WEATHER])
+
+    status, body = await post_chat(r, echoing(call))
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == \
+        {"city": "Paris"}
+    status, events = await post_chat(r, {**echoing(call), "stream": True})
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    assert not "".join(d.get("content") or "" for d in deltas)
+    calls = [t for d in deltas for t in d.get("tool_calls") or ()]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert events[-1]["choices"][-1]["finish_reason"] == "tool_calls"
+    status, body = await post_chat(r, echoing("Sunny, 21 C."))
+    assert body["choices"][0]["message"]["content"] == "Sunny, 21 C."
+    return body
+
+
 async def post_chat(r: Any, body: dict) -> tuple[int, Any]:
     """(status, the response's JSON), or with `stream` (status, every chunk's JSON)."""
     async with aiohttp.ClientSession() as s:
