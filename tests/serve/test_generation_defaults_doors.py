@@ -50,8 +50,10 @@ async def test_the_engine_reports_and_applies_them(real):
     assert (p.temperature, p.max_tokens, p.repetition_penalty, p.top_k) == (0.0, 16, 1.3, 1)
     outs = [o async for o in engine.generate(PROMPT)]          # no params: SamplingParams' 16
     assert len(outs[-1].outputs[0].token_ids) == 16
-    fill = SamplingParams(max_tokens=None, output_kind="final")
-    outs = [o async for o in engine.generate(PROMPT, fill)]    # fill the context: capped
+    # fill the context: capped (the request's own temperature 1.0 samples, so EOS is ignored:
+    # an early EOS would end it before the cap)
+    fill = SamplingParams(max_tokens=None, ignore_eos=True, output_kind="final")
+    outs = [o async for o in engine.generate(PROMPT, fill)]
     assert len(outs[-1].outputs[0].token_ids) == 6
 
 
