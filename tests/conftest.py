@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
 
@@ -11,6 +12,18 @@ import pytest
 _PYTHON_SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
 if importlib.util.find_spec("ferrobatch") is None and os.path.isdir(_PYTHON_SRC):
     sys.path.insert(0, _PYTHON_SRC)  # run from a source checkout without an editable install
+
+
+@pytest.fixture(autouse=True)
+def ferrobatch_logger_left_as_found():
+    """Every test leaves the `ferrobatch` logger's handlers and level as it found them: an
+    in-process `cli.main` installs a handler on the test's captured stderr, which pytest closes,
+    and a later test's engine thread logging through it printed 'Logging error' tracebacks."""
+    log = logging.getLogger("ferrobatch")
+    handlers, level = list(log.handlers), log.level
+    yield log
+    log.handlers[:] = handlers
+    log.setLevel(level)
 
 
 @pytest.fixture(scope="session")

@@ -68,20 +68,11 @@ async def test_no_stats_or_access_log_unless_asked(fake_server, caplog):
                 if r.name in ("ferrobatch.stats", "ferrobatch.access")]
 
 
-@pytest.fixture
-def restore_ferrobatch_logger():
-    log = logging.getLogger("ferrobatch")
-    handlers, level = list(log.handlers), log.level
-    yield log
-    log.handlers[:] = handlers
-    log.setLevel(level)
-
-
-def test_configure_logging_shows_the_level_and_up_timestamped_once(restore_ferrobatch_logger):
+def test_configure_logging_shows_the_level_and_up_timestamped_once(ferrobatch_logger_left_as_found):
     first, out = io.StringIO(), io.StringIO()
     configure_logging("info", first)
     log = configure_logging("info", out)                # again: replaces, never doubles
-    assert log is restore_ferrobatch_logger
+    assert log is ferrobatch_logger_left_as_found
     logging.getLogger("ferrobatch.engine.core").info("speculative decoding: %s", "off")
     logging.getLogger("ferrobatch.engine.core").debug("not shown at info")
     logging.getLogger("someone.else").warning("not ours")
