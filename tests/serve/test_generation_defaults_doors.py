@@ -75,6 +75,14 @@ async def test_http_requests_take_what_they_leave_unset(real):
         assert long.usage.completion_tokens == 16                # completions keep their 16
         resp = await sdk.responses.create(model="smollm2", input="Name three colours.")
         assert resp.usage.output_tokens == 6
+    async with aiohttp.ClientSession() as s:       # SGLang's /generate: the same defaults
+        async with s.post(real.base + "/generate", json={
+                "text": PROMPT, "sampling_params": {"max_new_tokens": 6}}) as resp:
+            assert (await resp.json())["text"] == penalised
+        async with s.post(real.base + "/generate", json={
+                "text": PROMPT, "sampling_params": {"max_new_tokens": 6,
+                                                    "repetition_penalty": 1.0}}) as resp:
+            assert (await resp.json())["text"] == plain
     assert penalised != plain       # the check is only meaningful if the penalty matters
 
 

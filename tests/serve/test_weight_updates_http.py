@@ -109,4 +109,37 @@ async def test_random_weights_become_the_real_model(random_server, loaded_smollm
             'ferrobatch_weights_version{model_name="smollm2"} 1.0' in text
         assert 'ferrobatch_generation_paused{model_name="smollm2"} 0.0' in text
         assert await complete() == want
+
+        # the same round in SGLang's words: /generate, /pause_generation, /continue_generation
+        async def generate_finish() -> dict:
+            body = {"text": PROMPT, "stream": True, "sampling_params": {
+                "max_new_tokens": 500, "ignore_eos": True}}
+            last = None
+            async with s.post(random_server.base + "/generate", json=body) as resp:
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        last = json.loads(line[6:])
+                        started.set()
+            return last
+
+        started.clear()
+        streaming = asyncio.create_task(generate_finish())
+        await started.wait()
+        async with s.post(random_server.base + "/pause_generation",
+                          json={"mode": "in_place"}) as resp:
+            assert resp.status == 400 and "'abort'" in (await resp.json())["error"]["message"]
+        async with s.post(random_server.base + "/pause_generation") as resp:
+            assert await resp.json() == {"is_paused": True, "num_aborted": 1}
+        last = await streaming
+        assert last["meta_info"]["finish_reason"]["type"] == "abort"
+        assert last["meta_info"]["weight_version"] == "1"
+        async with s.post(random_server.base + "/abort_request",
+                          json={"abort_all": True}) as resp:    # allowed with the flag
+            assert await resp.json() == {"num_aborted": 0}
+        async with s.post(random_server.base + "/continue_generation") as resp:
+            assert (await resp.json())["is_paused"] is False
+        async with s.post(random_server.base + "/generate", json={
+                "text": PROMPT, "sampling_params": {"temperature": 0,
+                                                    "max_new_tokens": 10}}) as resp:
+            assert (await resp.json())["text"] == want
     await random_server.engine.check_idle_clean(10.0)

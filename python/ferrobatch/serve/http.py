@@ -471,3 +471,5 @@ def add_routes(app: web.Application) -> None:
     add_weights_routes(app, app[STATE].allow_weight_updates)
     from ferrobatch.serve.score_api import add_score_routes
     add_score_routes(app)
+    from ferrobatch.serve.native_api import add_native_routes
+    add_native_routes(app)

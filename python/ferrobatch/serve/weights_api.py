@@ -9,7 +9,8 @@ safetensors, or a .gguf file, of the served model's shape); answers ``{"success"
 vLLM's ``POST /pause?wait_for_inflight_requests=false&clear_cache=true``, ``POST /resume`` and
 ``GET /is_paused`` go with it: an RL loop pauses generation (in-flight requests aborted, or run
 to their end; new ones held until the resume; ``AsyncEngine.pause_generation``), updates the
-weights, and resumes, so that no token of any request mixes old and new weights.
+weights, and resumes, so that no token of any request mixes old and new weights. SGLang's ``POST /pause_generation``
+(mode "abort") and ``POST /continue_generation`` do the same.
 
 Only with ``serve --allow-weight-updates`` (off by default: it lets any API client make the
 server read a path, change what every later request gets, or stop serving)."""
@@ -61,6 +62,23 @@ async def pause(request: web.Request) -> web.Response:
     return web.json_response({"is_paused": True, "num_aborted": aborted})
 
 
+async def pause_generation(request: web.Request) -> web.Response:
+    """SGLang's ``POST /pause_generation {"mode": "abort"}``: in-flight requests aborted, new
+    ones held until ``/continue_generation`` (its other modes keep requests in the engine
+    while paused: not supported)."""
+    from ferrobatch.serve.http import read_json
+    body = await read_json(request) if request.can_read_body else {}
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    mode = body.get("mode", "abort")
+    if mode != "abort":
+        raise ProtocolError(f"pause mode {mode!r} is not supported (only 'abort')",
+                            param="mode")
+    aborted = await request.app[STATE].engine.pause_generation(
+        wait_for_inflight_requests=False, clear_cache=False)
+    return web.json_response({"is_paused": True, "num_aborted": aborted})
+
+
 async def resume(request: web.Request) -> web.Response:
     await request.app[STATE].engine.resume_generation()
     return web.json_response({"is_paused": False})
@@ -77,3 +95,5 @@ def add_weights_routes(app: web.Application, allow_weight_updates: bool) -> None
         app.router.add_post("/pause", pause)
         app.router.add_post("/resume", resume)
         app.router.add_get("/is_paused", is_paused)
+        app.router.add_post("/pause_generation", pause_generation)      # SGLang's names
+        app.router.add_post("/continue_generation", resume)
