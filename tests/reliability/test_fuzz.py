@@ -54,6 +54,40 @@ FIELDS = ["type", "id", "prompt", "messages", "params", "version", "api_key", "m
           "allowed_token_ids", "truncate_prompt_tokens", "cache_salt", "text_1", "text_2",
           "query", "documents", "top_n", "return_documents", "vllm_xargs", "extra_args",
           "return_token_ids", "return_tokens_as_token_ids"]
+# SGLang's /generate (serve/native_protocol.py): each field mostly a plausible value, now and
+# then any JSON, so that both answers and refusals get exercised
+def _mostly(valid: st.SearchStrategy) -> st.SearchStrategy:
+    return st.one_of(valid, valid, valid, json_val)
+
+
+SGLANG_SAMPLING = {
+    "max_new_tokens": st.integers(1, 8), "min_new_tokens": st.integers(0, 3),
+    "temperature": st.floats(0, 2), "top_k": st.integers(-1, 5), "stop": st.text(max_size=3),
+    "stop_token_ids": st.lists(st.integers(0, 300), max_size=3), "n": st.integers(1, 3),
+    "regex": st.sampled_from(["a|b", "[0-9]+", "("]),
+    "json_schema": st.sampled_from(['{"type": "object"}', "{}", "not json"]),
+    "no_stop_trim": st.booleans(), "sampling_seed": st.integers(0, 2**32),
+    "ignore_eos": st.booleans(), "spaces_between_special_tokens": st.booleans()}
+_sampling = st.fixed_dictionaries(
+    {"max_new_tokens": _mostly(SGLANG_SAMPLING["max_new_tokens"])},   # (its default overfills
+    optional={k: _mostly(v) for k, v in SGLANG_SAMPLING.items()      # FakeCore's context)
+              if k != "max_new_tokens"})
+_prompt = st.one_of(
+    st.fixed_dictionaries({"text": _mostly(st.one_of(
+        st.text(min_size=1, max_size=20),
+        st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=3)))}),
+    st.fixed_dictionaries({"input_ids": _mostly(st.one_of(
+        st.lists(st.integers(0, 300), min_size=1, max_size=4),
+        st.lists(st.lists(st.integers(0, 300), min_size=1, max_size=3), min_size=1,
+                 max_size=3)))}))
+near_generate = st.tuples(_prompt, st.fixed_dictionaries(
+    {"sampling_params": st.one_of(_sampling, _sampling, st.lists(_sampling, max_size=3))},
+    optional={"stream": _mostly(st.booleans()), "return_logprob": _mostly(st.booleans()),
+              "top_logprobs_num": _mostly(st.integers(0, 5)),
+              "logprob_start_len": _mostly(st.integers(-1, 5)),
+              "return_text_in_logprobs": _mostly(st.booleans()),
+              "rid": _mostly(st.text(min_size=1, max_size=10))})).map(
+    lambda parts: {**parts[0], **parts[1]})
 near_valid = st.fixed_dictionaries(
     {"type": st.sampled_from(["generate", "embed", "cancel", "hello", "x"])},
     optional={f: json_val for f in FIELDS if f != "type"} | {
@@ -155,8 +189,10 @@ def test_fuzz_ws_messages(fuzz_srv, msgs):
 
 @FUZZ
 @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses",
-                             "/v1/embeddings", "/v1/score", "/v1/rerank"]),
+                             "/v1/embeddings", "/v1/score", "/v1/rerank", "/generate",
+                             "/abort_request"]),
        body=st.one_of(near_valid.map(lambda o: json.dumps(o).encode()),
+                      near_generate.map(lambda o: json.dumps(o).encode()),
                       st.fixed_dictionaries({}, optional={f: json_val for f in FIELDS})
                       .map(lambda o: json.dumps(o).encode()),
                       st.binary(max_size=64),
@@ -174,6 +210,29 @@ def test_fuzz_http_api(fuzz_srv, path, body, ctype):
                     assert "error" in json.loads(text)
             async with s.post(fuzz_srv.base + "/v1/completions",
                               json={"prompt": "ok", "max_tokens": 2}) as r:
+                assert r.status == 200
+    COUNT["http"] += 1
+    fuzz_srv.run(go())
+
+
+@FUZZ
+@given(body=near_generate)
+def test_fuzz_sglang_generate(fuzz_srv, body):
+    """SGLang's /generate on near-valid bodies: a 4xx naming the error, or a whole answer (a
+    stream ends with [DONE]); the engine serves on."""
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.post(fuzz_srv.base + "/generate", json=body) as r:
+                text = await asyncio.wait_for(r.text(), 30)
+                assert r.status < 500, (r.status, body, text[:300])
+                if r.status != 200:
+                    assert json.loads(text)["error"]["message"]
+                elif body.get("stream") is True:
+                    assert text.endswith("data: [DONE]\n\n"), text[-200:]
+                else:
+                    assert "output_ids" in text
+            async with s.post(fuzz_srv.base + "/generate",
+                              json={"text": "ok", "sampling_params": {"max_new_tokens": 2}}) as r:
                 assert r.status == 200
     COUNT["http"] += 1
     fuzz_srv.run(go())

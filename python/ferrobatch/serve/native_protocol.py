@@ -38,6 +38,7 @@ ones (before temperature, penalties and top-k / p), as on the OpenAI routes.
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ SAMPLING_NAMES = {
     "regex": "guided_regex", "ebnf": "guided_grammar", "logit_bias": "logit_bias",
     "sampling_seed": "seed",
 }
+_SGLANG_NAME = {ours: theirs for theirs, ours in SAMPLING_NAMES.items()}
 # SGLang fields accepted only at the value ferrobatch always behaves as
 _FIXED_SAMPLING = {"spaces_between_special_tokens": True}
 _UNSUPPORTED_SAMPLING = ("structural_tag", "custom_params", "stream_interval")
@@ -176,8 +178,15 @@ def _sampling(fields: Any, defaults: dict[str, Any]) -> SamplingParams:
     door_max: int | None = DEFAULT_MAX_NEW_TOKENS
     if "max_new_tokens" in fields and fields["max_new_tokens"] is None:
         door_max = None          # fill the context (capped by the model's own max_tokens)
-    return sampling_params_from(mapped, defaults=under_door_defaults(
-        defaults, {"max_tokens": door_max}))
+    try:
+        return sampling_params_from(mapped, defaults=under_door_defaults(
+            defaults, {"max_tokens": door_max}))
+    except ProtocolError as exc:             # named as the request named it
+        theirs = _SGLANG_NAME.get(exc.param or "")
+        if theirs is None:
+            raise
+        raise ProtocolError(re.sub(rf"\b{exc.param}\b", theirs, str(exc), count=1),
+                            code=exc.code, param=theirs) from None
 
 
 def _flag(value: Any, name: str) -> bool:
