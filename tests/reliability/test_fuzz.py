@@ -53,11 +53,12 @@ FIELDS = ["type", "id", "prompt", "messages", "params", "version", "api_key", "m
           "use_beam_search", "length_penalty", "early_stopping", "bad_words",
           "allowed_token_ids", "truncate_prompt_tokens", "cache_salt", "text_1", "text_2",
           "query", "documents", "top_n", "return_documents", "vllm_xargs", "extra_args",
-          "return_token_ids", "return_tokens_as_token_ids"]
+          "return_token_ids", "return_tokens_as_token_ids", "system", "stop_sequences",
+          "thinking"]
 # SGLang's /generate (serve/native_protocol.py): each field mostly a plausible value, now and
 # then any JSON, so that both answers and refusals get exercised
 def _mostly(valid: st.SearchStrategy) -> st.SearchStrategy:
-    return st.one_of(valid, valid, valid, json_val)
+    return st.integers(0, 7).flatmap(lambda k: json_val if k == 0 else valid)
 
 
 SGLANG_SAMPLING = {
@@ -88,6 +89,37 @@ near_generate = st.tuples(_prompt, st.fixed_dictionaries(
               "return_text_in_logprobs": _mostly(st.booleans()),
               "rid": _mostly(st.text(min_size=1, max_size=10))})).map(
     lambda parts: {**parts[0], **parts[1]})
+# Anthropic's /v1/messages (serve/anthropic_protocol.py), the same way
+_block = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": _mostly(st.text(max_size=12))}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": _mostly(st.text(min_size=1,
+                                                                               max_size=6)),
+                           "name": st.sampled_from(["f", "g"]),
+                           "input": _mostly(st.dictionaries(st.text(max_size=3), json_leaf,
+                                                            max_size=2))}),
+    st.fixed_dictionaries({"type": st.just("tool_result"),
+                           "tool_use_id": _mostly(st.text(min_size=1, max_size=6)),
+                           "content": _mostly(st.text(max_size=10))}),
+    st.fixed_dictionaries({"type": st.sampled_from(["image", "thinking", "x"])}))
+_turn = st.fixed_dictionaries({
+    "role": _mostly(st.sampled_from(["user", "assistant"])),
+    "content": _mostly(st.one_of(st.text(min_size=1, max_size=15),
+                                 st.lists(_block, min_size=1, max_size=3)))})
+_tool = st.fixed_dictionaries({"name": st.sampled_from(["f", "g"]), "input_schema": _mostly(
+    st.just({"type": "object", "properties": {"a": {"type": "integer"}}}))})
+near_messages = st.fixed_dictionaries(
+    {"model": _mostly(st.just("fake")), "max_tokens": _mostly(st.integers(1, 8)),
+     "messages": _mostly(st.lists(_turn, min_size=1, max_size=3))},
+    optional={"system": _mostly(st.text(max_size=10)), "stream": _mostly(st.booleans()),
+              "stop_sequences": _mostly(st.lists(st.text(max_size=3), max_size=2)),
+              "temperature": _mostly(st.floats(0, 1)), "tools": _mostly(st.lists(_tool,
+                                                                                max_size=2)),
+              # (not "any" / "tool": FakeCore has no grammar compiler; the real model's
+              # tests/serve/test_anthropic_api.py forces tool uses)
+              "tool_choice": _mostly(st.sampled_from([{"type": "none"}, {"type": "auto"},
+                                                      {"type": "tool"}])),
+              "thinking": _mostly(st.sampled_from([{"type": "enabled"},
+                                                   {"type": "disabled"}]))})
 near_valid = st.fixed_dictionaries(
     {"type": st.sampled_from(["generate", "embed", "cancel", "hello", "x"])},
     optional={f: json_val for f in FIELDS if f != "type"} | {
@@ -190,7 +222,7 @@ def test_fuzz_ws_messages(fuzz_srv, msgs):
 @FUZZ
 @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses",
                              "/v1/embeddings", "/v1/score", "/v1/rerank", "/generate",
-                             "/abort_request"]),
+                             "/abort_request", "/v1/messages", "/v1/messages/count_tokens"]),
        body=st.one_of(near_valid.map(lambda o: json.dumps(o).encode()),
                       near_generate.map(lambda o: json.dumps(o).encode()),
                       st.fixed_dictionaries({}, optional={f: json_val for f in FIELDS})
@@ -233,6 +265,31 @@ def test_fuzz_sglang_generate(fuzz_srv, body):
                     assert "output_ids" in text
             async with s.post(fuzz_srv.base + "/generate",
                               json={"text": "ok", "sampling_params": {"max_new_tokens": 2}}) as r:
+                assert r.status == 200
+    COUNT["http"] += 1
+    fuzz_srv.run(go())
+
+
+@FUZZ
+@given(body=near_messages)
+def test_fuzz_anthropic_messages(fuzz_srv, body):
+    """Anthropic's /v1/messages on near-valid bodies: an Anthropic error object with a 4xx, or
+    a whole reply (a stream ends with message_stop); the engine serves on."""
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.post(fuzz_srv.base + "/v1/messages", json=body) as r:
+                text = await asyncio.wait_for(r.text(), 30)
+                assert r.status < 500, (r.status, body, text[:300])
+                if r.status != 200:
+                    err = json.loads(text)
+                    assert err["type"] == "error" and err["error"]["message"], err
+                elif body.get("stream") is True:
+                    assert "event: message_stop" in text, text[-300:]
+                else:
+                    assert json.loads(text)["type"] == "message"
+            async with s.post(fuzz_srv.base + "/v1/messages", json={
+                    "model": "fake", "max_tokens": 2,
+                    "messages": [{"role": "user", "content": "ok"}]}) as r:
                 assert r.status == 200
     COUNT["http"] += 1
     fuzz_srv.run(go())

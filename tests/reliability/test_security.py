@@ -28,16 +28,19 @@ async def test_api_key_on_every_route(oracle):
     async with aiohttp.ClientSession() as s:
         for method, path in sorted(routes):
             for headers in ({}, {"Authorization": "Bearer wrong"},
-                            {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}):
+                            {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"},
+                            {"x-api-key": "wrong"}, {"x-api-key": ""},
+                            {"x-api-key": f"Bearer {KEY}"}):
                 async with s.request(method, srv.base + path, headers=headers, json={}) as r:
                     if path == "/health":
                         assert r.status == 200
                     else:
                         assert r.status == 401, (method, path, headers, r.status)
                         assert (await r.json())["error"]["type"] == "authentication_error"
-            async with s.request(method, srv.base + path, json={"prompt": "x", "max_tokens": 1},
-                                 headers={"Authorization": f"Bearer {KEY}"}) as r:
-                assert r.status != 401, (method, path)
+            for good in ({"Authorization": f"Bearer {KEY}"}, {"x-api-key": KEY}):  # (Anthropic's)
+                async with s.request(method, srv.base + path, headers=good,
+                                     json={"prompt": "x", "max_tokens": 1}) as r:
+                    assert r.status != 401, (method, path, good)
     # TCP: nothing before a hello with the right key
     for hello in ({"type": "hello", "version": 1}, {"type": "hello", "version": 1,
                                                     "api_key": "wrong"}):

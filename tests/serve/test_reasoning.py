@@ -216,3 +216,28 @@ async def test_without_a_parser_usage_has_no_reasoning_details(fake_server):
     async with aiohttp.ClientSession() as s:
         async with s.post(fake_server.base + "/v1/chat/completions", json=BODY) as resp:
             assert "completion_tokens_details" not in (await resp.json())["usage"]
+
+
+@pytest.mark.parametrize("fake_server", [{"reasoning_parser": "deepseek_r1"}], indirect=True)
+async def test_anthropic_messages_carry_a_thinking_block_before_the_text(fake_server):
+    """`/v1/messages` with a reasoning parser: a `thinking` block, then the text, whole and
+    streamed (the `anthropic` SDK's own accumulation of the events gives the same message)."""
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.AsyncAnthropic(base_url=fake_server.base, api_key="unused",
+                                      max_retries=0)
+    ask = dict(model="fake", max_tokens=len(REPLY),
+               messages=[{"role": "user", "content": "ponder</think>\n\nanswer"}])
+    try:
+        whole = await client.messages.create(**ask)
+        async with client.messages.stream(**ask) as stream:
+            kinds = [(e.type, getattr(e, "index", None)) async for e in stream]
+            streamed = await stream.get_final_message()
+    finally:
+        await client.close()
+    for message in (whole, streamed):
+        assert [b.type for b in message.content] == ["thinking", "text"]
+        assert message.content[0].thinking == "<user>ponder"
+        assert message.content[1].text == "answer"
+        assert message.stop_reason == "max_tokens"
+    assert ("content_block_start", 0) in kinds and ("content_block_start", 1) in kinds
+    assert kinds.index(("content_block_stop", 0)) < kinds.index(("content_block_start", 1))

@@ -473,3 +473,5 @@ def add_routes(app: web.Application) -> None:
     add_score_routes(app)
     from ferrobatch.serve.native_api import add_native_routes
     add_native_routes(app)
+    from ferrobatch.serve.anthropic_api import add_anthropic_routes
+    add_anthropic_routes(app)

@@ -33,15 +33,21 @@ def drain_middleware(state) -> web.middleware:
 
 
 def auth_middleware(api_key: str) -> web.middleware:
+    """Every path but liveness needs the key: ``Authorization: Bearer <key>`` (OpenAI's SDK),
+    or ``x-api-key: <key>`` (Anthropic's)."""
     expected = f"Bearer {api_key}".encode()
+    key = api_key.encode()
 
     @web.middleware
     async def check(request: web.Request, handler):
         if request.path not in OPEN_PATHS:
-            got = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(got, expected):
+            bearer = hmac.compare_digest(request.headers.get("Authorization", "").encode(),
+                                         expected)
+            given = request.headers.get("x-api-key", "").encode()
+            header = hmac.compare_digest(given, key) and bool(given)
+            if not (bearer or header):
                 return error_response(401, "invalid or missing API key (Authorization: Bearer "
-                                           "<key>)", "authentication_error")
+                                           "<key>, or x-api-key: <key>)", "authentication_error")
         return await handler(request)
 
     return check
