@@ -475,3 +475,5 @@ def add_routes(app: web.Application) -> None:
     add_native_routes(app)
     from ferrobatch.serve.anthropic_api import add_anthropic_routes
     add_anthropic_routes(app)
+    from ferrobatch.serve.sagemaker import add_sagemaker_routes
+    add_sagemaker_routes(app)

@@ -12,8 +12,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from ferrobatch.serve.http import error_response, exception_response
 
 log = logging.getLogger("ferrobatch.serve")
-OPEN_PATHS = frozenset({"/health"})
-DRAIN_OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ping"})          # liveness (/ping: SageMaker's)
+DRAIN_OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
 
 
 def drain_middleware(state) -> web.middleware:
