@@ -87,8 +87,20 @@ class _Req:
     pooling: Any = None
 
 
+class NoGrammars:
+    """FakeCore's grammar compiler: it compiles none (nor applies one), so a guided request runs
+    unguided here; the real model's tests check guided decoding."""
+
+    def cached_grammar_for(self, params):
+        return None
+
+    def grammar_for(self, params):
+        return None
+
+
 class FakeCore:
     model_name = "fake"
+    guided = NoGrammars()
     vocab_size = 512
     hidden_size = FAKE_HIDDEN
     ready_token_id = ord("r")

@@ -54,7 +54,7 @@ FIELDS = ["type", "id", "prompt", "messages", "params", "version", "api_key", "m
           "allowed_token_ids", "truncate_prompt_tokens", "cache_salt", "text_1", "text_2",
           "query", "documents", "top_n", "return_documents", "vllm_xargs", "extra_args",
           "return_token_ids", "return_tokens_as_token_ids", "system", "stop_sequences",
-          "thinking"]
+          "thinking", "options", "format", "raw", "think", "suffix"]
 # SGLang's /generate (serve/native_protocol.py): each field mostly a plausible value, now and
 # then any JSON, so that both answers and refusals get exercised
 def _mostly(valid: st.SearchStrategy) -> st.SearchStrategy:
@@ -114,10 +114,9 @@ near_messages = st.fixed_dictionaries(
               "stop_sequences": _mostly(st.lists(st.text(max_size=3), max_size=2)),
               "temperature": _mostly(st.floats(0, 1)), "tools": _mostly(st.lists(_tool,
                                                                                 max_size=2)),
-              # (not "any" / "tool": FakeCore has no grammar compiler; the real model's
-              # tests/serve/test_anthropic_api.py forces tool uses)
-              "tool_choice": _mostly(st.sampled_from([{"type": "none"}, {"type": "auto"},
-                                                      {"type": "tool"}])),
+              "tool_choice": _mostly(st.sampled_from([{"type": "any"}, {"type": "none"},
+                                                      {"type": "tool", "name": "f"},
+                                                      {"type": "auto"}, {"type": "tool"}])),
               "thinking": _mostly(st.sampled_from([{"type": "enabled"},
                                                    {"type": "disabled"}]))})
 near_valid = st.fixed_dictionaries(
@@ -222,7 +221,8 @@ def test_fuzz_ws_messages(fuzz_srv, msgs):
 @FUZZ
 @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses",
                              "/v1/embeddings", "/v1/score", "/v1/rerank", "/generate",
-                             "/abort_request", "/v1/messages", "/v1/messages/count_tokens"]),
+                             "/abort_request", "/v1/messages", "/v1/messages/count_tokens",
+                             "/api/chat", "/api/generate", "/api/show", "/invocations"]),
        body=st.one_of(near_valid.map(lambda o: json.dumps(o).encode()),
                       near_generate.map(lambda o: json.dumps(o).encode()),
                       st.fixed_dictionaries({}, optional={f: json_val for f in FIELDS})

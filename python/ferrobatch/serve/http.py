@@ -477,3 +477,5 @@ def add_routes(app: web.Application) -> None:
     add_anthropic_routes(app)
     from ferrobatch.serve.sagemaker import add_sagemaker_routes
     add_sagemaker_routes(app)
+    from ferrobatch.serve.ollama_api import add_ollama_routes
+    add_ollama_routes(app)

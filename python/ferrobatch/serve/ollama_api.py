@@ -1,0 +1,270 @@
+"""Ollama's API, so the ``ollama`` CLI and library (``OLLAMA_HOST=http://localhost:8000``) and
+the tools written for Ollama run on ferrobatch: ``POST /api/chat`` and ``POST /api/generate``
+(whole, or streamed as newline-delimited JSON, Ollama's default), ``GET /api/tags`` and
+``GET /api/ps`` (the served model), ``POST /api/show``, ``GET /api/version``, and ``GET|HEAD
+/`` (the CLI's liveness check). Requests are read by serve/ollama_protocol.py into the chat and
+completions routes' requests, so templates, guided ``format``, tools and reasoning behave as
+there; a client that leaves mid-stream aborts its request. Errors are ``{"error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from ferrobatch.serve.codec import dumps_json
+from ferrobatch.serve.lora_api import lora_for
+from ferrobatch.serve.ollama_protocol import (
+    created_at,
+    done_reason,
+    model_name,
+    parse_ollama_chat,
+    parse_ollama_generate,
+    timings,
+    tool_calls,
+)
+from ferrobatch.serve.protocol import ProtocolError, error_status
+from ferrobatch.serve.reasoning import ReasoningSplitter, split_reasoning
+from ferrobatch.serve.state import STATE
+from ferrobatch.serve.tools import ToolOutputStream, tool_calls_of
+
+log = logging.getLogger("ferrobatch.serve")
+OLLAMA_VERSION = "0.6.0"        # the Ollama API this follows (clients check it is recent enough)
+
+
+def _ollama_errors(handler):
+    """Errors as Ollama's ``{"error": "..."}`` (the other routes' statuses and messages)."""
+    @functools.wraps(handler)
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ConnectionError:
+            raise
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return web.json_response({"error": exc.reason or "error"}, status=exc.status)
+        except Exception as exc:  # noqa: BLE001 - mapped to 4xx/5xx, never a traceback
+            status, _ = error_status(exc)
+            if status >= 500 and status != 503:
+                log.exception("unhandled error on %s", request.path)
+            message = str(exc) if status < 500 or status == 503 else "internal server error"
+            resp = web.json_response({"error": message}, status=status)
+            if getattr(exc, "close_connection", False):
+                resp.force_close()
+            return resp
+    return wrapped
+
+
+def _submit(request: web.Request, req: Any) -> Any:
+    engine = request.app[STATE].engine
+    lora = lora_for(request.app[STATE], req.model)
+    if req.kind == "chat":
+        return engine.add_request(None, req.params, messages=req.messages,
+                                  chat_options=req.chat_template, lora_request=lora,
+                                  reasoning_parser=req.reasoning_parser), lora
+    return engine.add_request(req.prompts[0], req.params, lora_request=lora), lora
+
+
+async def _prepare(request: web.Request, req: Any) -> None:
+    engine = request.app[STATE].engine
+    lora = lora_for(request.app[STATE], req.model)
+    if req.kind == "chat":
+        await engine.prepare(req.params, messages=req.messages, chat_options=req.chat_template,
+                             lora_request=lora)
+    else:
+        await engine.prepare(req.params, req.prompts[0], lora_request=lora)
+
+
+def _piece(route: str, model: str, text: str, thinking: str | None = None,
+           calls: list | None = None) -> dict[str, Any]:
+    """One answer object of `route` ("chat" or "generate"), not yet done."""
+    if route == "chat":
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if thinking:
+            message["thinking"] = thinking
+        if calls:
+            message["tool_calls"] = tool_calls(calls)
+        return {"model": model, "created_at": created_at(), "message": message, "done": False}
+    out = {"model": model, "created_at": created_at(), "response": text, "done": False}
+    if thinking:
+        out["thinking"] = thinking
+    return out
+
+
+async def _run(request: web.Request, route: str, req: Any, shown_model: str) -> web.StreamResponse:
+    req.reasoning_parser = request.app[STATE].reasoning_parser if req.kind == "chat" else None
+    started = time.monotonic()
+    await _prepare(request, req)
+    stream, _ = _submit(request, req)
+    try:
+        if req.stream:
+            return await _stream(request, route, req, stream, shown_model, started)
+        last = None
+        async for out in stream:
+            last = out
+        m = last.metrics
+        first = m["arrival_time"] + m["ttft_s"] if "ttft_s" in m else None
+        if last.error or last.outputs[0].finish_reason in ("abort", "error"):
+            return web.json_response({"error": last.error or "the request was aborted"},
+                                     status=500)
+        c = last.outputs[0]
+        reasoning, text = None, c.text
+        if req.reasoning_parser is not None:
+            reasoning, text = split_reasoning(req.reasoning_parser, text)
+        calls = None
+        if req.tools is not None:
+            text, calls = tool_calls_of(req.tools, text, c.finish_reason)
+        answer = _piece(route, shown_model, text, reasoning, calls)
+        answer.update(done=True, done_reason=done_reason(c.finish_reason),
+                      **timings(len(stream.prompt_token_ids), len(c.token_ids), started, first,
+                                time.monotonic()))
+        return web.json_response(answer)
+    finally:
+        stream.abort()
+
+
+async def _stream(request: web.Request, route: str, req: Any, stream: Any, model: str,
+                  started: float) -> web.StreamResponse:
+    resp = web.StreamResponse(status=200, headers={"Content-Type": "application/x-ndjson",
+                                                   "Cache-Control": "no-cache"})
+
+    async def send(obj: dict[str, Any]) -> None:
+        await resp.write(dumps_json(obj).encode() + b"\n")
+
+    tool_stream = ToolOutputStream(req.tools) if req.tools is not None else None
+    splitter = ReasoningSplitter(req.reasoning_parser) if req.reasoning_parser else None
+    try:
+        await resp.prepare(request)
+        generated, first, last = 0, None, None
+        async for out in stream:
+            last = out
+            c = out.outputs[0]
+            generated += len(c.token_ids)
+            if first is None and c.token_ids:
+                first = time.monotonic()
+            text, reasoning = c.text, ""
+            if splitter is not None:
+                reasoning, text = splitter.feed(c.text)
+                if c.finish_reason is not None:
+                    more_reasoning, more_text = splitter.finish()
+                    reasoning, text = reasoning + more_reasoning, text + more_text
+            if tool_stream is not None:
+                text = tool_stream.feed(text)
+            if text or reasoning:
+                await send(_piece(route, model, text, reasoning))
+        if last is None or last.error or last.outputs[0].finish_reason in ("abort", "error"):
+            await send({"error": (last.error if last is not None else None)
+                        or "the request was aborted"})
+            await resp.write_eof()
+            return resp
+        c = last.outputs[0]
+        if tool_stream is not None:
+            rest, calls = tool_stream.finish(c.finish_reason)
+            if rest or calls:
+                await send(_piece(route, model, rest, None, calls))
+        final = _piece(route, model, "")
+        final.update(done=True, done_reason=done_reason(c.finish_reason),
+                     **timings(len(stream.prompt_token_ids), generated, started, first,
+                               time.monotonic()))
+        await send(final)
+        await resp.write_eof()
+    except ConnectionError:
+        pass                      # the client left: _run's finally aborts the request
+    return resp
+
+
+@_ollama_errors
+async def chat(request: web.Request) -> web.StreamResponse:
+    from ferrobatch.serve.http import read_json
+    state = request.app[STATE]
+    body = await read_json(request)
+    req = parse_ollama_chat(body, state.model_names, tool_parser=state.tool_call_parser,
+                            sampling_defaults=state.engine.default_sampling_fields)
+    return await _run(request, "chat", req, body["model"])
+
+
+@_ollama_errors
+async def generate(request: web.Request) -> web.StreamResponse:
+    from ferrobatch.serve.http import read_json
+    state = request.app[STATE]
+    body = await read_json(request)
+    req = parse_ollama_generate(body, state.model_names,
+                                sampling_defaults=state.engine.default_sampling_fields)
+    if req is None:                    # an empty prompt: "load the model" (it is loaded)
+        return web.json_response({"model": body["model"], "created_at": created_at(),
+                                  "response": "", "done": True, "done_reason": "load"})
+    limit = (body.get("options") or {}).get("num_predict")
+    if req.kind == "completion" and (limit is None or limit < 0):
+        req.params = req.params.replace(max_tokens=None)      # Ollama's default: no limit
+    return await _run(request, "generate", req, body["model"])
+
+
+def _details(state: Any) -> dict[str, Any]:
+    return {"parent_model": "", "format": "gguf" if state.engine.config.model.endswith(".gguf")
+            or state.engine.config.model == "smollm2" else "safetensors",
+            "family": "llama", "families": ["llama"], "parameter_size": "",
+            "quantization_level": ""}
+
+
+@_ollama_errors
+async def tags(request: web.Request) -> web.Response:
+    """``GET /api/tags``: the served model (and adapters) as Ollama lists local models."""
+    state = request.app[STATE]
+    return web.json_response({"models": [
+        {"name": name, "model": name, "modified_at": created_at(), "size": 0,
+         "digest": "", "details": _details(state)} for name in state.model_names]})
+
+
+@_ollama_errors
+async def running(request: web.Request) -> web.Response:
+    """``GET /api/ps``: what is loaded (everything served, always)."""
+    state = request.app[STATE]
+    return web.json_response({"models": [
+        {"name": name, "model": name, "size": 0, "digest": "", "details": _details(state),
+         "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0}
+        for name in state.model_names]})
+
+
+@_ollama_errors
+async def show(request: web.Request) -> web.Response:
+    from ferrobatch.serve.http import read_json
+    state = request.app[STATE]
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    if "model" not in body and isinstance(body.get("name"), str):
+        body = {**body, "model": body["name"]}              # (older clients send "name")
+    model_name(body, state.model_names)
+    engine = state.engine
+    capabilities = ["completion"] + (["tools"] if state.tool_call_parser else []) + (
+        ["thinking"] if state.reasoning_parser else [])
+    return web.json_response({
+        "modelfile": "", "parameters": "", "license": "",
+        "template": getattr(engine.tokenizer, "chat_template", None) or "",
+        "details": _details(state), "capabilities": capabilities,
+        "model_info": {"general.architecture": "llama",
+                       "llama.context_length": engine.max_model_len},
+        "modified_at": created_at()})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": OLLAMA_VERSION})
+
+
+async def root(request: web.Request) -> web.Response:
+    return web.Response(text="Ollama is running")
+
+
+def add_ollama_routes(app: web.Application) -> None:
+    app.router.add_post("/api/chat", chat)
+    app.router.add_post("/api/generate", generate)
+    app.router.add_get("/api/tags", tags)
+    app.router.add_get("/api/ps", running)
+    app.router.add_post("/api/show", show)
+    app.router.add_get("/api/version", version)
+    app.router.add_get("/", root)                        # (HEAD too: the CLI's check)
