@@ -222,7 +222,8 @@ def test_fuzz_ws_messages(fuzz_srv, msgs):
 @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses",
                              "/v1/embeddings", "/v1/score", "/v1/rerank", "/generate",
                              "/abort_request", "/v1/messages", "/v1/messages/count_tokens",
-                             "/api/chat", "/api/generate", "/api/show", "/invocations"]),
+                             "/api/chat", "/api/generate", "/api/show", "/api/embed",
+                             "/invocations"]),
        body=st.one_of(near_valid.map(lambda o: json.dumps(o).encode()),
                       near_generate.map(lambda o: json.dumps(o).encode()),
                       st.fixed_dictionaries({}, optional={f: json_val for f in FIELDS})

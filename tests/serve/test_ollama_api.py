@@ -203,3 +203,28 @@ async def test_tool_calls_go_both_ways_in_ollamas_shape():
         parse_ollama_chat({"model": "m", "messages": [
             {"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]},
             ["m"])
+
+
+async def test_embeddings_are_the_embeddings_routes(client, real):
+    texts = ["The capital of France is Paris.", "Colours: red, green, blue."]
+    got = await client.embed(model="smollm2", input=texts)
+    status, want = await _post(real, "/v1/embeddings", {"model": "smollm2", "input": texts})
+    assert status == 200 and len(got.embeddings) == 2
+    for vector, item in zip(got.embeddings, want["data"]):
+        assert vector == pytest.approx(item["embedding"], abs=1e-6)
+    assert got.prompt_eval_count == want["usage"]["prompt_tokens"]
+    cut = await client.embed(model="smollm2", input=texts[0], dimensions=8)
+    assert len(cut.embeddings[0]) == 8
+    legacy = await client.embeddings(model="smollm2", prompt=texts[0])
+    status, raw = await _post(real, "/v1/embeddings", {"model": "smollm2", "input": texts[0],
+                                                       "normalize": False})
+    assert legacy.embedding == pytest.approx(raw["data"][0]["embedding"], abs=1e-5)
+    # too long for the context: truncate (Ollama's default) keeps its beginning, else a 400
+    long = "word " * (real.engine.max_model_len + 100)
+    ids = real.engine.tokenizer.encode(long, True)[:real.engine.max_model_len - 1]
+    kept = await client.embed(model="smollm2", input=long)
+    status, first = await _post(real, "/v1/embeddings", {"model": "smollm2", "input": ids})
+    assert kept.embeddings[0] == pytest.approx(first["data"][0]["embedding"], abs=1e-5)
+    status, err = await _post(real, "/api/embed", {"model": "smollm2", "input": long,
+                                                   "truncate": False})
+    assert status == 400 and err["error"]

@@ -1,8 +1,9 @@
 """Ollama's API, so the ``ollama`` CLI and library (``OLLAMA_HOST=http://localhost:8000``) and
 the tools written for Ollama run on ferrobatch: ``POST /api/chat`` and ``POST /api/generate``
 (whole, or streamed as newline-delimited JSON, Ollama's default), ``GET /api/tags`` and
-``GET /api/ps`` (the served model), ``POST /api/show``, ``GET /api/version``, and ``GET|HEAD
-/`` (the CLI's liveness check). Requests are read by serve/ollama_protocol.py into the chat and
+``GET /api/ps`` (the served model), ``POST /api/show``, ``GET /api/version``, ``POST
+/api/embed`` (and the older ``/api/embeddings``), and ``GET|HEAD /`` (the CLI's liveness
+check). Requests are read by serve/ollama_protocol.py into the chat and
 completions routes' requests, so templates, guided ``format``, tools and reasoning behave as
 there; a client that leaves mid-stream aborts its request. Errors are ``{"error": "..."}``.
 """
@@ -252,6 +253,92 @@ async def show(request: web.Request) -> web.Response:
         "modified_at": created_at()})
 
 
+async def _embeddings(request: web.Request, model: str, inputs: list[Any], truncate: bool,
+                      pooling: Any) -> tuple[list[list[float]], int]:
+    """Each input's embedding (at most MAX_IN_FLIGHT at once) and the prompt tokens in all.
+    `truncate` (Ollama's): an input longer than the context keeps its beginning."""
+    import asyncio
+
+    from ferrobatch.serve.embeddings_api import MAX_IN_FLIGHT
+    state = request.app[STATE]
+    engine = state.engine
+    lora = lora_for(state, model)
+    room = engine.max_model_len - 1             # (an embedding computes one step past it)
+    gate = asyncio.Semaphore(MAX_IN_FLIGHT)
+
+    async def one(text: str) -> Any:
+        prompt: Any = text
+        if truncate:
+            ids = await asyncio.to_thread(engine.tokenizer.encode, text, True)
+            prompt = ids[:room]          # (the text's own tokens, BOS included where wanted)
+        async with gate:
+            return await engine.embed(prompt, pooling, lora_request=lora)
+
+    tasks = [asyncio.ensure_future(one(t)) for t in inputs]
+    try:
+        outs = await asyncio.gather(*tasks)
+    except ValueError as exc:
+        raise ProtocolError(str(exc), param="input") from None
+    finally:
+        for t in tasks:
+            t.cancel()
+    return [o.outputs.embedding for o in outs], sum(len(o.prompt_token_ids) for o in outs)
+
+
+def _embed_body(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    if not isinstance(body.get("options") or {}, dict):
+        raise ProtocolError("'options' must be an object", param="options")
+    return body
+
+
+@_ollama_errors
+async def embed(request: web.Request) -> web.Response:
+    """``POST /api/embed``: ``input`` (a text or a list), ``truncate`` (true), ``dimensions``;
+    unit-length vectors, as Ollama's."""
+    from ferrobatch.serve.embeddings_api import MAX_INPUTS
+    from ferrobatch.serve.http import read_json
+    from ferrobatch.serve.protocol import pooling_params_from
+    state = request.app[STATE]
+    body = _embed_body(await read_json(request))
+    model = model_name(body, state.model_names)
+    inputs = body.get("input")
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    if not isinstance(inputs, list) or not inputs or not all(
+            isinstance(t, str) and t for t in inputs):
+        raise ProtocolError("'input' must be a non-empty text or a list of them", param="input")
+    if len(inputs) > MAX_INPUTS:
+        raise ProtocolError(f"at most {MAX_INPUTS} inputs per request", param="input")
+    truncate = body.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ProtocolError("'truncate' must be a boolean", param="truncate")
+    started = time.monotonic()
+    vectors, tokens = await _embeddings(request, model, inputs, truncate, pooling_params_from(
+        {"dimensions": body.get("dimensions")}))
+    return web.json_response({"model": body["model"], "embeddings": vectors,
+                              "total_duration": int((time.monotonic() - started) * 1e9),
+                              "load_duration": 0, "prompt_eval_count": tokens})
+
+
+@_ollama_errors
+async def embeddings(request: web.Request) -> web.Response:
+    """``POST /api/embeddings`` (Ollama's older route): ``prompt`` -> ``{"embedding"}``, not
+    normalized (as there)."""
+    from ferrobatch.pooling_params import PoolingParams
+    from ferrobatch.serve.http import read_json
+    state = request.app[STATE]
+    body = _embed_body(await read_json(request))
+    model = model_name(body, state.model_names)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise ProtocolError("'prompt' must be a non-empty text", param="prompt")
+    vectors, _ = await _embeddings(request, model, [prompt], True,
+                                   PoolingParams(normalize=False))
+    return web.json_response({"embedding": vectors[0]})
+
+
 async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": OLLAMA_VERSION})
 
@@ -267,4 +354,6 @@ def add_ollama_routes(app: web.Application) -> None:
     app.router.add_get("/api/ps", running)
     app.router.add_post("/api/show", show)
     app.router.add_get("/api/version", version)
+    app.router.add_post("/api/embed", embed)
+    app.router.add_post("/api/embeddings", embeddings)
     app.router.add_get("/", root)                        # (HEAD too: the CLI's check)
