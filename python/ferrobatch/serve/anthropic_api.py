@@ -11,8 +11,6 @@ reply are Anthropic's error objects with the matching status. The API key is acc
 
 from __future__ import annotations
 
-import functools
-import logging
 from typing import Any
 
 from aiohttp import web
@@ -27,42 +25,15 @@ from ferrobatch.serve.anthropic_protocol import (
     usage,
 )
 from ferrobatch.serve.codec import dumps_json
+from ferrobatch.serve.http import errors_shaped
 from ferrobatch.serve.lora_api import lora_for
-from ferrobatch.serve.protocol import ProtocolError, error_status
+from ferrobatch.serve.protocol import ProtocolError
 from ferrobatch.serve.reasoning import ReasoningSplitter, split_reasoning
 from ferrobatch.serve.sse import SSEWriter
 from ferrobatch.serve.state import STATE
 from ferrobatch.serve.tools import ToolOutputStream, tool_calls_of
 
-log = logging.getLogger("ferrobatch.serve")
-
-
-def _anthropic_errors(handler):
-    """Errors as Anthropic's error objects (the OpenAI routes' statuses and messages)."""
-    @functools.wraps(handler)
-    async def wrapped(request: web.Request) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except ConnectionError:
-            raise
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            return web.json_response(error_body(exc.status, exc.reason or "error"),
-                                     status=exc.status)
-        except Exception as exc:  # noqa: BLE001 - mapped to 4xx/5xx, never a traceback
-            status, _ = error_status(exc)
-            if status >= 500 and status != 503:
-                log.exception("unhandled error on %s", request.path)
-            message = str(exc) if status < 500 or status == 503 else "internal server error"
-            resp = web.json_response(error_body(status, message), status=status)
-            retry = getattr(exc, "retry_after_s", None)
-            if status == 429 and retry is not None:
-                resp.headers["Retry-After"] = str(retry)
-            if getattr(exc, "close_connection", False):
-                resp.force_close()
-            return resp
-    return wrapped
+_anthropic_errors = errors_shaped(error_body)
 
 
 def _failed(out: Any) -> str | None:

@@ -8,7 +8,10 @@ being cancelled) aborts the request; a `finally` aborts whatever is still runnin
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import functools
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
@@ -62,6 +65,38 @@ def exception_response(exc: BaseException) -> web.Response:
     if getattr(exc, "close_connection", False):
         resp.force_close()              # Connection: close
     return resp
+
+
+def errors_shaped(shape: Callable[[int, str], dict[str, Any]]) -> Callable:
+    """A route decorator for the doors of other APIs (Anthropic's, Ollama's): their errors
+    leave as ``shape(status, message)`` with the OpenAI routes' statuses and messages (and
+    their Retry-After / Connection: close), never a traceback."""
+    def decorate(handler: Callable) -> Callable:
+        @functools.wraps(handler)
+        async def wrapped(request: web.Request) -> web.StreamResponse:
+            try:
+                return await handler(request)
+            except ConnectionError:
+                raise
+            except web.HTTPException as exc:
+                if exc.status < 400:
+                    raise
+                return web.json_response(shape(exc.status, exc.reason or "error"),
+                                         status=exc.status)
+            except Exception as exc:  # noqa: BLE001 - mapped to 4xx/5xx, never a traceback
+                openai = exception_response(exc)
+                if openai.status >= 500 and openai.status != 503:
+                    logging.getLogger("ferrobatch.serve").exception(
+                        "unhandled error on %s", request.path)
+                message = json.loads(openai.body)["error"]["message"]
+                resp = web.json_response(shape(openai.status, message), status=openai.status)
+                if "Retry-After" in openai.headers:
+                    resp.headers["Retry-After"] = openai.headers["Retry-After"]
+                if getattr(exc, "close_connection", False):
+                    resp.force_close()
+                return resp
+        return wrapped
+    return decorate
 
 
 async def read_json(request: web.Request) -> Any:

@@ -10,14 +10,13 @@ there; a client that leaves mid-stream aborts its request. Errors are ``{"error"
 
 from __future__ import annotations
 
-import functools
-import logging
 import time
 from typing import Any
 
 from aiohttp import web
 
 from ferrobatch.serve.codec import dumps_json
+from ferrobatch.serve.http import errors_shaped
 from ferrobatch.serve.lora_api import lora_for
 from ferrobatch.serve.ollama_protocol import (
     created_at,
@@ -28,37 +27,15 @@ from ferrobatch.serve.ollama_protocol import (
     timings,
     tool_calls,
 )
-from ferrobatch.serve.protocol import ProtocolError, error_status
+from ferrobatch.serve.protocol import ProtocolError
 from ferrobatch.serve.reasoning import ReasoningSplitter, split_reasoning
 from ferrobatch.serve.state import STATE
 from ferrobatch.serve.tools import ToolOutputStream, tool_calls_of
 
-log = logging.getLogger("ferrobatch.serve")
 OLLAMA_VERSION = "0.6.0"        # the Ollama API this follows (clients check it is recent enough)
 
 
-def _ollama_errors(handler):
-    """Errors as Ollama's ``{"error": "..."}`` (the other routes' statuses and messages)."""
-    @functools.wraps(handler)
-    async def wrapped(request: web.Request) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except ConnectionError:
-            raise
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            return web.json_response({"error": exc.reason or "error"}, status=exc.status)
-        except Exception as exc:  # noqa: BLE001 - mapped to 4xx/5xx, never a traceback
-            status, _ = error_status(exc)
-            if status >= 500 and status != 503:
-                log.exception("unhandled error on %s", request.path)
-            message = str(exc) if status < 500 or status == 503 else "internal server error"
-            resp = web.json_response({"error": message}, status=status)
-            if getattr(exc, "close_connection", False):
-                resp.force_close()
-            return resp
-    return wrapped
+_ollama_errors = errors_shaped(lambda status, message: {"error": message})
 
 
 def _submit(request: web.Request, req: Any) -> Any:
