@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 from ferrobatch.engine.async_engine import AsyncEngine
+from ferrobatch.engine.observer import EngineObserver
 from ferrobatch.serve.server import Server
 
 
@@ -42,3 +43,24 @@ async def sdk_client(r: Running):
 async def stop_server(r: Running) -> None:
     await r.server.stop()
     await r.engine.shutdown()
+
+
+class Finishes(EngineObserver):
+    """Every finished request's (finish reason, tokens generated), in order: a test sees that
+    a request ended as it should (a client that left: an abort, not a natural end)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int]] = []
+
+    def on_finished(self, request) -> None:
+        self.seen.append((request.finish_reason, request.num_generated))
+
+
+async def start_watched(loaded_model, **server_options) -> Running:
+    """A server on the real model (REAL_ENGINE_OPTIONS) whose engine's `finishes` records
+    every finished request."""
+    from engine_support import REAL_ENGINE_OPTIONS
+    engine = AsyncEngine(loaded_model=loaded_model, **REAL_ENGINE_OPTIONS)
+    engine.finishes = Finishes()
+    engine.add_observer(engine.finishes)
+    return await start_server(engine, **server_options)

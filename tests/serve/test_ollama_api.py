@@ -13,11 +13,8 @@ import asyncio
 import aiohttp
 import pytest
 import pytest_asyncio
-from engine_support import REAL_ENGINE_OPTIONS
-from serve_support import start_server, stop_server
+from serve_support import start_watched, stop_server
 
-from ferrobatch.engine.async_engine import AsyncEngine
-from ferrobatch.engine.observer import EngineObserver
 from ferrobatch.serve.ollama_protocol import parse_ollama_chat, tool_calls
 from ferrobatch.serve.protocol import ProtocolError
 
@@ -28,20 +25,9 @@ QUESTION = [{"role": "user", "content": "Name three colours."}]
 GREEDY = {"temperature": 0, "num_predict": 12}
 
 
-class Finishes(EngineObserver):
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, int]] = []
-
-    def on_finished(self, request) -> None:
-        self.seen.append((request.finish_reason, request.num_generated))
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def real(loaded_smollm2):
-    engine = AsyncEngine(loaded_model=loaded_smollm2, **REAL_ENGINE_OPTIONS)
-    engine.finishes = Finishes()
-    engine.add_observer(engine.finishes)
-    r = await start_server(engine, served_model_name="smollm2")
+    r = await start_watched(loaded_smollm2, served_model_name="smollm2")
     yield r
     await stop_server(r)
 
