@@ -430,7 +430,10 @@ async def _serve(a: argparse.Namespace) -> int:
     print(f"  speculative decoding: {engine.speculation}")
     if adapters:
         print(f"  LoRA adapters: {', '.join(r.lora_name for r in adapters)} (model names)")
-    print(f"  OpenAI HTTP : {base}/v1  (completions, chat/completions, models)")
+    print(f"  OpenAI HTTP : {base}/v1  (completions, chat/completions, responses, "
+          "embeddings, models)")
+    print(f"  also        : Anthropic {base}/v1/messages, Ollama {base}/api, SGLang "
+          f"{base}/generate")
     print(f"  WebSocket   : ws://{a.host}:{server.port}/v1/ws")
     if server.tcp_port is not None:
         print(f"  msgpack/TCP : {a.host}:{server.tcp_port}")
