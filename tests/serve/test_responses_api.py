@@ -338,6 +338,46 @@ async def test_store_false_delete_cancel_and_eviction(client):
     assert (await client.responses.retrieve(ids[4])).id == ids[4]
 
 
+@STORE
+async def test_input_items_list_what_the_input_held_a_page_at_a_time(client):
+    """`GET /v1/responses/{id}/input_items` (the SDK's `responses.input_items.list`): the
+    input's messages, function calls and outputs as typed items, the last first by default,
+    paged with `limit` / `after` (the SDK follows the cursor)."""
+    one = await client.responses.create(model="fake", input="hi" + EOS)
+    items = [item async for item in client.responses.input_items.list(one.id)]
+    assert [(i.type, i.role, i.content[0].text) for i in items] == [
+        ("message", "user", "hi" + EOS)]
+    given = [{"role": "system", "content": "Be brief."},
+             {"type": "message", "role": "user", "id": "msg_mine",
+              "content": [{"type": "input_text", "text": "weather?"}]},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather",
+              "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "c1", "output": "21 C"},
+             {"role": "assistant", "content": "It is 21 C."},
+             {"role": "user", "content": "thanks" + EOS}]
+    many = await client.responses.create(model="fake", input=given, max_output_tokens=2)
+    newest_first = [item async for item in client.responses.input_items.list(many.id,
+                                                                               limit=2)]
+    assert [i.type for i in newest_first] == ["message", "message", "function_call_output",
+                                              "function_call", "message", "message"]
+    oldest_first = [item async for item in client.responses.input_items.list(
+        many.id, order="asc")]
+    assert [i.id for i in oldest_first] == [i.id for i in newest_first][::-1]
+    assert oldest_first[1].id == "msg_mine" and oldest_first[2].name == "get_weather"
+    assert oldest_first[3].output == "21 C" and oldest_first[4].role == "assistant"
+    assert oldest_first[4].content[0].type == "output_text"
+    page = await client.responses.input_items.list(many.id, order="asc", limit=2,
+                                                    after="msg_mine")
+    assert [i.id for i in page.data] == [oldest_first[2].id, oldest_first[3].id]
+    assert page.has_more is True
+    with pytest.raises(openai.BadRequestError, match="names no input item"):
+        await client.responses.input_items.list(many.id, after="msg_nope")
+    with pytest.raises(openai.BadRequestError, match="'limit'"):
+        await client.responses.input_items.list(many.id, limit=101)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.input_items.list("resp_unknown")
+
+
 async def test_without_a_store_previous_response_id_says_how_to_get_one(fake_server):
     status, body = await raw_post(fake_server, {"input": "x", "previous_response_id": "r"})
     assert status == 400 and "--enable-response-store" in body["error"]["message"]

@@ -497,6 +497,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/responses/{response_id}", stored_response)
     app.router.add_delete("/v1/responses/{response_id}", stored_response)
     app.router.add_post("/v1/responses/{response_id}/cancel", stored_response)
+    app.router.add_get("/v1/responses/{response_id}/input_items", stored_response)
     from ferrobatch.serve.embeddings_api import embeddings
     app.router.add_post("/v1/embeddings", embeddings)
     from ferrobatch.serve.tokenizer_routes import add_tokenizer_routes

@@ -1,6 +1,7 @@
 """The Responses API's store (`serve --enable-response-store`): finished responses kept in
 memory, so that `previous_response_id` continues a conversation without the client sending it
-again, and `GET` / `DELETE /v1/responses/{id}` find them.
+again, and `GET` / `DELETE /v1/responses/{id}` find them (and `GET
+/v1/responses/{id}/input_items` the items its `input` held).
 
 Each stored response keeps its response object (what `GET` returns) and its conversation in
 chat shape: the messages it was generated from, without its `instructions` (as OpenAI, a
@@ -16,7 +17,7 @@ going first. Nothing survives a restart. Only the asyncio thread touches the sto
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_MAX_RESPONSES = 1024
@@ -28,6 +29,7 @@ class StoredResponse:
 
     response: dict[str, Any]
     conversation: list[dict[str, Any]]
+    input_items: list[dict[str, Any]] = field(default_factory=list)   # its `input`, as items
 
 
 class ResponseStore:
@@ -49,8 +51,10 @@ class ResponseStore:
             self._items.move_to_end(response_id)
         return item
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        self._items[response["id"]] = StoredResponse(response, conversation)
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]],
+            input_items: list[dict[str, Any]] | None = None) -> None:
+        self._items[response["id"]] = StoredResponse(response, conversation,
+                                                     list(input_items or ()))
         self._items.move_to_end(response["id"])
         while len(self._items) > self.max_responses:
             self._items.popitem(last=False)

@@ -14,7 +14,8 @@ function guide the output to be the call(s); "auto" is served for models that wr
 `function_call` / `function_call_output` input items become the chat template's assistant
 tool calls and tool messages. With `serve --enable-response-store` finished responses are kept
 in memory (`response_store.py`; `store: false` opts a response out): `previous_response_id`
-continues one, `GET` / `DELETE /v1/responses/{id}` find and forget them; without it
+continues one, `GET` / `DELETE /v1/responses/{id}` find and forget them, `GET
+/v1/responses/{id}/input_items` lists what their input held; without it
 `previous_response_id` is refused. `conversation` and `background` are refused, as are other
 tool types, reasoning items and non-text input (images, files), each with a 400 naming the
 field, rather than silently ignored.
@@ -30,6 +31,7 @@ from ferrobatch.serve.codec import dumps_json
 from ferrobatch.serve.http import error_response, read_json
 from ferrobatch.serve.logprobs import chat_logprobs
 from ferrobatch.serve.lora_api import lora_for
+from ferrobatch.serve.protocol import ProtocolError
 from ferrobatch.serve.reasoning import (
     ReasoningSplitter,
     count_reasoning_tokens,
@@ -130,13 +132,14 @@ def _keep(request: web.Request, req: ResponsesRequest, final: dict[str, Any], te
     what a later `previous_response_id` continues."""
     store = request.app[STATE].responses
     if req.store and store is not None and final["status"] in ("completed", "incomplete"):
-        store.put(final, req.conversation + [assistant_turn(text, calls)])
+        store.put(final, req.conversation + [assistant_turn(text, calls)], req.input_items)
 
 
 async def stored_response(request: web.Request) -> web.Response:
-    """`GET` / `DELETE /v1/responses/{id}`, `POST .../cancel`: the stored response, its
-    deletion, or (no response runs in the background) a 400; a 404 for one not stored (the
-    SDK's `responses.retrieve` raises NotFoundError with it)."""
+    """`GET` / `DELETE /v1/responses/{id}`, `POST .../cancel`, `GET .../input_items`: the
+    stored response, its deletion, (no response runs in the background) a 400, or the items of
+    its `input` a page at a time; a 404 for one not stored (the SDK's `responses.retrieve`
+    raises NotFoundError with it)."""
     rid = request.match_info["response_id"]
     shown = rid if len(rid) <= 64 and rid.replace("_", "").isalnum() else "this id"
     store = request.app[STATE].responses
@@ -148,10 +151,42 @@ async def stored_response(request: web.Request) -> web.Response:
     if request.method == "DELETE":
         store.delete(rid)
         return web.json_response({"id": rid, "object": "response", "deleted": True})
+    if request.path.endswith("/input_items"):
+        return web.json_response(input_items_page(stored.input_items, request.query))
     if request.path.endswith("/cancel"):
         return error_response(400, f"response {shown} is finished: only background responses "
                               "can be cancelled, and none run here", "invalid_request_error")
     return web.json_response(stored.response)
+
+
+def input_items_page(items: list[dict[str, Any]], query: Any) -> dict[str, Any]:
+    """One page of a stored response's input items (OpenAI's cursor list): ``order`` "desc"
+    (the default: the last item first) or "asc", ``limit`` 1..100 (20), ``after`` / ``before``
+    an item id the page starts after / ends before."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ProtocolError("'order' must be 'asc' or 'desc'", param="order")
+    limit = query.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise ProtocolError("'limit' must be an integer in 1..100", param="limit")
+    ordered = items if order == "asc" else items[::-1]
+    ids = [item["id"] for item in ordered]
+    start, end = 0, len(ordered)
+    for name in ("after", "before"):
+        cursor = query.get(name)
+        if cursor is not None:
+            if cursor not in ids:
+                raise ProtocolError(f"'{name}' names no input item of this response",
+                                    param=name)
+            if name == "after":
+                start = ids.index(cursor) + 1
+            else:
+                end = ids.index(cursor)
+    page = ordered[start:end][:int(limit)]
+    return {"object": "list", "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": start + len(page) < end}
 
 
 class _ReasoningEvents:

@@ -59,6 +59,7 @@ class ResponsesRequest:
         self.reasoning_id = f"rs_{secrets.token_hex(12)}"
         self.reasoning_parser: str | None = None   # the reply's <think> part as a reasoning item
         self.created_at = int(time.time())
+        self.input_items: list[dict[str, Any]] = []   # `input` as items (GET .../input_items)
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -197,6 +198,43 @@ def _text_format(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
                         "'json_schema', ...}", param="text")
 
 
+def _item_id(item: dict[str, Any], prefix: str) -> str:
+    given = item.get("id")
+    return given if isinstance(given, str) and given else f"{prefix}_{secrets.token_hex(12)}"
+
+
+def input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A (valid) request's `input` as the items `GET /v1/responses/{id}/input_items` lists:
+    messages with their text parts, function calls and their outputs, each with an id (its
+    own, or a new one)."""
+    given = body.get("input")
+    if isinstance(given, str):
+        given = [{"type": "message", "role": "user", "content": given}]
+    items = []
+    for item in given:
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            items.append({"id": _item_id(item, "fc"), "type": kind, "call_id": item["call_id"],
+                          "name": item["name"], "arguments": item["arguments"],
+                          "status": "completed"})
+            continue
+        if kind == "function_call_output":
+            items.append({"id": _item_id(item, "fco"), "type": kind,
+                          "call_id": item["call_id"], "output": item["output"],
+                          "status": "completed"})
+            continue
+        part = "output_text" if item["role"] == "assistant" else "input_text"
+        content = item.get("content")
+        texts = [content] if isinstance(content, str) else [p["text"] for p in content]
+        parts = [{"type": part, "text": t} for t in texts]
+        if part == "output_text":
+            for p in parts:
+                p["annotations"] = []
+        items.append({"id": _item_id(item, "msg"), "type": "message", "role": item["role"],
+                      "content": parts, "status": "completed"})
+    return items
+
+
 def parse_responses(body: Any, model_name: str | Sequence[str], tool_parser: str | None = None,
                     sampling_defaults: Mapping[str, Any] | None = None,
                     store: Any = None) -> ResponsesRequest:
@@ -265,9 +303,11 @@ def parse_responses(body: Any, model_name: str | Sequence[str], tool_parser: str
             "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
             "previous_response_id": body.get("previous_response_id"),
             "store": store is not None and keep is not False}
-    return ResponsesRequest(messages, params, stream, model, echo, plan,
-                            {"tools": chat_tools} if chat_tools else None,
-                            conversation=conversation, store=echo["store"])
+    req = ResponsesRequest(messages, params, stream, model, echo, plan,
+                           {"tools": chat_tools} if chat_tools else None,
+                           conversation=conversation, store=echo["store"])
+    req.input_items = input_items(body)
+    return req
 
 
 def _previous_conversation(response_id: Any, store: Any) -> list[dict[str, Any]] | None:
