@@ -170,3 +170,44 @@ def test_a_calls_chunk_keeps_the_text_that_came_with_it():
     c = choice(req, 0, "Sure.", None, stream=True, tool_calls=calls)
     assert c["delta"]["content"] == "Sure." and c["delta"]["tool_calls"][0]["index"] == 0
     assert "content" not in choice(req, 0, "", None, stream=True, tool_calls=calls)["delta"]
+
+
+async def test_auto_tool_calls_on_the_anthropic_and_ollama_doors(fake_server):
+    """The same model's own call on `/v1/messages` (a `tool_use` block after the text, whole
+    and streamed as Anthropic's events) and on Ollama's `/api/chat` (its `tool_calls`, the
+    arguments an object)."""
+    body = echoing(fake_server, "Sure." + CALL)
+    fn = WEATHER["function"]
+    anthropic_body = {"model": "fake", "max_tokens": 140, "messages": body["messages"],
+                      "tools": [{"name": fn["name"], "description": fn.get("description", ""),
+                                 "input_schema": fn["parameters"]}]}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(fake_server.base + "/v1/messages", json=anthropic_body) as resp:
+            message = await resp.json()
+        async with s.post(fake_server.base + "/v1/messages",
+                          json={**anthropic_body, "stream": True}) as resp:
+            raw = (await resp.read()).decode()
+        async with s.post(fake_server.base + "/api/chat", json={
+                "model": "fake", "messages": body["messages"], "tools": body["tools"],
+                "stream": False, "options": {"num_predict": 140}}) as resp:
+            ollama = await resp.json()
+    assert message["stop_reason"] == "tool_use", message
+    assert [b["type"] for b in message["content"]] == ["text", "tool_use"]
+    assert message["content"][0]["text"] == "<user>Sure."
+    assert (message["content"][1]["name"], message["content"][1]["input"]) == (
+        "get_weather", {"city": "Paris"})
+    events = [json.loads(block.split("\ndata: ", 1)[1]) for block in raw.split("\n\n") if block]
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert starts == ["text", "tool_use"]
+    text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta"
+                   and e["delta"]["type"] == "text_delta")
+    partial = "".join(e["delta"]["partial_json"] for e in events
+                      if e["type"] == "content_block_delta"
+                      and e["delta"]["type"] == "input_json_delta")
+    assert text == "<user>Sure." and OPEN not in text
+    assert json.loads(partial) == {"city": "Paris"}
+    assert [e["delta"]["stop_reason"] for e in events if e["type"] == "message_delta"] == [
+        "tool_use"]
+    assert ollama["message"]["content"] == "<user>Sure."
+    assert ollama["message"]["tool_calls"] == [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
