@@ -512,6 +512,52 @@ async def test_embeddings_route_shapes_on_fakecore(fake_server):
         assert status in (400, 404) and json.loads(text)["error"]["param"] == param, (bad, text)
 
 
+@pytest.mark.parametrize("fake_server", [{"api_key": "k"}], indirect=True)
+async def test_every_http_request_is_counted_and_timed_by_route_method_and_status(fake_server):
+    """Answers, refusals (a bad body, a wrong key, a path no route serves) and streams count
+    with their status under the route's path template; a client that leaves mid-stream counts
+    as 499."""
+    key = {"Authorization": "Bearer k"}
+    async with aiohttp.ClientSession(headers=key) as s:
+        for body in ({"prompt": "abc", "max_tokens": 2}, {"prompt": "abc", "max_tokens": 2,
+                                                          "stream": True},
+                     {"prompt": "abc", "max_tokens": -1}):
+            async with s.post(fake_server.base + "/v1/completions", json=body) as resp:
+                await resp.read()
+        async with s.get(fake_server.base + "/v1/models/fake") as resp:
+            await resp.read()
+        async with s.get(fake_server.base + "/no/such/route") as resp:
+            assert resp.status == 404
+        async with s.post(fake_server.base + "/v1/completions", json={
+                "prompt": "abc", "max_tokens": 200, "ignore_eos": True, "stream": True}) as resp:
+            await resp.content.readline()          # the first event, then leave
+    async with aiohttp.ClientSession() as s:
+        async with s.post(fake_server.base + "/v1/completions", json={}) as resp:
+            assert resp.status == 401
+    await fake_server.engine.wait_idle()
+    async with aiohttp.ClientSession(headers=key) as s:
+        for _ in range(100):                   # (the left stream's handler ends on its own)
+            async with s.get(fake_server.base + "/metrics") as resp:
+                text = await resp.text()
+            if 'status="499"' in text:
+                break
+            await asyncio.sleep(0.02)
+
+    def count(handler: str, method: str, status: int) -> float:
+        line = (f'ferrobatch_http_requests_total{{handler="{handler}",method="{method}",'
+                f'status="{status}"}} ')
+        return float(next(x for x in text.splitlines() if x.startswith(line)).split()[-1])
+
+    assert count("/v1/completions", "POST", 200) == 2
+    assert count("/v1/completions", "POST", 400) == 1
+    assert count("/v1/completions", "POST", 401) == 1
+    assert count("/v1/completions", "POST", 499) == 1
+    assert count("/v1/models/{model}", "GET", 200) == 1
+    assert count("<unmatched>", "GET", 404) == 1
+    assert ('ferrobatch_http_request_duration_seconds_count{handler="/v1/completions",'
+            'method="POST"} 5.0') in text
+
+
 @pytest.mark.parametrize("fake_server", [{"vllm_metric_names": True}], indirect=True)
 async def test_metrics_can_carry_vllms_names(fake_server):
     """`serve --vllm-metric-names`: every metric as vLLM names it (`vllm:` for `ferrobatch_`),
@@ -522,7 +568,10 @@ async def test_metrics_can_carry_vllms_names(fake_server):
             text = await resp.text()
     names = {line.split("{")[0].split(" ")[0] for line in text.splitlines()
              if line and not line.startswith("#")}
-    assert names and all(n.startswith("vllm:") for n in names), names
+    # (the HTTP request metrics as vLLM's prometheus-fastapi-instrumentator names them)
+    assert names and all(n.startswith(("vllm:", "http_")) for n in names), names
+    assert 'http_requests_total{handler="/v1/completions",method="POST",status="200"} 1.0' \
+        in text
     for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc",
                  "vllm:prompt_tokens_total", "vllm:time_to_first_token_seconds_bucket",
                  "vllm:request_success_total", "vllm:num_preemptions_total"):

@@ -22,6 +22,9 @@ ITL_BUCKETS = (.01, .025, .05, .075, .1, .15, .2, .3, .4, .5, .75, 1, 2.5, 5, 7.
 LATENCY_BUCKETS = (.3, .5, .8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960,
                    1920, 7680)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+HTTP_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+UNMATCHED = "<unmatched>"          # the handler label of a path no route serves (bounded labels)
+CLIENT_CLOSED = 499                # the status label of a request whose client left first
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
 
@@ -170,8 +173,22 @@ class ServerMetrics(EngineObserver):
                                           "per engine step (prompt chunks, decodes, drafts).",
                                           lab, buckets=ITERATION_BUCKETS,
                                           registry=r).labels(m)
+        # every HTTP request by route (the route's path template), method and status, and its
+        # time to the end of its answer (a stream's too): named as prometheus-fastapi-
+        # instrumentator names them in vLLM (no prefix) with vLLM's names, else ferrobatch_http_*
+        hp = "" if prefix == "vllm:" else f"{prefix}"
+        self.http_requests = Counter(f"{hp}http_requests", "HTTP requests by route, method "
+                                     "and status (499: the client left first).",
+                                     ["handler", "method", "status"], registry=r)
+        self.http_duration = Histogram(f"{hp}http_request_duration_seconds", "HTTP request "
+                                       "to the end of its answer, by route and method.",
+                                       ["handler", "method"], buckets=HTTP_BUCKETS, registry=r)
         r.register(_SchedulerCollector(engine, m, prefix))
         engine.add_observer(self)
+
+    def observe_http(self, handler: str, method: str, status: int, seconds: float) -> None:
+        self.http_requests.labels(handler, method, str(status)).inc()
+        self.http_duration.labels(handler, method).observe(seconds)
 
     def on_scheduled(self, queue_time_s: float, num_prompt_tokens: int) -> None:
         self.queue.observe(queue_time_s)
@@ -200,3 +217,32 @@ class ServerMetrics(EngineObserver):
                                    (self.inference, request.inference_s)):
             if seconds is not None:
                 histogram.observe(seconds)
+
+
+def http_metrics_middleware(metrics: ServerMetrics) -> Any:
+    """Counts and times every HTTP request (``ServerMetrics.observe_http``); the outermost
+    middleware, so refusals (401, 503 while draining) and errors count with their status."""
+    import asyncio
+    import time
+
+    from aiohttp import web
+
+    @web.middleware
+    async def record(request: web.Request, handler: Any) -> Any:
+        started, status = time.monotonic(), 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        except (asyncio.CancelledError, ConnectionError):
+            status = CLIENT_CLOSED
+            raise
+        finally:
+            resource = request.match_info.route.resource
+            name = resource.canonical if resource is not None else UNMATCHED
+            metrics.observe_http(name, request.method, status, time.monotonic() - started)
+
+    return record

@@ -19,7 +19,7 @@ from aiohttp import WSCloseCode, web
 from ferrobatch.engine.stats_logger import StatsLogger
 from ferrobatch.serve.cors import install_cors
 from ferrobatch.serve.http import add_routes
-from ferrobatch.serve.metrics import ServerMetrics
+from ferrobatch.serve.metrics import ServerMetrics, http_metrics_middleware
 from ferrobatch.serve.middleware import (
     auth_middleware,
     drain_middleware,
@@ -38,7 +38,8 @@ ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf %{X-Request-Id}o'
 
 
 def build_app(state: ServerState) -> web.Application:
-    middlewares = [request_id_middleware(), error_middleware]
+    middlewares = [] if state.metrics is None else [http_metrics_middleware(state.metrics)]
+    middlewares += [request_id_middleware(), error_middleware]
     if state.api_key is not None:
         middlewares.append(auth_middleware(state.api_key))
     middlewares.append(drain_middleware(state))
