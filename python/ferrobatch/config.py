@@ -98,7 +98,8 @@ class EngineConfig:
     max_preemptions: int = 8
     seed: int | None = None              # seeds the sampling of requests without their own seed
                                          # (None: a random start); as vLLM's, it makes a run
-                                         # repeatable only with the same requests in the same order
+                                         # repeatable only with the same requests in the same
+                                         # steps (a request's own seed: whatever runs beside it)
     intake_capacity: int = 4096
     admission_batch: int = 1             # while sequences run, waiting ones join only once this
                                          # many (all that wait, if fewer) find free slots: one

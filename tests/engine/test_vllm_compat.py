@@ -91,14 +91,17 @@ def test_llm_options_of_vllm():
 
 
 def test_an_engine_seed_repeats_unseeded_sampling(loaded_smollm2):
-    """LLM(seed=...) seeds the draws of requests without their own seed (vLLM's `seed`)."""
+    """LLM(seed=...) seeds the draws of requests without their own seed (vLLM's `seed`). Its
+    promise holds for the same requests in the same steps: one request here (two submitted
+    together may share their first step or not, by the step thread's timing, and then draw in
+    another order: a CI run under load met that)."""
     sampled = SamplingParams(max_tokens=12, temperature=1.0)
     runs = []
     for seed in (0, 0, 1):
         llm = LLM("smollm2", loaded_model=loaded_smollm2, seed=seed, **REAL_ENGINE_OPTIONS)
         try:
             runs.append([o.outputs[0].token_ids for o in
-                         llm.generate(["Once upon a time", "My favourite food"], sampled)])
+                         llm.generate(["Once upon a time"], sampled)])
         finally:
             llm.close()
     assert runs[0] == runs[1] and runs[0] != runs[2]
