@@ -25,6 +25,9 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 HTTP_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 UNMATCHED = "<unmatched>"          # the handler label of a path no route serves (bounded labels)
 CLIENT_CLOSED = 499                # the status label of a request whose client left first
+# probes and scrapes are not traffic (as vLLM leaves them out of its HTTP metrics)
+HTTP_UNCOUNTED = frozenset({"/metrics", "/health", "/ready", "/ping", "/health_generate",
+                            "/version", "/"})
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
 
@@ -220,8 +223,9 @@ class ServerMetrics(EngineObserver):
 
 
 def http_metrics_middleware(metrics: ServerMetrics) -> Any:
-    """Counts and times every HTTP request (``ServerMetrics.observe_http``); the outermost
-    middleware, so refusals (401, 503 while draining) and errors count with their status."""
+    """Counts and times every HTTP request (``ServerMetrics.observe_http``) but probes and
+    scrapes (HTTP_UNCOUNTED); the outermost middleware, so refusals (401, 503 while draining)
+    and errors count with their status."""
     import asyncio
     import time
 
@@ -229,6 +233,8 @@ def http_metrics_middleware(metrics: ServerMetrics) -> Any:
 
     @web.middleware
     async def record(request: web.Request, handler: Any) -> Any:
+        if request.path in HTTP_UNCOUNTED:
+            return await handler(request)
         started, status = time.monotonic(), 500
         try:
             response = await handler(request)
