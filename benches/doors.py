@@ -32,6 +32,7 @@ from common import format_table, load_1min, machine_info, write_json
 
 QUESTION = "Name three colours, and say which one you like best."
 RAW = "The capital of France is"
+STUB_TOKEN = 260
 
 
 def _chat_pair(tokens: int) -> dict[str, tuple[str, dict, str]]:
@@ -106,6 +107,9 @@ def start_server(max_num_seqs: int):
     async def start():
         real = mr.ModelRunner
         mr.ModelRunner = engine_overhead.StubRunner
+        # every step's token " the" (SmolLM2's 260): streams carry text at every token, as a
+        # model's do (the overhead bench's token 10 decodes to nothing)
+        engine_overhead.STUB_TOKEN = STUB_TOKEN
         try:
             engine = AsyncEngine(model="smollm2", device="cpu", dtype="float32",
                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,

@@ -315,7 +315,7 @@ class AsyncEngine:
         s["num_probe_prompt_tokens_total"] = self.counters["probe_prompt_tokens"]
         guided = getattr(self._core, "_guided", None)
         s["num_guided_grammars_cached"] = guided.num_cached() if guided is not None else 0
-        s["weights_version"] = getattr(self._core, "weights_version", 0)
+        s["weights_version"] = self.weights_version
         s["generation_paused"] = self.is_paused
         return s
 
@@ -880,6 +880,11 @@ class AsyncEngine:
             raise EngineDeadError(self.dead_reason or "the engine is not started")
         model = self._core.runner.model
         return await asyncio.wrap_future(self._loop_thread.call(lambda: func(model)))
+
+    @property
+    def weights_version(self) -> int:
+        """How many times the weights were updated in place since start (``update_weights``)."""
+        return getattr(self._core, "weights_version", 0)
 
     @property
     def is_paused(self) -> bool:

@@ -27,10 +27,6 @@ from ferrobatch.serve.sse import SSEWriter
 from ferrobatch.serve.state import STATE
 
 
-def _weight_version(engine: Any) -> int:
-    return engine.stats().get("weights_version", 0)
-
-
 async def generate(request: web.Request) -> web.StreamResponse:
     from ferrobatch.serve.http import read_json
     state = request.app[STATE]
@@ -71,7 +67,7 @@ async def _collect(request: web.Request, req: GenerateRequest, streams: list[Any
         if out.error:
             return error_response(500, out.error, "server_error")
         last[i] = out
-    version = _weight_version(request.app[STATE].engine)
+    version = request.app[STATE].engine.weights_version
     elapsed = time.monotonic() - started
     answers = []
     for i, it in enumerate(req.items):
@@ -89,7 +85,7 @@ async def _stream(request: web.Request, req: GenerateRequest, streams: list[Any]
     sent: dict[tuple[int, int], tuple[int, bool]] = {}   # (prompt, sample) -> (tokens, done)
     try:
         await sse.open()
-        version = _weight_version(engine)
+        version = engine.weights_version
         async for i, out in _merged(streams):
             if out.error:
                 await sse.send({"error": {"message": out.error, "type": "server_error",
@@ -137,7 +133,7 @@ async def get_model_info(request: web.Request) -> web.Response:
         "model_path": cfg.model, "tokenizer_path": cfg.tokenizer or cfg.model,
         "served_model_name": state.model_name, "is_generation": True,
         "max_model_len": engine.max_model_len,
-        "weight_version": str(_weight_version(engine)),
+        "weight_version": str(engine.weights_version),
         "preferred_sampling_params": engine.default_sampling_fields or None,
         "has_image_understanding": False, "has_audio_understanding": False})
 
