@@ -191,3 +191,21 @@ async def test_a_client_that_leaves_mid_stream_aborts_its_request(client, real):
     await asyncio.wait_for(real.engine.wait_idle(), 30.0)
     reason, generated = finishes[before]
     assert reason == "abort" and generated < 1500
+
+
+async def test_models_in_anthropics_shape(client, real):
+    """The SDK's `models.list` / `retrieve` (it sends `anthropic-version`): Anthropic's shape;
+    the OpenAI SDK's requests keep OpenAI's."""
+    listed = [m async for m in client.models.list()]
+    assert [(m.id, m.type) for m in listed] == [("smollm2", "model")]
+    one = await client.models.retrieve("smollm2")
+    assert one.id == "smollm2" and one.display_name == "smollm2" and one.created_at.year >= 2026
+    status, plain = await _get(real, "/v1/models")
+    assert status == 200 and plain["object"] == "list" and plain["data"][0]["object"] == "model"
+
+
+async def _get(real, path: str) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(real.base + path) as resp:
+            return resp.status, await resp.json()
+

@@ -129,6 +129,21 @@ async def test_listing_routes(client, real):
             assert resp.status == 200
 
 
+async def test_models_are_not_pulled_or_changed_here(client, real):
+    """Tools pull a model before they chat: pulling a served one succeeds at once; another
+    is a 404, and pushing, creating, copying or deleting a 400 saying why."""
+    assert (await client.pull("smollm2")).status == "success"
+    assert [p.status async for p in await client.pull("smollm2:latest", stream=True)] == [
+        "success"]
+    with pytest.raises(ollama.ResponseError) as info:
+        await client.pull("llama3")
+    assert info.value.status_code == 404
+    for call in (client.delete("smollm2"), client.copy("smollm2", "other")):
+        with pytest.raises(ollama.ResponseError) as info:
+            await call
+        assert info.value.status_code == 400 and "started with" in info.value.error
+
+
 async def test_bad_requests_are_ollama_errors(client, real):
     for kw, status, words in [
             ({"model": "llama3"}, 404, "model 'llama3' not found"),

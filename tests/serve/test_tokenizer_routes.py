@@ -41,6 +41,23 @@ async def test_tokenize_chat_messages_uses_the_template(fake_server):
     assert "".join(chr(t) for t in tokens) == "<user>yo\n<assistant>"
 
 
+async def test_tokenize_chat_messages_renders_the_tools_too(fake_server):
+    """vLLM's `tools` on /tokenize reach the chat template, as a chat request's do."""
+    seen = []
+    render = fake_server.engine.render_chat
+
+    def spy(messages, **options):
+        seen.append(options)
+        return render(messages, **options)
+    fake_server.engine.render_chat = spy
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    msgs = [{"role": "user", "content": "yo"}]
+    status, _, _ = await post(fake_server, "/tokenize", {"messages": msgs, "tools": tools})
+    assert status == 200 and seen == [{"tools": tools}]
+    status, _, text = await post(fake_server, "/tokenize", {"messages": msgs, "tools": "x"})
+    assert status == 400 and json.loads(text)["error"]["param"] == "tools"
+
+
 async def test_tokenizer_info(fake_server):
     status, info = await get_json(fake_server, "/tokenizer_info")
     assert status == 200

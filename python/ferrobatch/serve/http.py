@@ -428,11 +428,28 @@ def _model_card(state, name: str) -> dict[str, Any]:
             "max_model_len": state.engine.max_model_len}
 
 
+def _anthropic_card(state, card: dict[str, Any]) -> dict[str, Any]:
+    """A model card in Anthropic's shape (what the `anthropic` SDK's `models` read)."""
+    import datetime
+    created = datetime.datetime.fromtimestamp(state.created, datetime.timezone.utc)
+    return {"type": "model", "id": card["id"], "display_name": card["id"],
+            "created_at": created.strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
+def _wants_anthropic(request: web.Request) -> bool:
+    """Anthropic's SDK sends its API version with every request."""
+    return "anthropic-version" in request.headers
+
+
 async def models(request: web.Request) -> web.Response:
     """One card per served name (`--served-model-name a b`: both), then one per served LoRA
-    adapter (with its `parent`)."""
+    adapter (with its `parent`); in Anthropic's list shape for Anthropic's SDK."""
     state = request.app[STATE]
     cards = [_model_card(state, n) for n in state.base_model_names] + adapter_cards(state)
+    if _wants_anthropic(request):
+        data = [_anthropic_card(state, c) for c in cards]
+        return web.json_response({"data": data, "has_more": False,
+                                  "first_id": data[0]["id"], "last_id": data[-1]["id"]})
     return web.json_response({"object": "list", "data": cards})
 
 
@@ -443,8 +460,10 @@ async def model(request: web.Request) -> web.Response:
     if name not in state.model_names:
         return error_response(404, f"The model '{name}' does not exist; this server serves "
                                    f"'{state.model_name}'", "not_found_error", "model")
-    card = next((c for c in adapter_cards(state) if c["id"] == name), None)
-    return web.json_response(card or _model_card(state, name))
+    card = next((c for c in adapter_cards(state) if c["id"] == name), None) or \
+        _model_card(state, name)
+    return web.json_response(_anthropic_card(state, card) if _wants_anthropic(request)
+                             else card)
 
 
 async def version(request: web.Request) -> web.Response:

@@ -316,6 +316,27 @@ async def embeddings(request: web.Request) -> web.Response:
     return web.json_response({"embedding": vectors[0]})
 
 
+@_ollama_errors
+async def manage(request: web.Request) -> web.StreamResponse:
+    """``/api/pull``, ``/api/push``, ``/api/create``, ``/api/copy``, ``/api/delete``: this server
+    serves the models it was started with. Pulling one of them succeeds at once (it is here:
+    tools pull before they chat); anything else is a 400 saying so."""
+    from ferrobatch.serve.http import read_json
+    state = request.app[STATE]
+    body = await read_json(request)
+    if request.path == "/api/pull" and isinstance(body, dict):
+        name = body.get("model", body.get("name"))
+        if isinstance(name, str):
+            model_name({"model": name}, state.model_names)      # (404 for another)
+            if body.get("stream", True) is False:
+                return web.json_response({"status": "success"})
+            return web.Response(body=b'{"status":"success"}\n',
+                                content_type="application/x-ndjson")
+    raise ProtocolError(f"ferrobatch serves the models it was started with "
+                        f"({', '.join(state.model_names)}); {request.path} does not change "
+                        "them")
+
+
 async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": OLLAMA_VERSION})
 
@@ -332,5 +353,8 @@ def add_ollama_routes(app: web.Application) -> None:
     app.router.add_post("/api/show", show)
     app.router.add_get("/api/version", version)
     app.router.add_post("/api/embed", embed)
+    for path in ("/api/pull", "/api/push", "/api/create", "/api/copy"):
+        app.router.add_post(path, manage)
+    app.router.add_delete("/api/delete", manage)
     app.router.add_post("/api/embeddings", embeddings)
     app.router.add_get("/", root)                        # (HEAD too: the CLI's check)

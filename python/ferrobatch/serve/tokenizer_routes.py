@@ -4,7 +4,8 @@ vLLM users' scripts call):
 - ``GET /tokenizer_info`` -> ``{eos_token, bos_token, pad_token, chat_template,
   model_max_length, vocab_size, eos_token_ids}``
 - ``POST /tokenize`` ``{prompt: str, add_special_tokens?: bool}`` or ``{messages: [...],
-  add_generation_prompt?: bool, continue_final_message?: bool, chat_template_kwargs?: {...}}``
+  add_generation_prompt?: bool, continue_final_message?: bool, chat_template_kwargs?: {...},
+  tools?: [...]}``
   -> ``{tokens, count, max_model_len}``
 - ``POST /detokenize`` ``{tokens: [int]}`` -> ``{prompt}``
 
@@ -62,8 +63,14 @@ async def tokenize(request: web.Request) -> web.Response:
     if (prompt is None) == (messages is None):
         raise ProtocolError("send exactly one of 'prompt' (text) or 'messages' (chat)")
     if messages is not None:
+        options = chat_template_options(body)
+        tools = body.get("tools")
+        if tools is not None:                  # vLLM's: the template renders them too
+            if not isinstance(tools, list):
+                raise ProtocolError("'tools' must be a list", param="tools")
+            options["tools"] = tools
         try:
-            prompt = engine.render_chat(messages, **chat_template_options(body))
+            prompt = engine.render_chat(messages, **options)
         except ValueError as exc:
             raise ProtocolError(str(exc), param="messages") from None
         special = False                 # the template already placed the special tokens
