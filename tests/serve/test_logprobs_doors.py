@@ -175,12 +175,38 @@ async def test_echo_without_logprobs_and_streamed_echo(fake_server):
 
 @pytest.mark.parametrize("body,match", [
     ({"echo": "yes"}, "'echo' must be a boolean"),
-    ({"prompt_logprobs": 1}, "'echo': true"),
+    ({"prompt_logprobs": 1, "stream": True}, "not a stream"),
+    ({"prompt_logprobs": 21}, "[0, 20]"),
+    ({"prompt_logprobs": True}, "[0, 20]"),
 ])
 async def test_bad_echo_requests_are_400(fake_server, body, match):
     status, _, text = await post(fake_server, "/v1/completions",
                                  {"prompt": "hi", "max_tokens": 2, **body})
     assert status == 400 and match in json.loads(text)["error"]["message"]
+
+
+async def test_vllms_prompt_logprobs_on_completions_and_chat(fake_server):
+    """vLLM's `prompt_logprobs` field: per prompt position null (the first) or the prompt
+    token and the k most likely, keyed by token id, with rank and text; per choice on
+    completions, on the response on chat."""
+    status, _, text = await post(fake_server, "/v1/completions",
+                                 {"prompt": "hello", "max_tokens": 2, "prompt_logprobs": 2})
+    assert status == 200
+    got = json.loads(text)["choices"][0]["prompt_logprobs"]
+    assert len(got) == 5 and got[0] is None
+    want = {str(ord("e")): {"logprob": fake_prompt_logprob(0), "rank": 1, "decoded_token": "e"},
+            str(ord("f")): {"logprob": fake_prompt_logprob(0) - 1, "rank": 2,
+                            "decoded_token": "f"}}
+    assert got[1] == want
+    status, _, text = await post(fake_server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "yo"}], "max_tokens": 2,
+        "prompt_logprobs": 0})
+    body = json.loads(text)
+    prompt = "<user>yo\n<assistant>"
+    assert len(body["prompt_logprobs"]) == len(prompt) and body["prompt_logprobs"][0] is None
+    assert body["prompt_logprobs"][1] == {str(ord("u")): {
+        "logprob": fake_prompt_logprob(0), "rank": None, "decoded_token": "u"}}
+    assert "prompt_logprobs" not in body["choices"][0]
 
 
 @pytest.mark.parametrize("door", DOORS)

@@ -25,6 +25,7 @@ from ferrobatch.serve.logprobs import (
     completion_logprobs,
     echo_completion_logprobs,
     joined,
+    vllm_prompt_logprobs,
 )
 from ferrobatch.serve.lora_api import adapter_cards, add_lora_routes, lora_for
 from ferrobatch.serve.openai_protocol import (
@@ -282,11 +283,19 @@ async def _collect(request: web.Request, req: OpenAIRequest, streams: list[Any])
             choices[-1]["token_ids"] = token_ids[k]
             if req.kind == "completion":
                 choices[-1]["prompt_token_ids"] = streams[k // n].prompt_token_ids
+        if req.prompt_logprobs is not None and req.kind == "completion":
+            choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(
+                streams[k // n].prompt_token_ids, last[k // n].prompt_logprobs,
+                request.app[STATE].token_strings())
     body = envelope(req, choices, chunk=False,
                     usage_=usage(prompt_tokens, completion, cached_total(last.values()),
                                  _reasoning_tokens(request, req, token_ids)))
     if req.return_token_ids and req.kind == "chat":
         body["prompt_token_ids"] = streams[0].prompt_token_ids
+    if req.prompt_logprobs is not None and req.kind == "chat":
+        body["prompt_logprobs"] = vllm_prompt_logprobs(
+            streams[0].prompt_token_ids, last[0].prompt_logprobs,
+            request.app[STATE].token_strings())
     return web.json_response(body)
 
 

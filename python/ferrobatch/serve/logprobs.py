@@ -7,6 +7,8 @@
 - OpenAI chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`` with
   exactly N alternatives per position.
 - WebSocket / TCP: ``[{"token_id", "logprob", "top_logprobs": [[id, logprob], ...]}]``.
+- vLLM's ``prompt_logprobs`` (HTTP): per prompt position null or ``{"<id>": {"logprob",
+  "rank", "decoded_token"}}``.
 
 A token's string is its bytes read as UTF-8; a token that is only part of a character (byte-level
 BPE splits emoji and CJK characters) shows its bytes escaped (``"\\xe2\\x80"``), and ``bytes``
@@ -139,3 +141,20 @@ def message_logprobs(entries: Sequence[Any]) -> list[dict[str, Any]]:
     """The WebSocket / TCP ``logprobs`` field of a ``delta`` message (ids, no strings)."""
     return [{"token_id": e.token_id, "logprob": wire_logprob(e.logprob),
              "top_logprobs": [[t, wire_logprob(lp)] for t, lp in e.top]} for e in entries]
+
+
+def vllm_prompt_logprobs(prompt_ids: Sequence[int], entries: Sequence[Any] | None,
+                         strings: TokenStrings) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's HTTP ``prompt_logprobs``: per prompt position, null for the first (nothing
+    predicts it), else the prompt token and the most likely ones as ``{"<token id>":
+    {"logprob", "rank", "decoded_token"}}``; ``rank`` is null for a prompt token outside them
+    (its rank is not computed)."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for k in range(len(prompt_ids)):
+        e = entries[k] if entries is not None and k < len(entries) else None
+        if e is None:
+            out.append(None)
+            continue
+        out.append({str(t): {"logprob": wire_logprob(lp.logprob), "rank": lp.rank,
+                             "decoded_token": strings.text(t)} for t, lp in e.items()})
+    return out

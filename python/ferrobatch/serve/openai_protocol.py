@@ -47,6 +47,9 @@ class OpenAIRequest:
     return_token_ids: bool = False
     # vLLM's `return_tokens_as_token_ids`: logprobs show `token_id:<id>` (None: the server's)
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's `prompt_logprobs` (not streamed): each prompt token's logprob and the k most
+    # likely there, in vLLM's shape (completions: per choice; chat: on the response)
+    prompt_logprobs: int | None = None
 
 
 def check_model(body: dict, model_names: str | Sequence[str]) -> str:
@@ -80,11 +83,17 @@ def _check_common(body: Any, model_name: str | Sequence[str]) -> tuple[bool, boo
     usage in every chunk; like vLLM, only together with `include_usage`."""
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
-    if body.get("prompt_logprobs") is not None:
-        raise ProtocolError("'prompt_logprobs' is not an HTTP field here: send 'echo': true "
-                            "with 'logprobs' (completions)", param="prompt_logprobs")
     model = check_model(body, model_name)
     stream = stream_flag(body)
+    k = body.get("prompt_logprobs")
+    if k is not None:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
+            raise ProtocolError(f"'prompt_logprobs' must be an integer in [0, {MAX_LOGPROBS}]",
+                                param="prompt_logprobs")
+        if stream:
+            raise ProtocolError("'prompt_logprobs' come with a whole answer, not a stream "
+                                "(or send 'echo': true with 'logprobs' on completions)",
+                                param="prompt_logprobs")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise ProtocolError("'stream_options' must be an object", param="stream_options")
@@ -136,11 +145,13 @@ def parse_completion(body: Any, model_name: str | Sequence[str],
                                                                {"max_tokens": 16}),
                                   output_kind="delta" if stream else "final")
     if echo and params.logprobs is not None:          # the echoed prompt gets logprobs too
-        params = params.replace(prompt_logprobs=params.logprobs)
+        params = params.replace(prompt_logprobs=max(params.logprobs,
+                                                    params.prompt_logprobs or 0))
     return OpenAIRequest("completion", prompts, None, params, stream, include_usage, model,
                          continuous_usage=continuous_usage, id=f"cmpl-{secrets.token_hex(12)}",
                          echo=echo, return_token_ids=bool(body.get("return_token_ids")),
-                         return_tokens_as_token_ids=body.get("return_tokens_as_token_ids"))
+                         return_tokens_as_token_ids=body.get("return_tokens_as_token_ids"),
+                         prompt_logprobs=body.get("prompt_logprobs"))
 
 
 def parse_chat(body: Any, model_name: str | Sequence[str], tool_parser: str | None = None,
@@ -187,7 +198,8 @@ def parse_chat(body: Any, model_name: str | Sequence[str], tool_parser: str | No
                          id=f"chatcmpl-{secrets.token_hex(12)}", tools=tools,
                          chat_template=options or None,
                          return_token_ids=bool(body.get("return_token_ids")),
-                         return_tokens_as_token_ids=body.get("return_tokens_as_token_ids"))
+                         return_tokens_as_token_ids=body.get("return_tokens_as_token_ids"),
+                         prompt_logprobs=body.get("prompt_logprobs"))
 
 
 def with_response_format(body: dict) -> dict:
