@@ -25,25 +25,14 @@ from ferrobatch.serve.anthropic_protocol import (
     usage,
 )
 from ferrobatch.serve.codec import dumps_json
-from ferrobatch.serve.http import errors_shaped
-from ferrobatch.serve.lora_api import lora_for
+from ferrobatch.serve.http import errors_shaped, failure_of, reply_parts, start_one
 from ferrobatch.serve.protocol import ProtocolError
-from ferrobatch.serve.reasoning import ReasoningSplitter, split_reasoning
+from ferrobatch.serve.reasoning import ReasoningSplitter
 from ferrobatch.serve.sse import SSEWriter
 from ferrobatch.serve.state import STATE
-from ferrobatch.serve.tools import ToolOutputStream, tool_calls_of
+from ferrobatch.serve.tools import ToolOutputStream
 
 _anthropic_errors = errors_shaped(error_body)
-
-
-def _failed(out: Any) -> str | None:
-    """Why a finished output is no reply (the engine's error, an abort), or None."""
-    c = out.outputs[0]
-    if out.error:
-        return out.error
-    if c.finish_reason in ("abort", "error"):
-        return "the request was aborted"
-    return None
 
 
 @_anthropic_errors
@@ -54,29 +43,21 @@ async def messages(request: web.Request) -> web.StreamResponse:
                          tool_parser=state.tool_call_parser,
                          sampling_defaults=state.engine.default_sampling_fields)
     req.reasoning_parser = state.reasoning_parser
-    engine = state.engine
-    lora = lora_for(state, req.model)
-    await engine.prepare(req.params, messages=req.messages, chat_options=req.chat_template,
-                         lora_request=lora)
-    stream = engine.add_request(None, req.params, messages=req.messages,
-                                chat_options=req.chat_template, lora_request=lora,
-                                reasoning_parser=req.reasoning_parser)
+    stream = await start_one(request, req.params, req.model, messages=req.messages,
+                             chat_options=req.chat_template,
+                             reasoning_parser=req.reasoning_parser)
     try:
         if req.stream:
             return await _stream(request, req, stream)
         last = None
         async for out in stream:
             last = out
-        why = _failed(last)
+        why = failure_of(last)
         if why is not None:
             return web.json_response(error_body(500, why), status=500)
         c = last.outputs[0]
-        reasoning, text = None, c.text
-        if req.reasoning_parser is not None:
-            reasoning, text = split_reasoning(req.reasoning_parser, text)
-        calls = None
-        if req.tools is not None:
-            text, calls = tool_calls_of(req.tools, text, c.finish_reason)
+        reasoning, text, calls = reply_parts(req.tools, req.reasoning_parser, c.text,
+                                             c.finish_reason)
         reason, sequence = stop_reason(c.finish_reason, c.stop_reason, calls)
         return web.json_response(message_object(
             req, content_blocks(text, calls, reasoning), reason, sequence,
@@ -149,7 +130,7 @@ async def _stream(request: web.Request, req: Any, stream: Any) -> web.StreamResp
                                                  "signature": ""})
                     await events.delta({"type": "thinking_delta", "thinking": reasoning})
             await text(tool_stream.feed(piece) if tool_stream is not None else piece)
-        why = _failed(last) if last is not None else "the request was aborted"
+        why = failure_of(last) if last is not None else "the request was aborted"
         if why is not None:
             await events.emit("error", error=error_body(500, why)["error"])
             await events.response.write_eof()

@@ -169,6 +169,46 @@ async def _serve(request: web.Request, req: OpenAIRequest) -> web.StreamResponse
             s.abort()
 
 
+async def start_one(request: web.Request, params: Any, model: str, *, prompt: Any = None,
+                    messages: Any = None, chat_options: dict[str, Any] | None = None,
+                    reasoning_parser: str | None = None) -> Any:
+    """One request of a door that translates to a single chat (`messages`) or prompt: its
+    `model`'s adapter, the tokenizing (and a grammar's compile) off the event loop, then the
+    engine's RequestStream (the caller aborts it in a `finally`)."""
+    state = request.app[STATE]
+    lora = lora_for(state, model)
+    await state.engine.prepare(params, prompt, messages=messages, chat_options=chat_options,
+                               lora_request=lora)
+    if messages is not None:
+        return state.engine.add_request(None, params, messages=messages,
+                                        chat_options=chat_options, lora_request=lora,
+                                        reasoning_parser=reasoning_parser)
+    return state.engine.add_request(prompt, params, lora_request=lora)
+
+
+def reply_parts(tools: Any, reasoning_parser: str | None, text: str,
+                finish_reason: str | None) -> tuple[str | None, str, list[dict] | None]:
+    """A finished reply as (its reasoning or None, the text shown, its tool calls or None):
+    the reasoning parser's split, then the tool plan's calls (what every chat-like door
+    answers with)."""
+    reasoning = None
+    if reasoning_parser is not None:
+        reasoning, text = split_reasoning(reasoning_parser, text)
+    calls = None
+    if tools is not None:
+        text, calls = tool_calls_of(tools, text, finish_reason)
+    return reasoning, text, calls
+
+
+def failure_of(out: Any) -> str | None:
+    """Why a finished output is no reply (the engine's error, an abort), or None."""
+    if out.error:
+        return out.error
+    if out.outputs[0].finish_reason in ("abort", "error"):
+        return "the request was aborted"
+    return None
+
+
 async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, Any]]:
     """(prompt index, output) from several request streams, as they arrive."""
     if len(streams) == 1:
@@ -271,12 +311,7 @@ async def _collect(request: web.Request, req: OpenAIRequest, streams: list[Any])
             text, lp, _ = _with_echo(request, req, last[k // n], texts[k], logprobs[k])
         else:
             text, lp = texts[k], _logprobs_shape(request, req, logprobs[k])[0]
-        reasoning = None
-        if req.reasoning_parser is not None:
-            reasoning, text = split_reasoning(req.reasoning_parser, text)
-        calls = None
-        if req.tools is not None:
-            text, calls = tool_calls_of(req.tools, text, reasons[k])
+        reasoning, text, calls = reply_parts(req.tools, req.reasoning_parser, text, reasons[k])
         choices.append(choice(req, k, text, reasons[k], stream=False, logprobs=lp,
                               tool_calls=calls, reasoning=reasoning))
         if req.return_token_ids:

@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from ferrobatch.serve.codec import dumps_json
-from ferrobatch.serve.http import errors_shaped
+from ferrobatch.serve.http import errors_shaped, failure_of, reply_parts, start_one
 from ferrobatch.serve.lora_api import lora_for
 from ferrobatch.serve.ollama_protocol import (
     created_at,
@@ -28,34 +28,14 @@ from ferrobatch.serve.ollama_protocol import (
     tool_calls,
 )
 from ferrobatch.serve.protocol import ProtocolError
-from ferrobatch.serve.reasoning import ReasoningSplitter, split_reasoning
+from ferrobatch.serve.reasoning import ReasoningSplitter
 from ferrobatch.serve.state import STATE
-from ferrobatch.serve.tools import ToolOutputStream, tool_calls_of
+from ferrobatch.serve.tools import ToolOutputStream
 
 OLLAMA_VERSION = "0.6.0"        # the Ollama API this follows (clients check it is recent enough)
 
 
 _ollama_errors = errors_shaped(lambda status, message: {"error": message})
-
-
-def _submit(request: web.Request, req: Any) -> Any:
-    engine = request.app[STATE].engine
-    lora = lora_for(request.app[STATE], req.model)
-    if req.kind == "chat":
-        return engine.add_request(None, req.params, messages=req.messages,
-                                  chat_options=req.chat_template, lora_request=lora,
-                                  reasoning_parser=req.reasoning_parser), lora
-    return engine.add_request(req.prompts[0], req.params, lora_request=lora), lora
-
-
-async def _prepare(request: web.Request, req: Any) -> None:
-    engine = request.app[STATE].engine
-    lora = lora_for(request.app[STATE], req.model)
-    if req.kind == "chat":
-        await engine.prepare(req.params, messages=req.messages, chat_options=req.chat_template,
-                             lora_request=lora)
-    else:
-        await engine.prepare(req.params, req.prompts[0], lora_request=lora)
 
 
 def _piece(route: str, model: str, text: str, thinking: str | None = None,
@@ -77,8 +57,12 @@ def _piece(route: str, model: str, text: str, thinking: str | None = None,
 async def _run(request: web.Request, route: str, req: Any, shown_model: str) -> web.StreamResponse:
     req.reasoning_parser = request.app[STATE].reasoning_parser if req.kind == "chat" else None
     started = time.monotonic()
-    await _prepare(request, req)
-    stream, _ = _submit(request, req)
+    if req.kind == "chat":
+        stream = await start_one(request, req.params, req.model, messages=req.messages,
+                                 chat_options=req.chat_template,
+                                 reasoning_parser=req.reasoning_parser)
+    else:
+        stream = await start_one(request, req.params, req.model, prompt=req.prompts[0])
     try:
         if req.stream:
             return await _stream(request, route, req, stream, shown_model, started)
@@ -87,16 +71,12 @@ async def _run(request: web.Request, route: str, req: Any, shown_model: str) -> 
             last = out
         m = last.metrics
         first = m["arrival_time"] + m["ttft_s"] if "ttft_s" in m else None
-        if last.error or last.outputs[0].finish_reason in ("abort", "error"):
-            return web.json_response({"error": last.error or "the request was aborted"},
-                                     status=500)
+        why = failure_of(last)
+        if why is not None:
+            return web.json_response({"error": why}, status=500)
         c = last.outputs[0]
-        reasoning, text = None, c.text
-        if req.reasoning_parser is not None:
-            reasoning, text = split_reasoning(req.reasoning_parser, text)
-        calls = None
-        if req.tools is not None:
-            text, calls = tool_calls_of(req.tools, text, c.finish_reason)
+        reasoning, text, calls = reply_parts(req.tools, req.reasoning_parser, c.text,
+                                             c.finish_reason)
         answer = _piece(route, shown_model, text, reasoning, calls)
         answer.update(done=True, done_reason=done_reason(c.finish_reason),
                       **timings(len(stream.prompt_token_ids), len(c.token_ids), started, first,
@@ -135,9 +115,9 @@ async def _stream(request: web.Request, route: str, req: Any, stream: Any, model
                 text = tool_stream.feed(text)
             if text or reasoning:
                 await send(_piece(route, model, text, reasoning))
-        if last is None or last.error or last.outputs[0].finish_reason in ("abort", "error"):
-            await send({"error": (last.error if last is not None else None)
-                        or "the request was aborted"})
+        why = failure_of(last) if last is not None else "the request was aborted"
+        if why is not None:
+            await send({"error": why})
             await resp.write_eof()
             return resp
         c = last.outputs[0]

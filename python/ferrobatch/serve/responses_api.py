@@ -28,14 +28,12 @@ from typing import Any
 from aiohttp import web
 
 from ferrobatch.serve.codec import dumps_json
-from ferrobatch.serve.http import error_response, read_json
+from ferrobatch.serve.http import error_response, read_json, reply_parts, start_one
 from ferrobatch.serve.logprobs import chat_logprobs
-from ferrobatch.serve.lora_api import lora_for
 from ferrobatch.serve.protocol import ProtocolError
 from ferrobatch.serve.reasoning import (
     ReasoningSplitter,
     count_reasoning_tokens,
-    split_reasoning,
 )
 from ferrobatch.serve.request_ids import object_id
 from ferrobatch.serve.response_store import assistant_turn
@@ -51,20 +49,12 @@ from ferrobatch.serve.responses_protocol import (
 )
 from ferrobatch.serve.sse import SSEWriter
 from ferrobatch.serve.state import STATE
-from ferrobatch.serve.tools import ToolOutputStream, tool_calls_of
+from ferrobatch.serve.tools import ToolOutputStream
 
 
 def _logprob_items(request: web.Request, entries: Any) -> list[dict[str, Any]]:
     """The output_text logprobs of `entries` (chat's shape: token, logprob, bytes, top)."""
     return chat_logprobs(entries or (), request.app[STATE].token_strings())["content"]
-
-
-def _outcome(req: ResponsesRequest, text: str,
-             finish_reason: str | None) -> tuple[str, list[dict[str, Any]] | None]:
-    """(the text shown as the message, the calls or None) of a finished output."""
-    if req.tools is None:
-        return text, None
-    return tool_calls_of(req.tools, text, finish_reason)
 
 
 class _Events(SSEWriter):
@@ -93,13 +83,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
     req.id = object_id(request, "resp_", req.id)
     # a guided reply's grammar applies after its reasoning (guided/after_reasoning.py)
     req.reasoning_parser = state.reasoning_parser
-    engine = state.engine
-    lora = lora_for(state, req.model)
-    await engine.prepare(req.params, messages=req.messages, chat_options=req.chat_options,
-                         lora_request=lora)
-    stream = engine.add_request(None, req.params, messages=req.messages,
-                                chat_options=req.chat_options, lora_request=lora,
-                                reasoning_parser=req.reasoning_parser)
+    stream = await start_one(request, req.params, req.model, messages=req.messages,
+                             chat_options=req.chat_options,
+                             reasoning_parser=req.reasoning_parser)
     try:
         if req.stream:
             return await _stream(request, req, stream)
@@ -109,10 +95,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
         if last.error:                    # as the other routes: the engine's error, a 500
             return error_response(500, last.error, "server_error")
         c = last.outputs[0]
-        reasoning, text = None, c.text
-        if req.reasoning_parser is not None:
-            reasoning, text = split_reasoning(req.reasoning_parser, text)
-        text, calls = _outcome(req, text, c.finish_reason)
+        reasoning, text, calls = reply_parts(req.tools, req.reasoning_parser, c.text,
+                                             c.finish_reason)
         logprobs = _logprob_items(request, c.logprobs) if req.params.logprobs is not None \
             else None
         final = response_object(
