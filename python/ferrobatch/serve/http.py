@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -58,11 +57,18 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
                                         "code": status}}, status=status, headers=headers)
 
 
-def exception_response(exc: BaseException) -> web.Response:
+def exception_parts(exc: BaseException) -> tuple[int, str, str, int | None]:
+    """(status, OpenAI error type, the message a client may see, Retry-After or None) of an
+    exception raised while serving a request: every door's errors say the same."""
     status, kind = error_status(exc)
     message = str(exc) if status < 500 or status == 503 else "internal server error"
-    resp = error_response(status, message, kind, getattr(exc, "param", None),
-                          retry_after=getattr(exc, "retry_after_s", None) if status == 429 else None)
+    retry = getattr(exc, "retry_after_s", None) if status == 429 else None
+    return status, kind, message, retry
+
+
+def exception_response(exc: BaseException) -> web.Response:
+    status, kind, message, retry = exception_parts(exc)
+    resp = error_response(status, message, kind, getattr(exc, "param", None), retry_after=retry)
     if getattr(exc, "close_connection", False):
         resp.force_close()              # Connection: close
     return resp
@@ -85,14 +91,13 @@ def errors_shaped(shape: Callable[[int, str], dict[str, Any]]) -> Callable:
                 return web.json_response(shape(exc.status, exc.reason or "error"),
                                          status=exc.status)
             except Exception as exc:  # noqa: BLE001 - mapped to 4xx/5xx, never a traceback
-                openai = exception_response(exc)
-                if openai.status >= 500 and openai.status != 503:
+                status, _, message, retry = exception_parts(exc)
+                if status >= 500 and status != 503:
                     logging.getLogger("ferrobatch.serve").exception(
                         "unhandled error on %s", request.path)
-                message = json.loads(openai.body)["error"]["message"]
-                resp = web.json_response(shape(openai.status, message), status=openai.status)
-                if "Retry-After" in openai.headers:
-                    resp.headers["Retry-After"] = openai.headers["Retry-After"]
+                resp = web.json_response(shape(status, message), status=status)
+                if retry is not None:
+                    resp.headers["Retry-After"] = str(retry)
                 if getattr(exc, "close_connection", False):
                     resp.force_close()
                 return resp
