@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from gguf_tiny import write_tiny_gguf
 from hf_tiny import random_hf_model
 from step_builder import ToyScheduler
 
@@ -264,7 +265,7 @@ def test_rope_freq_factors_equal_llama3_scaling():
     torch.testing.assert_close(from_factors, scaled)
     assert not torch.allclose(scaled, plain)
     with pytest.raises(ValueError, match="rope scaling type"):
-        rope_inverse_frequencies(dataclasses.replace(base, rope_scaling={"rope_type": "yarn"}))
+        rope_inverse_frequencies(dataclasses.replace(base, rope_scaling={"rope_type": "dynamic"}))
 
 
 def test_loading_and_a_step_import_no_compiler_stack(smollm2_gguf_path):
@@ -341,58 +342,13 @@ def test_a_hub_id_loads_from_its_snapshot(tmp_path, monkeypatch):
         load_model("some-org/missing")
 
 
-def _write_qwen3_gguf(path, reference, cfg: dict) -> None:
-    """A GGUF file (float32) of a transformers Qwen3 model, named and keyed as llama.cpp's
-    converter writes them (no Q/K permutation for Qwen: rotate-half RoPE), with a byte-level
-    vocabulary of single characters."""
-    import gguf
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    writer = gguf.GGUFWriter(str(path), "qwen3")
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_key_length(cfg["head_dim"])
-    writer.add_value_length(cfg["head_dim"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_rope_freq_base(cfg["rope_theta"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    alphabet = ByteLevel.alphabet()
-    writer.add_token_list(sorted(alphabet)[:cfg["vocab_size"]])
-    writer.add_token_merges([])
-    names = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm",
-             "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-             "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    for name, tensor in reference.state_dict().items():
-        if name == "lm_head.weight":
-            continue                               # tied
-        parts = name.removeprefix("model.").split(".")
-        if parts[0] == "layers":
-            module = ".".join(parts[2:-1])
-            gguf_name = f"blk.{parts[1]}.{names[module]}.{parts[-1]}"
-        else:
-            gguf_name = f"{names[parts[0]]}.{parts[-1]}"
-        writer.add_tensor(gguf_name, tensor.detach().float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def test_qwen3_gguf_matches_transformers_logits(tmp_path):
     """A Qwen3 GGUF (per-head q / k norms, head_dim wider than hidden / heads) gives
     transformers' logits for the same weights."""
     cfg = TINY_CONFIGS["qwen3"]
     reference = random_hf_model(cfg, seed=1)
     path = tmp_path / "tiny-qwen3.gguf"
-    _write_qwen3_gguf(path, reference, cfg)
+    write_tiny_gguf(path, reference, cfg, "qwen3")
     loaded = load_model(str(path))
     assert loaded.config.arch == "qwen3" and loaded.config.qk_norm
     assert loaded.config.head_dim == 32 and loaded.config.tie_word_embeddings

@@ -17,6 +17,7 @@ from ferrobatch.model.config import ModelConfig
 from ferrobatch.model.dequant import dequantize_tensor
 from ferrobatch.model.gguf_file import GGUFFile
 from ferrobatch.model.progress import load_progress
+from ferrobatch.model.rope import rope_context_length
 
 _GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -100,6 +101,10 @@ def _read_config(reader: GGUFFile, tensor_names: set[str]) -> ModelConfig:
             "original_max_position_embeddings": int(
                 _field_value(reader, f"{a}.rope.scaling.original_context_length", 0)),
         }
+        for key in ("beta_fast", "beta_slow"):     # YaRN's ramp, where the converter wrote it
+            value = _field_value(reader, f"{a}.rope.scaling.yarn_{key}")
+            if value is not None:
+                rope_scaling[key] = float(value)
     return ModelConfig(
         arch=_GGUF_ARCHS[gguf_arch],
         vocab_size=int(vocab),
@@ -112,7 +117,8 @@ def _read_config(reader: GGUFFile, tensor_names: set[str]) -> ModelConfig:
         rms_norm_eps=float(_field_value(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(_field_value(reader, f"{a}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
-        max_position_embeddings=int(_field_value(reader, f"{a}.context_length", 4096)),
+        max_position_embeddings=rope_context_length(
+            int(_field_value(reader, f"{a}.context_length", 4096)), rope_scaling),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,

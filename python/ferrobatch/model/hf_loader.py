@@ -21,6 +21,7 @@ import torch
 
 from ferrobatch.model.config import SUPPORTED_ARCHS, ModelConfig
 from ferrobatch.model.progress import load_progress
+from ferrobatch.model.rope import rope_context_length
 from ferrobatch.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,8 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=rope_context_length(
+                int(cfg.get("max_position_embeddings", 4096)), rope_scaling),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3",

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (Hugging Face half-split rotation), with Llama-3 / linear scaling."""
+"""Rotary position embeddings (Hugging Face half-split rotation), with linear, Llama-3 and YaRN scaling."""
 
 from __future__ import annotations
 
@@ -12,19 +12,25 @@ from ferrobatch.model.config import ModelConfig
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     """float32 ``[head_dim / 2]`` inverse frequencies after any rope scaling."""
+    return rope_parameters(config)[0]
+
+
+def rope_parameters(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """``(inverse frequencies [head_dim / 2], attention factor)`` after any rope scaling: the
+    factor multiplies every cos / sin (YaRN's "mscale"; 1.0 for the other types)."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if rope_type == "freq_factors":  # llama.cpp's rope_freqs tensor: theta_i / factor_i
         factors = torch.tensor(scaling["factors"], dtype=torch.float32)
         if factors.shape != inv_freq.shape:
             raise ValueError(f"rope freq factors: expected {inv_freq.shape[0]} values, got {factors.shape[0]}")
-        return inv_freq / factors
+        return inv_freq / factors, 1.0
     if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])
+        return inv_freq / float(scaling["factor"]), 1.0
     if rope_type == "llama3":
         factor = float(scaling["factor"])
         low_factor = float(scaling.get("low_freq_factor", 1.0))
@@ -36,8 +42,63 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
         smooth = (old_len / wavelen - low_factor) / (high_factor - low_factor)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: linear, llama3, freq_factors)")
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    if rope_type == "yarn":
+        return _yarn(config, inv_freq, scaling)
+    raise ValueError(f"unsupported rope scaling type {rope_type!r} "
+                     "(supported: linear, llama3, yarn, freq_factors)")
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched ``factor`` times (eq. 21 of the paper)."""
+    return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(config: ModelConfig, inv_freq: torch.Tensor,
+          scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN ("NTK-by-parts" plus an attention temperature): dimensions that turn fewer than
+    ``beta_slow`` times over the original context are interpolated (divided by ``factor``),
+    those turning more than ``beta_fast`` times are kept, a linear ramp blends those between."""
+    original = scaling.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("yarn rope scaling needs original_max_position_embeddings")
+    original = float(original)
+    factor = scaling.get("factor")
+    factor = float(factor) if factor else config.max_position_embeddings / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                     if mscale and mscale_all_dim else _yarn_mscale(factor))
+    beta_fast = float(scaling.get("beta_fast") or 32.0)
+    beta_slow = float(scaling.get("beta_slow") or 1.0)
+    dim, base = config.head_dim, config.rope_theta
+
+    def dimension_turning(turns: float) -> float:
+        # the (fractional) dimension index whose wavelength fits `turns` times in the original context
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension_turning(beta_fast), dimension_turning(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp   # 1: the dimension keeps its frequency; 0: it is interpolated
+    return inv_freq / factor * (1 - keep) + inv_freq * keep, float(attention)
+
+
+def rope_context_length(max_position_embeddings: int, scaling: dict | None) -> int:
+    """The positions a model serves: its ``max_position_embeddings``, or for YaRN the original
+    context times the factor where that is longer (the context YaRN is switched on to reach:
+    Qwen's model cards ask for the scaling and expect ``32768 * 4`` tokens)."""
+    scaling = scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "yarn" and scaling.get("factor") and scaling.get("original_max_position_embeddings"):
+        stretched = int(float(scaling["original_max_position_embeddings"]) * float(scaling["factor"]))
+        return max(int(max_position_embeddings), stretched)
+    return int(max_position_embeddings)
 
 
 class RotaryEmbedding(nn.Module):
@@ -46,12 +107,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig, device: torch.device | str | None = None) -> None:
         super().__init__()
-        inv_freq = rope_inverse_frequencies(config).to(device)
+        inv_freq, attention_factor = rope_parameters(config)
         positions = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]
+        freqs = positions[:, None] * inv_freq.to(device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cached", emb.cos(), persistent=False)
-        self.register_buffer("sin_cached", emb.sin(), persistent=False)
+        self.register_buffer("cos_cached", emb.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin_cached", emb.sin() * attention_factor, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` of each token's position, ``[T, 1, D]`` in ``dtype``: looked up once

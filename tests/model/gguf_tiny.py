@@ -1,0 +1,62 @@
+"""GGUF files (float32) of tiny transformers models, named and keyed as llama.cpp's converter
+writes them: the oracle of the GGUF loader's architecture and rope-scaling paths."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+# transformers module name -> llama.cpp tensor name, per block and at the top level.
+_BLOCK_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                "self_attn.qkv_proj": "attn_qkv", "mlp.gate_proj": "ffn_gate",
+                "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_TOP_NAMES = {"embed_tokens": "token_embd", "norm": "output_norm"}
+
+
+def write_tiny_gguf(path, reference, cfg: dict, arch: str,
+                    metadata: Callable | None = None) -> None:
+    """Writes ``reference`` (a transformers model of config dict ``cfg``) as a GGUF of ``arch``
+    with a byte-level vocabulary of single characters. Only architectures whose converter keeps
+    transformers' Q / K row order (rotate-half RoPE: qwen2, qwen3, phi3) are written this way.
+    ``metadata(writer)`` adds keys of its own (rope scaling, ...)."""
+    import gguf
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(cfg["rope_theta"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(sorted(ByteLevel.alphabet())[:cfg["vocab_size"]])
+    writer.add_token_merges([])
+    if metadata is not None:
+        metadata(writer)
+    tied = cfg.get("tie_word_embeddings", False)
+    for name, tensor in reference.state_dict().items():
+        if name == "lm_head.weight":
+            if tied:
+                continue
+            gguf_name = "output.weight"
+        else:
+            parts = name.removeprefix("model.").split(".")
+            if parts[0] == "layers":
+                module = ".".join(parts[2:-1])
+                gguf_name = f"blk.{parts[1]}.{_BLOCK_NAMES[module]}.{parts[-1]}"
+            else:
+                gguf_name = f"{_TOP_NAMES[parts[0]]}.{parts[-1]}"
+        writer.add_tensor(gguf_name, tensor.detach().float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
