@@ -150,11 +150,12 @@ class EngineCore:
         device = config.resolved_device()
         if loaded is None:
             loaded = load_model(config.model, device=device, dtype=_torch_dtype(config.dtype),
-                                require_tokenizer=True)
-        if loaded.tokenizer is None:
-            raise ValueError(f"model {config.model!r} has no tokenizer; it cannot be served")
+                                require_tokenizer=config.tokenizer is None)
         if config.tokenizer is not None:          # another tokenizer (and its template)
             loaded = _with_tokenizer(loaded, config.tokenizer)
+        if loaded.tokenizer is None:
+            raise ValueError(f"model {config.model!r} has no tokenizer; it cannot be served "
+                             "(--tokenizer names one)")
         if config.chat_template is not None:      # the operator's template replaces the model's
             import copy
             import dataclasses

@@ -41,6 +41,28 @@ def _first_id(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
+def sliding_window_of(cfg: dict[str, Any]) -> int | None:
+    """The attention window a ``config.json`` switches on (Mistral 7B v0.1's 4096, Phi-3-mini's
+    2047; Qwen's only with ``use_sliding_window``), or None."""
+    window = cfg.get("sliding_window")
+    if not window or (cfg.get("model_type") in ("qwen2", "qwen3")
+                      and not cfg.get("use_sliding_window", False)):
+        return None
+    return int(window)
+
+
+def capped_to_window(context: int, window: int | None, source: str) -> int:
+    """The context a model with an attention window serves: at most the window, where every
+    token sees all the tokens before it, so full attention is exactly the model's windowed one
+    (the kernels attend to the whole context; longer contexts would drift from the model)."""
+    if window is None or window >= context:
+        return context
+    logger.warning("%s attends over a sliding window of %d tokens; serving a context of %d "
+                   "tokens (not %d), where full attention equals the window's", source, window,
+                   window, context)
+    return window
+
+
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     """Maps a Hugging Face ``config.json`` dict to ModelConfig; ValueError for other architectures."""
     model_type = cfg.get("model_type")
@@ -67,8 +89,9 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=rope_context_length(
-                int(cfg.get("max_position_embeddings", 4096)), rope_scaling),
+            max_position_embeddings=capped_to_window(
+                rope_context_length(int(cfg.get("max_position_embeddings", 4096)), rope_scaling),
+                sliding_window_of(cfg), "config.json"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3",
