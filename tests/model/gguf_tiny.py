@@ -16,11 +16,13 @@ _TOP_NAMES = {"embed_tokens": "token_embd", "norm": "output_norm"}
 
 
 def write_tiny_gguf(path, reference, cfg: dict, arch: str,
-                    metadata: Callable | None = None) -> None:
+                    metadata: Callable | None = None, q8_0_linears: bool = False) -> None:
     """Writes ``reference`` (a transformers model of config dict ``cfg``) as a GGUF of ``arch``
     with a byte-level vocabulary of single characters. Only architectures whose converter keeps
     transformers' Q / K row order (rotate-half RoPE: qwen2, qwen3, phi3) are written this way.
-    ``metadata(writer)`` adds keys of its own (rope scaling, ...)."""
+    ``metadata(writer)`` adds keys of its own (rope scaling, ...). With ``q8_0_linears`` the
+    linear layers' weights are stored as Q8_0 blocks and ``reference``'s own weights replaced by
+    what those blocks hold, so it stays the oracle."""
     import gguf
     from tokenizers.pre_tokenizers import ByteLevel
 
@@ -55,7 +57,18 @@ def write_tiny_gguf(path, reference, cfg: dict, arch: str,
                 gguf_name = f"blk.{parts[1]}.{_BLOCK_NAMES[module]}.{parts[-1]}"
             else:
                 gguf_name = f"{_TOP_NAMES[parts[0]]}.{parts[-1]}"
-        writer.add_tensor(gguf_name, tensor.detach().float().numpy())
+        values = tensor.detach().float().numpy()
+        if q8_0_linears and values.ndim == 2 and not gguf_name.startswith("token_embd"):
+            import torch
+            from gguf.quants import dequantize, quantize
+
+            blocks = quantize(values, gguf.GGMLQuantizationType.Q8_0)
+            with torch.no_grad():
+                tensor.copy_(torch.from_numpy(
+                    dequantize(blocks, gguf.GGMLQuantizationType.Q8_0).reshape(values.shape)))
+            writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            continue
+        writer.add_tensor(gguf_name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -3,14 +3,18 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 
 def random_hf_model(config: dict, seed: int, std: float = 0.1):
     """transformers' model for a `config.json` dict, float32, every parameter ~ N(0, std)
-    (norms included, so their weights matter), in eval mode."""
+    (norms included, so their weights matter), in eval mode. ``config`` is left as it was
+    (transformers completes nested rope dicts in place)."""
     transformers = pytest.importorskip("transformers")
+    config = copy.deepcopy(config)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(**config), dtype=torch.float32).eval()

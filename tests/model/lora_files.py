@@ -13,6 +13,7 @@ import torch
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
+PHI3 = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")     # Phi-3's fused module names
 
 
 def module_dims(cfg) -> dict[str, tuple[int, int]]:
@@ -20,7 +21,8 @@ def module_dims(cfg) -> dict[str, tuple[int, int]]:
     h, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim
     kv, inter = cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),
+            "qkv_proj": (h, q + 2 * kv), "gate_up_proj": (h, 2 * inter)}
 
 
 def write_peft_adapter(path: str, cfg, *, targets=("q_proj", "v_proj"), r: int = 8,
@@ -37,7 +39,7 @@ def write_peft_adapter(path: str, cfg, *, targets=("q_proj", "v_proj"), r: int =
             fan_in, fan_out = dims[module]
             a = torch.randn(r, fan_in, generator=gen) / math.sqrt(fan_in)
             b = torch.randn(fan_out, r, generator=gen) * b_std
-            part = "self_attn" if module in ATTN else "mlp"
+            part = "self_attn" if module in ATTN + ("qkv_proj",) else "mlp"
             key = f"base_model.model.model.layers.{layer}.{part}.{module}"
             tensors[f"{key}.lora_A.weight"] = a.contiguous()
             tensors[f"{key}.lora_B.weight"] = b.contiguous()
@@ -57,7 +59,8 @@ def merge_into(hf_model, pairs: dict, scale: float) -> None:
     with torch.no_grad():
         for (layer, module), (a, b) in pairs.items():
             block = hf_model.model.layers[layer]
-            linear = getattr(block.self_attn if module in ATTN else block.mlp, module)
+            attention = module in ATTN + ("qkv_proj",)
+            linear = getattr(block.self_attn if attention else block.mlp, module)
             linear.weight += scale * (b @ a)
 
 

@@ -30,7 +30,7 @@ TINY_MISTRAL = {"model_type": "mistral", "architectures": ["MistralForCausalLM"]
     ({**TINY_MISTRAL, "model_type": "qwen2", "sliding_window": 16, "use_sliding_window": True}, 16),
 ])
 def test_the_served_context_is_capped_at_a_switched_on_window(cfg, context, caplog):
-    with caplog.at_level(logging.WARNING, logger="ferrobatch.model.hf_loader"):
+    with caplog.at_level(logging.WARNING, logger="ferrobatch.model.attention_window"):
         config = config_from_hf(cfg)
     assert config.max_position_embeddings == context
     assert ("sliding window of 16 tokens" in caplog.text) == (context == 16)

@@ -59,7 +59,7 @@ def read_block_weights(path: str, config) -> dict[str, BlockWeight]:
     reader = GGUFFile(path)
     out: dict[str, BlockWeight] = {}
     for tensor in reader.tensors.values():
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, config.arch)
         size = _BLOCK_BYTES.get(tensor.type_id)
         if name is None or size is None or len(tensor.shape) != 2:
             continue
@@ -87,8 +87,10 @@ def block_weights_for_modules(model, blocks: dict[str, BlockWeight]) -> dict[str
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = _concat([blocks.get(f"{p}self_attn.{n}_proj.weight") for n in "qkv"])
-        gate_up = _concat([blocks.get(f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")])
+        qkv = blocks.get(f"{p}self_attn.qkv_proj.weight") or _concat(
+            [blocks.get(f"{p}self_attn.{n}_proj.weight") for n in "qkv"])     # fused: Phi-3
+        gate_up = blocks.get(f"{p}mlp.gate_up_proj.weight") or _concat(
+            [blocks.get(f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")])
         wanted[f"layers.{i}.self_attn.qkv_proj"] = (qkv, _weight(attn.qkv_proj))
         wanted[f"layers.{i}.self_attn.o_proj"] = (blocks.get(f"{p}self_attn.o_proj.weight"),
                                                   _weight(attn.o_proj))

@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3).
+    """Shape and numerics of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3,
+    Phi-3 / Phi-4: the same layers, its checkpoints fuse q/k/v and gate/up as ferrobatch does).
 
     `qk_norm`: each head's query and key are RMS-normed (own weights per layer, over
     `head_dim`) before the rotary embedding, as in Qwen3."""

@@ -13,13 +13,15 @@ from typing import Any
 
 import torch
 
+from ferrobatch.model.attention_window import capped_to_window
 from ferrobatch.model.config import ModelConfig
 from ferrobatch.model.dequant import dequantize_tensor
+from ferrobatch.model.fused_tensors import split_fused_projections
 from ferrobatch.model.gguf_file import GGUFFile
 from ferrobatch.model.progress import load_progress
 from ferrobatch.model.rope import rope_context_length
 
-_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 
 # GGUF per-block tensor name -> Hugging Face module name.
 _BLOCK_TENSORS = {
@@ -28,6 +30,7 @@ _BLOCK_TENSORS = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",      # fused (Phi-3); split by fused_tensors
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",      # Qwen3: per-head q / k RMSNorm weights
     "attn_k_norm": "self_attn.k_norm",
@@ -36,6 +39,8 @@ _BLOCK_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 _TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Phi-3's converter keeps gate/up fused under ffn_up (gate rows first, as ggml's swiglu splits)
+_ARCH_BLOCK_TENSORS = {"phi3": {**_BLOCK_TENSORS, "ffn_up": "mlp.gate_up_proj"}}
 
 
 @dataclass
@@ -105,6 +110,11 @@ def _read_config(reader: GGUFFile, tensor_names: set[str]) -> ModelConfig:
             value = _field_value(reader, f"{a}.rope.scaling.yarn_{key}")
             if value is not None:
                 rope_scaling[key] = float(value)
+    if "rope_factors_short.weight" in tensor_names:    # LongRoPE (Phi-3 128k, Phi-3.5)
+        rope_scaling = _longrope_scaling(reader, a)
+    context = capped_to_window(
+        rope_context_length(int(_field_value(reader, f"{a}.context_length", 4096)), rope_scaling),
+        _field_value(reader, f"{a}.attention.sliding_window"), "the GGUF file")
     return ModelConfig(
         arch=_GGUF_ARCHS[gguf_arch],
         vocab_size=int(vocab),
@@ -117,8 +127,7 @@ def _read_config(reader: GGUFFile, tensor_names: set[str]) -> ModelConfig:
         rms_norm_eps=float(_field_value(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(_field_value(reader, f"{a}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
-        max_position_embeddings=rope_context_length(
-            int(_field_value(reader, f"{a}.context_length", 4096)), rope_scaling),
+        max_position_embeddings=context,
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
@@ -127,10 +136,33 @@ def _read_config(reader: GGUFFile, tensor_names: set[str]) -> ModelConfig:
     )
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _longrope_scaling(reader: GGUFFile, a: str) -> dict[str, Any]:
+    """LongRoPE as llama.cpp's converter stores it: the per-frequency factors as the tensors
+    ``rope_factors_short`` / ``rope_factors_long``, the attention factor and the original
+    context as metadata."""
+    def factors(name: str) -> list[float]:
+        tensor = reader.tensors[name]
+        return dequantize_tensor(tensor.data, tensor.type_id, tensor.type_name).flatten().tolist()
+
+    original = _field_value(reader, f"{a}.rope.scaling.original_context_length")
+    if not original:
+        raise ValueError(f"GGUF file has LongRoPE factors but no {a}.rope.scaling.original_context_length")
+    scaling = {"rope_type": "longrope", "short_factor": factors("rope_factors_short.weight"),
+               "original_max_position_embeddings": int(original),
+               "factor": int(_field_value(reader, f"{a}.context_length", original)) / int(original)}
+    if "rope_factors_long.weight" in reader.tensors:
+        scaling["long_factor"] = factors("rope_factors_long.weight")
+    attention = _field_value(reader, f"{a}.rope.scaling.attn_factor")
+    if attention is not None:
+        scaling["attention_factor"] = float(attention)
+    return scaling
+
+
+def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    block_tensors = _ARCH_BLOCK_TENSORS.get(arch, _BLOCK_TENSORS)
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _BLOCK_TENSORS:
-        return f"model.layers.{parts[1]}.{_BLOCK_TENSORS[parts[2]]}.{parts[3]}"
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in block_tensors:
+        return f"model.layers.{parts[1]}.{block_tensors[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _TOP_TENSORS:
         return f"{_TOP_TENSORS[parts[0]]}.{parts[1]}"
     return None
@@ -177,7 +209,7 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
     bar = load_progress(total, "Dequantizing GGUF weights")
     for tensor in tensors:
         bar.update(tensor.data.nbytes)
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, config.arch)
         if name is None:
             continue  # e.g. rope_freqs (not used) or tensors of other heads
         weight = dequantize_tensor(tensor.data, tensor.type_id, tensor.type_name)
@@ -187,4 +219,4 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
             weight = reverse_llama_permute(weight, config.num_kv_heads)
         state[name] = weight
     bar.close()
-    return config, state, read_tokenizer_metadata(reader)
+    return config, split_fused_projections(state, config), read_tokenizer_metadata(reader)

@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
+from ferrobatch.model.attention_window import capped_to_window, sliding_window_of
 from ferrobatch.model.config import SUPPORTED_ARCHS, ModelConfig
+from ferrobatch.model.fused_tensors import split_fused_projections
 from ferrobatch.model.progress import load_progress
 from ferrobatch.model.rope import rope_context_length
 from ferrobatch.model.tokenizer import Tokenizer
@@ -41,26 +43,20 @@ def _first_id(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def sliding_window_of(cfg: dict[str, Any]) -> int | None:
-    """The attention window a ``config.json`` switches on (Mistral 7B v0.1's 4096, Phi-3-mini's
-    2047; Qwen's only with ``use_sliding_window``), or None."""
-    window = cfg.get("sliding_window")
-    if not window or (cfg.get("model_type") in ("qwen2", "qwen3")
-                      and not cfg.get("use_sliding_window", False)):
-        return None
-    return int(window)
-
-
-def capped_to_window(context: int, window: int | None, source: str) -> int:
-    """The context a model with an attention window serves: at most the window, where every
-    token sees all the tokens before it, so full attention is exactly the model's windowed one
-    (the kernels attend to the whole context; longer contexts would drift from the model)."""
-    if window is None or window >= context:
-        return context
-    logger.warning("%s attends over a sliding window of %d tokens; serving a context of %d "
-                   "tokens (not %d), where full attention equals the window's", source, window,
-                   window, context)
-    return window
+def _with_original_context(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
+    """LongRoPE's parameters completed as transformers completes them: the original context
+    from the top level of config.json (where Phi-3 keeps it), the stretch ``factor`` as max
+    positions / original (its attention factor depends on it)."""
+    if scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
+        return scaling
+    original = scaling.get("original_max_position_embeddings") or cfg.get(
+        "original_max_position_embeddings")
+    if not original:
+        raise ValueError("config.json: longrope scaling needs original_max_position_embeddings")
+    scaling["original_max_position_embeddings"] = int(original)
+    if not scaling.get("factor"):
+        scaling["factor"] = int(cfg.get("max_position_embeddings", original)) / int(original)
+    return scaling
 
 
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
@@ -74,6 +70,12 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     rope = dict(cfg.get("rope_parameters") or {})
     rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
+    if partial != 1.0:
+        raise ValueError(f"config.json: partial_rotary_factor {partial} (RoPE over part of each "
+                         "head, as Phi-4-mini's) is not supported")
+    if rope_scaling is not None:
+        rope_scaling = _with_original_context(cfg, dict(rope_scaling))
     try:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -126,6 +128,7 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.T
             raise ValueError(f"cannot read the weights in {shard}: {exc}") from exc
         bar.update(os.path.getsize(shard))
     bar.close()
+    state = split_fused_projections(state, config)
     base_model = "model.embed_tokens.weight" not in state and "embed_tokens.weight" in state
     if base_model:
         state = {f"model.{name}": w for name, w in state.items()}

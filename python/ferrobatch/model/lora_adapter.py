@@ -36,9 +36,12 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 # The HF module names of one decoder layer -> (ferrobatch's fused module, which slice)
 HF_MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
               "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0),
-              "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+              "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
+              # Phi-3 / Phi-4 adapters adapt the fused modules themselves
+              "qkv_proj": ("qkv_proj", 0), "gate_up_proj": ("gate_up_proj", 0)}
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\."
-                  r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\."
+                  r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|"
+                  r"gate_up_proj)\."
                   r"lora_([AB])(?:\.[A-Za-z0-9_\-]+)?\.weight$")
 
 
@@ -82,7 +85,8 @@ def _module_shapes(config: ModelConfig) -> dict[str, tuple[int, int, int]]:
     kv, inter = config.num_kv_heads * config.head_dim, config.intermediate_size
     return {"q_proj": (h, q, 0), "k_proj": (h, kv, q), "v_proj": (h, kv, q + kv),
             "o_proj": (q, h, 0), "gate_proj": (h, inter, 0), "up_proj": (h, inter, inter),
-            "down_proj": (inter, h, 0)}
+            "down_proj": (inter, h, 0), "qkv_proj": (h, q + 2 * kv, 0),
+            "gate_up_proj": (h, 2 * inter, 0)}
 
 
 def _fused_out_features(config: ModelConfig) -> dict[str, int]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from torch import nn
 
 from ferrobatch.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -45,8 +48,30 @@ def rope_parameters(config: ModelConfig) -> tuple[torch.Tensor, float]:
         return torch.where(is_medium, smoothed, scaled), 1.0
     if rope_type == "yarn":
         return _yarn(config, inv_freq, scaling)
+    if rope_type in ("longrope", "su"):
+        return _longrope_short(config, inv_freq, scaling)
     raise ValueError(f"unsupported rope scaling type {rope_type!r} "
-                     "(supported: linear, llama3, yarn, freq_factors)")
+                     "(supported: linear, llama3, yarn, longrope, freq_factors)")
+
+
+def _longrope_short(config: ModelConfig, inv_freq: torch.Tensor,
+                    scaling: dict) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3 128k, Phi-3.5) within its original context: each frequency divided by its
+    ``short_factor``, cos / sin scaled by the attention factor of the whole stretch (as
+    transformers does at every length). Beyond the original context the model switches to its
+    ``long_factor`` set, which ferrobatch does not do: loaders cap the context there
+    (:func:`rope_context_length`)."""
+    factors = torch.tensor(scaling["short_factor"], dtype=torch.float32)
+    if factors.shape != inv_freq.shape:
+        raise ValueError(f"longrope short_factor: expected {inv_freq.shape[0]} values, "
+                         f"got {factors.shape[0]}")
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        original = float(scaling["original_max_position_embeddings"])
+        factor = scaling.get("factor") or 1.0     # the loaders set it: max positions / original
+        attention = (1.0 if float(factor) <= 1.0
+                     else math.sqrt(1 + math.log(float(factor)) / math.log(original)))
+    return inv_freq / factors, float(attention)
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -90,11 +115,19 @@ def _yarn(config: ModelConfig, inv_freq: torch.Tensor,
 
 
 def rope_context_length(max_position_embeddings: int, scaling: dict | None) -> int:
-    """The positions a model serves: its ``max_position_embeddings``, or for YaRN the original
+    """The positions a model serves: its ``max_position_embeddings``; for YaRN the original
     context times the factor where that is longer (the context YaRN is switched on to reach:
-    Qwen's model cards ask for the scaling and expect ``32768 * 4`` tokens)."""
+    Qwen's model cards ask for the scaling and expect ``32768 * 4`` tokens); for LongRoPE its
+    original context (where its short factors apply, see :func:`_longrope_short`)."""
     scaling = scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in ("longrope", "su") and scaling.get("original_max_position_embeddings"):
+        original = int(scaling["original_max_position_embeddings"])
+        if original < int(max_position_embeddings):
+            logger.warning("LongRoPE: serving the original context of %d tokens (not %d): the "
+                           "long factors beyond it are not applied", original,
+                           max_position_embeddings)
+        return min(int(max_position_embeddings), original)
     if rope_type == "yarn" and scaling.get("factor") and scaling.get("original_max_position_embeddings"):
         stretched = int(float(scaling["original_max_position_embeddings"]) * float(scaling["factor"]))
         return max(int(max_position_embeddings), stretched)

@@ -38,7 +38,10 @@ _FUSED = {"self_attn.q_proj": ("self_attn", "qkv_proj", 0),
           "self_attn.o_proj": ("self_attn", "o_proj", 0),
           "mlp.gate_proj": ("mlp", "gate_up_proj", 0),
           "mlp.up_proj": ("mlp", "gate_up_proj", 1),
-          "mlp.down_proj": ("mlp", "down_proj", 0)}
+          "mlp.down_proj": ("mlp", "down_proj", 0),
+          # Phi-3 / Phi-4 checkpoints name the fused modules themselves: all their rows
+          "self_attn.qkv_proj": ("self_attn", "qkv_proj", None),
+          "mlp.gate_up_proj": ("mlp", "gate_up_proj", None)}
 _NORMS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")
 
 
@@ -151,7 +154,7 @@ def _destination(model: nn.Module, config, name: str, value: torch.Tensor) -> _W
             if kind == "bias" and module.bias is None:
                 raise ValueError(f"{name}: this model's {fused} has no bias")
             parts = _parts(config, fused)
-            start, rows = (0, None) if parts is None else parts[part]
+            start, rows = (0, None) if parts is None or part is None else parts[part]
             return _Write(name, value, module=module, start=start, rows=rows,
                           bias=kind == "bias")
     raise ValueError(f"{name}: not a tensor of this model ({type(model).__name__}, "
