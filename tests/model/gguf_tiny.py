@@ -15,14 +15,31 @@ _BLOCK_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn
 _TOP_NAMES = {"embed_tokens": "token_embd", "norm": "output_norm"}
 
 
+def random_q4_k(rows: int, cols: int, seed: int):
+    """Q4_K blocks ``uint8 [rows, cols / 256 * 144]`` with random 6-bit scales, minimums and
+    nibbles (gguf-py cannot quantize to Q4_K), their fp16 factors set so that the weights lie
+    within about +-0.3."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // 256 * 144), dtype=np.uint8)
+    blocks = raw.reshape(rows, -1, 144)
+    for start in (0, 2):                                    # d, then dmin
+        factor = rng.uniform(1e-4, 4e-4, blocks.shape[:2]).astype(np.float16)
+        blocks[..., start:start + 2] = factor.view(np.uint8).reshape(rows, -1, 2)
+    return raw
+
+
 def write_tiny_gguf(path, reference, cfg: dict, arch: str,
-                    metadata: Callable | None = None, q8_0_linears: bool = False) -> None:
+                    metadata: Callable | None = None, q8_0_linears: bool = False,
+                    q4_k_linears: bool = False) -> None:
     """Writes ``reference`` (a transformers model of config dict ``cfg``) as a GGUF of ``arch``
     with a byte-level vocabulary of single characters. Only architectures whose converter keeps
     transformers' Q / K row order (rotate-half RoPE: qwen2, qwen3, phi3) are written this way.
     ``metadata(writer)`` adds keys of its own (rope scaling, ...). With ``q8_0_linears`` the
     linear layers' weights are stored as Q8_0 blocks and ``reference``'s own weights replaced by
-    what those blocks hold, so it stays the oracle."""
+    what those blocks hold, so it stays the oracle; with ``q4_k_linears`` they are random Q4_K
+    blocks (:func:`random_q4_k`), dequantized into ``reference`` by gguf-py."""
     import gguf
     from tokenizers.pre_tokenizers import ByteLevel
 
@@ -58,6 +75,16 @@ def write_tiny_gguf(path, reference, cfg: dict, arch: str,
             else:
                 gguf_name = f"{_TOP_NAMES[parts[0]]}.{parts[-1]}"
         values = tensor.detach().float().numpy()
+        if q4_k_linears and values.ndim == 2 and not gguf_name.startswith("token_embd"):
+            import torch
+            from gguf.quants import dequantize
+
+            blocks = random_q4_k(*values.shape, seed=len(gguf_name) * 1000 + values.shape[0])
+            with torch.no_grad():
+                tensor.copy_(torch.from_numpy(
+                    dequantize(blocks, gguf.GGMLQuantizationType.Q4_K).reshape(values.shape)))
+            writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+            continue
         if q8_0_linears and values.ndim == 2 and not gguf_name.startswith("token_embd"):
             import torch
             from gguf.quants import dequantize, quantize

@@ -117,7 +117,7 @@ def test_cpu_isa_env_below_amx_turns_it_off():
              "t = np.zeros(576, np.uint16); o = np.zeros((1, 16), np.float32)\n"
              "try: s.linear_amx_f32(np.zeros((1, 32), np.float32), t, 'q8_0', None, o, 1); print('ran')\n"
              "except ValueError as e: print('AMX' in str(e))\n"
-             "import torch; w = BlockWeight(Q8_0, torch.zeros(16, 1, 34, dtype=torch.uint8));"
+             "import torch; w = BlockWeight.from_gguf(Q8_0, torch.zeros(16, 34, dtype=torch.uint8));"
              "print(BlockKernel(w).tiles is not None)")
 
     def run(value: str) -> list[str]:

@@ -61,12 +61,12 @@ def test_a_block_that_does_not_reproduce_its_weight_is_left_out(fresh_smollm2, g
     order) and that module keeps the float32 panels only."""
     changed = dict(gguf_blocks)
     down = gguf_blocks["model.layers.2.mlp.down_proj.weight"]
-    blocks = down.blocks.clone()
-    blocks[5, 3, 7] ^= 0x01
-    changed["model.layers.2.mlp.down_proj.weight"] = BlockWeight(down.type_id, blocks)
+    qs = down.qs.clone()
+    qs[5, 3, 3] ^= 0x01
+    changed["model.layers.2.mlp.down_proj.weight"] = BlockWeight(down.type_id, down.scale, qs,
+                                                                 down.minimum)
     q = gguf_blocks["model.layers.4.self_attn.q_proj.weight"]
-    changed["model.layers.4.self_attn.q_proj.weight"] = BlockWeight(q.type_id,
-                                                                    q.blocks.flip(0))
+    changed["model.layers.4.self_attn.q_proj.weight"] = q.rows_permuted(lambda t: t.flip(0))
     modules = block_weights_for_modules(fresh_smollm2.model, changed)
     assert "layers.2.mlp.down_proj" not in modules
     assert "layers.4.self_attn.qkv_proj" not in modules

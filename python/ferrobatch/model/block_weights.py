@@ -1,12 +1,14 @@
-"""A GGUF model's linear weights as the file stores them (Q4_1 / Q8_0 blocks), for the CPU kernel
-that reads them directly when a step has only a few rows (``rust_scheduler/src/cpu_quant_linear.rs``).
+"""A GGUF model's linear weights as the file stores them (4-bit or Q8_0 blocks), for the CPU
+kernels that read them directly (``rust_scheduler/src/cpu_quant_linear.rs`` and the AMX /
+quantized-panel packings of the same arrays).
 
-The float32 model keeps its own weights; these blocks describe *the same* numbers in 4.5 or 8.5
-bits: each block of 32 inputs is ``scale * q + min`` (Q4_1) or ``scale * q`` (Q8_0), exactly
-what the loader's dequantization computed. ``block_weights_for_modules`` lays them out like the
-model's fused modules (q/k/v rows un-permuted and concatenated, gate/up concatenated, the LM head
-from the tied embedding) and proves each against the module's float32 weight, bit for bit,
-before anything uses it.
+The float32 model keeps its own weights; these arrays describe *the same* numbers in 4.5 to 8.5
+bits: each group of 32 inputs is ``scale * q + minimum`` with 4-bit ``q`` (the ``Q4_1`` kernel:
+GGUF Q4_1, and Q4_0 and Q4_K rewritten in that form, ``dequant.q4_parts``) or ``scale * q``
+with 8-bit ``q`` (``Q8_0``), exactly what the loader's dequantization computed.
+``block_weights_for_modules`` lays them out like the model's fused modules (q/k/v rows
+un-permuted and concatenated, gate/up concatenated, the LM head from the tied embedding) and
+proves each against the module's float32 weight, bit for bit, before anything uses it.
 """
 
 from __future__ import annotations
@@ -16,43 +18,69 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ferrobatch.model.dequant import _dequant_blocks
+from ferrobatch.model.dequant import Q4_TYPES, q4_parts
 
-Q4_1, Q8_0 = 3, 8
-_BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
+Q4_1, Q8_0 = 3, 8           # the two kernels: type ids of the GGUF formats they were made for
 BLOCK = 32
+_Q8_0_BYTES = 34
 
 
-@dataclass
+@dataclass(eq=False)
 class BlockWeight:
-    """One ``[N, K]`` weight as ``uint8 [N, K / 32, bytes per block]`` raw GGUF blocks."""
+    """One ``[N, K]`` weight as the kernel reads it: ``scale`` float32 ``[N, K / 32]``, for
+    ``Q4_1`` ``minimum`` float32 ``[N, K / 32]`` and ``qs`` uint8 ``[N, K / 32, 16]`` (byte j:
+    weight j in the low nibble, weight j + 16 in the high one), for ``Q8_0`` ``qs`` int8
+    ``[N, K / 32, 32]`` and no minimum."""
 
     type_id: int
-    blocks: torch.Tensor
+    scale: torch.Tensor
+    qs: torch.Tensor
+    minimum: torch.Tensor | None = None
+
+    @classmethod
+    def from_gguf(cls, type_id: int, raw: torch.Tensor) -> BlockWeight | None:
+        """A GGUF tensor's bytes ``uint8 [N, bytes per row]`` (Q4_0 / Q4_1 / Q4_K / Q8_0), or
+        None for a type no kernel reads."""
+        rows = raw.shape[0]
+        if type_id in Q4_TYPES:
+            scale, minimum, q = q4_parts(raw, type_id)
+            return cls(Q4_1, scale, q[..., :16] | (q[..., 16:] << 4), minimum)
+        if type_id == Q8_0:
+            blocks = raw.view(rows, -1, _Q8_0_BYTES)
+            scale = blocks[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
+            return cls(Q8_0, scale, blocks[..., 2:].contiguous().view(torch.int8))
+        return None
 
     @property
     def shape(self) -> tuple[int, int]:
-        rows, num_blocks, _ = self.blocks.shape
+        rows, num_blocks = self.scale.shape
         return rows, num_blocks * BLOCK
+
+    def rows_permuted(self, permute) -> BlockWeight:
+        """The same weight with its rows reordered by ``permute`` (a function of a tensor whose
+        first dimension is the rows)."""
+        minimum = None if self.minimum is None else permute(self.minimum).contiguous()
+        return BlockWeight(self.type_id, permute(self.scale).contiguous(),
+                           permute(self.qs).contiguous(), minimum)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 ``[N, K]`` weight, computed as the loader computes it."""
-        rows = self.blocks.shape[0]
-        return _dequant_blocks(self.blocks.reshape(rows, -1), self.type_id)
+        rows = self.scale.shape[0]
+        if self.type_id == Q4_1:
+            q = torch.cat((self.qs & 0x0F, self.qs >> 4), dim=-1).float()
+            return (self.scale[..., None] * q + self.minimum[..., None]).reshape(rows, -1)
+        return (self.scale[..., None] * self.qs.float()).reshape(rows, -1)
 
     def kernel_arrays(self) -> tuple[np.ndarray, ...]:
         """What the kernel reads: ``(scale, min, qs)`` for Q4_1, ``(scale, qs)`` for Q8_0."""
-        b = self.blocks
-        scale = b[..., 0:2].contiguous().view(torch.float16).float()[..., 0].numpy()
-        if self.type_id == Q4_1:
-            minimum = b[..., 2:4].contiguous().view(torch.float16).float()[..., 0].numpy()
-            return scale, minimum, np.ascontiguousarray(b[..., 4:].numpy())
-        return scale, np.ascontiguousarray(b[..., 2:].numpy().view(np.int8))
+        parts = (self.scale, self.minimum, self.qs) if self.type_id == Q4_1 else (self.scale, self.qs)
+        return tuple(np.ascontiguousarray(t.numpy()) for t in parts)
 
 
 def read_block_weights(path: str, config) -> dict[str, BlockWeight]:
-    """The Q4_1 / Q8_0 tensors of a GGUF file under their Hugging Face names (``...q_proj.weight``),
-    Llama Q/K rows un-permuted as the loader does; other types are left out."""
+    """The Q4_0 / Q4_1 / Q4_K / Q8_0 tensors of a GGUF file under their Hugging Face names
+    (``...q_proj.weight``), Llama Q/K rows un-permuted as the loader does; other types are left
+    out."""
     from ferrobatch.model.gguf_file import GGUFFile
     from ferrobatch.model.gguf_loader import _hf_name, reverse_llama_permute
 
@@ -60,23 +88,25 @@ def read_block_weights(path: str, config) -> dict[str, BlockWeight]:
     out: dict[str, BlockWeight] = {}
     for tensor in reader.tensors.values():
         name = _hf_name(tensor.name, config.arch)
-        size = _BLOCK_BYTES.get(tensor.type_id)
-        if name is None or size is None or len(tensor.shape) != 2:
+        if name is None or len(tensor.shape) != 2 or \
+                (tensor.type_id not in Q4_TYPES and tensor.type_id != Q8_0):
             continue
         raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
-        blocks = raw.reshape(tensor.shape[0], -1, size)
+        weight = BlockWeight.from_gguf(tensor.type_id, raw.reshape(tensor.shape[0], -1))
         if config.arch == "llama" and ".q_proj." in name:
-            blocks = reverse_llama_permute(blocks, config.num_heads).contiguous()
+            weight = weight.rows_permuted(lambda t: reverse_llama_permute(t, config.num_heads))
         elif config.arch == "llama" and ".k_proj." in name:
-            blocks = reverse_llama_permute(blocks, config.num_kv_heads).contiguous()
-        out[name] = BlockWeight(tensor.type_id, blocks)
+            weight = weight.rows_permuted(lambda t: reverse_llama_permute(t, config.num_kv_heads))
+        out[name] = weight
     return out
 
 
 def _concat(parts: list[BlockWeight | None]) -> BlockWeight | None:
     if any(p is None for p in parts) or len({p.type_id for p in parts}) != 1:
         return None
-    return BlockWeight(parts[0].type_id, torch.cat([p.blocks for p in parts]))
+    minimum = None if parts[0].minimum is None else torch.cat([p.minimum for p in parts])
+    return BlockWeight(parts[0].type_id, torch.cat([p.scale for p in parts]),
+                       torch.cat([p.qs for p in parts]), minimum)
 
 
 def block_weights_for_modules(model, blocks: dict[str, BlockWeight]) -> dict[str, BlockWeight]:

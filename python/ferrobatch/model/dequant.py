@@ -1,8 +1,10 @@
-"""Vectorized torch dequantization of GGML block formats (F32/F16/BF16/Q4_0/Q4_1/Q8_0).
+"""Vectorized torch dequantization of GGML block formats (F32/F16/BF16/Q4_0/Q4_1/Q8_0/Q4_K/Q6_K).
 
 Other quantization types fall back to ``gguf.quants.dequantize`` (pure numpy, slower). Every
 function takes the raw tensor bytes as ``uint8 [rows, bytes_per_row]`` and returns ``float32
-[rows, cols]`` (the ``nn.Linear.weight`` layout).
+[rows, cols]`` (the ``nn.Linear.weight`` layout). Q4_0 and Q4_K are computed through
+:func:`q4_parts`, the form ``scale * q + minimum`` per 32 values that the CPU's Q4_1 kernel reads
+(``model.block_weights``), so the two agree bit for bit.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import numpy as np
 import torch
 
 # type id -> (elements per block, bytes per block); ids from ggml's GGMLQuantizationType.
-_Q4_0, _Q4_1, _Q8_0 = 2, 3, 8
-_BLOCK_SHAPES = {_Q4_0: (32, 18), _Q4_1: (32, 20), _Q8_0: (32, 34)}
+_Q4_0, _Q4_1, _Q8_0, _Q4_K, _Q6_K = 2, 3, 8, 12, 14
+_BLOCK_SHAPES = {_Q4_0: (32, 18), _Q4_1: (32, 20), _Q8_0: (32, 34), _Q4_K: (256, 144),
+                 _Q6_K: (256, 210)}
+Q4_TYPES = (_Q4_0, _Q4_1, _Q4_K)          # those :func:`q4_parts` reads
 
 
 def _half_scale(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -22,20 +26,67 @@ def _half_scale(blocks: torch.Tensor, start: int) -> torch.Tensor:
 
 def _unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
     """16 bytes -> 32 values: element j < 16 is the low nibble of byte j, j >= 16 the high nibble."""
-    return torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()
+    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+
+
+def q4_parts(raw: torch.Tensor, type_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0 / Q4_1 / Q4_K tensor ``uint8 [rows, bytes]`` as ``(scale, minimum, q)``: float32
+    ``[rows, cols / 32]`` twice and uint8 ``[rows, cols / 32, 32]`` values 0..15, each group of
+    32 weights being ``scale * q + minimum``, exactly (Q4_0: ``d * (q - 8)``: minimum ``-8 d``;
+    Q4_K: a 256-weight super-block's 6-bit scales and minimums times its two fp16 factors, each
+    product exact in float32)."""
+    rows = raw.shape[0]
+    if type_id in (_Q4_0, _Q4_1):
+        blocks = raw.view(rows, -1, _BLOCK_SHAPES[type_id][1])
+        scale = _half_scale(blocks, 0)[..., 0]
+        if type_id == _Q4_1:
+            return scale, _half_scale(blocks, 2)[..., 0], _unpack_nibbles(blocks[..., 4:])
+        return scale, -8.0 * scale, _unpack_nibbles(blocks[..., 2:])
+    blocks = raw.view(rows, -1, 144).to(torch.int32)      # Q4_K
+    d, dmin = _half_scale(raw.view(rows, -1, 144), 0), _half_scale(raw.view(rows, -1, 144), 2)
+    low, high, mixed = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]
+    # 8 sub-blocks' 6-bit scales and minimums: the first four in the low bits of bytes 0-3 /
+    # 4-7, the last four in the nibbles of bytes 8-11 with two high bits from bytes 0-3 / 4-7
+    sub_scale = torch.cat((low & 63, (mixed & 15) | ((low >> 6) << 4)), dim=-1)
+    sub_min = torch.cat((high & 63, (mixed >> 4) | ((high >> 6) << 4)), dim=-1)
+    scale = (d * sub_scale.float()).reshape(rows, -1)
+    minimum = -(dmin * sub_min.float()).reshape(rows, -1)
+    # 4 chunks of 32 bytes: sub-block 2c is the low nibbles of chunk c, 2c + 1 the high ones
+    qs = raw.view(rows, -1, 144)[..., 16:].reshape(rows, -1, 4, 1, 32)
+    q = torch.cat((qs & 0x0F, qs >> 4), dim=-2).reshape(rows, -1, 32)
+    return scale, minimum, q
+
+
+def _q6_k(raw: torch.Tensor) -> torch.Tensor:
+    """Q6_K: 256 weights per 210 bytes, ``d * scale_16 * (q6 - 32)``, a signed 8-bit scale per
+    16 weights (as ggml lays out the low 4 bits, the high 2 bits and the scales)."""
+    rows = raw.shape[0]
+    blocks = raw.view(rows, -1, 210)
+    nb = blocks.shape[1]
+    ql, qh = blocks[..., :128], blocks[..., 128:192]
+    scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
+    d = _half_scale(blocks, 208)
+    step = (d * scales).reshape(rows, nb, 16, 1)
+    # two halves of 128 weights; in each, 64 bytes of low bits give 4 runs of 32 (low nibbles of
+    # bytes 0-31, of bytes 32-63, then their high nibbles) and 32 bytes of high bits 2 bits each
+    ql = ql.reshape(rows, nb, 2, 1, 64)
+    low = torch.cat((ql & 0x0F, ql >> 4), dim=-2).reshape(rows, nb, 2, 4, 32)
+    qh = qh.reshape(rows, nb, 2, 1, 32)
+    high = torch.cat([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-2)
+    q = ((low | (high << 4)).to(torch.int8) - 32).float().reshape(rows, nb, 16, 16)
+    return (step * q).reshape(rows, nb * 256)
 
 
 def _dequant_blocks(raw: torch.Tensor, type_id: int) -> torch.Tensor:
-    block_elems, block_bytes = _BLOCK_SHAPES[type_id]
     rows = raw.shape[0]
-    blocks = raw.view(rows, -1, block_bytes)
-    if type_id == _Q8_0:
-        values = _half_scale(blocks, 0) * blocks[..., 2:].contiguous().view(torch.int8).float()
-    elif type_id == _Q4_1:
-        values = _half_scale(blocks, 0) * _unpack_nibbles(blocks[..., 4:]) + _half_scale(blocks, 2)
-    else:  # Q4_0
-        values = _half_scale(blocks, 0) * (_unpack_nibbles(blocks[..., 2:]) - 8.0)
-    return values.reshape(rows, blocks.shape[1] * block_elems)
+    if type_id in Q4_TYPES:
+        scale, minimum, q = q4_parts(raw, type_id)
+        return (scale[..., None] * q.float() + minimum[..., None]).reshape(rows, -1)
+    if type_id == _Q6_K:
+        return _q6_k(raw)
+    blocks = raw.view(rows, -1, 34)       # Q8_0
+    values = _half_scale(blocks, 0) * blocks[..., 2:].contiguous().view(torch.int8).float()
+    return values.reshape(rows, -1)
 
 
 def dequantize_tensor(data: np.ndarray, type_id: int, type_name: str) -> torch.Tensor:

@@ -204,16 +204,12 @@ class BlockKernel:
         self._panels = _scheduler.linear_quant_panels_f32
 
     def block_weight(self):
-        """The GGUF blocks these arrays came from (``BlockWeight``), byte for byte: the fp16
-        scales (and Q4_1 minimums) were read as float32 exactly."""
-        import numpy as np
-
+        """The ``BlockWeight`` these arrays came from, value for value."""
         from ferrobatch.model.block_weights import BlockWeight
 
-        halves = [a.astype(np.float16)[..., None].view(np.uint8) for a in self.arrays[:-1]]
-        quants = self.arrays[-1].view(np.uint8)
-        raw = np.concatenate([*halves, quants], axis=-1)
-        return BlockWeight(self.type_id, torch.from_numpy(raw))
+        tensors = [torch.from_numpy(a) for a in self.arrays]
+        minimum = tensors[1] if self.kind == "q4_1" else None
+        return BlockWeight(self.type_id, tensors[0], tensors[-1], minimum)
 
     @property
     def nbytes(self) -> int:

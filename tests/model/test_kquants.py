@@ -1,0 +1,107 @@
+"""GGUF's k-quants: Q4_K and Q6_K dequantized by torch bit for bit as gguf-py's reference does,
+and Q4_K (and Q4_0) linears read by the CPU's 4-bit kernel in the exact form
+``scale * q + minimum``: a tiny Q4_K model's greedy tokens equal transformers' on the weights
+the blocks hold."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf_tiny import random_q4_k, write_tiny_gguf
+from hf_tiny import random_hf_model
+from step_builder import ToyScheduler, greedy_run
+
+from ferrobatch.model.block_weights import Q4_1, BlockWeight, block_weights_for_modules, read_block_weights
+from ferrobatch.model.dequant import dequantize_tensor
+from ferrobatch.model.loader import load_model
+from ferrobatch.runtime.model_runner import ModelRunner
+
+
+def _random_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random bytes in ``type_name``'s block layout with finite, small fp16 factors."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if type_name == "Q4_K":
+        return random_q4_k(rows, cols, seed)
+    qtype = GGMLQuantizationType[type_name]
+    block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // block_elems * block_bytes), dtype=np.uint8)
+    blocks = raw.reshape(rows, -1, block_bytes)
+    offsets = {"Q6_K": (208,), "Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,)}[type_name]
+    for start in offsets:
+        factor = rng.normal(0, 0.01, blocks.shape[:2]).astype(np.float16)
+        blocks[..., start:start + 2] = factor.view(np.uint8).reshape(rows, -1, 2)
+    return raw
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0"])
+def test_torch_dequantization_equals_gguf_py_bit_for_bit(type_name):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType[type_name]
+    for seed, (rows, cols) in enumerate([(3, 256), (64, 1024), (17, 2816)]):
+        raw = _random_blocks(type_name, rows, cols, seed)
+        want = dequantize(raw, qtype)
+        got = dequantize_tensor(raw, int(qtype), type_name).numpy()
+        assert got.shape == (rows, cols) and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q4_0"])
+def test_4_bit_types_become_the_q4_1_kernels_exact_form(type_name):
+    """Their ``scale * q + minimum`` per 32 weights reproduces the dequantized weight bit for
+    bit, and the Rust kernel (one row: no weight formed; several rows) computes x W^T."""
+    from gguf import GGMLQuantizationType
+
+    from ferrobatch.runtime.cpu_linear import BlockKernel
+
+    qtype = GGMLQuantizationType[type_name]
+    raw = _random_blocks(type_name, 48, 512, seed=3)
+    weight = dequantize_tensor(raw, int(qtype), type_name)
+    blocks = BlockWeight.from_gguf(int(qtype), torch.from_numpy(raw))
+    assert blocks.type_id == Q4_1 and blocks.shape == (48, 512)
+    assert torch.equal(blocks.dequantize(), weight)
+    kernel = BlockKernel(blocks, amx=False, quant_panels=False)
+    assert torch.equal(kernel.block_weight().dequantize(), weight)
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 5):
+        x = torch.randn(rows, 512, generator=gen)
+        out = torch.empty(rows, 48)
+        kernel(x.numpy(), None, out.numpy(), 1)
+        torch.testing.assert_close(out, x @ weight.T, rtol=1e-4, atol=1e-4)
+
+
+# K-quants need rows of whole 256-weight super-blocks: every linear's input width is 256 or 512
+TINY_256 = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 256,
+            "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0, "max_position_embeddings": 128, "tie_word_embeddings": False}
+
+
+def test_a_q4_k_model_runs_its_linears_on_the_block_kernel_and_matches_transformers(tmp_path):
+    reference = random_hf_model(TINY_256, seed=14, std=0.1)
+    path = tmp_path / "tiny-q4_k.gguf"
+    write_tiny_gguf(path, reference, TINY_256, "qwen2", q4_k_linears=True)
+    loaded = load_model(str(path))
+    blocks = read_block_weights(str(path), loaded.config)
+    assert blocks["model.layers.0.mlp.down_proj.weight"].type_id == Q4_1
+    proven = block_weights_for_modules(loaded.model, blocks)
+    assert sorted(proven) == sorted(
+        [f"layers.{i}.{m}" for i in range(2)
+         for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
+        + ["lm_head"])
+    runner = ModelRunner(loaded, num_blocks=64, block_size=4)
+    assert "GGUF blocks" in runner.linear_kernels
+    prompts = [list(range(3, 40)), [5, 9, 11]]
+    sched = ToyScheduler(64, 4, token_budget=16)
+    for i, prompt in enumerate(prompts):
+        sched.add(i, prompt, 6)
+    generated, last = greedy_run(runner, sched)
+    with torch.no_grad():
+        for i, prompt in enumerate(prompts):
+            sequence = prompt + generated[i][:-1]
+            want = reference(torch.tensor([sequence])).logits[0]
+            assert want[len(prompt) - 1:].argmax(-1).tolist() == generated[i]
+            torch.testing.assert_close(last[i], want[-1], rtol=1e-4, atol=1e-4)
