@@ -32,14 +32,15 @@ def random_q4_k(rows: int, cols: int, seed: int):
 
 def write_tiny_gguf(path, reference, cfg: dict, arch: str,
                     metadata: Callable | None = None, q8_0_linears: bool = False,
-                    q4_k_linears: bool = False) -> None:
+                    q4_k_linears: bool = False, vocabulary: Callable | None = None) -> None:
     """Writes ``reference`` (a transformers model of config dict ``cfg``) as a GGUF of ``arch``
     with a byte-level vocabulary of single characters. Only architectures whose converter keeps
     transformers' Q / K row order (rotate-half RoPE: qwen2, qwen3, phi3) are written this way.
     ``metadata(writer)`` adds keys of its own (rope scaling, ...). With ``q8_0_linears`` the
     linear layers' weights are stored as Q8_0 blocks and ``reference``'s own weights replaced by
     what those blocks hold, so it stays the oracle; with ``q4_k_linears`` they are random Q4_K
-    blocks (:func:`random_q4_k`), dequantized into ``reference`` by gguf-py."""
+    blocks (:func:`random_q4_k`), dequantized into ``reference`` by gguf-py.
+    ``vocabulary(writer)`` writes the tokenizer keys in place of the single-character one."""
     import gguf
     from tokenizers.pre_tokenizers import ByteLevel
 
@@ -55,10 +56,13 @@ def write_tiny_gguf(path, reference, cfg: dict, arch: str,
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_rope_freq_base(cfg["rope_theta"])
     writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(sorted(ByteLevel.alphabet())[:cfg["vocab_size"]])
-    writer.add_token_merges([])
+    if vocabulary is not None:
+        vocabulary(writer)
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2")
+        writer.add_token_list(sorted(ByteLevel.alphabet())[:cfg["vocab_size"]])
+        writer.add_token_merges([])
     if metadata is not None:
         metadata(writer)
     tied = cfg.get("tie_word_embeddings", False)

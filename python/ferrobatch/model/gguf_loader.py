@@ -181,9 +181,14 @@ def read_tokenizer_metadata(reader: GGUFFile) -> GGUFTokenizerMetadata:
         merges=list(_field_value(reader, "tokenizer.ggml.merges", [])),
         bos_token_id=_field_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field_value(reader, "tokenizer.ggml.eos_token_id"),
-        add_bos_token=bool(_field_value(reader, "tokenizer.ggml.add_bos_token", False)),
+        # llama.cpp's default: BOS for SentencePiece vocabularies, none for byte-level BPE
+        add_bos_token=bool(_field_value(reader, "tokenizer.ggml.add_bos_token", model == "llama")),
         chat_template=_field_value(reader, "tokenizer.chat_template"),
-        extra={"add_eos_token": bool(_field_value(reader, "tokenizer.ggml.add_eos_token", False))},
+        extra={"add_eos_token": bool(_field_value(reader, "tokenizer.ggml.add_eos_token", False)),
+               "scores": _field_value(reader, "tokenizer.ggml.scores"),
+               "add_space_prefix": bool(_field_value(reader, "tokenizer.ggml.add_space_prefix",
+                                                     True)),
+               "unknown_token_id": _field_value(reader, "tokenizer.ggml.unknown_token_id")},
     )
 
 

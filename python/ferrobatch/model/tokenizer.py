@@ -1,4 +1,5 @@
-"""Tokenizer: a ``tokenizers`` byte-level BPE built from GGUF metadata or a tokenizer.json.
+"""Tokenizer: a ``tokenizers`` BPE built from GGUF metadata (byte-level, or SentencePiece's:
+``spm_vocab``) or a tokenizer.json.
 
 Special tokens written in the text (e.g. ``<|im_start|>``) are parsed as specials. The "smollm"
 (and "starcoder") pre-tokenizer isolates every digit before the GPT-2 split, like llama.cpp.
@@ -94,10 +95,17 @@ class Tokenizer:
     # -- construction -------------------------------------------------------------------------
     @classmethod
     def from_gguf_metadata(cls, meta: Any) -> Tokenizer:
-        """Builds from ``GGUFTokenizerMetadata`` (byte-level BPE, ``tokenizer.ggml.model == "gpt2"``)."""
+        """Builds from ``GGUFTokenizerMetadata``: byte-level BPE (``tokenizer.ggml.model ==
+        "gpt2"``) or SentencePiece (``"llama"``, ``model.spm_vocab``)."""
+        if meta.model == "llama":
+            from ferrobatch.model.spm_vocab import spm_backend
+            return cls(spm_backend(meta), bos_token_id=meta.bos_token_id,
+                       eos_token_id=meta.eos_token_id, add_bos_token=meta.add_bos_token,
+                       chat_template=meta.chat_template)
         if meta.model != "gpt2":
             raise ValueError(
-                f"unsupported GGUF tokenizer model {meta.model!r} (only byte-level BPE 'gpt2')"
+                f"unsupported GGUF tokenizer model {meta.model!r} (byte-level BPE 'gpt2' and "
+                "SentencePiece 'llama' are supported)"
             )
         vocab = {token: i for i, token in enumerate(meta.tokens)}
         merges = [tuple(m.split(" ", 1)) for m in meta.merges]
