@@ -65,7 +65,8 @@ def merge_into(hf_model, pairs: dict, scale: float) -> None:
 
 
 GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+              "qkv_proj": "attn_qkv", "gate_up_proj": "ffn_up"}       # the last two: Phi-3's
 
 
 def write_gguf_lora(path: str, cfg, pairs: dict, alpha: float, *, arch: str = "llama",

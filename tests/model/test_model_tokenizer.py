@@ -389,3 +389,24 @@ def test_continue_final_message_cuts_after_the_text_not_inside_the_closing_tag(t
                                    {"role": "assistant", "content": final}],
                                   add_generation_prompt=False, continue_final_message=True)
         assert text.endswith("<|im_start|>assistant\n" + final), text
+
+
+@pytest.mark.parametrize("pre, whole", [("llama-bpe", True), ("llama3", True),
+                                        ("qwen2", False), ("deepseek-r1-qwen", False)])
+def test_llama3_vocabularies_take_a_word_that_is_a_token_whole(pre, whole):
+    """llama.cpp's "llama-bpe" (Llama 3's tokenizer.json: "ignore_merges": true) takes a word
+    found in the vocabulary as one token even where the merges would not build it; other
+    pre-tokenizers merge. "deepseek-r1-qwen" splits as "qwen2"."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    from ferrobatch.model.gguf_loader import GGUFTokenizerMetadata
+    from ferrobatch.model.tokenizer import Tokenizer
+
+    alphabet = sorted(ByteLevel.alphabet())
+    tokens = [*alphabet, "ab", "abc", "Ġab"]
+    meta = GGUFTokenizerMetadata(model="gpt2", pre=pre, tokens=tokens, token_types=[],
+                                 merges=["a b", "Ġ ab"], bos_token_id=None, eos_token_id=None,
+                                 add_bos_token=False, chat_template=None)
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    pieces = [tokenizer.id_to_token(i) for i in tokenizer.encode("abc ab")]
+    assert pieces == (["abc", "Ġab"] if whole else ["ab", "c", "Ġab"])

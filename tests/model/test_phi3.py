@@ -191,3 +191,23 @@ def test_a_phi3_lora_adapter_on_its_fused_modules_matches_the_merged_model(tmp_p
             want = oracle(torch.tensor([sequence])).logits[0]
             assert want[len(prompt) - 1:].argmax(-1).tolist() == generated[i]
             torch.testing.assert_close(last[i], want[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_phi3_gguf_lora_file_reads_as_its_peft_twin(tmp_path):
+    """llama.cpp's LoRA converter keeps Phi-3's fused names (``attn_qkv``, ``ffn_up`` for
+    gate/up): the adapter read from the GGUF file equals the PEFT one it came from."""
+    from lora_files import PHI3, write_gguf_lora, write_peft_adapter
+
+    from ferrobatch.model.lora_adapter import read_lora_adapter
+
+    config = config_from_hf(TINY_PHI3)
+    pairs = write_peft_adapter(str(tmp_path / "peft"), config, targets=PHI3, r=4, alpha=8,
+                               seed=2)
+    write_gguf_lora(str(tmp_path / "a.gguf"), config, pairs, 8, arch="phi3")
+    peft = read_lora_adapter(str(tmp_path / "peft"), config)
+    gguf = read_lora_adapter(str(tmp_path / "a.gguf"), config)
+    assert gguf.modules == peft.modules == list(PHI3)
+    for mine, theirs in zip(gguf.layers, peft.layers):
+        for name in PHI3:
+            torch.testing.assert_close(mine[name].a_t, theirs[name].a_t)
+            torch.testing.assert_close(mine[name].b_t, theirs[name].b_t)

@@ -25,6 +25,8 @@ from ferrobatch.model.gguf_loader import reverse_llama_permute
 GGUF_MODULES = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
                 "attn_output": "o_proj", "ffn_gate": "gate_proj", "ffn_up": "up_proj",
                 "ffn_down": "down_proj"}
+# Phi-3's converter keeps its fused modules: q/k/v as attn_qkv, gate/up as ffn_up
+_PHI3_MODULES = {**GGUF_MODULES, "attn_qkv": "qkv_proj", "ffn_up": "gate_up_proj"}
 _NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight\.lora_([ab])$")
 
 
@@ -48,9 +50,10 @@ def read_gguf_lora(path: str, config: ModelConfig
                          f"{config.arch!r}")
     alpha = float(meta.get("adapter.lora.alpha", 0.0) or 0.0)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    modules = _PHI3_MODULES if config.arch == "phi3" else GGUF_MODULES
     for tensor in reader.tensors.values():
         m = _NAME.match(tensor.name)
-        module = GGUF_MODULES.get(m.group(2)) if m else None
+        module = modules.get(m.group(2)) if m else None
         if module is None:
             raise ValueError(f"LoRA adapter {path!r}: tensor {tensor.name!r} is not a LoRA A/B "
                              f"matrix of a decoder layer's q/k/v/o/gate/up/down projection")

@@ -35,6 +35,18 @@ _QWEN2_REGEX = (
 )
 
 
+# llama.cpp's pre-tokenizer names -> the split expression it uses for them (several names
+# share one: DeepSeek-R1's Qwen distills say "deepseek-r1-qwen", Falcon 3 "falcon3", ...)
+_PRE_TOKENIZER_REGEX = {
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "falcon3", "dbrx", "smaug-bpe"),
+                    _LLAMA3_REGEX),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_REGEX),
+}
+# Llama 3's vocabulary takes a whole word that is a token as it is, merges or not
+# (tokenizer.json's "ignore_merges": true; llama.cpp does the same for these names)
+_IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")
+
+
 def _reject_lone_surrogates(text: str) -> None:
     """ValueError if ``text`` holds a lone UTF-16 surrogate (JSON's "\\ud800" decodes to one):
     it is not a Unicode character, so no tokenizer can encode it."""
@@ -55,7 +67,7 @@ def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
         ])
     if pre in (None, "default", "gpt2", "gpt-2"):
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    regex = {"llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX, "qwen2": _QWEN2_REGEX}.get(pre)
+    regex = _PRE_TOKENIZER_REGEX.get(pre)
     if regex is None:
         raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}")
     return pre_tokenizers.Sequence([
@@ -109,7 +121,8 @@ class Tokenizer:
             )
         vocab = {token: i for i, token in enumerate(meta.tokens)}
         merges = [tuple(m.split(" ", 1)) for m in meta.merges]
-        backend = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False))
+        backend = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False,
+                                         ignore_merges=meta.pre in _IGNORE_MERGES))
         backend.pre_tokenizer = _byte_level_pre_tokenizer(meta.pre)
         backend.decoder = decoders.ByteLevel()
         types = meta.token_types or [1] * len(meta.tokens)
