@@ -69,9 +69,10 @@ def test_longrope_within_the_original_context_matches_transformers(tmp_path, cap
     _assert_matches_transformers(loaded, reference, [list(range(3, 26)), [5, 9, 11]], 6)
 
 
-def test_phi3_configs_refused_or_capped(caplog):
-    with pytest.raises(ValueError, match="partial_rotary_factor 0.75"):
-        config_from_hf({**TINY_PHI3, "partial_rotary_factor": 0.75})
+def test_phi3_configs_read_refused_or_capped(caplog):
+    assert config_from_hf({**TINY_PHI3, "partial_rotary_factor": 0.75}).rotary_dim == 12
+    with pytest.raises(ValueError, match="rotary_dim 9 must be even"):
+        config_from_hf({**TINY_PHI3, "partial_rotary_factor": 0.5625})
     with caplog.at_level(logging.WARNING):       # Phi-3-mini-4k's window of 2047
         assert config_from_hf({**TINY_PHI3, "sliding_window": 47}).max_position_embeddings == 47
     assert "sliding window of 47 tokens" in caplog.text

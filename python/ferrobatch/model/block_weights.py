@@ -83,6 +83,7 @@ def read_block_weights(path: str, config) -> dict[str, BlockWeight]:
     out."""
     from ferrobatch.model.gguf_file import GGUFFile
     from ferrobatch.model.gguf_loader import _hf_name, reverse_llama_permute
+    from ferrobatch.model.partial_rotary import head_dim_order, to_model_layout
 
     reader = GGUFFile(path)
     out: dict[str, BlockWeight] = {}
@@ -97,6 +98,8 @@ def read_block_weights(path: str, config) -> dict[str, BlockWeight]:
             weight = weight.rows_permuted(lambda t: reverse_llama_permute(t, config.num_heads))
         elif config.arch == "llama" and ".k_proj." in name:
             weight = weight.rows_permuted(lambda t: reverse_llama_permute(t, config.num_kv_heads))
+        if head_dim_order(config) is not None and "self_attn." in name:
+            weight = weight.rows_permuted(lambda t, n=name: to_model_layout(n, t, config))
         out[name] = weight
     return out
 

@@ -14,7 +14,8 @@ class ModelConfig:
     Phi-3 / Phi-4: the same layers, its checkpoints fuse q/k/v and gate/up as ferrobatch does).
 
     `qk_norm`: each head's query and key are RMS-normed (own weights per layer, over
-    `head_dim`) before the rotary embedding, as in Qwen3."""
+    `head_dim`) before the rotary embedding, as in Qwen3. `rotary_dim`: RoPE over part of each
+    head; the model keeps q and k in the order of ``model.partial_rotary``."""
 
     arch: str
     vocab_size: int
@@ -33,6 +34,7 @@ class ModelConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    rotary_dim: int | None = None   # RoPE over the first this-many dims of a head (None: all)
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -50,6 +52,16 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rotary_dim is not None and not (
+                0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
+                and (self.head_dim - self.rotary_dim) % 2 == 0):
+            raise ValueError(f"model config: rotary_dim {self.rotary_dim} must be even, positive "
+                             f"and at most head_dim {self.head_dim}, leaving an even rest")
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims of each head that RoPE rotates (all of them but for partial rotary, Phi-4-mini)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def num_queries_per_kv(self) -> int:

@@ -97,6 +97,7 @@ def _read_config(reader: GGUFFile, tensor_names: set[str]) -> ModelConfig:
     if vocab is None:
         vocab = len(reader.metadata.get("tokenizer.ggml.tokens", ()))
     head_dim = int(_field_value(reader, f"{a}.attention.key_length", hidden // num_heads))
+    rotary_dim = int(_field_value(reader, f"{a}.rope.dimension_count", head_dim))
     rope_scaling = None
     scaling_type = _field_value(reader, f"{a}.rope.scaling.type")
     if scaling_type and scaling_type != "none":
@@ -124,6 +125,7 @@ def _read_config(reader: GGUFFile, tensor_names: set[str]) -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=int(_field_value(reader, f"{a}.attention.head_count_kv", num_heads)),
         head_dim=head_dim,
+        rotary_dim=None if rotary_dim == head_dim else rotary_dim,
         rms_norm_eps=float(_field_value(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(_field_value(reader, f"{a}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,

@@ -71,14 +71,12 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
-    if partial != 1.0:
-        raise ValueError(f"config.json: partial_rotary_factor {partial} (RoPE over part of each "
-                         "head, as Phi-4-mini's) is not supported")
     if rope_scaling is not None:
         rope_scaling = _with_original_context(cfg, dict(rope_scaling))
     try:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        head_dim = int(cfg.get("head_dim") or hidden // num_heads)
         return ModelConfig(
             arch=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -87,7 +85,8 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            head_dim=head_dim,
+            rotary_dim=None if partial == 1.0 else int(head_dim * partial),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,

@@ -21,7 +21,7 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 def rope_parameters(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """``(inverse frequencies [head_dim / 2], attention factor)`` after any rope scaling: the
     factor multiplies every cos / sin (YaRN's "mscale"; 1.0 for the other types)."""
-    dim = config.head_dim
+    dim = config.rope_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -97,7 +97,7 @@ def _yarn(config: ModelConfig, inv_freq: torch.Tensor,
                      if mscale and mscale_all_dim else _yarn_mscale(factor))
     beta_fast = float(scaling.get("beta_fast") or 32.0)
     beta_slow = float(scaling.get("beta_slow") or 1.0)
-    dim, base = config.head_dim, config.rope_theta
+    dim, base = config.rope_dim, config.rope_theta
 
     def dimension_turning(turns: float) -> float:
         # the (fractional) dimension index whose wavelength fits `turns` times in the original context
@@ -143,9 +143,13 @@ class RotaryEmbedding(nn.Module):
         inv_freq, attention_factor = rope_parameters(config)
         positions = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq.to(device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cached", emb.cos() * attention_factor, persistent=False)
-        self.register_buffer("sin_cached", emb.sin() * attention_factor, persistent=False)
+        # partial rotary: the dims RoPE leaves alone sit after the rotated ones in each half
+        # (model.partial_rotary), where cos 1 and sin 0 keep them as they are
+        rest = (config.head_dim - config.rope_dim) // 2
+        cos = torch.cat((freqs.cos() * attention_factor, freqs.new_ones(len(positions), rest)), -1)
+        sin = torch.cat((freqs.sin() * attention_factor, freqs.new_zeros(len(positions), rest)), -1)
+        self.register_buffer("cos_cached", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin_cached", torch.cat((sin, sin), dim=-1), persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` of each token's position, ``[T, 1, D]`` in ``dtype``: looked up once
