@@ -64,11 +64,12 @@ pub enum AmxFormat {
 }
 
 impl AmxFormat {
-    /// The format [`pack`] gives block weights of this kind.
-    pub fn of(w: &QuantWeight<'_>) -> AmxFormat {
+    /// The format [`pack`] gives block weights of this kind (None: Q8G16 has no AMX layout).
+    pub fn of(w: &QuantWeight<'_>) -> Option<AmxFormat> {
         match w {
-            QuantWeight::Q4_1 { .. } => AmxFormat::Nibbles,
-            QuantWeight::Q8_0 { .. } => AmxFormat::Bf16,
+            QuantWeight::Q4_1 { .. } => Some(AmxFormat::Nibbles),
+            QuantWeight::Q8_0 { .. } => Some(AmxFormat::Bf16),
+            QuantWeight::Q8G16 { .. } => None,
         }
     }
 
@@ -201,7 +202,8 @@ pub fn pack(w: &QuantWeight<'_>, n: usize, k: usize) -> Result<Vec<u16>, KernelI
     let shape = crate::cpu_quant_linear::QuantShape { m: 0, n, k };
     shape.validate(&[], w, &[], &[])?;
     let nb = k / BLOCK;
-    let format = AmxFormat::of(w);
+    let format = AmxFormat::of(w)
+        .ok_or_else(|| KernelInputError("Q8G16 weights have no AMX layout".into()))?;
     let mut tiles = vec![0u16; AmxShape { m: 0, n, k }.tiles_len(format)];
     // q(feature j, block b, input i of the block), scale and min of (j, b)
     let q = |j: usize, b: usize, i: usize| -> u8 {
@@ -215,11 +217,13 @@ pub fn pack(w: &QuantWeight<'_>, n: usize, k: usize) -> Result<Vec<u16>, KernelI
                 }
             }
             QuantWeight::Q8_0 { qs, .. } => qs[(j * nb + b) * BLOCK + i] as u8,
+            QuantWeight::Q8G16 { .. } => unreachable!("refused above"),
         }
     };
     let (scale, min) = match w {
         QuantWeight::Q4_1 { scale, min, .. } => (*scale, Some(*min)),
         QuantWeight::Q8_0 { scale, .. } => (*scale, None),
+        QuantWeight::Q8G16 { .. } => unreachable!("refused above"),
     };
     let chunk_len = format.chunk_len();
     for (t, tile_chunks) in tiles.chunks_exact_mut(nb * chunk_len).enumerate() {
@@ -728,7 +732,7 @@ mod tests {
             qs: &b.q8,
         };
         let tiles = pack(&w, n, k).unwrap();
-        assert_eq!(AmxFormat::of(&w), AmxFormat::Bf16);
+        assert_eq!(AmxFormat::of(&w), Some(AmxFormat::Bf16));
         assert_eq!(tiles.len(), 2 * 2 * CHUNK);
         let bf = |bits: u16| f32::from_bits(u32::from(bits) << 16);
         // feature 17 (tile 1, column 1), block 1, input 5 (pair row 2, second of the pair)
@@ -756,7 +760,7 @@ mod tests {
             vec![]
         };
         let tiles = AmxTiles {
-            format: AmxFormat::of(&w),
+            format: AmxFormat::of(&w).unwrap(),
             data: &pack(&w, n, k).unwrap(),
         };
         let mut out = vec![f32::NAN; m * n];

@@ -7,6 +7,9 @@
 //!   byte `j` holds element `j` (low nibble) and element `j + 16` (high nibble);
 //!   `w = scale * q + min`.
 //! - Q8_0: `scale[N, NB]` and `qs[N, NB, 32]` (int8); `w = scale * q`.
+//! - Q8G16 (not a GGUF format: the exact form of GGUF's Q5_0 / Q5_1 / Q5_K / Q6_K and of a fused
+//!   module whose parts come in several formats): `scale[N, 2 NB]`, `min[N, 2 NB]` (one per 16
+//!   inputs) and `qs[N, NB, 32]` (int8); `w = scale * q + min`.
 //!
 //! Each weight is formed exactly as the loader's dequantization forms it (one float32 multiply,
 //! then one add, never fused), so this kernel multiplies by the very float32 weights the panel
@@ -59,13 +62,27 @@ pub enum QuantWeight<'a> {
     },
     /// `w = scale * q`, q an int8.
     Q8_0 { scale: &'a [f32], qs: &'a [i8] },
+    /// `w = scale * q + min`, q an int8, a scale and a min per 16 inputs (two per block).
+    Q8G16 {
+        scale: &'a [f32],
+        min: &'a [f32],
+        qs: &'a [i8],
+    },
 }
 
 impl QuantWeight<'_> {
     fn bytes_per_block(&self) -> usize {
         match self {
             QuantWeight::Q4_1 { .. } => BLOCK / 2,
-            QuantWeight::Q8_0 { .. } => BLOCK,
+            QuantWeight::Q8_0 { .. } | QuantWeight::Q8G16 { .. } => BLOCK,
+        }
+    }
+
+    /// Scales (and minimums, where there are) per block.
+    fn scales_per_block(&self) -> usize {
+        match self {
+            QuantWeight::Q8G16 { .. } => 2,
+            _ => 1,
         }
     }
 }
@@ -96,15 +113,17 @@ impl QuantShape {
             return err(format!("at most {MAX_ROWS} rows per call, got {}", self.m));
         }
         let blocks = self.n * (self.k / BLOCK);
+        let groups = blocks * w.scales_per_block();
         let (scale_len, min_len, qs_len) = match w {
             QuantWeight::Q4_1 { scale, min, qs } => (scale.len(), min.len(), qs.len()),
-            QuantWeight::Q8_0 { scale, qs } => (scale.len(), blocks, qs.len()),
+            QuantWeight::Q8_0 { scale, qs } => (scale.len(), groups, qs.len()),
+            QuantWeight::Q8G16 { scale, min, qs } => (scale.len(), min.len(), qs.len()),
         };
         check_lengths(&[
             ("x", x.len(), self.m * self.k),
             ("out", out.len(), self.m * self.n),
-            ("scale", scale_len, blocks),
-            ("min", min_len, blocks),
+            ("scale", scale_len, groups),
+            ("min", min_len, groups),
             ("qs", qs_len, blocks * w.bytes_per_block()),
         ])?;
         check_bias(bias.len(), self.n)?;
@@ -264,6 +283,11 @@ impl Kernel<'_> {
                     lines(qs[j * nb * 32..].as_ptr().cast(), nb * 32);
                     lines(scale[j * nb..].as_ptr().cast(), nb * 4);
                 }
+                QuantWeight::Q8G16 { scale, min, qs } => {
+                    lines(qs[j * nb * 32..].as_ptr().cast(), nb * 32);
+                    lines(scale[j * 2 * nb..].as_ptr().cast(), nb * 8);
+                    lines(min[j * 2 * nb..].as_ptr().cast(), nb * 8);
+                }
             }
         }
     }
@@ -324,6 +348,19 @@ impl Kernel<'_> {
                                     &mut group,
                                 )
                             },
+                            QuantWeight::Q8G16 { scale, min, qs } => unsafe {
+                                let qs = &qs[blocks.start * BLOCK..blocks.end * BLOCK];
+                                let groups = 2 * blocks.start..2 * blocks.end;
+                                avx512::q8_g16(
+                                    height,
+                                    pair,
+                                    x,
+                                    k,
+                                    (&scale[groups.clone()], &min[groups]),
+                                    qs,
+                                    &mut group,
+                                )
+                            },
                         }
                         for (d, g) in dots.iter_mut().zip(&group) {
                             d[r0..r0 + height].copy_from_slice(&g[..height]);
@@ -343,6 +380,19 @@ impl Kernel<'_> {
                         &qs[blocks.start * BLOCK..blocks.end * BLOCK],
                     );
                     portable::q8_0(m, x, k, scale, qs, &mut dots[0])
+                }
+                (_, QuantWeight::Q8G16 { scale, min, qs }) => {
+                    let groups = 2 * blocks.start..2 * blocks.end;
+                    let qs = &qs[blocks.start * BLOCK..blocks.end * BLOCK];
+                    portable::q8_g16(
+                        m,
+                        x,
+                        k,
+                        &scale[groups.clone()],
+                        &min[groups],
+                        qs,
+                        &mut dots[0],
+                    )
                 }
             }
             for (f, dots_f) in dots.iter().take(rows).enumerate() {
@@ -389,6 +439,27 @@ mod portable {
                 for (r, dot) in dots.iter_mut().take(m).enumerate() {
                     let xr = &x[r * k + b * BLOCK..];
                     *dot += xr[j] * lo + xr[j + 16] * hi;
+                }
+            }
+        }
+    }
+
+    /// `dots[r] = x[r] . w` for one weight row of Q8G16 groups.
+    pub(super) fn q8_g16(
+        m: usize,
+        x: &[f32],
+        k: usize,
+        scale: &[f32],
+        min: &[f32],
+        qs: &[i8],
+        dots: &mut [f32],
+    ) {
+        dots[..m].fill(0.0);
+        for (g, ((&d, &mn), q)) in scale.iter().zip(min).zip(qs.chunks_exact(16)).enumerate() {
+            for (j, &v) in q.iter().enumerate() {
+                let w = d * f32::from(v) + mn;
+                for (r, dot) in dots.iter_mut().take(m).enumerate() {
+                    *dot += x[r * k + g * 16 + j] * w;
                 }
             }
         }
@@ -495,6 +566,14 @@ mod avx2 {
                     &qs[blocks.start * BLOCK..blocks.end * BLOCK],
                     &mut dots,
                 ),
+                QuantWeight::Q8G16 { scale, min, qs } => q8_g16_rows::<R, A>(
+                    x,
+                    k,
+                    &scale[2 * blocks.start..2 * blocks.end],
+                    &min[2 * blocks.start..2 * blocks.end],
+                    &qs[blocks.start * BLOCK..blocks.end * BLOCK],
+                    &mut dots,
+                ),
             }
             kernel.store(j, &dots[..R]);
         }
@@ -598,6 +677,41 @@ mod avx2 {
                 .mul_add(*x_block_sums.get_unchecked(b), tail);
         }
         hsum(acc) + tail
+    }
+
+    #[inline(always)]
+    unsafe fn q8_g16_rows<const R: usize, const A: usize>(
+        x: &[f32],
+        k: usize,
+        scale: &[f32],
+        min: &[f32],
+        qs: &[i8],
+        dots: &mut [f32; MAX_ROWS],
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); A]; R];
+        for b in 0..qs.len() / BLOCK {
+            let q = qs.as_ptr().add(b * BLOCK);
+            let mut w = [_mm256_setzero_ps(); 4];
+            for (i, wi) in w.iter_mut().enumerate() {
+                // vectors 0-1 are the block's first 16 inputs (scale and min 2b), 2-3 the rest
+                let (d, mn) = (
+                    scale.get_unchecked(2 * b + i / 2),
+                    min.get_unchecked(2 * b + i / 2),
+                );
+                let bytes = _mm_loadl_epi64(q.add(8 * i) as *const __m128i);
+                let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+                // one multiply, then one add (not fused): the loader's float32 weight
+                *wi = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(*d), v), _mm256_set1_ps(*mn));
+            }
+            accumulate(&mut acc, &w, x.as_ptr().add(b * BLOCK), k);
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            let mut sum = acc[0];
+            for &a in &acc[1..] {
+                sum = _mm256_add_ps(sum, a);
+            }
+            dots[r] = hsum(sum);
+        }
     }
 
     #[inline(always)]
@@ -763,6 +877,66 @@ mod avx512 {
         }
     }
 
+    /// `dots[f][r] = x[r] . w_f` for `F` neighbouring Q8G16 weight rows (as [`q4_1`]); the
+    /// scales and minimums hold `F * 2 nb` entries each.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn q8_g16(
+        m: usize,
+        pair: bool,
+        x: &[f32],
+        k: usize,
+        groups: (&[f32], &[f32]),
+        qs: &[i8],
+        dots: &mut [[f32; MAX_ROWS]; 2],
+    ) {
+        match (m, pair) {
+            (1, true) => q8_g16_rows::<1, 2>(x, k, groups, qs, dots),
+            (2, true) => q8_g16_rows::<2, 2>(x, k, groups, qs, dots),
+            (3, true) => q8_g16_rows::<3, 2>(x, k, groups, qs, dots),
+            (_, true) => q8_g16_rows::<4, 2>(x, k, groups, qs, dots),
+            (1, false) => q8_g16_rows::<1, 1>(x, k, groups, qs, dots),
+            (2, false) => q8_g16_rows::<2, 1>(x, k, groups, qs, dots),
+            (3, false) => q8_g16_rows::<3, 1>(x, k, groups, qs, dots),
+            (_, false) => q8_g16_rows::<4, 1>(x, k, groups, qs, dots),
+        }
+    }
+
+    /// [`q8_g16`] for `R` rows of `x` and `F` weight rows, sharing x's loads: a block's two
+    /// vectors are its two groups of 16, each formed by one multiply, then one add.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn q8_g16_rows<const R: usize, const F: usize>(
+        x: &[f32],
+        k: usize,
+        (scale, min): (&[f32], &[f32]),
+        qs: &[i8],
+        dots: &mut [[f32; MAX_ROWS]; 2],
+    ) {
+        let nb = qs.len() / (F * BLOCK);
+        assert!(F <= 2 && R <= MAX_ROWS && scale.len() == 2 * F * nb && min.len() == scale.len());
+        assert!(qs.len() == F * nb * BLOCK);
+        assert!(nb * BLOCK <= k && x.len() >= (R - 1) * k + nb * BLOCK);
+        let mut acc = [[[_mm512_setzero_ps(); 2]; F]; R];
+        for b in 0..nb {
+            let mut w = [[_mm512_setzero_ps(); 2]; F];
+            for (f, wf) in w.iter_mut().enumerate() {
+                let at = f * nb + b;
+                let q = qs.as_ptr().add(at * BLOCK);
+                for (i, wi) in wf.iter_mut().enumerate() {
+                    let bytes = _mm_loadu_si128(q.add(16 * i) as *const __m128i);
+                    let v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+                    let d = _mm512_set1_ps(*scale.get_unchecked(2 * at + i));
+                    *wi = _mm512_add_ps(
+                        _mm512_mul_ps(d, v),
+                        _mm512_set1_ps(*min.get_unchecked(2 * at + i)),
+                    );
+                }
+            }
+            accumulate(&mut acc, &w, x.as_ptr().add(b * BLOCK), k);
+        }
+        finish(&acc, dots);
+    }
+
     /// [`q8_0`] for `R` rows of `x` and `F` weight rows, sharing x's loads (as [`q4_1_rows`]).
     #[target_feature(enable = "avx512f")]
     #[inline]
@@ -805,6 +979,46 @@ pub(crate) mod tests {
         pub(crate) min: Vec<f32>,
         pub(crate) q4: Vec<u8>,
         pub(crate) q8: Vec<i8>,
+        /// Q8G16's scales and minimums (two per block; its integers are `q8`)
+        pub(crate) scale16: Vec<f32>,
+        pub(crate) min16: Vec<f32>,
+    }
+
+    /// The three formats, for tests that run each.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Fmt {
+        Q4,
+        Q8,
+        G16,
+    }
+    const FORMATS: [Fmt; 3] = [Fmt::Q4, Fmt::Q8, Fmt::G16];
+
+    impl Blocks {
+        fn of(&self, f: Fmt) -> QuantWeight<'_> {
+            match f {
+                Fmt::Q4 => self.weight(true),
+                Fmt::Q8 => self.weight(false),
+                Fmt::G16 => QuantWeight::Q8G16 {
+                    scale: &self.scale16,
+                    min: &self.min16,
+                    qs: &self.q8,
+                },
+            }
+        }
+    }
+
+    /// [`dequantized`] of any format (Q8G16: `scale * q + min` per 16, multiply then add).
+    fn dense(b: &Blocks, f: Fmt, n: usize, k: usize) -> Vec<f32> {
+        match f {
+            Fmt::Q4 => dequantized(b, true, n, k),
+            Fmt::Q8 => dequantized(b, false, n, k),
+            Fmt::G16 => {
+                b.q8.iter()
+                    .enumerate()
+                    .map(|(i, &q)| b.scale16[i / 16] * f32::from(q) + b.min16[i / 16])
+                    .collect()
+            }
+        }
     }
 
     impl Blocks {
@@ -834,6 +1048,8 @@ pub(crate) mod tests {
             q8: (0..nb * BLOCK)
                 .map(|_| rng.below(256) as u8 as i8)
                 .collect(),
+            scale16: (0..2 * nb).map(|_| rng.next_f32() * 0.01).collect(),
+            min16: (0..2 * nb).map(|_| rng.next_f32() - 0.5).collect(),
         }
     }
 
@@ -860,7 +1076,7 @@ pub(crate) mod tests {
         m: usize,
         n: usize,
         k: usize,
-        q4: bool,
+        fmt: Fmt,
         bias: bool,
         threads: usize,
         isa: Isa,
@@ -869,7 +1085,7 @@ pub(crate) mod tests {
         let x = rng.vec(m * k);
         let b = random_blocks(&mut rng, n, k);
         let bias = if bias { rng.vec(n) } else { Vec::new() };
-        let w = b.weight(q4);
+        let w = b.of(fmt);
         let mut out = vec![f32::NAN; m * n]; // poisoned: every element must be written
         run(
             &QuantShape { m, n, k },
@@ -881,7 +1097,7 @@ pub(crate) mod tests {
             isa,
         )
         .unwrap();
-        let dense = dequantized(&b, q4, n, k);
+        let dense = dense(&b, fmt, n, k);
         for r in 0..m {
             for j in 0..n {
                 let want: f64 = (0..k)
@@ -894,7 +1110,7 @@ pub(crate) mod tests {
                     .sum();
                 assert!(
                     (got - want).abs() <= 1e-5 * (1.0 + scale),
-                    "m={m} n={n} k={k} q4={q4} threads={threads} isa={isa:?}: out[{r},{j}] = \
+                    "m={m} n={n} k={k} {fmt:?} threads={threads} isa={isa:?}: out[{r},{j}] = \
                      {got}, reference {want}"
                 );
             }
@@ -906,7 +1122,7 @@ pub(crate) mod tests {
         let mut seed = 1;
         for &(n, k) in &[(1, 32), (7, 64), (33, 96), (257, 576), (40, 1536)] {
             for m in 1..=MAX_ROWS {
-                for &q4 in &[true, false] {
+                for fmt in FORMATS {
                     for &(threads, isa) in &[
                         (1, Isa::Avx512),
                         (3, Isa::Avx512),
@@ -914,7 +1130,7 @@ pub(crate) mod tests {
                         (3, Isa::Avx2),
                         (1, Isa::Portable),
                     ] {
-                        case(seed, m, n, k, q4, seed % 2 == 0, threads, isa);
+                        case(seed, m, n, k, fmt, seed % 2 == 0, threads, isa);
                         seed += 1;
                     }
                 }
@@ -934,12 +1150,12 @@ pub(crate) mod tests {
             for m in 1..=MAX_ROWS {
                 let x = rng.vec(m * k);
                 let bias = rng.vec(n);
-                for q4 in [true, false] {
+                for fmt in FORMATS {
                     let kernel = |out: &mut Vec<f32>| Kernel {
                         shape: QuantShape { m, n, k },
                         x: &x,
                         x_block_sums: &[],
-                        w: b.weight(q4),
+                        w: b.of(fmt),
                         bias: &bias,
                         out: OutPtr(out.as_mut_ptr()),
                         isa: Isa::Avx512,
@@ -952,7 +1168,7 @@ pub(crate) mod tests {
                         unsafe { kernel(&mut alone).run_features(j, j + 1) };
                     }
                     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&together), bits(&alone), "m={m} n={n} k={k} q4={q4}");
+                    assert_eq!(bits(&together), bits(&alone), "m={m} n={n} k={k} {fmt:?}");
                 }
             }
         }
@@ -964,9 +1180,9 @@ pub(crate) mod tests {
         // weight the kernel formed; it must be the loader's (multiply, then add; not fused)
         let (n, k) = (24, 96);
         let b = random_blocks(&mut Lcg(5), n, k);
-        for q4 in [true, false] {
-            let w = b.weight(q4);
-            let dense = dequantized(&b, q4, n, k);
+        for fmt in FORMATS {
+            let w = b.of(fmt);
+            let dense = dense(&b, fmt, n, k);
             for first in (0..k).step_by(MAX_ROWS) {
                 let mut x = vec![0f32; MAX_ROWS * k];
                 for r in 0..MAX_ROWS {
@@ -982,7 +1198,7 @@ pub(crate) mod tests {
                             assert_eq!(
                                 out[r * n + j],
                                 dense[j * k + first + r],
-                                "q4={q4} {isa:?}: weight [{j}, {}]",
+                                "{fmt:?} {isa:?}: weight [{j}, {}]",
                                 first + r
                             );
                         }
@@ -998,20 +1214,20 @@ pub(crate) mod tests {
         // sum is scale * q rounded, plus min: the loader's float32 weight again, on every path.
         let (n, k) = (24, 288);
         let b = random_blocks(&mut Lcg(8), n, k);
-        for q4 in [true, false] {
-            let dense = dequantized(&b, q4, n, k);
+        for fmt in FORMATS {
+            let dense = dense(&b, fmt, n, k);
             for i in 0..k {
                 let mut x = vec![0f32; k];
                 x[i] = 1.0;
                 for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable] {
                     let mut out = vec![f32::NAN; n];
                     let shape = QuantShape { m: 1, n, k };
-                    run(&shape, &x, b.weight(q4), &[], &mut out, 1, isa).unwrap();
+                    run(&shape, &x, b.of(fmt), &[], &mut out, 1, isa).unwrap();
                     for j in 0..n {
                         assert_eq!(
                             out[j],
                             dense[j * k + i],
-                            "q4={q4} {isa:?}: weight [{j}, {i}]"
+                            "{fmt:?} {isa:?}: weight [{j}, {i}]"
                         );
                     }
                 }
@@ -1153,5 +1369,21 @@ pub(crate) mod tests {
         )
         .unwrap_err();
         assert!(e.0.contains("qs has 10"), "{}", e.0);
+        // Q8G16 needs two scales and two minimums per block
+        let e = run(
+            &QuantShape { m: 1, n: 4, k: 64 },
+            &x[..64],
+            QuantWeight::Q8G16 {
+                scale: &b.scale,
+                min: &b.min16,
+                qs: &b.q8,
+            },
+            &[],
+            &mut out[..4],
+            1,
+            Isa::Avx512,
+        )
+        .unwrap_err();
+        assert!(e.0.contains("scale has 8") && e.0.contains("16"), "{}", e.0);
     }
 }

@@ -76,11 +76,12 @@ pub enum PanelFormat {
 }
 
 impl PanelFormat {
-    /// The format [`pack`] gives block weights of this kind.
-    pub fn of(w: &QuantWeight<'_>) -> PanelFormat {
+    /// The format [`pack`] gives block weights of this kind (None: Q8G16 has no panel layout).
+    pub fn of(w: &QuantWeight<'_>) -> Option<PanelFormat> {
         match w {
-            QuantWeight::Q4_1 { .. } => PanelFormat::Q4_1,
-            QuantWeight::Q8_0 { .. } => PanelFormat::Q8_0,
+            QuantWeight::Q4_1 { .. } => Some(PanelFormat::Q4_1),
+            QuantWeight::Q8_0 { .. } => Some(PanelFormat::Q8_0),
+            QuantWeight::Q8G16 { .. } => None,
         }
     }
 
@@ -142,7 +143,8 @@ impl QuantPanelShape {
 /// Packs the blocks of a `[n, k]` weight into the layout of the module header.
 pub fn pack(w: &QuantWeight<'_>, n: usize, k: usize) -> Result<Vec<u8>, KernelInputError> {
     QuantShape { m: 0, n, k }.validate(&[], w, &[], &[])?;
-    let format = PanelFormat::of(w);
+    let format = PanelFormat::of(w)
+        .ok_or_else(|| KernelInputError("Q8G16 weights have no quantized-panel layout".into()))?;
     let shape = QuantPanelShape { m: 0, n, k };
     let (nb, record) = (k / BLOCK, format.record_bytes());
     let mut data = vec![0u8; shape.packed_len(format)];
@@ -167,6 +169,7 @@ pub fn pack(w: &QuantWeight<'_>, n: usize, k: usize) -> Result<Vec<u8>, KernelIn
                         rec[4 * PANEL_WIDTH + i * PANEL_WIDTH + c] = qs[block * BLOCK + i] as u8;
                     }
                 }
+                QuantWeight::Q8G16 { .. } => unreachable!("refused above"),
             }
         }
     }
@@ -666,7 +669,7 @@ mod tests {
             let b = random_blocks(&mut rng, n, k);
             for q4 in [true, false] {
                 let w = b.weight(q4);
-                let format = PanelFormat::of(&w);
+                let format = PanelFormat::of(&w).unwrap();
                 let data = pack(&w, n, k).unwrap();
                 let want = pack_f32(&dequantized(&b, q4, n, k), n, k).unwrap();
                 for isa in ISAS {
@@ -705,7 +708,7 @@ mod tests {
                 let data = pack(&w, n, k).unwrap();
                 let dense = pack_f32(&dequantized(&b, q4, n, k), n, k).unwrap();
                 let panels = QuantPanels {
-                    format: PanelFormat::of(&w),
+                    format: PanelFormat::of(&w).unwrap(),
                     data: &data,
                 };
                 for &m in &[1, 5, 13, 24, 200] {

@@ -86,7 +86,8 @@ fn cache_slices<'a, E: Element + KvElement>(
 }
 
 /// A linear layer's arrays: `(n, k, panels, bias | None, blocks | None[, tiles | None[,
-/// qpanels | None]])` from Python, blocks `("q4_1", scale, min, qs)` or `("q8_0", scale, qs)`
+/// qpanels | None]])` from Python, blocks `("q4_1", scale, min, qs)`, `("q8_0", scale, qs)` or
+/// `("q8_g16", scale, min, qs)`
 /// (the `linear_q*_f32` kernels' arrays), tiles the same blocks as `pack_amx_q*` packs them,
 /// qpanels as `pack_quant_panels_q*` packs them.
 struct LinearArrays {
@@ -107,6 +108,11 @@ enum BlockArrays {
     },
     Q8_0 {
         scale: F32Array,
+        qs: Py<PyArrayDyn<i8>>,
+    },
+    Q8G16 {
+        scale: F32Array,
+        min: F32Array,
         qs: Py<PyArrayDyn<i8>>,
     },
 }
@@ -150,10 +156,15 @@ impl LinearArrays {
                         scale: t.get_item(1)?.extract()?,
                         qs: t.get_item(2)?.extract()?,
                     }),
+                    ("q8_g16", 4) => Some(BlockArrays::Q8G16 {
+                        scale: t.get_item(1)?.extract()?,
+                        min: t.get_item(2)?.extract()?,
+                        qs: t.get_item(3)?.extract()?,
+                    }),
                     _ => {
                         return Err(PyValueError::new_err(format!(
-                            "blocks must be ('q4_1', scale, min, qs) or ('q8_0', scale, qs), got \
-                             {kind:?} with {} items",
+                            "blocks must be ('q4_1', scale, min, qs), ('q8_0', scale, qs) or \
+                             ('q8_g16', scale, min, qs), got {kind:?} with {} items",
                             t.len()
                         )))
                     }
@@ -186,6 +197,11 @@ impl LinearArrays {
                 BlockArrays::Q8_0 { scale, qs } => {
                     BlockBorrow::Q8_0(scale.bind(py).readonly(), qs.bind(py).readonly())
                 }
+                BlockArrays::Q8G16 { scale, min, qs } => BlockBorrow::Q8G16(
+                    scale.bind(py).readonly(),
+                    min.bind(py).readonly(),
+                    qs.bind(py).readonly(),
+                ),
             }),
             tiles: self.tiles.as_ref().map(|t| t.bind(py).readonly()),
             qpanels: self.qpanels.as_ref().map(|t| t.bind(py).readonly()),
@@ -211,6 +227,11 @@ enum BlockBorrow<'py> {
         PyReadonlyArrayDyn<'py, u8>,
     ),
     Q8_0(PyReadonlyArrayDyn<'py, f32>, PyReadonlyArrayDyn<'py, i8>),
+    Q8G16(
+        PyReadonlyArrayDyn<'py, f32>,
+        PyReadonlyArrayDyn<'py, f32>,
+        PyReadonlyArrayDyn<'py, i8>,
+    ),
 }
 
 impl LinearBorrow<'_> {
@@ -224,6 +245,11 @@ impl LinearBorrow<'_> {
             }),
             Some(BlockBorrow::Q8_0(scale, qs)) => Some(QuantWeight::Q8_0 {
                 scale: c_slice("scale", scale)?,
+                qs: c_slice("qs", qs)?,
+            }),
+            Some(BlockBorrow::Q8G16(scale, min, qs)) => Some(QuantWeight::Q8G16 {
+                scale: c_slice("scale", scale)?,
+                min: c_slice("min", min)?,
                 qs: c_slice("qs", qs)?,
             }),
         };
@@ -242,6 +268,9 @@ impl LinearBorrow<'_> {
                     format: match b {
                         BlockBorrow::Q4_1(..) => AmxFormat::Nibbles,
                         BlockBorrow::Q8_0(..) => AmxFormat::Bf16,
+                        BlockBorrow::Q8G16(..) => {
+                            return Err(PyValueError::new_err("q8_g16 blocks have no AMX tiles"))
+                        }
                     },
                     data: c_slice("tiles", t)?,
                 }),
@@ -257,6 +286,11 @@ impl LinearBorrow<'_> {
                     format: match b {
                         BlockBorrow::Q4_1(..) => PanelFormat::Q4_1,
                         BlockBorrow::Q8_0(..) => PanelFormat::Q8_0,
+                        BlockBorrow::Q8G16(..) => {
+                            return Err(PyValueError::new_err(
+                                "q8_g16 blocks have no quantized panels",
+                            ))
+                        }
                     },
                     data: c_slice("qpanels", t)?,
                 }),

@@ -117,6 +117,30 @@ pub fn py_linear_q8_0_f32(
     quant_call(py, x, scale.shape()[0], w, bias, out, num_threads)
 }
 
+/// `linear_q8_g16_f32(x, scale, min, qs, bias, out, num_threads)`: the same with `W` as int8
+/// weights with a scale and a minimum per 16 inputs (`w = scale * q + min`): `scale`, `min`
+/// `[N, K / 16]` float32, `qs` `[N, K / 32, 32]` int8.
+#[pyfunction]
+#[pyo3(name = "linear_q8_g16_f32", signature = (x, scale, min, qs, bias, out, num_threads))]
+#[allow(clippy::too_many_arguments)]
+pub fn py_linear_q8_g16_f32(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    scale: PyReadonlyArray2<'_, f32>,
+    min: PyReadonlyArray2<'_, f32>,
+    qs: PyReadonlyArray3<'_, i8>,
+    bias: Option<PyReadonlyArray1<'_, f32>>,
+    out: PyReadwriteArray2<'_, f32>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let w = QuantWeight::Q8G16 {
+        scale: c_contiguous("scale", scale.is_c_contiguous(), scale.as_slice())?,
+        min: c_contiguous("min", min.is_c_contiguous(), min.as_slice())?,
+        qs: c_contiguous("qs", qs.is_c_contiguous(), qs.as_slice())?,
+    };
+    quant_call(py, x, scale.shape()[0], w, bias, out, num_threads)
+}
+
 /// Shared tail of the linear bindings over GGUF blocks (as they are, as AMX tiles, as
 /// quantized panels): `out` must have `x`'s rows (and `weight_rows` columns, when given), the
 /// arrays must be C-contiguous, then `kernel(m, n, k, x, bias, out)` runs without the GIL; its

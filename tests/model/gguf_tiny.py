@@ -15,31 +15,44 @@ _BLOCK_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn
 _TOP_NAMES = {"embed_tokens": "token_embd", "norm": "output_norm"}
 
 
-def random_q4_k(rows: int, cols: int, seed: int):
-    """Q4_K blocks ``uint8 [rows, cols / 256 * 144]`` with random 6-bit scales, minimums and
-    nibbles (gguf-py cannot quantize to Q4_K), their fp16 factors set so that the weights lie
+def random_blocks(type_name: str, rows: int, cols: int, seed: int):
+    """``type_name`` blocks ``uint8 [rows, bytes]`` of random bytes (gguf-py cannot quantize to
+    the k-quants; any bytes are valid blocks), their fp16 factors set so that the weights stay
     within about +-0.3."""
+    import gguf
     import numpy as np
 
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (rows, cols // 256 * 144), dtype=np.uint8)
-    blocks = raw.reshape(rows, -1, 144)
-    for start in (0, 2):                                    # d, then dmin
-        factor = rng.uniform(1e-4, 4e-4, blocks.shape[:2]).astype(np.float16)
+    raw = rng.integers(0, 256, (rows, cols // block_elems * block_bytes), dtype=np.uint8)
+    blocks = raw.reshape(rows, -1, block_bytes)
+    factors = {"Q4_K": ((0, 4e-4), (2, 4e-4)), "Q5_K": ((0, 2e-4), (2, 2e-4)),
+               "Q6_K": ((208, 1e-4),), "Q5_0": ((0, 0.02),), "Q5_1": ((0, 0.01), (2, 0.15)),
+               "Q4_0": ((0, 0.04),), "Q4_1": ((0, 0.02), (2, 0.15)), "Q8_0": ((0, 0.002),)}
+    for start, high in factors[type_name]:
+        factor = rng.uniform(high / 4, high, blocks.shape[:2]).astype(np.float16)
         blocks[..., start:start + 2] = factor.view(np.uint8).reshape(rows, -1, 2)
     return raw
 
 
+def random_q4_k(rows: int, cols: int, seed: int):
+    """:func:`random_blocks` of Q4_K."""
+    return random_blocks("Q4_K", rows, cols, seed)
+
+
 def write_tiny_gguf(path, reference, cfg: dict, arch: str,
                     metadata: Callable | None = None, q8_0_linears: bool = False,
-                    q4_k_linears: bool = False, vocabulary: Callable | None = None) -> None:
+                    q4_k_linears: bool = False, vocabulary: Callable | None = None,
+                    linear_types: Callable | None = None) -> None:
     """Writes ``reference`` (a transformers model of config dict ``cfg``) as a GGUF of ``arch``
     with a byte-level vocabulary of single characters. Only architectures whose converter keeps
     transformers' Q / K row order (rotate-half RoPE: qwen2, qwen3, phi3) are written this way.
     ``metadata(writer)`` adds keys of its own (rope scaling, ...). With ``q8_0_linears`` the
     linear layers' weights are stored as Q8_0 blocks and ``reference``'s own weights replaced by
     what those blocks hold, so it stays the oracle; with ``q4_k_linears`` they are random Q4_K
-    blocks (:func:`random_q4_k`), dequantized into ``reference`` by gguf-py.
+    blocks (:func:`random_q4_k`), dequantized into ``reference`` by gguf-py; ``linear_types``
+    (llama.cpp tensor name -> a type name, or None for float32) does the same per tensor.
     ``vocabulary(writer)`` writes the tokenizer keys in place of the single-character one."""
     import gguf
     from tokenizers.pre_tokenizers import ByteLevel
@@ -79,15 +92,19 @@ def write_tiny_gguf(path, reference, cfg: dict, arch: str,
             else:
                 gguf_name = f"{_TOP_NAMES[parts[0]]}.{parts[-1]}"
         values = tensor.detach().float().numpy()
-        if q4_k_linears and values.ndim == 2 and not gguf_name.startswith("token_embd"):
+        chosen = "Q4_K" if q4_k_linears else None
+        if linear_types is not None:
+            chosen = linear_types(gguf_name)
+        if chosen and values.ndim == 2 and not gguf_name.startswith("token_embd"):
             import torch
             from gguf.quants import dequantize
 
-            blocks = random_q4_k(*values.shape, seed=len(gguf_name) * 1000 + values.shape[0])
+            qtype = gguf.GGMLQuantizationType[chosen]
+            blocks = random_blocks(chosen, *values.shape,
+                                   seed=sum(map(ord, gguf_name)) * 1000 + values.shape[0])
             with torch.no_grad():
-                tensor.copy_(torch.from_numpy(
-                    dequantize(blocks, gguf.GGMLQuantizationType.Q4_K).reshape(values.shape)))
-            writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+                tensor.copy_(torch.from_numpy(dequantize(blocks, qtype).reshape(values.shape)))
+            writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
             continue
         if q8_0_linears and values.ndim == 2 and not gguf_name.startswith("token_embd"):
             import torch

@@ -29,14 +29,16 @@ def _random_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarra
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (rows, cols // block_elems * block_bytes), dtype=np.uint8)
     blocks = raw.reshape(rows, -1, block_bytes)
-    offsets = {"Q6_K": (208,), "Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,)}[type_name]
+    offsets = {"Q6_K": (208,), "Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,),
+               "Q5_1": (0, 2), "Q5_K": (0, 2)}[type_name]
     for start in offsets:
         factor = rng.normal(0, 0.01, blocks.shape[:2]).astype(np.float16)
         blocks[..., start:start + 2] = factor.view(np.uint8).reshape(rows, -1, 2)
     return raw
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                                       "Q8_0"])
 def test_torch_dequantization_equals_gguf_py_bit_for_bit(type_name):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -94,6 +96,91 @@ def test_a_q4_k_model_runs_its_linears_on_the_block_kernel_and_matches_transform
         + ["lm_head"])
     runner = ModelRunner(loaded, num_blocks=64, block_size=4)
     assert "GGUF blocks" in runner.linear_kernels
+    prompts = [list(range(3, 40)), [5, 9, 11]]
+    sched = ToyScheduler(64, 4, token_budget=16)
+    for i, prompt in enumerate(prompts):
+        sched.add(i, prompt, 6)
+    generated, last = greedy_run(runner, sched)
+    with torch.no_grad():
+        for i, prompt in enumerate(prompts):
+            sequence = prompt + generated[i][:-1]
+            want = reference(torch.tensor([sequence])).logits[0]
+            assert want[len(prompt) - 1:].argmax(-1).tolist() == generated[i]
+            torch.testing.assert_close(last[i], want[-1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q5_K", "Q5_0", "Q5_1"])
+def test_5_and_6_bit_types_become_the_q8_g16_kernels_exact_form(type_name):
+    """``scale * q + minimum`` per 16 weights with int8 ``q``: the dequantized weight bit for
+    bit; the Rust kernel's x W^T for 1..8 rows, and each weight exactly (one-hot rows)."""
+    from gguf import GGMLQuantizationType
+
+    from ferrobatch.model.block_weights import Q8_G16
+    from ferrobatch.runtime.cpu_linear import BlockKernel
+
+    qtype = GGMLQuantizationType[type_name]
+    raw = _random_blocks(type_name, 40, 512, seed=4)
+    weight = dequantize_tensor(raw, int(qtype), type_name)
+    blocks = BlockWeight.from_gguf(int(qtype), torch.from_numpy(raw))
+    assert blocks.type_id == Q8_G16 and blocks.shape == (40, 512)
+    assert torch.equal(blocks.dequantize(), weight)
+    kernel = BlockKernel(blocks)
+    assert kernel.kind == "q8_g16" and kernel.tiles is None and kernel.qpanels is None
+    assert torch.equal(kernel.block_weight().dequantize(), weight)
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, 2, 5, 8):
+        x = torch.randn(rows, 512, generator=gen)
+        out = torch.empty(rows, 40)
+        kernel(x.numpy(), None, out.numpy(), 2)
+        torch.testing.assert_close(out, x @ weight.T, rtol=1e-4, atol=1e-4)
+    one_hot = torch.eye(512)[:8 * 64:64].contiguous()      # 8 rows, inputs 0, 64, ...
+    out = torch.empty(8, 40)
+    kernel(one_hot.numpy(), None, out.numpy(), 1)
+    assert torch.equal(out, weight[:, :8 * 64:64].T)
+
+
+def test_a_fused_module_of_mixed_formats_is_stacked_as_q8_g16():
+    """Q4_K q and k beside a Q6_K v (llama.cpp's Q4_K_M mix): one Q8_G16 weight whose rows
+    are each part's, value for value."""
+    from gguf import GGMLQuantizationType as T
+
+    from ferrobatch.model.block_weights import Q8_G16, _concat
+
+    parts, weights = [], []
+    for i, name in enumerate(("Q4_K", "Q4_K", "Q6_K", "Q8_0")):
+        raw = _random_blocks(name, 8 * (i + 1), 256, seed=10 + i)
+        parts.append(BlockWeight.from_gguf(int(T[name]), torch.from_numpy(raw)))
+        weights.append(dequantize_tensor(raw, int(T[name]), name))
+    fused = _concat(parts)
+    assert fused.type_id == Q8_G16 and fused.shape == (80, 256)
+    assert torch.equal(fused.dequantize(), torch.cat(weights))
+    assert _concat(parts[:2]).type_id == Q4_1            # one format: its own kernel
+
+
+def test_a_q4_k_m_mix_model_runs_every_linear_on_a_block_kernel(tmp_path):
+    """llama.cpp's Q4_K_M mix (q / k / o / gate / up Q4_K; v and down Q6_K in every other layer,
+    Q5_K in the others; the output matrix Q6_K): every module is proven exact on a block
+    kernel, the fused ones with a Q6_K part as Q8_G16, and greedy tokens equal transformers'."""
+    from ferrobatch.model.block_weights import Q8_G16
+
+    def q4_k_m(name: str) -> str:
+        if name == "output.weight":
+            return "Q6_K"
+        if ".attn_v." in name or ".ffn_down." in name:
+            return "Q6_K" if name.startswith("blk.0.") else "Q5_K"
+        return "Q4_K"
+
+    cfg = {**TINY_256, "tie_word_embeddings": False}
+    reference = random_hf_model(cfg, seed=16, std=0.1)
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    write_tiny_gguf(path, reference, cfg, "qwen2", linear_types=q4_k_m)
+    loaded = load_model(str(path))
+    proven = block_weights_for_modules(loaded.model, read_block_weights(str(path), loaded.config))
+    assert len(proven) == 4 * 2 + 1
+    assert proven["layers.0.self_attn.qkv_proj"].type_id == Q8_G16
+    assert proven["layers.0.mlp.gate_up_proj"].type_id == Q4_1
+    assert proven["lm_head"].type_id == Q8_G16
+    runner = ModelRunner(loaded, num_blocks=64, block_size=4)
     prompts = [list(range(3, 40)), [5, 9, 11]]
     sched = ToyScheduler(64, 4, token_budget=16)
     for i, prompt in enumerate(prompts):

@@ -5,7 +5,9 @@ quantized-panel packings of the same arrays).
 The float32 model keeps its own weights; these arrays describe *the same* numbers in 4.5 to 8.5
 bits: each group of 32 inputs is ``scale * q + minimum`` with 4-bit ``q`` (the ``Q4_1`` kernel:
 GGUF Q4_1, and Q4_0 and Q4_K rewritten in that form, ``dequant.q4_parts``) or ``scale * q``
-with 8-bit ``q`` (``Q8_0``), exactly what the loader's dequantization computed.
+with 8-bit ``q`` (``Q8_0``), and each group of 16 ``scale * q + minimum`` with 8-bit ``q``
+(``Q8_G16``: Q5_0 / Q5_1 / Q5_K / Q6_K, ``dequant.g16_parts``, and a fused module whose parts
+come in different formats), exactly what the loader's dequantization computed.
 ``block_weights_for_modules`` lays them out like the model's fused modules (q/k/v rows
 un-permuted and concatenated, gate/up concatenated, the LM head from the tied embedding) and
 proves each against the module's float32 weight, bit for bit, before anything uses it.
@@ -18,9 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ferrobatch.model.dequant import Q4_TYPES, q4_parts
+from ferrobatch.model.dequant import G16_TYPES, Q4_TYPES, g16_parts, q4_parts
 
-Q4_1, Q8_0 = 3, 8           # the two kernels: type ids of the GGUF formats they were made for
+Q4_1, Q8_0 = 3, 8           # two kernels: type ids of the GGUF formats they were made for
+Q8_G16 = 1016               # the third: int8 weights, a scale and a minimum per 16 (no GGUF id)
 BLOCK = 32
 _Q8_0_BYTES = 34
 
@@ -30,7 +33,8 @@ class BlockWeight:
     """One ``[N, K]`` weight as the kernel reads it: ``scale`` float32 ``[N, K / 32]``, for
     ``Q4_1`` ``minimum`` float32 ``[N, K / 32]`` and ``qs`` uint8 ``[N, K / 32, 16]`` (byte j:
     weight j in the low nibble, weight j + 16 in the high one), for ``Q8_0`` ``qs`` int8
-    ``[N, K / 32, 32]`` and no minimum."""
+    ``[N, K / 32, 32]`` and no minimum; for ``Q8_G16`` ``scale`` and ``minimum`` float32
+    ``[N, K / 16]``, ``qs`` int8 ``[N, K / 32, 32]``."""
 
     type_id: int
     scale: torch.Tensor
@@ -45,6 +49,9 @@ class BlockWeight:
         if type_id in Q4_TYPES:
             scale, minimum, q = q4_parts(raw, type_id)
             return cls(Q4_1, scale, q[..., :16] | (q[..., 16:] << 4), minimum)
+        if type_id in G16_TYPES:
+            scale, minimum, q = g16_parts(raw, type_id)
+            return cls(Q8_G16, scale, q, minimum)
         if type_id == Q8_0:
             blocks = raw.view(rows, -1, _Q8_0_BYTES)
             scale = blocks[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
@@ -53,8 +60,19 @@ class BlockWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        rows, num_blocks = self.scale.shape
+        rows, num_blocks = self.qs.shape[:2]
         return rows, num_blocks * BLOCK
+
+    def as_q8_g16(self) -> BlockWeight:
+        """The same weight in the ``Q8_G16`` form (each group of 32's scale and minimum for both
+        its halves; Q8_0's minimum 0, which leaves every weight's value as it was)."""
+        if self.type_id == Q8_G16:
+            return self
+        pair = lambda t: t.repeat_interleave(2, dim=-1)      # noqa: E731
+        if self.type_id == Q4_1:
+            q = torch.cat((self.qs & 0x0F, self.qs >> 4), dim=-1).to(torch.int8)
+            return BlockWeight(Q8_G16, pair(self.scale), q, pair(self.minimum))
+        return BlockWeight(Q8_G16, pair(self.scale), self.qs, torch.zeros_like(pair(self.scale)))
 
     def rows_permuted(self, permute) -> BlockWeight:
         """The same weight with its rows reordered by ``permute`` (a function of a tensor whose
@@ -69,16 +87,21 @@ class BlockWeight:
         if self.type_id == Q4_1:
             q = torch.cat((self.qs & 0x0F, self.qs >> 4), dim=-1).float()
             return (self.scale[..., None] * q + self.minimum[..., None]).reshape(rows, -1)
+        if self.type_id == Q8_G16:
+            q = self.qs.reshape(rows, -1, 16).float()
+            return (self.scale[..., None] * q + self.minimum[..., None]).reshape(rows, -1)
         return (self.scale[..., None] * self.qs.float()).reshape(rows, -1)
 
     def kernel_arrays(self) -> tuple[np.ndarray, ...]:
-        """What the kernel reads: ``(scale, min, qs)`` for Q4_1, ``(scale, qs)`` for Q8_0."""
-        parts = (self.scale, self.minimum, self.qs) if self.type_id == Q4_1 else (self.scale, self.qs)
+        """What the kernel reads: ``(scale, min, qs)`` for Q4_1 and Q8_G16, ``(scale, qs)`` for
+        Q8_0."""
+        parts = (self.scale, self.qs) if self.type_id == Q8_0 else (self.scale, self.minimum, self.qs)
         return tuple(np.ascontiguousarray(t.numpy()) for t in parts)
 
 
 def read_block_weights(path: str, config) -> dict[str, BlockWeight]:
-    """The Q4_0 / Q4_1 / Q4_K / Q8_0 tensors of a GGUF file under their Hugging Face names
+    """The Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 tensors of a GGUF file under
+    their Hugging Face names
     (``...q_proj.weight``), Llama Q/K rows un-permuted as the loader does; other types are left
     out."""
     from ferrobatch.model.gguf_file import GGUFFile
@@ -90,7 +113,7 @@ def read_block_weights(path: str, config) -> dict[str, BlockWeight]:
     for tensor in reader.tensors.values():
         name = _hf_name(tensor.name, config.arch)
         if name is None or len(tensor.shape) != 2 or \
-                (tensor.type_id not in Q4_TYPES and tensor.type_id != Q8_0):
+                tensor.type_id not in (*Q4_TYPES, *G16_TYPES, Q8_0):
             continue
         raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
         weight = BlockWeight.from_gguf(tensor.type_id, raw.reshape(tensor.shape[0], -1))
@@ -105,8 +128,12 @@ def read_block_weights(path: str, config) -> dict[str, BlockWeight]:
 
 
 def _concat(parts: list[BlockWeight | None]) -> BlockWeight | None:
-    if any(p is None for p in parts) or len({p.type_id for p in parts}) != 1:
+    """The parts of a fused module stacked (in the ``Q8_G16`` form where their formats
+    differ: Q4_K q / k beside a Q6_K v, as in llama.cpp's Q4_K_M)."""
+    if any(p is None for p in parts):
         return None
+    if len({p.type_id for p in parts}) != 1:
+        parts = [p.as_q8_g16() for p in parts]
     minimum = None if parts[0].minimum is None else torch.cat([p.minimum for p in parts])
     return BlockWeight(parts[0].type_id, torch.cat([p.scale for p in parts]),
                        torch.cat([p.qs for p in parts]), minimum)

@@ -1,10 +1,12 @@
-"""Vectorized torch dequantization of GGML block formats (F32/F16/BF16/Q4_0/Q4_1/Q8_0/Q4_K/Q6_K).
+"""Vectorized torch dequantization of GGML block formats (F32/F16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0,
+Q4_K/Q5_K/Q6_K).
 
 Other quantization types fall back to ``gguf.quants.dequantize`` (pure numpy, slower). Every
 function takes the raw tensor bytes as ``uint8 [rows, bytes_per_row]`` and returns ``float32
 [rows, cols]`` (the ``nn.Linear.weight`` layout). Q4_0 and Q4_K are computed through
 :func:`q4_parts`, the form ``scale * q + minimum`` per 32 values that the CPU's Q4_1 kernel reads
-(``model.block_weights``), so the two agree bit for bit.
+(``model.block_weights``), so the two agree bit for bit; Q5_0 / Q5_1 / Q5_K / Q6_K through
+:func:`g16_parts`, the form ``scale * q + minimum`` per 16 values of its Q8G16 kernel.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import numpy as np
 import torch
 
 # type id -> (elements per block, bytes per block); ids from ggml's GGMLQuantizationType.
-_Q4_0, _Q4_1, _Q8_0, _Q4_K, _Q6_K = 2, 3, 8, 12, 14
-_BLOCK_SHAPES = {_Q4_0: (32, 18), _Q4_1: (32, 20), _Q8_0: (32, 34), _Q4_K: (256, 144),
-                 _Q6_K: (256, 210)}
+_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q5_K, _Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+_BLOCK_SHAPES = {_Q4_0: (32, 18), _Q4_1: (32, 20), _Q5_0: (32, 22), _Q5_1: (32, 24),
+                 _Q8_0: (32, 34), _Q4_K: (256, 144), _Q5_K: (256, 176), _Q6_K: (256, 210)}
 Q4_TYPES = (_Q4_0, _Q4_1, _Q4_K)          # those :func:`q4_parts` reads
+G16_TYPES = (_Q5_0, _Q5_1, _Q5_K, _Q6_K)  # those :func:`g16_parts` reads
 
 
 def _half_scale(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -42,39 +45,78 @@ def q4_parts(raw: torch.Tensor, type_id: int) -> tuple[torch.Tensor, torch.Tenso
         if type_id == _Q4_1:
             return scale, _half_scale(blocks, 2)[..., 0], _unpack_nibbles(blocks[..., 4:])
         return scale, -8.0 * scale, _unpack_nibbles(blocks[..., 2:])
-    blocks = raw.view(rows, -1, 144).to(torch.int32)      # Q4_K
-    d, dmin = _half_scale(raw.view(rows, -1, 144), 0), _half_scale(raw.view(rows, -1, 144), 2)
-    low, high, mixed = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]
-    # 8 sub-blocks' 6-bit scales and minimums: the first four in the low bits of bytes 0-3 /
-    # 4-7, the last four in the nibbles of bytes 8-11 with two high bits from bytes 0-3 / 4-7
-    sub_scale = torch.cat((low & 63, (mixed & 15) | ((low >> 6) << 4)), dim=-1)
-    sub_min = torch.cat((high & 63, (mixed >> 4) | ((high >> 6) << 4)), dim=-1)
-    scale = (d * sub_scale.float()).reshape(rows, -1)
-    minimum = -(dmin * sub_min.float()).reshape(rows, -1)
+    scale, minimum = _k_scales(raw.view(rows, -1, 144))     # Q4_K
     # 4 chunks of 32 bytes: sub-block 2c is the low nibbles of chunk c, 2c + 1 the high ones
     qs = raw.view(rows, -1, 144)[..., 16:].reshape(rows, -1, 4, 1, 32)
     q = torch.cat((qs & 0x0F, qs >> 4), dim=-2).reshape(rows, -1, 32)
     return scale, minimum, q
 
 
-def _q6_k(raw: torch.Tensor) -> torch.Tensor:
-    """Q6_K: 256 weights per 210 bytes, ``d * scale_16 * (q6 - 32)``, a signed 8-bit scale per
-    16 weights (as ggml lays out the low 4 bits, the high 2 bits and the scales)."""
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0 / Q5_1's 4 bytes of high bits (a little-endian uint32, bit i: element i) as
+    ``[..., 32]`` values 0 / 16."""
+    bits = torch.arange(32, dtype=torch.int32)
+    word = qh.to(torch.int32)
+    word = word[..., 0] | (word[..., 1] << 8) | (word[..., 2] << 16) | (word[..., 3] << 24)
+    return ((word[..., None] >> bits) & 1) << 4
+
+
+def g16_parts(raw: torch.Tensor, type_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q5_0 / Q5_1 / Q5_K / Q6_K tensor ``uint8 [rows, bytes]`` as ``(scale, minimum, q)``:
+    float32 ``[rows, cols / 16]`` twice and int8 ``[rows, cols / 32, 32]``, each group of 16
+    weights being ``scale * q + minimum``, exactly the values gguf-py's dequantization gives
+    (Q5_0: ``d * (q - 16)``; Q5_K: a 6-bit scale and minimum per 32 times the super-block's
+    fp16 factors; Q6_K: ``d`` times a signed 8-bit scale per 16, ``q - 32``; minimum 0)."""
     rows = raw.shape[0]
-    blocks = raw.view(rows, -1, 210)
+    if type_id in (_Q5_0, _Q5_1):
+        size = _BLOCK_SHAPES[type_id][1]
+        blocks = raw.view(rows, -1, size)
+        d = _half_scale(blocks, 0)[..., 0]
+        start = 2 if type_id == _Q5_0 else 4
+        q = _unpack_nibbles(blocks[..., start + 4:]).to(torch.int32) | _fifth_bits(
+            blocks[..., start:start + 4])
+        if type_id == _Q5_0:
+            q, minimum = q - 16, torch.zeros_like(d)
+        else:
+            minimum = _half_scale(blocks, 2)[..., 0]
+        pair = lambda t: t.repeat_interleave(2, dim=-1)     # noqa: E731 - one scale per 32
+        return pair(d), pair(minimum), q.to(torch.int8)
+    if type_id == _Q5_K:
+        blocks = raw.view(rows, -1, 176)
+        scale, minimum = _k_scales(blocks)
+        qs = blocks[..., 48:].reshape(rows, -1, 4, 1, 32)
+        low = torch.cat((qs & 0x0F, qs >> 4), dim=-2).reshape(rows, -1, 8, 32)
+        qh = blocks[..., 16:48].reshape(rows, -1, 1, 32)
+        high = (qh >> torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1)) & 1
+        q = (low | (high << 4)).reshape(rows, -1, 32).to(torch.int8)
+        return scale.repeat_interleave(2, dim=-1), minimum.repeat_interleave(2, dim=-1), q
+    blocks = raw.view(rows, -1, 210)        # Q6_K
     nb = blocks.shape[1]
     ql, qh = blocks[..., :128], blocks[..., 128:192]
     scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
-    d = _half_scale(blocks, 208)
-    step = (d * scales).reshape(rows, nb, 16, 1)
+    scale = (_half_scale(blocks, 208) * scales).reshape(rows, nb * 16)
     # two halves of 128 weights; in each, 64 bytes of low bits give 4 runs of 32 (low nibbles of
     # bytes 0-31, of bytes 32-63, then their high nibbles) and 32 bytes of high bits 2 bits each
     ql = ql.reshape(rows, nb, 2, 1, 64)
     low = torch.cat((ql & 0x0F, ql >> 4), dim=-2).reshape(rows, nb, 2, 4, 32)
     qh = qh.reshape(rows, nb, 2, 1, 32)
     high = torch.cat([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-2)
-    q = ((low | (high << 4)).to(torch.int8) - 32).float().reshape(rows, nb, 16, 16)
-    return (step * q).reshape(rows, nb * 256)
+    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(rows, nb * 8, 32)
+    return scale, torch.zeros_like(scale), q
+
+
+def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K super-blocks' 8 sub-block scales and minimums, ``[rows, nb * 8]`` float32:
+    ``d * sc`` and ``-(dmin * m)``, each product exact. The 6-bit values: the first four in the
+    low bits of bytes 4-7 / 8-11, the last four in the nibbles of bytes 12-15 with two high bits
+    from bytes 4-7 / 8-11."""
+    rows = blocks.shape[0]
+    d, dmin = _half_scale(blocks, 0), _half_scale(blocks, 2)
+    packed = blocks.to(torch.int32)
+    low, high, mixed = packed[..., 4:8], packed[..., 8:12], packed[..., 12:16]
+    sub_scale = torch.cat((low & 63, (mixed & 15) | ((low >> 6) << 4)), dim=-1)
+    sub_min = torch.cat((high & 63, (mixed >> 4) | ((high >> 6) << 4)), dim=-1)
+    return (d * sub_scale.float()).reshape(rows, -1), -(dmin * sub_min.float()).reshape(rows, -1)
 
 
 def _dequant_blocks(raw: torch.Tensor, type_id: int) -> torch.Tensor:
@@ -82,8 +124,10 @@ def _dequant_blocks(raw: torch.Tensor, type_id: int) -> torch.Tensor:
     if type_id in Q4_TYPES:
         scale, minimum, q = q4_parts(raw, type_id)
         return (scale[..., None] * q.float() + minimum[..., None]).reshape(rows, -1)
-    if type_id == _Q6_K:
-        return _q6_k(raw)
+    if type_id in G16_TYPES:
+        scale, minimum, q = g16_parts(raw, type_id)
+        values = scale[..., None] * q.reshape(rows, -1, 16).float() + minimum[..., None]
+        return values.reshape(rows, -1)
     blocks = raw.view(rows, -1, 34)       # Q8_0
     values = _half_scale(blocks, 0) * blocks[..., 2:].contiguous().view(torch.int8).float()
     return values.reshape(rows, -1)

@@ -177,8 +177,9 @@ class PanelLinear(nn.Module):
 
 
 class BlockKernel:
-    """A weight's Q4_1 / Q8_0 block arrays bound to their Rust kernel (``linear_q4_1_f32`` /
-    ``linear_q8_0_f32``): ``kernel(x, bias, out, num_threads)``; and, with ``amx`` where the
+    """A weight's Q4_1 / Q8_0 / Q8_G16 block arrays bound to their Rust kernel
+    (``linear_q4_1_f32`` / ``linear_q8_0_f32`` / ``linear_q8_g16_f32``):
+    ``kernel(x, bias, out, num_threads)``; and (not for Q8_G16), with ``amx`` where the
     CPU has AMX (``amx_available()``), the same blocks packed as tiles for ``linear_amx_f32``
     (``kernel.amx(...)``, for steps of ``AMX_MIN_ROWS`` or more: ``cpu_amx_linear.rs``;
     ``tiles`` is None otherwise); where they are not, with ``quant_panels``, the blocks packed
@@ -188,27 +189,30 @@ class BlockKernel:
 
     def __init__(self, block_weight, amx: bool = True, quant_panels: bool = True) -> None:
         from ferrobatch import _scheduler
-        from ferrobatch.model.block_weights import Q4_1
+        from ferrobatch.model.block_weights import Q4_1, Q8_G16
 
         self.type_id = block_weight.type_id
-        self.kind = "q4_1" if block_weight.type_id == Q4_1 else "q8_0"
+        self.kind = {Q4_1: "q4_1", Q8_G16: "q8_g16"}.get(block_weight.type_id, "q8_0")
         self.arrays = block_weight.kernel_arrays()
-        self._fn = _scheduler.linear_q4_1_f32 if self.kind == "q4_1" else _scheduler.linear_q8_0_f32
+        self._fn = getattr(_scheduler, f"linear_{self.kind}_f32")
+        self._amx = _scheduler.linear_amx_f32
+        self._panels = _scheduler.linear_quant_panels_f32
+        self.tiles = self.qpanels = None
+        if self.kind == "q8_g16":       # no AMX tiles or quantized panels: larger steps read
+            return                      # the float32 panels
         pack = _scheduler.pack_amx_q4_1 if self.kind == "q4_1" else _scheduler.pack_amx_q8_0
         use_amx = amx and _scheduler.amx_available()
         self.tiles = _aligned_64(pack(*self.arrays)) if use_amx else None
-        self._amx = _scheduler.linear_amx_f32
         pack = _scheduler.pack_quant_panels_q4_1 if self.kind == "q4_1" \
             else _scheduler.pack_quant_panels_q8_0
         self.qpanels = _aligned_64(pack(*self.arrays)) if quant_panels and not use_amx else None
-        self._panels = _scheduler.linear_quant_panels_f32
 
     def block_weight(self):
         """The ``BlockWeight`` these arrays came from, value for value."""
         from ferrobatch.model.block_weights import BlockWeight
 
         tensors = [torch.from_numpy(a) for a in self.arrays]
-        minimum = tensors[1] if self.kind == "q4_1" else None
+        minimum = tensors[1] if self.kind != "q8_0" else None
         return BlockWeight(self.type_id, tensors[0], tensors[-1], minimum)
 
     @property
