@@ -1,4 +1,5 @@
-//! Linear layers on the CPU straight from GGUF's Q4_1 / Q8_0 blocks, for the few rows of a decode
+//! Linear layers on the CPU straight from GGUF's Q4_1 / Q8_0 blocks (and the Q8G16 form of the other
+//! k-quants), for the few rows of a decode
 //! step: `out[M, N] = x[M, K] @ W^T + bias` with `W` read as 4.5 or 8.5 bits per weight instead of
 //! 32, so a small-batch step streams ~6x fewer bytes than the float32 panels of `cpu_linear`.
 //!
