@@ -46,8 +46,9 @@ def write_tiny_gguf(path, reference, cfg: dict, arch: str,
                     q4_k_linears: bool = False, vocabulary: Callable | None = None,
                     linear_types: Callable | None = None) -> None:
     """Writes ``reference`` (a transformers model of config dict ``cfg``) as a GGUF of ``arch``
-    with a byte-level vocabulary of single characters. Only architectures whose converter keeps
-    transformers' Q / K row order (rotate-half RoPE: qwen2, qwen3, phi3) are written this way.
+    with a byte-level vocabulary of single characters. For the architectures whose converter
+    permutes Q / K rows for llama.cpp's interleaved RoPE (llama, granite) the rows are permuted
+    as it does.
     ``metadata(writer)`` adds keys of its own (rope scaling, ...). With ``q8_0_linears`` the
     linear layers' weights are stored as Q8_0 blocks and ``reference``'s own weights replaced by
     what those blocks hold, so it stays the oracle; with ``q4_k_linears`` they are random Q4_K
@@ -91,7 +92,15 @@ def write_tiny_gguf(path, reference, cfg: dict, arch: str,
                 gguf_name = f"blk.{parts[1]}.{_BLOCK_NAMES[module]}.{parts[-1]}"
             else:
                 gguf_name = f"{_TOP_NAMES[parts[0]]}.{parts[-1]}"
-        values = tensor.detach().float().numpy()
+        values = tensor.detach().float()
+        unpermute = None        # what turns the file's rows back into the reference's
+        if arch in ("llama", "granite") and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+            from ferrobatch.model.gguf_loader import llama_permute, reverse_llama_permute
+            heads = cfg["num_attention_heads"] if ".attn_q." in gguf_name \
+                else cfg["num_key_value_heads"]
+            values = llama_permute(values, heads)
+            unpermute = lambda t, h=heads: reverse_llama_permute(t, h)      # noqa: E731
+        values = values.numpy()
         chosen = "Q4_K" if q4_k_linears else None
         if linear_types is not None:
             chosen = linear_types(gguf_name)
@@ -103,7 +112,8 @@ def write_tiny_gguf(path, reference, cfg: dict, arch: str,
             blocks = random_blocks(chosen, *values.shape,
                                    seed=sum(map(ord, gguf_name)) * 1000 + values.shape[0])
             with torch.no_grad():
-                tensor.copy_(torch.from_numpy(dequantize(blocks, qtype).reshape(values.shape)))
+                stored = torch.from_numpy(dequantize(blocks, qtype).reshape(values.shape))
+                tensor.copy_(stored if unpermute is None else unpermute(stored))
             writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
             continue
         if q8_0_linears and values.ndim == 2 and not gguf_name.startswith("token_embd"):
@@ -112,8 +122,9 @@ def write_tiny_gguf(path, reference, cfg: dict, arch: str,
 
             blocks = quantize(values, gguf.GGMLQuantizationType.Q8_0)
             with torch.no_grad():
-                tensor.copy_(torch.from_numpy(
-                    dequantize(blocks, gguf.GGMLQuantizationType.Q8_0).reshape(values.shape)))
+                stored = torch.from_numpy(
+                    dequantize(blocks, gguf.GGMLQuantizationType.Q8_0).reshape(values.shape))
+                tensor.copy_(stored if unpermute is None else unpermute(stored))
             writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
             continue
         writer.add_tensor(gguf_name, values)

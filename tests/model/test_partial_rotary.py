@@ -15,7 +15,8 @@ from test_phi3 import TINY_PHI3
 
 from ferrobatch.model.config import ModelConfig
 from ferrobatch.model.loader import load_model
-from ferrobatch.model.partial_rotary import head_dim_order, to_model_layout
+from ferrobatch.model.model_layout import to_model_layout
+from ferrobatch.model.partial_rotary import head_dim_order
 from ferrobatch.runtime.model_runner import ModelRunner
 
 # head_dim 16, RoPE over 12 of them (Phi-4-mini: 96 of 128), LongRoPE's factors for 6 frequencies

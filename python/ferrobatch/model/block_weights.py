@@ -104,9 +104,10 @@ def read_block_weights(path: str, config) -> dict[str, BlockWeight]:
     their Hugging Face names
     (``...q_proj.weight``), Llama Q/K rows un-permuted as the loader does; other types are left
     out."""
+    from ferrobatch.model.config import GGUF_PERMUTED_QK
     from ferrobatch.model.gguf_file import GGUFFile
     from ferrobatch.model.gguf_loader import _hf_name, reverse_llama_permute
-    from ferrobatch.model.partial_rotary import head_dim_order, to_model_layout
+    from ferrobatch.model.partial_rotary import head_dim_order, reorder_heads
 
     reader = GGUFFile(path)
     out: dict[str, BlockWeight] = {}
@@ -117,12 +118,12 @@ def read_block_weights(path: str, config) -> dict[str, BlockWeight]:
             continue
         raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
         weight = BlockWeight.from_gguf(tensor.type_id, raw.reshape(tensor.shape[0], -1))
-        if config.arch == "llama" and ".q_proj." in name:
+        if config.arch in GGUF_PERMUTED_QK and ".q_proj." in name:
             weight = weight.rows_permuted(lambda t: reverse_llama_permute(t, config.num_heads))
-        elif config.arch == "llama" and ".k_proj." in name:
+        elif config.arch in GGUF_PERMUTED_QK and ".k_proj." in name:
             weight = weight.rows_permuted(lambda t: reverse_llama_permute(t, config.num_kv_heads))
         if head_dim_order(config) is not None and "self_attn." in name:
-            weight = weight.rows_permuted(lambda t, n=name: to_model_layout(n, t, config))
+            weight = weight.rows_permuted(lambda t, n=name: reorder_heads(n, t, config))
         out[name] = weight
     return out
 

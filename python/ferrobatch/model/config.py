@@ -5,13 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite")
+# architectures whose GGUF converter permutes the Q / K rows for llama.cpp's interleaved RoPE
+GGUF_PERMUTED_QK = ("llama", "granite")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3,
-    Phi-3 / Phi-4: the same layers, its checkpoints fuse q/k/v and gate/up as ferrobatch does).
+    Phi-3 / Phi-4: the same layers, its checkpoints fuse q/k/v and gate/up as ferrobatch does;
+    Granite 3: four scalars more).
 
     `qk_norm`: each head's query and key are RMS-normed (own weights per layer, over
     `head_dim`) before the rotary embedding, as in Qwen3. `rotary_dim`: RoPE over part of each
@@ -35,6 +38,15 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     rotary_dim: int | None = None   # RoPE over the first this-many dims of a head (None: all)
+    # Granite's scalars (1.0 and None elsewhere): the embeddings are multiplied by
+    # `embedding_multiplier`, each layer's attention and MLP outputs by `residual_multiplier`
+    # before their residual add, the logits divided by `logits_scaling`; `attention_multiplier`
+    # replaces head_dim ** -0.5 as the attention scale. model_layout folds all but the last
+    # into the weights.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_multiplier: float | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -57,6 +69,12 @@ class ModelConfig:
                 and (self.head_dim - self.rotary_dim) % 2 == 0):
             raise ValueError(f"model config: rotary_dim {self.rotary_dim} must be even, positive "
                              f"and at most head_dim {self.head_dim}, leaving an even rest")
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor of q . k in attention: ``attention_multiplier`` or ``head_dim ** -0.5``."""
+        return self.head_dim ** -0.5 if self.attention_multiplier is None \
+            else self.attention_multiplier
 
     @property
     def rope_dim(self) -> int:

@@ -14,14 +14,15 @@ from typing import Any
 import torch
 
 from ferrobatch.model.attention_window import capped_to_window
-from ferrobatch.model.config import ModelConfig
+from ferrobatch.model.config import GGUF_PERMUTED_QK, ModelConfig
 from ferrobatch.model.dequant import dequantize_tensor
 from ferrobatch.model.fused_tensors import split_fused_projections
 from ferrobatch.model.gguf_file import GGUFFile
 from ferrobatch.model.progress import load_progress
 from ferrobatch.model.rope import rope_context_length
 
-_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+               "granite": "granite"}
 
 # GGUF per-block tensor name -> Hugging Face module name.
 _BLOCK_TENSORS = {
@@ -126,6 +127,7 @@ def _read_config(reader: GGUFFile, tensor_names: set[str]) -> ModelConfig:
         num_kv_heads=int(_field_value(reader, f"{a}.attention.head_count_kv", num_heads)),
         head_dim=head_dim,
         rotary_dim=None if rotary_dim == head_dim else rotary_dim,
+        **_granite_scalars(reader, a),
         rms_norm_eps=float(_field_value(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(_field_value(reader, f"{a}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
@@ -136,6 +138,16 @@ def _read_config(reader: GGUFFile, tensor_names: set[str]) -> ModelConfig:
         bos_token_id=_field_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field_value(reader, "tokenizer.ggml.eos_token_id"),
     )
+
+
+def _granite_scalars(reader: GGUFFile, a: str) -> dict[str, Any]:
+    """Granite's four scalars as llama.cpp's converter writes them."""
+    if a != "granite":
+        return {}
+    return {"embedding_multiplier": float(_field_value(reader, f"{a}.embedding_scale", 1.0)),
+            "residual_multiplier": float(_field_value(reader, f"{a}.residual_scale", 1.0)),
+            "logits_scaling": float(_field_value(reader, f"{a}.logit_scale", 1.0)),
+            "attention_multiplier": float(_field_value(reader, f"{a}.attention.scale", 1.0))}
 
 
 def _longrope_scaling(reader: GGUFFile, a: str) -> dict[str, Any]:
@@ -220,9 +232,9 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
         if name is None:
             continue  # e.g. rope_freqs (not used) or tensors of other heads
         weight = dequantize_tensor(tensor.data, tensor.type_id, tensor.type_name)
-        if config.arch == "llama" and ".q_proj." in name:
+        if config.arch in GGUF_PERMUTED_QK and ".q_proj." in name:
             weight = reverse_llama_permute(weight, config.num_heads)
-        elif config.arch == "llama" and ".k_proj." in name:
+        elif config.arch in GGUF_PERMUTED_QK and ".k_proj." in name:
             weight = reverse_llama_permute(weight, config.num_kv_heads)
         state[name] = weight
     bar.close()

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from ferrobatch.model.config import ModelConfig
+from ferrobatch.model.config import GGUF_PERMUTED_QK, ModelConfig
 from ferrobatch.model.dequant import dequantize_tensor
 from ferrobatch.model.gguf_file import GGUFFile
 from ferrobatch.model.gguf_loader import reverse_llama_permute
@@ -62,7 +62,7 @@ def read_gguf_lora(path: str, config: ModelConfig
             raise ValueError(f"LoRA adapter {path!r}: tensor {tensor.name!r} names layer "
                              f"{layer}; the model has {config.num_layers}")
         weight = dequantize_tensor(tensor.data, tensor.type_id, tensor.type_name)
-        if m.group(3) == "b" and config.arch == "llama" and module in ("q_proj", "k_proj"):
+        if m.group(3) == "b" and config.arch in GGUF_PERMUTED_QK and module in ("q_proj", "k_proj"):
             heads = config.num_heads if module == "q_proj" else config.num_kv_heads
             if weight.dim() == 2 and weight.shape[0] % (2 * heads) == 0:
                 weight = reverse_llama_permute(weight, heads)

@@ -59,6 +59,16 @@ def _with_original_context(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict
     return scaling
 
 
+def _granite_scalars(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite's four scalars (transformers' defaults: 1.0, the attention scale included)."""
+    if cfg.get("model_type") != "granite":
+        return {}
+    return {"embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+            "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+            "logits_scaling": float(cfg.get("logits_scaling", 1.0)),
+            "attention_multiplier": float(cfg.get("attention_multiplier", 1.0))}
+
+
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     """Maps a Hugging Face ``config.json`` dict to ModelConfig; ValueError for other architectures."""
     model_type = cfg.get("model_type")
@@ -87,6 +97,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
             rotary_dim=None if partial == 1.0 else int(head_dim * partial),
+            **_granite_scalars(cfg),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,

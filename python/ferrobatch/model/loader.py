@@ -11,7 +11,7 @@ import torch
 
 from ferrobatch.model.config import ModelConfig
 from ferrobatch.model.llama import LlamaForCausalLM
-from ferrobatch.model.partial_rotary import state_in_model_layout
+from ferrobatch.model.model_layout import state_in_model_layout
 from ferrobatch.model.random_init import init_random_weights, random_config
 from ferrobatch.model.rope import RotaryEmbedding
 from ferrobatch.model.tokenizer import Tokenizer
@@ -212,7 +212,8 @@ def load_model(name_or_path: str, *, device: str | torch.device = "cpu",
 # what must agree between a served model and a checkpoint of new weights for it
 _SHAPE_FIELDS = ("arch", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
                  "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings",
-                 "attention_bias", "qk_norm", "rotary_dim")
+                 "attention_bias", "qk_norm", "rotary_dim", "embedding_multiplier",
+                 "residual_multiplier", "logits_scaling", "attention_multiplier")
 
 
 def read_checkpoint_weights(path: str, like: ModelConfig) -> dict[str, torch.Tensor]:

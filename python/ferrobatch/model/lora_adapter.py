@@ -30,7 +30,7 @@ import torch
 
 from ferrobatch.model.config import ModelConfig
 from ferrobatch.model.loader import HUB_ID, hub_snapshot
-from ferrobatch.model.partial_rotary import to_model_layout
+from ferrobatch.model.model_layout import to_model_layout
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -240,8 +240,9 @@ def _assemble(path: str, config: ModelConfig, pairs: dict,
             raise ValueError(f"LoRA adapter {path!r}: {name} has rank {rank}, above "
                              f"max_lora_rank {max_rank}")
         scale = scale_of(name, rank)
-        b = to_model_layout(f"self_attn.{module}.weight", b, config) \
-            if module in ("q_proj", "k_proj", "qkv_proj") else b     # partial rotary's order
+        part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj") \
+            else "mlp"
+        b = to_model_layout(f"{part}.{module}.weight", b, config)   # as the module's weight
         adapter.rank = max(adapter.rank, rank)
         fused, _ = HF_MODULES[module]
         grouped.setdefault((layer, fused), []).append(

@@ -9,7 +9,8 @@ P/2 kept]``; the rotated pairs then sit ``D/2`` apart, and the kept dims pair wi
 under cos 1, sin 0 (``rope.RotaryEmbedding``). Attention scores are dot products of q and k
 over a head, the same in any order both share, and v is not touched, so the outputs are
 transformers'. What reorders: the q / k rows of the projections (weights, biases, LoRA B,
-weight updates) and the q / k norms' weights, all through :func:`to_model_layout`.
+weight updates) and the q / k norms' weights, all through :func:`reorder_heads`
+(``model_layout.to_model_layout``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _rows_per_head(tensor: torch.Tensor, order: torch.Tensor, head_dim: int) -> 
     return shaped[:, order].reshape(tensor.shape)
 
 
-def to_model_layout(name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+def reorder_heads(name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     """``tensor`` named as in transformers (``...self_attn.q_proj.weight``, ``k_proj``, a fused
     ``qkv_proj``, a ``q_norm`` / ``k_norm`` weight, or a LoRA B of one of those) in the model's
     order of each head's q / k dims; any other tensor, or a model with whole-head RoPE, as is."""
@@ -53,11 +54,3 @@ def to_model_layout(name: str, tensor: torch.Tensor, config: ModelConfig) -> tor
     if ".q_norm." in name or ".k_norm." in name:
         return tensor[order]
     return tensor
-
-
-def state_in_model_layout(state: dict[str, torch.Tensor],
-                          config: ModelConfig) -> dict[str, torch.Tensor]:
-    """A checkpoint's tensors (transformers' names) with :func:`to_model_layout` applied."""
-    if head_dim_order(config) is None:
-        return state
-    return {name: to_model_layout(name, t, config) for name, t in state.items()}

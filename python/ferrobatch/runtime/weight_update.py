@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ferrobatch.model.partial_rotary import to_model_layout
+from ferrobatch.model.model_layout import to_model_layout
 from ferrobatch.runtime.cpu_linear import PanelLinear
 
 SKIPPED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -116,7 +116,7 @@ def plan_update(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]] | 
         if SKIPPED.search(name) or (name == "lm_head.weight" and model.lm_head is None):
             skipped.append(name)
             continue
-        value = to_model_layout(name, value, config)     # q / k dims under partial rotary
+        value = to_model_layout(name, value, config)     # partial rotary, Granite's scalars
         write = _destination(model, config, name, value)
         want = write.expected_shape()
         if tuple(value.shape) != want:
