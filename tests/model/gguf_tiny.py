@@ -94,7 +94,8 @@ def write_tiny_gguf(path, reference, cfg: dict, arch: str,
                 gguf_name = f"{_TOP_NAMES[parts[0]]}.{parts[-1]}"
         values = tensor.detach().float()
         unpermute = None        # what turns the file's rows back into the reference's
-        if arch in ("llama", "granite") and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+        if arch in ("llama", "granite", "smollm3") and (".attn_q." in gguf_name
+                                                        or ".attn_k." in gguf_name):
             from ferrobatch.model.gguf_loader import llama_permute, reverse_llama_permute
             heads = cfg["num_attention_heads"] if ".attn_q." in gguf_name \
                 else cfg["num_key_value_heads"]

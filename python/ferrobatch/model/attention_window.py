@@ -13,7 +13,7 @@ def sliding_window_of(cfg: dict[str, Any]) -> int | None:
     """The attention window a ``config.json`` switches on (Mistral 7B v0.1's 4096, Phi-3-mini's
     2047; Qwen's only with ``use_sliding_window``), or None."""
     window = cfg.get("sliding_window")
-    if not window or (cfg.get("model_type") in ("qwen2", "qwen3")
+    if not window or (cfg.get("model_type") in ("qwen2", "qwen3", "smollm3")
                       and not cfg.get("use_sliding_window", False)):
         return None
     return int(window)

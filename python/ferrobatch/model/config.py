@@ -5,16 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3")
 # architectures whose GGUF converter permutes the Q / K rows for llama.cpp's interleaved RoPE
-GGUF_PERMUTED_QK = ("llama", "granite")
+GGUF_PERMUTED_QK = ("llama", "granite", "smollm3")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3,
     Phi-3 / Phi-4: the same layers, its checkpoints fuse q/k/v and gate/up as ferrobatch does;
-    Granite 3: four scalars more).
+    Granite 3: four scalars more; SmolLM3: no RoPE in some layers).
 
     `qk_norm`: each head's query and key are RMS-normed (own weights per layer, over
     `head_dim`) before the rotary embedding, as in Qwen3. `rotary_dim`: RoPE over part of each
@@ -43,6 +43,8 @@ class ModelConfig:
     # before their residual add, the logits divided by `logits_scaling`; `attention_multiplier`
     # replaces head_dim ** -0.5 as the attention scale. model_layout folds all but the last
     # into the weights.
+    # layers whose attention takes no RoPE at all (SmolLM3: every fourth, "NoPE")
+    nope_layers: tuple[int, ...] = ()
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0

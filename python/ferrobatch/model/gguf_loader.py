@@ -22,7 +22,7 @@ from ferrobatch.model.progress import load_progress
 from ferrobatch.model.rope import rope_context_length
 
 _GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-               "granite": "granite"}
+               "granite": "granite", "smollm3": "smollm3"}
 
 # GGUF per-block tensor name -> Hugging Face module name.
 _BLOCK_TENSORS = {
@@ -128,6 +128,9 @@ def _read_config(reader: GGUFFile, tensor_names: set[str]) -> ModelConfig:
         head_dim=head_dim,
         rotary_dim=None if rotary_dim == head_dim else rotary_dim,
         **_granite_scalars(reader, a),
+        # llama.cpp's SmolLM3: no RoPE in every fourth layer (a constant there, no key)
+        nope_layers=tuple(i for i in range(int(need("block_count"))) if (i + 1) % 4 == 0)
+        if a == "smollm3" else (),
         rms_norm_eps=float(_field_value(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(_field_value(reader, f"{a}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,

@@ -59,6 +59,22 @@ def _with_original_context(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict
     return scaling
 
 
+def _nope_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: where ``no_rope_layers`` says 0, or by default every
+    ``no_rope_layer_interval``-th layer (4: layers 3, 7, ...)."""
+    if cfg.get("model_type") != "smollm3":
+        return ()
+    layers = int(cfg["num_hidden_layers"])
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers:
+        raise ValueError(f"config.json: no_rope_layers has {len(flags)} entries for {layers} "
+                         "layers")
+    return tuple(i for i, use_rope in enumerate(flags) if not use_rope)
+
+
 def _granite_scalars(cfg: dict[str, Any]) -> dict[str, Any]:
     """Granite's four scalars (transformers' defaults: 1.0, the attention scale included)."""
     if cfg.get("model_type") != "granite":
@@ -98,6 +114,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             head_dim=head_dim,
             rotary_dim=None if partial == 1.0 else int(head_dim * partial),
             **_granite_scalars(cfg),
+            nope_layers=_nope_layers(cfg),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,

@@ -67,6 +67,7 @@ class LlamaAttention(nn.Module):
                                   bias=config.attention_bias, device=device, dtype=dtype)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, device=device, dtype=dtype)
         self.rope = ApplyRotary()
+        self.use_rope = True   # False: a NoPE layer (SmolLM3), q and k attend unrotated
         self.q_norm = self.k_norm = None
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, device, dtype)
@@ -100,6 +101,10 @@ class LlamaAttention(nn.Module):
         q, k, v = self.split_qkv(qkv)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if not self.use_rope:
+            backend.write_kv(kv_cache, k, v, attn_meta)
+            out = backend.forward(q, kv_cache, attn_meta, self.scale)
+            return out.reshape(q.shape[0], self.q_size)
         fused = getattr(self.rope, "rotate_and_cache", None) \
             if getattr(backend, "rotary_with_kv_write", False) else None
         if fused is None or not fused(q, k, v, rope_tables, kv_cache, attn_meta.slot_mapping):
@@ -198,6 +203,8 @@ class LlamaForCausalLM(nn.Module):
                                          dtype=dtype, _weight=weight)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, device, dtype) for _ in range(config.num_layers))
+        for i in config.nope_layers:
+            self.layers[i].self_attn.use_rope = False
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         # (on meta the loader makes the tables on the real device, after `_materialize`)
         self.rotary = None if meta else RotaryEmbedding(config, device)

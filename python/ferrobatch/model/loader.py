@@ -213,7 +213,7 @@ def load_model(name_or_path: str, *, device: str | torch.device = "cpu",
 _SHAPE_FIELDS = ("arch", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
                  "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings",
                  "attention_bias", "qk_norm", "rotary_dim", "embedding_multiplier",
-                 "residual_multiplier", "logits_scaling", "attention_multiplier")
+                 "residual_multiplier", "logits_scaling", "attention_multiplier", "nope_layers")
 
 
 def read_checkpoint_weights(path: str, like: ModelConfig) -> dict[str, torch.Tensor]:

@@ -43,6 +43,8 @@ def unsupported(model: nn.Module, backend) -> str | None:
         return f"the attention backend is {getattr(backend, 'name', backend)!r}, not 'cpu'"
     if type(model) is not LlamaForCausalLM:
         return f"{type(model).__name__} is not the llama decoder stack"
+    if any(not layer.self_attn.use_rope for layer in model.layers):
+        return "NoPE layers (SmolLM3) run layer by layer"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         parts = (type(layer) is LlamaDecoderLayer, type(layer.input_layernorm) is RustRMSNorm,
