@@ -1,7 +1,8 @@
 //! A step through every decoder layer of a Llama-family model on the CPU, in one call.
 //!
 //! Per layer: RMSNorm -> fused QKV projection -> (Qwen3: each head of q and of k RMS-normed by
-//! the layer's `q_norm` / `k_norm`) -> RoPE of q and k -> the step's K/V written into
+//! the layer's `q_norm` / `k_norm`) -> RoPE of q and k (not in SmolLM3's NoPE layers: `rope`
+//! false) -> the step's K/V written into
 //! the layer's paged cache -> paged attention -> output projection, added to the
 //! residual -> RMSNorm -> fused gate/up projection -> SiLU-and-mul -> down projection, added to
 //! the residual. These are the kernels the Python modules call one at a time (`cpu_elementwise`,
@@ -187,6 +188,8 @@ pub struct Layer<'a> {
     /// per-head RMSNorm weights `[D]` of q and k before RoPE (Qwen3), or both empty
     pub q_norm: &'a [f32],
     pub k_norm: &'a [f32],
+    /// false for a NoPE layer (SmolLM3): q and k attend unrotated
+    pub rope: bool,
 }
 
 impl Layer<'_> {
@@ -473,8 +476,10 @@ pub fn forward_step<E: KvElement>(
                     part.copy_from_slice(out);
                 }
             }
-            rotary_f32(q_row, d, cos, sin)?;
-            rotary_f32(k_row, d, cos, sin)?;
+            if layer.rope {
+                rotary_f32(q_row, d, cos, sin)?;
+                rotary_f32(k_row, d, cos, sin)?;
+            }
             q[i * q_size..][..q_size].copy_from_slice(q_row);
             let at = rows.slots[i] as usize * kv_size;
             E::store_row(&mut k_cache[at..at + kv_size], k_row);
@@ -943,6 +948,7 @@ mod tests {
                     down: w.down.linear(kernels),
                     q_norm: w.head_norms.as_ref().map_or(&[][..], |n| &n[0]),
                     k_norm: w.head_norms.as_ref().map_or(&[][..], |n| &n[1]),
+                    rope: true,
                 })
                 .collect()
         }

@@ -336,12 +336,14 @@ impl LayerBorrow<'_> {
             down: down.view()?,
             q_norm,
             k_norm,
+            rope: true,
         })
     }
 }
 
 /// `CpuDecoderStack(hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, scale,
-/// layers)`: a Llama-family model's decoder layers for fused CPU decode steps. `layers[i]` is
+/// layers, nope_layers=[])`: a Llama-family model's decoder layers for fused CPU decode steps
+/// (the layers `nope_layers` names take no RoPE: SmolLM3). `layers[i]` is
 /// `(input_norm, qkv, o_proj, post_norm, gate_up, down[, q_norm, k_norm])`, norms float32
 /// `[hidden]` (Qwen3's per-head `q_norm` / `k_norm`: `[head_dim]`), each linear
 /// `(n, k, panels, bias | None, blocks | None[, tiles | None])` with `panels` as `linear_f32`
@@ -449,6 +451,8 @@ type PrefillArrays<'py> = (
 #[pymethods]
 impl PyCpuDecoderStack {
     #[new]
+    #[pyo3(signature = (hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, scale,
+                        layers, nope_layers = Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -460,7 +464,14 @@ impl PyCpuDecoderStack {
         eps: f32,
         scale: f32,
         layers: Vec<Bound<'_, PyTuple>>,
+        nope_layers: Vec<usize>,
     ) -> PyResult<Self> {
+        if let Some(&bad) = nope_layers.iter().find(|&&i| i >= layers.len()) {
+            return Err(PyValueError::new_err(format!(
+                "nope_layers names layer {bad}; there are {}",
+                layers.len()
+            )));
+        }
         let shape = DecoderShape {
             hidden,
             num_heads,
@@ -498,7 +509,8 @@ impl PyCpuDecoderStack {
         }
         let mut views = Vec::with_capacity(arrays.len());
         for (i, layer) in borrow_layers(py, &arrays).iter().enumerate() {
-            let view = layer.view()?;
+            let mut view = layer.view()?;
+            view.rope = !nope_layers.contains(&i);
             view.check(&shape)
                 .map_err(|e| PyValueError::new_err(format!("layer {i}: {}", e.0)))?;
             // SAFETY: the slices point into the buffers of numpy arrays that `arrays` holds

@@ -21,9 +21,11 @@ TINY_SMOLLM3 = {"model_type": "smollm3", "architectures": ["SmolLM3ForCausalLM"]
                 "eos_token_id": 2}
 
 
-def _greedy_matches(loaded, reference, prompts, new_tokens):
-    runner = ModelRunner(loaded, num_blocks=64, block_size=4)
-    assert runner.model.fused_layers is None        # NoPE layers run layer by layer
+def _greedy_matches(loaded, reference, prompts, new_tokens, fused=True):
+    """With ``fused`` the decode steps run every layer in one Rust call (NoPE layers told
+    apart there), else layer by layer."""
+    runner = ModelRunner(loaded, num_blocks=64, block_size=4, fused_decode=fused)
+    assert (runner.model.fused_layers is not None) == fused
     sched = ToyScheduler(64, 4, token_budget=16)
     for i, prompt in enumerate(prompts):
         sched.add(i, prompt, new_tokens)
@@ -44,14 +46,14 @@ def test_which_layers_go_without_rope():
         config_from_hf({**TINY_SMOLLM3, "no_rope_layers": [1, 0, 1]})
 
 
-@pytest.mark.parametrize("interval", [4, 2])
-def test_a_smollm3_directory_matches_transformers(tmp_path, interval):
+@pytest.mark.parametrize("interval, fused", [(4, True), (2, True), (4, False)])
+def test_a_smollm3_directory_matches_transformers(tmp_path, interval, fused):
     cfg = {**TINY_SMOLLM3, "no_rope_layer_interval": interval}
     reference = random_hf_model(cfg, seed=41, std=0.3)
     reference.save_pretrained(tmp_path, safe_serialization=True)
     loaded = load_model(str(tmp_path))
     assert loaded.config.nope_layers == ((3,) if interval == 4 else (1, 3))
-    _greedy_matches(loaded, reference, [list(range(3, 40)), [5, 9, 11]], 6)
+    _greedy_matches(loaded, reference, [list(range(3, 40)), [5, 9, 11]], 6, fused=fused)
 
 
 def test_a_smollm3_gguf_matches_transformers(tmp_path):

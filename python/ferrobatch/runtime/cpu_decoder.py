@@ -43,8 +43,6 @@ def unsupported(model: nn.Module, backend) -> str | None:
         return f"the attention backend is {getattr(backend, 'name', backend)!r}, not 'cpu'"
     if type(model) is not LlamaForCausalLM:
         return f"{type(model).__name__} is not the llama decoder stack"
-    if any(not layer.self_attn.use_rope for layer in model.layers):
-        return "NoPE layers (SmolLM3) run layer by layer"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         parts = (type(layer) is LlamaDecoderLayer, type(layer.input_layernorm) is RustRMSNorm,
@@ -98,7 +96,8 @@ class FusedLayers:
             raise ValueError(f"the layers' RMSNorms differ in eps: {sorted(epsilons)}")
         self._stack = _scheduler.CpuDecoderStack(
             config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-            config.intermediate_size, epsilons.pop(), first.self_attn.scale, layers)
+            config.intermediate_size, epsilons.pop(), first.self_attn.scale, layers,
+            [i for i, layer in enumerate(model.layers) if not layer.self_attn.use_rope])
         # numpy views of the tables a step looks rows up in (``embed_and_run``), and of the
         # final norm (``final_norm``): at decode sizes torch's per-op dispatch cost more than
         # the look-ups themselves (0.06-0.15 ms per step on the Zen 3 dev VM, the same logits)
