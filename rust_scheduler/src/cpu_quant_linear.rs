@@ -987,15 +987,15 @@ pub(crate) mod tests {
 
     /// The three formats, for tests that run each.
     #[derive(Clone, Copy, Debug, PartialEq)]
-    enum Fmt {
+    pub(crate) enum Fmt {
         Q4,
         Q8,
         G16,
     }
-    const FORMATS: [Fmt; 3] = [Fmt::Q4, Fmt::Q8, Fmt::G16];
+    pub(crate) const FORMATS: [Fmt; 3] = [Fmt::Q4, Fmt::Q8, Fmt::G16];
 
     impl Blocks {
-        fn of(&self, f: Fmt) -> QuantWeight<'_> {
+        pub(crate) fn of(&self, f: Fmt) -> QuantWeight<'_> {
             match f {
                 Fmt::Q4 => self.weight(true),
                 Fmt::Q8 => self.weight(false),
@@ -1009,7 +1009,7 @@ pub(crate) mod tests {
     }
 
     /// [`dequantized`] of any format (Q8G16: `scale * q + min` per 16, multiply then add).
-    fn dense(b: &Blocks, f: Fmt, n: usize, k: usize) -> Vec<f32> {
+    pub(crate) fn dense(b: &Blocks, f: Fmt, n: usize, k: usize) -> Vec<f32> {
         match f {
             Fmt::Q4 => dequantized(b, true, n, k),
             Fmt::Q8 => dequantized(b, false, n, k),

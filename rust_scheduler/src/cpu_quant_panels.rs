@@ -9,7 +9,9 @@
 //!   groups `j` of 16 bytes, byte `c` of group `j` = byte `j` of feature `c`'s GGUF block (low
 //!   nibble: input `j`, high nibble: input `j + 16`);
 //! - Q8_0 (576 bytes): the 16 scales, then 32 groups `i` of 16 int8, byte `c` = input `i` of
-//!   feature `c`.
+//!   feature `c`;
+//! - Q8G16 (768 bytes): the 16 features' scales of inputs 0-15, of inputs 16-31, their mins
+//!   likewise (`f32 x 16` each), then 32 groups of 16 int8 as Q8_0's.
 //!
 //! A panel's records follow each other (`K / 32` per panel), panels follow each other.
 //!
@@ -73,15 +75,17 @@ pub enum PanelFormat {
     Q4_1,
     /// `w = scale * q`, q an int8
     Q8_0,
+    /// `w = scale * q + min`, q an int8, a scale and a min per 16 inputs
+    Q8G16,
 }
 
 impl PanelFormat {
-    /// The format [`pack`] gives block weights of this kind (None: Q8G16 has no panel layout).
+    /// The format [`pack`] gives block weights of this kind.
     pub fn of(w: &QuantWeight<'_>) -> Option<PanelFormat> {
         match w {
             QuantWeight::Q4_1 { .. } => Some(PanelFormat::Q4_1),
             QuantWeight::Q8_0 { .. } => Some(PanelFormat::Q8_0),
-            QuantWeight::Q8G16 { .. } => None,
+            QuantWeight::Q8G16 { .. } => Some(PanelFormat::Q8G16),
         }
     }
 
@@ -90,6 +94,7 @@ impl PanelFormat {
         match self {
             PanelFormat::Q4_1 => 2 * 4 * PANEL_WIDTH + PANEL_WIDTH * BLOCK / 2,
             PanelFormat::Q8_0 => 4 * PANEL_WIDTH + PANEL_WIDTH * BLOCK,
+            PanelFormat::Q8G16 => 4 * 4 * PANEL_WIDTH + PANEL_WIDTH * BLOCK,
         }
     }
 }
@@ -143,8 +148,7 @@ impl QuantPanelShape {
 /// Packs the blocks of a `[n, k]` weight into the layout of the module header.
 pub fn pack(w: &QuantWeight<'_>, n: usize, k: usize) -> Result<Vec<u8>, KernelInputError> {
     QuantShape { m: 0, n, k }.validate(&[], w, &[], &[])?;
-    let format = PanelFormat::of(w)
-        .ok_or_else(|| KernelInputError("Q8G16 weights have no quantized-panel layout".into()))?;
+    let format = PanelFormat::of(w).expect("every block format has a panel layout");
     let shape = QuantPanelShape { m: 0, n, k };
     let (nb, record) = (k / BLOCK, format.record_bytes());
     let mut data = vec![0u8; shape.packed_len(format)];
@@ -169,7 +173,15 @@ pub fn pack(w: &QuantWeight<'_>, n: usize, k: usize) -> Result<Vec<u8>, KernelIn
                         rec[4 * PANEL_WIDTH + i * PANEL_WIDTH + c] = qs[block * BLOCK + i] as u8;
                     }
                 }
-                QuantWeight::Q8G16 { .. } => unreachable!("refused above"),
+                QuantWeight::Q8G16 { scale, min, qs } => {
+                    for half in 0..2 {
+                        put_f32(4 * PANEL_WIDTH * half, scale[2 * block + half]);
+                        put_f32(4 * PANEL_WIDTH * (2 + half), min[2 * block + half]);
+                    }
+                    for i in 0..BLOCK {
+                        rec[16 * PANEL_WIDTH + i * PANEL_WIDTH + c] = qs[block * BLOCK + i] as u8;
+                    }
+                }
             }
         }
     }
@@ -494,8 +506,13 @@ unsafe fn unpack_record(isa: Isa, format: PanelFormat, rec: &[u8], out: &mut [f3
         (Isa::Avx2, PanelFormat::Q4_1) => unsafe { avx2::q4_1(rec, out) },
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx2, PanelFormat::Q8_0) => unsafe { avx2::q8_0(rec, out) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512 | Isa::Amx, PanelFormat::Q8G16) => unsafe { avx512::q8_g16(rec, out) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, PanelFormat::Q8G16) => unsafe { avx2::q8_g16(rec, out) },
         (_, PanelFormat::Q4_1) => portable::q4_1(rec, out),
         (_, PanelFormat::Q8_0) => portable::q8_0(rec, out),
+        (_, PanelFormat::Q8G16) => portable::q8_g16(rec, out),
     }
 }
 
@@ -503,6 +520,8 @@ unsafe fn unpack_record(isa: Isa, format: PanelFormat, rec: &[u8], out: &mut [f3
 const Q4_1_RECORD: usize = 384;
 /// A Q8_0 record's bytes.
 const Q8_0_RECORD: usize = 576;
+/// A Q8G16 record's bytes.
+const Q8G16_RECORD: usize = 768;
 
 /// Feature `c`'s float32 at byte `at` of a record.
 fn record_f32(rec: &[u8], at: usize, c: usize) -> f32 {
@@ -510,7 +529,20 @@ fn record_f32(rec: &[u8], at: usize, c: usize) -> f32 {
 }
 
 mod portable {
-    use super::{record_f32, PANEL_WIDTH, Q4_1_RECORD, Q8_0_RECORD};
+    use super::{record_f32, PANEL_WIDTH, Q4_1_RECORD, Q8G16_RECORD, Q8_0_RECORD};
+
+    /// One Q8G16 record into `out[input][feature]`.
+    pub(super) fn q8_g16(rec: &[u8], out: &mut [f32]) {
+        assert!(rec.len() == Q8G16_RECORD);
+        for c in 0..PANEL_WIDTH {
+            for i in 0..32 {
+                let half = i / 16;
+                let scale = record_f32(rec, 64 * half, c);
+                let min = record_f32(rec, 64 * (2 + half), c);
+                out[i * PANEL_WIDTH + c] = scale * f32::from(rec[256 + 16 * i + c] as i8) + min;
+            }
+        }
+    }
 
     /// One Q4_1 record into `out[input][feature]`.
     pub(super) fn q4_1(rec: &[u8], out: &mut [f32]) {
@@ -539,8 +571,31 @@ mod portable {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{BLOCK, PANEL_WIDTH, Q4_1_RECORD, Q8_0_RECORD};
+    use super::{BLOCK, PANEL_WIDTH, Q4_1_RECORD, Q8G16_RECORD, Q8_0_RECORD};
     use std::arch::x86_64::*;
+
+    /// One Q8G16 record into `out[input][feature]`, 16 features a vector.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn q8_g16(rec: &[u8], out: &mut [f32]) {
+        assert!(rec.len() == Q8G16_RECORD && out.len() == BLOCK * PANEL_WIDTH);
+        let (r, o) = (rec.as_ptr(), out.as_mut_ptr());
+        // SAFETY: every load reads inside the 768-byte record, every store 16 floats of `out`.
+        unsafe {
+            for half in 0..2 {
+                let scale = _mm512_loadu_ps(r.add(64 * half).cast());
+                let min = _mm512_loadu_ps(r.add(64 * (2 + half)).cast());
+                for i in 16 * half..16 * (half + 1) {
+                    let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(r.add(256 + 16 * i).cast()));
+                    // scale * q, then + min: two roundings, as the loader's dequantization
+                    let w = _mm512_add_ps(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(q)), min);
+                    _mm512_storeu_ps(o.add(i * PANEL_WIDTH), w);
+                }
+            }
+        }
+    }
 
     /// One Q4_1 record into `out[input][feature]`, 16 features a vector.
     ///
@@ -591,8 +646,33 @@ mod avx512 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{BLOCK, PANEL_WIDTH, Q4_1_RECORD, Q8_0_RECORD};
+    use super::{BLOCK, PANEL_WIDTH, Q4_1_RECORD, Q8G16_RECORD, Q8_0_RECORD};
     use std::arch::x86_64::*;
+
+    /// One Q8G16 record into `out[input][feature]`, 8 features a vector.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn q8_g16(rec: &[u8], out: &mut [f32]) {
+        assert!(rec.len() == Q8G16_RECORD && out.len() == BLOCK * PANEL_WIDTH);
+        let (r, o) = (rec.as_ptr(), out.as_mut_ptr());
+        // SAFETY: every load reads inside the record, every store 8 floats inside `out`.
+        unsafe {
+            for h in 0..2 {
+                for half in 0..2 {
+                    let scale = _mm256_loadu_ps(r.add(64 * half + 32 * h).cast());
+                    let min = _mm256_loadu_ps(r.add(64 * (2 + half) + 32 * h).cast());
+                    for i in 16 * half..16 * (half + 1) {
+                        let at = 256 + 16 * i + 8 * h;
+                        let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(r.add(at).cast()));
+                        let w = _mm256_add_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(q)), min);
+                        _mm256_storeu_ps(o.add(i * PANEL_WIDTH + 8 * h), w);
+                    }
+                }
+            }
+        }
+    }
 
     /// One Q4_1 record into `out[input][feature]`, 8 features a vector.
     ///
@@ -649,7 +729,7 @@ mod avx2 {
 mod tests {
     use super::*;
     use crate::cpu_linear::{linear_f32_isa, pack as pack_f32, LinearShape};
-    use crate::cpu_quant_linear::tests::{dequantized, random_blocks};
+    use crate::cpu_quant_linear::tests::{dense as dequantized, random_blocks, FORMATS};
     use crate::test_rng::Lcg;
 
     const ISAS: [Isa; 3] = [Isa::Portable, Isa::Avx2, Isa::Avx512];
@@ -658,6 +738,7 @@ mod tests {
     fn record_sizes_match_the_unpackers() {
         assert_eq!(PanelFormat::Q4_1.record_bytes(), Q4_1_RECORD);
         assert_eq!(PanelFormat::Q8_0.record_bytes(), Q8_0_RECORD);
+        assert_eq!(PanelFormat::Q8G16.record_bytes(), Q8G16_RECORD);
     }
 
     /// Every unpacked weight is the loader's float32 (bit for bit), on every instruction set,
@@ -667,11 +748,11 @@ mod tests {
         let mut rng = Lcg(7);
         for &(n, k) in &[(16, 32), (37, 96), (50, 576)] {
             let b = random_blocks(&mut rng, n, k);
-            for q4 in [true, false] {
-                let w = b.weight(q4);
+            for fmt in FORMATS {
+                let w = b.of(fmt);
                 let format = PanelFormat::of(&w).unwrap();
                 let data = pack(&w, n, k).unwrap();
-                let want = pack_f32(&dequantized(&b, q4, n, k), n, k).unwrap();
+                let want = pack_f32(&dequantized(&b, fmt, n, k), n, k).unwrap();
                 for isa in ISAS {
                     let isa = Isa::detect(isa);
                     let mut got = vec![f32::NAN; want.len()];
@@ -688,7 +769,7 @@ mod tests {
                         assert_eq!(
                             g.to_bits(),
                             w.to_bits(),
-                            "n={n} k={k} q4={q4} isa={isa:?}: float {i}"
+                            "n={n} k={k} {fmt:?} isa={isa:?}: float {i}"
                         );
                     }
                 }
@@ -703,10 +784,10 @@ mod tests {
         let mut rng = Lcg(11);
         for &(n, k) in &[(1, 32), (33, 96), (100, 576), (40, 1536)] {
             let b = random_blocks(&mut rng, n, k);
-            for q4 in [true, false] {
-                let w = b.weight(q4);
+            for fmt in FORMATS {
+                let w = b.of(fmt);
                 let data = pack(&w, n, k).unwrap();
-                let dense = pack_f32(&dequantized(&b, q4, n, k), n, k).unwrap();
+                let dense = pack_f32(&dequantized(&b, fmt, n, k), n, k).unwrap();
                 let panels = QuantPanels {
                     format: PanelFormat::of(&w).unwrap(),
                     data: &data,
@@ -727,7 +808,7 @@ mod tests {
                                 assert_eq!(
                                     g.to_bits(),
                                     w.to_bits(),
-                                    "m={m} n={n} k={k} q4={q4} isa={isa:?} threads={threads}: \
+                                    "m={m} n={n} k={k} {fmt:?} isa={isa:?} threads={threads}: \
                                      out[{i}] = {g}, float32 panels {w}"
                                 );
                             }
@@ -749,7 +830,7 @@ mod tests {
         let b = random_blocks(&mut rng, n, k);
         let w = b.weight(true);
         let data = pack(&w, n, k).unwrap();
-        let dense = pack_f32(&dequantized(&b, true, n, k), n, k).unwrap();
+        let dense = pack_f32(&dequantized(&b, FORMATS[0], n, k), n, k).unwrap();
         let panels = QuantPanels {
             format: PanelFormat::Q4_1,
             data: &data,

@@ -650,6 +650,10 @@ fn scheduler_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m
     )?)?;
     m.add_function(wrap_pyfunction!(
+        crate::py_linear::py_pack_quant_panels_q8_g16,
+        m
+    )?)?;
+    m.add_function(wrap_pyfunction!(
         crate::py_linear::py_linear_quant_panels_f32,
         m
     )?)?;

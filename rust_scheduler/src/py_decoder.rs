@@ -286,11 +286,7 @@ impl LinearBorrow<'_> {
                     format: match b {
                         BlockBorrow::Q4_1(..) => PanelFormat::Q4_1,
                         BlockBorrow::Q8_0(..) => PanelFormat::Q8_0,
-                        BlockBorrow::Q8G16(..) => {
-                            return Err(PyValueError::new_err(
-                                "q8_g16 blocks have no quantized panels",
-                            ))
-                        }
+                        BlockBorrow::Q8G16(..) => PanelFormat::Q8G16,
                     },
                     data: c_slice("qpanels", t)?,
                 }),

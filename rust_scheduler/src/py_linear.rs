@@ -320,9 +320,28 @@ pub fn py_pack_quant_panels_q8_0<'py>(
     pack_call(py, &w, n, nb, cpu_quant_panels::pack)
 }
 
+/// `pack_quant_panels_q8_g16(scale, min, qs)`: the same for Q8G16 weights (the arrays
+/// `linear_q8_g16_f32` reads): 768 bytes per 16 features x 32 inputs.
+#[pyfunction]
+#[pyo3(name = "pack_quant_panels_q8_g16")]
+pub fn py_pack_quant_panels_q8_g16<'py>(
+    py: Python<'py>,
+    scale: PyReadonlyArray2<'py, f32>,
+    min: PyReadonlyArray2<'py, f32>,
+    qs: PyReadonlyArray3<'py, i8>,
+) -> PyResult<Bound<'py, PyArray1<u8>>> {
+    let [n, nb] = [qs.shape()[0], qs.shape()[1]];
+    let w = QuantWeight::Q8G16 {
+        scale: c_contiguous("scale", scale.is_c_contiguous(), scale.as_slice())?,
+        min: c_contiguous("min", min.is_c_contiguous(), min.as_slice())?,
+        qs: c_contiguous("qs", qs.is_c_contiguous(), qs.as_slice())?,
+    };
+    pack_call(py, &w, n, nb, cpu_quant_panels::pack)
+}
+
 /// `linear_quant_panels_f32(x, panels, kind, bias, out, num_threads)`: `out[M, N] = x[M, K] @
 /// W^T + bias` with `W` packed by `pack_quant_panels_q4_1` (`kind` "q4_1") /
-/// `pack_quant_panels_q8_0` ("q8_0"); bit for bit what `linear_f32` gives over the loader's
+/// `pack_quant_panels_q8_0` ("q8_0") / `pack_quant_panels_q8_g16` ("q8_g16"); bit for bit what `linear_f32` gives over the loader's
 /// float32 weights. Writes `out`; returns None.
 #[pyfunction]
 #[pyo3(name = "linear_quant_panels_f32", signature = (x, panels, kind, bias, out, num_threads))]
@@ -355,8 +374,9 @@ fn panel_format(kind: &str) -> PyResult<PanelFormat> {
     match kind {
         "q4_1" => Ok(PanelFormat::Q4_1),
         "q8_0" => Ok(PanelFormat::Q8_0),
+        "q8_g16" => Ok(PanelFormat::Q8G16),
         _ => Err(PyValueError::new_err(format!(
-            "quantized panels are packed from 'q4_1' or 'q8_0' blocks, not {kind:?}"
+            "quantized panels are packed from 'q4_1', 'q8_0' or 'q8_g16' blocks, not {kind:?}"
         ))),
     }
 }

@@ -125,13 +125,17 @@ def test_5_and_6_bit_types_become_the_q8_g16_kernels_exact_form(type_name):
     assert blocks.type_id == Q8_G16 and blocks.shape == (40, 512)
     assert torch.equal(blocks.dequantize(), weight)
     kernel = BlockKernel(blocks)
-    assert kernel.kind == "q8_g16" and kernel.tiles is None and kernel.qpanels is None
+    assert kernel.kind == "q8_g16" and kernel.tiles is None and kernel.qpanels is not None
     assert torch.equal(kernel.block_weight().dequantize(), weight)
     gen = torch.Generator().manual_seed(1)
-    for rows in (1, 2, 5, 8):
+    for rows in (1, 2, 5, 8, 40):
         x = torch.randn(rows, 512, generator=gen)
-        out = torch.empty(rows, 40)
-        kernel(x.numpy(), None, out.numpy(), 2)
+        if rows <= 8:
+            out = torch.empty(rows, 40)
+            kernel(x.numpy(), None, out.numpy(), 2)
+            torch.testing.assert_close(out, x @ weight.T, rtol=1e-4, atol=1e-4)
+        out = torch.empty(rows, 40)            # the quantized panels (larger steps)
+        kernel.panels(x.numpy(), None, out.numpy(), 2)
         torch.testing.assert_close(out, x @ weight.T, rtol=1e-4, atol=1e-4)
     one_hot = torch.eye(512)[:8 * 64:64].contiguous()      # 8 rows, inputs 0, 64, ...
     out = torch.empty(8, 40)

@@ -197,14 +197,11 @@ class BlockKernel:
         self._fn = getattr(_scheduler, f"linear_{self.kind}_f32")
         self._amx = _scheduler.linear_amx_f32
         self._panels = _scheduler.linear_quant_panels_f32
-        self.tiles = self.qpanels = None
-        if self.kind == "q8_g16":       # no AMX tiles or quantized panels: larger steps read
-            return                      # the float32 panels
-        pack = _scheduler.pack_amx_q4_1 if self.kind == "q4_1" else _scheduler.pack_amx_q8_0
-        use_amx = amx and _scheduler.amx_available()
-        self.tiles = _aligned_64(pack(*self.arrays)) if use_amx else None
-        pack = _scheduler.pack_quant_panels_q4_1 if self.kind == "q4_1" \
-            else _scheduler.pack_quant_panels_q8_0
+        # Q8G16 has no AMX tiles: its larger steps take the quantized panels even with AMX
+        use_amx = amx and _scheduler.amx_available() and self.kind != "q8_g16"
+        self.tiles = _aligned_64(getattr(_scheduler, f"pack_amx_{self.kind}")(*self.arrays)) \
+            if use_amx else None
+        pack = getattr(_scheduler, f"pack_quant_panels_{self.kind}")
         self.qpanels = _aligned_64(pack(*self.arrays)) if quant_panels and not use_amx else None
 
     def block_weight(self):
