@@ -133,9 +133,13 @@ def test_an_engine_serves_a_gguf_model_with_a_sentencepiece_vocabulary(tmp_path)
                            SamplingParams(max_tokens=8, ignore_eos=True, temperature=0))[0]
         assert out.prompt_token_ids == [sp.bos_id(), *sp.encode("The engine re-forms the batch")]
         assert len(out.outputs[0].token_ids) == 8
-        # a random model emits byte tokens that need not form UTF-8: the streamed text is the
-        # tokenizer's decode of the ids (HF tokenizers' byte fallback: one U+FFFD per byte of an
-        # invalid run, where sentencepiece writes one per invalid sequence)
-        assert out.outputs[0].text == llm.get_tokenizer().decode(out.outputs[0].token_ids)
+        # the text continues the prompt's (a first piece's "▁" is its leading space); a random
+        # model emits byte tokens that need not form UTF-8, decoded as HF tokenizers' byte
+        # fallback does (one U+FFFD per byte of an invalid run, where sentencepiece writes one
+        # per invalid sequence)
+        tokenizer = llm.get_tokenizer()
+        head = tokenizer.decode(out.prompt_token_ids)
+        whole = tokenizer.decode(out.prompt_token_ids + list(out.outputs[0].token_ids))
+        assert whole.startswith(head) and out.outputs[0].text == whole[len(head):]
     finally:
         llm.close()
