@@ -7,7 +7,7 @@ with small fp16 factors: any bytes are valid blocks, and speed does not depend o
 
 The mix follows llama.cpp's Q4_K_M: Q4_K for most linears, Q6_K for the output matrix and for
 ``attn_v`` / ``ffn_down`` of every other layer, F32 norms, Q4_K token embeddings; SmolLM2's
-tokenizer so the engine can serve it.
+tokenizer and chat template so the engine can serve it.
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ def write(path: str, hidden: int, intermediate: int, layers: int, heads: int,
     w.add_token_merges(tok.merges)
     w.add_bos_token_id(tok.bos_token_id)
     w.add_eos_token_id(tok.eos_token_id)
+    if tok.chat_template:
+        w.add_chat_template(tok.chat_template)
     vocab = len(tok.tokens)
 
     def add(name: str, type_name: str, rows: int, cols: int) -> None:
