@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ferrobatch.model.dequant import G16_TYPES, Q4_TYPES, g16_parts, q4_parts
+from ferrobatch.model.dequant import G16_TYPES, Q4_TYPES, g16_parts, per_16, q4_parts
 
 Q4_1, Q8_0 = 3, 8           # two kernels: type ids of the GGUF formats they were made for
 Q8_G16 = 1016               # the third: int8 weights, a scale and a minimum per 16 (no GGUF id)
@@ -68,11 +68,11 @@ class BlockWeight:
         its halves; Q8_0's minimum 0, which leaves every weight's value as it was)."""
         if self.type_id == Q8_G16:
             return self
-        pair = lambda t: t.repeat_interleave(2, dim=-1)      # noqa: E731
+        scale = per_16(self.scale)
         if self.type_id == Q4_1:
             q = torch.cat((self.qs & 0x0F, self.qs >> 4), dim=-1).to(torch.int8)
-            return BlockWeight(Q8_G16, pair(self.scale), q, pair(self.minimum))
-        return BlockWeight(Q8_G16, pair(self.scale), self.qs, torch.zeros_like(pair(self.scale)))
+            return BlockWeight(Q8_G16, scale, q, per_16(self.minimum))
+        return BlockWeight(Q8_G16, scale, self.qs, torch.zeros_like(scale))
 
     def rows_permuted(self, permute) -> BlockWeight:
         """The same weight with its rows reordered by ``permute`` (a function of a tensor whose

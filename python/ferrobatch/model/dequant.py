@@ -52,6 +52,11 @@ def q4_parts(raw: torch.Tensor, type_id: int) -> tuple[torch.Tensor, torch.Tenso
     return scale, minimum, q
 
 
+def per_16(per_32: torch.Tensor) -> torch.Tensor:
+    """Scales (or minimums) of groups of 32 ``[..., n]`` as those of groups of 16 ``[..., 2n]``."""
+    return per_32.repeat_interleave(2, dim=-1)
+
+
 def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
     """Q5_0 / Q5_1's 4 bytes of high bits (a little-endian uint32, bit i: element i) as
     ``[..., 32]`` values 0 / 16."""
@@ -79,8 +84,7 @@ def g16_parts(raw: torch.Tensor, type_id: int) -> tuple[torch.Tensor, torch.Tens
             q, minimum = q - 16, torch.zeros_like(d)
         else:
             minimum = _half_scale(blocks, 2)[..., 0]
-        pair = lambda t: t.repeat_interleave(2, dim=-1)     # noqa: E731 - one scale per 32
-        return pair(d), pair(minimum), q.to(torch.int8)
+        return per_16(d), per_16(minimum), q.to(torch.int8)
     if type_id == _Q5_K:
         blocks = raw.view(rows, -1, 176)
         scale, minimum = _k_scales(blocks)
@@ -89,7 +93,7 @@ def g16_parts(raw: torch.Tensor, type_id: int) -> tuple[torch.Tensor, torch.Tens
         qh = blocks[..., 16:48].reshape(rows, -1, 1, 32)
         high = (qh >> torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1)) & 1
         q = (low | (high << 4)).reshape(rows, -1, 32).to(torch.int8)
-        return scale.repeat_interleave(2, dim=-1), minimum.repeat_interleave(2, dim=-1), q
+        return per_16(scale), per_16(minimum), q
     blocks = raw.view(rows, -1, 210)        # Q6_K
     nb = blocks.shape[1]
     ql, qh = blocks[..., :128], blocks[..., 128:192]
