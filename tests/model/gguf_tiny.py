@@ -29,16 +29,13 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int):
     blocks = raw.reshape(rows, -1, block_bytes)
     factors = {"Q4_K": ((0, 4e-4), (2, 4e-4)), "Q5_K": ((0, 2e-4), (2, 2e-4)),
                "Q6_K": ((208, 1e-4),), "Q5_0": ((0, 0.02),), "Q5_1": ((0, 0.01), (2, 0.15)),
-               "Q4_0": ((0, 0.04),), "Q4_1": ((0, 0.02), (2, 0.15)), "Q8_0": ((0, 0.002),)}
+               "Q4_0": ((0, 0.04),), "Q4_1": ((0, 0.02), (2, 0.15)), "Q8_0": ((0, 0.002),),
+               "Q2_K": ((80, 0.01), (82, 0.01)), "Q3_K": ((108, 0.005),),
+               "IQ4_NL": ((0, 0.002),), "IQ4_XS": ((0, 2e-4),)}
     for start, high in factors[type_name]:
         factor = rng.uniform(high / 4, high, blocks.shape[:2]).astype(np.float16)
         blocks[..., start:start + 2] = factor.view(np.uint8).reshape(rows, -1, 2)
     return raw
-
-
-def random_q4_k(rows: int, cols: int, seed: int):
-    """:func:`random_blocks` of Q4_K."""
-    return random_blocks("Q4_K", rows, cols, seed)
 
 
 def write_tiny_gguf(path, reference, cfg: dict, arch: str,
@@ -52,7 +49,7 @@ def write_tiny_gguf(path, reference, cfg: dict, arch: str,
     ``metadata(writer)`` adds keys of its own (rope scaling, ...). With ``q8_0_linears`` the
     linear layers' weights are stored as Q8_0 blocks and ``reference``'s own weights replaced by
     what those blocks hold, so it stays the oracle; with ``q4_k_linears`` they are random Q4_K
-    blocks (:func:`random_q4_k`), dequantized into ``reference`` by gguf-py; ``linear_types``
+    blocks (:func:`random_blocks`), dequantized into ``reference`` by gguf-py; ``linear_types``
     (llama.cpp tensor name -> a type name, or None for float32) does the same per tensor.
     ``vocabulary(writer)`` writes the tokenizer keys in place of the single-character one."""
     import gguf

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf_tiny import random_q4_k, write_tiny_gguf
+from gguf_tiny import random_blocks, write_tiny_gguf
 from hf_tiny import random_hf_model
 from step_builder import ToyScheduler, greedy_run
 
@@ -20,25 +20,11 @@ from ferrobatch.runtime.model_runner import ModelRunner
 
 def _random_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
     """Random bytes in ``type_name``'s block layout with finite, small fp16 factors."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    if type_name == "Q4_K":
-        return random_q4_k(rows, cols, seed)
-    qtype = GGMLQuantizationType[type_name]
-    block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (rows, cols // block_elems * block_bytes), dtype=np.uint8)
-    blocks = raw.reshape(rows, -1, block_bytes)
-    offsets = {"Q6_K": (208,), "Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,),
-               "Q5_1": (0, 2), "Q5_K": (0, 2)}[type_name]
-    for start in offsets:
-        factor = rng.normal(0, 0.01, blocks.shape[:2]).astype(np.float16)
-        blocks[..., start:start + 2] = factor.view(np.uint8).reshape(rows, -1, 2)
-    return raw
+    return random_blocks(type_name, rows, cols, seed)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                                       "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1",
+                                       "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS"])
 def test_torch_dequantization_equals_gguf_py_bit_for_bit(type_name):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -109,8 +95,9 @@ def test_a_q4_k_model_runs_its_linears_on_the_block_kernel_and_matches_transform
             torch.testing.assert_close(last[i], want[-1], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("type_name", ["Q6_K", "Q5_K", "Q5_0", "Q5_1"])
-def test_5_and_6_bit_types_become_the_q8_g16_kernels_exact_form(type_name):
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q3_K", "Q2_K", "IQ4_NL",
+                                       "IQ4_XS"])
+def test_other_types_become_the_q8_g16_kernels_exact_form(type_name):
     """``scale * q + minimum`` per 16 weights with int8 ``q``: the dequantized weight bit for
     bit; the Rust kernel's x W^T for 1..8 rows, and each weight exactly (one-hot rows)."""
     from gguf import GGMLQuantizationType

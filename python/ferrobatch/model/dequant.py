@@ -15,11 +15,17 @@ import numpy as np
 import torch
 
 # type id -> (elements per block, bytes per block); ids from ggml's GGMLQuantizationType.
-_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q5_K, _Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = 2, 3, 6, 7, 8
+_Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K, _IQ4_NL, _IQ4_XS = 10, 11, 12, 13, 14, 20, 23
 _BLOCK_SHAPES = {_Q4_0: (32, 18), _Q4_1: (32, 20), _Q5_0: (32, 22), _Q5_1: (32, 24),
-                 _Q8_0: (32, 34), _Q4_K: (256, 144), _Q5_K: (256, 176), _Q6_K: (256, 210)}
+                 _Q8_0: (32, 34), _Q2_K: (256, 84), _Q3_K: (256, 110), _Q4_K: (256, 144),
+                 _Q5_K: (256, 176), _Q6_K: (256, 210), _IQ4_NL: (32, 18), _IQ4_XS: (256, 136)}
 Q4_TYPES = (_Q4_0, _Q4_1, _Q4_K)          # those :func:`q4_parts` reads
-G16_TYPES = (_Q5_0, _Q5_1, _Q5_K, _Q6_K)  # those :func:`g16_parts` reads
+# those :func:`g16_parts` reads
+G16_TYPES = (_Q5_0, _Q5_1, _Q2_K, _Q3_K, _Q5_K, _Q6_K, _IQ4_NL, _IQ4_XS)
+# IQ4's sixteen levels (llama.cpp's kvalues_iq4nl)
+_IQ4_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                            113], dtype=torch.int8)
 
 
 def _half_scale(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -73,6 +79,8 @@ def g16_parts(raw: torch.Tensor, type_id: int) -> tuple[torch.Tensor, torch.Tens
     (Q5_0: ``d * (q - 16)``; Q5_K: a 6-bit scale and minimum per 32 times the super-block's
     fp16 factors; Q6_K: ``d`` times a signed 8-bit scale per 16, ``q - 32``; minimum 0)."""
     rows = raw.shape[0]
+    if type_id in (_Q2_K, _Q3_K, _IQ4_NL, _IQ4_XS):
+        return _low_bit_parts(raw.view(rows, -1, _BLOCK_SHAPES[type_id][1]), type_id)
     if type_id in (_Q5_0, _Q5_1):
         size = _BLOCK_SHAPES[type_id][1]
         blocks = raw.view(rows, -1, size)
@@ -107,6 +115,52 @@ def g16_parts(raw: torch.Tensor, type_id: int) -> tuple[torch.Tensor, torch.Tens
     high = torch.cat([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-2)
     q = ((low | (high << 4)).to(torch.int8) - 32).reshape(rows, nb * 8, 32)
     return scale, torch.zeros_like(scale), q
+
+
+def _low_bit_parts(blocks: torch.Tensor,
+                   type_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`g16_parts` of Q2_K, Q3_K (a scale, for Q2_K a minimum too, per 16 weights times
+    the super-block's fp16 factors), IQ4_NL and IQ4_XS (a scale per 32 times llama.cpp's
+    sixteen non-uniform levels), ``blocks`` ``uint8 [rows, nb, bytes per block]``."""
+    rows, nb = blocks.shape[:2]
+    if type_id == _Q2_K:
+        scales = blocks[..., :16]
+        d, dmin = _half_scale(blocks, 80), _half_scale(blocks, 82)
+        scale = (d * (scales & 0x0F).float()).reshape(rows, nb * 16)
+        minimum = -(dmin * (scales >> 4).float()).reshape(rows, nb * 16)
+        qs = blocks[..., 16:80].reshape(rows, nb, 2, 1, 32)
+        q = (qs >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)) & 3
+        return scale, minimum, q.reshape(rows, nb * 8, 32).to(torch.int8)
+    if type_id == _Q3_K:
+        hmask, qs, packed = blocks[..., :32], blocks[..., 32:96], blocks[..., 96:108]
+        low = (packed[..., :8].reshape(rows, nb, 1, 8)
+               >> torch.tensor([0, 4], dtype=torch.uint8).reshape(2, 1)).reshape(rows, nb, 16)
+        high = (packed[..., 8:12].reshape(rows, nb, 1, 4)
+                >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)).reshape(rows, nb, 16)
+        sub = ((low & 0x0F) | ((high & 3) << 4)).to(torch.int8) - 32
+        scale = (_half_scale(blocks, 108) * sub.float()).reshape(rows, nb * 16)
+        q_low = (qs.reshape(rows, nb, 2, 1, 32)
+                 >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)) & 3
+        q_high = (hmask.reshape(rows, nb, 1, 32)
+                  >> torch.arange(8, dtype=torch.uint8).reshape(8, 1)) & 1
+        # a set high bit means no offset, a clear one 4 less (as ggml lays it out)
+        q = q_low.reshape(rows, nb, 8, 32).to(torch.int8) - ((q_high ^ 1) << 2).to(torch.int8)
+        return scale, torch.zeros_like(scale), q.reshape(rows, nb * 8, 32)
+    if type_id == _IQ4_NL:
+        d = _half_scale(blocks, 0)[..., 0]
+        q = _IQ4_LEVELS[_unpack_nibbles(blocks[..., 2:]).long()]
+        return per_16(d), torch.zeros_like(per_16(d)), q
+    # IQ4_XS: per super-block d, 8 six-bit scales (low 4 bits in bytes 4-7's nibbles, high 2
+    # bits in the uint16 at bytes 2-3), then 8 groups of 32 as IQ4_NL's nibbles
+    d = _half_scale(blocks, 0)
+    high_word = blocks[..., 2].to(torch.int32) | (blocks[..., 3].to(torch.int32) << 8)
+    low = (blocks[..., 4:8].reshape(rows, nb, 4, 1)
+           >> torch.tensor([0, 4], dtype=torch.uint8)).reshape(rows, nb, 8) & 0x0F
+    high = (high_word[..., None] >> (2 * torch.arange(8, dtype=torch.int32))) & 3
+    sub = (low.to(torch.int32) | (high << 4)).to(torch.int8) - 32
+    scale = (d * sub.float()).reshape(rows, nb * 8)
+    q = _IQ4_LEVELS[_unpack_nibbles(blocks[..., 8:].reshape(rows, nb, 8, 16)).long()]
+    return per_16(scale), torch.zeros_like(per_16(scale)), q.reshape(rows, nb * 8, 32)
 
 
 def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
