@@ -362,3 +362,35 @@ def test_qwen3_gguf_matches_transformers_logits(tmp_path):
     with torch.no_grad():
         want = reference(torch.tensor([prompt])).logits[0, -1]
     torch.testing.assert_close(out[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_building_a_model_takes_the_checkpoint_tensors_in_place():
+    """Loading moves each tensor into the model (the same storage where dtype and device
+    already agree) and empties the checkpoint dict, so a load holds about one copy of the
+    weights; a tensor missing from the checkpoint is named."""
+    from ferrobatch.model.loader import build_model
+    from ferrobatch.model.random_init import random_config
+
+    config = random_config("smollm2-135m")
+    reference = build_model(config, None, device=torch.device("cpu"), dtype=torch.float32)
+    state = {f"model.{n}" if not n.startswith("lm_head") else n: p.detach().clone()
+             for n, p in reference.named_parameters()}
+    # the model's own names -> transformers' (q / k / v and gate / up split)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        q, k, v = state.pop(f"{p}self_attn.qkv_proj.weight").split(
+            [config.num_heads * config.head_dim, *(2 * [config.num_kv_heads * config.head_dim])])
+        gate, up = state.pop(f"{p}mlp.gate_up_proj.weight").chunk(2)
+        state.update({f"{p}self_attn.q_proj.weight": q, f"{p}self_attn.k_proj.weight": k,
+                      f"{p}self_attn.v_proj.weight": v, f"{p}mlp.gate_proj.weight": gate,
+                      f"{p}mlp.up_proj.weight": up})
+    down = state["model.layers.0.mlp.down_proj.weight"]
+    model = build_model(config, state, device=torch.device("cpu"), dtype=torch.float32)
+    assert state == {}
+    assert model.layers[0].mlp.down_proj.weight.data_ptr() == down.data_ptr()   # no copy
+    assert not any(p.is_meta for p in model.parameters())
+    for (name, mine), theirs in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(mine, theirs), name
+    short = {n: t for n, t in state.items()}
+    with pytest.raises(ValueError, match="checkpoint lacks tensor model.embed_tokens.weight"):
+        build_model(config, short, device=torch.device("cpu"), dtype=torch.float32)

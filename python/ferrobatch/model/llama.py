@@ -296,20 +296,31 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(normed_hidden, self.lm_head_weight).float()
 
     @torch.no_grad()
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Copies weights named as in Hugging Face's LlamaForCausalLM (fuses q/k/v and gate/up).
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor],
+                           device: torch.device | str | None = None) -> None:
+        """Loads weights named as in Hugging Face's LlamaForCausalLM (fuses q/k/v and gate/up),
+        taking each out of ``state`` as it goes. A parameter still on the meta device (a model
+        built there) becomes the tensor itself, converted to its dtype on ``device`` (no copy
+        where it already is that), so loading holds about one copy of the weights at a time,
+        not the checkpoint's and the model's; any other parameter is copied into.
 
         Raises ValueError on a missing tensor or a shape mismatch.
         """
         def take(name: str) -> torch.Tensor:
             if name not in state:
                 raise ValueError(f"checkpoint lacks tensor {name}")
-            return state[name]
+            return state.pop(name)
 
         def copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
             if tuple(param.shape) != tuple(value.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(param.shape)}")
-            param.copy_(value)
+            if not param.is_meta:
+                param.copy_(value)
+                return
+            module_name, _, attr = name.removeprefix("model.").rpartition(".")
+            module = self.get_submodule(module_name) if module_name != "lm_head" else self.lm_head
+            module._parameters[attr] = nn.Parameter(
+                value.to(device=device, dtype=param.dtype).contiguous(), requires_grad=False)
 
         copy(self.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
         copy(self.norm.weight, take("model.norm.weight"), "model.norm.weight")

@@ -91,10 +91,13 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """Allocates the module without running any initialiser (meta -> empty on device)."""
+def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 materialize: bool = True) -> LlamaForCausalLM:
+    """The module without running any initialiser: its parameters on the meta device, or with
+    ``materialize`` allocated empty on ``device``."""
     model = LlamaForCausalLM(config, device="meta", dtype=dtype)
-    _materialize(model, device)
+    if materialize:
+        _materialize(model, device)
     model.rotary = RotaryEmbedding(config, device)
     return model
 
@@ -124,12 +127,17 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> None:
 
 def build_model(config: ModelConfig, state: dict[str, torch.Tensor] | None, *,
                 device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """Creates the model on ``device`` and loads ``state`` (HF names), or random weights if None."""
-    model = _empty_model(config, device, dtype)
+    """Creates the model on ``device`` and loads ``state`` (HF names), or random weights if None.
+    ``state`` is emptied as its tensors move into the model (the peak is about one copy)."""
+    model = _empty_model(config, device, dtype, materialize=state is None)
     if state is None:
         init_random_weights(model)
     else:
-        model.load_hf_state_dict(state_in_model_layout(state, config))
+        model.load_hf_state_dict(state_in_model_layout(state, config), device=device)
+        state.clear()
+        left = [name for name, p in model.named_parameters() if p.is_meta]
+        if left:
+            raise ValueError(f"checkpoint lacks tensors for {', '.join(left[:5])}")
     return model.eval().requires_grad_(False)
 
 
