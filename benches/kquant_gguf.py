@@ -44,8 +44,6 @@ def write(path: str, hidden: int, intermediate: int, layers: int, heads: int,
     from ferrobatch.model.gguf_loader import read_tokenizer_metadata
     from ferrobatch.model.loader import smollm2_gguf_path
 
-    if hidden % 256 or intermediate % 256:
-        raise SystemExit("k-quants need widths that are multiples of 256")
     tok = read_tokenizer_metadata(GGUFFile(smollm2_gguf_path()))
     rng = np.random.default_rng(seed)
     head_dim = hidden // heads
@@ -102,6 +100,11 @@ def main() -> None:
     parser.add_argument("--heads", type=positive_int, default=16)
     parser.add_argument("--kv-heads", type=positive_int, default=4)
     args = parser.parse_args()
+    for name in ("hidden", "intermediate"):
+        if getattr(args, name) % 256:
+            parser.error(f"--{name} {getattr(args, name)}: k-quants need multiples of 256")
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        parser.error(f"--heads {args.heads} must divide --hidden and be a multiple of --kv-heads")
     write(args.path, args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads)
     print(f"wrote {args.path} ({os.path.getsize(args.path) / 2**20:.0f} MiB)")
 
