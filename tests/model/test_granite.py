@@ -7,10 +7,8 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 from gguf_tiny import write_tiny_gguf
-from hf_tiny import random_hf_model
-from step_builder import ToyScheduler, greedy_run
+from hf_tiny import assert_greedy_matches, random_hf_model
 
 from ferrobatch.model.loader import load_model
 from ferrobatch.runtime.model_runner import ModelRunner
@@ -24,20 +22,6 @@ TINY_GRANITE = {"model_type": "granite", "architectures": ["GraniteForCausalLM"]
                 "logits_scaling": 4.0, "attention_multiplier": 0.1, "tie_word_embeddings": True}
 
 
-def _greedy_matches(loaded, reference, prompts, new_tokens, runner=None, execute=None):
-    runner = runner or ModelRunner(loaded, num_blocks=64, block_size=4)
-    sched = ToyScheduler(64, 4, token_budget=16)
-    for i, prompt in enumerate(prompts):
-        sched.add(i, prompt, new_tokens)
-    generated, last = greedy_run(runner, sched, execute=execute)
-    with torch.no_grad():
-        for i, prompt in enumerate(prompts):
-            sequence = prompt + generated[i][:-1]
-            want = reference(torch.tensor([sequence])).logits[0]
-            assert want[len(prompt) - 1:].argmax(-1).tolist() == generated[i]
-            torch.testing.assert_close(last[i], want[-1], rtol=1e-4, atol=1e-4)
-
-
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_granite_directory_matches_transformers(tmp_path, tied):
     cfg = {**TINY_GRANITE, "tie_word_embeddings": tied}
@@ -46,7 +30,7 @@ def test_a_granite_directory_matches_transformers(tmp_path, tied):
     loaded = load_model(str(tmp_path))
     assert loaded.config.arch == "granite" and loaded.config.attention_scale == 0.1
     assert loaded.config.embedding_multiplier == 6.0 and loaded.config.logits_scaling == 4.0
-    _greedy_matches(loaded, reference, [list(range(3, 40)), [5, 9, 11]], 6)
+    assert_greedy_matches(loaded, reference, [list(range(3, 40)), [5, 9, 11]], 6)
 
 
 def test_a_granite_gguf_matches_transformers(tmp_path):
@@ -64,7 +48,7 @@ def test_a_granite_gguf_matches_transformers(tmp_path):
     loaded = load_model(str(path))
     assert loaded.config.arch == "granite"
     assert loaded.config.residual_multiplier == pytest.approx(0.3)     # float32 metadata
-    _greedy_matches(loaded, reference, [list(range(3, 40)), [5, 9, 11]], 6)
+    assert_greedy_matches(loaded, reference, [list(range(3, 40)), [5, 9, 11]], 6)
 
 
 def test_lora_and_weight_updates_carry_the_scalars(tmp_path):
@@ -87,7 +71,7 @@ def test_lora_and_weight_updates_carry_the_scalars(tmp_path):
     runner = ModelRunner(loaded, num_blocks=64, block_size=4)
     runner.enable_lora(max_loras=1, max_rank=4).put(1, read_lora_adapter(
         str(tmp_path / "adapter"), loaded.config))
-    _greedy_matches(loaded, merged, [list(range(3, 30)), [5, 9, 11, 40]], 4, runner=runner,
+    assert_greedy_matches(loaded, merged, [list(range(3, 30)), [5, 9, 11, 40]], 4, runner=runner,
                     execute=lambda batch: runner.execute(batch, lora_slots=[1] * len(
                         batch.seq_req_ids)))
-    _greedy_matches(loaded, updated, [list(range(3, 30))], 4, runner=runner)
+    assert_greedy_matches(loaded, updated, [list(range(3, 30))], 4, runner=runner)

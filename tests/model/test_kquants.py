@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 from gguf_tiny import random_blocks, write_tiny_gguf
-from hf_tiny import random_hf_model
-from step_builder import ToyScheduler, greedy_run
+from hf_tiny import assert_greedy_matches, random_hf_model
 
 from ferrobatch.model.block_weights import Q4_1, BlockWeight, block_weights_for_modules, read_block_weights
 from ferrobatch.model.dequant import dequantize_tensor
@@ -82,17 +81,7 @@ def test_a_q4_k_model_runs_its_linears_on_the_block_kernel_and_matches_transform
         + ["lm_head"])
     runner = ModelRunner(loaded, num_blocks=64, block_size=4)
     assert "GGUF blocks" in runner.linear_kernels
-    prompts = [list(range(3, 40)), [5, 9, 11]]
-    sched = ToyScheduler(64, 4, token_budget=16)
-    for i, prompt in enumerate(prompts):
-        sched.add(i, prompt, 6)
-    generated, last = greedy_run(runner, sched)
-    with torch.no_grad():
-        for i, prompt in enumerate(prompts):
-            sequence = prompt + generated[i][:-1]
-            want = reference(torch.tensor([sequence])).logits[0]
-            assert want[len(prompt) - 1:].argmax(-1).tolist() == generated[i]
-            torch.testing.assert_close(last[i], want[-1], rtol=1e-4, atol=1e-4)
+    assert_greedy_matches(loaded, reference, [list(range(3, 40)), [5, 9, 11]], 6, runner=runner)
 
 
 @pytest.mark.parametrize("type_name", ["Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q3_K", "Q2_K", "IQ4_NL",
@@ -171,15 +160,4 @@ def test_a_q4_k_m_mix_model_runs_every_linear_on_a_block_kernel(tmp_path):
     assert proven["layers.0.self_attn.qkv_proj"].type_id == Q8_G16
     assert proven["layers.0.mlp.gate_up_proj"].type_id == Q4_1
     assert proven["lm_head"].type_id == Q8_G16
-    runner = ModelRunner(loaded, num_blocks=64, block_size=4)
-    prompts = [list(range(3, 40)), [5, 9, 11]]
-    sched = ToyScheduler(64, 4, token_budget=16)
-    for i, prompt in enumerate(prompts):
-        sched.add(i, prompt, 6)
-    generated, last = greedy_run(runner, sched)
-    with torch.no_grad():
-        for i, prompt in enumerate(prompts):
-            sequence = prompt + generated[i][:-1]
-            want = reference(torch.tensor([sequence])).logits[0]
-            assert want[len(prompt) - 1:].argmax(-1).tolist() == generated[i]
-            torch.testing.assert_close(last[i], want[-1], rtol=1e-4, atol=1e-4)
+    assert_greedy_matches(loaded, reference, [list(range(3, 40)), [5, 9, 11]], 6)

@@ -9,8 +9,8 @@ import copy
 
 import torch
 from gguf_tiny import write_tiny_gguf
-from hf_tiny import random_hf_model
-from step_builder import ToyScheduler, greedy_run
+from hf_tiny import assert_greedy_matches, random_hf_model
+from step_builder import ToyScheduler
 from test_phi3 import TINY_PHI3
 
 from ferrobatch.model.config import ModelConfig
@@ -25,21 +25,6 @@ PHI4_MINI = {**TINY_PHI3, "partial_rotary_factor": 0.75, "tie_word_embeddings": 
              "rope_scaling": {"type": "longrope",
                               "short_factor": [1.0 + 0.4 * i for i in range(6)],
                               "long_factor": [3.0 + 0.5 * i for i in range(6)]}}
-
-
-def _greedy_matches(loaded, reference, prompts, new_tokens, execute=None, runner=None):
-    runner = runner or ModelRunner(loaded, num_blocks=64, block_size=4)
-    sched = ToyScheduler(64, 4, token_budget=16)
-    for i, prompt in enumerate(prompts):
-        sched.add(i, prompt, new_tokens)
-    generated, last = greedy_run(runner, sched, execute=execute)
-    with torch.no_grad():
-        for i, prompt in enumerate(prompts):
-            sequence = prompt + generated[i][:-1]
-            want = reference(torch.tensor([sequence])).logits[0]
-            assert want[len(prompt) - 1:].argmax(-1).tolist() == generated[i]
-            torch.testing.assert_close(last[i], want[-1], rtol=1e-4, atol=1e-4)
-    return generated
 
 
 def test_the_head_order_pairs_rotated_dims_half_a_head_apart():
@@ -62,7 +47,7 @@ def test_a_phi4_mini_shaped_directory_matches_transformers(tmp_path, monkeypatch
     reference.save_pretrained(tmp_path, safe_serialization=True)
     loaded = load_model(str(tmp_path))
     assert loaded.config.rotary_dim == 12 and loaded.config.max_position_embeddings == 64
-    _greedy_matches(loaded, reference, [list(range(3, 50)), [5, 9, 11]], 6)
+    assert_greedy_matches(loaded, reference, [list(range(3, 50)), [5, 9, 11]], 6)
     # the weights left in transformers' order give other logits: the reordering is what matched
     import ferrobatch.model.loader as loader
     monkeypatch.setattr(loader, "state_in_model_layout", lambda state, config: state)
@@ -107,7 +92,7 @@ def test_a_phi4_mini_shaped_gguf_with_q8_0_blocks_matches_transformers(tmp_path)
     assert loaded.config.rotary_dim == 24 and loaded.config.head_dim == 32
     proven = block_weights_for_modules(loaded.model, read_block_weights(str(path), loaded.config))
     assert "layers.0.self_attn.qkv_proj" in proven and "layers.1.self_attn.qkv_proj" in proven
-    _greedy_matches(loaded, reference, [list(range(3, 50)), [5, 9, 11]], 6)
+    assert_greedy_matches(loaded, reference, [list(range(3, 50)), [5, 9, 11]], 6)
 
 
 def test_lora_and_weight_updates_follow_the_order(tmp_path):
@@ -129,7 +114,7 @@ def test_lora_and_weight_updates_follow_the_order(tmp_path):
     runner = ModelRunner(loaded, num_blocks=64, block_size=4)
     runner.enable_lora(max_loras=1, max_rank=4).put(1, read_lora_adapter(
         str(tmp_path / "adapter"), loaded.config))
-    _greedy_matches(loaded, merged, [list(range(3, 30)), [5, 9, 11, 40]], 4, runner=runner,
+    assert_greedy_matches(loaded, merged, [list(range(3, 30)), [5, 9, 11, 40]], 4, runner=runner,
                     execute=lambda batch: runner.execute(batch, lora_slots=[1] * len(
                         batch.seq_req_ids)))
-    _greedy_matches(loaded, updated, [list(range(3, 30))], 4, runner=runner)
+    assert_greedy_matches(loaded, updated, [list(range(3, 30))], 4, runner=runner)

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 from gguf_tiny import write_tiny_gguf
-from hf_tiny import random_hf_model
+from hf_tiny import assert_greedy_matches, random_hf_model
 from step_builder import ToyScheduler, greedy_run
 
 from ferrobatch.model.config import ModelConfig
@@ -32,28 +32,12 @@ TINY_PHI3_LONGROPE = {**TINY_PHI3, "max_position_embeddings": 128,
                                        "long_factor": [2.0 + 0.5 * i for i in range(8)]}}
 
 
-def _assert_matches_transformers(loaded, reference, prompts, new_tokens: int) -> None:
-    """Greedy continuations (prefill chunks and decode steps): every token, and the last
-    step's logits, equal transformers' on the whole sequence."""
-    runner = ModelRunner(loaded, num_blocks=64, block_size=4)
-    sched = ToyScheduler(64, 4, token_budget=16)
-    for i, prompt in enumerate(prompts):
-        sched.add(i, prompt, new_tokens)
-    generated, last = greedy_run(runner, sched)
-    with torch.no_grad():
-        for i, prompt in enumerate(prompts):
-            sequence = prompt + generated[i][:-1]
-            want = reference(torch.tensor([sequence])).logits[0]
-            assert want[len(prompt) - 1:].argmax(-1).tolist() == generated[i]
-            torch.testing.assert_close(last[i], want[-1], rtol=1e-4, atol=1e-4)
-
-
 def test_a_phi3_directory_matches_transformers(tmp_path):
     reference = random_hf_model(TINY_PHI3, seed=7, std=0.3)
     reference.save_pretrained(tmp_path, safe_serialization=True)
     loaded = load_model(str(tmp_path))
     assert loaded.config.arch == "phi3" and loaded.config.max_position_embeddings == 64
-    _assert_matches_transformers(loaded, reference, [list(range(3, 40)), [5, 9, 11]], 6)
+    assert_greedy_matches(loaded, reference, [list(range(3, 40)), [5, 9, 11]], 6)
 
 
 def test_longrope_within_the_original_context_matches_transformers(tmp_path, caplog):
@@ -66,7 +50,7 @@ def test_longrope_within_the_original_context_matches_transformers(tmp_path, cap
     assert loaded.config.rope_scaling["factor"] == 4.0
     # up to 32 tokens, where transformers applies the short factors (and the 4x stretch's
     # attention factor, sqrt(1 + ln 4 / ln 32))
-    _assert_matches_transformers(loaded, reference, [list(range(3, 26)), [5, 9, 11]], 6)
+    assert_greedy_matches(loaded, reference, [list(range(3, 26)), [5, 9, 11]], 6)
 
 
 def test_phi3_configs_read_refused_or_capped(caplog):
@@ -119,7 +103,7 @@ def test_a_phi3_gguf_matches_transformers(tmp_path):
     write_tiny_gguf(path, reference, TINY_PHI3_LONGROPE, "phi3", metadata=phi3_keys)
     loaded = load_model(str(path))
     assert loaded.config.arch == "phi3" and loaded.config.max_position_embeddings == 32
-    _assert_matches_transformers(loaded, reference, [list(range(3, 26)), [5, 9, 11]], 6)
+    assert_greedy_matches(loaded, reference, [list(range(3, 26)), [5, 9, 11]], 6)
 
 
 def test_a_q8_0_phi3_gguf_keeps_its_fused_blocks_and_matches_transformers(tmp_path):
@@ -138,7 +122,7 @@ def test_a_q8_0_phi3_gguf_keeps_its_fused_blocks_and_matches_transformers(tmp_pa
         [f"layers.{i}.{m}" for i in range(2)
          for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
         + ["lm_head"])
-    _assert_matches_transformers(loaded, reference, [list(range(3, 40)), [5, 9, 11]], 6)
+    assert_greedy_matches(loaded, reference, [list(range(3, 40)), [5, 9, 11]], 6)
 
 
 def test_weights_updated_under_phi3_names_give_the_new_models_tokens(tmp_path):
@@ -153,7 +137,7 @@ def test_weights_updated_under_phi3_names_give_the_new_models_tokens(tmp_path):
     update = plan_update(loaded.model, dict(second.state_dict()))
     assert "model.layers.1.self_attn.qkv_proj.weight" in [w.name for w in update.writes]
     apply_update(loaded.model, update)
-    _assert_matches_transformers(loaded, second, [list(range(3, 30))], 4)
+    assert_greedy_matches(loaded, second, [list(range(3, 30))], 4)
 
 
 def test_a_phi3_lora_adapter_on_its_fused_modules_matches_the_merged_model(tmp_path):

@@ -8,13 +8,11 @@ import dataclasses
 import pytest
 import torch
 from gguf_tiny import write_tiny_gguf
-from hf_tiny import random_hf_model
-from step_builder import ToyScheduler, greedy_run
+from hf_tiny import assert_greedy_matches, random_hf_model
 
 from ferrobatch.model.config import ModelConfig
 from ferrobatch.model.loader import load_model
 from ferrobatch.model.rope import RotaryEmbedding, rope_context_length, rope_parameters
-from ferrobatch.runtime.model_runner import ModelRunner
 
 QWEN3_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
 
@@ -83,20 +81,9 @@ TINY_YARN = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidd
 
 def _assert_matches_transformers(loaded, reference) -> None:
     """Greedy continuations of prompts longer than the original context (16: the stretched,
-    interpolated regime), prefill chunks and decode steps both: every token and the last
-    step's logits equal transformers' on the whole sequence."""
-    prompts = [list(range(3, 56)), list(range(50, 53)), list(range(7, 30))]
-    runner = ModelRunner(loaded, num_blocks=64, block_size=4)
-    sched = ToyScheduler(64, 4, token_budget=16)
-    for i, prompt in enumerate(prompts):
-        sched.add(i, prompt, 5)
-    generated, last = greedy_run(runner, sched)
-    with torch.no_grad():
-        for i, prompt in enumerate(prompts):
-            sequence = prompt + generated[i][:-1]
-            want = reference(torch.tensor([sequence])).logits[0]
-            assert want[len(prompt) - 1:].argmax(-1).tolist() == generated[i]
-            torch.testing.assert_close(last[i], want[-1], rtol=1e-4, atol=1e-4)
+    interpolated regime) against transformers."""
+    assert_greedy_matches(loaded, reference,
+                          [list(range(3, 56)), list(range(50, 53)), list(range(7, 30))], 5)
 
 
 def test_a_yarn_hf_directory_matches_transformers(tmp_path):

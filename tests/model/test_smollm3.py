@@ -4,10 +4,8 @@ Face directories and GGUF files against transformers."""
 from __future__ import annotations
 
 import pytest
-import torch
 from gguf_tiny import write_tiny_gguf
-from hf_tiny import random_hf_model
-from step_builder import ToyScheduler, greedy_run
+from hf_tiny import assert_greedy_matches, random_hf_model
 
 from ferrobatch.model.hf_loader import config_from_hf
 from ferrobatch.model.loader import load_model
@@ -26,16 +24,7 @@ def _greedy_matches(loaded, reference, prompts, new_tokens, fused=True):
     apart there), else layer by layer."""
     runner = ModelRunner(loaded, num_blocks=64, block_size=4, fused_decode=fused)
     assert (runner.model.fused_layers is not None) == fused
-    sched = ToyScheduler(64, 4, token_budget=16)
-    for i, prompt in enumerate(prompts):
-        sched.add(i, prompt, new_tokens)
-    generated, last = greedy_run(runner, sched)
-    with torch.no_grad():
-        for i, prompt in enumerate(prompts):
-            sequence = prompt + generated[i][:-1]
-            want = reference(torch.tensor([sequence])).logits[0]
-            assert want[len(prompt) - 1:].argmax(-1).tolist() == generated[i]
-            torch.testing.assert_close(last[i], want[-1], rtol=1e-4, atol=1e-4)
+    assert_greedy_matches(loaded, reference, prompts, new_tokens, runner=runner)
 
 
 def test_which_layers_go_without_rope():
