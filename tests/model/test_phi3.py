@@ -103,6 +103,8 @@ def test_a_phi3_gguf_matches_transformers(tmp_path):
     write_tiny_gguf(path, reference, TINY_PHI3_LONGROPE, "phi3", metadata=phi3_keys)
     loaded = load_model(str(path))
     assert loaded.config.arch == "phi3" and loaded.config.max_position_embeddings == 32
+    long = load_model(str(path), max_model_len=64).config      # the long factors' tensor
+    assert long.max_position_embeddings == 128 and long.rope_scaling["use_long_factor"]
     assert_greedy_matches(loaded, reference, [list(range(3, 26)), [5, 9, 11]], 6)
 
 
@@ -196,3 +198,34 @@ def test_a_phi3_gguf_lora_file_reads_as_its_peft_twin(tmp_path):
         for name in PHI3:
             torch.testing.assert_close(mine[name].a_t, theirs[name].a_t)
             torch.testing.assert_close(mine[name].b_t, theirs[name].b_t)
+
+
+def test_a_context_past_the_original_takes_the_long_factors(tmp_path):
+    """``max_model_len`` past the original context: the long factors at every position and
+    the whole stretched context served (llama.cpp's choice for such a context); transformers
+    takes the long factors for any sequence past the original, so sequences of 33..128 tokens
+    match it."""
+    reference = random_hf_model(TINY_PHI3_LONGROPE, seed=17, std=0.3)
+    reference.save_pretrained(tmp_path, safe_serialization=True)
+    assert load_model(str(tmp_path)).config.max_position_embeddings == 32     # short factors
+    loaded = load_model(str(tmp_path), max_model_len=100)
+    assert loaded.config.max_position_embeddings == 128
+    assert loaded.config.rope_scaling["use_long_factor"]
+    assert_greedy_matches(loaded, reference, [list(range(3, 60)), list(range(20, 90))], 6)
+    # past the stretched context too (the engine then refuses it, naming the 128)
+    assert load_model(str(tmp_path), max_model_len=500).config.max_position_embeddings == 128
+
+
+def test_the_engine_serves_a_long_context_when_asked(tmp_path):
+    from ferrobatch import LLM, SamplingParams
+
+    cfg = {**TINY_PHI3_LONGROPE, "vocab_size": 49152}
+    random_hf_model(cfg, seed=18).save_pretrained(tmp_path, safe_serialization=True)
+    llm = LLM(model=str(tmp_path), tokenizer="smollm2", max_num_seqs=2, max_model_len=100)
+    try:
+        out = llm.generate([list(range(3, 80))], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.close()
+    with pytest.raises(ValueError, match="128"):
+        LLM(model=str(tmp_path), tokenizer="smollm2", max_model_len=500)

@@ -150,7 +150,8 @@ class EngineCore:
         device = config.resolved_device()
         if loaded is None:
             loaded = load_model(config.model, device=device, dtype=_torch_dtype(config.dtype),
-                                require_tokenizer=config.tokenizer is None)
+                                require_tokenizer=config.tokenizer is None,
+                                max_model_len=config.max_model_len)
         if config.tokenizer is not None:          # another tokenizer (and its template)
             loaded = _with_tokenizer(loaded, config.tokenizer)
         if loaded.tokenizer is None:

@@ -13,7 +13,7 @@ from ferrobatch.model.config import ModelConfig
 from ferrobatch.model.llama import LlamaForCausalLM
 from ferrobatch.model.model_layout import state_in_model_layout
 from ferrobatch.model.random_init import init_random_weights, random_config
-from ferrobatch.model.rope import RotaryEmbedding
+from ferrobatch.model.rope import RotaryEmbedding, longrope_for_context
 from ferrobatch.model.tokenizer import Tokenizer
 
 SMOLLM2_ALIAS = "smollm2"
@@ -172,9 +172,12 @@ def _load_gguf_tokenizer(path: str) -> Tokenizer:
 
 
 def load_model(name_or_path: str, *, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = None, require_tokenizer: bool = False) -> LoadedModel:
+               dtype: torch.dtype | None = None, require_tokenizer: bool = False,
+               max_model_len: int | None = None) -> LoadedModel:
     """Resolves and loads a model. FileNotFoundError for missing files, ValueError for unsupported
-    ones, and with `require_tokenizer` for a `random:<shape>` without one (before building it)."""
+    ones, and with `require_tokenizer` for a `random:<shape>` without one (before building it).
+    ``max_model_len`` past a LongRoPE model's original context selects its long factors
+    (``rope.longrope_for_context``)."""
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     if name_or_path.startswith(RANDOM_PREFIX):
@@ -212,6 +215,7 @@ def load_model(name_or_path: str, *, device: str | torch.device = "cpu",
         raise FileNotFoundError(
             f"model {name_or_path!r} not found: expected 'smollm2', 'random:<shape>', "
             "a .gguf file, a Hugging Face model directory or a Hub id ('org/name')")
+    config = longrope_for_context(config, max_model_len)
     model = build_model(config, state, device=device, dtype=dtype)
     return LoadedModel(name_or_path, config, model, tokenizer,
                        tokenizer.chat_template if tokenizer else None, source=source)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -49,21 +50,25 @@ def rope_parameters(config: ModelConfig) -> tuple[torch.Tensor, float]:
     if rope_type == "yarn":
         return _yarn(config, inv_freq, scaling)
     if rope_type in ("longrope", "su"):
-        return _longrope_short(config, inv_freq, scaling)
+        return _longrope(config, inv_freq, scaling)
     raise ValueError(f"unsupported rope scaling type {rope_type!r} "
                      "(supported: linear, llama3, yarn, longrope, freq_factors)")
 
 
-def _longrope_short(config: ModelConfig, inv_freq: torch.Tensor,
-                    scaling: dict) -> tuple[torch.Tensor, float]:
-    """LongRoPE (Phi-3 128k, Phi-3.5) within its original context: each frequency divided by its
-    ``short_factor``, cos / sin scaled by the attention factor of the whole stretch (as
-    transformers does at every length). Beyond the original context the model switches to its
-    ``long_factor`` set, which ferrobatch does not do: loaders cap the context there
-    (:func:`rope_context_length`)."""
-    factors = torch.tensor(scaling["short_factor"], dtype=torch.float32)
+def _longrope(config: ModelConfig, inv_freq: torch.Tensor,
+               scaling: dict) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini): each frequency divided by its
+    ``short_factor`` (within the original context, the default: loaders cap the context there,
+    :func:`rope_context_length`) or, where the scaling says ``use_long_factor`` (a context past
+    the original was asked for, :func:`longrope_for_context`), by its ``long_factor``, at every
+    position, as llama.cpp does for such a context; cos / sin scaled by the attention factor of
+    the whole stretch (as transformers does at every length)."""
+    which = "long_factor" if scaling.get("use_long_factor") else "short_factor"
+    if which not in scaling:
+        raise ValueError(f"longrope scaling lacks {which}")
+    factors = torch.tensor(scaling[which], dtype=torch.float32)
     if factors.shape != inv_freq.shape:
-        raise ValueError(f"longrope short_factor: expected {inv_freq.shape[0]} values, "
+        raise ValueError(f"longrope {which}: expected {inv_freq.shape[0]} values, "
                          f"got {factors.shape[0]}")
     attention = scaling.get("attention_factor")
     if attention is None:
@@ -121,12 +126,14 @@ def rope_context_length(max_position_embeddings: int, scaling: dict | None) -> i
     original context (where its short factors apply, see :func:`_longrope_short`)."""
     scaling = scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in ("longrope", "su") and scaling.get("use_long_factor"):
+        return int(max_position_embeddings)
     if rope_type in ("longrope", "su") and scaling.get("original_max_position_embeddings"):
         original = int(scaling["original_max_position_embeddings"])
         if original < int(max_position_embeddings):
-            logger.warning("LongRoPE: serving the original context of %d tokens (not %d): the "
-                           "long factors beyond it are not applied", original,
-                           max_position_embeddings)
+            logger.warning("LongRoPE: serving the original context of %d tokens (not %d) with "
+                           "the short factors; a longer --max-model-len switches every "
+                           "position to the long factors", original, max_position_embeddings)
         return min(int(max_position_embeddings), original)
     if rope_type == "yarn" and scaling.get("factor") and scaling.get("original_max_position_embeddings"):
         stretched = int(float(scaling["original_max_position_embeddings"]) * float(scaling["factor"]))
@@ -178,3 +185,20 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def longrope_for_context(config: ModelConfig, max_model_len: int | None) -> ModelConfig:
+    """``config`` with LongRoPE's long factors at every position where ``max_model_len`` asks
+    for more than the original context (its whole stretched context served, as llama.cpp does
+    for such a context; transformers switches per sequence length: a longer ask is then
+    refused by the engine against the stretched context); as it is otherwise."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su") \
+            or max_model_len is None or max_model_len <= config.max_position_embeddings:
+        return config
+    original = int(scaling["original_max_position_embeddings"])
+    stretched = int(round(original * float(scaling.get("factor") or 1.0)))
+    logger.info("LongRoPE: the long factors at every position, for a context of up to %d "
+                "tokens (past the original %d)", stretched, original)
+    return dataclasses.replace(config, max_position_embeddings=stretched,
+                               rope_scaling={**scaling, "use_long_factor": True})
