@@ -94,3 +94,37 @@ def write_gguf_lora(path: str, cfg, pairs: dict, alpha: float, *, arch: str = "l
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def assert_update_and_lora_match_transformers(tmp_path, cfg: dict, targets, seeds: tuple) -> None:
+    """A tiny transformers model of config dict ``cfg`` saved and loaded, a trainer's new
+    weights (another random model, under transformers' names and values) applied as a weight
+    update, then a PEFT adapter on ``targets`` installed in slot 1: rows with the adapter give
+    the updated model's tokens with the adapter merged, rows without it the updated model's.
+    ``seeds``: (model, update, adapter)."""
+    import copy
+
+    from hf_tiny import assert_greedy_matches, random_hf_model
+
+    from ferrobatch.model.loader import load_model
+    from ferrobatch.model.lora_adapter import read_lora_adapter
+    from ferrobatch.runtime.model_runner import ModelRunner
+    from ferrobatch.runtime.weight_update import apply_update, plan_update
+
+    model_seed, update_seed, adapter_seed = seeds
+    random_hf_model(cfg, seed=model_seed, std=0.3).save_pretrained(
+        tmp_path / "model", safe_serialization=True)
+    loaded = load_model(str(tmp_path / "model"))
+    updated = random_hf_model(cfg, seed=update_seed, std=0.3)
+    apply_update(loaded.model, plan_update(loaded.model, dict(updated.state_dict())))
+    pairs = write_peft_adapter(str(tmp_path / "adapter"), loaded.config, targets=targets, r=4,
+                               alpha=8, seed=adapter_seed, b_std=0.2)
+    merged = copy.deepcopy(updated)
+    merge_into(merged, pairs, 2.0)
+    runner = ModelRunner(loaded, num_blocks=64, block_size=4)
+    runner.enable_lora(max_loras=1, max_rank=4).put(1, read_lora_adapter(
+        str(tmp_path / "adapter"), loaded.config))
+    assert_greedy_matches(
+        loaded, merged, [list(range(3, 30)), [5, 9, 11, 40]], 4, runner=runner,
+        execute=lambda batch: runner.execute(batch, lora_slots=[1] * len(batch.seq_req_ids)))
+    assert_greedy_matches(loaded, updated, [list(range(3, 30))], 4, runner=runner)

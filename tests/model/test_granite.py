@@ -4,14 +4,11 @@ directories and GGUF files, LoRA adapters and weight updates against transformer
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 from gguf_tiny import write_tiny_gguf
 from hf_tiny import assert_greedy_matches, random_hf_model
 
 from ferrobatch.model.loader import load_model
-from ferrobatch.runtime.model_runner import ModelRunner
 
 # Granite 3's scalars for a tiny shape (3.x-8B: 12, 0.22, 16, 1/128)
 TINY_GRANITE = {"model_type": "granite", "architectures": ["GraniteForCausalLM"],
@@ -54,24 +51,6 @@ def test_a_granite_gguf_matches_transformers(tmp_path):
 def test_lora_and_weight_updates_carry_the_scalars(tmp_path):
     """A LoRA adapter on every projection (its o / down deltas scaled as the modules are) and a
     trainer's new weights (transformers' names and values) give transformers' tokens."""
-    from lora_files import ATTN, MLP, merge_into, write_peft_adapter
+    from lora_files import ATTN, MLP, assert_update_and_lora_match_transformers
 
-    from ferrobatch.model.lora_adapter import read_lora_adapter
-    from ferrobatch.runtime.weight_update import apply_update, plan_update
-
-    reference = random_hf_model(TINY_GRANITE, seed=33, std=0.3)
-    reference.save_pretrained(tmp_path / "model", safe_serialization=True)
-    loaded = load_model(str(tmp_path / "model"))
-    updated = random_hf_model(TINY_GRANITE, seed=34, std=0.3)
-    apply_update(loaded.model, plan_update(loaded.model, dict(updated.state_dict())))
-    pairs = write_peft_adapter(str(tmp_path / "adapter"), loaded.config, targets=ATTN + MLP, r=4,
-                               alpha=8, seed=5, b_std=0.2)
-    merged = copy.deepcopy(updated)
-    merge_into(merged, pairs, 2.0)
-    runner = ModelRunner(loaded, num_blocks=64, block_size=4)
-    runner.enable_lora(max_loras=1, max_rank=4).put(1, read_lora_adapter(
-        str(tmp_path / "adapter"), loaded.config))
-    assert_greedy_matches(loaded, merged, [list(range(3, 30)), [5, 9, 11, 40]], 4, runner=runner,
-                    execute=lambda batch: runner.execute(batch, lora_slots=[1] * len(
-                        batch.seq_req_ids)))
-    assert_greedy_matches(loaded, updated, [list(range(3, 30))], 4, runner=runner)
+    assert_update_and_lora_match_transformers(tmp_path, TINY_GRANITE, ATTN + MLP, (33, 34, 5))

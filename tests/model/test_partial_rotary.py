@@ -5,8 +5,6 @@ updates."""
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from gguf_tiny import write_tiny_gguf
 from hf_tiny import assert_greedy_matches, random_hf_model
@@ -96,25 +94,8 @@ def test_a_phi4_mini_shaped_gguf_with_q8_0_blocks_matches_transformers(tmp_path)
 
 
 def test_lora_and_weight_updates_follow_the_order(tmp_path):
-    from lora_files import PHI3, merge_into, write_peft_adapter
+    """A trainer's new weights and a PEFT adapter of Phi-3's fused modules, both in
+    transformers' head order, give transformers' tokens."""
+    from lora_files import PHI3, assert_update_and_lora_match_transformers
 
-    from ferrobatch.model.lora_adapter import read_lora_adapter
-    from ferrobatch.runtime.weight_update import apply_update, plan_update
-
-    reference = random_hf_model(PHI4_MINI, seed=23, std=0.3)
-    reference.save_pretrained(tmp_path / "model", safe_serialization=True)
-    loaded = load_model(str(tmp_path / "model"))
-    # a trainer's new weights, under transformers' names and order
-    updated = random_hf_model(PHI4_MINI, seed=24, std=0.3)
-    apply_update(loaded.model, plan_update(loaded.model, dict(updated.state_dict())))
-    pairs = write_peft_adapter(str(tmp_path / "adapter"), loaded.config, targets=PHI3, r=4,
-                               alpha=8, seed=3, b_std=0.2)
-    merged = copy.deepcopy(updated)
-    merge_into(merged, pairs, 2.0)
-    runner = ModelRunner(loaded, num_blocks=64, block_size=4)
-    runner.enable_lora(max_loras=1, max_rank=4).put(1, read_lora_adapter(
-        str(tmp_path / "adapter"), loaded.config))
-    assert_greedy_matches(loaded, merged, [list(range(3, 30)), [5, 9, 11, 40]], 4, runner=runner,
-                    execute=lambda batch: runner.execute(batch, lora_slots=[1] * len(
-                        batch.seq_req_ids)))
-    assert_greedy_matches(loaded, updated, [list(range(3, 30))], 4, runner=runner)
+    assert_update_and_lora_match_transformers(tmp_path, PHI4_MINI, PHI3, (23, 24, 3))
