@@ -41,7 +41,8 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int):
 def write_tiny_gguf(path, reference, cfg: dict, arch: str,
                     metadata: Callable | None = None, q8_0_linears: bool = False,
                     q4_k_linears: bool = False, vocabulary: Callable | None = None,
-                    linear_types: Callable | None = None) -> None:
+                    linear_types: Callable | None = None,
+                    embedding_type: str | None = None) -> None:
     """Writes ``reference`` (a transformers model of config dict ``cfg``) as a GGUF of ``arch``
     with a byte-level vocabulary of single characters. For the architectures whose converter
     permutes Q / K rows for llama.cpp's interleaved RoPE (llama, granite) the rows are permuted
@@ -51,7 +52,9 @@ def write_tiny_gguf(path, reference, cfg: dict, arch: str,
     what those blocks hold, so it stays the oracle; with ``q4_k_linears`` they are random Q4_K
     blocks (:func:`random_blocks`), dequantized into ``reference`` by gguf-py; ``linear_types``
     (llama.cpp tensor name -> a type name, or None for float32) does the same per tensor.
-    ``vocabulary(writer)`` writes the tokenizer keys in place of the single-character one."""
+    ``vocabulary(writer)`` writes the tokenizer keys in place of the single-character one;
+    ``embedding_type`` stores the token embeddings in that block type (random blocks, as the
+    linears)."""
     import gguf
     from tokenizers.pre_tokenizers import ByteLevel
 
@@ -102,7 +105,9 @@ def write_tiny_gguf(path, reference, cfg: dict, arch: str,
         chosen = "Q4_K" if q4_k_linears else None
         if linear_types is not None:
             chosen = linear_types(gguf_name)
-        if chosen and values.ndim == 2 and not gguf_name.startswith("token_embd"):
+        if gguf_name.startswith("token_embd"):
+            chosen = embedding_type
+        if chosen and values.ndim == 2:
             import torch
             from gguf.quants import dequantize
 

@@ -149,9 +149,14 @@ class EngineCore:
 
         device = config.resolved_device()
         if loaded is None:
-            loaded = load_model(config.model, device=device, dtype=_torch_dtype(config.dtype),
+            from ferrobatch.runtime.cpu_linear import packing_unsupported
+            dtype = _torch_dtype(config.dtype)
+            # a GGUF's block-format linears straight to the CPU block kernels, never float32
+            gguf_blocks = config.gguf_blocks and packing_unsupported(
+                torch.device(device), dtype or torch.float32) is None
+            loaded = load_model(config.model, device=device, dtype=dtype,
                                 require_tokenizer=config.tokenizer is None,
-                                max_model_len=config.max_model_len)
+                                max_model_len=config.max_model_len, gguf_blocks=gguf_blocks)
         if config.tokenizer is not None:          # another tokenizer (and its template)
             loaded = _with_tokenizer(loaded, config.tokenizer)
         if loaded.tokenizer is None:
@@ -202,7 +207,6 @@ class EngineCore:
         if loaded.device.type == "cpu":
             check_cpu_kv_fits(num_blocks * kv_block_bytes(mcfg, config.block_size, kv_dtype))
             if config.cpu_threads is not None:    # the runner's kernels take torch's count
-                import torch
                 torch.set_num_threads(config.cpu_threads)
         runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=config.block_size,
                              device=device, attn_backend=config.attn_backend,

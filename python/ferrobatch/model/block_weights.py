@@ -99,32 +99,60 @@ class BlockWeight:
         return tuple(np.ascontiguousarray(t.numpy()) for t in parts)
 
 
+KERNEL_TYPES = (*Q4_TYPES, *G16_TYPES, Q8_0)     # GGUF types some block kernel reads
+
+
+def kept_as_blocks(name: str, type_id: int, ndim: int, config) -> bool:
+    """True for a GGUF tensor (Hugging Face name ``name``) a block kernel can read as the model
+    keeps it: a linear layer's weight (or the tied embedding, the LM head's) in a block format,
+    not rescaled by the model's layout (Granite's folded multipliers)."""
+    from ferrobatch.model.model_layout import folded_factor
+
+    if ndim != 2 or type_id not in KERNEL_TYPES:
+        return False
+    linear = name.endswith("_proj.weight") or name == "lm_head.weight" or (
+        name == "model.embed_tokens.weight" and config.tie_word_embeddings)
+    return linear and folded_factor(name, config) == 1.0
+
+
+def gguf_block_weight(tensor, name: str, config) -> BlockWeight:
+    """A GGUF tensor (``gguf_file.GGUFTensorInfo`` of a :data:`KERNEL_TYPES` type, Hugging Face
+    name ``name``) as blocks, rows in the checkpoint's Hugging Face order (Llama Q/K
+    un-permuted as the loader does)."""
+    from ferrobatch.model.gguf_loader import unpermute_qk
+
+    raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+    weight = BlockWeight.from_gguf(tensor.type_id, raw.reshape(tensor.shape[0], -1))
+    if unpermute_qk(name, torch.arange(weight.shape[0]), config).equal(
+            torch.arange(weight.shape[0])):
+        return weight
+    return weight.rows_permuted(lambda t: unpermute_qk(name, t, config))
+
+
+def _in_model_layout(name: str, weight: BlockWeight, config) -> BlockWeight:
+    """Blocks of checkpoint tensor ``name`` with the model's row order (partial rotary's
+    q / k head dims); the model's folded factors are not applied (see :func:`kept_as_blocks`)."""
+    from ferrobatch.model.partial_rotary import head_dim_order, reorder_heads
+
+    if head_dim_order(config) is None or "self_attn." not in name:
+        return weight
+    return weight.rows_permuted(lambda t: reorder_heads(name, t, config))
+
+
 def read_block_weights(path: str, config) -> dict[str, BlockWeight]:
     """The Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 tensors of a GGUF file under
-    their Hugging Face names
-    (``...q_proj.weight``), Llama Q/K rows un-permuted as the loader does; other types are left
-    out."""
-    from ferrobatch.model.config import GGUF_PERMUTED_QK
+    their Hugging Face names (``...q_proj.weight``), rows as the model keeps them; other types
+    are left out."""
     from ferrobatch.model.gguf_file import GGUFFile
-    from ferrobatch.model.gguf_loader import _hf_name, reverse_llama_permute
-    from ferrobatch.model.partial_rotary import head_dim_order, reorder_heads
+    from ferrobatch.model.gguf_loader import _hf_name
 
     reader = GGUFFile(path)
     out: dict[str, BlockWeight] = {}
     for tensor in reader.tensors.values():
         name = _hf_name(tensor.name, config.arch)
-        if name is None or len(tensor.shape) != 2 or \
-                tensor.type_id not in (*Q4_TYPES, *G16_TYPES, Q8_0):
+        if name is None or len(tensor.shape) != 2 or tensor.type_id not in KERNEL_TYPES:
             continue
-        raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
-        weight = BlockWeight.from_gguf(tensor.type_id, raw.reshape(tensor.shape[0], -1))
-        if config.arch in GGUF_PERMUTED_QK and ".q_proj." in name:
-            weight = weight.rows_permuted(lambda t: reverse_llama_permute(t, config.num_heads))
-        elif config.arch in GGUF_PERMUTED_QK and ".k_proj." in name:
-            weight = weight.rows_permuted(lambda t: reverse_llama_permute(t, config.num_kv_heads))
-        if head_dim_order(config) is not None and "self_attn." in name:
-            weight = weight.rows_permuted(lambda t, n=name: reorder_heads(n, t, config))
-        out[name] = weight
+        out[name] = _in_model_layout(name, gguf_block_weight(tensor, name, config), config)
     return out
 
 
@@ -133,6 +161,8 @@ def _concat(parts: list[BlockWeight | None]) -> BlockWeight | None:
     differ: Q4_K q / k beside a Q6_K v, as in llama.cpp's Q4_K_M)."""
     if any(p is None for p in parts):
         return None
+    if len(parts) == 1:
+        return parts[0]
     if len({p.type_id for p in parts}) != 1:
         parts = [p.as_q8_g16() for p in parts]
     minimum = None if parts[0].minimum is None else torch.cat([p.minimum for p in parts])
@@ -140,33 +170,73 @@ def _concat(parts: list[BlockWeight | None]) -> BlockWeight | None:
                        torch.cat([p.qs for p in parts]), minimum)
 
 
+def _module_parts(config, names) -> list[tuple[str, list[str]]]:
+    """Each linear module of the model (its path) with the checkpoint tensors stacked into its
+    weight: q / k / v or a fused qkv, gate / up or a fused gate_up, the LM head or the tied
+    embedding."""
+    out = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        qkv, gate_up = f"{p}self_attn.qkv_proj.weight", f"{p}mlp.gate_up_proj.weight"
+        out += [
+            (f"layers.{i}.self_attn.qkv_proj", [qkv] if qkv in names else
+             [f"{p}self_attn.{n}_proj.weight" for n in "qkv"]),
+            (f"layers.{i}.self_attn.o_proj", [f"{p}self_attn.o_proj.weight"]),
+            (f"layers.{i}.mlp.gate_up_proj", [gate_up] if gate_up in names else
+             [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up")]),
+            (f"layers.{i}.mlp.down_proj", [f"{p}mlp.down_proj.weight"])]
+    out.append(("lm_head", ["model.embed_tokens.weight"] if config.tie_word_embeddings
+                else ["lm_head.weight"]))
+    return out
+
+
+def module_block_weights(blocks: dict[str, BlockWeight], state: dict[str, torch.Tensor],
+                         config) -> dict[str, BlockWeight]:
+    """Module path -> its blocks in the model's layout, for every linear module whose
+    checkpoint tensors are all in ``blocks`` (as :func:`gguf_block_weight` reads them); the
+    parts of a module only partly there are dequantized into ``state`` in place of their
+    meta placeholders (the loader's float32 values), so ``state`` holds every other weight."""
+    modules: dict[str, BlockWeight] = {}
+    for path, names in _module_parts(config, set(blocks) | set(state)):
+        parts = [blocks.get(n) for n in names]
+        if all(p is not None for p in parts):
+            modules[path] = _concat([_in_model_layout(n, p, config)
+                                     for n, p in zip(names, parts, strict=True)])
+            continue
+        for name, part in zip(names, parts, strict=True):
+            if part is not None and name in state and state[name].is_meta:
+                state[name] = part.dequantize()
+    return modules
+
+
 def block_weights_for_modules(model, blocks: dict[str, BlockWeight]) -> dict[str, BlockWeight]:
     """Module path (``layers.3.self_attn.qkv_proj``, ``lm_head``) -> its blocks, for every linear
-    module whose float32 weight the blocks reproduce exactly; the rest are left out. Call it
-    before the weights are packed (it reads each ``nn.Linear.weight``)."""
-    wanted: dict[str, tuple[BlockWeight | None, torch.Tensor]] = {}
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = blocks.get(f"{p}self_attn.qkv_proj.weight") or _concat(
-            [blocks.get(f"{p}self_attn.{n}_proj.weight") for n in "qkv"])     # fused: Phi-3
-        gate_up = blocks.get(f"{p}mlp.gate_up_proj.weight") or _concat(
-            [blocks.get(f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")])
-        wanted[f"layers.{i}.self_attn.qkv_proj"] = (qkv, _weight(attn.qkv_proj))
-        wanted[f"layers.{i}.self_attn.o_proj"] = (blocks.get(f"{p}self_attn.o_proj.weight"),
-                                                  _weight(attn.o_proj))
-        wanted[f"layers.{i}.mlp.gate_up_proj"] = (gate_up, _weight(mlp.gate_up_proj))
-        wanted[f"layers.{i}.mlp.down_proj"] = (blocks.get(f"{p}mlp.down_proj.weight"),
-                                               _weight(mlp.down_proj))
-    head = blocks.get("lm_head.weight") if model.lm_head is not None else blocks.get(
-        "model.embed_tokens.weight")
-    wanted["lm_head"] = (head, model.lm_head_weight)
+    module whose float32 weight the blocks (:func:`read_block_weights`) reproduce exactly; the
+    rest are left out. Call it before the weights are packed (it reads each
+    ``nn.Linear.weight``)."""
     out = {}
-    for name, (bw, weight) in wanted.items():
+    for path, names in _module_parts(model.config, blocks):
+        weight = model.lm_head_weight if path == "lm_head" else _weight(model.get_submodule(path))
+        bw = _concat([blocks.get(n) for n in names])
         if bw is not None and weight is not None and tuple(weight.shape) == bw.shape \
                 and torch.equal(bw.dequantize(), weight):
-            out[name] = bw
+            out[path] = bw
     return out
+
+
+def materialize_block_linears(model, blocks: dict[str, BlockWeight]) -> int:
+    """Gives each linear module of ``model`` whose weight is still on the meta device (a model
+    loaded with ``load_gguf_blocks``) its float32 weight, dequantized from ``blocks``; returns
+    how many."""
+    made = 0
+    for path, weight in blocks.items():
+        module = getattr(model, "lm_head", None) if path == "lm_head" else \
+            model.get_submodule(path)
+        if module is not None and getattr(module, "weight", None) is not None \
+                and module.weight.is_meta:
+            module.weight = torch.nn.Parameter(weight.dequantize(), requires_grad=False)
+            made += 1
+    return made
 
 
 def _weight(module) -> torch.Tensor | None:

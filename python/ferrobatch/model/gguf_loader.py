@@ -14,6 +14,12 @@ from typing import Any
 import torch
 
 from ferrobatch.model.attention_window import capped_to_window
+from ferrobatch.model.block_weights import (
+    BlockWeight,
+    gguf_block_weight,
+    kept_as_blocks,
+    module_block_weights,
+)
 from ferrobatch.model.config import GGUF_PERMUTED_QK, ModelConfig
 from ferrobatch.model.dequant import dequantize_tensor
 from ferrobatch.model.fused_tensors import split_fused_projections
@@ -211,6 +217,23 @@ def read_tokenizer_metadata(reader: GGUFFile) -> GGUFTokenizerMetadata:
 
 def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], GGUFTokenizerMetadata]:
     """Reads a GGUF file into a float32 CPU state dict (HF names, Q/K un-permuted for Llama)."""
+    config, state, meta, _ = _read_gguf(path, keep_blocks=False)
+    return config, state, meta
+
+
+def load_gguf_blocks(path: str | os.PathLike) -> tuple[
+        ModelConfig, dict[str, torch.Tensor], GGUFTokenizerMetadata, dict[str, BlockWeight]]:
+    """As :func:`load_gguf`, but the linear layers the CPU block kernels read are never
+    dequantized: their state entries are meta-device placeholders of the right shape, and the
+    fourth value maps each such module (``layers.3.self_attn.qkv_proj``, ``lm_head``) to its
+    blocks, laid out as the model keeps the weight (``block_weights.module_block_weights``).
+    The embedding table stays float32 (rows are looked up), and is also the tied LM head's
+    blocks. A module only partly in block formats is dequantized whole."""
+    return _read_gguf(path, keep_blocks=True)
+
+
+def _read_gguf(path: str | os.PathLike, keep_blocks: bool) -> tuple[
+        ModelConfig, dict[str, torch.Tensor], GGUFTokenizerMetadata, dict[str, BlockWeight]]:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -226,19 +249,32 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
         config = dataclasses.replace(
             config, rope_scaling={"rope_type": "freq_factors", "factors": values.tolist()})
     state: dict[str, torch.Tensor] = {}
+    blocks: dict[str, BlockWeight] = {}
     tensors = list(reader.tensors.values())
     total = sum(t.data.nbytes for t in tensors)
-    bar = load_progress(total, "Dequantizing GGUF weights")
+    bar = load_progress(total, "Reading GGUF weights" if keep_blocks else "Dequantizing GGUF weights")
     for tensor in tensors:
         bar.update(tensor.data.nbytes)
         name = _hf_name(tensor.name, config.arch)
         if name is None:
             continue  # e.g. rope_freqs (not used) or tensors of other heads
+        if keep_blocks and kept_as_blocks(name, tensor.type_id, len(tensor.shape), config):
+            blocks[name] = gguf_block_weight(tensor, name, config)
+            if not name.endswith("embed_tokens.weight"):   # the embedding's rows are looked up
+                state[name] = torch.empty(tensor.shape, device="meta")
+                continue
         weight = dequantize_tensor(tensor.data, tensor.type_id, tensor.type_name)
-        if config.arch in GGUF_PERMUTED_QK and ".q_proj." in name:
-            weight = reverse_llama_permute(weight, config.num_heads)
-        elif config.arch in GGUF_PERMUTED_QK and ".k_proj." in name:
-            weight = reverse_llama_permute(weight, config.num_kv_heads)
-        state[name] = weight
+        state[name] = unpermute_qk(name, weight, config)
     bar.close()
-    return config, split_fused_projections(state, config), read_tokenizer_metadata(reader)
+    modules = module_block_weights(blocks, state, config) if keep_blocks else {}
+    return config, split_fused_projections(state, config), read_tokenizer_metadata(reader), modules
+
+
+def unpermute_qk(name: str, rows: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """A Q or K projection's rows (a weight, or a per-row array of its blocks) back in Hugging
+    Face order, for the architectures llama.cpp's converter permutes; other tensors as they are."""
+    if config.arch in GGUF_PERMUTED_QK and ".q_proj." in name:
+        return reverse_llama_permute(rows, config.num_heads)
+    if config.arch in GGUF_PERMUTED_QK and ".k_proj." in name:
+        return reverse_llama_permute(rows, config.num_kv_heads)
+    return rows

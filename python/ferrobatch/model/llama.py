@@ -218,6 +218,11 @@ class LlamaForCausalLM(nn.Module):
         # Runs every decoder layer of the steps it accepts in one call (set by
         # runtime.cpu_decoder for CPU decode steps), or None.
         self.fused_layers = None
+        # Module path -> GGUF blocks (model.block_weights) of the linear modules a loader with
+        # gguf_blocks=True left on the meta device, and the tied LM head's: a ModelRunner takes
+        # them (runtime.model_runner), packing them for the CPU block kernels or dequantizing
+        # them into the modules. None otherwise.
+        self.gguf_block_weights: dict | None = None
         # The LoRA adapters the layers can apply (runtime.lora.install_lora), or None.
         self.lora = None
         # Times the weights were replaced in place (runtime.weight_update): what a FusedLayers
@@ -304,6 +309,9 @@ class LlamaForCausalLM(nn.Module):
         where it already is that), so loading holds about one copy of the weights at a time,
         not the checkpoint's and the model's; any other parameter is copied into.
 
+        A meta tensor in ``state`` leaves its parameter on the meta device (a linear weight the
+        CPU kernels read from GGUF blocks, ``loader.load_model(gguf_blocks=True)``).
+
         Raises ValueError on a missing tensor or a shape mismatch.
         """
         def take(name: str) -> torch.Tensor:
@@ -314,6 +322,10 @@ class LlamaForCausalLM(nn.Module):
         def copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
             if tuple(param.shape) != tuple(value.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(param.shape)}")
+            if value.is_meta:       # a placeholder: the weight stays unmade (load_gguf_blocks)
+                if not param.is_meta:
+                    raise ValueError(f"{name}: a placeholder for a weight already loaded")
+                return
             if not param.is_meta:
                 param.copy_(value)
                 return

@@ -126,18 +126,24 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> None:
 
 
 def build_model(config: ModelConfig, state: dict[str, torch.Tensor] | None, *,
-                device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+                device: torch.device, dtype: torch.dtype,
+                block_weights: dict | None = None) -> LlamaForCausalLM:
     """Creates the model on ``device`` and loads ``state`` (HF names), or random weights if None.
-    ``state`` is emptied as its tensors move into the model (the peak is about one copy)."""
+    ``state`` is emptied as its tensors move into the model (the peak is about one copy).
+    ``block_weights`` (``load_gguf_blocks``' module path -> blocks) become the model's
+    ``gguf_block_weights``; those modules' weights (meta placeholders in ``state``) stay on the
+    meta device until a ModelRunner packs or dequantizes them."""
     model = _empty_model(config, device, dtype, materialize=state is None)
     if state is None:
         init_random_weights(model)
     else:
         model.load_hf_state_dict(state_in_model_layout(state, config), device=device)
         state.clear()
-        left = [name for name, p in model.named_parameters() if p.is_meta]
+        unmade = {f"{path}.weight" for path in block_weights or {}}
+        left = [name for name, p in model.named_parameters() if p.is_meta and name not in unmade]
         if left:
             raise ValueError(f"checkpoint lacks tensors for {', '.join(left[:5])}")
+        model.gguf_block_weights = block_weights or None
     return model.eval().requires_grad_(False)
 
 
@@ -173,11 +179,14 @@ def _load_gguf_tokenizer(path: str) -> Tokenizer:
 
 def load_model(name_or_path: str, *, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None, require_tokenizer: bool = False,
-               max_model_len: int | None = None) -> LoadedModel:
+               max_model_len: int | None = None, gguf_blocks: bool = False) -> LoadedModel:
     """Resolves and loads a model. FileNotFoundError for missing files, ValueError for unsupported
     ones, and with `require_tokenizer` for a `random:<shape>` without one (before building it).
     ``max_model_len`` past a LongRoPE model's original context selects its long factors
-    (``rope.longrope_for_context``)."""
+    (``rope.longrope_for_context``). ``gguf_blocks`` (a GGUF file on the CPU in float32): the
+    linear layers in block formats are not dequantized; the model holds their blocks
+    (``model.gguf_block_weights``) and only a ModelRunner can run it (it packs them for the
+    block kernels, or dequantizes them): the peak is the blocks, not the float32 weights."""
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     if name_or_path.startswith(RANDOM_PREFIX):
@@ -198,6 +207,7 @@ def load_model(name_or_path: str, *, device: str | torch.device = "cpu",
     path = smollm2_gguf_path() if name_or_path == SMOLLM2_ALIAS else os.path.expanduser(name_or_path)
     if not os.path.exists(path) and HUB_ID.fullmatch(name_or_path):
         path = hub_snapshot(name_or_path)
+    block_weights = None
     if os.path.isdir(path):
         from ferrobatch.model.hf_loader import load_hf_dir
 
@@ -206,9 +216,12 @@ def load_model(name_or_path: str, *, device: str | torch.device = "cpu",
     elif os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ValueError(f"unsupported model file {path}: expected a .gguf file or a model directory")
-        from ferrobatch.model.gguf_loader import load_gguf
+        from ferrobatch.model.gguf_loader import load_gguf, load_gguf_blocks
 
-        config, state, meta = load_gguf(path)
+        if gguf_blocks and device.type == "cpu" and dtype == torch.float32:
+            config, state, meta, block_weights = load_gguf_blocks(path)
+        else:
+            config, state, meta = load_gguf(path)
         tokenizer = Tokenizer.from_gguf_metadata(meta)
         source = path
     else:
@@ -216,7 +229,8 @@ def load_model(name_or_path: str, *, device: str | torch.device = "cpu",
             f"model {name_or_path!r} not found: expected 'smollm2', 'random:<shape>', "
             "a .gguf file, a Hugging Face model directory or a Hub id ('org/name')")
     config = longrope_for_context(config, max_model_len)
-    model = build_model(config, state, device=device, dtype=dtype)
+    model = build_model(config, state, device=device, dtype=dtype,
+                        block_weights=block_weights)
     return LoadedModel(name_or_path, config, model, tokenizer,
                        tokenizer.chat_template if tokenizer else None, source=source)
 

@@ -86,10 +86,24 @@ class PanelLinear(nn.Module):
         from ferrobatch._scheduler import linear_f32
         self._kernel = linear_f32
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("packed_weight", pack_panels(weight.detach().float()))
+        self.register_buffer("packed_weight", torch.empty(0) if weight.is_meta else
+                             pack_panels(weight.detach().float()))
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.num_threads = num_threads
         self.blocks: BlockKernel | None = None    # the same weights as GGUF blocks, if known
+
+    @classmethod
+    def from_blocks(cls, blocks: BlockKernel, bias: torch.Tensor | None = None,
+                    num_threads: int = 1) -> PanelLinear:
+        """The layer of a weight known only as GGUF blocks (never dequantized whole): float32
+        panels only where the blocks' tiles or quantized panels do not cover every step size
+        (then dequantized from the blocks)."""
+        rows, cols = blocks.arrays[-1].shape[0], blocks.arrays[-1].shape[1] * 32
+        layer = cls(torch.empty(rows, cols, device="meta"), bias, num_threads)
+        layer.blocks = blocks
+        if not layer.covered_without_panels():
+            layer.packed_weight = pack_panels(blocks.block_weight().dequantize())
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu":
@@ -246,33 +260,41 @@ def pack_linear_layers(model: nn.Module, num_threads: int = 1,
     """Replaces each ``nn.Linear`` under ``model`` by a :class:`PanelLinear` using ``num_threads``
     and, for a model with a ``packed_lm_head`` slot, fills it (the packed ``lm_head``, or a packed
     copy of the tied embedding matrix). ``block_weights`` (module path -> ``BlockWeight``, from
-    ``model.block_weights.block_weights_for_modules``) gives those layers their block kernel
-    (and, with ``amx`` where the CPU has AMX, their AMX tiles; elsewhere, with ``quant_panels``,
-    their quantized panels); a layer whose blocks and tiles or quantized panels cover every
-    step size then releases its float32 panels, unless ``keep_panels``.
+    ``model.block_weights.block_weights_for_modules``, or the ``gguf_block_weights`` of a model
+    loaded with ``gguf_blocks=True``, whose weights are still on the meta device) makes those
+    layers from their blocks: their block kernel (and, with ``amx`` where the CPU has AMX, their
+    AMX tiles; elsewhere, with ``quant_panels``, their quantized panels), and float32 panels only
+    where those do not cover every step size, or with ``keep_panels``.
     Returns how many weights were packed (0 when already packed; the thread count of packed
     layers is updated)."""
     num_packed = 0
     block_weights = block_weights or {}
     wants_head = hasattr(model, "packed_lm_head") and model.packed_lm_head is None
     if wants_head and getattr(model, "lm_head", None) is None:  # tied to the embeddings
-        model.packed_lm_head = PanelLinear(model.lm_head_weight, num_threads=num_threads)
+        model.packed_lm_head = PanelLinear.from_blocks(
+            BlockKernel(block_weights["lm_head"], amx, quant_panels), None, num_threads) \
+            if "lm_head" in block_weights else PanelLinear(model.lm_head_weight,
+                                                           num_threads=num_threads)
         num_packed += 1
     targets = [(prefix, parent, name, child) for prefix, parent in model.named_modules()
                for name, child in parent.named_children() if type(child) is nn.Linear]
     for prefix, parent, name, linear in targets:
-        packed = PanelLinear(linear.weight, linear.bias, num_threads)
         path = f"{prefix}.{name}" if prefix else name
         if path in block_weights:
-            packed.blocks = BlockKernel(block_weights[path], amx, quant_panels)
+            packed = PanelLinear.from_blocks(BlockKernel(block_weights[path], amx, quant_panels),
+                                             linear.bias, num_threads)
+        elif linear.weight.is_meta:
+            raise ValueError(f"{path}: the weight was never loaded and no GGUF blocks hold it")
+        else:
+            packed = PanelLinear(linear.weight, linear.bias, num_threads)
         setattr(parent, name, packed)
     if wants_head and model.packed_lm_head is None:
         model.packed_lm_head = model.lm_head
-    if wants_head and "lm_head" in block_weights:
-        model.packed_lm_head.blocks = BlockKernel(block_weights["lm_head"], amx, quant_panels)
     for module in model.modules():
         if isinstance(module, PanelLinear):
             module.num_threads = num_threads
             if not keep_panels:
                 module.drop_panels()
+            elif module.blocks is not None and not module.packed_weight.numel():
+                module.packed_weight = pack_panels(module.dense_weight())
     return num_packed + len(targets)

@@ -96,8 +96,14 @@ class ModelRunner:
         self.rust_linears = pack_weights and packing_unsupported(self.device, loaded.dtype) is None
         self.linear_kernels = "torch"      # in words, for the startup log and the serve banner
         self.attention_kernels = self.attn_backend.name   # likewise
+        # a model loaded with gguf_blocks=True: its block-format linears have no float32 weight
+        loaded_blocks, self.model.gguf_block_weights = self.model.gguf_block_weights or {}, None
+        if loaded_blocks and not (self.rust_linears and gguf_blocks):
+            from ferrobatch.model.block_weights import materialize_block_linears
+            logger.info("linear layers: %d dequantized from their GGUF blocks",
+                        materialize_block_linears(self.model, loaded_blocks))
         if self.rust_linears:
-            blocks = _gguf_block_weights(loaded) if gguf_blocks else {}
+            blocks = (loaded_blocks or _gguf_block_weights(loaded)) if gguf_blocks else {}
             quant_panels = os.environ.get("FERROBATCH_QUANT_PANELS", "1") != "0"
             num_packed = pack_linear_layers(self.model, self.kernel_threads, blocks,
                                             amx=amx_tiles, quant_panels=quant_panels)
