@@ -199,12 +199,30 @@ impl AmxShape {
 /// Packs `[n, k]` block weights into the layout of the module header, in the format
 /// [`AmxFormat::of`] gives them (validated by the quantized kernel's own check first).
 pub fn pack(w: &QuantWeight<'_>, n: usize, k: usize) -> Result<Vec<u16>, KernelInputError> {
-    let shape = crate::cpu_quant_linear::QuantShape { m: 0, n, k };
-    shape.validate(&[], w, &[], &[])?;
-    let nb = k / BLOCK;
+    let mut tiles = vec![0u16; packed_len(w, n, k)?];
+    pack_into(w, n, k, &mut tiles)?;
+    Ok(tiles)
+}
+
+/// The length of [`pack`]'s output for `[n, k]` block weights (validated first).
+pub fn packed_len(w: &QuantWeight<'_>, n: usize, k: usize) -> Result<usize, KernelInputError> {
+    crate::cpu_quant_linear::QuantShape { m: 0, n, k }.validate(&[], w, &[], &[])?;
     let format = AmxFormat::of(w)
         .ok_or_else(|| KernelInputError("Q8G16 weights have no AMX layout".into()))?;
-    let mut tiles = vec![0u16; AmxShape { m: 0, n, k }.tiles_len(format)];
+    Ok(AmxShape { m: 0, n, k }.tiles_len(format))
+}
+
+/// [`pack`] into `tiles`: zeroed, [`packed_len`] long (where the caller wants them: the
+/// bindings start them on a 64-byte boundary, a tile row's size).
+pub fn pack_into(
+    w: &QuantWeight<'_>,
+    n: usize,
+    k: usize,
+    tiles: &mut [u16],
+) -> Result<(), KernelInputError> {
+    crate::cpu_error::check_lengths(&[("tiles", tiles.len(), packed_len(w, n, k)?)])?;
+    let nb = k / BLOCK;
+    let format = AmxFormat::of(w).expect("checked by packed_len");
     // q(feature j, block b, input i of the block), scale and min of (j, b)
     let q = |j: usize, b: usize, i: usize| -> u8 {
         match w {
@@ -259,7 +277,7 @@ pub fn pack(w: &QuantWeight<'_>, n: usize, k: usize) -> Result<Vec<u16>, KernelI
             }
         }
     }
-    Ok(tiles)
+    Ok(())
 }
 
 /// `x` as three bfloat16 arrays whose sum is `x` exactly (`hi[i] + mid[i] + lo[i] == x[i]`,

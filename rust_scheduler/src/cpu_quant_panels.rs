@@ -145,13 +145,31 @@ impl QuantPanelShape {
     }
 }
 
-/// Packs the blocks of a `[n, k]` weight into the layout of the module header.
-pub fn pack(w: &QuantWeight<'_>, n: usize, k: usize) -> Result<Vec<u8>, KernelInputError> {
+/// The length of [`pack`]'s output for the blocks of a `[n, k]` weight (validated first).
+pub fn packed_len(w: &QuantWeight<'_>, n: usize, k: usize) -> Result<usize, KernelInputError> {
     QuantShape { m: 0, n, k }.validate(&[], w, &[], &[])?;
     let format = PanelFormat::of(w).expect("every block format has a panel layout");
-    let shape = QuantPanelShape { m: 0, n, k };
+    Ok(QuantPanelShape { m: 0, n, k }.packed_len(format))
+}
+
+/// Packs the blocks of a `[n, k]` weight into the layout of the module header.
+pub fn pack(w: &QuantWeight<'_>, n: usize, k: usize) -> Result<Vec<u8>, KernelInputError> {
+    let mut data = vec![0u8; packed_len(w, n, k)?];
+    pack_into(w, n, k, &mut data)?;
+    Ok(data)
+}
+
+/// [`pack`] into `data`, [`packed_len`] bytes (where the caller wants them: the bindings
+/// start them on a 64-byte boundary, as the kernel's records are multiples of 64 bytes).
+pub fn pack_into(
+    w: &QuantWeight<'_>,
+    n: usize,
+    k: usize,
+    data: &mut [u8],
+) -> Result<(), KernelInputError> {
+    check_lengths(&[("packed", data.len(), packed_len(w, n, k)?)])?;
+    let format = PanelFormat::of(w).expect("every block format has a panel layout");
     let (nb, record) = (k / BLOCK, format.record_bytes());
-    let mut data = vec![0u8; shape.packed_len(format)];
     for (j, feature_blocks) in (0..n).map(|j| (j, j * nb..(j + 1) * nb)) {
         let (p, c) = (j / PANEL_WIDTH, j % PANEL_WIDTH);
         for (b, block) in feature_blocks.enumerate() {
@@ -185,7 +203,7 @@ pub fn pack(w: &QuantWeight<'_>, n: usize, k: usize) -> Result<Vec<u8>, KernelIn
             }
         }
     }
-    Ok(data)
+    Ok(())
 }
 
 /// `out = x @ W^T + bias` with `W` packed by [`pack`]; `bias` may be empty. Splits the panels

@@ -213,7 +213,7 @@ pub fn py_pack_amx_q4_1<'py>(
 ) -> PyResult<Bound<'py, PyArray1<u16>>> {
     let [n, nb] = [scale.shape()[0], scale.shape()[1]];
     let w = q4_1_weight(&scale, &min, &qs)?;
-    pack_call(py, &w, n, nb, cpu_amx_linear::pack)
+    pack_call(py, &w, n, nb, AMX_TILES)
 }
 
 /// `pack_amx_q8_0(scale, qs)`: the same for Q8_0 blocks (`qs` `[N, K / 32, 32]` int8): `576`
@@ -227,7 +227,7 @@ pub fn py_pack_amx_q8_0<'py>(
 ) -> PyResult<Bound<'py, PyArray1<u16>>> {
     let [n, nb] = [scale.shape()[0], scale.shape()[1]];
     let w = q8_0_weight(&scale, &qs)?;
-    pack_call(py, &w, n, nb, cpu_amx_linear::pack)
+    pack_call(py, &w, n, nb, AMX_TILES)
 }
 
 /// The Q4_1 weight of a binding's block arrays (a `ValueError` for one not C-contiguous).
@@ -254,18 +254,41 @@ fn q8_0_weight<'a>(
     })
 }
 
-/// Shared tail of the pack bindings: `pack(w, n, k)` without the GIL, as a numpy array.
-fn pack_call<'py, T: numpy::Element + Send>(
+/// A packing's `(packed_len, pack_into)` pair (`cpu_quant_panels`, `cpu_amx_linear`).
+type Packing<T> = (
+    fn(&QuantWeight<'_>, usize, usize) -> Result<usize, KernelInputError>,
+    fn(&QuantWeight<'_>, usize, usize, &mut [T]) -> Result<(), KernelInputError>,
+);
+
+const AMX_TILES: Packing<u16> = (cpu_amx_linear::packed_len, cpu_amx_linear::pack_into);
+const QUANT_PANELS: Packing<u8> = (cpu_quant_panels::packed_len, cpu_quant_panels::pack_into);
+
+/// Shared tail of the pack bindings: the packing without the GIL, as a numpy array starting on
+/// a 64-byte boundary (the kernels' tile rows and panel records are 64-byte multiples, and
+/// one straddling two cache lines costs two accesses): packed straight into an aligned part
+/// of one allocation, whose other bytes (under 64) the array does not show.
+fn pack_call<'py, T: numpy::Element + Send + Copy + Default>(
     py: Python<'py>,
     w: &QuantWeight<'_>,
     n: usize,
     nb: usize,
-    pack: fn(&QuantWeight<'_>, usize, usize) -> Result<Vec<T>, KernelInputError>,
+    (packed_len, pack_into): Packing<T>,
 ) -> PyResult<Bound<'py, PyArray1<T>>> {
-    let packed = py
-        .detach(|| pack(w, n, nb * crate::cpu_quant_linear::BLOCK))
-        .map_err(|e| PyValueError::new_err(e.0))?;
-    Ok(packed.into_pyarray(py))
+    let k = nb * crate::cpu_quant_linear::BLOCK;
+    let value_err = |e: KernelInputError| PyValueError::new_err(e.0);
+    let len = packed_len(w, n, k).map_err(value_err)?;
+    let mut buffer = vec![T::default(); len + 64 / std::mem::size_of::<T>()];
+    let skip = buffer.as_ptr().align_offset(64);
+    py.detach(|| pack_into(w, n, k, &mut buffer[skip..skip + len]))
+        .map_err(value_err)?;
+    let whole = buffer.into_pyarray(py);
+    let aligned = whole.as_any().get_item(pyo3::types::PySlice::new(
+        py,
+        skip as isize,
+        (skip + len) as isize,
+        1,
+    ))?;
+    Ok(aligned.cast_into::<PyArray1<T>>()?)
 }
 
 /// `linear_amx_f32(x, tiles, kind, bias, out, num_threads)`: `out[M, N] = x[M, K] @ W^T + bias`
@@ -303,7 +326,7 @@ pub fn py_pack_quant_panels_q4_1<'py>(
 ) -> PyResult<Bound<'py, PyArray1<u8>>> {
     let [n, nb] = [scale.shape()[0], scale.shape()[1]];
     let w = q4_1_weight(&scale, &min, &qs)?;
-    pack_call(py, &w, n, nb, cpu_quant_panels::pack)
+    pack_call(py, &w, n, nb, QUANT_PANELS)
 }
 
 /// `pack_quant_panels_q8_0(scale, qs)`: the same for Q8_0 blocks (`qs` `[N, K / 32, 32]`
@@ -317,7 +340,7 @@ pub fn py_pack_quant_panels_q8_0<'py>(
 ) -> PyResult<Bound<'py, PyArray1<u8>>> {
     let [n, nb] = [scale.shape()[0], scale.shape()[1]];
     let w = q8_0_weight(&scale, &qs)?;
-    pack_call(py, &w, n, nb, cpu_quant_panels::pack)
+    pack_call(py, &w, n, nb, QUANT_PANELS)
 }
 
 /// `pack_quant_panels_q8_g16(scale, min, qs)`: the same for Q8G16 weights (the arrays
@@ -336,7 +359,7 @@ pub fn py_pack_quant_panels_q8_g16<'py>(
         min: c_contiguous("min", min.is_c_contiguous(), min.as_slice())?,
         qs: c_contiguous("qs", qs.is_c_contiguous(), qs.as_slice())?,
     };
-    pack_call(py, &w, n, nb, cpu_quant_panels::pack)
+    pack_call(py, &w, n, nb, QUANT_PANELS)
 }
 
 /// `linear_quant_panels_f32(x, panels, kind, bias, out, num_threads)`: `out[M, N] = x[M, K] @

@@ -242,10 +242,13 @@ class BlockKernel:
 
 
 def _aligned_64(array):
-    """A copy of 1-D ``array`` starting on a 64-byte boundary: the AMX kernel's tile rows are
+    """1-D ``array`` starting on a 64-byte boundary (a copy where it does not): the AMX kernel's tile rows are
     64 bytes, and one that straddles two cache lines costs two accesses (~1.5x slower); the
-    quantized panels' records are multiples of 64 bytes."""
+    quantized panels' records are multiples of 64 bytes. The pack bindings' arrays already start
+    on one (no copy: a copy's fresh pages cost ~2 s per GB to fault in on this VM)."""
     import numpy as np
+    if array.ctypes.data % 64 == 0:
+        return array
     buffer = np.empty(array.size + 64 // array.itemsize, array.dtype)
     skip = (-buffer.ctypes.data % 64) // array.itemsize
     aligned = buffer[skip:skip + array.size]
