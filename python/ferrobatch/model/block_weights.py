@@ -4,7 +4,7 @@ quantized-panel packings of the same arrays).
 
 The float32 model keeps its own weights; these arrays describe *the same* numbers in 4.5 to 8.5
 bits: each group of 32 inputs is ``scale * q + minimum`` with 4-bit ``q`` (the ``Q4_1`` kernel:
-GGUF Q4_1, and Q4_0 and Q4_K rewritten in that form, ``dequant.q4_parts``) or ``scale * q``
+GGUF Q4_1, and Q4_0 and Q4_K rewritten in that form, ``dequant.q4_parts`` / ``q4_nibbles``) or ``scale * q``
 with 8-bit ``q`` (``Q8_0``), and each group of 16 ``scale * q + minimum`` with 8-bit ``q``
 (``Q8_G16``: Q5_0 / Q5_1 / Q5_K / Q6_K, ``dequant.g16_parts``, and a fused module whose parts
 come in different formats), exactly what the loader's dequantization computed.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ferrobatch.model.dequant import G16_TYPES, Q4_TYPES, g16_parts, per_16, q4_parts
+from ferrobatch.model.dequant import G16_TYPES, Q4_TYPES, g16_parts, per_16, q4_nibbles
 
 Q4_1, Q8_0 = 3, 8           # two kernels: type ids of the GGUF formats they were made for
 Q8_G16 = 1016               # the third: int8 weights, a scale and a minimum per 16 (no GGUF id)
@@ -47,8 +47,8 @@ class BlockWeight:
         None for a type no kernel reads."""
         rows = raw.shape[0]
         if type_id in Q4_TYPES:
-            scale, minimum, q = q4_parts(raw, type_id)
-            return cls(Q4_1, scale, q[..., :16] | (q[..., 16:] << 4), minimum)
+            scale, minimum, nibbles = q4_nibbles(raw, type_id)
+            return cls(Q4_1, scale, nibbles, minimum)
         if type_id in G16_TYPES:
             scale, minimum, q = g16_parts(raw, type_id)
             return cls(Q8_G16, scale, q, minimum)

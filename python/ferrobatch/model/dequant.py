@@ -58,6 +58,26 @@ def q4_parts(raw: torch.Tensor, type_id: int) -> tuple[torch.Tensor, torch.Tenso
     return scale, minimum, q
 
 
+def q4_nibbles(raw: torch.Tensor, type_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`q4_parts` with the values packed as the Q4_1 kernel reads them, ``uint8 [rows,
+    cols / 32, 16]`` (byte j: value j in the low nibble, value j + 16 in the high one), straight
+    from the file's nibbles: Q4_0 / Q4_1 store exactly that; Q4_K's 32-byte chunk c holds
+    sub-block 2c in its low nibbles and 2c + 1 in its high ones."""
+    rows = raw.shape[0]
+    if type_id in (_Q4_0, _Q4_1):
+        blocks = raw.view(rows, -1, _BLOCK_SHAPES[type_id][1])
+        scale = _half_scale(blocks, 0)[..., 0]
+        if type_id == _Q4_1:
+            return scale, _half_scale(blocks, 2)[..., 0], blocks[..., 4:].contiguous()
+        return scale, -8.0 * scale, blocks[..., 2:].contiguous()
+    scale, minimum = _k_scales(raw.view(rows, -1, 144))
+    chunks = raw.view(rows, -1, 144)[..., 16:].reshape(rows, -1, 4, 32)
+    first, second = chunks[..., :16], chunks[..., 16:]
+    even = (first & 0x0F) | ((second & 0x0F) << 4)      # sub-block 2c: the low nibbles
+    odd = (first >> 4) | (second & 0xF0)                # sub-block 2c + 1: the high ones
+    return scale, minimum, torch.stack((even, odd), dim=-2).reshape(rows, -1, 16)
+
+
 def per_16(per_32: torch.Tensor) -> torch.Tensor:
     """Scales (or minimums) of groups of 32 ``[..., n]`` as those of groups of 16 ``[..., 2n]``."""
     return per_32.repeat_interleave(2, dim=-1)
@@ -170,8 +190,8 @@ def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from bytes 4-7 / 8-11."""
     rows = blocks.shape[0]
     d, dmin = _half_scale(blocks, 0), _half_scale(blocks, 2)
-    packed = blocks.to(torch.int32)
-    low, high, mixed = packed[..., 4:8], packed[..., 8:12], packed[..., 12:16]
+    packed = blocks[..., 4:16].to(torch.int32)       # (not the whole block: 4 bytes per byte)
+    low, high, mixed = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
     sub_scale = torch.cat((low & 63, (mixed & 15) | ((low >> 6) << 4)), dim=-1)
     sub_min = torch.cat((high & 63, (mixed >> 4) | ((high >> 6) << 4)), dim=-1)
     return (d * sub_scale.float()).reshape(rows, -1), -(dmin * sub_min.float()).reshape(rows, -1)

@@ -334,6 +334,12 @@ class LlamaForCausalLM(nn.Module):
             module._parameters[attr] = nn.Parameter(
                 value.to(device=device, dtype=param.dtype).contiguous(), requires_grad=False)
 
+        def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+            if any(p.is_meta for p in parts):   # placeholders (torch.cat of meta tensors runs
+                rows = sum(p.shape[0] for p in parts)   # Python refs that import dynamo: ~2 s)
+                return torch.empty(rows, *parts[0].shape[1:], device="meta")
+            return torch.cat(parts)
+
         copy(self.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
         copy(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
         if self.lm_head is not None:
@@ -342,7 +348,7 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             qkv = [take(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
-            copy(attn.qkv_proj.weight, torch.cat(qkv), f"{p}self_attn.qkv_proj.weight")
+            copy(attn.qkv_proj.weight, cat(qkv), f"{p}self_attn.qkv_proj.weight")
             if attn.qkv_proj.bias is not None:
                 bias = [take(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
                 copy(attn.qkv_proj.bias, torch.cat(bias), f"{p}self_attn.qkv_proj.bias")
@@ -350,7 +356,7 @@ class LlamaForCausalLM(nn.Module):
             if attn.q_norm is not None:
                 for norm, n in ((attn.q_norm, "q_norm"), (attn.k_norm, "k_norm")):
                     copy(norm.weight, take(f"{p}self_attn.{n}.weight"), f"{p}self_attn.{n}.weight")
-            gate_up = torch.cat([take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")])
+            gate_up = cat([take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")])
             copy(mlp.gate_up_proj.weight, gate_up, f"{p}mlp.gate_up_proj.weight")
             copy(mlp.down_proj.weight, take(f"{p}mlp.down_proj.weight"), f"{p}mlp.down_proj.weight")
             copy(layer.input_layernorm.weight, take(f"{p}input_layernorm.weight"), f"{p}input_layernorm.weight")
