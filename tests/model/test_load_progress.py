@@ -25,3 +25,18 @@ def test_a_big_load_shows_its_bytes(smollm2_gguf_path, capsys, monkeypatch):
     monkeypatch.setenv("FERROBATCH_NO_PROGRESS", "1")
     load_progress(1 << 40, "y").close()
     assert capsys.readouterr().err == ""
+
+
+def test_a_big_model_shows_its_blocks_read_and_its_weights_packed(smollm2_gguf_path, capsys,
+                                                                  monkeypatch):
+    """The engine's CPU load (GGUF blocks, then the runner packing them) shows both steps."""
+    from ferrobatch.model.loader import load_model
+    from ferrobatch.runtime.model_runner import ModelRunner
+
+    monkeypatch.setattr(progress, "PROGRESS_MIN_BYTES", 0)
+    monkeypatch.delenv("FERROBATCH_NO_PROGRESS", raising=False)
+    loaded = load_model(smollm2_gguf_path, gguf_blocks=True)
+    assert "Reading GGUF weights: 100%" in capsys.readouterr().err
+    ModelRunner(loaded, num_blocks=8, block_size=16)
+    err = capsys.readouterr().err
+    assert "Packing weights for the CPU kernels: 100%" in err, err

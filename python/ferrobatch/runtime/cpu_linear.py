@@ -281,6 +281,9 @@ def pack_linear_layers(model: nn.Module, num_threads: int = 1,
         num_packed += 1
     targets = [(prefix, parent, name, child) for prefix, parent in model.named_modules()
                for name, child in parent.named_children() if type(child) is nn.Linear]
+    from ferrobatch.model.progress import load_progress
+    bar = load_progress(sum(4 * child.in_features * child.out_features
+                            for *_, child in targets), "Packing weights for the CPU kernels")
     for prefix, parent, name, linear in targets:
         path = f"{prefix}.{name}" if prefix else name
         if path in block_weights:
@@ -291,6 +294,8 @@ def pack_linear_layers(model: nn.Module, num_threads: int = 1,
         else:
             packed = PanelLinear(linear.weight, linear.bias, num_threads)
         setattr(parent, name, packed)
+        bar.update(4 * linear.in_features * linear.out_features)   # (as float32: a bar of work)
+    bar.close()
     if wants_head and model.packed_lm_head is None:
         model.packed_lm_head = model.lm_head
     for module in model.modules():
