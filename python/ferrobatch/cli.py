@@ -118,8 +118,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU: threads the kernels run on (default: torch's count, i.e. the "
                    "cores or $OMP_NUM_THREADS)")
     g.add_argument("--no-gguf-blocks", action="store_true",
-                   help="CPU: never read a GGUF model's Q4_1/Q8_0 blocks, nor their AMX tiles "
-                   "(float32 panels only; saves their memory, slower steps)")
+                   help="CPU: never read a GGUF model's blocks (Q4_1 form / Q8_0 / Q8G16), nor "
+                   "their AMX tiles or quantized panels: the model is dequantized to float32 "
+                   "at load and runs on float32 panels (more memory, slower steps)")
     g.add_argument("--no-amx", action="store_true",
                    help="CPU with AMX: steps of 5+ rows read the float32 panels (or the blocks, "
                    "up to 8 rows) instead of the GGUF blocks as AMX tiles (saves the tiles' "

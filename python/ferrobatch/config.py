@@ -76,7 +76,8 @@ class EngineConfig:
     flash_prefill: bool = True           # CUDA, bf16/fp16: prefill attention on torch's
                                          # FlashAttention-2 (after a start-up check against
                                          # ferrobatch's prefill kernel; False = that kernel)
-    gguf_blocks: bool = True             # CPU, GGUF model: small steps read the Q4_1/Q8_0 blocks
+    gguf_blocks: bool = True             # CPU, GGUF model: linears loaded as their blocks
+                                         # (never float32) and read by the block kernels
     amx_tiles: bool = True               # CPU with AMX: GGUF blocks as AMX tiles (steps of 5+ rows),
                                          # long prompt chunks' attention on AMX
     fused_decode: bool = True            # CPU: steps run every layer in one Rust call
