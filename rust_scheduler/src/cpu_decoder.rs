@@ -71,7 +71,8 @@ impl DecoderShape {
 /// layout) and, if the model came from GGUF, also its blocks, read for steps of at most
 /// [`MAX_ROWS`] rows, and their AMX tiles, read for steps of at least
 /// `cpu_amx_linear::MIN_ROWS` where AMX is available, or the blocks as panels, read for steps
-/// of at least `cpu_quant_panels::min_rows()` where it is not (as `PanelLinear` does in Python).
+/// of at least `cpu_quant_panels::min_rows()` where it is not, and for every step where the
+/// blocks themselves are not kept (Q8G16 layers; as `PanelLinear` does in Python).
 #[derive(Clone, Copy)]
 pub struct Linear<'a> {
     pub n: usize,
@@ -104,7 +105,9 @@ impl Linear<'_> {
                 let shape = AmxShape { m: rows, n, k };
                 linear_amx_f32(&shape, x, tiles, self.bias, out, threads)
             }
-            (_, None, Some(qpanels)) if rows >= cpu_quant_panels::min_rows() => {
+            (blocks, None, Some(qpanels))
+                if rows >= cpu_quant_panels::min_rows() || blocks.is_none() =>
+            {
                 let shape = QuantPanelShape { m: rows, n, k };
                 linear_quant_panels_f32(&shape, x, qpanels, self.bias, out, threads)
             }
@@ -124,14 +127,15 @@ impl Linear<'_> {
     }
 
     /// No float32 panels are needed when the blocks take every step below the `MIN_ROWS` rows
-    /// and their AMX tiles (where AMX is available) or their quantized panels every other
-    /// (`apply` never reaches the float32 panels then).
+    /// and their AMX tiles (where AMX is available) or their quantized panels every other, or
+    /// when quantized panels come without blocks (they take every step then): `apply` never
+    /// reaches the float32 panels.
     fn blocks_cover_every_step(&self) -> bool {
         const { assert!(cpu_amx_linear::MIN_ROWS <= MAX_ROWS + 1) };
         const { assert!(cpu_quant_panels::MIN_ROWS <= MAX_ROWS + 1) };
         const { assert!(cpu_quant_panels::MIN_ROWS_AVX2 <= MAX_ROWS + 1) };
-        self.blocks.is_some()
-            && ((self.tiles.is_some() && cpu_amx_linear::available()) || self.qpanels.is_some())
+        self.qpanels.is_some()
+            || (self.blocks.is_some() && self.tiles.is_some() && cpu_amx_linear::available())
     }
 
     fn check(&self, name: &str, n: usize, k: usize) -> Result<(), KernelInputError> {
@@ -678,8 +682,12 @@ mod tests {
                 Kernels::NoPanels => (&self.no_panels, true, &self.scale),
                 Kernels::QuantPanelsOnly => (&self.zero_panels, true, &self.zero_scale),
                 Kernels::NoPanelsQuant => (&self.no_panels, true, &self.scale),
+                Kernels::QuantPanelsAlone => (&self.no_panels, false, &self.scale),
             };
-            let quant_panels = matches!(kernels, Kernels::QuantPanelsOnly | Kernels::NoPanelsQuant);
+            let quant_panels = matches!(
+                kernels,
+                Kernels::QuantPanelsOnly | Kernels::NoPanelsQuant | Kernels::QuantPanelsAlone
+            );
             Linear {
                 n: self.n,
                 k: self.k,
@@ -719,9 +727,11 @@ mod tests {
     /// the tiles where AMX is available); blocks and tiles without panels (every step size is
     /// covered where AMX is available); quantized panels with zeroed float32 panels and blocks
     /// (a step of more rows must read the quantized panels); blocks and quantized panels
-    /// without float32 panels (every step size is covered, on every CPU).
+    /// without float32 panels (every step size is covered, on every CPU); quantized panels
+    /// alone (every step size reads them).
     #[derive(Clone, Copy, Debug)]
     enum Kernels {
+        QuantPanelsAlone,
         Panels,
         BlocksOnly,
         PanelsOnly,
@@ -1021,6 +1031,8 @@ mod tests {
         run_case(Kernels::QuantPanelsOnly, 20); // 24 rows: two row tiles
         run_case(Kernels::NoPanelsQuant, 0); // 4 rows: the blocks
         run_case(Kernels::NoPanelsQuant, 6); // 10 rows: the quantized panels
+        run_case(Kernels::QuantPanelsAlone, 0); // 4 rows: the quantized panels, no blocks
+        run_case(Kernels::QuantPanelsAlone, 6); // 10 rows
         if cpu_amx_linear::available() {
             run_case(Kernels::TilesOnly, 1); // 5 rows read the AMX tiles
             run_case(Kernels::TilesOnly, 6); // 10 rows

@@ -88,7 +88,8 @@ fn cache_slices<'a, E: Element + KvElement>(
 /// A linear layer's arrays: `(n, k, panels, bias | None, blocks | None[, tiles | None[,
 /// qpanels | None]])` from Python, blocks `("q4_1", scale, min, qs)`, `("q8_0", scale, qs)` or
 /// `("q8_g16", scale, min, qs)`
-/// (the `linear_q*_f32` kernels' arrays), tiles the same blocks as `pack_amx_q*` packs them,
+/// (the `linear_q*_f32` kernels' arrays), or the kind alone (`("q8_g16",)`: quantized panels
+/// kept without their blocks), tiles the same blocks as `pack_amx_q*` packs them,
 /// qpanels as `pack_quant_panels_q*` packs them.
 struct LinearArrays {
     n: usize,
@@ -115,6 +116,8 @@ enum BlockArrays {
         min: F32Array,
         qs: Py<PyArrayDyn<i8>>,
     },
+    /// no blocks: the quantized panels alone, of this format
+    PanelsAlone(PanelFormat),
 }
 
 impl LinearArrays {
@@ -161,10 +164,14 @@ impl LinearArrays {
                         min: t.get_item(2)?.extract()?,
                         qs: t.get_item(3)?.extract()?,
                     }),
+                    ("q4_1", 1) => Some(BlockArrays::PanelsAlone(PanelFormat::Q4_1)),
+                    ("q8_0", 1) => Some(BlockArrays::PanelsAlone(PanelFormat::Q8_0)),
+                    ("q8_g16", 1) => Some(BlockArrays::PanelsAlone(PanelFormat::Q8G16)),
                     _ => {
                         return Err(PyValueError::new_err(format!(
-                            "blocks must be ('q4_1', scale, min, qs), ('q8_0', scale, qs) or \
-                             ('q8_g16', scale, min, qs), got {kind:?} with {} items",
+                            "blocks must be ('q4_1', scale, min, qs), ('q8_0', scale, qs), \
+                             ('q8_g16', scale, min, qs) or a kind alone (quantized panels \
+                             without blocks), got {kind:?} with {} items",
                             t.len()
                         )))
                     }
@@ -202,6 +209,7 @@ impl LinearArrays {
                     min.bind(py).readonly(),
                     qs.bind(py).readonly(),
                 ),
+                BlockArrays::PanelsAlone(format) => BlockBorrow::PanelsAlone(*format),
             }),
             tiles: self.tiles.as_ref().map(|t| t.bind(py).readonly()),
             qpanels: self.qpanels.as_ref().map(|t| t.bind(py).readonly()),
@@ -232,12 +240,13 @@ enum BlockBorrow<'py> {
         PyReadonlyArrayDyn<'py, f32>,
         PyReadonlyArrayDyn<'py, i8>,
     ),
+    PanelsAlone(PanelFormat),
 }
 
 impl LinearBorrow<'_> {
     fn view(&self) -> PyResult<Linear<'_>> {
         let blocks = match &self.blocks {
-            None => None,
+            None | Some(BlockBorrow::PanelsAlone(_)) => None,
             Some(BlockBorrow::Q4_1(scale, min, qs)) => Some(QuantWeight::Q4_1 {
                 scale: c_slice("scale", scale)?,
                 min: c_slice("min", min)?,
@@ -271,6 +280,11 @@ impl LinearBorrow<'_> {
                         BlockBorrow::Q8G16(..) => {
                             return Err(PyValueError::new_err("q8_g16 blocks have no AMX tiles"))
                         }
+                        BlockBorrow::PanelsAlone(_) => {
+                            return Err(PyValueError::new_err(
+                                "AMX tiles come with the blocks they were packed from",
+                            ))
+                        }
                     },
                     data: c_slice("tiles", t)?,
                 }),
@@ -287,6 +301,7 @@ impl LinearBorrow<'_> {
                         BlockBorrow::Q4_1(..) => PanelFormat::Q4_1,
                         BlockBorrow::Q8_0(..) => PanelFormat::Q8_0,
                         BlockBorrow::Q8G16(..) => PanelFormat::Q8G16,
+                        BlockBorrow::PanelsAlone(format) => *format,
                     },
                     data: c_slice("qpanels", t)?,
                 }),

@@ -117,6 +117,7 @@ def test_a_runner_packs_the_blocks_alone_and_matches_transformers(case):
         layer = head if name == "lm_head" else layers[name]
         assert layer.blocks is not None and layer.packed_weight.numel() == 0, name
         assert layer.blocks.qpanels.ctypes.data % 64 == 0, name   # whole 64-byte records
+        assert layer.blocks.panels_alone == (layer.blocks.kind == "q8_g16"), name
     assert_greedy_matches(loaded, reference, [list(range(3, 40)), [5, 9, 11]], 6, runner=runner)
 
 

@@ -88,7 +88,9 @@ def test_a_q4_k_model_runs_its_linears_on_the_block_kernel_and_matches_transform
                                        "IQ4_XS"])
 def test_other_types_become_the_q8_g16_kernels_exact_form(type_name):
     """``scale * q + minimum`` per 16 weights with int8 ``q``: the dequantized weight bit for
-    bit; the Rust kernel's x W^T for 1..8 rows, and each weight exactly (one-hot rows)."""
+    bit; the Rust kernel's x W^T for 1..8 rows, and each weight exactly (one-hot rows); the
+    quantized panels, kept alone by default, for every step, and the blocks unpacked from them
+    exactly (40 features: a partial panel)."""
     from gguf import GGMLQuantizationType
 
     from ferrobatch.model.block_weights import Q8_G16
@@ -102,16 +104,24 @@ def test_other_types_become_the_q8_g16_kernels_exact_form(type_name):
     assert torch.equal(blocks.dequantize(), weight)
     kernel = BlockKernel(blocks)
     assert kernel.kind == "q8_g16" and kernel.tiles is None and kernel.qpanels is not None
-    assert torch.equal(kernel.block_weight().dequantize(), weight)
+    assert kernel.panels_alone and kernel.arrays is None
+    unpacked = kernel.block_weight()
+    for got, want in ((unpacked.scale, blocks.scale), (unpacked.minimum, blocks.minimum),
+                      (unpacked.qs, blocks.qs)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
     gen = torch.Generator().manual_seed(1)
-    for rows in (1, 2, 5, 8, 40):
+    for rows in (1, 2, 5, 8, 40):               # the quantized panels: every step size
         x = torch.randn(rows, 512, generator=gen)
-        if rows <= 8:
-            out = torch.empty(rows, 40)
-            kernel(x.numpy(), None, out.numpy(), 2)
-            torch.testing.assert_close(out, x @ weight.T, rtol=1e-4, atol=1e-4)
-        out = torch.empty(rows, 40)            # the quantized panels (larger steps)
+        out = torch.empty(rows, 40)
         kernel.panels(x.numpy(), None, out.numpy(), 2)
+        torch.testing.assert_close(out, x @ weight.T, rtol=1e-4, atol=1e-4)
+    kernel = BlockKernel(blocks, quant_panels=False)     # the blocks' own kernel
+    assert not kernel.panels_alone and kernel.qpanels is None
+    assert torch.equal(kernel.block_weight().dequantize(), weight)
+    for rows in (1, 2, 5, 8):
+        x = torch.randn(rows, 512, generator=gen)
+        out = torch.empty(rows, 40)
+        kernel(x.numpy(), None, out.numpy(), 2)
         torch.testing.assert_close(out, x @ weight.T, rtol=1e-4, atol=1e-4)
     one_hot = torch.eye(512)[:8 * 64:64].contiguous()      # 8 rows, inputs 0, 64, ...
     out = torch.empty(8, 40)

@@ -69,7 +69,7 @@ def _head_norms(attn) -> tuple:
 def _linear_spec(linear) -> tuple:
     blocks = tiles = qpanels = None
     if linear.blocks is not None:
-        blocks = (linear.blocks.kind, *linear.blocks.arrays)
+        blocks = (linear.blocks.kind, *(linear.blocks.arrays or ()))   # kind alone: panels
         tiles, qpanels = linear.blocks.tiles, linear.blocks.qpanels
     bias = None if linear.bias is None else linear.bias.numpy()
     return (linear.out_features, linear.in_features, linear.packed_weight.numpy(), bias, blocks,

@@ -98,8 +98,7 @@ class PanelLinear(nn.Module):
         """The layer of a weight known only as GGUF blocks (never dequantized whole): float32
         panels only where the blocks' tiles or quantized panels do not cover every step size
         (then dequantized from the blocks)."""
-        rows, cols = blocks.arrays[-1].shape[0], blocks.arrays[-1].shape[1] * 32
-        layer = cls(torch.empty(rows, cols, device="meta"), bias, num_threads)
+        layer = cls(torch.empty(*blocks.shape, device="meta"), bias, num_threads)
         layer.blocks = blocks
         if not layer.covered_without_panels():
             layer.packed_weight = pack_panels(blocks.block_weight().dequantize())
@@ -115,7 +114,7 @@ class PanelLinear(nn.Module):
         if blocks is not None and blocks.tiles is not None and num_rows >= AMX_MIN_ROWS:
             blocks.amx(rows.numpy(), bias, out.numpy(), self.num_threads)
         elif blocks is not None and blocks.qpanels is not None \
-                and num_rows >= quant_panels_min_rows():
+                and (num_rows >= quant_panels_min_rows() or blocks.panels_alone):
             blocks.panels(rows.numpy(), bias, out.numpy(), self.num_threads)
         elif blocks is not None and num_rows <= QUANT_MAX_ROWS:
             blocks(rows.numpy(), bias, out.numpy(), self.num_threads)
@@ -217,18 +216,32 @@ class BlockKernel:
             if use_amx else None
         pack = getattr(_scheduler, f"pack_quant_panels_{self.kind}")
         self.qpanels = _aligned_64(pack(*self.arrays)) if quant_panels and not use_amx else None
+        self.shape = block_weight.shape
+        # Q8G16's quantized panels took 0.83-0.99x its blocks' time at 1-4 rows (a 14336 x 4096
+        # layer, 2 threads, session 41): they alone take every step, the blocks are not kept
+        # (1.5 bytes a weight less). Q4_1's blocks stay: 1.3-1.5x faster at 1-2 rows.
+        if self.kind == "q8_g16" and self.qpanels is not None:
+            self.arrays = None
+
+    @property
+    def panels_alone(self) -> bool:
+        """True when the quantized panels take every step (the blocks were not kept)."""
+        return self.arrays is None
 
     def block_weight(self):
-        """The ``BlockWeight`` these arrays came from, value for value."""
+        """The ``BlockWeight`` these arrays came from, value for value (unpacked from the
+        quantized panels where the blocks were not kept)."""
         from ferrobatch.model.block_weights import BlockWeight
 
+        if self.arrays is None:
+            return _q8_g16_from_panels(self.qpanels, *self.shape)
         tensors = [torch.from_numpy(a) for a in self.arrays]
         minimum = tensors[1] if self.kind != "q8_0" else None
         return BlockWeight(self.type_id, tensors[0], tensors[-1], minimum)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays) + \
+        return sum(a.nbytes for a in self.arrays or ()) + \
             sum(a.nbytes for a in (self.tiles, self.qpanels) if a is not None)
 
     def __call__(self, x, bias, out, num_threads: int) -> None:
@@ -239,6 +252,25 @@ class BlockKernel:
 
     def panels(self, x, bias, out, num_threads: int) -> None:
         self._panels(x, self.qpanels, self.kind, bias, out, num_threads)
+
+
+def _q8_g16_from_panels(qpanels, rows: int, cols: int):
+    """The Q8G16 ``BlockWeight`` of ``[rows, cols]`` packed as ``pack_quant_panels_q8_g16``
+    packs it (``cpu_quant_panels.rs``): per 16 features and 32 inputs a 768-byte record of the
+    features' two scales (16 float32 each), their two minimums, then ``q[i] [16]`` for i < 32."""
+    from ferrobatch.model.block_weights import Q8_G16, BlockWeight
+
+    panels, nb = -(-rows // PANEL_WIDTH), cols // 32
+    records = torch.from_numpy(qpanels).view(panels, nb, 768)
+
+    def per_feature(start: int) -> torch.Tensor:      # [panels, nb, 2 halves, 16] -> [N, 2 nb]
+        values = records[..., start:start + 128].contiguous().view(torch.float32)
+        return values.view(panels, nb, 2, PANEL_WIDTH).permute(0, 3, 1, 2).reshape(
+            panels * PANEL_WIDTH, 2 * nb)[:rows].contiguous()
+
+    q = records[..., 256:].contiguous().view(torch.int8).view(panels, nb, 32, PANEL_WIDTH)
+    q = q.permute(0, 3, 1, 2).reshape(panels * PANEL_WIDTH, nb, 32)[:rows].contiguous()
+    return BlockWeight(Q8_G16, per_feature(0), q, per_feature(128))
 
 
 def _aligned_64(array):

@@ -107,6 +107,9 @@ class ModelRunner:
             quant_panels = os.environ.get("FERROBATCH_QUANT_PANELS", "1") != "0"
             num_packed = pack_linear_layers(self.model, self.kernel_threads, blocks,
                                             amx=amx_tiles, quant_panels=quant_panels)
+            # the kernels keep what they read: drop the rest (blocks whose quantized panels
+            # alone are kept) before the freed memory goes back to the OS below
+            blocks, loaded_blocks = bool(blocks), None
             swap_elementwise_ops(self.model)
             if getattr(self.attn_backend, "num_threads", 0) is None:
                 self.attn_backend.num_threads = self.kernel_threads
@@ -120,9 +123,12 @@ class ModelRunner:
             blocks_up_to = AMX_MIN_ROWS - 1 if amx else \
                 quant_panels_min_rows() - 1 if qpanels else QUANT_MAX_ROWS
             larger = " as AMX tiles" if amx else " as quantized panels" if qpanels else ""
+            alone = sum(k.panels_alone for k in kernels.values())
             self.linear_kernels = f"Rust {linear_isa()} kernels" + (
                 f", GGUF blocks for steps of <= {blocks_up_to} rows" if blocks else "") + (
-                f",{larger} for more" if larger else "")
+                f",{larger} for more" if larger else "") + (
+                f" ({alone} Q8G16 layers: the quantized panels alone, every step)" if alone
+                else "")
             not_fused = install_fused_decode(self.model, self.attn_backend, self.kernel_threads) \
                 if fused_decode else "fused_decode=False"
             if not_fused is None:
