@@ -14,7 +14,7 @@ import torch
 from gguf_tiny import write_tiny_gguf
 from hf_tiny import assert_greedy_matches, random_hf_model
 from test_granite import TINY_GRANITE
-from test_kquants import TINY_256
+from test_kquants import TINY_256, q4_k_m
 from test_phi3 import TINY_PHI3
 
 from ferrobatch.model.block_weights import (
@@ -28,15 +28,6 @@ from ferrobatch.runtime.model_runner import ModelRunner
 
 TINY_LLAMA_256 = {**TINY_256, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
                   "tie_word_embeddings": True}
-
-
-def _q4_k_m(name: str) -> str:
-    """llama.cpp's Q4_K_M mix: v and down Q6_K in layer 0, Q5_K after; the output Q6_K."""
-    if name == "output.weight":
-        return "Q6_K"
-    if ".attn_v." in name or ".ffn_down." in name:
-        return "Q6_K" if name.startswith("blk.0.") else "Q5_K"
-    return "Q4_K"
 
 
 def _no_v_blocks(name: str) -> str | None:
@@ -56,7 +47,7 @@ _ALL = [f"layers.{i}.{m}" for i in range(2) for m in ("self_attn.qkv_proj", "sel
                                                       "mlp.gate_up_proj", "mlp.down_proj")]
 CASES = {
     # Qwen2 (q / k / v biases), llama.cpp's Q4_K_M mix: fused modules of mixed formats
-    "qwen2-q4_k_m": (TINY_256, "qwen2", {"linear_types": _q4_k_m}, _ALL + ["lm_head"]),
+    "qwen2-q4_k_m": (TINY_256, "qwen2", {"linear_types": q4_k_m}, _ALL + ["lm_head"]),
     # Llama: Q / K rows permuted in the file; a tied Q4_K embedding is the LM head's blocks;
     # one module only partly in blocks
     "llama-tied-q4_k": (TINY_LLAMA_256, "llama", {"linear_types": _no_v_blocks,

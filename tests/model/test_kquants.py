@@ -147,18 +147,22 @@ def test_a_fused_module_of_mixed_formats_is_stacked_as_q8_g16():
     assert _concat(parts[:2]).type_id == Q4_1            # one format: its own kernel
 
 
+def q4_k_m(name: str) -> str:
+    """The type of llama.cpp tensor ``name`` in a two-layer Q4_K_M mix: v and down Q6_K in
+    layer 0, Q5_K in layer 1 (llama.cpp alternates more bits in some layers), the output Q6_K,
+    the rest Q4_K."""
+    if name == "output.weight":
+        return "Q6_K"
+    if ".attn_v." in name or ".ffn_down." in name:
+        return "Q6_K" if name.startswith("blk.0.") else "Q5_K"
+    return "Q4_K"
+
+
 def test_a_q4_k_m_mix_model_runs_every_linear_on_a_block_kernel(tmp_path):
     """llama.cpp's Q4_K_M mix (q / k / o / gate / up Q4_K; v and down Q6_K in every other layer,
     Q5_K in the others; the output matrix Q6_K): every module is proven exact on a block
     kernel, the fused ones with a Q6_K part as Q8_G16, and greedy tokens equal transformers'."""
     from ferrobatch.model.block_weights import Q8_G16
-
-    def q4_k_m(name: str) -> str:
-        if name == "output.weight":
-            return "Q6_K"
-        if ".attn_v." in name or ".ffn_down." in name:
-            return "Q6_K" if name.startswith("blk.0.") else "Q5_K"
-        return "Q4_K"
 
     cfg = {**TINY_256, "tie_word_embeddings": False}
     reference = random_hf_model(cfg, seed=16, std=0.1)
