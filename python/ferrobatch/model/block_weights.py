@@ -119,14 +119,14 @@ def gguf_block_weight(tensor, name: str, config) -> BlockWeight:
     """A GGUF tensor (``gguf_file.GGUFTensorInfo`` of a :data:`KERNEL_TYPES` type, Hugging Face
     name ``name``) as blocks, rows in the checkpoint's Hugging Face order (Llama Q/K
     un-permuted as the loader does)."""
-    from ferrobatch.model.gguf_loader import unpermute_qk
+    from ferrobatch.model.gguf_loader import permuted_qk_heads, reverse_llama_permute
 
     raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
     weight = BlockWeight.from_gguf(tensor.type_id, raw.reshape(tensor.shape[0], -1))
-    if unpermute_qk(name, torch.arange(weight.shape[0]), config).equal(
-            torch.arange(weight.shape[0])):
+    heads = permuted_qk_heads(name, config)
+    if heads is None:
         return weight
-    return weight.rows_permuted(lambda t: unpermute_qk(name, t, config))
+    return weight.rows_permuted(lambda t: reverse_llama_permute(t, heads))
 
 
 def _in_model_layout(name: str, weight: BlockWeight, config) -> BlockWeight:

@@ -270,11 +270,18 @@ def _read_gguf(path: str | os.PathLike, keep_blocks: bool) -> tuple[
     return config, split_fused_projections(state, config), read_tokenizer_metadata(reader), modules
 
 
-def unpermute_qk(name: str, rows: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-    """A Q or K projection's rows (a weight, or a per-row array of its blocks) back in Hugging
-    Face order, for the architectures llama.cpp's converter permutes; other tensors as they are."""
+def permuted_qk_heads(name: str, config: ModelConfig) -> int | None:
+    """The head count of a Q or K projection whose rows llama.cpp's converter permuted (the
+    architectures in ``GGUF_PERMUTED_QK``); None for any other tensor."""
     if config.arch in GGUF_PERMUTED_QK and ".q_proj." in name:
-        return reverse_llama_permute(rows, config.num_heads)
+        return config.num_heads
     if config.arch in GGUF_PERMUTED_QK and ".k_proj." in name:
-        return reverse_llama_permute(rows, config.num_kv_heads)
-    return rows
+        return config.num_kv_heads
+    return None
+
+
+def unpermute_qk(name: str, rows: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """A Q or K projection's rows back in Hugging Face order (:func:`permuted_qk_heads`);
+    other tensors as they are."""
+    heads = permuted_qk_heads(name, config)
+    return rows if heads is None else reverse_llama_permute(rows, heads)

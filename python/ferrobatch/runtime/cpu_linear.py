@@ -198,7 +198,8 @@ class BlockKernel:
     ``tiles`` is None otherwise); where they are not, with ``quant_panels``, the blocks packed
     as panels for ``linear_quant_panels_f32`` (``kernel.panels(...)``, for steps of
     :func:`quant_panels_min_rows` or more: ``cpu_quant_panels.rs``; ``qpanels`` is None
-    otherwise)."""
+    otherwise). A Q8_G16 weight with quantized panels keeps them alone (``panels_alone``:
+    ``arrays`` is None and the panels take every step)."""
 
     def __init__(self, block_weight, amx: bool = True, quant_panels: bool = True) -> None:
         from ferrobatch import _scheduler
