@@ -133,11 +133,7 @@ pub fn py_linear_q8_g16_f32(
     out: PyReadwriteArray2<'_, f32>,
     num_threads: usize,
 ) -> PyResult<()> {
-    let w = QuantWeight::Q8G16 {
-        scale: c_contiguous("scale", scale.is_c_contiguous(), scale.as_slice())?,
-        min: c_contiguous("min", min.is_c_contiguous(), min.as_slice())?,
-        qs: c_contiguous("qs", qs.is_c_contiguous(), qs.as_slice())?,
-    };
+    let w = q8_g16_weight(&scale, &min, &qs)?;
     quant_call(py, x, scale.shape()[0], w, bias, out, num_threads)
 }
 
@@ -263,6 +259,19 @@ type Packing<T> = (
 const AMX_TILES: Packing<u16> = (cpu_amx_linear::packed_len, cpu_amx_linear::pack_into);
 const QUANT_PANELS: Packing<u8> = (cpu_quant_panels::packed_len, cpu_quant_panels::pack_into);
 
+/// The Q8G16 weight of a binding's arrays.
+fn q8_g16_weight<'a>(
+    scale: &'a PyReadonlyArray2<'_, f32>,
+    min: &'a PyReadonlyArray2<'_, f32>,
+    qs: &'a PyReadonlyArray3<'_, i8>,
+) -> PyResult<QuantWeight<'a>> {
+    Ok(QuantWeight::Q8G16 {
+        scale: c_contiguous("scale", scale.is_c_contiguous(), scale.as_slice())?,
+        min: c_contiguous("min", min.is_c_contiguous(), min.as_slice())?,
+        qs: c_contiguous("qs", qs.is_c_contiguous(), qs.as_slice())?,
+    })
+}
+
 /// Shared tail of the pack bindings: the packing without the GIL, as a numpy array starting on
 /// a 64-byte boundary (the kernels' tile rows and panel records are 64-byte multiples, and
 /// one straddling two cache lines costs two accesses): packed straight into an aligned part
@@ -354,11 +363,7 @@ pub fn py_pack_quant_panels_q8_g16<'py>(
     qs: PyReadonlyArray3<'py, i8>,
 ) -> PyResult<Bound<'py, PyArray1<u8>>> {
     let [n, nb] = [qs.shape()[0], qs.shape()[1]];
-    let w = QuantWeight::Q8G16 {
-        scale: c_contiguous("scale", scale.is_c_contiguous(), scale.as_slice())?,
-        min: c_contiguous("min", min.is_c_contiguous(), min.as_slice())?,
-        qs: c_contiguous("qs", qs.is_c_contiguous(), qs.as_slice())?,
-    };
+    let w = q8_g16_weight(&scale, &min, &qs)?;
     pack_call(py, &w, n, nb, QUANT_PANELS)
 }
 
