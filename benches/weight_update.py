@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return (w if w is not None else module.dense_weight()).detach().clone()
 
     def state_of(model):
-        out = {"model.embed_tokens.weight": model.embed_tokens.weight.detach().clone(),
+        out = {"model.embed_tokens.weight": dense(model.embed_tokens),
                "model.norm.weight": model.norm.weight.detach().clone()}
         q = model.config.num_heads * model.config.head_dim
         kv = model.config.num_kv_heads * model.config.head_dim

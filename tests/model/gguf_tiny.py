@@ -54,7 +54,7 @@ def write_tiny_gguf(path, reference, cfg: dict, arch: str,
     (llama.cpp tensor name -> a type name, or None for float32) does the same per tensor.
     ``vocabulary(writer)`` writes the tokenizer keys in place of the single-character one;
     ``embedding_type`` stores the token embeddings in that block type (random blocks, as the
-    linears)."""
+    linears) or as F16 (the values rounded)."""
     import gguf
     from tokenizers.pre_tokenizers import ByteLevel
 
@@ -107,6 +107,16 @@ def write_tiny_gguf(path, reference, cfg: dict, arch: str,
             chosen = linear_types(gguf_name)
         if gguf_name.startswith("token_embd"):
             chosen = embedding_type
+        if chosen == "F16" and values.ndim == 2:
+            import numpy as np
+            import torch
+
+            halves = values.astype(np.float16)
+            with torch.no_grad():
+                stored = torch.from_numpy(halves.astype(np.float32))
+                tensor.copy_(stored if unpermute is None else unpermute(stored))
+            writer.add_tensor(gguf_name, halves)
+            continue
         if chosen and values.ndim == 2:
             import torch
             from gguf.quants import dequantize

@@ -23,6 +23,7 @@ from ferrobatch.model.block_weights import (
     read_block_weights,
 )
 from ferrobatch.model.loader import load_model
+from ferrobatch.model.quantized_embedding import QuantizedEmbedding
 from ferrobatch.runtime.cpu_linear import PanelLinear, pack_linear_layers
 from ferrobatch.runtime.model_runner import ModelRunner
 
@@ -35,7 +36,7 @@ def _no_v_blocks(name: str) -> str | None:
     return None if name == "blk.1.attn_v.weight" else "Q4_K"
 
 
-def _granite_keys(writer) -> None:
+def granite_keys(writer) -> None:
     writer.add_embedding_scale(6.0)
     writer.add_residual_scale(0.3)
     writer.add_logit_scale(4.0)
@@ -57,7 +58,7 @@ CASES = {
     "phi3-q8_0": (TINY_PHI3, "phi3", {"q8_0_linears": True}, _ALL + ["lm_head"]),
     # Granite: o / down are scaled by the folded residual multiplier, so they stay float32
     "granite-q8_0": ({**TINY_GRANITE, "tie_word_embeddings": False}, "granite",
-                     {"q8_0_linears": True, "metadata": _granite_keys},
+                     {"q8_0_linears": True, "metadata": granite_keys},
                      [m for m in _ALL if "o_proj" not in m and "down_proj" not in m]
                      + ["lm_head"]),
 }
@@ -88,7 +89,10 @@ def test_the_blocks_are_those_the_float32_path_proves_and_make_the_same_weights(
     unmade = {name for name, p in loaded.model.named_parameters() if p.is_meta}
     assert unmade == {f"{m}.weight" for m in blocks
                       if m != "lm_head" or not loaded.config.tie_word_embeddings}
-    assert materialize_block_linears(loaded.model, blocks) == len(unmade)
+    # a tied table kept in its format (quantized_embedding) is the head's matrix: made too
+    tied_table = loaded.config.tie_word_embeddings and \
+        isinstance(loaded.model.embed_tokens, QuantizedEmbedding)
+    assert materialize_block_linears(loaded.model, blocks) == len(unmade) + tied_table
     made = dict(loaded.model.named_parameters())
     for name, param in dense.model.named_parameters():
         assert torch.equal(made[name], param), name
@@ -107,7 +111,8 @@ def test_a_runner_packs_the_blocks_alone_and_matches_transformers(case):
     for name in expected:
         layer = head if name == "lm_head" else layers[name]
         assert layer.blocks is not None and layer.packed_weight.numel() == 0, name
-        assert layer.blocks.qpanels.ctypes.data % 64 == 0, name   # whole 64-byte records
+        packed = layer.blocks.qpanels if layer.blocks.tiles is None else layer.blocks.tiles
+        assert packed.ctypes.data % 64 == 0, name   # whole 64-byte records (AMX: tiles)
         assert layer.blocks.panels_alone == (layer.blocks.kind == "q8_g16"), name
     assert_greedy_matches(loaded, reference, [list(range(3, 40)), [5, 9, 11]], 6, runner=runner)
 

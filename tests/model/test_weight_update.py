@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from engine_support import REAL_ENGINE_OPTIONS  # noqa: E402
 
+from ferrobatch.model.quantized_embedding import QuantizedEmbedding  # noqa: E402
 from ferrobatch.sampling_params import SamplingParams  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
@@ -47,7 +48,7 @@ def llm(smollm2_gguf_path):
     """An engine on its own copy of SmolLM2 (the updates change its weights)."""
     from ferrobatch.engine.llm import LLM
     from ferrobatch.model.loader import load_model
-    loaded = load_model(smollm2_gguf_path, device="cpu", dtype=torch.float32)
+    loaded = load_model(smollm2_gguf_path, device="cpu", dtype=torch.float32, gguf_blocks=True)
     with LLM("smollm2", loaded_model=loaded, **REAL_ENGINE_OPTIONS) as llm:
         yield llm
 
@@ -81,6 +82,7 @@ def test_updated_weights_give_transformers_tokens_and_no_stale_kv(llm, hf_oracle
     runner = llm.engine._core.runner
     layers = runner.model.layers
     assert layers[0].self_attn.qkv_proj.blocks is not None   # served from GGUF blocks
+    assert isinstance(runner.model.embed_tokens, QuantizedEmbedding)     # and Q8_0 rows
 
     new = _changed_weights(hf_oracle_model)
     summary = llm.update_weights(list(new.items()) + [
@@ -93,6 +95,7 @@ def test_updated_weights_give_transformers_tokens_and_no_stale_kv(llm, hf_oracle
     assert summary["gguf_layers_unblocked"] == 4
     assert layers[0].self_attn.qkv_proj.blocks is None
     assert layers[1].self_attn.qkv_proj.blocks is not None
+    assert type(runner.model.embed_tokens) is torch.nn.Embedding      # float32 rows now
     assert runner.fused_layers is not None
 
     merged = copy.deepcopy(hf_oracle_model)

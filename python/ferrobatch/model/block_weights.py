@@ -226,9 +226,15 @@ def block_weights_for_modules(model, blocks: dict[str, BlockWeight]) -> dict[str
 
 def materialize_block_linears(model, blocks: dict[str, BlockWeight]) -> int:
     """Gives each linear module of ``model`` whose weight is still on the meta device (a model
-    loaded with ``load_gguf_blocks``) its float32 weight, dequantized from ``blocks``; returns
-    how many."""
+    loaded with ``load_gguf_blocks``) its float32 weight, dequantized from ``blocks``, and a
+    tied LM head kept in the file's format its float32 matrix (the embedding dequantized);
+    returns how many."""
+    from ferrobatch.model.quantized_embedding import QuantizedEmbedding
+
     made = 0
+    if model.lm_head is None and isinstance(model.embed_tokens, QuantizedEmbedding):
+        model.embed_tokens = model.embed_tokens.dequantized()
+        made += 1
     for path, weight in blocks.items():
         module = getattr(model, "lm_head", None) if path == "lm_head" else \
             model.get_submodule(path)

@@ -25,6 +25,7 @@ from ferrobatch.model.dequant import dequantize_tensor
 from ferrobatch.model.fused_tensors import split_fused_projections
 from ferrobatch.model.gguf_file import GGUFFile
 from ferrobatch.model.progress import load_progress
+from ferrobatch.model.quantized_embedding import QuantizedEmbedding, keeps_table
 from ferrobatch.model.rope import rope_context_length
 
 _GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
@@ -217,23 +218,27 @@ def read_tokenizer_metadata(reader: GGUFFile) -> GGUFTokenizerMetadata:
 
 def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], GGUFTokenizerMetadata]:
     """Reads a GGUF file into a float32 CPU state dict (HF names, Q/K un-permuted for Llama)."""
-    config, state, meta, _ = _read_gguf(path, keep_blocks=False)
+    config, state, meta, _, _ = _read_gguf(path, keep_blocks=False)
     return config, state, meta
 
 
 def load_gguf_blocks(path: str | os.PathLike) -> tuple[
-        ModelConfig, dict[str, torch.Tensor], GGUFTokenizerMetadata, dict[str, BlockWeight]]:
+        ModelConfig, dict[str, torch.Tensor], GGUFTokenizerMetadata, dict[str, BlockWeight],
+        QuantizedEmbedding | None]:
     """As :func:`load_gguf`, but the linear layers the CPU block kernels read are never
     dequantized: their state entries are meta-device placeholders of the right shape, and the
     fourth value maps each such module (``layers.3.self_attn.qkv_proj``, ``lm_head``) to its
     blocks, laid out as the model keeps the weight (``block_weights.module_block_weights``).
-    The embedding table stays float32 (rows are looked up), and is also the tied LM head's
-    blocks. A module only partly in block formats is dequantized whole."""
+    A module only partly in block formats is dequantized whole. The fifth value is the token
+    embedding kept in the file's format (``quantized_embedding.keeps_table``; its state entry a
+    placeholder too), or None where it is dequantized; a tied one is also the LM head's
+    blocks."""
     return _read_gguf(path, keep_blocks=True)
 
 
 def _read_gguf(path: str | os.PathLike, keep_blocks: bool) -> tuple[
-        ModelConfig, dict[str, torch.Tensor], GGUFTokenizerMetadata, dict[str, BlockWeight]]:
+        ModelConfig, dict[str, torch.Tensor], GGUFTokenizerMetadata, dict[str, BlockWeight],
+        QuantizedEmbedding | None]:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -250,6 +255,7 @@ def _read_gguf(path: str | os.PathLike, keep_blocks: bool) -> tuple[
             config, rope_scaling={"rope_type": "freq_factors", "factors": values.tolist()})
     state: dict[str, torch.Tensor] = {}
     blocks: dict[str, BlockWeight] = {}
+    embedding = None
     tensors = list(reader.tensors.values())
     total = sum(t.data.nbytes for t in tensors)
     bar = load_progress(total, "Reading GGUF weights" if keep_blocks else "Dequantizing GGUF weights")
@@ -258,16 +264,23 @@ def _read_gguf(path: str | os.PathLike, keep_blocks: bool) -> tuple[
         name = _hf_name(tensor.name, config.arch)
         if name is None:
             continue  # e.g. rope_freqs (not used) or tensors of other heads
-        if keep_blocks and kept_as_blocks(name, tensor.type_id, len(tensor.shape), config):
+        ndim = len(tensor.shape)
+        kept = False        # a placeholder in state: the weight is served from the file's bytes
+        if keep_blocks and kept_as_blocks(name, tensor.type_id, ndim, config):
             blocks[name] = gguf_block_weight(tensor, name, config)
-            if not name.endswith("embed_tokens.weight"):   # the embedding's rows are looked up
-                state[name] = torch.empty(tensor.shape, device="meta")
-                continue
+            kept = True     # (a tied embedding in blocks is also a kept table: keeps_table)
+        if keep_blocks and keeps_table(name, tensor.type_id, ndim, config):
+            embedding = QuantizedEmbedding.from_gguf(tensor)
+            kept = True
+        if kept:
+            state[name] = torch.empty(tensor.shape, device="meta")
+            continue
         weight = dequantize_tensor(tensor.data, tensor.type_id, tensor.type_name)
         state[name] = unpermute_qk(name, weight, config)
     bar.close()
     modules = module_block_weights(blocks, state, config) if keep_blocks else {}
-    return config, split_fused_projections(state, config), read_tokenizer_metadata(reader), modules
+    return (config, split_fused_projections(state, config), read_tokenizer_metadata(reader),
+            modules, embedding)
 
 
 def permuted_qk_heads(name: str, config: ModelConfig) -> int | None:

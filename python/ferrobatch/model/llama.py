@@ -248,7 +248,12 @@ class LlamaForCausalLM(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         """The output projection (the embedding matrix when tied)."""
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        if not hasattr(self.embed_tokens, "weight"):    # a QuantizedEmbedding's GGUF rows
+            raise RuntimeError("the tied LM head's matrix is kept in GGUF blocks: a ModelRunner "
+                               "packs them for the CPU kernels or dequantizes them")
+        return self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_meta, logits_indices: torch.Tensor,

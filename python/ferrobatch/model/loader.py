@@ -62,12 +62,12 @@ class LoadedModel:
     @property
     def device(self) -> torch.device:
         """Where the weights live."""
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
         """Weight dtype (also the KV cache dtype)."""
-        return self.model.embed_tokens.weight.dtype
+        return self.model.norm.weight.dtype
 
 
 def smollm2_gguf_path() -> str:
@@ -127,18 +127,22 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> None:
 
 def build_model(config: ModelConfig, state: dict[str, torch.Tensor] | None, *,
                 device: torch.device, dtype: torch.dtype,
-                block_weights: dict | None = None) -> LlamaForCausalLM:
+                block_weights: dict | None = None,
+                embedding: torch.nn.Module | None = None) -> LlamaForCausalLM:
     """Creates the model on ``device`` and loads ``state`` (HF names), or random weights if None.
     ``state`` is emptied as its tensors move into the model (the peak is about one copy).
     ``block_weights`` (``load_gguf_blocks``' module path -> blocks) become the model's
     ``gguf_block_weights``; those modules' weights (meta placeholders in ``state``) stay on the
-    meta device until a ModelRunner packs or dequantizes them."""
+    meta device until a ModelRunner packs or dequantizes them. ``embedding`` (a
+    ``QuantizedEmbedding``, its state entry a placeholder) becomes ``model.embed_tokens``."""
     model = _empty_model(config, device, dtype, materialize=state is None)
     if state is None:
         init_random_weights(model)
     else:
         model.load_hf_state_dict(state_in_model_layout(state, config), device=device)
         state.clear()
+        if embedding is not None:
+            model.embed_tokens = embedding
         unmade = {f"{path}.weight" for path in block_weights or {}}
         left = [name for name, p in model.named_parameters() if p.is_meta and name not in unmade]
         if left:
@@ -186,7 +190,8 @@ def load_model(name_or_path: str, *, device: str | torch.device = "cpu",
     (``rope.longrope_for_context``). ``gguf_blocks`` (a GGUF file on the CPU in float32): the
     linear layers in block formats are not dequantized; the model holds their blocks
     (``model.gguf_block_weights``) and only a ModelRunner can run it (it packs them for the
-    block kernels, or dequantizes them): the peak is the blocks, not the float32 weights."""
+    block kernels, or dequantizes them): the peak is the blocks, not the float32 weights; the
+    token embedding stays in the file's format too (``quantized_embedding``)."""
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     if name_or_path.startswith(RANDOM_PREFIX):
@@ -207,7 +212,7 @@ def load_model(name_or_path: str, *, device: str | torch.device = "cpu",
     path = smollm2_gguf_path() if name_or_path == SMOLLM2_ALIAS else os.path.expanduser(name_or_path)
     if not os.path.exists(path) and HUB_ID.fullmatch(name_or_path):
         path = hub_snapshot(name_or_path)
-    block_weights = None
+    block_weights = embedding = None
     if os.path.isdir(path):
         from ferrobatch.model.hf_loader import load_hf_dir
 
@@ -219,7 +224,7 @@ def load_model(name_or_path: str, *, device: str | torch.device = "cpu",
         from ferrobatch.model.gguf_loader import load_gguf, load_gguf_blocks
 
         if gguf_blocks and device.type == "cpu" and dtype == torch.float32:
-            config, state, meta, block_weights = load_gguf_blocks(path)
+            config, state, meta, block_weights, embedding = load_gguf_blocks(path)
         else:
             config, state, meta = load_gguf(path)
         tokenizer = Tokenizer.from_gguf_metadata(meta)
@@ -230,7 +235,7 @@ def load_model(name_or_path: str, *, device: str | torch.device = "cpu",
             "a .gguf file, a Hugging Face model directory or a Hub id ('org/name')")
     config = longrope_for_context(config, max_model_len)
     model = build_model(config, state, device=device, dtype=dtype,
-                        block_weights=block_weights)
+                        block_weights=block_weights, embedding=embedding)
     return LoadedModel(name_or_path, config, model, tokenizer,
                        tokenizer.chat_template if tokenizer else None, source=source)
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from ferrobatch import _scheduler
 from ferrobatch.model.llama import LlamaDecoderLayer, LlamaForCausalLM, SiluAndMul
+from ferrobatch.model.quantized_embedding import QuantizedEmbedding
 from ferrobatch.runtime.attention.cpu import CpuPagedBackend, CpuPagedMetadata
 from ferrobatch.runtime.cpu_elementwise import RustApplyRotary, RustRMSNorm
 from ferrobatch.runtime.cpu_linear import PanelLinear
@@ -101,7 +102,9 @@ class FusedLayers:
         # numpy views of the tables a step looks rows up in (``embed_and_run``), and of the
         # final norm (``final_norm``): at decode sizes torch's per-op dispatch cost more than
         # the look-ups themselves (0.06-0.15 ms per step on the Zen 3 dev VM, the same logits)
-        self._embedding = model.embed_tokens.weight.detach().numpy()
+        embedding = model.embed_tokens     # an nn.Embedding, or a QuantizedEmbedding's rows
+        self._embedding_rows = embedding.rows if isinstance(embedding, QuantizedEmbedding) \
+            else _rows_of(embedding.weight.detach().numpy())
         self._cos = model.rotary.cos_cached.numpy()
         self._sin = model.rotary.sin_cached.numpy()
         self._norm = model.norm
@@ -129,12 +132,8 @@ class FusedLayers:
         Keeps no state between calls: runners sharing one model (two engines on one loaded
         model) call it from their step threads at once, each with its own caches (~20 us per
         step to view them as numpy arrays)."""
-        ids = input_ids.numpy()
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self._embedding.shape[0]):
-            raise IndexError(f"token id out of range of the {self._embedding.shape[0]}-token "
-                             f"embedding")
         pos = positions.numpy()
-        hidden = torch.from_numpy(self._embedding[ids])
+        hidden = torch.from_numpy(self._embedding_rows(input_ids.numpy()))
         self._run(hidden.numpy(), self._cos[pos], self._sin[pos], kv_caches, meta, lora)
         return hidden
 
@@ -160,6 +159,15 @@ class FusedLayers:
                             meta.slot_mapping.numpy(), tables, ctx_lens, self.num_threads,
                             decode_rows, prefill, amx=self.amx, lora=lora)
         self.steps += 1
+
+
+def _rows_of(table: np.ndarray):
+    """A float32 table's row lookup, as ``QuantizedEmbedding.rows`` (IndexError out of range)."""
+    def rows(ids: np.ndarray) -> np.ndarray:
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= table.shape[0]):
+            raise IndexError(f"token id out of range of the {table.shape[0]}-token embedding")
+        return table[ids]
+    return rows
 
 
 # a step without decode-kernel rows

@@ -102,6 +102,7 @@ class ModelRunner:
             from ferrobatch.model.block_weights import materialize_block_linears
             logger.info("linear layers: %d dequantized from their GGUF blocks",
                         materialize_block_linears(self.model, loaded_blocks))
+        _log_embedding_table(self.model.embed_tokens)
         if self.rust_linears:
             blocks = (loaded_blocks or _gguf_block_weights(loaded)) if gguf_blocks else {}
             quant_panels = os.environ.get("FERROBATCH_QUANT_PANELS", "1") != "0"
@@ -463,6 +464,17 @@ class ModelRunner:
                 lora.capture()
             self.lora_piecewise_graphs = lora
         return pieces.captured_buckets
+
+
+def _log_embedding_table(table) -> None:
+    """Says, for a token embedding kept in the GGUF file's format, what it holds."""
+    from ferrobatch.model.quantized_embedding import QuantizedEmbedding
+
+    if isinstance(table, QuantizedEmbedding):
+        mib = 1 << 20
+        logger.info("token embedding: %s rows, each dequantized as it is looked up "
+                    "(%.0f MiB; %.0f MiB in float32)", table.type_name, table.nbytes / mib,
+                    table.num_embeddings * table.embedding_dim * 4 / mib)
 
 
 def _gguf_block_weights(loaded) -> dict:

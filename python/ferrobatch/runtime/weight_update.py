@@ -11,7 +11,9 @@ written; :func:`apply_update` then copies them in:
 * a CPU linear layer in the Rust kernels (``PanelLinear``) has the rows written into its
   panels in place (``write_rows``); one also read from GGUF blocks stops reading them and gets
   float32 panels back (the quantized blocks no longer hold its weights);
-* with tied embeddings, the packed LM head (a copy of the embedding matrix) is rewritten too.
+* with tied embeddings, the packed LM head (a copy of the embedding matrix) is rewritten too;
+* an embedding kept in the GGUF file's format (``QuantizedEmbedding``) is replaced by a float32
+  ``nn.Embedding`` of the new values.
 
 Names that carry no weight of this model (``rotary_emb.inv_freq``; ``lm_head.weight`` of a
 model whose LM head is its embeddings) are skipped, as vLLM skips them; any other unknown name
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 from ferrobatch.model.model_layout import to_model_layout
+from ferrobatch.model.quantized_embedding import QuantizedEmbedding
 from ferrobatch.runtime.cpu_linear import PanelLinear
 
 SKIPPED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -54,7 +57,8 @@ class _Write:
     name: str
     value: torch.Tensor
     param: torch.Tensor | None = None      # a plain parameter, copied into whole
-    module: nn.Module | None = None        # a linear layer (nn.Linear or PanelLinear)
+    module: nn.Module | None = None        # a linear layer (nn.Linear or PanelLinear), or
+    #                                        a QuantizedEmbedding, replaced whole
     start: int = 0
     rows: int | None = None                # a fused module's part: its rows (None: all)
     bias: bool = False
@@ -91,6 +95,8 @@ def _parts(config, module: str) -> list[tuple[int, int]] | None:
 
 
 def _linear_shape(module: nn.Module) -> tuple[int, int]:
+    if isinstance(module, QuantizedEmbedding):
+        return module.num_embeddings, module.embedding_dim
     if isinstance(module, PanelLinear):
         return module.out_features, module.in_features
     return tuple(module.weight.shape)
@@ -133,6 +139,8 @@ def plan_update(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]] | 
 
 def _destination(model: nn.Module, config, name: str, value: torch.Tensor) -> _Write:
     if name == "model.embed_tokens.weight":
+        if isinstance(model.embed_tokens, QuantizedEmbedding):
+            return _Write(name, value, module=model.embed_tokens)
         return _Write(name, value, param=model.embed_tokens.weight)
     if name == "model.norm.weight":
         return _Write(name, value, param=model.norm.weight)
@@ -172,9 +180,14 @@ def apply_update(model: nn.Module, update: WeightUpdate) -> int:
     for w in update.writes:
         if w.param is not None:
             w.param.copy_(w.value.to(w.param.dtype))
-            embedding_changed |= w.param is model.embed_tokens.weight
+            embedding_changed |= w.name == "model.embed_tokens.weight"
             continue
         module = w.module
+        if isinstance(module, QuantizedEmbedding):
+            table = torch.empty(w.value.shape, dtype=torch.float32).copy_(w.value)
+            model.embed_tokens = nn.Embedding(*table.shape, _weight=table, _freeze=True)
+            embedding_changed = True
+            continue
         if w.bias:
             module.bias[w.start:w.start + w.value.shape[0]].copy_(w.value.to(module.bias.dtype))
         elif isinstance(module, PanelLinear):
