@@ -392,7 +392,8 @@ def test_continue_final_message_cuts_after_the_text_not_inside_the_closing_tag(t
 
 
 @pytest.mark.parametrize("pre, whole", [("llama-bpe", True), ("llama3", True),
-                                        ("qwen2", False), ("deepseek-r1-qwen", False)])
+                                        ("qwen2", False), ("deepseek-r1-qwen", False),
+                                        ("tekken", True), ("gpt-4o", False)])
 def test_llama3_vocabularies_take_a_word_that_is_a_token_whole(pre, whole):
     """llama.cpp's "llama-bpe" (Llama 3's tokenizer.json: "ignore_merges": true) takes a word
     found in the vocabulary as one token even where the merges would not build it; other
@@ -410,3 +411,57 @@ def test_llama3_vocabularies_take_a_word_that_is_a_token_whole(pre, whole):
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     pieces = [tokenizer.id_to_token(i) for i in tokenizer.encode("abc ab")]
     assert pieces == (["abc", "Ġab"] if whole else ["ab", "c", "Ġab"])
+
+
+# text -> the pieces each split gives it (Ġ is the byte-level space, Ċ the newline): Tekken
+# splits cased words at their capitals, keeps contractions apart and digits single; GPT-4o's
+# o200k attaches contractions and groups digits in threes; Llama 3 keeps a word whole
+_SPLITS = {
+    "HelloWorld": {"tekken": ["Hello", "World"], "gpt-4o": ["Hello", "World"],
+                   "llama3": ["HelloWorld"]},
+    "I'm here": {"tekken": ["I", "'m", "Ġhere"], "gpt-4o": ["I'm", "Ġhere"],
+                 "llama3": ["I", "'m", "Ġhere"]},
+    "12345": {"tekken": ["1", "2", "3", "4", "5"], "gpt-4o": ["123", "45"],
+              "llama3": ["123", "45"]},
+    "a/b/\n": {"tekken": ["a", "/b", "/Ċ"], "gpt-4o": ["a", "/b", "/Ċ"],
+               "llama3": ["a", "/b", "/Ċ"]},
+    "XMLHttp": {"tekken": ["XMLHttp"], "gpt-4o": ["XMLHttp"], "llama3": ["XMLHttp"]},
+    "CAPS lock": {"tekken": ["CAPS", "Ġlock"], "gpt-4o": ["CAPS", "Ġlock"],
+                  "llama3": ["CAPS", "Ġlock"]},
+}
+
+
+@pytest.mark.parametrize("text", sorted(_SPLITS))
+def test_tekken_and_gpt_4o_vocabularies_split_words_as_their_models_do(text):
+    """Mistral NeMo's "tekken" and Phi-4-mini's "gpt-4o" pre-tokenizers (refused before):
+    the splits that tell them apart from each other and from Llama 3's."""
+    from ferrobatch.model.tokenizer import _byte_level_pre_tokenizer
+
+    for pre, want in _SPLITS[text].items():
+        pieces = [piece for piece, _ in _byte_level_pre_tokenizer(pre).pre_tokenize_str(text)]
+        assert pieces == want, pre
+
+
+@pytest.mark.parametrize("pre, bos", [("tekken", True), ("llama-bpe", True), ("gpt-4o", False),
+                                      ("qwen2", False), (None, False)])
+def test_tekken_and_llama3_vocabularies_start_with_bos_where_the_file_does_not_say(
+        tmp_path, pre, bos):
+    """llama.cpp's default without ``tokenizer.ggml.add_bos_token``: BOS for Llama 3's and
+    Tekken's byte-level vocabularies, none for the others."""
+    import gguf
+
+    from ferrobatch.model.gguf_file import GGUFFile
+    from ferrobatch.model.gguf_loader import read_tokenizer_metadata
+
+    path = tmp_path / "vocab.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
+    writer.add_token_list(["<s>", "a"])
+    writer.add_bos_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert read_tokenizer_metadata(GGUFFile(str(path))).add_bos_token == bos

@@ -27,6 +27,7 @@ from ferrobatch.model.gguf_file import GGUFFile
 from ferrobatch.model.progress import load_progress
 from ferrobatch.model.quantized_embedding import QuantizedEmbedding, keeps_table
 from ferrobatch.model.rope import rope_context_length
+from ferrobatch.model.tokenizer import BOS_BY_DEFAULT
 
 _GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
                "granite": "granite", "smollm3": "smollm3"}
@@ -197,16 +198,19 @@ def read_tokenizer_metadata(reader: GGUFFile) -> GGUFTokenizerMetadata:
     model = _field_value(reader, "tokenizer.ggml.model")
     if model is None:
         raise ValueError("GGUF file has no tokenizer (tokenizer.ggml.model missing)")
+    pre = _field_value(reader, "tokenizer.ggml.pre")
     return GGUFTokenizerMetadata(
         model=model,
-        pre=_field_value(reader, "tokenizer.ggml.pre"),
+        pre=pre,
         tokens=list(_field_value(reader, "tokenizer.ggml.tokens", [])),
         token_types=[int(t) for t in _field_value(reader, "tokenizer.ggml.token_type", [])],
         merges=list(_field_value(reader, "tokenizer.ggml.merges", [])),
         bos_token_id=_field_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field_value(reader, "tokenizer.ggml.eos_token_id"),
-        # llama.cpp's default: BOS for SentencePiece vocabularies, none for byte-level BPE
-        add_bos_token=bool(_field_value(reader, "tokenizer.ggml.add_bos_token", model == "llama")),
+        # llama.cpp's default: BOS for SentencePiece vocabularies, none for byte-level BPE but
+        # Llama 3's and Tekken's
+        add_bos_token=bool(_field_value(reader, "tokenizer.ggml.add_bos_token",
+                                        model == "llama" or pre in BOS_BY_DEFAULT)),
         chat_template=_field_value(reader, "tokenizer.chat_template"),
         extra={"add_eos_token": bool(_field_value(reader, "tokenizer.ggml.add_eos_token", False)),
                "scores": _field_value(reader, "tokenizer.ggml.scores"),

@@ -34,6 +34,24 @@ _QWEN2_REGEX = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# Mistral's Tekken (Mistral NeMo, Ministral, Mistral Small 3): cased words split at their
+# capitals, no contractions, single digits, "/" kept with the punctuation before it
+_TEKKEN_REGEX = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# OpenAI's o200k split (GPT-4o; Phi-4-mini's vocabulary): Tekken's words with contractions
+# attached, digits in threes
+_GPT4O_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O_REGEX = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    + _GPT4O_CONTRACTION +
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    + _GPT4O_CONTRACTION +
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 
 # llama.cpp's pre-tokenizer names -> the split expression it uses for them (several names
 # share one: DeepSeek-R1's Qwen distills say "deepseek-r1-qwen", Falcon 3 "falcon3", ...)
@@ -41,10 +59,14 @@ _PRE_TOKENIZER_REGEX = {
     **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "falcon3", "dbrx", "smaug-bpe"),
                     _LLAMA3_REGEX),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_REGEX),
+    "tekken": _TEKKEN_REGEX,
+    **dict.fromkeys(("gpt-4o", "llama4"), _GPT4O_REGEX),
 }
-# Llama 3's vocabulary takes a whole word that is a token as it is, merges or not
-# (tokenizer.json's "ignore_merges": true; llama.cpp does the same for these names)
-_IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")
+# Llama 3's and Tekken's vocabularies take a whole word that is a token as it is, merges or
+# not (tokenizer.json's "ignore_merges": true; llama.cpp does the same for these names)
+_IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3", "tekken")
+# ... and start with BOS where the file does not say (llama.cpp's default for these names)
+BOS_BY_DEFAULT = _IGNORE_MERGES
 
 
 def _reject_lone_surrogates(text: str) -> None:
