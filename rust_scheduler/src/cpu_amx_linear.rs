@@ -42,6 +42,7 @@ use crate::cpu_amx_tiles::{aligned_64, bf16_bits, Shared, TileConfig};
 use crate::cpu_error::{check_bias, check_lengths, KernelInputError};
 use crate::cpu_isa::Isa;
 use crate::cpu_linear::OutPtr;
+use crate::load_parallel::{load_threads, split, Out};
 
 /// Inputs per block (both formats), and per tile product.
 pub const BLOCK: usize = 32;
@@ -221,6 +222,65 @@ pub fn pack_into(
     tiles: &mut [u16],
 ) -> Result<(), KernelInputError> {
     crate::cpu_error::check_lengths(&[("tiles", tiles.len(), packed_len(w, n, k)?)])?;
+    if let QuantWeight::Q4_1 { scale, min, qs } = w {
+        pack_nibbles(scale, min, qs, n, k, tiles);
+        return Ok(());
+    }
+    pack_elementwise(w, n, k, tiles);
+    Ok(())
+}
+
+/// [`pack_into`] for Q4_1 blocks, a `u16` at a time: group `g` of a feature's 32 values in a
+/// chunk (values `4g .. 4g + 4`, rows `2g, 2g + 1` of it) is one `u16`, `v0 | v2 << 4 | v1 <<
+/// 8 | v3 << 12`, the four values being the low nibbles of block bytes `4g ..` for `g < 4`,
+/// the high ones of bytes `4(g - 4) ..` after (what [`pack_elementwise`] lays out value by
+/// value: ~6x faster, the load of a large model's weights).
+fn pack_nibbles(scale: &[f32], min: &[f32], qs: &[u8], n: usize, k: usize, tiles: &mut [u16]) {
+    let nb = k / BLOCK;
+    let tile_len = nb * NIBBLE_CHUNK;
+    let feature_tiles = tiles.len() / tile_len;
+    let out = Out(tiles.as_mut_ptr());
+    split(feature_tiles, load_threads(), |first, count| {
+        // SAFETY: feature tiles first .. first + count, this thread's alone
+        let part = unsafe { out.range(first * tile_len, count * tile_len) };
+        for (t, tile_chunks) in (first..).zip(part.chunks_exact_mut(tile_len)) {
+            pack_nibble_tile(scale, min, qs, n, nb, t, tile_chunks);
+        }
+    });
+}
+
+/// [`pack_nibbles`] of feature tile `t` (`tile_chunks`: its `nb` chunks).
+fn pack_nibble_tile(
+    scale: &[f32],
+    min: &[f32],
+    qs: &[u8],
+    n: usize,
+    nb: usize,
+    t: usize,
+    tile_chunks: &mut [u16],
+) {
+    for (b, chunk) in tile_chunks.chunks_exact_mut(NIBBLE_CHUNK).enumerate() {
+        let (ints, params) = chunk.split_at_mut(NIBBLE_CHUNK - PARAMS);
+        for c in 0..TILE_FEATURES.min(n.saturating_sub(t * TILE_FEATURES)) {
+            let j = t * TILE_FEATURES + c;
+            let bytes = &qs[(j * nb + b) * (BLOCK / 2)..][..BLOCK / 2];
+            for g in 0..BLOCK / 4 {
+                let (quad, shift) = (&bytes[(g % 4) * 4..][..4], 4 * (g / 4));
+                let v = |m: usize| u16::from((quad[m] >> shift) & 0x0F);
+                ints[g * TILE_FEATURES + c] = v(0) | (v(2) << 4) | (v(1) << 8) | (v(3) << 12);
+            }
+            let (d, mn) = (scale[j * nb + b].to_bits(), min[j * nb + b].to_bits());
+            for (slot, bits) in [(c, d), (TILE_FEATURES + c, mn)] {
+                params[2 * slot] = bits as u16;
+                params[2 * slot + 1] = (bits >> 16) as u16;
+            }
+        }
+    }
+}
+
+/// [`pack_into`] value by value, for every format (Q8_0's bfloat16; the reference the Q4_1
+/// path is tested against).
+fn pack_elementwise(w: &QuantWeight<'_>, n: usize, k: usize, tiles: &mut [u16]) {
     let nb = k / BLOCK;
     let format = AmxFormat::of(w).expect("checked by packed_len");
     // q(feature j, block b, input i of the block), scale and min of (j, b)
@@ -277,7 +337,6 @@ pub fn pack_into(
             }
         }
     }
-    Ok(())
 }
 
 /// `x` as three bfloat16 arrays whose sum is `x` exactly (`hi[i] + mid[i] + lo[i] == x[i]`,
@@ -738,6 +797,24 @@ mod tests {
         }
         let s0: f32 = x[..BLOCK].iter().sum();
         assert_eq!(sums[0], s0);
+    }
+
+    #[test]
+    fn q4_1_packs_a_u16_at_a_time_as_value_by_value() {
+        for (n, k, seed) in [(20, 96, 11), (16, 32, 12), (37, 256, 13), (1, 64, 14)] {
+            let mut rng = Lcg(seed);
+            let b = random_blocks(&mut rng, n, k);
+            let w = QuantWeight::Q4_1 {
+                scale: &b.scale,
+                min: &b.min,
+                qs: &b.q4,
+            };
+            let len = packed_len(&w, n, k).unwrap();
+            let (mut fast, mut slow) = (vec![0u16; len], vec![0u16; len]);
+            pack_into(&w, n, k, &mut fast).unwrap();
+            pack_elementwise(&w, n, k, &mut slow);
+            assert_eq!(fast, slow, "n {n}, k {k}");
+        }
     }
 
     #[test]

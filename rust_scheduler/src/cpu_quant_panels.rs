@@ -40,6 +40,7 @@ use crate::cpu_linear::{
     run_panel_range, LinearShape, OutPtr, TileBuf, PANEL_WIDTH, TILE_ROWS, TILE_ROWS_512,
 };
 use crate::cpu_quant_linear::{QuantShape, QuantWeight, BLOCK};
+use crate::load_parallel::{load_threads, split, Out};
 use std::cell::RefCell;
 
 /// The fewest rows of a step that go to this kernel rather than the GGUF-block kernel
@@ -170,10 +171,31 @@ pub fn pack_into(
     check_lengths(&[("packed", data.len(), packed_len(w, n, k)?)])?;
     let format = PanelFormat::of(w).expect("every block format has a panel layout");
     let (nb, record) = (k / BLOCK, format.record_bytes());
-    for (j, feature_blocks) in (0..n).map(|j| (j, j * nb..(j + 1) * nb)) {
-        let (p, c) = (j / PANEL_WIDTH, j % PANEL_WIDTH);
+    let panel_len = nb * record;
+    let out = Out(data.as_mut_ptr());
+    // panels are independent: each thread packs (and first touches) its own range of them
+    split(n.div_ceil(PANEL_WIDTH), load_threads(), |first, count| {
+        // SAFETY: panels first .. first + count, this thread's alone
+        let part = unsafe { out.range(first * panel_len, count * panel_len) };
+        let features = first * PANEL_WIDTH..((first + count) * PANEL_WIDTH).min(n);
+        pack_features(w, features, nb, record, first, part);
+    });
+    Ok(())
+}
+
+/// [`pack_into`] of `features` (whole panels from panel `first`) into `part`, their records.
+fn pack_features(
+    w: &QuantWeight<'_>,
+    features: std::ops::Range<usize>,
+    nb: usize,
+    record: usize,
+    first: usize,
+    part: &mut [u8],
+) {
+    for (j, feature_blocks) in features.map(|j| (j, j * nb..(j + 1) * nb)) {
+        let (p, c) = (j / PANEL_WIDTH - first, j % PANEL_WIDTH);
         for (b, block) in feature_blocks.enumerate() {
-            let rec = &mut data[(p * nb + b) * record..][..record];
+            let rec = &mut part[(p * nb + b) * record..][..record];
             let mut put_f32 = |at: usize, v: f32| {
                 rec[at + 4 * c..at + 4 * c + 4].copy_from_slice(&v.to_le_bytes())
             };
@@ -203,7 +225,6 @@ pub fn pack_into(
             }
         }
     }
-    Ok(())
 }
 
 /// `out = x @ W^T + bias` with `W` packed by [`pack`]; `bias` may be empty. Splits the panels

@@ -44,9 +44,11 @@ pub mod cpu_quant_linear;
 pub mod cpu_quant_panels;
 pub mod cpu_step_timing;
 pub mod error;
+pub mod gguf_blocks;
 pub mod guided;
 pub mod intake;
 mod integrity;
+mod load_parallel;
 pub mod ngram;
 pub mod prefix_cache;
 pub mod queue;
@@ -62,6 +64,8 @@ mod py;
 mod py_attention;
 #[cfg(feature = "python")]
 mod py_decoder;
+#[cfg(feature = "python")]
+mod py_gguf_blocks;
 #[cfg(feature = "python")]
 mod py_guided;
 #[cfg(feature = "python")]

@@ -99,3 +99,33 @@ def test_lora_and_weight_updates_follow_the_order(tmp_path):
     from lora_files import PHI3, assert_update_and_lora_match_transformers
 
     assert_update_and_lora_match_transformers(tmp_path, PHI4_MINI, PHI3, (23, 24, 3))
+
+
+def test_a_phi4_mini_shaped_gguf_in_k_quants_loads_as_blocks_in_the_head_order(tmp_path):
+    """Q4_K / Q6_K modules loaded as blocks are made straight from the file's bytes, in Rust
+    (``block_weights._fused_blocks``), their rows in the model's order: the fused q / k / v's
+    reordered head dims too. The oracle: the blocks the float32 path proves, value for value,
+    and transformers' tokens."""
+    from ferrobatch.model.block_weights import block_weights_for_modules, read_block_weights
+
+    cfg = {**PHI4_MINI, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "intermediate_size": 256, "rope_scaling": None}
+    reference = random_hf_model(cfg, seed=23, std=0.3)
+    path = tmp_path / "phi4-mini-kquants.gguf"
+    write_tiny_gguf(path, reference, cfg, "phi3",
+                    metadata=lambda writer: writer.add_rope_dimension_count(48),
+                    linear_types=lambda name: "Q6_K" if "attn_qkv" in name else "Q4_K",
+                    embedding_type="Q4_K")
+    dense = load_model(str(path))
+    assert dense.config.rotary_dim == 48 and dense.config.head_dim == 64
+    proven = block_weights_for_modules(dense.model, read_block_weights(str(path), dense.config))
+    loaded = load_model(str(path), gguf_blocks=True)
+    blocks = loaded.model.gguf_block_weights
+    assert sorted(blocks) == sorted(proven) and len(blocks) == 2 * 4 + 1
+    for name, want in proven.items():
+        got = blocks[name]
+        assert got.type_id == want.type_id, name
+        assert torch.equal(got.scale, want.scale) and torch.equal(got.qs, want.qs), name
+        assert torch.equal(got.minimum, want.minimum), name
+    runner = ModelRunner(loaded, num_blocks=64, block_size=4)
+    assert_greedy_matches(loaded, reference, [list(range(3, 50)), [5, 9, 11]], 6, runner=runner)

@@ -20,9 +20,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ferrobatch.model.dequant import G16_TYPES, Q4_TYPES, g16_parts, per_16, q4_nibbles
+from ferrobatch.model.dequant import (
+    G16_TYPES,
+    Q4_TYPES,
+    g16_parts,
+    per_16,
+    q4_k_into,
+    q4_nibbles,
+    q6_k_into,
+)
 
 Q4_1, Q8_0 = 3, 8           # two kernels: type ids of the GGUF formats they were made for
+_Q4_K, _Q6_K = 12, 14       # converted in Rust straight into a module's arrays (_fused_blocks)
 Q8_G16 = 1016               # the third: int8 weights, a scale and a minimum per 16 (no GGUF id)
 BLOCK = 32
 _Q8_0_BYTES = 34
@@ -190,23 +199,79 @@ def _module_parts(config, names) -> list[tuple[str, list[str]]]:
     return out
 
 
-def module_block_weights(blocks: dict[str, BlockWeight], state: dict[str, torch.Tensor],
-                         config) -> dict[str, BlockWeight]:
+def module_block_weights(tensors: dict, state: dict[str, torch.Tensor], config,
+                         progress=None) -> dict[str, BlockWeight]:
     """Module path -> its blocks in the model's layout, for every linear module whose
-    checkpoint tensors are all in ``blocks`` (as :func:`gguf_block_weight` reads them); the
-    parts of a module only partly there are dequantized into ``state`` in place of their
-    meta placeholders (the loader's float32 values), so ``state`` holds every other weight."""
+    checkpoint tensors are all in ``tensors`` (GGUF tensors, ``gguf_file.GGUFTensorInfo``, of
+    :data:`KERNEL_TYPES`, under their Hugging Face names); the parts of a module only partly
+    there are dequantized into ``state`` in place of their meta placeholders (the loader's
+    float32 values), so ``state`` holds every other weight. ``progress(bytes)`` is told of each
+    module's file bytes as they are converted."""
     modules: dict[str, BlockWeight] = {}
-    for path, names in _module_parts(config, set(blocks) | set(state)):
-        parts = [blocks.get(n) for n in names]
+    for path, names in _module_parts(config, set(tensors) | set(state)):
+        parts = [tensors.get(n) for n in names]
         if all(p is not None for p in parts):
-            modules[path] = _concat([_in_model_layout(n, p, config)
-                                     for n, p in zip(names, parts, strict=True)])
-            continue
-        for name, part in zip(names, parts, strict=True):
-            if part is not None and name in state and state[name].is_meta:
-                state[name] = part.dequantize()
+            modules[path] = _fused_blocks(names, parts, config) or _concat(
+                [_in_model_layout(n, gguf_block_weight(p, n, config), config)
+                 for n, p in zip(names, parts, strict=True)])
+        else:
+            for name, part in zip(names, parts, strict=True):
+                if part is not None and name in state and state[name].is_meta:
+                    state[name] = gguf_block_weight(part, name, config).dequantize()
+        if progress is not None:
+            progress(sum(p.data.nbytes for p in parts if p is not None))
     return modules
+
+
+def _fused_blocks(names: list[str], tensors: list, config) -> BlockWeight | None:
+    """A module's blocks made in one pass from its parts' bytes in the file (no copy of them,
+    no concatenation of converted parts): for parts all Q4_K (the Q4_1 form) or all Q6_K
+    (Q8G16), each converted in Rust straight into its rows of the module's arrays, its rows
+    taken in the model's order; None for other parts (:func:`_concat`'s way)."""
+    types = {t.type_id for t in tensors}
+    if len(types) != 1 or (kind := types.pop()) not in (_Q4_K, _Q6_K):
+        return None
+    counts = [t.shape[0] for t in tensors]
+    rows, cols = sum(counts), tensors[0].shape[1]
+    if kind == _Q4_K:
+        weight = BlockWeight(Q4_1, torch.empty(rows, cols // BLOCK),
+                             torch.empty(rows, cols // BLOCK, 16, dtype=torch.uint8),
+                             torch.empty(rows, cols // BLOCK))
+    else:
+        weight = BlockWeight(Q8_G16, torch.empty(rows, cols // 16),
+                             torch.empty(rows, cols // BLOCK, BLOCK, dtype=torch.int8),
+                             torch.zeros(rows, cols // 16))
+    start = 0
+    for name, tensor, count in zip(names, tensors, counts, strict=True):
+        raw = np.asarray(tensor.data).reshape(count, -1)      # the file's mapped bytes
+        order = _model_row_order(name, count, config)
+        if order is not None:
+            raw = raw[order]
+        end = start + count
+        if kind == _Q4_K:
+            q4_k_into(raw, weight.scale[start:end], weight.minimum[start:end],
+                      weight.qs[start:end])
+        else:
+            q6_k_into(raw, weight.scale[start:end], weight.qs[start:end])
+        start = end
+    return weight
+
+
+def _model_row_order(name: str, rows: int, config) -> np.ndarray | None:
+    """Which checkpoint row of tensor ``name`` each of the model's rows is (Llama's Q / K rows
+    un-permuted as :func:`gguf_block_weight` does them, then :func:`_in_model_layout`'s
+    partial-rotary order); None where the model keeps the file's order."""
+    from ferrobatch.model.gguf_loader import permuted_qk_heads, reverse_llama_permute
+    from ferrobatch.model.partial_rotary import head_dim_order, reorder_heads
+
+    index = torch.arange(rows)[:, None]
+    heads = permuted_qk_heads(name, config)
+    if heads is not None:
+        index = reverse_llama_permute(index, heads)
+    if head_dim_order(config) is not None and "self_attn." in name:
+        index = reorder_heads(name, index, config)
+    index = index[:, 0]
+    return None if torch.equal(index, torch.arange(rows)) else index.numpy()
 
 
 def block_weights_for_modules(model, blocks: dict[str, BlockWeight]) -> dict[str, BlockWeight]:

@@ -6,13 +6,18 @@ function takes the raw tensor bytes as ``uint8 [rows, bytes_per_row]`` and retur
 [rows, cols]`` (the ``nn.Linear.weight`` layout). Q4_0 and Q4_K are computed through
 :func:`q4_parts`, the form ``scale * q + minimum`` per 32 values that the CPU's Q4_1 kernel reads
 (``model.block_weights``), so the two agree bit for bit; Q5_0 / Q5_1 / Q5_K / Q6_K through
-:func:`g16_parts`, the form ``scale * q + minimum`` per 16 values of its Q8G16 kernel.
+:func:`g16_parts`, the form ``scale * q + minimum`` per 16 values of its Q8G16 kernel. The two
+forms of the types of a Q4_K_M file that a large model's load spends its time on, Q4_K's nibbles
+and Q6_K's, come from Rust (``rust_scheduler/src/gguf_blocks.rs``: one pass over the bytes, on
+every core; the same values).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from ferrobatch import _scheduler
 
 # type id -> (elements per block, bytes per block); ids from ggml's GGMLQuantizationType.
 _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = 2, 3, 6, 7, 8
@@ -70,12 +75,21 @@ def q4_nibbles(raw: torch.Tensor, type_id: int) -> tuple[torch.Tensor, torch.Ten
         if type_id == _Q4_1:
             return scale, _half_scale(blocks, 2)[..., 0], blocks[..., 4:].contiguous()
         return scale, -8.0 * scale, blocks[..., 2:].contiguous()
-    scale, minimum = _k_scales(raw.view(rows, -1, 144))
-    chunks = raw.view(rows, -1, 144)[..., 16:].reshape(rows, -1, 4, 32)
-    first, second = chunks[..., :16], chunks[..., 16:]
-    even = (first & 0x0F) | ((second & 0x0F) << 4)      # sub-block 2c: the low nibbles
-    odd = (first >> 4) | (second & 0xF0)                # sub-block 2c + 1: the high ones
-    return scale, minimum, torch.stack((even, odd), dim=-2).reshape(rows, -1, 16)
+    groups = raw.shape[1] // 144 * 8
+    scale, minimum = torch.empty(rows, groups), torch.empty(rows, groups)
+    nibbles = torch.empty(rows, groups, 16, dtype=torch.uint8)
+    q4_k_into(raw.numpy(), scale, minimum, nibbles)
+    return scale, minimum, nibbles
+
+
+def q4_k_into(raw: np.ndarray, scale: torch.Tensor, minimum: torch.Tensor,
+              nibbles: torch.Tensor) -> None:
+    """:func:`q4_nibbles` of Q4_K bytes ``uint8 [rows, bytes]`` written into contiguous
+    ``scale`` / ``minimum`` ``[rows, cols / 32]`` and ``nibbles`` ``[rows, cols / 32, 16]``
+    (rows of a fused module's arrays), in Rust: :func:`_k_scales`' values, chunk c's low
+    nibbles as group 2c and its high ones as 2c + 1."""
+    _scheduler.q4_k_to_q4_1(np.ascontiguousarray(raw), scale.numpy(), minimum.numpy(),
+                            nibbles.numpy())
 
 
 def per_16(per_32: torch.Tensor) -> torch.Tensor:
@@ -122,19 +136,20 @@ def g16_parts(raw: torch.Tensor, type_id: int) -> tuple[torch.Tensor, torch.Tens
         high = (qh >> torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1)) & 1
         q = (low | (high << 4)).reshape(rows, -1, 32).to(torch.int8)
         return per_16(scale), per_16(minimum), q
-    blocks = raw.view(rows, -1, 210)        # Q6_K
-    nb = blocks.shape[1]
-    ql, qh = blocks[..., :128], blocks[..., 128:192]
-    scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
-    scale = (_half_scale(blocks, 208) * scales).reshape(rows, nb * 16)
-    # two halves of 128 weights; in each, 64 bytes of low bits give 4 runs of 32 (low nibbles of
-    # bytes 0-31, of bytes 32-63, then their high nibbles) and 32 bytes of high bits 2 bits each
-    ql = ql.reshape(rows, nb, 2, 1, 64)
-    low = torch.cat((ql & 0x0F, ql >> 4), dim=-2).reshape(rows, nb, 2, 4, 32)
-    qh = qh.reshape(rows, nb, 2, 1, 32)
-    high = torch.cat([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-2)
-    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(rows, nb * 8, 32)
+    nb = raw.shape[1] // 210        # Q6_K
+    scale = torch.empty(rows, nb * 16)
+    q = torch.empty(rows, nb * 8, 32, dtype=torch.int8)
+    q6_k_into(raw.numpy(), scale, q)
     return scale, torch.zeros_like(scale), q
+
+
+def q6_k_into(raw: np.ndarray, scale: torch.Tensor, q: torch.Tensor) -> None:
+    """:func:`g16_parts` of Q6_K bytes ``uint8 [rows, bytes]`` written into contiguous
+    ``scale`` ``[rows, cols / 16]`` and ``q`` ``[rows, cols / 32, 32]`` (the minimums are
+    zero), in Rust: ``d`` times a signed 8-bit scale per 16; in each half of 128 weights, 64
+    bytes of low bits give 4 runs of 32 (low nibbles of bytes 0-31, of 32-63, then their high
+    nibbles) and 32 bytes of high bits 2 bits each; ``q - 32``."""
+    _scheduler.q6_k_to_q8_g16(np.ascontiguousarray(raw), scale.numpy(), q.numpy())
 
 
 def _low_bit_parts(blocks: torch.Tensor,

@@ -16,14 +16,13 @@ import torch
 from ferrobatch.model.attention_window import capped_to_window
 from ferrobatch.model.block_weights import (
     BlockWeight,
-    gguf_block_weight,
     kept_as_blocks,
     module_block_weights,
 )
 from ferrobatch.model.config import GGUF_PERMUTED_QK, ModelConfig
 from ferrobatch.model.dequant import dequantize_tensor
 from ferrobatch.model.fused_tensors import split_fused_projections
-from ferrobatch.model.gguf_file import GGUFFile
+from ferrobatch.model.gguf_file import GGUFFile, GGUFTensorInfo
 from ferrobatch.model.progress import load_progress
 from ferrobatch.model.quantized_embedding import QuantizedEmbedding, keeps_table
 from ferrobatch.model.rope import rope_context_length
@@ -258,21 +257,23 @@ def _read_gguf(path: str | os.PathLike, keep_blocks: bool) -> tuple[
         config = dataclasses.replace(
             config, rope_scaling={"rope_type": "freq_factors", "factors": values.tolist()})
     state: dict[str, torch.Tensor] = {}
-    blocks: dict[str, BlockWeight] = {}
+    blocks: dict[str, GGUFTensorInfo] = {}      # made into their modules' blocks below
     embedding = None
     tensors = list(reader.tensors.values())
     total = sum(t.data.nbytes for t in tensors)
     bar = load_progress(total, "Reading GGUF weights" if keep_blocks else "Dequantizing GGUF weights")
     for tensor in tensors:
-        bar.update(tensor.data.nbytes)
         name = _hf_name(tensor.name, config.arch)
-        if name is None:
-            continue  # e.g. rope_freqs (not used) or tensors of other heads
         ndim = len(tensor.shape)
         kept = False        # a placeholder in state: the weight is served from the file's bytes
-        if keep_blocks and kept_as_blocks(name, tensor.type_id, ndim, config):
-            blocks[name] = gguf_block_weight(tensor, name, config)
+        if name is not None and keep_blocks and \
+                kept_as_blocks(name, tensor.type_id, ndim, config):
+            blocks[name] = tensor       # (its bytes reach the bar as its module is made)
             kept = True     # (a tied embedding in blocks is also a kept table: keeps_table)
+        else:
+            bar.update(tensor.data.nbytes)
+        if name is None:
+            continue  # e.g. rope_freqs (not used) or tensors of other heads
         if keep_blocks and keeps_table(name, tensor.type_id, ndim, config):
             embedding = QuantizedEmbedding.from_gguf(tensor)
             kept = True
@@ -281,8 +282,9 @@ def _read_gguf(path: str | os.PathLike, keep_blocks: bool) -> tuple[
             continue
         weight = dequantize_tensor(tensor.data, tensor.type_id, tensor.type_name)
         state[name] = unpermute_qk(name, weight, config)
+    modules = module_block_weights(blocks, state, config, progress=bar.update) \
+        if keep_blocks else {}
     bar.close()
-    modules = module_block_weights(blocks, state, config) if keep_blocks else {}
     return (config, split_fused_projections(state, config), read_tokenizer_metadata(reader),
             modules, embedding)
 

@@ -1,0 +1,172 @@
+//! GGUF k-quant tensors rewritten in the forms the CPU block kernels read, in one pass over the
+//! file's bytes (the loader's torch version takes ~10 passes with fresh temporaries: most of a
+//! large model's load).
+//!
+//! * Q4_K -> the Q4_1 kernel's form: per group of 32 a float32 scale `d * sc` and minimum
+//!   `-(dmin * m)` (each product exact in float32) and 16 bytes of nibbles (byte j: value j in
+//!   the low nibble, value j + 16 in the high one).
+//! * Q6_K -> Q8G16: per group of 16 a float32 scale `d * sc` (minimum 0, the caller's zeros)
+//!   and 32 int8 values `q - 32` per group of 32.
+//!
+//! Invariants: the outputs are, value for value, what `python/ferrobatch/model/dequant.py`'s
+//! `q4_nibbles` / `g16_parts` compute from the same bytes (tested there, bit for bit); super-
+//! blocks are independent, so the work splits over threads at any super-block boundary; input
+//! lengths are checked before anything is written.
+
+use crate::cpu_error::{check_lengths, KernelInputError};
+use crate::load_parallel::{split, Out};
+use half::f16;
+
+/// Weights per super-block.
+pub const SUPER: usize = 256;
+/// Bytes of a Q4_K / Q6_K super-block.
+pub const Q4_K_BYTES: usize = 144;
+pub const Q6_K_BYTES: usize = 210;
+
+fn half_at(bytes: &[u8], at: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([bytes[at], bytes[at + 1]])).to_f32()
+}
+
+/// One Q4_K super-block -> 8 scales, 8 minimums and 8 x 16 nibble bytes.
+fn q4_k_block(block: &[u8], scale: &mut [f32], min: &mut [f32], nibbles: &mut [u8]) {
+    let (d, dmin) = (half_at(block, 0), half_at(block, 2));
+    let packed = &block[4..16];
+    let (low, high, mixed) = (&packed[0..4], &packed[4..8], &packed[8..12]);
+    for i in 0..4 {
+        let (sc_lo, m_lo) = (low[i] & 63, high[i] & 63);
+        let sc_hi = (mixed[i] & 15) | ((low[i] >> 6) << 4);
+        let m_hi = (mixed[i] >> 4) | ((high[i] >> 6) << 4);
+        scale[i] = d * f32::from(sc_lo);
+        scale[4 + i] = d * f32::from(sc_hi);
+        min[i] = -(dmin * f32::from(m_lo));
+        min[4 + i] = -(dmin * f32::from(m_hi));
+    }
+    // chunk c (32 bytes): sub-block 2c is its low nibbles, 2c + 1 its high ones
+    for (c, chunk) in block[16..].chunks_exact(32).enumerate() {
+        let (first, second) = chunk.split_at(16);
+        let (even, odd) = nibbles[c * 32..(c + 1) * 32].split_at_mut(16);
+        for j in 0..16 {
+            even[j] = (first[j] & 0x0F) | ((second[j] & 0x0F) << 4);
+            odd[j] = (first[j] >> 4) | (second[j] & 0xF0);
+        }
+    }
+}
+
+/// One Q6_K super-block -> 16 scales and 256 int8 values.
+fn q6_k_block(block: &[u8], scale: &mut [f32], q: &mut [i8]) {
+    let d = half_at(block, 208);
+    for (s, &sc) in scale.iter_mut().zip(&block[192..208]) {
+        *s = d * f32::from(sc as i8);
+    }
+    // two halves of 128: 64 bytes of low bits give runs of 32 (low nibbles of bytes 0-31,
+    // of 32-63, then their high nibbles), 32 bytes of high bits two bits per run
+    for h in 0..2 {
+        let (ql, qh) = (
+            &block[h * 64..h * 64 + 64],
+            &block[128 + h * 32..128 + h * 32 + 32],
+        );
+        for r in 0..4 {
+            let out = &mut q[(h * 4 + r) * 32..][..32];
+            let low = &ql[(r % 2) * 32..][..32];
+            for i in 0..32 {
+                let lo = if r < 2 { low[i] & 0x0F } else { low[i] >> 4 };
+                let hi = (qh[i] >> (2 * r)) & 3;
+                out[i] = ((lo | (hi << 4)) as i8).wrapping_sub(32);
+            }
+        }
+    }
+}
+
+/// Q4_K bytes (whole super-blocks) -> the Q4_1 kernel's `scale`, `min` (one per 32) and
+/// `nibbles` (16 bytes per 32), on up to `threads` threads.
+pub fn q4_k_to_q4_1(
+    raw: &[u8],
+    scale: &mut [f32],
+    min: &mut [f32],
+    nibbles: &mut [u8],
+    threads: usize,
+) -> Result<(), KernelInputError> {
+    let blocks = raw.len() / Q4_K_BYTES;
+    check_lengths(&[
+        ("raw", raw.len(), blocks * Q4_K_BYTES),
+        ("scale", scale.len(), blocks * 8),
+        ("min", min.len(), blocks * 8),
+        ("nibbles", nibbles.len(), blocks * 128),
+    ])?;
+    let (s, m, n) = (
+        Out(scale.as_mut_ptr()),
+        Out(min.as_mut_ptr()),
+        Out(nibbles.as_mut_ptr()),
+    );
+    split(blocks, threads, |first, count| {
+        for b in first..first + count {
+            // SAFETY: super-block b's outputs; the threads' ranges of b are disjoint
+            unsafe {
+                q4_k_block(
+                    &raw[b * Q4_K_BYTES..][..Q4_K_BYTES],
+                    s.range(b * 8, 8),
+                    m.range(b * 8, 8),
+                    n.range(b * 128, 128),
+                );
+            }
+        }
+    });
+    Ok(())
+}
+
+/// Q6_K bytes (whole super-blocks) -> Q8G16's `scale` (one per 16; its minimums are zero) and
+/// int8 `q` (one per weight), on up to `threads` threads.
+pub fn q6_k_to_q8_g16(
+    raw: &[u8],
+    scale: &mut [f32],
+    q: &mut [i8],
+    threads: usize,
+) -> Result<(), KernelInputError> {
+    let blocks = raw.len() / Q6_K_BYTES;
+    check_lengths(&[
+        ("raw", raw.len(), blocks * Q6_K_BYTES),
+        ("scale", scale.len(), blocks * 16),
+        ("q", q.len(), blocks * SUPER),
+    ])?;
+    let (s, v) = (Out(scale.as_mut_ptr()), Out(q.as_mut_ptr()));
+    split(blocks, threads, |first, count| {
+        for b in first..first + count {
+            // SAFETY: as in q4_k_to_q4_1
+            unsafe {
+                q6_k_block(
+                    &raw[b * Q6_K_BYTES..][..Q6_K_BYTES],
+                    s.range(b * 16, 16),
+                    v.range(b * SUPER, SUPER),
+                );
+            }
+        }
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn threads_give_the_same_values_and_bad_lengths_write_nothing() {
+        let raw: Vec<u8> = (0..Q4_K_BYTES * 5).map(|i| (i * 37 % 251) as u8).collect();
+        let run = |threads| {
+            let (mut s, mut m, mut n) = (vec![0f32; 40], vec![0f32; 40], vec![0u8; 640]);
+            q4_k_to_q4_1(&raw, &mut s, &mut m, &mut n, threads).unwrap();
+            (s, m, n)
+        };
+        assert_eq!(run(1), run(3));
+        let mut short = vec![7f32; 39];
+        let err = q4_k_to_q4_1(&raw, &mut short, &mut [0f32; 40], &mut [0u8; 640], 2);
+        assert!(err.is_err() && short.iter().all(|&v| v == 7.0));
+        let raw6: Vec<u8> = (0..Q6_K_BYTES * 3).map(|i| (i * 53 % 241) as u8).collect();
+        let run6 = |threads| {
+            let (mut s, mut q) = (vec![0f32; 48], vec![0i8; 768]);
+            q6_k_to_q8_g16(&raw6, &mut s, &mut q, threads).unwrap();
+            (s, q)
+        };
+        assert_eq!(run6(1), run6(2));
+        assert!(q6_k_to_q8_g16(&raw6[1..], &mut [0f32; 48], &mut [0i8; 768], 1).is_err());
+    }
+}
