@@ -5,11 +5,13 @@
 //! * Q4_K -> the Q4_1 kernel's form: per group of 32 a float32 scale `d * sc` and minimum
 //!   `-(dmin * m)` (each product exact in float32) and 16 bytes of nibbles (byte j: value j in
 //!   the low nibble, value j + 16 in the high one).
+//! * Q5_K -> Q8G16: per group of 16 its group of 32's scale `d * sc` and minimum `-(dmin * m)`,
+//!   and 32 int8 values 0..31 per group of 32 (four low bits, the fifth from the high-bit bytes).
 //! * Q6_K -> Q8G16: per group of 16 a float32 scale `d * sc` (minimum 0, the caller's zeros)
 //!   and 32 int8 values `q - 32` per group of 32.
 //!
 //! Invariants: the outputs are, value for value, what `python/ferrobatch/model/dequant.py`'s
-//! `q4_nibbles` / `g16_parts` compute from the same bytes (tested there, bit for bit); super-
+//! `q4_nibbles` / `g16_parts` computed in torch from the same bytes (tested there, bit for bit); super-
 //! blocks are independent, so the work splits over threads at any super-block boundary; input
 //! lengths are checked before anything is written.
 
@@ -21,17 +23,21 @@ use half::f16;
 pub const SUPER: usize = 256;
 /// Bytes of a Q4_K / Q6_K super-block.
 pub const Q4_K_BYTES: usize = 144;
+pub const Q5_K_BYTES: usize = 176;
 pub const Q6_K_BYTES: usize = 210;
 
 fn half_at(bytes: &[u8], at: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([bytes[at], bytes[at + 1]])).to_f32()
 }
 
-/// One Q4_K super-block -> 8 scales, 8 minimums and 8 x 16 nibble bytes.
-fn q4_k_block(block: &[u8], scale: &mut [f32], min: &mut [f32], nibbles: &mut [u8]) {
+/// A Q4_K / Q5_K super-block's 8 sub-block scales `d * sc` and minimums `-(dmin * m)`: the
+/// 6-bit values, the first four in the low bits of bytes 4-7 / 8-11, the last four in the
+/// nibbles of bytes 12-15 with two high bits from bytes 4-7 / 8-11.
+fn k_scales(block: &[u8]) -> ([f32; 8], [f32; 8]) {
     let (d, dmin) = (half_at(block, 0), half_at(block, 2));
     let packed = &block[4..16];
     let (low, high, mixed) = (&packed[0..4], &packed[4..8], &packed[8..12]);
+    let (mut scale, mut min) = ([0f32; 8], [0f32; 8]);
     for i in 0..4 {
         let (sc_lo, m_lo) = (low[i] & 63, high[i] & 63);
         let sc_hi = (mixed[i] & 15) | ((low[i] >> 6) << 4);
@@ -41,6 +47,14 @@ fn q4_k_block(block: &[u8], scale: &mut [f32], min: &mut [f32], nibbles: &mut [u
         min[i] = -(dmin * f32::from(m_lo));
         min[4 + i] = -(dmin * f32::from(m_hi));
     }
+    (scale, min)
+}
+
+/// One Q4_K super-block -> 8 scales, 8 minimums and 8 x 16 nibble bytes.
+fn q4_k_block(block: &[u8], scale: &mut [f32], min: &mut [f32], nibbles: &mut [u8]) {
+    let (sc, mn) = k_scales(block);
+    scale.copy_from_slice(&sc);
+    min.copy_from_slice(&mn);
     // chunk c (32 bytes): sub-block 2c is its low nibbles, 2c + 1 its high ones
     for (c, chunk) in block[16..].chunks_exact(32).enumerate() {
         let (first, second) = chunk.split_at(16);
@@ -48,6 +62,26 @@ fn q4_k_block(block: &[u8], scale: &mut [f32], min: &mut [f32], nibbles: &mut [u
         for j in 0..16 {
             even[j] = (first[j] & 0x0F) | ((second[j] & 0x0F) << 4);
             odd[j] = (first[j] >> 4) | (second[j] & 0xF0);
+        }
+    }
+}
+
+/// One Q5_K super-block -> 16 scales and 16 minimums (each group of 32's for both its halves)
+/// and 256 int8 values: chunk c of the 128 low-bit bytes gives sub-block 2c its low nibbles
+/// and 2c + 1 its high ones; bit s of the 32 high-bit bytes is sub-block s's fifth bit.
+fn q5_k_block(block: &[u8], scale: &mut [f32], min: &mut [f32], q: &mut [i8]) {
+    let (sc, mn) = k_scales(block);
+    for s in 0..8 {
+        scale[2 * s..2 * s + 2].fill(sc[s]);
+        min[2 * s..2 * s + 2].fill(mn[s]);
+    }
+    let qh = &block[16..48];
+    for (c, chunk) in block[48..].chunks_exact(32).enumerate() {
+        let (even, odd) = q[c * 64..(c + 1) * 64].split_at_mut(32);
+        for i in 0..32 {
+            let high = |s: usize| ((qh[i] >> s) & 1) << 4;
+            even[i] = ((chunk[i] & 0x0F) | high(2 * c)) as i8;
+            odd[i] = ((chunk[i] >> 4) | high(2 * c + 1)) as i8;
         }
     }
 }
@@ -114,6 +148,43 @@ pub fn q4_k_to_q4_1(
     Ok(())
 }
 
+/// Q5_K bytes (whole super-blocks of 176) -> Q8G16's `scale` and `min` (one per 16) and int8
+/// `q` (one per weight, 0..31), on up to `threads` threads.
+pub fn q5_k_to_q8_g16(
+    raw: &[u8],
+    scale: &mut [f32],
+    min: &mut [f32],
+    q: &mut [i8],
+    threads: usize,
+) -> Result<(), KernelInputError> {
+    let blocks = raw.len() / Q5_K_BYTES;
+    check_lengths(&[
+        ("raw", raw.len(), blocks * Q5_K_BYTES),
+        ("scale", scale.len(), blocks * 16),
+        ("min", min.len(), blocks * 16),
+        ("q", q.len(), blocks * SUPER),
+    ])?;
+    let (s, m, v) = (
+        Out(scale.as_mut_ptr()),
+        Out(min.as_mut_ptr()),
+        Out(q.as_mut_ptr()),
+    );
+    split(blocks, threads, |first, count| {
+        for b in first..first + count {
+            // SAFETY: as in q4_k_to_q4_1
+            unsafe {
+                q5_k_block(
+                    &raw[b * Q5_K_BYTES..][..Q5_K_BYTES],
+                    s.range(b * 16, 16),
+                    m.range(b * 16, 16),
+                    v.range(b * SUPER, SUPER),
+                );
+            }
+        }
+    });
+    Ok(())
+}
+
 /// Q6_K bytes (whole super-blocks) -> Q8G16's `scale` (one per 16; its minimums are zero) and
 /// int8 `q` (one per weight), on up to `threads` threads.
 pub fn q6_k_to_q8_g16(
@@ -167,6 +238,14 @@ mod tests {
             (s, q)
         };
         assert_eq!(run6(1), run6(2));
+        let raw5: Vec<u8> = (0..Q5_K_BYTES * 3).map(|i| (i * 71 % 239) as u8).collect();
+        let run5 = |threads| {
+            let (mut s, mut m, mut q) = (vec![0f32; 48], vec![0f32; 48], vec![0i8; 768]);
+            q5_k_to_q8_g16(&raw5, &mut s, &mut m, &mut q, threads).unwrap();
+            (s, m, q)
+        };
+        assert_eq!(run5(1), run5(2));
+        assert!(run5(1).2.iter().all(|&v| (0..32).contains(&v)));
         assert!(q6_k_to_q8_g16(&raw6[1..], &mut [0f32; 48], &mut [0i8; 768], 1).is_err());
     }
 }

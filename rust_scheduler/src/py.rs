@@ -644,6 +644,10 @@ fn scheduler_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
         crate::py_gguf_blocks::py_q6_k_to_q8_g16,
         m
     )?)?;
+    m.add_function(wrap_pyfunction!(
+        crate::py_gguf_blocks::py_q5_k_to_q8_g16,
+        m
+    )?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_pack_amx_q8_0, m)?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_linear_amx_f32, m)?)?;
     m.add_function(wrap_pyfunction!(

@@ -1,4 +1,4 @@
-//! PyO3 bindings of `gguf_blocks`: a GGUF Q4_K / Q6_K tensor's bytes rewritten into the block
+//! PyO3 bindings of `gguf_blocks`: a GGUF Q4_K / Q5_K / Q6_K tensor's bytes rewritten into the block
 //! kernels' arrays, which the caller allocates (numpy, C-contiguous); the GIL is released while
 //! the load's threads (`load_parallel::load_threads`) run. A length that does not fit is a `ValueError`, with nothing written.
 
@@ -49,5 +49,28 @@ pub fn py_q6_k_to_q8_g16(
     let q_ok = q.is_c_contiguous();
     let q = c_contiguous("q", q_ok, q.as_slice_mut())?;
     py.detach(|| gguf_blocks::q6_k_to_q8_g16(raw, scale, q, load_threads()))
+        .map_err(|e| PyValueError::new_err(e.0))
+}
+
+/// `q5_k_to_q8_g16(raw, scale, min, q)`: Q5_K bytes (whole super-blocks of 176) into Q8G16's
+/// float32 `scale` and `min` (one per 16 weights) and int8 `q` (one per weight), as
+/// `dequant.g16_parts` computes them.
+#[pyfunction]
+#[pyo3(name = "q5_k_to_q8_g16")]
+pub fn py_q5_k_to_q8_g16(
+    py: Python<'_>,
+    raw: PyReadonlyArrayDyn<'_, u8>,
+    mut scale: PyReadwriteArrayDyn<'_, f32>,
+    mut min: PyReadwriteArrayDyn<'_, f32>,
+    mut q: PyReadwriteArrayDyn<'_, i8>,
+) -> PyResult<()> {
+    let raw = c_contiguous("raw", raw.is_c_contiguous(), raw.as_slice())?;
+    let scale_ok = scale.is_c_contiguous();
+    let scale = c_contiguous("scale", scale_ok, scale.as_slice_mut())?;
+    let min_ok = min.is_c_contiguous();
+    let min = c_contiguous("min", min_ok, min.as_slice_mut())?;
+    let q_ok = q.is_c_contiguous();
+    let q = c_contiguous("q", q_ok, q.as_slice_mut())?;
+    py.detach(|| gguf_blocks::q5_k_to_q8_g16(raw, scale, min, q, load_threads()))
         .map_err(|e| PyValueError::new_err(e.0))
 }

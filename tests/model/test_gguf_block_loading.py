@@ -36,6 +36,14 @@ def _no_v_blocks(name: str) -> str | None:
     return None if name == "blk.1.attn_v.weight" else "Q4_K"
 
 
+def _q5_k_m(name: str) -> str:
+    """Q5_K_M in two layers: layer 0's v and down and the output Q6_K, the rest Q5_K."""
+    if name == "output.weight" or (name.startswith("blk.0.") and (
+            ".attn_v." in name or ".ffn_down." in name)):
+        return "Q6_K"
+    return "Q5_K"
+
+
 def granite_keys(writer) -> None:
     writer.add_embedding_scale(6.0)
     writer.add_residual_scale(0.3)
@@ -49,6 +57,9 @@ _ALL = [f"layers.{i}.{m}" for i in range(2) for m in ("self_attn.qkv_proj", "sel
 CASES = {
     # Qwen2 (q / k / v biases), llama.cpp's Q4_K_M mix: fused modules of mixed formats
     "qwen2-q4_k_m": (TINY_256, "qwen2", {"linear_types": q4_k_m}, _ALL + ["lm_head"]),
+    # llama.cpp's Q5_K_M mix: Q5_K, with Q6_K v / down in layer 0 (a fused q / k / v of both
+    # types made in one pass) and a Q6_K output
+    "qwen2-q5_k_m": (TINY_256, "qwen2", {"linear_types": _q5_k_m}, _ALL + ["lm_head"]),
     # Llama: Q / K rows permuted in the file; a tied Q4_K embedding is the LM head's blocks;
     # one module only partly in blocks
     "llama-tied-q4_k": (TINY_LLAMA_256, "llama", {"linear_types": _no_v_blocks,

@@ -27,11 +27,13 @@ from ferrobatch.model.dequant import (
     per_16,
     q4_k_into,
     q4_nibbles,
+    q5_k_into,
     q6_k_into,
 )
 
 Q4_1, Q8_0 = 3, 8           # two kernels: type ids of the GGUF formats they were made for
-_Q4_K, _Q6_K = 12, 14       # converted in Rust straight into a module's arrays (_fused_blocks)
+# GGUF types converted in Rust straight into a module's arrays (_fused_blocks) -> their form
+_Q4_K, _Q5_K, _Q6_K = 12, 13, 14
 Q8_G16 = 1016               # the third: int8 weights, a scale and a minimum per 16 (no GGUF id)
 BLOCK = 32
 _Q8_0_BYTES = 34
@@ -225,15 +227,16 @@ def module_block_weights(tensors: dict, state: dict[str, torch.Tensor], config,
 
 def _fused_blocks(names: list[str], tensors: list, config) -> BlockWeight | None:
     """A module's blocks made in one pass from its parts' bytes in the file (no copy of them,
-    no concatenation of converted parts): for parts all Q4_K (the Q4_1 form) or all Q6_K
-    (Q8G16), each converted in Rust straight into its rows of the module's arrays, its rows
-    taken in the model's order; None for other parts (:func:`_concat`'s way)."""
-    types = {t.type_id for t in tensors}
-    if len(types) != 1 or (kind := types.pop()) not in (_Q4_K, _Q6_K):
+    no concatenation of converted parts): for parts all Q4_K (the Q4_1 form) or all Q5_K /
+    Q6_K (Q8G16, as in Q5_K_M), each converted in Rust straight into its rows of the
+    module's arrays, its rows taken in the model's order; None for other parts
+    (:func:`_concat`'s way)."""
+    forms = {{_Q4_K: Q4_1, _Q5_K: Q8_G16, _Q6_K: Q8_G16}.get(t.type_id) for t in tensors}
+    if len(forms) != 1 or (form := forms.pop()) is None:
         return None
     counts = [t.shape[0] for t in tensors]
     rows, cols = sum(counts), tensors[0].shape[1]
-    if kind == _Q4_K:
+    if form == Q4_1:
         weight = BlockWeight(Q4_1, torch.empty(rows, cols // BLOCK),
                              torch.empty(rows, cols // BLOCK, 16, dtype=torch.uint8),
                              torch.empty(rows, cols // BLOCK))
@@ -248,11 +251,14 @@ def _fused_blocks(names: list[str], tensors: list, config) -> BlockWeight | None
         if order is not None:
             raw = raw[order]
         end = start + count
-        if kind == _Q4_K:
-            q4_k_into(raw, weight.scale[start:end], weight.minimum[start:end],
-                      weight.qs[start:end])
+        scale, minimum, qs = weight.scale[start:end], weight.minimum[start:end], \
+            weight.qs[start:end]
+        if tensor.type_id == _Q4_K:
+            q4_k_into(raw, scale, minimum, qs)
+        elif tensor.type_id == _Q5_K:
+            q5_k_into(raw, scale, minimum, qs)
         else:
-            q6_k_into(raw, weight.scale[start:end], weight.qs[start:end])
+            q6_k_into(raw, scale, qs)       # (its minimums: the zeros made above)
         start = end
     return weight
 

@@ -7,8 +7,8 @@ function takes the raw tensor bytes as ``uint8 [rows, bytes_per_row]`` and retur
 :func:`q4_parts`, the form ``scale * q + minimum`` per 32 values that the CPU's Q4_1 kernel reads
 (``model.block_weights``), so the two agree bit for bit; Q5_0 / Q5_1 / Q5_K / Q6_K through
 :func:`g16_parts`, the form ``scale * q + minimum`` per 16 values of its Q8G16 kernel. The two
-forms of the types of a Q4_K_M file that a large model's load spends its time on, Q4_K's nibbles
-and Q6_K's, come from Rust (``rust_scheduler/src/gguf_blocks.rs``: one pass over the bytes, on
+forms of the k-quants of Q4_K_M / Q5_K_M files that a large model's load spends its time on,
+Q4_K's nibbles and Q5_K's and Q6_K's Q8G16 arrays, come from Rust (``rust_scheduler/src/gguf_blocks.rs``: one pass over the bytes, on
 every core; the same values).
 """
 
@@ -128,19 +128,27 @@ def g16_parts(raw: torch.Tensor, type_id: int) -> tuple[torch.Tensor, torch.Tens
             minimum = _half_scale(blocks, 2)[..., 0]
         return per_16(d), per_16(minimum), q.to(torch.int8)
     if type_id == _Q5_K:
-        blocks = raw.view(rows, -1, 176)
-        scale, minimum = _k_scales(blocks)
-        qs = blocks[..., 48:].reshape(rows, -1, 4, 1, 32)
-        low = torch.cat((qs & 0x0F, qs >> 4), dim=-2).reshape(rows, -1, 8, 32)
-        qh = blocks[..., 16:48].reshape(rows, -1, 1, 32)
-        high = (qh >> torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1)) & 1
-        q = (low | (high << 4)).reshape(rows, -1, 32).to(torch.int8)
-        return per_16(scale), per_16(minimum), q
+        nb = raw.shape[1] // 176
+        scale, minimum = torch.empty(rows, nb * 16), torch.empty(rows, nb * 16)
+        q = torch.empty(rows, nb * 8, 32, dtype=torch.int8)
+        q5_k_into(raw.numpy(), scale, minimum, q)
+        return scale, minimum, q
     nb = raw.shape[1] // 210        # Q6_K
     scale = torch.empty(rows, nb * 16)
     q = torch.empty(rows, nb * 8, 32, dtype=torch.int8)
     q6_k_into(raw.numpy(), scale, q)
     return scale, torch.zeros_like(scale), q
+
+
+def q5_k_into(raw: np.ndarray, scale: torch.Tensor, minimum: torch.Tensor,
+              q: torch.Tensor) -> None:
+    """:func:`g16_parts` of Q5_K bytes ``uint8 [rows, bytes]`` written into contiguous
+    ``scale`` / ``minimum`` ``[rows, cols / 16]`` and ``q`` ``[rows, cols / 32, 32]``, in Rust:
+    :func:`_k_scales`' value per 32 for both its halves; chunk c of the low-bit bytes gives
+    group 2c its low nibbles and 2c + 1 its high ones, bit s of the high-bit bytes group s's
+    fifth bit."""
+    _scheduler.q5_k_to_q8_g16(np.ascontiguousarray(raw), scale.numpy(), minimum.numpy(),
+                              q.numpy())
 
 
 def q6_k_into(raw: np.ndarray, scale: torch.Tensor, q: torch.Tensor) -> None:
