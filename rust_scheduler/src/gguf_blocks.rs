@@ -5,6 +5,7 @@
 //! * Q4_K -> the Q4_1 kernel's form: per group of 32 a float32 scale `d * sc` and minimum
 //!   `-(dmin * m)` (each product exact in float32) and 16 bytes of nibbles (byte j: value j in
 //!   the low nibble, value j + 16 in the high one).
+//! * Q4_K -> Q8G16 too, for a fused module whose other parts are Q6_K (values 0..15).
 //! * Q5_K -> Q8G16: per group of 16 its group of 32's scale `d * sc` and minimum `-(dmin * m)`,
 //!   and 32 int8 values 0..31 per group of 32 (four low bits, the fifth from the high-bit bytes).
 //! * Q6_K -> Q8G16: per group of 16 a float32 scale `d * sc` (minimum 0, the caller's zeros)
@@ -70,18 +71,36 @@ fn q4_k_block(block: &[u8], scale: &mut [f32], min: &mut [f32], nibbles: &mut [u
 /// and 256 int8 values: chunk c of the 128 low-bit bytes gives sub-block 2c its low nibbles
 /// and 2c + 1 its high ones; bit s of the 32 high-bit bytes is sub-block s's fifth bit.
 fn q5_k_block(block: &[u8], scale: &mut [f32], min: &mut [f32], q: &mut [i8]) {
+    k_block_g16(block, &block[48..176], Some(&block[16..48]), scale, min, q);
+}
+
+/// One Q4_K super-block in Q8G16's form (a fused module whose other parts are not Q4_K, as
+/// llama.cpp's Q4_K_M mixes a Q6_K v into Q4_K q / k): [`q5_k_block`] without fifth bits.
+fn q4_k_block_g16(block: &[u8], scale: &mut [f32], min: &mut [f32], q: &mut [i8]) {
+    k_block_g16(block, &block[16..144], None, scale, min, q);
+}
+
+/// A Q4_K / Q5_K super-block (`low`: its 128 bytes of low bits, `high`: Q5_K's 32 bytes of
+/// fifth bits) as Q8G16's 16 scales, 16 minimums and 256 values.
+fn k_block_g16(
+    block: &[u8],
+    low: &[u8],
+    high: Option<&[u8]>,
+    scale: &mut [f32],
+    min: &mut [f32],
+    q: &mut [i8],
+) {
     let (sc, mn) = k_scales(block);
     for s in 0..8 {
         scale[2 * s..2 * s + 2].fill(sc[s]);
         min[2 * s..2 * s + 2].fill(mn[s]);
     }
-    let qh = &block[16..48];
-    for (c, chunk) in block[48..].chunks_exact(32).enumerate() {
+    for (c, chunk) in low.chunks_exact(32).enumerate() {
         let (even, odd) = q[c * 64..(c + 1) * 64].split_at_mut(32);
         for i in 0..32 {
-            let high = |s: usize| ((qh[i] >> s) & 1) << 4;
-            even[i] = ((chunk[i] & 0x0F) | high(2 * c)) as i8;
-            odd[i] = ((chunk[i] >> 4) | high(2 * c + 1)) as i8;
+            let fifth = |s: usize| high.map_or(0, |qh| ((qh[i] >> s) & 1) << 4);
+            even[i] = ((chunk[i] & 0x0F) | fifth(2 * c)) as i8;
+            odd[i] = ((chunk[i] >> 4) | fifth(2 * c + 1)) as i8;
         }
     }
 }
@@ -157,9 +176,37 @@ pub fn q5_k_to_q8_g16(
     q: &mut [i8],
     threads: usize,
 ) -> Result<(), KernelInputError> {
-    let blocks = raw.len() / Q5_K_BYTES;
+    k_to_q8_g16(raw, Q5_K_BYTES, q5_k_block, scale, min, q, threads)
+}
+
+/// Q4_K bytes (whole super-blocks of 144) -> Q8G16's `scale` and `min` (one per 16) and int8
+/// `q` (one per weight, 0..15), on up to `threads` threads.
+pub fn q4_k_to_q8_g16(
+    raw: &[u8],
+    scale: &mut [f32],
+    min: &mut [f32],
+    q: &mut [i8],
+    threads: usize,
+) -> Result<(), KernelInputError> {
+    k_to_q8_g16(raw, Q4_K_BYTES, q4_k_block_g16, scale, min, q, threads)
+}
+
+/// The signature of a super-block's Q8G16 conversion (`q5_k_block`, `q4_k_block_g16`).
+type G16Block = fn(&[u8], &mut [f32], &mut [f32], &mut [i8]);
+
+/// A Q8G16 conversion of super-blocks of `size` bytes, each by `block_fn`.
+fn k_to_q8_g16(
+    raw: &[u8],
+    size: usize,
+    block_fn: G16Block,
+    scale: &mut [f32],
+    min: &mut [f32],
+    q: &mut [i8],
+    threads: usize,
+) -> Result<(), KernelInputError> {
+    let blocks = raw.len() / size;
     check_lengths(&[
-        ("raw", raw.len(), blocks * Q5_K_BYTES),
+        ("raw", raw.len(), blocks * size),
         ("scale", scale.len(), blocks * 16),
         ("min", min.len(), blocks * 16),
         ("q", q.len(), blocks * SUPER),
@@ -173,8 +220,8 @@ pub fn q5_k_to_q8_g16(
         for b in first..first + count {
             // SAFETY: as in q4_k_to_q4_1
             unsafe {
-                q5_k_block(
-                    &raw[b * Q5_K_BYTES..][..Q5_K_BYTES],
+                block_fn(
+                    &raw[b * size..][..size],
                     s.range(b * 16, 16),
                     m.range(b * 16, 16),
                     v.range(b * SUPER, SUPER),
@@ -246,6 +293,19 @@ mod tests {
         };
         assert_eq!(run5(1), run5(2));
         assert!(run5(1).2.iter().all(|&v| (0..32).contains(&v)));
+        // Q4_K in Q8G16's form: each group of 32's scale / minimum twice, the nibbles as values
+        let (s4, m4, n4) = run(2);
+        let (mut s, mut m, mut q) = (vec![0f32; 80], vec![0f32; 80], vec![0i8; 1280]);
+        q4_k_to_q8_g16(&raw, &mut s, &mut m, &mut q, 2).unwrap();
+        for g in 0..40 {
+            assert_eq!([s[2 * g], s[2 * g + 1]], [s4[g], s4[g]]);
+            assert_eq!([m[2 * g], m[2 * g + 1]], [m4[g], m4[g]]);
+            for j in 0..16 {
+                let byte = n4[g * 16 + j];
+                let want = [(byte & 15) as i8, (byte >> 4) as i8];
+                assert_eq!([q[g * 32 + j], q[g * 32 + j + 16]], want);
+            }
+        }
         assert!(q6_k_to_q8_g16(&raw6[1..], &mut [0f32; 48], &mut [0i8; 768], 1).is_err());
     }
 }

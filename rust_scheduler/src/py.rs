@@ -645,7 +645,7 @@ fn scheduler_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m
     )?)?;
     m.add_function(wrap_pyfunction!(
-        crate::py_gguf_blocks::py_q5_k_to_q8_g16,
+        crate::py_gguf_blocks::py_k_quant_to_q8_g16,
         m
     )?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_pack_amx_q8_0, m)?)?;

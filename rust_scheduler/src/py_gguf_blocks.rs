@@ -52,18 +52,28 @@ pub fn py_q6_k_to_q8_g16(
         .map_err(|e| PyValueError::new_err(e.0))
 }
 
-/// `q5_k_to_q8_g16(raw, scale, min, q)`: Q5_K bytes (whole super-blocks of 176) into Q8G16's
-/// float32 `scale` and `min` (one per 16 weights) and int8 `q` (one per weight), as
-/// `dequant.g16_parts` computes them.
+/// `k_quant_to_q8_g16(kind, raw, scale, min, q)`: Q4_K (`kind` 12) or Q5_K (13) bytes (whole
+/// super-blocks) into Q8G16's float32 `scale` and `min` (one per 16 weights) and int8 `q` (one
+/// per weight), as `dequant.g16_parts` computes Q5_K's and `BlockWeight.as_q8_g16` Q4_K's.
 #[pyfunction]
-#[pyo3(name = "q5_k_to_q8_g16")]
-pub fn py_q5_k_to_q8_g16(
+#[pyo3(name = "k_quant_to_q8_g16")]
+pub fn py_k_quant_to_q8_g16(
     py: Python<'_>,
+    kind: u32,
     raw: PyReadonlyArrayDyn<'_, u8>,
     mut scale: PyReadwriteArrayDyn<'_, f32>,
     mut min: PyReadwriteArrayDyn<'_, f32>,
     mut q: PyReadwriteArrayDyn<'_, i8>,
 ) -> PyResult<()> {
+    let convert = match kind {
+        12 => gguf_blocks::q4_k_to_q8_g16,
+        13 => gguf_blocks::q5_k_to_q8_g16,
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "GGUF type {kind} is not Q4_K or Q5_K"
+            )))
+        }
+    };
     let raw = c_contiguous("raw", raw.is_c_contiguous(), raw.as_slice())?;
     let scale_ok = scale.is_c_contiguous();
     let scale = c_contiguous("scale", scale_ok, scale.as_slice_mut())?;
@@ -71,6 +81,6 @@ pub fn py_q5_k_to_q8_g16(
     let min = c_contiguous("min", min_ok, min.as_slice_mut())?;
     let q_ok = q.is_c_contiguous();
     let q = c_contiguous("q", q_ok, q.as_slice_mut())?;
-    py.detach(|| gguf_blocks::q5_k_to_q8_g16(raw, scale, min, q, load_threads()))
+    py.detach(|| convert(raw, scale, min, q, load_threads()))
         .map_err(|e| PyValueError::new_err(e.0))
 }

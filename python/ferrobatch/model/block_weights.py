@@ -24,10 +24,10 @@ from ferrobatch.model.dequant import (
     G16_TYPES,
     Q4_TYPES,
     g16_parts,
+    k_quant_g16_into,
     per_16,
     q4_k_into,
     q4_nibbles,
-    q5_k_into,
     q6_k_into,
 )
 
@@ -227,13 +227,15 @@ def module_block_weights(tensors: dict, state: dict[str, torch.Tensor], config,
 
 def _fused_blocks(names: list[str], tensors: list, config) -> BlockWeight | None:
     """A module's blocks made in one pass from its parts' bytes in the file (no copy of them,
-    no concatenation of converted parts): for parts all Q4_K (the Q4_1 form) or all Q5_K /
-    Q6_K (Q8G16, as in Q5_K_M), each converted in Rust straight into its rows of the
-    module's arrays, its rows taken in the model's order; None for other parts
-    (:func:`_concat`'s way)."""
+    no concatenation of converted parts): for parts all Q4_K (the Q4_1 form), or Q4_K / Q5_K /
+    Q6_K in a mix (Q8G16, as :func:`_concat` makes a module of mixed formats: Q4_K_M's Q4_K q /
+    k beside a Q6_K v), each converted in Rust straight into its rows of the module's arrays,
+    its rows taken in the model's order; None for parts of other types (:func:`_concat`'s
+    way)."""
     forms = {{_Q4_K: Q4_1, _Q5_K: Q8_G16, _Q6_K: Q8_G16}.get(t.type_id) for t in tensors}
-    if len(forms) != 1 or (form := forms.pop()) is None:
+    if None in forms:
         return None
+    form = forms.pop() if len(forms) == 1 else Q8_G16    # mixed: all in Q8G16's form
     counts = [t.shape[0] for t in tensors]
     rows, cols = sum(counts), tensors[0].shape[1]
     if form == Q4_1:
@@ -253,10 +255,10 @@ def _fused_blocks(names: list[str], tensors: list, config) -> BlockWeight | None
         end = start + count
         scale, minimum, qs = weight.scale[start:end], weight.minimum[start:end], \
             weight.qs[start:end]
-        if tensor.type_id == _Q4_K:
+        if form == Q4_1:
             q4_k_into(raw, scale, minimum, qs)
-        elif tensor.type_id == _Q5_K:
-            q5_k_into(raw, scale, minimum, qs)
+        elif tensor.type_id != _Q6_K:
+            k_quant_g16_into(raw, tensor.type_id, scale, minimum, qs)
         else:
             q6_k_into(raw, scale, qs)       # (its minimums: the zeros made above)
         start = end

@@ -131,7 +131,7 @@ def g16_parts(raw: torch.Tensor, type_id: int) -> tuple[torch.Tensor, torch.Tens
         nb = raw.shape[1] // 176
         scale, minimum = torch.empty(rows, nb * 16), torch.empty(rows, nb * 16)
         q = torch.empty(rows, nb * 8, 32, dtype=torch.int8)
-        q5_k_into(raw.numpy(), scale, minimum, q)
+        k_quant_g16_into(raw.numpy(), _Q5_K, scale, minimum, q)
         return scale, minimum, q
     nb = raw.shape[1] // 210        # Q6_K
     scale = torch.empty(rows, nb * 16)
@@ -140,15 +140,16 @@ def g16_parts(raw: torch.Tensor, type_id: int) -> tuple[torch.Tensor, torch.Tens
     return scale, torch.zeros_like(scale), q
 
 
-def q5_k_into(raw: np.ndarray, scale: torch.Tensor, minimum: torch.Tensor,
-              q: torch.Tensor) -> None:
-    """:func:`g16_parts` of Q5_K bytes ``uint8 [rows, bytes]`` written into contiguous
-    ``scale`` / ``minimum`` ``[rows, cols / 16]`` and ``q`` ``[rows, cols / 32, 32]``, in Rust:
+def k_quant_g16_into(raw: np.ndarray, type_id: int, scale: torch.Tensor,
+                     minimum: torch.Tensor, q: torch.Tensor) -> None:
+    """Q5_K (or Q4_K) bytes ``uint8 [rows, bytes]`` in Q8G16's form (:func:`g16_parts`'
+    values; Q4_K's those of its Q4_1 form per 16) written into contiguous ``scale`` /
+    ``minimum`` ``[rows, cols / 16]`` and ``q`` ``[rows, cols / 32, 32]``, in Rust:
     :func:`_k_scales`' value per 32 for both its halves; chunk c of the low-bit bytes gives
-    group 2c its low nibbles and 2c + 1 its high ones, bit s of the high-bit bytes group s's
-    fifth bit."""
-    _scheduler.q5_k_to_q8_g16(np.ascontiguousarray(raw), scale.numpy(), minimum.numpy(),
-                              q.numpy())
+    group 2c its low nibbles and 2c + 1 its high ones, and for Q5_K bit s of the high-bit bytes
+    group s's fifth bit."""
+    _scheduler.k_quant_to_q8_g16(type_id, np.ascontiguousarray(raw), scale.numpy(),
+                                 minimum.numpy(), q.numpy())
 
 
 def q6_k_into(raw: np.ndarray, scale: torch.Tensor, q: torch.Tensor) -> None:
