@@ -32,8 +32,7 @@ from ferrobatch.model.dequant import (
 )
 
 Q4_1, Q8_0 = 3, 8           # two kernels: type ids of the GGUF formats they were made for
-# GGUF types converted in Rust straight into a module's arrays (_fused_blocks) -> their form
-_Q4_K, _Q5_K, _Q6_K = 12, 13, 14
+_Q4_K, _Q5_K, _Q6_K = 12, 13, 14     # converted in Rust straight into a module's arrays
 Q8_G16 = 1016               # the third: int8 weights, a scale and a minimum per 16 (no GGUF id)
 BLOCK = 32
 _Q8_0_BYTES = 34
