@@ -8,8 +8,8 @@
 //! * Q4_K -> Q8G16 too, for a fused module whose other parts are Q6_K (values 0..15).
 //! * Q5_K -> Q8G16: per group of 16 its group of 32's scale `d * sc` and minimum `-(dmin * m)`,
 //!   and 32 int8 values 0..31 per group of 32 (four low bits, the fifth from the high-bit bytes).
-//! * Q6_K -> Q8G16: per group of 16 a float32 scale `d * sc` (minimum 0, the caller's zeros)
-//!   and 32 int8 values `q - 32` per group of 32.
+//! * Q6_K -> Q8G16: per group of 16 a float32 scale `d * sc` (minimum 0) and 32 int8 values
+//!   `q - 32` per group of 32.
 //!
 //! Invariants: the outputs are, value for value, what `python/ferrobatch/model/dequant.py`'s
 //! `q4_nibbles` / `g16_parts` computed in torch from the same bytes (tested there, bit for bit); super-
@@ -22,7 +22,7 @@ use half::f16;
 
 /// Weights per super-block.
 pub const SUPER: usize = 256;
-/// Bytes of a Q4_K / Q6_K super-block.
+/// Bytes of a Q4_K / Q5_K / Q6_K super-block.
 pub const Q4_K_BYTES: usize = 144;
 pub const Q5_K_BYTES: usize = 176;
 pub const Q6_K_BYTES: usize = 210;
@@ -105,8 +105,9 @@ fn k_block_g16(
     }
 }
 
-/// One Q6_K super-block -> 16 scales and 256 int8 values.
-fn q6_k_block(block: &[u8], scale: &mut [f32], q: &mut [i8]) {
+/// One Q6_K super-block -> 16 scales, 16 zero minimums and 256 int8 values.
+fn q6_k_block(block: &[u8], scale: &mut [f32], min: &mut [f32], q: &mut [i8]) {
+    min.fill(0.0);
     let d = half_at(block, 208);
     for (s, &sc) in scale.iter_mut().zip(&block[192..208]) {
         *s = d * f32::from(sc as i8);
@@ -139,44 +140,8 @@ pub fn q4_k_to_q4_1(
     nibbles: &mut [u8],
     threads: usize,
 ) -> Result<(), KernelInputError> {
-    let blocks = raw.len() / Q4_K_BYTES;
-    check_lengths(&[
-        ("raw", raw.len(), blocks * Q4_K_BYTES),
-        ("scale", scale.len(), blocks * 8),
-        ("min", min.len(), blocks * 8),
-        ("nibbles", nibbles.len(), blocks * 128),
-    ])?;
-    let (s, m, n) = (
-        Out(scale.as_mut_ptr()),
-        Out(min.as_mut_ptr()),
-        Out(nibbles.as_mut_ptr()),
-    );
-    split(blocks, threads, |first, count| {
-        for b in first..first + count {
-            // SAFETY: super-block b's outputs; the threads' ranges of b are disjoint
-            unsafe {
-                q4_k_block(
-                    &raw[b * Q4_K_BYTES..][..Q4_K_BYTES],
-                    s.range(b * 8, 8),
-                    m.range(b * 8, 8),
-                    n.range(b * 128, 128),
-                );
-            }
-        }
-    });
-    Ok(())
-}
-
-/// Q5_K bytes (whole super-blocks of 176) -> Q8G16's `scale` and `min` (one per 16) and int8
-/// `q` (one per weight, 0..31), on up to `threads` threads.
-pub fn q5_k_to_q8_g16(
-    raw: &[u8],
-    scale: &mut [f32],
-    min: &mut [f32],
-    q: &mut [i8],
-    threads: usize,
-) -> Result<(), KernelInputError> {
-    k_to_q8_g16(raw, Q5_K_BYTES, q5_k_block, scale, min, q, threads)
+    let outputs = ((scale, 8), (min, 8), (nibbles, 128));
+    convert(raw, Q4_K_BYTES, q4_k_block, outputs, threads)
 }
 
 /// Q4_K bytes (whole super-blocks of 144) -> Q8G16's `scale` and `min` (one per 16) and int8
@@ -188,73 +153,76 @@ pub fn q4_k_to_q8_g16(
     q: &mut [i8],
     threads: usize,
 ) -> Result<(), KernelInputError> {
-    k_to_q8_g16(raw, Q4_K_BYTES, q4_k_block_g16, scale, min, q, threads)
+    let outputs = ((scale, 16), (min, 16), (q, SUPER));
+    convert(raw, Q4_K_BYTES, q4_k_block_g16, outputs, threads)
 }
 
-/// The signature of a super-block's Q8G16 conversion (`q5_k_block`, `q4_k_block_g16`).
-type G16Block = fn(&[u8], &mut [f32], &mut [f32], &mut [i8]);
-
-/// A Q8G16 conversion of super-blocks of `size` bytes, each by `block_fn`.
-fn k_to_q8_g16(
+/// Q5_K bytes (whole super-blocks of 176) -> Q8G16's `scale` and `min` (one per 16) and int8
+/// `q` (one per weight, 0..31), on up to `threads` threads.
+pub fn q5_k_to_q8_g16(
     raw: &[u8],
-    size: usize,
-    block_fn: G16Block,
     scale: &mut [f32],
     min: &mut [f32],
     q: &mut [i8],
     threads: usize,
 ) -> Result<(), KernelInputError> {
-    let blocks = raw.len() / size;
-    check_lengths(&[
-        ("raw", raw.len(), blocks * size),
-        ("scale", scale.len(), blocks * 16),
-        ("min", min.len(), blocks * 16),
-        ("q", q.len(), blocks * SUPER),
-    ])?;
-    let (s, m, v) = (
-        Out(scale.as_mut_ptr()),
-        Out(min.as_mut_ptr()),
-        Out(q.as_mut_ptr()),
-    );
-    split(blocks, threads, |first, count| {
-        for b in first..first + count {
-            // SAFETY: as in q4_k_to_q4_1
-            unsafe {
-                block_fn(
-                    &raw[b * size..][..size],
-                    s.range(b * 16, 16),
-                    m.range(b * 16, 16),
-                    v.range(b * SUPER, SUPER),
-                );
-            }
-        }
-    });
-    Ok(())
+    let outputs = ((scale, 16), (min, 16), (q, SUPER));
+    convert(raw, Q5_K_BYTES, q5_k_block, outputs, threads)
 }
 
-/// Q6_K bytes (whole super-blocks) -> Q8G16's `scale` (one per 16; its minimums are zero) and
-/// int8 `q` (one per weight), on up to `threads` threads.
+/// Q6_K bytes (whole super-blocks of 210) -> Q8G16's `scale` and `min` (one per 16; the
+/// minimums are zero) and int8 `q` (one per weight), on up to `threads` threads.
 pub fn q6_k_to_q8_g16(
     raw: &[u8],
     scale: &mut [f32],
+    min: &mut [f32],
     q: &mut [i8],
     threads: usize,
 ) -> Result<(), KernelInputError> {
-    let blocks = raw.len() / Q6_K_BYTES;
+    let outputs = ((scale, 16), (min, 16), (q, SUPER));
+    convert(raw, Q6_K_BYTES, q6_k_block, outputs, threads)
+}
+
+/// One super-block's conversion: its bytes -> its runs of the three outputs.
+type BlockFn<A, B, C> = fn(&[u8], &mut [A], &mut [B], &mut [C]);
+
+/// Three outputs, each with the elements one super-block gives it.
+type Outputs<'a, A, B, C> = (
+    (&'a mut [A], usize),
+    (&'a mut [B], usize),
+    (&'a mut [C], usize),
+);
+
+/// The conversions' shared body: super-blocks of `size` bytes, each turned by `block_fn` into
+/// its run of each output, split over up to `threads` threads; every length checked first.
+fn convert<A, B, C>(
+    raw: &[u8],
+    size: usize,
+    block_fn: BlockFn<A, B, C>,
+    ((a, per_a), (b, per_b), (c, per_c)): Outputs<'_, A, B, C>,
+    threads: usize,
+) -> Result<(), KernelInputError> {
+    let blocks = raw.len() / size;
     check_lengths(&[
-        ("raw", raw.len(), blocks * Q6_K_BYTES),
-        ("scale", scale.len(), blocks * 16),
-        ("q", q.len(), blocks * SUPER),
+        ("raw", raw.len(), blocks * size),
+        ("scale", a.len(), blocks * per_a),
+        ("min", b.len(), blocks * per_b),
+        ("values", c.len(), blocks * per_c),
     ])?;
-    let (s, v) = (Out(scale.as_mut_ptr()), Out(q.as_mut_ptr()));
+    let (oa, ob, oc) = (
+        Out(a.as_mut_ptr()),
+        Out(b.as_mut_ptr()),
+        Out(c.as_mut_ptr()),
+    );
     split(blocks, threads, |first, count| {
-        for b in first..first + count {
-            // SAFETY: as in q4_k_to_q4_1
+        for i in first..first + count {
+            // SAFETY: super-block i's runs of the outputs; the threads' ranges are disjoint
             unsafe {
-                q6_k_block(
-                    &raw[b * Q6_K_BYTES..][..Q6_K_BYTES],
-                    s.range(b * 16, 16),
-                    v.range(b * SUPER, SUPER),
+                block_fn(
+                    &raw[i * size..][..size],
+                    oa.range(i * per_a, per_a),
+                    ob.range(i * per_b, per_b),
+                    oc.range(i * per_c, per_c),
                 );
             }
         }
@@ -280,8 +248,9 @@ mod tests {
         assert!(err.is_err() && short.iter().all(|&v| v == 7.0));
         let raw6: Vec<u8> = (0..Q6_K_BYTES * 3).map(|i| (i * 53 % 241) as u8).collect();
         let run6 = |threads| {
-            let (mut s, mut q) = (vec![0f32; 48], vec![0i8; 768]);
-            q6_k_to_q8_g16(&raw6, &mut s, &mut q, threads).unwrap();
+            let (mut s, mut m, mut q) = (vec![0f32; 48], vec![7f32; 48], vec![0i8; 768]);
+            q6_k_to_q8_g16(&raw6, &mut s, &mut m, &mut q, threads).unwrap();
+            assert!(m.iter().all(|&v| v == 0.0));
             (s, q)
         };
         assert_eq!(run6(1), run6(2));
@@ -306,6 +275,13 @@ mod tests {
                 assert_eq!([q[g * 32 + j], q[g * 32 + j + 16]], want);
             }
         }
-        assert!(q6_k_to_q8_g16(&raw6[1..], &mut [0f32; 48], &mut [0i8; 768], 1).is_err());
+        let bad = q6_k_to_q8_g16(
+            &raw6[1..],
+            &mut [0f32; 48],
+            &mut [0f32; 48],
+            &mut [0i8; 768],
+            1,
+        );
+        assert!(bad.is_err());
     }
 }

@@ -28,8 +28,14 @@ pub fn split<F: Fn(usize, usize) + Sync>(items: usize, threads: usize, job: F) {
 }
 
 /// An output slice's pointer shared by the threads of [`split`], each writing its own range.
-#[derive(Clone, Copy)]
 pub struct Out<T>(pub *mut T);
+// (not derived: a derive would ask `T: Copy`, and a pointer copies whatever it points to)
+impl<T> Clone for Out<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Out<T> {}
 // SAFETY: the threads write disjoint ranges (the module's invariant)
 unsafe impl<T> Send for Out<T> {}
 unsafe impl<T> Sync for Out<T> {}

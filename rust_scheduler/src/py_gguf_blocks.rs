@@ -2,6 +2,7 @@
 //! kernels' arrays, which the caller allocates (numpy, C-contiguous); the GIL is released while
 //! the load's threads (`load_parallel::load_threads`) run. A length that does not fit is a `ValueError`, with nothing written.
 
+use crate::cpu_error::KernelInputError;
 use crate::gguf_blocks;
 use crate::load_parallel::load_threads;
 use crate::py_linear::c_contiguous;
@@ -32,24 +33,19 @@ pub fn py_q4_k_to_q4_1(
         .map_err(|e| PyValueError::new_err(e.0))
 }
 
-/// `q6_k_to_q8_g16(raw, scale, q)`: Q6_K bytes (whole super-blocks of 210) into
-/// Q8G16's float32 `scale` (one per 16 weights; the minimums are zero) and int8 `q` (one per
+/// `q6_k_to_q8_g16(raw, scale, min, q)`: Q6_K bytes (whole super-blocks of 210) into Q8G16's
+/// float32 `scale` and `min` (one per 16 weights; the minimums are zero) and int8 `q` (one per
 /// weight), as `dequant.g16_parts` computes them.
 #[pyfunction]
 #[pyo3(name = "q6_k_to_q8_g16")]
 pub fn py_q6_k_to_q8_g16(
     py: Python<'_>,
     raw: PyReadonlyArrayDyn<'_, u8>,
-    mut scale: PyReadwriteArrayDyn<'_, f32>,
-    mut q: PyReadwriteArrayDyn<'_, i8>,
+    scale: PyReadwriteArrayDyn<'_, f32>,
+    min: PyReadwriteArrayDyn<'_, f32>,
+    q: PyReadwriteArrayDyn<'_, i8>,
 ) -> PyResult<()> {
-    let raw = c_contiguous("raw", raw.is_c_contiguous(), raw.as_slice())?;
-    let scale_ok = scale.is_c_contiguous();
-    let scale = c_contiguous("scale", scale_ok, scale.as_slice_mut())?;
-    let q_ok = q.is_c_contiguous();
-    let q = c_contiguous("q", q_ok, q.as_slice_mut())?;
-    py.detach(|| gguf_blocks::q6_k_to_q8_g16(raw, scale, q, load_threads()))
-        .map_err(|e| PyValueError::new_err(e.0))
+    to_q8_g16(py, gguf_blocks::q6_k_to_q8_g16, raw, scale, min, q)
 }
 
 /// `k_quant_to_q8_g16(kind, raw, scale, min, q)`: Q4_K (`kind` 12) or Q5_K (13) bytes (whole
@@ -61,11 +57,11 @@ pub fn py_k_quant_to_q8_g16(
     py: Python<'_>,
     kind: u32,
     raw: PyReadonlyArrayDyn<'_, u8>,
-    mut scale: PyReadwriteArrayDyn<'_, f32>,
-    mut min: PyReadwriteArrayDyn<'_, f32>,
-    mut q: PyReadwriteArrayDyn<'_, i8>,
+    scale: PyReadwriteArrayDyn<'_, f32>,
+    min: PyReadwriteArrayDyn<'_, f32>,
+    q: PyReadwriteArrayDyn<'_, i8>,
 ) -> PyResult<()> {
-    let convert = match kind {
+    let convert: G16Convert = match kind {
         12 => gguf_blocks::q4_k_to_q8_g16,
         13 => gguf_blocks::q5_k_to_q8_g16,
         _ => {
@@ -74,6 +70,19 @@ pub fn py_k_quant_to_q8_g16(
             )))
         }
     };
+    to_q8_g16(py, convert, raw, scale, min, q)
+}
+
+/// The Q8G16 bindings' shared body: the arrays as slices (C-contiguous or a ValueError), then
+/// `convert` on the load's threads without the GIL.
+fn to_q8_g16(
+    py: Python<'_>,
+    convert: G16Convert,
+    raw: PyReadonlyArrayDyn<'_, u8>,
+    mut scale: PyReadwriteArrayDyn<'_, f32>,
+    mut min: PyReadwriteArrayDyn<'_, f32>,
+    mut q: PyReadwriteArrayDyn<'_, i8>,
+) -> PyResult<()> {
     let raw = c_contiguous("raw", raw.is_c_contiguous(), raw.as_slice())?;
     let scale_ok = scale.is_c_contiguous();
     let scale = c_contiguous("scale", scale_ok, scale.as_slice_mut())?;
@@ -84,3 +93,7 @@ pub fn py_k_quant_to_q8_g16(
     py.detach(|| convert(raw, scale, min, q, load_threads()))
         .map_err(|e| PyValueError::new_err(e.0))
 }
+
+/// A `gguf_blocks` conversion to Q8G16's arrays.
+type G16Convert =
+    fn(&[u8], &mut [f32], &mut [f32], &mut [i8], usize) -> Result<(), KernelInputError>;

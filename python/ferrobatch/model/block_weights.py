@@ -244,7 +244,7 @@ def _fused_blocks(names: list[str], tensors: list, config) -> BlockWeight | None
     else:
         weight = BlockWeight(Q8_G16, torch.empty(rows, cols // 16),
                              torch.empty(rows, cols // BLOCK, BLOCK, dtype=torch.int8),
-                             torch.zeros(rows, cols // 16))
+                             torch.empty(rows, cols // 16))
     start = 0
     for name, tensor, count in zip(names, tensors, counts, strict=True):
         raw = np.asarray(tensor.data).reshape(count, -1)      # the file's mapped bytes
@@ -256,10 +256,10 @@ def _fused_blocks(names: list[str], tensors: list, config) -> BlockWeight | None
             weight.qs[start:end]
         if form == Q4_1:
             q4_k_into(raw, scale, minimum, qs)
-        elif tensor.type_id != _Q6_K:
-            k_quant_g16_into(raw, tensor.type_id, scale, minimum, qs)
+        elif tensor.type_id == _Q6_K:
+            q6_k_into(raw, scale, minimum, qs)
         else:
-            q6_k_into(raw, scale, qs)       # (its minimums: the zeros made above)
+            k_quant_g16_into(raw, tensor.type_id, scale, minimum, qs)
         start = end
     return weight
 

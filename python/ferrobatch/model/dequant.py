@@ -134,10 +134,10 @@ def g16_parts(raw: torch.Tensor, type_id: int) -> tuple[torch.Tensor, torch.Tens
         k_quant_g16_into(raw.numpy(), _Q5_K, scale, minimum, q)
         return scale, minimum, q
     nb = raw.shape[1] // 210        # Q6_K
-    scale = torch.empty(rows, nb * 16)
+    scale, minimum = torch.empty(rows, nb * 16), torch.empty(rows, nb * 16)
     q = torch.empty(rows, nb * 8, 32, dtype=torch.int8)
-    q6_k_into(raw.numpy(), scale, q)
-    return scale, torch.zeros_like(scale), q
+    q6_k_into(raw.numpy(), scale, minimum, q)
+    return scale, minimum, q
 
 
 def k_quant_g16_into(raw: np.ndarray, type_id: int, scale: torch.Tensor,
@@ -152,13 +152,15 @@ def k_quant_g16_into(raw: np.ndarray, type_id: int, scale: torch.Tensor,
                                  minimum.numpy(), q.numpy())
 
 
-def q6_k_into(raw: np.ndarray, scale: torch.Tensor, q: torch.Tensor) -> None:
+def q6_k_into(raw: np.ndarray, scale: torch.Tensor, minimum: torch.Tensor,
+              q: torch.Tensor) -> None:
     """:func:`g16_parts` of Q6_K bytes ``uint8 [rows, bytes]`` written into contiguous
-    ``scale`` ``[rows, cols / 16]`` and ``q`` ``[rows, cols / 32, 32]`` (the minimums are
-    zero), in Rust: ``d`` times a signed 8-bit scale per 16; in each half of 128 weights, 64
+    ``scale`` / ``minimum`` ``[rows, cols / 16]`` (zeros) and ``q`` ``[rows, cols / 32, 32]``,
+    in Rust: ``d`` times a signed 8-bit scale per 16; in each half of 128 weights, 64
     bytes of low bits give 4 runs of 32 (low nibbles of bytes 0-31, of 32-63, then their high
     nibbles) and 32 bytes of high bits 2 bits each; ``q - 32``."""
-    _scheduler.q6_k_to_q8_g16(np.ascontiguousarray(raw), scale.numpy(), q.numpy())
+    _scheduler.q6_k_to_q8_g16(np.ascontiguousarray(raw), scale.numpy(), minimum.numpy(),
+                              q.numpy())
 
 
 def _low_bit_parts(blocks: torch.Tensor,
