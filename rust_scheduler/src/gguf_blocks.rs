@@ -144,43 +144,34 @@ pub fn q4_k_to_q4_1(
     convert(raw, Q4_K_BYTES, q4_k_block, outputs, threads)
 }
 
-/// Q4_K bytes (whole super-blocks of 144) -> Q8G16's `scale` and `min` (one per 16) and int8
-/// `q` (one per weight, 0..15), on up to `threads` threads.
-pub fn q4_k_to_q8_g16(
-    raw: &[u8],
-    scale: &mut [f32],
-    min: &mut [f32],
-    q: &mut [i8],
-    threads: usize,
-) -> Result<(), KernelInputError> {
-    let outputs = ((scale, 16), (min, 16), (q, SUPER));
-    convert(raw, Q4_K_BYTES, q4_k_block_g16, outputs, threads)
-}
+/// GGUF type ids of the k-quants [`k_quant_to_q8_g16`] converts.
+pub const Q4_K: u32 = 12;
+pub const Q5_K: u32 = 13;
+pub const Q6_K: u32 = 14;
 
-/// Q5_K bytes (whole super-blocks of 176) -> Q8G16's `scale` and `min` (one per 16) and int8
-/// `q` (one per weight, 0..31), on up to `threads` threads.
-pub fn q5_k_to_q8_g16(
+/// Q4_K, Q5_K or Q6_K bytes (GGUF type `kind`, whole super-blocks) -> Q8G16's `scale` and
+/// `min` (one per 16; Q6_K's minimums zero) and int8 `q` (one per weight: Q4_K's 0..15,
+/// Q5_K's 0..31, Q6_K's `q - 32`), on up to `threads` threads.
+pub fn k_quant_to_q8_g16(
+    kind: u32,
     raw: &[u8],
     scale: &mut [f32],
     min: &mut [f32],
     q: &mut [i8],
     threads: usize,
 ) -> Result<(), KernelInputError> {
+    let (size, block_fn): (usize, BlockFn<f32, f32, i8>) = match kind {
+        Q4_K => (Q4_K_BYTES, q4_k_block_g16),
+        Q5_K => (Q5_K_BYTES, q5_k_block),
+        Q6_K => (Q6_K_BYTES, q6_k_block),
+        _ => {
+            return Err(KernelInputError(format!(
+                "GGUF type {kind} is not Q4_K, Q5_K or Q6_K"
+            )))
+        }
+    };
     let outputs = ((scale, 16), (min, 16), (q, SUPER));
-    convert(raw, Q5_K_BYTES, q5_k_block, outputs, threads)
-}
-
-/// Q6_K bytes (whole super-blocks of 210) -> Q8G16's `scale` and `min` (one per 16; the
-/// minimums are zero) and int8 `q` (one per weight), on up to `threads` threads.
-pub fn q6_k_to_q8_g16(
-    raw: &[u8],
-    scale: &mut [f32],
-    min: &mut [f32],
-    q: &mut [i8],
-    threads: usize,
-) -> Result<(), KernelInputError> {
-    let outputs = ((scale, 16), (min, 16), (q, SUPER));
-    convert(raw, Q6_K_BYTES, q6_k_block, outputs, threads)
+    convert(raw, size, block_fn, outputs, threads)
 }
 
 /// One super-block's conversion: its bytes -> its runs of the three outputs.
@@ -249,7 +240,7 @@ mod tests {
         let raw6: Vec<u8> = (0..Q6_K_BYTES * 3).map(|i| (i * 53 % 241) as u8).collect();
         let run6 = |threads| {
             let (mut s, mut m, mut q) = (vec![0f32; 48], vec![7f32; 48], vec![0i8; 768]);
-            q6_k_to_q8_g16(&raw6, &mut s, &mut m, &mut q, threads).unwrap();
+            k_quant_to_q8_g16(Q6_K, &raw6, &mut s, &mut m, &mut q, threads).unwrap();
             assert!(m.iter().all(|&v| v == 0.0));
             (s, q)
         };
@@ -257,7 +248,7 @@ mod tests {
         let raw5: Vec<u8> = (0..Q5_K_BYTES * 3).map(|i| (i * 71 % 239) as u8).collect();
         let run5 = |threads| {
             let (mut s, mut m, mut q) = (vec![0f32; 48], vec![0f32; 48], vec![0i8; 768]);
-            q5_k_to_q8_g16(&raw5, &mut s, &mut m, &mut q, threads).unwrap();
+            k_quant_to_q8_g16(Q5_K, &raw5, &mut s, &mut m, &mut q, threads).unwrap();
             (s, m, q)
         };
         assert_eq!(run5(1), run5(2));
@@ -265,7 +256,7 @@ mod tests {
         // Q4_K in Q8G16's form: each group of 32's scale / minimum twice, the nibbles as values
         let (s4, m4, n4) = run(2);
         let (mut s, mut m, mut q) = (vec![0f32; 80], vec![0f32; 80], vec![0i8; 1280]);
-        q4_k_to_q8_g16(&raw, &mut s, &mut m, &mut q, 2).unwrap();
+        k_quant_to_q8_g16(Q4_K, &raw, &mut s, &mut m, &mut q, 2).unwrap();
         for g in 0..40 {
             assert_eq!([s[2 * g], s[2 * g + 1]], [s4[g], s4[g]]);
             assert_eq!([m[2 * g], m[2 * g + 1]], [m4[g], m4[g]]);
@@ -275,7 +266,8 @@ mod tests {
                 assert_eq!([q[g * 32 + j], q[g * 32 + j + 16]], want);
             }
         }
-        let bad = q6_k_to_q8_g16(
+        let bad = k_quant_to_q8_g16(
+            Q6_K,
             &raw6[1..],
             &mut [0f32; 48],
             &mut [0f32; 48],

@@ -641,10 +641,6 @@ fn scheduler_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(crate::py_linear::py_pack_amx_q4_1, m)?)?;
     m.add_function(wrap_pyfunction!(crate::py_gguf_blocks::py_q4_k_to_q4_1, m)?)?;
     m.add_function(wrap_pyfunction!(
-        crate::py_gguf_blocks::py_q6_k_to_q8_g16,
-        m
-    )?)?;
-    m.add_function(wrap_pyfunction!(
         crate::py_gguf_blocks::py_k_quant_to_q8_g16,
         m
     )?)?;

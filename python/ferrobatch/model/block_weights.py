@@ -28,7 +28,6 @@ from ferrobatch.model.dequant import (
     per_16,
     q4_k_into,
     q4_nibbles,
-    q6_k_into,
 )
 
 Q4_1, Q8_0 = 3, 8           # two kernels: type ids of the GGUF formats they were made for
@@ -256,8 +255,6 @@ def _fused_blocks(names: list[str], tensors: list, config) -> BlockWeight | None
             weight.qs[start:end]
         if form == Q4_1:
             q4_k_into(raw, scale, minimum, qs)
-        elif tensor.type_id == _Q6_K:
-            q6_k_into(raw, scale, minimum, qs)
         else:
             k_quant_g16_into(raw, tensor.type_id, scale, minimum, qs)
         start = end

@@ -127,40 +127,25 @@ def g16_parts(raw: torch.Tensor, type_id: int) -> tuple[torch.Tensor, torch.Tens
         else:
             minimum = _half_scale(blocks, 2)[..., 0]
         return per_16(d), per_16(minimum), q.to(torch.int8)
-    if type_id == _Q5_K:
-        nb = raw.shape[1] // 176
-        scale, minimum = torch.empty(rows, nb * 16), torch.empty(rows, nb * 16)
-        q = torch.empty(rows, nb * 8, 32, dtype=torch.int8)
-        k_quant_g16_into(raw.numpy(), _Q5_K, scale, minimum, q)
-        return scale, minimum, q
-    nb = raw.shape[1] // 210        # Q6_K
+    nb = raw.shape[1] // _BLOCK_SHAPES[type_id][1]      # Q5_K / Q6_K, in Rust
     scale, minimum = torch.empty(rows, nb * 16), torch.empty(rows, nb * 16)
     q = torch.empty(rows, nb * 8, 32, dtype=torch.int8)
-    q6_k_into(raw.numpy(), scale, minimum, q)
+    k_quant_g16_into(raw.numpy(), type_id, scale, minimum, q)
     return scale, minimum, q
 
 
 def k_quant_g16_into(raw: np.ndarray, type_id: int, scale: torch.Tensor,
                      minimum: torch.Tensor, q: torch.Tensor) -> None:
-    """Q5_K (or Q4_K) bytes ``uint8 [rows, bytes]`` in Q8G16's form (:func:`g16_parts`'
+    """Q4_K, Q5_K or Q6_K bytes ``uint8 [rows, bytes]`` in Q8G16's form (:func:`g16_parts`'
     values; Q4_K's those of its Q4_1 form per 16) written into contiguous ``scale`` /
-    ``minimum`` ``[rows, cols / 16]`` and ``q`` ``[rows, cols / 32, 32]``, in Rust:
+    ``minimum`` ``[rows, cols / 16]`` and ``q`` ``[rows, cols / 32, 32]``, in Rust. Q4_K / Q5_K:
     :func:`_k_scales`' value per 32 for both its halves; chunk c of the low-bit bytes gives
-    group 2c its low nibbles and 2c + 1 its high ones, and for Q5_K bit s of the high-bit bytes
-    group s's fifth bit."""
+    group 2c its low nibbles and 2c + 1 its high ones, and for Q5_K bit s of the high-bit
+    bytes group s's fifth bit. Q6_K: ``d`` times a signed 8-bit scale per 16 (minimum 0); in
+    each half of 128 weights, 64 bytes of low bits give 4 runs of 32 (low nibbles of bytes
+    0-31, of 32-63, then their high nibbles) and 32 bytes of high bits 2 bits each; ``q - 32``."""
     _scheduler.k_quant_to_q8_g16(type_id, np.ascontiguousarray(raw), scale.numpy(),
                                  minimum.numpy(), q.numpy())
-
-
-def q6_k_into(raw: np.ndarray, scale: torch.Tensor, minimum: torch.Tensor,
-              q: torch.Tensor) -> None:
-    """:func:`g16_parts` of Q6_K bytes ``uint8 [rows, bytes]`` written into contiguous
-    ``scale`` / ``minimum`` ``[rows, cols / 16]`` (zeros) and ``q`` ``[rows, cols / 32, 32]``,
-    in Rust: ``d`` times a signed 8-bit scale per 16; in each half of 128 weights, 64
-    bytes of low bits give 4 runs of 32 (low nibbles of bytes 0-31, of 32-63, then their high
-    nibbles) and 32 bytes of high bits 2 bits each; ``q - 32``."""
-    _scheduler.q6_k_to_q8_g16(np.ascontiguousarray(raw), scale.numpy(), minimum.numpy(),
-                              q.numpy())
 
 
 def _low_bit_parts(blocks: torch.Tensor,

@@ -36,6 +36,12 @@ def _f16_rows(raw: np.ndarray) -> np.ndarray:
 _NUMPY_ROWS = {_Q8_0: _q8_0_rows, _F16: _f16_rows}
 
 
+def check_token_ids(ids: np.ndarray, vocab: int) -> None:
+    """IndexError for an id of ``ids`` outside ``[0, vocab)`` (what ``nn.Embedding`` raises)."""
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise IndexError(f"token id out of range of the {vocab}-token embedding")
+
+
 def keeps_table(name: str, type_id: int, ndim: int, config) -> bool:
     """True for the GGUF token embedding (Hugging Face name ``name``) a
     :class:`QuantizedEmbedding` serves as the loader would: stored in a type smaller than
@@ -82,9 +88,7 @@ class QuantizedEmbedding(nn.Module):
         """float32 ``[*ids.shape, embedding_dim]``: the table's rows ``ids`` (a fresh,
         writable array). IndexError for an id outside ``[0, num_embeddings)``."""
         ids = np.asarray(ids)
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
-            raise IndexError(f"token id out of range of the {self.num_embeddings}-token "
-                             f"embedding")
+        check_token_ids(ids, self.num_embeddings)
         if ids.size == 0:
             return np.zeros((*ids.shape, self.embedding_dim), np.float32)
         flat = self._table[ids.reshape(-1)]

@@ -28,7 +28,7 @@ from torch import nn
 
 from ferrobatch import _scheduler
 from ferrobatch.model.llama import LlamaDecoderLayer, LlamaForCausalLM, SiluAndMul
-from ferrobatch.model.quantized_embedding import QuantizedEmbedding
+from ferrobatch.model.quantized_embedding import QuantizedEmbedding, check_token_ids
 from ferrobatch.runtime.attention.cpu import CpuPagedBackend, CpuPagedMetadata
 from ferrobatch.runtime.cpu_elementwise import RustApplyRotary, RustRMSNorm
 from ferrobatch.runtime.cpu_linear import PanelLinear
@@ -164,8 +164,7 @@ class FusedLayers:
 def _rows_of(table: np.ndarray):
     """A float32 table's row lookup, as ``QuantizedEmbedding.rows`` (IndexError out of range)."""
     def rows(ids: np.ndarray) -> np.ndarray:
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= table.shape[0]):
-            raise IndexError(f"token id out of range of the {table.shape[0]}-token embedding")
+        check_token_ids(ids, table.shape[0])
         return table[ids]
     return rows
 
