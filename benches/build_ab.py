@@ -49,18 +49,33 @@ def load_extension(path: str):
 
 
 def base_layers(model, base_module):
-    """A ``FusedLayers`` over ``model``'s weights whose Rust stack comes from ``base_module``."""
+    """A ``FusedLayers`` over ``model``'s weights whose Rust stack comes from ``base_module``,
+    with the AMX tiles and quantized panels packed by ``base_module`` too (the builds' layouts
+    may differ)."""
     from ferrobatch.runtime import cpu_decoder
+    from ferrobatch.runtime.cpu_linear import _aligned_64
 
     here = model.fused_layers
     if here is None:
         raise SystemExit("the model runs without fused layers (not a packed CPU model)")
-    current = cpu_decoder._scheduler
-    cpu_decoder._scheduler = base_module
+    current, spec = cpu_decoder._scheduler, cpu_decoder._linear_spec
+
+    def base_spec(linear):
+        n, k, panels, bias, blocks, tiles, qpanels = spec(linear)
+        kernel = linear.blocks
+        if kernel is not None and kernel.arrays is not None:
+            if tiles is not None:
+                tiles = _aligned_64(getattr(base_module, f"pack_amx_{kernel.kind}")(*kernel.arrays))
+            if qpanels is not None:
+                pack = getattr(base_module, f"pack_quant_panels_{kernel.kind}")
+                qpanels = _aligned_64(pack(*kernel.arrays))
+        return n, k, panels, bias, blocks, tiles, qpanels
+
+    cpu_decoder._scheduler, cpu_decoder._linear_spec = base_module, base_spec
     try:
         return cpu_decoder.FusedLayers(model, here.num_threads, here.amx)
     finally:
-        cpu_decoder._scheduler = current
+        cpu_decoder._scheduler, cpu_decoder._linear_spec = current, spec
 
 
 def interleaved(run, arms: dict, rounds: int) -> dict[str, list[float]]:

@@ -1,13 +1,16 @@
-"""Writes a random-weight GGUF of a Llama shape in llama.cpp's Q4_K_M mix, for the CPU block
-kernels' benchmark on k-quants (gguf-py cannot quantize to Q4_K, so the blocks are random bytes
-with small fp16 factors: any bytes are valid blocks, and speed does not depend on the values).
+"""Writes a random-weight GGUF of a Llama shape in llama.cpp's Q4_K_M mix (or all Q8_0), for
+the CPU block kernels' benchmarks (gguf-py cannot quantize to Q4_K, so the blocks are random
+bytes with small fp16 factors: any bytes are valid blocks, and speed does not depend on the
+values).
 
     python benches/kquant_gguf.py /tmp/q4km.gguf [--hidden 1024 --intermediate 2816 --layers 12]
+    python benches/kquant_gguf.py /tmp/q8.gguf --mix q8_0
     python benches/model_forward.py --model /tmp/q4km.gguf --compare-gguf-blocks
 
-The mix follows llama.cpp's Q4_K_M: Q4_K for most linears, Q6_K for the output matrix and for
-``attn_v`` / ``ffn_down`` of every other layer, F32 norms, Q4_K token embeddings; SmolLM2's
-tokenizer and chat template so the engine can serve it.
+The Q4_K_M mix follows llama.cpp's: Q4_K for most linears, Q6_K for the output matrix and for
+``attn_v`` / ``ffn_down`` of every other layer, F32 norms, Q4_K token embeddings. ``--mix
+q8_0``: every matrix Q8_0 (llama.cpp's Q8_0 files). SmolLM2's tokenizer and chat template so
+the engine can serve it.
 """
 
 from __future__ import annotations
@@ -30,14 +33,14 @@ def random_blocks(type_name: str, rows: int, cols: int, rng) -> np.ndarray:
     block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     raw = rng.integers(0, 256, (rows, cols // block_elems * block_bytes), dtype=np.uint8)
     blocks = raw.reshape(rows, -1, block_bytes)
-    for start in {"Q4_K": (0, 2), "Q6_K": (208,)}[type_name]:
+    for start in {"Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,)}[type_name]:
         factor = rng.uniform(1e-4, 4e-4, blocks.shape[:2]).astype(np.float16)
         blocks[..., start:start + 2] = factor.view(np.uint8).reshape(rows, -1, 2)
     return raw
 
 
 def write(path: str, hidden: int, intermediate: int, layers: int, heads: int,
-          kv_heads: int, seed: int = 0) -> None:
+          kv_heads: int, seed: int = 0, mix: str = "q4_k_m") -> None:
     import gguf
 
     from ferrobatch.model.gguf_file import GGUFFile
@@ -68,6 +71,7 @@ def write(path: str, hidden: int, intermediate: int, layers: int, heads: int,
     vocab = len(tok.tokens)
 
     def add(name: str, type_name: str, rows: int, cols: int) -> None:
+        type_name = "Q8_0" if mix == "q8_0" else type_name
         w.add_tensor(name, random_blocks(type_name, rows, cols, rng),
                      raw_dtype=gguf.GGMLQuantizationType[type_name])
 
@@ -99,13 +103,16 @@ def main() -> None:
     parser.add_argument("--layers", type=positive_int, default=12)
     parser.add_argument("--heads", type=positive_int, default=16)
     parser.add_argument("--kv-heads", type=positive_int, default=4)
+    parser.add_argument("--mix", choices=("q4_k_m", "q8_0"), default="q4_k_m")
     args = parser.parse_args()
+    multiple = 256 if args.mix == "q4_k_m" else 32
     for name in ("hidden", "intermediate"):
-        if getattr(args, name) % 256:
-            parser.error(f"--{name} {getattr(args, name)}: k-quants need multiples of 256")
+        if getattr(args, name) % multiple:
+            parser.error(f"--{name} {getattr(args, name)}: {args.mix} needs multiples of {multiple}")
     if args.hidden % args.heads or args.heads % args.kv_heads:
         parser.error(f"--heads {args.heads} must divide --hidden and be a multiple of --kv-heads")
-    write(args.path, args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads)
+    write(args.path, args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads,
+          mix=args.mix)
     print(f"wrote {args.path} ({os.path.getsize(args.path) / 2**20:.0f} MiB)")
 
 

@@ -16,17 +16,22 @@
 //!
 //! Packed layout ([`pack`]): for each tile of 16 output features (zero features past `N`) and
 //! each block `b` of 32 inputs, one chunk. Chunks run over `b` within a tile, so a task streams
-//! its features' weights in address order. Two formats ([`AmxFormat`]):
-//! - `Bf16` (Q8_0), [`CHUNK`] `u16`: the 32 x 16 integers as bfloat16 in the pair-interleaved
-//!   order `TDPBF16PS` reads (chunk row `r` = inputs `32b + 2r` and `32b + 2r + 1` of features
-//!   0..16, interleaved), then the 16 features' scales and their mins as float32 bit patterns
-//!   (two `u16` each, little-endian). 2.25 bytes per weight.
+//! its features' weights in address order. The tile loads read one layout, the *unpacked* one
+//! ([`CHUNK`] `u16`): the 32 x 16 integers as bfloat16 in the pair-interleaved order
+//! `TDPBF16PS` reads (chunk row `r` = inputs `32b + 2r` and `32b + 2r + 1` of features 0..16,
+//! interleaved), then the 16 features' scales and their mins as float32 bit patterns (two `u16`
+//! each, little-endian). The packed weights store their integers smaller ([`AmxFormat`]):
+//! - `Int8` (Q8_0), [`INT8_CHUNK`] `u16`: the same rows as int8, a byte each, the 32 bytes of a
+//!   row in the order `unpack_int8_ints` widens them ([`INT8_SLOT`]), then the 16 scales (Q8_0
+//!   has no mins). 1.125 bytes per weight, as much as the GGUF blocks (1.0625).
 //! - `Nibbles` (Q4_1), [`NIBBLE_CHUNK`] `u16`: the same rows as 4-bit integers, rows `2g` and
 //!   `2g + 1` sharing 32 bytes (byte `j`: row `2g`'s value `j` in the low nibble, row `2g + 1`'s
-//!   in the high one), then the scales and mins. 0.75 bytes per weight: a step of a few rows,
-//!   bound by reading the weights, reads 3x fewer bytes. A task unpacks each chunk into the
-//!   `Bf16` layout in L1 right before its tile load (steps of up to [`DIRECT_MAX_ROWS`] rows),
-//!   or a pass of chunks at once into a scratch of its own (L2) that all the rows then read.
+//!   in the high one), then the scales and mins. 0.75 bytes per weight.
+//!
+//! A step of a few rows is bound by reading the weights, so it reads the small form: a task
+//! unpacks each chunk into the unpacked layout in L1 right before its tile load (steps of up to
+//! [`DIRECT_MAX_ROWS`] rows), or a pass of chunks at once into a scratch of its own (L2) that all
+//! the rows then read.
 //!
 //! Invariants checked by [`AmxShape::validate`] before any read, so no tile load leaves its
 //! slice: `K % 32 == 0`, `x.len() == M * K`, `tiles.len() == ceil(N / 16) * K / 32 * chunk`,
@@ -38,7 +43,7 @@
 //! Work split: tiles of 16 features in contiguous ranges, one range per task; a task writes only
 //! its own columns of `out`.
 
-use crate::cpu_amx_tiles::{aligned_64, bf16_bits, Shared, TileConfig};
+use crate::cpu_amx_tiles::{aligned_64, Shared, TileConfig};
 use crate::cpu_error::{check_bias, check_lengths, KernelInputError};
 use crate::cpu_isa::Isa;
 use crate::cpu_linear::OutPtr;
@@ -48,18 +53,38 @@ use crate::load_parallel::{load_threads, split, Out};
 pub const BLOCK: usize = 32;
 /// Output features per tile.
 pub const TILE_FEATURES: usize = 16;
-/// `u16` per chunk: 32 x 16 bfloat16 integers, then 16 float32 scales and 16 float32 mins.
+/// `u16` per unpacked chunk (what the tile loads read): 32 x 16 bfloat16 integers, then 16
+/// float32 scales and 16 float32 mins.
 pub const CHUNK: usize = BLOCK * TILE_FEATURES + PARAMS;
 /// `u16` per chunk of nibbles: 32 x 16 4-bit integers, then the scales and mins.
 pub const NIBBLE_CHUNK: usize = BLOCK * TILE_FEATURES / 4 + PARAMS;
+/// `u16` per chunk of int8: 32 x 16 bytes, then the 16 scales.
+pub const INT8_CHUNK: usize = BLOCK * TILE_FEATURES / 2 + SCALES;
 /// `u16` of a chunk's 16 scales and 16 mins (float32).
 const PARAMS: usize = 4 * TILE_FEATURES;
+/// `u16` of a chunk's 16 scales (float32).
+const SCALES: usize = 2 * TILE_FEATURES;
+
+/// Where an `Int8` chunk row keeps the integer of each position of the unpacked row (`pos = 2c
+/// + i % 2` for feature `c` and input `i`): `unpack_int8_ints` widens bytes 0..16 and 16..32
+/// to float32 lanes, and `packus` interleaves them four at a time, so position `8l + j` comes
+/// from byte `4l + j` (`j < 4`) or `16 + 4l + j - 4`.
+pub const INT8_SLOT: [usize; 2 * TILE_FEATURES] = {
+    let mut slot = [0; 2 * TILE_FEATURES];
+    let mut pos = 0;
+    while pos < 2 * TILE_FEATURES {
+        let (l, j) = (pos / 8, pos % 8);
+        slot[pos] = if j < 4 { 4 * l + j } else { 16 + 4 * l + j - 4 };
+        pos += 1;
+    }
+    slot
+};
 
 /// How a packed weight stores its integers (the module header).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AmxFormat {
-    /// as bfloat16, ready for the tile loads (Q8_0's int8)
-    Bf16,
+    /// as bytes, widened to bfloat16 before use (Q8_0's int8)
+    Int8,
     /// as 4-bit nibbles, unpacked to bfloat16 before use (Q4_1)
     Nibbles,
 }
@@ -69,7 +94,7 @@ impl AmxFormat {
     pub fn of(w: &QuantWeight<'_>) -> Option<AmxFormat> {
         match w {
             QuantWeight::Q4_1 { .. } => Some(AmxFormat::Nibbles),
-            QuantWeight::Q8_0 { .. } => Some(AmxFormat::Bf16),
+            QuantWeight::Q8_0 { .. } => Some(AmxFormat::Int8),
             QuantWeight::Q8G16 { .. } => None,
         }
     }
@@ -77,8 +102,16 @@ impl AmxFormat {
     /// `u16` per chunk.
     pub fn chunk_len(self) -> usize {
         match self {
-            AmxFormat::Bf16 => CHUNK,
+            AmxFormat::Int8 => INT8_CHUNK,
             AmxFormat::Nibbles => NIBBLE_CHUNK,
+        }
+    }
+
+    /// `u16` of a chunk's parameters (its last ones): scales, and mins where the blocks have them.
+    fn params_len(self) -> usize {
+        match self {
+            AmxFormat::Int8 => SCALES,
+            AmxFormat::Nibbles => PARAMS,
         }
     }
 }
@@ -96,10 +129,11 @@ pub struct AmxTiles<'a> {
 /// vs 9.0 at 5 in another), AMX ahead from 6 (8.3 vs 8.9) and 8 (12.1 vs 15.8). Whole decode
 /// steps of 5-7 rows: within noise (0.96-1.02x); 8 rows 1.07-1.31x.
 pub const MIN_ROWS: usize = 5;
-/// Steps of at most this many rows unpack each nibble chunk right before each of its (one or
-/// two) uses; larger ones unpack a pass of chunks once into a scratch (L2) that all their row
-/// tiles read. Measured about even at 17-32 rows, direct 1.2x faster at 16.
-const DIRECT_MAX_ROWS: usize = 2 * TILE_ROWS;
+/// Steps of at most this many rows (one row tile) unpack each chunk right before its use;
+/// larger ones unpack a pass of chunks once into a scratch (L2) that all their row tiles read.
+/// At 17-32 rows, where a direct chunk would be unpacked twice, the scratch took 0.86-0.94x the
+/// time for Int8 (a 1B Llama shape in Q8_0, session 43) and 0.98-1.01x for nibbles.
+const DIRECT_MAX_ROWS: usize = TILE_ROWS;
 /// Rows per tile (the tile registers' height).
 const TILE_ROWS: usize = 16;
 /// Bytes of weight chunks a task computes for every row tile before moving on to the next
@@ -222,34 +256,53 @@ pub fn pack_into(
     tiles: &mut [u16],
 ) -> Result<(), KernelInputError> {
     crate::cpu_error::check_lengths(&[("tiles", tiles.len(), packed_len(w, n, k)?)])?;
-    if let QuantWeight::Q4_1 { scale, min, qs } = w {
-        pack_nibbles(scale, min, qs, n, k, tiles);
-        return Ok(());
+    let nb = k / BLOCK;
+    match *w {
+        QuantWeight::Q4_1 { scale, min, qs } => {
+            pack_tiles(tiles, nb * NIBBLE_CHUNK, |t, chunks| {
+                pack_nibble_tile(scale, min, qs, n, nb, t, chunks)
+            });
+        }
+        QuantWeight::Q8_0 { scale, qs } => {
+            pack_tiles(tiles, nb * INT8_CHUNK, |t, chunks| {
+                pack_int8_tile(scale, qs, n, nb, t, chunks)
+            });
+        }
+        QuantWeight::Q8G16 { .. } => unreachable!("refused by packed_len"),
     }
-    pack_elementwise(w, n, k, tiles);
     Ok(())
 }
 
-/// [`pack_into`] for Q4_1 blocks, a `u16` at a time: group `g` of a feature's 32 values in a
-/// chunk (values `4g .. 4g + 4`, rows `2g, 2g + 1` of it) is one `u16`, `v0 | v2 << 4 | v1 <<
-/// 8 | v3 << 12`, the four values being the low nibbles of block bytes `4g ..` for `g < 4`,
-/// the high ones of bytes `4(g - 4) ..` after (what [`pack_elementwise`] lays out value by
-/// value: ~6x faster, the load of a large model's weights).
-fn pack_nibbles(scale: &[f32], min: &[f32], qs: &[u8], n: usize, k: usize, tiles: &mut [u16]) {
-    let nb = k / BLOCK;
-    let tile_len = nb * NIBBLE_CHUNK;
+/// Runs `pack_tile(t, chunks)` for every feature tile `t` (`tile_len` `u16` each) of `tiles`,
+/// the tiles split over the load's threads (the load of a large model's weights).
+fn pack_tiles(tiles: &mut [u16], tile_len: usize, pack_tile: impl Fn(usize, &mut [u16]) + Sync) {
     let feature_tiles = tiles.len() / tile_len;
     let out = Out(tiles.as_mut_ptr());
     split(feature_tiles, load_threads(), |first, count| {
         // SAFETY: feature tiles first .. first + count, this thread's alone
         let part = unsafe { out.range(first * tile_len, count * tile_len) };
         for (t, tile_chunks) in (first..).zip(part.chunks_exact_mut(tile_len)) {
-            pack_nibble_tile(scale, min, qs, n, nb, t, tile_chunks);
+            pack_tile(t, tile_chunks);
         }
     });
 }
 
-/// [`pack_nibbles`] of feature tile `t` (`tile_chunks`: its `nb` chunks).
+/// Writes feature `c`'s float32 parameters into a chunk's parameter words (`params`: its 16
+/// scales, then, where `min` is given, its 16 mins).
+fn write_params(params: &mut [u16], c: usize, scale: f32, min: Option<f32>) {
+    let slots = [(c, Some(scale)), (TILE_FEATURES + c, min)];
+    for (slot, value) in slots.into_iter().filter_map(|(s, v)| Some((s, v?))) {
+        let bits = value.to_bits();
+        params[2 * slot] = bits as u16;
+        params[2 * slot + 1] = (bits >> 16) as u16;
+    }
+}
+
+/// Feature tile `t` of Q4_1 blocks (`tile_chunks`: its `nb` chunks), a `u16` at a time: group
+/// `g` of a feature's 32 values in a chunk (values `4g .. 4g + 4`, rows `2g, 2g + 1` of it) is
+/// one `u16`, `v0 | v2 << 4 | v1 << 8 | v3 << 12`, the four values being the low nibbles of block
+/// bytes `4g ..` for `g < 4`, the high ones of bytes `4(g - 4) ..` after (what the tests'
+/// `pack_elementwise` lays out value by value, ~6x slower).
 fn pack_nibble_tile(
     scale: &[f32],
     min: &[f32],
@@ -269,72 +322,34 @@ fn pack_nibble_tile(
                 let v = |m: usize| u16::from((quad[m] >> shift) & 0x0F);
                 ints[g * TILE_FEATURES + c] = v(0) | (v(2) << 4) | (v(1) << 8) | (v(3) << 12);
             }
-            let (d, mn) = (scale[j * nb + b].to_bits(), min[j * nb + b].to_bits());
-            for (slot, bits) in [(c, d), (TILE_FEATURES + c, mn)] {
-                params[2 * slot] = bits as u16;
-                params[2 * slot + 1] = (bits >> 16) as u16;
-            }
+            write_params(params, c, scale[j * nb + b], Some(min[j * nb + b]));
         }
     }
 }
 
-/// [`pack_into`] value by value, for every format (Q8_0's bfloat16; the reference the Q4_1
-/// path is tested against).
-fn pack_elementwise(w: &QuantWeight<'_>, n: usize, k: usize, tiles: &mut [u16]) {
-    let nb = k / BLOCK;
-    let format = AmxFormat::of(w).expect("checked by packed_len");
-    // q(feature j, block b, input i of the block), scale and min of (j, b)
-    let q = |j: usize, b: usize, i: usize| -> u8 {
-        match w {
-            QuantWeight::Q4_1 { qs, .. } => {
-                let byte = qs[(j * nb + b) * (BLOCK / 2) + i % 16];
-                if i < 16 {
-                    byte & 0x0F
-                } else {
-                    byte >> 4
-                }
+/// Feature tile `t` of Q8_0 blocks (`tile_chunks`: its `nb` chunks): input pair `r` of a
+/// block (inputs `2r, 2r + 1`) of feature `c` is one `u16` at row `r`'s [`INT8_SLOT`] of
+/// position `2c` (positions `2c, 2c + 1` always share one: the slots of `8l + j` and `8l + j +
+/// 1` are neighbours for even `j`: checked by a test).
+fn pack_int8_tile(
+    scale: &[f32],
+    qs: &[i8],
+    n: usize,
+    nb: usize,
+    t: usize,
+    tile_chunks: &mut [u16],
+) {
+    for (b, chunk) in tile_chunks.chunks_exact_mut(INT8_CHUNK).enumerate() {
+        let (ints, params) = chunk.split_at_mut(INT8_CHUNK - SCALES);
+        for c in 0..TILE_FEATURES.min(n.saturating_sub(t * TILE_FEATURES)) {
+            let j = t * TILE_FEATURES + c;
+            let values = &qs[(j * nb + b) * BLOCK..][..BLOCK];
+            let word = INT8_SLOT[2 * c] / 2;
+            for (r, pair) in values.chunks_exact(2).enumerate() {
+                ints[r * TILE_FEATURES + word] =
+                    u16::from(pair[0] as u8) | (u16::from(pair[1] as u8) << 8);
             }
-            QuantWeight::Q8_0 { qs, .. } => qs[(j * nb + b) * BLOCK + i] as u8,
-            QuantWeight::Q8G16 { .. } => unreachable!("refused above"),
-        }
-    };
-    let (scale, min) = match w {
-        QuantWeight::Q4_1 { scale, min, .. } => (*scale, Some(*min)),
-        QuantWeight::Q8_0 { scale, .. } => (*scale, None),
-        QuantWeight::Q8G16 { .. } => unreachable!("refused above"),
-    };
-    let chunk_len = format.chunk_len();
-    for (t, tile_chunks) in tiles.chunks_exact_mut(nb * chunk_len).enumerate() {
-        for (b, chunk) in tile_chunks.chunks_exact_mut(chunk_len).enumerate() {
-            let (ints, params) = chunk.split_at_mut(chunk_len - PARAMS);
-            for c in 0..TILE_FEATURES {
-                let j = t * TILE_FEATURES + c;
-                if j >= n {
-                    break; // padding features: zero integers, scales and mins
-                }
-                for i in 0..BLOCK {
-                    // chunk row r = i / 2, position c * 2 + i % 2 in it
-                    let (r, pos) = (i / 2, c * 2 + i % 2);
-                    let value = q(j, b, i);
-                    match format {
-                        AmxFormat::Bf16 => {
-                            ints[r * 2 * TILE_FEATURES + pos] = bf16_bits(f32::from(value as i8));
-                        }
-                        AmxFormat::Nibbles => {
-                            // byte pos of group r / 2 (16 u16 = 32 bytes per group)
-                            let slot = &mut ints[(r / 2) * TILE_FEATURES + pos / 2];
-                            let shift = 8 * (pos % 2) + 4 * (r % 2);
-                            *slot |= u16::from(value) << shift;
-                        }
-                    }
-                }
-                let d = scale[j * nb + b].to_bits();
-                let mn = min.map_or(0, |m| m[j * nb + b].to_bits());
-                for (slot, bits) in [(c, d), (TILE_FEATURES + c, mn)] {
-                    params[2 * slot] = bits as u16;
-                    params[2 * slot + 1] = (bits >> 16) as u16;
-                }
-            }
+            write_params(params, c, scale[j * nb + b], None);
         }
     }
 }
@@ -455,7 +470,7 @@ struct Kernel<'a> {
 }
 
 thread_local! {
-    /// A task's nibble chunks unpacked to the `Bf16` layout for the pass it computes.
+    /// A task's chunks unpacked to the unpacked layout for the pass it computes.
     static UNPACKED: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -467,6 +482,12 @@ fn config_for_rows(rows: usize) -> TileConfig {
     TileConfig::new(&[r, r, r, 16, r, r])
 }
 
+/// What a [`Kernel::tile_rows`] reads its chunks from (its `SRC`): the unpacked layout, or one
+/// of the packed formats, each chunk unpacked right before its tile load.
+const SRC_UNPACKED: u8 = 0;
+const SRC_NIBBLES: u8 = 1;
+const SRC_INT8: u8 = 2;
+
 impl Kernel<'_> {
     /// Feature tiles `first..last`, every row.
     ///
@@ -476,38 +497,39 @@ impl Kernel<'_> {
         #[cfg(target_arch = "x86_64")]
         {
             let AmxShape { m, k, .. } = self.shape;
-            let tile_len = k / BLOCK * CHUNK; // u16 of one feature tile, Bf16 layout
+            let tile_len = k / BLOCK * CHUNK; // u16 of one feature tile, unpacked
+            let format = self.tiles.format;
+            let packed_len = k / BLOCK * format.chunk_len(); // and as packed
             let per_pass = (PASS_BYTES / (tile_len * 2)).max(1);
+            // few rows: each chunk is unpacked just before each use
+            let direct = m <= DIRECT_MAX_ROWS;
+            let src = match (direct, format) {
+                (false, _) => SRC_UNPACKED,
+                (true, AmxFormat::Nibbles) => SRC_NIBBLES,
+                (true, AmxFormat::Int8) => SRC_INT8,
+            };
             let mut configured_rows = 0;
             UNPACKED.with_borrow_mut(|unpacked| {
                 let mut pass = first;
                 while pass < last {
                     let pass_end = (pass + per_pass).min(last);
-                    let direct = self.tiles.format == AmxFormat::Nibbles && m <= DIRECT_MAX_ROWS;
-                    let chunks: &[u16] = match self.tiles.format {
-                        AmxFormat::Bf16 => &self.tiles.data[pass * tile_len..pass_end * tile_len],
-                        // few rows: each chunk is unpacked just before each use
-                        AmxFormat::Nibbles if direct => {
-                            let nibble_len = k / BLOCK * NIBBLE_CHUNK;
-                            &self.tiles.data[pass * nibble_len..pass_end * nibble_len]
+                    let packed = &self.tiles.data[pass * packed_len..pass_end * packed_len];
+                    let (chunks, stride): (&[u16], usize) = if direct {
+                        (packed, packed_len)
+                    } else {
+                        let len = (pass_end - pass) * tile_len;
+                        if unpacked.len() < len + 32 {
+                            unpacked.resize(len + 32, 0);
                         }
-                        AmxFormat::Nibbles => {
-                            let len = (pass_end - pass) * tile_len;
-                            if unpacked.len() < len + 32 {
-                                unpacked.resize(len + 32, 0);
-                            }
-                            let dst = aligned_64(unpacked, len);
-                            let nibble_len = k / BLOCK * NIBBLE_CHUNK;
-                            let src = &self.tiles.data[pass * nibble_len..pass_end * nibble_len];
-                            for (from, to) in src
-                                .chunks_exact(NIBBLE_CHUNK)
-                                .zip(dst.chunks_exact_mut(CHUNK))
-                            {
-                                // SAFETY: AMX available implies AVX-512F and -BW.
-                                unsafe { unpack_nibbles(from, to) };
-                            }
-                            dst
+                        let dst = aligned_64(unpacked, len);
+                        for (from, to) in packed
+                            .chunks_exact(format.chunk_len())
+                            .zip(dst.chunks_exact_mut(CHUNK))
+                        {
+                            // SAFETY: AMX available implies AVX-512F and -BW.
+                            unsafe { unpack_chunk(format, from, to) };
                         }
+                        (dst, tile_len)
                     };
                     for row0 in (0..m).step_by(TILE_ROWS) {
                         let rows = (m - row0).min(TILE_ROWS);
@@ -516,19 +538,16 @@ impl Kernel<'_> {
                             unsafe { config_for_rows(rows).load() };
                             configured_rows = rows;
                         }
-                        let stride = if direct {
-                            k / BLOCK * NIBBLE_CHUNK
-                        } else {
-                            tile_len
-                        };
                         for (i, tile) in chunks.chunks_exact(stride).enumerate() {
                             // SAFETY: AMX available and configured for `rows`; the caller owns
                             // the columns of feature tile pass + i.
                             unsafe {
-                                if direct {
-                                    self.tile::<true>(tile, pass + i, row0, rows)
-                                } else {
-                                    self.tile::<false>(tile, pass + i, row0, rows)
+                                match src {
+                                    SRC_NIBBLES => {
+                                        self.tile::<SRC_NIBBLES>(tile, pass + i, row0, rows)
+                                    }
+                                    SRC_INT8 => self.tile::<SRC_INT8>(tile, pass + i, row0, rows),
+                                    _ => self.tile::<SRC_UNPACKED>(tile, pass + i, row0, rows),
                                 }
                             };
                         }
@@ -546,18 +565,17 @@ impl Kernel<'_> {
     }
 
     /// Rows `row0..row0 + rows` of feature tile `t`, whose chunks are `chunks` (`rows` in
-    /// 1..=16): in the `Bf16` layout, or (`NIBBLES`) in the `Nibbles` one, each unpacked just
-    /// before its tile load.
+    /// 1..=16), in the layout `SRC` names.
     ///
     /// # Safety
     /// As [`Kernel::run_tiles`], with the tiles configured for `rows`.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn tile<const NIBBLES: bool>(&self, chunks: &[u16], t: usize, row0: usize, rows: usize) {
+    unsafe fn tile<const SRC: u8>(&self, chunks: &[u16], t: usize, row0: usize, rows: usize) {
         macro_rules! dispatch {
             ($($r:literal)*) => {
                 match rows {
                     // SAFETY: the caller's contract, with R == rows.
-                    $($r => unsafe { self.tile_rows::<$r, NIBBLES>(chunks, t, row0) },)*
+                    $($r => unsafe { self.tile_rows::<$r, SRC>(chunks, t, row0) },)*
                     _ => unreachable!("a row tile has 1..=16 rows"),
                 }
             };
@@ -574,7 +592,7 @@ impl Kernel<'_> {
     /// As [`Kernel::tile`].
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
-    unsafe fn tile_rows<const R: usize, const NIBBLES: bool>(
+    unsafe fn tile_rows<const R: usize, const SRC: u8>(
         &self,
         chunks: &[u16],
         t: usize,
@@ -590,25 +608,28 @@ impl Kernel<'_> {
         #[repr(align(64))]
         struct Unpacked([[u16; BLOCK * TILE_FEATURES]; 2]);
         let mut unpacked = Unpacked([[0; BLOCK * TILE_FEATURES]; 2]);
-        let chunk_len = if NIBBLES { NIBBLE_CHUNK } else { CHUNK };
+        let (chunk_len, params_len) = match SRC {
+            SRC_NIBBLES => (NIBBLE_CHUNK, PARAMS),
+            SRC_INT8 => (INT8_CHUNK, SCALES),
+            _ => (CHUNK, PARAMS),
+        };
         let row_bytes = k * 2;
         let part = |p: usize, b: usize| self.parts[(p * m + row0) * k + b * BLOCK..].as_ptr();
         let sums = &self.sums[row0 * nb..(row0 + R) * nb];
         for (b, chunk) in chunks.chunks_exact(chunk_len).enumerate() {
             let buffer = products.0[b % 2].as_mut_ptr();
-            let ints = if NIBBLES {
-                let dst = unpacked.0[b % 2].as_mut_ptr();
-                // SAFETY: the chunk holds 128 u16 of nibbles, dst 512 u16; AMX available
-                // implies AVX-512F and -BW.
-                unsafe { unpack_ints(chunk.as_ptr(), dst) };
-                dst.cast_const()
-            } else {
-                chunk.as_ptr()
+            let dst = unpacked.0[b % 2].as_mut_ptr();
+            // SAFETY: the chunk holds the integers of its format, dst 512 u16; AMX available
+            // implies AVX-512F and -BW.
+            let ints = match SRC {
+                SRC_NIBBLES => unsafe { unpack_ints(chunk.as_ptr(), dst) },
+                SRC_INT8 => unsafe { unpack_int8_ints(chunk.as_ptr(), dst) },
+                _ => chunk.as_ptr(),
             };
             let (x0, x1, x2) = (part(0, b), part(1, b), part(2, b));
             // SAFETY: every tile load reads R rows of 64 bytes: the parts' rows row0..row0+R
-            // at inputs 32b..32b+32 (inside [3, M, K]), and the chunk's first 1024 bytes; the
-            // store writes R rows of the buffer.
+            // at inputs 32b..32b+32 (inside [3, M, K]), and 1024 bytes of unpacked integers;
+            // the store writes R rows of the buffer.
             unsafe {
                 if b % 2 == 0 {
                     amx::block_products_tmm4(x0, x1, x2, row_bytes, ints, buffer);
@@ -616,13 +637,21 @@ impl Kernel<'_> {
                     amx::block_products_tmm5(x0, x1, x2, row_bytes, ints, buffer);
                 }
             }
-            let params = chunk[chunk_len - PARAMS..].as_ptr().cast::<f32>();
+            let params = chunk[chunk_len - params_len..].as_ptr().cast::<f32>();
             let scale = _mm512_loadu_ps(params);
-            let min = _mm512_loadu_ps(params.add(TILE_FEATURES));
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let s = _mm512_load_ps(buffer.add(r * TILE_FEATURES));
-                *acc = _mm512_fmadd_ps(s, scale, *acc);
-                *acc = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * nb + b]), min, *acc);
+            if SRC == SRC_INT8 {
+                // Q8_0: no mins
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let s = _mm512_load_ps(buffer.add(r * TILE_FEATURES));
+                    *acc = _mm512_fmadd_ps(s, scale, *acc);
+                }
+            } else {
+                let min = _mm512_loadu_ps(params.add(TILE_FEATURES));
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let s = _mm512_load_ps(buffer.add(r * TILE_FEATURES));
+                    *acc = _mm512_fmadd_ps(s, scale, *acc);
+                    *acc = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * nb + b]), min, *acc);
+                }
             }
         }
         let col0 = t * TILE_FEATURES;
@@ -660,14 +689,15 @@ const NIBBLE_VALUES: [u16; 32] = {
 };
 
 /// A chunk's 4-bit integers (the first `NIBBLE_CHUNK - 64` u16 at `src`) unpacked into the
-/// `Bf16` layout's 512 bfloat16 integers at `dst`: each group of 32 bytes becomes two rows.
+/// unpacked layout's 512 bfloat16 integers at `dst` (returned): each group of 32 bytes becomes
+/// two rows.
 ///
 /// # Safety
 /// The CPU has AVX-512F and AVX-512BW; `src` readable for 128 u16, `dst` writable for 512.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-unsafe fn unpack_ints(src: *const u16, dst: *mut u16) {
+unsafe fn unpack_ints(src: *const u16, dst: *mut u16) -> *const u16 {
     use std::arch::x86_64::*;
     let lut = unsafe { _mm512_loadu_si512(NIBBLE_VALUES.as_ptr().cast()) };
     let low4 = _mm256_set1_epi8(0x0F);
@@ -684,19 +714,54 @@ unsafe fn unpack_ints(src: *const u16, dst: *mut u16) {
             _mm512_storeu_si512(dst.add(64 * g + 32).cast(), odd);
         }
     }
+    dst
 }
 
-/// One chunk of nibbles (`NIBBLE_CHUNK` u16) unpacked into the `Bf16` layout (`CHUNK` u16),
-/// parameters copied.
+/// A chunk's int8 integers (the first 256 u16 at `src`, rows of 32 bytes in the
+/// [`INT8_SLOT`] order) widened into the unpacked layout's 512 bfloat16 integers at `dst`
+/// (returned): per row, bytes 0..16 and 16..32 become float32 lanes (exact: |q| <= 128), whose
+/// top halves are their bfloat16 patterns, packed four and four per 128-bit lane.
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX-512BW; `src` readable for 256 u16, `dst` writable for 512.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn unpack_int8_ints(src: *const u16, dst: *mut u16) -> *const u16 {
+    use std::arch::x86_64::*;
+    let widen = |bytes: __m128i| {
+        let f = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+        _mm512_srli_epi32::<16>(f)
+    };
+    for r in 0..TILE_ROWS {
+        // SAFETY: row r is u16 16r..16r+16 of src's 256 and u16 32r..32r+32 of dst's 512.
+        unsafe {
+            let lo = _mm_loadu_si128(src.add(16 * r).cast());
+            let hi = _mm_loadu_si128(src.add(16 * r + 8).cast());
+            let row = _mm512_packus_epi32(widen(lo), widen(hi));
+            _mm512_storeu_si512(dst.add(32 * r).cast(), row);
+        }
+    }
+    dst
+}
+
+/// One packed chunk of `format` (its `chunk_len` u16) unpacked into the unpacked layout (`CHUNK`
+/// u16): integers widened, scales copied, mins copied (`Nibbles`) or zero (`Int8`).
 ///
 /// # Safety
 /// The CPU has AVX-512F and AVX-512BW.
 #[cfg(target_arch = "x86_64")]
-unsafe fn unpack_nibbles(src: &[u16], dst: &mut [u16]) {
-    assert!(src.len() == NIBBLE_CHUNK && dst.len() == CHUNK);
+unsafe fn unpack_chunk(format: AmxFormat, src: &[u16], dst: &mut [u16]) {
+    assert!(src.len() == format.chunk_len() && dst.len() == CHUNK);
+    let (ints, params) = dst.split_at_mut(BLOCK * TILE_FEATURES);
     // SAFETY: lengths asserted; the caller's CPU features.
-    unsafe { unpack_ints(src.as_ptr(), dst.as_mut_ptr()) };
-    dst[BLOCK * TILE_FEATURES..].copy_from_slice(&src[BLOCK * TILE_FEATURES / 4..]);
+    match format {
+        AmxFormat::Nibbles => unsafe { unpack_ints(src.as_ptr(), ints.as_mut_ptr()) },
+        AmxFormat::Int8 => unsafe { unpack_int8_ints(src.as_ptr(), ints.as_mut_ptr()) },
+    };
+    let packed_params = &src[src.len() - format.params_len()..];
+    params[..packed_params.len()].copy_from_slice(packed_params);
+    params[packed_params.len()..].fill(0);
 }
 
 /// The AMX instructions, as inline assembly (Rust's AMX intrinsics are not stable).
@@ -752,8 +817,96 @@ mod amx {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu_amx_tiles::bf16_bits;
     use crate::cpu_quant_linear::tests::{dequantized, random_blocks};
     use crate::test_rng::Lcg;
+
+    /// A layout [`pack_elementwise`] writes.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Layout {
+        /// the weight's packed format
+        Packed(AmxFormat),
+        /// what the tile loads read (as [`unpack_chunk`] makes it)
+        Unpacked,
+    }
+
+    /// [`pack_into`] value by value, into any of the layouts of the module header (the reference
+    /// the packings and the unpackings are tested against).
+    fn pack_elementwise(
+        w: &QuantWeight<'_>,
+        n: usize,
+        k: usize,
+        layout: Layout,
+        tiles: &mut [u16],
+    ) {
+        let nb = k / BLOCK;
+        // q(feature j, block b, input i of the block), scale and min of (j, b)
+        let q = |j: usize, b: usize, i: usize| -> u8 {
+            match w {
+                QuantWeight::Q4_1 { qs, .. } => {
+                    let byte = qs[(j * nb + b) * (BLOCK / 2) + i % 16];
+                    if i < 16 {
+                        byte & 0x0F
+                    } else {
+                        byte >> 4
+                    }
+                }
+                QuantWeight::Q8_0 { qs, .. } => qs[(j * nb + b) * BLOCK + i] as u8,
+                QuantWeight::Q8G16 { .. } => unreachable!("refused above"),
+            }
+        };
+        let (scale, min) = match w {
+            QuantWeight::Q4_1 { scale, min, .. } => (*scale, Some(*min)),
+            QuantWeight::Q8_0 { scale, .. } => (*scale, None),
+            QuantWeight::Q8G16 { .. } => unreachable!("refused above"),
+        };
+        let (chunk_len, params_len) = match layout {
+            Layout::Packed(AmxFormat::Int8) => (INT8_CHUNK, SCALES),
+            Layout::Packed(AmxFormat::Nibbles) => (NIBBLE_CHUNK, PARAMS),
+            Layout::Unpacked => (CHUNK, PARAMS),
+        };
+        for (t, tile_chunks) in tiles.chunks_exact_mut(nb * chunk_len).enumerate() {
+            for (b, chunk) in tile_chunks.chunks_exact_mut(chunk_len).enumerate() {
+                let (ints, params) = chunk.split_at_mut(chunk_len - params_len);
+                for c in 0..TILE_FEATURES {
+                    let j = t * TILE_FEATURES + c;
+                    if j >= n {
+                        break; // padding features: zero integers, scales and mins
+                    }
+                    for i in 0..BLOCK {
+                        // chunk row r = i / 2, position c * 2 + i % 2 in it
+                        let (r, pos) = (i / 2, c * 2 + i % 2);
+                        let value = q(j, b, i);
+                        let (word, shift, bits) = match layout {
+                            Layout::Unpacked => {
+                                let as_int = if min.is_some() {
+                                    i16::from(value)
+                                } else {
+                                    i16::from(value as i8)
+                                };
+                                (r * 2 * TILE_FEATURES + pos, 0, bf16_bits(f32::from(as_int)))
+                            }
+                            Layout::Packed(AmxFormat::Int8) => {
+                                let byte = r * 2 * TILE_FEATURES + INT8_SLOT[pos];
+                                (byte / 2, 8 * (byte % 2), u16::from(value))
+                            }
+                            // byte pos of group r / 2 (16 u16 = 32 bytes per group)
+                            Layout::Packed(AmxFormat::Nibbles) => (
+                                (r / 2) * TILE_FEATURES + pos / 2,
+                                8 * (pos % 2) + 4 * (r % 2),
+                                u16::from(value),
+                            ),
+                        };
+                        ints[word] |= bits << shift;
+                    }
+                    let params_min = min
+                        .map(|m| m[j * nb + b])
+                        .or((params_len == PARAMS).then_some(0.0));
+                    write_params(params, c, scale[j * nb + b], params_min);
+                }
+            }
+        }
+    }
 
     /// `sum_i x[r, i] * w[j, i]` in float64.
     fn reference(x: &[f32], w: &[f32], m: usize, n: usize, k: usize, bias: &[f32]) -> Vec<f64> {
@@ -799,36 +952,51 @@ mod tests {
         assert_eq!(sums[0], s0);
     }
 
+    const SHAPES: [(usize, usize, u64); 4] =
+        [(20, 96, 11), (16, 32, 12), (37, 256, 13), (1, 64, 14)];
+
     #[test]
-    fn q4_1_packs_a_u16_at_a_time_as_value_by_value() {
-        for (n, k, seed) in [(20, 96, 11), (16, 32, 12), (37, 256, 13), (1, 64, 14)] {
+    fn packs_a_word_at_a_time_as_value_by_value() {
+        for (n, k, seed) in SHAPES {
             let mut rng = Lcg(seed);
             let b = random_blocks(&mut rng, n, k);
-            let w = QuantWeight::Q4_1 {
-                scale: &b.scale,
-                min: &b.min,
-                qs: &b.q4,
-            };
-            let len = packed_len(&w, n, k).unwrap();
-            let (mut fast, mut slow) = (vec![0u16; len], vec![0u16; len]);
-            pack_into(&w, n, k, &mut fast).unwrap();
-            pack_elementwise(&w, n, k, &mut slow);
-            assert_eq!(fast, slow, "n {n}, k {k}");
+            for q4 in [true, false] {
+                let w = b.weight(q4);
+                let format = AmxFormat::of(&w).unwrap();
+                let len = packed_len(&w, n, k).unwrap();
+                let (mut fast, mut slow) = (vec![0u16; len], vec![0u16; len]);
+                pack_into(&w, n, k, &mut fast).unwrap();
+                pack_elementwise(&w, n, k, Layout::Packed(format), &mut slow);
+                assert_eq!(fast, slow, "n {n}, k {k}, q4 {q4}");
+            }
         }
     }
 
     #[test]
-    fn pack_interleaves_pairs_and_pads() {
+    fn int8_slots_are_a_permutation_keeping_pairs_together() {
+        let mut seen = [false; 2 * TILE_FEATURES];
+        for (pos, &slot) in INT8_SLOT.iter().enumerate() {
+            assert!(!seen[slot], "slot {slot} twice");
+            seen[slot] = true;
+            if pos % 2 == 0 {
+                assert!(
+                    slot % 2 == 0 && INT8_SLOT[pos + 1] == slot + 1,
+                    "pair at {pos}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn unpacked_layout_interleaves_pairs_and_pads() {
         let (n, k) = (20, 64);
         let mut rng = Lcg(3);
         let b = random_blocks(&mut rng, n, k);
-        let w = QuantWeight::Q8_0 {
-            scale: &b.scale,
-            qs: &b.q8,
-        };
-        let tiles = pack(&w, n, k).unwrap();
-        assert_eq!(AmxFormat::of(&w), Some(AmxFormat::Bf16));
-        assert_eq!(tiles.len(), 2 * 2 * CHUNK);
+        let w = b.weight(false);
+        let mut tiles = vec![0u16; 2 * 2 * CHUNK];
+        pack_elementwise(&w, n, k, Layout::Unpacked, &mut tiles);
+        assert_eq!(AmxFormat::of(&w), Some(AmxFormat::Int8));
+        assert_eq!(packed_len(&w, n, k).unwrap(), 2 * 2 * INT8_CHUNK);
         let bf = |bits: u16| f32::from_bits(u32::from(bits) << 16);
         // feature 17 (tile 1, column 1), block 1, input 5 (pair row 2, second of the pair)
         let chunk = &tiles[(2 + 1) * CHUNK..];
@@ -842,6 +1010,39 @@ mod tests {
         assert_eq!(scale(1), b.scale[17 * 2 + 1]);
         // features 20..32 of tile 1 are zero padding
         assert!((4..16).all(|c| (0..16).all(|r| chunk[r * 32 + 2 * c] == 0) && scale(c) == 0.0));
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn packed_chunks_unpack_into_the_unpacked_layout() {
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")) {
+            eprintln!("skipped: the unpacking needs AVX-512F and -BW");
+            return;
+        }
+        for (n, k, seed) in SHAPES {
+            let mut rng = Lcg(seed);
+            let mut b = random_blocks(&mut rng, n, k);
+            b.q8[0] = -128; // the extremes of both formats
+            b.q8[1] = 127;
+            b.q4[0] = 0xF0;
+            for q4 in [true, false] {
+                let w = b.weight(q4);
+                let format = AmxFormat::of(&w).unwrap();
+                let packed = pack(&w, n, k).unwrap();
+                let chunks = packed.len() / format.chunk_len();
+                let mut want = vec![0u16; chunks * CHUNK];
+                pack_elementwise(&w, n, k, Layout::Unpacked, &mut want);
+                let mut got = vec![7u16; chunks * CHUNK];
+                for (from, to) in packed
+                    .chunks_exact(format.chunk_len())
+                    .zip(got.chunks_exact_mut(CHUNK))
+                {
+                    // SAFETY: AVX-512F and -BW detected above.
+                    unsafe { unpack_chunk(format, from, to) };
+                }
+                assert_eq!(got, want, "n {n}, k {k}, q4 {q4}");
+            }
+        }
     }
 
     fn check(m: usize, n: usize, k: usize, q4: bool, threads: usize, seed: u64) {
@@ -930,10 +1131,10 @@ mod tests {
             assert!(r.is_err(), "{shape:?} {tiles_len} {out_len} {bias_len}");
         }
         // tiles of the other format's length
-        let bf16 = vec![0u16; AmxShape { m, n, k }.tiles_len(AmxFormat::Bf16)];
+        let int8 = vec![0u16; AmxShape { m, n, k }.tiles_len(AmxFormat::Int8)];
         let as_nibbles = AmxTiles {
             format: AmxFormat::Nibbles,
-            data: &bf16,
+            data: &int8,
         };
         let shape = AmxShape { m, n, k };
         assert!(linear_amx_f32(&shape, &x, as_nibbles, &[], &mut out, 2).is_err());

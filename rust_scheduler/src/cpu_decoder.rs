@@ -699,7 +699,7 @@ mod tests {
                 }),
                 tiles: matches!(kernels, Kernels::TilesOnly | Kernels::NoPanels).then_some(
                     AmxTiles {
-                        format: AmxFormat::Bf16,
+                        format: AmxFormat::Int8,
                         data: &self.tiles,
                     },
                 ),

@@ -276,7 +276,7 @@ impl LinearBorrow<'_> {
                 (Some(t), Some(b)) => Some(AmxTiles {
                     format: match b {
                         BlockBorrow::Q4_1(..) => AmxFormat::Nibbles,
-                        BlockBorrow::Q8_0(..) => AmxFormat::Bf16,
+                        BlockBorrow::Q8_0(..) => AmxFormat::Int8,
                         BlockBorrow::Q8G16(..) => {
                             return Err(PyValueError::new_err("q8_g16 blocks have no AMX tiles"))
                         }

@@ -409,11 +409,11 @@ fn panel_format(kind: &str) -> PyResult<PanelFormat> {
     }
 }
 
-/// The packed format of a block kind's AMX tiles ("q4_1": nibbles, "q8_0": bfloat16).
+/// The packed format of a block kind's AMX tiles ("q4_1": nibbles, "q8_0": int8).
 pub(crate) fn amx_format(kind: &str) -> PyResult<AmxFormat> {
     match kind {
         "q4_1" => Ok(AmxFormat::Nibbles),
-        "q8_0" => Ok(AmxFormat::Bf16),
+        "q8_0" => Ok(AmxFormat::Int8),
         _ => Err(PyValueError::new_err(format!(
             "AMX tiles are packed from 'q4_1' or 'q8_0' blocks, not {kind:?}"
         ))),

@@ -44,7 +44,8 @@ def test_matches_a_float64_reference(kind, m, n, k, threads):
     rng = np.random.default_rng(m * 1000 + n + k + threads)
     arrays, dense = (_q4_1 if kind == "q4_1" else _q8_0)(rng, n, k)
     tiles = (pack_amx_q4_1 if kind == "q4_1" else pack_amx_q8_0)(*arrays)
-    chunk = 192 if kind == "q4_1" else 576       # 4-bit or bfloat16 integers, + 64 parameters
+    # per 16 features x 32 inputs: 4-bit integers + 16 scales + 16 mins, or int8 + 16 scales
+    chunk = 192 if kind == "q4_1" else 288
     assert tiles.dtype == np.uint16 and tiles.size == -(-n // 16) * (k // 32) * chunk
     x = rng.standard_normal((m, k)).astype(np.float32) * 3
     bias = rng.standard_normal(n).astype(np.float32) if threads == 2 else None
@@ -94,17 +95,27 @@ def test_nibble_tiles_hold_two_rows_per_byte():
     assert np.array_equal(params[:16], scale[:, 0]) and np.array_equal(params[16:], mins[:, 0])
 
 
-def test_tiles_interleave_input_pairs_and_pad_features():
+def _int8_slot(pos: int) -> int:
+    """The byte of an int8 tile row holding position ``pos`` of the bfloat16 row the tile loads
+    read (``INT8_SLOT`` in cpu_amx_linear.rs): widened 16 bytes at a time, packed 4 + 4 per lane."""
+    lane, j = divmod(pos, 8)
+    return 4 * lane + j if j < 4 else 16 + 4 * lane + j - 4
+
+
+def test_int8_tiles_interleave_input_pairs_and_pad_features():
     rng = np.random.default_rng(1)
     (scale, qs), _ = _q8_0(rng, 20, 64)
-    tiles = pack_amx_q8_0(scale, qs).reshape(2, 2, 576)   # [feature tiles, blocks, chunk]
-    as_float = (tiles[..., :512].astype(np.uint32) << 16).view(np.float32)
-    chunk = as_float[1, 1].reshape(16, 16, 2)             # [input pair, feature, 2]
-    # feature 17 = tile 1 column 1; inputs 32 + 4, 32 + 5 = pair 2 of block 1
-    assert chunk[2, 1, 0] == qs[17, 1, 4] and chunk[2, 1, 1] == qs[17, 1, 5]
-    params = tiles[1, 1, 512:].copy().view(np.float32)  # 16 scales, 16 mins
-    assert params[1] == scale[17, 1] and params[16 + 1] == 0.0
-    assert np.all(chunk[:, 4:] == 0) and np.all(params[4:16] == 0)   # features 20..31: padding
+    tiles = pack_amx_q8_0(scale, qs).reshape(2, 2, 288)   # [feature tiles, blocks, chunk]
+    ints = tiles[..., :256].copy().view(np.int8).reshape(2, 2, 16, 32)   # [.., pair row, byte]
+    # feature 17 = tile 1 column 1; inputs 32 + 4, 32 + 5 = pair row 2 of block 1, positions 2, 3
+    assert ints[1, 1, 2, _int8_slot(2)] == qs[17, 1, 4]
+    assert ints[1, 1, 2, _int8_slot(3)] == qs[17, 1, 5]
+    for t, b, c, i in np.ndindex(2, 2, 16, 32):          # every integer, padding zero
+        feature = 16 * t + c
+        want = qs[feature, b, i] if feature < 20 else 0
+        assert ints[t, b, i // 2, _int8_slot(2 * c + i % 2)] == want, (t, b, c, i)
+    scales = tiles[1, 1, 256:].copy().view(np.float32)   # 16 scales (Q8_0 has no mins)
+    assert scales[1] == scale[17, 1] and np.all(scales[4:] == 0)   # features 20..31: padding
 
 
 def test_cpu_isa_env_below_amx_turns_it_off():
@@ -114,7 +125,7 @@ def test_cpu_isa_env_below_amx_turns_it_off():
              "from ferrobatch.model.block_weights import BlockWeight, Q8_0;"
              "from ferrobatch.runtime.cpu_linear import BlockKernel;"
              "print(s.amx_available());"
-             "t = np.zeros(576, np.uint16); o = np.zeros((1, 16), np.float32)\n"
+             "t = np.zeros(288, np.uint16); o = np.zeros((1, 16), np.float32)\n"
              "try: s.linear_amx_f32(np.zeros((1, 32), np.float32), t, 'q8_0', None, o, 1); print('ran')\n"
              "except ValueError as e: print('AMX' in str(e))\n"
              "import torch; w = BlockWeight.from_gguf(Q8_0, torch.zeros(16, 34, dtype=torch.uint8));"
