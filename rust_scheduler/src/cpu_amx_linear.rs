@@ -1,5 +1,5 @@
 //! Linear layers on the CPU through Intel AMX (tile registers, `TDPBF16PS`), for steps of
-//! [`MIN_ROWS`] rows or more (fewer go to the GGUF-block kernel, `cpu_quant_linear`):
+//! [`min_rows`] rows or more (fewer go to the GGUF-block kernel, `cpu_quant_linear`):
 //! `out[M, N] = x[M, K] @ W^T + bias` with `W` given by the model's Q4_1 / Q8_0 blocks
 //! (`w = scale * q + min`, `min = 0` for Q8_0), at float32 accuracy.
 //!
@@ -123,12 +123,29 @@ pub struct AmxTiles<'a> {
     pub data: &'a [u16],
 }
 
-/// The fewest rows of a step that go to this kernel rather than the GGUF-block kernel
-/// (`cpu_quant_linear`). SmolLM2's linears on two threads (`benches/cpu_kernels.py --only amx`
-/// and ad-hoc runs): about even at 4-5 rows (10.4 vs 10.5 ms and 10.7 vs 9.9 in one run, 8.0
-/// vs 9.0 at 5 in another), AMX ahead from 6 (8.3 vs 8.9) and 8 (12.1 vs 15.8). Whole decode
-/// steps of 5-7 rows: within noise (0.96-1.02x); 8 rows 1.07-1.31x.
+/// The most rows [`min_rows`] asks for: the fewest rows of a step that go to this kernel rather
+/// than the GGUF-block kernel (`cpu_quant_linear`) on a small layer. SmolLM2's linears on two
+/// threads (`benches/cpu_kernels.py --only amx` and ad-hoc runs): about even at 4-5 rows (10.4
+/// vs 10.5 ms and 10.7 vs 9.9 in one run, 8.0 vs 9.0 at 5 in another), AMX ahead from 6 (8.3
+/// vs 8.9) and 8 (12.1 vs 15.8). Whole decode steps of 5-7 rows: within noise (0.96-1.02x); 8
+/// rows 1.07-1.31x.
 pub const MIN_ROWS: usize = 5;
+
+/// The fewest rows of a step that go to this kernel rather than the GGUF-block kernel on a layer
+/// of `k` inputs: the longer a weight row, the more of the block kernel's per-row work a step's
+/// extra row adds, while the tiles' costs per chunk stay. Measured on the AMX Xeon with int8 and
+/// 4-bit tiles, layers in and out of cache (`benches/results/cpu/amx_int8_tiles_session43.txt`,
+/// the block kernel's time over AMX's): `k` of 4096 or more 1.06-1.35x at 3 rows (2 rows
+/// 0.9-1.23x); `k` 2048 0.97-1.08x at 3 rows, 1.05-1.28x at 4; `k` 576 (SmolLM2) 0.81-0.94x
+/// at 3, 0.83-1.19x at 4.
+pub fn min_rows(k: usize) -> usize {
+    match k {
+        4096.. => 3,
+        2048.. => 4,
+        _ => MIN_ROWS,
+    }
+}
+
 /// Steps of at most this many rows (one row tile) unpack each chunk right before its use;
 /// larger ones unpack a pass of chunks once into a scratch (L2) that all their row tiles read.
 /// At 17-32 rows, where a direct chunk would be unpacked twice, the scratch took 0.86-0.94x the
@@ -970,6 +987,15 @@ mod tests {
                 assert_eq!(fast, slow, "n {n}, k {k}, q4 {q4}");
             }
         }
+    }
+
+    #[test]
+    fn min_rows_falls_with_longer_rows_and_never_passes_the_blocks_limit() {
+        let ks = [32, 576, 1536, 2048, 3072, 4096, 8192, 14336, 1 << 20];
+        let rows: Vec<usize> = ks.iter().map(|&k| min_rows(k)).collect();
+        assert_eq!(rows, [5, 5, 5, 4, 4, 3, 3, 3, 3]);
+        // never above MIN_ROWS, which the GGUF-block kernel covers (cpu_decoder's const assert)
+        assert!(rows.iter().all(|&r| r <= MIN_ROWS));
     }
 
     #[test]

@@ -70,7 +70,7 @@ impl DecoderShape {
 /// A linear layer `y = x @ W^T + bias` (`W` `[n, k]`): panel-packed float32 (`cpu_linear`'s
 /// layout) and, if the model came from GGUF, also its blocks, read for steps of at most
 /// [`MAX_ROWS`] rows, and their AMX tiles, read for steps of at least
-/// `cpu_amx_linear::MIN_ROWS` where AMX is available, or the blocks as panels, read for steps
+/// `cpu_amx_linear::min_rows(k)` where AMX is available, or the blocks as panels, read for steps
 /// of at least `cpu_quant_panels::min_rows()` where it is not, and for every step where the
 /// blocks themselves are not kept (Q8G16 layers; as `PanelLinear` does in Python).
 #[derive(Clone, Copy)]
@@ -82,7 +82,7 @@ pub struct Linear<'a> {
     pub bias: &'a [f32],
     pub blocks: Option<QuantWeight<'a>>,
     /// the same blocks packed for the AMX kernel (`cpu_amx_linear::pack`), read for steps of at
-    /// least `cpu_amx_linear::MIN_ROWS` rows where AMX is available
+    /// least `cpu_amx_linear::min_rows(k)` rows where AMX is available
     pub tiles: Option<AmxTiles<'a>>,
     /// the same blocks packed as panels (`cpu_quant_panels::pack`), read for steps of at least
     /// `cpu_quant_panels::min_rows()` rows where the AMX tiles are not
@@ -101,7 +101,7 @@ impl Linear<'_> {
         let (n, k) = (self.n, self.k);
         let amx = self.tiles.filter(|_| cpu_amx_linear::available());
         match (self.blocks, amx, self.qpanels) {
-            (_, Some(tiles), _) if rows >= cpu_amx_linear::MIN_ROWS => {
+            (_, Some(tiles), _) if rows >= cpu_amx_linear::min_rows(k) => {
                 let shape = AmxShape { m: rows, n, k };
                 linear_amx_f32(&shape, x, tiles, self.bias, out, threads)
             }

@@ -196,6 +196,14 @@ pub fn py_amx_available() -> bool {
     cpu_amx_linear::available()
 }
 
+/// `amx_min_rows(k)`: the fewest rows of a step the AMX tiles of a layer of `k` inputs take
+/// (fewer go to its GGUF blocks): 3, 4 or 5 (`cpu_amx_linear::min_rows`).
+#[pyfunction]
+#[pyo3(name = "amx_min_rows")]
+pub fn py_amx_min_rows(k: usize) -> usize {
+    cpu_amx_linear::min_rows(k)
+}
+
 /// `pack_amx_q4_1(scale, min, qs)`: Q4_1 blocks (the arrays `linear_q4_1_f32` reads) as the
 /// AMX kernel's tiles: a uint16 array of `ceil(N / 16) * K / 32 * 192` (4-bit integers,
 /// `cpu_amx_linear.rs`).

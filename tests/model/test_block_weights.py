@@ -27,6 +27,7 @@ from ferrobatch.runtime.cpu_linear import (
     QUANT_MAX_ROWS,
     BlockKernel,
     PanelLinear,
+    amx_min_rows,
     pack_linear_layers,
     quant_panels_min_rows,
 )
@@ -115,13 +116,50 @@ def test_small_steps_read_the_blocks_and_agree_with_the_panels(fresh_smollm2, gg
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
             if mode == "quant-panels" and rows >= quant_panels_min_rows():
                 assert torch.equal(got, plain(x))   # the same floats, bit for bit
-        # AMX from AMX_MIN_ROWS rows, quantized panels from quant_panels_min_rows(); otherwise
-        # the blocks up to QUANT_MAX_ROWS, then the float32 panels
+        # AMX from amx_min_rows(in_features) rows (SmolLM2's 576 inputs: AMX_MIN_ROWS), quantized
+        # panels from quant_panels_min_rows(); otherwise the blocks up to QUANT_MAX_ROWS, then the
+        # float32 panels
+        if amx:
+            assert layer.blocks.amx_min_rows == amx_min_rows(576) == AMX_MIN_ROWS
         last_block_rows = {"panels": QUANT_MAX_ROWS, "quant-panels": quant_panels_min_rows() - 1,
                            "amx": AMX_MIN_ROWS - 1}[mode]
         assert small == list(range(1, last_block_rows + 1))
         if large is not None:
             assert large == sizes[last_block_rows:]
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_layers_with_longer_rows_take_the_amx_tiles_from_fewer_rows(kind):
+    """The crossover from the blocks to the AMX tiles depends on the layer's inputs
+    (cpu_amx_linear.rs min_rows): 5 rows below 2048 inputs, 4 from 2048, 3 from 4096. Every step
+    size still agrees with the dense weights."""
+    from ferrobatch._scheduler import amx_available
+    if not amx_available():
+        pytest.skip("this CPU has no AMX (or FERROBATCH_CPU_ISA caps it)")
+    assert [amx_min_rows(k) for k in (32, 576, 2047, 2048, 4095, 4096, 14336)] == \
+        [5, 5, 5, 4, 4, 3, 3]
+    gen = torch.Generator().manual_seed(5)
+    for k, first_amx in ((576, 5), (2048, 4), (4096, 3)):
+        n, nb = 40, k // 32
+        scale = torch.rand(n, nb, generator=gen) * 0.01
+        if kind == "q8_0":
+            weight = BlockWeight(Q8_0, scale, torch.randint(-128, 128, (n, nb, 32), generator=gen,
+                                                            dtype=torch.int8))
+        else:
+            weight = BlockWeight(Q4_1, scale, torch.randint(0, 256, (n, nb, 16), generator=gen,
+                                                            dtype=torch.uint8),
+                                 -torch.rand(n, nb, generator=gen) * 0.05)
+        layer = PanelLinear.from_blocks(BlockKernel(weight, amx=True, quant_panels=False))
+        assert layer.blocks.amx_min_rows == first_amx
+        assert f"amx tiles (rows >= {first_amx})" in repr(layer)
+        small, large = _counted(layer.blocks, "_fn"), _counted(layer.blocks, "_amx")
+        dense = weight.dequantize().double()
+        for rows in range(1, QUANT_MAX_ROWS + 1):
+            x = torch.randn(rows, k, generator=gen)
+            torch.testing.assert_close(layer(x).double(), x.double() @ dense.T, rtol=1e-5,
+                                       atol=1e-4)
+        assert small == list(range(1, first_amx))
+        assert large == list(range(first_amx, QUANT_MAX_ROWS + 1))
 
 
 @pytest.mark.parametrize("cap", ["avx2", "avx512", "portable"])

@@ -14,7 +14,8 @@ sizes. Results agree with ``F.linear`` to float32 rounding (relative ~1e-6), not
 (the dense weight is released, so memory stays the same) and gives the model a packed LM head.
 
 Where the CPU has AMX, a GGUF layer's blocks are also packed as AMX tiles
-(``cpu_amx_linear.rs``), read by steps of ``AMX_MIN_ROWS`` rows or more; elsewhere they are
+(``cpu_amx_linear.rs``), read by steps of :func:`amx_min_rows` rows or more (3 to 5: fewer the
+longer the layer's rows); elsewhere they are
 packed as 16-feature panels of their quantized integers (``cpu_quant_panels.rs``), read by steps
 of :func:`quant_panels_min_rows` rows or more (4 on AVX2, 6 on AVX-512) and unpacked chunk by chunk into the float32 panel
 kernel's tiles (the same output, bit for bit, from 5.3x fewer bytes). Either way the blocks
@@ -39,7 +40,16 @@ from torch import nn
 
 PANEL_WIDTH = 16
 QUANT_MAX_ROWS = 8      # the quantized kernel's limit (cpu_quant_linear.rs MAX_ROWS: accumulators in registers)
-AMX_MIN_ROWS = 5        # from here the AMX tiles beat the blocks (cpu_amx_linear.rs MIN_ROWS)
+AMX_MIN_ROWS = 5        # from here the AMX tiles beat the blocks on any layer (cpu_amx_linear.rs MIN_ROWS)
+
+
+@functools.cache
+def amx_min_rows(in_features: int) -> int:
+    """From this many rows a step reads a GGUF layer's AMX tiles rather than its blocks: 3 for
+    layers of 4096 inputs or more, 4 from 2048, else ``AMX_MIN_ROWS`` (``cpu_amx_linear.rs``
+    ``min_rows``, where the measurements are; the fused decoder asks the same function)."""
+    from ferrobatch._scheduler import amx_min_rows as min_rows
+    return min_rows(in_features)
 
 
 @functools.cache
@@ -111,7 +121,7 @@ class PanelLinear(nn.Module):
         out = torch.empty(rows.shape[0], self.out_features)
         bias = None if self.bias is None else self.bias.numpy()
         blocks, num_rows = self.blocks, rows.shape[0]
-        if blocks is not None and blocks.tiles is not None and num_rows >= AMX_MIN_ROWS:
+        if blocks is not None and blocks.tiles is not None and num_rows >= blocks.amx_min_rows:
             blocks.amx(rows.numpy(), bias, out.numpy(), self.num_threads)
         elif blocks is not None and blocks.qpanels is not None \
                 and (num_rows >= quant_panels_min_rows() or blocks.panels_alone):
@@ -127,7 +137,7 @@ class PanelLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def covered_without_panels(self) -> bool:
-        """True when the blocks take every step below ``AMX_MIN_ROWS`` (or
+        """True when the blocks take every step below :func:`amx_min_rows` (or
         :func:`quant_panels_min_rows`) rows and their AMX tiles (or quantized panels) every other,
         so ``forward`` never reads the float32 panels."""
         assert max(AMX_MIN_ROWS, quant_panels_min_rows()) <= QUANT_MAX_ROWS + 1
@@ -181,7 +191,7 @@ class PanelLinear(nn.Module):
     def extra_repr(self) -> str:
         blocks = f", blocks={self.blocks.kind} (rows <= {QUANT_MAX_ROWS})" if self.blocks else ""
         if self.blocks is not None and self.blocks.tiles is not None:
-            blocks += f", amx tiles (rows >= {AMX_MIN_ROWS})"
+            blocks += f", amx tiles (rows >= {self.blocks.amx_min_rows})"
         if self.blocks is not None and self.blocks.qpanels is not None:
             blocks += f", quantized panels (rows >= {quant_panels_min_rows()})"
         panels = "panels16" if self.packed_weight.numel() else "none"
@@ -194,7 +204,7 @@ class BlockKernel:
     (``linear_q4_1_f32`` / ``linear_q8_0_f32`` / ``linear_q8_g16_f32``):
     ``kernel(x, bias, out, num_threads)``; and (not for Q8_G16), with ``amx`` where the
     CPU has AMX (``amx_available()``), the same blocks packed as tiles for ``linear_amx_f32``
-    (``kernel.amx(...)``, for steps of ``AMX_MIN_ROWS`` or more: ``cpu_amx_linear.rs``;
+    (``kernel.amx(...)``, for steps of ``amx_min_rows`` or more: ``cpu_amx_linear.rs``;
     ``tiles`` is None otherwise); where they are not, with ``quant_panels``, the blocks packed
     as panels for ``linear_quant_panels_f32`` (``kernel.panels(...)``, for steps of
     :func:`quant_panels_min_rows` or more: ``cpu_quant_panels.rs``; ``qpanels`` is None
@@ -218,6 +228,7 @@ class BlockKernel:
         pack = getattr(_scheduler, f"pack_quant_panels_{self.kind}")
         self.qpanels = _aligned_64(pack(*self.arrays)) if quant_panels and not use_amx else None
         self.shape = block_weight.shape
+        self.amx_min_rows = amx_min_rows(self.shape[1]) if self.tiles is not None else None
         # Q8G16's quantized panels took 0.83-0.99x its blocks' time at 1-4 rows (a 14336 x 4096
         # layer, 2 threads, session 41): they alone take every step, the blocks are not kept
         # (1.5 bytes a weight less). Q4_1's blocks stay: 1.3-1.5x faster at 1-2 rows.

@@ -22,7 +22,6 @@ from ferrobatch.runtime.attention.base import check_step_arrays
 from ferrobatch.runtime.cpu_decoder import install_fused_decode, rebuild_fused_layers
 from ferrobatch.runtime.cpu_elementwise import swap_elementwise_ops
 from ferrobatch.runtime.cpu_linear import (
-    AMX_MIN_ROWS,
     QUANT_MAX_ROWS,
     PanelLinear,
     pack_linear_layers,
@@ -62,7 +61,8 @@ class ModelRunner:
         """``pack_weights``: CPU float32 linears in the Rust panel kernel; ``gguf_blocks``: for a
         GGUF model, steps of at most ``QUANT_MAX_ROWS`` (8) rows read the file's Q4_1 / Q8_0
         blocks instead (``cpu_linear.BlockKernel``); ``amx_tiles``: where the CPU has AMX, steps
-        of at least ``AMX_MIN_ROWS`` (5) rows read those blocks packed as AMX tiles
+        of at least ``amx_min_rows(in_features)`` (5; 4 or 3 for layers of 2048 or 4096 inputs
+        and more) rows read those blocks packed as AMX tiles
         (``cpu_amx_linear.rs``); elsewhere steps of at least ``quant_panels_min_rows()`` (4 on
         AVX2, 6 on AVX-512) rows read them packed as quantized panels (``cpu_quant_panels.rs``; ``FERROBATCH_QUANT_PANELS=0``
         keeps float32 panels for them instead). All only when the model is first packed.
@@ -119,14 +119,19 @@ class ModelRunner:
             from ferrobatch._scheduler import linear_isa
             kernels = {id(m.blocks): m.blocks for m in self.model.modules()
                        if getattr(m, "blocks", None) is not None}
-            amx = any(k.tiles is not None for k in kernels.values())
+            amx_from = sorted({k.amx_min_rows for k in kernels.values() if k.tiles is not None})
             qpanels = any(k.qpanels is not None for k in kernels.values())
-            blocks_up_to = AMX_MIN_ROWS - 1 if amx else \
+            blocks_up_to = amx_from[-1] - 1 if amx_from else \
                 quant_panels_min_rows() - 1 if qpanels else QUANT_MAX_ROWS
-            larger = " as AMX tiles" if amx else " as quantized panels" if qpanels else ""
+            tiled = [k for k in kernels.values() if k.tiles is not None]
+            wider = ", ".join(f"<= {m - 1} on layers of "
+                              f"{min(k.shape[1] for k in tiled if k.amx_min_rows == m)}+ inputs"
+                              for m in amx_from[:-1])
+            blocks_steps = f"steps of <= {blocks_up_to} rows" + (f" ({wider})" if wider else "")
+            larger = " as AMX tiles" if amx_from else " as quantized panels" if qpanels else ""
             alone = sum(k.panels_alone for k in kernels.values())
             self.linear_kernels = f"Rust {linear_isa()} kernels" + (
-                f", GGUF blocks for steps of <= {blocks_up_to} rows" if blocks else "") + (
+                f", GGUF blocks for {blocks_steps}" if blocks else "") + (
                 f",{larger} for more" if larger else "") + (
                 f" ({alone} Q8G16 layers: the quantized panels alone, every step)" if alone
                 else "")
@@ -140,8 +145,8 @@ class ModelRunner:
             logger.info("linear layers: %d prepacked for the Rust kernel (%s), %d threads",
                         num_packed, linear_isa(), self.kernel_threads)
             if blocks:
-                logger.info("linear layers: %d also read from their GGUF blocks in steps of <= %d "
-                            "rows%s (%.0f MiB)", len(kernels), blocks_up_to,
+                logger.info("linear layers: %d also read from their GGUF blocks in %s%s "
+                            "(%.0f MiB)", len(kernels), blocks_steps,
                             f" and from those blocks{larger} in larger steps" if larger else "",
                             sum(k.nbytes for k in kernels.values()) / 2**20)
             released = [m for m in self.model.modules()
