@@ -40,6 +40,7 @@ use crate::cpu_prefill_attention::{paged_prefill_attention_f32, PrefillShape};
 use crate::cpu_quant_linear::{linear_quant_f32, QuantShape, QuantWeight, MAX_ROWS};
 use crate::cpu_quant_panels::{self, linear_quant_panels_f32, QuantPanelShape, QuantPanels};
 use crate::cpu_step_timing::{Phase, STEP_PHASES};
+use crate::cpu_tile_rows::linear_tile_rows_f32;
 
 /// The model's sizes, shared by every layer.
 #[derive(Clone, Copy, Debug)]
@@ -72,7 +73,8 @@ impl DecoderShape {
 /// [`MAX_ROWS`] rows, and their AMX tiles, read for steps of at least
 /// `cpu_amx_linear::min_rows(k)` where AMX is available, or the blocks as panels, read for steps
 /// of at least `cpu_quant_panels::min_rows()` where it is not, and for every step where the
-/// blocks themselves are not kept (Q8G16 layers; as `PanelLinear` does in Python).
+/// blocks themselves are not kept (Q8G16 layers; the AMX tiles of wide layers, whose smaller
+/// steps go to `cpu_tile_rows`; as `PanelLinear` does in Python).
 #[derive(Clone, Copy)]
 pub struct Linear<'a> {
     pub n: usize,
@@ -105,6 +107,11 @@ impl Linear<'_> {
                 let shape = AmxShape { m: rows, n, k };
                 linear_amx_f32(&shape, x, tiles, self.bias, out, threads)
             }
+            // the tiles alone (no blocks kept): fewer rows through their few-row kernel
+            (None, Some(tiles), _) => {
+                let shape = AmxShape { m: rows, n, k };
+                linear_tile_rows_f32(&shape, x, tiles, self.bias, out, threads)
+            }
             (blocks, None, Some(qpanels))
                 if rows >= cpu_quant_panels::min_rows() || blocks.is_none() =>
             {
@@ -128,14 +135,13 @@ impl Linear<'_> {
 
     /// No float32 panels are needed when the blocks take every step below the `MIN_ROWS` rows
     /// and their AMX tiles (where AMX is available) or their quantized panels every other, or
-    /// when quantized panels come without blocks (they take every step then): `apply` never
-    /// reaches the float32 panels.
+    /// when quantized panels or AMX tiles come without blocks (they take every step then, the
+    /// tiles' smaller steps through `cpu_tile_rows`): `apply` never reaches the float32 panels.
     fn blocks_cover_every_step(&self) -> bool {
         const { assert!(cpu_amx_linear::MIN_ROWS <= MAX_ROWS + 1) };
         const { assert!(cpu_quant_panels::MIN_ROWS <= MAX_ROWS + 1) };
         const { assert!(cpu_quant_panels::MIN_ROWS_AVX2 <= MAX_ROWS + 1) };
-        self.qpanels.is_some()
-            || (self.blocks.is_some() && self.tiles.is_some() && cpu_amx_linear::available())
+        self.qpanels.is_some() || (self.tiles.is_some() && cpu_amx_linear::available())
     }
 
     fn check(&self, name: &str, n: usize, k: usize) -> Result<(), KernelInputError> {
@@ -683,6 +689,7 @@ mod tests {
                 Kernels::QuantPanelsOnly => (&self.zero_panels, true, &self.zero_scale),
                 Kernels::NoPanelsQuant => (&self.no_panels, true, &self.scale),
                 Kernels::QuantPanelsAlone => (&self.no_panels, false, &self.scale),
+                Kernels::TilesAlone => (&self.no_panels, false, &self.scale),
             };
             let quant_panels = matches!(
                 kernels,
@@ -697,12 +704,14 @@ mod tests {
                     scale,
                     qs: &self.qs,
                 }),
-                tiles: matches!(kernels, Kernels::TilesOnly | Kernels::NoPanels).then_some(
-                    AmxTiles {
-                        format: AmxFormat::Int8,
-                        data: &self.tiles,
-                    },
-                ),
+                tiles: matches!(
+                    kernels,
+                    Kernels::TilesOnly | Kernels::NoPanels | Kernels::TilesAlone
+                )
+                .then_some(AmxTiles {
+                    format: AmxFormat::Int8,
+                    data: &self.tiles,
+                }),
                 qpanels: quant_panels.then_some(QuantPanels {
                     format: cpu_quant_panels::PanelFormat::Q8_0,
                     data: &self.qpanels,
@@ -728,10 +737,12 @@ mod tests {
     /// covered where AMX is available); quantized panels with zeroed float32 panels and blocks
     /// (a step of more rows must read the quantized panels); blocks and quantized panels
     /// without float32 panels (every step size is covered, on every CPU); quantized panels
-    /// alone (every step size reads them).
+    /// alone (every step size reads them); AMX tiles alone (every step size reads them, the
+    /// smaller ones through `cpu_tile_rows`).
     #[derive(Clone, Copy, Debug)]
     enum Kernels {
         QuantPanelsAlone,
+        TilesAlone,
         Panels,
         BlocksOnly,
         PanelsOnly,
@@ -1039,6 +1050,8 @@ mod tests {
             run_case(Kernels::TilesOnly, 20); // 24 rows: two row tiles
             run_case(Kernels::NoPanels, 0); // 4 rows: the blocks
             run_case(Kernels::NoPanels, 6); // 10 rows: the tiles
+            run_case(Kernels::TilesAlone, 0); // 4 rows: the tiles' few-row kernel, no blocks
+            run_case(Kernels::TilesAlone, 6); // 10 rows: the tiles
         } else {
             eprintln!("AMX not available here: the decoder's AMX path is not exercised");
         }

@@ -9,7 +9,7 @@
 //! over the paged cache, long ones through Intel AMX in `cpu_amx_prefill`; bindings
 //! `py_attention`; the cache holds f32 or f16, `cpu_kv`), `cpu_linear` (linear layers
 //! over panel-packed weights; `cpu_quant_linear` from GGUF blocks, `cpu_amx_linear` from their
-//! AMX tiles, `cpu_quant_panels` from the blocks laid out as panels (CPUs without AMX); `cpu_amx_tiles` holds the AMX instructions both AMX kernels use) and `cpu_elementwise` (RMSNorm,
+//! AMX tiles (`cpu_tile_rows` the same tiles' steps of a few rows, without tile instructions), `cpu_quant_panels` from the blocks laid out as panels (CPUs without AMX); `cpu_amx_tiles` holds the AMX instructions both AMX kernels use) and `cpu_elementwise` (RMSNorm,
 //! RoPE, SiLU-and-mul) (bindings
 //! `py_linear`). The first two
 //! split their work over `cpu_pool`, the kernels' persistent thread pool, pick their SIMD
@@ -43,6 +43,7 @@ pub mod cpu_prefill_attention;
 pub mod cpu_quant_linear;
 pub mod cpu_quant_panels;
 pub mod cpu_step_timing;
+pub mod cpu_tile_rows;
 pub mod error;
 pub mod gguf_blocks;
 pub mod guided;

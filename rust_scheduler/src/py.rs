@@ -639,6 +639,10 @@ fn scheduler_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_amx_available, m)?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_amx_min_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(
+        crate::py_linear::py_linear_tile_rows_f32,
+        m
+    )?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_pack_amx_q4_1, m)?)?;
     m.add_function(wrap_pyfunction!(crate::py_gguf_blocks::py_q4_k_to_q4_1, m)?)?;
     m.add_function(wrap_pyfunction!(

@@ -116,7 +116,7 @@ enum BlockArrays {
         min: F32Array,
         qs: Py<PyArrayDyn<i8>>,
     },
-    /// no blocks: the quantized panels alone, of this format
+    /// no blocks: the quantized panels or the AMX tiles alone, of this kind
     PanelsAlone(PanelFormat),
 }
 
@@ -170,8 +170,8 @@ impl LinearArrays {
                     _ => {
                         return Err(PyValueError::new_err(format!(
                             "blocks must be ('q4_1', scale, min, qs), ('q8_0', scale, qs), \
-                             ('q8_g16', scale, min, qs) or a kind alone (quantized panels \
-                             without blocks), got {kind:?} with {} items",
+                             ('q8_g16', scale, min, qs) or a kind alone (quantized panels or AMX \
+                             tiles without blocks), got {kind:?} with {} items",
                             t.len()
                         )))
                     }
@@ -280,10 +280,10 @@ impl LinearBorrow<'_> {
                         BlockBorrow::Q8G16(..) => {
                             return Err(PyValueError::new_err("q8_g16 blocks have no AMX tiles"))
                         }
-                        BlockBorrow::PanelsAlone(_) => {
-                            return Err(PyValueError::new_err(
-                                "AMX tiles come with the blocks they were packed from",
-                            ))
+                        BlockBorrow::PanelsAlone(PanelFormat::Q4_1) => AmxFormat::Nibbles,
+                        BlockBorrow::PanelsAlone(PanelFormat::Q8_0) => AmxFormat::Int8,
+                        BlockBorrow::PanelsAlone(PanelFormat::Q8G16) => {
+                            return Err(PyValueError::new_err("q8_g16 weights have no AMX tiles"))
                         }
                     },
                     data: c_slice("tiles", t)?,

@@ -13,6 +13,7 @@ use crate::cpu_quant_linear::{linear_quant_f32, QuantShape, QuantWeight};
 use crate::cpu_quant_panels::{
     self, linear_quant_panels_f32, PanelFormat, QuantPanelShape, QuantPanels,
 };
+use crate::cpu_tile_rows::linear_tile_rows_f32;
 use numpy::{
     IntoPyArray, PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadwriteArray2,
     PyReadwriteArray3, PyUntypedArrayMethods,
@@ -327,6 +328,28 @@ pub fn py_linear_amx_f32(
     let tiles = AmxTiles { format, data };
     rows_call(py, x, None, bias, out, |m, n, k, x, bias, out| {
         linear_amx_f32(&AmxShape { m, n, k }, x, tiles, bias, out, num_threads)
+    })
+}
+
+/// `linear_tile_rows_f32(x, tiles, kind, bias, out, num_threads)`: as `linear_amx_f32` for
+/// steps of at most 4 rows, without tile instructions (`cpu_tile_rows.rs`); a ValueError where
+/// AMX is not available or for more rows.
+#[pyfunction]
+#[pyo3(name = "linear_tile_rows_f32", signature = (x, tiles, kind, bias, out, num_threads))]
+pub fn py_linear_tile_rows_f32(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    tiles: PyReadonlyArray1<'_, u16>,
+    kind: &str,
+    bias: Option<PyReadonlyArray1<'_, f32>>,
+    out: PyReadwriteArray2<'_, f32>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let format = amx_format(kind)?;
+    let data = c_contiguous("tiles", tiles.is_c_contiguous(), tiles.as_slice())?;
+    let tiles = AmxTiles { format, data };
+    rows_call(py, x, None, bias, out, |m, n, k, x, bias, out| {
+        linear_tile_rows_f32(&AmxShape { m, n, k }, x, tiles, bias, out, num_threads)
     })
 }
 

@@ -25,6 +25,7 @@ from ferrobatch.model.loader import load_model
 from ferrobatch.runtime.cpu_linear import (
     AMX_MIN_ROWS,
     QUANT_MAX_ROWS,
+    TILES_ALONE_MIN_INPUTS,
     BlockKernel,
     PanelLinear,
     amx_min_rows,
@@ -152,7 +153,10 @@ def test_layers_with_longer_rows_take_the_amx_tiles_from_fewer_rows(kind):
         layer = PanelLinear.from_blocks(BlockKernel(weight, amx=True, quant_panels=False))
         assert layer.blocks.amx_min_rows == first_amx
         assert f"amx tiles (rows >= {first_amx})" in repr(layer)
-        small, large = _counted(layer.blocks, "_fn"), _counted(layer.blocks, "_amx")
+        # (the 4096-input layer keeps its tiles alone: its small steps read them without tile
+        # instructions)
+        small = _counted(layer.blocks, "_tile_rows" if layer.blocks.tiles_alone else "_fn")
+        large = _counted(layer.blocks, "_amx")
         dense = weight.dequantize().double()
         for rows in range(1, QUANT_MAX_ROWS + 1):
             x = torch.randn(rows, k, generator=gen)
@@ -160,6 +164,75 @@ def test_layers_with_longer_rows_take_the_amx_tiles_from_fewer_rows(kind):
                                        atol=1e-4)
         assert small == list(range(1, first_amx))
         assert large == list(range(first_amx, QUANT_MAX_ROWS + 1))
+
+
+def _random_blocks(kind: str, n: int, k: int, gen) -> BlockWeight:
+    nb, scale = k // 32, torch.rand(n, k // 32, generator=gen) * 0.01
+    if kind == "q8_0":
+        return BlockWeight(Q8_0, scale, torch.randint(-128, 128, (n, nb, 32), generator=gen,
+                                                      dtype=torch.int8))
+    return BlockWeight(Q4_1, scale, torch.randint(0, 256, (n, nb, 16), generator=gen,
+                                                  dtype=torch.uint8),
+                       -torch.rand(n, nb, generator=gen) * 0.05)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_wide_layers_keep_their_amx_tiles_alone(kind):
+    """Layers of TILES_ALONE_MIN_INPUTS inputs or more keep no blocks beside their AMX tiles:
+    steps below amx_min_rows read the tiles through linear_tile_rows_f32, larger ones through the
+    tile instructions, and the blocks come back from the tiles value for value."""
+    from ferrobatch._scheduler import amx_available
+    if not amx_available():
+        pytest.skip("this CPU has no AMX (or FERROBATCH_CPU_ISA caps it)")
+    gen = torch.Generator().manual_seed(9)
+    narrow = BlockKernel(_random_blocks(kind, 40, 2048, gen), amx=True, quant_panels=False)
+    assert narrow.arrays is not None and not narrow.tiles_alone
+    k = TILES_ALONE_MIN_INPUTS
+    weight = _random_blocks(kind, 40, k, gen)
+    kernel = BlockKernel(weight, amx=True, quant_panels=False)
+    assert kernel.tiles_alone and kernel.arrays is None and not kernel.panels_alone
+    back = kernel.block_weight()
+    assert back.type_id == weight.type_id
+    for name in ("scale", "qs", "minimum"):
+        a, b = getattr(back, name), getattr(weight, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    assert kernel.nbytes == kernel.tiles.nbytes
+    layer = PanelLinear.from_blocks(kernel)
+    assert layer.covered_without_panels() and layer.packed_weight.numel() == 0
+    few, amx = _counted(kernel, "_tile_rows"), _counted(kernel, "_amx")
+    dense = weight.dequantize().double()
+    sizes = [1, 2, 3, 4, 8, 17]
+    for rows in sizes:
+        x = torch.randn(rows, k, generator=gen)
+        torch.testing.assert_close(layer(x).double(), x.double() @ dense.T, rtol=1e-5, atol=1e-4)
+    first_amx = amx_min_rows(k)
+    assert few == [r for r in sizes if r < first_amx]
+    assert amx == [r for r in sizes if r >= first_amx]
+    assert f"{kind} amx tiles alone (rows < {first_amx}" in repr(layer)
+    # a weight update writes float32 panels rebuilt from the tiles' blocks
+    new_rows = torch.randn(3, k, generator=gen)
+    layer.write_rows(5, new_rows)
+    dense = dense.clone()
+    dense[5:8] = new_rows.double()
+    x = torch.randn(2, k, generator=gen)
+    torch.testing.assert_close(layer(x).double(), x.double() @ dense.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 64), (33, 4096)])
+def test_blocks_come_back_from_their_amx_tiles(kind, n, k):
+    """``_blocks_from_tiles`` inverts ``pack_amx_*``: every integer, scale and minimum, with the
+    padding features of the last tile dropped."""
+    from ferrobatch import _scheduler
+    from ferrobatch.runtime.cpu_linear import _blocks_from_tiles
+    gen = torch.Generator().manual_seed(n + k)
+    weight = _random_blocks(kind, n, k, gen)
+    tiles = getattr(_scheduler, f"pack_amx_{kind}")(*weight.kernel_arrays())
+    back = _blocks_from_tiles(tiles, kind, n, k)
+    assert torch.equal(back.scale, weight.scale) and torch.equal(back.qs, weight.qs)
+    assert (back.minimum is None) == (kind == "q8_0")
+    if kind == "q4_1":
+        assert torch.equal(back.minimum, weight.minimum)
 
 
 @pytest.mark.parametrize("cap", ["avx2", "avx512", "portable"])

@@ -41,6 +41,7 @@ from torch import nn
 PANEL_WIDTH = 16
 QUANT_MAX_ROWS = 8      # the quantized kernel's limit (cpu_quant_linear.rs MAX_ROWS: accumulators in registers)
 AMX_MIN_ROWS = 5        # from here the AMX tiles beat the blocks on any layer (cpu_amx_linear.rs MIN_ROWS)
+TILES_ALONE_MIN_INPUTS = 4096   # layers this wide keep their AMX tiles alone (BlockKernel)
 
 
 @functools.cache
@@ -190,7 +191,10 @@ class PanelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         blocks = f", blocks={self.blocks.kind} (rows <= {QUANT_MAX_ROWS})" if self.blocks else ""
-        if self.blocks is not None and self.blocks.tiles is not None:
+        if self.blocks is not None and self.blocks.tiles_alone:
+            blocks = f", {self.blocks.kind} amx tiles alone (rows < {self.blocks.amx_min_rows} " \
+                "without tile instructions)"
+        elif self.blocks is not None and self.blocks.tiles is not None:
             blocks += f", amx tiles (rows >= {self.blocks.amx_min_rows})"
         if self.blocks is not None and self.blocks.qpanels is not None:
             blocks += f", quantized panels (rows >= {quant_panels_min_rows()})"
@@ -220,6 +224,7 @@ class BlockKernel:
         self.arrays = block_weight.kernel_arrays()
         self._fn = getattr(_scheduler, f"linear_{self.kind}_f32")
         self._amx = _scheduler.linear_amx_f32
+        self._tile_rows = _scheduler.linear_tile_rows_f32
         self._panels = _scheduler.linear_quant_panels_f32
         # Q8G16 has no AMX tiles: its larger steps take the quantized panels even with AMX
         use_amx = amx and _scheduler.amx_available() and self.kind != "q8_g16"
@@ -234,17 +239,32 @@ class BlockKernel:
         # (1.5 bytes a weight less). Q4_1's blocks stay: 1.3-1.5x faster at 1-2 rows.
         if self.kind == "q8_g16" and self.qpanels is not None:
             self.arrays = None
+        # AMX tiles of layers of TILES_ALONE_MIN_INPUTS inputs or more: their few-row kernel
+        # (cpu_tile_rows.rs) took 0.76-0.98x the blocks' time at 1-2 rows there (Q4_1 at one
+        # row 0.96-1.01x; 2048 inputs: Q4_1 1.1-1.4x slower; session 43), so the blocks are not
+        # kept (0.75 / 1.06 bytes a weight less for Q4_1 / Q8_0)
+        if self.tiles is not None and self.shape[1] >= TILES_ALONE_MIN_INPUTS:
+            self.arrays = None
 
     @property
     def panels_alone(self) -> bool:
         """True when the quantized panels take every step (the blocks were not kept)."""
-        return self.arrays is None
+        return self.arrays is None and self.qpanels is not None
+
+    @property
+    def tiles_alone(self) -> bool:
+        """True when the AMX tiles take every step (the blocks were not kept): steps of
+        ``amx_min_rows`` or more on the tile instructions, smaller ones through
+        ``linear_tile_rows_f32``."""
+        return self.arrays is None and self.tiles is not None
 
     def block_weight(self):
         """The ``BlockWeight`` these arrays came from, value for value (unpacked from the
-        quantized panels where the blocks were not kept)."""
+        quantized panels or the AMX tiles where the blocks were not kept)."""
         from ferrobatch.model.block_weights import BlockWeight
 
+        if self.tiles_alone:
+            return _blocks_from_tiles(self.tiles, self.kind, *self.shape)
         if self.arrays is None:
             return _q8_g16_from_panels(self.qpanels, *self.shape)
         tensors = [torch.from_numpy(a) for a in self.arrays]
@@ -257,6 +277,9 @@ class BlockKernel:
             sum(a.nbytes for a in (self.tiles, self.qpanels) if a is not None)
 
     def __call__(self, x, bias, out, num_threads: int) -> None:
+        if self.arrays is None:     # tiles alone: steps below amx_min_rows (at most 4 rows)
+            self._tile_rows(x, self.tiles, self.kind, bias, out, num_threads)
+            return
         self._fn(x, *self.arrays, bias, out, num_threads)
 
     def amx(self, x, bias, out, num_threads: int) -> None:
@@ -283,6 +306,50 @@ def _q8_g16_from_panels(qpanels, rows: int, cols: int):
     q = records[..., 256:].contiguous().view(torch.int8).view(panels, nb, 32, PANEL_WIDTH)
     q = q.permute(0, 3, 1, 2).reshape(panels * PANEL_WIDTH, nb, 32)[:rows].contiguous()
     return BlockWeight(Q8_G16, per_feature(0), q, per_feature(128))
+
+
+def _int8_slot(pos):
+    """The byte of an int8 AMX tile row holding position ``pos`` (``INT8_SLOT``,
+    ``cpu_amx_linear.rs``)."""
+    lane, j = pos // 8, pos % 8
+    return 4 * lane + j + 12 * (j >= 4)
+
+
+def _blocks_from_tiles(tiles, kind: str, rows: int, cols: int):
+    """The Q4_1 / Q8_0 ``BlockWeight`` of ``[rows, cols]`` packed as ``pack_amx_q4_1`` /
+    ``pack_amx_q8_0`` pack it (``cpu_amx_linear.rs``): per 16 features and 32 inputs a chunk of
+    16 rows of interleaved input pairs (row ``r``: inputs ``2r, 2r + 1``; position ``2c + i % 2``
+    for feature ``c``) as nibbles (two rows per 32 bytes, low and high) or int8 bytes (in
+    ``INT8_SLOT`` order), then the 16 scales (and, for Q4_1, the 16 minimums) as float32."""
+    import numpy as np
+
+    from ferrobatch.model.block_weights import Q4_1, Q8_0, BlockWeight
+
+    tiles_n, nb = -(-rows // 16), cols // 32
+    nibbles = kind == "q4_1"
+    chunk = 192 if nibbles else 288
+    chunks = np.asarray(tiles).reshape(tiles_n, nb, chunk)
+    ints = np.ascontiguousarray(chunks[..., :128 if nibbles else 256]).view(np.uint8)
+    params = np.ascontiguousarray(chunks[..., 128 if nibbles else 256:]).view(np.float32)
+    c, i = np.meshgrid(np.arange(16), np.arange(32), indexing="ij")    # [feature, input]
+    pos, row = 2 * c + i % 2, i // 2
+    if nibbles:
+        groups = ints.reshape(tiles_n, nb, 8, 32)
+        q = groups[:, :, row // 2, pos] >> (4 * (row % 2)) & 15   # [tiles, nb, 16, 32]
+    else:
+        q = ints.view(np.int8).reshape(tiles_n, nb, 16, 32)[:, :, row, _int8_slot(pos)]
+
+    def per_feature(values):                       # [tiles, nb, 16, ...] -> [rows, nb, ...]
+        values = np.moveaxis(values, 2, 1)
+        return torch.from_numpy(np.ascontiguousarray(
+            values.reshape(tiles_n * 16, nb, *values.shape[3:])[:rows]))
+
+    scale = per_feature(params[..., :16, None])[..., 0]
+    if not nibbles:
+        return BlockWeight(Q8_0, scale, per_feature(q))
+    q = per_feature(q.astype(np.uint8))
+    qs = q[..., :16] | (q[..., 16:] << 4)
+    return BlockWeight(Q4_1, scale, qs.contiguous(), per_feature(params[..., 16:, None])[..., 0])
 
 
 def _aligned_64(array):

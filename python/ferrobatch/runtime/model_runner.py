@@ -23,6 +23,7 @@ from ferrobatch.runtime.cpu_decoder import install_fused_decode, rebuild_fused_l
 from ferrobatch.runtime.cpu_elementwise import swap_elementwise_ops
 from ferrobatch.runtime.cpu_linear import (
     QUANT_MAX_ROWS,
+    TILES_ALONE_MIN_INPUTS,
     PanelLinear,
     pack_linear_layers,
     packing_unsupported,
@@ -130,11 +131,14 @@ class ModelRunner:
             blocks_steps = f"steps of <= {blocks_up_to} rows" + (f" ({wider})" if wider else "")
             larger = " as AMX tiles" if amx_from else " as quantized panels" if qpanels else ""
             alone = sum(k.panels_alone for k in kernels.values())
+            tiles_alone = sum(k.tiles_alone for k in kernels.values())
             self.linear_kernels = f"Rust {linear_isa()} kernels" + (
                 f", GGUF blocks for {blocks_steps}" if blocks else "") + (
                 f",{larger} for more" if larger else "") + (
                 f" ({alone} Q8G16 layers: the quantized panels alone, every step)" if alone
-                else "")
+                else "") + (
+                f" ({tiles_alone} layers of {TILES_ALONE_MIN_INPUTS}+ inputs: the AMX tiles "
+                "alone, fewer rows without tile instructions)" if tiles_alone else "")
             not_fused = install_fused_decode(self.model, self.attn_backend, self.kernel_threads) \
                 if fused_decode else "fused_decode=False"
             if not_fused is None:
@@ -146,9 +150,13 @@ class ModelRunner:
                         num_packed, linear_isa(), self.kernel_threads)
             if blocks:
                 logger.info("linear layers: %d also read from their GGUF blocks in %s%s "
-                            "(%.0f MiB)", len(kernels), blocks_steps,
+                            "(%.0f MiB)", len(kernels) - tiles_alone, blocks_steps,
                             f" and from those blocks{larger} in larger steps" if larger else "",
                             sum(k.nbytes for k in kernels.values()) / 2**20)
+            if tiles_alone:
+                logger.info("linear layers: %d of %d+ inputs keep their AMX tiles alone (no GGUF "
+                            "blocks beside them: fewer rows read the tiles without tile "
+                            "instructions)", tiles_alone, TILES_ALONE_MIN_INPUTS)
             released = [m for m in self.model.modules()
                         if isinstance(m, PanelLinear) and m.packed_weight.numel() == 0]
             if released:
