@@ -210,12 +210,16 @@ impl Kernel<'_> {
             let params = unsafe { chunk.as_ptr().add(ints_len).cast::<f32>() };
             let scale = unsafe { _mm512_loadu_ps(params) };
             let scales = index.map(|idx| _mm512_permutexvar_ps(idx, scale));
+            // SAFETY: for nibbles the mins follow the scales (Int8 chunks have none: zero)
+            let min = if NIBBLES {
+                unsafe { _mm512_loadu_ps(params.add(TILE_FEATURES)) }
+            } else {
+                _mm512_setzero_ps()
+            };
             for i in 0..R {
                 acc[i][0] = _mm512_fmadd_ps(s[i][0], scales[0], acc[i][0]);
                 acc[i][1] = _mm512_fmadd_ps(s[i][1], scales[1], acc[i][1]);
                 if NIBBLES {
-                    // SAFETY: the mins follow the scales.
-                    let min = unsafe { _mm512_loadu_ps(params.add(TILE_FEATURES)) };
                     let sum = _mm512_set1_ps(self.sums[i * self.nb + b]);
                     acc_min[i] = _mm512_fmadd_ps(min, sum, acc_min[i]);
                 }

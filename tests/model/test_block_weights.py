@@ -152,7 +152,8 @@ def test_layers_with_longer_rows_take_the_amx_tiles_from_fewer_rows(kind):
                                  -torch.rand(n, nb, generator=gen) * 0.05)
         layer = PanelLinear.from_blocks(BlockKernel(weight, amx=True, quant_panels=False))
         assert layer.blocks.amx_min_rows == first_amx
-        assert f"amx tiles (rows >= {first_amx})" in repr(layer)
+        assert f"amx tiles{' alone' if k >= TILES_ALONE_MIN_INPUTS else ''} (rows >= {first_amx}" \
+            in repr(layer)
         # (the 4096-input layer keeps its tiles alone: its small steps read them without tile
         # instructions)
         small = _counted(layer.blocks, "_tile_rows" if layer.blocks.tiles_alone else "_fn")
@@ -208,7 +209,7 @@ def test_wide_layers_keep_their_amx_tiles_alone(kind):
     first_amx = amx_min_rows(k)
     assert few == [r for r in sizes if r < first_amx]
     assert amx == [r for r in sizes if r >= first_amx]
-    assert f"{kind} amx tiles alone (rows < {first_amx}" in repr(layer)
+    assert f"{kind} amx tiles alone (rows >= {first_amx} on tile instructions" in repr(layer)
     # a weight update writes float32 panels rebuilt from the tiles' blocks
     new_rows = torch.randn(3, k, generator=gen)
     layer.write_rows(5, new_rows)

@@ -192,8 +192,8 @@ class PanelLinear(nn.Module):
     def extra_repr(self) -> str:
         blocks = f", blocks={self.blocks.kind} (rows <= {QUANT_MAX_ROWS})" if self.blocks else ""
         if self.blocks is not None and self.blocks.tiles_alone:
-            blocks = f", {self.blocks.kind} amx tiles alone (rows < {self.blocks.amx_min_rows} " \
-                "without tile instructions)"
+            blocks = f", {self.blocks.kind} amx tiles alone (rows >= " \
+                f"{self.blocks.amx_min_rows} on tile instructions, fewer without)"
         elif self.blocks is not None and self.blocks.tiles is not None:
             blocks += f", amx tiles (rows >= {self.blocks.amx_min_rows})"
         if self.blocks is not None and self.blocks.qpanels is not None:
