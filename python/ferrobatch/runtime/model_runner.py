@@ -120,21 +120,25 @@ class ModelRunner:
             from ferrobatch._scheduler import linear_isa
             kernels = {id(m.blocks): m.blocks for m in self.model.modules()
                        if getattr(m, "blocks", None) is not None}
-            amx_from = sorted({k.amx_min_rows for k in kernels.values() if k.tiles is not None})
+            # the layers that keep their blocks (the others keep their tiles or panels alone)
+            kept = [k for k in kernels.values() if k.arrays is not None]
+            tiled = [k for k in kept if k.tiles is not None]
+            amx_from = sorted({k.amx_min_rows for k in tiled})
             qpanels = any(k.qpanels is not None for k in kernels.values())
             blocks_up_to = amx_from[-1] - 1 if amx_from else \
                 quant_panels_min_rows() - 1 if qpanels else QUANT_MAX_ROWS
-            tiled = [k for k in kernels.values() if k.tiles is not None]
             wider = ", ".join(f"<= {m - 1} on layers of "
                               f"{min(k.shape[1] for k in tiled if k.amx_min_rows == m)}+ inputs"
                               for m in amx_from[:-1])
             blocks_steps = f"steps of <= {blocks_up_to} rows" + (f" ({wider})" if wider else "")
-            larger = " as AMX tiles" if amx_from else " as quantized panels" if qpanels else ""
+            amx = any(k.tiles is not None for k in kernels.values())
+            larger = " as AMX tiles" if amx else " as quantized panels" if qpanels else ""
             alone = sum(k.panels_alone for k in kernels.values())
             tiles_alone = sum(k.tiles_alone for k in kernels.values())
             self.linear_kernels = f"Rust {linear_isa()} kernels" + (
-                f", GGUF blocks for {blocks_steps}" if blocks else "") + (
-                f",{larger} for more" if larger else "") + (
+                f", GGUF blocks for {blocks_steps}" if blocks and kept else
+                f", GGUF blocks packed{larger}" if blocks else "") + (
+                f",{larger} for more" if larger and kept else "") + (
                 f" ({alone} Q8G16 layers: the quantized panels alone, every step)" if alone
                 else "") + (
                 f" ({tiles_alone} layers of {TILES_ALONE_MIN_INPUTS}+ inputs: the AMX tiles "
@@ -148,15 +152,16 @@ class ModelRunner:
                         else f"layer by layer ({not_fused})")
             logger.info("linear layers: %d prepacked for the Rust kernel (%s), %d threads",
                         num_packed, linear_isa(), self.kernel_threads)
-            if blocks:
+            if blocks and kept:
                 logger.info("linear layers: %d also read from their GGUF blocks in %s%s "
-                            "(%.0f MiB)", len(kernels) - tiles_alone, blocks_steps,
+                            "(%.0f MiB)", len(kept), blocks_steps,
                             f" and from those blocks{larger} in larger steps" if larger else "",
-                            sum(k.nbytes for k in kernels.values()) / 2**20)
+                            sum(k.nbytes for k in kept) / 2**20)
             if tiles_alone:
                 logger.info("linear layers: %d of %d+ inputs keep their AMX tiles alone (no GGUF "
                             "blocks beside them: fewer rows read the tiles without tile "
-                            "instructions)", tiles_alone, TILES_ALONE_MIN_INPUTS)
+                            "instructions; %.0f MiB)", tiles_alone, TILES_ALONE_MIN_INPUTS,
+                            sum(k.nbytes for k in kernels.values() if k.tiles_alone) / 2**20)
             released = [m for m in self.model.modules()
                         if isinstance(m, PanelLinear) and m.packed_weight.numel() == 0]
             if released:
