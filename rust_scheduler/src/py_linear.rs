@@ -323,12 +323,7 @@ pub fn py_linear_amx_f32(
     out: PyReadwriteArray2<'_, f32>,
     num_threads: usize,
 ) -> PyResult<()> {
-    let format = amx_format(kind)?;
-    let data = c_contiguous("tiles", tiles.is_c_contiguous(), tiles.as_slice())?;
-    let tiles = AmxTiles { format, data };
-    rows_call(py, x, None, bias, out, |m, n, k, x, bias, out| {
-        linear_amx_f32(&AmxShape { m, n, k }, x, tiles, bias, out, num_threads)
-    })
+    tiles_call(py, x, tiles, kind, bias, out, num_threads, linear_amx_f32)
 }
 
 /// `linear_tile_rows_f32(x, tiles, kind, bias, out, num_threads)`: as `linear_amx_f32` for
@@ -345,11 +340,45 @@ pub fn py_linear_tile_rows_f32(
     out: PyReadwriteArray2<'_, f32>,
     num_threads: usize,
 ) -> PyResult<()> {
+    tiles_call(
+        py,
+        x,
+        tiles,
+        kind,
+        bias,
+        out,
+        num_threads,
+        linear_tile_rows_f32,
+    )
+}
+
+/// The signature of the kernels over AMX tiles (`linear_amx_f32`, `linear_tile_rows_f32`).
+type TilesKernel = fn(
+    &AmxShape,
+    &[f32],
+    AmxTiles<'_>,
+    &[f32],
+    &mut [f32],
+    usize,
+) -> Result<(), crate::cpu_error::KernelInputError>;
+
+/// The body both tile bindings share: `kind` names the tiles' format, `kernel` runs them.
+#[allow(clippy::too_many_arguments)]
+fn tiles_call(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    tiles: PyReadonlyArray1<'_, u16>,
+    kind: &str,
+    bias: Option<PyReadonlyArray1<'_, f32>>,
+    out: PyReadwriteArray2<'_, f32>,
+    num_threads: usize,
+    kernel: TilesKernel,
+) -> PyResult<()> {
     let format = amx_format(kind)?;
     let data = c_contiguous("tiles", tiles.is_c_contiguous(), tiles.as_slice())?;
     let tiles = AmxTiles { format, data };
     rows_call(py, x, None, bias, out, |m, n, k, x, bias, out| {
-        linear_tile_rows_f32(&AmxShape { m, n, k }, x, tiles, bias, out, num_threads)
+        kernel(&AmxShape { m, n, k }, x, tiles, bias, out, num_threads)
     })
 }
 
