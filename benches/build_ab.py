@@ -15,7 +15,9 @@ instead of random token ids, drafts as configured).
 
 Only the runner's `fused_layers` (`cpu_decoder.FusedLayers`, i.e. every decoder layer of a CPU step:
 linears, attention, norms) comes from the base build; the LM head, sampler and scheduler are this
-checkout's in both arms. Build the base with e.g. `git worktree add /tmp/base <commit> && cd
+checkout's in both arms. Each arm packs its own AMX tiles / quantized panels, the two taking
+turns layer by layer (`arm_layers`: memory fresh from a free streamed slower for a while on the
+dev VMs). Build the base with e.g. `git worktree add /tmp/base <commit> && cd
 /tmp/base && maturin build --release -o /tmp/whl`, then unzip `ferrobatch/_scheduler*` from the
 wheel. A 2 ms pause before each timed step lets the pool of the build that ran last go to sleep
 (two pools spinning would slow whichever runs next).
@@ -48,34 +50,57 @@ def load_extension(path: str):
     return module
 
 
-def base_layers(model, base_module):
-    """A ``FusedLayers`` over ``model``'s weights whose Rust stack comes from ``base_module``,
-    with the AMX tiles and quantized panels packed by ``base_module`` too (the builds' layouts
-    may differ)."""
+def arm_layers(model, base_module) -> dict:
+    """The two arms, ``{"base": ..., "this": ...}``: a ``FusedLayers`` over ``model``'s weights
+    whose Rust stack comes from ``base_module`` / this checkout's module, with the AMX tiles and
+    quantized panels packed by that module too (the builds' layouts may differ).
+
+    Every arm packs its own, the arms taking turns layer by layer, so that their weights' memory
+    has the same history. Why: on the development VMs memory allocated right after other memory
+    was freed (each layer's packing frees its unaligned first copy) streamed up to 2x slower for
+    seconds afterwards than the weights the model was loaded with (session 44: 16 gate_up layers
+    of a 1B Q8_0 shape at 8 rows, 50 ms on the loaded tiles, 85-100 ms on fresh copies packed
+    by the same module, falling slowly over a minute). Session 43's version repacked only the base arm,
+    which favoured this checkout by 1.06-1.16x (an A/A run of two equal builds)."""
     from ferrobatch.runtime import cpu_decoder
     from ferrobatch.runtime.cpu_linear import _aligned_64
 
-    here = model.fused_layers
-    if here is None:
+    if model.fused_layers is None:
         raise SystemExit("the model runs without fused layers (not a packed CPU model)")
     current, spec = cpu_decoder._scheduler, cpu_decoder._linear_spec
-
-    def base_spec(linear):
-        n, k, panels, bias, blocks, tiles, qpanels = spec(linear)
+    modules = {"base": base_module, "this": current}
+    linears = [linear for layer in model.layers for linear in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+        layer.mlp.down_proj)]
+    packed: dict[str, dict[int, tuple]] = {name: {} for name in modules}
+    for linear in linears:
         kernel = linear.blocks
-        if kernel is not None and kernel.arrays is not None:
-            if tiles is not None:
-                tiles = _aligned_64(getattr(base_module, f"pack_amx_{kernel.kind}")(*kernel.arrays))
-            if qpanels is not None:
-                pack = getattr(base_module, f"pack_quant_panels_{kernel.kind}")
+        if kernel is None or kernel.arrays is None:
+            continue            # no blocks to pack from (tiles or panels alone): shared as loaded
+        for name, module in modules.items():
+            tiles = qpanels = None
+            if kernel.tiles is not None:
+                tiles = _aligned_64(getattr(module, f"pack_amx_{kernel.kind}")(*kernel.arrays))
+            if kernel.qpanels is not None:
+                pack = getattr(module, f"pack_quant_panels_{kernel.kind}")
                 qpanels = _aligned_64(pack(*kernel.arrays))
-        return n, k, panels, bias, blocks, tiles, qpanels
+            packed[name][id(linear)] = (tiles, qpanels)
 
-    cpu_decoder._scheduler, cpu_decoder._linear_spec = base_module, base_spec
-    try:
-        return cpu_decoder.FusedLayers(model, here.num_threads, here.amx)
-    finally:
-        cpu_decoder._scheduler, cpu_decoder._linear_spec = current, spec
+    arms = {}
+    for name, module in modules.items():
+        def arm_spec(linear, mine=packed[name]):
+            n, k, panels, bias, blocks, tiles, qpanels = spec(linear)
+            if id(linear) in mine:
+                tiles, qpanels = mine[id(linear)]
+            return n, k, panels, bias, blocks, tiles, qpanels
+
+        cpu_decoder._scheduler, cpu_decoder._linear_spec = module, arm_spec
+        try:
+            arms[name] = cpu_decoder.FusedLayers(model, model.fused_layers.num_threads,
+                                                 model.fused_layers.amx)
+        finally:
+            cpu_decoder._scheduler, cpu_decoder._linear_spec = current, spec
+    return arms
 
 
 def interleaved(run, arms: dict, rounds: int) -> dict[str, list[float]]:
@@ -97,7 +122,7 @@ def step_mode(args, base_module) -> list[dict]:
 
     runner = ModelRunner(load_model(args.model), num_blocks=args.num_blocks, block_size=16)
     model = runner.model
-    arms = {"base": base_layers(model, base_module), "this": runner.fused_layers}
+    arms = arm_layers(model, base_module)
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         batch = decode_step(runner, rows, args.context)
@@ -136,7 +161,7 @@ def stream_mode(args, base_module) -> list[dict]:
                                    else {"num_speculative_tokens": args.drafts}))
     runner = llm.engine._core.runner
     model = runner.model
-    arms = {"base": base_layers(model, base_module), "this": runner.fused_layers}
+    arms = arm_layers(model, base_module)
     rng = np.random.default_rng(0)
     count = [0]
 

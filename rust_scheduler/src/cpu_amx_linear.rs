@@ -124,24 +124,22 @@ pub struct AmxTiles<'a> {
 }
 
 /// The most rows [`min_rows`] asks for: the fewest rows of a step that go to this kernel rather
-/// than the GGUF-block kernel (`cpu_quant_linear`) on a small layer. SmolLM2's linears on two
-/// threads (`benches/cpu_kernels.py --only amx` and ad-hoc runs): about even at 4-5 rows (10.4
-/// vs 10.5 ms and 10.7 vs 9.9 in one run, 8.0 vs 9.0 at 5 in another), AMX ahead from 6 (8.3
-/// vs 8.9) and 8 (12.1 vs 15.8). Whole decode steps of 5-7 rows: within noise (0.96-1.02x); 8
-/// rows 1.07-1.31x.
-pub const MIN_ROWS: usize = 5;
+/// than the GGUF-block kernel (`cpu_quant_linear`) on a small layer (SmolLM2's). 5 until session
+/// 44, when computing two feature tiles together made the tiles cheaper at few rows: SmolLM2's
+/// whole decode steps with AMX from 1 / 2 / 3 / 4 rows against the blocks there took 0.93x /
+/// 0.97x / 1.01x / 1.10x (`benches/build_ab.py --mode step`, context 128).
+pub const MIN_ROWS: usize = 4;
 
 /// The fewest rows of a step that go to this kernel rather than the GGUF-block kernel on a layer
 /// of `k` inputs: the longer a weight row, the more of the block kernel's per-row work a step's
-/// extra row adds, while the tiles' costs per chunk stay. Measured on the AMX Xeon with int8 and
-/// 4-bit tiles, layers in and out of cache (`benches/results/cpu/amx_int8_tiles_session43.txt`,
-/// the block kernel's time over AMX's): `k` of 4096 or more 1.06-1.35x at 3 rows (2 rows
-/// 0.9-1.23x); `k` 2048 0.97-1.08x at 3 rows, 1.05-1.28x at 4; `k` 576 (SmolLM2) 0.81-0.94x
-/// at 3, 0.83-1.19x at 4.
+/// extra row adds, while the tiles' costs per chunk stay. Session 44's kernel on the AMX Xeon,
+/// whole decode steps with every layer on AMX against the blocks below this limit
+/// (`benches/build_ab.py --mode step`): a 1B Q8_0 shape (k 2048 and 8192) 0.88x / 0.95x /
+/// 1.08x at 1 / 2 / 3 rows, its Q4_K_M form 0.94x / 1.06x / 1.11x; SmolLM2 (k 576 and 1536)
+/// as [`MIN_ROWS`]. (Session 43's kernel: 4 from 2048 inputs, 3 from 4096, else 5.)
 pub fn min_rows(k: usize) -> usize {
     match k {
-        4096.. => 3,
-        2048.. => 4,
+        2048.. => 3,
         _ => MIN_ROWS,
     }
 }
@@ -1103,7 +1101,7 @@ mod tests {
     fn min_rows_falls_with_longer_rows_and_never_passes_the_blocks_limit() {
         let ks = [32, 576, 1536, 2048, 3072, 4096, 8192, 14336, 1 << 20];
         let rows: Vec<usize> = ks.iter().map(|&k| min_rows(k)).collect();
-        assert_eq!(rows, [5, 5, 5, 4, 4, 3, 3, 3, 3]);
+        assert_eq!(rows, [4, 4, 4, 3, 3, 3, 3, 3, 3]);
         // never above MIN_ROWS, which the GGUF-block kernel covers (cpu_decoder's const assert)
         assert!(rows.iter().all(|&r| r <= MIN_ROWS));
     }

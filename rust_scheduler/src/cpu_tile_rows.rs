@@ -22,8 +22,10 @@ use crate::cpu_amx_linear::{
 use crate::cpu_error::KernelInputError;
 use crate::cpu_linear::OutPtr;
 
-/// The most rows a call takes (the smaller steps below `cpu_amx_linear::MIN_ROWS`).
-pub const MAX_ROWS: usize = cpu_amx_linear::MIN_ROWS - 1;
+/// The most rows a call takes: at least every step below `cpu_amx_linear::MIN_ROWS` (the
+/// layers that keep their tiles alone are sent the steps below their `min_rows`).
+pub const MAX_ROWS: usize = 4;
+const _: () = assert!(cpu_amx_linear::MIN_ROWS - 1 <= MAX_ROWS);
 
 /// The feature each lane of a chunk row's two widened vectors (`[first, second]`) belongs to:
 /// `Int8` rows widen bytes 0..16 and 16..32 in `INT8_SLOT`'s order, `Nibbles` rows positions

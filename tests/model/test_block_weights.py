@@ -87,7 +87,7 @@ def _counted(kernel: BlockKernel, attr: str) -> list[int]:
 def test_small_steps_read_the_blocks_and_agree_with_the_panels(fresh_smollm2, gguf_blocks, mode):
     """Steps of <= 8 rows read the blocks and larger ones the float32 panels; with quantized
     panels, steps of >= 6 rows read those instead, bit for bit what the float32 panels give;
-    where the CPU has AMX, steps of >= 5 rows read the blocks' AMX tiles. (The float32 panels
+    where the CPU has AMX, steps of >= amx_min_rows rows read the blocks' AMX tiles. (The float32 panels
     are zeroed in the last two modes, to prove that no step reads them.)"""
     from ferrobatch._scheduler import amx_available
     amx = mode == "amx"
@@ -132,15 +132,15 @@ def test_small_steps_read_the_blocks_and_agree_with_the_panels(fresh_smollm2, gg
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_layers_with_longer_rows_take_the_amx_tiles_from_fewer_rows(kind):
     """The crossover from the blocks to the AMX tiles depends on the layer's inputs
-    (cpu_amx_linear.rs min_rows): 5 rows below 2048 inputs, 4 from 2048, 3 from 4096. Every step
+    (cpu_amx_linear.rs min_rows): 4 rows below 2048 inputs, 3 from 2048. Every step
     size still agrees with the dense weights."""
     from ferrobatch._scheduler import amx_available
     if not amx_available():
         pytest.skip("this CPU has no AMX (or FERROBATCH_CPU_ISA caps it)")
     assert [amx_min_rows(k) for k in (32, 576, 2047, 2048, 4095, 4096, 14336)] == \
-        [5, 5, 5, 4, 4, 3, 3]
+        [4, 4, 4, 3, 3, 3, 3]
     gen = torch.Generator().manual_seed(5)
-    for k, first_amx in ((576, 5), (2048, 4), (4096, 3)):
+    for k, first_amx in ((576, 4), (2048, 3), (4096, 3)):
         n, nb = 40, k // 32
         scale = torch.rand(n, nb, generator=gen) * 0.01
         if kind == "q8_0":

@@ -14,8 +14,8 @@ sizes. Results agree with ``F.linear`` to float32 rounding (relative ~1e-6), not
 (the dense weight is released, so memory stays the same) and gives the model a packed LM head.
 
 Where the CPU has AMX, a GGUF layer's blocks are also packed as AMX tiles
-(``cpu_amx_linear.rs``), read by steps of :func:`amx_min_rows` rows or more (3 to 5: fewer the
-longer the layer's rows); elsewhere they are
+(``cpu_amx_linear.rs``), read by steps of :func:`amx_min_rows` rows or more (4, or 3 on layers
+of 2048 inputs or more); elsewhere they are
 packed as 16-feature panels of their quantized integers (``cpu_quant_panels.rs``), read by steps
 of :func:`quant_panels_min_rows` rows or more (4 on AVX2, 6 on AVX-512) and unpacked chunk by chunk into the float32 panel
 kernel's tiles (the same output, bit for bit, from 5.3x fewer bytes). Either way the blocks
@@ -40,14 +40,14 @@ from torch import nn
 
 PANEL_WIDTH = 16
 QUANT_MAX_ROWS = 8      # the quantized kernel's limit (cpu_quant_linear.rs MAX_ROWS: accumulators in registers)
-AMX_MIN_ROWS = 5        # from here the AMX tiles beat the blocks on any layer (cpu_amx_linear.rs MIN_ROWS)
+AMX_MIN_ROWS = 4        # from here the AMX tiles beat the blocks on any layer (cpu_amx_linear.rs MIN_ROWS)
 TILES_ALONE_MIN_INPUTS = 4096   # layers this wide keep their AMX tiles alone (BlockKernel)
 
 
 @functools.cache
 def amx_min_rows(in_features: int) -> int:
     """From this many rows a step reads a GGUF layer's AMX tiles rather than its blocks: 3 for
-    layers of 4096 inputs or more, 4 from 2048, else ``AMX_MIN_ROWS`` (``cpu_amx_linear.rs``
+    layers of 2048 inputs or more, else ``AMX_MIN_ROWS`` (``cpu_amx_linear.rs``
     ``min_rows``, where the measurements are; the fused decoder asks the same function)."""
     from ferrobatch._scheduler import amx_min_rows as min_rows
     return min_rows(in_features)
@@ -277,7 +277,7 @@ class BlockKernel:
             sum(a.nbytes for a in (self.tiles, self.qpanels) if a is not None)
 
     def __call__(self, x, bias, out, num_threads: int) -> None:
-        if self.arrays is None:     # tiles alone: steps below amx_min_rows (at most 4 rows)
+        if self.arrays is None:     # tiles alone: steps below amx_min_rows (at most 2 rows)
             self._tile_rows(x, self.tiles, self.kind, bias, out, num_threads)
             return
         self._fn(x, *self.arrays, bias, out, num_threads)

@@ -62,8 +62,8 @@ class ModelRunner:
         """``pack_weights``: CPU float32 linears in the Rust panel kernel; ``gguf_blocks``: for a
         GGUF model, steps of at most ``QUANT_MAX_ROWS`` (8) rows read the file's Q4_1 / Q8_0
         blocks instead (``cpu_linear.BlockKernel``); ``amx_tiles``: where the CPU has AMX, steps
-        of at least ``amx_min_rows(in_features)`` (5; 4 or 3 for layers of 2048 or 4096 inputs
-        and more) rows read those blocks packed as AMX tiles
+        of at least ``amx_min_rows(in_features)`` (4; 3 for layers of 2048 inputs or more)
+        rows read those blocks packed as AMX tiles
         (``cpu_amx_linear.rs``); elsewhere steps of at least ``quant_panels_min_rows()`` (4 on
         AVX2, 6 on AVX-512) rows read them packed as quantized panels (``cpu_quant_panels.rs``; ``FERROBATCH_QUANT_PANELS=0``
         keeps float32 panels for them instead). All only when the model is first packed.
