@@ -569,24 +569,10 @@ impl Kernel<'_> {
                             // the columns of feature tiles t and t + 1.
                             unsafe {
                                 if i + 1 < count {
-                                    let pair = [first, &chunks[(i + 1) * stride..(i + 2) * stride]];
-                                    match src {
-                                        SRC_NIBBLES => {
-                                            self.tile::<SRC_NIBBLES, 2>(pair, t, row0, rows)
-                                        }
-                                        SRC_INT8 => self.tile::<SRC_INT8, 2>(pair, t, row0, rows),
-                                        _ => self.tile::<SRC_UNPACKED, 2>(pair, t, row0, rows),
-                                    }
+                                    let second = &chunks[(i + 1) * stride..(i + 2) * stride];
+                                    self.tile(src, [first, second], t, row0, rows)
                                 } else {
-                                    match src {
-                                        SRC_NIBBLES => {
-                                            self.tile::<SRC_NIBBLES, 1>([first], t, row0, rows)
-                                        }
-                                        SRC_INT8 => {
-                                            self.tile::<SRC_INT8, 1>([first], t, row0, rows)
-                                        }
-                                        _ => self.tile::<SRC_UNPACKED, 1>([first], t, row0, rows),
-                                    }
+                                    self.tile(src, [first], t, row0, rows)
                                 }
                             };
                         }
@@ -604,35 +590,40 @@ impl Kernel<'_> {
     }
 
     /// Rows `row0..row0 + rows` of the `T` feature tiles from `t` (`T` 1 or 2), whose chunks are
-    /// `chunks` (`rows` in 1..=16), in the layout `SRC` names.
+    /// `chunks` (`rows` in 1..=16), in the layout `src` names.
     ///
     /// # Safety
     /// As [`Kernel::run_tiles`], with the tiles configured for `rows`.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn tile<const SRC: u8, const T: usize>(
+    unsafe fn tile<const T: usize>(
         &self,
+        src: u8,
         chunks: [&[u16]; T],
         t: usize,
         row0: usize,
         rows: usize,
     ) {
         macro_rules! dispatch {
-            ($($r:literal)*) => {
+            ($src:ident: $($r:literal)*) => {
                 match rows {
                     // SAFETY: the caller's contract, with R == rows.
-                    $($r => unsafe { self.tile_rows::<$r, SRC, T>(chunks, t, row0) },)*
+                    $($r => unsafe { self.tile_rows::<$r, $src, T>(chunks, t, row0) },)*
                     _ => unreachable!("a row tile has 1..=16 rows"),
                 }
             };
         }
-        dispatch!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+        match src {
+            SRC_NIBBLES => dispatch!(SRC_NIBBLES: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16),
+            SRC_INT8 => dispatch!(SRC_INT8: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16),
+            _ => dispatch!(SRC_UNPACKED: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16),
+        }
     }
 
-    /// [`Kernel::tile`] for `R` rows: the `T x R x 16` accumulators stay in registers (the
-    /// compiler keeps what does not fit in L1). Per block: the tile products of every feature
-    /// tile (one load of `x`'s parts for all), then the next block's chunks widened (so no tile
-    /// load reads what a store just wrote), then this block's products scaled into the
-    /// accumulators.
+    /// [`Kernel::tile`] for `R` rows: the `T x R x 16` accumulators stay in registers (at 16
+    /// rows and two tiles some spill to the stack, in L1). Per block: the tile products of
+    /// every feature tile (one load of `x`'s parts for all), then the next block's chunks
+    /// widened (so no tile load reads what a store just wrote), then this block's products
+    /// scaled into the accumulators.
     ///
     /// # Safety
     /// As [`Kernel::tile`].
