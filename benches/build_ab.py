@@ -120,7 +120,10 @@ def step_mode(args, base_module) -> list[dict]:
     from ferrobatch.runtime.model_runner import ModelRunner
     from step_breakdown import decode_step
 
-    runner = ModelRunner(load_model(args.model), num_blocks=args.num_blocks, block_size=16)
+    # as the engine loads a GGUF on the CPU: its block-format linears never dequantized (an 8B
+    # Q4_K_M file as float32 first would not fit a 24 GB machine)
+    loaded = load_model(args.model, gguf_blocks=True)
+    runner = ModelRunner(loaded, num_blocks=args.num_blocks, block_size=16)
     model = runner.model
     arms = arm_layers(model, base_module)
     results = []
