@@ -19,9 +19,10 @@
    runner chooses between: float32 panels, the GGUF blocks (steps of <= 8 rows), the blocks as
    quantized panels (`cpu_quant_panels.rs`, where the CPU has no AMX) and as AMX tiles (CPUs
    with AMX, `cpu_amx_linear.rs`), at M rows (`--only blocks`; `--only amx` is the same).
-5. A float16 KV cache (`--kv-cache-dtype float16`) against the float32 one, the same values in
-   both: the Rust decode kernel at rows x context (it reads half the bytes) and the prefill
-   kernel on a chunk after prior context (it converts the chunk's keys and values once).
+5. A float16 and an FP8 E4M3 KV cache (`--kv-cache-dtype float16` / `fp8`) against the float32
+   one, the same values in all three: the Rust decode kernel at rows x context (it reads a half
+   / a quarter of the bytes) and the prefill kernel on a chunk after prior context (it converts
+   the chunk's keys and values once).
 
 Medians of repeated runs; the two sides alternate so machine noise hits both alike.
 """
@@ -156,32 +157,39 @@ def _paged_step(rng, rows, q_lens, ctx):
 
 
 def kv16_rows(decode_shapes, prefill_shapes, repeats):
-    """The Rust kernels over a float32 cache vs a float16 cache holding the same values, per 30
-    layers: decode (rows, context) and prefill (queries, prior keys)."""
+    """The Rust kernels over a float32 cache vs a float16 and an FP8 cache holding the same
+    values (the FP8 ones), per 30 layers: decode (rows, context) and prefill (queries, prior
+    keys)."""
     rng = np.random.default_rng(2)
     out = []
     for kind, rows, q_lens, ctx in ([("decode", r, 1, c) for r, c in decode_shapes]
                                     + [("prefill", 1, q, q + p) for q, p in prefill_shapes]):
         batch, num_blocks = _paged_step(rng, rows, q_lens, ctx)
-        caches16 = [torch.randn(2, num_blocks, BS, HKV, D).half() for _ in range(LAYERS)]
-        caches32 = [c.float() for c in caches16]
+        caches8 = [torch.randn(2, num_blocks, BS, HKV, D).to(torch.float8_e4m3fn)
+                   for _ in range(LAYERS)]
+        caches16 = [c.half() for c in caches8]
+        caches32 = [c.float() for c in caches8]
         query = torch.randn(rows * q_lens, HQ, D)
         backend = CpuPagedBackend(BS)
         meta = backend.build_metadata(batch, "cpu")
         runs = {"f32": partial(_attend_all_layers, backend, meta, query, caches32),
-                "f16": partial(_attend_all_layers, backend, meta, query, caches16)}
+                "f16": partial(_attend_all_layers, backend, meta, query, caches16),
+                "fp8": partial(_attend_all_layers, backend, meta, query, caches8)}
         kv_mb = 2 * rows * ctx * HKV * D * 4 * LAYERS / 2**20
         result = {"kind": kind, "rows": rows, "queries": q_lens, "context": ctx,
                   "f32_kv_mb": round(kv_mb, 1)}
-        for name in ("f32", "f16", "f32", "f16"):  # alternate; keep the 2nd pair
+        for name in ("f32", "f16", "fp8") * 2:  # alternate; keep the 2nd round
             result[f"{name}_ms"] = median_ms(runs[name], repeats)
         result["speedup"] = result["f32_ms"] / result["f16_ms"]
+        result["fp8_speedup"] = result["f32_ms"] / result["fp8_ms"]
         result["f32_gb_per_s"] = kv_mb * 2**20 / result["f32_ms"] / 1e6
         result["f16_gb_per_s"] = kv_mb / 2 * 2**20 / result["f16_ms"] / 1e6
+        result["fp8_gb_per_s"] = kv_mb / 4 * 2**20 / result["fp8_ms"] / 1e6
         out.append(result)
         print(f"kv16 {kind} rows={rows} q={q_lens} ctx={ctx}: f32 {result['f32_ms']:.1f} ms, f16 "
-              f"{result['f16_ms']:.1f} ms per 30 layers ({result['speedup']:.2f}x)", flush=True)
-        del caches16, caches32
+              f"{result['f16_ms']:.1f} ms ({result['speedup']:.2f}x), fp8 {result['fp8_ms']:.1f} "
+              f"ms ({result['fp8_speedup']:.2f}x) per 30 layers", flush=True)
+        del caches8, caches16, caches32
     return out
 
 
@@ -332,8 +340,12 @@ def main() -> int:
         print(format_table(kv16, [("kind", "step", "s"), ("rows", "rows", "d"),
                                   ("queries", "queries", "d"), ("context", "context", "d"),
                                   ("f32_ms", "f32 cache ms", ".1f"), ("f16_ms", "f16 cache ms", ".1f"),
+                                  ("fp8_ms", "fp8 cache ms", ".1f"),
                                   ("f32_gb_per_s", "f32 GB/s", ".1f"),
-                                  ("f16_gb_per_s", "f16 GB/s", ".1f"), ("speedup", "speed-up", ".2f")]))
+                                  ("f16_gb_per_s", "f16 GB/s", ".1f"),
+                                  ("fp8_gb_per_s", "fp8 GB/s", ".1f"),
+                                  ("speedup", "f16 speed-up", ".2f"),
+                                  ("fp8_speedup", "fp8 speed-up", ".2f")]))
     if a.json:
         write_json(a.json, {"machine": machine_info(), "attention_30_layers": att,
                             "kv_cache_f16_vs_f32_30_layers": kv16,

@@ -37,6 +37,8 @@ Systems (append `@N` to override the batch size / concurrency cap, e.g. `hf-stat
                      of prompt lookup, which transformers' `generate` and CB do not do
   ferrobatch-kv16    the engine with a float16 KV cache (`--kv-cache-dtype float16`, CPU): half
                      the bytes decode attention reads (not token-identical to the others)
+  ferrobatch-kv8     the same with an FP8 E4M3 KV cache (`--kv-cache-dtype fp8`, CPU): a quarter
+                     of the bytes (greedy replies differ more: benches/kv_cache_quality.py)
   ferrobatch-f32panels the engine with float32 panels for steps of 6+ rows instead of the GGUF
                      blocks packed as quantized panels (`FERROBATCH_QUANT_PANELS=0`, CPU without
                      AMX): the ablation of the quantized panels (token-identical)
@@ -80,6 +82,7 @@ FB_VARIANTS = {"ferrobatch": "", "ferrobatch-static": "", "ferrobatch-eager": "e
                "ferrobatch-rotaryapart": "rotaryapart", "ferrobatch-reducepass": "reducepass",
                "ferrobatch-refill4": "refill4",
                "ferrobatch-nodraft": "nodraft", "ferrobatch-kv16": "kv16",
+               "ferrobatch-kv8": "kv8",
                "ferrobatch-f32panels": "f32panels"}   # system -> engine variant (static: same engine)
 SYSTEMS = (*FB_VARIANTS, "hf-static", "hf-continuous")
 DEFAULT_SYSTEMS = "ferrobatch,ferrobatch-static,hf-static,hf-continuous"
@@ -159,6 +162,8 @@ class Systems:
                 extra["admission_batch"] = 4
             if variant == "kv16":
                 extra["kv_cache_dtype"] = "float16"
+            if variant == "kv8":
+                extra["kv_cache_dtype"] = "fp8"
             env = {"f32panels": ("FERROBATCH_QUANT_PANELS", "0"),   # read when the engine
                    "torchops": ("FERROBATCH_CUDA_FUSED_OPS", "0"),      # builds
                    "splitmixed": ("FERROBATCH_FLASH_WHOLE_STEP", "0"),

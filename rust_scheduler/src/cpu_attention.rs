@@ -1417,7 +1417,8 @@ mod lanes {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu_kv::f16;
+    use crate::cpu_kv::{f16, KvElement};
+    use crate::cpu_kv_fp8::F8E4M3;
     use crate::test_rng::Lcg;
 
     /// Naive two-pass softmax attention, in f64, over the same layout.
@@ -1518,28 +1519,40 @@ mod tests {
                 );
             }
         }
-        // An f16 cache gives exactly what the f32 cache holding the same (rounded) values gives:
-        // the kernel converts each element on load and computes in f32 alike.
-        let k16: Vec<f16> = k.iter().map(|&x| f16::from_f32(x)).collect();
-        let v16: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
-        let (k_rounded, v_rounded): (Vec<f32>, Vec<f32>) = (
-            k16.iter().map(|x| x.to_f32()).collect(),
-            v16.iter().map(|x| x.to_f32()).collect(),
-        );
-        for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable] {
-            let mut want = vec![f32::NAN; q.len()];
-            let (k, v) = (&k_rounded, &v_rounded);
-            run(&shape, &q, k, v, &bt, &ctx, &mut want, scale, threads, isa).unwrap();
-            let mut out = vec![f32::NAN; q.len()];
-            run(
-                &shape, &q, &k16, &v16, &bt, &ctx, &mut out, scale, threads, isa,
-            )
-            .unwrap();
-            assert_eq!(
-                out, want,
-                "{isa:?}: the f16 cache against its values in f32"
+        // An f16 or FP8 cache gives exactly what the f32 cache holding the same (rounded) values
+        // gives: the kernel converts each element on load and computes in f32 alike.
+        fn rounded_cache_reads_as_its_values<E: KvElement>(
+            shape: &DecodeShape,
+            (q, k, v): (&[f32], &[f32], &[f32]),
+            (bt, ctx): (&[i32], &[i32]),
+            scale: f32,
+            threads: usize,
+        ) {
+            let (k_e, v_e): (Vec<E>, Vec<E>) = (
+                k.iter().map(|&x| E::from_f32(x)).collect(),
+                v.iter().map(|&x| E::from_f32(x)).collect(),
             );
+            let (k_rounded, v_rounded): (Vec<f32>, Vec<f32>) = (
+                k_e.iter().map(|x| x.to_f32()).collect(),
+                v_e.iter().map(|x| x.to_f32()).collect(),
+            );
+            for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable] {
+                let mut want = vec![f32::NAN; q.len()];
+                let (k, v) = (&k_rounded, &v_rounded);
+                run(shape, q, k, v, bt, ctx, &mut want, scale, threads, isa).unwrap();
+                let mut out = vec![f32::NAN; q.len()];
+                run(shape, q, &k_e, &v_e, bt, ctx, &mut out, scale, threads, isa).unwrap();
+                assert_eq!(
+                    out,
+                    want,
+                    "{isa:?}: the {} cache against its values in f32",
+                    E::NAME
+                );
+            }
         }
+        let inputs = (&q[..], &k[..], &v[..]);
+        rounded_cache_reads_as_its_values::<f16>(&shape, inputs, (&bt, &ctx), scale, threads);
+        rounded_cache_reads_as_its_values::<F8E4M3>(&shape, inputs, (&bt, &ctx), scale, threads);
     }
 
     #[test]

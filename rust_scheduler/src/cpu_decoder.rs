@@ -18,7 +18,8 @@
 //! `ctx_lens[i]` positions of block-table row `i`; the prefill kernel for each chunk of
 //! `prefill` (rows `q_starts[s] .. + q_lens[s]`, causal over its `seq_lens[s]` keys).
 //! A layer's cache is `[2, num_blocks, block_size, Hkv, D]` (0 = K, 1 = V), as in Python, of
-//! f32 or f16 (`cpu_kv`: K/V rows are rounded to it when written; the math stays f32).
+//! f32, f16 or FP8 E4M3 (`cpu_kv`, `cpu_kv_fp8`: K/V rows are rounded to it when written; the
+//! math stays f32).
 //!
 //! Invariants checked by [`forward_step`] before anything is read or written: every weight has
 //! its layer's shape ([`Layer::check`]), one cache per layer of the shape's size, whole rows of
@@ -609,7 +610,8 @@ fn add_into(acc: &mut [f32], x: &[f32]) {
 mod tests {
     use super::*;
     use crate::cpu_amx_linear::AmxFormat;
-    use crate::cpu_kv::f16;
+    use crate::cpu_kv::{f16, KvElement};
+    use crate::cpu_kv_fp8::F8E4M3;
     use crate::cpu_linear::pack;
     use crate::test_rng::Lcg;
 
@@ -1186,25 +1188,31 @@ mod tests {
         }
     }
 
-    /// `rows` through `forward_step` over an f16 copy of the case's caches, against the f64
-    /// reference of `per_row` that starts from the f16 values and rounds what it writes alike.
-    fn check_f16(case: &Case, rows: &StepRows<'_>, per_row: &StepRows<'_>) {
-        let caches16: Vec<Vec<f16>> = case
+    /// `rows` through `forward_step` over a copy of the case's caches in `E` (f16 or FP8),
+    /// against the f64 reference of `per_row` that starts from those values and rounds what it
+    /// writes alike (`round`); `ulp`: the element's unit in the last place, relative to a value.
+    fn check_rounded<E: KvElement>(
+        case: &Case,
+        rows: &StepRows<'_>,
+        per_row: &StepRows<'_>,
+        round: fn(f64) -> f64,
+        ulp: f64,
+    ) {
+        let caches16: Vec<Vec<E>> = case
             .caches
             .iter()
-            .map(|c| c.iter().map(|&x| f16::from_f32(x)).collect())
+            .map(|c| c.iter().map(|&x| E::from_f32(x)).collect())
             .collect();
         let start: Vec<Vec<f32>> = caches16
             .iter()
             .map(|c| c.iter().map(|x| x.to_f32()).collect())
             .collect();
-        let round = |x: f64| f16::from_f64(x).to_f64();
         let (want_hidden, want_caches) =
             reference_rounding_kv(&case.weights, &start, &case.hidden, per_row, round);
         let layers = case.layers(Kernels::Panels);
         for threads in [1, 2] {
             let mut caches = caches16.clone();
-            let mut views: Vec<&mut [f16]> = caches.iter_mut().map(|c| c.as_mut_slice()).collect();
+            let mut views: Vec<&mut [E]> = caches.iter_mut().map(|c| c.as_mut_slice()).collect();
             let mut hidden = case.hidden.clone();
             forward_step(
                 &SHAPE,
@@ -1219,8 +1227,8 @@ mod tests {
             )
             .unwrap();
             for (j, (&got, &want)) in hidden.iter().zip(&want_hidden).enumerate() {
-                // an f16 rounding may fall the other way from f32 than from f64: a unit of
-                // f16's last place in a K/V element, no more
+                // a rounding may fall the other way from f32 than from f64: a unit of the
+                // element's last place in a K/V element, no more
                 assert!(
                     (got as f64 - want).abs() <= 2e-3 * (1.0 + want.abs()),
                     "{threads} threads: hidden[{j}]: {got} vs {want}"
@@ -1228,11 +1236,11 @@ mod tests {
             }
             for (layer, (got, want)) in caches.iter().zip(&want_caches).enumerate() {
                 for (j, (&g, &w)) in got.iter().zip(want).enumerate() {
-                    // the f32 check's 1e-4 (twice: layer 0's roundings feed layer 1) plus an
-                    // f16 unit in the last place
-                    let g = g.to_f64();
+                    // the f32 check's 1e-4 (twice: layer 0's roundings feed layer 1) plus a
+                    // unit in the element's last place
+                    let g = g.to_f32() as f64;
                     assert!(
-                        (g - w).abs() <= 2e-4 * (1.0 + w.abs()) + 2f64.powi(-10) * w.abs(),
+                        (g - w).abs() <= 2e-4 * (1.0 + w.abs()) + ulp * w.abs(),
                         "layer {layer} cache[{j}]: {g} vs {w}"
                     );
                 }
@@ -1243,10 +1251,25 @@ mod tests {
     #[test]
     fn an_f16_cache_is_written_rounded_and_read_as_f32() {
         let case = Case::new(13, 6); // 10 decode-kernel rows
-        check_f16(&case, &case.rows(), &case.rows());
+        let f16_round: fn(f64) -> f64 = |x| f16::from_f64(x).to_f64();
+        let ulp = 2f64.powi(-10);
+        check_rounded::<f16>(&case, &case.rows(), &case.rows(), f16_round, ulp);
         let case = Case::new(11, 0); // a prefill chunk beside gathered decode rows
         let arrays = mixed_arrays(&case);
-        check_f16(&case, &mixed_rows(&case, false, &arrays), &case.rows());
+        let mixed = mixed_rows(&case, false, &arrays);
+        check_rounded::<f16>(&case, &mixed, &case.rows(), f16_round, ulp);
+    }
+
+    #[test]
+    fn an_fp8_cache_is_written_rounded_and_read_as_f32() {
+        let fp8_round: fn(f64) -> f64 = |x| F8E4M3::from_f32(x as f32).to_f32() as f64;
+        let ulp = 2f64.powi(-3);
+        let case = Case::new(13, 6); // 10 decode-kernel rows
+        check_rounded::<F8E4M3>(&case, &case.rows(), &case.rows(), fp8_round, ulp);
+        let case = Case::new(11, 0); // a prefill chunk beside gathered decode rows
+        let arrays = mixed_arrays(&case);
+        let mixed = mixed_rows(&case, false, &arrays);
+        check_rounded::<F8E4M3>(&case, &mixed, &case.rows(), fp8_round, ulp);
     }
 
     /// The case's rows 1-2 (positions 4-5 of one table) as a prefill chunk of 6 keys; rows 0 and

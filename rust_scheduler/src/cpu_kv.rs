@@ -1,6 +1,7 @@
 //! The element types a paged KV cache may hold on the CPU: `f32` (the model's own precision, the
 //! default) or IEEE `f16` (half the bytes: twice the tokens per GiB, and half the memory traffic
-//! of decode attention, which waits on memory).
+//! of decode attention, which waits on memory), or FP8 E4M3 (`cpu_kv_fp8`: a quarter of the
+//! bytes).
 //!
 //! Invariants:
 //! - The kernels compute in f32 whatever the cache holds: an element enters the math only as
@@ -12,9 +13,9 @@
 
 pub use half::f16;
 
-/// An element of a paged KV cache (`f32` or `f16`).
+/// An element of a paged KV cache (`f32`, `f16` or `cpu_kv_fp8::F8E4M3`).
 pub trait KvElement: Copy + Default + Send + Sync + 'static {
-    /// The name Python uses for the dtype (`float32`, `float16`).
+    /// The name torch uses for the dtype (`float32`, `float16`, `float8_e4m3fn`).
     const NAME: &'static str;
     fn to_f32(self) -> f32;
     fn from_f32(x: f32) -> Self;

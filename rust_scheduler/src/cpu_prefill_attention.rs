@@ -719,7 +719,8 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu_kv::f16;
+    use crate::cpu_kv::{f16, KvElement};
+    use crate::cpu_kv_fp8::F8E4M3;
     use crate::test_rng::Lcg;
 
     /// One call's inputs: `seqs` as (first row, query tokens, keys), tables shuffled over the
@@ -899,17 +900,17 @@ mod tests {
         }
     }
 
-    #[test]
-    fn an_f16_cache_gives_what_its_values_in_f32_give() {
+    /// A cache of `E` gives what the f32 cache holding its (rounded) values gives.
+    fn rounded_cache_reads_as_its_values<E: KvElement>() {
         // The keys enter the panels as f32 and the V rows are read from an f32 copy, so the
         // result is the f32 kernel's over the rounded values, bit for bit, on every path.
         let mut case = Case::new(11, 70, &[(0, 40, 40), (41, 29, 66)], 9, 3, 64, 16);
-        let rounded = |xs: &[f32]| -> (Vec<f16>, Vec<f32>) {
-            let halves: Vec<f16> = xs.iter().map(|&x| f16::from_f32(x)).collect();
-            let back = halves.iter().map(|h| h.to_f32()).collect();
-            (halves, back)
+        let rounded = |xs: &[f32]| -> (Vec<E>, Vec<f32>) {
+            let elements: Vec<E> = xs.iter().map(|&x| E::from_f32(x)).collect();
+            let back = elements.iter().map(|h| h.to_f32()).collect();
+            (elements, back)
         };
-        let ((k16, k32), (v16, v32)) = (rounded(&case.k), rounded(&case.v));
+        let ((k_e, k32), (v_e, v32)) = (rounded(&case.k), rounded(&case.v));
         (case.k, case.v) = (k32, v32);
         for isa in ISAS {
             for threads in 1..=3 {
@@ -918,8 +919,8 @@ mod tests {
                 run(
                     &case.shape,
                     &case.q,
-                    &k16,
-                    &v16,
+                    &k_e,
+                    &v_e,
                     &case.tables,
                     (&case.q_starts, &case.q_lens, &case.seq_lens),
                     &mut got,
@@ -934,10 +935,21 @@ mod tests {
                     .all(|(g, w)| g.to_bits() == w.to_bits());
                 assert!(
                     same,
-                    "{isa:?}, {threads} threads: f16 cache vs its f32 values"
+                    "{isa:?}, {threads} threads: {} cache vs its f32 values",
+                    E::NAME
                 );
             }
         }
+    }
+
+    #[test]
+    fn an_f16_cache_gives_what_its_values_in_f32_give() {
+        rounded_cache_reads_as_its_values::<f16>();
+    }
+
+    #[test]
+    fn an_fp8_cache_gives_what_its_values_in_f32_give() {
+        rounded_cache_reads_as_its_values::<F8E4M3>();
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! Beside the scheduler, the CPU kernels the Python model runner calls on every layer:
 //! `cpu_attention` (paged decode attention) and `cpu_prefill_attention` (causal prompt chunks
 //! over the paged cache, long ones through Intel AMX in `cpu_amx_prefill`; bindings
-//! `py_attention`; the cache holds f32 or f16, `cpu_kv`), `cpu_linear` (linear layers
+//! `py_attention`; the cache holds f32, f16 or FP8 E4M3, `cpu_kv`, `cpu_kv_fp8`), `cpu_linear` (linear layers
 //! over panel-packed weights; `cpu_quant_linear` from GGUF blocks, `cpu_amx_linear` from their
 //! AMX tiles (`cpu_tile_rows` the same tiles' steps of a few rows, without tile instructions), `cpu_quant_panels` from the blocks laid out as panels (CPUs without AMX); `cpu_amx_tiles` holds the AMX instructions both AMX kernels use) and `cpu_elementwise` (RMSNorm,
 //! RoPE, SiLU-and-mul) (bindings
@@ -36,6 +36,7 @@ pub mod cpu_error;
 mod cpu_exp;
 mod cpu_isa;
 pub mod cpu_kv;
+pub mod cpu_kv_fp8;
 pub mod cpu_linear;
 pub mod cpu_lora;
 pub mod cpu_pool;

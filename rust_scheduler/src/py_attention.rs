@@ -3,11 +3,13 @@
 //! into `out` in place, GIL released while they run.
 //!
 //! Every shape or index problem is a `ValueError` (checked by the kernels' `validate` before any
-//! read); arrays must be C-contiguous float32 / int32, the caches float32 or float16 (both
-//! alike, `cpu_kv`).
+//! read); arrays must be C-contiguous float32 / int32, the caches float32, float16 or uint8
+//! (FP8 E4M3 bytes, `cpu_kv_fp8`: torch's float8_e4m3fn viewed as uint8), both alike
+//! (`cpu_kv`).
 
 use crate::cpu_attention::{paged_decode_attention_f32, DecodeShape};
 use crate::cpu_kv::f16;
+use crate::cpu_kv_fp8::{as_fp8, F8E4M3};
 use crate::cpu_prefill_attention::{paged_prefill_attention_f32, PrefillShape};
 use crate::py_linear::c_contiguous;
 use numpy::{
@@ -42,12 +44,15 @@ pub(crate) fn c_slice<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
 pub(crate) enum KvArrays<'py> {
     F32(PyReadonlyArrayDyn<'py, f32>, PyReadonlyArrayDyn<'py, f32>),
     F16(PyReadonlyArrayDyn<'py, f16>, PyReadonlyArrayDyn<'py, f16>),
+    /// FP8 E4M3 bytes
+    Fp8(PyReadonlyArrayDyn<'py, u8>, PyReadonlyArrayDyn<'py, u8>),
 }
 
 /// [`KvArrays`] as C-ordered slices.
 pub(crate) enum KvSlices<'a> {
     F32(&'a [f32], &'a [f32]),
     F16(&'a [f16], &'a [f16]),
+    Fp8(&'a [F8E4M3], &'a [F8E4M3]),
 }
 
 /// Evaluates `$body` with `$k` / `$v` bound to the slices of a [`KvSlices`], whichever their
@@ -57,6 +62,7 @@ macro_rules! with_kv_slices {
         match $kv {
             KvSlices::F32($k, $v) => $body,
             KvSlices::F16($k, $v) => $body,
+            KvSlices::Fp8($k, $v) => $body,
         }
     };
 }
@@ -69,8 +75,12 @@ impl<'py> KvArrays<'py> {
         if let (Ok(k), Ok(v)) = (k_cache.extract(), v_cache.extract()) {
             return Ok(KvArrays::F16(k, v));
         }
+        if let (Ok(k), Ok(v)) = (k_cache.extract(), v_cache.extract()) {
+            return Ok(KvArrays::Fp8(k, v));
+        }
         Err(PyValueError::new_err(
-            "k_cache and v_cache must be numpy arrays, both float32 or both float16",
+            "k_cache and v_cache must be numpy arrays, both float32, both float16 or both uint8 \
+             (FP8 E4M3 bytes)",
         ))
     }
 
@@ -78,6 +88,7 @@ impl<'py> KvArrays<'py> {
         match self {
             KvArrays::F32(k, v) => (k.shape(), v.shape()),
             KvArrays::F16(k, v) => (k.shape(), v.shape()),
+            KvArrays::Fp8(k, v) => (k.shape(), v.shape()),
         }
     }
 
@@ -85,13 +96,17 @@ impl<'py> KvArrays<'py> {
         Ok(match self {
             KvArrays::F32(k, v) => KvSlices::F32(c_slice("k_cache", k)?, c_slice("v_cache", v)?),
             KvArrays::F16(k, v) => KvSlices::F16(c_slice("k_cache", k)?, c_slice("v_cache", v)?),
+            KvArrays::Fp8(k, v) => KvSlices::Fp8(
+                as_fp8(c_slice("k_cache", k)?),
+                as_fp8(c_slice("v_cache", v)?),
+            ),
         })
     }
 }
 
 /// `paged_decode_attention_f32(q, k_cache, v_cache, block_tables, ctx_lens, out, scale,
-/// num_threads)`: q/out `[S, Hq, D]` float32, caches `[num_blocks, block_size, Hkv, D]` float32
-/// or float16,
+/// num_threads)`: q/out `[S, Hq, D]` float32, caches `[num_blocks, block_size, Hkv, D]` float32,
+/// float16 or uint8 (FP8 E4M3 bytes),
 /// block_tables `[S, max_blocks]` / ctx_lens `[S]` int32. Writes `out`; returns None.
 #[pyfunction]
 #[pyo3(name = "paged_decode_attention_f32")]
@@ -169,7 +184,7 @@ fn cache_dims(kv: &KvArrays<'_>, head_dim: usize) -> PyResult<[usize; 4]> {
 
 /// `paged_prefill_attention_f32(q, k_cache, v_cache, block_tables, q_starts, q_lens, seq_lens,
 /// out, scale, num_threads, amx=True)`: q/out `[T, Hq, D]` float32, caches `[num_blocks,
-/// block_size, Hkv, D]` float32 or float16; per sequence `block_tables` `[S, max_blocks]` and
+/// block_size, Hkv, D]` float32, float16 or uint8 (FP8 E4M3); per sequence `block_tables` `[S, max_blocks]` and
 /// `q_starts` / `q_lens` / `seq_lens` `[S]` int32. Writes the sequences' rows of `out`; returns
 /// None. `amx=False` keeps the kernel off its AMX path.
 #[pyfunction]

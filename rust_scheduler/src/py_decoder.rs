@@ -16,7 +16,8 @@ use crate::cpu_amx_linear::{AmxFormat, AmxTiles};
 use crate::cpu_decoder::{
     forward_step, CacheShape, DecoderShape, Layer, Linear, PrefillChunks, StepRows,
 };
-use crate::cpu_kv::{f16, KvElement};
+use crate::cpu_kv::f16;
+use crate::cpu_kv_fp8::{as_fp8_mut, F8E4M3};
 use crate::cpu_lora::{LoraLayer, LoraWeights, StepLora};
 use crate::cpu_quant_linear::QuantWeight;
 use crate::cpu_quant_panels::{PanelFormat, QuantPanels};
@@ -35,6 +36,8 @@ type F32Array = Py<PyArrayDyn<f32>>;
 enum LayerCaches<'py> {
     F32(Vec<Bound<'py, PyArrayDyn<f32>>>),
     F16(Vec<Bound<'py, PyArrayDyn<f16>>>),
+    /// FP8 E4M3 bytes (`cpu_kv_fp8`)
+    Fp8(Vec<Bound<'py, PyArrayDyn<u8>>>),
 }
 
 impl<'py> LayerCaches<'py> {
@@ -45,8 +48,12 @@ impl<'py> LayerCaches<'py> {
         if let Ok(list) = caches.extract() {
             return Ok(LayerCaches::F16(list));
         }
+        if let Ok(list) = caches.extract() {
+            return Ok(LayerCaches::Fp8(list));
+        }
         Err(PyValueError::new_err(
-            "caches must be a list of numpy arrays, all float32 or all float16",
+            "caches must be a list of numpy arrays, all float32, all float16 or all uint8 (FP8 \
+             E4M3 bytes)",
         ))
     }
 
@@ -54,6 +61,7 @@ impl<'py> LayerCaches<'py> {
         match self {
             LayerCaches::F32(list) => list.first().map(|c| c.shape().to_vec()),
             LayerCaches::F16(list) => list.first().map(|c| c.shape().to_vec()),
+            LayerCaches::Fp8(list) => list.first().map(|c| c.shape().to_vec()),
         }
         .unwrap_or_default()
     }
@@ -71,7 +79,7 @@ fn borrow_caches<'py, E: Element>(
 }
 
 /// The borrowed caches as C-ordered slices (`ValueError` for one that is not C-contiguous).
-fn cache_slices<'a, E: Element + KvElement>(
+fn cache_slices<'a, E: Element>(
     guards: &'a mut [PyReadwriteArrayDyn<'_, E>],
 ) -> PyResult<Vec<&'a mut [E]>> {
     let mut views = Vec::with_capacity(guards.len());
@@ -546,7 +554,7 @@ impl PyCpuDecoderStack {
     /// decode_rows=None, prefill=None)`: runs the step's `R` rows through every layer (see
     /// `cpu_decoder`): `hidden` `[R, H]` float32 in place (embeddings in, pre-final-norm states
     /// out), `cos` / `sin` `[R, D]`, `caches` one `[2, num_blocks, block_size, Hkv, D]` array
-    /// per layer, all float32 or all float16 (written at `slots`), `slots` `[R]` int64; the decode kernel's rows
+    /// per layer, all float32, all float16 or all uint8 (FP8 E4M3 bytes) (written at `slots`), `slots` `[R]` int64; the decode kernel's rows
     /// `decode_rows` `[N]` int64 (None: all, N = R) with `block_tables` `[N, max_blocks]` /
     /// `ctx_lens` `[N]` int32; `prefill` None or the prefill kernel's chunks `(q_starts, q_lens,
     /// seq_lens, block_tables)` (int32 `[P]`, `[P]`, `[P]`, `[P, max_blocks]`); `amx=False`
@@ -623,9 +631,13 @@ impl PyCpuDecoderStack {
         };
         // the same steps for either element type, each compiled for its own
         macro_rules! run_with {
-            ($list:expr) => {{
+            ($list:expr) => {
+                run_with!($list, |views| views)
+            };
+            ($list:expr, |$views:ident| $as_kv:expr) => {{
                 let mut guards = borrow_caches($list)?;
-                let mut views = cache_slices(&mut guards)?;
+                let $views = cache_slices(&mut guards)?;
+                let mut views = $as_kv;
                 py.detach(|| {
                     forward_step(
                         &s,
@@ -645,6 +657,10 @@ impl PyCpuDecoderStack {
         match &caches {
             LayerCaches::F32(list) => run_with!(list),
             LayerCaches::F16(list) => run_with!(list),
+            LayerCaches::Fp8(list) => run_with!(list, |bytes| bytes
+                .into_iter()
+                .map(as_fp8_mut)
+                .collect::<Vec<&mut [F8E4M3]>>()),
         }
     }
 }

@@ -63,10 +63,12 @@ def test_kernels_refuse_mixed_or_other_cache_dtypes_without_writing():
     query, cache, table, ctx = _random_decode_step(rng, 4, 8, 2, 64)
     out = np.full(query.shape, np.nan, np.float32)
     k16, v16 = cache[0].half().numpy(), cache[1].half().numpy()
+    k8 = cache[0].to(torch.float8_e4m3fn).view(torch.uint8).numpy()
     for k, v in [(cache[0].numpy(), v16), (k16, cache[1].numpy()),
                  (cache[0].double().numpy(), cache[1].double().numpy()),
-                 (cache[0].bfloat16().view(torch.int16).numpy(), v16)]:
-        with pytest.raises(ValueError, match="both float32 or both float16"):
+                 (cache[0].bfloat16().view(torch.int16).numpy(), v16), (k8, v16),
+                 (k8.view(np.int8), k8.view(np.int8))]:
+        with pytest.raises(ValueError, match="both float32, both float16 or both uint8"):
             paged_decode_attention_f32(query.numpy(), k, v, table, ctx, out, 0.125, 2)
         assert np.isnan(out).all()
 

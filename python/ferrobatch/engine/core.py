@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ferrobatch.config import EngineConfig
+from ferrobatch.config import KV_CACHE_TORCH_DTYPES, EngineConfig
 from ferrobatch.engine.errors import LoraSlotsBusyError, QueueFullError
 from ferrobatch.engine.pooling import PoolingState, pooled_embeddings, pooling_rows
 from ferrobatch.engine.step_rows import rows_of_requests
@@ -175,7 +175,8 @@ class EngineCore:
         device = str(loaded.device)
         mcfg = loaded.config
         kv_dtype = check_kv_cache_dtype(
-            None if config.kv_cache_dtype == "auto" else _torch_dtype(config.kv_cache_dtype),
+            None if config.kv_cache_dtype == "auto"
+            else getattr(torch, KV_CACHE_TORCH_DTYPES[config.kv_cache_dtype]),
             loaded.dtype, loaded.device)
         max_model_len = min(int(mcfg.max_position_embeddings), DEFAULT_MAX_MODEL_LEN)
         if config.max_model_len is not None:

@@ -32,6 +32,7 @@ from ferrobatch.model.quantized_embedding import QuantizedEmbedding, check_token
 from ferrobatch.runtime.attention.cpu import CpuPagedBackend, CpuPagedMetadata
 from ferrobatch.runtime.cpu_elementwise import RustApplyRotary, RustRMSNorm
 from ferrobatch.runtime.cpu_linear import PanelLinear
+from ferrobatch.runtime.kv_cache import cache_array
 
 
 def unsupported(model: nn.Module, backend) -> str | None:
@@ -155,7 +156,7 @@ class FusedLayers:
             decode_rows = None if rows.every_token else rows.token_index.numpy()
         prefill = None if chunks is None else \
             (chunks.q_starts, chunks.q_lens, chunks.seq_lens, chunks.block_tables)
-        self._stack.forward(hidden, cos, sin, [t.numpy() for t in kv_caches],
+        self._stack.forward(hidden, cos, sin, [cache_array(t) for t in kv_caches],
                             meta.slot_mapping.numpy(), tables, ctx_lens, self.num_threads,
                             decode_rows, prefill, amx=self.amx, lora=lora)
         self.steps += 1

@@ -1,11 +1,17 @@
 """Paged KV cache tensors: one ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
 
-The cache holds the model's dtype, or on the CPU optionally float16 beside a float32 model:
-half the bytes per token (twice the tokens in the same ``--kv-cache-gb``, half the memory that
-decode attention reads), each K/V value rounded once to float16 when written and computed with
-in float32 (the Rust kernels convert on load, ``rust_scheduler/src/cpu_kv.rs``; the torch
-reference converts what it gathers). Greedy output then no longer matches a float32 reference
-token for token on every prompt, which is why it is not the default.
+The cache holds the model's dtype, or on the CPU optionally float16 or FP8 E4M3
+(``float8_e4m3fn``, ``--kv-cache-dtype fp8``) beside a float32 model: a half or a quarter of the
+bytes per token (two or four times the tokens in the same ``--kv-cache-gb``, that much less
+memory for decode attention to read), each K/V value rounded once when written (FP8: saturated
+to +-448 first, as vLLM's conversion does) and computed with in float32 (the Rust kernels
+convert on load, ``rust_scheduler/src/cpu_kv.rs`` and ``cpu_kv_fp8.rs``; the torch reference
+converts what it gathers). Greedy output then no longer matches a float32 reference token for
+token on every prompt, which is why neither is the default; FP8's three mantissa bits move the
+logits more than float16's ten (``tests/model/test_kv_cache_fp8.py``).
+
+torch has no CPU ``index_copy_`` / ``index_put_`` for float8 and numpy no float8 at all, so an
+FP8 cache is moved as its bytes (:func:`storage_view`, :func:`cache_array`).
 """
 
 from __future__ import annotations
@@ -17,7 +23,28 @@ from ferrobatch.model.config import ModelConfig
 
 # (device type, model dtype) -> the KV cache dtypes other than the model's that the attention
 # backends there read
-EXTRA_KV_CACHE_DTYPES = {("cpu", torch.float32): (torch.float16,)}
+EXTRA_KV_CACHE_DTYPES = {("cpu", torch.float32): (torch.float16, torch.float8_e4m3fn)}
+# the largest finite float8_e4m3fn value: what is written saturates to it
+FP8_E4M3_MAX = 448.0
+
+
+def storage_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or for an FP8 cache its bytes (uint8, the same memory): what copies and
+    index writes work on."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def cache_array(t: torch.Tensor) -> np.ndarray:
+    """A CPU cache tensor as the numpy array the Rust kernels take (FP8: its bytes, uint8)."""
+    return storage_view(t).numpy()
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to what a cache of ``dtype`` stores (to nearest, ties to even; FP8
+    saturates at +-448 as the Rust kernels' writes do, where torch's own conversion gives NaN)."""
+    if dtype == torch.float8_e4m3fn:
+        x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return x.to(dtype)
 
 
 def check_kv_cache_dtype(kv_dtype: torch.dtype | None, model_dtype: torch.dtype,
@@ -112,7 +139,7 @@ class KVCache:
 
     @property
     def dtype(self) -> torch.dtype:
-        """What the cache stores (the model's dtype, or float16 on the CPU)."""
+        """What the cache stores (the model's dtype, or float16 / float8_e4m3fn on the CPU)."""
         return self.layers[0].dtype
 
     @property
@@ -130,4 +157,5 @@ class KVCache:
         pairs = pairs.to(self.layers[0].device)
         src, dst = pairs[:, 0], pairs[:, 1]
         for layer in self.layers:
+            layer = storage_view(layer)
             layer[:, dst] = layer[:, src]

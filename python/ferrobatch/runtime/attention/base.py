@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ferrobatch.runtime.kv_cache import storage_view, to_cache_dtype
+
 
 @dataclass
 class AttentionMetadata:
@@ -107,13 +109,13 @@ class AttentionBackend(abc.ABC):
         """Stores ``key``/``value`` ``[T, Hkv, D]`` at ``meta.slot_mapping`` in ``kv_cache``
         (rows with slot -1, the padding of static decode steps, are skipped)."""
         num_kv_heads, head_dim = kv_cache.shape[-2:]
-        flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+        flat = storage_view(kv_cache).view(2, -1, num_kv_heads, head_dim)
         slots = meta.slot_mapping
         if isinstance(meta, StaticDecodeMetadata):
             real = torch.nonzero(slots >= 0).squeeze(1)
             slots, key, value = slots[real], key[real], value[real]
-        flat[0].index_copy_(0, slots, key.to(kv_cache.dtype))
-        flat[1].index_copy_(0, slots, value.to(kv_cache.dtype))
+        flat[0].index_copy_(0, slots, storage_view(to_cache_dtype(key, kv_cache.dtype)))
+        flat[1].index_copy_(0, slots, storage_view(to_cache_dtype(value, kv_cache.dtype)))
 
     @abc.abstractmethod
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

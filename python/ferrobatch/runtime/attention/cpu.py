@@ -13,8 +13,8 @@ attention of each chunk's queries over its whole paged context, no gather, regis
 (8 query rows x 32 keys), about twice torch's SDPA on the same threads.
 ``CpuPagedBackend(prefill_kernel=False)`` keeps SDPA for them (the reference, run on the
 kernels' thread count although the forward otherwise keeps torch single-threaded), for
-comparisons. float32 models only (other dtypes use "torch"); the cache may hold float32 or
-float16 (``--kv-cache-dtype``: the kernels convert on load).
+comparisons. float32 models only (other dtypes use "torch"); the cache may hold float32,
+float16 or FP8 E4M3 (``--kv-cache-dtype``: the kernels convert on load).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from ferrobatch.runtime.attention.torch_ref import (
     attend_groups,
 )
 from ferrobatch.runtime.cpu_threads import torch_threads
+from ferrobatch.runtime.kv_cache import cache_array
 
 
 @dataclass
@@ -180,14 +181,15 @@ class CpuPagedBackend(TorchReferenceBackend):
         threads = self.num_threads or torch.get_num_threads()
         if rows is not None and rows.every_token:  # a decode-only step: no gather, no scatter
             out = query.new_empty(query.shape)
-            self._kernel(query.contiguous().numpy(), kv_cache[0].numpy(), kv_cache[1].numpy(),
-                         rows.block_tables, rows.ctx_lens, out.numpy(), float(scale), threads)
+            self._kernel(query.contiguous().numpy(), cache_array(kv_cache[0]),
+                         cache_array(kv_cache[1]), rows.block_tables, rows.ctx_lens, out.numpy(),
+                         float(scale), threads)
             return out
         out = query.new_empty(num_tokens + 1, num_heads, head_dim)
         if meta.prefill is not None:   # prefill chunks: the Rust kernel, in place
             p = meta.prefill
-            self._prefill_kernel(query.contiguous().numpy(), kv_cache[0].numpy(),
-                                 kv_cache[1].numpy(), p.block_tables, p.q_starts, p.q_lens,
+            self._prefill_kernel(query.contiguous().numpy(), cache_array(kv_cache[0]),
+                                 cache_array(kv_cache[1]), p.block_tables, p.q_starts, p.q_lens,
                                  p.seq_lens, out[:num_tokens].numpy(), float(scale), threads,
                                  amx=self.amx)
         if meta.groups:    # prefill chunks: torch's SDPA, long ones on the kernels' threads
@@ -196,7 +198,7 @@ class CpuPagedBackend(TorchReferenceBackend):
         if rows is not None:
             q = query.index_select(0, rows.token_index)
             o = torch.empty_like(q)
-            self._kernel(q.numpy(), kv_cache[0].numpy(), kv_cache[1].numpy(), rows.block_tables,
-                         rows.ctx_lens, o.numpy(), float(scale), threads)
+            self._kernel(q.numpy(), cache_array(kv_cache[0]), cache_array(kv_cache[1]),
+                         rows.block_tables, rows.ctx_lens, o.numpy(), float(scale), threads)
             out.index_copy_(0, rows.token_index, o)
         return out[:num_tokens]
