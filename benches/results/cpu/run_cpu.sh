@@ -329,6 +329,19 @@ $PY benches/throughput.py --workload cpu-small \
 $PY benches/engine_overhead.py --running 64,256,1024 --l1 16 --l2 48 \
   --json $OUT/engine_overhead_session24.json
 
+# Session 45 (Xeon with AMX): the FP8 KV cache against float32 and float16: its quality on
+# greedy chat replies, the decode kernel alone, 16-row steps, and cpu-small alternating.
+$PY benches/kv_cache_quality.py --json $OUT/kv_cache_quality_session45.json
+$PY benches/cpu_kernels.py --only kv16
+for ctx in 256 1024; do
+  for dt in auto float16 fp8; do
+    $PY benches/step_breakdown.py --rows 16 --context $ctx --kv-cache-dtype $dt
+  done
+done
+$PY benches/throughput.py --workload cpu-small \
+  --systems ferrobatch,ferrobatch-kv16,ferrobatch-kv8,ferrobatch,ferrobatch-kv16,ferrobatch-kv8 \
+  --no-progress --json $OUT/throughput_cpu-small_kv_session45.json
+
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
 #   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \
