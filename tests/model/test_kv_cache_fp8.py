@@ -223,3 +223,22 @@ def test_the_engine_serves_with_an_fp8_cache(loaded_smollm2):
         assert llm.engine.stats()["num_used_blocks"] == 0
     finally:
         llm.close()
+
+
+def test_a_context_cut_by_a_small_cache_names_the_smaller_dtypes(loaded_smollm2, caplog):
+    """When the KV cache cannot hold the model's context, the warning names what helps: more
+    memory, and the smaller element types this device and model can store."""
+    from ferrobatch.engine.core import EngineCore
+    wants = {"auto": "--kv-cache-dtype float16 / fp8", "float16": "--kv-cache-dtype fp8",
+             "fp8": None}
+    for dtype, want in wants.items():
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="ferrobatch.engine.core"):
+            EngineCore.build(EngineConfig(kv_cache_dtype=dtype, num_blocks=20, device="cpu"),
+                             loaded_smollm2)
+        [line] = [r.getMessage() for r in caplog.records if "lowered" in r.getMessage()]
+        assert "--kv-cache-gb" in line
+        if want is None:
+            assert "--kv-cache-dtype" not in line
+        else:
+            assert want in line

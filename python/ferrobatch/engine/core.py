@@ -89,6 +89,10 @@ def rows_all_finite(logits: torch.Tensor) -> bool:
         return bool(torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)).all())
 
 
+# torch's name of each smaller KV cache dtype -> the --kv-cache-dtype value that asks for it
+KV_DTYPE_FLAGS = {"float16": "float16", "float8_e4m3fn": "fp8"}
+
+
 def _torch_dtype(name: str | None) -> Any:
     if name is None:
         return None
@@ -139,6 +143,7 @@ class EngineCore:
         from ferrobatch._scheduler import Scheduler
         from ferrobatch.model.loader import load_model
         from ferrobatch.runtime.kv_cache import (
+            EXTRA_KV_CACHE_DTYPES,
             check_cpu_kv_fits,
             check_kv_cache_dtype,
             kv_block_bytes,
@@ -200,10 +205,16 @@ class EngineCore:
         # one sequence holds at most this many tokens (its last sampled one is never computed)
         kv_tokens = (num_blocks - 1) * config.block_size + 1
         if kv_tokens < max_model_len:
+            smaller = [str(d).removeprefix("torch.") for d in
+                       EXTRA_KV_CACHE_DTYPES.get((loaded.device.type, loaded.dtype), ())
+                       if d.itemsize < kv_dtype.itemsize]
             logger.warning("max_model_len lowered from %d to %d tokens: one sequence cannot "
                            "hold more in a KV cache of %d blocks of %d (more KV memory, "
-                           "e.g. --kv-cache-gb, allows longer contexts)", max_model_len,
-                           kv_tokens, num_blocks, config.block_size)
+                           "e.g. --kv-cache-gb%s, allows longer contexts)", max_model_len,
+                           kv_tokens, num_blocks, config.block_size,
+                           f", or fewer bytes per token, --kv-cache-dtype "
+                           f"{' / '.join(KV_DTYPE_FLAGS[d] for d in smaller)}"
+                           if smaller else "")
             max_model_len = kv_tokens
         if loaded.device.type == "cpu":
             check_cpu_kv_fits(num_blocks * kv_block_bytes(mcfg, config.block_size, kv_dtype))
