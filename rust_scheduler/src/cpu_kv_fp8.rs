@@ -150,6 +150,60 @@ impl KvElement for F8E4M3 {
         assert_eq!(src.len(), dst.len());
         dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
     }
+    fn store_row(dst: &mut [F8E4M3], src: &[f32]) {
+        assert_eq!(dst.len(), src.len());
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX-512F was just detected; the lengths are equal.
+            return unsafe { store_row_avx512(dst, src) };
+        }
+        dst.iter_mut()
+            .zip(src)
+            .for_each(|(d, &s)| *d = F8E4M3::from_f32(s));
+    }
+}
+
+/// [`F8E4M3::from_f32`] sixteen values at a time (the same byte for every f32: the same
+/// rounding of the same bits, lane by lane; the tail one at a time).
+///
+/// # Safety
+/// On a CPU with AVX-512F, for `dst.len() == src.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn store_row_avx512(dst: &mut [F8E4M3], src: &[f32]) {
+    use std::arch::x86_64::*;
+    let n = src.len() / 16 * 16;
+    for i in (0..n).step_by(16) {
+        let bits = _mm512_loadu_si512(src.as_ptr().add(i).cast());
+        let sign = _mm512_and_si512(_mm512_srli_epi32::<24>(bits), _mm512_set1_epi32(0x80));
+        let abs_bits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fff_ffff));
+        let magnitude = _mm512_castsi512_ps(abs_bits);
+        // normal: 23 mantissa bits rounded to 3, ties to even; (exponent << 3 | mantissa) is
+        // the rounded bits >> 20, less f32's exponent bias over E4M3's (120) << 3
+        let odd = _mm512_and_si512(_mm512_srli_epi32::<20>(abs_bits), _mm512_set1_epi32(1));
+        let rounded =
+            _mm512_add_epi32(_mm512_add_epi32(abs_bits, _mm512_set1_epi32(0x7_ffff)), odd);
+        let normal = _mm512_sub_epi32(
+            _mm512_srli_epi32::<20>(rounded),
+            _mm512_set1_epi32(120 << 3),
+        );
+        // subnormal: multiples of 2^-9 (exact scaling), rounded to nearest even
+        let subnormal = _mm512_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(magnitude, _mm512_set1_ps(512.0)),
+        );
+        let is_subnormal = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(magnitude, _mm512_set1_ps(1.0 / 64.0));
+        let saturated = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(magnitude, _mm512_set1_ps(E4M3_MAX));
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(magnitude, magnitude);
+        let mut code = _mm512_mask_blend_epi32(is_subnormal, normal, subnormal);
+        code = _mm512_mask_blend_epi32(saturated, code, _mm512_set1_epi32(0x7e));
+        code = _mm512_mask_blend_epi32(nan, code, _mm512_set1_epi32(0x7f));
+        code = _mm512_or_si512(code, sign);
+        _mm_storeu_si128(dst.as_mut_ptr().add(i).cast(), _mm512_cvtepi32_epi8(code));
+    }
+    dst[n..]
+        .iter_mut()
+        .zip(&src[n..])
+        .for_each(|(d, &s)| *d = F8E4M3::from_f32(s));
 }
 
 #[cfg(test)]
@@ -229,6 +283,45 @@ mod tests {
         let mut cache = vec![0u8; 4];
         F8E4M3::store_row(as_fp8_mut(&mut cache), &[1.5, -448.0, 1e9, 0.0]);
         assert_eq!(cache, [0x3c, 0xfe, 0x7e, 0x00]);
+    }
+
+    #[test]
+    fn store_row_rounds_every_value_as_from_f32() {
+        // random bit patterns (every exponent, NaNs and infinities included), every code's value,
+        // the midpoints between neighbours and a hair either side, in rows with a tail
+        let mut rng = crate::test_rng::Lcg(45);
+        let mut xs: Vec<f32> = (0..20_000)
+            .map(|_| f32::from_bits(rng.next_u32()))
+            .collect();
+        xs.extend((0..20_000).map(|_| rng.next_f32() * 300.0));
+        xs.extend((0..20_000).map(|_| rng.next_f32() * 0.025));
+        for lo in 0..0x7eu8 {
+            let (a, b) = (F8E4M3(lo).to_f32(), F8E4M3(lo + 1).to_f32());
+            let mid = (a + b) / 2.0;
+            for x in [
+                a,
+                mid,
+                f32::from_bits(mid.to_bits() - 1),
+                f32::from_bits(mid.to_bits() + 1),
+            ] {
+                xs.extend([x, -x]);
+            }
+        }
+        xs.extend([
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            448.0,
+            464.0,
+            1e-45,
+        ]);
+        let want: Vec<F8E4M3> = xs.iter().map(|&x| F8E4M3::from_f32(x)).collect();
+        for len in [xs.len(), 37, 16, 5] {
+            let mut got = vec![F8E4M3(0x55); len];
+            F8E4M3::store_row(&mut got, &xs[..len]);
+            assert_eq!(got, want[..len]);
+        }
     }
 
     #[cfg(target_arch = "x86_64")]

@@ -17,6 +17,11 @@ impl Lcg {
         ((self.step() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
+    /// Uniform over all 32-bit patterns.
+    pub fn next_u32(&mut self) -> u32 {
+        (self.step() >> 32) as u32
+    }
+
     /// Uniform in 0..n.
     pub fn below(&mut self, n: usize) -> usize {
         ((self.step() >> 33) as usize) % n
