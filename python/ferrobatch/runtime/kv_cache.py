@@ -55,11 +55,17 @@ def check_kv_cache_dtype(kv_dtype: torch.dtype | None, model_dtype: torch.dtype,
     device_type = torch.device(device).type
     allowed = EXTRA_KV_CACHE_DTYPES.get((device_type, model_dtype), ())
     if kv_dtype not in allowed:
-        names = ", ".join(str(d).removeprefix("torch.") for d in (model_dtype, *allowed))
-        raise ValueError(f"a {str(kv_dtype).removeprefix('torch.')} KV cache is not supported "
-                         f"beside a {str(model_dtype).removeprefix('torch.')} model on "
-                         f"{device_type}; supported: {names}")
+        names = ", ".join(_dtype_name(d) for d in (model_dtype, *allowed))
+        article = "an" if kv_dtype == torch.float8_e4m3fn else "a"     # "an fp8"
+        raise ValueError(f"{article} {_dtype_name(kv_dtype)} KV cache is not supported beside a "
+                         f"{_dtype_name(model_dtype)} model on {device_type}; supported: {names}")
     return kv_dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """torch's name of a dtype, with the --kv-cache-dtype value where that differs."""
+    name = str(dtype).removeprefix("torch.")
+    return f"fp8 ({name})" if dtype == torch.float8_e4m3fn else name
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
