@@ -188,9 +188,11 @@ unsafe fn store_row_avx512(dst: &mut [F8E4M3], src: &[f32]) {
             _mm512_set1_epi32(120 << 3),
         );
         // subnormal: multiples of 2^-9 (exact scaling), rounded to nearest even
-        let subnormal = _mm512_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm512_mul_ps(magnitude, _mm512_set1_ps(512.0)),
-        );
+        const NEAREST_EVEN: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        let subnormal = _mm512_cvt_roundps_epi32::<NEAREST_EVEN>(_mm512_mul_ps(
+            magnitude,
+            _mm512_set1_ps(512.0),
+        ));
         let is_subnormal = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(magnitude, _mm512_set1_ps(1.0 / 64.0));
         let saturated = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(magnitude, _mm512_set1_ps(E4M3_MAX));
         let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(magnitude, magnitude);

@@ -184,9 +184,9 @@ fn cache_dims(kv: &KvArrays<'_>, head_dim: usize) -> PyResult<[usize; 4]> {
 
 /// `paged_prefill_attention_f32(q, k_cache, v_cache, block_tables, q_starts, q_lens, seq_lens,
 /// out, scale, num_threads, amx=True)`: q/out `[T, Hq, D]` float32, caches `[num_blocks,
-/// block_size, Hkv, D]` float32, float16 or uint8 (FP8 E4M3); per sequence `block_tables` `[S, max_blocks]` and
-/// `q_starts` / `q_lens` / `seq_lens` `[S]` int32. Writes the sequences' rows of `out`; returns
-/// None. `amx=False` keeps the kernel off its AMX path.
+/// block_size, Hkv, D]` float32, float16 or uint8 (FP8 E4M3); per sequence `block_tables`
+/// `[S, max_blocks]` and `q_starts` / `q_lens` / `seq_lens` `[S]` int32. Writes the sequences'
+/// rows of `out`; returns None. `amx=False` keeps the kernel off its AMX path.
 #[pyfunction]
 #[pyo3(name = "paged_prefill_attention_f32")]
 #[pyo3(signature = (q, k_cache, v_cache, block_tables, q_starts, q_lens, seq_lens, out, scale,

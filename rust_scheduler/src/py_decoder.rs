@@ -554,12 +554,13 @@ impl PyCpuDecoderStack {
     /// decode_rows=None, prefill=None)`: runs the step's `R` rows through every layer (see
     /// `cpu_decoder`): `hidden` `[R, H]` float32 in place (embeddings in, pre-final-norm states
     /// out), `cos` / `sin` `[R, D]`, `caches` one `[2, num_blocks, block_size, Hkv, D]` array
-    /// per layer, all float32, all float16 or all uint8 (FP8 E4M3 bytes) (written at `slots`), `slots` `[R]` int64; the decode kernel's rows
-    /// `decode_rows` `[N]` int64 (None: all, N = R) with `block_tables` `[N, max_blocks]` /
-    /// `ctx_lens` `[N]` int32; `prefill` None or the prefill kernel's chunks `(q_starts, q_lens,
-    /// seq_lens, block_tables)` (int32 `[P]`, `[P]`, `[P]`, `[P, max_blocks]`); `amx=False`
-    /// keeps the prompt chunks' attention off AMX; `lora` None or `(CpuLoraStack, row_blocks)`
-    /// (int32 `[R]`: each row's block of the stack, negative for base-model rows).
+    /// per layer, all float32, all float16 or all uint8 (FP8 E4M3 bytes) (written at `slots`),
+    /// `slots` `[R]` int64; the decode kernel's rows `decode_rows` `[N]` int64 (None: all,
+    /// N = R) with `block_tables` `[N, max_blocks]` / `ctx_lens` `[N]` int32; `prefill` None or
+    /// the prefill kernel's chunks `(q_starts, q_lens, seq_lens, block_tables)` (int32 `[P]`,
+    /// `[P]`, `[P]`, `[P, max_blocks]`); `amx=False` keeps the prompt chunks' attention off AMX;
+    /// `lora` None or `(CpuLoraStack, row_blocks)` (int32 `[R]`: each row's block of the stack,
+    /// negative for base-model rows).
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (hidden, cos, sin, caches, slots, block_tables, ctx_lens, num_threads,
                         decode_rows=None, prefill=None, amx=true, lora=None))]
