@@ -1,6 +1,6 @@
 """A float16 KV cache on the CPU (``--kv-cache-dtype float16``): the Rust kernels read it as the
-float32 values it holds, the engine sizes it at half the bytes per token, and SmolLM2's logits
-stay close to the float32 cache's."""
+float32 values it holds (the kernel checks here run for an FP8 cache too), the engine sizes it at
+half the bytes per token, and SmolLM2's logits stay close to the float32 cache's."""
 
 from __future__ import annotations
 
@@ -13,49 +13,58 @@ from test_cpu_kernels import _random_decode_step, _random_prefill_step
 from ferrobatch._scheduler import paged_decode_attention_f32, paged_prefill_attention_f32
 from ferrobatch.config import EngineConfig
 from ferrobatch.runtime.cpu_linear import packing_unsupported
-from ferrobatch.runtime.kv_cache import check_kv_cache_dtype, num_blocks_for_budget
+from ferrobatch.runtime.kv_cache import (
+    cache_array,
+    check_kv_cache_dtype,
+    num_blocks_for_budget,
+    to_cache_dtype,
+)
 from ferrobatch.runtime.model_runner import ModelRunner, num_kv_blocks
 
 pytestmark = pytest.mark.skipif(packing_unsupported(torch.device("cpu"), torch.float32) is not None,
                                 reason="the Rust CPU kernels need AVX2 (packing unsupported)")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn], ids=["f16", "fp8"])
 @pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((8, 2), 128), ((4, 4), 40)])
-def test_decode_kernel_reads_an_f16_cache_as_its_values_in_f32(heads, head_dim):
-    # 40: the portable path; the others AVX2's eight-at-a-time conversion
+def test_decode_kernel_reads_a_rounded_cache_as_its_values_in_f32(heads, head_dim, dtype):
+    # 40: the portable path; the others the SIMD loads (AVX2 / AVX-512 as the CPU has them);
+    # * 8: FP8's normal range and its subnormals both
     rng = np.random.default_rng(head_dim + heads[0])
     torch.manual_seed(int(rng.integers(1 << 30)))
     query, cache, table, ctx = _random_decode_step(rng, 13, *heads, head_dim)
-    cache16 = cache.half()
+    rounded = to_cache_dtype(cache * 8, dtype)
     for threads in (1, 2):
         outs = {}
-        for name, c in (("f16", cache16), ("f32", cache16.float())):
+        for name, c in (("rounded", rounded), ("f32", rounded.float())):
             outs[name] = torch.full_like(query, float("nan"))
-            paged_decode_attention_f32(query.numpy(), c[0].numpy(), c[1].numpy(), table, ctx,
-                                       outs[name].numpy(), head_dim ** -0.5, threads)
-        assert not outs["f16"].isnan().any()
-        assert torch.equal(outs["f16"], outs["f32"]), "the f16 cache is not read as its values"
+            paged_decode_attention_f32(query.numpy(), cache_array(c[0]), cache_array(c[1]),
+                                       table, ctx, outs[name].numpy(), head_dim ** -0.5, threads)
+        assert not outs["rounded"].isnan().any()
+        assert torch.equal(outs["rounded"], outs["f32"]), "the cache is not read as its values"
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn], ids=["f16", "fp8"])
 @pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((4, 4), 40)])
-def test_prefill_kernel_reads_an_f16_cache_as_its_values_in_f32(heads, head_dim):
+def test_prefill_kernel_reads_a_rounded_cache_as_its_values_in_f32(heads, head_dim, dtype):
     rng = np.random.default_rng(7 + head_dim)
     torch.manual_seed(int(rng.integers(1 << 30)))
     q_lens = np.array([9, 120, 33], np.int32)
     batch, q_starts, num_tokens, cache = _random_prefill_step(rng, q_lens, [0, 0, 300], heads[1],
                                                               head_dim)
     query = torch.randn(num_tokens, heads[0], head_dim)
-    cache16 = cache.half()
+    rounded = to_cache_dtype(cache, dtype)
     outs = {}
-    for name, c in (("f16", cache16), ("f32", cache16.float())):
+    for name, c in (("rounded", rounded), ("f32", rounded.float())):
         outs[name] = torch.full_like(query, float("nan"))
-        paged_prefill_attention_f32(query.numpy(), c[0].numpy(), c[1].numpy(), batch.block_tables,
-                                    q_starts, q_lens, batch.seq_lens.astype(np.int32),
-                                    outs[name].numpy(), head_dim ** -0.5, 2)
+        paged_prefill_attention_f32(query.numpy(), cache_array(c[0]), cache_array(c[1]),
+                                    batch.block_tables, q_starts, q_lens,
+                                    batch.seq_lens.astype(np.int32), outs[name].numpy(),
+                                    head_dim ** -0.5, 2)
     rows = np.concatenate([np.arange(s, s + n) for s, n in zip(q_starts, q_lens)])
-    assert not outs["f16"][rows].isnan().any()
-    assert torch.equal(outs["f16"][rows], outs["f32"][rows])
-    assert outs["f16"][np.setdiff1d(np.arange(num_tokens), rows)].isnan().all()
+    assert not outs["rounded"][rows].isnan().any()
+    assert torch.equal(outs["rounded"][rows], outs["f32"][rows])
+    assert outs["rounded"][np.setdiff1d(np.arange(num_tokens), rows)].isnan().all()
 
 
 def test_kernels_refuse_mixed_or_other_cache_dtypes_without_writing():

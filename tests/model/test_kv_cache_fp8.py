@@ -1,7 +1,8 @@
 """An FP8 E4M3 KV cache on the CPU (``--kv-cache-dtype fp8``, torch's ``float8_e4m3fn``): the Rust
-kernels read it as the float32 values it holds, both write paths (torch's, the fused Rust step's)
-round and saturate alike, the engine sizes it at a quarter of float32's bytes per token, and
-SmolLM2's greedy steps stay close to the float32 cache's."""
+kernels read it as the float32 values it holds (checked beside float16's in
+``test_kv_cache_f16.py``), both write paths (torch's, the fused Rust step's) round and saturate
+alike, the engine sizes it at a quarter of float32's bytes per token, and SmolLM2's greedy steps
+stay close to the float32 cache's."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from test_cpu_kernels import (
 )
 
 from ferrobatch import LLM, SamplingParams
-from ferrobatch._scheduler import paged_decode_attention_f32, paged_prefill_attention_f32
+from ferrobatch._scheduler import paged_decode_attention_f32
 from ferrobatch.config import EngineConfig
 from ferrobatch.runtime.cpu_linear import packing_unsupported
 from ferrobatch.runtime.kv_cache import (
@@ -46,44 +47,6 @@ def test_writes_round_to_nearest_even_and_saturate():
     assert got.tolist() == [448.0, -448.0, 448.0, 448.0, 1.0, 1.25, 0.0]
     assert to_cache_dtype(torch.tensor([float("nan")]), FP8).float().isnan().all()
     assert to_cache_dtype(x, torch.float16).dtype == torch.float16   # others: a plain cast
-
-
-@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((8, 2), 128), ((4, 4), 40)])
-def test_decode_kernel_reads_an_fp8_cache_as_its_values_in_f32(heads, head_dim):
-    # 40: the portable path; the others the SIMD loads (AVX2 / AVX-512 as the CPU has them)
-    rng = np.random.default_rng(head_dim + heads[0])
-    torch.manual_seed(int(rng.integers(1 << 30)))
-    query, cache, table, ctx = _random_decode_step(rng, 13, *heads, head_dim)
-    cache8 = to_cache_dtype(cache * 8, FP8)     # * 8: the normal range and the subnormals
-    for threads in (1, 2):
-        outs = {}
-        for name, c in (("fp8", cache8), ("f32", cache8.float())):
-            outs[name] = torch.full_like(query, float("nan"))
-            paged_decode_attention_f32(query.numpy(), cache_array(c[0]), cache_array(c[1]),
-                                       table, ctx, outs[name].numpy(), head_dim ** -0.5, threads)
-        assert not outs["fp8"].isnan().any()
-        assert torch.equal(outs["fp8"], outs["f32"]), "the fp8 cache is not read as its values"
-
-
-@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((4, 4), 40)])
-def test_prefill_kernel_reads_an_fp8_cache_as_its_values_in_f32(heads, head_dim):
-    rng = np.random.default_rng(17 + head_dim)
-    torch.manual_seed(int(rng.integers(1 << 30)))
-    q_lens = np.array([9, 120, 33], np.int32)
-    batch, q_starts, num_tokens, cache = _random_prefill_step(rng, q_lens, [0, 0, 300], heads[1],
-                                                              head_dim)
-    query = torch.randn(num_tokens, heads[0], head_dim)
-    cache8 = to_cache_dtype(cache, FP8)
-    outs = {}
-    for name, c in (("fp8", cache8), ("f32", cache8.float())):
-        outs[name] = torch.full_like(query, float("nan"))
-        paged_prefill_attention_f32(query.numpy(), cache_array(c[0]), cache_array(c[1]),
-                                    batch.block_tables, q_starts, q_lens,
-                                    batch.seq_lens.astype(np.int32), outs[name].numpy(),
-                                    head_dim ** -0.5, 2)
-    rows = np.concatenate([np.arange(s, s + n) for s, n in zip(q_starts, q_lens)])
-    assert not outs["fp8"][rows].isnan().any()
-    assert torch.equal(outs["fp8"][rows], outs["f32"][rows])
 
 
 def test_a_nan_written_to_the_cache_reaches_the_output():
