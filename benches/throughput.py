@@ -150,6 +150,8 @@ class Systems:
         if key not in self.fb:
             from fb_systems import FerrobatchRunner
             extra = {"max_num_batched_tokens": self.args.max_num_batched_tokens}
+            if self.args.kv_cache_gb is not None:
+                extra["kv_cache_gb"] = self.args.kv_cache_gb
             if variant == "eager":
                 extra["cuda_graphs"] = False
             if variant == "decodegraphs":
@@ -338,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                     help="per-step token budget (ferrobatch and hf-continuous); default 512 on "
                     "CPU workloads, 8192 on GPU ones (the engine's defaults)")
+    ap.add_argument("--kv-cache-gb", type=float, default=None,
+                    help="ferrobatch systems: the KV cache's size in GiB (default: the engine's), "
+                    "e.g. small enough that the cache, not the cap, bounds the batch")
     ap.add_argument("--hf-static-batch-size", type=positive_int,
                     help="override the workload's hf-static batch")
     ap.add_argument("--device", help="override the workload's device for the HF baselines")
@@ -401,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                          "dtype": w.dtype, "device": w.device, "seed": w.seed,
                          "max_num_seqs": args.max_num_seqs or w.max_num_seqs,
                          "max_num_batched_tokens": args.max_num_batched_tokens,
+                         "kv_cache_gb": args.kv_cache_gb,
                          "hf_static_batch_size": args.hf_static_batch_size
                          or w.hf_static_batch_size,
                          "ideal_decode_steps_longest_first": ideal_decode_steps(
