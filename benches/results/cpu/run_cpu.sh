@@ -341,6 +341,9 @@ done
 $PY benches/throughput.py --workload cpu-small \
   --systems ferrobatch,ferrobatch-kv16,ferrobatch-kv8,ferrobatch,ferrobatch-kv16,ferrobatch-kv8 \
   --no-progress --json $OUT/throughput_cpu-small_kv_session45.json
+$PY benches/throughput.py --workload cpu-chat --max-num-seqs 64 --kv-cache-gb 0.1 \
+  --systems ferrobatch,ferrobatch-kv16,ferrobatch-kv8,ferrobatch,ferrobatch-kv16,ferrobatch-kv8 \
+  --no-progress --json $OUT/throughput_cpu-chat_kv_budget_session45.json
 
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
