@@ -89,10 +89,6 @@ def rows_all_finite(logits: torch.Tensor) -> bool:
         return bool(torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)).all())
 
 
-# torch's name of each smaller KV cache dtype -> the --kv-cache-dtype value that asks for it
-KV_DTYPE_FLAGS = {"float16": "float16", "float8_e4m3fn": "fp8"}
-
-
 def _torch_dtype(name: str | None) -> Any:
     if name is None:
         return None
@@ -147,6 +143,7 @@ class EngineCore:
             check_cpu_kv_fits,
             check_kv_cache_dtype,
             kv_block_bytes,
+            kv_cache_dtype_flag,
             num_blocks_for_budget,
         )
         from ferrobatch.runtime.model_runner import ModelRunner, num_kv_blocks
@@ -205,7 +202,7 @@ class EngineCore:
         # one sequence holds at most this many tokens (its last sampled one is never computed)
         kv_tokens = (num_blocks - 1) * config.block_size + 1
         if kv_tokens < max_model_len:
-            smaller = [str(d).removeprefix("torch.") for d in
+            smaller = [kv_cache_dtype_flag(d) for d in
                        EXTRA_KV_CACHE_DTYPES.get((loaded.device.type, loaded.dtype), ())
                        if d.itemsize < kv_dtype.itemsize]
             logger.warning("max_model_len lowered from %d to %d tokens: one sequence cannot "
@@ -213,7 +210,7 @@ class EngineCore:
                            "e.g. --kv-cache-gb%s, allows longer contexts)", max_model_len,
                            kv_tokens, num_blocks, config.block_size,
                            f", or fewer bytes per token, --kv-cache-dtype "
-                           f"{' / '.join(KV_DTYPE_FLAGS[d] for d in smaller)}"
+                           f"{' / '.join(smaller)}"
                            if smaller else "")
             max_model_len = kv_tokens
         if loaded.device.type == "cpu":

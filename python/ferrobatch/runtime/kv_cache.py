@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ferrobatch.config import KV_CACHE_TORCH_DTYPES
 from ferrobatch.model.config import ModelConfig
 
 # (device type, model dtype) -> the KV cache dtypes other than the model's that the attention
@@ -62,10 +63,18 @@ def check_kv_cache_dtype(kv_dtype: torch.dtype | None, model_dtype: torch.dtype,
     return kv_dtype
 
 
+def kv_cache_dtype_flag(dtype: torch.dtype) -> str | None:
+    """The ``--kv-cache-dtype`` value that asks for ``dtype`` (None: no value does)."""
+    name = str(dtype).removeprefix("torch.")
+    return next((flag for flag, torch_name in KV_CACHE_TORCH_DTYPES.items()
+                 if torch_name == name), None)
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     """torch's name of a dtype, with the --kv-cache-dtype value where that differs."""
     name = str(dtype).removeprefix("torch.")
-    return f"fp8 ({name})" if dtype == torch.float8_e4m3fn else name
+    flag = kv_cache_dtype_flag(dtype)
+    return name if flag in (None, name) else f"{flag} ({name})"
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
