@@ -160,7 +160,8 @@ def paged_decode_attention_f32(
     """Decode attention over the paged cache, written into ``out`` (GIL released).
 
     q / out ``[S, Hq, D]`` float32, caches ``[num_blocks, block_size, Hkv, D]`` float32,
-    float16 or uint8 (FP8 E4M3 bytes: torch's float8_e4m3fn viewed as uint8) (both alike;
+    float16 or uint8 (FP8 E4M3 bytes: torch's float8_e4m3fn viewed as uint8), or ``[...,
+    D + 4]`` int8 (each head row's values then its float32 scale's bytes) (both alike;
     computed in float32), block_tables ``[S, max_blocks]`` / ctx_lens
     ``[S]`` int32, all C-contiguous. ValueError for any shape or block id that would read
     outside the arrays (checked before reading).
@@ -184,7 +185,7 @@ def paged_prefill_attention_f32(
     it and ``amx`` (three bfloat16 parts per float32: float32 accuracy; cpu_amx_prefill.rs).
 
     q / out ``[T, Hq, D]`` float32 (the step's rows), caches ``[num_blocks, block_size, Hkv,
-    D]`` float32, float16 or uint8 (FP8 E4M3 bytes) (both alike); per chunk ``s`` (int32): its first row
+    D]`` float32, float16 or uint8 (FP8 E4M3 bytes), or ``[..., D + 4]`` int8 (both alike); per chunk ``s`` (int32): its first row
     ``q_starts[s]``, ``q_lens[s]`` queries, ``seq_lens[s]`` keys (context included, the chunk's own K/V already in the cache) and
     ``block_tables[s]`` (``[P, max_blocks]``). Query ``j`` sees keys
     ``0 ..= seq_lens[s] - q_lens[s] + j``. Chunks' rows must be ascending and disjoint; rows of
@@ -314,7 +315,7 @@ class CpuDecoderStack:
                 amx: bool = True, lora: tuple[CpuLoraStack, np.ndarray] | None = None) -> None:
         """Runs the step's ``R`` rows through every layer (GIL released): ``hidden`` ``[R, H]``
         in place (embeddings in, the last layer's output out), ``cos`` / ``sin`` ``[R, D]``, one
-        ``[2, num_blocks, block_size, Hkv, D]`` cache per layer, all float32, all float16 or all uint8 (FP8 E4M3 bytes) (row
+        ``[2, num_blocks, block_size, Hkv, D]`` cache per layer, all float32, all float16, all uint8 (FP8 E4M3 bytes) or all int8 (``[..., D + 4]``) (row
         ``r``'s K/V written at ``slots[r]``, int64, rounded to the cache's dtype). The decode
         kernel attends rows ``decode_rows`` (int64 ``[N]``;
         None: every row, N = R), the i-th its first ``ctx_lens[i]`` positions of

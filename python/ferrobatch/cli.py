@@ -52,10 +52,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache size in GiB (default 1 on CPU; on GPU a memory fraction)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="what the KV cache stores: auto = the model's dtype; float16 / fp8 "
-                   "(FP8 E4M3, vLLM's fp8; fp8_e4m3 the same) (CPU, float32 model) hold two / "
-                   "four times the tokens per GiB and cut what decode attention reads alike, but "
-                   "greedy output is no longer token-identical to a float32 reference (fp8 "
-                   "moves it more)")
+                   "(FP8 E4M3, vLLM's fp8; fp8_e4m3 the same) / int8 (a scale per token and KV "
+                   "head, llama.cpp's q8_0) (CPU, float32 model) hold two / four / 3.8 times the "
+                   "tokens per GiB and cut what decode attention reads alike, but greedy output "
+                   "is no longer token-identical to a float32 reference (fp8 moves it most)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: the share of the memory left after the weights, a warm-up "
                    "step's peak and the graphs' reserve that the KV cache takes "

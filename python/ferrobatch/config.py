@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 POLICIES = ("fcfs", "priority")
-# float16 / fp8 (FP8 E4M3, vLLM's name; fp8_e4m3 the same): CPU only, beside a float32 model
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "fp8", "fp8_e4m3")
+# float16 / fp8 (FP8 E4M3, vLLM's name; fp8_e4m3 the same) / int8 (a scale per token and KV
+# head, llama.cpp's q8_0 cache): CPU only, beside a float32 model
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "fp8", "fp8_e4m3", "int8")
 # each kv_cache_dtype but auto -> the torch dtype the cache stores (`torch.<value>`)
 KV_CACHE_TORCH_DTYPES = {"float32": "float32", "float16": "float16", "fp8": "float8_e4m3fn",
-                         "fp8_e4m3": "float8_e4m3fn"}
+                         "fp8_e4m3": "float8_e4m3fn", "int8": "int8"}
 MAX_SPECULATIVE_TOKENS = 16     # also the longest n-gram (the Rust scheduler's limits)
 # the dtype names `dtype` takes -> the torch dtype each one means (`torch.<value>`)
 DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "float16": "float16",
@@ -89,9 +90,9 @@ class EngineConfig:
     # KV cache
     block_size: int = 16
     kv_cache_gb: float | None = None     # None -> 1 GiB on CPU, gpu_memory_utilization on GPU
-    kv_cache_dtype: str = "auto"         # auto (the model's dtype) | float16 | fp8 (CPU, float32
-                                         # model: a half / a quarter of the bytes per token, not
-                                         # token-identical)
+    kv_cache_dtype: str = "auto"         # auto (the model's dtype) | float16 | fp8 | int8 (CPU,
+                                         # float32 model: a half / a quarter (int8: plus a scale
+                                         # per head) of the bytes per token, not token-identical)
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None        # explicit override of the KV sizing (tests, benchmarks)
     enable_prefix_caching: bool = True

@@ -1,9 +1,10 @@
-//! Paged decode attention on the CPU (float32 math over an f32 or f16 cache, `cpu_kv`): one query
+//! Paged decode attention on the CPU (float32 math over any `cpu_kv` cache type): one query
 //! token per sequence, its context's K/V read in place through the block table — no gather copy,
 //! no padding to the longest context.
 //!
 //! Layout (all row-major, as the Python side's torch tensors):
-//! `q` / `out` `[S, Hq, D]`, `k_cache` / `v_cache` `[num_blocks, block_size, Hkv, D]`,
+//! `q` / `out` `[S, Hq, D]`, `k_cache` / `v_cache` `[num_blocks, block_size, Hkv, D +
+//! ROW_EXTRA]` (a scaled cache's head rows end in their scale, `cpu_kv`),
 //! `block_tables` `[S, max_blocks]`, `ctx_lens` `[S]` (keys each query attends: all of them, so
 //! causality holds because the query is the last token).
 //!
@@ -18,10 +19,12 @@
 //! after the job (`merge`). Each block is read once, all KV heads together (`[block_size, Hkv,
 //! D]` is contiguous). Softmax is the online (running max) form, in f32, per chunk of up to
 //! `CHUNK_KEYS` keys: a chunk's K blocks give every head's scores, one softmax per head, then
-//! its V blocks. While one block is computed the next one the task will read (in that order)
-//! is prefetched into L2, in slices spread over the block's work (the kernel waits on memory at
-//! long contexts). The query heads of one KV head go in runs of up to three
-//! (`head_subgroups`) whose scores and values share each loaded key and value vector.
+//! its V blocks (a scaled cache's scales enter per key there: the scores times their K row's,
+//! the softmax weights times their V row's, so the inner loops read bare int8). While one
+//! block is computed the next one the task will read (in that order) is prefetched into L2, in
+//! slices spread over the block's work (the kernel waits on memory at long contexts). The query
+//! heads of one KV head go in runs of up to three (`head_subgroups`) whose scores and values
+//! share each loaded key and value vector.
 
 use crate::cpu_error::KernelInputError;
 use crate::cpu_exp::exp;
@@ -89,7 +92,8 @@ impl CacheGeometry {
                 g.num_heads, g.num_kv_heads
             ));
         }
-        let cache_len = g.num_blocks * g.block_size * g.num_kv_heads * g.head_dim;
+        let row = g.head_dim + E::ROW_EXTRA; // a (token, KV head)'s cache row (`cpu_kv`)
+        let cache_len = g.num_blocks * g.block_size * g.num_kv_heads * row;
         for (name, len) in [("k_cache", k_cache.len()), ("v_cache", v_cache.len())] {
             if len != cache_len {
                 return bad(format!(
@@ -464,8 +468,9 @@ impl<'a, E: KvElement> Kernel<'a, E> {
     ) {
         let s = &self.shape;
         let (d, bs, hkv) = (s.head_dim, s.block_size, s.num_kv_heads);
+        let dr = d + E::ROW_EXTRA; // a head row of the cache: its values, then its scale
         let group = s.num_heads / hkv;
-        let block_len = bs * hkv * d;
+        let block_len = bs * hkv * dr;
         let chunk_blocks = (CHUNK_KEYS / bs).max(1);
         let chunk_cap = chunk_blocks * bs;
         // scores[qh * chunk_cap + j]: query head qh against key j of the current chunk
@@ -477,7 +482,7 @@ impl<'a, E: KvElement> Kernel<'a, E> {
         let subgroups = head_subgroups(hkv, group);
         let mut split_acc = vec![0f32; s.num_heads * d];
         // where query head qh's KV head starts inside a block row
-        let kv_offset: Vec<usize> = (0..s.num_heads).map(|qh| (qh / group) * d).collect();
+        let kv_offset: Vec<usize> = (0..s.num_heads).map(|qh| (qh / group) * dr).collect();
         // the next block's K (or V) in one slice of whole 64-byte lines per run of heads, each
         // prefetched while that run computes
         let line = 64 / std::mem::size_of::<E>();
@@ -522,9 +527,25 @@ impl<'a, E: KvElement> Kernel<'a, E> {
                 let head_rows = |block: &'a [E], b: usize, qh: usize| Rows {
                     block,
                     offset: kv_offset[qh],
-                    stride: hkv * d,
+                    stride: hkv * dr,
                     n: keys_of(first + b),
                     d,
+                };
+                // A scaled cache (`cpu_kv`): every key's scores, and after the softmax every
+                // value's weights, times that row's scale.
+                let apply_scales = |cache: &[E], scores: &mut [f32]| {
+                    for (b, &block) in chunk.iter().enumerate() {
+                        let block = &cache[block as usize * block_len..][..block_len];
+                        for j in 0..keys_of(first + b) {
+                            for kvh in 0..hkv {
+                                let row = &block[(j * hkv + kvh) * dr..][..dr];
+                                let scale = E::head_scale(row, d);
+                                for qh in kvh * group..(kvh + 1) * group {
+                                    scores[qh * chunk_cap + b * bs + j] *= scale;
+                                }
+                            }
+                        }
+                    }
                 };
                 // The K pass.
                 for (b, &block) in chunk.iter().enumerate() {
@@ -541,11 +562,17 @@ impl<'a, E: KvElement> Kernel<'a, E> {
                         unsafe { M::scores_group(hn, q, &rows, self.scale, out, chunk_cap, fetch) };
                     }
                 }
+                if E::ROW_EXTRA > 0 {
+                    apply_scales(self.k_cache, &mut scores);
+                }
                 for qh in 0..s.num_heads {
                     let row = &mut scores[qh * chunk_cap..][..chunk_keys];
                     // SAFETY: as above.
                     correction[qh] =
                         unsafe { M::softmax(row, &mut running_max[qh], &mut denom[qh]) };
+                }
+                if E::ROW_EXTRA > 0 {
+                    apply_scales(self.v_cache, &mut scores);
                 }
                 // The V pass: the first block rescales the accumulated output once.
                 for (b, &block) in chunk.iter().enumerate() {
@@ -734,7 +761,8 @@ trait BlockMath {
 
 /// The `n` rows of one KV head inside a block: row `j` is `block[offset + j * stride..][..d]`.
 /// Holds `offset + (n - 1) * stride + d <= block.len()` (true for every head of a validated
-/// block: `offset <= (Hkv - 1) * D`, `stride = Hkv * D`, `n <= block_size`).
+/// block: with head rows of `R = D + ROW_EXTRA` elements, `offset <= (Hkv - 1) * R`, `stride =
+/// Hkv * R`, `n <= block_size`).
 struct Rows<'a, E> {
     block: &'a [E],
     offset: usize,
@@ -1419,6 +1447,7 @@ mod tests {
     use super::*;
     use crate::cpu_kv::{f16, KvElement};
     use crate::cpu_kv_fp8::F8E4M3;
+    use crate::cpu_kv_q8::{dequantize_cache, quantize_cache};
     use crate::test_rng::Lcg;
 
     /// Naive two-pass softmax attention, in f64, over the same layout.
@@ -1553,6 +1582,31 @@ mod tests {
         let inputs = (&q[..], &k[..], &v[..]);
         rounded_cache_reads_as_its_values::<f16>(&shape, inputs, (&bt, &ctx), scale, threads);
         rounded_cache_reads_as_its_values::<F8E4M3>(&shape, inputs, (&bt, &ctx), scale, threads);
+        // An int8 cache gives what the f32 cache of its values gives, up to rounding: its
+        // scales multiply the scores and weights rather than each element.
+        let (k_q, v_q) = (quantize_cache(&k, head_dim), quantize_cache(&v, head_dim));
+        let (k_deq, v_deq) = (
+            dequantize_cache(&k_q, head_dim),
+            dequantize_cache(&v_q, head_dim),
+        );
+        for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable] {
+            let mut want = vec![f32::NAN; q.len()];
+            run(
+                &shape, &q, &k_deq, &v_deq, &bt, &ctx, &mut want, scale, threads, isa,
+            )
+            .unwrap();
+            let mut out = vec![f32::NAN; q.len()];
+            run(
+                &shape, &q, &k_q, &v_q, &bt, &ctx, &mut out, scale, threads, isa,
+            )
+            .unwrap();
+            for (i, (a, b)) in out.iter().zip(&want).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-6 + 1e-5 * b.abs(),
+                    "{isa:?}: the int8 cache element {i}: {a} vs {b} of its values in f32"
+                );
+            }
+        }
     }
 
     #[test]

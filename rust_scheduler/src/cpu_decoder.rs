@@ -320,7 +320,9 @@ pub fn validate<E: KvElement>(
             layers.len()
         ));
     }
-    let cache_len = 2 * cache.num_blocks * cache.block_size * s.kv_size();
+    // a token's K (or V) row: every KV head's values, and a scaled cache's scales (`cpu_kv`)
+    let kv_row = s.num_kv_heads * (s.head_dim + E::ROW_EXTRA);
+    let cache_len = 2 * cache.num_blocks * cache.block_size * kv_row;
     if let Some((i, c)) = caches
         .iter()
         .enumerate()
@@ -426,6 +428,7 @@ pub fn forward_step<E: KvElement>(
         }
     };
     let (d, q_size, kv_size, qkv_size) = (s.head_dim, s.q_size(), s.kv_size(), s.qkv_size());
+    let kv_row = s.num_kv_heads * (d + E::ROW_EXTRA); // a token's cache row (`cpu_kv`)
     let num_decode = rows.num_decode_rows(r);
     let attn = attention_shape(s, cache, num_decode, rows.max_blocks_per_seq);
     let prefill_shape = rows.prefill.map(|p| PrefillShape {
@@ -492,9 +495,9 @@ pub fn forward_step<E: KvElement>(
                 rotary_f32(k_row, d, cos, sin)?;
             }
             q[i * q_size..][..q_size].copy_from_slice(q_row);
-            let at = rows.slots[i] as usize * kv_size;
-            E::store_row(&mut k_cache[at..at + kv_size], k_row);
-            E::store_row(&mut v_cache[at..at + kv_size], v_row);
+            let at = rows.slots[i] as usize * kv_row;
+            E::store_heads(&mut k_cache[at..at + kv_row], k_row, d);
+            E::store_heads(&mut v_cache[at..at + kv_row], v_row, d);
         }
         let (bt, ctx) = (rows.block_tables, rows.ctx_lens);
         clock.lap(Phase::Other);
@@ -612,6 +615,7 @@ mod tests {
     use crate::cpu_amx_linear::AmxFormat;
     use crate::cpu_kv::{f16, KvElement};
     use crate::cpu_kv_fp8::F8E4M3;
+    use crate::cpu_kv_q8::{dequantize_cache, quantize_cache, quantize_head, Q8, SCALE_BYTES};
     use crate::cpu_linear::pack;
     use crate::test_rng::Lcg;
 
@@ -805,16 +809,17 @@ mod tests {
         hidden: &[f32],
         rows: &StepRows<'_>,
     ) -> (Vec<f64>, Vec<Vec<f64>>) {
-        reference_rounding_kv(weights, caches, hidden, rows, |x| x)
+        reference_rounding_kv(weights, caches, hidden, rows, |_| {})
     }
 
-    /// [`reference`] for a cache that stores each written K/V value as `round(value)`.
+    /// [`reference`] for a cache that stores each written K/V head row as `round_head` leaves
+    /// it.
     fn reference_rounding_kv(
         weights: &[LayerWeights],
         caches: &[Vec<f32>],
         hidden: &[f32],
         rows: &StepRows<'_>,
-        round: impl Fn(f64) -> f64,
+        round_head: impl Fn(&mut [f64]),
     ) -> (Vec<f64>, Vec<Vec<f64>>) {
         let s = SHAPE;
         let (d, h, kv) = (s.head_dim, s.hidden, s.kv_size());
@@ -840,9 +845,10 @@ mod tests {
                 rope(&mut qkv[..s.q_size()], cos, sin);
                 rope(&mut qkv[s.q_size()..s.q_size() + kv], cos, sin);
                 let at = rows.slots[i] as usize * kv;
-                for j in 0..kv {
-                    c[at + j] = round(qkv[s.q_size() + j]);
-                    c[half + at + j] = round(qkv[s.q_size() + kv + j]);
+                for (part, rows) in [(0, s.q_size()), (half, s.q_size() + kv)] {
+                    let written = &mut c[part + at..][..kv];
+                    written.copy_from_slice(&qkv[rows..][..kv]);
+                    written.chunks_exact_mut(d).for_each(&round_head);
                 }
                 queries.push(qkv[..s.q_size()].to_vec());
             }
@@ -1207,8 +1213,9 @@ mod tests {
             .iter()
             .map(|c| c.iter().map(|x| x.to_f32()).collect())
             .collect();
+        let round_head = |head: &mut [f64]| head.iter_mut().for_each(|x| *x = round(*x));
         let (want_hidden, want_caches) =
-            reference_rounding_kv(&case.weights, &start, &case.hidden, per_row, round);
+            reference_rounding_kv(&case.weights, &start, &case.hidden, per_row, round_head);
         let layers = case.layers(Kernels::Panels);
         for threads in [1, 2] {
             let mut caches = caches16.clone();
@@ -1270,6 +1277,99 @@ mod tests {
         let arrays = mixed_arrays(&case);
         let mixed = mixed_rows(&case, false, &arrays);
         check_rounded::<F8E4M3>(&case, &mixed, &case.rows(), fp8_round, ulp);
+    }
+
+    /// An int8 cache (`cpu_kv_q8`): the step writes each head row quantized with its own scale
+    /// and reads every row as its values. Layer 0's inputs do not depend on the cache, so the
+    /// rows it writes are exactly `quantize_head` of what the f32 step over the cache's values
+    /// writes; the hidden rows and every written row match the f64 reference that quantizes
+    /// its writes alike; no other row changes.
+    #[test]
+    fn an_int8_cache_is_written_per_head_and_read_as_its_values() {
+        let d = SHAPE.head_dim;
+        let decode = Case::new(13, 6); // 10 decode-kernel rows
+        let mixed = Case::new(11, 0); // a prefill chunk beside gathered decode rows
+        let arrays = mixed_arrays(&mixed);
+        for (case, rows) in [
+            (&decode, decode.rows()),
+            (&mixed, mixed_rows(&mixed, false, &arrays)),
+        ] {
+            let start_q: Vec<Vec<Q8>> = case.caches.iter().map(|c| quantize_cache(c, d)).collect();
+            let start: Vec<Vec<f32>> = start_q.iter().map(|c| dequantize_cache(c, d)).collect();
+            let quantized = |head: &mut [f64]| {
+                let values: Vec<f32> = head.iter().map(|&x| x as f32).collect();
+                let mut row = vec![Q8(0); d + SCALE_BYTES];
+                quantize_head(&mut row, &values);
+                let mut back = vec![0f32; d];
+                Q8::head_row_to_f32(&row, &mut back);
+                head.iter_mut().zip(back).for_each(|(x, y)| *x = y as f64);
+            };
+            let (reference_hidden, reference_caches) =
+                reference_rounding_kv(&case.weights, &start, &case.hidden, &case.rows(), quantized);
+            let layers = case.layers(Kernels::Panels);
+            let mut want = start_q
+                .iter()
+                .map(|c| dequantize_cache(c, d))
+                .collect::<Vec<_>>();
+            let mut views: Vec<&mut [f32]> = want.iter_mut().map(|c| c.as_mut_slice()).collect();
+            let (result, _) = case.run(&layers, &mut views, &rows, 2);
+            result.unwrap();
+            let mut got = start_q.clone();
+            let mut views: Vec<&mut [Q8]> = got.iter_mut().map(|c| c.as_mut_slice()).collect();
+            let mut hidden = case.hidden.clone();
+            let threads = 2;
+            forward_step(
+                &SHAPE,
+                &layers,
+                &mut views,
+                &CACHE,
+                &mut hidden,
+                &rows,
+                threads,
+                true,
+                None,
+            )
+            .unwrap();
+            for (j, (&g, &w)) in hidden.iter().zip(&reference_hidden).enumerate() {
+                // a rounding may fall the other way from f32 than from f64: a step of int8
+                assert!(
+                    (g as f64 - w).abs() <= 2e-3 * (1.0 + w.abs()),
+                    "hidden[{j}]: {g} vs {w}"
+                );
+            }
+            let dr = d + SCALE_BYTES;
+            let half = got[0].len() / 2; // K, then V
+            let written: Vec<usize> = rows.slots.iter().map(|&s| s as usize).collect();
+            for layer in 0..2 {
+                let (g, w, s) = (&got[layer], &want[layer], &start_q[layer]);
+                let row_count = half / dr; // (slot, head) rows per half
+                for part in 0..2 {
+                    for row in 0..row_count {
+                        let at = part * half + row * dr;
+                        let (g_row, s_row) = (&g[at..at + dr], &s[at..at + dr]);
+                        let w_row = &w[(part * row_count + row) * d..][..d];
+                        if !written.contains(&(row / SHAPE.num_kv_heads)) {
+                            assert_eq!(g_row, s_row, "layer {layer}: an unwritten row changed");
+                        } else {
+                            if layer == 0 {
+                                let mut q = vec![Q8(0); dr];
+                                quantize_head(&mut q, w_row);
+                                assert_eq!(g_row, &q[..], "layer 0 row {row}");
+                            }
+                            let mut values = vec![0f32; d];
+                            Q8::head_row_to_f32(g_row, &mut values);
+                            let step = Q8::head_scale(g_row, d) as f64;
+                            let r = &reference_caches[layer][(part * row_count + row) * d..][..d];
+                            for (&x, &y) in values.iter().zip(r) {
+                                // one step where a rounding fell the other way from f64's
+                                let tolerance = step + 2e-3 * (1.0 + y.abs());
+                                assert!((x as f64 - y).abs() <= tolerance, "layer {layer}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// The case's rows 1-2 (positions 4-5 of one table) as a prefill chunk of 6 keys; rows 0 and

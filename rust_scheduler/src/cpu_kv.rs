@@ -1,7 +1,12 @@
 //! The element types a paged KV cache may hold on the CPU: `f32` (the model's own precision, the
 //! default) or IEEE `f16` (half the bytes: twice the tokens per GiB, and half the memory traffic
 //! of decode attention, which waits on memory), or FP8 E4M3 (`cpu_kv_fp8`: a quarter of the
-//! bytes).
+//! bytes), or int8 with a scale per token and KV head (`cpu_kv_q8`: a quarter of the bytes plus
+//! four per head row).
+//!
+//! A cache row of one token and KV head holds `head_dim + E::ROW_EXTRA` elements: the head's
+//! values, then (scaled types only) the bytes of the f32 its values are multiplied by
+//! ([`KvElement::head_scale`]); the unscaled types have no extra elements and a scale of 1.
 //!
 //! Invariants:
 //! - The kernels compute in f32 whatever the cache holds: an element enters the math only as
@@ -10,6 +15,9 @@
 //! - A value is stored with [`KvElement::from_f32`]: round to nearest, ties to even (IEEE); a
 //!   finite f32 beyond f16's range becomes an infinity, which the engine's finite-logits check
 //!   turns into a failed request rather than a wrong answer.
+//! - A scaled type's value is `to_f32(element) * head_scale(row)`; the decode kernel multiplies
+//!   a key's scores and a value's softmax weight by the scale (the same value up to float
+//!   rounding), the prefill kernels read the values themselves (`dequantize_blocks`).
 
 pub use half::f16;
 
@@ -45,6 +53,39 @@ pub trait KvElement: Copy + Default + Send + Sync + 'static {
         dst.iter_mut()
             .zip(src)
             .for_each(|(d, &s)| *d = Self::from_f32(s));
+    }
+
+    /// Elements after each head's `head_dim` values in a cache row, holding its scale (module
+    /// header); 0 for the unscaled types.
+    const ROW_EXTRA: usize = 0;
+
+    /// The scale of the head row `row` (`head_dim + ROW_EXTRA` elements): what its elements'
+    /// [`KvElement::to_f32`] values are multiplied by. 1 for the unscaled types.
+    #[inline(always)]
+    fn head_scale(row: &[Self], head_dim: usize) -> f32 {
+        let _ = (row, head_dim);
+        1.0
+    }
+
+    /// Writes one token's `src` (`[Hkv, head_dim]` f32) into its cache rows `dst` (`[Hkv,
+    /// head_dim + ROW_EXTRA]`): each head's values rounded (and, scaled types, its scale).
+    #[inline]
+    fn store_heads(dst: &mut [Self], src: &[f32], head_dim: usize) {
+        debug_assert_eq!(Self::ROW_EXTRA, 0, "a scaled type writes its own scales");
+        Self::store_row(dst, src);
+        let _ = head_dim;
+    }
+
+    /// One head row's values (`src`: `head_dim + ROW_EXTRA` elements) as f32 into `dst`
+    /// (`head_dim`): [`KvElement::to_f32`] of each times [`KvElement::head_scale`].
+    #[inline]
+    fn head_row_to_f32(src: &[Self], dst: &mut [f32]) {
+        let d = dst.len();
+        Self::row_to_f32(&src[..d], dst);
+        if Self::ROW_EXTRA > 0 {
+            let scale = Self::head_scale(src, d);
+            dst.iter_mut().for_each(|x| *x *= scale);
+        }
     }
 }
 

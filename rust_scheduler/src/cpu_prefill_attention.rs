@@ -1,4 +1,4 @@
-//! Paged prefill attention on the CPU (float32 math over an f32 or f16 cache, `cpu_kv`): each
+//! Paged prefill attention on the CPU (float32 math over any `cpu_kv` cache type; a scaled one
 //! sequence's chunk of query tokens attends, causally, to its whole context read in place
 //! through the block table (earlier chunks and this step's own keys, which the caller has
 //! written into the cache first).
@@ -240,6 +240,50 @@ pub(crate) fn work_items(seqs: &[SeqQuery], num_kv_heads: usize, chunk: usize) -
     items.into_iter().map(|(_, item)| item).collect()
 }
 
+/// The blocks `seqs` read from a scaled cache (`cpu_kv`; validated inputs), in order of first
+/// use, as f32 caches of their values, with the shape and block tables that address them there.
+/// Prefill reads each key and value many times over (once per query tile), so this copy costs
+/// little beside it, and every prefill path (AMX too) then runs unchanged; decode, which reads
+/// each once, applies the scales in place (`cpu_attention`).
+fn dequantize_blocks<E: KvElement>(
+    shape: &PrefillShape,
+    k_cache: &[E],
+    v_cache: &[E],
+    block_tables: &[i32],
+    seqs: &[SeqQuery],
+) -> (Vec<f32>, Vec<f32>, PrefillShape, Vec<i32>) {
+    let (d, hkv, bs) = (shape.head_dim, shape.num_kv_heads, shape.block_size);
+    let dr = d + E::ROW_EXTRA;
+    let mut compact_id: std::collections::HashMap<i32, i32> = Default::default();
+    let mut tables = vec![0i32; block_tables.len()];
+    let mut used: Vec<usize> = Vec::new();
+    for (seq, sq) in seqs.iter().enumerate() {
+        let row = seq * shape.max_blocks_per_seq;
+        for b in 0..sq.seq_len.div_ceil(bs) {
+            let block = block_tables[row + b];
+            tables[row + b] = *compact_id.entry(block).or_insert_with(|| {
+                used.push(block as usize);
+                used.len() as i32 - 1
+            });
+        }
+    }
+    let to_values = |cache: &[E]| {
+        let mut values = vec![0f32; used.len() * bs * hkv * d];
+        let rows = used
+            .iter()
+            .flat_map(|&block| cache[block * bs * hkv * dr..][..bs * hkv * dr].chunks_exact(dr));
+        for (src, dst) in rows.zip(values.chunks_exact_mut(d)) {
+            E::head_row_to_f32(src, dst);
+        }
+        values
+    };
+    let compact = PrefillShape {
+        num_blocks: used.len(),
+        ..*shape
+    };
+    (to_values(k_cache), to_values(v_cache), compact, tables)
+}
+
 /// [`paged_prefill_attention_f32`] using at most instruction set `max_isa`, and AMX only where
 /// [`amx_pays`] with `amx_min_queries` (tests compare every path, AMX forced by 0).
 #[allow(clippy::too_many_arguments)]
@@ -257,6 +301,25 @@ fn run<E: KvElement>(
 ) -> Result<(), KernelInputError> {
     let chunks = (q_starts, q_lens, seq_lens);
     let seqs = shape.validate(q, k_cache, v_cache, block_tables, chunks, out)?;
+    if E::ROW_EXTRA > 0 {
+        // A scaled cache: its blocks this call reads, as the f32 values they hold.
+        let (k_values, v_values, shape, tables) =
+            dequantize_blocks(shape, k_cache, v_cache, block_tables, &seqs);
+        let limits = (max_isa, amx_min_queries);
+        let (k, v) = (&k_values[..], &v_values[..]);
+        return run(
+            &shape,
+            q,
+            k,
+            v,
+            &tables,
+            chunks,
+            out,
+            scale,
+            num_threads,
+            limits,
+        );
+    }
     let (d, hkv, bs) = (shape.head_dim, shape.num_kv_heads, shape.block_size);
     // Each key's element offset in the caches (KV head 0).
     let key_rows: Vec<Vec<usize>> = seqs
@@ -721,6 +784,7 @@ mod tests {
     use super::*;
     use crate::cpu_kv::{f16, KvElement};
     use crate::cpu_kv_fp8::F8E4M3;
+    use crate::cpu_kv_q8::{dequantize_cache, quantize_cache};
     use crate::test_rng::Lcg;
 
     /// One call's inputs: `seqs` as (first row, query tokens, keys), tables shuffled over the
@@ -901,15 +965,14 @@ mod tests {
     }
 
     /// A cache of `E` gives what the f32 cache holding its (rounded) values gives.
-    fn rounded_cache_reads_as_its_values<E: KvElement>() {
-        // The keys enter the panels as f32 and the V rows are read from an f32 copy, so the
-        // result is the f32 kernel's over the rounded values, bit for bit, on every path.
+    /// `rounded` gives a cache's elements and the f32 values they hold.
+    fn rounded_cache_reads_as_its_values<E: KvElement>(
+        rounded: impl Fn(&[f32]) -> (Vec<E>, Vec<f32>),
+    ) {
+        // The keys enter the panels as f32 and the V rows are read from an f32 copy (a scaled
+        // cache's blocks are first copied out as their values), so the result is the f32
+        // kernel's over the rounded values, bit for bit, on every path.
         let mut case = Case::new(11, 70, &[(0, 40, 40), (41, 29, 66)], 9, 3, 64, 16);
-        let rounded = |xs: &[f32]| -> (Vec<E>, Vec<f32>) {
-            let elements: Vec<E> = xs.iter().map(|&x| E::from_f32(x)).collect();
-            let back = elements.iter().map(|h| h.to_f32()).collect();
-            (elements, back)
-        };
         let ((k_e, k32), (v_e, v32)) = (rounded(&case.k), rounded(&case.v));
         (case.k, case.v) = (k32, v32);
         for isa in ISAS {
@@ -942,14 +1005,30 @@ mod tests {
         }
     }
 
+    /// Each element rounded by `E::from_f32`, and its value.
+    fn each_rounded<E: KvElement>(xs: &[f32]) -> (Vec<E>, Vec<f32>) {
+        let elements: Vec<E> = xs.iter().map(|&x| E::from_f32(x)).collect();
+        let back = elements.iter().map(|h| h.to_f32()).collect();
+        (elements, back)
+    }
+
     #[test]
     fn an_f16_cache_gives_what_its_values_in_f32_give() {
-        rounded_cache_reads_as_its_values::<f16>();
+        rounded_cache_reads_as_its_values(each_rounded::<f16>);
     }
 
     #[test]
     fn an_fp8_cache_gives_what_its_values_in_f32_give() {
-        rounded_cache_reads_as_its_values::<F8E4M3>();
+        rounded_cache_reads_as_its_values(each_rounded::<F8E4M3>);
+    }
+
+    #[test]
+    fn an_int8_cache_gives_what_its_values_in_f32_give() {
+        rounded_cache_reads_as_its_values(|xs: &[f32]| {
+            let q = quantize_cache(xs, 64);
+            let values = dequantize_cache(&q, 64);
+            (q, values)
+        });
     }
 
     #[test]

@@ -7,7 +7,8 @@
 //! Beside the scheduler, the CPU kernels the Python model runner calls on every layer:
 //! `cpu_attention` (paged decode attention) and `cpu_prefill_attention` (causal prompt chunks
 //! over the paged cache, long ones through Intel AMX in `cpu_amx_prefill`; bindings
-//! `py_attention`; the cache holds f32, f16 or FP8 E4M3, `cpu_kv`, `cpu_kv_fp8`), `cpu_linear` (linear layers
+//! `py_attention`; the cache holds f32, f16, FP8 E4M3 or scaled int8: `cpu_kv`, `cpu_kv_fp8`,
+//! `cpu_kv_q8`), `cpu_linear` (linear layers
 //! over panel-packed weights; `cpu_quant_linear` from GGUF blocks, `cpu_amx_linear` from their
 //! AMX tiles (`cpu_tile_rows` the same tiles' steps of a few rows, without tile instructions), `cpu_quant_panels` from the blocks laid out as panels (CPUs without AMX); `cpu_amx_tiles` holds the AMX instructions both AMX kernels use) and `cpu_elementwise` (RMSNorm,
 //! RoPE, SiLU-and-mul) (bindings
@@ -37,6 +38,7 @@ mod cpu_exp;
 mod cpu_isa;
 pub mod cpu_kv;
 pub mod cpu_kv_fp8;
+pub mod cpu_kv_q8;
 pub mod cpu_linear;
 pub mod cpu_lora;
 pub mod cpu_pool;

@@ -3,13 +3,16 @@
 //! into `out` in place, GIL released while they run.
 //!
 //! Every shape or index problem is a `ValueError` (checked by the kernels' `validate` before any
-//! read); arrays must be C-contiguous float32 / int32, the caches float32, float16 or uint8
-//! (FP8 E4M3 bytes, `cpu_kv_fp8`: torch's float8_e4m3fn viewed as uint8), both alike
-//! (`cpu_kv`).
+//! read); arrays must be C-contiguous float32 / int32, the caches float32, float16, uint8
+//! (FP8 E4M3 bytes, `cpu_kv_fp8`: torch's float8_e4m3fn viewed as uint8) or int8 (`cpu_kv_q8`:
+//! each head row's bytes then its f32 scale's four, so the last dimension is `D + 4`), both
+//! alike (`cpu_kv`).
 
 use crate::cpu_attention::{paged_decode_attention_f32, DecodeShape};
 use crate::cpu_kv::f16;
+use crate::cpu_kv::KvElement;
 use crate::cpu_kv_fp8::{as_fp8, F8E4M3};
+use crate::cpu_kv_q8::{as_q8, Q8};
 use crate::cpu_prefill_attention::{paged_prefill_attention_f32, PrefillShape};
 use crate::py_linear::c_contiguous;
 use numpy::{
@@ -46,6 +49,8 @@ pub(crate) enum KvArrays<'py> {
     F16(PyReadonlyArrayDyn<'py, f16>, PyReadonlyArrayDyn<'py, f16>),
     /// FP8 E4M3 bytes
     Fp8(PyReadonlyArrayDyn<'py, u8>, PyReadonlyArrayDyn<'py, u8>),
+    /// int8 head rows with their scales
+    Q8(PyReadonlyArrayDyn<'py, i8>, PyReadonlyArrayDyn<'py, i8>),
 }
 
 /// [`KvArrays`] as C-ordered slices.
@@ -53,6 +58,7 @@ pub(crate) enum KvSlices<'a> {
     F32(&'a [f32], &'a [f32]),
     F16(&'a [f16], &'a [f16]),
     Fp8(&'a [F8E4M3], &'a [F8E4M3]),
+    Q8(&'a [Q8], &'a [Q8]),
 }
 
 /// Evaluates `$body` with `$k` / `$v` bound to the slices of a [`KvSlices`], whichever their
@@ -63,6 +69,7 @@ macro_rules! with_kv_slices {
             KvSlices::F32($k, $v) => $body,
             KvSlices::F16($k, $v) => $body,
             KvSlices::Fp8($k, $v) => $body,
+            KvSlices::Q8($k, $v) => $body,
         }
     };
 }
@@ -78,9 +85,12 @@ impl<'py> KvArrays<'py> {
         if let (Ok(k), Ok(v)) = (k_cache.extract(), v_cache.extract()) {
             return Ok(KvArrays::Fp8(k, v));
         }
+        if let (Ok(k), Ok(v)) = (k_cache.extract(), v_cache.extract()) {
+            return Ok(KvArrays::Q8(k, v));
+        }
         Err(PyValueError::new_err(
-            "k_cache and v_cache must be numpy arrays, both float32, both float16 or both uint8 \
-             (FP8 E4M3 bytes)",
+            "k_cache and v_cache must be numpy arrays, both float32, both float16, both uint8 \
+             (FP8 E4M3 bytes) or both int8 (head rows with their scales)",
         ))
     }
 
@@ -89,6 +99,15 @@ impl<'py> KvArrays<'py> {
             KvArrays::F32(k, v) => (k.shape(), v.shape()),
             KvArrays::F16(k, v) => (k.shape(), v.shape()),
             KvArrays::Fp8(k, v) => (k.shape(), v.shape()),
+            KvArrays::Q8(k, v) => (k.shape(), v.shape()),
+        }
+    }
+
+    /// Elements after each head's values in a cache row (`cpu_kv`'s `ROW_EXTRA`).
+    fn row_extra(&self) -> usize {
+        match self {
+            KvArrays::Q8(..) => Q8::ROW_EXTRA,
+            _ => 0,
         }
     }
 
@@ -100,13 +119,16 @@ impl<'py> KvArrays<'py> {
                 as_fp8(c_slice("k_cache", k)?),
                 as_fp8(c_slice("v_cache", v)?),
             ),
+            KvArrays::Q8(k, v) => {
+                KvSlices::Q8(as_q8(c_slice("k_cache", k)?), as_q8(c_slice("v_cache", v)?))
+            }
         })
     }
 }
 
 /// `paged_decode_attention_f32(q, k_cache, v_cache, block_tables, ctx_lens, out, scale,
 /// num_threads)`: q/out `[S, Hq, D]` float32, caches `[num_blocks, block_size, Hkv, D]` float32,
-/// float16 or uint8 (FP8 E4M3 bytes),
+/// float16 or uint8 (FP8 E4M3 bytes), or `[.., D + 4]` int8 (head rows with their scales),
 /// block_tables `[S, max_blocks]` / ctx_lens `[S]` int32. Writes `out`; returns None.
 #[pyfunction]
 #[pyo3(name = "paged_decode_attention_f32")]
@@ -165,18 +187,19 @@ pub fn py_paged_decode_attention_f32(
     .map_err(|e| PyValueError::new_err(e.0))
 }
 
-/// The caches' `[num_blocks, block_size, Hkv, D]` after checking that V matches K and that `D`
-/// is q's `head_dim`.
+/// The caches' `[num_blocks, block_size, Hkv, D (+ 4, int8)]` after checking that V matches K
+/// and that `D` is q's `head_dim`.
 fn cache_dims(kv: &KvArrays<'_>, head_dim: usize) -> PyResult<[usize; 4]> {
     let (k_shape, v_shape) = kv.shapes();
     let dims4 = dims::<4>("k_cache", k_shape)?;
     if v_shape != k_shape {
         return Err(PyValueError::new_err("v_cache must have k_cache's shape"));
     }
-    if dims4[3] != head_dim {
+    let extra = kv.row_extra();
+    if dims4[3] != head_dim + extra {
+        let cache_head_dim = dims4[3] as i64 - extra as i64;
         return Err(PyValueError::new_err(format!(
-            "head_dim of q ({head_dim}) and of the cache ({}) differ",
-            dims4[3]
+            "head_dim of q ({head_dim}) and of the cache ({cache_head_dim}) differ"
         )));
     }
     Ok(dims4)
@@ -184,7 +207,8 @@ fn cache_dims(kv: &KvArrays<'_>, head_dim: usize) -> PyResult<[usize; 4]> {
 
 /// `paged_prefill_attention_f32(q, k_cache, v_cache, block_tables, q_starts, q_lens, seq_lens,
 /// out, scale, num_threads, amx=True)`: q/out `[T, Hq, D]` float32, caches `[num_blocks,
-/// block_size, Hkv, D]` float32, float16 or uint8 (FP8 E4M3); per sequence `block_tables`
+/// block_size, Hkv, D]` float32, float16 or uint8 (FP8 E4M3), or `[.., D + 4]` int8; per
+/// sequence `block_tables`
 /// `[S, max_blocks]` and `q_starts` / `q_lens` / `seq_lens` `[S]` int32. Writes the sequences'
 /// rows of `out`; returns None. `amx=False` keeps the kernel off its AMX path.
 #[pyfunction]

@@ -17,7 +17,9 @@ use crate::cpu_decoder::{
     forward_step, CacheShape, DecoderShape, Layer, Linear, PrefillChunks, StepRows,
 };
 use crate::cpu_kv::f16;
+use crate::cpu_kv::KvElement;
 use crate::cpu_kv_fp8::{as_fp8_mut, F8E4M3};
+use crate::cpu_kv_q8::{as_q8_mut, Q8};
 use crate::cpu_lora::{LoraLayer, LoraWeights, StepLora};
 use crate::cpu_quant_linear::QuantWeight;
 use crate::cpu_quant_panels::{PanelFormat, QuantPanels};
@@ -38,6 +40,8 @@ enum LayerCaches<'py> {
     F16(Vec<Bound<'py, PyArrayDyn<f16>>>),
     /// FP8 E4M3 bytes (`cpu_kv_fp8`)
     Fp8(Vec<Bound<'py, PyArrayDyn<u8>>>),
+    /// int8 head rows with their scales (`cpu_kv_q8`)
+    Q8(Vec<Bound<'py, PyArrayDyn<i8>>>),
 }
 
 impl<'py> LayerCaches<'py> {
@@ -51,9 +55,12 @@ impl<'py> LayerCaches<'py> {
         if let Ok(list) = caches.extract() {
             return Ok(LayerCaches::Fp8(list));
         }
+        if let Ok(list) = caches.extract() {
+            return Ok(LayerCaches::Q8(list));
+        }
         Err(PyValueError::new_err(
-            "caches must be a list of numpy arrays, all float32, all float16 or all uint8 (FP8 \
-             E4M3 bytes)",
+            "caches must be a list of numpy arrays, all float32, all float16, all uint8 (FP8 \
+             E4M3 bytes) or all int8 (head rows with their scales)",
         ))
     }
 
@@ -62,8 +69,17 @@ impl<'py> LayerCaches<'py> {
             LayerCaches::F32(list) => list.first().map(|c| c.shape().to_vec()),
             LayerCaches::F16(list) => list.first().map(|c| c.shape().to_vec()),
             LayerCaches::Fp8(list) => list.first().map(|c| c.shape().to_vec()),
+            LayerCaches::Q8(list) => list.first().map(|c| c.shape().to_vec()),
         }
         .unwrap_or_default()
+    }
+
+    /// Elements after each head's values in a cache row (`cpu_kv`'s `ROW_EXTRA`).
+    fn row_extra(&self) -> usize {
+        match self {
+            LayerCaches::Q8(_) => Q8::ROW_EXTRA,
+            _ => 0,
+        }
     }
 }
 
@@ -554,7 +570,8 @@ impl PyCpuDecoderStack {
     /// decode_rows=None, prefill=None)`: runs the step's `R` rows through every layer (see
     /// `cpu_decoder`): `hidden` `[R, H]` float32 in place (embeddings in, pre-final-norm states
     /// out), `cos` / `sin` `[R, D]`, `caches` one `[2, num_blocks, block_size, Hkv, D]` array
-    /// per layer, all float32, all float16 or all uint8 (FP8 E4M3 bytes) (written at `slots`),
+    /// per layer, all float32, all float16, all uint8 (FP8 E4M3 bytes) or all int8 (`[..,
+    /// head_dim + 4]`: head rows with their scales) (written at `slots`),
     /// `slots` `[R]` int64; the decode kernel's rows `decode_rows` `[N]` int64 (None: all,
     /// N = R) with `block_tables` `[N, max_blocks]` / `ctx_lens` `[N]` int32; `prefill` None or
     /// the prefill kernel's chunks `(q_starts, q_lens, seq_lens, block_tables)` (int32 `[P]`,
@@ -584,10 +601,11 @@ impl PyCpuDecoderStack {
         let caches = LayerCaches::extract(caches)?;
         let first = caches.first_shape();
         let [two, num_blocks, block_size, kv_heads, dim] = dims::<5>("caches[0]", &first)?;
-        if two != 2 || kv_heads != s.num_kv_heads || dim != s.head_dim {
+        let row = s.head_dim + caches.row_extra();
+        if two != 2 || kv_heads != s.num_kv_heads || dim != row {
             return Err(PyValueError::new_err(format!(
-                "caches must be [2, num_blocks, block_size, {}, {}], got {first:?}",
-                s.num_kv_heads, s.head_dim
+                "caches must be [2, num_blocks, block_size, {}, {row}], got {first:?}",
+                s.num_kv_heads
             )));
         }
         let max_blocks_per_seq = block_tables.shape()[1];
@@ -662,6 +680,10 @@ impl PyCpuDecoderStack {
                 .into_iter()
                 .map(as_fp8_mut)
                 .collect::<Vec<&mut [F8E4M3]>>()),
+            LayerCaches::Q8(list) => run_with!(list, |bytes| bytes
+                .into_iter()
+                .map(as_q8_mut)
+                .collect::<Vec<&mut [Q8]>>()),
         }
     }
 }

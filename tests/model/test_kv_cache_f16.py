@@ -76,8 +76,9 @@ def test_kernels_refuse_mixed_or_other_cache_dtypes_without_writing():
     for k, v in [(cache[0].numpy(), v16), (k16, cache[1].numpy()),
                  (cache[0].double().numpy(), cache[1].double().numpy()),
                  (cache[0].bfloat16().view(torch.int16).numpy(), v16), (k8, v16),
-                 (k8.view(np.int8), k8.view(np.int8))]:
-        with pytest.raises(ValueError, match="both float32, both float16 or both uint8"):
+                 (k8, k8.view(np.int8)), (k8.view(np.int8), v16)]:
+        with pytest.raises(ValueError, match="both float32, both float16, both uint8 .* or both "
+                                             "int8"):
             paged_decode_attention_f32(query.numpy(), k, v, table, ctx, out, 0.125, 2)
         assert np.isnan(out).all()
 
@@ -101,7 +102,7 @@ def test_the_cache_dtype_is_checked_and_sizes_the_cache(loaded_smollm2):
     args = build_parser().parse_args(["serve", "--kv-cache-dtype", "float16"])
     assert _config(args).kv_cache_dtype == "float16"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"])
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "int4"])
 
 
 def test_smollm2_logits_with_an_f16_cache_stay_close(loaded_smollm2):

@@ -194,8 +194,8 @@ def test_a_context_cut_by_a_small_cache_names_the_smaller_dtypes(loaded_smollm2,
     """When the KV cache cannot hold the model's context, the warning names what helps: more
     memory, and the smaller element types this device and model can store."""
     from ferrobatch.engine.core import EngineCore
-    wants = {"auto": "--kv-cache-dtype float16 / fp8", "float16": "--kv-cache-dtype fp8",
-             "fp8": None}
+    wants = {"auto": "--kv-cache-dtype float16 / fp8 / int8",
+             "float16": "--kv-cache-dtype fp8 / int8", "fp8": None, "int8": None}
     for dtype, want in wants.items():
         caplog.clear()
         with caplog.at_level("WARNING", logger="ferrobatch.engine.core"):

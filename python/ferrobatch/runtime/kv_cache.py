@@ -1,14 +1,19 @@
-"""Paged KV cache tensors: one ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
+"""Paged KV cache tensors: one ``[2, num_blocks, block_size, num_kv_heads, row]`` per layer, where
+a head's ``row`` is its ``head_dim`` values (an int8 cache: then the 4 bytes of their scale).
 
-The cache holds the model's dtype, or on the CPU optionally float16 or FP8 E4M3
-(``float8_e4m3fn``, ``--kv-cache-dtype fp8``) beside a float32 model: a half or a quarter of the
-bytes per token (two or four times the tokens in the same ``--kv-cache-gb``, that much less
-memory for decode attention to read), each K/V value rounded once when written (FP8: saturated
-to +-448 first, as vLLM's conversion does) and computed with in float32 (the Rust kernels
-convert on load, ``rust_scheduler/src/cpu_kv.rs`` and ``cpu_kv_fp8.rs``; the torch reference
-converts what it gathers). Greedy output then no longer matches a float32 reference token for
-token on every prompt, which is why neither is the default; FP8's three mantissa bits move the
-logits more than float16's ten (``tests/model/test_kv_cache_fp8.py``).
+The cache holds the model's dtype, or on the CPU optionally float16, FP8 E4M3
+(``float8_e4m3fn``, ``--kv-cache-dtype fp8``) or int8 with a scale per token and KV head
+(``--kv-cache-dtype int8``, llama.cpp's ``q8_0`` cache) beside a float32 model: a half, a quarter
+or (int8, head_dim 64) 0.27 of the bytes per token (that many times more tokens in the same
+``--kv-cache-gb``, that much less memory for decode attention to read), each K/V value rounded once
+when written (FP8: saturated to +-448 first, as vLLM's conversion does; int8: each head row to
+``round(x / scale)`` with ``scale = max|x| / 127``, :func:`quantize_rows`) and computed with in
+float32 (the Rust kernels convert on load, ``rust_scheduler/src/cpu_kv.rs``, ``cpu_kv_fp8.rs``
+and ``cpu_kv_q8.rs``; the torch reference converts what it gathers, :func:`cache_values`).
+Greedy output then no longer matches a float32 reference token for token on every prompt, which
+is why none is the default; FP8's three mantissa bits move the logits more than int8's seven
+(relative to the row's largest value) and float16's ten (``tests/model/test_kv_cache_fp8.py``,
+``test_kv_cache_int8.py``).
 
 torch has no CPU ``index_copy_`` / ``index_put_`` for float8 and numpy no float8 at all, so an
 FP8 cache is moved as its bytes (:func:`storage_view`, :func:`cache_array`).
@@ -24,9 +29,41 @@ from ferrobatch.model.config import ModelConfig
 
 # (device type, model dtype) -> the KV cache dtypes other than the model's that the attention
 # backends there read
-EXTRA_KV_CACHE_DTYPES = {("cpu", torch.float32): (torch.float16, torch.float8_e4m3fn)}
+EXTRA_KV_CACHE_DTYPES = {
+    ("cpu", torch.float32): (torch.float16, torch.float8_e4m3fn, torch.int8)}
 # the largest finite float8_e4m3fn value: what is written saturates to it
 FP8_E4M3_MAX = 448.0
+# an int8 cache's head row ends in its float32 scale's bytes; its values are in -127..127
+INT8_SCALE_BYTES = 4
+INT8_MAX = 127.0
+
+
+def cache_row_len(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one token's one KV head in a cache of ``dtype``."""
+    return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., D]`` float32 as int8 cache rows ``[..., D + 4]``, each row with its own scale
+    (the byte the Rust writer, ``cpu_kv_q8::quantize_head``, writes for every input): ``scale =
+    max|x| / 127`` and ``round(x / scale)`` (to nearest, ties to even); a row whose scale is 0, inf
+    or NaN gets bytes 0 and keeps that scale, so a NaN or infinity reads back as NaN."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True) / INT8_MAX
+    ok = (scale > 0) & torch.isfinite(scale)
+    q = torch.where(ok, x / torch.where(ok, scale, 1.0), 0.0).round()
+    q = q.clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return torch.cat([q, scale.contiguous().view(torch.int8)], dim=-1)
+
+
+def cache_values(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows (any leading dims) as the values they hold, in ``dtype``: an int8 cache's
+    bytes times their row's scale, any other cache converted."""
+    if rows.dtype != torch.int8:
+        return rows.to(dtype)
+    head_dim = rows.shape[-1] - INT8_SCALE_BYTES
+    scale = rows[..., head_dim:].contiguous().view(torch.float32)
+    return (rows[..., :head_dim].to(torch.float32) * scale).to(dtype)
 
 
 def storage_view(t: torch.Tensor) -> torch.Tensor:
@@ -41,8 +78,11 @@ def cache_array(t: torch.Tensor) -> np.ndarray:
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` rounded to what a cache of ``dtype`` stores (to nearest, ties to even; FP8
-    saturates at +-448 as the Rust kernels' writes do, where torch's own conversion gives NaN)."""
+    """``x [..., D]`` as the rows a cache of ``dtype`` stores (to nearest, ties to even; FP8
+    saturates at +-448 as the Rust kernels' writes do, where torch's own conversion gives NaN;
+    int8: :func:`quantize_rows`, ``[..., D + 4]``)."""
+    if dtype == torch.int8:
+        return quantize_rows(x)
     if dtype == torch.float8_e4m3fn:
         x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     return x.to(dtype)
@@ -57,7 +97,7 @@ def check_kv_cache_dtype(kv_dtype: torch.dtype | None, model_dtype: torch.dtype,
     allowed = EXTRA_KV_CACHE_DTYPES.get((device_type, model_dtype), ())
     if kv_dtype not in allowed:
         names = ", ".join(_dtype_name(d) for d in (model_dtype, *allowed))
-        article = "an" if kv_dtype == torch.float8_e4m3fn else "a"     # "an fp8"
+        article = "an" if kv_dtype in (torch.float8_e4m3fn, torch.int8) else "a"  # "an fp8"
         raise ValueError(f"{article} {_dtype_name(kv_dtype)} KV cache is not supported beside a "
                          f"{_dtype_name(model_dtype)} model on {device_type}; supported: {names}")
     return kv_dtype
@@ -80,7 +120,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers (K and V)."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    return config.kv_bytes_per_token(element_size) * block_size
+    row_bytes = cache_row_len(config.head_dim, dtype) * element_size
+    return 2 * config.num_layers * config.num_kv_heads * row_bytes * block_size
 
 
 def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype,
@@ -148,13 +189,15 @@ class KVCache:
             raise ValueError("KV cache needs num_blocks >= 2 and block_size >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        shape = (2, num_blocks, block_size, config.num_kv_heads,
+                 cache_row_len(config.head_dim, dtype))
         self.layers: list[torch.Tensor] = [
             torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
 
     @property
     def dtype(self) -> torch.dtype:
-        """What the cache stores (the model's dtype, or float16 / float8_e4m3fn on the CPU)."""
+        """What the cache stores (the model's dtype, or float16 / float8_e4m3fn / int8 on the
+        CPU)."""
         return self.layers[0].dtype
 
     @property

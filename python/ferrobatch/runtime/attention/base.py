@@ -108,8 +108,8 @@ class AttentionBackend(abc.ABC):
                  meta: AttentionMetadata) -> None:
         """Stores ``key``/``value`` ``[T, Hkv, D]`` at ``meta.slot_mapping`` in ``kv_cache``
         (rows with slot -1, the padding of static decode steps, are skipped)."""
-        num_kv_heads, head_dim = kv_cache.shape[-2:]
-        flat = storage_view(kv_cache).view(2, -1, num_kv_heads, head_dim)
+        num_kv_heads, row = kv_cache.shape[-2:]     # row: head_dim (int8: + its scale's bytes)
+        flat = storage_view(kv_cache).view(2, -1, num_kv_heads, row)
         slots = meta.slot_mapping
         if isinstance(meta, StaticDecodeMetadata):
             real = torch.nonzero(slots >= 0).squeeze(1)

@@ -20,6 +20,7 @@ from ferrobatch.runtime.attention.base import (
     StaticDecodeMetadata,
     static_decode_fields,
 )
+from ferrobatch.runtime.kv_cache import cache_values
 
 
 @dataclass
@@ -144,9 +145,10 @@ def attend_groups(query: torch.Tensor, kv_cache: torch.Tensor, groups: list[Sequ
                                              group_size * g.num_queries, head_dim)
         # whole-block gather: [G, K / bs, bs, Hkv, D] -> [G, Hkv, K, D]
         blocks = g.key_blocks.reshape(-1)
-        k = kv_cache[0].index_select(0, blocks).view(num_seqs, g.num_keys, num_kv_heads, head_dim)
-        v = kv_cache[1].index_select(0, blocks).view(num_seqs, g.num_keys, num_kv_heads, head_dim)
-        k, v = k.to(query.dtype).transpose(1, 2), v.to(query.dtype).transpose(1, 2)
+        shape = (num_seqs, g.num_keys, num_kv_heads, head_dim)
+        k = cache_values(kv_cache[0].index_select(0, blocks), query.dtype).view(shape)
+        v = cache_values(kv_cache[1].index_select(0, blocks), query.dtype).view(shape)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
         mask = g.mask.expand(num_seqs, group_size, g.num_queries, g.num_keys)
         mask = mask.reshape(num_seqs, 1, group_size * g.num_queries, g.num_keys)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
@@ -164,9 +166,10 @@ def static_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
     group_size = num_heads // num_kv_heads
     num_keys = block_tables.shape[1] * block_size
     blocks = block_tables.reshape(-1).long()
-    k = kv_cache[0].index_select(0, blocks).view(num_seqs, num_keys, num_kv_heads, head_dim)
-    v = kv_cache[1].index_select(0, blocks).view(num_seqs, num_keys, num_kv_heads, head_dim)
-    k, v = k.to(query.dtype).transpose(1, 2), v.to(query.dtype).transpose(1, 2)
+    shape = (num_seqs, num_keys, num_kv_heads, head_dim)
+    k = cache_values(kv_cache[0].index_select(0, blocks), query.dtype).view(shape)
+    v = cache_values(kv_cache[1].index_select(0, blocks), query.dtype).view(shape)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
     lengths = seq_lens.long()
     has_context = lengths > 0
     valid = torch.arange(num_keys, device=query.device)[None, :] < lengths[:, None]

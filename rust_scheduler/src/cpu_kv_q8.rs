@@ -1,0 +1,240 @@
+//! Int8 KV cache elements with a scale per token and KV head (llama.cpp's `q8_0` cache, one
+//! scale per head row): a byte per value plus four per head row (`head_dim` 64: 1.06 bytes per
+//! value, 3.8x fewer than f32), at about seven bits of each row's largest value.
+//!
+//! Layout: a cache row of one token and KV head is `head_dim` [`Q8`] bytes, then the four
+//! bytes of its f32 scale (native order, as the Python side's `float32` view writes them), so
+//! `ROW_EXTRA` is 4 and the cache array is `[num_blocks, block_size, Hkv, head_dim + 4]` bytes.
+//!
+//! Invariants:
+//! - Writing ([`quantize_head`], the Python side's `kv_cache.quantize_rows` the same): `scale =
+//!   max|x| / 127`; where the scale is positive and finite every value is `round(x / scale)`
+//!   (to nearest, ties to even), in -127..=127; otherwise (a zero row, or an infinity or NaN in
+//!   it) every byte is 0 and the scale is kept as computed, so a row that held a NaN or an
+//!   infinity reads as NaN (0 x inf or 0 x NaN) and the engine's finite-logits check fails the
+//!   request rather than letting it attend to zeros.
+//! - Reading: value = `to_f32(byte) * scale` (`KvElement::head_scale`); `to_f32`, `load8` and
+//!   `load16` give the byte as an f32 integer, the same for every byte.
+
+use crate::cpu_kv::KvElement;
+
+/// One int8 cache byte (`#[repr(transparent)]`, so an `&[i8]` of cache bytes may be viewed as
+/// `&[Q8]`, [`as_q8`]); its value is the byte times its head row's scale.
+#[repr(transparent)]
+#[derive(Clone, Copy, Default, Debug, PartialEq, Eq)]
+pub struct Q8(pub i8);
+
+/// The bytes of a head row's f32 scale, after its values.
+pub const SCALE_BYTES: usize = 4;
+
+/// The largest magnitude a value is quantized to (-128 is never written: the range is
+/// symmetric).
+pub const Q8_MAX: f32 = 127.0;
+
+/// Cache bytes as int8 elements (the same memory).
+pub fn as_q8(bytes: &[i8]) -> &[Q8] {
+    // SAFETY: Q8 is #[repr(transparent)] over i8: same size, alignment and validity.
+    unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast(), bytes.len()) }
+}
+
+/// Mutable cache bytes as int8 elements (the same memory).
+pub fn as_q8_mut(bytes: &mut [i8]) -> &mut [Q8] {
+    // SAFETY: as in `as_q8`; the borrow is moved into the result.
+    unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr().cast(), bytes.len()) }
+}
+
+/// Writes one head's values `src` (`head_dim` of them) into its cache row `dst` (`head_dim +
+/// SCALE_BYTES` bytes): the bytes and the scale of the module header's rule.
+pub fn quantize_head(dst: &mut [Q8], src: &[f32]) {
+    let d = src.len();
+    assert_eq!(dst.len(), d + SCALE_BYTES);
+    let mut amax = 0f32;
+    let mut nan = false;
+    for &x in src {
+        amax = amax.max(x.abs());
+        nan |= x.is_nan();
+    }
+    let scale = if nan { f32::NAN } else { amax / Q8_MAX };
+    let (values, scale_bytes) = dst.split_at_mut(d);
+    if scale > 0.0 && scale.is_finite() {
+        // (v + 1.5 * 2^23) - 1.5 * 2^23 rounds v to the nearest integer, ties to even, for
+        // |v| < 2^22 (here |v| <= 127 and a hair): one add and one subtract, vectorizable
+        // without SSE4.1's round instruction.
+        const MAGIC: f32 = 12_582_912.0;
+        for (q, &x) in values.iter_mut().zip(src) {
+            let v = ((x / scale + MAGIC) - MAGIC).clamp(-Q8_MAX, Q8_MAX);
+            *q = Q8(v as i8);
+        }
+    } else {
+        values.fill(Q8(0));
+    }
+    for (b, s) in scale_bytes.iter_mut().zip(scale.to_ne_bytes()) {
+        *b = Q8(s as i8);
+    }
+}
+
+impl KvElement for Q8 {
+    const NAME: &'static str = "int8";
+    const ROW_EXTRA: usize = SCALE_BYTES;
+    /// The byte as an f32 integer (the value before its row's scale).
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self.0 as f32
+    }
+    /// `x` rounded to an integer in -127..=127 (a scale of 1; NaN gives 0): the caches are
+    /// written a head row at a time ([`quantize_head`]), this is only the trait's contract.
+    #[inline(always)]
+    fn from_f32(x: f32) -> Q8 {
+        Q8(x.round_ties_even().clamp(-Q8_MAX, Q8_MAX) as i8)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Q8) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast::<__m128i>())))
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Q8) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast::<__m128i>())))
+    }
+    fn row_to_f32(src: &[Q8], dst: &mut [f32]) {
+        assert_eq!(src.len(), dst.len());
+        dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.0 as f32);
+    }
+    #[inline(always)]
+    fn head_scale(row: &[Q8], head_dim: usize) -> f32 {
+        let b = &row[head_dim..head_dim + SCALE_BYTES];
+        f32::from_ne_bytes([b[0].0 as u8, b[1].0 as u8, b[2].0 as u8, b[3].0 as u8])
+    }
+    fn store_heads(dst: &mut [Q8], src: &[f32], head_dim: usize) {
+        let heads = src.len() / head_dim;
+        assert_eq!(heads * head_dim, src.len());
+        assert_eq!(dst.len(), heads * (head_dim + SCALE_BYTES));
+        for (row, values) in dst
+            .chunks_exact_mut(head_dim + SCALE_BYTES)
+            .zip(src.chunks_exact(head_dim))
+        {
+            quantize_head(row, values);
+        }
+    }
+}
+
+/// A whole f32 cache (`[.., head_dim]` rows) quantized head row by head row (tests).
+#[cfg(test)]
+pub(crate) fn quantize_cache(cache: &[f32], head_dim: usize) -> Vec<Q8> {
+    let mut out = vec![Q8(0); cache.len() / head_dim * (head_dim + SCALE_BYTES)];
+    Q8::store_heads(&mut out, cache, head_dim);
+    out
+}
+
+/// The values of a whole int8 cache as f32 (`[.., head_dim]` rows; tests).
+#[cfg(test)]
+pub(crate) fn dequantize_cache(cache: &[Q8], head_dim: usize) -> Vec<f32> {
+    let mut out = vec![0f32; cache.len() / (head_dim + SCALE_BYTES) * head_dim];
+    for (row, dst) in cache
+        .chunks_exact(head_dim + SCALE_BYTES)
+        .zip(out.chunks_exact_mut(head_dim))
+    {
+        Q8::head_row_to_f32(row, dst);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_rng::Lcg;
+
+    fn values(row: &[Q8], d: usize) -> Vec<f32> {
+        let mut out = vec![0f32; d];
+        Q8::head_row_to_f32(row, &mut out);
+        out
+    }
+
+    #[test]
+    fn a_row_keeps_its_largest_value_and_rounds_the_rest_within_half_a_step() {
+        let mut rng = Lcg(7);
+        for d in [1, 8, 64, 128] {
+            let src: Vec<f32> = (0..d).map(|_| 3.0 * rng.next_f32()).collect();
+            let mut row = vec![Q8(0); d + SCALE_BYTES];
+            quantize_head(&mut row, &src);
+            let scale = Q8::head_scale(&row, d);
+            let amax = src.iter().fold(0f32, |m, x| m.max(x.abs()));
+            assert_eq!(scale, amax / 127.0);
+            for (x, (q, y)) in src.iter().zip(row.iter().zip(values(&row, d))) {
+                assert_eq!(q.0 as f32, (x / scale).round_ties_even(), "{x} / {scale}");
+                assert!(
+                    (x - y).abs() <= 0.5 * scale * 1.0001,
+                    "{x} read back as {y}"
+                );
+                assert_eq!(y, q.0 as f32 * scale);
+            }
+            // the largest magnitude is exactly +-127 steps
+            let top = src.iter().position(|x| x.abs() == amax).unwrap();
+            assert_eq!(row[top].0.unsigned_abs(), 127);
+        }
+    }
+
+    #[test]
+    fn ties_go_to_even_and_bytes_stay_in_the_symmetric_range() {
+        // scale 1: 127 sets it, the halves round to even
+        let src = [127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -127.0, 3.49];
+        let mut row = vec![Q8(0); src.len() + SCALE_BYTES];
+        quantize_head(&mut row, &src);
+        assert_eq!(Q8::head_scale(&row, src.len()), 1.0);
+        let bytes: Vec<i8> = row[..src.len()].iter().map(|q| q.0).collect();
+        assert_eq!(bytes, [127, 0, 2, 2, 0, -2, -127, 3]);
+    }
+
+    #[test]
+    fn zero_infinite_and_nan_rows() {
+        let mut row = vec![Q8(5); 4 + SCALE_BYTES];
+        quantize_head(&mut row, &[0.0, -0.0, 0.0, 0.0]);
+        assert_eq!(values(&row, 4), [0.0; 4]);
+        quantize_head(&mut row, &[1.0, f32::INFINITY, 0.0, 2.0]);
+        assert!(
+            values(&row, 4).iter().all(|x| x.is_nan()),
+            "inf reads as NaN"
+        );
+        quantize_head(&mut row, &[1.0, f32::NAN, 0.0, 2.0]);
+        assert!(values(&row, 4).iter().all(|x| x.is_nan()));
+        assert!(row[..4].iter().all(|q| q.0 == 0));
+    }
+
+    #[test]
+    fn store_heads_quantizes_each_head_with_its_own_scale() {
+        let src = [1.0, -2.0, 100.0, 50.0]; // two heads of 2
+        let mut dst = vec![Q8(0); 2 * (2 + SCALE_BYTES)];
+        Q8::store_heads(&mut dst, &src, 2);
+        assert_eq!(Q8::head_scale(&dst[..6], 2), 2.0 / 127.0);
+        assert_eq!(Q8::head_scale(&dst[6..], 2), 100.0 / 127.0);
+        assert_eq!(dst[0].0, 64); // 1 / (2 / 127) = 63.5 -> 64 (to even)
+        assert_eq!([dst[1].0, dst[6].0, dst[7].0], [-127, 127, 64]);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn simd_loads_match_to_f32_on_every_byte() {
+        use std::arch::x86_64::*;
+        let bytes: Vec<Q8> = (0..=255u8).map(|b| Q8(b as i8)).collect();
+        let want: Vec<f32> = bytes.iter().map(|q| q.to_f32()).collect();
+        let mut got = vec![0f32; 256];
+        if std::is_x86_feature_detected!("avx2") {
+            for i in (0..256).step_by(8) {
+                // SAFETY: AVX2 detected; 8 readable bytes at i.
+                unsafe { _mm256_storeu_ps(got[i..].as_mut_ptr(), Q8::load8(bytes[i..].as_ptr())) };
+            }
+            assert_eq!(got, want);
+        }
+        if std::is_x86_feature_detected!("avx512f") {
+            got.fill(0.0);
+            for i in (0..256).step_by(16) {
+                // SAFETY: AVX-512F detected; 16 readable bytes at i.
+                unsafe { _mm512_storeu_ps(got[i..].as_mut_ptr(), Q8::load16(bytes[i..].as_ptr())) };
+            }
+            assert_eq!(got, want);
+        }
+    }
+}
