@@ -19,10 +19,11 @@
    runner chooses between: float32 panels, the GGUF blocks (steps of <= 8 rows), the blocks as
    quantized panels (`cpu_quant_panels.rs`, where the CPU has no AMX) and as AMX tiles (CPUs
    with AMX, `cpu_amx_linear.rs`), at M rows (`--only blocks`; `--only amx` is the same).
-5. A float16 and an FP8 E4M3 KV cache (`--kv-cache-dtype float16` / `fp8`) against the float32
-   one, the same values in all three: the Rust decode kernel at rows x context (it reads a half
-   / a quarter of the bytes) and the prefill kernel on a chunk after prior context (it converts
-   the chunk's keys and values once).
+5. A float16, an FP8 E4M3 and an int8 KV cache (`--kv-cache-dtype float16` / `fp8` / `int8`)
+   against the float32 one, the same values in the first three (int8: them quantized per head
+   row): the Rust decode kernel at rows x context (it reads a half / a quarter / 68 / 256 of the
+   bytes) and the prefill kernel on a chunk after prior context (it converts the chunk's keys
+   and values once).
 
 Medians of repeated runs; the two sides alternate so machine noise hits both alike.
 """
@@ -48,6 +49,7 @@ from ferrobatch.runtime.attention import TorchReferenceBackend  # noqa: E402
 from ferrobatch.runtime.attention.cpu import CpuPagedBackend  # noqa: E402
 from ferrobatch.runtime.cpu_linear import PanelLinear  # noqa: E402
 from ferrobatch.runtime.cpu_threads import torch_single_threaded  # noqa: E402
+from ferrobatch.runtime.kv_cache import quantize_rows  # noqa: E402
 
 LAYERS, HQ, HKV, D, HIDDEN, FFN, VOCAB, BS = 30, 9, 3, 64, 576, 1536, 49152, 16
 
@@ -158,8 +160,8 @@ def _paged_step(rng, rows, q_lens, ctx):
 
 def kv16_rows(decode_shapes, prefill_shapes, repeats):
     """The Rust kernels over a float32 cache vs a float16 and an FP8 cache holding the same
-    values (the FP8 ones), per 30 layers: decode (rows, context) and prefill (queries, prior
-    keys)."""
+    values (the FP8 ones) and an int8 cache of them quantized per head row, per 30 layers:
+    decode (rows, context) and prefill (queries, prior keys)."""
     rng = np.random.default_rng(2)
     out = []
     for kind, rows, q_lens, ctx in ([("decode", r, 1, c) for r, c in decode_shapes]
@@ -169,27 +171,32 @@ def kv16_rows(decode_shapes, prefill_shapes, repeats):
                    for _ in range(LAYERS)]
         caches16 = [c.half() for c in caches8]
         caches32 = [c.float() for c in caches8]
+        caches_i8 = [quantize_rows(c) for c in caches32]
         query = torch.randn(rows * q_lens, HQ, D)
         backend = CpuPagedBackend(BS)
         meta = backend.build_metadata(batch, "cpu")
         runs = {"f32": partial(_attend_all_layers, backend, meta, query, caches32),
                 "f16": partial(_attend_all_layers, backend, meta, query, caches16),
-                "fp8": partial(_attend_all_layers, backend, meta, query, caches8)}
+                "fp8": partial(_attend_all_layers, backend, meta, query, caches8),
+                "int8": partial(_attend_all_layers, backend, meta, query, caches_i8)}
         kv_mb = 2 * rows * ctx * HKV * D * 4 * LAYERS / 2**20
         result = {"kind": kind, "rows": rows, "queries": q_lens, "context": ctx,
                   "f32_kv_mb": round(kv_mb, 1)}
-        for name in ("f32", "f16", "fp8") * 2:  # alternate; keep the 2nd round
+        for name in ("f32", "f16", "fp8", "int8") * 2:  # alternate; keep the 2nd round
             result[f"{name}_ms"] = median_ms(runs[name], repeats)
         result["speedup"] = result["f32_ms"] / result["f16_ms"]
         result["fp8_speedup"] = result["f32_ms"] / result["fp8_ms"]
         result["f32_gb_per_s"] = kv_mb * 2**20 / result["f32_ms"] / 1e6
         result["f16_gb_per_s"] = kv_mb / 2 * 2**20 / result["f16_ms"] / 1e6
         result["fp8_gb_per_s"] = kv_mb / 4 * 2**20 / result["fp8_ms"] / 1e6
+        result["int8_speedup"] = result["f32_ms"] / result["int8_ms"]
+        result["int8_gb_per_s"] = kv_mb * (D + 4) / (4 * D) * 2**20 / result["int8_ms"] / 1e6
         out.append(result)
         print(f"kv16 {kind} rows={rows} q={q_lens} ctx={ctx}: f32 {result['f32_ms']:.1f} ms, f16 "
               f"{result['f16_ms']:.1f} ms ({result['speedup']:.2f}x), fp8 {result['fp8_ms']:.1f} "
-              f"ms ({result['fp8_speedup']:.2f}x) per 30 layers", flush=True)
-        del caches8, caches16, caches32
+              f"ms ({result['fp8_speedup']:.2f}x), int8 {result['int8_ms']:.1f} ms "
+              f"({result['int8_speedup']:.2f}x) per 30 layers", flush=True)
+        del caches8, caches16, caches32, caches_i8
     return out
 
 
@@ -341,11 +348,14 @@ def main() -> int:
                                   ("queries", "queries", "d"), ("context", "context", "d"),
                                   ("f32_ms", "f32 cache ms", ".1f"), ("f16_ms", "f16 cache ms", ".1f"),
                                   ("fp8_ms", "fp8 cache ms", ".1f"),
+                                  ("int8_ms", "int8 cache ms", ".1f"),
                                   ("f32_gb_per_s", "f32 GB/s", ".1f"),
                                   ("f16_gb_per_s", "f16 GB/s", ".1f"),
                                   ("fp8_gb_per_s", "fp8 GB/s", ".1f"),
+                                  ("int8_gb_per_s", "int8 GB/s", ".1f"),
                                   ("speedup", "f16 speed-up", ".2f"),
-                                  ("fp8_speedup", "fp8 speed-up", ".2f")]))
+                                  ("fp8_speedup", "fp8 speed-up", ".2f"),
+                                  ("int8_speedup", "int8 speed-up", ".2f")]))
     if a.json:
         write_json(a.json, {"machine": machine_info(), "attention_30_layers": att,
                             "kv_cache_f16_vs_f32_30_layers": kv16,

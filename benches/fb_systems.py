@@ -1,6 +1,6 @@
 """The ferrobatch systems of the offline benchmark: `ferrobatch`, `-static`, `-eager`,
 `-decodegraphs`, `-nativeprefill`, `-splitmixed`, `-rotaryapart`, `-reducepass`,
-`-refill4`, `-torchops`, `-nodraft`, `-kv16`, `-kv8`, `-f32panels`.
+`-refill4`, `-torchops`, `-nodraft`, `-kv16`, `-kv8`, `-kvi8`, `-f32panels`.
 
 Both drive the real engine through `ferrobatch.LLM.generate` (Rust scheduler, model runner,
 sampler, step thread, incremental detokenization — the engine as shipped) with token-id prompts and
@@ -44,6 +44,9 @@ sampler, step thread, incremental detokenization — the engine as shipped) with
 - `ferrobatch-kv8`: `ferrobatch` with `kv_cache_dtype="fp8"` (CPU: an FP8 E4M3 KV cache, a
   quarter of the bytes per token; greedy replies differ from the float32 cache's within a few
   dozen tokens, `benches/kv_cache_quality.py`).
+- `ferrobatch-kvi8`: `ferrobatch` with `kv_cache_dtype="int8"` (CPU: an int8 KV cache with a
+  scale per token and KV head, 68 / 256 of float32's bytes per token at head_dim 64; closer to
+  the float32 cache's replies than FP8, `benches/kv_cache_quality.py`).
 - `ferrobatch-f32panels`: `ferrobatch` with `FERROBATCH_QUANT_PANELS=0` (CPU without AMX: the
   linear layers' steps of 6 or more rows read float32 panels instead of the GGUF blocks packed
   as quantized panels; the same outputs, bit for bit).

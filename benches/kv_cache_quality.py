@@ -1,6 +1,6 @@
 """What a smaller KV cache dtype does to SmolLM2's answers (CPU), against the float32 cache.
 
-    python benches/kv_cache_quality.py [--dtypes float16,fp8] [--max-tokens 128]
+    python benches/kv_cache_quality.py [--dtypes float16,fp8,int8] [--max-tokens 128]
                                        [--json benches/results/cpu/kv_cache_quality.json]
 
 Sixteen chat questions (below), greedy, through `LLM(kv_cache_dtype=...)`, one engine per
@@ -73,7 +73,7 @@ def _teacher_forced(llm, prompts: list[list[int]], replies: list[list[int]]):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtypes", default="float16,fp8",
+    ap.add_argument("--dtypes", default="float16,fp8,int8",
                     help="comma-separated kv_cache_dtype values compared with float32")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--json", default=None)

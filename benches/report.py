@@ -21,7 +21,7 @@ def _ideal(w: dict, r: dict) -> int | None:
         return r["ideal_decode_steps"]
     base = r["system"].split("@")[0]
     if base not in ("ferrobatch", "ferrobatch-static", "ferrobatch-eager", "ferrobatch-nodraft",
-                    "ferrobatch-kv16", "ferrobatch-kv8", "hf-static"):
+                    "ferrobatch-kv16", "ferrobatch-kv8", "ferrobatch-kvi8", "hf-static"):
         return None
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from workloads import WORKLOADS, build_requests, ideal_decode_steps

@@ -1,6 +1,6 @@
 """Where one CPU decode step's time goes, against this machine's own ceilings (SmolLM2 GGUF).
 
-    python benches/step_breakdown.py [--rows 1,4,16] [--context 256] [--kv-cache-dtype float16|fp8]
+    python benches/step_breakdown.py [--rows 1,4,16] [--context 256] [--kv-cache-dtype float16|fp8|int8]
                                      [--json PATH]
 
 For B sequences with `context` cached tokens each, one decode step through the `ModelRunner`
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int_list, default="1,4,16")
     ap.add_argument("--context", type=positive_int, default=256)
     ap.add_argument("--repeats", type=positive_int, default=9)
-    ap.add_argument("--kv-cache-dtype", choices=["auto", "float16", "fp8"], default="auto",
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "float16", "fp8", "int8"], default="auto",
                     help="what the KV cache stores (auto: the model's float32)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model("smollm2")
     blocks_needed = max(rows_list) * (-(-(args.context + 8) // BLOCK_SIZE)) + 2
     kv_dtype = {"auto": None, "float16": torch.float16,
-                "fp8": torch.float8_e4m3fn}[args.kv_cache_dtype]
+                "fp8": torch.float8_e4m3fn, "int8": torch.int8}[args.kv_cache_dtype]
     runner = ModelRunner(loaded, num_blocks=blocks_needed, block_size=BLOCK_SIZE,
                          kv_cache_dtype=kv_dtype)
     print(f"linear layers: {runner.linear_kernels}", flush=True)

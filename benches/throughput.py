@@ -39,6 +39,8 @@ Systems (append `@N` to override the batch size / concurrency cap, e.g. `hf-stat
                      the bytes decode attention reads (not token-identical to the others)
   ferrobatch-kv8     the same with an FP8 E4M3 KV cache (`--kv-cache-dtype fp8`, CPU): a quarter
                      of the bytes (greedy replies differ more: benches/kv_cache_quality.py)
+  ferrobatch-kvi8    the same with an int8 KV cache, a scale per token and KV head
+                     (`--kv-cache-dtype int8`, CPU): 68 / 256 of the bytes at head_dim 64
   ferrobatch-f32panels the engine with float32 panels for steps of 6+ rows instead of the GGUF
                      blocks packed as quantized panels (`FERROBATCH_QUANT_PANELS=0`, CPU without
                      AMX): the ablation of the quantized panels (token-identical)
@@ -82,7 +84,7 @@ FB_VARIANTS = {"ferrobatch": "", "ferrobatch-static": "", "ferrobatch-eager": "e
                "ferrobatch-rotaryapart": "rotaryapart", "ferrobatch-reducepass": "reducepass",
                "ferrobatch-refill4": "refill4",
                "ferrobatch-nodraft": "nodraft", "ferrobatch-kv16": "kv16",
-               "ferrobatch-kv8": "kv8",
+               "ferrobatch-kv8": "kv8", "ferrobatch-kvi8": "kvi8",
                "ferrobatch-f32panels": "f32panels"}   # system -> engine variant (static: same engine)
 SYSTEMS = (*FB_VARIANTS, "hf-static", "hf-continuous")
 DEFAULT_SYSTEMS = "ferrobatch,ferrobatch-static,hf-static,hf-continuous"
@@ -166,6 +168,8 @@ class Systems:
                 extra["kv_cache_dtype"] = "float16"
             if variant == "kv8":
                 extra["kv_cache_dtype"] = "fp8"
+            if variant == "kvi8":
+                extra["kv_cache_dtype"] = "int8"
             env = {"f32panels": ("FERROBATCH_QUANT_PANELS", "0"),   # read when the engine
                    "torchops": ("FERROBATCH_CUDA_FUSED_OPS", "0"),      # builds
                    "splitmixed": ("FERROBATCH_FLASH_WHOLE_STEP", "0"),

@@ -475,6 +475,8 @@ impl<'a, E: KvElement> Kernel<'a, E> {
         let chunk_cap = chunk_blocks * bs;
         // scores[qh * chunk_cap + j]: query head qh against key j of the current chunk
         let mut scores = vec![0f32; s.num_heads * chunk_cap];
+        // a scaled cache's row scales of the chunk, `[Hkv][chunk_cap]` (empty for the others)
+        let mut row_scales = vec![0f32; if E::ROW_EXTRA > 0 { hkv * chunk_cap } else { 0 }];
         let mut running_max = vec![0f32; s.num_heads];
         let mut denom = vec![0f32; s.num_heads];
         let mut correction = vec![0f32; s.num_heads];
@@ -532,19 +534,22 @@ impl<'a, E: KvElement> Kernel<'a, E> {
                     d,
                 };
                 // A scaled cache (`cpu_kv`): every key's scores, and after the softmax every
-                // value's weights, times that row's scale.
-                let apply_scales = |cache: &[E], scores: &mut [f32]| {
+                // value's weights, times that row's scale (gathered per KV head first, so the
+                // products run along each head's contiguous scores).
+                let apply_scales = |cache: &[E], scores: &mut [f32], row_scales: &mut [f32]| {
                     for (b, &block) in chunk.iter().enumerate() {
                         let block = &cache[block as usize * block_len..][..block_len];
-                        for j in 0..keys_of(first + b) {
-                            for kvh in 0..hkv {
-                                let row = &block[(j * hkv + kvh) * dr..][..dr];
-                                let scale = E::head_scale(row, d);
-                                for qh in kvh * group..(kvh + 1) * group {
-                                    scores[qh * chunk_cap + b * bs + j] *= scale;
-                                }
+                        let tokens = block.chunks_exact(hkv * dr).take(keys_of(first + b));
+                        for (j, token) in tokens.enumerate() {
+                            for (kvh, row) in token.chunks_exact(dr).enumerate() {
+                                row_scales[kvh * chunk_cap + b * bs + j] = E::head_scale(row, d);
                             }
                         }
+                    }
+                    for qh in 0..s.num_heads {
+                        let scales = &row_scales[(qh / group) * chunk_cap..][..chunk_keys];
+                        let row = &mut scores[qh * chunk_cap..][..chunk_keys];
+                        row.iter_mut().zip(scales).for_each(|(x, &f)| *x *= f);
                     }
                 };
                 // The K pass.
@@ -563,7 +568,7 @@ impl<'a, E: KvElement> Kernel<'a, E> {
                     }
                 }
                 if E::ROW_EXTRA > 0 {
-                    apply_scales(self.k_cache, &mut scores);
+                    apply_scales(self.k_cache, &mut scores, &mut row_scales);
                 }
                 for qh in 0..s.num_heads {
                     let row = &mut scores[qh * chunk_cap..][..chunk_keys];
@@ -572,7 +577,7 @@ impl<'a, E: KvElement> Kernel<'a, E> {
                         unsafe { M::softmax(row, &mut running_max[qh], &mut denom[qh]) };
                 }
                 if E::ROW_EXTRA > 0 {
-                    apply_scales(self.v_cache, &mut scores);
+                    apply_scales(self.v_cache, &mut scores, &mut row_scales);
                 }
                 // The V pass: the first block rescales the accumulated output once.
                 for (b, &block) in chunk.iter().enumerate() {
