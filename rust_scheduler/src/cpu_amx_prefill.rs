@@ -96,6 +96,7 @@ pub(crate) unsafe fn run<E: KvElement>(
     num_threads: usize,
 ) {
     let (d, hkv) = (shape.head_dim, shape.num_kv_heads);
+    let dr = d + E::ROW_EXTRA;
     assert!(d > 0 && d.is_multiple_of(64) && out.len() == q.len());
     let threads = num_threads.max(1);
     let items_of = |chunk: usize| {
@@ -146,9 +147,10 @@ pub(crate) unsafe fn run<E: KvElement>(
                 let keys = &key_rows[*seq][p * KEYS..key_rows[*seq].len().min((p + 1) * KEYS)];
                 let (k_rows, v_rows) = rows.split_at_mut(KEYS * d);
                 for (t, &row) in keys.iter().enumerate() {
-                    let src = row + kv_head * d;
-                    E::row_to_f32(&k_cache[src..src + d], &mut k_rows[t * d..(t + 1) * d]);
-                    E::row_to_f32(&v_cache[src..src + d], &mut v_rows[t * d..(t + 1) * d]);
+                    // a head row: its values, then (a scaled cache) its scale, `cpu_kv`
+                    let src = row + kv_head * dr;
+                    E::head_row_to_f32(&k_cache[src..src + dr], &mut k_rows[t * d..(t + 1) * d]);
+                    E::head_row_to_f32(&v_cache[src..src + dr], &mut v_rows[t * d..(t + 1) * d]);
                 }
                 k_rows[keys.len() * d..].fill(0.0);
                 v_rows[keys.len() * d..].fill(0.0);

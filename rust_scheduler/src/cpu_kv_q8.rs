@@ -48,22 +48,23 @@ pub fn as_q8_mut(bytes: &mut [i8]) -> &mut [Q8] {
 pub fn quantize_head(dst: &mut [Q8], src: &[f32]) {
     let d = src.len();
     assert_eq!(dst.len(), d + SCALE_BYTES);
-    let mut amax = 0f32;
-    let mut nan = false;
-    for &x in src {
-        amax = amax.max(x.abs());
-        nan |= x.is_nan();
-    }
+    // Written so that the compiler vectorizes each loop: `max` as a compare-and-select (NaN
+    // never wins it), NaN as a flag of its own.
+    let amax = src
+        .iter()
+        .fold(0f32, |m, &x| if x.abs() > m { x.abs() } else { m });
+    let nan = src.iter().fold(false, |n, &x| n | x.is_nan());
     let scale = if nan { f32::NAN } else { amax / Q8_MAX };
     let (values, scale_bytes) = dst.split_at_mut(d);
     if scale > 0.0 && scale.is_finite() {
-        // (v + 1.5 * 2^23) - 1.5 * 2^23 rounds v to the nearest integer, ties to even, for
-        // |v| < 2^22 (here |v| <= 127 and a hair): one add and one subtract, vectorizable
-        // without SSE4.1's round instruction.
+        // x / scale + 1.5 * 2^23 rounds to an integer (to nearest, ties to even) held in the
+        // low mantissa bits for |x / scale| < 2^22 (here <= 127 and a hair): the integer is
+        // those bits less the constant's, without a float-to-int conversion.
         const MAGIC: f32 = 12_582_912.0;
+        let magic_bits = MAGIC.to_bits() as i32;
         for (q, &x) in values.iter_mut().zip(src) {
-            let v = ((x / scale + MAGIC) - MAGIC).clamp(-Q8_MAX, Q8_MAX);
-            *q = Q8(v as i8);
+            let n = ((x / scale + MAGIC).to_bits() as i32 - magic_bits).clamp(-127, 127);
+            *q = Q8(n as i8);
         }
     } else {
         values.fill(Q8(0));

@@ -39,6 +39,7 @@ use crate::cpu_isa::Isa;
 use crate::cpu_kv::KvElement;
 use crate::cpu_linear::OutPtr;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 /// Keys per panel (two AVX-512 vectors of scores per row).
 const KEYS: usize = 32;
@@ -241,16 +242,18 @@ pub(crate) fn work_items(seqs: &[SeqQuery], num_kv_heads: usize, chunk: usize) -
 }
 
 /// The blocks `seqs` read from a scaled cache (`cpu_kv`; validated inputs), in order of first
-/// use, as f32 caches of their values, with the shape and block tables that address them there.
-/// Prefill reads each key and value many times over (once per query tile), so this copy costs
-/// little beside it, and every prefill path (AMX too) then runs unchanged; decode, which reads
-/// each once, applies the scales in place (`cpu_attention`).
+/// use, as f32 caches of their values, with the shape and block tables that address them there
+/// (the copy split over `num_threads` tasks of the pool). Prefill reads each key and value many
+/// times over (once per query tile), so this copy costs little beside it, and the vector path
+/// then runs unchanged; the AMX path converts each row it reads with its scale, and decode,
+/// which reads each row once, applies the scales in place (`cpu_attention`).
 fn dequantize_blocks<E: KvElement>(
     shape: &PrefillShape,
     k_cache: &[E],
     v_cache: &[E],
     block_tables: &[i32],
     seqs: &[SeqQuery],
+    num_threads: usize,
 ) -> (Vec<f32>, Vec<f32>, PrefillShape, Vec<i32>) {
     let (d, hkv, bs) = (shape.head_dim, shape.num_kv_heads, shape.block_size);
     let dr = d + E::ROW_EXTRA;
@@ -267,21 +270,39 @@ fn dequantize_blocks<E: KvElement>(
             });
         }
     }
-    let to_values = |cache: &[E]| {
-        let mut values = vec![0f32; used.len() * bs * hkv * d];
-        let rows = used
-            .iter()
-            .flat_map(|&block| cache[block * bs * hkv * dr..][..bs * hkv * dr].chunks_exact(dr));
-        for (src, dst) in rows.zip(values.chunks_exact_mut(d)) {
-            E::head_row_to_f32(src, dst);
+    // Blocks in runs of `per_task`; run `t` writes its own part of each output.
+    let block_values = bs * hkv * d;
+    let mut k_values = vec![0f32; used.len() * block_values];
+    let mut v_values = vec![0f32; used.len() * block_values];
+    let tasks = num_threads.clamp(1, used.len().max(1));
+    let per_task = used.len().div_ceil(tasks).max(1);
+    let parts: Vec<Mutex<(&mut [f32], &mut [f32])>> = k_values
+        .chunks_mut(per_task * block_values)
+        .zip(v_values.chunks_mut(per_task * block_values))
+        .map(Mutex::new)
+        .collect();
+    let next = AtomicUsize::new(0); // the pool may run fewer tasks than asked: they pull runs
+    on_tasks(parts.len(), &|_| loop {
+        let t = next.fetch_add(1, Ordering::Relaxed);
+        let Some(part) = parts.get(t) else { break };
+        let mut part = part.lock().unwrap_or_else(|e| e.into_inner());
+        let (k_out, v_out) = &mut *part;
+        let blocks = &used[t * per_task..][..k_out.len() / block_values];
+        for (cache, values) in [(k_cache, &mut **k_out), (v_cache, &mut **v_out)] {
+            let rows = blocks.iter().flat_map(|&block| {
+                cache[block * bs * hkv * dr..][..bs * hkv * dr].chunks_exact(dr)
+            });
+            for (src, dst) in rows.zip(values.chunks_exact_mut(d)) {
+                E::head_row_to_f32(src, dst);
+            }
         }
-        values
-    };
+    });
+    drop(parts);
     let compact = PrefillShape {
         num_blocks: used.len(),
         ..*shape
     };
-    (to_values(k_cache), to_values(v_cache), compact, tables)
+    (k_values, v_values, compact, tables)
 }
 
 /// [`paged_prefill_attention_f32`] using at most instruction set `max_isa`, and AMX only where
@@ -301,10 +322,14 @@ fn run<E: KvElement>(
 ) -> Result<(), KernelInputError> {
     let chunks = (q_starts, q_lens, seq_lens);
     let seqs = shape.validate(q, k_cache, v_cache, block_tables, chunks, out)?;
-    if E::ROW_EXTRA > 0 {
-        // A scaled cache: its blocks this call reads, as the f32 values they hold.
+    let (d, hkv, bs) = (shape.head_dim, shape.num_kv_heads, shape.block_size);
+    let isa = Isa::detect(max_isa);
+    let amx = isa == Isa::Amx && d.is_multiple_of(64) && amx_pays(&seqs, amx_min_queries);
+    if E::ROW_EXTRA > 0 && !amx {
+        // A scaled cache off the AMX path (which converts every row it reads anyway): the
+        // blocks this call reads, as the f32 values they hold.
         let (k_values, v_values, shape, tables) =
-            dequantize_blocks(shape, k_cache, v_cache, block_tables, &seqs);
+            dequantize_blocks(shape, k_cache, v_cache, block_tables, &seqs, num_threads);
         let limits = (max_isa, amx_min_queries);
         let (k, v) = (&k_values[..], &v_values[..]);
         return run(
@@ -320,8 +345,8 @@ fn run<E: KvElement>(
             limits,
         );
     }
-    let (d, hkv, bs) = (shape.head_dim, shape.num_kv_heads, shape.block_size);
-    // Each key's element offset in the caches (KV head 0).
+    // Each key's element offset in the caches (KV head 0; head rows of `d + ROW_EXTRA`).
+    let row = hkv * (d + E::ROW_EXTRA);
     let key_rows: Vec<Vec<usize>> = seqs
         .iter()
         .enumerate()
@@ -330,15 +355,14 @@ fn run<E: KvElement>(
             (0..sq.seq_len.div_ceil(bs))
                 .flat_map(|b| {
                     let block = table[b] as usize;
-                    (0..bs).map(move |off| (block * bs + off) * hkv * d)
+                    (0..bs).map(move |off| (block * bs + off) * row)
                 })
                 .take(sq.seq_len)
                 .collect()
         })
         .collect();
-    let isa = Isa::detect(max_isa);
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Amx && d.is_multiple_of(64) && amx_pays(&seqs, amx_min_queries) {
+    if amx {
         // SAFETY: Isa::detect gave Amx, d % 64 == 0, and the inputs were validated into `seqs`.
         unsafe {
             crate::cpu_amx_prefill::run(
@@ -992,14 +1016,17 @@ mod tests {
                     (isa, 0),
                 )
                 .unwrap();
-                let same = got
+                let apart = got
                     .iter()
                     .zip(&want)
-                    .all(|(g, w)| g.to_bits() == w.to_bits());
+                    .filter(|(g, w)| g.to_bits() != w.to_bits())
+                    .collect::<Vec<_>>();
                 assert!(
-                    same,
-                    "{isa:?}, {threads} threads: {} cache vs its f32 values",
-                    E::NAME
+                    apart.is_empty(),
+                    "{isa:?}, {threads} threads: {} cache vs its f32 values: {} apart, e.g. {:?}",
+                    E::NAME,
+                    apart.len(),
+                    &apart[..apart.len().min(4)]
                 );
             }
         }
