@@ -17,7 +17,8 @@
 //!   turns into a failed request rather than a wrong answer.
 //! - A scaled type's value is `to_f32(element) * head_scale(row)`; the decode kernel multiplies
 //!   a key's scores and a value's softmax weight by the scale (the same value up to float
-//!   rounding), the prefill kernels read the values themselves (`dequantize_blocks`).
+//!   rounding); the prefill kernels read the values themselves ([`KvElement::head_row_to_f32`]:
+//!   the AMX path row by row, the vector path from a copy of the call's blocks).
 
 pub use half::f16;
 

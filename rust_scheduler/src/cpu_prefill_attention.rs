@@ -1,12 +1,14 @@
-//! Paged prefill attention on the CPU (float32 math over any `cpu_kv` cache type; a scaled one
-//! sequence's chunk of query tokens attends, causally, to its whole context read in place
-//! through the block table (earlier chunks and this step's own keys, which the caller has
+//! Paged prefill attention on the CPU (float32 math over any `cpu_kv` cache type; a scaled
+//! one's rows read with their scales, `dequantize_blocks` off the AMX path): each sequence's
+//! chunk of query tokens attends, causally, to its whole context read in place through the
+//! block table (earlier chunks and this step's own keys, which the caller has
 //! written into the cache first).
 //!
 //! Layout (row-major, as the Python side's torch tensors): `q` / `out` `[T, Hq, D]` (the step's
-//! flat rows), `k_cache` / `v_cache` `[num_blocks, block_size, Hkv, D]`; per sequence `s` of the
-//! call: `q_starts[s]` (its first row of `q`), `q_lens[s]` (its query tokens), `seq_lens[s]` (its
-//! keys once this step's are written) and row `s` of `block_tables` `[S, max_blocks]`. Query
+//! flat rows), `k_cache` / `v_cache` `[num_blocks, block_size, Hkv, D + ROW_EXTRA]`; per sequence
+//! `s` of the call: `q_starts[s]` (its first row of `q`), `q_lens[s]` (its query tokens),
+//! `seq_lens[s]` (its keys once this step's are written) and row `s` of `block_tables` `[S,
+//! max_blocks]`. Query
 //! `j` (0-based) of sequence `s` attends keys `0 ..= seq_lens[s] - q_lens[s] + j`. Rows of `out`
 //! that belong to no sequence of the call are left untouched.
 //!

@@ -38,13 +38,15 @@ def test_throughput_smoke(tmp_path: Path) -> None:
     data, stdout = _bench(
         "throughput.py", "--workload", "smoke", "--systems",
         "ferrobatch,ferrobatch-static,ferrobatch-eager,ferrobatch-nodraft,ferrobatch-kv8,"
-        "hf-static,hf-continuous",
+        "ferrobatch-kvi8,hf-static,hf-continuous",
         "--plot", str(tmp_path / "occ.png"), "--no-progress", "--threads", "1",
         "--kv-cache-gb", "0.01", json_out=tmp_path / "smoke.json")
     rows = {r["system"]: r for r in data["results"]}
     assert set(rows) == {"ferrobatch", "ferrobatch-static", "ferrobatch-eager",
-                         "ferrobatch-nodraft", "ferrobatch-kv8", "hf-static", "hf-continuous"}
+                         "ferrobatch-nodraft", "ferrobatch-kv8", "ferrobatch-kvi8", "hf-static",
+                         "hf-continuous"}
     assert rows["ferrobatch-kv8"]["params"]["kv_cache_dtype"] == "fp8"
+    assert rows["ferrobatch-kvi8"]["params"]["kv_cache_dtype"] == "int8"
     assert rows["ferrobatch"]["params"]["kv_cache_gb"] == 0.01
     assert data["workload"]["kv_cache_gb"] == 0.01
     assert rows["ferrobatch"]["decode_graph_steps"] == 0      # no CUDA graphs on the CPU

@@ -345,6 +345,24 @@ $PY benches/throughput.py --workload cpu-chat --max-num-seqs 64 --kv-cache-gb 0.
   --systems ferrobatch,ferrobatch-kv16,ferrobatch-kv8,ferrobatch,ferrobatch-kv16,ferrobatch-kv8 \
   --no-progress --json $OUT/throughput_cpu-chat_kv_budget_session45.json
 
+# Session 46 (Xeon with AMX): the int8 KV cache (a scale per token and KV head) against float32
+# and FP8: quality, the kernels alone, 16-row steps, cpu-small and the cache-bound cpu-chat.
+$PY benches/kv_cache_quality.py --json $OUT/kv_cache_quality_session46.json
+$PY benches/cpu_kernels.py --only kv16
+for ctx in 256 1024; do
+  for round in 1 2; do
+    for dt in auto fp8 int8; do
+      $PY benches/step_breakdown.py --rows 16 --context $ctx --kv-cache-dtype $dt
+    done
+  done
+done
+$PY benches/throughput.py --workload cpu-small \
+  --systems ferrobatch,ferrobatch-kv8,ferrobatch-kvi8,ferrobatch,ferrobatch-kv8,ferrobatch-kvi8 \
+  --no-progress --json $OUT/throughput_cpu-small_kvi8_session46.json
+$PY benches/throughput.py --workload cpu-chat --max-num-seqs 64 --kv-cache-gb 0.1 \
+  --systems ferrobatch,ferrobatch-kv8,ferrobatch-kvi8,ferrobatch,ferrobatch-kv8,ferrobatch-kvi8 \
+  --no-progress --json $OUT/throughput_cpu-chat_kv_budget_session46.json
+
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
 #   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \
