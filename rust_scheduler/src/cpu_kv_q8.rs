@@ -118,6 +118,22 @@ unsafe fn quantize_head_avx512(dst: &mut [Q8], src: &[f32]) {
     }
 }
 
+/// `dst[i] = src[i] as f32 * scale`, sixteen at a time (the same single rounding as the scalar
+/// product).
+///
+/// # Safety
+/// On a CPU with AVX-512F, for `src.len() == dst.len()`, a multiple of 16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn scaled_row_avx512(src: &[Q8], scale: f32, dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let factor = _mm512_set1_ps(scale);
+    for c in (0..dst.len()).step_by(16) {
+        let values = Q8::load16(src.as_ptr().add(c));
+        _mm512_storeu_ps(dst.as_mut_ptr().add(c), _mm512_mul_ps(values, factor));
+    }
+}
+
 impl KvElement for Q8 {
     const NAME: &'static str = "int8";
     const ROW_EXTRA: usize = SCALE_BYTES;
@@ -152,6 +168,19 @@ impl KvElement for Q8 {
     fn head_scale(row: &[Q8], head_dim: usize) -> f32 {
         let b = &row[head_dim..head_dim + SCALE_BYTES];
         f32::from_ne_bytes([b[0].0 as u8, b[1].0 as u8, b[2].0 as u8, b[3].0 as u8])
+    }
+    fn head_row_to_f32(src: &[Q8], dst: &mut [f32]) {
+        let d = dst.len();
+        let scale = Q8::head_scale(src, d);
+        #[cfg(target_arch = "x86_64")]
+        if d.is_multiple_of(16) && std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX-512F was just detected; `src` holds `d` values (head_scale read
+            // past them) and `d % 16 == 0`.
+            return unsafe { scaled_row_avx512(&src[..d], scale, dst) };
+        }
+        dst.iter_mut()
+            .zip(src)
+            .for_each(|(x, q)| *x = q.0 as f32 * scale);
     }
     fn store_heads(dst: &mut [Q8], src: &[f32], head_dim: usize) {
         let heads = src.len() / head_dim;
@@ -290,6 +319,19 @@ mod tests {
                 quantize_head(&mut got, &src);
                 assert_eq!(got, quantize_head_scalar(&src), "d {d}, case {case}");
             }
+        }
+    }
+
+    #[test]
+    fn a_head_row_reads_as_each_byte_times_its_scale() {
+        let mut rng = Lcg(5);
+        for d in [8, 16, 64, 72, 128] {
+            let src: Vec<f32> = (0..d).map(|_| 9.0 * rng.next_f32()).collect();
+            let mut row = vec![Q8(0); d + SCALE_BYTES];
+            quantize_head(&mut row, &src);
+            let scale = Q8::head_scale(&row, d);
+            let want: Vec<f32> = row[..d].iter().map(|q| q.0 as f32 * scale).collect();
+            assert_eq!(values(&row, d), want, "d {d}");
         }
     }
 
