@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from kv_cache_replay import replay_against_float32
 from step_builder import ToyScheduler
 from test_cpu_kernels import _random_decode_step, _random_prefill_step
 
@@ -109,23 +110,7 @@ def test_smollm2_logits_with_an_f16_cache_stay_close(loaded_smollm2):
     """The f32 cache's greedy run replayed over an f16 cache (the same steps, the same tokens):
     the logits differ by float16's rounding of K/V only, far less than the gap between the
     two likeliest tokens almost everywhere."""
-    runners = {dt: ModelRunner(loaded_smollm2, num_blocks=128, block_size=16, kv_cache_dtype=dt)
-               for dt in (torch.float32, torch.float16)}
-    assert runners[torch.float16].kv_cache.layers[0].dtype == torch.float16
-    sched = ToyScheduler(128, 16, token_budget=64, seed=0)
-    rng = np.random.default_rng(5)
-    for i, n in enumerate((40, 7, 90, 15)):
-        sched.add(i, rng.integers(100, 40000, size=n).tolist(), max_new_tokens=24)
-    worst = 0.0
-    agree = total = 0
-    while (batch := sched.schedule()) is not None:
-        want = runners[torch.float32].execute(batch).clone()
-        got = runners[torch.float16].execute(batch)
-        worst = max(worst, float((got - want).abs().max() / want.abs().max()))
-        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
-        total += want.shape[0]
-        sched.update(want.argmax(-1).numpy())
-    print(f"f16 cache: logits within {worst:.2e} of their largest value, top-1 {agree}/{total}")
+    worst, agree, total = replay_against_float32(loaded_smollm2, torch.float16)
     assert worst < 5e-3, f"logits moved by {worst:.2e} of their largest value"
     assert agree >= 0.95 * total, f"top-1 agreed on {agree} of {total} rows"
 

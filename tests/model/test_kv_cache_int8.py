@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from step_builder import ToyScheduler
+from kv_cache_replay import replay_against_float32, serve_end_to_end
 from test_cpu_decoder import _random_loaded, _record_steps
 from test_cpu_kernels import (
     _random_decode_step,
@@ -18,7 +18,6 @@ from test_cpu_kernels import (
     _reference_on_chunk_rows,
 )
 
-from ferrobatch import LLM, SamplingParams
 from ferrobatch._scheduler import paged_decode_attention_f32, paged_prefill_attention_f32
 from ferrobatch.config import EngineConfig
 from ferrobatch.runtime.cpu_linear import packing_unsupported
@@ -197,24 +196,7 @@ def test_smollm2_steps_with_an_int8_cache_stay_close(loaded_smollm2):
     """The float32 cache's greedy run replayed over an int8 cache: a scale per head row keeps
     seven bits of each row's largest value, and the top token stays the same on nearly every
     row (FP8's check asks 85 %)."""
-    runners = {dt: ModelRunner(loaded_smollm2, num_blocks=128, block_size=16, kv_cache_dtype=dt)
-               for dt in (torch.float32, INT8)}
-    assert runners[INT8].kv_cache.layers[0].dtype == INT8
-    sched = ToyScheduler(128, 16, token_budget=64, seed=0)
-    rng = np.random.default_rng(5)
-    for i, n in enumerate((40, 7, 90, 15)):
-        sched.add(i, rng.integers(100, 40000, size=n).tolist(), max_new_tokens=24)
-    worst = 0.0
-    agree = total = 0
-    while (batch := sched.schedule()) is not None:
-        want = runners[torch.float32].execute(batch).clone()
-        got = runners[INT8].execute(batch)
-        assert got.isfinite().all()
-        worst = max(worst, float((got - want).abs().max() / want.abs().max()))
-        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
-        total += want.shape[0]
-        sched.update(want.argmax(-1).numpy())
-    print(f"int8 cache: logits within {worst:.2e} of their largest value, top-1 {agree}/{total}")
+    worst, agree, total = replay_against_float32(loaded_smollm2, INT8)
     assert worst < 0.1, f"logits moved by {worst:.2e} of their largest value"
     assert agree >= 0.93 * total, f"top-1 agreed on {agree} of {total} rows"
 
@@ -237,22 +219,4 @@ def test_the_torch_reference_reads_an_int8_cache_as_its_values():
 
 
 def test_the_engine_serves_with_an_int8_cache(loaded_smollm2):
-    """`LLM(kv_cache_dtype="int8")` end to end: parallel sampling (block copies), a long prompt's
-    chunks and decodes, every request finished, no block left held."""
-    llm = LLM("smollm2", loaded_model=loaded_smollm2, kv_cache_dtype="int8", num_blocks=128,
-              max_num_batched_tokens=64, device="cpu")
-    try:
-        assert llm.engine._core.runner.kv_cache.dtype == INT8
-        long_prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * 20)
-        outs = llm.generate(["The capital of France is", long_prompt],
-                            SamplingParams(max_tokens=12, temperature=0.8, seed=1, n=3,
-                                           ignore_eos=True))
-        assert [len(o.outputs) for o in outs] == [3, 3]
-        assert all(len(c.token_ids) == 12 for o in outs for c in o.outputs)
-        greedy = llm.generate(["The capital of France is"],
-                              SamplingParams(max_tokens=6, temperature=0))
-        assert greedy[0].outputs[0].text.startswith(" Paris")
-        llm._run(llm.engine.check_idle_clean())
-        assert llm.engine.stats()["num_used_blocks"] == 0
-    finally:
-        llm.close()
+    serve_end_to_end(loaded_smollm2, "int8", INT8)
