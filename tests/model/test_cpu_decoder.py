@@ -55,12 +55,13 @@ def _record_steps(runner: ModelRunner, prompts: list[list[int]], max_new: list[i
     return steps
 
 
-def _compare(loaded_fused: LoadedModel, loaded_plain: LoadedModel, prompts, max_new,
-             block_size: int = 8, kv_cache_dtype: torch.dtype | None = None,
-             logits_atol: float = 1e-5, cache_atol: float = 1e-4) -> tuple[int, int]:
-    """The fused runner's steps replayed by a layer-by-layer runner: logits and KV caches agree
-    (within ``logits_atol`` / ``cache_atol`` of their largest value). Returns (steps, steps run
-    fused)."""
+def _replay_layer_by_layer(loaded_fused: LoadedModel, loaded_plain: LoadedModel, prompts,
+                           max_new, block_size: int = 8,
+                           kv_cache_dtype: torch.dtype | None = None,
+                           logits_atol: float = 1e-5):
+    """The fused runner's steps replayed by a layer-by-layer runner, their logits within
+    ``logits_atol`` of the largest. Returns (the fused runner's caches, the layer path's,
+    steps, steps run fused)."""
     fused = ModelRunner(loaded_fused, num_blocks=96, block_size=block_size, attn_backend="cpu",
                         kv_cache_dtype=kv_cache_dtype)
     assert isinstance(fused.fused_layers, FusedLayers)
@@ -76,14 +77,25 @@ def _compare(loaded_fused: LoadedModel, loaded_plain: LoadedModel, prompts, max_
         scale = float(want.abs().max())
         torch.testing.assert_close(got, want, rtol=0, atol=logits_atol * scale,
                                    msg=lambda m, i=i: f"step {i}: {m}")
-    for layer, (a, b) in enumerate(zip(fused_caches, plain.kv_cache.layers, strict=True)):
+    return fused_caches, plain.kv_cache.layers, len(steps), num_fused
+
+
+def _compare(loaded_fused: LoadedModel, loaded_plain: LoadedModel, prompts, max_new,
+             block_size: int = 8, kv_cache_dtype: torch.dtype | None = None,
+             logits_atol: float = 1e-5, cache_atol: float = 1e-4) -> tuple[int, int]:
+    """The fused runner's steps replayed by a layer-by-layer runner: logits and KV caches agree
+    (within ``logits_atol`` / ``cache_atol`` of their largest value). Returns (steps, steps run
+    fused)."""
+    fused_caches, plain_caches, num_steps, num_fused = _replay_layer_by_layer(
+        loaded_fused, loaded_plain, prompts, max_new, block_size, kv_cache_dtype, logits_atol)
+    for layer, (a, b) in enumerate(zip(fused_caches, plain_caches, strict=True)):
         # float32 rounding (SiLU's polynomial) carried through the layers below, amplified at
         # SmolLM2's attention sink (position 0's hidden states reach ~24,000): the layer path
         # itself, with SiLU written as g / (1 + e^-g), moves these caches by up to 2e-5 of
         # their largest value (the logits above stay within 1e-5)
         torch.testing.assert_close(a, b, rtol=0, atol=cache_atol * float(b.abs().max()),
                                    msg=lambda m, i=layer: f"layer {i}: {m}")
-    return len(steps), num_fused
+    return num_steps, num_fused
 
 
 @pytest.mark.parametrize("tied,bias,qk_norm", [(True, False, False), (False, True, False),

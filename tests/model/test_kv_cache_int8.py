@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from kv_cache_replay import replay_against_float32, serve_end_to_end
-from test_cpu_decoder import _random_loaded, _record_steps
+from test_cpu_decoder import _random_loaded, _replay_layer_by_layer
 from test_cpu_kernels import (
     _random_decode_step,
     _random_prefill_step,
@@ -32,7 +32,7 @@ from ferrobatch.runtime.kv_cache import (
     quantize_rows,
     to_cache_dtype,
 )
-from ferrobatch.runtime.model_runner import ModelRunner, num_kv_blocks
+from ferrobatch.runtime.model_runner import num_kv_blocks
 
 pytestmark = pytest.mark.skipif(packing_unsupported(torch.device("cpu"), torch.float32) is not None,
                                 reason="the Rust CPU kernels need AVX2 (packing unsupported)")
@@ -168,18 +168,12 @@ def test_fused_steps_and_the_layer_path_write_the_same_int8_rows(qk_norm):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 97, size=n).tolist() for n in (30, 4, 17, 3, 40)]
     max_new = [12, 20, 6, 9, 5]
-    fused = ModelRunner(_random_loaded(True, False, qk_norm), num_blocks=96, block_size=8,
-                        attn_backend="cpu", kv_cache_dtype=INT8)
-    steps = _record_steps(fused, prompts, max_new)
-    assert fused.fused_layers.steps == len(steps)
-    plain = ModelRunner(_random_loaded(True, False, qk_norm), num_blocks=96, block_size=8,
-                        attn_backend="cpu", fused_decode=False, kv_cache_dtype=INT8)
-    for i, (batch, want) in enumerate(steps):
-        got = plain.execute(batch)
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-2 * float(want.abs().max()),
-                                   msg=lambda m, i=i: f"step {i}: {m}")
+    fused_caches, plain_caches, num_steps, num_fused = _replay_layer_by_layer(
+        _random_loaded(True, False, qk_norm), _random_loaded(True, False, qk_norm), prompts,
+        max_new, kv_cache_dtype=INT8, logits_atol=1e-2)
+    assert num_fused == num_steps
     values_apart = values = 0
-    for a, b in zip(fused.kv_cache.layers, plain.kv_cache.layers, strict=True):
+    for a, b in zip(fused_caches, plain_caches, strict=True):
         written = _scales(a) != 0
         assert torch.equal(written, _scales(b) != 0)           # the same rows written
         a, b = a[written], b[written]
