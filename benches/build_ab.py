@@ -3,12 +3,14 @@ build ("base", e.g. the commit before a kernel change) against this checkout's, 
 
     python benches/build_ab.py --base-so /tmp/base/ferrobatch/_scheduler.abi3.so \
         [--mode step --rows 1,2,3 --context 256] [--mode stream --tokens 128 --chat \
-        --temperature 0.7] [--json PATH]
+        --temperature 0.7] [--mode attention --rows 1,16 --contexts 256,1024 \
+        --kv-dtypes float32,int8] [--json PATH]
 
 Why: the development VMs' speed drifts by 10-50 % within minutes (other tenants), so two
 processes run one after the other compare the machine's moods, not the builds. Here both builds
 run in the same process on the same model and KV cache, alternating every step (`--mode step`:
-`ModelRunner.execute` on one decode step of B sequences with `context` cached tokens) or every
+`ModelRunner.execute` on one decode step of B sequences with `context` cached tokens; `--mode
+attention`: the decode attention kernel alone, 30 layers over random caches) or every
 request (`--mode stream`: one `LLM` request at a time, milliseconds per output token after the
 prompt, as `single_stream.py` measures it; `--chat` asks for essays through the chat template
 instead of random token ids, drafts as configured).
@@ -34,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from argtypes import int_list  # noqa: E402
 from common import format_table, machine_info, write_json  # noqa: E402  (OpenMP defaults first)
 
 ESSAY_TOPICS = ("the history of bridges", "how bees make honey", "the ocean tides",
@@ -115,6 +118,7 @@ def interleaved(run, arms: dict, rounds: int) -> dict[str, list[float]]:
 
 def step_mode(args, base_module) -> list[dict]:
     import numpy as np
+    import torch
 
     from ferrobatch.model.loader import load_model
     from ferrobatch.runtime.model_runner import ModelRunner
@@ -123,7 +127,10 @@ def step_mode(args, base_module) -> list[dict]:
     # as the engine loads a GGUF on the CPU: its block-format linears never dequantized (an 8B
     # Q4_K_M file as float32 first would not fit a 24 GB machine)
     loaded = load_model(args.model, gguf_blocks=True)
-    runner = ModelRunner(loaded, num_blocks=args.num_blocks, block_size=16)
+    kv_dtype = {"auto": None, "float16": torch.float16,
+                "fp8": torch.float8_e4m3fn, "int8": torch.int8}[args.kv_cache_dtype]
+    runner = ModelRunner(loaded, num_blocks=args.num_blocks, block_size=16,
+                         kv_cache_dtype=kv_dtype)
     model = runner.model
     arms = arm_layers(model, base_module)
     results = []
@@ -144,6 +151,7 @@ def step_mode(args, base_module) -> list[dict]:
         times = interleaved(run, arms, args.rounds)
         a, b = logits[id(arms["base"])], logits[id(arms["this"])]
         res = {"mode": "step", "rows": rows, "context": args.context,
+               "kv_cache_dtype": args.kv_cache_dtype,
                "base_ms": float(np.median(times["base"])), "this_ms": float(np.median(times["this"])),
                "logits_max_rel_diff": float((a - b).abs().max() / a.abs().max()),
                "same_argmax": bool((a.argmax(-1) == b.argmax(-1)).all())}
@@ -205,14 +213,97 @@ def stream_mode(args, base_module) -> list[dict]:
     return [res]
 
 
+CACHE_DTYPES = ("float32", "float16", "fp8", "int8")   # --kv-dtypes
+
+
+def as_cache_dtype(cache, dtype: str):
+    """A float32 KV cache as ``dtype``, one of ``CACHE_DTYPES`` (int8: rows with their scales)."""
+    import torch
+
+    from ferrobatch.runtime.kv_cache import quantize_rows
+
+    if dtype == "float16":
+        return cache.half()
+    if dtype == "fp8":
+        return cache.to(torch.float8_e4m3fn)
+    return quantize_rows(cache) if dtype == "int8" else cache
+
+
+def attention_mode(args, base_module) -> list[dict]:
+    """The decode attention kernel alone (``paged_decode_attention_f32``), SmolLM2's heads over
+    30 layers of random caches, of each ``--kv-dtypes``: milliseconds per step of ``rows``
+    sequences with ``context`` cached tokens each, the builds alternating every step."""
+    import numpy as np
+    import torch
+
+    from ferrobatch.runtime.attention.cpu import CpuPagedBackend
+
+    dtypes = args.kv_dtypes.split(",")
+    if bad := [t for t in dtypes if t not in CACHE_DTYPES]:
+        raise SystemExit(f"--kv-dtypes: {', '.join(bad)}: not among {', '.join(CACHE_DTYPES)}")
+    layers, hq, hkv, d, bs = 30, 9, 3, 64, 16
+    rng = np.random.default_rng(0)
+    results = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        for context in args.contexts:
+            per_seq = -(-context // bs)
+            num_blocks = rows * per_seq + 1
+            table = rng.permutation(np.arange(1, num_blocks)).astype(np.int32)
+            batch = type("Step", (), dict(
+                query_start_loc=np.arange(rows + 1, dtype=np.int32),
+                seq_lens=np.full(rows, context, np.int32), block_tables=table.reshape(rows, -1),
+                input_ids=np.zeros(rows, np.int32), slot_mapping=np.zeros(rows, np.int32)))
+            query = torch.randn(rows, hq, d)
+            f32 = [torch.randn(2, num_blocks, bs, hkv, d) for _ in range(layers)]
+            for dtype in dtypes:
+                layer_caches = [as_cache_dtype(c, dtype) for c in f32]
+                arms = {}
+                for name, module in (("base", base_module), (None, None)):
+                    backend = CpuPagedBackend(bs)
+                    if module is not None:
+                        backend._kernel = module.paged_decode_attention_f32
+                    arms[name or "this"] = (backend, backend.build_metadata(batch, "cpu"))
+                outs = {}
+
+                def run(arm, outs=outs, layer_caches=layer_caches, query=query):
+                    backend, meta = arm
+                    time.sleep(0.002)
+                    t0 = time.perf_counter()
+                    for cache in layer_caches:
+                        out = backend.forward(query, cache, meta, d ** -0.5)
+                    dt = (time.perf_counter() - t0) * 1e3
+                    outs[id(arm)] = out
+                    return dt
+
+                interleaved(run, arms, 4)                       # warm-up
+                times = interleaved(run, arms, args.rounds)
+                a, b = outs[id(arms["base"])], outs[id(arms["this"])]
+                res = {"mode": "attention", "rows": rows, "context": context, "kv_dtype": dtype,
+                       "base_ms": float(np.median(times["base"])),
+                       "this_ms": float(np.median(times["this"])),
+                       "out_max_abs_diff": float((a - b).abs().max())}
+                res["speedup"] = res["base_ms"] / res["this_ms"]
+                print(f"rows={rows} context={context} {dtype}: base {res['base_ms']:.2f} ms, "
+                      f"this {res['this_ms']:.2f} ms ({res['speedup']:.3f}x)", flush=True)
+                results.append(res)
+                del layer_caches
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-so", required=True, help="the other build's _scheduler*.so")
-    ap.add_argument("--mode", choices=("step", "stream"), default="step")
+    ap.add_argument("--mode", choices=("step", "stream", "attention"), default="step")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--rows", default="1,2,3", help="step mode: decode rows per step")
     ap.add_argument("--context", type=int, default=256, help="cached tokens (random-id prompts)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "float16", "fp8", "int8"], default="auto",
+                    help="step mode: what the KV cache stores (auto: the model's float32)")
+    ap.add_argument("--contexts", type=int_list, default="256,1024",
+                    help="attention mode: cached tokens per sequence")
+    ap.add_argument("--kv-dtypes", default="float32,float16,fp8,int8",
+                    help="attention mode: the caches' dtypes")
     ap.add_argument("--num-blocks", type=int, default=1024, help="step mode: KV blocks")
     ap.add_argument("--rounds", type=int, default=30, help="timed runs per build")
     ap.add_argument("--tokens", type=int, default=128, help="stream mode: tokens per request")
@@ -225,8 +316,14 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.base_so).is_file():
         raise SystemExit(f"no such file: {args.base_so}")
     base_module = load_extension(args.base_so)
-    results = (step_mode if args.mode == "step" else stream_mode)(args, base_module)
+    mode = {"step": step_mode, "stream": stream_mode, "attention": attention_mode}[args.mode]
+    results = mode(args, base_module)
     print()
+    if args.mode == "attention":
+        print(format_table(results, [("rows", "rows", "d"), ("context", "context", "d"),
+                                     ("kv_dtype", "kv", "s"), ("base_ms", "base ms", ".2f"),
+                                     ("this_ms", "this ms", ".2f"), ("speedup", "x", ".3f"),
+                                     ("out_max_abs_diff", "out diff", ".1e")]))
     if args.mode == "step":
         print(format_table(results, [("rows", "rows", "d"), ("base_ms", "base ms", ".2f"),
                                      ("this_ms", "this ms", ".2f"), ("speedup", "x", ".3f"),

@@ -475,8 +475,6 @@ impl<'a, E: KvElement> Kernel<'a, E> {
         let chunk_cap = chunk_blocks * bs;
         // scores[qh * chunk_cap + j]: query head qh against key j of the current chunk
         let mut scores = vec![0f32; s.num_heads * chunk_cap];
-        // a scaled cache's row scales of the chunk, `[Hkv][chunk_cap]` (empty for the others)
-        let mut row_scales = vec![0f32; if E::ROW_EXTRA > 0 { hkv * chunk_cap } else { 0 }];
         let mut running_max = vec![0f32; s.num_heads];
         let mut denom = vec![0f32; s.num_heads];
         let mut correction = vec![0f32; s.num_heads];
@@ -533,25 +531,6 @@ impl<'a, E: KvElement> Kernel<'a, E> {
                     n: keys_of(first + b),
                     d,
                 };
-                // A scaled cache (`cpu_kv`): every key's scores, and after the softmax every
-                // value's weights, times that row's scale (gathered per KV head first, so the
-                // products run along each head's contiguous scores).
-                let apply_scales = |cache: &[E], scores: &mut [f32], row_scales: &mut [f32]| {
-                    for (b, &block) in chunk.iter().enumerate() {
-                        let block = &cache[block as usize * block_len..][..block_len];
-                        let tokens = block.chunks_exact(hkv * dr).take(keys_of(first + b));
-                        for (j, token) in tokens.enumerate() {
-                            for (kvh, row) in token.chunks_exact(dr).enumerate() {
-                                row_scales[kvh * chunk_cap + b * bs + j] = E::head_scale(row, d);
-                            }
-                        }
-                    }
-                    for qh in 0..s.num_heads {
-                        let scales = &row_scales[(qh / group) * chunk_cap..][..chunk_keys];
-                        let row = &mut scores[qh * chunk_cap..][..chunk_keys];
-                        row.iter_mut().zip(scales).for_each(|(x, &f)| *x *= f);
-                    }
-                };
                 // The K pass.
                 for (b, &block) in chunk.iter().enumerate() {
                     let next = reads.get(read + PREFETCH_AHEAD).copied();
@@ -567,17 +546,11 @@ impl<'a, E: KvElement> Kernel<'a, E> {
                         unsafe { M::scores_group(hn, q, &rows, self.scale, out, chunk_cap, fetch) };
                     }
                 }
-                if E::ROW_EXTRA > 0 {
-                    apply_scales(self.k_cache, &mut scores, &mut row_scales);
-                }
                 for qh in 0..s.num_heads {
                     let row = &mut scores[qh * chunk_cap..][..chunk_keys];
                     // SAFETY: as above.
                     correction[qh] =
                         unsafe { M::softmax(row, &mut running_max[qh], &mut denom[qh]) };
-                }
-                if E::ROW_EXTRA > 0 {
-                    apply_scales(self.v_cache, &mut scores, &mut row_scales);
                 }
                 // The V pass: the first block rescales the accumulated output once.
                 for (b, &block) in chunk.iter().enumerate() {
@@ -764,10 +737,10 @@ trait BlockMath {
     }
 }
 
-/// The `n` rows of one KV head inside a block: row `j` is `block[offset + j * stride..][..d]`.
-/// Holds `offset + (n - 1) * stride + d <= block.len()` (true for every head of a validated
-/// block: with head rows of `R = D + ROW_EXTRA` elements, `offset <= (Hkv - 1) * R`, `stride =
-/// Hkv * R`, `n <= block_size`).
+/// The `n` rows of one KV head inside a block: row `j` is `block[offset + j * stride..][..d]`,
+/// its scale (a scaled type) right after it. Holds `offset + (n - 1) * stride + d + ROW_EXTRA
+/// <= block.len()` (true for every head of a validated block: with head rows of `R = D +
+/// ROW_EXTRA` elements, `offset <= (Hkv - 1) * R`, `stride = Hkv * R`, `n <= block_size`).
 struct Rows<'a, E> {
     block: &'a [E],
     offset: usize,
@@ -780,6 +753,17 @@ impl<E> Rows<'_, E> {
     #[inline(always)]
     fn row(&self, j: usize) -> &[E] {
         &self.block[self.offset + j * self.stride..][..self.d]
+    }
+}
+
+impl<E: KvElement> Rows<'_, E> {
+    /// Row `j`'s [`KvElement::head_scale`] (1 for the unscaled types).
+    #[inline(always)]
+    fn scale(&self, j: usize) -> f32 {
+        E::head_scale(
+            &self.block[self.offset + j * self.stride..][..self.d + E::ROW_EXTRA],
+            self.d,
+        )
     }
 }
 
@@ -807,7 +791,7 @@ mod portable {
         #[inline(always)]
         unsafe fn scores<E: KvElement>(q: &[f32], k: &Rows<'_, E>, scale: f32, out: &mut [f32]) {
             for (j, o) in out.iter_mut().enumerate().take(k.n) {
-                *o = dot(q, k.row(j)) * scale;
+                *o = dot(q, k.row(j)) * (scale * k.scale(j));
             }
         }
         #[inline(always)]
@@ -825,6 +809,7 @@ mod portable {
                 acc.iter_mut().for_each(|a| *a *= correction);
             }
             for (j, &w) in p.iter().enumerate().take(v.n) {
+                let w = w * v.scale(j);
                 for (a, x) in acc.iter_mut().zip(v.row(j)) {
                     *a += w * x.to_f32();
                 }
@@ -1187,7 +1172,9 @@ mod lanes {
     ) {
         let d = q.len();
         debug_assert!(d.is_multiple_of(L::N) && d == k.d && out.len() >= k.n);
-        debug_assert!(k.n == 0 || k.offset + (k.n - 1) * k.stride + d <= k.block.len());
+        debug_assert!(
+            k.n == 0 || k.offset + (k.n - 1) * k.stride + d + E::ROW_EXTRA <= k.block.len()
+        );
         let base = k.block.as_ptr().add(k.offset);
         let mut j = 0;
         while j + 8 <= k.n {
@@ -1206,9 +1193,10 @@ mod lanes {
                 *f = L::fold8(a);
             }
             let sums = avx2::hsum8(&folded);
+            let scales = key_scales::<E, 8>(base, j, k.stride, d, scale);
             _mm256_storeu_ps(
                 out.as_mut_ptr().add(j),
-                _mm256_mul_ps(sums, _mm256_set1_ps(scale)),
+                _mm256_mul_ps(sums, _mm256_loadu_ps(scales.as_ptr())),
             );
             j += 8;
         }
@@ -1218,8 +1206,30 @@ mod lanes {
                 let kv = L::load_kv(base.add(jj * k.stride + c));
                 acc = L::fma(L::load(q.as_ptr().add(c)), kv, acc);
             }
-            *o = avx2::hsum(L::fold8(acc)) * scale;
+            *o = avx2::hsum(L::fold8(acc)) * (scale * E::head_scale_at(base.add(jj * k.stride), d));
         }
+    }
+
+    /// `scale` times the [`KvElement::head_scale`] of rows `j..j + K` (`base`'s rows, `stride`
+    /// apart): what keys `j..j + K`'s dot products are multiplied by. Just `scale` for the
+    /// unscaled types (the products by 1 fold away). Reading each row's scale here, right after
+    /// the row, costs next to nothing; a separate pass over a chunk's rows before the V pass
+    /// stalled on every V row's line (40 % of the int8 kernel's time, `perf`, session 47).
+    #[inline(always)]
+    unsafe fn key_scales<E: KvElement, const K: usize>(
+        base: *const E,
+        j: usize,
+        stride: usize,
+        d: usize,
+        scale: f32,
+    ) -> [f32; K] {
+        let mut scales = [scale; K];
+        if E::ROW_EXTRA > 0 {
+            for (jj, s) in scales.iter_mut().enumerate() {
+                *s *= E::head_scale_at(base.add((j + jj) * stride), d);
+            }
+        }
+        scales
     }
 
     /// `acc = acc * correction + sum_j p[j] * row j` for `j < v.n`, in chunks of 8, 4 and 1
@@ -1233,7 +1243,9 @@ mod lanes {
     ) {
         let d = acc.len();
         debug_assert!(d.is_multiple_of(L::N) && d == v.d && p.len() >= v.n);
-        debug_assert!(v.n == 0 || v.offset + (v.n - 1) * v.stride + d <= v.block.len());
+        debug_assert!(
+            v.n == 0 || v.offset + (v.n - 1) * v.stride + d + E::ROW_EXTRA <= v.block.len()
+        );
         let mut c0 = 0;
         while c0 + 8 * L::N <= d {
             accumulate_chunk::<L, 8, E>(acc, c0, p, correction, v);
@@ -1264,10 +1276,11 @@ mod lanes {
         for (t, r) in a.iter_mut().enumerate() {
             *r = L::mul(L::load(out.add(L::N * t)), corr);
         }
-        let base = v.block.as_ptr().add(v.offset + c0);
+        let rows = v.block.as_ptr().add(v.offset);
         for (j, &w) in p.iter().enumerate().take(v.n) {
-            let wv = L::splat(w);
-            let row = base.add(j * v.stride);
+            let first = rows.add(j * v.stride);
+            let wv = L::splat(w * E::head_scale_at(first, v.d));
+            let row = first.add(c0);
             for (t, r) in a.iter_mut().enumerate() {
                 *r = L::fma(wv, L::load_kv(row.add(L::N * t)), *r);
             }
@@ -1335,7 +1348,9 @@ mod lanes {
         debug_assert!(d.is_multiple_of(L::N));
         // the raw writes below stay inside `out` (one compare per block and run of heads)
         assert!(q.len() == H * d && out.len() >= (H - 1) * out_stride + k.n);
-        debug_assert!(k.n == 0 || k.offset + (k.n - 1) * k.stride + d <= k.block.len());
+        debug_assert!(
+            k.n == 0 || k.offset + (k.n - 1) * k.stride + d + E::ROW_EXTRA <= k.block.len()
+        );
         let (base, qp, op) = (k.block.as_ptr().add(k.offset), q.as_ptr(), out.as_mut_ptr());
         let mut j = 0;
         while j + 4 <= k.n {
@@ -1349,25 +1364,27 @@ mod lanes {
                     }
                 }
             }
+            let scales = _mm_loadu_ps(key_scales::<E, 4>(base, j, k.stride, d, scale).as_ptr());
             for (h, a) in acc.iter().enumerate() {
                 // a loop, not `map`: see `block_scores`
                 let mut folded = [_mm256_setzero_ps(); 4];
                 for (f, &v) in folded.iter_mut().zip(a) {
                     *f = L::fold8(v);
                 }
-                let sums = _mm_mul_ps(avx2::hsum4(&folded), _mm_set1_ps(scale));
+                let sums = _mm_mul_ps(avx2::hsum4(&folded), scales);
                 _mm_storeu_ps(op.add(h * out_stride + j), sums);
             }
             j += 4;
         }
         for jj in j..k.n {
             let row = base.add(jj * k.stride);
+            let row_scale = scale * E::head_scale_at(row, d);
             for h in 0..H {
                 let mut acc = L::zero();
                 for c in (0..d).step_by(L::N) {
                     acc = L::fma(L::load(qp.add(h * d + c)), L::load_kv(row.add(c)), acc);
                 }
-                *op.add(h * out_stride + jj) = avx2::hsum(L::fold8(acc)) * scale;
+                *op.add(h * out_stride + jj) = avx2::hsum(L::fold8(acc)) * row_scale;
             }
         }
         fetch.finish();
@@ -1391,7 +1408,9 @@ mod lanes {
         debug_assert!(d.is_multiple_of(L::N));
         // the raw reads and writes below stay inside `acc` and `p`
         assert!(acc.len() == H * d && p.len() >= (H - 1) * p_stride + v.n);
-        debug_assert!(v.n == 0 || v.offset + (v.n - 1) * v.stride + d <= v.block.len());
+        debug_assert!(
+            v.n == 0 || v.offset + (v.n - 1) * v.stride + d + E::ROW_EXTRA <= v.block.len()
+        );
         let mut c0 = 0;
         while c0 + 4 * L::N <= d {
             group_accumulate_chunk::<L, 4, E, H>(acc, c0, p, p_stride, correction, v, &mut fetch);
@@ -1424,13 +1443,15 @@ mod lanes {
                 *r = L::mul(L::load(out.add(h * d + L::N * t)), factor);
             }
         }
-        let (base, pp) = (v.block.as_ptr().add(v.offset + c0), p.as_ptr());
+        let (rows, pp) = (v.block.as_ptr().add(v.offset), p.as_ptr());
         for j in 0..v.n {
             fetch.step();
-            let row = base.add(j * v.stride);
+            let first = rows.add(j * v.stride);
+            let row_scale = E::head_scale_at(first, d);
+            let row = first.add(c0);
             let mut w = [L::zero(); H];
             for (h, wv) in w.iter_mut().enumerate() {
-                *wv = L::splat(*pp.add(h * p_stride + j));
+                *wv = L::splat(*pp.add(h * p_stride + j) * row_scale);
             }
             for t in 0..W {
                 let x = L::load_kv(row.add(L::N * t));

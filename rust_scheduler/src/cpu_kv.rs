@@ -68,6 +68,17 @@ pub trait KvElement: Copy + Default + Send + Sync + 'static {
         1.0
     }
 
+    /// [`KvElement::head_scale`] of the head row starting at `row`, read through a pointer
+    /// (the decode kernel's inner loops).
+    ///
+    /// # Safety
+    /// `row` points at a head row of `head_dim + ROW_EXTRA` readable elements.
+    #[inline(always)]
+    unsafe fn head_scale_at(row: *const Self, head_dim: usize) -> f32 {
+        let _ = (row, head_dim);
+        1.0
+    }
+
     /// Writes one token's `src` (`[Hkv, head_dim]` f32) into its cache rows `dst` (`[Hkv,
     /// head_dim + ROW_EXTRA]`): each head's values rounded (and, scaled types, its scale).
     #[inline]

@@ -169,6 +169,11 @@ impl KvElement for Q8 {
         let b = &row[head_dim..head_dim + SCALE_BYTES];
         f32::from_ne_bytes([b[0].0 as u8, b[1].0 as u8, b[2].0 as u8, b[3].0 as u8])
     }
+    #[inline(always)]
+    unsafe fn head_scale_at(row: *const Q8, head_dim: usize) -> f32 {
+        // SAFETY: the caller's row holds `head_dim + SCALE_BYTES` bytes
+        unsafe { row.add(head_dim).cast::<f32>().read_unaligned() }
+    }
     fn head_row_to_f32(src: &[Q8], dst: &mut [f32]) {
         let d = dst.len();
         let scale = Q8::head_scale(src, d);

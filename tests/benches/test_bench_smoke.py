@@ -192,6 +192,19 @@ def test_build_ab_smoke(tmp_path: Path) -> None:
     for r in data["results"]:
         assert r["base_ms"] > 0 and r["this_ms"] > 0, r
         assert r["logits_max_rel_diff"] == 0.0 and r["same_argmax"], r
+    # over an int8 cache; and the attention kernel alone over each cache dtype
+    data, _ = _bench(
+        "build_ab.py", "--base-so", str(base), "--mode", "step", "--kv-cache-dtype", "int8",
+        "--rows", "2", "--context", "40", "--rounds", "2", "--num-blocks", "64",
+        json_out=tmp_path / "ab_int8.json")
+    [r] = data["results"]
+    assert r["kv_cache_dtype"] == "int8" and r["logits_max_rel_diff"] == 0.0, r
+    data, _ = _bench(
+        "build_ab.py", "--base-so", str(base), "--mode", "attention", "--rows", "3",
+        "--contexts", "40", "--rounds", "2", json_out=tmp_path / "ab_attention.json")
+    assert [r["kv_dtype"] for r in data["results"]] == ["float32", "float16", "fp8", "int8"]
+    for r in data["results"]:
+        assert r["base_ms"] > 0 and r["this_ms"] > 0 and r["out_max_abs_diff"] == 0.0, r
 
 
 def test_step_phases_smoke(tmp_path: Path) -> None:
