@@ -19,8 +19,9 @@
 //! after the job (`merge`). Each block is read once, all KV heads together (`[block_size, Hkv,
 //! D]` is contiguous). Softmax is the online (running max) form, in f32, per chunk of up to
 //! `CHUNK_KEYS` keys: a chunk's K blocks give every head's scores, one softmax per head, then
-//! its V blocks (a scaled cache's scales enter per key there: the scores times their K row's,
-//! the softmax weights times their V row's, so the inner loops read bare int8). While one
+//! its V blocks (a scaled cache's scales enter per key there, each read beside its row inside
+//! the pass: a key's dot product times its K row's, a value's softmax weight times its V
+//! row's, so the inner loops read bare int8). While one
 //! block is computed the next one the task will read (in that order) is prefetched into L2, in
 //! slices spread over the block's work (the kernel waits on memory at long contexts). The query
 //! heads of one KV head go in runs of up to three (`head_subgroups`) whose scores and values
@@ -614,13 +615,15 @@ const MAX_SHARED_HEADS: usize = 3;
 /// only run where `Kernel::run_segments` sends them (a CPU with their features, a head_dim they
 /// take); the portable ones are safe to call anywhere.
 trait BlockMath {
-    /// `out[j] = scale * (q . row j)` for `j < k.n`.
+    /// `out[j] = scale * s_j * (q . row j)` for `j < k.n`, `s_j` row j's
+    /// [`KvElement::head_scale`] (1 for the unscaled types).
     unsafe fn scores<E: KvElement>(q: &[f32], k: &Rows<'_, E>, scale: f32, out: &mut [f32]);
     /// Folds one block's scores into one query head's running max / denominator: turns `row`
     /// into the block's softmax weights and returns the factor the accumulated output must be
     /// scaled by.
     unsafe fn softmax(row: &mut [f32], running_max: &mut f32, denom: &mut f32) -> f32;
-    /// `acc = acc * correction + sum_j p[j] * row j` for `j < v.n`.
+    /// `acc = acc * correction + sum_j p[j] * s_j * row j` for `j < v.n` (`s_j` as in
+    /// [`Self::scores`]).
     unsafe fn accumulate<E: KvElement>(
         acc: &mut [f32],
         p: &[f32],
