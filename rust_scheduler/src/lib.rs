@@ -17,7 +17,8 @@
 //! path with `cpu_isa`, and report bad input as `cpu_error::KernelInputError`; `cpu_exp` is
 //! the polynomial exp of the softmax and SiLU. `cpu_decoder` chains them through every
 //! decoder layer of a step in one call (binding `py_decoder`), adding LoRA adapters' updates
-//! after its linear layers with `cpu_lora`.
+//! after its linear layers with `cpu_lora`; `cpu_greedy` reads a plain greedy step's logits
+//! (each row's argmax and finite flag; binding `py_greedy`).
 //! And `guided` (structured outputs: a regex's DFA walked over the vocabulary's byte trie to
 //! find the tokens allowed next; binding `py_guided`), used by the Python sampler.
 //! And `ngram` (prompt-lookup drafts: `scheduler` schedules them for speculative decoding,
@@ -35,6 +36,7 @@ pub mod cpu_decoder;
 pub mod cpu_elementwise;
 pub mod cpu_error;
 mod cpu_exp;
+pub mod cpu_greedy;
 mod cpu_isa;
 pub mod cpu_kv;
 pub mod cpu_kv_fp8;
@@ -70,6 +72,8 @@ mod py_attention;
 mod py_decoder;
 #[cfg(feature = "python")]
 mod py_gguf_blocks;
+#[cfg(feature = "python")]
+mod py_greedy;
 #[cfg(feature = "python")]
 mod py_guided;
 #[cfg(feature = "python")]

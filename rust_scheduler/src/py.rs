@@ -677,6 +677,7 @@ fn scheduler_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
         crate::py_decoder::py_take_decoder_phase_times,
         m
     )?)?;
+    m.add_function(wrap_pyfunction!(crate::py_greedy::py_greedy_rows_f32, m)?)?;
     m.add_class::<crate::py_guided::PyTokenVocab>()?;
     m.add_class::<crate::py_guided::PyGuidedGrammar>()?;
     m.add_class::<crate::py_guided::PyGuidedSequence>()?;

@@ -183,11 +183,14 @@ def test_only_steps_that_fit_a_graph_replay_one():
     from ferrobatch.runtime.sampler import greedy_rows
     rows = runner.greedy_rows(replayed)
     assert rows is not None and torch.equal(rows, greedy_rows(graph_logits))
-    assert runner.greedy_rows(graph_logits) is None     # other logits (a copy): not the graph's
+    # other logits (a copy, not the graph's): computed afresh, by the Rust kernel on the CPU
+    assert runner.rust_linears
+    assert torch.equal(runner.greedy_rows(graph_logits), greedy_rows(graph_logits))
     eager_logits = runner.execute(batch, allow_graph=False)
     assert (runner.graph_steps, runner.eager_steps) == (1, 1)
     torch.testing.assert_close(graph_logits, eager_logits, rtol=1e-5, atol=1e-5)
-    assert runner.greedy_rows(replayed) is None        # an eager CPU step came after it
+    # an eager CPU step came after it: the graph's rows are not handed out again
+    assert runner._graph_greedy_rows is None
     runner.execute(fresh([3, 4, 5, 6, 7]))                  # 5 rows > the largest bucket (4)
     partial = fresh([5, 6])
     partial.logits_indices = np.array([1], np.int32)        # not every row sampled

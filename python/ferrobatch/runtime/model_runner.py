@@ -269,11 +269,21 @@ class ModelRunner:
     def greedy_rows(self, logits: torch.Tensor) -> torch.Tensor | None:
         """``sampler.greedy_rows`` of ``logits`` (argmax and finite flag per row, ``int64
         [S, 2]``): the decode graph's own when ``logits`` is what the last step's replay
-        returned (computed inside the graph), else computed here on CUDA; None on the CPU (there
-        the engine's own check and argmax are cheaper than the extra reduction)."""
+        returned (computed inside the graph), else computed here: on CUDA by torch, on the CPU
+        (float32 logits, the Rust kernels on) by ``_scheduler.greedy_rows_f32`` in one pass
+        over each row on the kernels' threads, where the engine's finite check and the
+        sampler's argmax took two. None otherwise (the engine's general path)."""
         if self._graph_greedy_rows is not None and logits is self._graph_logits:
             return self._graph_greedy_rows
-        return greedy_rows(logits) if logits.is_cuda else None
+        if logits.is_cuda:
+            return greedy_rows(logits)
+        if self.rust_linears and logits.dtype == torch.float32 and logits.dim() == 2:
+            from ferrobatch._scheduler import greedy_rows_f32
+
+            out = np.empty((logits.shape[0], 2), np.int64)
+            greedy_rows_f32(logits.contiguous().numpy(), out, self.kernel_threads)
+            return torch.from_numpy(out)
+        return None
 
     @torch.inference_mode()
     def execute(self, batch, *, allow_graph: bool = True, hidden_rows: np.ndarray | None = None,
