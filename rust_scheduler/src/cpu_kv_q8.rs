@@ -16,6 +16,7 @@
 //! - Reading: value = `to_f32(byte) * scale` (`KvElement::head_scale`); `to_f32`, `load8` and
 //!   `load16` give the byte as an f32 integer, the same for every byte.
 
+use crate::cpu_isa::Isa;
 use crate::cpu_kv::KvElement;
 
 /// One int8 cache byte (`#[repr(transparent)]`, so an `&[i8]` of cache bytes may be viewed as
@@ -46,13 +47,27 @@ pub fn as_q8_mut(bytes: &mut [i8]) -> &mut [Q8] {
 /// Writes one head's values `src` (`head_dim` of them) into its cache row `dst` (`head_dim +
 /// SCALE_BYTES` bytes): the bytes and the scale of the module header's rule.
 pub fn quantize_head(dst: &mut [Q8], src: &[f32]) {
+    quantize_head_on(dst, src, Isa::detect(Isa::Avx512));
+}
+
+/// [`quantize_head`] on the widest path `isa` allows (the tests pick each).
+fn quantize_head_on(dst: &mut [Q8], src: &[f32], isa: Isa) {
     let d = src.len();
     assert_eq!(dst.len(), d + SCALE_BYTES);
     #[cfg(target_arch = "x86_64")]
-    if d.is_multiple_of(16) && std::is_x86_feature_detected!("avx512f") {
-        // SAFETY: AVX-512F was just detected; the lengths were checked above.
-        return unsafe { quantize_head_avx512(dst, src) };
+    match isa {
+        // SAFETY: `isa` came from `Isa::detect`, so the CPU has AVX-512F; the lengths were
+        // checked above.
+        Isa::Avx512 | Isa::Amx if d.is_multiple_of(16) => {
+            return unsafe { quantize_head_avx512(dst, src) }
+        }
+        // SAFETY: as above, AVX2 (every AVX-512 CPU has it).
+        Isa::Avx512 | Isa::Amx | Isa::Avx2 if d.is_multiple_of(8) => {
+            return unsafe { quantize_head_avx2(dst, src) }
+        }
+        _ => {}
     }
+    let _ = isa;
     // Written so that the compiler vectorizes each loop: `max` as a compare-and-select (NaN
     // never wins it), NaN as a flag of its own.
     let amax = src
@@ -109,6 +124,49 @@ unsafe fn quantize_head_avx512(dst: &mut [Q8], src: &[f32]) {
             let n = _mm512_cvtps_epi32(_mm512_roundscale_ps::<_MM_FROUND_TO_NEAREST_INT>(v));
             let bytes = _mm512_cvtepi32_epi8(_mm512_min_epi32(_mm512_max_epi32(n, lo), hi));
             _mm_storeu_si128(values.as_mut_ptr().add(c).cast(), bytes);
+        }
+    } else {
+        values.fill(Q8(0));
+    }
+    for (b, s) in scale_bytes.iter_mut().zip(scale.to_ne_bytes()) {
+        *b = Q8(s as i8);
+    }
+}
+
+/// [`quantize_head_avx512`] eight values at a time (the same bytes for every input).
+///
+/// # Safety
+/// On a CPU with AVX2, for `src.len() % 8 == 0` and `dst.len() == src.len() + SCALE_BYTES`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_head_avx2(dst: &mut [Q8], src: &[f32]) {
+    use std::arch::x86_64::*;
+    let d = src.len();
+    let sign = _mm256_set1_ps(-0.0);
+    let mut amax = _mm256_setzero_ps();
+    let mut nan = 0;
+    for c in (0..d).step_by(8) {
+        let x = _mm256_loadu_ps(src.as_ptr().add(c));
+        amax = _mm256_max_ps(_mm256_andnot_ps(sign, x), amax); // a NaN lane keeps `amax`'s
+        nan |= _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
+    }
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), amax);
+    let amax = lanes.iter().fold(0f32, |m, &x| m.max(x)); // no NaN among them
+    let scale = if nan != 0 { f32::NAN } else { amax / Q8_MAX };
+    let (values, scale_bytes) = dst.split_at_mut(d);
+    if scale > 0.0 && scale.is_finite() {
+        let divisor = _mm256_set1_ps(scale);
+        let (lo, hi) = (_mm256_set1_epi32(-127), _mm256_set1_epi32(127));
+        for c in (0..d).step_by(8) {
+            let v = _mm256_div_ps(_mm256_loadu_ps(src.as_ptr().add(c)), divisor);
+            let v = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
+            let n = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(v), lo), hi);
+            // eight i32 -> eight i16 (in order: the two halves packed) -> eight bytes
+            let halves =
+                _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256::<1>(n));
+            let bytes = _mm_packs_epi16(halves, halves);
+            _mm_storel_epi64(values.as_mut_ptr().add(c).cast(), bytes);
         }
     } else {
         values.fill(Q8(0));
@@ -309,7 +367,7 @@ mod tests {
     #[test]
     fn the_simd_quantizer_writes_the_scalar_ones_bytes() {
         let mut rng = Lcg(11);
-        for d in [16, 64, 128] {
+        for d in [8, 16, 24, 64, 128] {
             for case in 0..300 {
                 let mut src: Vec<f32> = (0..d).map(|_| rng.next_f32() * 5.0).collect();
                 match case % 6 {
@@ -320,9 +378,15 @@ mod tests {
                     4 => src.iter_mut().for_each(|x| *x *= 1e-30), // tiny scales
                     _ => {}
                 }
-                let mut got = vec![Q8(0); d + SCALE_BYTES];
-                quantize_head(&mut got, &src);
-                assert_eq!(got, quantize_head_scalar(&src), "d {d}, case {case}");
+                let want = quantize_head_scalar(&src);
+                for isa in [Isa::Avx2, Isa::Avx512] {
+                    if Isa::detect(isa) != isa {
+                        continue; // this CPU lacks it
+                    }
+                    let mut got = vec![Q8(0); d + SCALE_BYTES];
+                    quantize_head_on(&mut got, &src, isa);
+                    assert_eq!(got, want, "{isa:?}, d {d}, case {case}");
+                }
             }
         }
     }
