@@ -209,15 +209,17 @@ def test_build_ab_smoke(tmp_path: Path) -> None:
 
 def test_step_phases_smoke(tmp_path: Path) -> None:
     # the smoke workload on the CPU: every step was scheduled, run eagerly, sampled and updated
-    # once, the phases add up within the run's wall time
+    # once (greedy rows and nothing else: their tokens read back in one pass, no sampler), the
+    # phases add up within the run's wall time
     data, _ = _bench(
         "step_phases.py", "--workload", "smoke",
         json_out=tmp_path / "phases.json")
     phases = {p["phase"]: p for p in data["phases"]}
     steps = data["num_steps"]
     assert steps > 1 and data["output_tokens"] > 0
-    for name in ("schedule", "model: eager", "sample", "update"):
+    for name in ("schedule", "model: eager", "greedy read-back", "update"):
         assert phases[name]["calls"] == steps and phases[name]["seconds"] > 0, phases[name]
+    assert phases["sample"]["calls"] == phases["finite check"]["calls"] == 0
     assert phases["model: decode graph"]["calls"] == 0        # no CUDA graphs on the CPU
     assert phases["model: piecewise"]["calls"] == 0
     assert sum(p["seconds"] for p in data["phases"]) <= data["wall_s"] * (1 + 1e-9)

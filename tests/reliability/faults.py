@@ -55,7 +55,8 @@ class RunnerProxy:
 
 class SamplerProxy:
     """Wraps Sampler: once armed, returns one token too many, so the Rust scheduler's update()
-    rejects the step (a Rust-side ValueError on the step thread)."""
+    rejects the step (a Rust-side ValueError on the step thread). Armed, no step is plain greedy
+    (those take their tokens from the runner's read-back, not from ``sample``)."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -63,6 +64,9 @@ class SamplerProxy:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+    def is_plain_greedy(self, batch: Any, extras: Any = None) -> bool:
+        return not self.armed and self._inner.is_plain_greedy(batch, extras)
 
     def sample(self, logits: Any, batch: Any, extras: Any = None) -> Any:
         out = self._inner.sample(logits, batch, extras)
