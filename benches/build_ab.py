@@ -258,11 +258,12 @@ def attention_mode(args, base_module) -> list[dict]:
             for dtype in dtypes:
                 layer_caches = [as_cache_dtype(c, dtype) for c in f32]
                 arms = {}
-                for name, module in (("base", base_module), (None, None)):
+                for name, kernel in (("base", base_module.paged_decode_attention_f32),
+                                     ("this", None)):
                     backend = CpuPagedBackend(bs)
-                    if module is not None:
-                        backend._kernel = module.paged_decode_attention_f32
-                    arms[name or "this"] = (backend, backend.build_metadata(batch, "cpu"))
+                    if kernel is not None:      # else this checkout's, as the backend imports it
+                        backend._kernel = kernel
+                    arms[name] = (backend, backend.build_metadata(batch, "cpu"))
                 outs = {}
 
                 def run(arm, outs=outs, layer_caches=layer_caches, query=query):
