@@ -284,9 +284,9 @@ def rms_norm_f32(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray)
 
 def greedy_rows_f32(logits: np.ndarray, out: np.ndarray, num_threads: int) -> None:
     """Greedy sampling's read of ``logits`` ``[S, V]`` (float32, C-contiguous), one pass per row
-    on the kernels' threads: ``out[r] = (index of row r's first largest value, 1
-    if every value of it is finite else 0)`` into ``out`` (int64 ``[S, 2]``); a row's index is
-    meaningless where its flag is 0. ValueError on a shape mismatch."""
+    on the kernels' threads: ``out[r] = (index of row r's first largest value, 1 if every value
+    of it is finite else 0)`` into ``out`` (int64 ``[S, 2]``); a row's index is meaningless
+    where its flag is 0. ValueError on a shape mismatch."""
 
 def linear_isa() -> str:
     """The instruction set of the linear kernels on this CPU: ``"avx512"``, ``"avx2"`` or
