@@ -1164,8 +1164,9 @@ mod lanes {
         }
     }
 
-    /// `out[j] = scale * (q . row j)` for `j < k.n`, eight keys at a time (one accumulator per
-    /// key, reduced together by one horizontal-add tree), `L::N` dimensions per FMA.
+    /// `out[j] = scale * s_j * (q . row j)` for `j < k.n` (`s_j`: `BlockMath::scores`), eight
+    /// keys at a time (one accumulator per key, reduced together by one horizontal-add tree),
+    /// `L::N` dimensions per FMA.
     #[inline(always)]
     pub(super) unsafe fn block_scores<L: Lanes, E: KvElement>(
         q: &[f32],
@@ -1235,8 +1236,8 @@ mod lanes {
         scales
     }
 
-    /// `acc = acc * correction + sum_j p[j] * row j` for `j < v.n`, in chunks of 8, 4 and 1
-    /// registers held across the keys.
+    /// `acc = acc * correction + sum_j p[j] * s_j * row j` for `j < v.n`, in chunks of 8, 4 and
+    /// 1 registers held across the keys.
     #[inline(always)]
     pub(super) unsafe fn block_accumulate<L: Lanes, E: KvElement>(
         acc: &mut [f32],
@@ -1334,8 +1335,8 @@ mod lanes {
         }
     }
 
-    /// `out[h * out_stride + j] = scale * (q[h] . row j)` for `H` query heads (`q`: `[H, D]`)
-    /// and `j < k.n`: four keys at a time, each key vector loaded once for the `H` heads, whose
+    /// `out[h * out_stride + j] = scale * s_j * (q[h] . row j)` for `H` query heads (`q`: `[H,
+    /// D]`) and `j < k.n`: four keys at a time, each key vector loaded once for the `H` heads, whose
     /// `4 * H` accumulators are independent FMA chains.
     #[inline(always)]
     pub(super) unsafe fn group_scores<L: Lanes, E: KvElement, const H: usize>(
@@ -1393,8 +1394,8 @@ mod lanes {
         fetch.finish();
     }
 
-    /// `acc[h] = acc[h] * correction[h] + sum_j p[h * p_stride + j] * row j` for `H` query
-    /// heads (`acc`: `[H, D]`) and `j < v.n`, in chunks of 4 and 1 registers per head held
+    /// `acc[h] = acc[h] * correction[h] + sum_j p[h * p_stride + j] * s_j * row j` for `H`
+    /// query heads (`acc`: `[H, D]`) and `j < v.n`, in chunks of 4 and 1 registers per head held
     /// across the keys: each value vector is loaded once for the `H` heads.
     #[inline(always)]
     pub(super) unsafe fn group_accumulate<L: Lanes, E: KvElement, const H: usize>(
