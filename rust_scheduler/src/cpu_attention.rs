@@ -1336,8 +1336,8 @@ mod lanes {
     }
 
     /// `out[h * out_stride + j] = scale * s_j * (q[h] . row j)` for `H` query heads (`q`: `[H,
-    /// D]`) and `j < k.n`: four keys at a time, each key vector loaded once for the `H` heads, whose
-    /// `4 * H` accumulators are independent FMA chains.
+    /// D]`) and `j < k.n`: four keys at a time, each key vector loaded once for the `H` heads,
+    /// whose `4 * H` accumulators are independent FMA chains.
     #[inline(always)]
     pub(super) unsafe fn group_scores<L: Lanes, E: KvElement, const H: usize>(
         q: &[f32],
