@@ -363,6 +363,33 @@ $PY benches/throughput.py --workload cpu-chat --max-num-seqs 64 --kv-cache-gb 0.
   --systems ferrobatch,ferrobatch-kv8,ferrobatch-kvi8,ferrobatch,ferrobatch-kv8,ferrobatch-kvi8 \
   --no-progress --json $OUT/throughput_cpu-chat_kv_budget_session46.json
 
+# Session 47 (Xeon with AMX): int8 decode with the row scales read inside the passes, against
+# the session 46 build (BASE_SO: its _scheduler*.so, built as build_ab.py's docstring says),
+# then the caches side by side, 16-row steps, whole runs, and the greedy read-back's phases.
+if [ -n "${BASE_SO:-}" ]; then
+  $PY benches/build_ab.py --base-so "$BASE_SO" --mode attention --rows 1,16,64 \
+    --contexts 256,1024 --rounds 20
+  $PY benches/build_ab.py --base-so "$BASE_SO" --mode step --kv-cache-dtype int8 \
+    --rows 1,16,64 --context 256 --num-blocks 1300 --rounds 20
+  $PY benches/build_ab.py --base-so "$BASE_SO" --mode step --kv-cache-dtype int8 \
+    --rows 16 --context 1024 --num-blocks 1200 --rounds 20
+fi
+$PY benches/cpu_kernels.py --only kv16
+for ctx in 256 1024; do
+  for round in 1 2; do
+    for dt in auto fp8 int8; do
+      $PY benches/step_breakdown.py --rows 16 --context $ctx --kv-cache-dtype $dt
+    done
+  done
+done
+$PY benches/throughput.py --workload cpu-small \
+  --systems ferrobatch,ferrobatch-kv8,ferrobatch-kvi8,ferrobatch,ferrobatch-kv8,ferrobatch-kvi8 \
+  --no-progress --json $OUT/throughput_cpu-small_kvi8_session47.json
+$PY benches/throughput.py --workload cpu-chat --max-num-seqs 64 --kv-cache-gb 0.1 \
+  --systems ferrobatch,ferrobatch-kv8,ferrobatch-kvi8,ferrobatch,ferrobatch-kv8,ferrobatch-kvi8 \
+  --no-progress --json $OUT/throughput_cpu-chat_kv_budget_session47.json
+$PY benches/step_phases.py --workload cpu-small
+
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
 #   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \
