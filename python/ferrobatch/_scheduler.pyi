@@ -288,6 +288,25 @@ def greedy_rows_f32(logits: np.ndarray, out: np.ndarray, num_threads: int) -> No
     of it is finite else 0)`` into ``out`` (int64 ``[S, 2]``); a row's index is meaningless
     where its flag is 0. ValueError on a shape mismatch."""
 
+def sample_rows_f32(
+    logits: np.ndarray,
+    temperature: np.ndarray,
+    top_k: np.ndarray,
+    top_p: np.ndarray,
+    min_p: np.ndarray,
+    uniform: np.ndarray,
+    out: np.ndarray,
+    num_threads: int,
+) -> None:
+    """Random sampling's draw on the CPU (GIL released), rows over the kernels' threads: for each
+    row ``r`` of ``logits`` ``[S, V]`` (float32, C-contiguous), ``out[r]`` (int64 ``[S]``) = the
+    token drawn at ``uniform[r]`` (float64 in [0, 1)) from the softmax of ``logits[r] /
+    temperature[r]`` (float32) cut to ``top_k[r]`` (int32, 0: all), then ``top_p[r]`` (float32 in
+    (0, 1]), then ``min_p[r]`` (float32 in [0, 1]): the first token in index order at which the
+    kept probabilities' running sum reaches ``1 - uniform[r]`` (``Sampler._draw``'s rule). A
+    row with ``temperature <= 0`` gets its argmax; logits of -inf or NaN are never drawn.
+    ValueError on a shape mismatch or a parameter out of range."""
+
 def linear_isa() -> str:
     """The instruction set of the linear kernels on this CPU: ``"avx512"``, ``"avx2"`` or
     ``"portable"`` (at most what ``FERROBATCH_CPU_ISA`` allows)."""

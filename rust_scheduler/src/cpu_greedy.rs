@@ -32,10 +32,10 @@ pub struct GreedyRow {
 /// A span of a row: its largest value, that value's first index in the span, and whether every
 /// value in it is finite (`best` -inf and `token` 0 for a span without a value above -inf).
 #[derive(Clone, Copy, Debug)]
-struct Span {
-    best: f32,
-    token: usize,
-    finite: bool,
+pub(crate) struct Span {
+    pub(crate) best: f32,
+    pub(crate) token: usize,
+    pub(crate) finite: bool,
 }
 
 /// [`GreedyRow`] of each of the `rows` rows of `logits` (`[rows, vocab]`, row-major) into
@@ -112,8 +112,8 @@ impl SendPtr {
     }
 }
 
-/// One span's [`Span`] on the widest path `isa` allows.
-fn span_of(values: &[f32], isa: Isa) -> Span {
+/// One span's [`Span`] on the widest path `isa` allows (also `cpu_sampling`'s row maximum).
+pub(crate) fn span_of(values: &[f32], isa: Isa) -> Span {
     match isa {
         // SAFETY: `isa` came from `Isa::detect` (or a test's narrower pick of it), so the CPU
         // has AVX-512F.

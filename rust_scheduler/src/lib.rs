@@ -18,7 +18,8 @@
 //! the polynomial exp of the softmax and SiLU. `cpu_decoder` chains them through every
 //! decoder layer of a step in one call (binding `py_decoder`), adding LoRA adapters' updates
 //! after its linear layers with `cpu_lora`; `cpu_greedy` reads a plain greedy step's logits
-//! (each row's argmax and finite flag; binding `py_greedy`).
+//! (each row's argmax and finite flag; binding `py_greedy`) and `cpu_sampling` draws a sampled
+//! step's tokens (temperature, top-k, top-p, min-p; binding `py_sampling`).
 //! And `guided` (structured outputs: a regex's DFA walked over the vocabulary's byte trie to
 //! find the tokens allowed next; binding `py_guided`), used by the Python sampler.
 //! And `ngram` (prompt-lookup drafts: `scheduler` schedules them for speculative decoding,
@@ -47,6 +48,7 @@ pub mod cpu_pool;
 pub mod cpu_prefill_attention;
 pub mod cpu_quant_linear;
 pub mod cpu_quant_panels;
+pub mod cpu_sampling;
 pub mod cpu_step_timing;
 pub mod cpu_tile_rows;
 pub mod error;
@@ -78,6 +80,8 @@ mod py_greedy;
 mod py_guided;
 #[cfg(feature = "python")]
 mod py_linear;
+#[cfg(feature = "python")]
+mod py_sampling;
 
 pub use batch::{StepBatch, StepOutput};
 pub use config::{Policy, SchedulerConfig};
