@@ -19,9 +19,13 @@ def _batch(num_samples: int, **overrides):
     return SimpleNamespace(**sampling_arrays(num_samples, **overrides))
 
 
-@pytest.fixture
-def sampler():
-    return Sampler(VOCAB, EOS, "cpu", seed=1234)
+@pytest.fixture(params=[True, False], ids=["rust-draw", "torch-draw"])
+def sampler(request):
+    """The CPU sampler both ways: sampled rows drawn by the Rust kernel (the CPU default) and by
+    torch (the CUDA path, and ``FERROBATCH_RUST_SAMPLER=0``)."""
+    s = Sampler(VOCAB, EOS, "cpu", seed=1234)
+    s.rust_draw = request.param
+    return s
 
 
 @pytest.fixture

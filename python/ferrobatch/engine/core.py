@@ -228,7 +228,8 @@ class EngineCore:
             _maybe_capture_decode_graphs(config, runner, max_model_len)
             _maybe_capture_piecewise_graphs(config, runner)
         eos = list(loaded.tokenizer.eos_token_ids)
-        sampler = Sampler(int(mcfg.vocab_size), eos, loaded.device, seed=config.seed)
+        sampler = Sampler(int(mcfg.vocab_size), eos, loaded.device, seed=config.seed,
+                          cpu_threads=getattr(runner, "kernel_threads", None))
         device_type = loaded.device.type
         spec = config.speculation(device_type)
         spec = spec._replace(

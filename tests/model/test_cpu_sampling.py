@@ -1,0 +1,149 @@
+"""Random sampling's draw on the CPU (``_scheduler.sample_rows_f32``, ``cpu_sampling.rs``): the
+torch sampler's distribution and draw rule, so at the same uniform numbers both pick the same
+token; the sampler's wiring (``Sampler.rust_draw``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from step_builder import sampling_arrays
+
+from ferrobatch._scheduler import sample_rows_f32
+from ferrobatch.runtime.sampler import Sampler
+
+SETTINGS = [  # temperature, top_k, top_p, min_p
+    (1.0, 0, 1.0, 0.0),
+    (0.7, 0, 0.9, 0.0),
+    (1.0, 50, 1.0, 0.0),
+    (0.8, 40, 0.95, 0.0),
+    (1.0, 0, 1.0, 0.05),
+    (1.3, 3, 0.5, 0.1),
+    (2.0, 0, 0.999, 0.0),
+]
+
+
+def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Rows from flat to peaked (a few large logits over a spread of small ones, as a language
+    model's)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=gen) * torch.linspace(0.3, 4.0, rows)[:, None]
+    spikes = torch.randint(0, vocab, (rows, 5), generator=gen)
+    x.scatter_add_(1, spikes, torch.rand(rows, 5, generator=gen) * 12.0)
+    return x
+
+
+def _batch(rows: int, temperature: float, top_k: int, top_p: float, min_p: float):
+    return SimpleNamespace(**sampling_arrays(
+        rows, temperature=np.full(rows, temperature, np.float32),
+        top_k=np.full(rows, top_k, np.int32), top_p=np.full(rows, top_p, np.float32),
+        min_p=np.full(rows, min_p, np.float32)))
+
+
+@pytest.mark.parametrize("vocab", [64, 5000, 49152])
+def test_rust_and_torch_draw_the_same_tokens_at_the_same_uniforms(vocab):
+    """Two samplers seeded alike draw the same uniforms; the kernel and torch's sorted path then
+    agree except where a uniform lands within float rounding of a boundary of the cumulative
+    distribution (or of the top-p cut): at most 1 in 200 rows here."""
+    rows = 300
+    logits = _logits(rows, vocab, seed=vocab)
+    for setting in SETTINGS:
+        batch = _batch(rows, *setting)
+        tokens = []
+        for rust in (True, False):
+            sampler = Sampler(vocab, [], "cpu", seed=99)
+            sampler.rust_draw = rust
+            tokens.append(sampler.sample(logits, batch).token_ids)
+        agree = float((tokens[0] == tokens[1]).mean())
+        assert agree >= 0.995, (vocab, setting, agree)
+
+
+def test_the_kernel_draws_the_inverse_of_the_cumulative_distribution():
+    """At uniform u the token is the first, in index order, whose cumulative kept probability
+    reaches 1 - u: checked against that rule in float64 over a grid of u."""
+    vocab = 40
+    row = _logits(1, vocab, seed=3)[0]
+    for temperature, top_k, top_p, min_p in SETTINGS:
+        w = torch.exp((row.double() - row.max()) / temperature)
+        order = sorted(range(vocab), key=lambda i: (-float(w[i]), i))
+        if 0 < top_k < vocab:
+            order = order[:top_k]
+        z = float(w[order].sum())
+        kept, mass = torch.zeros(vocab, dtype=torch.float64), 0.0
+        for i in order:
+            if mass > top_p * z:
+                break
+            mass += float(w[i])
+            if w[i] >= min_p:
+                kept[i] = w[i]
+        cdf = (kept / kept.sum()).cumsum(0)
+        for u in np.linspace(0.0, 0.999, 211):
+            want = int(torch.searchsorted(cdf, torch.tensor([1.0 - u], dtype=torch.float64)))
+            if min(abs(float(c) - (1.0 - u)) for c in cdf) < 1e-6:
+                continue        # on a boundary: either neighbour is right within rounding
+            out = np.empty(1, np.int64)
+            sample_rows_f32(row[None].numpy(), np.array([temperature], np.float32),
+                            np.array([top_k], np.int32), np.array([top_p], np.float32),
+                            np.array([min_p], np.float32), np.array([u]), out, 1)
+            assert int(out[0]) == want, (temperature, top_k, top_p, min_p, u)
+
+
+def test_masked_logits_are_never_drawn_and_greedy_rows_take_the_argmax():
+    vocab = 1000
+    logits = _logits(64, vocab, seed=5)
+    logits[:, 1::2] = float("-inf")          # every odd token masked, as a grammar masks
+    temperature = np.full(64, 1.5, np.float32)
+    temperature[::8] = 0.0                   # greedy rows in the same step
+    out = np.empty(64, np.int64)
+    for u in np.linspace(0.0, 0.999, 25):
+        sample_rows_f32(logits.numpy(), temperature, np.zeros(64, np.int32),
+                        np.full(64, 0.99, np.float32), np.zeros(64, np.float32),
+                        np.full(64, u), out, 2)
+        assert (out % 2 == 0).all()
+        assert np.array_equal(out[::8], logits[::8].argmax(-1).numpy())
+
+
+def test_bad_arrays_and_parameters_are_value_errors():
+    logits = np.zeros((2, 8), np.float32)
+    ok = dict(temperature=np.ones(2, np.float32), top_k=np.zeros(2, np.int32),
+              top_p=np.ones(2, np.float32), min_p=np.zeros(2, np.float32),
+              uniform=np.full(2, 0.5), out=np.empty(2, np.int64))
+
+    def call(**changes):
+        args = {**ok, **changes}
+        sample_rows_f32(logits if "logits" not in changes else changes["logits"],
+                        args["temperature"], args["top_k"], args["top_p"], args["min_p"],
+                        args["uniform"], args["out"], 1)
+
+    call()
+    for changes in [dict(top_p=np.ones(3, np.float32)), dict(out=np.empty(1, np.int64)),
+                    dict(top_p=np.zeros(2, np.float32)), dict(min_p=np.full(2, 2.0, np.float32)),
+                    dict(uniform=np.ones(2)), dict(temperature=np.full(2, np.nan, np.float32)),
+                    dict(logits=np.zeros((2, 8), np.float32)[:, ::2])]:
+        with pytest.raises(ValueError):
+            call(**changes)
+
+
+def test_the_sampler_draws_a_non_contiguous_logits_view_as_its_copy():
+    logits = _logits(8, 300, seed=9)
+    wide = torch.zeros(8, 400)
+    wide[:, :300] = logits
+    batch = _batch(8, 0.9, 0, 0.95, 0.0)
+    a = Sampler(300, [], "cpu", seed=4).sample(wide[:, :300], batch).token_ids
+    b = Sampler(300, [], "cpu", seed=4).sample(logits, batch).token_ids
+    assert np.array_equal(a, b)
+
+
+def test_the_rust_draw_leaves_the_callers_logits_unchanged():
+    logits = _logits(4, 500, seed=2)
+    before = logits.clone()
+    Sampler(500, [], "cpu", seed=1).sample(logits, _batch(4, 0.5, 10, 0.8, 0.0))
+    assert torch.equal(logits, before)
+
+
+def test_the_cpu_sampler_defaults_to_the_rust_draw_and_the_environment_turns_it_off(monkeypatch):
+    assert Sampler(10, [], "cpu").rust_draw
+    monkeypatch.setenv("FERROBATCH_RUST_SAMPLER", "0")
+    assert not Sampler(10, [], "cpu").rust_draw
