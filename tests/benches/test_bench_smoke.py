@@ -154,6 +154,21 @@ def test_single_stream_bench_smoke(tmp_path: Path) -> None:
     assert row["ms_per_token"] == pytest.approx(row["samples_ms"][0], abs=0.01)
 
 
+def test_sampler_bench_smoke(tmp_path: Path) -> None:
+    """The sampler bench on the real SmolLM2, shortened: both draws timed on captured logits,
+    their tokens compared, the engine run both ways."""
+    data, out = _bench("sampler.py", "--rows", "1,2", "--repeats", "1", "--requests", "2",
+                       "--tokens", "3", "--rounds", "1", json_out=tmp_path / "sampler.json",
+                       timeout=300)
+    alone = data["sampler_alone"]
+    assert {r["rows"] for r in alone} == {1, 2} and len(alone) == 2 * 5
+    assert all(r["torch_ms"] > 0 and r["rust_ms"] > 0 and 0 <= r["same_token_fraction"] <= 1
+               for r in alone)
+    assert [r["sampler"] for r in data["engine"]] == ["torch", "rust"]
+    assert all(r["output_tokens"] == 2 * 3 for r in data["engine"])
+    assert "out tok/s" in out
+
+
 def test_step_breakdown_smoke(tmp_path: Path) -> None:
     # every part of the step took time, they fit within the step, the ceilings were measured
     data, _ = _bench(
