@@ -390,6 +390,17 @@ $PY benches/throughput.py --workload cpu-chat --max-num-seqs 64 --kv-cache-gb 0.
   --no-progress --json $OUT/throughput_cpu-chat_kv_budget_session47.json
 $PY benches/step_phases.py --workload cpu-small
 
+# Session 48 (Xeon with AMX): the CPU sampler's draw in Rust, against torch's (the same engine,
+# switched run by run), then single-stream sampled decoding with each draw, alternating.
+$PY benches/sampler.py --json $OUT/sampler_session48.json
+for round in 1 2; do
+  for v in 0 1; do
+    FERROBATCH_RUST_SAMPLER=$v $PY benches/single_stream.py --lengths 32,256,1024 --repeat 3 \
+      --temperature 0.7 --top-p 0.9
+  done
+done
+$PY benches/single_stream.py --lengths 32,256,1024 --repeat 3
+
 # Session 1, the old forward, on the loaded machine (load 6-11, one torch thread per process):
 # $PY benches/throughput.py --workload cpu-small \
 #   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \
