@@ -1,11 +1,14 @@
-//! PyO3 binding of random sampling's draw on the CPU (`cpu_sampling`): a numpy view of the
-//! step's float32 logits and the rows' sampling arrays in, each row's token written into `out`
-//! in place, the GIL released while the rows are drawn. A shape or parameter problem is a
-//! `ValueError`.
+//! PyO3 bindings of the sampler's CPU kernels: the draw (`cpu_sampling`: a numpy view of the
+//! step's float32 logits and the rows' sampling arrays in, each row's token written into `out`)
+//! and the penalties (`cpu_penalties`: the logits changed in place), the GIL released while
+//! they run. A shape or parameter problem is a `ValueError`.
 
+use crate::cpu_penalties::{apply_penalties_f32, RowPenalties, RowTokens};
 use crate::cpu_sampling::{sample_rows_f32, RowSampling};
 use crate::py_linear::c_contiguous;
-use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray1, PyUntypedArrayMethods};
+use numpy::{
+    PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray1, PyReadwriteArray2, PyUntypedArrayMethods,
+};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -68,4 +71,67 @@ pub fn py_sample_rows_f32(
         *o = *t as i64;
     }
     Ok(())
+}
+
+/// `apply_penalties_f32(logits, repetition, frequency, presence, tokens, spans, num_threads)`:
+/// the sampler's penalties on each row `r` of `logits` (`[S, V]` float32, C-contiguous, changed
+/// in place): `repetition[r]` (float32; 1: none) once per distinct token of
+/// `tokens[spans[r, 0]:spans[r, 1]]` (the row's prompt and output), then `frequency[r]` and
+/// `presence[r]` (float32) per distinct token of `tokens[spans[r, 2]:spans[r, 3]]` (its output),
+/// `tokens` int64, `spans` int64 `[S, 4]`. A token id outside the vocabulary is a ValueError
+/// before any logit changes. Returns None.
+#[pyfunction]
+#[pyo3(
+    name = "apply_penalties_f32",
+    signature = (logits, repetition, frequency, presence, tokens, spans, num_threads)
+)]
+#[allow(clippy::too_many_arguments)]
+pub fn py_apply_penalties_f32(
+    py: Python<'_>,
+    mut logits: PyReadwriteArray2<'_, f32>,
+    repetition: PyReadonlyArray1<'_, f32>,
+    frequency: PyReadonlyArray1<'_, f32>,
+    presence: PyReadonlyArray1<'_, f32>,
+    tokens: PyReadonlyArray1<'_, i64>,
+    spans: PyReadonlyArray2<'_, i64>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let [rows, vocab] = [logits.shape()[0], logits.shape()[1]];
+    let arrays = [
+        ("repetition", repetition.len()),
+        ("frequency", frequency.len()),
+        ("presence", presence.len()),
+    ];
+    if let Some((name, len)) = arrays.iter().find(|(_, len)| *len != rows) {
+        return Err(PyValueError::new_err(format!(
+            "{name} has {len} elements; logits of {rows} rows need {rows}"
+        )));
+    }
+    if spans.shape() != [rows, 4] {
+        return Err(PyValueError::new_err(format!(
+            "spans has shape {:?}; logits of {rows} rows need [{rows}, 4]",
+            spans.shape()
+        )));
+    }
+    let tokens = c_contiguous("tokens", tokens.is_c_contiguous(), tokens.as_slice())?;
+    let spans = c_contiguous("spans", spans.is_c_contiguous(), spans.as_slice())?;
+    let at = |v: i64| usize::try_from(v).unwrap_or(usize::MAX);
+    let row_tokens: Vec<RowTokens> = spans
+        .chunks_exact(4)
+        .map(|s| RowTokens {
+            seen: (at(s[0]), at(s[1])),
+            counted: (at(s[2]), at(s[3])),
+        })
+        .collect();
+    let penalties: Vec<RowPenalties> = (0..rows)
+        .map(|r| RowPenalties {
+            repetition: *repetition.get(r).expect("length checked"),
+            frequency: *frequency.get(r).expect("length checked"),
+            presence: *presence.get(r).expect("length checked"),
+        })
+        .collect();
+    let logits_c = logits.is_c_contiguous();
+    let logits = c_contiguous("logits", logits_c, logits.as_slice_mut())?;
+    py.detach(|| apply_penalties_f32(logits, vocab, &penalties, &row_tokens, tokens, num_threads))
+        .map_err(|e| PyValueError::new_err(e.0))
 }
