@@ -7,7 +7,7 @@ replaced, side by side in one process, on SmolLM2's own logits.
 1. **The sampler alone.** Logits rows are captured from a sampled `LLM.generate` run (the
    model's real decode-step logits, peaked as a language model's are), then `Sampler.sample`
    draws S rows of them under each setting (temperature, top-p, top-k, min-p as chat clients
-   send them), the torch path (`rust_draw=False`) and the Rust path alternating call by call;
+   send them), the torch path (`rust_kernels=False`) and the Rust path alternating call by call;
    medians of `--repeats`. Both paths run from the same seeded uniforms, so the bench also counts
    how often they pick the same token (they differ only where a uniform lands within float
    rounding of a boundary of the cumulative distribution, or of the top-p cut).
@@ -71,7 +71,7 @@ def sampler_alone(sampler, pool, rows_list: list[int], repeats: int) -> list[dic
         batch = _batch(pool.shape[0], temperature, top_p, top_k, min_p, seed0=1000)
         tokens = {}
         for rust in (False, True):
-            sampler.rust_draw = rust
+            sampler.rust_kernels = rust
             tokens[rust] = sampler.sample(pool, batch).token_ids
         same = float((tokens[False] == tokens[True]).mean())
         for rows in rows_list:
@@ -80,7 +80,7 @@ def sampler_alone(sampler, pool, rows_list: list[int], repeats: int) -> list[dic
             times: dict[bool, list[float]] = {False: [], True: []}
             for i in range(repeats + 2):
                 for rust in (False, True):
-                    sampler.rust_draw = rust
+                    sampler.rust_kernels = rust
                     t0 = time.perf_counter()
                     sampler.sample(logits, batch)
                     if i >= 2:      # two warm-up rounds
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     llm.generate(reqs[:2], params[:2], use_tqdm=False)     # warm-up
     for rnd in range(args.rounds):
         for rust in (False, True):
-            sampler.rust_draw = rust
+            sampler.rust_kernels = rust
             t0 = time.perf_counter()
             outs = llm.generate(reqs, params, use_tqdm=False)
             wall = time.perf_counter() - t0
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             engine_runs.append({"sampler": "rust" if rust else "torch", "round": rnd,
                                 "output_tokens": produced, "wall_s": wall,
                                 "output_tokens_per_s": produced / wall})
-    sampler.rust_draw = True
+    sampler.rust_kernels = True
     llm.close()
     by = {s: [r["output_tokens_per_s"] for r in engine_runs if r["sampler"] == s]
           for s in ("torch", "rust")}

@@ -1,6 +1,6 @@
 """Random sampling's draw on the CPU (``_scheduler.sample_rows_f32``, ``cpu_sampling.rs``): the
 torch sampler's distribution and draw rule, so at the same uniform numbers both pick the same
-token; the sampler's wiring (``Sampler.rust_draw``)."""
+token; the sampler's wiring (``Sampler.rust_kernels``)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_rust_and_torch_draw_the_same_tokens_at_the_same_uniforms(vocab):
         tokens = []
         for rust in (True, False):
             sampler = Sampler(vocab, [], "cpu", seed=99)
-            sampler.rust_draw = rust
+            sampler.rust_kernels = rust
             tokens.append(sampler.sample(logits, batch).token_ids)
         agree = float((tokens[0] == tokens[1]).mean())
         assert agree >= 0.995, (vocab, setting, agree)
@@ -143,7 +143,50 @@ def test_the_rust_draw_leaves_the_callers_logits_unchanged():
     assert torch.equal(logits, before)
 
 
-def test_the_cpu_sampler_defaults_to_the_rust_draw_and_the_environment_turns_it_off(monkeypatch):
-    assert Sampler(10, [], "cpu").rust_draw
+def test_the_cpu_sampler_defaults_to_the_rust_kernels_and_the_environment_turns_it_off(monkeypatch):
+    assert Sampler(10, [], "cpu").rust_kernels
     monkeypatch.setenv("FERROBATCH_RUST_SAMPLER", "0")
-    assert not Sampler(10, [], "cpu").rust_draw
+    assert not Sampler(10, [], "cpu").rust_kernels
+
+
+def test_rust_penalties_are_torchs_bit_for_bit():
+    """``_apply_penalties`` on the Rust kernel and on torch: the same float32 values, over rows
+    with each penalty alone and together, a drafting sequence's rows (each follows the drafts
+    before it), a request's second sequence, a row without a token history, a tiny penalty that
+    would overflow a large logit, and -inf logits."""
+    from ferrobatch.runtime.sampler import RequestExtras
+
+    vocab, rows = 3000, 10
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(rows, vocab, generator=gen) * 8.0
+    logits[0, 17] = 3.0e38
+    logits[3, :50] = float("-inf")
+    rand = np.random.default_rng(2)
+    extras = {
+        10: RequestExtras(prompt_token_ids=rand.integers(0, vocab, 300).tolist() + [17],
+                          output_token_ids=[rand.integers(0, 40, 80).tolist()]),
+        11: RequestExtras(prompt_token_ids=[5, 5, 6],
+                          output_token_ids=[[7, 7, 7, 8], [9, 9, 5]]),
+        12: RequestExtras(prompt_token_ids=rand.integers(0, vocab, 50).tolist(),
+                          output_token_ids=[rand.integers(0, vocab, 30).tolist()]),
+        13: RequestExtras(prompt_token_ids=[1, 2, 3]),      # no token history kept
+    }
+    arrays = sampling_arrays(
+        rows, repetition_penalty=np.array([1e-38, 1.1, 1.0, 1.3, 1.0, 2.0, 1.05, 1.0, 0.8, 1.2],
+                                          np.float32),
+        frequency_penalty=np.array([0, 0.5, 0, 0.2, 1.0, 0, 0.3, -0.4, 0, 0.1], np.float32),
+        presence_penalty=np.array([0, 0, 0.8, 0.4, 0, 0, 0.6, 0, 0.2, 0.3], np.float32))
+    arrays["sample_req_ids"] = np.array([10, 10, 10, 11, 11, 12, 12, 12, 13, 99], np.int64)
+    arrays["sample_seq_indices"] = np.array([0, 0, 0, 0, 1, 0, 0, 0, 0, 0], np.int32)
+    # rows 5..7: one sequence of request 12 with two drafts (its rows end at the drafts)
+    arrays["input_ids"] = np.array([4, 21, 22, 23, 24, 25, 26, 27, 28, 29], np.int32)
+    arrays["logits_indices"] = np.arange(rows, dtype=np.int64)
+    batch = SimpleNamespace(**arrays)
+    out = {}
+    for rust in (True, False):
+        sampler = Sampler(vocab, [], "cpu")
+        sampler.rust_kernels = rust
+        out[rust] = logits.clone()
+        sampler._apply_penalties(out[rust], batch, extras)
+    assert not torch.equal(out[True], logits)
+    assert torch.equal(out[True].view(torch.int32), out[False].view(torch.int32))

@@ -19,12 +19,12 @@ def _batch(num_samples: int, **overrides):
     return SimpleNamespace(**sampling_arrays(num_samples, **overrides))
 
 
-@pytest.fixture(params=[True, False], ids=["rust-draw", "torch-draw"])
+@pytest.fixture(params=[True, False], ids=["rust", "torch"])
 def sampler(request):
-    """The CPU sampler both ways: sampled rows drawn by the Rust kernel (the CPU default) and by
-    torch (the CUDA path, and ``FERROBATCH_RUST_SAMPLER=0``)."""
+    """The CPU sampler both ways: penalties and sampled rows' draws on the Rust kernels (the
+    CPU default) and on torch (the CUDA path, and ``FERROBATCH_RUST_SAMPLER=0``)."""
     s = Sampler(VOCAB, EOS, "cpu", seed=1234)
-    s.rust_draw = request.param
+    s.rust_kernels = request.param
     return s
 
 

@@ -67,6 +67,14 @@ class RequestExtras:
     def restricts_tokens(self) -> bool:
         return self.allowed_mask is not None or bool(self.bad_word_ids)
 
+    def prompt_array(self) -> np.ndarray:
+        """``prompt_token_ids`` as int64, made once (the CPU penalties read it every step)."""
+        cached = self.__dict__.get("_prompt_array")
+        if cached is None:
+            cached = self.__dict__["_prompt_array"] = np.asarray(self.prompt_token_ids,
+                                                                  dtype=np.int64)
+        return cached
+
 
 @dataclass
 class SamplerOutput:
@@ -101,6 +109,16 @@ def _drafts_before(batch, row: int) -> list[int]:
     return np.asarray(batch.input_ids[end - j:end]).tolist()
 
 
+def _row_output(ext: RequestExtras, batch, row: int) -> np.ndarray:
+    """The output tokens a sampled row follows (int64): its sequence's, then the drafts before
+    it (``_token_counts``' list without the prompt)."""
+    out, seq_index = ext.output_token_ids, int(batch.sample_seq_indices[row])
+    if out is None or seq_index >= len(out):
+        return np.empty(0, np.int64)
+    drafts = _drafts_before(batch, row)
+    return np.asarray(out[seq_index] + drafts if drafts else out[seq_index], dtype=np.int64)
+
+
 def _has_penalties(batch) -> bool:
     return bool(np.any(np.asarray(batch.repetition_penalty) != 1.0)
                 or np.any(np.asarray(batch.presence_penalty) != 0.0)
@@ -114,10 +132,11 @@ class Sampler:
                  seed: int | None = None, cpu_threads: int | None = None) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        # on the CPU, sampled rows are drawn by the Rust kernel (`cpu_sampling.rs`) on
-        # `cpu_threads` threads (torch's count when None); FERROBATCH_RUST_SAMPLER=0 keeps torch's
-        self.rust_draw = (self.device.type == "cpu"
-                          and os.environ.get("FERROBATCH_RUST_SAMPLER", "1") != "0")
+        # on the CPU, penalties and the draw of sampled rows run on the Rust kernels
+        # (`cpu_penalties.rs`, `cpu_sampling.rs`) on `cpu_threads` threads (torch's count when
+        # None); FERROBATCH_RUST_SAMPLER=0 keeps torch's
+        self.rust_kernels = (self.device.type == "cpu"
+                             and os.environ.get("FERROBATCH_RUST_SAMPLER", "1") != "0")
         self.cpu_threads = cpu_threads or torch.get_num_threads()
         self.eos_token_ids = torch.tensor(list(eos_token_ids), dtype=torch.int64, device=self.device)
         self.generator = torch.Generator(device=self.device)
@@ -158,6 +177,9 @@ class Sampler:
         rep = np.asarray(batch.repetition_penalty)
         pres = np.asarray(batch.presence_penalty)
         freq = np.asarray(batch.frequency_penalty)
+        if self.rust_kernels and logits.dtype == torch.float32 and logits.is_contiguous():
+            self._apply_penalties_rust(logits, batch, extras, rep, pres, freq)
+            return
         rep_rows = np.flatnonzero(rep != 1.0)
         if rep_rows.size:
             seen = self._token_counts(batch, extras, rep_rows, with_prompt=True) > 0
@@ -171,6 +193,37 @@ class Sampler:
             counts = self._token_counts(batch, extras, additive_rows, with_prompt=False)
             logits -= self._row_tensor(batch, "frequency_penalty", torch.float32)[:, None] * counts
             logits -= self._row_tensor(batch, "presence_penalty", torch.float32)[:, None] * (counts > 0)
+
+    def _apply_penalties_rust(self, logits: torch.Tensor, batch, extras, rep: np.ndarray,
+                              pres: np.ndarray, freq: np.ndarray) -> None:
+        """``_apply_penalties``' arithmetic, value for value, on the CPU kernels' threads
+        (``_scheduler.apply_penalties_f32``): per row, work in proportion to its tokens rather
+        than passes over a ``[S, V]`` count tensor."""
+        from ferrobatch._scheduler import apply_penalties_f32
+
+        rows = logits.shape[0]
+        spans = np.zeros((rows, 4), np.int64)
+        pieces: list[np.ndarray] = []
+        pos = 0
+        for row in np.flatnonzero((rep != 1.0) | (pres != 0.0) | (freq != 0.0)):
+            ext = extras.get(int(batch.sample_req_ids[row])) if extras else None
+            if ext is None:
+                continue
+            output = _row_output(ext, batch, row)
+            # laid out [prompt, output]: repetition reads both, frequency / presence the output
+            start = pos
+            if rep[row] != 1.0:
+                prompt = ext.prompt_array()
+                pieces.append(prompt)
+                pos += prompt.size
+            pieces.append(output)
+            spans[row] = (start, pos + output.size, pos, pos + output.size)
+            pos += output.size
+        tokens = np.concatenate(pieces) if pieces else np.empty(0, np.int64)
+        apply_penalties_f32(logits.numpy(), np.ascontiguousarray(rep, np.float32),
+                            np.ascontiguousarray(freq, np.float32),
+                            np.ascontiguousarray(pres, np.float32), tokens, spans,
+                            self.cpu_threads)
 
     def _apply_logit_bias(self, logits: torch.Tensor, batch, extras) -> None:
         rows, tokens, values = [], [], []
@@ -368,12 +421,12 @@ class Sampler:
                                or has_stop_masks or has_restrictions):
             tokens = argmax_rows(raw_logits)
         else:
-            rust_draw = self.rust_draw and raw_logits.dtype == torch.float32 and not all_greedy
+            rust_kernels = self.rust_kernels and raw_logits.dtype == torch.float32 and not all_greedy
             # the logits are the caller's: copied before anything writes them (the torch draw
             # scales its rows in place; the Rust one only reads)
             modified = (has_penalties or has_bias or has_guides or bool(suppress.any())
                         or has_stop_masks or has_restrictions)
-            logits = raw_logits.clone() if modified or not rust_draw else raw_logits
+            logits = raw_logits.clone() if modified or not rust_kernels else raw_logits
             if has_bias:
                 self._apply_logit_bias(logits, batch, extras)
             if has_penalties:
@@ -389,7 +442,7 @@ class Sampler:
                 self._apply_guides(logits, batch, extras)
             if all_greedy:
                 tokens = argmax_rows(logits)
-            elif rust_draw:
+            elif rust_kernels:
                 tokens = self._sample_rust(logits, batch, temperature)
                 if np.any(temperature <= 0.0):     # torch's argmax (NaN and all) for those
                     tokens = torch.where(torch.from_numpy(temperature <= 0.0), argmax_rows(logits),
