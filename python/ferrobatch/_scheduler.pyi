@@ -307,6 +307,24 @@ def sample_rows_f32(
     row with ``temperature <= 0`` gets its argmax; logits of -inf or NaN are never drawn.
     ValueError on a shape mismatch or a parameter out of range."""
 
+def apply_penalties_f32(
+    logits: np.ndarray,
+    repetition: np.ndarray,
+    frequency: np.ndarray,
+    presence: np.ndarray,
+    tokens: np.ndarray,
+    spans: np.ndarray,
+    num_threads: int,
+) -> None:
+    """The sampler's penalties on the CPU, in place (GIL released), rows over the kernels'
+    threads: on each row ``r`` of ``logits`` ``[S, V]`` (float32, C-contiguous), ``repetition[r]``
+    (float32; 1: none) once per distinct token of ``tokens[spans[r, 0]:spans[r, 1]]`` (prompt and
+    output: ``x / r`` where ``x > 0``, else ``x * r``, clamped to the finite range), then
+    ``frequency[r]`` and ``presence[r]`` per distinct token of ``tokens[spans[r, 2]:spans[r,
+    3]]`` (output: ``x - f * count - p``); ``tokens`` int64, ``spans`` int64 ``[S, 4]``. The
+    torch sampler's values bit for bit. ValueError on a shape mismatch or a token id outside the
+    vocabulary (before any logit changes)."""
+
 def linear_isa() -> str:
     """The instruction set of the linear kernels on this CPU: ``"avx512"``, ``"avx2"`` or
     ``"portable"`` (at most what ``FERROBATCH_CPU_ISA`` allows)."""

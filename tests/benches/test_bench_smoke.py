@@ -161,11 +161,12 @@ def test_sampler_bench_smoke(tmp_path: Path) -> None:
                        "--tokens", "3", "--rounds", "1", json_out=tmp_path / "sampler.json",
                        timeout=300)
     alone = data["sampler_alone"]
-    assert {r["rows"] for r in alone} == {1, 2} and len(alone) == 2 * 5
+    assert {r["rows"] for r in alone} == {1, 2} and len(alone) == 2 * 7
     assert all(r["torch_ms"] > 0 and r["rust_ms"] > 0 and 0 <= r["same_token_fraction"] <= 1
                for r in alone)
-    assert [r["sampler"] for r in data["engine"]] == ["torch", "rust"]
+    assert [r["sampler"] for r in data["engine"]] == ["torch", "rust"] * 2
     assert all(r["output_tokens"] == 2 * 3 for r in data["engine"])
+    assert len(data["engine_ratios"]) == 2
     assert "out tok/s" in out
 
 
