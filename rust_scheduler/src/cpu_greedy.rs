@@ -71,7 +71,7 @@ pub fn greedy_rows_f32(
         finite: true,
     };
     let mut spans = vec![empty; tasks * rows];
-    let spans_ptr = SendPtr(spans.as_mut_ptr());
+    let spans_ptr = crate::cpu_pool::SharedMut(spans.as_mut_ptr());
     let job = |t: usize| {
         let (c0, c1) = ((t * per).min(vocab), ((t + 1) * per).min(vocab));
         for r in 0..rows {
@@ -99,17 +99,6 @@ pub fn greedy_rows_f32(
         *o = GreedyRow { token, finite };
     }
     Ok(())
-}
-
-/// `*mut Span` shared by the tasks (each writes only its own elements).
-#[derive(Clone, Copy)]
-struct SendPtr(*mut Span);
-// SAFETY: the tasks write disjoint elements (`greedy_rows_f32`).
-unsafe impl Sync for SendPtr {}
-impl SendPtr {
-    fn get(self) -> *mut Span {
-        self.0
-    }
 }
 
 /// One span's [`Span`] on the widest path `isa` allows (also `cpu_sampling`'s row maximum).

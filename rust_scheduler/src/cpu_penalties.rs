@@ -18,8 +18,8 @@
 //!   16-row step of 1,000-token histories takes ~0.1 ms on one thread).
 
 use crate::cpu_error::KernelInputError;
+use crate::cpu_pool::{for_each_item, SharedMut};
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Below this many tokens per task, fewer tasks.
 const MIN_TOKENS_PER_TASK: usize = 32 * 1024;
@@ -112,55 +112,22 @@ fn apply(
             }
         }
     }
-    let next = AtomicUsize::new(0);
-    let logits_ptr = SendPtr(logits.as_mut_ptr());
-    let job = |_task: usize| {
-        SCRATCH.with(|s| {
-            let s = &mut s.borrow_mut();
-            loop {
-                let r = next.fetch_add(1, Ordering::Relaxed);
-                if r >= n {
-                    break;
-                }
-                // SAFETY: each `r < n` is taken by exactly one task (the atomic counter), so
-                // the tasks' rows are disjoint parts of `logits`, which outlives the job.
-                let row = unsafe {
-                    std::slice::from_raw_parts_mut(logits_ptr.get().add(r * vocab), vocab)
-                };
-                let seen = &tokens[rows[r].seen.0..rows[r].seen.1];
-                let counted = &tokens[rows[r].counted.0..rows[r].counted.1];
-                penalize_row(row, &penalties[r], seen, counted, s);
-            }
-        })
-    };
     // a row's tokens take ~5 ns each: below this many per task, waking a worker costs more
     let total: usize = rows
         .iter()
         .map(|r| r.seen.1 - r.seen.0 + r.counted.1 - r.counted.0)
         .sum();
-    let wanted = num_threads
-        .min(n)
-        .min(total.div_ceil(min_tokens_per_task))
-        .max(1);
-    let pool = (wanted > 1).then(|| crate::cpu_pool::global(wanted));
-    match pool {
-        Some(pool) if wanted.min(pool.max_tasks()) > 1 => {
-            pool.run(wanted.min(pool.max_tasks()), &job)
-        }
-        _ => job(0),
-    }
+    let threads = num_threads.min(total.div_ceil(min_tokens_per_task));
+    let logits_ptr = SharedMut(logits.as_mut_ptr());
+    for_each_item(n, threads, &|r| {
+        // SAFETY: `for_each_item` calls each `r < n` once, so the calls' rows are disjoint
+        // parts of `logits`, which outlives the call.
+        let row = unsafe { std::slice::from_raw_parts_mut(logits_ptr.get().add(r * vocab), vocab) };
+        let seen = &tokens[rows[r].seen.0..rows[r].seen.1];
+        let counted = &tokens[rows[r].counted.0..rows[r].counted.1];
+        SCRATCH.with(|s| penalize_row(row, &penalties[r], seen, counted, &mut s.borrow_mut()));
+    });
     Ok(())
-}
-
-/// `*mut f32` shared by the tasks (each writes only the rows it took).
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: the tasks write disjoint rows (`apply_penalties_f32`).
-unsafe impl Sync for SendPtr {}
-impl SendPtr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
 }
 
 /// One row's penalties (token ids already checked against the row's length).

@@ -244,6 +244,38 @@ fn worker_loop(s: &Shared, index: usize) {
     }
 }
 
+/// Calls `f(i)` once for each `i` in `0..items`, the items taken one at a time by up to
+/// `threads` threads of the [`global`] pool (the caller's among them): for work whose items
+/// differ in cost, such as a step's rows for the sampler's kernels.
+pub fn for_each_item(items: usize, threads: usize, f: &(dyn Fn(usize) + Sync)) {
+    let wanted = threads.min(items).max(1);
+    if wanted == 1 {
+        (0..items).for_each(f);
+        return;
+    }
+    let pool = global(wanted);
+    let next = AtomicUsize::new(0);
+    pool.run(wanted.min(pool.max_tasks()), &|_task| loop {
+        let i = next.fetch_add(1, SeqCst);
+        if i >= items {
+            break;
+        }
+        f(i);
+    });
+}
+
+/// A `*mut T` shared by the tasks of one job, each writing only elements no other task
+/// writes, through [`SharedMut::get`] (a method, so a closure captures the whole wrapper).
+#[derive(Clone, Copy)]
+pub(crate) struct SharedMut<T>(pub(crate) *mut T);
+// SAFETY: users write disjoint elements from the tasks of one job, and the buffer outlives it.
+unsafe impl<T> Sync for SharedMut<T> {}
+impl<T> SharedMut<T> {
+    pub(crate) fn get(self) -> *mut T {
+        self.0
+    }
+}
+
 /// The process-wide pool, sized on first use to `threads - 1` workers (later calls asking for
 /// more threads get at most that many: see [`Pool::max_tasks`]).
 pub fn global(threads: usize) -> &'static Pool {
@@ -271,6 +303,19 @@ mod tests {
             });
             for (t, h) in hits.iter().enumerate() {
                 assert_eq!(h.load(SeqCst), u32::from(t < tasks), "task {t} of {tasks}");
+            }
+        }
+    }
+
+    #[test]
+    fn for_each_item_calls_every_item_once() {
+        for items in [0, 1, 2, 3, 7, 40] {
+            for threads in [1, 2, 3, 8] {
+                let hits: Vec<AtomicU32> = (0..items).map(|_| AtomicU32::new(0)).collect();
+                for_each_item(items, threads, &|i| {
+                    hits[i].fetch_add(1, SeqCst);
+                });
+                assert!(hits.iter().all(|h| h.load(SeqCst) == 1), "{items} on {threads}");
             }
         }
     }

@@ -26,8 +26,8 @@
 use crate::cpu_error::KernelInputError;
 use crate::cpu_greedy::span_of;
 use crate::cpu_isa::Isa;
+use crate::cpu_pool::{for_each_item, SharedMut};
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// One row's sampling parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -139,31 +139,13 @@ pub fn sample_rows_f32(
         )));
     }
     let isa = Isa::detect(Isa::Avx512);
-    let next = AtomicUsize::new(0);
-    let out_ptr = SendPtr(out.as_mut_ptr());
-    let job = |_task: usize| {
-        SCRATCH.with(|s| {
-            let s = &mut s.borrow_mut();
-            loop {
-                let r = next.fetch_add(1, Ordering::Relaxed);
-                if r >= rows {
-                    break;
-                }
-                let token = sample_row(&logits[r * vocab..(r + 1) * vocab], &params[r], isa, s);
-                // SAFETY: each `r < rows` is taken by exactly one task (the atomic counter),
-                // and `out` outlives the job (`run` returns after every task).
-                unsafe { out_ptr.get().add(r).write(token) };
-            }
-        })
-    };
-    let wanted = num_threads.min(rows).max(1);
-    let pool = (wanted > 1).then(|| crate::cpu_pool::global(wanted));
-    match pool {
-        Some(pool) if wanted.min(pool.max_tasks()) > 1 => {
-            pool.run(wanted.min(pool.max_tasks()), &job)
-        }
-        _ => job(0),
-    }
+    let out_ptr = SharedMut(out.as_mut_ptr());
+    for_each_item(rows, num_threads, &|r| {
+        let row = &logits[r * vocab..(r + 1) * vocab];
+        let token = SCRATCH.with(|s| sample_row(row, &params[r], isa, &mut s.borrow_mut()));
+        // SAFETY: `for_each_item` calls each `r < rows` once, and `out` outlives the call.
+        unsafe { out_ptr.get().add(r).write(token) };
+    });
     Ok(())
 }
 
@@ -173,17 +155,6 @@ fn valid(p: &RowSampling) -> bool {
         && (0.0..=1.0).contains(&p.min_p)
         && (0.0..1.0).contains(&p.uniform)
         && !p.temperature.is_nan()
-}
-
-/// `*mut usize` shared by the tasks (each writes only the rows it took).
-#[derive(Clone, Copy)]
-struct SendPtr(*mut usize);
-// SAFETY: the tasks write disjoint elements (`sample_rows_f32`).
-unsafe impl Sync for SendPtr {}
-impl SendPtr {
-    fn get(self) -> *mut usize {
-        self.0
-    }
 }
 
 /// One row's token.
