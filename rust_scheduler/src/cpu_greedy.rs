@@ -241,16 +241,6 @@ mod tests {
     use super::*;
     use crate::test_rng::Lcg;
 
-    fn isas() -> Vec<Isa> {
-        let mut out = vec![Isa::Portable];
-        for isa in [Isa::Avx2, Isa::Avx512] {
-            if Isa::detect(isa) == isa {
-                out.push(isa);
-            }
-        }
-        out
-    }
-
     fn check_row(row: &[f32]) {
         let want = span_portable(row);
         if want.finite {
@@ -260,7 +250,7 @@ mod tests {
         } else {
             assert!(row.iter().any(|x| !x.is_finite()));
         }
-        for isa in isas() {
+        for isa in Isa::every_path() {
             let got = span_of(row, isa);
             assert_eq!(got.finite, want.finite, "{isa:?} {row:?}");
             if want.finite {

@@ -67,4 +67,17 @@ impl Isa {
         let _ = max;
         Isa::Portable
     }
+
+    /// For tests: the portable path and each SIMD path up to AVX-512 this CPU has, so a kernel
+    /// is checked on every path it can take here.
+    #[cfg(test)]
+    pub(crate) fn every_path() -> Vec<Isa> {
+        let mut out = vec![Isa::Portable];
+        for isa in [Isa::Avx2, Isa::Avx512] {
+            if Isa::detect(isa) == isa {
+                out.push(isa);
+            }
+        }
+        out
+    }
 }

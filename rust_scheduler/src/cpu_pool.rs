@@ -315,7 +315,10 @@ mod tests {
                 for_each_item(items, threads, &|i| {
                     hits[i].fetch_add(1, SeqCst);
                 });
-                assert!(hits.iter().all(|h| h.load(SeqCst) == 1), "{items} on {threads}");
+                assert!(
+                    hits.iter().all(|h| h.load(SeqCst) == 1),
+                    "{items} on {threads}"
+                );
             }
         }
     }

@@ -718,16 +718,6 @@ mod tests {
     use super::*;
     use crate::test_rng::Lcg;
 
-    fn isas() -> Vec<Isa> {
-        let mut out = vec![Isa::Portable];
-        for isa in [Isa::Avx2, Isa::Avx512] {
-            if Isa::detect(isa) == isa {
-                out.push(isa);
-            }
-        }
-        out
-    }
-
     fn params(temperature: f32, top_k: usize, top_p: f32, min_p: f32, uniform: f64) -> RowSampling {
         RowSampling {
             temperature,
@@ -816,7 +806,7 @@ mod tests {
                 }
             }
             let max = span_of(&row, Isa::Portable).best;
-            for isa in isas() {
+            for isa in Isa::every_path() {
                 let mut w = vec![f32::NAN; len];
                 let total = weights(&row, max, 1.0 / 0.7f32, &mut w, isa);
                 let mut sum = 0.0f64;
@@ -882,7 +872,7 @@ mod tests {
                     let mut seen = vec![false; len];
                     for step in 0..400 {
                         p.uniform = step as f64 / 400.0;
-                        for isa in isas() {
+                        for isa in Isa::every_path() {
                             let tok = sample_one(&row, p, isa);
                             assert!(probs[tok] > 0.0, "{isa:?} len {len} {p:?} drew {tok}");
                             seen[tok] = true;
@@ -928,7 +918,7 @@ mod tests {
                 if (before - target).abs() < 1e-5 || (acc - target).abs() < 1e-5 {
                     continue;
                 }
-                for isa in isas() {
+                for isa in Isa::every_path() {
                     let got = sample_one(&row, RowSampling { uniform: u, ..p }, isa);
                     assert_eq!(got, want, "{isa:?} {p:?} u {u}");
                 }
@@ -966,7 +956,7 @@ mod tests {
                             continue;
                         }
                         let want = cut_exact(&w, total, k, tp);
-                        for isa in isas() {
+                        for isa in Isa::every_path() {
                             assert_eq!(
                                 cut_of(&w, total, k, tp, &mut s, isa),
                                 want,
@@ -992,7 +982,7 @@ mod tests {
                     *x = f32::NAN;
                 }
             }
-            for isa in isas() {
+            for isa in Isa::every_path() {
                 for step in 0..200 {
                     for p in [
                         params(5.0, 0, 1.0, 0.0, step as f64 / 200.0),
@@ -1009,7 +999,7 @@ mod tests {
     #[test]
     fn greedy_rows_and_rows_without_a_finite_maximum_take_the_argmax() {
         let row = [0.5f32, 3.0, -1.0, 3.0, 2.0];
-        for isa in isas() {
+        for isa in Isa::every_path() {
             assert_eq!(sample_one(&row, params(0.0, 0, 1.0, 0.0, 0.3), isa), 1);
             assert_eq!(sample_one(&row, params(-1.0, 0, 1.0, 0.0, 0.3), isa), 1);
             let inf = [0.0f32, f32::INFINITY, 1.0, f32::INFINITY];
@@ -1025,7 +1015,7 @@ mod tests {
         let row: Vec<f32> = (0..1000).map(|_| rng.next_f32() * 8.0).collect();
         let want = span_of(&row, Isa::Portable).token;
         for t in [1e-6f32, 1e-30, 1e-38, 1e-44] {
-            for isa in isas() {
+            for isa in Isa::every_path() {
                 for u in [0.0, 0.5, 0.999_999] {
                     assert_eq!(sample_one(&row, params(t, 0, 0.9, 0.0, u), isa), want);
                 }
