@@ -35,9 +35,11 @@
 
 use crate::cpu_error::{check_bias, check_lengths, KernelInputError};
 use crate::cpu_isa::Isa;
+#[cfg(target_arch = "x86_64")]
+use crate::cpu_linear::{avx2 as linear_avx2, avx512 as linear_avx512};
 use crate::cpu_linear::{
-    avx2 as linear_avx2, avx512 as linear_avx512, on_panel_ranges, portable as linear_portable,
-    run_panel_range, LinearShape, OutPtr, TileBuf, PANEL_WIDTH, TILE_ROWS, TILE_ROWS_512,
+    on_panel_ranges, portable as linear_portable, run_panel_range, LinearShape, OutPtr, TileBuf,
+    PANEL_WIDTH, TILE_ROWS, TILE_ROWS_512,
 };
 use crate::cpu_quant_linear::{QuantShape, QuantWeight, BLOCK};
 use crate::load_parallel::{load_threads, split, Out};
