@@ -59,15 +59,19 @@ test-loom:
 	RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom \
 	  cargo test --release -p rust_scheduler --test loom_intake --test loom_pool
 
-# Off x86-64 (ARM servers, Raspberry Pi, Linux VMs on Apple silicon) the SIMD paths compile out
-# and the portable kernels serve: the crate must build there. A compile check for aarch64
-# where rustup has (or can add) the target; elsewhere it says it skipped.
+# Off x86-64 (ARM servers, Raspberry Pi, Apple silicon) the SIMD paths compile out and the
+# portable kernels serve: the crate must build there. A compile check for aarch64 Linux and
+# macOS where rustup has (or can add) the targets; elsewhere it says it skipped.
+AARCH64_TARGETS := aarch64-unknown-linux-gnu aarch64-apple-darwin
 test-aarch64:
-	@if rustup target add aarch64-unknown-linux-gnu >/dev/null 2>&1; then \
-	  RUSTFLAGS="-D warnings" PYO3_CROSS_PYTHON_VERSION=3.11 CARGO_TARGET_DIR=target/aarch64 \
-	    cargo check --release -q -p rust_scheduler --all-targets --features python \
-	    --target aarch64-unknown-linux-gnu && echo "test-aarch64: the crate builds for aarch64"; \
-	else echo "test-aarch64: skipped (rustup cannot add the aarch64-unknown-linux-gnu target)"; fi
+	@for t in $(AARCH64_TARGETS); do \
+	  if rustup target add $$t >/dev/null 2>&1; then \
+	    RUSTFLAGS="-D warnings" PYO3_CROSS_PYTHON_VERSION=3.11 CARGO_TARGET_DIR=target/$$t \
+	      cargo check --release -q -p rust_scheduler --all-targets --features python \
+	      --target $$t || exit 1; \
+	    echo "test-aarch64: the crate builds for $$t"; \
+	  else echo "test-aarch64: skipped $$t (rustup cannot add the target here)"; fi; \
+	done
 
 test-py: build
 	$(PY) -m pytest -q -p no:cacheprovider
