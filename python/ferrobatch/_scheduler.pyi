@@ -325,6 +325,22 @@ def apply_penalties_f32(
     torch sampler's values bit for bit. ValueError on a shape mismatch or a token id outside the
     vocabulary (before any logit changes)."""
 
+def logprobs_rows_f32(
+    logits: np.ndarray,
+    tokens: np.ndarray,
+    chosen: np.ndarray,
+    top_ids: np.ndarray,
+    top_values: np.ndarray,
+    num_threads: int,
+) -> None:
+    """Logprobs on the CPU (GIL released), rows over the kernels' threads: per row ``r`` of
+    ``logits`` ``[S, V]`` (float32, C-contiguous), ``chosen[r]`` (float32 ``[S]``) = the
+    ``log_softmax`` of token ``tokens[r]`` (int64 ``[S]``), and ``top_ids[r]`` (int64 ``[S, n]``)
+    / ``top_values[r]`` (float32 ``[S, n]``) the ``n`` most likely tokens and their logprobs,
+    descending, equal logits by lower id (a row with fewer than ``n`` logits above -inf fills up
+    with its -inf ones). ValueError on a shape mismatch, a token outside the vocabulary or
+    ``n`` above it."""
+
 def linear_isa() -> str:
     """The instruction set of the linear kernels on this CPU: ``"avx512"``, ``"avx2"`` or
     ``"portable"`` (at most what ``FERROBATCH_CPU_ISA`` allows)."""

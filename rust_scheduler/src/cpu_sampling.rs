@@ -178,7 +178,7 @@ fn sample_row(row: &[f32], p: &RowSampling, isa: Isa, s: &mut Scratch) -> usize 
 
 /// `w[i] = exp((row[i] - max) * inv_t)`, 0 where that exponent is below -87 or NaN; returns
 /// the sum of `w`.
-fn weights(row: &[f32], max: f32, inv_t: f32, w: &mut [f32], isa: Isa) -> f64 {
+pub(crate) fn weights(row: &[f32], max: f32, inv_t: f32, w: &mut [f32], isa: Isa) -> f64 {
     match isa {
         // SAFETY: `isa` came from `Isa::detect` (or a test's narrower pick), so the CPU has
         // AVX-512F.

@@ -19,8 +19,9 @@
 //! decoder layer of a step in one call (binding `py_decoder`), adding LoRA adapters' updates
 //! after its linear layers with `cpu_lora`; `cpu_greedy` reads a plain greedy step's logits
 //! (each row's argmax and finite flag; binding `py_greedy`), `cpu_sampling` draws a sampled
-//! step's tokens (temperature, top-k, top-p, min-p) and `cpu_penalties` applies the repetition,
-//! frequency and presence penalties before it (bindings `py_sampling`).
+//! step's tokens (temperature, top-k, top-p, min-p), `cpu_penalties` applies the repetition,
+//! frequency and presence penalties before it and `cpu_logprobs` gives the logprobs a request
+//! asked for (bindings `py_sampling`).
 //! And `guided` (structured outputs: a regex's DFA walked over the vocabulary's byte trie to
 //! find the tokens allowed next; binding `py_guided`), used by the Python sampler.
 //! And `ngram` (prompt-lookup drafts: `scheduler` schedules them for speculative decoding,
@@ -48,6 +49,7 @@ pub mod cpu_kv;
 pub mod cpu_kv_fp8;
 pub mod cpu_kv_q8;
 pub mod cpu_linear;
+pub mod cpu_logprobs;
 pub mod cpu_lora;
 pub mod cpu_penalties;
 pub mod cpu_pool;

@@ -683,6 +683,10 @@ fn scheduler_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
         crate::py_sampling::py_apply_penalties_f32,
         m
     )?)?;
+    m.add_function(wrap_pyfunction!(
+        crate::py_sampling::py_logprobs_rows_f32,
+        m
+    )?)?;
     m.add_class::<crate::py_guided::PyTokenVocab>()?;
     m.add_class::<crate::py_guided::PyGuidedGrammar>()?;
     m.add_class::<crate::py_guided::PyGuidedSequence>()?;

@@ -1,8 +1,10 @@
 //! PyO3 bindings of the sampler's CPU kernels: the draw (`cpu_sampling`: a numpy view of the
-//! step's float32 logits and the rows' sampling arrays in, each row's token written into `out`)
-//! and the penalties (`cpu_penalties`: the logits changed in place), the GIL released while
-//! they run. A shape or parameter problem is a `ValueError`.
+//! step's float32 logits and the rows' sampling arrays in, each row's token written into `out`),
+//! the penalties (`cpu_penalties`: the logits changed in place) and the logprobs
+//! (`cpu_logprobs`), the GIL released while they run. A shape or parameter problem is a
+//! `ValueError`.
 
+use crate::cpu_logprobs::logprobs_rows_f32;
 use crate::cpu_penalties::{apply_penalties_f32, RowPenalties, RowTokens};
 use crate::cpu_sampling::{sample_rows_f32, RowSampling};
 use crate::py_linear::c_contiguous;
@@ -134,4 +136,58 @@ pub fn py_apply_penalties_f32(
     let logits = c_contiguous("logits", logits_c, logits.as_slice_mut())?;
     py.detach(|| apply_penalties_f32(logits, vocab, &penalties, &row_tokens, tokens, num_threads))
         .map_err(|e| PyValueError::new_err(e.0))
+}
+
+/// `logprobs_rows_f32(logits, tokens, chosen, top_ids, top_values, num_threads)`: per row `r` of
+/// `logits` (`[S, V]` float32, C-contiguous), `chosen[r]` (float32 `[S]`) = the `log_softmax`
+/// of token `tokens[r]` (int64 `[S]`), and `top_ids[r]` (int64 `[S, n]`) / `top_values[r]`
+/// (float32 `[S, n]`) the row's `n` most likely tokens and their logprobs, descending (equal
+/// logits by lower index). Returns None.
+#[pyfunction]
+#[pyo3(
+    name = "logprobs_rows_f32",
+    signature = (logits, tokens, chosen, top_ids, top_values, num_threads)
+)]
+pub fn py_logprobs_rows_f32(
+    py: Python<'_>,
+    logits: PyReadonlyArray2<'_, f32>,
+    tokens: PyReadonlyArray1<'_, i64>,
+    mut chosen: PyReadwriteArray1<'_, f32>,
+    mut top_ids: PyReadwriteArray2<'_, i64>,
+    mut top_values: PyReadwriteArray2<'_, f32>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let [rows, vocab] = [logits.shape()[0], logits.shape()[1]];
+    let n = top_ids.shape()[1];
+    if tokens.len() != rows || top_ids.shape()[0] != rows || top_values.shape() != [rows, n] {
+        return Err(PyValueError::new_err(format!(
+            "tokens {:?}, top_ids {:?} and top_values {:?} for logits of {rows} rows",
+            tokens.shape(),
+            top_ids.shape(),
+            top_values.shape()
+        )));
+    }
+    let logits = c_contiguous("logits", logits.is_c_contiguous(), logits.as_slice())?;
+    let tokens: Vec<usize> = (0..rows)
+        .map(|r| usize::try_from(*tokens.get(r).expect("length checked")).unwrap_or(usize::MAX))
+        .collect();
+    let c = chosen.is_c_contiguous();
+    let chosen = c_contiguous("chosen", c, chosen.as_slice_mut())?;
+    let c = top_ids.is_c_contiguous();
+    let top_ids = c_contiguous("top_ids", c, top_ids.as_slice_mut())?;
+    let c = top_values.is_c_contiguous();
+    let top_values = c_contiguous("top_values", c, top_values.as_slice_mut())?;
+    py.detach(|| {
+        logprobs_rows_f32(
+            logits,
+            vocab,
+            &tokens,
+            n,
+            chosen,
+            top_ids,
+            top_values,
+            num_threads,
+        )
+    })
+    .map_err(|e| PyValueError::new_err(e.0))
 }

@@ -190,3 +190,46 @@ def test_rust_penalties_are_torchs_bit_for_bit():
         sampler._apply_penalties(out[rust], batch, extras)
     assert not torch.equal(out[True], logits)
     assert torch.equal(out[True].view(torch.int32), out[False].view(torch.int32))
+
+
+@pytest.mark.parametrize("top_n", [0, 1, 5, 20])
+def test_rust_logprobs_are_torchs_within_rounding(top_n):
+    """``_with_logprobs`` on the Rust kernel against torch's ``log_softmax`` + ``topk``: the same
+    top ids (distinct logits here), values within float32 rounding; a row's masked logits are
+    -inf, and a row with fewer than ``top_n`` logits above -inf fills up with -inf ones."""
+    from ferrobatch.runtime.sampler import RequestExtras
+
+    vocab, rows = 5000, 12
+    logits = _logits(rows, vocab, seed=top_n)
+    logits[3, 100:] = float("-inf")               # 100 live logits
+    logits[4, 3:] = float("-inf")                 # 3 live logits: fewer than top_n
+    extras = {r: RequestExtras(logprobs=top_n) for r in range(rows)}
+    tokens = torch.randint(0, 3, (rows,))         # the chosen tokens, live in every row
+    out = {}
+    for rust in (True, False):
+        sampler = Sampler(vocab, [], "cpu")
+        sampler.rust_kernels = rust
+        out[rust] = sampler._with_logprobs(tokens, logits, SimpleNamespace(
+            sample_req_ids=np.arange(rows)), extras)
+    a, b = out[True], out[False]
+    assert np.array_equal(a.token_ids, b.token_ids)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-6, atol=1e-5)
+    assert a.top_logprob_ids.shape == b.top_logprob_ids.shape == (rows, top_n)
+    assert a.top_logprob_ids.dtype == b.top_logprob_ids.dtype
+    np.testing.assert_allclose(a.top_logprobs, b.top_logprobs, rtol=1e-6, atol=1e-5)
+    live = np.isfinite(b.top_logprobs)
+    assert np.array_equal(a.top_logprob_ids[live], b.top_logprob_ids[live])
+    if top_n > 3:      # row 4's slots past its live logits: -inf, each a masked token
+        assert np.isneginf(a.top_logprobs[4, 3:]).all()
+        assert (a.top_logprob_ids[4, 3:] >= 3).all()
+        assert len(set(a.top_logprob_ids[4].tolist())) == top_n
+
+
+def test_rust_logprobs_rank_equal_logits_by_lower_id():
+    from ferrobatch.runtime.sampler import RequestExtras
+
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, -1.0]])
+    out = Sampler(6, [], "cpu")._with_logprobs(torch.tensor([2]), logits, SimpleNamespace(
+        sample_req_ids=np.arange(1)), {0: RequestExtras(logprobs=4)})
+    assert out.top_logprob_ids.tolist() == [[1, 3, 4, 2]]
+    np.testing.assert_allclose(out.logprobs, logits.log_softmax(-1)[0, 2].numpy(), rtol=1e-6)

@@ -479,9 +479,12 @@ class Sampler:
         token_ids = tokens.to(torch.int32).cpu().numpy()
         if not wanted:
             return SamplerOutput(token_ids=token_ids)
+        top_n = max(wanted)
+        if self.rust_kernels and raw_logits.dtype == torch.float32 \
+                and raw_logits.is_contiguous() and top_n <= raw_logits.shape[1]:
+            return self._logprobs_rust(token_ids, raw_logits, top_n)
         logprobs = raw_logits.log_softmax(dim=-1)
         sampled = logprobs.gather(1, tokens[:, None].long())[:, 0]
-        top_n = max(wanted)
         top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (
             logprobs[:, :0], torch.empty(tokens.shape[0], 0, dtype=torch.int64, device=self.device))
         return SamplerOutput(
@@ -490,3 +493,19 @@ class Sampler:
             top_logprob_ids=top_ids.to(torch.int32).cpu().numpy(),
             top_logprobs=top_values.cpu().numpy().astype(np.float32),
         )
+
+    def _logprobs_rust(self, token_ids: np.ndarray, raw_logits: torch.Tensor,
+                       top_n: int) -> SamplerOutput:
+        """``_with_logprobs``' arrays on the CPU kernels' threads (``_scheduler.logprobs_rows_f32``:
+        per row its normalizer and top tokens in two passes, where torch wrote a whole
+        ``log_softmax`` and ran ``topk`` over it); equal logits rank by lower token id."""
+        from ferrobatch._scheduler import logprobs_rows_f32
+
+        rows = raw_logits.shape[0]
+        chosen = np.empty(rows, np.float32)
+        top_ids = np.empty((rows, top_n), np.int64)
+        top_values = np.empty((rows, top_n), np.float32)
+        logprobs_rows_f32(raw_logits.numpy(), token_ids.astype(np.int64), chosen, top_ids,
+                          top_values, self.cpu_threads)
+        return SamplerOutput(token_ids=token_ids, logprobs=chosen,
+                             top_logprob_ids=top_ids.astype(np.int32), top_logprobs=top_values)
