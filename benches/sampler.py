@@ -6,9 +6,9 @@ replaced, side by side in one process, on SmolLM2's own logits.
 
 1. **The sampler alone.** Logits rows are captured from a sampled `LLM.generate` run (the
    model's real decode-step logits, peaked as a language model's are), then `Sampler.sample`
-   draws S rows of them under each setting (temperature, top-p, top-k, min-p and the penalties
-   as chat clients send them and models' generation configs set them; each row's request with
-   a 1,000-token prompt and 200 output tokens), the torch path (`rust_kernels=False`) and the
+   draws S rows of them under each setting (temperature, top-p, top-k, min-p, the penalties
+   and top-5 logprobs as chat clients send them and models' generation configs set them; each
+   row's request with a 1,000-token prompt and 200 output tokens), the torch path (`rust_kernels=False`) and the
    Rust path alternating call by call;
    medians of `--repeats`. Both paths run from the same seeded uniforms, so the bench also counts
    how often they pick the same token (they differ only where a uniform lands within float
@@ -42,7 +42,11 @@ SETTINGS = [  # (name, temperature, top_p, top_k, min_p, repetition, frequency, 
     # Qwen2.5-Instruct's generation_config.json, which `--generation-config auto` applies
     ("T 0.7, top-p 0.8, top-k 20, rep 1.05", 0.7, 0.8, 20, 0.0, 1.05, 0.0, 0.0),
     ("T 1.0, freq 0.5, pres 0.5", 1.0, 1.0, 0, 0.0, 1.0, 0.5, 0.5),
+    ("greedy, logprobs 5", 0.0, 1.0, 0, 0.0, 1.0, 0.0, 0.0),
+    ("T 0.7, top-p 0.9, logprobs 5", 0.7, 0.9, 0, 0.0, 1.0, 0.0, 0.0),
 ]
+# the settings whose requests ask for the top-5 logprobs of each token
+LOGPROBS = {"greedy, logprobs 5", "T 0.7, top-p 0.9, logprobs 5"}
 # each row's token history for the penalties: a prompt and an output this long
 HISTORY = (1000, 200)
 
@@ -73,15 +77,17 @@ def _batch(rows: int, temperature: float, top_p: float, top_k: int, min_p: float
         logits_indices=np.arange(rows, dtype=np.int64))
 
 
-def _histories(rows: int, vocab: int) -> dict:
-    """Each row's request: a random prompt and output of ``HISTORY``'s lengths."""
+def _histories(rows: int, vocab: int, logprobs: int | None = None) -> dict:
+    """Each row's request: a random prompt and output of ``HISTORY``'s lengths (and top
+    ``logprobs`` asked for)."""
     import numpy as np
 
     from ferrobatch.runtime.sampler import RequestExtras
 
     rng = np.random.default_rng(0)
     return {r: RequestExtras(prompt_token_ids=rng.integers(0, vocab, HISTORY[0]).tolist(),
-                             output_token_ids=[rng.integers(0, vocab, HISTORY[1]).tolist()])
+                             output_token_ids=[rng.integers(0, vocab, HISTORY[1]).tolist()],
+                             logprobs=logprobs)
             for r in range(rows)}
 
 
@@ -90,8 +96,10 @@ def sampler_alone(sampler, pool, rows_list: list[int], repeats: int) -> list[dic
     alternating; counts agreeing tokens over the whole pool."""
 
     results = []
-    extras = _histories(pool.shape[0], pool.shape[1])
+    plain = _histories(pool.shape[0], pool.shape[1])
+    with_logprobs = _histories(pool.shape[0], pool.shape[1], logprobs=5)
     for name, *setting in SETTINGS:
+        extras = with_logprobs if name in LOGPROBS else plain
         # agreement: every pool row once per path, the same seeds (the same uniforms)
         batch = _batch(pool.shape[0], *setting, seed0=1000)
         tokens = {}

@@ -161,7 +161,7 @@ def test_sampler_bench_smoke(tmp_path: Path) -> None:
                        "--tokens", "3", "--rounds", "1", json_out=tmp_path / "sampler.json",
                        timeout=300)
     alone = data["sampler_alone"]
-    assert {r["rows"] for r in alone} == {1, 2} and len(alone) == 2 * 7
+    assert {r["rows"] for r in alone} == {1, 2} and len(alone) == 2 * 9
     assert all(r["torch_ms"] > 0 and r["rust_ms"] > 0 and 0 <= r["same_token_fraction"] <= 1
                for r in alone)
     assert [r["sampler"] for r in data["engine"]] == ["torch", "rust"] * 2
