@@ -508,11 +508,17 @@ class EngineCore:
         out: dict[int, list[tuple[int, tuple[int, float, list]]]] = {}
         for lo in range(0, len(rows), PROMPT_LOGITS_CHUNK):
             hi = min(lo + PROMPT_LOGITS_CHUNK, len(rows))
-            logprobs = self.runner.logits_of(hidden[lo:hi]).log_softmax(dim=-1)
-            target = torch.from_numpy(targets[lo:hi].astype(np.int64)).to(logprobs.device)
-            chosen = logprobs.gather(1, target[:, None])[:, 0].cpu().numpy()
-            if top_n:
-                top_values, top_ids = (t.cpu().numpy() for t in logprobs.topk(top_n, dim=-1))
+            logits = self.runner.logits_of(hidden[lo:hi])
+            cpu_logprobs = getattr(self.sampler, "cpu_logprobs", None)
+            fast = cpu_logprobs(logits, targets[lo:hi], top_n) if cpu_logprobs else None
+            if fast is not None:        # the CPU kernel: no [rows, vocab] log_softmax
+                chosen, top_ids, top_values = fast
+            else:
+                logprobs = logits.log_softmax(dim=-1)
+                target = torch.from_numpy(targets[lo:hi].astype(np.int64)).to(logprobs.device)
+                chosen = logprobs.gather(1, target[:, None])[:, 0].cpu().numpy()
+                if top_n:
+                    top_values, top_ids = (t.cpu().numpy() for t in logprobs.topk(top_n, dim=-1))
             for k in range(hi - lo):
                 rid = int(req_ids[lo + k])
                 n = extras[rid].prompt_logprobs

@@ -480,9 +480,11 @@ class Sampler:
         if not wanted:
             return SamplerOutput(token_ids=token_ids)
         top_n = max(wanted)
-        if self.rust_kernels and raw_logits.dtype == torch.float32 \
-                and raw_logits.is_contiguous() and top_n <= raw_logits.shape[1]:
-            return self._logprobs_rust(token_ids, raw_logits, top_n)
+        fast = self.cpu_logprobs(raw_logits, token_ids, top_n)
+        if fast is not None:
+            chosen, top_ids, top_values = fast
+            return SamplerOutput(token_ids=token_ids, logprobs=chosen,
+                                 top_logprob_ids=top_ids.astype(np.int32), top_logprobs=top_values)
         logprobs = raw_logits.log_softmax(dim=-1)
         sampled = logprobs.gather(1, tokens[:, None].long())[:, 0]
         top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (
@@ -494,18 +496,23 @@ class Sampler:
             top_logprobs=top_values.cpu().numpy().astype(np.float32),
         )
 
-    def _logprobs_rust(self, token_ids: np.ndarray, raw_logits: torch.Tensor,
-                       top_n: int) -> SamplerOutput:
-        """``_with_logprobs``' arrays on the CPU kernels' threads (``_scheduler.logprobs_rows_f32``:
-        per row its normalizer and top tokens in two passes, where torch wrote a whole
-        ``log_softmax`` and ran ``topk`` over it); equal logits rank by lower token id."""
+    def cpu_logprobs(self, logits: torch.Tensor, tokens: np.ndarray, top_n: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The logprobs of ``tokens[r]`` under each row of ``logits`` ``[S, V]`` and each row's
+        ``top_n`` most likely tokens with theirs (float32 ``[S]``, int64 ``[S, top_n]``, float32
+        ``[S, top_n]``), on the CPU kernels' threads (``_scheduler.logprobs_rows_f32``: per row
+        its normalizer and top tokens in two passes, where torch wrote a whole ``log_softmax``
+        and ran ``topk`` over it; equal logits rank by lower token id). None where the kernel
+        does not apply (CUDA, other dtypes, ``FERROBATCH_RUST_SAMPLER=0``): use torch."""
+        if not (self.rust_kernels and logits.device.type == "cpu" and logits.dtype == torch.float32
+                and logits.dim() == 2 and top_n <= logits.shape[1]):
+            return None
         from ferrobatch._scheduler import logprobs_rows_f32
 
-        rows = raw_logits.shape[0]
+        rows = logits.shape[0]
         chosen = np.empty(rows, np.float32)
         top_ids = np.empty((rows, top_n), np.int64)
         top_values = np.empty((rows, top_n), np.float32)
-        logprobs_rows_f32(raw_logits.numpy(), token_ids.astype(np.int64), chosen, top_ids,
-                          top_values, self.cpu_threads)
-        return SamplerOutput(token_ids=token_ids, logprobs=chosen,
-                             top_logprob_ids=top_ids.astype(np.int32), top_logprobs=top_values)
+        logprobs_rows_f32(logits.contiguous().numpy(), np.asarray(tokens, np.int64), chosen,
+                          top_ids, top_values, self.cpu_threads)
+        return chosen, top_ids, top_values
