@@ -132,9 +132,9 @@ class Sampler:
                  seed: int | None = None, cpu_threads: int | None = None) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        # on the CPU, penalties and the draw of sampled rows run on the Rust kernels
-        # (`cpu_penalties.rs`, `cpu_sampling.rs`) on `cpu_threads` threads (torch's count when
-        # None); FERROBATCH_RUST_SAMPLER=0 keeps torch's
+        # on the CPU, penalties, the draw of sampled rows and logprobs run on the Rust kernels
+        # (`cpu_penalties.rs`, `cpu_sampling.rs`, `cpu_logprobs.rs`) on `cpu_threads` threads
+        # (torch's count when None); FERROBATCH_RUST_SAMPLER=0 keeps torch's
         self.rust_kernels = (self.device.type == "cpu"
                              and os.environ.get("FERROBATCH_RUST_SAMPLER", "1") != "0")
         self.cpu_threads = cpu_threads or torch.get_num_threads()
@@ -421,12 +421,12 @@ class Sampler:
                                or has_stop_masks or has_restrictions):
             tokens = argmax_rows(raw_logits)
         else:
-            rust_kernels = self.rust_kernels and raw_logits.dtype == torch.float32 and not all_greedy
+            rust_draw = self.rust_kernels and raw_logits.dtype == torch.float32 and not all_greedy
             # the logits are the caller's: copied before anything writes them (the torch draw
             # scales its rows in place; the Rust one only reads)
             modified = (has_penalties or has_bias or has_guides or bool(suppress.any())
                         or has_stop_masks or has_restrictions)
-            logits = raw_logits.clone() if modified or not rust_kernels else raw_logits
+            logits = raw_logits.clone() if modified or not rust_draw else raw_logits
             if has_bias:
                 self._apply_logit_bias(logits, batch, extras)
             if has_penalties:
@@ -442,7 +442,7 @@ class Sampler:
                 self._apply_guides(logits, batch, extras)
             if all_greedy:
                 tokens = argmax_rows(logits)
-            elif rust_kernels:
+            elif rust_draw:
                 tokens = self._sample_rust(logits, batch, temperature)
                 if np.any(temperature <= 0.0):     # torch's argmax (NaN and all) for those
                     tokens = torch.where(torch.from_numpy(temperature <= 0.0), argmax_rows(logits),
