@@ -30,7 +30,7 @@
 //!
 //! A step of a few rows is bound by reading the weights, so it reads the small form: a task
 //! unpacks each chunk into the unpacked layout in L1 right before its tile load (steps of up to
-//! [`DIRECT_MAX_ROWS`] rows), or a pass of chunks at once into a scratch of its own (L2) that all
+//! `DIRECT_MAX_ROWS` rows), or a pass of chunks at once into a scratch of its own (L2) that all
 //! the rows then read.
 //!
 //! Invariants checked by [`AmxShape::validate`] before any read, so no tile load leaves its

@@ -7,12 +7,12 @@
 //! work, so an idle engine holds no core.
 //!
 //! Invariants:
-//! - One job at a time: [`run`] holds `dispatch` for the whole job. A call that finds the pool
-//!   busy (another thread's job, or a kernel calling a kernel) runs its tasks inline instead of
-//!   waiting, so the pool can never deadlock on itself.
+//! - One job at a time: [`Pool::run`] holds `dispatch` for the whole job. A call that finds the
+//!   pool busy (another thread's job, or a kernel calling a kernel) runs its tasks inline instead
+//!   of waiting, so the pool can never deadlock on itself.
 //! - The job (a closure on the caller's stack) is only reachable while the caller is inside
-//!   [`run`]: the caller returns only after `pending` is back to 0, i.e. after every worker has
-//!   finished with it, and workers read the job pointer only between seeing a new `epoch` and
+//!   [`Pool::run`]: the caller returns only after `pending` is back to 0, i.e. after every worker
+//!   has finished with it, and workers read the job pointer only between seeing a new `epoch` and
 //!   decrementing `pending`.
 //! - No lost wake-up, by the mutex alone: a worker re-checks `epoch` and registers as a sleeper
 //!   under `sleepers` (the mutex) and waits on `wake`, which releases it atomically; the caller

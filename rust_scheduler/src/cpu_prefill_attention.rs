@@ -12,7 +12,7 @@
 //! `j` (0-based) of sequence `s` attends keys `0 ..= seq_lens[s] - q_lens[s] + j`. Rows of `out`
 //! that belong to no sequence of the call are left untouched.
 //!
-//! Invariants checked by [`PrefillShape::validate`] before any read or write, so no index below
+//! Invariants checked by `PrefillShape::validate` before any read or write, so no index below
 //! leaves its slice and no two tasks write one element: `Hq % Hkv == 0`; slice lengths equal
 //! their shapes; `1 <= q_lens[s] <= seq_lens[s] <= max_blocks * block_size`; the sequences'
 //! rows lie in `0..T`, in ascending order, and do not overlap; every block id a sequence uses is
@@ -31,7 +31,7 @@
 //! (rescaled when a row's max grows). An f16 cache's keys enter the panels as f32.
 //!
 //! Where the CPU has AMX (`Isa::detect` gives `Amx`), the head dim is a multiple of 64 and
-//! enough queries share each key ([`amx_pays`]), the call goes to `cpu_amx_prefill` instead:
+//! enough queries share each key (`amx_pays`), the call goes to `cpu_amx_prefill` instead:
 //! the same contract and validation, bfloat16 tile products at float32 accuracy.
 
 use crate::cpu_attention::CacheGeometry;
@@ -150,7 +150,7 @@ impl PrefillShape {
 }
 
 /// Runs prefill attention on up to `num_threads` threads of the kernels' pool (`cpu_pool`);
-/// see the module header for the layout. With `amx`, calls that [`amx_pays`] for take the AMX
+/// see the module header for the layout. With `amx`, calls that `amx_pays` for take the AMX
 /// path (`cpu_amx_prefill`) where the CPU has it. Errors instead of reading or writing out of
 /// bounds.
 #[allow(clippy::too_many_arguments)]

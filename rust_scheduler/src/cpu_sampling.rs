@@ -16,7 +16,7 @@
 //!   deterministically.
 //! - The top-k / top-p cut is found without sorting the row: a histogram of the weights (16
 //!   buckets per power of two, down to 2^-24) locates the bucket the cut falls in, and only that
-//!   bucket is sorted; a cut below 2^-24 sorts every weight above 0 ([`cut_exact`], also the
+//!   bucket is sorted; a cut below 2^-24 sorts every weight above 0 (`cut_exact`, also the
 //!   tests' reference).
 //! - Rows with a temperature of 0 or below, or without a finite largest logit (+inf somewhere,
 //!   or nothing above -inf), take the first largest value (`cpu_greedy`'s answer).
