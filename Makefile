@@ -89,6 +89,7 @@ bench: build
 lint: deps
 	cargo fmt --all -- --check
 	cargo clippy --all-targets --features python -- -D warnings
+	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps -q -p rust_scheduler
 	$(PY) -m pip install -q ruff && $(VENV)/bin/ruff check python tests benches
 
 clean:
