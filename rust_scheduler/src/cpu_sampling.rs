@@ -10,11 +10,12 @@
 //!
 //! Invariants:
 //! - A token of weight 0 is never drawn: logits of -inf (masks) and NaN weigh 0, and so does
-//!   every logit more than 87 temperatures below the row's largest (e^-87 ~ 1.6e-38).
+//!   every logit more than 87 * T below the row's largest (e^-87 ~ 1.6e-38).
 //! - The token of weight 1 (the first largest logit) always survives top-k, top-p and min-p.
 //! - The descending order breaks ties to the lower index, so equal weights are cut
 //!   deterministically.
-//! - The top-k / top-p cut is found without sorting the row: a histogram of the weights (16
+//! - The top-k / top-p cut is found without sorting the row: a pass over seven nested levels
+//!   picks the highest floor that holds the cut, a histogram of the weights above it (16
 //!   buckets per power of two, down to 2^-24) locates the bucket the cut falls in, and only that
 //!   bucket is sorted; a cut below 2^-24 sorts every weight above 0 (`cut_exact`, also the
 //!   tests' reference).
