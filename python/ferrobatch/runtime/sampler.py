@@ -111,7 +111,7 @@ def _drafts_before(batch, row: int) -> list[int]:
 
 def _row_output(ext: RequestExtras, batch, row: int) -> np.ndarray:
     """The output tokens a sampled row follows (int64): its sequence's, then the drafts before
-    it (``_token_counts``' list without the prompt)."""
+    it (they are its output if the row's token is kept); empty without a token history."""
     out, seq_index = ext.output_token_ids, int(batch.sample_seq_indices[row])
     if out is None or seq_index >= len(out):
         return np.empty(0, np.int64)
@@ -157,16 +157,10 @@ class Sampler:
             ext = extras.get(int(batch.sample_req_ids[row])) if extras else None
             if ext is None:
                 continue
-            tokens = list(ext.prompt_token_ids) if with_prompt else []
-            if ext.output_token_ids is not None:
-                seq_index = int(batch.sample_seq_indices[row])
-                if seq_index < len(ext.output_token_ids):
-                    tokens += list(ext.output_token_ids[seq_index])
-                    # a drafted row also follows the drafts before it (they are its output
-                    # if the row's token is kept)
-                    tokens += _drafts_before(batch, row)
+            output = _row_output(ext, batch, row)
+            tokens = np.concatenate([ext.prompt_array(), output]) if with_prompt else output
             row_ids.append(np.full(len(tokens), row, dtype=np.int64))
-            token_ids.append(np.asarray(tokens, dtype=np.int64))
+            token_ids.append(tokens)
         if row_ids:
             index = (torch.from_numpy(np.concatenate(row_ids)).to(self.device),
                      torch.from_numpy(np.concatenate(token_ids)).to(self.device))
