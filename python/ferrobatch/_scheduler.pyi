@@ -345,6 +345,10 @@ def linear_isa() -> str:
     """The instruction set of the linear kernels on this CPU: ``"avx512"``, ``"avx2"`` or
     ``"portable"`` (at most what ``FERROBATCH_CPU_ISA`` allows)."""
 
+def one_row_int16_available() -> bool:
+    """Whether one row of x against GGUF Q4_1 blocks takes the int16 dot-product kernel here
+    (AVX-512 VNNI; at most what ``FERROBATCH_CPU_ISA`` allows)."""
+
 def quant_panels_min_rows() -> int:
     """The fewest rows of a step that read a GGUF layer's quantized panels rather than its
     blocks on this CPU (no AMX): 4 on AVX2, 6 elsewhere."""

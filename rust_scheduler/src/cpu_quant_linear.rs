@@ -20,6 +20,9 @@
 //! real number (each product exactly, the loader's weight `scale * q + min` unrounded), so
 //! it differs from the other paths only by float32 rounding too: no weight is formed at all
 //! (`avx2::q4_1_one_row`: SmolLM2's 120 layer linears 1.2x faster at one row on a Zen 3).
+//! Where the CPU has AVX-512 VNNI, one row against Q4_1 takes `cpu_q4_1_one_row`
+//! instead: the same form in int16 dot products (x split once per call into two int16 pieces
+//! per block), ~1.5x this file's AVX-512 kernel with the weights in cache.
 //!
 //! Invariants checked by [`QuantShape::validate`] before any read: `K % 32 == 0`,
 //! `x.len() == M * K`, `out.len() == M * N`, every weight array sized for `[N, NB]`, `bias`
@@ -43,6 +46,7 @@
 use crate::cpu_error::{check_bias, check_lengths, KernelInputError};
 use crate::cpu_isa::Isa;
 use crate::cpu_linear::OutPtr;
+use crate::cpu_q4_1_one_row::OneRowX;
 
 /// Inputs per quantization block (both formats).
 pub const BLOCK: usize = 32;
@@ -154,10 +158,22 @@ pub fn linear_quant_f32(
     out: &mut [f32],
     num_threads: usize,
 ) -> Result<(), KernelInputError> {
-    run(shape, x, w, bias, out, num_threads, Isa::Avx512)
+    let one_row_int16 = crate::cpu_q4_1_one_row::available();
+    run(
+        shape,
+        x,
+        w,
+        bias,
+        out,
+        num_threads,
+        Isa::Avx512,
+        one_row_int16,
+    )
 }
 
-/// [`linear_quant_f32`] using at most instruction set `max_isa` (tests compare every path).
+/// [`linear_quant_f32`] using at most instruction set `max_isa`, and for one row of x and Q4_1
+/// weights the int16 kernel of `cpu_q4_1_one_row` if `one_row_int16` (tests compare every path).
+#[allow(clippy::too_many_arguments)]
 fn run(
     shape: &QuantShape,
     x: &[f32],
@@ -166,6 +182,7 @@ fn run(
     out: &mut [f32],
     num_threads: usize,
     max_isa: Isa,
+    one_row_int16: bool,
 ) -> Result<(), KernelInputError> {
     shape.validate(x, &w, bias, out)?;
     if shape.m == 0 {
@@ -188,10 +205,19 @@ fn run(
     } else {
         x
     };
+    // one row against Q4_1 through int16 dot products: x split into int16 pieces once here
+    // (declined for an x holding an infinity or a NaN: the float32 kernels propagate it)
+    let one_row = (one_row_int16
+        && shape.m == 1
+        && isa >= Isa::Avx512
+        && matches!(w, QuantWeight::Q4_1 { .. }))
+    .then(|| OneRowX::new(x))
+    .flatten();
     let kernel = Kernel {
         shape: *shape,
         x,
         x_block_sums: &x_block_sums,
+        one_row: one_row.as_ref(),
         w,
         bias,
         out: OutPtr(out.as_mut_ptr()),
@@ -250,6 +276,9 @@ struct Kernel<'a> {
     /// the sum of each block of x's one row (AVX2 Q4_1 with one row; else empty)
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     x_block_sums: &'a [f32],
+    /// x's one row arranged for the int16 Q4_1 kernel (`cpu_q4_1_one_row`), when it runs
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    one_row: Option<&'a OneRowX>,
     w: QuantWeight<'a>,
     bias: &'a [f32],
     out: OutPtr,
@@ -300,6 +329,19 @@ impl Kernel<'_> {
     unsafe fn run_features(&self, first: usize, last: usize) {
         // AVX2 runs the whole range in one call: its per-weight-row work (a call, the dispatch
         // on m, the constants) made a one-row step ~8 % slower on SmolLM2's 18-block rows
+        #[cfg(target_arch = "x86_64")]
+        if let (Some(x), QuantWeight::Q4_1 { scale, min, qs }) = (self.one_row, self.w) {
+            let mut dots = vec![0f32; last - first];
+            // SAFETY: `one_row` is set only where `cpu_q4_1_one_row::available()`; the caller owns
+            // columns first..last.
+            unsafe {
+                crate::cpu_q4_1_one_row::dots(x, scale, min, qs, (first, last), &mut dots);
+                for (j, &dot) in (first..last).zip(&dots) {
+                    self.store(j, &[dot]);
+                }
+            }
+            return;
+        }
         #[cfg(target_arch = "x86_64")]
         if self.isa == Isa::Avx2 {
             // SAFETY: `isa` was detected on this CPU; the caller owns columns first..last.
@@ -1080,7 +1122,7 @@ pub(crate) mod tests {
         fmt: Fmt,
         bias: bool,
         threads: usize,
-        isa: Isa,
+        (isa, int16): (Isa, bool),
     ) {
         let mut rng = Lcg(seed);
         let x = rng.vec(m * k);
@@ -1096,6 +1138,7 @@ pub(crate) mod tests {
             &mut out,
             threads,
             isa,
+            int16,
         )
         .unwrap();
         let dense = dense(&b, fmt, n, k);
@@ -1111,7 +1154,7 @@ pub(crate) mod tests {
                     .sum();
                 assert!(
                     (got - want).abs() <= 1e-5 * (1.0 + scale),
-                    "m={m} n={n} k={k} {fmt:?} threads={threads} isa={isa:?}: out[{r},{j}] = \
+                    "m={m} n={n} k={k} {fmt:?} threads={threads} {isa:?} int16={int16}: out[{r},{j}] = \
                      {got}, reference {want}"
                 );
             }
@@ -1120,18 +1163,22 @@ pub(crate) mod tests {
 
     #[test]
     fn matches_the_dequantized_reference_across_shapes_threads_and_paths() {
+        // (one row of Q4_1 takes the int16 kernel where the CPU has it and `int16`)
+        let int16 = crate::cpu_q4_1_one_row::available();
         let mut seed = 1;
         for &(n, k) in &[(1, 32), (7, 64), (33, 96), (257, 576), (40, 1536)] {
             for m in 1..=MAX_ROWS {
                 for fmt in FORMATS {
-                    for &(threads, isa) in &[
-                        (1, Isa::Avx512),
-                        (3, Isa::Avx512),
-                        (1, Isa::Avx2),
-                        (3, Isa::Avx2),
-                        (1, Isa::Portable),
+                    for &(threads, isa, int16) in &[
+                        (1, Isa::Avx512, false),
+                        (3, Isa::Avx512, false),
+                        (1, Isa::Avx512, int16),
+                        (3, Isa::Avx512, int16),
+                        (1, Isa::Avx2, false),
+                        (3, Isa::Avx2, false),
+                        (1, Isa::Portable, false),
                     ] {
-                        case(seed, m, n, k, fmt, seed % 2 == 0, threads, isa);
+                        case(seed, m, n, k, fmt, seed % 2 == 0, threads, (isa, int16));
                         seed += 1;
                     }
                 }
@@ -1156,6 +1203,7 @@ pub(crate) mod tests {
                         shape: QuantShape { m, n, k },
                         x: &x,
                         x_block_sums: &[],
+                        one_row: None,
                         w: b.of(fmt),
                         bias: &bias,
                         out: OutPtr(out.as_mut_ptr()),
@@ -1192,7 +1240,7 @@ pub(crate) mod tests {
                 for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable] {
                     let mut out = vec![f32::NAN; MAX_ROWS * n];
                     let shape = QuantShape { m: MAX_ROWS, n, k };
-                    run(&shape, &x, w, &[], &mut out, 1, isa).unwrap();
+                    run(&shape, &x, w, &[], &mut out, 1, isa, false).unwrap();
                     for r in 0..MAX_ROWS {
                         for j in 0..n {
                             // (as values: a -0.0 weight sums to +0.0)
@@ -1223,7 +1271,7 @@ pub(crate) mod tests {
                 for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable] {
                     let mut out = vec![f32::NAN; n];
                     let shape = QuantShape { m: 1, n, k };
-                    run(&shape, &x, b.of(fmt), &[], &mut out, 1, isa).unwrap();
+                    run(&shape, &x, b.of(fmt), &[], &mut out, 1, isa, false).unwrap();
                     for j in 0..n {
                         assert_eq!(
                             out[j],
@@ -1253,12 +1301,28 @@ pub(crate) mod tests {
                 }
             }
             let dense = dequantized(&b, true, n, k);
-            for isa in [Isa::Avx2, Isa::Avx512, Isa::Portable] {
+            let int16 = crate::cpu_q4_1_one_row::available();
+            for (isa, int16) in [
+                (Isa::Avx2, false),
+                (Isa::Avx512, false),
+                (Isa::Avx512, int16),
+                (Isa::Portable, false),
+            ] {
                 for threads in [1, 3] {
                     let x = rng.vec(k);
                     let mut out = vec![f32::NAN; n];
                     let shape = QuantShape { m: 1, n, k };
-                    run(&shape, &x, b.weight(true), &[], &mut out, threads, isa).unwrap();
+                    run(
+                        &shape,
+                        &x,
+                        b.weight(true),
+                        &[],
+                        &mut out,
+                        threads,
+                        isa,
+                        int16,
+                    )
+                    .unwrap();
                     for j in 0..n {
                         let row = &dense[j * k..(j + 1) * k];
                         let want: f64 = x
@@ -1274,7 +1338,8 @@ pub(crate) mod tests {
                         let got = f64::from(out[j]);
                         assert!(
                             (got - want).abs() <= size / f64::from(1u32 << 20),
-                            "k={k} {isa:?} threads={threads}: out[{j}] = {got}, reference {want} (size {size})"
+                            "k={k} {isa:?} int16={int16} threads={threads}: out[{j}] = {got}, reference {want} \
+                             (size {size})"
                         );
                     }
                 }
@@ -1299,6 +1364,7 @@ pub(crate) mod tests {
             &mut out,
             2,
             Isa::Avx512,
+            true,
         )
         .unwrap();
         let rows = MAX_ROWS + 1;
@@ -1352,7 +1418,17 @@ pub(crate) mod tests {
                 "scale has 8",
             ),
         ] {
-            let e = run(&shape, xs, w, bias, &mut out[..out_len], 1, Isa::Avx512).unwrap_err();
+            let e = run(
+                &shape,
+                xs,
+                w,
+                bias,
+                &mut out[..out_len],
+                1,
+                Isa::Avx512,
+                true,
+            )
+            .unwrap_err();
             assert!(e.0.contains(why), "{why}: {}", e.0);
         }
         let short = QuantWeight::Q8_0 {
@@ -1367,6 +1443,7 @@ pub(crate) mod tests {
             &mut out[..4],
             1,
             Isa::Avx512,
+            true,
         )
         .unwrap_err();
         assert!(e.0.contains("qs has 10"), "{}", e.0);
@@ -1383,6 +1460,7 @@ pub(crate) mod tests {
             &mut out[..4],
             1,
             Isa::Avx512,
+            true,
         )
         .unwrap_err();
         assert!(e.0.contains("scale has 8") && e.0.contains("16"), "{}", e.0);

@@ -54,6 +54,7 @@ pub mod cpu_lora;
 pub mod cpu_penalties;
 pub mod cpu_pool;
 pub mod cpu_prefill_attention;
+mod cpu_q4_1_one_row;
 pub mod cpu_quant_linear;
 pub mod cpu_quant_panels;
 pub mod cpu_sampling;

@@ -638,6 +638,10 @@ fn scheduler_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m
     )?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_amx_available, m)?)?;
+    m.add_function(wrap_pyfunction!(
+        crate::py_linear::py_one_row_int16_available,
+        m
+    )?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_amx_min_rows, m)?)?;
     m.add_function(wrap_pyfunction!(
         crate::py_linear::py_linear_tile_rows_f32,

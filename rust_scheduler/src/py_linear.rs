@@ -542,6 +542,15 @@ pub fn py_linear_isa() -> &'static str {
     crate::cpu_isa::Isa::detect(crate::cpu_isa::Isa::Avx512).name()
 }
 
+/// `one_row_int16_available()`: whether one row of x against GGUF Q4_1 blocks takes the int16
+/// dot-product kernel here (AVX-512 VNNI, at most what `FERROBATCH_CPU_ISA` allows;
+/// `cpu_q4_1_one_row`).
+#[pyfunction]
+#[pyo3(name = "one_row_int16_available")]
+pub fn py_one_row_int16_available() -> bool {
+    crate::cpu_q4_1_one_row::available()
+}
+
 /// `quant_panels_min_rows()`: the fewest rows of a step that read a GGUF layer's quantized
 /// panels rather than its blocks on this CPU (without AMX): 4 on AVX2, 6 elsewhere
 /// (`cpu_quant_panels::min_rows`).

@@ -117,7 +117,7 @@ class ModelRunner:
                 self.attn_backend.num_threads = self.kernel_threads
             if hasattr(self.attn_backend, "amx"):   # AMX for long prompt chunks' attention too
                 self.attn_backend.amx = amx_tiles
-            from ferrobatch._scheduler import linear_isa
+            from ferrobatch._scheduler import linear_isa, one_row_int16_available
             kernels = {id(m.blocks): m.blocks for m in self.model.modules()
                        if getattr(m, "blocks", None) is not None}
             # the layers that keep their blocks (the others keep their tiles or panels alone)
@@ -131,6 +131,8 @@ class ModelRunner:
                               f"{min(k.shape[1] for k in tiled if k.amx_min_rows == m)}+ inputs"
                               for m in amx_from[:-1])
             blocks_steps = f"steps of <= {blocks_up_to} rows" + (f" ({wider})" if wider else "")
+            if one_row_int16_available() and any(k.kind == "q4_1" for k in kept):
+                blocks_steps += ", one row of Q4_1 through int16 dot products"
             amx = any(k.tiles is not None for k in kernels.values())
             larger = " as AMX tiles" if amx else " as quantized panels" if qpanels else ""
             alone = sum(k.panels_alone for k in kernels.values())
