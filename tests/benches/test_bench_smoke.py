@@ -223,6 +223,25 @@ def test_build_ab_smoke(tmp_path: Path) -> None:
         assert r["base_ms"] > 0 and r["this_ms"] > 0 and r["out_max_abs_diff"] == 0.0, r
 
 
+def test_one_row_linear_smoke(tmp_path: Path) -> None:
+    # a copy of this build as the base: both settings time both arms, the outputs agree bit
+    # for bit, and the per-weight figures follow from the times
+    import shutil
+
+    from ferrobatch import _scheduler
+
+    base = tmp_path / "base" / Path(_scheduler.__file__).name
+    base.parent.mkdir()
+    shutil.copy(_scheduler.__file__, base)
+    data, _ = _bench("one_row_linear.py", "--base-so", str(base), "--threads", "1",
+                     "--rounds", "1", json_out=tmp_path / "one_row.json")
+    assert [r["setting"] for r in data["results"]] == ["in L2", "from DRAM"]
+    for r in data["results"]:
+        assert r["base_ms"] > 0 and r["this_ms"] > 0 and r["out_max_rel_diff"] == 0.0, r
+        ratio = r["base_ps_per_weight_thread"] / r["this_ps_per_weight_thread"]
+        assert ratio == pytest.approx(r["speedup"]), r
+
+
 def test_step_phases_smoke(tmp_path: Path) -> None:
     # the smoke workload on the CPU: every step was scheduled, run eagerly, sampled and updated
     # once (greedy rows and nothing else: their tokens read back in one pass, no sampler), the

@@ -405,3 +405,23 @@ $PY benches/single_stream.py --lengths 32,256,1024 --repeat 3
 # $PY benches/throughput.py --workload cpu-small \
 #   --systems ferrobatch,ferrobatch-static,hf-static@16,hf-continuous,hf-static@8 \
 #   --threads 1 --json $OUT/throughput_cpu-small_loaded.json
+
+# Session 49 (Xeon with AMX): one row of Q4_1 in int16 dot products (cpu_q4_1_one_row.rs).
+# BASE_SO = d4d3d9d's ferrobatch/_scheduler.abi3.so (built as build_ab.py's docstring says);
+# COPY_SO = a copy of this build's, the A/A control run right after each comparison.
+if [ -n "${BASE_SO:-}" ]; then
+  COPY_SO=/tmp/_scheduler_copy.abi3.so
+  cp python/ferrobatch/_scheduler.abi3.so "$COPY_SO"
+  $PY benches/one_row_linear.py --base-so "$BASE_SO" --rounds 25 \
+    --json $OUT/one_row_linear_session49.json
+  $PY benches/one_row_linear.py --base-so "$COPY_SO" --rounds 25 \
+    --json $OUT/one_row_linear_control_session49.json
+  $PY benches/build_ab.py --base-so "$BASE_SO" --mode step --rows 1,2,3 --rounds 300 \
+    --json $OUT/build_ab_step_session49.json
+  $PY benches/build_ab.py --base-so "$COPY_SO" --mode step --rows 1,2,3 --rounds 300 \
+    --json $OUT/build_ab_step_control_session49.json
+  $PY benches/build_ab.py --base-so "$BASE_SO" --mode stream --chat --rounds 12 \
+    --json $OUT/build_ab_stream_chat_greedy_session49.json
+  $PY benches/build_ab.py --base-so "$COPY_SO" --mode stream --chat --rounds 12 \
+    --json $OUT/build_ab_stream_chat_greedy_control_session49.json
+fi

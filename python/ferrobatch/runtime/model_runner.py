@@ -132,7 +132,7 @@ class ModelRunner:
                               for m in amx_from[:-1])
             blocks_steps = f"steps of <= {blocks_up_to} rows" + (f" ({wider})" if wider else "")
             if one_row_int16_available() and any(k.kind == "q4_1" for k in kept):
-                blocks_steps += ", one row of Q4_1 through int16 dot products"
+                blocks_steps += " (one row of Q4_1 through int16 dot products)"
             amx = any(k.tiles is not None for k in kernels.values())
             larger = " as AMX tiles" if amx else " as quantized panels" if qpanels else ""
             alone = sum(k.panels_alone for k in kernels.values())
