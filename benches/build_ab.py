@@ -4,7 +4,7 @@ build ("base", e.g. the commit before a kernel change) against this checkout's, 
     python benches/build_ab.py --base-so /tmp/base/ferrobatch/_scheduler.abi3.so \
         [--mode step --rows 1,2,3 --context 256] [--mode stream --tokens 128 --chat \
         --temperature 0.7] [--mode attention --rows 1,16 --contexts 256,1024 \
-        --kv-dtypes float32,int8] [--json PATH]
+        --kv-dtypes float32,int8] [--control] [--json PATH]
 
 Why: the development VMs' speed drifts by 10-50 % within minutes (other tenants), so two
 processes run one after the other compare the machine's moods, not the builds. Here both builds
@@ -23,6 +23,13 @@ dev VMs). Build the base with e.g. `git worktree add /tmp/base <commit> && cd
 /tmp/base && maturin build --release -o /tmp/whl`, then unzip `ferrobatch/_scheduler*` from the
 wheel. A 2 ms pause before each timed step lets the pool of the build that ran last go to sleep
 (two pools spinning would slow whichever runs next).
+
+Still, the arms are not alike: the base build's layers run on its own thread pool, everything
+else (the LM head, the sampler) on this build's, so only the base arm switches pools inside a
+step. Two copies of one build (an A/A control) came out 1.008-1.018x in step mode and
+1.049-1.072x in stream mode on the Xeon dev VM (session 49), in this build's favour.
+`--control` runs the same comparison a second time against a copy of this build and gives
+each result `control_speedup` and `net_speedup` (speedup / control_speedup): quote that one.
 """
 
 from __future__ import annotations
@@ -291,6 +298,32 @@ def attention_mode(args, base_module) -> list[dict]:
     return results
 
 
+def with_control(args, mode, results: list[dict]) -> list[dict]:
+    """``results`` with the same comparison's ``speedup`` against a copy of this build beside
+    each (``control_speedup``) and their ratio (``net_speedup``)."""
+    import shutil
+    import tempfile
+
+    from ferrobatch import _scheduler
+
+    print("the control: the same runs against a copy of this build", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / Path(_scheduler.__file__).name
+        shutil.copy(_scheduler.__file__, copy)
+        control = mode(args, load_extension(str(copy)))
+    for r, c in zip(results, control, strict=True):
+        r["control_speedup"] = c["speedup"]
+        r["net_speedup"] = r["speedup"] / c["speedup"]
+        print(f"{_label(r)}: {r['speedup']:.3f}x, control {c['speedup']:.3f}x, net "
+              f"{r['net_speedup']:.3f}x", flush=True)
+    return results
+
+
+def _label(r: dict) -> str:
+    return ", ".join(f"{k}={r[k]}" for k in ("mode", "rows", "context", "kv_dtype", "prompt")
+                     if k in r)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -312,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--drafts", type=int, default=None,
                     help="stream mode: num_speculative_tokens (default: the engine's)")
+    ap.add_argument("--control", action="store_true",
+                    help="then the same runs against a copy of this build (an A/A control); "
+                         "each result gains control_speedup and net_speedup")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not Path(args.base_so).is_file():
@@ -319,16 +355,20 @@ def main(argv: list[str] | None = None) -> int:
     base_module = load_extension(args.base_so)
     mode = {"step": step_mode, "stream": stream_mode, "attention": attention_mode}[args.mode]
     results = mode(args, base_module)
+    if args.control:
+        results = with_control(args, mode, results)
     print()
+    control = [("control_speedup", "A/A x", ".3f"), ("net_speedup", "net x", ".3f")] \
+        if args.control else []
     if args.mode == "attention":
         print(format_table(results, [("rows", "rows", "d"), ("context", "context", "d"),
                                      ("kv_dtype", "kv", "s"), ("base_ms", "base ms", ".2f"),
                                      ("this_ms", "this ms", ".2f"), ("speedup", "x", ".3f"),
-                                     ("out_max_abs_diff", "out diff", ".1e")]))
+                                     *control, ("out_max_abs_diff", "out diff", ".1e")]))
     if args.mode == "step":
         print(format_table(results, [("rows", "rows", "d"), ("base_ms", "base ms", ".2f"),
                                      ("this_ms", "this ms", ".2f"), ("speedup", "x", ".3f"),
-                                     ("logits_max_rel_diff", "logits diff", ".1e")]))
+                                     *control, ("logits_max_rel_diff", "logits diff", ".1e")]))
     if args.json:
         write_json(args.json, {"machine": machine_info(), "base_so": args.base_so,
                                "args": vars(args), "results": results})

@@ -208,6 +208,14 @@ def test_build_ab_smoke(tmp_path: Path) -> None:
     for r in data["results"]:
         assert r["base_ms"] > 0 and r["this_ms"] > 0, r
         assert r["logits_max_rel_diff"] == 0.0 and r["same_argmax"], r
+    # --control: the same runs against a second copy of this build, and the ratio of the two
+    data, _ = _bench(
+        "build_ab.py", "--base-so", str(base), "--mode", "step", "--control",
+        "--rows", "1", "--context", "40", "--rounds", "2", "--num-blocks", "64",
+        json_out=tmp_path / "ab_control.json")
+    [r] = data["results"]
+    assert r["control_speedup"] > 0 and r["logits_max_rel_diff"] == 0.0, r
+    assert r["net_speedup"] == pytest.approx(r["speedup"] / r["control_speedup"]), r
     # over an int8 cache; and the attention kernel alone over each cache dtype
     data, _ = _bench(
         "build_ab.py", "--base-so", str(base), "--mode", "step", "--kv-cache-dtype", "int8",
