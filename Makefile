@@ -44,7 +44,7 @@ build: $(EXT)
 
 install: build
 
-# Tests of instructions a CPU may lack (AVX-512, AMX) are #[ignore]d, so that a CPU without them
+# Tests of instructions a CPU may lack (AVX-512, AMX, AVX-512 VNNI) are #[ignore]d, so that a CPU without them
 # reports them as ignored rather than passed; they run here where /proc/cpuinfo lists them.
 test-rust:
 	cargo test --release -p rust_scheduler
@@ -52,6 +52,8 @@ test-rust:
 	  cargo test --release -p rust_scheduler --lib -- --ignored avx512_; fi
 	if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then \
 	  cargo test --release -p rust_scheduler --lib -- --ignored amx_; fi
+	if grep -qw avx512_vnni /proc/cpuinfo 2>/dev/null; then \
+	  cargo test --release -p rust_scheduler --lib -- --ignored vnni_; fi
 
 # loom model-checks the wake-up protocols of the intake queue and the CPU kernels' thread pool
 # (bounded preemptions keep it fast).

@@ -84,13 +84,7 @@ impl OneRowX {
             return None;
         }
         debug_assert_eq!(x.len() % BLOCK, 0);
-        let nb = x.len() / BLOCK;
-        let pairs = nb.div_ceil(2);
-        let mut out = OneRowX {
-            pieces: vec![0; pairs * VECTORS_PER_PAIR * LANES],
-            unscale: vec![1.0; pairs * 16],
-            sums: Vec::with_capacity(nb),
-        };
+        let mut out = OneRowX::zeroed(x.len() / BLOCK);
         for (b, block) in x.chunks_exact(BLOCK).enumerate() {
             let e = block_exponent(block.iter().fold(0f32, |m, v| m.max(v.abs())));
             let (up, down) = (pow2(e), pow2(-e));
@@ -101,8 +95,7 @@ impl OneRowX {
                 pair[2 * half * LANES + lane] = hi;
                 pair[(2 * half + 1) * LANES + lane] = lo;
             }
-            out.unscale[b / 2 * 16 + (b % 2) * 8..][..8].fill(down);
-            out.sums.push(block.iter().sum::<f32>());
+            out.finish_block(b, down, block.iter().sum::<f32>());
         }
         Some(out)
     }
@@ -110,6 +103,24 @@ impl OneRowX {
     /// Blocks of 32 in the row.
     pub(crate) fn blocks(&self) -> usize {
         self.sums.len()
+    }
+
+    /// Room for `nb` blocks: zero pieces, `2^-e = 1` (an odd last block's missing partner
+    /// keeps these), no sums yet.
+    fn zeroed(nb: usize) -> OneRowX {
+        let pairs = nb.div_ceil(2);
+        OneRowX {
+            pieces: vec![0; pairs * VECTORS_PER_PAIR * LANES],
+            unscale: vec![1.0; pairs * 16],
+            sums: Vec::with_capacity(nb),
+        }
+    }
+
+    /// Block `b`'s `2^-e` into its eight lanes of its pair, and its sum (blocks in order).
+    fn finish_block(&mut self, b: usize, unscale: f32, sum: f32) {
+        debug_assert_eq!(self.sums.len(), b);
+        self.unscale[b / 2 * 16 + (b % 2) * 8..][..8].fill(unscale);
+        self.sums.push(sum);
     }
 }
 
@@ -177,12 +188,7 @@ mod vnni {
         const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
         assert_eq!(x.len() % BLOCK, 0);
         let nb = x.len() / BLOCK;
-        let pairs = nb.div_ceil(2);
-        let mut out = OneRowX {
-            pieces: vec![0; pairs * VECTORS_PER_PAIR * LANES],
-            unscale: vec![1.0; pairs * 16],
-            sums: Vec::with_capacity(nb),
-        };
+        let mut out = OneRowX::zeroed(nb);
         for b in 0..nb {
             let v = [0, 16].map(|h| _mm512_loadu_ps(x.as_ptr().add(b * BLOCK + h)));
             // v - v is 0 for a finite v and NaN for an infinity or a NaN
@@ -213,9 +219,7 @@ mod vnni {
                     _mm256_storeu_si256(at.cast(), _mm512_cvtepi32_epi16(ints));
                 }
             }
-            out.unscale[b / 2 * 16 + (b % 2) * 8..][..8].fill(pow2(-e));
-            out.sums
-                .push(_mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1])));
+            out.finish_block(b, pow2(-e), _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1])));
         }
         Some(out)
     }
@@ -427,10 +431,9 @@ mod tests {
     }
 
     #[test]
-    fn the_vector_arrangement_is_the_portable_one() {
-        if !available() {
-            return; // nothing else runs here
-        }
+    #[ignore = "needs AVX-512 VNNI: `make test` runs it where the CPU has it"]
+    fn vnni_arrangement_is_the_portable_one() {
+        assert!(available(), "no AVX-512 VNNI here");
         let mut rng = Lcg(5);
         for nb in [1, 2, 3, 18, 49] {
             // blocks of very different sizes, zeros, and values on rounding ties
@@ -476,11 +479,10 @@ mod tests {
     }
 
     #[test]
+    #[ignore = "needs AVX-512 VNNI: `make test` runs it where the CPU has it"]
     #[cfg(target_arch = "x86_64")]
-    fn dots_match_the_loaders_weights_and_do_not_depend_on_the_grouping() {
-        if !available() {
-            return;
-        }
+    fn vnni_dots_match_the_loaders_weights_and_do_not_depend_on_the_grouping() {
+        assert!(available(), "no AVX-512 VNNI here");
         let mut rng = Lcg(9);
         // odd and even block counts; row counts that leave 1..3 rows after the groups of 4
         for &(n, k) in &[(1, 32), (6, 96), (13, 576), (40, 1536), (11, 1568)] {
@@ -506,15 +508,14 @@ mod tests {
     }
 
     #[test]
+    #[ignore = "needs AVX-512 VNNI: `make test` runs it where the CPU has it"]
     #[cfg(target_arch = "x86_64")]
-    fn the_low_pieces_count_at_their_weight() {
+    fn vnni_low_pieces_count_at_their_weight() {
         // Positive x with 24 significant bits and positive weights: nothing cancels, so the
         // dot must be float32-accurate relative to itself (2^-22), which it is only if the low
         // pieces (2^-15 of the high ones' unit) are added at exactly their weight: 1 % off
         // there moves a dot by ~2^-20.
-        if !available() {
-            return;
-        }
+        assert!(available(), "no AVX-512 VNNI here");
         let mut rng = Lcg(12);
         let (n, k) = (16, 576);
         let mut b = random_blocks(&mut rng, n, k);
@@ -544,12 +545,11 @@ mod tests {
     }
 
     #[test]
+    #[ignore = "needs AVX-512 VNNI: `make test` runs it where the CPU has it"]
     #[cfg(target_arch = "x86_64")]
-    fn one_hot_rows_read_the_loaders_weights_bit_for_bit() {
+    fn vnni_one_hot_rows_read_the_loaders_weights_bit_for_bit() {
         // x = e_i: each dot is round(scale q) + min, rounded once more: the loader's weight
-        if !available() {
-            return;
-        }
+        assert!(available(), "no AVX-512 VNNI here");
         let (n, k) = (12, 96);
         let b = random_blocks(&mut Lcg(4), n, k);
         let dense = dequantized(&b, true, n, k);
