@@ -519,7 +519,8 @@ def test_short_queries_go_through_the_kernel_causally(seed, prefill_kernel):
 
 def test_cpu_isa_env_caps_the_linear_kernels_instruction_set():
     """FERROBATCH_CPU_ISA (read once per process) caps what the linear kernels use: `portable`
-    always wins, `avx2` never reports AVX-512, and unset keeps the widest the CPU has."""
+    always wins, `avx2` never reports AVX-512 (nor the AVX-512 VNNI one-row kernel), and unset
+    keeps the widest the CPU has."""
     import os
     import subprocess
     import sys
@@ -530,10 +531,20 @@ def test_cpu_isa_env_caps_the_linear_kernels_instruction_set():
         env = {k: v for k, v in os.environ.items() if k != "FERROBATCH_CPU_ISA"}
         if value is not None:
             env["FERROBATCH_CPU_ISA"] = value
-        out = subprocess.run([sys.executable, "-c", "from ferrobatch._scheduler import linear_isa;"
-                              " print(linear_isa())"], env=env, capture_output=True, text=True,
-                             check=True, timeout=120)
-        return out.stdout.strip()
+        out = subprocess.run([sys.executable, "-c", "from ferrobatch._scheduler import"
+                              " linear_isa, one_row_int16_available as v;"
+                              " print(linear_isa(), v())"], env=env, capture_output=True,
+                             text=True, check=True, timeout=120)
+        isa, vnni = out.stdout.split()
+        assert vnni == "False" or isa == "avx512", (value, isa, vnni)
+        if isa == "avx512" and {"avx512_vnni", "avx512bw", "avx512vl"} <= cpu_flags:
+            assert vnni == "True", (value, isa)
+        return isa
+
+    cpu_flags: set[str] = set()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu_flags = {w for line in f if line.startswith("flags") for w in line.split()}
 
     widest = isa_with(None)
     assert widest in ("avx512", "avx2", "portable")
