@@ -22,7 +22,8 @@
 //! (`avx2::q4_1_one_row`: SmolLM2's 120 layer linears 1.2x faster at one row on a Zen 3).
 //! Where the CPU has AVX-512 VNNI, one row against Q4_1 takes `cpu_q4_1_one_row`
 //! instead: the same form in int16 dot products (x split once per call into two int16 pieces
-//! per block), ~1.5x this file's AVX-512 kernel with the weights in cache.
+//! per block), 1.35x this file's AVX-512 kernel with the weights in L2 (one thread of a Xeon
+//! with AMX, `benches/one_row_linear.py`).
 //!
 //! Invariants checked by [`QuantShape::validate`] before any read: `K % 32 == 0`,
 //! `x.len() == M * K`, `out.len() == M * N`, every weight array sized for `[N, NB]`, `bias`
@@ -327,8 +328,7 @@ impl Kernel<'_> {
     /// # Safety
     /// No other thread may access those columns of `out` meanwhile.
     unsafe fn run_features(&self, first: usize, last: usize) {
-        // AVX2 runs the whole range in one call: its per-weight-row work (a call, the dispatch
-        // on m, the constants) made a one-row step ~8 % slower on SmolLM2's 18-block rows
+        // one row against Q4_1 where the CPU has AVX-512 VNNI: the int16 kernel, whole range
         #[cfg(target_arch = "x86_64")]
         if let (Some(x), QuantWeight::Q4_1 { scale, min, qs }) = (self.one_row, self.w) {
             let mut dots = vec![0f32; last - first];
@@ -342,6 +342,8 @@ impl Kernel<'_> {
             }
             return;
         }
+        // AVX2 runs the whole range in one call: its per-weight-row work (a call, the dispatch
+        // on m, the constants) made a one-row step ~8 % slower on SmolLM2's 18-block rows
         #[cfg(target_arch = "x86_64")]
         if self.isa == Isa::Avx2 {
             // SAFETY: `isa` was detected on this CPU; the caller owns columns first..last.
