@@ -2,7 +2,10 @@
 step of one sequence calls it), two builds of the Rust extension side by side in one process.
 
     python benches/one_row_linear.py --base-so /tmp/base/ferrobatch/_scheduler.abi3.so \
-        [--threads 1,2] [--rounds 15] [--json PATH]
+        [--threads 1,2] [--rows 1] [--rounds 15] [--json PATH]
+
+`--rows 1,2,3` times steps of that many sequences too (x of that many rows; the picoseconds
+are per weight per call, all rows together).
 
 Two settings, each timed for both builds, alternating call by call:
 - **in L2**: the first layer's qkv and o projections (0.7 MB of blocks) called 60 times over:
@@ -49,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-so", required=True, help="the other build's _scheduler*.so")
     ap.add_argument("--threads", type=int_list, default="1,2")
+    ap.add_argument("--rows", type=int_list, default="1",
+                    help="rows of x per call (a decode step of that many sequences)")
     ap.add_argument("--rounds", type=positive_int, default=15)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -59,48 +64,55 @@ def main(argv: list[str] | None = None) -> int:
     builds = {"base": load_extension(args.base_so), "this": this}
     layers = _layer_blocks()
     rng = np.random.default_rng(0)
-    xs = {k: rng.standard_normal((1, k)).astype(np.float32) for k, _, _ in layers}
-    outs = [np.empty((1, n), np.float32) for _, n, _ in layers]
+    xs_of = {m: {k: rng.standard_normal((m, k)).astype(np.float32) for k, _, _ in layers}
+             for m in args.rows}
+    outs_of = {m: [np.empty((m, n), np.float32) for _, n, _ in layers] for m in args.rows}
     copies = [[tuple(a.copy() for a in arrays) for _, _, arrays in layers] for _ in range(3)]
+
     def weights_of(calls) -> int:
         return sum(k * n for (k, n, _), _, _ in calls)
 
-    settings = {
-        "in L2": lambda i: list(zip(layers[:2] * 60, copies[0][:2] * 60, outs[:2] * 60)),
-        "from DRAM": lambda i: list(zip(layers, copies[i % 3], outs)),
-    }
+    def calls_of(setting: str, m: int, i: int) -> list:
+        """Round i's calls: (layer, its weights, its output) for steps of m rows."""
+        outs = outs_of[m]
+        if setting == "in L2":
+            return list(zip(layers[:2] * 60, copies[0][:2] * 60, outs[:2] * 60))
+        return list(zip(layers, copies[i % 3], outs))
+
     rows = []
-    for threads in args.threads:
-        for setting, calls_of in settings.items():
-            times = {name: [] for name in builds}
-            weights = weights_of(calls_of(0))
-            for i in range(args.rounds + 1):
-                calls = calls_of(i)
-                for name, module in builds.items():
-                    start = time.perf_counter()
-                    for (k, _, _), arrays, out in calls:
-                        module.linear_q4_1_f32(xs[k], *arrays, None, out, threads)
-                    if i:   # the first round warms both up
-                        times[name].append(time.perf_counter() - start)
-            ms = {name: float(np.median(t)) * 1e3 for name, t in times.items()}
-            # the builds' outputs of the last call (float32 rounding apart where they differ)
-            (k, _, _), arrays, _ = calls[-1]
-            last = {name: np.empty((1, arrays[0].shape[0]), np.float32) for name in builds}
+    for threads, m, setting in [(t, m, s) for t in args.threads for m in args.rows
+                                for s in ("in L2", "from DRAM")]:
+        xs = xs_of[m]
+        times = {name: [] for name in builds}
+        weights = weights_of(calls_of(setting, m, 0))
+        for i in range(args.rounds + 1):
+            calls = calls_of(setting, m, i)
             for name, module in builds.items():
-                module.linear_q4_1_f32(xs[k], *arrays, None, last[name], threads)
-            diff = float(np.max(np.abs(last["this"] - last["base"]))
-                         / max(float(np.max(np.abs(last["base"]))), 1e-30))
-            row = {"threads": threads, "setting": setting, "base_ms": ms["base"],
-                   "this_ms": ms["this"], "speedup": ms["base"] / ms["this"],
-                   "out_max_rel_diff": diff,
-                   "base_ps_per_weight_thread": ms["base"] * 1e9 / weights * threads,
-                   "this_ps_per_weight_thread": ms["this"] * 1e9 / weights * threads}
-            rows.append(row)
-            print(f"threads={threads} {setting}: base {ms['base']:.2f} ms, this "
-                  f"{ms['this']:.2f} ms ({row['speedup']:.2f}x)", flush=True)
+                start = time.perf_counter()
+                for (k, _, _), arrays, out in calls:
+                    module.linear_q4_1_f32(xs[k], *arrays, None, out, threads)
+                if i:   # the first round warms both up
+                    times[name].append(time.perf_counter() - start)
+        ms = {name: float(np.median(t)) * 1e3 for name, t in times.items()}
+        # the builds' outputs of the last call (float32 rounding apart where they differ)
+        (k, _, _), arrays, _ = calls[-1]
+        last = {name: np.empty((m, arrays[0].shape[0]), np.float32) for name in builds}
+        for name, module in builds.items():
+            module.linear_q4_1_f32(xs[k], *arrays, None, last[name], threads)
+        diff = float(np.max(np.abs(last["this"] - last["base"]))
+                     / max(float(np.max(np.abs(last["base"]))), 1e-30))
+        row = {"threads": threads, "rows": m, "setting": setting, "base_ms": ms["base"],
+               "this_ms": ms["this"], "speedup": ms["base"] / ms["this"],
+               "out_max_rel_diff": diff,
+               "base_ps_per_weight_thread": ms["base"] * 1e9 / weights * threads,
+               "this_ps_per_weight_thread": ms["this"] * 1e9 / weights * threads}
+        rows.append(row)
+        print(f"threads={threads} rows={m} {setting}: base {ms['base']:.2f} ms, this "
+              f"{ms['this']:.2f} ms ({row['speedup']:.2f}x)", flush=True)
     print()
     print(format_table(rows, [
-        ("threads", "threads", "d"), ("setting", "setting", ""), ("base_ms", "base ms", ".2f"),
+        ("threads", "threads", "d"), ("rows", "rows", "d"), ("setting", "setting", ""),
+        ("base_ms", "base ms", ".2f"),
         ("this_ms", "this ms", ".2f"), ("speedup", "x", ".2f"),
         ("base_ps_per_weight_thread", "base ps/weight/thread", ".1f"),
         ("this_ps_per_weight_thread", "this ps/weight/thread", ".1f"),

@@ -242,8 +242,9 @@ def test_one_row_linear_smoke(tmp_path: Path) -> None:
     base.parent.mkdir()
     shutil.copy(_scheduler.__file__, base)
     data, _ = _bench("one_row_linear.py", "--base-so", str(base), "--threads", "1",
-                     "--rounds", "1", json_out=tmp_path / "one_row.json")
-    assert [r["setting"] for r in data["results"]] == ["in L2", "from DRAM"]
+                     "--rows", "1,2", "--rounds", "1", json_out=tmp_path / "one_row.json")
+    assert [(r["rows"], r["setting"]) for r in data["results"]] == [
+        (1, "in L2"), (1, "from DRAM"), (2, "in L2"), (2, "from DRAM")]
     for r in data["results"]:
         assert r["base_ms"] > 0 and r["this_ms"] > 0 and r["out_max_rel_diff"] == 0.0, r
         ratio = r["base_ps_per_weight_thread"] / r["this_ps_per_weight_thread"]
