@@ -346,18 +346,28 @@ def build_parser() -> argparse.ArgumentParser:
                     "seconds (WebSocket and TCP sessions are not logged)")
     _engine_args(s)
 
-    b = sub.add_parser("batch", help="answer a file of OpenAI batch requests (JSONL) offline",
-                       formatter_class=_HelpFormatter,
+    b = sub.add_parser("batch", aliases=["run-batch"], formatter_class=_HelpFormatter,
+                       help="answer a file of OpenAI batch requests (JSONL) offline "
+                       "(run-batch: vLLM's name, answers in the input's order)",
                        description="Each input line is {\"custom_id\", \"method\": \"POST\", "
                        "\"url\": \"/v1/chat/completions\" | \"/v1/completions\" | "
                        "\"/v1/responses\" | \"/v1/embeddings\" | \"/v1/score\" | "
                        "\"/v1/rerank\", \"body\"}; each output line answers one, in the "
-                       "order they finish (match them by custom_id).")
-    b.add_argument("-i", "--input", required=True, help="the requests, one JSON per line "
-                   "('-': stdin)")
-    b.add_argument("-o", "--output", required=True, help="where the answers go ('-': stdout)")
+                       "order they finish (match them by custom_id), or in the input's order "
+                       "with --in-order (`run-batch`, vLLM's command, always).")
+    b.add_argument("-i", "--input", "--input-file", dest="input", required=True,
+                   help="the requests, one JSON per line ('-': stdin)")
+    b.add_argument("-o", "--output", "--output-file", dest="output", required=True,
+                   help="where the answers go ('-': stdout)")
     b.add_argument("--concurrency", type=int, default=256,
                    help="requests in flight at once")
+    b.add_argument("--in-order", action="store_true",
+                   help="write the answers in the input's order (each waits for every earlier "
+                   "line's; `run-batch` always does, as vLLM's)")
+    b.add_argument("--resume", action="store_true",
+                   help="the output file holds an interrupted run's answers: keep those with "
+                   "status 200, drop the rest, and answer every line whose custom_id has none "
+                   "(the new answers are appended)")
     b.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name the requests use (default: the model's name)")
     _log_level_arg(b, "warning")
@@ -521,31 +531,47 @@ def _params(a: argparse.Namespace, model_defaults: dict[str, Any] | None = None
 
 
 async def _batch(a: argparse.Namespace) -> int:
-    from ferrobatch.batch import run_batch
+    from ferrobatch.batch import kept_answers, run_batch
     from ferrobatch.engine.async_engine import AsyncEngine
 
     if a.concurrency < 1:
         raise ValueError("--concurrency must be >= 1")
+    if a.resume and a.output == "-":
+        raise ValueError("--resume needs an output file (not '-')")
+    total = None
+    if a.input != "-":
+        with open(a.input, encoding="utf-8") as f:  # FileNotFoundError: a one-line error
+            total = sum(1 for line in f if line.strip())
+    answered = kept_answers(a.output) if a.resume else set()
     source = sys.stdin if a.input == "-" else open(a.input, encoding="utf-8")  # noqa: SIM115
-    with source:                                    # FileNotFoundError: a one-line error
-        lines = source.read().splitlines()
-    sink = sys.stdout if a.output == "-" else open(a.output, "w", encoding="utf-8")  # noqa: SIM115
+    sink = sys.stdout if a.output == "-" else \
+        open(a.output, "a" if a.resume else "w", encoding="utf-8")  # noqa: SIM115
 
     def write(out: dict[str, Any]) -> None:
         sink.write(json.dumps(out, ensure_ascii=False) + "\n")
         sink.flush()
 
+    summary = None
     try:
         async with AsyncEngine(_config(a)) as engine:
             _serve_lora_modules(engine, a, (a.served_model_name or engine.model_name,))
-            summary = await run_batch(engine, lines, write, concurrency=a.concurrency,
-                                      progress=sys.stderr.isatty(),
-                                      served_model_name=a.served_model_name)
+            summary = await run_batch(
+                engine, source, write, concurrency=a.concurrency,
+                progress="bar" if sys.stderr.isatty() else "lines",
+                served_model_name=a.served_model_name,
+                in_order=a.in_order or a.command == "run-batch", answered=answered,
+                total=total)
     finally:
+        if source is not sys.stdin:
+            source.close()
         if sink is not sys.stdout:
             sink.close()
+        if summary is None and sink is not sys.stdout:
+            print(f"ferrobatch: stopped before every line was answered; `--resume` keeps "
+                  f"what {a.output} holds and answers the rest", file=sys.stderr)
+    resumed = f", {summary.skipped} answered before (--resume)" if a.resume else ""
     print(f"ferrobatch: {summary.total} requests, {summary.succeeded} answered, "
-          f"{summary.failed} failed", file=sys.stderr)
+          f"{summary.failed} failed{resumed}", file=sys.stderr)
     return 0
 
 
@@ -603,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level)
     try:
         run = {"serve": _serve, "generate": _generate, "chat": _chat,
-               "batch": _batch}[args.command]
+               "batch": _batch, "run-batch": _batch}[args.command]
         return asyncio.run(run(args))
     except (ValueError, FileNotFoundError) as exc:
         print(f"ferrobatch: {exc}", file=sys.stderr)
