@@ -11,7 +11,11 @@
 //! - Q8_0 (576 bytes): the 16 scales, then 32 groups `i` of 16 int8, byte `c` = input `i` of
 //!   feature `c`;
 //! - Q8G16 (768 bytes): the 16 features' scales of inputs 0-15, of inputs 16-31, their mins
-//!   likewise (`f32 x 16` each), then 32 groups of 16 int8 as Q8_0's.
+//!   likewise (`f32 x 16` each), then 32 groups of 16 int8 as Q8_0's;
+//! - Q8S16 (640 bytes): Q8G16 blocks whose minimums are all +0 (Q6_K's form, and the LM head
+//!   of most Q4_K_M files): the two rows of scales, then the 32 groups, no minimums (each
+//!   weight still `scale * q + 0`, the loader's value bit for bit). A one-row step is bound by
+//!   reading the record, and this one is 10 bits a weight instead of 12.
 //!
 //! A panel's records follow each other (`K / 32` per panel), panels follow each other.
 //!
@@ -80,6 +84,9 @@ pub enum PanelFormat {
     Q8_0,
     /// `w = scale * q + min`, q an int8, a scale and a min per 16 inputs
     Q8G16,
+    /// `w = scale * q + 0`, q an int8, a scale per 16 inputs: Q8G16 blocks whose minimums are
+    /// all +0 (bit for bit)
+    Q8S16,
 }
 
 impl PanelFormat {
@@ -88,6 +95,9 @@ impl PanelFormat {
         match w {
             QuantWeight::Q4_1 { .. } => Some(PanelFormat::Q4_1),
             QuantWeight::Q8_0 { .. } => Some(PanelFormat::Q8_0),
+            QuantWeight::Q8G16 { min, .. } if min.iter().all(|m| m.to_bits() == 0) => {
+                Some(PanelFormat::Q8S16)
+            }
             QuantWeight::Q8G16 { .. } => Some(PanelFormat::Q8G16),
         }
     }
@@ -98,6 +108,7 @@ impl PanelFormat {
             PanelFormat::Q4_1 => 2 * 4 * PANEL_WIDTH + PANEL_WIDTH * BLOCK / 2,
             PanelFormat::Q8_0 => 4 * PANEL_WIDTH + PANEL_WIDTH * BLOCK,
             PanelFormat::Q8G16 => 4 * 4 * PANEL_WIDTH + PANEL_WIDTH * BLOCK,
+            PanelFormat::Q8S16 => 2 * 4 * PANEL_WIDTH + PANEL_WIDTH * BLOCK,
         }
     }
 }
@@ -180,20 +191,22 @@ pub fn pack_into(
         // SAFETY: panels first .. first + count, this thread's alone
         let part = unsafe { out.range(first * panel_len, count * panel_len) };
         let features = first * PANEL_WIDTH..((first + count) * PANEL_WIDTH).min(n);
-        pack_features(w, features, nb, record, first, part);
+        pack_features(w, format, features, nb, first, part);
     });
     Ok(())
 }
 
-/// [`pack_into`] of `features` (whole panels from panel `first`) into `part`, their records.
+/// [`pack_into`] of `features` (whole panels from panel `first`) into `part`, their records
+/// in `format` (`PanelFormat::of(w)`).
 fn pack_features(
     w: &QuantWeight<'_>,
+    format: PanelFormat,
     features: std::ops::Range<usize>,
     nb: usize,
-    record: usize,
     first: usize,
     part: &mut [u8],
 ) {
+    let record = format.record_bytes();
     for (j, feature_blocks) in features.map(|j| (j, j * nb..(j + 1) * nb)) {
         let (p, c) = (j / PANEL_WIDTH - first, j % PANEL_WIDTH);
         for (b, block) in feature_blocks.enumerate() {
@@ -216,12 +229,17 @@ fn pack_features(
                     }
                 }
                 QuantWeight::Q8G16 { scale, min, qs } => {
+                    // Q8S16: the scales, then the integers (its minimums are all +0)
+                    let with_mins = format == PanelFormat::Q8G16;
                     for half in 0..2 {
                         put_f32(4 * PANEL_WIDTH * half, scale[2 * block + half]);
-                        put_f32(4 * PANEL_WIDTH * (2 + half), min[2 * block + half]);
+                        if with_mins {
+                            put_f32(4 * PANEL_WIDTH * (2 + half), min[2 * block + half]);
+                        }
                     }
+                    let q_at = if with_mins { 16 } else { 8 } * PANEL_WIDTH;
                     for i in 0..BLOCK {
-                        rec[16 * PANEL_WIDTH + i * PANEL_WIDTH + c] = qs[block * BLOCK + i] as u8;
+                        rec[q_at + i * PANEL_WIDTH + c] = qs[block * BLOCK + i] as u8;
                     }
                 }
             }
@@ -554,6 +572,11 @@ unsafe fn unpack_record(isa: Isa, format: PanelFormat, rec: &[u8], out: &mut [f3
         (_, PanelFormat::Q4_1) => portable::q4_1(rec, out),
         (_, PanelFormat::Q8_0) => portable::q8_0(rec, out),
         (_, PanelFormat::Q8G16) => portable::q8_g16(rec, out),
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512 | Isa::Amx, PanelFormat::Q8S16) => unsafe { avx512::q8_s16(rec, out) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, PanelFormat::Q8S16) => unsafe { avx2::q8_s16(rec, out) },
+        (_, PanelFormat::Q8S16) => portable::q8_s16(rec, out),
     }
 }
 
@@ -563,6 +586,8 @@ const Q4_1_RECORD: usize = 384;
 const Q8_0_RECORD: usize = 576;
 /// A Q8G16 record's bytes.
 const Q8G16_RECORD: usize = 768;
+/// A Q8S16 record's bytes.
+const Q8S16_RECORD: usize = 640;
 
 /// Feature `c`'s float32 at byte `at` of a record.
 fn record_f32(rec: &[u8], at: usize, c: usize) -> f32 {
@@ -570,7 +595,19 @@ fn record_f32(rec: &[u8], at: usize, c: usize) -> f32 {
 }
 
 mod portable {
-    use super::{record_f32, PANEL_WIDTH, Q4_1_RECORD, Q8G16_RECORD, Q8_0_RECORD};
+    use super::{record_f32, PANEL_WIDTH, Q4_1_RECORD, Q8G16_RECORD, Q8S16_RECORD, Q8_0_RECORD};
+
+    /// One Q8S16 record into `out[input][feature]`.
+    pub(super) fn q8_s16(rec: &[u8], out: &mut [f32]) {
+        assert!(rec.len() == Q8S16_RECORD);
+        for c in 0..PANEL_WIDTH {
+            for i in 0..32 {
+                let scale = record_f32(rec, 64 * (i / 16), c);
+                // + 0.0: the loader's `scale * q + min` with a +0 minimum (a -0 product is +0)
+                out[i * PANEL_WIDTH + c] = scale * f32::from(rec[128 + 16 * i + c] as i8) + 0.0;
+            }
+        }
+    }
 
     /// One Q8G16 record into `out[input][feature]`.
     pub(super) fn q8_g16(rec: &[u8], out: &mut [f32]) {
@@ -612,8 +649,31 @@ mod portable {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{BLOCK, PANEL_WIDTH, Q4_1_RECORD, Q8G16_RECORD, Q8_0_RECORD};
+    use super::{BLOCK, PANEL_WIDTH, Q4_1_RECORD, Q8G16_RECORD, Q8S16_RECORD, Q8_0_RECORD};
     use std::arch::x86_64::*;
+
+    /// One Q8S16 record into `out[input][feature]`, 16 features a vector.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn q8_s16(rec: &[u8], out: &mut [f32]) {
+        assert!(rec.len() == Q8S16_RECORD && out.len() == BLOCK * PANEL_WIDTH);
+        let (r, o) = (rec.as_ptr(), out.as_mut_ptr());
+        // SAFETY: every load reads inside the 640-byte record, every store 16 floats of `out`.
+        unsafe {
+            let zero = _mm512_setzero_ps();
+            for half in 0..2 {
+                let scale = _mm512_loadu_ps(r.add(64 * half).cast());
+                for i in 16 * half..16 * (half + 1) {
+                    let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(r.add(128 + 16 * i).cast()));
+                    // scale * q, then + 0: the loader's weight with a +0 minimum
+                    let w = _mm512_add_ps(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(q)), zero);
+                    _mm512_storeu_ps(o.add(i * PANEL_WIDTH), w);
+                }
+            }
+        }
+    }
 
     /// One Q8G16 record into `out[input][feature]`, 16 features a vector.
     ///
@@ -687,8 +747,33 @@ mod avx512 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{BLOCK, PANEL_WIDTH, Q4_1_RECORD, Q8G16_RECORD, Q8_0_RECORD};
+    use super::{BLOCK, PANEL_WIDTH, Q4_1_RECORD, Q8G16_RECORD, Q8S16_RECORD, Q8_0_RECORD};
     use std::arch::x86_64::*;
+
+    /// One Q8S16 record into `out[input][feature]`, 8 features a vector.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn q8_s16(rec: &[u8], out: &mut [f32]) {
+        assert!(rec.len() == Q8S16_RECORD && out.len() == BLOCK * PANEL_WIDTH);
+        let (r, o) = (rec.as_ptr(), out.as_mut_ptr());
+        // SAFETY: every load reads inside the record, every store 8 floats inside `out`.
+        unsafe {
+            let zero = _mm256_setzero_ps();
+            for h in 0..2 {
+                for half in 0..2 {
+                    let scale = _mm256_loadu_ps(r.add(64 * half + 32 * h).cast());
+                    for i in 16 * half..16 * (half + 1) {
+                        let at = 128 + 16 * i + 8 * h;
+                        let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(r.add(at).cast()));
+                        let w = _mm256_add_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(q)), zero);
+                        _mm256_storeu_ps(o.add(i * PANEL_WIDTH + 8 * h), w);
+                    }
+                }
+            }
+        }
+    }
 
     /// One Q8G16 record into `out[input][feature]`, 8 features a vector.
     ///
@@ -780,6 +865,91 @@ mod tests {
         assert_eq!(PanelFormat::Q4_1.record_bytes(), Q4_1_RECORD);
         assert_eq!(PanelFormat::Q8_0.record_bytes(), Q8_0_RECORD);
         assert_eq!(PanelFormat::Q8G16.record_bytes(), Q8G16_RECORD);
+        assert_eq!(PanelFormat::Q8S16.record_bytes(), Q8S16_RECORD);
+    }
+
+    /// Q8G16 blocks whose minimums are all +0 (Q6_K's form): scales of both signs, so that some
+    /// products `scale * 0` are -0 (the loader's `+ min` makes them +0).
+    fn zero_min_blocks(
+        rng: &mut Lcg,
+        n: usize,
+        k: usize,
+    ) -> crate::cpu_quant_linear::tests::Blocks {
+        let mut b = random_blocks(rng, n, k);
+        b.min16.iter_mut().for_each(|m| *m = 0.0);
+        b.scale16.iter_mut().step_by(3).for_each(|s| *s = -*s);
+        b.q8.iter_mut().step_by(5).for_each(|q| *q = 0);
+        b
+    }
+
+    /// Q8G16 blocks without minimums pack as Q8S16 (a minimum of -0 or anything else keeps
+    /// Q8G16), and unpack to the loader's float32 weights, +0 where the product is -0, and
+    /// the kernel's output is `linear_f32`'s, bit for bit, on every instruction set.
+    #[test]
+    fn q8_g16_blocks_without_minimums_pack_as_q8s16_bit_for_bit() {
+        use crate::cpu_quant_linear::tests::Fmt;
+        let mut rng = Lcg(13);
+        for &(n, k) in &[(16, 32), (37, 96), (40, 1536)] {
+            let mut b = zero_min_blocks(&mut rng, n, k);
+            let w = b.of(Fmt::G16);
+            assert_eq!(PanelFormat::of(&w), Some(PanelFormat::Q8S16));
+            let data = pack(&w, n, k).unwrap();
+            let dense = dequantized(&b, Fmt::G16, n, k);
+            assert!(
+                dense.iter().any(|v| v.to_bits() == 0)
+                    && !dense.iter().any(|v| v.to_bits() == 1 << 31)
+            );
+            let want = pack_f32(&dense, n, k).unwrap();
+            let panels = QuantPanels {
+                format: PanelFormat::Q8S16,
+                data: &data,
+            };
+            for isa in ISAS.map(Isa::detect) {
+                let mut got = vec![f32::NAN; want.len()];
+                for (rec, out) in data
+                    .chunks_exact(Q8S16_RECORD)
+                    .zip(got.chunks_exact_mut(BLOCK * PANEL_WIDTH))
+                {
+                    // SAFETY: detected just above.
+                    unsafe { unpack_record(isa, PanelFormat::Q8S16, rec, out) };
+                }
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(g, w)| g.to_bits() == w.to_bits()),
+                    "n={n} k={k} isa={isa:?}: unpacked"
+                );
+                for &m in &[1, 5, 24] {
+                    let x = rng.vec(m * k);
+                    let mut got = vec![f32::NAN; m * n];
+                    let shape = QuantPanelShape { m, n, k };
+                    run(&shape, &x, panels, &[], &mut got, 2, isa).unwrap();
+                    let mut want_out = vec![f32::NAN; m * n];
+                    let lin = LinearShape { m, n, k };
+                    linear_f32_isa(&lin, &x, &want, &[], &mut want_out, 2, isa).unwrap();
+                    assert!(
+                        got.iter()
+                            .zip(&want_out)
+                            .all(|(g, w)| g.to_bits() == w.to_bits()),
+                        "m={m} n={n} k={k} isa={isa:?}: output"
+                    );
+                }
+            }
+            // the same arrays read as Q8G16 panels are 768-byte records: not these
+            let as_g16 = QuantPanels {
+                format: PanelFormat::Q8G16,
+                data: &data,
+            };
+            let mut out = vec![0.0; n];
+            let shape = QuantPanelShape { m: 1, n, k };
+            assert!(
+                linear_quant_panels_f32(&shape, &rng.vec(k), as_g16, &[], &mut out, 1).is_err()
+            );
+            for other in [-0.0, 1e-30] {
+                b.min16[n * k / 16 - 1] = other;
+                assert_eq!(PanelFormat::of(&b.of(Fmt::G16)), Some(PanelFormat::Q8G16));
+            }
+        }
     }
 
     /// Every unpacked weight is the loader's float32 (bit for bit), on every instruction set,

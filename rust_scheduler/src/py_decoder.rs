@@ -113,7 +113,8 @@ fn cache_slices<'a, E: Element>(
 /// qpanels | None]])` from Python, blocks `("q4_1", scale, min, qs)`, `("q8_0", scale, qs)` or
 /// `("q8_g16", scale, min, qs)`
 /// (the `linear_q*_f32` kernels' arrays), or the kind alone (`("q8_g16",)`: quantized panels
-/// kept without their blocks), tiles the same blocks as `pack_amx_q*` packs them,
+/// kept without their blocks; `("q8_s16",)` for those packed from blocks whose minimums are all
+/// +0), tiles the same blocks as `pack_amx_q*` packs them,
 /// qpanels as `pack_quant_panels_q*` packs them.
 struct LinearArrays {
     n: usize,
@@ -191,11 +192,13 @@ impl LinearArrays {
                     ("q4_1", 1) => Some(BlockArrays::PanelsAlone(PanelFormat::Q4_1)),
                     ("q8_0", 1) => Some(BlockArrays::PanelsAlone(PanelFormat::Q8_0)),
                     ("q8_g16", 1) => Some(BlockArrays::PanelsAlone(PanelFormat::Q8G16)),
+                    ("q8_s16", 1) => Some(BlockArrays::PanelsAlone(PanelFormat::Q8S16)),
                     _ => {
                         return Err(PyValueError::new_err(format!(
                             "blocks must be ('q4_1', scale, min, qs), ('q8_0', scale, qs), \
                              ('q8_g16', scale, min, qs) or a kind alone (quantized panels or AMX \
-                             tiles without blocks), got {kind:?} with {} items",
+                             tiles without blocks; 'q8_s16': Q8G16 panels without minimums), got \
+                             {kind:?} with {} items",
                             t.len()
                         )))
                     }
@@ -306,7 +309,7 @@ impl LinearBorrow<'_> {
                         }
                         BlockBorrow::PanelsAlone(PanelFormat::Q4_1) => AmxFormat::Nibbles,
                         BlockBorrow::PanelsAlone(PanelFormat::Q8_0) => AmxFormat::Int8,
-                        BlockBorrow::PanelsAlone(PanelFormat::Q8G16) => {
+                        BlockBorrow::PanelsAlone(PanelFormat::Q8G16 | PanelFormat::Q8S16) => {
                             return Err(PyValueError::new_err("q8_g16 weights have no AMX tiles"))
                         }
                     },
@@ -321,11 +324,11 @@ impl LinearBorrow<'_> {
             qpanels: match (&self.qpanels, &self.blocks) {
                 (None, _) => None,
                 (Some(t), Some(b)) => Some(QuantPanels {
-                    format: match b {
-                        BlockBorrow::Q4_1(..) => PanelFormat::Q4_1,
-                        BlockBorrow::Q8_0(..) => PanelFormat::Q8_0,
-                        BlockBorrow::Q8G16(..) => PanelFormat::Q8G16,
-                        BlockBorrow::PanelsAlone(format) => *format,
+                    // the blocks' own format (Q8G16 blocks without minimums pack as Q8S16)
+                    format: match (b, &blocks) {
+                        (BlockBorrow::PanelsAlone(format), _) => *format,
+                        (_, Some(w)) => PanelFormat::of(w).expect("every block format has panels"),
+                        (_, None) => unreachable!("blocks are viewed unless the panels are alone"),
                     },
                     data: c_slice("qpanels", t)?,
                 }),

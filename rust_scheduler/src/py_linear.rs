@@ -413,7 +413,8 @@ pub fn py_pack_quant_panels_q8_0<'py>(
 }
 
 /// `pack_quant_panels_q8_g16(scale, min, qs)`: the same for Q8G16 weights (the arrays
-/// `linear_q8_g16_f32` reads): 768 bytes per 16 features x 32 inputs.
+/// `linear_q8_g16_f32` reads): 768 bytes per 16 features x 32 inputs, or 640 where every
+/// minimum is +0 (bit for bit: Q6_K's form), the panels of kind "q8_s16".
 #[pyfunction]
 #[pyo3(name = "pack_quant_panels_q8_g16")]
 pub fn py_pack_quant_panels_q8_g16<'py>(
@@ -429,7 +430,8 @@ pub fn py_pack_quant_panels_q8_g16<'py>(
 
 /// `linear_quant_panels_f32(x, panels, kind, bias, out, num_threads)`: `out[M, N] = x[M, K] @
 /// W^T + bias` with `W` packed by `pack_quant_panels_q4_1` (`kind` "q4_1") /
-/// `pack_quant_panels_q8_0` ("q8_0") / `pack_quant_panels_q8_g16` ("q8_g16"); bit for bit what `linear_f32` gives over the loader's
+/// `pack_quant_panels_q8_0` ("q8_0") / `pack_quant_panels_q8_g16` ("q8_g16", or "q8_s16" where
+/// its minimums are all +0); bit for bit what `linear_f32` gives over the loader's
 /// float32 weights. Writes `out`; returns None.
 #[pyfunction]
 #[pyo3(name = "linear_quant_panels_f32", signature = (x, panels, kind, bias, out, num_threads))]
@@ -463,8 +465,10 @@ fn panel_format(kind: &str) -> PyResult<PanelFormat> {
         "q4_1" => Ok(PanelFormat::Q4_1),
         "q8_0" => Ok(PanelFormat::Q8_0),
         "q8_g16" => Ok(PanelFormat::Q8G16),
+        "q8_s16" => Ok(PanelFormat::Q8S16),
         _ => Err(PyValueError::new_err(format!(
-            "quantized panels are packed from 'q4_1', 'q8_0' or 'q8_g16' blocks, not {kind:?}"
+            "quantized panels are packed from 'q4_1', 'q8_0' or 'q8_g16' blocks ('q8_s16': \
+             q8_g16 blocks whose minimums are all +0), not {kind:?}"
         ))),
     }
 }

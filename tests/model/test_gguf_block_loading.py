@@ -125,6 +125,15 @@ def test_a_runner_packs_the_blocks_alone_and_matches_transformers(case):
         packed = layer.blocks.qpanels if layer.blocks.tiles is None else layer.blocks.tiles
         assert packed.ctypes.data % 64 == 0, name   # whole 64-byte records (AMX: tiles)
         assert layer.blocks.panels_alone == (layer.blocks.kind == "q8_g16"), name
+    if path.endswith("qwen2-q5_k_m.gguf"):
+        # Q6_K alone (layer 0's down, the output) packs without minimums; layer 0's q / k / v
+        # (Q5_K q / k, Q6_K v) keeps them
+        kinds = {name: (head if name == "lm_head" else layers[name]).blocks.panel_kind
+                 for name in ("lm_head", "layers.0.mlp.down_proj", "layers.0.self_attn.qkv_proj",
+                              "layers.1.mlp.down_proj")}
+        assert kinds == {"lm_head": "q8_s16", "layers.0.mlp.down_proj": "q8_s16",
+                         "layers.0.self_attn.qkv_proj": "q8_g16",
+                         "layers.1.mlp.down_proj": "q8_g16"}
     assert_greedy_matches(loaded, reference, [list(range(3, 40)), [5, 9, 11]], 6, runner=runner)
 
 

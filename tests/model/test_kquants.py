@@ -105,6 +105,12 @@ def test_other_types_become_the_q8_g16_kernels_exact_form(type_name):
     kernel = BlockKernel(blocks)
     assert kernel.kind == "q8_g16" and kernel.tiles is None and kernel.qpanels is not None
     assert kernel.panels_alone and kernel.arrays is None
+    # blocks whose minimums are all +0 (Q6_K's, among others) pack without them: 640-byte
+    # records (3 panels of 16 features x 16 blocks of 32 inputs) instead of 768
+    no_minimums = not blocks.minimum.view(torch.int32).any()
+    assert no_minimums or type_name != "Q6_K"
+    assert kernel.panel_kind == ("q8_s16" if no_minimums else "q8_g16")
+    assert kernel.qpanels.nbytes == 3 * 16 * (640 if no_minimums else 768)
     unpacked = kernel.block_weight()
     for got, want in ((unpacked.scale, blocks.scale), (unpacked.minimum, blocks.minimum),
                       (unpacked.qs, blocks.qs)):

@@ -71,7 +71,9 @@ def _head_norms(attn) -> tuple:
 def _linear_spec(linear) -> tuple:
     blocks = tiles = qpanels = None
     if linear.blocks is not None:
-        blocks = (linear.blocks.kind, *(linear.blocks.arrays or ()))   # kind alone: panels
+        arrays = linear.blocks.arrays
+        # the kind alone: the panels or tiles alone (the panels' own: "q8_s16" has no minimums)
+        blocks = (linear.blocks.kind, *arrays) if arrays else (linear.blocks.panel_kind,)
         tiles, qpanels = linear.blocks.tiles, linear.blocks.qpanels
     bias = None if linear.bias is None else linear.bias.numpy()
     return (linear.out_features, linear.in_features, linear.packed_weight.numpy(), bias, blocks,

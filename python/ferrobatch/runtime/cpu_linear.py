@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -232,6 +233,10 @@ class BlockKernel:
             if use_amx else None
         pack = getattr(_scheduler, f"pack_quant_panels_{self.kind}")
         self.qpanels = _aligned_64(pack(*self.arrays)) if quant_panels and not use_amx else None
+        # the panels' kind: Q8G16 blocks whose minimums are all +0 (Q6_K's form) pack without
+        # them, "q8_s16" (10 bits a weight instead of 12; cpu_quant_panels.rs decides alike)
+        self.panel_kind = "q8_s16" if self.kind == "q8_g16" and \
+            not self.arrays[1].view(np.uint32).any() else self.kind
         self.shape = block_weight.shape
         self.amx_min_rows = amx_min_rows(self.shape[1]) if self.tiles is not None else None
         # Q8G16's quantized panels took 0.83-0.99x its blocks' time at 1-4 rows (a 14336 x 4096
@@ -266,7 +271,8 @@ class BlockKernel:
         if self.tiles_alone:
             return _blocks_from_tiles(self.tiles, self.kind, *self.shape)
         if self.arrays is None:
-            return _q8_g16_from_panels(self.qpanels, *self.shape)
+            return _q8_g16_from_panels(self.qpanels, *self.shape,
+                                       minimums=self.panel_kind == "q8_g16")
         tensors = [torch.from_numpy(a) for a in self.arrays]
         minimum = tensors[1] if self.kind != "q8_0" else None
         return BlockWeight(self.type_id, tensors[0], tensors[-1], minimum)
@@ -286,26 +292,32 @@ class BlockKernel:
         self._amx(x, self.tiles, self.kind, bias, out, num_threads)
 
     def panels(self, x, bias, out, num_threads: int) -> None:
-        self._panels(x, self.qpanels, self.kind, bias, out, num_threads)
+        self._panels(x, self.qpanels, self.panel_kind, bias, out, num_threads)
 
 
-def _q8_g16_from_panels(qpanels, rows: int, cols: int):
+def _q8_g16_from_panels(qpanels, rows: int, cols: int, minimums: bool = True):
     """The Q8G16 ``BlockWeight`` of ``[rows, cols]`` packed as ``pack_quant_panels_q8_g16``
     packs it (``cpu_quant_panels.rs``): per 16 features and 32 inputs a 768-byte record of the
-    features' two scales (16 float32 each), their two minimums, then ``q[i] [16]`` for i < 32."""
+    features' two scales (16 float32 each), their two minimums, then ``q[i] [16]`` for i < 32;
+    without ``minimums`` (the "q8_s16" panels of blocks whose minimums were all +0) a 640-byte
+    record of the scales and the integers."""
     from ferrobatch.model.block_weights import Q8_G16, BlockWeight
 
     panels, nb = -(-rows // PANEL_WIDTH), cols // 32
-    records = torch.from_numpy(qpanels).view(panels, nb, 768)
+    record = 768 if minimums else 640
+    records = torch.from_numpy(qpanels).view(panels, nb, record)
 
     def per_feature(start: int) -> torch.Tensor:      # [panels, nb, 2 halves, 16] -> [N, 2 nb]
         values = records[..., start:start + 128].contiguous().view(torch.float32)
         return values.view(panels, nb, 2, PANEL_WIDTH).permute(0, 3, 1, 2).reshape(
             panels * PANEL_WIDTH, 2 * nb)[:rows].contiguous()
 
-    q = records[..., 256:].contiguous().view(torch.int8).view(panels, nb, 32, PANEL_WIDTH)
+    q = records[..., record - 512:].contiguous().view(torch.int8).view(panels, nb, 32,
+                                                                        PANEL_WIDTH)
     q = q.permute(0, 3, 1, 2).reshape(panels * PANEL_WIDTH, nb, 32)[:rows].contiguous()
-    return BlockWeight(Q8_G16, per_feature(0), q, per_feature(128))
+    scale = per_feature(0)
+    minimum = per_feature(128) if minimums else torch.zeros_like(scale)
+    return BlockWeight(Q8_G16, scale, q, minimum)
 
 
 def _int8_slot(pos):

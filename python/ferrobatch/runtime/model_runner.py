@@ -136,12 +136,15 @@ class ModelRunner:
             amx = any(k.tiles is not None for k in kernels.values())
             larger = " as AMX tiles" if amx else " as quantized panels" if qpanels else ""
             alone = sum(k.panels_alone for k in kernels.values())
+            no_minimums = sum(k.panels_alone and k.panel_kind == "q8_s16"
+                              for k in kernels.values())
             tiles_alone = sum(k.tiles_alone for k in kernels.values())
             self.linear_kernels = f"Rust {linear_isa()} kernels" + (
                 f", GGUF blocks for {blocks_steps}" if blocks and kept else
                 f", GGUF blocks packed{larger}" if blocks else "") + (
                 f",{larger} for more" if larger and kept else "") + (
-                f" ({alone} Q8G16 layers: the quantized panels alone, every step)" if alone
+                f" ({alone} Q8G16 layers: the quantized panels alone, every step"
+                + (f"; {no_minimums} without minimums" if no_minimums else "") + ")" if alone
                 else "") + (
                 f" ({tiles_alone} layers of {TILES_ALONE_MIN_INPUTS}+ inputs: the AMX tiles "
                 "alone, fewer rows without tile instructions)" if tiles_alone else "")
