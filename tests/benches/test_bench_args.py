@@ -30,6 +30,8 @@ CASES = [
     ("serving.py", ["--servers", "hf", "--request-rates", "1,abc"], "--request-rates"),
     ("throughput.py", ["--num-requests", "-3"], "--num-requests"),
     ("kquant_gguf.py", ["{tmp}/k.gguf", "--hidden", "1000"], "--hidden 1000"),
+    ("q8g16_minimums.py", ["{tmp}/none.gguf"], "no such file"),
+    ("q8g16_minimums.py", ["{tmp}/none.gguf", "--rows", "1,x"], "--rows"),
     ("kquant_gguf.py", ["{tmp}/k.gguf", "--layers", "0"], "--layers"),
     ("kquant_gguf.py", ["{tmp}/k.gguf", "--heads", "3"], "--heads 3"),
     ("load_memory.py", ["/nonexistent/model.gguf"], "no such model"),

@@ -251,6 +251,23 @@ def test_one_row_linear_smoke(tmp_path: Path) -> None:
         assert ratio == pytest.approx(r["speedup"]), r
 
 
+def test_q8g16_minimums_smoke(tmp_path: Path) -> None:
+    # a small Q4_K_M-mix GGUF: its Q6_K layers (the output, every other v / down) packed with
+    # and without minimums give the same outputs (the bench checks it) and both are timed
+    gguf = tmp_path / "q4km.gguf"
+    subprocess.run([sys.executable, str(BENCHES / "kquant_gguf.py"), str(gguf), "--hidden",
+                    "256", "--intermediate", "512", "--layers", "2"], check=True, cwd=REPO,
+                   env=_env(), capture_output=True, timeout=240)
+    data, _ = _bench("q8g16_minimums.py", str(gguf), "--rows", "1,3", "--threads", "1",
+                     "--rounds", "1", json_out=tmp_path / "q8g16.json")
+    assert "lm_head" in data["layers"] and len(data["layers"]) >= 2
+    assert data["mib"]["q8_s16"] == pytest.approx(data["mib"]["q8_g16"] * 640 / 768)
+    assert [r["rows"] for r in data["results"]] == [1, 3]
+    for r in data["results"]:
+        assert r["with_minimums_ms"] > 0 and r["without_ms"] > 0, r
+        assert r["speedup"] == pytest.approx(r["with_minimums_ms"] / r["without_ms"]), r
+
+
 def test_step_phases_smoke(tmp_path: Path) -> None:
     # the smoke workload on the CPU: every step was scheduled, run eagerly, sampled and updated
     # once (greedy rows and nothing else: their tokens read back in one pass, no sampler), the
