@@ -112,26 +112,31 @@ def kept_answers(path: str) -> set[str]:
     """Resuming a job into `path`: keeps the lines of an earlier run's output answered with a 200
     (one per `custom_id`), drops the rest (errors, a line cut short when the run stopped), and
     returns the kept `custom_id`s, whose input lines the new run skips. A missing file keeps
-    nothing. The file is rewritten through a temporary file beside it, then renamed."""
+    nothing. The file is rewritten line by line through a temporary file beside it, then
+    renamed (memory: the ids, not the answers)."""
     if not os.path.exists(path):
         return set()
-    kept: dict[str, str] = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                out = json.loads(line)
-            except ValueError:
-                continue
-            response = out.get("response") if isinstance(out, dict) else None
-            custom_id = out.get("custom_id") if isinstance(out, dict) else None
-            if isinstance(custom_id, str) and isinstance(response, dict) \
-                    and response.get("status_code") == 200:
-                kept.setdefault(custom_id, line if line.endswith("\n") else line + "\n")
+    kept: set[str] = set()
     tmp = f"{path}.resume-{secrets.token_hex(4)}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(kept.values())
-    os.replace(tmp, path)
-    return set(kept)
+    try:
+        with open(path, encoding="utf-8") as src, open(tmp, "w", encoding="utf-8") as dst:
+            for line in src:
+                try:
+                    out = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(out, dict):
+                    continue
+                response, custom_id = out.get("response"), out.get("custom_id")
+                if isinstance(custom_id, str) and custom_id not in kept \
+                        and isinstance(response, dict) and response.get("status_code") == 200:
+                    kept.add(custom_id)
+                    dst.write(line if line.endswith("\n") else line + "\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return kept
 
 
 class _Writer:
