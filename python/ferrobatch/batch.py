@@ -212,7 +212,8 @@ async def run_batch(engine: Any, lines: Iterable[str], write: Callable[[dict[str
                     served_model_name: str | None = None, in_order: bool = False,
                     answered: Collection[str] = (), total: int | None = None) -> BatchSummary:
     """Answers every request line through a loopback server on `engine` (started, and serving
-    nothing else: stopping the server at the end aborts whatever still runs on it), calling
+    nothing else: stopping the server at the end aborts whatever still runs on it; its routes
+    take a random key, so no other local process can use them meanwhile), calling
     `write(output_line_dict)` once per input line, as each finishes or (`in_order`) in input
     order; blank lines, and lines whose `custom_id` is in `answered` (an earlier run's, see
     `kept_answers`), get none. `lines` is read as requests take them (in a worker thread: a
@@ -222,14 +223,35 @@ async def run_batch(engine: Any, lines: Iterable[str], write: Callable[[dict[str
 
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
+    key = secrets.token_urlsafe(24)
+    server = Server(engine, served_model_name=served_model_name, api_key=key)
+    await server.start("127.0.0.1", 0)
+    try:
+        return await answer_lines(f"http://127.0.0.1:{server.port}", lines, write,
+                                  headers={"Authorization": f"Bearer {key}"},
+                                  concurrency=concurrency, progress=progress,
+                                  in_order=in_order, answered=answered, total=total)
+    finally:
+        await server.stop()
+
+
+async def answer_lines(base_url: str, lines: Iterable[str],
+                       write: Callable[[dict[str, Any]], None], *,
+                       headers: dict[str, str] | None = None,
+                       concurrency: int = DEFAULT_CONCURRENCY, progress: bool | str = False,
+                       in_order: bool = False, answered: Collection[str] = (),
+                       total: int | None = None) -> BatchSummary:
+    """`run_batch`'s requests, posted to a running server at `base_url` (with `headers`):
+    at most `concurrency` in flight; cancelling it closes their connections, which aborts
+    them on the server (and nothing else there)."""
+    if concurrency < 1:
+        raise ValueError("concurrency must be >= 1")
     summary = BatchSummary()
     meter = _Progress(total, "bar" if progress is True else progress or None)
     writer = _Writer(write, in_order)
     gate = asyncio.Semaphore(concurrency)
     in_flight: set[asyncio.Task] = set()
     seen: set[str] = set()
-    server = Server(engine, served_model_name=served_model_name)
-    await server.start("127.0.0.1", 0)
 
     def done(index: int, out: dict[str, Any]) -> None:
         ok = out["response"] is not None and out["response"]["status_code"] == 200
@@ -240,7 +262,7 @@ async def run_batch(engine: Any, lines: Iterable[str], write: Callable[[dict[str
 
     async def one(session: aiohttp.ClientSession, index: int, item: dict[str, Any]) -> None:
         try:
-            out = await _answer(session, f"http://127.0.0.1:{server.port}", item)
+            out = await _answer(session, base_url, item)
         except (aiohttp.ClientError, ValueError, asyncio.TimeoutError) as exc:
             out = _line_error(item["custom_id"], "request_failed",
                               f"{type(exc).__name__}: {exc}")
@@ -251,7 +273,8 @@ async def run_batch(engine: Any, lines: Iterable[str], write: Callable[[dict[str
     try:
         timeout = aiohttp.ClientTimeout(total=None)
         connector = aiohttp.TCPConnector(limit=concurrency)
-        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector,
+                                         headers=headers) as session:
             chunks = _chunks(lines)
             while chunk := await asyncio.to_thread(next, chunks, None):
                 for line in chunk:
@@ -284,6 +307,7 @@ async def run_batch(engine: Any, lines: Iterable[str], write: Callable[[dict[str
     finally:
         for task in in_flight:
             task.cancel()
+        if in_flight:
+            await asyncio.gather(*in_flight, return_exceptions=True)
         meter.close()
-        await server.stop()
     return summary

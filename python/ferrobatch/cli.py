@@ -250,6 +250,16 @@ def _port_or_off(text: str) -> int:
     return -1 if int(text) == -1 else _port(text)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -307,6 +317,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-stored-responses", type=int, default=1024, metavar="N",
                    help="with --enable-response-store: the most kept at once (the least "
                    "recently used go first)")
+    s.add_argument("--enable-batch-api", action="store_true",
+                   help="serve OpenAI's Files and Batches APIs (/v1/files, /v1/batches): "
+                   "uploaded JSONL files of requests run as batch jobs through this server's "
+                   "routes; files are kept in a temporary directory until the server stops")
+    s.add_argument("--batch-max-file-mb", type=_positive_int, default=200, metavar="MB",
+                   help="with --enable-batch-api: the largest file an upload may be")
+    s.add_argument("--batch-concurrency", type=_positive_int, default=64, metavar="N",
+                   help="with --enable-batch-api: the requests of one batch in flight at once")
     s.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs show each token as 'token_id:<id>' (a request's "
                    "return_tokens_as_token_ids overrides it)")
@@ -419,7 +437,9 @@ async def _serve(a: argparse.Namespace) -> int:
                     vllm_metric_names=a.vllm_metric_names,
                     tool_call_parser=a.tool_call_parser,
                     return_tokens_as_token_ids=a.return_tokens_as_token_ids,
-                    response_store=a.max_stored_responses if a.enable_response_store else 0)
+                    response_store=a.max_stored_responses if a.enable_response_store else 0,
+                    batch_api=a.enable_batch_api, batch_max_file_mb=a.batch_max_file_mb,
+                    batch_concurrency=a.batch_concurrency)
     try:
         adapters = _serve_lora_modules(engine, a, server.state.base_model_names)
     except ValueError:
@@ -443,7 +463,7 @@ async def _serve(a: argparse.Namespace) -> int:
     if adapters:
         print(f"  LoRA adapters: {', '.join(r.lora_name for r in adapters)} (model names)")
     print(f"  OpenAI HTTP : {base}/v1  (completions, chat/completions, responses, "
-          "embeddings, models)")
+          "embeddings, models" + (", files, batches" if a.enable_batch_api else "") + ")")
     print(f"  also        : Anthropic {base}/v1/messages, Ollama {base}/api, SGLang "
           f"{base}/generate")
     print(f"  WebSocket   : ws://{a.host}:{server.port}/v1/ws")

@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import WSCloseCode, web
 
 from ferrobatch.engine.stats_logger import StatsLogger
+from ferrobatch.serve.batch_api import add_batch_routes
 from ferrobatch.serve.cors import install_cors
 from ferrobatch.serve.http import add_routes
 from ferrobatch.serve.metrics import ServerMetrics, http_metrics_middleware
@@ -48,6 +49,7 @@ def build_app(state: ServerState) -> web.Application:
     install_cors(app, state.allowed_origins)
     app[STATE] = state
     add_routes(app)
+    add_batch_routes(app)
     app.router.add_get("/v1/ws", ws_handler)
     return app
 
@@ -61,7 +63,8 @@ class Server:
                  allow_weight_updates: bool = False, vllm_metric_names: bool = False,
                  tool_call_parser: str | None = None,
                  return_tokens_as_token_ids: bool = False,
-                 response_store: int = 0) -> None:
+                 response_store: int = 0, batch_api: bool = False,
+                 batch_max_file_mb: int = 200, batch_concurrency: int = 64) -> None:
         """`allowed_origins`: the browser origins CORS lets call the HTTP API (`"*"`: any;
         empty: CORS off), as `cors.parse_origins` makes them. `log_stats_interval_s` > 0: an
         INFO line of engine activity that often while the server runs (`StatsLogger`);
@@ -76,7 +79,10 @@ class Server:
         tool calls, for tool_choice "auto" (default: what the chat template asks for).
         `return_tokens_as_token_ids`: logprobs show tokens as `token_id:<id>` unless a request
         says otherwise (vLLM's flag). `response_store` > 0: the Responses API keeps that many
-        finished responses in memory (`previous_response_id`, `GET /v1/responses/{id}`)."""
+        finished responses in memory (`previous_response_id`, `GET /v1/responses/{id}`).
+        `batch_api`: OpenAI's Files and Batches APIs (`serve/batch_api.py`): uploads of at most
+        `batch_max_file_mb`, each batch's requests `batch_concurrency` at a time through a
+        loopback address of this same server."""
         if api_key is not None and not api_key:
             raise ValueError("api_key must not be empty")
         if served_model_name is not None and not isinstance(served_model_name, str):
@@ -103,6 +109,10 @@ class Server:
         if response_store:
             from ferrobatch.serve.response_store import ResponseStore
             self.state.responses = ResponseStore(response_store)
+        if batch_api:
+            from ferrobatch.serve.batch_store import BatchStore
+            self.state.batches = BatchStore(max_file_bytes=batch_max_file_mb << 20,
+                                            concurrency=batch_concurrency)
         self.state.metrics = ServerMetrics(engine, self.state.model_name,
                                            "vllm:" if vllm_metric_names else "ferrobatch_")
         self.stats_logger = (StatsLogger(engine, log_stats_interval_s)
@@ -133,6 +143,13 @@ class Server:
         site = web.TCPSite(self._runner, host, port)
         await site.start()
         self.port = self._runner.addresses[0][1]          # the real port when port=0
+        if self.state.batches is not None:
+            # batch jobs post their requests here: the same app (routes, options, auth) on a
+            # loopback port of its own, whatever address the server listens on
+            await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+            key = self.state.api_key
+            self.state.batches.base_url = f"http://127.0.0.1:{self._runner.addresses[-1][1]}"
+            self.state.batches.headers = {"Authorization": f"Bearer {key}"} if key else {}
         if tcp_port is not None:
             self._tcp = TCPServer(self.state)
             self.tcp_port = await self._tcp.start(host, tcp_port)
@@ -143,6 +160,9 @@ class Server:
         """Refuse new work (503, /ready too), let in-flight requests finish up to the timeout,
         then stop listening and close every connection."""
         engine = self.state.engine
+        if self.state.batches is not None:
+            # running batch jobs end as cancelled (their requests aborted), files removed
+            await self.state.batches.close()
         self.state.draining = True
         if drain_timeout_s > 0:
             try:

@@ -29,6 +29,7 @@ class ServerState:
     tool_parser: str | None = None    # --tool-call-parser (None: from the chat template)
     return_tokens_as_token_ids: bool = False   # logprobs show token_id:<id> unless asked not to
     responses: Any = None         # the Responses API's ResponseStore (--enable-response-store)
+    batches: Any = None           # the Files / Batches APIs' BatchStore (--enable-batch-api)
     sessions: set = field(default_factory=set)
     websockets: set = field(default_factory=set)     # open WebSocketResponses (closed on stop)
     created: int = field(default_factory=lambda: int(time.time()))
