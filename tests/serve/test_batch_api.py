@@ -123,7 +123,7 @@ async def test_cancelling_aborts_what_runs_and_keeps_what_finished(fake_server):
 
 @pytest.mark.parametrize("fake_server", [{"batch_api": True, "batch_max_file_mb": 1}],
                          indirect=True)
-async def test_uploads_and_batches_are_checked(fake_server):
+async def test_uploads_and_batches_are_checked(fake_server, monkeypatch):
     store = fake_server.server.state.batches
     async with sdk_client(fake_server) as client:
         with pytest.raises(openai.BadRequestError, match="purpose"):
@@ -147,6 +147,28 @@ async def test_uploads_and_batches_are_checked(fake_server):
             assert refused.value.body["param"] == param
         with pytest.raises(openai.NotFoundError):
             await client.batches.retrieve("batch_nope")
+        # a name is only shown: quotes and control characters are dropped
+        # (the SDK percent-encodes a name; a raw client's reaches the store as sent)
+        chunks = iter([b"{}", b""])
+
+        async def read_chunk():
+            return next(chunks)
+
+        named = await store.add_file('a"b\r\n.jsonl', "batch", read_chunk)
+        assert named.filename == "ab.jsonl"
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{fake_server.base}/v1/files/{named.id}/content") as r:
+                assert r.headers["Content-Disposition"] == 'attachment; filename="ab.jsonl"'
+                assert await r.read() == b"{}"
+        # the directory holds STORAGE_FILES files' worth (here 2 x 1 MiB) at most
+        import ferrobatch.serve.batch_store as batch_store
+        monkeypatch.setattr(batch_store, "STORAGE_FILES", 2)
+        for _ in range(2):
+            await client.files.create(file=("x.jsonl", b"x" * (700 << 10)), purpose="batch")
+        with pytest.raises(openai.APIStatusError, match="storage is full") as full:
+            await client.files.create(file=("y.jsonl", b"x" * (700 << 10)), purpose="batch")
+        assert full.value.status_code == 413
+        assert len(os.listdir(store.dir)) == len(store.files)
     async with aiohttp.ClientSession() as s:
         async with s.post(fake_server.base + "/v1/files", json={"purpose": "batch"}) as r:
             assert r.status == 400 and "multipart" in (await r.json())["error"]["message"]

@@ -2,7 +2,8 @@
 batch jobs running them through the server's own HTTP routes.
 
 Files live in a directory of their own (a fresh temporary one, removed when the server stops:
-nothing survives a restart), each written as it arrives, at most `max_file_bytes`. A batch
+nothing survives a restart), each written as it arrives, at most `max_file_bytes`, and all of
+them (outputs too) at most `STORAGE_FILES` times that before an upload is refused. A batch
 job, in the states OpenAI names:
 - `validating`: every line of its input file read once: each must be a request
   (`batch.parse_line`) for the batch's endpoint with a `custom_id` no earlier line used; any
@@ -45,6 +46,7 @@ from ferrobatch.serve.protocol import ProtocolError
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_FILE_MB = 200           # OpenAI's limit for a batch input file
+STORAGE_FILES = 10                  # the directory holds at most this many files' worth
 DEFAULT_CONCURRENCY = 64            # requests of one batch in flight at once
 COMPLETION_WINDOW_S = {"24h": 24 * 3600}
 MAX_ERRORS = 100                    # validation errors a failed batch lists
@@ -136,6 +138,7 @@ class BatchStore:
                              "purpose")
         file_id = f"file-{secrets.token_hex(12)}"
         path = os.path.join(self.dir, file_id)
+        room = STORAGE_FILES * self.max_file_bytes - sum(f.bytes for f in self.files.values())
         size = 0
         try:
             with open(path, "wb") as f:
@@ -145,13 +148,20 @@ class BatchStore:
                         raise _refused(413, f"the file is larger than the "
                                          f"{self.max_file_bytes >> 20} MiB this server takes "
                                          "(--batch-max-file-mb)", "file")
+                    if size > room:
+                        raise _refused(413, "the server's file storage is full "
+                                       f"({STORAGE_FILES} x --batch-max-file-mb): delete "
+                                       "files first", "file")
                     f.write(chunk)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(path)
             raise
-        stored = StoredFile(file_id, filename or "upload.jsonl", purpose, size,
-                            int(time.time()), path)
+        # the name is only shown (file objects, the download's Content-Disposition): printable,
+        # without quotes or backslashes, at most 255 characters
+        name = "".join(c for c in filename if c.isprintable() and c not in '"\\')[:255]
+        stored = StoredFile(file_id, name or "upload.jsonl", purpose, size, int(time.time()),
+                            path)
         self.files[file_id] = stored
         return stored
 
