@@ -269,7 +269,7 @@ class BatchStore:
             batch.mark("failed")
 
     async def _answer(self, batch: Batch, path: str, outputs: dict[str, StoredFile]) -> None:
-        with open(path, encoding="utf-8") as lines, \
+        with open(path, encoding="utf-8", errors="replace") as lines, \
                 open(outputs["out"].path, "w", encoding="utf-8") as out, \
                 open(outputs["err"].path, "w", encoding="utf-8") as err:
             def write(answer: dict[str, Any]) -> None:
