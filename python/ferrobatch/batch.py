@@ -99,8 +99,10 @@ def parse_line(line: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]
     return item, None
 
 
-async def _answer(session: aiohttp.ClientSession, base: str, item: dict[str, Any]) -> dict:
-    async with session.post(base + item["url"], json=item["body"]) as resp:
+async def _answer(session: aiohttp.ClientSession, base: str, item: dict[str, Any],
+                  defaults: dict[str, Any] | None = None) -> dict:
+    body = {**defaults, **item["body"]} if defaults else item["body"]
+    async with session.post(base + item["url"], json=body) as resp:
         body = await resp.json(content_type=None)
     request_id = body.get("id") if isinstance(body, dict) and resp.status == 200 else None
     return {"id": f"batch_req_{secrets.token_hex(12)}", "custom_id": item["custom_id"],
@@ -240,10 +242,12 @@ async def answer_lines(base_url: str, lines: Iterable[str],
                        headers: dict[str, str] | None = None,
                        concurrency: int = DEFAULT_CONCURRENCY, progress: bool | str = False,
                        in_order: bool = False, answered: Collection[str] = (),
-                       total: int | None = None) -> BatchSummary:
+                       total: int | None = None,
+                       defaults: dict[str, Any] | None = None) -> BatchSummary:
     """`run_batch`'s requests, posted to a running server at `base_url` (with `headers`):
     at most `concurrency` in flight; cancelling it closes their connections, which aborts
-    them on the server (and nothing else there)."""
+    them on the server (and nothing else there). `defaults`: fields each body gets unless it
+    sets them itself."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     summary = BatchSummary()
@@ -262,7 +266,7 @@ async def answer_lines(base_url: str, lines: Iterable[str],
 
     async def one(session: aiohttp.ClientSession, index: int, item: dict[str, Any]) -> None:
         try:
-            out = await _answer(session, base_url, item)
+            out = await _answer(session, base_url, item, defaults)
         except (aiohttp.ClientError, ValueError, asyncio.TimeoutError) as exc:
             out = _line_error(item["custom_id"], "request_failed",
                               f"{type(exc).__name__}: {exc}")

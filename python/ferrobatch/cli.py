@@ -325,6 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --enable-batch-api: the largest file an upload may be")
     s.add_argument("--batch-concurrency", type=_positive_int, default=64, metavar="N",
                    help="with --enable-batch-api: the requests of one batch in flight at once")
+    s.add_argument("--batch-priority", type=int, default=1, metavar="P",
+                   help="with --enable-batch-api: the priority of a batch's requests that set "
+                   "none (with --scheduling-policy priority, lower runs first: live requests "
+                   "are 0)")
     s.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs show each token as 'token_id:<id>' (a request's "
                    "return_tokens_as_token_ids overrides it)")
@@ -439,7 +443,7 @@ async def _serve(a: argparse.Namespace) -> int:
                     return_tokens_as_token_ids=a.return_tokens_as_token_ids,
                     response_store=a.max_stored_responses if a.enable_response_store else 0,
                     batch_api=a.enable_batch_api, batch_max_file_mb=a.batch_max_file_mb,
-                    batch_concurrency=a.batch_concurrency)
+                    batch_concurrency=a.batch_concurrency, batch_priority=a.batch_priority)
     try:
         adapters = _serve_lora_modules(engine, a, server.state.base_model_names)
     except ValueError:

@@ -34,6 +34,15 @@ async def until_ended(client, batch_id, timeout=30.0):
 async def test_the_sdk_runs_a_batch_end_to_end(fake_server):
     lines = [line(f"c{i}", prompt=f"p{i}", max_tokens=3) for i in range(30)]
     lines.append(line("bad", prompt="x", max_tokens=0))          # the server refuses it: 400
+    lines.append(line("urgent", prompt="u", max_tokens=3, priority=-2))
+    core = fake_server.engine._core
+    priorities, submit = {}, core.submit
+
+    def recording(req_id, ids, p, *args):
+        priorities["".join(map(chr, ids))] = p.priority
+        return submit(req_id, ids, p, *args)
+
+    core.submit = recording
     async with sdk_client(fake_server) as client:
         uploaded = await client.files.create(file=("in.jsonl", "\n".join(lines).encode()),
                                              purpose="batch")
@@ -46,13 +55,18 @@ async def test_the_sdk_runs_a_batch_end_to_end(fake_server):
         done = await until_ended(client, batch.id)
         assert done.status == "completed", done
         counts = done.request_counts
-        assert (counts.total, counts.completed, counts.failed) == (31, 30, 1)
+        assert (counts.total, counts.completed, counts.failed) == (32, 31, 1)
+        # a line's own priority is kept; the others run at --batch-priority (1: after live 0s)
+        assert priorities.pop("u") == -2 and set(priorities.values()) == {1}
         assert done.in_progress_at and done.finalizing_at and done.completed_at
         assert done.expires_at == done.created_at + 24 * 3600
         out = [json.loads(x) for x in (await client.files.content(done.output_file_id)).text
                .splitlines()]
-        assert sorted(o["custom_id"] for o in out) == sorted(f"c{i}" for i in range(30))
+        assert sorted(o["custom_id"] for o in out) == sorted([f"c{i}" for i in range(30)]
+                                                              + ["urgent"])
         for o in out:
+            if o["custom_id"] == "urgent":
+                continue
             body = o["response"]["body"]
             assert o["response"]["status_code"] == 200 and o["error"] is None
             assert body["choices"][0]["text"] == f"p{o['custom_id'][1:]}p"[:3]

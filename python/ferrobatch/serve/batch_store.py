@@ -11,7 +11,9 @@ job, in the states OpenAI names:
   line number), as OpenAI validates a batch before it runs;
 - `in_progress`: the lines posted to the server's routes (`batch.answer_lines`, through a
   loopback address of the same server: the same options, auth and limits as any client), at
-  most `concurrency` at a time; each answer written at once to the output file (status 200)
+  most `concurrency` at a time, each with `priority` unless its body sets one (under
+  `--scheduling-policy priority` live requests, at 0, go first); each answer written at once
+  to the output file (status 200)
   or the error file (any other), `request_counts` following them;
 - `finalizing` -> `completed`: the two files become file objects (`batch_output`), their ids
   on the batch (an empty one is not made);
@@ -48,6 +50,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_FILE_MB = 200           # OpenAI's limit for a batch input file
 STORAGE_FILES = 10                  # the directory holds at most this many files' worth
 DEFAULT_CONCURRENCY = 64            # requests of one batch in flight at once
+DEFAULT_PRIORITY = 1                # a line's priority unless it sets one: under the priority
+#                                     scheduling policy, after live requests (0)
 COMPLETION_WINDOW_S = {"24h": 24 * 3600}
 MAX_ERRORS = 100                    # validation errors a failed batch lists
 UPLOAD_PURPOSES = ("batch",)
@@ -116,10 +120,12 @@ class BatchStore:
     posts its requests: the owning server sets them once it listens."""
 
     def __init__(self, *, max_file_bytes: int = DEFAULT_MAX_FILE_MB << 20,
-                 concurrency: int = DEFAULT_CONCURRENCY) -> None:
+                 concurrency: int = DEFAULT_CONCURRENCY,
+                 priority: int = DEFAULT_PRIORITY) -> None:
         if max_file_bytes < 1 or concurrency < 1:
             raise ValueError("the batch store needs max_file_bytes >= 1 and concurrency >= 1")
         self.max_file_bytes, self.concurrency = max_file_bytes, concurrency
+        self.priority = priority
         self.dir = tempfile.mkdtemp(prefix="ferrobatch-files-")
         self.files: OrderedDict[str, StoredFile] = OrderedDict()
         self.batches: OrderedDict[str, Batch] = OrderedDict()
@@ -279,7 +285,8 @@ class BatchStore:
                 batch.failed += not ok
 
             await answer_lines(self.base_url, lines, write, headers=self.headers,
-                               concurrency=self.concurrency)
+                               concurrency=self.concurrency,
+                               defaults={"priority": self.priority})
 
     def _keep(self, batch: Batch, outputs: dict[str, StoredFile]) -> None:
         """The output and error files as file objects on the batch (an empty one dropped)."""

@@ -64,7 +64,8 @@ class Server:
                  tool_call_parser: str | None = None,
                  return_tokens_as_token_ids: bool = False,
                  response_store: int = 0, batch_api: bool = False,
-                 batch_max_file_mb: int = 200, batch_concurrency: int = 64) -> None:
+                 batch_max_file_mb: int = 200, batch_concurrency: int = 64,
+                 batch_priority: int = 1) -> None:
         """`allowed_origins`: the browser origins CORS lets call the HTTP API (`"*"`: any;
         empty: CORS off), as `cors.parse_origins` makes them. `log_stats_interval_s` > 0: an
         INFO line of engine activity that often while the server runs (`StatsLogger`);
@@ -82,7 +83,7 @@ class Server:
         finished responses in memory (`previous_response_id`, `GET /v1/responses/{id}`).
         `batch_api`: OpenAI's Files and Batches APIs (`serve/batch_api.py`): uploads of at most
         `batch_max_file_mb`, each batch's requests `batch_concurrency` at a time through a
-        loopback address of this same server."""
+        loopback address of this same server, at `batch_priority` unless a line sets one."""
         if api_key is not None and not api_key:
             raise ValueError("api_key must not be empty")
         if served_model_name is not None and not isinstance(served_model_name, str):
@@ -112,7 +113,8 @@ class Server:
         if batch_api:
             from ferrobatch.serve.batch_store import BatchStore
             self.state.batches = BatchStore(max_file_bytes=batch_max_file_mb << 20,
-                                            concurrency=batch_concurrency)
+                                            concurrency=batch_concurrency,
+                                            priority=batch_priority)
         self.state.metrics = ServerMetrics(engine, self.state.model_name,
                                            "vllm:" if vllm_metric_names else "ferrobatch_")
         self.stats_logger = (StatsLogger(engine, log_stats_interval_s)
