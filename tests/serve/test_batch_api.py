@@ -227,3 +227,22 @@ async def test_with_an_api_key_and_a_stop_mid_batch(fake_server):
     assert store.batch(running.id).status == "cancelled"
     assert not os.path.exists(store.dir)
     await fake_server.engine.check_idle_clean(10.0)
+
+
+@pytest.mark.parametrize("fake_server", [{"batch_api": True, "batch_concurrency": 1,
+                                          "core": {"step_delay_s": 0.01}}], indirect=True)
+async def test_a_batch_past_its_window_expires_keeping_what_finished(fake_server, monkeypatch):
+    import ferrobatch.serve.batch_store as batch_store
+
+    monkeypatch.setitem(batch_store.COMPLETION_WINDOW_S, "24h", 0.5)   # the window, shortened
+    lines = [line(f"c{i}", prompt="ab", max_tokens=10) for i in range(40)]
+    async with sdk_client(fake_server) as client:
+        uploaded = await client.files.create(file=("in.jsonl", "\n".join(lines).encode()),
+                                             purpose="batch")
+        batch = await client.batches.create(input_file_id=uploaded.id,
+                                            endpoint="/v1/completions", completion_window="24h")
+        done = await until_ended(client, batch.id)
+        assert done.status == "expired" and done.expired_at
+        assert 0 < done.request_counts.completed < 40
+        out = (await client.files.content(done.output_file_id)).text.splitlines()
+        assert len(out) == done.request_counts.completed
