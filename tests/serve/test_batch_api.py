@@ -20,6 +20,15 @@ def line(custom_id, url="/v1/completions", **body):
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
 
 
+async def submit(client, lines, name="in.jsonl"):
+    """(the uploaded file, the batch created on it) for `lines` of /v1/completions requests."""
+    uploaded = await client.files.create(file=(name, "\n".join(lines).encode()),
+                                         purpose="batch")
+    batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                        completion_window="24h")
+    return uploaded, batch
+
+
 async def until_ended(client, batch_id, timeout=30.0):
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
@@ -93,10 +102,7 @@ async def test_a_batch_with_a_bad_line_fails_whole_listing_each_by_line(fake_ser
              line("a", prompt="y", max_tokens=2),
              line("c", prompt="z", max_tokens=2, stream=True)]
     async with sdk_client(fake_server) as client:
-        uploaded = await client.files.create(file=("in.jsonl", "\n".join(lines).encode()),
-                                             purpose="batch")
-        batch = await client.batches.create(input_file_id=uploaded.id,
-                                            endpoint="/v1/completions", completion_window="24h")
+        uploaded, batch = await submit(client, lines)
         done = await until_ended(client, batch.id)
         assert done.status == "failed" and done.failed_at and not done.in_progress_at
         errors = {e.line: e.message for e in done.errors.data}
@@ -104,9 +110,7 @@ async def test_a_batch_with_a_bad_line_fails_whole_listing_each_by_line(fake_ser
         assert "endpoint" in errors[2] and "JSON" in errors[3]
         assert "custom_id" in errors[5] and "stream" in errors[6]
         assert done.output_file_id is None and done.request_counts.total == 0
-        empty = await client.files.create(file=("e.jsonl", b"\n\n"), purpose="batch")
-        batch = await client.batches.create(input_file_id=empty.id,
-                                            endpoint="/v1/completions", completion_window="24h")
+        _, batch = await submit(client, ["", ""], "e.jsonl")
         done = await until_ended(client, batch.id)
         assert done.status == "failed" and done.errors.data[0].code == "empty_file"
     assert fake_server.engine._core.submitted == 0          # nothing ran
@@ -117,10 +121,7 @@ async def test_a_batch_with_a_bad_line_fails_whole_listing_each_by_line(fake_ser
 async def test_cancelling_aborts_what_runs_and_keeps_what_finished(fake_server):
     lines = [line(f"c{i}", prompt="ab", max_tokens=40) for i in range(12)]
     async with sdk_client(fake_server) as client:
-        uploaded = await client.files.create(file=("in.jsonl", "\n".join(lines).encode()),
-                                             purpose="batch")
-        batch = await client.batches.create(input_file_id=uploaded.id,
-                                            endpoint="/v1/completions", completion_window="24h")
+        uploaded, batch = await submit(client, lines)
         while (await client.batches.retrieve(batch.id)).request_counts.completed < 2:
             await asyncio.sleep(0.02)
         cancelling = await client.batches.cancel(batch.id)
@@ -207,18 +208,10 @@ async def test_with_an_api_key_and_a_stop_mid_batch(fake_server):
     store = fake_server.server.state.batches
     try:
         lines = [line(f"c{i}", prompt="ab", max_tokens=2) for i in range(4)]
-        uploaded = await client.files.create(file=("in.jsonl", "\n".join(lines).encode()),
-                                             purpose="batch")
-        done = await until_ended(client, (await client.batches.create(
-            input_file_id=uploaded.id, endpoint="/v1/completions",
-            completion_window="24h")).id)
+        done = await until_ended(client, (await submit(client, lines))[1].id)
         assert done.status == "completed" and done.request_counts.completed == 4
         long = [line(f"l{i}", prompt="ab", max_tokens=200) for i in range(4)]
-        uploaded = await client.files.create(file=("l.jsonl", "\n".join(long).encode()),
-                                             purpose="batch")
-        running = await client.batches.create(input_file_id=uploaded.id,
-                                              endpoint="/v1/completions",
-                                              completion_window="24h")
+        _, running = await submit(client, long, "l.jsonl")
         while store.batch(running.id).status != "in_progress":
             await asyncio.sleep(0.01)
     finally:
@@ -237,10 +230,7 @@ async def test_a_batch_past_its_window_expires_keeping_what_finished(fake_server
     monkeypatch.setitem(batch_store.COMPLETION_WINDOW_S, "24h", 0.5)   # the window, shortened
     lines = [line(f"c{i}", prompt="ab", max_tokens=10) for i in range(40)]
     async with sdk_client(fake_server) as client:
-        uploaded = await client.files.create(file=("in.jsonl", "\n".join(lines).encode()),
-                                             purpose="batch")
-        batch = await client.batches.create(input_file_id=uploaded.id,
-                                            endpoint="/v1/completions", completion_window="24h")
+        uploaded, batch = await submit(client, lines)
         done = await until_ended(client, batch.id)
         assert done.status == "expired" and done.expired_at
         assert 0 < done.request_counts.completed < 40
