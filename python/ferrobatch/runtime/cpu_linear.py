@@ -233,8 +233,9 @@ class BlockKernel:
             if use_amx else None
         pack = getattr(_scheduler, f"pack_quant_panels_{self.kind}")
         self.qpanels = _aligned_64(pack(*self.arrays)) if quant_panels and not use_amx else None
-        # the panels' kind: Q8G16 blocks whose minimums are all +0 (Q6_K's form) pack without
-        # them, "q8_s16" (10 bits a weight instead of 12; cpu_quant_panels.rs decides alike)
+        # the panels' kind: Q8G16 blocks whose minimums are all +0 (Q6_K's, Q5_0's, Q3_K's,
+        # IQ4's forms) pack without them, "q8_s16" (10 bits a weight instead of 12;
+        # cpu_quant_panels.rs decides alike)
         self.panel_kind = "q8_s16" if self.kind == "q8_g16" and \
             not self.arrays[1].view(np.uint32).any() else self.kind
         self.shape = block_weight.shape
