@@ -250,6 +250,14 @@ def _port_or_off(text: str) -> int:
     return -1 if int(text) == -1 else _port(text)
 
 
+def _server_url(text: str) -> str:
+    """A server's root URL (a trailing "/v1", as OpenAI clients take it, is dropped)."""
+    url = text.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http(s) URL")
+    return url.removesuffix("/v1")
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -392,6 +400,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(the new answers are appended)")
     b.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name the requests use (default: the model's name)")
+    b.add_argument("--url", type=_server_url, default=None, metavar="URL",
+                   help="send the requests to this running server (e.g. "
+                   "http://127.0.0.1:8000) instead of loading a model here: the engine "
+                   "options below are not used")
+    b.add_argument("--api-key", default=os.environ.get("FERROBATCH_API_KEY"),
+                   help="with --url: the server's key (default $FERROBATCH_API_KEY)")
     _log_level_arg(b, "warning")
     _engine_args(b)
 
@@ -555,7 +569,7 @@ def _params(a: argparse.Namespace, model_defaults: dict[str, Any] | None = None
 
 
 async def _batch(a: argparse.Namespace) -> int:
-    from ferrobatch.batch import kept_answers, run_batch
+    from ferrobatch.batch import answer_lines, kept_answers, run_batch
     from ferrobatch.engine.async_engine import AsyncEngine
 
     if a.concurrency < 1:
@@ -576,15 +590,19 @@ async def _batch(a: argparse.Namespace) -> int:
         sink.flush()
 
     summary = None
+    options = {"concurrency": a.concurrency,
+               "progress": "bar" if sys.stderr.isatty() else "lines",
+               "in_order": a.in_order or a.command == "run-batch", "answered": answered,
+               "total": total}
     try:
-        async with AsyncEngine(_config(a)) as engine:
-            _serve_lora_modules(engine, a, (a.served_model_name or engine.model_name,))
-            summary = await run_batch(
-                engine, source, write, concurrency=a.concurrency,
-                progress="bar" if sys.stderr.isatty() else "lines",
-                served_model_name=a.served_model_name,
-                in_order=a.in_order or a.command == "run-batch", answered=answered,
-                total=total)
+        if a.url is not None:               # a running server answers: no model loads here
+            headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else None
+            summary = await answer_lines(a.url, source, write, headers=headers, **options)
+        else:
+            async with AsyncEngine(_config(a)) as engine:
+                _serve_lora_modules(engine, a, (a.served_model_name or engine.model_name,))
+                summary = await run_batch(engine, source, write,
+                                          served_model_name=a.served_model_name, **options)
     finally:
         if source is not sys.stdin:
             source.close()

@@ -215,3 +215,34 @@ def test_run_batch_vllms_command_answers_in_order_and_resumes(tmp_path, smollm2_
         capsys.readouterr().err
     assert main(["batch", "-i", str(src), "-o", "-", "--resume"]) == 2
     assert "--resume needs an output file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fake_server", [{"api_key": "sk-b"}], indirect=True)
+async def test_the_cli_sends_a_file_to_a_running_server(fake_server, tmp_path, capsys):
+    # `batch --url`: no model loads; the lines go to the server (its key sent), in order with
+    # --in-order, resumable as a local job
+    from ferrobatch import cli
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(line(f"c{i}", prompt=f"p{i}", max_tokens=2 + i % 3)
+                             for i in range(12)) + "\n")
+    args = ["batch", "-i", str(src), "-o", str(dst), "--url", fake_server.base + "/v1",
+            "--api-key", "sk-b", "--in-order", "--concurrency", "4"]
+    assert await cli._batch(cli.parse_args(args)) == 0
+    out = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert [o["custom_id"] for o in out] == [f"c{i}" for i in range(12)]
+    assert all(o["response"]["status_code"] == 200 for o in out)
+    assert "12 requests, 12 answered, 0 failed" in capsys.readouterr().err
+    dst.write_text("\n".join(json.dumps(o) for o in out[:5]) + "\n")
+    assert await cli._batch(cli.parse_args(args + ["--resume"])) == 0
+    assert sorted(json.loads(x)["custom_id"] for x in dst.read_text().splitlines()) == \
+        sorted(f"c{i}" for i in range(12))
+    assert "7 requests, 7 answered, 0 failed, 5 answered before" in capsys.readouterr().err
+    # the wrong key: every line answered with the server's 401, nothing lost
+    bad = ["batch", "-i", str(src), "-o", str(tmp_path / "bad.jsonl"), "--url",
+           fake_server.base, "--api-key", "nope"]
+    assert await cli._batch(cli.parse_args(bad)) == 0
+    answers = [json.loads(x) for x in (tmp_path / "bad.jsonl").read_text().splitlines()]
+    assert len(answers) == 12 and {a["response"]["status_code"] for a in answers} == {401}
+    with pytest.raises(SystemExit):
+        cli.parse_args(["batch", "-i", str(src), "-o", "x", "--url", "ftp://h"])
