@@ -191,6 +191,15 @@ async def test_uploads_and_batches_are_checked(fake_server, monkeypatch):
             assert r.status == 400
 
 
+def test_a_store_never_used_makes_no_directory():
+    from ferrobatch.serve.batch_store import BatchStore
+
+    store = BatchStore()
+    assert store._dir is None
+    asyncio.run(store.close())
+    assert store._dir is None
+
+
 async def test_without_the_flag_the_routes_say_so(fake_server):
     async with aiohttp.ClientSession() as s:
         for method, path in (("GET", "/v1/batches"), ("GET", "/v1/files"),

@@ -126,11 +126,19 @@ class BatchStore:
             raise ValueError("the batch store needs max_file_bytes >= 1 and concurrency >= 1")
         self.max_file_bytes, self.concurrency = max_file_bytes, concurrency
         self.priority = priority
-        self.dir = tempfile.mkdtemp(prefix="ferrobatch-files-")
+        self._dir: str | None = None        # made at the first file (a server never used, or
+        #                                     never started, leaves nothing behind)
         self.files: OrderedDict[str, StoredFile] = OrderedDict()
         self.batches: OrderedDict[str, Batch] = OrderedDict()
         self.base_url: str | None = None
         self.headers: dict[str, str] = {}
+
+    @property
+    def dir(self) -> str:
+        """The files' directory (a fresh temporary one, made on first use)."""
+        if self._dir is None:
+            self._dir = tempfile.mkdtemp(prefix="ferrobatch-files-")
+        return self._dir
 
     # -- files -------------------------------------------------------------------------------
 
@@ -309,7 +317,8 @@ class BatchStore:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _validate(path: str, endpoint: str) -> tuple[list[dict[str, Any]], int]:
