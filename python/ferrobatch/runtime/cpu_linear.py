@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -233,12 +232,13 @@ class BlockKernel:
             if use_amx else None
         pack = getattr(_scheduler, f"pack_quant_panels_{self.kind}")
         self.qpanels = _aligned_64(pack(*self.arrays)) if quant_panels and not use_amx else None
-        # the panels' kind: Q8G16 blocks whose minimums are all +0 (Q6_K's, Q5_0's, Q3_K's,
-        # IQ4's forms) pack without them, "q8_s16" (10 bits a weight instead of 12;
-        # cpu_quant_panels.rs decides alike)
-        self.panel_kind = "q8_s16" if self.kind == "q8_g16" and \
-            not self.arrays[1].view(np.uint32).any() else self.kind
         self.shape = block_weight.shape
+        # the panels' kind, as cpu_quant_panels.rs packed them: Q8G16 blocks whose minimums are
+        # all +0 (Q6_K's, Q5_0's, Q3_K's, IQ4's forms) take 640-byte records without them,
+        # "q8_s16" (10 bits a weight instead of 12)
+        records = -(-self.shape[0] // PANEL_WIDTH) * (self.shape[1] // 32)
+        self.panel_kind = "q8_s16" if self.kind == "q8_g16" and self.qpanels is not None \
+            and self.qpanels.nbytes == 640 * records else self.kind
         self.amx_min_rows = amx_min_rows(self.shape[1]) if self.tiles is not None else None
         # Q8G16's quantized panels took 0.83-0.99x its blocks' time at 1-4 rows (a 14336 x 4096
         # layer, 2 threads, session 41): they alone take every step, the blocks are not kept
