@@ -274,9 +274,18 @@ def linear_quant_panels_f32(
     num_threads: int,
 ) -> None:
     """``out[M, N] = x[M, K] @ W.T + bias`` with ``W`` packed by ``pack_quant_panels_q4_1``
-    (``kind`` "q4_1") / ``pack_quant_panels_q8_0`` ("q8_0") (GIL released), any M: each chunk of
-    the panels unpacked to the loader's float32 weights, then ``linear_f32``'s tiles, so the
-    output is bit for bit ``linear_f32``'s over those weights. ValueError on any mismatch."""
+    (``kind`` "q4_1") / ``pack_quant_panels_q8_0`` ("q8_0") / ``pack_quant_panels_q8_g16``
+    ("q8_g16", "q8_s16") / ``pack_half_panels`` ("bf16", "f16") (GIL released), any M: each
+    chunk of the panels unpacked to the loader's float32 weights, then ``linear_f32``'s tiles,
+    so the output is bit for bit ``linear_f32``'s over those weights. ValueError on any
+    mismatch."""
+
+def pack_half_panels(weight: np.ndarray) -> tuple[str, np.ndarray] | None:
+    """A float32 ``[N, K]`` weight whose every value bfloat16 (else float16) holds exactly as
+    ``(kind, panels)``: ``kind`` "bf16" / "f16", ``panels`` uint8 ``ceil(N / 16) * K / 32 *
+    1024`` on a 64-byte boundary for ``linear_quant_panels_f32`` (half the float32 panels'
+    bytes, the same output bit for bit); None where neither holds every value or ``K`` is not
+    a multiple of 32."""
 
 def rms_norm_f32(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> None:
     """Each row of ``x`` ``[M, H]`` over its root mean square (+ eps) times ``weight`` ``[H]``,

@@ -16,6 +16,8 @@
 //!   of most Q4_K_M files): the two rows of scales, then the 32 groups, no minimums (each
 //!   weight still `scale * q + 0`, the loader's value bit for bit). A one-row step is bound by
 //!   reading the record, and this one is 10 bits a weight instead of 12.
+//! - Bf16 / F16 (1,024 bytes): not blocks but float32 weights that a 16-bit float holds
+//!   exactly (a bfloat16 or float16 checkpoint's), 16 bits each (`cpu_half_panels`).
 //!
 //! A panel's records follow each other (`K / 32` per panel), panels follow each other.
 //!
@@ -87,6 +89,10 @@ pub enum PanelFormat {
     /// `w = scale * q + 0`, q an int8, a scale per 16 inputs: Q8G16 blocks whose minimums are
     /// all +0 (bit for bit)
     Q8S16,
+    /// float32 weights that are bfloat16 values, as their bfloat16 bits (`cpu_half_panels`)
+    Bf16,
+    /// float32 weights that are float16 values, as their float16 bits (`cpu_half_panels`)
+    F16,
 }
 
 impl PanelFormat {
@@ -109,6 +115,7 @@ impl PanelFormat {
             PanelFormat::Q8_0 => 4 * PANEL_WIDTH + PANEL_WIDTH * BLOCK,
             PanelFormat::Q8G16 => 4 * 4 * PANEL_WIDTH + PANEL_WIDTH * BLOCK,
             PanelFormat::Q8S16 => 2 * 4 * PANEL_WIDTH + PANEL_WIDTH * BLOCK,
+            PanelFormat::Bf16 | PanelFormat::F16 => crate::cpu_half_panels::RECORD,
         }
     }
 }
@@ -577,6 +584,17 @@ unsafe fn unpack_record(isa: Isa, format: PanelFormat, rec: &[u8], out: &mut [f3
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx2, PanelFormat::Q8S16) => unsafe { avx2::q8_s16(rec, out) },
         (_, PanelFormat::Q8S16) => portable::q8_s16(rec, out),
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512 | Isa::Amx, PanelFormat::Bf16 | PanelFormat::F16) => unsafe {
+            crate::cpu_half_panels::x86::unpack_avx512(format, rec, out)
+        },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, PanelFormat::Bf16 | PanelFormat::F16) => unsafe {
+            crate::cpu_half_panels::x86::unpack_avx2(format, rec, out)
+        },
+        (_, PanelFormat::Bf16 | PanelFormat::F16) => {
+            crate::cpu_half_panels::unpack_portable(format, rec, out)
+        }
     }
 }
 
@@ -1024,6 +1042,57 @@ mod tests {
                                 );
                             }
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// 16-bit float panels (`cpu_half_panels`) of bfloat16 / float16 weights: the output is
+    /// `linear_f32`'s over the same float32 weights, bit for bit, across shapes, row counts
+    /// (one row to several passes, whole unpacking and chunks), threads and paths.
+    #[test]
+    fn half_panels_give_the_float32_panel_kernels_output_bit_for_bit() {
+        use crate::cpu_half_panels::{format_of, pack_into, packed_len};
+        let mut rng = Lcg(17);
+        type Rounding = fn(f32) -> f32;
+        let rounders: [(PanelFormat, Rounding); 2] = [
+            (PanelFormat::Bf16, |v| half::bf16::from_f32(v).to_f32()),
+            (PanelFormat::F16, |v| half::f16::from_f32(v).to_f32()),
+        ];
+        for (format, round) in rounders {
+            for &(n, k) in &[(1, 32), (33, 96), (100, 576), (1400, 1536)] {
+                let weight: Vec<f32> = rng.vec(n * k).into_iter().map(round).collect();
+                assert_eq!(format_of(&weight), Some(format));
+                let mut data = vec![0u8; packed_len(n, k).unwrap()];
+                pack_into(&weight, n, k, format, &mut data).unwrap();
+                let dense = pack_f32(&weight, n, k).unwrap();
+                let panels = QuantPanels {
+                    format,
+                    data: &data,
+                };
+                let rows: &[usize] = if n > 1000 {
+                    &[1, 50]
+                } else {
+                    &[1, 2, 7, 24, 200]
+                };
+                for &m in rows {
+                    let x = rng.vec(m * k);
+                    let bias = if m % 2 == 1 { rng.vec(n) } else { Vec::new() };
+                    for isa in ISAS {
+                        let threads = 1 + m % 3;
+                        let mut got = vec![f32::NAN; m * n];
+                        let shape = QuantPanelShape { m, n, k };
+                        run(&shape, &x, panels, &bias, &mut got, threads, isa).unwrap();
+                        let mut want = vec![f32::NAN; m * n];
+                        let lin = LinearShape { m, n, k };
+                        linear_f32_isa(&lin, &x, &dense, &bias, &mut want, threads, isa).unwrap();
+                        assert!(
+                            got.iter()
+                                .zip(&want)
+                                .all(|(g, w)| g.to_bits() == w.to_bits()),
+                            "{format:?} m={m} n={n} k={k} isa={isa:?}"
+                        );
                     }
                 }
             }

@@ -628,6 +628,7 @@ fn scheduler_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_linear_f32, m)?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_linear_q4_1_f32, m)?)?;
+    m.add_function(wrap_pyfunction!(crate::py_linear::py_pack_half_panels, m)?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_linear_q8_0_f32, m)?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_linear_q8_g16_f32, m)?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_rms_norm_f32, m)?)?;

@@ -114,8 +114,8 @@ fn cache_slices<'a, E: Element>(
 /// `("q8_g16", scale, min, qs)`
 /// (the `linear_q*_f32` kernels' arrays), or the kind alone (`("q8_g16",)`: quantized panels
 /// kept without their blocks; `("q8_s16",)` for those packed from blocks whose minimums are all
-/// +0), tiles the same blocks as `pack_amx_q*` packs them,
-/// qpanels as `pack_quant_panels_q*` packs them.
+/// +0; `("bf16",)` / `("f16",)` for 16-bit float panels, `pack_half_panels`'), tiles the same
+/// blocks as `pack_amx_q*` packs them, qpanels as `pack_quant_panels_q*` packs them.
 struct LinearArrays {
     n: usize,
     k: usize,
@@ -193,11 +193,14 @@ impl LinearArrays {
                     ("q8_0", 1) => Some(BlockArrays::PanelsAlone(PanelFormat::Q8_0)),
                     ("q8_g16", 1) => Some(BlockArrays::PanelsAlone(PanelFormat::Q8G16)),
                     ("q8_s16", 1) => Some(BlockArrays::PanelsAlone(PanelFormat::Q8S16)),
+                    ("bf16", 1) => Some(BlockArrays::PanelsAlone(PanelFormat::Bf16)),
+                    ("f16", 1) => Some(BlockArrays::PanelsAlone(PanelFormat::F16)),
                     _ => {
                         return Err(PyValueError::new_err(format!(
                             "blocks must be ('q4_1', scale, min, qs), ('q8_0', scale, qs), \
                              ('q8_g16', scale, min, qs) or a kind alone (quantized panels or AMX \
-                             tiles without blocks; 'q8_s16': Q8G16 panels without minimums), got \
+                             tiles without blocks; 'q8_s16': Q8G16 panels without minimums; \
+                             'bf16' / 'f16': 16-bit float panels), got \
                              {kind:?} with {} items",
                             t.len()
                         )))
@@ -311,6 +314,11 @@ impl LinearBorrow<'_> {
                         BlockBorrow::PanelsAlone(PanelFormat::Q8_0) => AmxFormat::Int8,
                         BlockBorrow::PanelsAlone(PanelFormat::Q8G16 | PanelFormat::Q8S16) => {
                             return Err(PyValueError::new_err("q8_g16 weights have no AMX tiles"))
+                        }
+                        BlockBorrow::PanelsAlone(PanelFormat::Bf16 | PanelFormat::F16) => {
+                            return Err(PyValueError::new_err(
+                                "16-bit float panels have no AMX tiles",
+                            ))
                         }
                     },
                     data: c_slice("tiles", t)?,

@@ -8,6 +8,7 @@
 use crate::cpu_amx_linear::{self, linear_amx_f32, AmxFormat, AmxShape, AmxTiles};
 use crate::cpu_elementwise::{rms_norm_f32, rotary_f32};
 use crate::cpu_error::KernelInputError;
+use crate::cpu_half_panels;
 use crate::cpu_linear::{linear_f32, LinearShape, PANEL_WIDTH};
 use crate::cpu_quant_linear::{linear_quant_f32, QuantShape, QuantWeight};
 use crate::cpu_quant_panels::{
@@ -293,20 +294,8 @@ fn pack_call<'py, T: numpy::Element + Send + Copy + Default>(
     (packed_len, pack_into): Packing<T>,
 ) -> PyResult<Bound<'py, PyArray1<T>>> {
     let k = nb * crate::cpu_quant_linear::BLOCK;
-    let value_err = |e: KernelInputError| PyValueError::new_err(e.0);
-    let len = packed_len(w, n, k).map_err(value_err)?;
-    let mut buffer = vec![T::default(); len + 64 / std::mem::size_of::<T>()];
-    let skip = buffer.as_ptr().align_offset(64);
-    py.detach(|| pack_into(w, n, k, &mut buffer[skip..skip + len]))
-        .map_err(value_err)?;
-    let whole = buffer.into_pyarray(py);
-    let aligned = whole.as_any().get_item(pyo3::types::PySlice::new(
-        py,
-        skip as isize,
-        (skip + len) as isize,
-        1,
-    ))?;
-    Ok(aligned.cast_into::<PyArray1<T>>()?)
+    let len = packed_len(w, n, k).map_err(|e| PyValueError::new_err(e.0))?;
+    aligned_64(py, len, |data| pack_into(w, n, k, data))
 }
 
 /// `linear_amx_f32(x, tiles, kind, bias, out, num_threads)`: `out[M, N] = x[M, K] @ W^T + bias`
@@ -431,8 +420,8 @@ pub fn py_pack_quant_panels_q8_g16<'py>(
 /// `linear_quant_panels_f32(x, panels, kind, bias, out, num_threads)`: `out[M, N] = x[M, K] @
 /// W^T + bias` with `W` packed by `pack_quant_panels_q4_1` (`kind` "q4_1") /
 /// `pack_quant_panels_q8_0` ("q8_0") / `pack_quant_panels_q8_g16` ("q8_g16", or "q8_s16" where
-/// its minimums are all +0); bit for bit what `linear_f32` gives over the loader's
-/// float32 weights. Writes `out`; returns None.
+/// its minimums are all +0) / `pack_half_panels` ("bf16", "f16"); bit for bit what `linear_f32`
+/// gives over the loader's float32 weights. Writes `out`; returns None.
 #[pyfunction]
 #[pyo3(name = "linear_quant_panels_f32", signature = (x, panels, kind, bias, out, num_threads))]
 pub fn py_linear_quant_panels_f32(
@@ -459,6 +448,60 @@ pub fn py_linear_quant_panels_f32(
     })
 }
 
+/// `pack_half_panels(weight)`: a float32 `[N, K]` weight whose every value a 16-bit float holds
+/// exactly (a bfloat16 or float16 checkpoint's) as `(kind, panels)`: `kind` "bf16" or "f16",
+/// `panels` uint8 `ceil(N / 16) * K / 32 * 1024` for `linear_quant_panels_f32`
+/// (`cpu_half_panels.rs`: half the float32 panels' bytes, the same output bit for bit); None
+/// where neither holds every value, or `K` is not a multiple of 32.
+#[pyfunction]
+#[pyo3(name = "pack_half_panels")]
+pub fn py_pack_half_panels<'py>(
+    py: Python<'py>,
+    weight: PyReadonlyArray2<'py, f32>,
+) -> PyResult<Option<KindAndPanels<'py>>> {
+    let [n, k] = [weight.shape()[0], weight.shape()[1]];
+    let w = c_contiguous("weight", weight.is_c_contiguous(), weight.as_slice())?;
+    if n == 0 || k == 0 || !k.is_multiple_of(crate::cpu_quant_linear::BLOCK) {
+        return Ok(None);
+    }
+    let Some(format) = py.detach(|| cpu_half_panels::format_of(w)) else {
+        return Ok(None);
+    };
+    let len = cpu_half_panels::packed_len(n, k).map_err(|e| PyValueError::new_err(e.0))?;
+    let panels = aligned_64(py, len, |data| {
+        cpu_half_panels::pack_into(w, n, k, format, data)
+    })?;
+    let kind = if format == PanelFormat::Bf16 {
+        "bf16"
+    } else {
+        "f16"
+    };
+    Ok(Some((kind, panels)))
+}
+
+/// `pack_half_panels`' answer: the panels' kind and bytes.
+type KindAndPanels<'py> = (&'static str, Bound<'py, PyArray1<u8>>);
+
+/// A `len`-element array starting on a 64-byte boundary, filled by `fill` (GIL released).
+fn aligned_64<'py, T: numpy::Element + Send + Copy + Default>(
+    py: Python<'py>,
+    len: usize,
+    fill: impl FnOnce(&mut [T]) -> Result<(), KernelInputError> + Send,
+) -> PyResult<Bound<'py, PyArray1<T>>> {
+    let mut buffer = vec![T::default(); len + 64 / std::mem::size_of::<T>()];
+    let skip = buffer.as_ptr().align_offset(64);
+    py.detach(|| fill(&mut buffer[skip..skip + len]))
+        .map_err(|e| PyValueError::new_err(e.0))?;
+    let whole = buffer.into_pyarray(py);
+    let aligned = whole.as_any().get_item(pyo3::types::PySlice::new(
+        py,
+        skip as isize,
+        (skip + len) as isize,
+        1,
+    ))?;
+    Ok(aligned.cast_into::<PyArray1<T>>()?)
+}
+
 /// The packed format of a block kind's panels.
 fn panel_format(kind: &str) -> PyResult<PanelFormat> {
     match kind {
@@ -466,9 +509,12 @@ fn panel_format(kind: &str) -> PyResult<PanelFormat> {
         "q8_0" => Ok(PanelFormat::Q8_0),
         "q8_g16" => Ok(PanelFormat::Q8G16),
         "q8_s16" => Ok(PanelFormat::Q8S16),
+        "bf16" => Ok(PanelFormat::Bf16),
+        "f16" => Ok(PanelFormat::F16),
         _ => Err(PyValueError::new_err(format!(
             "quantized panels are packed from 'q4_1', 'q8_0' or 'q8_g16' blocks ('q8_s16': \
-             q8_g16 blocks whose minimums are all +0), not {kind:?}"
+             q8_g16 blocks whose minimums are all +0), or 16-bit float weights ('bf16', \
+             'f16'), not {kind:?}"
         ))),
     }
 }

@@ -32,6 +32,8 @@ CASES = [
     ("kquant_gguf.py", ["{tmp}/k.gguf", "--hidden", "1000"], "--hidden 1000"),
     ("q8g16_minimums.py", ["{tmp}/none.gguf"], "no such file"),
     ("q8g16_minimums.py", ["{tmp}/none.gguf", "--rows", "1,x"], "--rows"),
+    ("half_panels.py", ["--rows", "1,x"], "--rows"),
+    ("half_panels.py", ["--hf-dir", "{tmp}/notjson.json"], "not a directory"),
     ("kquant_gguf.py", ["{tmp}/k.gguf", "--layers", "0"], "--layers"),
     ("kquant_gguf.py", ["{tmp}/k.gguf", "--heads", "3"], "--heads 3"),
     ("load_memory.py", ["/nonexistent/model.gguf"], "no such model"),

@@ -268,6 +268,21 @@ def test_q8g16_minimums_smoke(tmp_path: Path) -> None:
         assert r["speedup"] == pytest.approx(r["with_minimums_ms"] / r["without_ms"]), r
 
 
+def test_half_panels_smoke(tmp_path: Path) -> None:
+    # SmolLM2 saved in bfloat16: its linears as float32 and 16-bit panels give the same outputs
+    # and the same greedy tokens (the bench checks both) and both are timed
+    data, _ = _bench("half_panels.py", "--hf-dir", str(tmp_path / "bf16"), "--rows", "1,3",
+                     "--rounds", "1", "--threads", "1", "--tokens", "2", "--repeat", "1",
+                     json_out=tmp_path / "half.json", timeout=400)
+    assert data["mib"]["bf16"] == pytest.approx(data["mib"]["float32"] / 2)
+    assert [r["rows"] for r in data["layers"]] == [1, 3]
+    for r in data["layers"]:
+        assert r["speedup"] == pytest.approx(r["float32_ms"] / r["bf16_ms"]), r
+    decode = data["decode"]
+    assert decode["speedup"] == pytest.approx(decode["float32_ms_per_token"]
+                                              / decode["bf16_ms_per_token"])
+
+
 def test_step_phases_smoke(tmp_path: Path) -> None:
     # the smoke workload on the CPU: every step was scheduled, run eagerly, sampled and updated
     # once (greedy rows and nothing else: their tokens read back in one pass, no sampler), the

@@ -70,7 +70,9 @@ def _head_norms(attn) -> tuple:
 
 def _linear_spec(linear) -> tuple:
     blocks = tiles = qpanels = None
-    if linear.blocks is not None:
+    if linear.half is not None:     # 16-bit float panels, every step
+        blocks, qpanels = (linear.half[0],), linear.half[1]
+    elif linear.blocks is not None:
         arrays = linear.blocks.arrays
         # the kind alone: the panels or tiles alone (the panels' own: "q8_s16" has no minimums)
         blocks = (linear.blocks.kind, *arrays) if arrays else (linear.blocks.panel_kind,)

@@ -23,6 +23,12 @@ cover the smaller steps and the tiles or quantized panels all others, so the lay
 panels are released (SmolLM2: 537 MB less, :meth:`PanelLinear.drop_panels`).
 ``FERROBATCH_QUANT_PANELS=0`` keeps the float32 panels instead of the quantized ones (A/B runs).
 
+A weight that is not in GGUF blocks but that bfloat16 (or float16) holds exactly (a Hugging
+Face checkpoint stored in bfloat16, as most are, loaded as float32) is packed as 16-bit panels
+(``cpu_half_panels.rs``) read by the same quantized-panel kernel at every step size: the float32
+panel kernel's output bit for bit from half its bytes (``FERROBATCH_QUANT_PANELS=0`` too keeps
+the float32 panels).
+
 A step of at most ``QUANT_MAX_ROWS`` rows (one to eight decode sequences) is bound by reading the
 weights, not by arithmetic: for layers whose GGUF blocks are known (``model.block_weights``)
 such a call reads the Q4_1 / Q8_0 blocks instead, ~6x fewer bytes, and forms each weight exactly
@@ -89,16 +95,27 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 class PanelLinear(nn.Module):
-    """``y = x @ W.T + b`` with ``W`` packed by :func:`pack_panels` (inference only, float32 CPU)."""
+    """``y = x @ W.T + b`` with ``W`` packed by :func:`pack_panels` (inference only, float32 CPU).
+
+    ``half_panels``: where bfloat16 (or float16) holds every value of ``W`` exactly (a
+    checkpoint stored in that type, as most Hugging Face ones are), ``W`` is also packed as
+    16-bit panels (``half``: ``(kind, panels)``, ``cpu_half_panels.rs``) that every step reads
+    through ``linear_quant_panels_f32``: the same float32 weights, the same output bit for bit,
+    half the bytes (the float32 panels are then released by :meth:`drop_panels`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 num_threads: int = 1) -> None:
+                 num_threads: int = 1, half_panels: bool = False) -> None:
         super().__init__()
-        from ferrobatch._scheduler import linear_f32
+        from ferrobatch._scheduler import linear_f32, linear_quant_panels_f32
         self._kernel = linear_f32
+        self._panels_kernel = linear_quant_panels_f32
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("packed_weight", torch.empty(0) if weight.is_meta else
-                             pack_panels(weight.detach().float()))
+        self.half: tuple[str, object] | None = None   # ("bf16" | "f16", uint8 panels)
+        if half_panels and not weight.is_meta:
+            self.half = _half_panels(weight.detach().float())
+        # (no float32 panels beside 16-bit ones: a load's time and peak memory)
+        self.register_buffer("packed_weight", torch.empty(0) if weight.is_meta or self.half
+                             else pack_panels(weight.detach().float()))
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.num_threads = num_threads
         self.blocks: BlockKernel | None = None    # the same weights as GGUF blocks, if known
@@ -122,7 +139,10 @@ class PanelLinear(nn.Module):
         out = torch.empty(rows.shape[0], self.out_features)
         bias = None if self.bias is None else self.bias.numpy()
         blocks, num_rows = self.blocks, rows.shape[0]
-        if blocks is not None and blocks.tiles is not None and num_rows >= blocks.amx_min_rows:
+        if self.half is not None:
+            kind, panels = self.half
+            self._panels_kernel(rows.numpy(), panels, kind, bias, out.numpy(), self.num_threads)
+        elif blocks is not None and blocks.tiles is not None and num_rows >= blocks.amx_min_rows:
             blocks.amx(rows.numpy(), bias, out.numpy(), self.num_threads)
         elif blocks is not None and blocks.qpanels is not None \
                 and (num_rows >= quant_panels_min_rows() or blocks.panels_alone):
@@ -138,12 +158,12 @@ class PanelLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def covered_without_panels(self) -> bool:
-        """True when the blocks take every step below :func:`amx_min_rows` (or
-        :func:`quant_panels_min_rows`) rows and their AMX tiles (or quantized panels) every other,
-        so ``forward`` never reads the float32 panels."""
+        """True when the 16-bit panels take every step, or the blocks every step below
+        :func:`amx_min_rows` (or :func:`quant_panels_min_rows`) rows and their AMX tiles (or
+        quantized panels) every other, so ``forward`` never reads the float32 panels."""
         assert max(AMX_MIN_ROWS, quant_panels_min_rows()) <= QUANT_MAX_ROWS + 1
-        return self.blocks is not None and (self.blocks.tiles is not None
-                                            or self.blocks.qpanels is not None)
+        return self.half is not None or self.blocks is not None and (
+            self.blocks.tiles is not None or self.blocks.qpanels is not None)
 
     def drop_panels(self) -> int:
         """Releases the float32 panels if :meth:`covered_without_panels`; returns the bytes
@@ -161,6 +181,8 @@ class PanelLinear(nn.Module):
             panels, k, width = self.packed_weight.shape
             return self.packed_weight.transpose(1, 2).reshape(panels * width, k)[
                 :self.out_features].clone()
+        if self.half is not None:
+            return _unpack_half_panels(*self.half, self.out_features, self.in_features)
         return self.blocks.block_weight().dequantize()
 
     @torch.no_grad()
@@ -173,6 +195,15 @@ class PanelLinear(nn.Module):
         if not 0 <= start <= stop <= self.out_features or rows.shape[1:] != (self.in_features,):
             raise ValueError(f"rows {start}..{stop} of {tuple(rows.shape)} do not fit a "
                              f"[{self.out_features}, {self.in_features}] weight")
+        if self.half is not None:
+            # 16-bit panels packed again (float32 ones where the new rows need them)
+            weight = self.dense_weight()
+            weight[start:stop] = rows
+            self.half = _half_panels(weight)
+            if self.half is None or self.packed_weight.numel():
+                self.packed_weight = pack_panels(weight)
+            self.blocks = None
+            return
         if self.packed_weight.numel() == 0:
             weight = self.dense_weight()
             weight[start:stop] = rows
@@ -199,6 +230,8 @@ class PanelLinear(nn.Module):
         if self.blocks is not None and self.blocks.qpanels is not None:
             blocks += f", quantized panels (rows >= {quant_panels_min_rows()})"
         panels = "panels16" if self.packed_weight.numel() else "none"
+        if self.half is not None:
+            blocks = f", {self.half[0]} panels (every step)"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"packed={panels}{blocks}, threads={self.num_threads}")
 
@@ -296,6 +329,26 @@ class BlockKernel:
         self._panels(x, self.qpanels, self.panel_kind, bias, out, num_threads)
 
 
+def _half_panels(weight: torch.Tensor) -> tuple[str, object] | None:
+    """``("bf16" | "f16", panels)`` of a float32 ``[N, K]`` weight that 16-bit floats hold
+    exactly (``pack_half_panels``), else None."""
+    from ferrobatch import _scheduler
+    return _scheduler.pack_half_panels(weight.contiguous().numpy())
+
+
+def _unpack_half_panels(kind: str, panels, rows: int, cols: int) -> torch.Tensor:
+    """The float32 ``[rows, cols]`` weight of ``pack_half_panels``' panels: records of
+    ``[32 inputs][16 features]`` 16-bit values, ``cols / 32`` a panel."""
+    import numpy as np
+    halves = np.asarray(panels).view(np.uint16).reshape(-1, cols // 32, 32, PANEL_WIDTH)
+    if kind == "bf16":
+        values = (halves.astype(np.uint32) << 16).view(np.float32)
+    else:
+        values = halves.view(np.float16).astype(np.float32)
+    dense = values.transpose(0, 3, 1, 2).reshape(-1, cols)[:rows]
+    return torch.from_numpy(np.ascontiguousarray(dense))
+
+
 def _q8_g16_from_panels(qpanels, rows: int, cols: int, minimums: bool = True):
     """The Q8G16 ``BlockWeight`` of ``[rows, cols]`` packed as ``pack_quant_panels_q8_g16``
     packs it (``cpu_quant_panels.rs``): per 16 features and 32 inputs a 768-byte record of the
@@ -391,7 +444,9 @@ def pack_linear_layers(model: nn.Module, num_threads: int = 1,
     loaded with ``gguf_blocks=True``, whose weights are still on the meta device) makes those
     layers from their blocks: their block kernel (and, with ``amx`` where the CPU has AMX, their
     AMX tiles; elsewhere, with ``quant_panels``, their quantized panels), and float32 panels only
-    where those do not cover every step size, or with ``keep_panels``.
+    where those do not cover every step size, or with ``keep_panels``. With ``quant_panels``
+    the other layers whose weights bfloat16 or float16 holds exactly take 16-bit panels
+    (``PanelLinear.half``) instead of float32 ones.
     Returns how many weights were packed (0 when already packed; the thread count of packed
     layers is updated)."""
     num_packed = 0
@@ -401,7 +456,8 @@ def pack_linear_layers(model: nn.Module, num_threads: int = 1,
         model.packed_lm_head = PanelLinear.from_blocks(
             BlockKernel(block_weights["lm_head"], amx, quant_panels), None, num_threads) \
             if "lm_head" in block_weights else PanelLinear(model.lm_head_weight,
-                                                           num_threads=num_threads)
+                                                           num_threads=num_threads,
+                                                           half_panels=quant_panels)
         num_packed += 1
     targets = [(prefix, parent, name, child) for prefix, parent in model.named_modules()
                for name, child in parent.named_children() if type(child) is nn.Linear]
@@ -416,7 +472,8 @@ def pack_linear_layers(model: nn.Module, num_threads: int = 1,
         elif linear.weight.is_meta:
             raise ValueError(f"{path}: the weight was never loaded and no GGUF blocks hold it")
         else:
-            packed = PanelLinear(linear.weight, linear.bias, num_threads)
+            packed = PanelLinear(linear.weight, linear.bias, num_threads,
+                                 half_panels=quant_panels)
         setattr(parent, name, packed)
         bar.update(4 * linear.in_features * linear.out_features)   # (as float32: a bar of work)
     bar.close()
@@ -427,6 +484,7 @@ def pack_linear_layers(model: nn.Module, num_threads: int = 1,
             module.num_threads = num_threads
             if not keep_panels:
                 module.drop_panels()
-            elif module.blocks is not None and not module.packed_weight.numel():
+            elif (module.blocks is not None or module.half is not None) \
+                    and not module.packed_weight.numel():
                 module.packed_weight = pack_panels(module.dense_weight())
     return num_packed + len(targets)

@@ -148,6 +148,11 @@ class ModelRunner:
                 else "") + (
                 f" ({tiles_alone} layers of {TILES_ALONE_MIN_INPUTS}+ inputs: the AMX tiles "
                 "alone, fewer rows without tile instructions)" if tiles_alone else "")
+            half = [m for m in self.model.modules()
+                    if isinstance(m, PanelLinear) and m.half is not None]
+            half_kinds = sorted({m.half[0] for m in half})
+            if half:
+                self.linear_kernels += f", {' / '.join(half_kinds)} weights as 16-bit panels"
             not_fused = install_fused_decode(self.model, self.attn_backend, self.kernel_threads) \
                 if fused_decode else "fused_decode=False"
             if not_fused is None:
@@ -167,8 +172,14 @@ class ModelRunner:
                             "blocks beside them: fewer rows read the tiles without tile "
                             "instructions; %.0f MiB)", tiles_alone, TILES_ALONE_MIN_INPUTS,
                             sum(k.nbytes for k in kernels.values() if k.tiles_alone) / 2**20)
+            if half:
+                logger.info("linear layers: %d hold %s values: 16-bit panels (%.0f MiB), read "
+                            "by every step as the float32 ones would be (the same outputs), "
+                            "half the bytes", len(half), " / ".join(half_kinds),
+                            sum(m.half[1].nbytes for m in half) / 2**20)
             released = [m for m in self.model.modules()
-                        if isinstance(m, PanelLinear) and m.packed_weight.numel() == 0]
+                        if isinstance(m, PanelLinear) and m.packed_weight.numel() == 0
+                        and m.half is None]
             if released:
                 logger.info("linear layers: %d keep no float32 panels (%.0f MiB less): their "
                             "blocks cover every step size (larger ones%s)", len(released),

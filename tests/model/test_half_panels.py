@@ -1,0 +1,145 @@
+"""16-bit float panels (`cpu_half_panels.rs`): a checkpoint whose weights bfloat16 or float16
+holds exactly keeps them in 16 bits on the CPU, with the float32 panels' outputs bit for bit."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from hf_tiny import assert_greedy_matches, random_hf_model
+from step_builder import ToyScheduler, greedy_run
+from test_model_loader import TINY_CONFIGS
+
+from ferrobatch import _scheduler
+from ferrobatch.model.loader import load_model
+from ferrobatch.runtime.cpu_linear import PanelLinear, pack_panels
+from ferrobatch.runtime.model_runner import ModelRunner
+
+ROUND = {"bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def _checkpoint(tmp_path, kind: str | None, name: str = "llama"):
+    """A tiny transformers model whose every weight is a ``kind`` value (None: float32 ones),
+    saved in that type; the float32 reference model with the same values."""
+    reference = random_hf_model(TINY_CONFIGS[name], seed=3)
+    saved = copy.deepcopy(reference)
+    if kind is not None:
+        with torch.no_grad():
+            for param in reference.parameters():
+                param.copy_(param.to(ROUND[kind]).float())
+        saved = copy.deepcopy(reference).to(ROUND[kind])
+    saved.save_pretrained(tmp_path, safe_serialization=True)
+    return reference
+
+
+def _linears(loaded) -> list[PanelLinear]:
+    return [m for m in loaded.model.modules() if isinstance(m, PanelLinear)]
+
+
+def _logits(runner, prompts, new_tokens: int = 6) -> list[torch.Tensor]:
+    """Every step's logits of a greedy run of ``prompts`` (prefill chunks of 16, then decode)."""
+    sched = ToyScheduler(64, 4, token_budget=16)
+    for i, prompt in enumerate(prompts):
+        sched.add(i, prompt, new_tokens)
+    steps = []
+
+    def execute(batch):
+        steps.append(runner.execute(batch).clone())
+        return steps[-1]
+
+    greedy_run(runner, sched, execute=execute)
+    return steps
+
+
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+def test_a_16_bit_checkpoint_takes_16_bit_panels_with_the_float32_panels_logits(
+        tmp_path, monkeypatch, kind):
+    reference = _checkpoint(tmp_path, kind)
+    prompts = [list(range(3, 40)), list(range(50, 53)), list(range(7, 27))]
+    loaded = load_model(str(tmp_path))
+    runner = ModelRunner(loaded, num_blocks=64, block_size=4)
+    linears = _linears(loaded)
+    # every linear and the LM head: 16-bit panels alone, half the float32 panels' bytes
+    assert linears and all(m.half is not None and m.half[0] == kind for m in linears)
+    assert all(m.packed_weight.numel() == 0 for m in linears)
+    assert f"{kind} weights as 16-bit panels" in runner.linear_kernels
+    assert runner.fused_layers is not None       # decode steps: one Rust call, 16-bit too
+    assert_greedy_matches(loaded, reference, prompts[:2], 8, runner=runner)
+
+    monkeypatch.setenv("FERROBATCH_QUANT_PANELS", "0")   # the float32 panels, side by side
+    plain = load_model(str(tmp_path))
+    plain_runner = ModelRunner(plain, num_blocks=64, block_size=4)
+    assert all(m.half is None and m.packed_weight.numel() for m in _linears(plain))
+    ours, theirs = _logits(runner, prompts), _logits(plain_runner, prompts)
+    assert len(ours) == len(theirs) > 3
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+
+
+def test_a_float32_checkpoint_keeps_its_float32_panels(tmp_path):
+    _checkpoint(tmp_path, None)
+    loaded = load_model(str(tmp_path))
+    runner = ModelRunner(loaded, num_blocks=16, block_size=4)
+    assert all(m.half is None and m.packed_weight.numel() for m in _linears(loaded))
+    assert "16-bit" not in runner.linear_kernels
+
+
+def test_layer_forward_and_dense_weight_at_every_row_count():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(70, 96, generator=gen).bfloat16().float()
+    bias = torch.randn(70, generator=gen)
+    layer = PanelLinear(weight, bias, num_threads=2, half_panels=True)
+    assert layer.half[0] == "bf16" and layer.half[1].nbytes == 5 * 3 * 1024
+    plain = PanelLinear(weight, bias, num_threads=2)
+    assert layer.packed_weight.numel() == 0 and layer.covered_without_panels()
+    assert torch.equal(layer.dense_weight(), weight)
+    for rows in (1, 2, 5, 8, 17, 64, 300):
+        x = torch.randn(rows, 96, generator=gen)
+        assert torch.equal(layer(x), plain(x)), rows
+    # float16 values bfloat16 cannot hold: float16 panels
+    f16 = torch.randn(20, 64, generator=gen).half().float()
+    assert torch.equal(PanelLinear(f16, half_panels=True).dense_weight(), f16)
+    assert PanelLinear(f16, half_panels=True).half[0] == "f16"
+    # neither holds these, or the inputs are not whole blocks of 32: float32 panels only
+    assert PanelLinear(torch.randn(8, 64, generator=gen), half_panels=True).half is None
+    assert PanelLinear(torch.randn(8, 48, generator=gen).bfloat16().float(),
+                       half_panels=True).half is None
+
+
+def test_written_rows_keep_16_bit_panels_where_they_can():
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(40, 64, generator=gen).bfloat16().float()
+    layer = PanelLinear(weight, half_panels=True)
+    layer.drop_panels()
+    new = torch.randn(5, 64, generator=gen).bfloat16().float()
+    layer.write_rows(10, new)
+    weight[10:15] = new
+    assert layer.half[0] == "bf16" and layer.packed_weight.numel() == 0
+    assert torch.equal(layer.dense_weight(), weight)
+    # rows no 16-bit float holds: float32 panels from then on
+    odd = torch.randn(3, 64, generator=gen)
+    layer.write_rows(0, odd)
+    weight[0:3] = odd
+    assert layer.half is None and layer.packed_weight.numel()
+    x = torch.randn(3, 64, generator=gen)
+    assert torch.equal(layer(x), PanelLinear(weight)(x))
+
+
+def test_bad_16_bit_panels_are_refused():
+    weight = np.zeros((16, 64), np.float32)
+    kind, panels = _scheduler.pack_half_panels(weight)
+    assert kind == "bf16" and panels.ctypes.data % 64 == 0
+    out = np.empty((1, 16), np.float32)
+    with pytest.raises(ValueError, match="packed panels has"):
+        _scheduler.linear_quant_panels_f32(np.zeros((1, 64), np.float32), panels[:-1024], kind,
+                                           None, out, 1)
+    with pytest.raises(ValueError, match="'bf16', 'f16'"):
+        _scheduler.linear_quant_panels_f32(np.zeros((1, 64), np.float32), panels, "bf8", None,
+                                           out, 1)
+    assert _scheduler.pack_half_panels(np.zeros((16, 40), np.float32)) is None
+    with pytest.raises(ValueError, match="C-contiguous"):
+        _scheduler.pack_half_panels(np.zeros((64, 16), np.float32).T)
+    # the float32 panels of the same weight read the same (the reference is pack_panels')
+    assert pack_panels(torch.from_numpy(weight)).shape == (1, 64, 16)
