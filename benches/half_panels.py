@@ -14,9 +14,10 @@ downloading SmolLM2-135M-Instruct from the Hub gets, in shape and in type.
   alternating round by round, medians of `--rounds`; both forms' outputs must be equal bit for
   bit (the run fails otherwise).
 - **decode**: two `LLM`s of the checkpoint (one with `FERROBATCH_QUANT_PANELS=0`: float32
-  panels), single-stream greedy decoding of `--tokens` tokens after a fresh 256-token prompt,
-  alternating, ms per output token from the requests' own timings (first token to last),
-  medians of `--repeat`; both must produce the same tokens.
+  panels), single-stream greedy decoding of `--tokens` tokens after a fresh `--prompt-tokens`
+  prompt, alternating, ms per output token from the requests' own timings (first token to
+  last) and the time to the first token (the prompt's prefill), medians of `--repeat`; both
+  must produce the same tokens.
 """
 
 # ruff: noqa: I001  (common must be imported before numpy / torch: it sets OpenMP defaults)
@@ -102,8 +103,9 @@ def layer_rounds(hf_dir: Path, rows_list: list[int], rounds: int, threads: int) 
     return len(weights), mib, results
 
 
-def decode_rounds(hf_dir: Path, tokens: int, repeat: int) -> dict:
-    """Single-stream greedy ms per output token, both forms alternating (module header)."""
+def decode_rounds(hf_dir: Path, tokens: int, repeat: int, prompt_tokens: int) -> dict:
+    """Single-stream greedy ms per output token and time to first token, both forms
+    alternating (module header)."""
     from ferrobatch import LLM, SamplingParams
 
     llms = {}
@@ -117,20 +119,27 @@ def decode_rounds(hf_dir: Path, tokens: int, repeat: int) -> dict:
     rng = np.random.default_rng(1)
     params = {"max_tokens": tokens + 1, "temperature": 0.0, "ignore_eos": True}
     per_token: dict[str, list[float]] = {kind: [] for kind in llms}
+    ttft: dict[str, list[float]] = {kind: [] for kind in llms}
     for _ in range(repeat + 1):
-        ids = rng.integers(100, 40000, size=256).tolist()
+        ids = rng.integers(100, 40000, size=prompt_tokens).tolist()
         answers = {}
         for kind, llm in llms.items():
             (out,) = llm.generate([ids], SamplingParams(**params))
             answers[kind] = out.outputs[0].token_ids
             per_token[kind].append((out.metrics["e2e_s"] - out.metrics["ttft_s"]) / tokens * 1e3)
+            ttft[kind].append(out.metrics["ttft_s"] * 1e3)
         if answers["bf16"] != answers["float32"]:
             raise SystemExit("the two forms decoded different tokens")
     ms = {kind: float(np.median(v[1:])) for kind, v in per_token.items()}   # the first warms up
+    first = {kind: float(np.median(v[1:])) for kind, v in ttft.items()}
     print(f"decode: float32 panels {ms['float32']:.2f} ms a token, bf16 panels "
-          f"{ms['bf16']:.2f} ({ms['float32'] / ms['bf16']:.2f}x)", flush=True)
-    return {"float32_ms_per_token": ms["float32"], "bf16_ms_per_token": ms["bf16"],
-            "speedup": ms["float32"] / ms["bf16"],
+          f"{ms['bf16']:.2f} ({ms['float32'] / ms['bf16']:.2f}x); first token after "
+          f"{prompt_tokens} prompt tokens: {first['float32']:.0f} vs {first['bf16']:.0f} ms "
+          f"({first['float32'] / first['bf16']:.2f}x)", flush=True)
+    return {"prompt_tokens": prompt_tokens, "float32_ms_per_token": ms["float32"],
+            "bf16_ms_per_token": ms["bf16"], "speedup": ms["float32"] / ms["bf16"],
+            "float32_ttft_ms": first["float32"], "bf16_ttft_ms": first["bf16"],
+            "ttft_speedup": first["float32"] / first["bf16"],
             "samples_ms": {k: [round(v, 2) for v in vs] for k, vs in per_token.items()}}
 
 
@@ -144,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=positive_int, default=128,
                     help="decoded tokens per single-stream measurement")
     ap.add_argument("--repeat", type=positive_int, default=5)
+    ap.add_argument("--prompt-tokens", type=positive_int, default=512,
+                    help="each single-stream request's prompt (its first token is timed too)")
     ap.add_argument("--skip-decode", action="store_true", help="the layers alone")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -161,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         ("rows", "rows", "d"), ("float32_ms", "float32 ms", ".2f"), ("bf16_ms", "bf16 ms", ".2f"),
         ("speedup", "x", ".3f"), ("float32_gb_per_s", "float32 GB/s", ".1f"),
         ("bf16_gb_per_s", "bf16 GB/s", ".1f")]))
-    decode = None if args.skip_decode else decode_rounds(hf_dir, args.tokens, args.repeat)
+    decode = None if args.skip_decode else decode_rounds(hf_dir, args.tokens, args.repeat,
+                                                         args.prompt_tokens)
     if args.json:
         write_json(args.json, {"machine": machine_info(), "hf_dir": str(hf_dir),
                                "threads": args.threads, "rounds": args.rounds, "mib": mib,

@@ -12,10 +12,18 @@
 //! `cpu_quant_panels` unpacks into. Records of a panel follow each other (`K / 32`), panels
 //! follow each other.
 //!
+//! A step of several rows goes through `cpu_quant_panels`' walk (records unpacked into an L1
+//! buffer, then `cpu_linear`'s register tiles). A step of **one row** (one decode sequence)
+//! takes [`one_row`] instead: each weight widened in a register and multiplied at once, four
+//! panels at a time, each panel's sum from its bias over the inputs in order, as `linear_f32`'s
+//! one-row tile sums it (so the same bits); the walk's store and reload of every weight cost
+//! ~15 % of a one-row step.
+//!
 //! Invariants: [`format_of`] names a format only if every weight comes back from it bit for bit
 //! (checked value by value, before anything is packed); [`pack_into`] checks the weight's and
 //! the output's lengths before writing; the unpackers read exactly one record and write
-//! exactly 512 floats.
+//! exactly 512 floats; [`one_row`] asserts that its panels, `x`, `bias` and `out` hold what it
+//! reads and writes.
 
 use crate::cpu_error::{check_lengths, KernelInputError};
 use crate::cpu_linear::PANEL_WIDTH;
@@ -137,11 +145,272 @@ pub(crate) fn unpack_portable(format: PanelFormat, rec: &[u8], out: &mut [f32]) 
     }
 }
 
+/// The most rows of a step [`few_rows`] takes on AVX-512 (four panels a pass up to 4 rows,
+/// two up to 8: at most 16 accumulators) and on AVX2 (one row, four panels: 8 accumulators).
+pub const FEW_ROWS_AVX512: usize = 8;
+pub const FEW_ROWS_AVX2: usize = 1;
+
+/// `m` rows (at most [`FEW_ROWS_AVX512`] / [`FEW_ROWS_AVX2`]): `out[r][j] = bias[j] + x[r] . w_j`
+/// for the features of panels `first..last` of a `[n, k]` weight packed by [`pack_into`]
+/// (`data`: all its panels; `x` `m * k`; `bias` empty or `n` long; `out` the whole output,
+/// `m * n`, of which only those panels' columns are written).
+///
+/// # Safety
+/// `isa` came from `Isa::detect` (this CPU has its features) and is AVX2 or wider; no other
+/// thread writes those columns of `out` meanwhile.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn few_rows(
+    isa: crate::cpu_isa::Isa,
+    format: PanelFormat,
+    (x, m): (&[f32], usize),
+    data: &[u8],
+    (n, k): (usize, usize),
+    (first, last): (usize, usize),
+    bias: &[f32],
+    out: *mut f32,
+) {
+    use crate::cpu_isa::Isa;
+    let nb = k / BLOCK;
+    let wide = matches!(isa, Isa::Avx512 | Isa::Amx);
+    assert!(k % BLOCK == 0 && x.len() == m * k && first <= last && last <= n.div_ceil(PANEL_WIDTH));
+    assert!(data.len() >= last * nb * RECORD && (bias.is_empty() || bias.len() == n));
+    assert!((1..=if wide { FEW_ROWS_AVX512 } else { FEW_ROWS_AVX2 }).contains(&m));
+    assert!(wide || isa == Isa::Avx2);
+    let bf16 = format == PanelFormat::Bf16;
+    assert!(bf16 || format == PanelFormat::F16);
+    let a = x86::Args {
+        bf16,
+        x,
+        data,
+        nb,
+        k,
+        n,
+        bias,
+        out,
+    };
+    // panels per pass: as many as the accumulators allow (the rest one at a time)
+    let group = if !wide || m <= 4 { 4 } else { 2 };
+    let mut p = first;
+    while p < last {
+        let whole = last - p >= group;
+        macro_rules! rows {
+            ($g:literal) => {
+                match m {
+                    1 => x86::panels::<$g, 1>(wide, &a, p),
+                    2 => x86::panels::<$g, 2>(wide, &a, p),
+                    3 => x86::panels::<$g, 3>(wide, &a, p),
+                    4 => x86::panels::<$g, 4>(wide, &a, p),
+                    5 => x86::panels::<$g, 5>(wide, &a, p),
+                    6 => x86::panels::<$g, 6>(wide, &a, p),
+                    7 => x86::panels::<$g, 7>(wide, &a, p),
+                    _ => x86::panels::<$g, 8>(wide, &a, p),
+                }
+            };
+        }
+        // SAFETY: panels p..p + G lie inside `data`, their columns (clipped to n) inside `out`
+        // (asserts above; the caller owns them); the CPU has `isa`
+        unsafe {
+            match (whole, group) {
+                (true, 4) => rows!(4),
+                (true, _) => rows!(2),
+                (false, _) => rows!(1),
+            }
+        }
+        p += if whole { group } else { 1 };
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
     use super::{BLOCK, PANEL_WIDTH, RECORD};
     use crate::cpu_quant_panels::PanelFormat;
     use std::arch::x86_64::*;
+
+    /// Records ahead of the one being read that [`panels`] prefetches.
+    const PREFETCH_RECORDS: usize = 2;
+
+    /// Hints the CPU to fetch record `b` of panels `p..p + G` (a prefetch never faults).
+    #[inline(always)]
+    unsafe fn prefetch_records<const G: usize>(data: *const u8, nb: usize, p: usize, b: usize) {
+        for g in 0..G {
+            let base = data.wrapping_add(((p + g) * nb + b) * RECORD);
+            for line in (0..RECORD).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(line).cast());
+            }
+        }
+    }
+
+    /// What [`panels`] reads and writes (see [`super::few_rows`]).
+    pub(crate) struct Args<'a> {
+        pub(crate) bf16: bool,
+        pub(crate) x: &'a [f32],
+        pub(crate) data: &'a [u8],
+        pub(crate) nb: usize,
+        pub(crate) k: usize,
+        pub(crate) n: usize,
+        pub(crate) bias: &'a [f32],
+        pub(crate) out: *mut f32,
+    }
+
+    /// Panels `p..p + G` for the `R` rows of `a.x`, on AVX-512 (`wide`) or AVX2.
+    ///
+    /// # Safety
+    /// As [`super::few_rows`], for these panels.
+    #[inline(always)]
+    pub(crate) unsafe fn panels<const G: usize, const R: usize>(
+        wide: bool,
+        a: &Args<'_>,
+        p: usize,
+    ) {
+        // SAFETY: forwarded
+        unsafe {
+            if wide {
+                panels_avx512::<G, R>(a, p)
+            } else {
+                panels_avx2::<G, R>(a, p)
+            }
+        }
+    }
+
+    /// Panels `p..p + G`, `R` rows, sixteen features a vector: each row's sum from the bias
+    /// over the inputs in order (`linear_f32`'s tile order), each weight widened once for the
+    /// `R` rows.
+    ///
+    /// # Safety
+    /// AVX-512F; as [`super::few_rows`].
+    #[target_feature(enable = "avx512f")]
+    unsafe fn panels_avx512<const G: usize, const R: usize>(a: &Args<'_>, p: usize) {
+        let Args {
+            bf16,
+            x,
+            data,
+            nb,
+            k,
+            n,
+            bias,
+            out,
+        } = *a;
+        // SAFETY: the caller's contract bounds every load and store below (masked to n)
+        unsafe {
+            let masks: [__mmask16; G] = std::array::from_fn(|g| {
+                let cols = n.saturating_sub((p + g) * PANEL_WIDTH).min(PANEL_WIDTH);
+                ((1u32 << cols) - 1) as __mmask16
+            });
+            let start: [__m512; G] = std::array::from_fn(|g| {
+                if bias.is_empty() {
+                    _mm512_setzero_ps()
+                } else {
+                    _mm512_maskz_loadu_ps(masks[g], bias.as_ptr().add((p + g) * PANEL_WIDTH))
+                }
+            });
+            let mut acc = [start; R];
+            let (base, xp) = (data.as_ptr(), x.as_ptr());
+            for b in 0..nb {
+                if b + PREFETCH_RECORDS < nb {
+                    prefetch_records::<G>(base, nb, p, b + PREFETCH_RECORDS);
+                }
+                for i in 0..BLOCK {
+                    let w: [__m512; G] = std::array::from_fn(|g| {
+                        let at = base.add(((p + g) * nb + b) * RECORD + 2 * PANEL_WIDTH * i);
+                        let halves = _mm256_loadu_si256(at.cast());
+                        if bf16 {
+                            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                                halves,
+                            )))
+                        } else {
+                            _mm512_cvtph_ps(halves)
+                        }
+                    });
+                    for (r, acc_r) in acc.iter_mut().enumerate() {
+                        let xv = _mm512_set1_ps(*xp.add(r * k + b * BLOCK + i));
+                        for (acc_g, &w_g) in acc_r.iter_mut().zip(&w) {
+                            *acc_g = _mm512_fmadd_ps(xv, w_g, *acc_g);
+                        }
+                    }
+                }
+            }
+            for (r, acc_r) in acc.iter().enumerate() {
+                for (g, &v) in acc_r.iter().enumerate() {
+                    _mm512_mask_storeu_ps(out.add(r * n + (p + g) * PANEL_WIDTH), masks[g], v);
+                }
+            }
+        }
+    }
+
+    /// [`panels_avx512`] eight features a vector (two per panel).
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C; as [`super::few_rows`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn panels_avx2<const G: usize, const R: usize>(a: &Args<'_>, p: usize) {
+        let Args {
+            bf16,
+            x,
+            data,
+            nb,
+            k,
+            n,
+            bias,
+            out,
+        } = *a;
+        // SAFETY: the caller's contract bounds every load below; stores go through a buffer
+        // clipped to n
+        unsafe {
+            let start: [[__m256; 2]; G] = std::array::from_fn(|g| {
+                let mut lanes = [0f32; PANEL_WIDTH];
+                let col0 = (p + g) * PANEL_WIDTH;
+                let cols = n.saturating_sub(col0).min(PANEL_WIDTH);
+                if !bias.is_empty() {
+                    lanes[..cols].copy_from_slice(&bias[col0..col0 + cols]);
+                }
+                [
+                    _mm256_loadu_ps(lanes.as_ptr()),
+                    _mm256_loadu_ps(lanes.as_ptr().add(8)),
+                ]
+            });
+            let mut acc = [start; R];
+            let (base, xp) = (data.as_ptr(), x.as_ptr());
+            for b in 0..nb {
+                if b + PREFETCH_RECORDS < nb {
+                    prefetch_records::<G>(base, nb, p, b + PREFETCH_RECORDS);
+                }
+                for i in 0..BLOCK {
+                    let w: [[__m256; 2]; G] = std::array::from_fn(|g| {
+                        let at = base.add(((p + g) * nb + b) * RECORD + 2 * PANEL_WIDTH * i);
+                        std::array::from_fn(|h| {
+                            let halves = _mm_loadu_si128(at.add(16 * h).cast());
+                            if bf16 {
+                                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+                                    halves,
+                                )))
+                            } else {
+                                _mm256_cvtph_ps(halves)
+                            }
+                        })
+                    });
+                    for (r, acc_r) in acc.iter_mut().enumerate() {
+                        let xv = _mm256_set1_ps(*xp.add(r * k + b * BLOCK + i));
+                        for (acc_g, w_g) in acc_r.iter_mut().zip(&w) {
+                            for (acc_h, &w_h) in acc_g.iter_mut().zip(w_g) {
+                                *acc_h = _mm256_fmadd_ps(xv, w_h, *acc_h);
+                            }
+                        }
+                    }
+                }
+            }
+            for (r, acc_r) in acc.iter().enumerate() {
+                for (g, acc_g) in acc_r.iter().enumerate() {
+                    let mut lanes = [0f32; PANEL_WIDTH];
+                    _mm256_storeu_ps(lanes.as_mut_ptr(), acc_g[0]);
+                    _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc_g[1]);
+                    let col0 = (p + g) * PANEL_WIDTH;
+                    let cols = n.saturating_sub(col0).min(PANEL_WIDTH);
+                    std::ptr::copy_nonoverlapping(lanes.as_ptr(), out.add(r * n + col0), cols);
+                }
+            }
+        }
+    }
 
     /// [`super::unpack_portable`], sixteen values a vector.
     ///

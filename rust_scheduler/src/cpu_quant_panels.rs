@@ -343,6 +343,31 @@ impl Kernel<'_> {
     /// No other thread may access those columns of `out` meanwhile.
     unsafe fn run_panels(&self, first: usize, last: usize) {
         let QuantPanelShape { m, n, k } = self.shape;
+        // a few rows of 16-bit float panels: each weight widened in a register, no unpacking
+        #[cfg(target_arch = "x86_64")]
+        if matches!(self.panels.format, PanelFormat::Bf16 | PanelFormat::F16)
+            && match self.isa {
+                Isa::Avx512 | Isa::Amx => m <= crate::cpu_half_panels::FEW_ROWS_AVX512,
+                Isa::Avx2 => m <= crate::cpu_half_panels::FEW_ROWS_AVX2,
+                Isa::Portable => false,
+            }
+        {
+            // SAFETY: `isa` came from `Isa::detect` and is AVX2 or wider, `m` within its limit;
+            // the caller owns the columns of panels first..last; `validate` checked every length
+            unsafe {
+                crate::cpu_half_panels::few_rows(
+                    self.isa,
+                    self.panels.format,
+                    (self.x, m),
+                    self.panels.data,
+                    (n, k),
+                    (first, last),
+                    self.bias,
+                    self.out.0,
+                )
+            };
+            return;
+        }
         let floats = (last - first) * k * PANEL_WIDTH;
         if m > rows_per_pass(k, TILE_ROWS_512) && 4 * floats <= WHOLE_MAX_BYTES {
             // Several passes of rows: unpack this task's panels once, whole, and let the
@@ -1050,7 +1075,8 @@ mod tests {
 
     /// 16-bit float panels (`cpu_half_panels`) of bfloat16 / float16 weights: the output is
     /// `linear_f32`'s over the same float32 weights, bit for bit, across shapes, row counts
-    /// (one row to several passes, whole unpacking and chunks), threads and paths.
+    /// (each of `few_rows`' register tiles, then the walk: several passes, whole unpacking and
+    /// chunks), threads and paths.
     #[test]
     fn half_panels_give_the_float32_panel_kernels_output_bit_for_bit() {
         use crate::cpu_half_panels::{format_of, pack_into, packed_len};
@@ -1072,9 +1098,9 @@ mod tests {
                     data: &data,
                 };
                 let rows: &[usize] = if n > 1000 {
-                    &[1, 50]
+                    &[1, 6, 50]
                 } else {
-                    &[1, 2, 7, 24, 200]
+                    &[1, 2, 3, 4, 5, 6, 7, 8, 9, 24, 200]
                 };
                 for &m in rows {
                     let x = rng.vec(m * k);
