@@ -14,6 +14,7 @@ from test_model_loader import TINY_CONFIGS
 
 from ferrobatch import _scheduler
 from ferrobatch.model.loader import load_model
+from ferrobatch.model.quantized_embedding import QuantizedEmbedding
 from ferrobatch.runtime.cpu_linear import PanelLinear, pack_panels
 from ferrobatch.runtime.model_runner import ModelRunner
 
@@ -53,10 +54,11 @@ def _logits(runner, prompts, new_tokens: int = 6) -> list[torch.Tensor]:
     return steps
 
 
-@pytest.mark.parametrize("kind", ["bf16", "f16"])
+@pytest.mark.parametrize("kind, name", [("bf16", "llama"), ("f16", "llama"), ("bf16", "qwen3")])
 def test_a_16_bit_checkpoint_takes_16_bit_panels_with_the_float32_panels_logits(
-        tmp_path, monkeypatch, kind):
-    reference = _checkpoint(tmp_path, kind)
+        tmp_path, monkeypatch, kind, name):
+    # (qwen3's tiny config ties its LM head to the embedding)
+    reference = _checkpoint(tmp_path, kind, name)
     prompts = [list(range(3, 40)), list(range(50, 53)), list(range(7, 27))]
     loaded = load_model(str(tmp_path))
     runner = ModelRunner(loaded, num_blocks=64, block_size=4)
@@ -65,6 +67,13 @@ def test_a_16_bit_checkpoint_takes_16_bit_panels_with_the_float32_panels_logits(
     assert linears and all(m.half is not None and m.half[0] == kind for m in linears)
     assert all(m.packed_weight.numel() == 0 for m in linears)
     assert f"{kind} weights as 16-bit panels" in runner.linear_kernels
+    # the token embedding too: its 16-bit rows, looked up as the float32 table's
+    table = loaded.model.embed_tokens
+    assert isinstance(table, QuantizedEmbedding) and table.type_name == kind.upper()
+    want = reference.get_input_embeddings().weight.detach()
+    assert torch.equal(table.dense_weight(), want)
+    assert torch.equal(torch.from_numpy(table.rows(np.array([[5, 0], [127, 5]]))),
+                       want[torch.tensor([[5, 0], [127, 5]])])
     assert runner.fused_layers is not None       # decode steps: one Rust call, 16-bit too
     assert_greedy_matches(loaded, reference, prompts[:2], 8, runner=runner)
 
@@ -72,6 +81,7 @@ def test_a_16_bit_checkpoint_takes_16_bit_panels_with_the_float32_panels_logits(
     plain = load_model(str(tmp_path))
     plain_runner = ModelRunner(plain, num_blocks=64, block_size=4)
     assert all(m.half is None and m.packed_weight.numel() for m in _linears(plain))
+    assert type(plain.model.embed_tokens) is torch.nn.Embedding
     ours, theirs = _logits(runner, prompts), _logits(plain_runner, prompts)
     assert len(ours) == len(theirs) > 3
     for a, b in zip(ours, theirs):
@@ -84,6 +94,7 @@ def test_a_float32_checkpoint_keeps_its_float32_panels(tmp_path):
     runner = ModelRunner(loaded, num_blocks=16, block_size=4)
     assert all(m.half is None and m.packed_weight.numel() for m in _linears(loaded))
     assert "16-bit" not in runner.linear_kernels
+    assert type(loaded.model.embed_tokens) is torch.nn.Embedding
 
 
 def test_layer_forward_and_dense_weight_at_every_row_count():

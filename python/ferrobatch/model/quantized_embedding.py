@@ -1,5 +1,6 @@
 """A GGUF token-embedding table kept in its file format (Q4_K, Q6_K, Q8_0, F16, ...), each
-looked-up row dequantized when a step asks for it.
+looked-up row dequantized when a step asks for it; also a 16-bit checkpoint's table, whose
+float32 values bfloat16 or float16 holds exactly, kept as those 16 bits (``from_dense``).
 
 A step reads a few rows of the table (one per token), never all of it, so nothing needs the
 float32 matrix: a Llama-3-8B's 128,256 x 4,096 table is 2.1 GB in float32 and 0.29 GB as Q4_K.
@@ -16,7 +17,7 @@ from torch import nn
 
 from ferrobatch.model.dequant import dequantize_tensor
 
-_F32, _F16, _Q8_0 = 0, 1, 8
+_F32, _F16, _Q8_0, _BF16 = 0, 1, 8, 30
 
 
 def _q8_0_rows(raw: np.ndarray) -> np.ndarray:
@@ -32,8 +33,12 @@ def _f16_rows(raw: np.ndarray) -> np.ndarray:
     return raw.view(np.float16).astype(np.float32)
 
 
+def _bf16_rows(raw: np.ndarray) -> np.ndarray:
+    return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
 # types whose rows numpy dequantizes directly (the same values; tested against dequant's)
-_NUMPY_ROWS = {_Q8_0: _q8_0_rows, _F16: _f16_rows}
+_NUMPY_ROWS = {_Q8_0: _q8_0_rows, _F16: _f16_rows, _BF16: _bf16_rows}
 
 
 def check_token_ids(ids: np.ndarray, vocab: int) -> None:
@@ -78,6 +83,26 @@ class QuantizedEmbedding(nn.Module):
         rows, dim = tensor.shape
         raw = np.array(tensor.data, dtype=np.uint8).reshape(rows, -1)
         return cls(torch.from_numpy(raw), tensor.type_id, tensor.type_name, dim)
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor) -> QuantizedEmbedding | None:
+        """A float32 table ``[vocab, hidden]`` whose every value bfloat16 (else float16) holds
+        exactly, as those 16-bit rows (a bfloat16 checkpoint's embedding: half the bytes, the
+        same rows); None where neither holds every value."""
+        table = weight.detach().contiguous().numpy()
+        if table.dtype != np.float32 or table.ndim != 2:
+            return None
+        rows, dim = table.shape
+        bits = table.view(np.uint32)
+        if not (bits & 0xFFFF).any():
+            raw = (bits >> 16).astype(np.uint16)
+            return cls(torch.from_numpy(raw.view(np.uint8).reshape(rows, 2 * dim)), _BF16,
+                       "BF16", dim)
+        halves = table.astype(np.float16)
+        if np.array_equal(halves.astype(np.float32).view(np.uint32), bits):
+            return cls(torch.from_numpy(halves.view(np.uint8).reshape(rows, 2 * dim)), _F16,
+                       "F16", dim)
+        return None
 
     @property
     def nbytes(self) -> int:

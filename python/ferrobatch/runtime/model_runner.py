@@ -109,6 +109,8 @@ class ModelRunner:
             quant_panels = os.environ.get("FERROBATCH_QUANT_PANELS", "1") != "0"
             num_packed = pack_linear_layers(self.model, self.kernel_threads, blocks,
                                             amx=amx_tiles, quant_panels=quant_panels)
+            if quant_panels:    # a 16-bit checkpoint's token embedding kept in 16 bits too
+                _embedding_in_16_bits(self.model)
             # the kernels keep what they read: drop the rest (blocks whose quantized panels
             # alone are kept) before the freed memory goes back to the OS below
             blocks, loaded_blocks = bool(blocks), None
@@ -508,6 +510,25 @@ class ModelRunner:
                 lora.capture()
             self.lora_piecewise_graphs = lora
         return pieces.captured_buckets
+
+
+def _embedding_in_16_bits(model) -> None:
+    """Replaces a float32 ``nn.Embedding`` whose values bfloat16 (or float16) holds exactly by
+    a ``QuantizedEmbedding`` of those 16-bit rows (the same rows, half the bytes), once its
+    tied LM head is packed (the head reads its own copy)."""
+    from torch import nn
+
+    from ferrobatch.model.quantized_embedding import QuantizedEmbedding
+
+    table = getattr(model, "embed_tokens", None)
+    if type(table) is not nn.Embedding or table.weight.dtype != torch.float32 or (
+            getattr(model, "lm_head", None) is None
+            and getattr(model, "packed_lm_head", None) is None):
+        return
+    kept = QuantizedEmbedding.from_dense(table.weight)
+    if kept is not None:
+        model.embed_tokens = kept
+        _log_embedding_table(kept)
 
 
 def _log_embedding_table(table) -> None:
