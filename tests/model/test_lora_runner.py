@@ -19,15 +19,17 @@ CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_
           "max_position_embeddings": 512, "tie_word_embeddings": False}
 
 
-@pytest.mark.parametrize("device,graphs", [
-    ("cpu", False), ("cpu", True),
-    pytest.param("cuda", False, marks=pytest.mark.gpu),
-    pytest.param("cuda", True, marks=pytest.mark.gpu)])
-def test_runner_mixes_base_and_adapter_rows_like_merged_transformers(tmp_path, device, graphs):
+@pytest.mark.parametrize("device,graphs,base16", [
+    ("cpu", False, False), ("cpu", True, False), ("cpu", False, True),
+    pytest.param("cuda", False, False, marks=pytest.mark.gpu),
+    pytest.param("cuda", True, False, marks=pytest.mark.gpu)])
+def test_runner_mixes_base_and_adapter_rows_like_merged_transformers(tmp_path, device, graphs,
+                                                                     base16):
     """With ``graphs`` the decode steps replay decode graphs and the prefill / mixed steps the
     piecewise graphs (emulated on the CPU: the same static buffers, each replay re-running the
     forward), steps with adapter rows through the LoRA ones; then slot 1 takes slot 2's
-    adapter and the graphs' weights follow."""
+    adapter and the graphs' weights follow. With ``base16`` the base checkpoint is bfloat16
+    (its linears on 16-bit panels)."""
     from ferrobatch.model.loader import load_model
     from ferrobatch.model.lora_adapter import read_lora_adapter
     from ferrobatch.runtime.model_runner import ModelRunner
@@ -35,7 +37,13 @@ def test_runner_mixes_base_and_adapter_rows_like_merged_transformers(tmp_path, d
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     reference = random_hf_model(CONFIG, seed=0)
-    reference.save_pretrained(tmp_path / "model", safe_serialization=True)
+    saved = reference
+    if base16:
+        with torch.no_grad():
+            for param in reference.parameters():
+                param.copy_(param.bfloat16().float())
+        saved = copy.deepcopy(reference).to(torch.bfloat16)
+    saved.save_pretrained(tmp_path / "model", safe_serialization=True)
     loaded = load_model(str(tmp_path / "model"), device=device, dtype=torch.float32)
     cfg = loaded.config
     specs = {1: (("q_proj", "v_proj"), 8, 0.2), 2: (ATTN + MLP, 4, 0.1)}   # slot: targets
@@ -43,6 +51,7 @@ def test_runner_mixes_base_and_adapter_rows_like_merged_transformers(tmp_path, d
     adapters = {}
     runner = ModelRunner(loaded, num_blocks=64, block_size=16,
                          attn_backend="cuda" if device == "cuda" else None)
+    assert ("bf16 weights as 16-bit panels" in runner.linear_kernels) == base16
     slots = runner.enable_lora(max_loras=2, max_rank=8)
     if graphs:
         runner.capture_decode_graphs(8, 512, emulate=device == "cpu")
