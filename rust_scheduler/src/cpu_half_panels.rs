@@ -12,17 +12,17 @@
 //! `cpu_quant_panels` unpacks into. Records of a panel follow each other (`K / 32`), panels
 //! follow each other.
 //!
-//! A step of several rows goes through `cpu_quant_panels`' walk (records unpacked into an L1
-//! buffer, then `cpu_linear`'s register tiles). A step of **one row** (one decode sequence)
-//! takes [`one_row`] instead: each weight widened in a register and multiplied at once, four
-//! panels at a time, each panel's sum from its bias over the inputs in order, as `linear_f32`'s
-//! one-row tile sums it (so the same bits); the walk's store and reload of every weight cost
-//! ~15 % of a one-row step.
+//! A step of up to [`FEW_ROWS_AVX512`] rows (one on AVX2) takes `few_rows`: each weight
+//! widened in a register and multiplied at once, for row tiles of up to 8 rows, a group of
+//! panels at a time (its weights read from memory by the first tile, from cache by the
+//! others), each row's sum from its bias over the inputs in order, as `linear_f32`'s tiles sum
+//! it (so the same bits). Larger steps go through `cpu_quant_panels`' walk (records unpacked
+//! into an L1 buffer, or a task's whole panels at once, then `cpu_linear`'s register tiles).
 //!
 //! Invariants: [`format_of`] names a format only if every weight comes back from it bit for bit
 //! (checked value by value, before anything is packed); [`pack_into`] checks the weight's and
 //! the output's lengths before writing; the unpackers read exactly one record and write
-//! exactly 512 floats; [`one_row`] asserts that its panels, `x`, `bias` and `out` hold what it
+//! exactly 512 floats; `few_rows` asserts that its panels, `x`, `bias` and `out` hold what it
 //! reads and writes.
 
 use crate::cpu_error::{check_lengths, KernelInputError};
@@ -145,9 +145,16 @@ pub(crate) fn unpack_portable(format: PanelFormat, rec: &[u8], out: &mut [f32]) 
     }
 }
 
-/// The most rows of a step [`few_rows`] takes on AVX-512 (four panels a pass up to 4 rows,
-/// two up to 8: at most 16 accumulators) and on AVX2 (one row, four panels: 8 accumulators).
-pub const FEW_ROWS_AVX512: usize = 8;
+/// The most rows of a step `few_rows` takes on AVX-512: row tiles of up to `TILE_ROWS` (four
+/// panels a pass up to 4 rows, two up to 8: at most 16 accumulators), each panel group's
+/// weights read from memory once for all of them. SmolLM2 in bfloat16, every layer once per
+/// round, 16-bit panels against float32 ones (`benches/half_panels.py`, session 51, runs a
+/// few minutes apart with this limit at 8, 32, 128 or beyond): these tiles gave 1.38x / 1.53x /
+/// 1.26x / 1.24x / 1.16x at 12 / 16 / 32 / 64 / 128 rows where the walk (an unpacked chunk,
+/// then `cpu_linear`'s tiles) gave 1.21x / 1.29x / 1.11x / 1.00x / 1.01x; a later run 1.07x at
+/// 64 and 0.98x at 128; level at 256-512 either way (0.98x-1.04x), where x no longer fits L2.
+pub const FEW_ROWS_AVX512: usize = 64;
+/// On AVX2 (one row, four panels: 8 accumulators of 16 registers).
 pub const FEW_ROWS_AVX2: usize = 1;
 
 /// `m` rows (at most [`FEW_ROWS_AVX512`] / [`FEW_ROWS_AVX2`]): `out[r][j] = bias[j] + x[r] . w_j`
@@ -175,51 +182,65 @@ pub(crate) unsafe fn few_rows(
     let wide = matches!(isa, Isa::Avx512 | Isa::Amx);
     assert!(k % BLOCK == 0 && x.len() == m * k && first <= last && last <= n.div_ceil(PANEL_WIDTH));
     assert!(data.len() >= last * nb * RECORD && (bias.is_empty() || bias.len() == n));
-    assert!((1..=if wide { FEW_ROWS_AVX512 } else { FEW_ROWS_AVX2 }).contains(&m));
+    assert!(m >= 1 && (wide || m <= FEW_ROWS_AVX2));
     assert!(wide || isa == Isa::Avx2);
     let bf16 = format == PanelFormat::Bf16;
     assert!(bf16 || format == PanelFormat::F16);
-    let a = x86::Args {
-        bf16,
-        x,
-        data,
-        nb,
-        k,
-        n,
-        bias,
-        out,
-    };
-    // panels per pass: as many as the accumulators allow (the rest one at a time)
-    let group = if !wide || m <= 4 { 4 } else { 2 };
+    // rows in near-equal tiles of at most TILE_ROWS; per tile, as many panels a pass as the
+    // accumulators allow (the rest one at a time)
+    let tiles = m.div_ceil(TILE_ROWS);
+    let tallest = m.div_ceil(tiles);
+    let group = if !wide || tallest <= 4 { 4 } else { 2 };
     let mut p = first;
     while p < last {
         let whole = last - p >= group;
-        macro_rules! rows {
-            ($g:literal) => {
-                match m {
-                    1 => x86::panels::<$g, 1>(wide, &a, p),
-                    2 => x86::panels::<$g, 2>(wide, &a, p),
-                    3 => x86::panels::<$g, 3>(wide, &a, p),
-                    4 => x86::panels::<$g, 4>(wide, &a, p),
-                    5 => x86::panels::<$g, 5>(wide, &a, p),
-                    6 => x86::panels::<$g, 6>(wide, &a, p),
-                    7 => x86::panels::<$g, 7>(wide, &a, p),
-                    _ => x86::panels::<$g, 8>(wide, &a, p),
-                }
+        // the group's weights are read from memory by the first tile, from cache by the others
+        let mut r0 = 0;
+        for t in 0..tiles {
+            let height = (m - r0) / (tiles - t);
+            let a = x86::Args {
+                bf16,
+                x: &x[r0 * k..(r0 + height) * k],
+                data,
+                nb,
+                k,
+                n,
+                bias,
+                // SAFETY: row r0 of `out` (m * n long by the caller's contract)
+                out: unsafe { out.add(r0 * n) },
             };
-        }
-        // SAFETY: panels p..p + G lie inside `data`, their columns (clipped to n) inside `out`
-        // (asserts above; the caller owns them); the CPU has `isa`
-        unsafe {
-            match (whole, group) {
-                (true, 4) => rows!(4),
-                (true, _) => rows!(2),
-                (false, _) => rows!(1),
+            macro_rules! rows {
+                ($g:literal) => {
+                    match height {
+                        1 => x86::panels::<$g, 1>(wide, &a, p),
+                        2 => x86::panels::<$g, 2>(wide, &a, p),
+                        3 => x86::panels::<$g, 3>(wide, &a, p),
+                        4 => x86::panels::<$g, 4>(wide, &a, p),
+                        5 => x86::panels::<$g, 5>(wide, &a, p),
+                        6 => x86::panels::<$g, 6>(wide, &a, p),
+                        7 => x86::panels::<$g, 7>(wide, &a, p),
+                        _ => x86::panels::<$g, 8>(wide, &a, p),
+                    }
+                };
             }
+            // SAFETY: panels p..p + G lie inside `data`, their columns (clipped to n) of rows
+            // r0..r0 + height inside `out` (asserts above; the caller owns them); the CPU has
+            // `isa`
+            unsafe {
+                match (whole, group) {
+                    (true, 4) => rows!(4),
+                    (true, _) => rows!(2),
+                    (false, _) => rows!(1),
+                }
+            }
+            r0 += height;
         }
         p += if whole { group } else { 1 };
     }
 }
+
+/// Most rows of one register tile of `few_rows` (two panels: 16 accumulators on AVX-512).
+const TILE_ROWS: usize = 8;
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
