@@ -98,10 +98,10 @@ class PanelLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` packed by :func:`pack_panels` (inference only, float32 CPU).
 
     ``half_panels``: where bfloat16 (or float16) holds every value of ``W`` exactly (a
-    checkpoint stored in that type, as most Hugging Face ones are), ``W`` is also packed as
-    16-bit panels (``half``: ``(kind, panels)``, ``cpu_half_panels.rs``) that every step reads
+    checkpoint stored in that type, as most Hugging Face ones are), ``W`` is packed as 16-bit
+    panels instead (``half``: ``(kind, panels)``, ``cpu_half_panels.rs``) that every step reads
     through ``linear_quant_panels_f32``: the same float32 weights, the same output bit for bit,
-    half the bytes (the float32 panels are then released by :meth:`drop_panels`)."""
+    half the bytes (no float32 panels beside them unless ``pack_linear_layers`` keeps them)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  num_threads: int = 1, half_panels: bool = False) -> None:

@@ -532,7 +532,7 @@ def _embedding_in_16_bits(model) -> None:
 
 
 def _log_embedding_table(table) -> None:
-    """Says, for a token embedding kept in the GGUF file's format, what it holds."""
+    """Says, for a token embedding kept in the GGUF file's format or in 16 bits, what it holds."""
     from ferrobatch.model.quantized_embedding import QuantizedEmbedding
 
     if isinstance(table, QuantizedEmbedding):
