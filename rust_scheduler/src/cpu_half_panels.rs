@@ -12,7 +12,7 @@
 //! `cpu_quant_panels` unpacks into. Records of a panel follow each other (`K / 32`), panels
 //! follow each other.
 //!
-//! A step of up to [`FEW_ROWS_AVX512`] rows (one on AVX2) takes `few_rows`: each weight
+//! A step of up to [`FEW_ROWS_AVX512`] rows (two on AVX2) takes `few_rows`: each weight
 //! widened in a register and multiplied at once, for row tiles of up to 8 rows, a group of
 //! panels at a time (its weights read from memory by the first tile, from cache by the
 //! others), each row's sum from its bias over the inputs in order, as `linear_f32`'s tiles sum
@@ -154,8 +154,11 @@ pub(crate) fn unpack_portable(format: PanelFormat, rec: &[u8], out: &mut [f32]) 
 /// then `cpu_linear`'s tiles) gave 1.21x / 1.29x / 1.11x / 1.00x / 1.01x; a later run 1.07x at
 /// 64 and 0.98x at 128; level at 256-512 either way (0.98x-1.04x), where x no longer fits L2.
 pub const FEW_ROWS_AVX512: usize = 64;
-/// On AVX2 (one row, four panels: 8 accumulators of 16 registers).
-pub const FEW_ROWS_AVX2: usize = 1;
+/// On AVX2 (one row: four panels a pass, two rows: two; 8 accumulators of 16 registers). With
+/// the kernels capped at AVX2 (`FERROBATCH_CPU_ISA=avx2`, same bench): 2.11x at 2 rows where
+/// the walk gave 1.49x; from 4 rows (one panel a pass) 1.52x / 1.61x / 1.39x / 1.03x at 4 / 8
+/// / 16 / 64 against the walk's 1.65x / 1.65x / 1.47x / 1.15x: the walk takes those.
+pub const FEW_ROWS_AVX2: usize = 2;
 
 /// `m` rows (at most [`FEW_ROWS_AVX512`] / [`FEW_ROWS_AVX2`]): `out[r][j] = bias[j] + x[r] . w_j`
 /// for the features of panels `first..last` of a `[n, k]` weight packed by [`pack_into`]
@@ -186,11 +189,16 @@ pub(crate) unsafe fn few_rows(
     assert!(wide || isa == Isa::Avx2);
     let bf16 = format == PanelFormat::Bf16;
     assert!(bf16 || format == PanelFormat::F16);
-    // rows in near-equal tiles of at most TILE_ROWS; per tile, as many panels a pass as the
-    // accumulators allow (the rest one at a time)
-    let tiles = m.div_ceil(TILE_ROWS);
+    // rows in near-equal tiles of at most TILE_ROWS (TILE_ROWS_AVX2); per tile, as many panels
+    // a pass as the accumulators allow (the rest one at a time): AVX-512 16 of 32 registers,
+    // AVX2 (two per panel and row) 8 to 12 of 16
+    let tiles = m.div_ceil(if wide { TILE_ROWS } else { TILE_ROWS_AVX2 });
     let tallest = m.div_ceil(tiles);
-    let group = if !wide || tallest <= 4 { 4 } else { 2 };
+    let group = match (wide, tallest) {
+        (true, 1..=4) | (false, 1) => 4,
+        (true, _) | (false, 2) => 2,
+        (false, _) => 1,
+    };
     let mut p = first;
     while p < last {
         let whole = last - p >= group;
@@ -229,8 +237,8 @@ pub(crate) unsafe fn few_rows(
             unsafe {
                 match (whole, group) {
                     (true, 4) => rows!(4),
-                    (true, _) => rows!(2),
-                    (false, _) => rows!(1),
+                    (true, 2) => rows!(2),
+                    _ => rows!(1),
                 }
             }
             r0 += height;
@@ -241,6 +249,8 @@ pub(crate) unsafe fn few_rows(
 
 /// Most rows of one register tile of `few_rows` (two panels: 16 accumulators on AVX-512).
 const TILE_ROWS: usize = 8;
+/// The same on AVX2 (one panel: 12 accumulators of 16 registers).
+const TILE_ROWS_AVX2: usize = 6;
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
