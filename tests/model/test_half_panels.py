@@ -154,3 +154,24 @@ def test_bad_16_bit_panels_are_refused():
         _scheduler.pack_half_panels(np.zeros((64, 16), np.float32).T)
     # the float32 panels of the same weight read the same (the reference is pack_panels')
     assert pack_panels(torch.from_numpy(weight)).shape == (1, 64, 16)
+
+
+def test_a_gguf_of_f16_linears_takes_float16_panels(tmp_path, monkeypatch):
+    """A GGUF whose linears are F16 (dequantized to float32 at load, not block types) packs
+    them as float16 panels, with the float32 panels' logits and transformers' greedy tokens."""
+    from gguf_tiny import write_tiny_gguf
+
+    cfg = TINY_CONFIGS["qwen2"]
+    reference = random_hf_model(cfg, seed=5)
+    path = tmp_path / "f16.gguf"
+    write_tiny_gguf(path, reference, cfg, "qwen2", linear_types=lambda name: "F16")
+    prompts = [list(range(3, 40)), list(range(50, 53))]
+    loaded = load_model(str(path))
+    runner = ModelRunner(loaded, num_blocks=64, block_size=4)
+    assert all(m.half is not None and m.half[0] == "f16" for m in _linears(loaded))
+    assert "f16 weights as 16-bit panels" in runner.linear_kernels
+    assert_greedy_matches(loaded, reference, prompts, 8, runner=runner)
+    monkeypatch.setenv("FERROBATCH_QUANT_PANELS", "0")
+    plain_runner = ModelRunner(load_model(str(path)), num_blocks=64, block_size=4)
+    for a, b in zip(_logits(runner, prompts), _logits(plain_runner, prompts)):
+        assert torch.equal(a, b)
