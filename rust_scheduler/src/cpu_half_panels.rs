@@ -258,6 +258,27 @@ pub(crate) mod x86 {
     use crate::cpu_quant_panels::PanelFormat;
     use std::arch::x86_64::*;
 
+    /// Sixteen bfloat16 (`bf16`) or float16 values as the float32 numbers they are (a bfloat16
+    /// is a float32's high half).
+    #[inline(always)]
+    unsafe fn widen16(bf16: bool, halves: __m256i) -> __m512 {
+        if bf16 {
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
+        } else {
+            _mm512_cvtph_ps(halves)
+        }
+    }
+
+    /// [`widen16`] of eight values.
+    #[inline(always)]
+    unsafe fn widen8(bf16: bool, halves: __m128i) -> __m256 {
+        if bf16 {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(halves)))
+        } else {
+            _mm256_cvtph_ps(halves)
+        }
+    }
+
     /// Records ahead of the one being read that [`panels`] prefetches.
     const PREFETCH_RECORDS: usize = 2;
 
@@ -344,14 +365,7 @@ pub(crate) mod x86 {
                 for i in 0..BLOCK {
                     let w: [__m512; G] = std::array::from_fn(|g| {
                         let at = base.add(((p + g) * nb + b) * RECORD + 2 * PANEL_WIDTH * i);
-                        let halves = _mm256_loadu_si256(at.cast());
-                        if bf16 {
-                            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
-                                halves,
-                            )))
-                        } else {
-                            _mm512_cvtph_ps(halves)
-                        }
+                        widen16(bf16, _mm256_loadu_si256(at.cast()))
                     });
                     for (r, acc_r) in acc.iter_mut().enumerate() {
                         let xv = _mm512_set1_ps(*xp.add(r * k + b * BLOCK + i));
@@ -410,14 +424,7 @@ pub(crate) mod x86 {
                     let w: [[__m256; 2]; G] = std::array::from_fn(|g| {
                         let at = base.add(((p + g) * nb + b) * RECORD + 2 * PANEL_WIDTH * i);
                         std::array::from_fn(|h| {
-                            let halves = _mm_loadu_si128(at.add(16 * h).cast());
-                            if bf16 {
-                                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
-                                    halves,
-                                )))
-                            } else {
-                                _mm256_cvtph_ps(halves)
-                            }
+                            widen8(bf16, _mm_loadu_si128(at.add(16 * h).cast()))
                         })
                     });
                     for (r, acc_r) in acc.iter_mut().enumerate() {
@@ -456,13 +463,7 @@ pub(crate) mod x86 {
         unsafe {
             for i in 0..BLOCK {
                 let halves = _mm256_loadu_si256(r.add(32 * i).cast());
-                let w = match format {
-                    // a bfloat16 is a float32's high half
-                    PanelFormat::Bf16 => {
-                        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
-                    }
-                    _ => _mm512_cvtph_ps(halves),
-                };
+                let w = widen16(format == PanelFormat::Bf16, halves);
                 _mm512_storeu_ps(o.add(PANEL_WIDTH * i), w);
             }
         }
@@ -480,12 +481,7 @@ pub(crate) mod x86 {
         unsafe {
             for i in 0..2 * BLOCK {
                 let halves = _mm_loadu_si128(r.add(16 * i).cast());
-                let w = match format {
-                    PanelFormat::Bf16 => {
-                        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(halves)))
-                    }
-                    _ => _mm256_cvtph_ps(halves),
-                };
+                let w = widen8(format == PanelFormat::Bf16, halves);
                 _mm256_storeu_ps(o.add(8 * i), w);
             }
         }
