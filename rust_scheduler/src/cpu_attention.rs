@@ -6,11 +6,20 @@
 //! `q` / `out` `[S, Hq, D]`, `k_cache` / `v_cache` `[num_blocks, block_size, Hkv, D +
 //! ROW_EXTRA]` (a scaled cache's head rows end in their scale, `cpu_kv`),
 //! `block_tables` `[S, max_blocks]`, `ctx_lens` `[S]` (keys each query attends: all of them, so
-//! causality holds because the query is the last token).
+//! causality holds because the query is the last token), and optionally `starts` `[S]`: row `s`
+//! then attends keys `starts[s]..ctx_lens[s]` only (a sliding attention window, e.g. Gemma 3's
+//! local layers: `max(0, ctx - window)`); `None` is all zeros and computes exactly the same.
 //!
-//! Invariants checked by [`DecodeShape::validate`] before any read, so no index below can leave
-//! its slice: `Hq % Hkv == 0`; slice lengths equal their shapes; `1 <= ctx_lens[s] <=
-//! max_blocks * block_size`; every block id a sequence uses is in `0..num_blocks`.
+//! Invariants checked by [`DecodeShape::validate`] (and [`DecodeShape::validate_starts`])
+//! before any read, so no index below can leave its slice: `Hq % Hkv == 0`; slice lengths equal
+//! their shapes; `1 <= ctx_lens[s] <= max_blocks * block_size`; every block id a sequence uses
+//! (`0..ceil(ctx_lens[s] / block_size)`, window or not) is in `0..num_blocks`; with `starts`,
+//! `starts.len() == S` and `0 <= starts[s] < ctx_lens[s]`.
+//! What is read: row `s`'s blocks `starts[s] / block_size ..= (ctx_lens[s] - 1) / block_size`
+//! of its block table (those wholly before its window never), and in them only the rows of keys
+//! `starts[s]..ctx_lens[s]`: the first block's K and V rows before the start are skipped (its
+//! `Rows` begin at the start), so they enter neither the scores nor the softmax nor the output
+//! (only the L2 prefetch hint still covers that block whole).
 //! Work split (`partition`): all sequences' blocks, in order, cut into one run of consecutive
 //! blocks per thread, so a task gets whole sequences plus at most a part of one at each end
 //! (split-KV, as in flash-decoding: one long sequence still uses every thread). A task writes
@@ -140,7 +149,8 @@ impl DecodeShape {
         }
     }
 
-    /// Checks every invariant of the module header against the given buffers.
+    /// Checks every invariant of the module header against the given buffers, but the window
+    /// starts' ([`Self::validate_starts`]).
     pub fn validate<E: KvElement>(
         &self,
         q: &[f32],
@@ -177,11 +187,38 @@ impl DecodeShape {
         }
         Ok(())
     }
+
+    /// Checks each row's first key of a sliding window (module header): one per sequence, `0
+    /// <= starts[s] < ctx_lens[s]` (every row keeps at least its last key). `ctx_lens` is the
+    /// one [`Self::validate`] accepted.
+    pub fn validate_starts(
+        &self,
+        ctx_lens: &[i32],
+        starts: &[i32],
+    ) -> Result<(), KernelInputError> {
+        if starts.len() != self.num_seqs {
+            return bad(format!(
+                "starts has {} elements, its shape needs {}",
+                starts.len(),
+                self.num_seqs
+            ));
+        }
+        for (seq, (&start, &ctx)) in starts.iter().zip(ctx_lens).enumerate() {
+            if start < 0 || start >= ctx {
+                return bad(format!(
+                    "starts[{seq}] = {start} outside 0..{ctx} (ctx_lens[{seq}])"
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Runs decode attention on up to `num_threads` threads of the kernels' pool (`cpu_pool`),
-/// each taking an equal run of the sequences' blocks (module header). Errors instead of reading
-/// out of bounds; see the module header for the layout.
+/// each taking an equal run of the sequences' blocks (module header). Row `s` attends keys
+/// `starts[s]..ctx_lens[s]` (a sliding window) where `starts` is given, all `0..ctx_lens[s]`
+/// where it is `None` (bit for bit what all-zero `starts` give). Errors instead of reading out
+/// of bounds; see the module header for the layout and the invariants.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention_f32<E: KvElement>(
     shape: &DecodeShape,
@@ -190,6 +227,7 @@ pub fn paged_decode_attention_f32<E: KvElement>(
     v_cache: &[E],
     block_tables: &[i32],
     ctx_lens: &[i32],
+    starts: Option<&[i32]>,
     out: &mut [f32],
     scale: f32,
     num_threads: usize,
@@ -201,6 +239,7 @@ pub fn paged_decode_attention_f32<E: KvElement>(
         v_cache,
         block_tables,
         ctx_lens,
+        starts,
         out,
         scale,
         num_threads,
@@ -218,12 +257,16 @@ fn run<E: KvElement>(
     v_cache: &[E],
     block_tables: &[i32],
     ctx_lens: &[i32],
+    starts: Option<&[i32]>,
     out: &mut [f32],
     scale: f32,
     num_threads: usize,
     max_isa: Isa,
 ) -> Result<(), KernelInputError> {
     shape.validate(q, k_cache, v_cache, block_tables, ctx_lens, out)?;
+    if let Some(starts) = starts {
+        shape.validate_starts(ctx_lens, starts)?;
+    }
     if shape.num_seqs == 0 {
         return Ok(());
     }
@@ -234,17 +277,25 @@ fn run<E: KvElement>(
         v_cache,
         block_tables,
         ctx_lens,
+        starts,
         scale,
         isa: Isa::detect(max_isa),
     };
     let bs = shape.block_size;
+    // each row's first key and first block (0 and 0 without a window)
+    let start_of = |seq: usize| starts.map_or(0, |starts| starts[seq] as usize);
+    let first_block: Vec<usize> = (0..shape.num_seqs).map(|seq| start_of(seq) / bs).collect();
+    // the blocks each row reads: its first (validated: `start < ctx`) through its last
     let block_counts: Vec<usize> = ctx_lens
         .iter()
-        .map(|&c| (c as usize).div_ceil(bs))
+        .zip(&first_block)
+        .map(|(&c, &first)| (c as usize).div_ceil(bs) - first)
         .collect();
     let total_blocks: usize = block_counts.iter().sum();
-    let total_keys: usize =
-        ctx_lens.iter().map(|&c| c as usize).sum::<usize>() * shape.num_kv_heads;
+    let total_keys: usize = (0..shape.num_seqs)
+        .map(|seq| ctx_lens[seq] as usize - start_of(seq))
+        .sum::<usize>()
+        * shape.num_kv_heads;
     let threads = num_threads
         .clamp(1, total_blocks)
         .min(1 + total_keys / MIN_KEYS_PER_TASK);
@@ -256,7 +307,13 @@ fn run<E: KvElement>(
     let mut seq_outs: Vec<Option<&mut [f32]>> = out.chunks_exact_mut(item_len).map(Some).collect();
     let tasks: Vec<Mutex<Task<'_>>> = partition(&block_counts, threads)
         .into_iter()
-        .map(|segments| {
+        .map(|mut segments| {
+            // `partition` counts each row's blocks from its first: shifted, the ranges index
+            // its block table (so a window's leading blocks are never read)
+            for segment in &mut segments {
+                let first = first_block[segment.seq];
+                segment.blocks = segment.blocks.start + first..segment.blocks.end + first;
+            }
             let outs = segments
                 .iter()
                 .filter(|segment| segment.whole)
@@ -306,7 +363,8 @@ fn run<E: KvElement>(
     Ok(())
 }
 
-/// Blocks `blocks` of sequence `seq` (of its block table); `whole` when they are all of them.
+/// Blocks `blocks` of sequence `seq` (of its block table, once `run` has shifted `partition`'s
+/// ranges by the row's first block); `whole` when they are all the blocks the row reads.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Segment {
     seq: usize,
@@ -393,6 +451,8 @@ struct Kernel<'a, E> {
     v_cache: &'a [E],
     block_tables: &'a [i32],
     ctx_lens: &'a [i32],
+    /// each row's first key (validated), all 0 when `None`
+    starts: Option<&'a [i32]>,
     scale: f32,
     /// what this CPU has, at most what the caller allowed (`Isa::detect`)
     isa: Isa,
@@ -460,6 +520,12 @@ impl<'a, E: KvElement> Kernel<'a, E> {
     /// query heads (the K pass), one softmax per head over the whole chunk, then every block's
     /// values (the V pass). A softmax per block of 16 keys was a serial chain (max, scalar
     /// exp, correction) too short to overlap: a fifth of the kernel's time (`perf`, session 22).
+    ///
+    /// A window's start (`starts`) only moves where a row's first block begins: its `Rows`, its
+    /// scores and its weights start at the start's key inside the block (always the first block
+    /// of the segment's first chunk, as the segments begin at the row's first block), so the
+    /// keys before it are neither read nor part of the chunk's softmax, and every chunk keeps at
+    /// least one key (a finite running max). Segments cut inside a row merge as without one.
     #[inline(always)]
     fn run_segments_impl<M: BlockMath>(
         &self,
@@ -512,6 +578,7 @@ impl<'a, E: KvElement> Kernel<'a, E> {
             let seq = segment.seq;
             let q = &self.q[seq * s.num_heads * d..][..s.num_heads * d];
             let ctx = self.ctx_lens[seq] as usize;
+            let start = self.starts.map_or(0, |starts| starts[seq] as usize);
             let table = &table_of(seq)[segment.blocks.clone()];
             let acc: &mut [f32] = if segment.whole {
                 outs.next().expect("an output per whole segment")
@@ -521,16 +588,27 @@ impl<'a, E: KvElement> Kernel<'a, E> {
             acc.fill(0.0);
             running_max.fill(f32::NEG_INFINITY);
             denom.fill(0.0);
+            // block `b` of `table` holds keys `skip_of(b)..keys_of(b)` of the row's window:
+            // `skip_of` is 0 but in the window's first block (where the start is mid-block)
             let keys_of = |b: usize| (ctx - (segment.blocks.start + b) * bs).min(bs);
+            let skip_of = |b: usize| start.saturating_sub((segment.blocks.start + b) * bs);
             for (c, chunk) in table.chunks(chunk_blocks).enumerate() {
                 let first = c * chunk_blocks; // the chunk's first block, in `table`
                 let chunk_keys: usize = (0..chunk.len()).map(|b| keys_of(first + b)).sum();
-                let head_rows = |block: &'a [E], b: usize, qh: usize| Rows {
-                    block,
-                    offset: kv_offset[qh],
-                    stride: hkv * dr,
-                    n: keys_of(first + b),
-                    d,
+                // the chunk's scores are `skip..chunk_keys` of its rows of `scores`
+                let skip = skip_of(first);
+                debug_assert!(
+                    skip < keys_of(first) && (1..chunk.len()).all(|b| skip_of(first + b) == 0)
+                );
+                let head_rows = |block: &'a [E], b: usize, qh: usize| {
+                    let skip = skip_of(first + b);
+                    Rows {
+                        block,
+                        offset: kv_offset[qh] + skip * hkv * dr,
+                        stride: hkv * dr,
+                        n: keys_of(first + b) - skip,
+                        d,
+                    }
                 };
                 // The K pass.
                 for (b, &block) in chunk.iter().enumerate() {
@@ -540,7 +618,7 @@ impl<'a, E: KvElement> Kernel<'a, E> {
                     for (part, &(h0, hn)) in subgroups.iter().enumerate() {
                         let fetch = fetch_part(next, part);
                         let rows = head_rows(k_block, b, h0);
-                        let out = &mut scores[h0 * chunk_cap + b * bs..];
+                        let out = &mut scores[h0 * chunk_cap + b * bs + skip_of(first + b)..];
                         let q = &q[h0 * d..][..hn * d];
                         // SAFETY: `M` is the math of the entry this was inlined into
                         // (`run_segments`).
@@ -548,7 +626,7 @@ impl<'a, E: KvElement> Kernel<'a, E> {
                     }
                 }
                 for qh in 0..s.num_heads {
-                    let row = &mut scores[qh * chunk_cap..][..chunk_keys];
+                    let row = &mut scores[qh * chunk_cap + skip..][..chunk_keys - skip];
                     // SAFETY: as above.
                     correction[qh] =
                         unsafe { M::softmax(row, &mut running_max[qh], &mut denom[qh]) };
@@ -561,7 +639,7 @@ impl<'a, E: KvElement> Kernel<'a, E> {
                     for (part, &(h0, hn)) in subgroups.iter().enumerate() {
                         let fetch = fetch_part(next, part);
                         let rows = head_rows(v_block, b, h0);
-                        let p = &scores[h0 * chunk_cap + b * bs..];
+                        let p = &scores[h0 * chunk_cap + b * bs + skip_of(first + b)..];
                         let scale_by = if b == 0 { &correction } else { &ones };
                         let (acc, scale_by) = (&mut acc[h0 * d..][..hn * d], &scale_by[h0..][..hn]);
                         // SAFETY: as above.
@@ -1480,7 +1558,9 @@ mod tests {
     use crate::cpu_kv_q8::{dequantize_cache, quantize_cache};
     use crate::test_rng::Lcg;
 
-    /// Naive two-pass softmax attention, in f64, over the same layout.
+    /// Naive two-pass softmax attention, in f64, over the same layout: row `s` over keys
+    /// `starts[s]..ctx[s]` (all of them without `starts`).
+    #[allow(clippy::too_many_arguments)]
     fn reference(
         s: &DecodeShape,
         q: &[f32],
@@ -1488,6 +1568,7 @@ mod tests {
         v: &[f32],
         bt: &[i32],
         ctx: &[i32],
+        starts: Option<&[i32]>,
         scale: f32,
     ) -> Vec<f32> {
         let d = s.head_dim;
@@ -1501,8 +1582,9 @@ mod tests {
                     let block = bt[seq * s.max_blocks_per_seq + t / s.block_size] as usize;
                     ((block * s.block_size + t % s.block_size) * s.num_kv_heads + kvh) * d
                 };
-                let n = ctx[seq] as usize;
-                let logits: Vec<f64> = (0..n)
+                let keys = starts.map_or(0, |st| st[seq] as usize)..ctx[seq] as usize;
+                let logits: Vec<f64> = keys
+                    .clone()
                     .map(|t| {
                         (0..d)
                             .map(|i| qv[i] as f64 * k[slot(t) + i] as f64)
@@ -1514,7 +1596,12 @@ mod tests {
                 let w: Vec<f64> = logits.iter().map(|x| (x - m).exp()).collect();
                 let z: f64 = w.iter().sum();
                 for i in 0..d {
-                    let o: f64 = (0..n).map(|t| w[t] * v[slot(t) + i] as f64).sum::<f64>() / z;
+                    let o: f64 = keys
+                        .clone()
+                        .zip(&w)
+                        .map(|(t, w)| w * v[slot(t) + i] as f64)
+                        .sum::<f64>()
+                        / z;
                     out[(seq * s.num_heads + h) * d + i] = o as f32;
                 }
             }
@@ -1522,6 +1609,60 @@ mod tests {
         out
     }
 
+    /// A window's first key for a row of `ctx` keys, of kind `kind % 6`: 0, mid-block, on a
+    /// block boundary, the last key, anywhere, or the first of a `block_size + 3` key window.
+    fn window_start(rng: &mut Lcg, kind: usize, ctx: usize, block_size: usize) -> i32 {
+        let start = match kind % 6 {
+            0 => 0,
+            1 => {
+                // inside a block, not at its first key (when the row has such a key)
+                let mid: Vec<usize> = (1..ctx).filter(|t| t % block_size != 0).collect();
+                if mid.is_empty() {
+                    0
+                } else {
+                    mid[rng.below(mid.len())]
+                }
+            }
+            2 => {
+                // the first key of a block past the first (when the row has one)
+                let boundaries = (ctx - 1) / block_size;
+                if boundaries == 0 {
+                    0
+                } else {
+                    (1 + rng.below(boundaries)) * block_size
+                }
+            }
+            3 => ctx - 1,
+            4 => rng.below(ctx),
+            _ => ctx.saturating_sub(block_size + 3),
+        };
+        start as i32
+    }
+
+    /// Sets the K and V rows of every key a window leaves out (`0..starts[s]` of row `s`: the
+    /// blocks before its first and the rows before the start inside it) to NaN, in every KV
+    /// head: any read of them would reach the output. The rows' blocks must be their own.
+    fn poison_outside_windows(
+        s: &DecodeShape,
+        (k, v): (&mut [f32], &mut [f32]),
+        bt: &[i32],
+        starts: &[i32],
+    ) {
+        let row = s.num_kv_heads * s.head_dim;
+        for (seq, &start) in starts.iter().enumerate() {
+            for t in 0..start as usize {
+                let block = bt[seq * s.max_blocks_per_seq + t / s.block_size] as usize;
+                let at = (block * s.block_size + t % s.block_size) * row;
+                k[at..at + row].fill(f32::NAN);
+                v[at..at + row].fill(f32::NAN);
+            }
+        }
+    }
+
+    /// Random inputs against [`reference`] on every instruction-set path, and the f16, FP8 and
+    /// int8 caches against the f32 cache of their values. `windowed`: each row gets a window
+    /// (`window_start`, kinds cycling over the rows), the keys outside it poisoned.
+    #[allow(clippy::too_many_arguments)]
     fn case(
         seed: u64,
         num_seqs: usize,
@@ -1529,6 +1670,7 @@ mod tests {
         head_dim: usize,
         block_size: usize,
         threads: usize,
+        windowed: bool,
     ) {
         let mut rng = Lcg(seed);
         let (num_heads, num_kv_heads) = heads;
@@ -1544,8 +1686,8 @@ mod tests {
             max_blocks_per_seq: max_blocks,
         };
         let cache_len = num_blocks * block_size * num_kv_heads * head_dim;
-        let k: Vec<f32> = (0..cache_len).map(|_| rng.next_f32() * 3.0).collect();
-        let v: Vec<f32> = (0..cache_len).map(|_| rng.next_f32()).collect();
+        let mut k: Vec<f32> = (0..cache_len).map(|_| rng.next_f32() * 3.0).collect();
+        let mut v: Vec<f32> = (0..cache_len).map(|_| rng.next_f32()).collect();
         let q: Vec<f32> = (0..num_seqs * num_heads * head_dim)
             .map(|_| rng.next_f32())
             .collect();
@@ -1565,15 +1707,29 @@ mod tests {
                 next += 1;
             }
         }
+        let starts: Option<Vec<i32>> = windowed.then(|| {
+            let kind0 = rng.below(6);
+            (0..num_seqs)
+                .map(|seq| window_start(&mut rng, kind0 + seq, ctx[seq] as usize, block_size))
+                .collect()
+        });
+        if let Some(starts) = &starts {
+            assert!(next <= num_blocks, "each row's blocks its own");
+            poison_outside_windows(&shape, (&mut k, &mut v), &bt, starts);
+        }
+        let starts = starts.as_deref();
         let scale = 1.0 / (head_dim as f32).sqrt();
-        let want = reference(&shape, &q, &k, &v, &bt, &ctx, scale);
+        let want = reference(&shape, &q, &k, &v, &bt, &ctx, starts, scale);
         for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable] {
             let mut out = vec![f32::NAN; q.len()];
-            run(&shape, &q, &k, &v, &bt, &ctx, &mut out, scale, threads, isa).unwrap();
+            run(
+                &shape, &q, &k, &v, &bt, &ctx, starts, &mut out, scale, threads, isa,
+            )
+            .unwrap();
             for (i, (a, b)) in out.iter().zip(&want).enumerate() {
                 assert!(
                     (a - b).abs() <= 1e-5 + 1e-4 * b.abs(),
-                    "{isa:?} (ran {:?}) element {i}: {a} vs {b}",
+                    "{isa:?} (ran {:?}) starts {starts:?} ctx {ctx:?} element {i}: {a} vs {b}",
                     Isa::detect(isa)
                 );
             }
@@ -1583,7 +1739,7 @@ mod tests {
         fn rounded_cache_reads_as_its_values<E: KvElement>(
             shape: &DecodeShape,
             (q, k, v): (&[f32], &[f32], &[f32]),
-            (bt, ctx): (&[i32], &[i32]),
+            (bt, ctx, starts): (&[i32], &[i32], Option<&[i32]>),
             scale: f32,
             threads: usize,
         ) {
@@ -1598,9 +1754,20 @@ mod tests {
             for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable] {
                 let mut want = vec![f32::NAN; q.len()];
                 let (k, v) = (&k_rounded, &v_rounded);
-                run(shape, q, k, v, bt, ctx, &mut want, scale, threads, isa).unwrap();
+                run(
+                    shape, q, k, v, bt, ctx, starts, &mut want, scale, threads, isa,
+                )
+                .unwrap();
                 let mut out = vec![f32::NAN; q.len()];
-                run(shape, q, &k_e, &v_e, bt, ctx, &mut out, scale, threads, isa).unwrap();
+                run(
+                    shape, q, &k_e, &v_e, bt, ctx, starts, &mut out, scale, threads, isa,
+                )
+                .unwrap();
+                assert!(
+                    out.iter().all(|x| x.is_finite()),
+                    "{isa:?}: the {} cache",
+                    E::NAME
+                );
                 assert_eq!(
                     out,
                     want,
@@ -1610,8 +1777,9 @@ mod tests {
             }
         }
         let inputs = (&q[..], &k[..], &v[..]);
-        rounded_cache_reads_as_its_values::<f16>(&shape, inputs, (&bt, &ctx), scale, threads);
-        rounded_cache_reads_as_its_values::<F8E4M3>(&shape, inputs, (&bt, &ctx), scale, threads);
+        let rows = (&bt[..], &ctx[..], starts);
+        rounded_cache_reads_as_its_values::<f16>(&shape, inputs, rows, scale, threads);
+        rounded_cache_reads_as_its_values::<F8E4M3>(&shape, inputs, rows, scale, threads);
         // An int8 cache gives what the f32 cache of its values gives, up to rounding: its
         // scales multiply the scores and weights rather than each element.
         let (k_q, v_q) = (quantize_cache(&k, head_dim), quantize_cache(&v, head_dim));
@@ -1622,12 +1790,12 @@ mod tests {
         for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable] {
             let mut want = vec![f32::NAN; q.len()];
             run(
-                &shape, &q, &k_deq, &v_deq, &bt, &ctx, &mut want, scale, threads, isa,
+                &shape, &q, &k_deq, &v_deq, &bt, &ctx, starts, &mut want, scale, threads, isa,
             )
             .unwrap();
             let mut out = vec![f32::NAN; q.len()];
             run(
-                &shape, &q, &k_q, &v_q, &bt, &ctx, &mut out, scale, threads, isa,
+                &shape, &q, &k_q, &v_q, &bt, &ctx, starts, &mut out, scale, threads, isa,
             )
             .unwrap();
             for (i, (a, b)) in out.iter().zip(&want).enumerate() {
@@ -1658,8 +1826,106 @@ mod tests {
             (4, (6, 3), 24, 32),
         ] {
             for threads in [1, 2, 3, 8] {
-                case(seed, num_seqs, heads, head_dim, block_size, threads);
+                case(seed, num_seqs, heads, head_dim, block_size, threads, false);
                 seed += 1;
+            }
+        }
+    }
+
+    #[test]
+    fn windows_match_reference_across_shapes_and_threads() {
+        let mut seed = 101;
+        // The shapes above, plus many rows (each its own start kind) and blocks of 64 / 128 (a
+        // chunk of two blocks / of one); the keys outside each window are NaN (`case`).
+        for &(num_seqs, heads, head_dim, block_size) in &[
+            (1, (1, 1), 8, 16),
+            (3, (4, 4), 64, 16),
+            (5, (8, 2), 64, 16),
+            (7, (9, 3), 64, 16),
+            (4, (8, 1), 128, 16),
+            (6, (4, 2), 12, 16),
+            (5, (9, 3), 64, 8),
+            (5, (9, 3), 64, 32),
+            (4, (6, 2), 48, 16),
+            (4, (6, 3), 24, 32),
+            (10, (9, 3), 64, 16),
+            (10, (4, 2), 32, 8),
+            (4, (4, 2), 32, 64),
+            (3, (2, 1), 16, 128),
+        ] {
+            for threads in [1, 2, 3, 8] {
+                case(seed, num_seqs, heads, head_dim, block_size, threads, true);
+                seed += 1;
+            }
+        }
+    }
+
+    #[test]
+    fn window_start_kinds_are_what_they_say() {
+        let mut rng = Lcg(5);
+        for ctx in 1..100 {
+            for bs in [8, 16] {
+                let at = |kind| window_start(&mut Lcg(ctx as u64), kind, ctx, bs) as usize;
+                assert_eq!(at(0), 0);
+                assert!(ctx <= 1 || at(1) % bs != 0);
+                assert!(at(2) % bs == 0 && (ctx <= bs || at(2) > 0));
+                assert_eq!(at(3), ctx - 1);
+                assert_eq!(at(5), ctx.saturating_sub(bs + 3));
+                for kind in 0..6 {
+                    assert!(window_start(&mut rng, kind, ctx, bs) < ctx as i32);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn no_window_is_bit_for_bit_all_zero_starts() {
+        // random shapes (whole rows) and one long row cut between threads (split-KV)
+        for (seed, num_seqs, ctx_max, bs, threads) in [
+            (31, 5, 96, 16, 1),
+            (32, 7, 300, 8, 3),
+            (33, 3, 200, 32, 2),
+            (34, 1, 5000, 16, 4),
+            (35, 2, 4000, 16, 3),
+        ] {
+            let mut rng = Lcg(seed);
+            let max_blocks = (ctx_max as usize).div_ceil(bs);
+            let shape = DecodeShape {
+                num_seqs,
+                num_heads: 9,
+                num_kv_heads: 3,
+                head_dim: 64,
+                num_blocks: num_seqs * max_blocks,
+                block_size: bs,
+                max_blocks_per_seq: max_blocks,
+            };
+            let cache_len = shape.num_blocks * bs * 3 * 64;
+            let k = rng.vec(cache_len);
+            let v = rng.vec(cache_len);
+            let q = rng.vec(num_seqs * 9 * 64);
+            let ctx: Vec<i32> = (0..num_seqs)
+                .map(|_| ctx_max - rng.below(ctx_max as usize / 4) as i32)
+                .collect();
+            let bt: Vec<i32> = (0..(num_seqs * max_blocks) as i32).rev().collect();
+            let zeros = vec![0i32; num_seqs];
+            for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable] {
+                let mut none = vec![f32::NAN; q.len()];
+                let mut zero = vec![f32::NAN; q.len()];
+                run(
+                    &shape, &q, &k, &v, &bt, &ctx, None, &mut none, 0.125, threads, isa,
+                )
+                .unwrap();
+                let some = Some(&zeros[..]);
+                run(
+                    &shape, &q, &k, &v, &bt, &ctx, some, &mut zero, 0.125, threads, isa,
+                )
+                .unwrap();
+                assert!(none.iter().all(|x| x.is_finite()));
+                assert_eq!(
+                    none.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    zero.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "seed {seed} {isa:?}"
+                );
             }
         }
     }
@@ -1685,14 +1951,25 @@ mod tests {
         let bt: Vec<i32> = (0..40 * 40).map(|i| i % 1999 + 1).collect();
         let mut one = vec![0f32; q.len()];
         let mut many = vec![0f32; q.len()];
-        paged_decode_attention_f32(&shape, &q, &k, &v, &bt, &ctx, &mut one, 0.25, 1).unwrap();
-        paged_decode_attention_f32(&shape, &q, &k, &v, &bt, &ctx, &mut many, 0.25, 4).unwrap();
-        assert_eq!(
-            one, many,
-            "no sequence is cut here (40 x 40 blocks in 4 tasks): the split must not change \
-             any result"
-        );
-        let want = reference(&shape, &q, &k, &v, &bt, &ctx, 0.25);
+        paged_decode_attention_f32(&shape, &q, &k, &v, &bt, &ctx, None, &mut one, 0.25, 1).unwrap();
+        paged_decode_attention_f32(&shape, &q, &k, &v, &bt, &ctx, None, &mut many, 0.25, 4)
+            .unwrap();
+        // The tasks the call got: 4, or fewer where the process's pool was first made smaller
+        // (the first call to reach `cpu_pool::global` sizes it: on a 2-core machine a test
+        // asking 3 threads leaves 3 tasks, and 40 x 40 blocks in 3 tasks cut sequences).
+        let tasks = crate::cpu_pool::global(4).max_tasks().min(4);
+        if partition(&[40; 40], tasks)
+            .iter()
+            .flatten()
+            .all(|g| g.whole)
+        {
+            assert_eq!(
+                one, many,
+                "no sequence is cut here (40 x 40 blocks in {tasks} tasks): the split must not \
+                 change any result"
+            );
+        }
+        let want = reference(&shape, &q, &k, &v, &bt, &ctx, None, 0.25);
         for (a, b) in many.iter().zip(&want) {
             assert!((a - b).abs() <= 1e-5 + 1e-4 * b.abs());
         }
@@ -1788,7 +2065,7 @@ mod tests {
                 .map(|i| 1 + i as i32)
                 .rev()
                 .collect();
-            let want = reference(&shape, &q, &k, &v, &bt, &ctx, 0.125);
+            let want = reference(&shape, &q, &k, &v, &bt, &ctx, None, 0.125);
             let counts: Vec<usize> = ctx.iter().map(|&c| (c as usize).div_ceil(bs)).collect();
             // the two tasks every call below gets at least already cut a sequence
             let plan = partition(&counts, 2);
@@ -1796,11 +2073,75 @@ mod tests {
             for threads in [2, 3, 8] {
                 for isa in [Isa::Avx2, Isa::Portable] {
                     let mut out = vec![f32::NAN; q.len()];
-                    run(&shape, &q, &k, &v, &bt, &ctx, &mut out, 0.125, threads, isa).unwrap();
+                    run(
+                        &shape, &q, &k, &v, &bt, &ctx, None, &mut out, 0.125, threads, isa,
+                    )
+                    .unwrap();
                     for (i, (a, b)) in out.iter().zip(&want).enumerate() {
                         assert!(
                             (a - b).abs() <= 1e-5 + 1e-4 * b.abs(),
                             "{ctx:?} threads {threads} {isa:?} element {i}: {a} vs {b}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn windows_of_sequences_split_between_threads_match_the_reference() {
+        // as above with windows: the cuts fall inside windows (parts of one row merged), the
+        // first part of a cut row starts mid-block, and the keys outside are NaN
+        for (seed, ctx, starts) in [
+            (41, vec![5000i32], vec![1234i32]),
+            (42, vec![5000], vec![4003]),
+            (43, vec![5000], vec![4096]),
+            (44, vec![3000, 37, 5, 1900], vec![17, 36, 0, 900]),
+            (45, vec![129, 4900], vec![128, 333]),
+            (46, vec![2500, 2600], vec![2499, 1]),
+        ] {
+            let mut rng = Lcg(seed);
+            let (bs, max_blocks) = (16, 320);
+            let shape = DecodeShape {
+                num_seqs: ctx.len(),
+                num_heads: 9,
+                num_kv_heads: 3,
+                head_dim: 64,
+                num_blocks: ctx.len() * max_blocks + 1,
+                block_size: bs,
+                max_blocks_per_seq: max_blocks,
+            };
+            let cache_len = shape.num_blocks * bs * 3 * 64;
+            let mut k: Vec<f32> = (0..cache_len).map(|_| rng.next_f32() * 3.0).collect();
+            let mut v: Vec<f32> = (0..cache_len).map(|_| rng.next_f32()).collect();
+            let q: Vec<f32> = (0..ctx.len() * 9 * 64).map(|_| rng.next_f32()).collect();
+            let bt: Vec<i32> = (0..ctx.len() * max_blocks)
+                .map(|i| 1 + i as i32)
+                .rev()
+                .collect();
+            let full = reference(&shape, &q, &k, &v, &bt, &ctx, None, 0.125);
+            poison_outside_windows(&shape, (&mut k, &mut v), &bt, &starts);
+            let want = reference(&shape, &q, &k, &v, &bt, &ctx, Some(&starts), 0.125);
+            assert!(want.iter().zip(&full).any(|(a, b)| (a - b).abs() > 1e-3));
+            let counts: Vec<usize> = ctx
+                .iter()
+                .zip(&starts)
+                .map(|(&c, &st)| (c as usize).div_ceil(bs) - st as usize / bs)
+                .collect();
+            let plan = partition(&counts, 2);
+            assert!(plan.iter().flatten().any(|g| !g.whole), "no cut: {plan:?}");
+            for threads in [2, 3, 8] {
+                for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable] {
+                    let mut out = vec![f32::NAN; q.len()];
+                    let st = Some(&starts[..]);
+                    run(
+                        &shape, &q, &k, &v, &bt, &ctx, st, &mut out, 0.125, threads, isa,
+                    )
+                    .unwrap();
+                    for (i, (a, b)) in out.iter().zip(&want).enumerate() {
+                        assert!(
+                            (a - b).abs() <= 1e-5 + 1e-4 * b.abs(),
+                            "{ctx:?} {starts:?} threads {threads} {isa:?} element {i}: {a} vs {b}"
                         );
                     }
                 }
@@ -1823,7 +2164,7 @@ mod tests {
         let cache = vec![0f32; 2 * 4 * 4];
         let mut out = vec![0f32; 8];
         let run = |bt: &[i32], ctx: &[i32], out: &mut [f32]| {
-            paged_decode_attention_f32(&shape, &q, &cache, &cache, bt, ctx, out, 1.0, 1)
+            paged_decode_attention_f32(&shape, &q, &cache, &cache, bt, ctx, None, out, 1.0, 1)
         };
         assert!(run(&[0, 2], &[5], &mut out)
             .unwrap_err()
@@ -1854,6 +2195,44 @@ mod tests {
             .unwrap_err()
             .0
             .contains("out has 4"));
+        // windows: one start per row, inside its context (an error, never a panic)
+        let windowed = |ctx: &[i32], starts: &[i32], out: &mut [f32]| {
+            paged_decode_attention_f32(
+                &shape,
+                &q,
+                &cache,
+                &cache,
+                &[0, 1],
+                ctx,
+                Some(starts),
+                out,
+                1.0,
+                1,
+            )
+        };
+        for (ctx, starts, msg) in [
+            (5, &[][..], "starts has 0 elements, its shape needs 1"),
+            (5, &[1, 2][..], "starts has 2 elements"),
+            (5, &[-1][..], "starts[0] = -1 outside 0..5"),
+            (5, &[5][..], "starts[0] = 5 outside 0..5"),
+            (5, &[6][..], "starts[0] = 6"),
+            (1, &[1][..], "starts[0] = 1 outside 0..1"),
+            (8, &[i32::MAX][..], "starts[0] = 2147483647"),
+            (8, &[i32::MIN][..], "starts[0] = -2147483648"),
+        ] {
+            let err = windowed(&[ctx], starts, &mut out).unwrap_err().0;
+            assert!(err.contains(msg), "{starts:?}: {err}");
+        }
+        assert!(windowed(&[9], &[0], &mut out)
+            .unwrap_err()
+            .0
+            .contains("ctx_lens[0] = 9"));
+        for (ctx, start) in [(5, 4), (8, 7), (8, 4), (1, 0), (5, 0)] {
+            assert!(
+                windowed(&[ctx], &[start], &mut out).is_ok(),
+                "{ctx} {start}"
+            );
+        }
         let bad_heads = DecodeShape {
             num_heads: 3,
             num_kv_heads: 2,

@@ -127,11 +127,16 @@ impl<'py> KvArrays<'py> {
 }
 
 /// `paged_decode_attention_f32(q, k_cache, v_cache, block_tables, ctx_lens, out, scale,
-/// num_threads)`: q/out `[S, Hq, D]` float32, caches `[num_blocks, block_size, Hkv, D]` float32,
-/// float16 or uint8 (FP8 E4M3 bytes), or `[.., D + 4]` int8 (head rows with their scales),
-/// block_tables `[S, max_blocks]` / ctx_lens `[S]` int32. Writes `out`; returns None.
+/// num_threads, starts=None)`: q/out `[S, Hq, D]` float32, caches `[num_blocks, block_size, Hkv,
+/// D]` float32, float16 or uint8 (FP8 E4M3 bytes), or `[.., D + 4]` int8 (head rows with their
+/// scales), block_tables `[S, max_blocks]` / ctx_lens `[S]` int32. `starts`, an optional `[S]`
+/// int32 array, gives each row a sliding window: row `s` attends keys `starts[s]..ctx_lens[s]`
+/// only (`0 <= starts[s] < ctx_lens[s]`, else `ValueError`); None attends all keys. Writes
+/// `out`; returns None.
 #[pyfunction]
 #[pyo3(name = "paged_decode_attention_f32")]
+#[pyo3(signature = (q, k_cache, v_cache, block_tables, ctx_lens, out, scale, num_threads,
+                    starts=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn py_paged_decode_attention_f32(
     py: Python<'_>,
@@ -143,6 +148,7 @@ pub fn py_paged_decode_attention_f32(
     mut out: PyReadwriteArrayDyn<'_, f32>,
     scale: f32,
     num_threads: usize,
+    starts: Option<PyReadonlyArray1<'_, i32>>,
 ) -> PyResult<()> {
     let [num_seqs, num_heads, head_dim] = dims::<3>("q", q.shape())?;
     let kv = KvArrays::extract(k_cache, v_cache)?;
@@ -169,6 +175,10 @@ pub fn py_paged_decode_attention_f32(
     let kv = kv.slices()?;
     let bt = c_slice("block_tables", &block_tables)?;
     let ctx = c_slice("ctx_lens", &ctx_lens)?;
+    let starts = starts
+        .as_ref()
+        .map(|starts| c_slice("starts", starts))
+        .transpose()?;
     let out_c = out.is_c_contiguous();
     let out = c_contiguous("out", out_c, out.as_slice_mut())?;
     py.detach(|| {
@@ -179,6 +189,7 @@ pub fn py_paged_decode_attention_f32(
             v,
             bt,
             ctx,
+            starts,
             out,
             scale,
             num_threads
