@@ -10,13 +10,20 @@
 //! arithmetic is theirs (SiLU aside: the modules use torch's); what goes away is ~15 Python
 //! calls and torch ops per layer.
 //!
+//! Gemma 3 adds to this: the attention and MLP outputs RMS-normed before their residual adds
+//! (`attn_out_norm` / `mlp_out_norm`), GELU-tanh-and-mul (`DecoderShape::act`), and
+//! sliding-window layers (`window`: each decode row attends its last `window` positions only)
+//! whose RoPE tables are their own (`local_rope`: `StepRows::local_cos` / `local_sin`).
+//!
 //! The step: `R` query rows. Row `r` is `hidden[r]` `[H]`, rotated by `cos[r]` / `sin[r]`
 //! `[D]`, and writes its K/V at slot `slots[r]` (block `slot / block_size`, offset
 //! `slot % block_size`); every row's K/V is written before any attention. Each row is attended
 //! by exactly one kernel: the decode kernel for the rows `decode_rows` names (all rows when
 //! `None`: decodes, speculative drafts, short chunks), the i-th of them attending the first
 //! `ctx_lens[i]` positions of block-table row `i`; the prefill kernel for each chunk of
-//! `prefill` (rows `q_starts[s] .. + q_lens[s]`, causal over its `seq_lens[s]` keys).
+//! `prefill` (rows `q_starts[s] .. + q_lens[s]`, causal over its `seq_lens[s]` keys; the
+//! prefill kernel attends whole contexts, so a step with a sliding-window layer takes only
+//! chunks whose `seq_lens` fit in the window, where the two agree).
 //! A layer's cache is `[2, num_blocks, block_size, Hkv, D]` (0 = K, 1 = V), as in Python, of
 //! f32, f16 or FP8 E4M3 (`cpu_kv`, `cpu_kv_fp8`: K/V rows are rounded to it when written; the
 //! math stays f32).
@@ -32,7 +39,7 @@
 
 use crate::cpu_amx_linear::{self, linear_amx_f32, AmxShape, AmxTiles};
 use crate::cpu_attention::{paged_decode_attention_f32, DecodeShape};
-use crate::cpu_elementwise::{rms_norm_f32, rotary_f32, silu_and_mul_f32};
+use crate::cpu_elementwise::{gate_and_mul_f32, rms_norm_f32, rotary_f32, GateActivation};
 use crate::cpu_error::KernelInputError;
 use crate::cpu_kv::KvElement;
 use crate::cpu_linear::{linear_f32, LinearShape, PANEL_WIDTH};
@@ -55,6 +62,8 @@ pub struct DecoderShape {
     pub eps: f32,
     /// attention's softmax scale (`head_dim ** -0.5` for Llama)
     pub scale: f32,
+    /// the MLP gate's activation (SiLU; Gemma's GELU-tanh)
+    pub act: GateActivation,
 }
 
 impl DecoderShape {
@@ -201,11 +210,30 @@ pub struct Layer<'a> {
     pub k_norm: &'a [f32],
     /// false for a NoPE layer (SmolLM3): q and k attend unrotated
     pub rope: bool,
+    /// RMSNorm weights `[hidden]` of the attention and MLP outputs before their residual adds
+    /// (Gemma 3), or both empty
+    pub attn_out_norm: &'a [f32],
+    pub mlp_out_norm: &'a [f32],
+    /// a sliding-window layer's window: each query attends its last `window` positions
+    pub window: Option<usize>,
+    /// rotates with the step's local tables (`StepRows::local_cos` / `local_sin`, Gemma 3's
+    /// sliding layers) instead of `cos` / `sin`
+    pub local_rope: bool,
 }
 
 impl Layer<'_> {
     /// Every weight's shape against the model's.
     pub fn check(&self, s: &DecoderShape) -> Result<(), KernelInputError> {
+        let output_norms = (self.attn_out_norm.len(), self.mlp_out_norm.len());
+        if output_norms != (0, 0) && output_norms != (s.hidden, s.hidden) {
+            return bad(format!(
+                "attn_out_norm and mlp_out_norm have {} and {} elements: both {} or both none",
+                output_norms.0, output_norms.1, s.hidden
+            ));
+        }
+        if self.window == Some(0) {
+            return bad("a sliding window of 0 positions".into());
+        }
         for (name, norm) in [
             ("input_norm", self.input_norm),
             ("post_norm", self.post_norm),
@@ -239,6 +267,9 @@ pub struct StepRows<'a> {
     /// `[R, D]` each
     pub cos: &'a [f32],
     pub sin: &'a [f32],
+    /// `[R, D]` each for the layers with `local_rope`, else empty
+    pub local_cos: &'a [f32],
+    pub local_sin: &'a [f32],
     /// `[R]`
     pub slots: &'a [i64],
     /// the decode kernel's rows `[N]` (`None`: every row, N = R)
@@ -304,9 +335,16 @@ pub fn validate<E: KvElement>(
         ));
     }
     let r = hidden.len() / s.hidden;
+    let local = if layers.iter().any(|l| l.local_rope) {
+        r * s.head_dim
+    } else {
+        0
+    };
     for (name, len, want) in [
         ("cos", rows.cos.len(), r * s.head_dim),
         ("sin", rows.sin.len(), r * s.head_dim),
+        ("local_cos", rows.local_cos.len(), local),
+        ("local_sin", rows.local_sin.len(), local),
         ("slots", rows.slots.len(), r),
     ] {
         if len != want {
@@ -370,6 +408,15 @@ pub fn validate<E: KvElement>(
             "row {row} is attended by {} kernels, not exactly one",
             attended_by[row]
         ));
+    }
+    let narrowest = layers.iter().filter_map(|l| l.window).min();
+    if let (Some(window), Some(p)) = (narrowest, &rows.prefill) {
+        if let Some(&keys) = p.seq_lens.iter().find(|&&n| n.max(0) as usize > window) {
+            return bad(format!(
+                "a prefill chunk over {keys} keys outruns a sliding window of {window}: the \
+                 prefill kernel attends whole contexts"
+            ));
+        }
     }
     for layer in layers {
         layer.check(s)?;
@@ -472,6 +519,8 @@ pub fn forward_step<E: KvElement>(
             shape.validate(&q, k, v, p.block_tables, chunks, &attended)?;
         }
     }
+    // each sliding window's first keys of the decode rows, made at its first layer
+    let mut starts_by_window: Vec<(usize, Option<Vec<i32>>)> = Vec::new();
     for (li, (layer, layer_cache)) in layers.iter().zip(caches.iter_mut()).enumerate() {
         let (k_cache, v_cache) = layer_cache.split_at_mut(layer_cache.len() / 2);
         rms_norm_f32(hidden, layer.input_norm, s.eps, &mut normed)?;
@@ -479,8 +528,13 @@ pub fn forward_step<E: KvElement>(
         layer.qkv.apply(&normed, r, &mut qkv, threads)?;
         add_lora(li, 0, s.hidden, qkv_size, &normed, &mut qkv);
         clock.lap(Phase::Linear);
+        let (cos_table, sin_table) = if layer.local_rope {
+            (rows.local_cos, rows.local_sin)
+        } else {
+            (rows.cos, rows.sin)
+        };
         for (i, row) in qkv.chunks_exact_mut(qkv_size).enumerate() {
-            let (cos, sin) = (&rows.cos[i * d..][..d], &rows.sin[i * d..][..d]);
+            let (cos, sin) = (&cos_table[i * d..][..d], &sin_table[i * d..][..d]);
             let (q_row, kv) = row.split_at_mut(q_size);
             let (k_row, v_row) = kv.split_at_mut(kv_size);
             if !layer.q_norm.is_empty() {
@@ -500,6 +554,9 @@ pub fn forward_step<E: KvElement>(
             E::store_heads(&mut v_cache[at..at + kv_row], v_row, d);
         }
         let (bt, ctx) = (rows.block_tables, rows.ctx_lens);
+        let starts = layer
+            .window
+            .and_then(|w| window_starts(&mut starts_by_window, ctx, w));
         clock.lap(Phase::Other);
         match rows.decode_rows {
             _ if num_decode == 0 => {}
@@ -510,7 +567,7 @@ pub fn forward_step<E: KvElement>(
                 v_cache,
                 bt,
                 ctx,
-                None,
+                starts,
                 &mut attended,
                 s.scale,
                 threads,
@@ -526,7 +583,7 @@ pub fn forward_step<E: KvElement>(
                     v_cache,
                     bt,
                     ctx,
-                    None,
+                    starts,
                     &mut attended_decode,
                     s.scale,
                     threads,
@@ -556,21 +613,62 @@ pub fn forward_step<E: KvElement>(
         layer.o_proj.apply(&attended, r, &mut projected, threads)?;
         add_lora(li, 1, q_size, s.hidden, &attended, &mut projected);
         clock.lap(Phase::Linear);
-        add_into(hidden, &projected);
+        add_normed_into(hidden, &projected, layer.attn_out_norm, s.eps, &mut normed)?;
         rms_norm_f32(hidden, layer.post_norm, s.eps, &mut normed)?;
         clock.lap(Phase::Other);
         layer.gate_up.apply(&normed, r, &mut gate_up, threads)?;
         add_lora(li, 2, s.hidden, 2 * s.intermediate, &normed, &mut gate_up);
         clock.lap(Phase::Linear);
-        silu_and_mul_f32(&gate_up, s.intermediate, &mut activated)?;
+        gate_and_mul_f32(&gate_up, s.intermediate, &mut activated, s.act)?;
         clock.lap(Phase::Other);
         layer.down.apply(&activated, r, &mut projected, threads)?;
         add_lora(li, 3, s.intermediate, s.hidden, &activated, &mut projected);
         clock.lap(Phase::Linear);
-        add_into(hidden, &projected);
+        add_normed_into(hidden, &projected, layer.mlp_out_norm, s.eps, &mut normed)?;
     }
     clock.lap(Phase::Other);
     clock.finish();
+    Ok(())
+}
+
+/// The first key each decode row attends in a layer of window `window` (`ctx - window`, at
+/// least 0), or `None` where every row sees its whole context; computed once per window and
+/// step (`cache`).
+fn window_starts<'c>(
+    cache: &'c mut Vec<(usize, Option<Vec<i32>>)>,
+    ctx_lens: &[i32],
+    window: usize,
+) -> Option<&'c [i32]> {
+    let at = match cache.iter().position(|(w, _)| *w == window) {
+        Some(at) => at,
+        None => {
+            let w = i32::try_from(window).unwrap_or(i32::MAX);
+            let starts = ctx_lens
+                .iter()
+                .any(|&c| c > w)
+                .then(|| ctx_lens.iter().map(|&c| (c - w).max(0)).collect());
+            cache.push((window, starts));
+            cache.len() - 1
+        }
+    };
+    cache[at].1.as_deref()
+}
+
+/// `hidden += out`, or with a norm weight (Gemma 3's output norms) `hidden += rms_norm(out)`
+/// (`scratch` `[R, H]` holds the normed rows).
+fn add_normed_into(
+    hidden: &mut [f32],
+    out: &[f32],
+    norm: &[f32],
+    eps: f32,
+    scratch: &mut [f32],
+) -> Result<(), KernelInputError> {
+    if norm.is_empty() {
+        add_into(hidden, out);
+    } else {
+        rms_norm_f32(out, norm, eps, scratch)?;
+        add_into(hidden, scratch);
+    }
     Ok(())
 }
 
@@ -629,6 +727,7 @@ mod tests {
         intermediate: 96,
         eps: 1e-5,
         scale: 0.25,
+        act: GateActivation::Silu,
     };
     const CACHE: CacheShape = CacheShape {
         num_blocks: 12,
@@ -823,12 +922,40 @@ mod tests {
         rows: &StepRows<'_>,
         round_head: impl Fn(&mut [f64]),
     ) -> (Vec<f64>, Vec<Vec<f64>>) {
+        let plain = Gemma {
+            act: GateActivation::Silu,
+            windows: vec![None; weights.len()],
+            out_norms: vec![None; weights.len()],
+            local_rope: vec![false; weights.len()],
+        };
+        reference_of(weights, caches, hidden, rows, round_head, &plain)
+    }
+
+    /// What Gemma 3 adds to the layers (module header), per layer.
+    struct Gemma {
+        act: GateActivation,
+        windows: Vec<Option<usize>>,
+        /// the attention and MLP output norms
+        out_norms: Vec<Option<[Vec<f32>; 2]>>,
+        /// rotates with `StepRows::local_cos` / `local_sin`
+        local_rope: Vec<bool>,
+    }
+
+    /// [`reference_rounding_kv`] with Gemma 3's parts `g`.
+    fn reference_of(
+        weights: &[LayerWeights],
+        caches: &[Vec<f32>],
+        hidden: &[f32],
+        rows: &StepRows<'_>,
+        round_head: impl Fn(&mut [f64]),
+        g: &Gemma,
+    ) -> (Vec<f64>, Vec<Vec<f64>>) {
         let s = SHAPE;
         let (d, h, kv) = (s.head_dim, s.hidden, s.kv_size());
         let r = hidden.len() / h;
         let mut x: Vec<f64> = hidden.iter().map(|&v| v as f64).collect();
         let mut out_caches = vec![];
-        for (w, cache) in weights.iter().zip(caches) {
+        for (li, (w, cache)) in weights.iter().zip(caches).enumerate() {
             let mut c: Vec<f64> = cache.iter().map(|&v| v as f64).collect();
             let half = c.len() / 2;
             let mut queries = vec![];
@@ -843,7 +970,11 @@ mod tests {
                         }
                     }
                 }
-                let (cos, sin) = (&rows.cos[i * d..][..d], &rows.sin[i * d..][..d]);
+                let (cos, sin) = if g.local_rope[li] {
+                    (&rows.local_cos[i * d..][..d], &rows.local_sin[i * d..][..d])
+                } else {
+                    (&rows.cos[i * d..][..d], &rows.sin[i * d..][..d])
+                };
                 rope(&mut qkv[..s.q_size()], cos, sin);
                 rope(&mut qkv[s.q_size()..s.q_size() + kv], cos, sin);
                 let at = rows.slots[i] as usize * kv;
@@ -857,6 +988,7 @@ mod tests {
             for (i, q) in queries.iter().enumerate() {
                 let mut attended = vec![0f64; s.q_size()];
                 let ctx = rows.ctx_lens[i] as usize;
+                let first = g.windows[li].map_or(0, |w| ctx.saturating_sub(w));
                 let slot = |p: usize| {
                     let table = &rows.block_tables[i * rows.max_blocks_per_seq..];
                     table[p / CACHE.block_size] as usize * CACHE.block_size + p % CACHE.block_size
@@ -865,7 +997,7 @@ mod tests {
                     let kv_head = head / (s.num_heads / s.num_kv_heads);
                     let qh = &q[head * d..][..d];
                     let key = |p: usize| &c[slot(p) * kv + kv_head * d..][..d];
-                    let logits: Vec<f64> = (0..ctx)
+                    let logits: Vec<f64> = (first..ctx)
                         .map(|p| {
                             s.scale as f64 * qh.iter().zip(key(p)).map(|(a, b)| a * b).sum::<f64>()
                         })
@@ -873,25 +1005,38 @@ mod tests {
                     let m = logits.iter().cloned().fold(f64::MIN, f64::max);
                     let e: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
                     let total: f64 = e.iter().sum();
-                    for (p, &ep) in e.iter().enumerate() {
+                    for (p, &ep) in (first..ctx).zip(&e) {
                         let value = &c[half + slot(p) * kv + kv_head * d..][..d];
                         for j in 0..d {
                             attended[head * d + j] += ep / total * value[j];
                         }
                     }
                 }
-                let o = w.o.apply(&attended);
+                let mut o = w.o.apply(&attended);
+                if let Some([attn_out, _]) = &g.out_norms[li] {
+                    o = rms_norm(&o, attn_out);
+                }
                 x[i * h..][..h].iter_mut().zip(o).for_each(|(a, b)| *a += b);
             }
             for i in 0..r {
                 let gu = w.gate_up.apply(&rms_norm(&x[i * h..][..h], &w.norms[1]));
                 let act: Vec<f64> = (0..s.intermediate)
                     .map(|j| {
-                        let g = gu[j];
-                        g / (1.0 + (-g).exp()) * gu[s.intermediate + j]
+                        let x = gu[j];
+                        let z = match g.act {
+                            GateActivation::Silu => x,
+                            GateActivation::GeluTanh => {
+                                2.0 * (2.0 / std::f64::consts::PI).sqrt()
+                                    * (x + 0.044715 * x * x * x)
+                            }
+                        };
+                        x / (1.0 + (-z).exp()) * gu[s.intermediate + j]
                     })
                     .collect();
-                let down = w.down.apply(&act);
+                let mut down = w.down.apply(&act);
+                if let Some([_, mlp_out]) = &g.out_norms[li] {
+                    down = rms_norm(&down, mlp_out);
+                }
                 x[i * h..][..h]
                     .iter_mut()
                     .zip(down)
@@ -958,6 +1103,8 @@ mod tests {
             StepRows {
                 cos: &self.cos,
                 sin: &self.sin,
+                local_cos: &[],
+                local_sin: &[],
                 slots: &self.slots,
                 block_tables: &self.tables,
                 max_blocks_per_seq: 3,
@@ -980,6 +1127,10 @@ mod tests {
                     q_norm: w.head_norms.as_ref().map_or(&[][..], |n| &n[0]),
                     k_norm: w.head_norms.as_ref().map_or(&[][..], |n| &n[1]),
                     rope: true,
+                    attn_out_norm: &[],
+                    mlp_out_norm: &[],
+                    window: None,
+                    local_rope: false,
                 })
                 .collect()
         }
@@ -1065,6 +1216,103 @@ mod tests {
         } else {
             eprintln!("AMX not available here: the decoder's AMX path is not exercised");
         }
+    }
+
+    #[test]
+    fn gemma3_layers_match_the_reference() {
+        // layer 0 a sliding layer (window 4: the rows at contexts 9, 5 and 6 start at keys 5,
+        // 1 and 2) with its own RoPE tables, layer 1 global; output norms on both; GELU-tanh
+        let case = Case::new(53, 2);
+        let mut rng = Lcg(54);
+        let out_norms: Vec<[Vec<f32>; 2]> = (0..2)
+            .map(|_| [rng.vec(SHAPE.hidden), rng.vec(SHAPE.hidden)])
+            .collect();
+        let local_cos: Vec<f32> = case.cos.iter().map(|c| c * 0.8).collect();
+        let local_sin: Vec<f32> = case.sin.iter().map(|v| -v).collect();
+        let g = Gemma {
+            act: GateActivation::GeluTanh,
+            windows: vec![Some(4), None],
+            out_norms: out_norms.iter().cloned().map(Some).collect(),
+            local_rope: vec![true, false],
+        };
+        let rows = StepRows {
+            local_cos: &local_cos,
+            local_sin: &local_sin,
+            ..case.rows()
+        };
+        let (want, _) = reference_of(&case.weights, &case.caches, &case.hidden, &rows, |_| {}, &g);
+        let mut layers = case.layers(Kernels::Panels);
+        for (i, layer) in layers.iter_mut().enumerate() {
+            layer.attn_out_norm = &out_norms[i][0];
+            layer.mlp_out_norm = &out_norms[i][1];
+            layer.window = g.windows[i];
+            layer.local_rope = g.local_rope[i];
+        }
+        let shape = DecoderShape {
+            act: GateActivation::GeluTanh,
+            ..SHAPE
+        };
+        let (plain_want, _) = reference(&case.weights, &case.caches, &case.hidden, &rows);
+        for threads in [1, 2] {
+            let mut caches = case.caches.clone();
+            let mut views: Vec<&mut [f32]> = caches.iter_mut().map(|c| c.as_mut_slice()).collect();
+            let mut hidden = case.hidden.clone();
+            forward_step(
+                &shape,
+                &layers,
+                &mut views,
+                &CACHE,
+                &mut hidden,
+                &rows,
+                threads,
+                true,
+                None,
+            )
+            .unwrap();
+            let close = |want: &[f64]| {
+                hidden
+                    .iter()
+                    .zip(want)
+                    .all(|(&got, &w)| (got as f64 - w).abs() <= 2e-4 * (1.0 + w.abs()))
+            };
+            assert!(close(&want), "threads={threads}");
+            assert!(!close(&plain_want), "the Gemma parts change the output");
+        }
+        // what the step refuses: a prompt chunk past the window (the prefill kernel attends
+        // whole contexts), a window of 0, one output norm alone, local RoPE without its tables
+        let arrays = mixed_arrays(&case);
+        let mixed = mixed_rows(&case, false, &arrays); // a chunk over 6 keys
+        let mut views: Vec<Vec<f32>> = case.caches.clone();
+        let mut views: Vec<&mut [f32]> = views.iter_mut().map(|c| c.as_mut_slice()).collect();
+        let mut hidden = case.hidden.clone();
+        let mut refused = |layers: &[Layer<'_>], rows: &StepRows<'_>| {
+            let before = hidden.clone();
+            let result = forward_step(
+                &shape,
+                layers,
+                &mut views,
+                &CACHE,
+                &mut hidden,
+                rows,
+                1,
+                true,
+                None,
+            );
+            assert!(result.is_err() && hidden == before);
+        };
+        let mixed_local = StepRows {
+            local_cos: &local_cos,
+            local_sin: &local_sin,
+            ..mixed
+        };
+        refused(&layers, &mixed_local);
+        let mut bad = layers.clone();
+        bad[1].window = Some(0);
+        refused(&bad, &rows);
+        let mut bad = layers.clone();
+        bad[0].mlp_out_norm = &[];
+        refused(&bad, &rows);
+        refused(&layers, &case.rows());
     }
 
     #[test]

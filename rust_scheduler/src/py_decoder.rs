@@ -16,6 +16,7 @@ use crate::cpu_amx_linear::{AmxFormat, AmxTiles};
 use crate::cpu_decoder::{
     forward_step, CacheShape, DecoderShape, Layer, Linear, PrefillChunks, StepRows,
 };
+use crate::cpu_elementwise::GateActivation;
 use crate::cpu_kv::f16;
 use crate::cpu_kv::KvElement;
 use crate::cpu_kv_fp8::{as_fp8_mut, F8E4M3};
@@ -355,6 +356,8 @@ struct LayerArrays {
     post_norm: F32Array,
     /// Qwen3's per-head q / k norms, when the layer has them
     head_norms: Option<(F32Array, F32Array)>,
+    /// Gemma 3's attention and MLP output norms, when the layer has them
+    output_norms: Option<(F32Array, F32Array)>,
     /// qkv, o_proj, gate_up, down
     linears: [LinearArrays; 4],
 }
@@ -363,6 +366,7 @@ struct LayerBorrow<'py> {
     input_norm: PyReadonlyArrayDyn<'py, f32>,
     post_norm: PyReadonlyArrayDyn<'py, f32>,
     head_norms: Option<(PyReadonlyArrayDyn<'py, f32>, PyReadonlyArrayDyn<'py, f32>)>,
+    output_norms: Option<(PyReadonlyArrayDyn<'py, f32>, PyReadonlyArrayDyn<'py, f32>)>,
     linears: [LinearBorrow<'py>; 4],
 }
 
@@ -371,6 +375,10 @@ impl LayerBorrow<'_> {
         let [qkv, o_proj, gate_up, down] = &self.linears;
         let (q_norm, k_norm) = match &self.head_norms {
             Some((q, k)) => (c_slice("q_norm", q)?, c_slice("k_norm", k)?),
+            None => (&[][..], &[][..]),
+        };
+        let (attn_out_norm, mlp_out_norm) = match &self.output_norms {
+            Some((a, m)) => (c_slice("attn_out_norm", a)?, c_slice("mlp_out_norm", m)?),
             None => (&[][..], &[][..]),
         };
         Ok(Layer {
@@ -383,15 +391,22 @@ impl LayerBorrow<'_> {
             q_norm,
             k_norm,
             rope: true,
+            attn_out_norm,
+            mlp_out_norm,
+            window: None,
+            local_rope: false,
         })
     }
 }
 
 /// `CpuDecoderStack(hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, scale,
-/// layers, nope_layers=[])`: a Llama-family model's decoder layers for fused CPU decode steps
-/// (the layers `nope_layers` names take no RoPE: SmolLM3). `layers[i]` is
-/// `(input_norm, qkv, o_proj, post_norm, gate_up, down[, q_norm, k_norm])`, norms float32
-/// `[hidden]` (Qwen3's per-head `q_norm` / `k_norm`: `[head_dim]`), each linear
+/// layers, nope_layers=[], activation="silu", windows=None, local_rope_layers=[])`: a
+/// Llama-family model's decoder layers for fused CPU decode steps (the layers `nope_layers`
+/// names take no RoPE: SmolLM3; Gemma 3: `activation="gelu_tanh"`, `windows` one sliding
+/// window or None per layer, `local_rope_layers` rotating with `forward`'s `local_cos` /
+/// `local_sin`). `layers[i]` is `(input_norm, qkv, o_proj, post_norm, gate_up, down[, q_norm,
+/// k_norm[, attn_out_norm, mlp_out_norm]])`, norms float32 `[hidden]` (Qwen3's per-head
+/// `q_norm` / `k_norm`: `[head_dim]`; Gemma 3's output norms), each linear
 /// `(n, k, panels, bias | None, blocks | None[, tiles | None])` with `panels` as `linear_f32`
 /// reads them, `blocks` `("q4_1", scale, min, qs)` / `("q8_0", scale, qs)` as `linear_q*_f32`
 /// read them and `tiles` as `linear_amx_f32` reads them.
@@ -416,6 +431,10 @@ fn borrow_layers<'py>(py: Python<'py>, layers: &[LayerArrays]) -> Vec<LayerBorro
                 .head_norms
                 .as_ref()
                 .map(|(q, k)| (q.bind(py).readonly(), k.bind(py).readonly())),
+            output_norms: l
+                .output_norms
+                .as_ref()
+                .map(|(a, m)| (a.bind(py).readonly(), m.bind(py).readonly())),
             linears: std::array::from_fn(|i| l.linears[i].borrow(py)),
         })
         .collect()
@@ -498,7 +517,8 @@ type PrefillArrays<'py> = (
 impl PyCpuDecoderStack {
     #[new]
     #[pyo3(signature = (hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, scale,
-                        layers, nope_layers = Vec::new()))]
+                        layers, nope_layers = Vec::new(), activation = "silu",
+                        windows = None, local_rope_layers = Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -511,13 +531,38 @@ impl PyCpuDecoderStack {
         scale: f32,
         layers: Vec<Bound<'_, PyTuple>>,
         nope_layers: Vec<usize>,
+        activation: &str,
+        windows: Option<Vec<Option<usize>>>,
+        local_rope_layers: Vec<usize>,
     ) -> PyResult<Self> {
-        if let Some(&bad) = nope_layers.iter().find(|&&i| i >= layers.len()) {
+        for (name, list) in [
+            ("nope_layers", &nope_layers),
+            ("local_rope_layers", &local_rope_layers),
+        ] {
+            if let Some(&bad) = list.iter().find(|&&i| i >= layers.len()) {
+                return Err(PyValueError::new_err(format!(
+                    "{name} names layer {bad}; there are {}",
+                    layers.len()
+                )));
+            }
+        }
+        let windows = windows.unwrap_or_else(|| vec![None; layers.len()]);
+        if windows.len() != layers.len() {
             return Err(PyValueError::new_err(format!(
-                "nope_layers names layer {bad}; there are {}",
+                "{} windows for {} layers",
+                windows.len(),
                 layers.len()
             )));
         }
+        let act = match activation {
+            "silu" => GateActivation::Silu,
+            "gelu_tanh" => GateActivation::GeluTanh,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "activation {other:?}: 'silu' or 'gelu_tanh'"
+                )))
+            }
+        };
         let shape = DecoderShape {
             hidden,
             num_heads,
@@ -526,6 +571,7 @@ impl PyCpuDecoderStack {
             intermediate,
             eps,
             scale,
+            act,
         };
         if num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) || num_heads == 0 {
             return Err(PyValueError::new_err(format!(
@@ -534,10 +580,10 @@ impl PyCpuDecoderStack {
         }
         let mut arrays = Vec::with_capacity(layers.len());
         for (i, t) in layers.iter().enumerate() {
-            if t.len() != 6 && t.len() != 8 {
+            if ![6, 8, 10].contains(&t.len()) {
                 return Err(PyValueError::new_err(format!(
                     "layer {i}: need (input_norm, qkv, o_proj, post_norm, gate_up, down[, q_norm, \
-                     k_norm]), got {} items",
+                     k_norm[, attn_out_norm, mlp_out_norm]]), got {} items",
                     t.len()
                 )));
             }
@@ -545,8 +591,13 @@ impl PyCpuDecoderStack {
             arrays.push(LayerArrays {
                 input_norm: t.get_item(0)?.extract()?,
                 post_norm: t.get_item(3)?.extract()?,
-                head_norms: if t.len() == 8 {
+                head_norms: if t.len() >= 8 {
                     Some((t.get_item(6)?.extract()?, t.get_item(7)?.extract()?))
+                } else {
+                    None
+                },
+                output_norms: if t.len() == 10 {
+                    Some((t.get_item(8)?.extract()?, t.get_item(9)?.extract()?))
                 } else {
                     None
                 },
@@ -557,6 +608,8 @@ impl PyCpuDecoderStack {
         for (i, layer) in borrow_layers(py, &arrays).iter().enumerate() {
             let mut view = layer.view()?;
             view.rope = !nope_layers.contains(&i);
+            view.local_rope = local_rope_layers.contains(&i);
+            view.window = windows[i];
             view.check(&shape)
                 .map_err(|e| PyValueError::new_err(format!("layer {i}: {}", e.0)))?;
             // SAFETY: the slices point into the buffers of numpy arrays that `arrays` holds
@@ -578,9 +631,10 @@ impl PyCpuDecoderStack {
     }
 
     /// `forward(hidden, cos, sin, caches, slots, block_tables, ctx_lens, num_threads,
-    /// decode_rows=None, prefill=None)`: runs the step's `R` rows through every layer (see
-    /// `cpu_decoder`): `hidden` `[R, H]` float32 in place (embeddings in, pre-final-norm states
-    /// out), `cos` / `sin` `[R, D]`, `caches` one `[2, num_blocks, block_size, Hkv, D]` array
+    /// decode_rows=None, prefill=None, amx=True, lora=None, local_cos=None, local_sin=None)`:
+    /// runs the step's `R` rows through every layer (see `cpu_decoder`): `hidden` `[R, H]`
+    /// float32 in place (embeddings in, pre-final-norm states out), `cos` / `sin` `[R, D]` (and
+    /// `local_cos` / `local_sin` for the `local_rope_layers`), `caches` one `[2, num_blocks, block_size, Hkv, D]` array
     /// per layer, all float32, all float16, all uint8 (FP8 E4M3 bytes) or all int8 (`[..,
     /// head_dim + 4]`: head rows with their scales) (written at `slots`),
     /// `slots` `[R]` int64; the decode kernel's rows `decode_rows` `[N]` int64 (None: all,
@@ -591,7 +645,8 @@ impl PyCpuDecoderStack {
     /// negative for base-model rows).
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (hidden, cos, sin, caches, slots, block_tables, ctx_lens, num_threads,
-                        decode_rows=None, prefill=None, amx=true, lora=None))]
+                        decode_rows=None, prefill=None, amx=true, lora=None, local_cos=None,
+                        local_sin=None))]
     fn forward(
         &self,
         py: Python<'_>,
@@ -607,6 +662,8 @@ impl PyCpuDecoderStack {
         prefill: Option<PrefillArrays<'_>>,
         amx: bool,
         lora: Option<(Bound<'_, PyCpuLoraStack>, PyReadonlyArray1<'_, i32>)>,
+        local_cos: Option<PyReadonlyArray2<'_, f32>>,
+        local_sin: Option<PyReadonlyArray2<'_, f32>>,
     ) -> PyResult<()> {
         let s = self.shape;
         let caches = LayerCaches::extract(caches)?;
@@ -624,6 +681,12 @@ impl PyCpuDecoderStack {
         let rows = StepRows {
             cos: c_slice("cos", &cos)?,
             sin: c_slice("sin", &sin)?,
+            local_cos: local_cos
+                .as_ref()
+                .map_or(Ok(&[][..]), |t| c_slice("local_cos", t))?,
+            local_sin: local_sin
+                .as_ref()
+                .map_or(Ok(&[][..]), |t| c_slice("local_sin", t))?,
             slots: c_slice("slots", &slots)?,
             block_tables: c_slice("block_tables", &block_tables)?,
             max_blocks_per_seq,

@@ -13,6 +13,10 @@ _BLOCK_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn
                 "self_attn.qkv_proj": "attn_qkv", "mlp.gate_proj": "ffn_gate",
                 "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 _TOP_NAMES = {"embed_tokens": "token_embd", "norm": "output_norm"}
+# Gemma 3's layer norms (transformers' names: post_attention_layernorm is the attention output's)
+_GEMMA3_NAMES = {**_BLOCK_NAMES, "post_attention_layernorm": "post_attention_norm",
+                 "pre_feedforward_layernorm": "ffn_norm",
+                 "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def random_blocks(type_name: str, rows: int, cols: int, seed: int):
@@ -46,7 +50,7 @@ def write_tiny_gguf(path, reference, cfg: dict, arch: str,
     """Writes ``reference`` (a transformers model of config dict ``cfg``) as a GGUF of ``arch``
     with a byte-level vocabulary of single characters. For the architectures whose converter
     permutes Q / K rows for llama.cpp's interleaved RoPE (llama, granite) the rows are permuted
-    as it does.
+    as it does; Gemma 3's norm weights are stored as ``1 + weight``, as its converter does.
     ``metadata(writer)`` adds keys of its own (rope scaling, ...). With ``q8_0_linears`` the
     linear layers' weights are stored as Q8_0 blocks and ``reference``'s own weights replaced by
     what those blocks hold, so it stays the oracle; with ``q4_k_linears`` they are random Q4_K
@@ -68,7 +72,9 @@ def write_tiny_gguf(path, reference, cfg: dict, arch: str,
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_rope_freq_base(cfg["rope_theta"])
+    writer.add_rope_freq_base(cfg.get("rope_theta", 1e6))
+    if arch == "gemma3":
+        writer.add_sliding_window(cfg["sliding_window"])
     writer.add_context_length(cfg["max_position_embeddings"])
     if vocabulary is not None:
         vocabulary(writer)
@@ -89,10 +95,13 @@ def write_tiny_gguf(path, reference, cfg: dict, arch: str,
             parts = name.removeprefix("model.").split(".")
             if parts[0] == "layers":
                 module = ".".join(parts[2:-1])
-                gguf_name = f"blk.{parts[1]}.{_BLOCK_NAMES[module]}.{parts[-1]}"
+                names = _GEMMA3_NAMES if arch == "gemma3" else _BLOCK_NAMES
+                gguf_name = f"blk.{parts[1]}.{names[module]}.{parts[-1]}"
             else:
                 gguf_name = f"{_TOP_NAMES[parts[0]]}.{parts[-1]}"
         values = tensor.detach().float()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            values = values + 1.0
         unpermute = None        # what turns the file's rows back into the reference's
         if arch in ("llama", "granite", "smollm3") and (".attn_q." in gguf_name
                                                         or ".attn_k." in gguf_name):

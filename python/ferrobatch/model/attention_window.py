@@ -1,5 +1,7 @@
-"""Sliding attention windows: ferrobatch's kernels attend to a sequence's whole context, so a
-model with a window is served a context no longer than the window, where the two agree."""
+"""Sliding attention windows on every layer (Mistral 7B v0.1, Phi-3-mini): the fused CPU step
+and the CUDA kernels attend to a sequence's whole context, so such a model is served a context
+no longer than the window, where the two agree. (Gemma 3's windows, on five layers of six, are
+attended as windows: ``LlamaAttention.window``, ``model.gemma3``.)"""
 
 from __future__ import annotations
 
@@ -10,11 +12,13 @@ logger = logging.getLogger(__name__)
 
 
 def sliding_window_of(cfg: dict[str, Any]) -> int | None:
-    """The attention window a ``config.json`` switches on (Mistral 7B v0.1's 4096, Phi-3-mini's
-    2047; Qwen's only with ``use_sliding_window``), or None."""
+    """The attention window a ``config.json`` switches on for every layer (Mistral 7B v0.1's
+    4096, Phi-3-mini's 2047; Qwen's only with ``use_sliding_window``), or None. Gemma 3's
+    windows, on some layers only, are served as windows (``model.gemma3``), not as a cap."""
     window = cfg.get("sliding_window")
-    if not window or (cfg.get("model_type") in ("qwen2", "qwen3", "smollm3")
-                      and not cfg.get("use_sliding_window", False)):
+    if not window or cfg.get("model_type") == "gemma3_text" or (
+            cfg.get("model_type") in ("qwen2", "qwen3", "smollm3")
+            and not cfg.get("use_sliding_window", False)):
         return None
     return int(window)
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma3")
+# the MLP's gate activations: SiLU (SwiGLU) and GELU's tanh form (GeGLU, Gemma)
+HIDDEN_ACTS = ("silu", "gelu_tanh")
 # architectures whose GGUF converter permutes the Q / K rows for llama.cpp's interleaved RoPE
 GGUF_PERMUTED_QK = ("llama", "granite", "smollm3")
 
@@ -14,7 +16,9 @@ GGUF_PERMUTED_QK = ("llama", "granite", "smollm3")
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3,
     Phi-3 / Phi-4: the same layers, its checkpoints fuse q/k/v and gate/up as ferrobatch does;
-    Granite 3: four scalars more; SmolLM3: no RoPE in some layers).
+    Granite 3: four scalars more; SmolLM3: no RoPE in some layers; Gemma 3: sliding-window
+    layers with a RoPE base of their own, RMSNorms on the attention and MLP outputs too, GeGLU,
+    scaled embeddings: ``model.gemma3``).
 
     `qk_norm`: each head's query and key are RMS-normed (own weights per layer, over
     `head_dim`) before the rotary embedding, as in Qwen3. `rotary_dim`: RoPE over part of each
@@ -49,6 +53,17 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     attention_multiplier: float | None = None
+    # Gemma 3: the layers in `sliding_layers` attend to the last `sliding_window` positions
+    # (their own included) with RoPE base `local_rope_theta` (None: `rope_theta`), the others to
+    # the whole context; `sandwich_norms`: each layer RMS-norms its attention and MLP outputs
+    # before their residual adds too; `embedding_scale`: token embeddings times this as they are
+    # looked up (not folded: the table is also the tied LM head).
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"
+    embedding_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -66,6 +81,14 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"model config: hidden_act {self.hidden_act!r} is not one of "
+                             f"{', '.join(HIDDEN_ACTS)}")
+        if self.sliding_layers and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError("model config: sliding_layers need a positive sliding_window")
+        if any(not 0 <= i < self.num_layers for i in self.sliding_layers):
+            raise ValueError(f"model config: sliding_layers {self.sliding_layers} outside the "
+                             f"{self.num_layers} layers")
         if self.rotary_dim is not None and not (
                 0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
                 and (self.head_dim - self.rotary_dim) % 2 == 0):
@@ -77,6 +100,10 @@ class ModelConfig:
         """The factor of q . k in attention: ``attention_multiplier`` or ``head_dim ** -0.5``."""
         return self.head_dim ** -0.5 if self.attention_multiplier is None \
             else self.attention_multiplier
+
+    def window_of(self, layer: int) -> int | None:
+        """The attention window of layer ``layer`` (None: the whole context)."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     @property
     def rope_dim(self) -> int:

@@ -29,7 +29,7 @@ from ferrobatch.model.rope import rope_context_length
 from ferrobatch.model.tokenizer import BOS_BY_DEFAULT
 
 _GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-               "granite": "granite", "smollm3": "smollm3"}
+               "granite": "granite", "smollm3": "smollm3", "gemma3": "gemma3"}
 
 # GGUF per-block tensor name -> Hugging Face module name.
 _BLOCK_TENSORS = {
@@ -47,8 +47,14 @@ _BLOCK_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 _TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-# Phi-3's converter keeps gate/up fused under ffn_up (gate rows first, as ggml's swiglu splits)
-_ARCH_BLOCK_TENSORS = {"phi3": {**_BLOCK_TENSORS, "ffn_up": "mlp.gate_up_proj"}}
+# Phi-3's converter keeps gate/up fused under ffn_up (gate rows first, as ggml's swiglu splits);
+# Gemma 3's norms after attention and the MLP, its ffn_norm before the MLP (transformers' names)
+_ARCH_BLOCK_TENSORS = {
+    "phi3": {**_BLOCK_TENSORS, "ffn_up": "mlp.gate_up_proj"},
+    "gemma3": {**_BLOCK_TENSORS, "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
 
 
 @dataclass
@@ -121,9 +127,11 @@ def _read_config(reader: GGUFFile, tensor_names: set[str]) -> ModelConfig:
                 rope_scaling[key] = float(value)
     if "rope_factors_short.weight" in tensor_names:    # LongRoPE (Phi-3 128k, Phi-3.5)
         rope_scaling = _longrope_scaling(reader, a)
-    context = capped_to_window(
-        rope_context_length(int(_field_value(reader, f"{a}.context_length", 4096)), rope_scaling),
-        _field_value(reader, f"{a}.attention.sliding_window"), "the GGUF file")
+    context = rope_context_length(int(_field_value(reader, f"{a}.context_length", 4096)),
+                                  rope_scaling)
+    if a != "gemma3":     # Gemma 3's windows are attended as windows (_gemma3_fields)
+        context = capped_to_window(context, _field_value(reader, f"{a}.attention.sliding_window"),
+                                   "the GGUF file")
     return ModelConfig(
         arch=_GGUF_ARCHS[gguf_arch],
         vocab_size=int(vocab),
@@ -135,6 +143,7 @@ def _read_config(reader: GGUFFile, tensor_names: set[str]) -> ModelConfig:
         head_dim=head_dim,
         rotary_dim=None if rotary_dim == head_dim else rotary_dim,
         **_granite_scalars(reader, a),
+        **_gemma3_fields(reader, a, head_dim),
         # llama.cpp's SmolLM3: no RoPE in every fourth layer (a constant there, no key)
         nope_layers=tuple(i for i in range(int(need("block_count"))) if (i + 1) % 4 == 0)
         if a == "smollm3" else (),
@@ -158,6 +167,29 @@ def _granite_scalars(reader: GGUFFile, a: str) -> dict[str, Any]:
             "residual_multiplier": float(_field_value(reader, f"{a}.residual_scale", 1.0)),
             "logits_scaling": float(_field_value(reader, f"{a}.logit_scale", 1.0)),
             "attention_multiplier": float(_field_value(reader, f"{a}.attention.scale", 1.0))}
+
+
+def _gemma3_fields(reader: GGUFFile, a: str, head_dim: int) -> dict[str, Any]:
+    """Gemma 3 as llama.cpp runs it (``model.gemma3``): what its converter leaves out of the
+    metadata are constants there: every sixth layer global, the sliding layers' RoPE base
+    10,000, the attention scale ``head_dim ** -0.5`` (27B, 62 layers: ``(hidden / heads) **
+    -0.5``) unless the file gives one."""
+    if a != "gemma3":
+        return {}
+    layers = int(_field_value(reader, f"{a}.block_count"))
+    hidden = int(_field_value(reader, f"{a}.embedding_length"))
+    window = _field_value(reader, f"{a}.attention.sliding_window")
+    if not window:
+        raise ValueError(f"GGUF file lacks {a}.attention.sliding_window")
+    scale = _field_value(reader, f"{a}.attention.scale")
+    if scale is None:
+        heads = int(_field_value(reader, f"{a}.attention.head_count"))
+        scale = (hidden / heads if layers == 62 else head_dim) ** -0.5
+    return {"sliding_window": int(window),
+            "sliding_layers": tuple(i for i in range(layers) if (i + 1) % 6),
+            "local_rope_theta": 10000.0, "sandwich_norms": True, "hidden_act": "gelu_tanh",
+            "attention_multiplier": float(scale),
+            "embedding_scale": float(torch.tensor(hidden ** 0.5, dtype=torch.float32))}
 
 
 def _longrope_scaling(reader: GGUFFile, a: str) -> dict[str, Any]:
@@ -281,6 +313,11 @@ def _read_gguf(path: str | os.PathLike, keep_blocks: bool) -> tuple[
             state[name] = torch.empty(tensor.shape, device="meta")
             continue
         weight = dequantize_tensor(tensor.data, tensor.type_id, tensor.type_name)
+        if config.arch == "gemma3" and name.endswith("norm.weight"):
+            # llama.cpp's converter stored 1 + weight, which the model layout computes again
+            # (model.gemma3.norm_in_model_layout): weight - 1 in float64 is exact, so the file's
+            # values come back bit for bit
+            weight = weight.double() - 1.0
         state[name] = unpermute_qk(name, weight, config)
     modules = module_block_weights(blocks, state, config, progress=bar.update) \
         if keep_blocks else {}

@@ -22,6 +22,7 @@ import torch
 from ferrobatch.model.attention_window import capped_to_window, sliding_window_of
 from ferrobatch.model.config import SUPPORTED_ARCHS, ModelConfig
 from ferrobatch.model.fused_tensors import split_fused_projections
+from ferrobatch.model.gemma3 import gemma3_config_json, gemma3_fields, is_gemma3
 from ferrobatch.model.progress import load_progress
 from ferrobatch.model.rope import rope_context_length
 from ferrobatch.model.tokenizer import Tokenizer
@@ -88,9 +89,17 @@ def _granite_scalars(cfg: dict[str, Any]) -> dict[str, Any]:
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     """Maps a Hugging Face ``config.json`` dict to ModelConfig; ValueError for other architectures."""
     model_type = cfg.get("model_type")
+    gemma3 = is_gemma3(cfg)
+    if gemma3:
+        cfg, model_type = gemma3_config_json(cfg), "gemma3"
+    elif model_type == "gemma3":
+        raise ValueError("config.json: a multimodal Gemma 3 checkpoint (model_type 'gemma3', "
+                         "4B and up); ferrobatch serves the text ones (model_type "
+                         "'gemma3_text': gemma-3-270m, gemma-3-1b)")
     if model_type not in SUPPORTED_ARCHS:
+        served = ", ".join("gemma3_text" if a == "gemma3" else a for a in SUPPORTED_ARCHS)
         raise ValueError(
-            f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(SUPPORTED_ARCHS)}"
+            f"unsupported model_type {model_type!r} in config.json; supported: {served}"
         )
     # transformers >= 5 writes rope settings as one "rope_parameters" dict
     rope = dict(cfg.get("rope_parameters") or {})
@@ -103,6 +112,9 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+        fields = {"tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+                  "qk_norm": model_type == "qwen3",
+                  **_granite_scalars(cfg), **(gemma3_fields(cfg, head_dim) if gemma3 else {})}
         return ModelConfig(
             arch=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -113,7 +125,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
             rotary_dim=None if partial == 1.0 else int(head_dim * partial),
-            **_granite_scalars(cfg),
+            **fields,
             nope_layers=_nope_layers(cfg),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
@@ -121,9 +133,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             max_position_embeddings=capped_to_window(
                 rope_context_length(int(cfg.get("max_position_embeddings", 4096)), rope_scaling),
                 sliding_window_of(cfg), "config.json"),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
             bos_token_id=_first_id(cfg.get("bos_token_id")),
             eos_token_id=_first_id(cfg.get("eos_token_id")),
         )

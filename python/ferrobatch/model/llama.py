@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3) over one flat batch of tokens.
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Gemma 3) over one flat batch of
+tokens.
 
 A step's T tokens (decode tokens and prefill chunks of different sequences) go through every
 linear layer together; attention writes the new K/V into the paged cache at ``slot_mapping`` and
@@ -9,6 +10,7 @@ computed only at ``logits_indices``. Q/K/V and gate/up projections are fused int
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 
 import torch
@@ -52,6 +54,15 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+class GeluTanhAndMul(nn.Module):
+    """``gelu_tanh(x[..., :I]) * x[..., I:]``: the GeGLU activation (Gemma) on a fused gate/up
+    output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
 class LlamaAttention(nn.Module):
     """GQA self-attention with fused QKV projection and RoPE (with ``config.qk_norm``, each
     head's q and k are RMS-normed first: ``q_norm`` / ``k_norm``, Qwen3)."""
@@ -68,6 +79,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, device=device, dtype=dtype)
         self.rope = ApplyRotary()
         self.use_rope = True   # False: a NoPE layer (SmolLM3), q and k attend unrotated
+        # keys each query attends, its own included (a sliding-window layer, Gemma 3), or None:
+        # the whole context; ``local_rope``: rotates with the model's ``local_rotary`` tables
+        self.window: int | None = None
+        self.local_rope = False
         self.q_norm = self.k_norm = None
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, device, dtype)
@@ -103,19 +118,25 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if not self.use_rope:
             backend.write_kv(kv_cache, k, v, attn_meta)
-            out = backend.forward(q, kv_cache, attn_meta, self.scale)
-            return out.reshape(q.shape[0], self.q_size)
+            return self._attention(backend, q, kv_cache, attn_meta)
         fused = getattr(self.rope, "rotate_and_cache", None) \
             if getattr(backend, "rotary_with_kv_write", False) else None
         if fused is None or not fused(q, k, v, rope_tables, kv_cache, attn_meta.slot_mapping):
             q, k = self.rope(q, k, rope_tables)
             backend.write_kv(kv_cache, k, v, attn_meta)
-        out = backend.forward(q, kv_cache, attn_meta, self.scale)
+        return self._attention(backend, q, kv_cache, attn_meta)
+
+    def _attention(self, backend, q, kv_cache, attn_meta) -> torch.Tensor:
+        if self.window is None:
+            out = backend.forward(q, kv_cache, attn_meta, self.scale)
+        else:   # only backends with ``supports_window`` take it (ModelRunner checks)
+            out = backend.forward(q, kv_cache, attn_meta, self.scale, window=self.window)
         return out.reshape(q.shape[0], self.q_size)
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward with fused gate/up projection."""
+    """SwiGLU (GeGLU with ``config.hidden_act`` "gelu_tanh") feed-forward with fused gate/up
+    projection."""
 
     def __init__(self, config: ModelConfig, device=None, dtype=None) -> None:
         super().__init__()
@@ -124,7 +145,7 @@ class LlamaMLP(nn.Module):
                                       device=device, dtype=dtype)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False,
                                    device=device, dtype=dtype)
-        self.act = SiluAndMul()
+        self.act = GeluTanhAndMul() if config.hidden_act == "gelu_tanh" else SiluAndMul()
         self.lora = None     # runtime.lora.LayerLora once LoRA is installed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -135,7 +156,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention + pre-norm MLP, each with a residual connection.
+    """Pre-norm attention + pre-norm MLP, each with a residual connection (with
+    ``config.sandwich_norms``, Gemma 3, each output is RMS-normed too before its add:
+    ``attn_out_norm`` / ``mlp_out_norm``).
 
     The residual stream travels between layers as ``(residual, delta)``: the stream before the
     last MLP output is added, and that output. Each residual add is done by the norm after it
@@ -149,6 +172,10 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, device, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.mlp = LlamaMLP(config, device, dtype)
+        self.attn_out_norm = self.mlp_out_norm = None
+        if config.sandwich_norms:
+            self.attn_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+            self.mlp_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
 
     # The layer in three parts; runtime.piecewise_graphs captures begin and finish in CUDA graphs
     # and runs attention (self_attn.attend: rotary, the KV write, attention) between them.
@@ -171,9 +198,12 @@ class LlamaDecoderLayer(nn.Module):
     def finish(self, residual, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything after attention (``attn_out [T, Hq * D]``): ``(residual, mlp output)``,
         whose sum is the next residual stream."""
-        residual, normed = add_then_norm(self.post_attention_layernorm, residual,
-                                         self.self_attn.output(attn_out))
-        return residual, self.mlp(normed)
+        out = self.self_attn.output(attn_out)
+        if self.attn_out_norm is not None:
+            out = self.attn_out_norm(out)
+        residual, normed = add_then_norm(self.post_attention_layernorm, residual, out)
+        out = self.mlp(normed)
+        return residual, out if self.mlp_out_norm is None else self.mlp_out_norm(out)
 
 
 # per thread: id(model) -> the (attention backend, fused layers) its forward runs with
@@ -205,9 +235,14 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(config, device, dtype) for _ in range(config.num_layers))
         for i in config.nope_layers:
             self.layers[i].self_attn.use_rope = False
+        for i in config.sliding_layers:
+            self.layers[i].self_attn.window = config.sliding_window
+            self.layers[i].self_attn.local_rope = config.local_rope_theta is not None
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         # (on meta the loader makes the tables on the real device, after `_materialize`)
-        self.rotary = None if meta else RotaryEmbedding(config, device)
+        self.rotary = self.local_rotary = None
+        if not meta:
+            self.make_rotary(device)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -228,6 +263,24 @@ class LlamaForCausalLM(nn.Module):
         # Times the weights were replaced in place (runtime.weight_update): what a FusedLayers
         # built earlier (views of the replaced arrays) compares to know it is stale.
         self.weights_generation = 0
+
+    def make_rotary(self, device) -> None:
+        """Computes the RoPE tables on ``device``: ``rotary``, and ``local_rotary`` for the
+        sliding-window layers where they have a base of their own (Gemma 3), else None."""
+        config = self.config
+        self.rotary = RotaryEmbedding(config, device)
+        local = config.local_rope_theta
+        self.local_rotary = None if local is None or local == config.rope_theta else \
+            RotaryEmbedding(dataclasses.replace(config, rope_theta=local, rope_scaling=None),
+                            device)
+
+    def layer_rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> list:
+        """Each layer's RoPE tables for ``positions`` (one lookup per table, shared)."""
+        tables = self.rotary.tables(positions, dtype)
+        if self.local_rotary is None:
+            return [tables] * len(self.layers)
+        local = self.local_rotary.tables(positions, dtype)
+        return [local if layer.self_attn.local_rope else tables for layer in self.layers]
 
     @contextlib.contextmanager
     def bound(self, attn_backend, fused_layers):
@@ -275,12 +328,19 @@ class LlamaForCausalLM(nn.Module):
             if hidden_indices is None:
                 return self.compute_logits(fused.final_norm(hidden, logits_indices))
             return self.logits_from_hidden(hidden, logits_indices, hidden_indices)
-        residual, delta = self.embed_tokens(input_ids), None
-        rope_tables = self.rotary.tables(positions, residual.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        residual, delta = self.embed(input_ids), None
+        for layer, kv_cache, rope_tables in zip(self.layers, kv_caches,
+                                                self.layer_rope_tables(positions, residual.dtype),
+                                                strict=True):
             residual, delta = layer(residual, delta, rope_tables, kv_cache, attn_meta,
                                     backend)
         return self.logits_from_hidden(residual, logits_indices, hidden_indices, delta)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings of ``input_ids`` (times ``config.embedding_scale``, Gemma)."""
+        hidden = self.embed_tokens(input_ids)
+        scale = self.config.embedding_scale
+        return hidden if scale == 1.0 else hidden * scale
 
     def logits_from_hidden(self, hidden: torch.Tensor, logits_indices: torch.Tensor,
                            hidden_indices: torch.Tensor | None = None,
@@ -367,3 +427,7 @@ class LlamaForCausalLM(nn.Module):
             copy(layer.input_layernorm.weight, take(f"{p}input_layernorm.weight"), f"{p}input_layernorm.weight")
             copy(layer.post_attention_layernorm.weight, take(f"{p}post_attention_layernorm.weight"),
                  f"{p}post_attention_layernorm.weight")
+            for norm, n in ((layer.attn_out_norm, "attn_out_norm"),
+                            (layer.mlp_out_norm, "mlp_out_norm")):
+                if norm is not None:     # Gemma 3's (model_layout.model_name)
+                    copy(norm.weight, take(f"{p}{n}.weight"), f"{p}{n}.weight")

@@ -13,7 +13,7 @@ from ferrobatch.model.config import ModelConfig
 from ferrobatch.model.llama import LlamaForCausalLM
 from ferrobatch.model.model_layout import state_in_model_layout
 from ferrobatch.model.random_init import init_random_weights, random_config
-from ferrobatch.model.rope import RotaryEmbedding, longrope_for_context
+from ferrobatch.model.rope import longrope_for_context
 from ferrobatch.model.tokenizer import Tokenizer
 
 SMOLLM2_ALIAS = "smollm2"
@@ -98,7 +98,7 @@ def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
     model = LlamaForCausalLM(config, device="meta", dtype=dtype)
     if materialize:
         _materialize(model, device)
-    model.rotary = RotaryEmbedding(config, device)
+    model.make_rotary(device)
     return model
 
 
@@ -244,7 +244,9 @@ def load_model(name_or_path: str, *, device: str | torch.device = "cpu",
 _SHAPE_FIELDS = ("arch", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
                  "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings",
                  "attention_bias", "qk_norm", "rotary_dim", "embedding_multiplier",
-                 "residual_multiplier", "logits_scaling", "attention_multiplier", "nope_layers")
+                 "residual_multiplier", "logits_scaling", "attention_multiplier", "nope_layers",
+                 "sliding_window", "sliding_layers", "local_rope_theta", "sandwich_norms",
+                 "hidden_act", "embedding_scale")
 
 
 def read_checkpoint_weights(path: str, like: ModelConfig) -> dict[str, torch.Tensor]:

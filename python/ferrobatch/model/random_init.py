@@ -28,6 +28,15 @@ RANDOM_SHAPES: dict[str, ModelConfig] = {
         num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
         rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True,
         qk_norm=True, eos_token_id=151645),
+    # gemma-3-270m: five sliding-window layers of six (model.gemma3)
+    "gemma3-270m": ModelConfig(
+        arch="gemma3", vocab_size=262144, hidden_size=640, intermediate_size=2048,
+        num_layers=18, num_heads=4, num_kv_heads=1, head_dim=256, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True,
+        qk_norm=True, bos_token_id=2, eos_token_id=1, sliding_window=512,
+        sliding_layers=tuple(i for i in range(18) if (i + 1) % 6), local_rope_theta=10000.0,
+        sandwich_norms=True, hidden_act="gelu_tanh", attention_multiplier=256 ** -0.5,
+        embedding_scale=float(torch.tensor(640 ** 0.5, dtype=torch.float32))),
 }
 
 

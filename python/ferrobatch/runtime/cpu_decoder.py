@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ferrobatch import _scheduler
-from ferrobatch.model.llama import LlamaDecoderLayer, LlamaForCausalLM, SiluAndMul
+from ferrobatch.model.llama import GeluTanhAndMul, LlamaDecoderLayer, LlamaForCausalLM, SiluAndMul
 from ferrobatch.model.quantized_embedding import QuantizedEmbedding, check_token_ids
 from ferrobatch.runtime.attention.cpu import CpuPagedBackend, CpuPagedMetadata
 from ferrobatch.runtime.cpu_elementwise import RustApplyRotary, RustRMSNorm
@@ -51,7 +51,11 @@ def unsupported(model: nn.Module, backend) -> str | None:
                  type(layer.post_attention_layernorm) is RustRMSNorm,
                  attn.q_norm is None or (type(attn.q_norm) is RustRMSNorm
                                          and type(attn.k_norm) is RustRMSNorm),
-                 type(attn.rope) is RustApplyRotary, type(mlp.act) is SiluAndMul,
+                 (layer.attn_out_norm is None) == (layer.mlp_out_norm is None),
+                 layer.attn_out_norm is None or (type(layer.attn_out_norm) is RustRMSNorm
+                                                 and type(layer.mlp_out_norm) is RustRMSNorm
+                                                 and attn.q_norm is not None),
+                 type(attn.rope) is RustApplyRotary, type(mlp.act) in _ACTIVATIONS,
                  *(type(m) is PanelLinear for m in (attn.qkv_proj, attn.o_proj,
                                                     mlp.gate_up_proj, mlp.down_proj)))
         if not all(parts):
@@ -61,11 +65,19 @@ def unsupported(model: nn.Module, backend) -> str | None:
     return None
 
 
-def _head_norms(attn) -> tuple:
-    """Qwen3's per-head q / k norm weights, or nothing."""
+# the MLP activations the fused step computes, by the name CpuDecoderStack takes
+_ACTIVATIONS = {SiluAndMul: "silu", GeluTanhAndMul: "gelu_tanh"}
+
+
+def _head_norms(layer) -> tuple:
+    """Qwen3's per-head q / k norm weights and Gemma 3's output norms, or nothing."""
+    attn = layer.self_attn
     if attn.q_norm is None:
         return ()
-    return attn.q_norm.weight.numpy(), attn.k_norm.weight.numpy()
+    heads = attn.q_norm.weight.numpy(), attn.k_norm.weight.numpy()
+    if layer.attn_out_norm is None:
+        return heads
+    return *heads, layer.attn_out_norm.weight.numpy(), layer.mlp_out_norm.weight.numpy()
 
 
 def _linear_spec(linear) -> tuple:
@@ -92,18 +104,28 @@ class FusedLayers:
                    _linear_spec(layer.self_attn.o_proj),
                    layer.post_attention_layernorm.weight.numpy(),
                    _linear_spec(layer.mlp.gate_up_proj), _linear_spec(layer.mlp.down_proj),
-                   *_head_norms(layer.self_attn))
+                   *_head_norms(layer))
                   for layer in model.layers]
         norms = [n for layer in model.layers for n in (
             layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm,
-            layer.self_attn.k_norm) if n is not None]
+            layer.self_attn.k_norm, layer.attn_out_norm, layer.mlp_out_norm) if n is not None]
         epsilons = {n.eps for n in norms}
         if len(epsilons) != 1:
             raise ValueError(f"the layers' RMSNorms differ in eps: {sorted(epsilons)}")
+        local_layers = [] if model.local_rotary is None else \
+            [i for i, layer in enumerate(model.layers) if layer.self_attn.local_rope]
         self._stack = _scheduler.CpuDecoderStack(
             config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
             config.intermediate_size, epsilons.pop(), first.self_attn.scale, layers,
-            [i for i, layer in enumerate(model.layers) if not layer.self_attn.use_rope])
+            [i for i, layer in enumerate(model.layers) if not layer.self_attn.use_rope],
+            activation=_ACTIVATIONS[type(first.mlp.act)],
+            windows=[layer.self_attn.window for layer in model.layers],
+            local_rope_layers=local_layers)
+        # the narrowest sliding window: longer prompt chunks take the layer-by-layer path
+        windows = [layer.self_attn.window for layer in model.layers
+                   if layer.self_attn.window is not None]
+        self.narrowest_window = min(windows) if windows else None
+        self.embedding_scale = np.float32(config.embedding_scale)
         # numpy views of the tables a step looks rows up in (``embed_and_run``), and of the
         # final norm (``final_norm``): at decode sizes torch's per-op dispatch cost more than
         # the look-ups themselves (0.06-0.15 ms per step on the Zen 3 dev VM, the same logits)
@@ -112,6 +134,10 @@ class FusedLayers:
             else _rows_of(embedding.weight.detach().numpy())
         self._cos = model.rotary.cos_cached.numpy()
         self._sin = model.rotary.sin_cached.numpy()
+        # Gemma 3's sliding layers' own RoPE tables, or None
+        local = model.local_rotary if local_layers else None
+        self._local_cos = None if local is None else local.cos_cached.numpy()
+        self._local_sin = None if local is None else local.sin_cached.numpy()
         self._norm = model.norm
         self.num_threads = num_threads
         self.amx = amx     # long prompt chunks' attention on AMX where the CPU has it
@@ -119,11 +145,14 @@ class FusedLayers:
         # the model's weights_generation its views were taken at (runtime.weight_update)
         self.generation = getattr(model, "weights_generation", 0)
 
-    @staticmethod
-    def accepts(meta) -> bool:
-        """True for a step whose attention is all in the Rust kernels (no SDPA groups)."""
-        return type(meta) is CpuPagedMetadata and not meta.groups and \
-            (meta.decode is not None or meta.prefill is not None)
+    def accepts(self, meta) -> bool:
+        """True for a step whose attention is all in the Rust kernels (no SDPA groups, and no
+        prompt chunk past a sliding window: the prefill kernel attends whole contexts)."""
+        if type(meta) is not CpuPagedMetadata or meta.groups or \
+                (meta.decode is None and meta.prefill is None):
+            return False
+        window = self.narrowest_window
+        return window is None or meta.prefill is None or int(meta.prefill.seq_lens.max()) <= window
 
     def embed_and_run(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[torch.Tensor], meta, lora: tuple | None = None
@@ -139,7 +168,10 @@ class FusedLayers:
         step to view them as numpy arrays)."""
         pos = positions.numpy()
         hidden = torch.from_numpy(self._embedding_rows(input_ids.numpy()))
-        self._run(hidden.numpy(), self._cos[pos], self._sin[pos], kv_caches, meta, lora)
+        if self.embedding_scale != 1.0:     # Gemma's sqrt(hidden), as LlamaForCausalLM.embed
+            hidden.numpy()[...] *= self.embedding_scale
+        local = None if self._local_cos is None else (self._local_cos[pos], self._local_sin[pos])
+        self._run(hidden.numpy(), self._cos[pos], self._sin[pos], kv_caches, meta, lora, local)
         return hidden
 
     def final_norm(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -151,7 +183,8 @@ class FusedLayers:
         return torch.from_numpy(self._norm.of_rows(picked))
 
     def _run(self, hidden: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-             kv_caches: list[torch.Tensor], meta, lora: tuple | None = None) -> None:
+             kv_caches: list[torch.Tensor], meta, lora: tuple | None = None,
+             local: tuple | None = None) -> None:
         rows, chunks = meta.decode, meta.prefill
         if rows is None:
             tables, ctx_lens, decode_rows = _NO_TABLES, _NO_CTX, _NO_ROWS
@@ -162,7 +195,9 @@ class FusedLayers:
             (chunks.q_starts, chunks.q_lens, chunks.seq_lens, chunks.block_tables)
         self._stack.forward(hidden, cos, sin, [cache_array(t) for t in kv_caches],
                             meta.slot_mapping.numpy(), tables, ctx_lens, self.num_threads,
-                            decode_rows, prefill, amx=self.amx, lora=lora)
+                            decode_rows, prefill, amx=self.amx, lora=lora,
+                            local_cos=None if local is None else local[0],
+                            local_sin=None if local is None else local[1])
         self.steps += 1
 
 

@@ -84,6 +84,11 @@ class ModelRunner:
             shape = (self.config.num_heads, self.config.num_kv_heads, self.config.head_dim, loaded.dtype)
             self.attn_backend = get_attention_backend(attn_backend, self.device, block_size=block_size,
                                                       model_shape=shape)
+        if self.config.sliding_layers and not self.attn_backend.supports_window:
+            raise ValueError(
+                f"this {self.config.arch} model's sliding-window layers need an attention "
+                f"backend that attends over a window ('cpu' or 'torch', "
+                f"--attention-backend); the {self.attn_backend.name!r} backend does not yet")
         # the model's defaults (for direct calls); this runner's own steps run with its own
         # backend and fused layers (``model.bound``), whatever another runner sets here
         self.model.attn_backend = self.attn_backend
@@ -494,6 +499,9 @@ class ModelRunner:
             raise RuntimeError(f"{type(self.model).__name__} cannot run in pieces")
         if self.model.rotary is None:
             raise RuntimeError("the model has no rotary tables yet")
+        if getattr(self.model, "local_rotary", None) is not None:
+            raise RuntimeError("the pieces hand every layer one set of RoPE tables; this "
+                               "model's sliding-window layers have their own")
         buckets = tuple(buckets) if buckets else piecewise_buckets(max_tokens)
         pieces = PiecewiseGraphRunner(self.model, buckets=buckets, device=self.device,
                                       emulate=emulate)

@@ -130,7 +130,7 @@ class PiecewiseGraphRunner:
         model = self.model
 
         def first() -> None:
-            hidden = model.embed_tokens(self._input_ids[:t])
+            hidden = model.embed(self._input_ids[:t])
             cos, sin = model.rotary.tables(self._positions[:t], hidden.dtype)
             self._cos[:t].copy_(cos)
             self._sin[:t].copy_(sin)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ferrobatch.model.model_layout import to_model_layout
+from ferrobatch.model.model_layout import model_name, to_model_layout
 from ferrobatch.model.quantized_embedding import QuantizedEmbedding
 from ferrobatch.runtime.cpu_linear import PanelLinear
 
@@ -46,7 +46,8 @@ _FUSED = {"self_attn.q_proj": ("self_attn", "qkv_proj", 0),
           # Phi-3 / Phi-4 checkpoints name the fused modules themselves: all their rows
           "self_attn.qkv_proj": ("self_attn", "qkv_proj", None),
           "mlp.gate_up_proj": ("mlp", "gate_up_proj", None)}
-_NORMS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")
+_NORMS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm",
+          "attn_out_norm", "mlp_out_norm")      # the last two: Gemma 3's (model_layout)
 
 
 @dataclass
@@ -123,7 +124,7 @@ def plan_update(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]] | 
             skipped.append(name)
             continue
         value = to_model_layout(name, value, config)     # partial rotary, Granite's scalars
-        write = _destination(model, config, name, value)
+        write = _destination(model, config, model_name(name, config), value)
         want = write.expected_shape()
         if tuple(value.shape) != want:
             raise ValueError(f"{name}: shape {tuple(value.shape)}, the model's is {want}")

@@ -83,6 +83,9 @@ class AttentionBackend(abc.ABC):
     # module's ``rotate_and_cache``, ``LlamaAttention.attend``) instead of calling ``write_kv``;
     # set per runner by ModelRunner on CUDA once that kernel passed its start-up check.
     rotary_with_kv_write: bool = False
+    # True: ``forward`` takes ``window`` (a sliding-window layer's, Gemma 3), each query seeing
+    # only its last ``window`` positions
+    supports_window: bool = False
 
     @abc.abstractmethod
     def build_metadata(self, batch, device: torch.device | str) -> AttentionMetadata:
@@ -120,4 +123,6 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        """Causal attention of ``query [T, Hq, D]`` over each sequence's cached context -> ``[T, Hq, D]``."""
+        """Causal attention of ``query [T, Hq, D]`` over each sequence's cached context -> ``[T, Hq, D]``
+        (a backend with ``supports_window`` also takes ``window=``: each query over its last
+        ``window`` positions only)."""

@@ -15,20 +15,26 @@ attention of each chunk's queries over its whole paged context, no gather, regis
 kernels' thread count although the forward otherwise keeps torch single-threaded), for
 comparisons. float32 models only (other dtypes use "torch"); the cache may hold float32,
 float16 or FP8 E4M3 (``--kv-cache-dtype``: the kernels convert on load).
+
+Sliding-window layers (Gemma 3) pass ``window``: decode rows start at their window's first key
+(the decode kernel's ``starts``); prefill chunks whose contexts outrun the window go through
+SDPA with the window's mask (the prefill kernel attends whole contexts).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ferrobatch.runtime.attention.base import StaticDecodeMetadata
 from ferrobatch.runtime.attention.torch_ref import (
+    SequenceGroup,
     TorchReferenceBackend,
     TorchRefMetadata,
     attend_groups,
+    build_group,
 )
 from ferrobatch.runtime.cpu_threads import torch_threads
 from ferrobatch.runtime.kv_cache import cache_array
@@ -45,6 +51,18 @@ class DecodeRows:
     block_tables: np.ndarray  # int32 [R, max_blocks], C-contiguous
     ctx_lens: np.ndarray  # int32 [R]
     every_token: bool = False  # every query of the step is a kernel row: token_index is 0..T-1
+    starts: dict = field(default_factory=dict)  # window -> its first keys (starts_for)
+
+    def starts_for(self, window: int | None) -> np.ndarray | None:
+        """Each row's first key in a layer attending over ``window`` positions (int32 [R]), or
+        None where every row sees its whole context."""
+        if window is None or int(self.ctx_lens.max()) <= window:
+            return None
+        starts = self.starts.get(window)
+        if starts is None:
+            starts = np.ascontiguousarray(np.maximum(self.ctx_lens - window, 0), dtype=np.int32)
+            self.starts[window] = starts
+        return starts
 
 
 @dataclass
@@ -56,6 +74,8 @@ class PrefillRows:
     q_lens: np.ndarray  # int32 [P]
     seq_lens: np.ndarray  # int32 [P]
     block_tables: np.ndarray  # int32 [P, max_blocks], C-contiguous
+    seq_ids: np.ndarray | None = None  # int64 [P]: the sequences, in the step's order
+    window_group: SequenceGroup | None = None   # for windowed layers (made on first use)
 
 
 @dataclass
@@ -162,6 +182,7 @@ class CpuPagedBackend(TorchReferenceBackend):
                 seq_lens=np.ascontiguousarray(all_seq_lens[long_ids], dtype=np.int32),
                 block_tables=np.ascontiguousarray(
                     np.asarray(batch.block_tables)[long_ids, :num_blocks], dtype=np.int32),
+                seq_ids=long_ids,
             )
         return CpuPagedMetadata(**vars(meta), decode=decode, prefill=prefill, prefill_pairs=pairs)
 
@@ -173,32 +194,60 @@ class CpuPagedBackend(TorchReferenceBackend):
         return (query_lens > KERNEL_QUERY_MAX,)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: CpuPagedMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, window: int | None = None) -> torch.Tensor:
+        """Causal attention of the step's queries; with ``window`` (a sliding-window layer),
+        each query over its last ``window`` positions: decode rows through the kernel from
+        their window's first key, prefill chunks through the prefill kernel while their
+        contexts fit in the window (where the two agree) and through SDPA with the window's
+        mask once they outrun it."""
         if isinstance(meta, StaticDecodeMetadata):     # emulated graph steps: the reference path
-            return super().forward(query, kv_cache, meta, scale)
+            return super().forward(query, kv_cache, meta, scale, window)
         num_tokens, num_heads, head_dim = query.shape
         rows = meta.decode
+        starts = None if rows is None else rows.starts_for(window)
         threads = self.num_threads or torch.get_num_threads()
         if rows is not None and rows.every_token:  # a decode-only step: no gather, no scatter
             out = query.new_empty(query.shape)
-            self._kernel(query.contiguous().numpy(), cache_array(kv_cache[0]),
-                         cache_array(kv_cache[1]), rows.block_tables, rows.ctx_lens, out.numpy(),
-                         float(scale), threads)
+            self._decode(query.contiguous(), kv_cache, rows, out, scale, threads, starts)
             return out
         out = query.new_empty(num_tokens + 1, num_heads, head_dim)
-        if meta.prefill is not None:   # prefill chunks: the Rust kernel, in place
-            p = meta.prefill
+        p = meta.prefill
+        if p is not None and window is not None and int(p.seq_lens.max()) > window:
+            # the prefill kernel attends whole contexts: these chunks outrun the window
+            with torch_threads(threads if meta.prefill_pairs >= THREADED_PREFILL_PAIRS else 1):
+                attend_groups(query, kv_cache, [self._window_group(meta, query.device)], scale,
+                              out, window)
+        elif p is not None:   # prefill chunks: the Rust kernel, in place
             self._prefill_kernel(query.contiguous().numpy(), cache_array(kv_cache[0]),
                                  cache_array(kv_cache[1]), p.block_tables, p.q_starts, p.q_lens,
                                  p.seq_lens, out[:num_tokens].numpy(), float(scale), threads,
                                  amx=self.amx)
         if meta.groups:    # prefill chunks: torch's SDPA, long ones on the kernels' threads
             with torch_threads(threads if meta.prefill_pairs >= THREADED_PREFILL_PAIRS else 1):
-                attend_groups(query, kv_cache, meta.groups, scale, out)
+                attend_groups(query, kv_cache, meta.groups, scale, out, window)
         if rows is not None:
             q = query.index_select(0, rows.token_index)
             o = torch.empty_like(q)
-            self._kernel(q.numpy(), cache_array(kv_cache[0]), cache_array(kv_cache[1]),
-                         rows.block_tables, rows.ctx_lens, o.numpy(), float(scale), threads)
+            self._decode(q, kv_cache, rows, o, scale, threads, starts)
             out.index_copy_(0, rows.token_index, o)
         return out[:num_tokens]
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, rows: DecodeRows,
+                out: torch.Tensor, scale: float, threads: int, starts: np.ndarray | None) -> None:
+        args = (q.numpy(), cache_array(kv_cache[0]), cache_array(kv_cache[1]), rows.block_tables,
+                rows.ctx_lens, out.numpy(), float(scale), threads)
+        if starts is None:
+            self._kernel(*args)
+        else:
+            self._kernel(*args, starts=starts)
+
+    def _window_group(self, meta: CpuPagedMetadata, device) -> SequenceGroup:
+        """The step's prefill chunks as one SDPA group (made once per step, for every windowed
+        layer)."""
+        p = meta.prefill
+        if p.window_group is None:
+            p.window_group = build_group(
+                p.seq_ids, np.asarray(meta.query_start_loc_cpu, dtype=np.int64),
+                np.asarray(meta.seq_lens_cpu, dtype=np.int64), meta.block_tables.cpu().numpy(),
+                self.block_size, meta.num_tokens, device)
+        return p.window_group

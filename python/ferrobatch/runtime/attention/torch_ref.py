@@ -32,6 +32,22 @@ class SequenceGroup:
     mask: torch.Tensor  # bool [G, 1, Q, K]; True = attend
     num_queries: int  # Q
     num_keys: int  # K (a multiple of block_size)
+    query_pos: np.ndarray | None = None  # int64 [G, Q]: each query's position (for windows)
+    windowed: dict = field(default_factory=dict)  # window -> its mask, made on first use
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The mask of a layer attending over ``window`` positions (None: the causal mask):
+        query at position p sees keys p - window + 1 .. p."""
+        if window is None:
+            return self.mask
+        mask = self.windowed.get(window)
+        if mask is None:
+            k_pos = np.arange(self.num_keys)[None, None, :]
+            near = torch.from_numpy(k_pos > self.query_pos[:, :, None] - window)
+            mask = self.mask & near[:, None].to(self.mask.device)
+            mask[..., 0] |= ~mask.any(-1)   # padded query rows: one key (no NaN; discarded)
+            self.windowed[window] = mask
+        return mask
 
 
 @dataclass
@@ -41,7 +57,7 @@ class TorchRefMetadata(AttentionMetadata):
     groups: list[SequenceGroup] = field(default_factory=list)
 
 
-def _build_group(seq_ids: np.ndarray, qsl: np.ndarray, seq_lens: np.ndarray,
+def build_group(seq_ids: np.ndarray, qsl: np.ndarray, seq_lens: np.ndarray,
                  block_tables: np.ndarray, block_size: int, num_tokens: int,
                  device: torch.device) -> SequenceGroup:
     query_lens = (qsl[1:] - qsl[:-1])[seq_ids].astype(np.int64)
@@ -64,6 +80,7 @@ def _build_group(seq_ids: np.ndarray, qsl: np.ndarray, seq_lens: np.ndarray,
         mask=torch.from_numpy(mask[:, None]).to(device),
         num_queries=max_q,
         num_keys=max_k,
+        query_pos=query_pos,
     )
 
 
@@ -72,6 +89,7 @@ class TorchReferenceBackend(AttentionBackend):
 
     name = "torch"
     gathers_decode = True  # False: decode rows (query length 1) are left to a subclass
+    supports_window = True
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -87,7 +105,7 @@ class TorchReferenceBackend(AttentionBackend):
         for selected in self.grouped_sequences(query_lens):
             seq_ids = np.flatnonzero(selected)
             if seq_ids.size:
-                groups.append(_build_group(seq_ids, qsl, seq_lens, block_tables,
+                groups.append(build_group(seq_ids, qsl, seq_lens, block_tables,
                                            self.block_size, num_tokens, device))
         return TorchRefMetadata(
             slot_mapping=torch.from_numpy(np.asarray(batch.slot_mapping, dtype=np.int64)).to(device),
@@ -117,19 +135,22 @@ class TorchReferenceBackend(AttentionBackend):
         return StaticDecodeMetadata(**static_decode_fields(inputs))
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: TorchRefMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, window: int | None = None) -> torch.Tensor:
         if isinstance(meta, StaticDecodeMetadata):
+            if window is not None:
+                raise ValueError("static (CUDA-graph) decode steps take no attention window")
             return static_decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens, scale)
         num_tokens, num_heads, head_dim = query.shape
         out = query.new_empty(num_tokens + 1, num_heads, head_dim)
-        attend_groups(query, kv_cache, meta.groups, scale, out)
+        attend_groups(query, kv_cache, meta.groups, scale, out, window)
         return out[:num_tokens]
 
 
 def attend_groups(query: torch.Tensor, kv_cache: torch.Tensor, groups: list[SequenceGroup],
-                  scale: float, out: torch.Tensor) -> None:
+                  scale: float, out: torch.Tensor, window: int | None = None) -> None:
     """Writes the attention of every group's query rows into ``out [T + 1, Hq, D]`` (row T is the
-    padding sink); rows of tokens in no group are left untouched."""
+    padding sink); rows of tokens in no group are left untouched. ``window``: each query sees
+    its last ``window`` positions only (a sliding-window layer)."""
     if not groups:
         return
     num_tokens, num_heads, head_dim = query.shape
@@ -149,7 +170,7 @@ def attend_groups(query: torch.Tensor, kv_cache: torch.Tensor, groups: list[Sequ
         k = cache_values(kv_cache[0].index_select(0, blocks), query.dtype).view(shape)
         v = cache_values(kv_cache[1].index_select(0, blocks), query.dtype).view(shape)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
-        mask = g.mask.expand(num_seqs, group_size, g.num_queries, g.num_keys)
+        mask = g.mask_for(window).expand(num_seqs, group_size, g.num_queries, g.num_keys)
         mask = mask.reshape(num_seqs, 1, group_size * g.num_queries, g.num_keys)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         o = o.view(num_seqs, num_kv_heads, group_size, g.num_queries, head_dim)
