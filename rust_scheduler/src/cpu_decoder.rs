@@ -12,7 +12,7 @@
 //!
 //! Gemma 3 adds to this: the attention and MLP outputs RMS-normed before their residual adds
 //! (`attn_out_norm` / `mlp_out_norm`), GELU-tanh-and-mul (`DecoderShape::act`), and
-//! sliding-window layers (`window`: each decode row attends its last `window` positions only)
+//! sliding-window layers (`window`: each query row attends its last `window` positions only)
 //! whose RoPE tables are their own (`local_rope`: `StepRows::local_cos` / `local_sin`).
 //!
 //! The step: `R` query rows. Row `r` is `hidden[r]` `[H]`, rotated by `cos[r]` / `sin[r]`
@@ -21,9 +21,8 @@
 //! by exactly one kernel: the decode kernel for the rows `decode_rows` names (all rows when
 //! `None`: decodes, speculative drafts, short chunks), the i-th of them attending the first
 //! `ctx_lens[i]` positions of block-table row `i`; the prefill kernel for each chunk of
-//! `prefill` (rows `q_starts[s] .. + q_lens[s]`, causal over its `seq_lens[s]` keys; the
-//! prefill kernel attends whole contexts, so a step with a sliding-window layer takes only
-//! chunks whose `seq_lens` fit in the window, where the two agree).
+//! `prefill` (rows `q_starts[s] .. + q_lens[s]`, causal over its `seq_lens[s]` keys; in a
+//! sliding-window layer over the last `window` of them).
 //! A layer's cache is `[2, num_blocks, block_size, Hkv, D]` (0 = K, 1 = V), as in Python, of
 //! f32, f16 or FP8 E4M3 (`cpu_kv`, `cpu_kv_fp8`: K/V rows are rounded to it when written; the
 //! math stays f32).
@@ -409,15 +408,7 @@ pub fn validate<E: KvElement>(
             attended_by[row]
         ));
     }
-    let narrowest = layers.iter().filter_map(|l| l.window).min();
-    if let (Some(window), Some(p)) = (narrowest, &rows.prefill) {
-        if let Some(&keys) = p.seq_lens.iter().find(|&&n| n.max(0) as usize > window) {
-            return bad(format!(
-                "a prefill chunk over {keys} keys outruns a sliding window of {window}: the \
-                 prefill kernel attends whole contexts"
-            ));
-        }
-    }
+
     for layer in layers {
         layer.check(s)?;
     }
@@ -607,6 +598,7 @@ pub fn forward_step<E: KvElement>(
                 s.scale,
                 threads,
                 amx,
+                layer.window,
             )?;
         }
         clock.lap(Phase::Attention);
@@ -1221,8 +1213,10 @@ mod tests {
     #[test]
     fn gemma3_layers_match_the_reference() {
         // layer 0 a sliding layer (window 4: the rows at contexts 9, 5 and 6 start at keys 5,
-        // 1 and 2) with its own RoPE tables, layer 1 global; output norms on both; GELU-tanh
-        let case = Case::new(53, 2);
+        // 1 and 2) with its own RoPE tables, layer 1 global; output norms on both; GELU-tanh;
+        // the rows as decode-kernel rows, with two of them a prompt chunk over 6 keys (the
+        // prefill kernel's window), and all of them chunks
+        let case = Case::new(53, 0);
         let mut rng = Lcg(54);
         let out_norms: Vec<[Vec<f32>; 2]> = (0..2)
             .map(|_| [rng.vec(SHAPE.hidden), rng.vec(SHAPE.hidden)])
@@ -1241,6 +1235,7 @@ mod tests {
             ..case.rows()
         };
         let (want, _) = reference_of(&case.weights, &case.caches, &case.hidden, &rows, |_| {}, &g);
+        let (plain_want, _) = reference(&case.weights, &case.caches, &case.hidden, &rows);
         let mut layers = case.layers(Kernels::Panels);
         for (i, layer) in layers.iter_mut().enumerate() {
             layer.attn_out_norm = &out_norms[i][0];
@@ -1252,36 +1247,54 @@ mod tests {
             act: GateActivation::GeluTanh,
             ..SHAPE
         };
-        let (plain_want, _) = reference(&case.weights, &case.caches, &case.hidden, &rows);
-        for threads in [1, 2] {
-            let mut caches = case.caches.clone();
-            let mut views: Vec<&mut [f32]> = caches.iter_mut().map(|c| c.as_mut_slice()).collect();
-            let mut hidden = case.hidden.clone();
-            forward_step(
-                &shape,
-                &layers,
-                &mut views,
-                &CACHE,
-                &mut hidden,
-                &rows,
-                threads,
-                true,
-                None,
-            )
-            .unwrap();
-            let close = |want: &[f64]| {
-                hidden
-                    .iter()
-                    .zip(want)
-                    .all(|(&got, &w)| (got as f64 - w).abs() <= 2e-4 * (1.0 + w.abs()))
-            };
-            assert!(close(&want), "threads={threads}");
-            assert!(!close(&plain_want), "the Gemma parts change the output");
-        }
-        // what the step refuses: a prompt chunk past the window (the prefill kernel attends
-        // whole contexts), a window of 0, one output norm alone, local RoPE without its tables
         let arrays = mixed_arrays(&case);
-        let mixed = mixed_rows(&case, false, &arrays); // a chunk over 6 keys
+        let (mixed, all_chunks) = (
+            mixed_rows(&case, false, &arrays),
+            mixed_rows(&case, true, &arrays),
+        );
+        let steps = [
+            rows,
+            StepRows {
+                local_cos: &local_cos,
+                local_sin: &local_sin,
+                ..mixed
+            },
+            StepRows {
+                local_cos: &local_cos,
+                local_sin: &local_sin,
+                ..all_chunks
+            },
+        ];
+        for (n, step) in steps.iter().enumerate() {
+            for threads in [1, 2] {
+                let mut caches = case.caches.clone();
+                let mut views: Vec<&mut [f32]> =
+                    caches.iter_mut().map(|c| c.as_mut_slice()).collect();
+                let mut hidden = case.hidden.clone();
+                forward_step(
+                    &shape,
+                    &layers,
+                    &mut views,
+                    &CACHE,
+                    &mut hidden,
+                    step,
+                    threads,
+                    true,
+                    None,
+                )
+                .unwrap();
+                let close = |want: &[f64]| {
+                    hidden
+                        .iter()
+                        .zip(want)
+                        .all(|(&got, &w)| (got as f64 - w).abs() <= 2e-4 * (1.0 + w.abs()))
+                };
+                assert!(close(&want), "step {n} threads={threads}");
+                assert!(!close(&plain_want), "the Gemma parts change the output");
+            }
+        }
+        // what the step refuses: a window of 0, one output norm alone, local RoPE without its
+        // tables
         let mut views: Vec<Vec<f32>> = case.caches.clone();
         let mut views: Vec<&mut [f32]> = views.iter_mut().map(|c| c.as_mut_slice()).collect();
         let mut hidden = case.hidden.clone();
@@ -1300,12 +1313,6 @@ mod tests {
             );
             assert!(result.is_err() && hidden == before);
         };
-        let mixed_local = StepRows {
-            local_cos: &local_cos,
-            local_sin: &local_sin,
-            ..mixed
-        };
-        refused(&layers, &mixed_local);
         let mut bad = layers.clone();
         bad[1].window = Some(0);
         refused(&bad, &rows);

@@ -9,8 +9,9 @@
 //! `s` of the call: `q_starts[s]` (its first row of `q`), `q_lens[s]` (its query tokens),
 //! `seq_lens[s]` (its keys once this step's are written) and row `s` of `block_tables` `[S,
 //! max_blocks]`. Query
-//! `j` (0-based) of sequence `s` attends keys `0 ..= seq_lens[s] - q_lens[s] + j`. Rows of `out`
-//! that belong to no sequence of the call are left untouched.
+//! `j` (0-based) of sequence `s` attends keys `0 ..= seq_lens[s] - q_lens[s] + j`; with a
+//! sliding `window` (Gemma 3's local layers), only the last `window` of those (its own
+//! included). Rows of `out` that belong to no sequence of the call are left untouched.
 //!
 //! Invariants checked by `PrefillShape::validate` before any read or write, so no index below
 //! leaves its slice and no two tasks write one element: `Hq % Hkv == 0`; slice lengths equal
@@ -24,15 +25,17 @@
 //! over the dimensions); (2) items (sequence, KV head, chunk of up to `CHUNK_TOKENS` query
 //! tokens), heaviest first (causal chunks differ in cost), each writing the `out` rows of its
 //! tokens for the `G = Hq / Hkv` query heads of its KV head, disjoint from every other item's.
-//! An item walks tiles of `ROWS` (token, head) rows over the panels its tile sees: scores of
-//! the scaled queries, the online softmax (running max and denominator, f32; keys past a
-//! row's last weigh exactly 0), then the weighted sum of the panel's V rows, read in place from
+//! An item walks tiles of `ROWS` (token, head) rows over the panels its tile sees (with a
+//! window, from the panel of the tile's earliest first key): scores of the scaled queries, the
+//! online softmax (running max and denominator, f32; keys outside a row's range weigh exactly
+//! 0), then the weighted sum of the panel's V rows, read in place from
 //! the cache (an f16 cache's converted to f32 as they are loaded), into the tile's accumulators
 //! (rescaled when a row's max grows). An f16 cache's keys enter the panels as f32.
 //!
 //! Where the CPU has AMX (`Isa::detect` gives `Amx`), the head dim is a multiple of 64 and
 //! enough queries share each key (`amx_pays`), the call goes to `cpu_amx_prefill` instead:
-//! the same contract and validation, bfloat16 tile products at float32 accuracy.
+//! the same contract and validation, bfloat16 tile products at float32 accuracy (not for a
+//! window that cuts a context: those calls stay on the vector path).
 
 use crate::cpu_attention::CacheGeometry;
 use crate::cpu_error::KernelInputError;
@@ -151,8 +154,9 @@ impl PrefillShape {
 
 /// Runs prefill attention on up to `num_threads` threads of the kernels' pool (`cpu_pool`);
 /// see the module header for the layout. With `amx`, calls that `amx_pays` for take the AMX
-/// path (`cpu_amx_prefill`) where the CPU has it. Errors instead of reading or writing out of
-/// bounds.
+/// path (`cpu_amx_prefill`) where the CPU has it. `window`: each query attends its last
+/// `window` positions only (`Some(0)` is an error). Errors instead of reading or writing out
+/// of bounds.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_prefill_attention_f32<E: KvElement>(
     shape: &PrefillShape,
@@ -167,9 +171,10 @@ pub fn paged_prefill_attention_f32<E: KvElement>(
     scale: f32,
     num_threads: usize,
     amx: bool,
+    window: Option<usize>,
 ) -> Result<(), KernelInputError> {
     let max_isa = if amx { Isa::Amx } else { Isa::Avx512 };
-    run(
+    run_windowed(
         shape,
         q,
         k_cache,
@@ -180,6 +185,7 @@ pub fn paged_prefill_attention_f32<E: KvElement>(
         scale,
         num_threads,
         (max_isa, AMX_MIN_QUERIES),
+        window,
     )
 }
 
@@ -307,10 +313,43 @@ fn dequantize_blocks<E: KvElement>(
     (k_values, v_values, compact, tables)
 }
 
-/// [`paged_prefill_attention_f32`] using at most instruction set `max_isa`, and AMX only where
-/// [`amx_pays`] with `amx_min_queries` (tests compare every path, AMX forced by 0).
+/// [`paged_prefill_attention_f32`] without a window, using at most instruction set `max_isa`,
+/// and AMX only where [`amx_pays`] with `amx_min_queries` (tests compare every path, AMX forced
+/// by 0).
+#[cfg(test)]
 #[allow(clippy::too_many_arguments)]
 fn run<E: KvElement>(
+    shape: &PrefillShape,
+    q: &[f32],
+    k_cache: &[E],
+    v_cache: &[E],
+    block_tables: &[i32],
+    chunks: (&[i32], &[i32], &[i32]),
+    out: &mut [f32],
+    scale: f32,
+    num_threads: usize,
+    limits: (Isa, usize),
+) -> Result<(), KernelInputError> {
+    let cache = (k_cache, v_cache);
+    run_windowed(
+        shape,
+        q,
+        cache.0,
+        cache.1,
+        block_tables,
+        chunks,
+        out,
+        scale,
+        num_threads,
+        limits,
+        None,
+    )
+}
+
+/// [`paged_prefill_attention_f32`] using at most instruction set `max_isa`, and AMX only where
+/// [`amx_pays`] with `amx_min_queries`, with a sliding `window` (module header).
+#[allow(clippy::too_many_arguments)]
+fn run_windowed<E: KvElement>(
     shape: &PrefillShape,
     q: &[f32],
     k_cache: &[E],
@@ -321,12 +360,21 @@ fn run<E: KvElement>(
     scale: f32,
     num_threads: usize,
     (max_isa, amx_min_queries): (Isa, usize),
+    window: Option<usize>,
 ) -> Result<(), KernelInputError> {
     let chunks = (q_starts, q_lens, seq_lens);
+    if window == Some(0) {
+        return bad("a sliding window of 0 positions".into());
+    }
     let seqs = shape.validate(q, k_cache, v_cache, block_tables, chunks, out)?;
+    // a window no context outruns changes nothing
+    let window = window.filter(|&w| seqs.iter().any(|sq| sq.seq_len > w));
     let (d, hkv, bs) = (shape.head_dim, shape.num_kv_heads, shape.block_size);
     let isa = Isa::detect(max_isa);
-    let amx = isa == Isa::Amx && d.is_multiple_of(64) && amx_pays(&seqs, amx_min_queries);
+    let amx = isa == Isa::Amx
+        && d.is_multiple_of(64)
+        && window.is_none()
+        && amx_pays(&seqs, amx_min_queries);
     if E::ROW_EXTRA > 0 && !amx {
         // A scaled cache off the AMX path (which converts every row it reads anyway): the
         // blocks this call reads, as the f32 values they hold.
@@ -334,7 +382,7 @@ fn run<E: KvElement>(
             dequantize_blocks(shape, k_cache, v_cache, block_tables, &seqs, num_threads);
         let limits = (max_isa, amx_min_queries);
         let (k, v) = (&k_values[..], &v_values[..]);
-        return run(
+        return run_windowed(
             &shape,
             q,
             k,
@@ -345,6 +393,7 @@ fn run<E: KvElement>(
             scale,
             num_threads,
             limits,
+            window,
         );
     }
     // Each key's element offset in the caches (KV head 0; head rows of `d + ROW_EXTRA`).
@@ -401,6 +450,7 @@ fn run<E: KvElement>(
         key_rows: &key_rows,
         panel_base: &panel_base,
         scale,
+        window,
         // The SIMD paths take whole vectors of the head dimension.
         isa: if d.is_multiple_of(16) {
             isa
@@ -457,6 +507,8 @@ struct Kernel<'a, E> {
     key_rows: &'a [Vec<usize>],
     panel_base: &'a [usize],
     scale: f32,
+    /// each query's last this-many positions only (None: all of them)
+    window: Option<usize>,
     isa: Isa,
     out: OutPtr,
 }
@@ -492,9 +544,13 @@ impl<E: KvElement> Kernel<'_, E> {
                 )
             };
             let mut key_max = [0usize; ROWS]; // last key each row sees (padding rows: the last's)
+            let mut key_min = [0usize; ROWS]; // and its first (a window's start, else 0)
             for r in 0..ROWS {
                 let (token, head) = row_of(r.min(tile_rows - 1));
                 key_max[r] = first_key_max + token;
+                key_min[r] = self
+                    .window
+                    .map_or(0, |w| (key_max[r] + 1).saturating_sub(w));
                 let dst = &mut qs[r * d..][..d];
                 if r < tile_rows {
                     let src = &self.q[((sq.q_start + token) * sh.num_heads + head) * d..][..d];
@@ -511,10 +567,13 @@ impl<E: KvElement> Kernel<'_, E> {
                 denom: [0.0; ROWS],
             };
             acc.fill(0.0);
-            for panel in 0..tile_keys.div_ceil(KEYS) {
+            let first_panel = key_min.iter().min().copied().unwrap_or(0) / KEYS;
+            for panel in first_panel..tile_keys.div_ceil(KEYS) {
                 let key0 = panel * KEYS;
-                let visible: [usize; ROWS] =
-                    std::array::from_fn(|r| (key_max[r] + 1).saturating_sub(key0).min(KEYS));
+                let visible: [(usize, usize); ROWS] = std::array::from_fn(|r| {
+                    let hi = (key_max[r] + 1).saturating_sub(key0).min(KEYS);
+                    (key_min[r].saturating_sub(key0).min(hi), hi)
+                });
                 // keys past the sequence's last (zero-padded in the panel) read key 0's V row,
                 // with weight 0
                 let mut v_rows = [key_rows[0] + head_offset; KEYS];
@@ -544,7 +603,7 @@ impl<E: KvElement> Kernel<'_, E> {
         qs: &[f32],
         kt: &[f32],
         v_rows: &[usize; KEYS],
-        visible: &[usize; ROWS],
+        visible: &[(usize, usize); ROWS],
         state: &mut RowState,
         acc: &mut [f32],
     ) {
@@ -599,19 +658,23 @@ impl<E: KvElement> Kernel<'_, E> {
     }
 }
 
-/// Turns a tile's scores into softmax weights in place (keys past `visible[r]` weigh 0),
+/// Turns a tile's scores into softmax weights in place (keys outside `visible[r]`, a range
+/// `lo..hi` of the panel's, weigh 0),
 /// updating each row's running max and denominator; returns the factor each row's accumulator
 /// must be multiplied by first. `exp_shifted(row, max)` sets `row[k] = e^(row[k] - max)` and
 /// returns their sum.
 fn softmax(
     p: &mut [f32; ROWS * KEYS],
-    visible: &[usize; ROWS],
+    visible: &[(usize, usize); ROWS],
     state: &mut RowState,
     exp_shifted: impl Fn(&mut [f32], f32) -> f32,
 ) -> [f32; ROWS] {
     let mut rescale = [1f32; ROWS];
     for (r, row) in p.chunks_exact_mut(KEYS).enumerate() {
-        let (seen, hidden) = row.split_at_mut(visible[r]);
+        let (lo, hi) = visible[r];
+        let (before, rest) = row.split_at_mut(lo);
+        let (seen, hidden) = rest.split_at_mut(hi - lo);
+        before.fill(0.0);
         hidden.fill(0.0);
         if seen.is_empty() {
             continue;
@@ -643,7 +706,7 @@ mod avx512 {
         v_cache: &[E],
         v_rows: &[usize; KEYS],
         d: usize,
-        visible: &[usize; ROWS],
+        visible: &[(usize, usize); ROWS],
         state: &mut RowState,
         acc: &mut [f32],
     ) {
@@ -665,10 +728,12 @@ mod avx512 {
         let mut p = [0f32; ROWS * KEYS];
         let mut rescale = [1f32; ROWS];
         for (r, sr) in s.iter().enumerate() {
-            let vis = visible[r] as i32;
-            let m0 = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(vis));
-            let m1 = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(vis - 16));
-            if vis == 0 {
+            let (lo, hi) = (visible[r].0 as i32, visible[r].1 as i32);
+            let m0 = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(hi))
+                & _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(lo));
+            let m1 = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(hi - 16))
+                & _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(lo - 16));
+            if lo >= hi {
                 continue; // all weights 0 (p stays 0), state unchanged
             }
             let x0 = _mm512_mask_blend_ps(m0, neg_inf, sr[0]);
@@ -873,8 +938,17 @@ mod tests {
         }
 
         fn run(&self, threads: usize, isa: Isa) -> Result<Vec<f32>, KernelInputError> {
+            self.run_in(threads, isa, None)
+        }
+
+        fn run_in(
+            &self,
+            threads: usize,
+            isa: Isa,
+            window: Option<usize>,
+        ) -> Result<Vec<f32>, KernelInputError> {
             let mut out = vec![f32::NAN; self.q.len()];
-            run(
+            run_windowed(
                 &self.shape,
                 &self.q,
                 &self.k,
@@ -885,13 +959,18 @@ mod tests {
                 0.125,
                 threads,
                 (isa, 0),
+                window,
             )?;
             Ok(out)
         }
 
-        /// Two-pass softmax attention in f64 straight from the header's definition; rows of no
-        /// sequence stay NaN.
         fn reference(&self) -> Vec<f32> {
+            self.reference_in(None)
+        }
+
+        /// Two-pass softmax attention in f64 straight from the header's definition (over the
+        /// last `window` keys of each query); rows of no sequence stay NaN.
+        fn reference_in(&self, window: Option<usize>) -> Vec<f32> {
             let s = &self.shape;
             let d = s.head_dim;
             let group = s.num_heads / s.num_kv_heads;
@@ -912,7 +991,8 @@ mod tests {
                         };
                         let qv = &self.q[((start + j) * s.num_heads + h) * d..][..d];
                         let keys = ctx - len + j + 1;
-                        let logits: Vec<f64> = (0..keys)
+                        let first = window.map_or(0, |w| keys.saturating_sub(w));
+                        let logits: Vec<f64> = (first..keys)
                             .map(|t| {
                                 (0..d)
                                     .map(|i| qv[i] as f64 * self.k[slot(t) + i] as f64)
@@ -924,8 +1004,8 @@ mod tests {
                         let w: Vec<f64> = logits.iter().map(|x| (x - m).exp()).collect();
                         let z: f64 = w.iter().sum();
                         for i in 0..d {
-                            let o = (0..keys)
-                                .map(|t| w[t] * self.v[slot(t) + i] as f64)
+                            let o = (first..keys)
+                                .map(|t| w[t - first] * self.v[slot(t) + i] as f64)
                                 .sum::<f64>();
                             out[((start + j) * s.num_heads + h) * d + i] = (o / z) as f32;
                         }
@@ -1232,5 +1312,33 @@ mod tests {
                 proptest::prop_assert!(err <= 4.0 * scalar + 1e-5, "{:?}: {} vs scalar {}", isa, err, scalar);
             }
         }
+    }
+
+    #[test]
+    fn sliding_windows_match_the_reference_on_every_path() {
+        // chunks at the start of a context and deep into one, a window of 1, windows inside a
+        // panel, on a panel's edge, past a whole chunk, and wider than every context (no cut)
+        let seqs = [(0, 40, 100), (40, 17, 17), (57, 33, 70), (90, 9, 9)];
+        let case = Case::new(91, 99, &seqs, 4, 2, 32, 16);
+        for window in [1, 5, 16, 32, 33, 47, 64, 1000] {
+            let want = case.reference_in(Some(window));
+            for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Amx] {
+                for threads in [1, 3] {
+                    let got = case.run_in(threads, isa, Some(window)).unwrap();
+                    assert_close(&got, &want, &format!("window {window} {isa:?} x{threads}"));
+                }
+            }
+        }
+        // a window that cuts no context is the whole-context kernel, AMX included, bit for bit
+        let case = Case::new(92, 64, &[(0, 64, 64)], 4, 2, 64, 16);
+        for isa in [Isa::Avx512, Isa::Amx] {
+            assert_eq!(
+                case.run_in(2, isa, Some(64)).unwrap(),
+                case.run(2, isa).unwrap()
+            );
+        }
+        let cut = case.run_in(2, Isa::Avx512, Some(8)).unwrap();
+        assert_close(&cut, &case.reference_in(Some(8)), "window 8");
+        assert!(case.run_in(1, Isa::Avx512, Some(0)).is_err());
     }
 }

@@ -217,15 +217,16 @@ fn cache_dims(kv: &KvArrays<'_>, head_dim: usize) -> PyResult<[usize; 4]> {
 }
 
 /// `paged_prefill_attention_f32(q, k_cache, v_cache, block_tables, q_starts, q_lens, seq_lens,
-/// out, scale, num_threads, amx=True)`: q/out `[T, Hq, D]` float32, caches `[num_blocks,
+/// out, scale, num_threads, amx=True, window=None)`: q/out `[T, Hq, D]` float32, caches `[num_blocks,
 /// block_size, Hkv, D]` float32, float16 or uint8 (FP8 E4M3), or `[.., D + 4]` int8; per
 /// sequence `block_tables`
 /// `[S, max_blocks]` and `q_starts` / `q_lens` / `seq_lens` `[S]` int32. Writes the sequences'
-/// rows of `out`; returns None. `amx=False` keeps the kernel off its AMX path.
+/// rows of `out`; returns None. `amx=False` keeps the kernel off its AMX path; `window`: each
+/// query attends its last `window` positions only (a sliding-window layer).
 #[pyfunction]
 #[pyo3(name = "paged_prefill_attention_f32")]
 #[pyo3(signature = (q, k_cache, v_cache, block_tables, q_starts, q_lens, seq_lens, out, scale,
-                    num_threads, amx=true))]
+                    num_threads, amx=true, window=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn py_paged_prefill_attention_f32(
     py: Python<'_>,
@@ -240,6 +241,7 @@ pub fn py_paged_prefill_attention_f32(
     scale: f32,
     num_threads: usize,
     amx: bool,
+    window: Option<usize>,
 ) -> PyResult<()> {
     let [num_tokens, num_heads, head_dim] = dims::<3>("q", q.shape())?;
     let kv = KvArrays::extract(k_cache, v_cache)?;
@@ -279,7 +281,8 @@ pub fn py_paged_prefill_attention_f32(
             out,
             scale,
             num_threads,
-            amx
+            amx,
+            window
         ))
     })
     .map_err(|e| PyValueError::new_err(e.0))

@@ -135,15 +135,16 @@ def _random_prefill_step(rng, q_lens, prior, num_kv_heads, head_dim, block_size=
     return batch, q_starts, num_tokens, cache
 
 
-def _reference_on_chunk_rows(query, cache, batch, q_starts, q_lens, scale):
+def _reference_on_chunk_rows(query, cache, batch, q_starts, q_lens, scale, window=None):
     """The chunks' rows of ``query`` (the rows between chunks dropped) and the reference
-    backend's SDPA attention of them: ``(rows, want)``."""
+    backend's SDPA attention of them (over the last ``window`` keys): ``(rows, want)``."""
     rows = torch.from_numpy(np.concatenate([np.arange(s, s + n) for s, n in zip(q_starts, q_lens)]))
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     ref = TorchReferenceBackend(16)
     batch.query_start_loc, batch.input_ids = qsl, np.zeros(int(qsl[-1]), np.int32)
     batch.slot_mapping = batch.input_ids
-    return rows, ref.forward(query[rows], cache, ref.build_metadata(batch, "cpu"), scale)
+    return rows, ref.forward(query[rows], cache, ref.build_metadata(batch, "cpu"), scale,
+                             window=window)
 
 
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2), (16, 2), (9, 3)])  # GQA 1, 4, 8, SmolLM2's 3
@@ -199,6 +200,34 @@ def test_prefill_kernel_amx_path_matches_torch_reference(heads, head_dim):
         outs[amx] = out[rows]
     if not amx_available():
         assert torch.equal(outs[True], outs[False])
+
+
+@pytest.mark.parametrize("window", [1, 7, 64, 250, 5000])
+def test_prefill_kernel_windows_match_torch_reference(window):
+    """A sliding window (Gemma 3's local layers): each query over its last ``window`` keys,
+    chunks at a context's start and deep into one, against the reference backend's windowed
+    SDPA; windows cutting a context stay off AMX, so amx=True gives the same."""
+    from ferrobatch._scheduler import paged_prefill_attention_f32
+    rng = np.random.default_rng(window)
+    torch.manual_seed(window)
+    q_lens, prior = [9, 300, 33], [0, 0, 700]
+    batch, q_starts, num_tokens, cache = _random_prefill_step(rng, q_lens, prior, 3, 64)
+    query = torch.randn(num_tokens, 9, 64)
+    rows, want = _reference_on_chunk_rows(query, cache, batch, q_starts, q_lens, 0.125, window)
+    _, whole = _reference_on_chunk_rows(query, cache, batch, q_starts, q_lens, 0.125)
+    assert (window >= 733) == torch.allclose(want, whole)    # the window cuts, where it can
+    for amx in (True, False):
+        out = torch.full_like(query, float("nan"))
+        paged_prefill_attention_f32(query.numpy(), cache[0].numpy(), cache[1].numpy(),
+                                    batch.block_tables, q_starts, np.asarray(q_lens, np.int32),
+                                    batch.seq_lens.astype(np.int32), out.numpy(), 0.125, 2,
+                                    amx=amx, window=window)
+        torch.testing.assert_close(out[rows], want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="window"):
+        paged_prefill_attention_f32(query.numpy(), cache[0].numpy(), cache[1].numpy(),
+                                    batch.block_tables, q_starts, np.asarray(q_lens, np.int32),
+                                    batch.seq_lens.astype(np.int32), out.numpy(), 0.125, 2,
+                                    window=0)
 
 
 def test_prefill_kernel_rejects_bad_inputs_without_writing():

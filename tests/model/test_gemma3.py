@@ -61,8 +61,8 @@ def test_a_gemma3_directory_matches_transformers(gemma3_dir, backend, token_budg
                                                  monkeypatch):
     """Prompts of up to 40 tokens in chunks of 16 (the later ones past the window of 8) or
     whole, then decode steps to 52 tokens: every greedy token and the last logits; on the CPU
-    backend through the fused step (prompt chunks past the window layer by layer) or layer by
-    layer throughout, and on the torch reference backend."""
+    backend through the fused step or layer by layer (both on the decode and prefill kernels'
+    windows), and on the torch reference backend (SDPA with the window's mask)."""
     if backend == "cpu-modules":
         monkeypatch.setenv("FERROBATCH_FUSED_DECODE", "0")
     path, reference = gemma3_dir

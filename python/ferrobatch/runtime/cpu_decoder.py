@@ -121,10 +121,6 @@ class FusedLayers:
             activation=_ACTIVATIONS[type(first.mlp.act)],
             windows=[layer.self_attn.window for layer in model.layers],
             local_rope_layers=local_layers)
-        # the narrowest sliding window: longer prompt chunks take the layer-by-layer path
-        windows = [layer.self_attn.window for layer in model.layers
-                   if layer.self_attn.window is not None]
-        self.narrowest_window = min(windows) if windows else None
         self.embedding_scale = np.float32(config.embedding_scale)
         # numpy views of the tables a step looks rows up in (``embed_and_run``), and of the
         # final norm (``final_norm``): at decode sizes torch's per-op dispatch cost more than
@@ -145,14 +141,11 @@ class FusedLayers:
         # the model's weights_generation its views were taken at (runtime.weight_update)
         self.generation = getattr(model, "weights_generation", 0)
 
-    def accepts(self, meta) -> bool:
-        """True for a step whose attention is all in the Rust kernels (no SDPA groups, and no
-        prompt chunk past a sliding window: the prefill kernel attends whole contexts)."""
-        if type(meta) is not CpuPagedMetadata or meta.groups or \
-                (meta.decode is None and meta.prefill is None):
-            return False
-        window = self.narrowest_window
-        return window is None or meta.prefill is None or int(meta.prefill.seq_lens.max()) <= window
+    @staticmethod
+    def accepts(meta) -> bool:
+        """True for a step whose attention is all in the Rust kernels (no SDPA groups)."""
+        return type(meta) is CpuPagedMetadata and not meta.groups and \
+            (meta.decode is not None or meta.prefill is not None)
 
     def embed_and_run(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[torch.Tensor], meta, lora: tuple | None = None

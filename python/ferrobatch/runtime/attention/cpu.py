@@ -17,8 +17,9 @@ comparisons. float32 models only (other dtypes use "torch"); the cache may hold 
 float16 or FP8 E4M3 (``--kv-cache-dtype``: the kernels convert on load).
 
 Sliding-window layers (Gemma 3) pass ``window``: decode rows start at their window's first key
-(the decode kernel's ``starts``); prefill chunks whose contexts outrun the window go through
-SDPA with the window's mask (the prefill kernel attends whole contexts).
+(the decode kernel's ``starts``: the blocks before it are not read), each prefill chunk's query
+over its last ``window`` keys (the prefill kernel's ``window``: panels before a tile's earliest
+key are skipped; such calls stay off AMX).
 """
 
 from __future__ import annotations
@@ -30,11 +31,9 @@ import torch
 
 from ferrobatch.runtime.attention.base import StaticDecodeMetadata
 from ferrobatch.runtime.attention.torch_ref import (
-    SequenceGroup,
     TorchReferenceBackend,
     TorchRefMetadata,
     attend_groups,
-    build_group,
 )
 from ferrobatch.runtime.cpu_threads import torch_threads
 from ferrobatch.runtime.kv_cache import cache_array
@@ -74,8 +73,6 @@ class PrefillRows:
     q_lens: np.ndarray  # int32 [P]
     seq_lens: np.ndarray  # int32 [P]
     block_tables: np.ndarray  # int32 [P, max_blocks], C-contiguous
-    seq_ids: np.ndarray | None = None  # int64 [P]: the sequences, in the step's order
-    window_group: SequenceGroup | None = None   # for windowed layers (made on first use)
 
 
 @dataclass
@@ -182,7 +179,6 @@ class CpuPagedBackend(TorchReferenceBackend):
                 seq_lens=np.ascontiguousarray(all_seq_lens[long_ids], dtype=np.int32),
                 block_tables=np.ascontiguousarray(
                     np.asarray(batch.block_tables)[long_ids, :num_blocks], dtype=np.int32),
-                seq_ids=long_ids,
             )
         return CpuPagedMetadata(**vars(meta), decode=decode, prefill=prefill, prefill_pairs=pairs)
 
@@ -196,10 +192,7 @@ class CpuPagedBackend(TorchReferenceBackend):
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: CpuPagedMetadata,
                 scale: float, window: int | None = None) -> torch.Tensor:
         """Causal attention of the step's queries; with ``window`` (a sliding-window layer),
-        each query over its last ``window`` positions: decode rows through the kernel from
-        their window's first key, prefill chunks through the prefill kernel while their
-        contexts fit in the window (where the two agree) and through SDPA with the window's
-        mask once they outrun it."""
+        each query over its last ``window`` positions."""
         if isinstance(meta, StaticDecodeMetadata):     # emulated graph steps: the reference path
             return super().forward(query, kv_cache, meta, scale, window)
         num_tokens, num_heads, head_dim = query.shape
@@ -211,17 +204,12 @@ class CpuPagedBackend(TorchReferenceBackend):
             self._decode(query.contiguous(), kv_cache, rows, out, scale, threads, starts)
             return out
         out = query.new_empty(num_tokens + 1, num_heads, head_dim)
-        p = meta.prefill
-        if p is not None and window is not None and int(p.seq_lens.max()) > window:
-            # the prefill kernel attends whole contexts: these chunks outrun the window
-            with torch_threads(threads if meta.prefill_pairs >= THREADED_PREFILL_PAIRS else 1):
-                attend_groups(query, kv_cache, [self._window_group(meta, query.device)], scale,
-                              out, window)
-        elif p is not None:   # prefill chunks: the Rust kernel, in place
+        if meta.prefill is not None:   # prefill chunks: the Rust kernel, in place
+            p = meta.prefill
             self._prefill_kernel(query.contiguous().numpy(), cache_array(kv_cache[0]),
                                  cache_array(kv_cache[1]), p.block_tables, p.q_starts, p.q_lens,
                                  p.seq_lens, out[:num_tokens].numpy(), float(scale), threads,
-                                 amx=self.amx)
+                                 amx=self.amx, window=window)
         if meta.groups:    # prefill chunks: torch's SDPA, long ones on the kernels' threads
             with torch_threads(threads if meta.prefill_pairs >= THREADED_PREFILL_PAIRS else 1):
                 attend_groups(query, kv_cache, meta.groups, scale, out, window)
@@ -240,14 +228,3 @@ class CpuPagedBackend(TorchReferenceBackend):
             self._kernel(*args)
         else:
             self._kernel(*args, starts=starts)
-
-    def _window_group(self, meta: CpuPagedMetadata, device) -> SequenceGroup:
-        """The step's prefill chunks as one SDPA group (made once per step, for every windowed
-        layer)."""
-        p = meta.prefill
-        if p.window_group is None:
-            p.window_group = build_group(
-                p.seq_ids, np.asarray(meta.query_start_loc_cpu, dtype=np.int64),
-                np.asarray(meta.seq_lens_cpu, dtype=np.int64), meta.block_tables.cpu().numpy(),
-                self.block_size, meta.num_tokens, device)
-        return p.window_group

@@ -57,7 +57,7 @@ class TorchRefMetadata(AttentionMetadata):
     groups: list[SequenceGroup] = field(default_factory=list)
 
 
-def build_group(seq_ids: np.ndarray, qsl: np.ndarray, seq_lens: np.ndarray,
+def _build_group(seq_ids: np.ndarray, qsl: np.ndarray, seq_lens: np.ndarray,
                  block_tables: np.ndarray, block_size: int, num_tokens: int,
                  device: torch.device) -> SequenceGroup:
     query_lens = (qsl[1:] - qsl[:-1])[seq_ids].astype(np.int64)
@@ -105,7 +105,7 @@ class TorchReferenceBackend(AttentionBackend):
         for selected in self.grouped_sequences(query_lens):
             seq_ids = np.flatnonzero(selected)
             if seq_ids.size:
-                groups.append(build_group(seq_ids, qsl, seq_lens, block_tables,
+                groups.append(_build_group(seq_ids, qsl, seq_lens, block_tables,
                                            self.block_size, num_tokens, device))
         return TorchRefMetadata(
             slot_mapping=torch.from_numpy(np.asarray(batch.slot_mapping, dtype=np.int64)).to(device),
