@@ -3,6 +3,7 @@ through transformers, the same checkpoint, side by side in one process.
 
     python benches/gemma3.py [--hf-dir /tmp/gemma3-270m-bf16] [--contexts 256,2048]
                              [--tokens 64] [--repeat 3] [--threads 2] [--json PATH]
+                             [--shape 270m|tiny]
 
 The checkpoint is gemma-3-270m's shape (18 layers, 15 of them over a sliding window of 512
 positions; a 262,144-token tied embedding) with transformers' random initialisation, saved in
@@ -19,6 +20,7 @@ what is measured is speed; the tokens of both systems are compared and reported.
 
 Each context (prompt length) is measured `--repeat` times after a warm-up, the two systems
 alternating; medians. Contexts past 512 take the sliding layers past their window.
+`--shape tiny` (a few layers of width 64, a window of 16) keeps the harness tested.
 """
 
 # ruff: noqa: I001  (common must be imported before numpy / torch: it sets OpenMP defaults)
@@ -45,17 +47,24 @@ GEMMA3_270M = {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM
                "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
                "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
                "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
+# the same layout at a size for smoke tests: 7 layers (the sixth global), a window of 16, and
+# the tokenizer's vocabulary
+TINY = {**GEMMA3_270M, "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 7, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 16,
+        "max_position_embeddings": 4096}
+SHAPES = {"270m": GEMMA3_270M, "tiny": TINY}
 
 
-def make_checkpoint(hf_dir: Path) -> None:
-    """gemma-3-270m's shape with transformers' random weights, in bfloat16, and a tokenizer."""
+def make_checkpoint(hf_dir: Path, config: dict) -> None:
+    """``config``'s shape with transformers' random weights, in bfloat16, and a tokenizer."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from ferrobatch.model.loader import smollm2_gguf_path
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**GEMMA3_270M),
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config),
                                              dtype=torch.bfloat16)
     model.save_pretrained(hf_dir, safe_serialization=True)
     path = smollm2_gguf_path()
@@ -72,7 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=positive_int, default=3)
     ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="270m")
     args = ap.parse_args(argv)
+    hf_dir = Path(args.hf_dir)
+    if hf_dir.exists() and not hf_dir.is_dir():
+        ap.error(f"--hf-dir {hf_dir} is not a directory")
+    if any(c < 1 for c in args.contexts):
+        ap.error("--contexts must be positive")
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -80,10 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     from ferrobatch import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    hf_dir = Path(args.hf_dir)
     if not (hf_dir / "config.json").exists():
         print(f"writing the checkpoint to {hf_dir} ...", flush=True)
-        make_checkpoint(hf_dir)
+        make_checkpoint(hf_dir, SHAPES[args.shape])
     llm = LLM(model=str(hf_dir), num_speculative_tokens=0, cpu_threads=args.threads,
               max_model_len=max(args.contexts) + args.tokens + 8)
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()

@@ -283,6 +283,18 @@ def test_half_panels_smoke(tmp_path: Path) -> None:
                                               / decode["bf16_ms_per_token"])
 
 
+def test_gemma3_smoke(tmp_path: Path) -> None:
+    # a tiny Gemma 3 saved in bfloat16: ferrobatch and transformers decode the same tokens, past
+    # the window of 16, and both are timed
+    data, _ = _bench("gemma3.py", "--shape", "tiny", "--hf-dir", str(tmp_path / "gemma3"),
+                     "--contexts", "40", "--tokens", "4", "--repeat", "1", "--threads", "1",
+                     json_out=tmp_path / "gemma3.json", timeout=400)
+    (row,) = data["results"]
+    assert row["context"] == 40 and row["same_tokens"] == "2/2", row
+    assert row["speedup"] == pytest.approx(row["transformers_ms_per_token"]
+                                           / row["ferrobatch_ms_per_token"])
+
+
 def test_step_phases_smoke(tmp_path: Path) -> None:
     # the smoke workload on the CPU: every step was scheduled, run eagerly, sampled and updated
     # once (greedy rows and nothing else: their tokens read back in one pass, no sampler), the
