@@ -155,3 +155,14 @@ def test_lora_and_weight_updates_on_gemma3(tmp_path):
     from lora_files import ATTN, MLP, assert_update_and_lora_match_transformers
 
     assert_update_and_lora_match_transformers(tmp_path, TINY_GEMMA3, ATTN + MLP, (44, 45, 6))
+
+
+def test_on_a_gpu_auto_picks_a_backend_that_takes_windows(caplog):
+    """The CUDA kernels take no window yet: "auto" gives such a model the torch reference (no
+    GPU is needed to choose), and says so; models without windows are not affected."""
+    from ferrobatch.runtime.attention import get_attention_backend
+
+    with caplog.at_level("WARNING"):
+        assert get_attention_backend("auto", "cuda", windows=True).name == "torch"
+    assert "sliding window" in caplog.text
+    assert get_attention_backend("auto", "cpu", windows=True).name == "cpu"

@@ -83,7 +83,8 @@ class ModelRunner:
         else:
             shape = (self.config.num_heads, self.config.num_kv_heads, self.config.head_dim, loaded.dtype)
             self.attn_backend = get_attention_backend(attn_backend, self.device, block_size=block_size,
-                                                      model_shape=shape)
+                                                      model_shape=shape,
+                                                      windows=bool(self.config.sliding_layers))
         if self.config.sliding_layers and not self.attn_backend.supports_window:
             raise ValueError(
                 f"this {self.config.arch} model's sliding-window layers need an attention "

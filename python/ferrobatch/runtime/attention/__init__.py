@@ -54,11 +54,12 @@ def _load_cpu_backend(block_size: int,
 
 
 def get_attention_backend(name: str | None, device: torch.device | str, *, block_size: int = 16,
-                          model_shape: tuple[int, int, int, torch.dtype] | None = None
-                          ) -> AttentionBackend:
+                          model_shape: tuple[int, int, int, torch.dtype] | None = None,
+                          windows: bool = False) -> AttentionBackend:
     """Picks an attention backend. ``None``/"auto": the CUDA kernels on a CUDA device, the Rust
     CPU kernels on the CPU (float32), each when it loads and covers ``model_shape`` =
-    (num_heads, num_kv_heads, head_dim, dtype) if given; else the torch reference (the reason is
+    (num_heads, num_kv_heads, head_dim, dtype) if given and, with ``windows`` (a model with
+    sliding-window layers), attends over windows; else the torch reference (the reason is
     logged). "cuda" / "cpu" raise if their kernels cannot be used."""
     name = name or "auto"
     if name not in _BACKEND_NAMES:
@@ -75,6 +76,10 @@ def get_attention_backend(name: str | None, device: torch.device | str, *, block
             if name == "cpu":
                 raise RuntimeError(f"CPU attention backend unavailable: {exc}") from exc
             logger.info("CPU attention kernel not used (%s); using the torch reference", exc)
+    if name == "auto" and is_cuda and windows:
+        logger.warning("the CUDA attention kernels take no sliding window yet: this model's "
+                       "attention runs on the torch reference backend")
+        return TorchReferenceBackend(block_size=block_size)
     if name in ("auto", "cuda") and is_cuda:
         try:
             return _load_cuda_backend(block_size, torch.device(device), model_shape)
