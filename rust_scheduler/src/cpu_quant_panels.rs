@@ -17,7 +17,9 @@
 //!   weight still `scale * q + 0`, the loader's value bit for bit). A one-row step is bound by
 //!   reading the record, and this one is 10 bits a weight instead of 12.
 //! - Bf16 / F16 (1,024 bytes): not blocks but float32 weights that a 16-bit float holds
-//!   exactly (a bfloat16 or float16 checkpoint's), 16 bits each (`cpu_half_panels`).
+//!   exactly (a bfloat16 or float16 checkpoint's), 16 bits each (`cpu_half_panels`); bfloat16
+//!   steps of `cpu_half_amx::MIN_ROWS` rows or more go to AMX tiles where the CPU has them
+//!   (`cpu_half_amx`: float32 accuracy, not `linear_f32`'s bits).
 //!
 //! A panel's records follow each other (`K / 32` per panel), panels follow each other.
 //!
@@ -264,7 +266,7 @@ pub fn linear_quant_panels_f32(
     out: &mut [f32],
     num_threads: usize,
 ) -> Result<(), KernelInputError> {
-    run(shape, x, panels, bias, out, num_threads, Isa::Avx512)
+    run(shape, x, panels, bias, out, num_threads, Isa::Amx)
 }
 
 /// [`linear_quant_panels_f32`] using at most instruction set `max_isa` (tests compare every
@@ -282,13 +284,24 @@ fn run(
     if shape.m == 0 {
         return Ok(());
     }
+    #[cfg(target_arch = "x86_64")]
+    if panels.format == PanelFormat::Bf16
+        && shape.m >= crate::cpu_half_amx::MIN_ROWS
+        && Isa::detect(max_isa) == Isa::Amx
+    {
+        let QuantPanelShape { m, n, k } = *shape;
+        // SAFETY: Isa::Amx detected; `validate` checked every length, m >= 1.
+        unsafe { crate::cpu_half_amx::run((m, n, k), x, panels.data, bias, out, num_threads) };
+        return Ok(());
+    }
     let kernel = Kernel {
         shape: *shape,
         x,
         panels,
         bias,
         out: OutPtr(out.as_mut_ptr()),
-        isa: Isa::detect(max_isa),
+        // the vector kernels (AMX: bfloat16 panels of many rows, above)
+        isa: Isa::detect(max_isa.min(Isa::Avx512)),
     };
     let QuantPanelShape { m, n, k } = *shape;
     on_panel_ranges(&LinearShape { m, n, k }, num_threads, &|first, last| {

@@ -44,6 +44,7 @@ pub mod cpu_elementwise;
 pub mod cpu_error;
 mod cpu_exp;
 pub mod cpu_greedy;
+mod cpu_half_amx;
 pub mod cpu_half_panels;
 mod cpu_isa;
 pub mod cpu_kv;

@@ -640,6 +640,10 @@ fn scheduler_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?)?;
     m.add_function(wrap_pyfunction!(crate::py_linear::py_amx_available, m)?)?;
     m.add_function(wrap_pyfunction!(
+        crate::py_linear::py_half_panels_amx_rows,
+        m
+    )?)?;
+    m.add_function(wrap_pyfunction!(
         crate::py_linear::py_one_row_int16_available,
         m
     )?)?;

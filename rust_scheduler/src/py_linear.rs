@@ -198,6 +198,14 @@ pub fn py_amx_available() -> bool {
     cpu_amx_linear::available()
 }
 
+/// `half_panels_amx_rows()`: the fewest rows of a step whose bfloat16 panels go to AMX tiles
+/// (`cpu_half_amx`: float32 accuracy, not `linear_f32`'s bits), or None where AMX does not run.
+#[pyfunction]
+#[pyo3(name = "half_panels_amx_rows")]
+pub fn py_half_panels_amx_rows() -> Option<usize> {
+    cpu_amx_linear::available().then_some(crate::cpu_half_amx::MIN_ROWS)
+}
+
 /// `amx_min_rows(k)`: the fewest rows of a step the AMX tiles of a layer of `k` inputs take
 /// (fewer go to its GGUF blocks): 3, 4 or 5 (`cpu_amx_linear::min_rows`).
 #[pyfunction]
