@@ -7,8 +7,10 @@
 //! accuracy). Float16 panels (a GGUF's F16 tensors) stay on the vector kernels: AMX-BF16 has no
 //! float16 products.
 //!
-//! Work: `x` `[M, K]` is split once per call into three `[M16, K]` bfloat16 arrays (`M16` =
-//! `M` rounded up to 16 rows, the rows past `M` zero), over the kernels' pool. The output's
+//! Work: `x` `[M, K]` is split once per call into its three bfloat16 parts, laid out as the A
+//! tiles they are loaded as (per 16 rows, per 32 inputs, per part, 1 KiB one after the other:
+//! contiguous loads, ~1.2-1.5x the row-major parts' speed on one thread; the rows past `M`
+//! zero), over the kernels' pool. The output's
 //! panels are then cut into one range per task (`cpu_linear::on_panel_ranges`); a task takes
 //! its panels four at a time (a group of 64 features; a last group of fewer reads zero
 //! weights for the rest, whose outputs are dropped): the group's records are rearranged once
@@ -81,8 +83,9 @@ pub(crate) unsafe fn run(
     });
 }
 
-/// `x`'s rows as three bfloat16 parts, `parts[p][row][k]`, the rows past `m` zero (row tiles of
-/// 16 pulled by the pool's tasks).
+/// `x`'s rows as three bfloat16 parts, laid out as A tiles one after the other: per tile of 16
+/// rows, per 32 inputs, per part, `[16 rows][32 inputs]` (1 KiB); the rows past `m` zero (row
+/// tiles pulled by the pool's tasks).
 ///
 /// # Safety
 /// AVX-512F; `x.len() == m * k`, `k % 16 == 0`, `parts.len() == 3 * m.next_multiple_of(16) * k`.
@@ -114,14 +117,16 @@ unsafe fn split_rows(x: &[f32], m: usize, k: usize, parts: &mut [u16], num_threa
 #[target_feature(enable = "avx512f")]
 unsafe fn split_tile(x: &[f32], m: usize, k: usize, dst: Shared<u16>, t: usize) {
     use std::arch::x86_64::*;
-    let plane = m.next_multiple_of(ROWS) * k;
+    let nb = k / BLOCK;
     for row in t * ROWS..((t + 1) * ROWS).min(m) {
         for c in (0..k).step_by(16) {
-            // SAFETY: inside `x` (row < m, c + 16 <= k) and the parts (row < m16).
+            let (kb, half) = (c / BLOCK, c % BLOCK);
+            // SAFETY: inside `x` (row < m, c + 16 <= k) and the parts (tile t of m16 / 16).
             unsafe {
                 let v = _mm512_loadu_ps(x.as_ptr().add(row * k + c));
                 for (p, part) in split3_16(v).into_iter().enumerate() {
-                    let at = dst.get().add(p * plane + row * k + c);
+                    let tile = (t * nb + kb) * 3 + p;
+                    let at = dst.get().add(tile * TILE + (row % ROWS) * BLOCK + half);
                     _mm256_storeu_si256(at.cast(), part);
                 }
             }
@@ -187,11 +192,9 @@ unsafe fn run_panels(
     }
     let nb = k / BLOCK;
     let m16 = m.next_multiple_of(ROWS);
-    let plane = m16 * k;
     let mut buffer = vec![0u16; GROUP * nb * TILE + 32];
     let tiles = aligned_64(&mut buffer, GROUP * nb * TILE);
     let mut c = [[0f32; ROWS * PANEL_WIDTH]; GROUP];
-    let stride = 2 * k; // bytes between two rows of a part
     let config = TileConfig::new(&[16; 8]);
     // SAFETY: Isa::Amx (the caller's contract).
     unsafe { config.load() };
@@ -211,10 +214,10 @@ unsafe fn run_panels(
                 tile_zero!("tmm2");
                 tile_zero!("tmm3");
                 for kb in 0..nb {
-                    let a = parts.as_ptr().add(row0 * k + kb * BLOCK);
-                    tile_load!("tmm4", a, stride);
-                    tile_load!("tmm5", a.add(plane), stride);
-                    tile_load!("tmm6", a.add(2 * plane), stride);
+                    let a = parts.as_ptr().add(((row0 / ROWS) * nb + kb) * 3 * TILE);
+                    tile_load!("tmm4", a, 64usize);
+                    tile_load!("tmm5", a.add(TILE), 64usize);
+                    tile_load!("tmm6", a.add(2 * TILE), 64usize);
                     tile_load!("tmm7", b.add(kb * TILE), 64usize);
                     tile_dp!("tmm0", "tmm4", "tmm7");
                     tile_dp!("tmm0", "tmm5", "tmm7");
