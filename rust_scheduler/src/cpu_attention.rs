@@ -1807,24 +1807,27 @@ mod tests {
         }
     }
 
+    /// (sequences, (query heads, KV heads), head_dim, block_size). Query heads per KV head 1, 2,
+    /// 3, 4 (runs 2 + 2), 8 (3 + 3 + 2): every shared-load width. head_dim 12: portable only;
+    /// 24 / 48: the AVX2 values' 8-dim tail chunks. Block sizes 8 / 32: softmax over one / four
+    /// 8-score vectors, plus partial last blocks.
+    const SHAPES: [(usize, (usize, usize), usize, usize); 10] = [
+        (1, (1, 1), 8, 16),
+        (3, (4, 4), 64, 16),
+        (5, (8, 2), 64, 16),
+        (7, (9, 3), 64, 16),
+        (4, (8, 1), 128, 16),
+        (6, (4, 2), 12, 16),
+        (5, (9, 3), 64, 8),
+        (5, (9, 3), 64, 32),
+        (4, (6, 2), 48, 16),
+        (4, (6, 3), 24, 32),
+    ];
+
     #[test]
     fn matches_reference_across_shapes_and_threads() {
         let mut seed = 1;
-        // Query heads per KV head 1, 2, 3, 4 (runs 2 + 2), 8 (3 + 3 + 2): every shared-load
-        // width. head_dim 12: portable only; 24 / 48: the AVX2 values' 8-dim tail chunks.
-        // Block sizes 8 / 32: softmax over one / four 8-score vectors, plus partial last blocks.
-        for &(num_seqs, heads, head_dim, block_size) in &[
-            (1, (1, 1), 8, 16),
-            (3, (4, 4), 64, 16),
-            (5, (8, 2), 64, 16),
-            (7, (9, 3), 64, 16),
-            (4, (8, 1), 128, 16),
-            (6, (4, 2), 12, 16),
-            (5, (9, 3), 64, 8),
-            (5, (9, 3), 64, 32),
-            (4, (6, 2), 48, 16),
-            (4, (6, 3), 24, 32),
-        ] {
+        for &(num_seqs, heads, head_dim, block_size) in &SHAPES {
             for threads in [1, 2, 3, 8] {
                 case(seed, num_seqs, heads, head_dim, block_size, threads, false);
                 seed += 1;
@@ -1835,24 +1838,15 @@ mod tests {
     #[test]
     fn windows_match_reference_across_shapes_and_threads() {
         let mut seed = 101;
-        // The shapes above, plus many rows (each its own start kind) and blocks of 64 / 128 (a
-        // chunk of two blocks / of one); the keys outside each window are NaN (`case`).
-        for &(num_seqs, heads, head_dim, block_size) in &[
-            (1, (1, 1), 8, 16),
-            (3, (4, 4), 64, 16),
-            (5, (8, 2), 64, 16),
-            (7, (9, 3), 64, 16),
-            (4, (8, 1), 128, 16),
-            (6, (4, 2), 12, 16),
-            (5, (9, 3), 64, 8),
-            (5, (9, 3), 64, 32),
-            (4, (6, 2), 48, 16),
-            (4, (6, 3), 24, 32),
+        // SHAPES, plus many rows (each its own start kind) and blocks of 64 / 128 (a chunk of
+        // two blocks / of one); the keys outside each window are NaN (`case`).
+        let more = [
             (10, (9, 3), 64, 16),
             (10, (4, 2), 32, 8),
             (4, (4, 2), 32, 64),
             (3, (2, 1), 16, 128),
-        ] {
+        ];
+        for &(num_seqs, heads, head_dim, block_size) in SHAPES.iter().chain(&more) {
             for threads in [1, 2, 3, 8] {
                 case(seed, num_seqs, heads, head_dim, block_size, threads, true);
                 seed += 1;

@@ -298,6 +298,34 @@ mod tests {
         rms_norm_f32(&[], &[1.0; 4], 1e-6, &mut []).unwrap();
     }
 
+    /// `gate_up` `[M, 2 inter]` through `act`-and-mul on every path against `act_f64(g) * u`
+    /// within `tol` (relative; infinite and NaN results equal).
+    fn check_gate_and_mul(
+        gate_up: &[f32],
+        inter: usize,
+        act: GateActivation,
+        act_f64: fn(f64) -> f64,
+        tol: f64,
+    ) {
+        for isa in [Isa::Portable, Isa::Avx2] {
+            let mut out = vec![f32::NAN; gate_up.len() / 2];
+            gated_and_mul(gate_up, inter, &mut out, act, isa).unwrap();
+            for (r, row) in gate_up.chunks(2 * inter).enumerate() {
+                for i in 0..inter {
+                    let (g, u) = (row[i] as f64, row[inter + i] as f64);
+                    let want = act_f64(g) * u;
+                    let got = out[r * inter + i] as f64;
+                    let ok = if want.is_finite() {
+                        (got - want).abs() <= tol * want.abs() + 1e-30
+                    } else {
+                        got == want || (got.is_nan() && want.is_nan())
+                    };
+                    assert!(ok, "{isa:?} {act:?}({g}) * {u}: {got} vs {want}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn silu_and_mul_matches_an_f64_reference_on_every_path() {
         let inter = 37; // a tail past the vector width
@@ -310,23 +338,8 @@ mod tests {
                     .take(2 * inter),
             )
             .collect();
-        for isa in [Isa::Portable, Isa::Avx2] {
-            let mut out = vec![f32::NAN; gate_up.len() / 2];
-            gated_and_mul(&gate_up, inter, &mut out, GateActivation::Silu, isa).unwrap();
-            for (r, row) in gate_up.chunks(2 * inter).enumerate() {
-                for i in 0..inter {
-                    let (g, u) = (row[i] as f64, row[inter + i] as f64);
-                    let want = g / (1.0 + (-g).exp()) * u;
-                    let got = out[r * inter + i] as f64;
-                    let ok = if want.is_finite() {
-                        (got - want).abs() <= 1e-6 * want.abs() + 1e-30
-                    } else {
-                        got == want || (got.is_nan() && want.is_nan())
-                    };
-                    assert!(ok, "{isa:?} silu({g}) * {u}: {got} vs {want}");
-                }
-            }
-        }
+        let silu = |g: f64| g / (1.0 + (-g).exp());
+        check_gate_and_mul(&gate_up, inter, GateActivation::Silu, silu, 1e-6);
         let mut out = vec![0f32; 4];
         assert!(silu_and_mul_f32(&[1.0; 6], 2, &mut out).is_err());
         assert!(silu_and_mul_f32(&[1.0; 8], 0, &mut out).is_err());
@@ -345,22 +358,11 @@ mod tests {
                     .take(2 * inter),
             )
             .collect();
-        for isa in [Isa::Portable, Isa::Avx2] {
-            let mut out = vec![f32::NAN; gate_up.len() / 2];
-            gated_and_mul(&gate_up, inter, &mut out, GateActivation::GeluTanh, isa).unwrap();
-            for (r, row) in gate_up.chunks(2 * inter).enumerate() {
-                for i in 0..inter {
-                    let (g, u) = (row[i] as f64, row[inter + i] as f64);
-                    let y = (2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g.powi(3));
-                    let want = 0.5 * g * (1.0 + y.tanh()) * u;
-                    let got = out[r * inter + i] as f64;
-                    assert!(
-                        (got - want).abs() <= 2e-6 * want.abs() + 1e-30,
-                        "{isa:?} gelu_tanh({g}) * {u}: {got} vs {want}"
-                    );
-                }
-            }
-        }
+        let gelu = |g: f64| {
+            let y = (2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g.powi(3));
+            0.5 * g * (1.0 + y.tanh())
+        };
+        check_gate_and_mul(&gate_up, inter, GateActivation::GeluTanh, gelu, 2e-6);
         let mut out = vec![0f32; 4];
         let act = GateActivation::GeluTanh;
         assert!(gate_and_mul_f32(&[1.0; 6], 2, &mut out, act).is_err());
