@@ -26,8 +26,9 @@ panels are released (SmolLM2: 537 MB less, :meth:`PanelLinear.drop_panels`).
 A weight that is not in GGUF blocks but that bfloat16 (or float16) holds exactly (a Hugging
 Face checkpoint stored in bfloat16, as most are, loaded as float32) is packed as 16-bit panels
 (``cpu_half_panels.rs``) read by the same quantized-panel kernel at every step size: the float32
-panel kernel's output bit for bit from half its bytes (``FERROBATCH_QUANT_PANELS=0`` too keeps
-the float32 panels).
+panel kernel's output bit for bit from half its bytes (bfloat16 steps of 16+ rows on AMX tiles
+where the CPU has them: float32 accuracy, not those bits; ``FERROBATCH_QUANT_PANELS=0`` too
+keeps the float32 panels).
 
 A step of at most ``QUANT_MAX_ROWS`` rows (one to eight decode sequences) is bound by reading the
 weights, not by arithmetic: for layers whose GGUF blocks are known (``model.block_weights``)
@@ -100,8 +101,10 @@ class PanelLinear(nn.Module):
     ``half_panels``: where bfloat16 (or float16) holds every value of ``W`` exactly (a
     checkpoint stored in that type, as most Hugging Face ones are), ``W`` is packed as 16-bit
     panels instead (``half``: ``(kind, panels)``, ``cpu_half_panels.rs``) that every step reads
-    through ``linear_quant_panels_f32``: the same float32 weights, the same output bit for bit,
-    half the bytes (no float32 panels beside them unless ``pack_linear_layers`` keeps them)."""
+    through ``linear_quant_panels_f32``: the same float32 weights, the same output bit for bit
+    (bfloat16 steps of ``half_panels_amx_rows()``+ rows on AMX tiles, where the CPU has them:
+    float32 accuracy, ``cpu_half_amx.rs``), half the bytes (no float32 panels beside them unless
+    ``pack_linear_layers`` keeps them)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  num_threads: int = 1, half_panels: bool = False) -> None:
