@@ -8,8 +8,10 @@ the whole layer stack to Rust for every step whose attention the Rust kernels do
 speculative drafts, short chunks through the decode kernel; longer chunks through the prefill
 kernel; any mix of them): the same kernels back to back, the K/V written into the same paged
 cache, one call. Steps with prefill chunks on SDPA (``CpuPagedBackend(prefill_kernel=False)``)
-keep the module-by-module path. SiLU-and-mul is the only op computed differently (Rust's
-polynomial ``exp`` instead of torch's ``silu``; float32 rounding apart, the same values). The
+keep the module-by-module path. SiLU- and GELU-tanh-and-mul are the only ops computed
+differently (Rust's polynomial ``exp`` instead of torch's ``silu`` / ``gelu``; float32 rounding
+apart, the same values). Gemma 3's parts run fused too: sliding windows per layer, the sliding
+layers' own RoPE tables, the attention and MLP output norms, the embedding scale. The
 step's embedding rows and RoPE tables are looked up, and its sampled rows' final RMSNorm run, on
 numpy views of the model's own tensors (``FusedLayers.embed_and_run`` / ``final_norm``): the
 same values, without torch's per-op dispatch.
