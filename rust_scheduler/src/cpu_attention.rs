@@ -2040,25 +2040,8 @@ mod tests {
             (22, vec![3000, 37, 5, 1900]),
             (23, vec![129, 4900]),
         ] {
-            let mut rng = Lcg(seed);
-            let (bs, max_blocks) = (16, 320);
-            let shape = DecodeShape {
-                num_seqs: ctx.len(),
-                num_heads: 9,
-                num_kv_heads: 3,
-                head_dim: 64,
-                num_blocks: ctx.len() * max_blocks + 1,
-                block_size: bs,
-                max_blocks_per_seq: max_blocks,
-            };
-            let cache_len = shape.num_blocks * bs * 3 * 64;
-            let k: Vec<f32> = (0..cache_len).map(|_| rng.next_f32() * 3.0).collect();
-            let v: Vec<f32> = (0..cache_len).map(|_| rng.next_f32()).collect();
-            let q: Vec<f32> = (0..ctx.len() * 9 * 64).map(|_| rng.next_f32()).collect();
-            let bt: Vec<i32> = (0..ctx.len() * max_blocks)
-                .map(|i| 1 + i as i32)
-                .rev()
-                .collect();
+            let (shape, q, k, v, bt) = long_rows(seed, &ctx);
+            let bs = shape.block_size;
             let want = reference(&shape, &q, &k, &v, &bt, &ctx, None, 0.125);
             let counts: Vec<usize> = ctx.iter().map(|&c| (c as usize).div_ceil(bs)).collect();
             // the two tasks every call below gets at least already cut a sequence
@@ -2082,6 +2065,32 @@ mod tests {
         }
     }
 
+    /// SmolLM2's heads over rows of contexts `ctx` (up to 5,120 keys), blocks of 16 in reverse
+    /// order: the shape, q, K, V (K scaled up: sharper softmaxes) and block tables.
+    #[allow(clippy::type_complexity)]
+    fn long_rows(seed: u64, ctx: &[i32]) -> (DecodeShape, Vec<f32>, Vec<f32>, Vec<f32>, Vec<i32>) {
+        let mut rng = Lcg(seed);
+        let (bs, max_blocks) = (16, 320);
+        let shape = DecodeShape {
+            num_seqs: ctx.len(),
+            num_heads: 9,
+            num_kv_heads: 3,
+            head_dim: 64,
+            num_blocks: ctx.len() * max_blocks + 1,
+            block_size: bs,
+            max_blocks_per_seq: max_blocks,
+        };
+        let cache_len = shape.num_blocks * bs * 3 * 64;
+        let k: Vec<f32> = (0..cache_len).map(|_| rng.next_f32() * 3.0).collect();
+        let v: Vec<f32> = (0..cache_len).map(|_| rng.next_f32()).collect();
+        let q: Vec<f32> = (0..ctx.len() * 9 * 64).map(|_| rng.next_f32()).collect();
+        let bt: Vec<i32> = (0..ctx.len() * max_blocks)
+            .map(|i| 1 + i as i32)
+            .rev()
+            .collect();
+        (shape, q, k, v, bt)
+    }
+
     #[test]
     fn windows_of_sequences_split_between_threads_match_the_reference() {
         // as above with windows: the cuts fall inside windows (parts of one row merged), the
@@ -2094,25 +2103,8 @@ mod tests {
             (45, vec![129, 4900], vec![128, 333]),
             (46, vec![2500, 2600], vec![2499, 1]),
         ] {
-            let mut rng = Lcg(seed);
-            let (bs, max_blocks) = (16, 320);
-            let shape = DecodeShape {
-                num_seqs: ctx.len(),
-                num_heads: 9,
-                num_kv_heads: 3,
-                head_dim: 64,
-                num_blocks: ctx.len() * max_blocks + 1,
-                block_size: bs,
-                max_blocks_per_seq: max_blocks,
-            };
-            let cache_len = shape.num_blocks * bs * 3 * 64;
-            let mut k: Vec<f32> = (0..cache_len).map(|_| rng.next_f32() * 3.0).collect();
-            let mut v: Vec<f32> = (0..cache_len).map(|_| rng.next_f32()).collect();
-            let q: Vec<f32> = (0..ctx.len() * 9 * 64).map(|_| rng.next_f32()).collect();
-            let bt: Vec<i32> = (0..ctx.len() * max_blocks)
-                .map(|i| 1 + i as i32)
-                .rev()
-                .collect();
+            let (shape, q, mut k, mut v, bt) = long_rows(seed, &ctx);
+            let bs = shape.block_size;
             let full = reference(&shape, &q, &k, &v, &bt, &ctx, None, 0.125);
             poison_outside_windows(&shape, (&mut k, &mut v), &bt, &starts);
             let want = reference(&shape, &q, &k, &v, &bt, &ctx, Some(&starts), 0.125);
