@@ -166,3 +166,27 @@ def test_on_a_gpu_auto_picks_a_backend_that_takes_windows(caplog):
         assert get_attention_backend("auto", "cuda", windows=True).name == "torch"
     assert "sliding window" in caplog.text
     assert get_attention_backend("auto", "cpu", windows=True).name == "cpu"
+
+
+def test_the_engine_serves_gemma3_with_drafts_chunks_and_a_prefix_cache(tmp_path):
+    """Through ``LLM`` as users run it: prompts in chunks of 16 past the window, prompt-lookup
+    drafts (repeating prompts: several query rows a sequence, each from its own window start)
+    and a second round whose prompts hit the prefix cache; every greedy token transformers'."""
+    from ferrobatch import LLM, SamplingParams
+    from ferrobatch.model.loader import smollm2_gguf_path
+
+    cfg = {**TINY_GEMMA3, "vocab_size": 49152}    # the borrowed tokenizer's ids fit
+    reference = random_hf_model(cfg, seed=46, std=0.3)
+    reference.save_pretrained(tmp_path, safe_serialization=True)
+    llm = LLM(model=str(tmp_path), tokenizer=smollm2_gguf_path(), max_num_batched_tokens=16,
+              kv_cache_gb=0.02)
+    prompts = [[5, 6, 7, 8, 9] * 8, list(range(100, 137)), [40, 41, 42] * 7]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    with torch.no_grad():
+        want = [reference.generate(torch.tensor([p]), max_new_tokens=20, min_new_tokens=20,
+                                   do_sample=False)[0, len(p):].tolist() for p in prompts]
+    for round_ in range(2):     # the second round reads the prompts' blocks from the cache
+        outs = llm.generate(prompts, params)
+        assert [list(o.outputs[0].token_ids) for o in outs] == want
+        assert all((o.num_cached_tokens or 0) > 0 for o in outs) == (round_ == 1)
+    assert llm.engine.stats().get("num_draft_tokens_total", 0) > 0     # drafts were verified
