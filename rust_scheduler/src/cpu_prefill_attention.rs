@@ -330,12 +330,11 @@ fn run<E: KvElement>(
     num_threads: usize,
     limits: (Isa, usize),
 ) -> Result<(), KernelInputError> {
-    let cache = (k_cache, v_cache);
     run_windowed(
         shape,
         q,
-        cache.0,
-        cache.1,
+        k_cache,
+        v_cache,
         block_tables,
         chunks,
         out,
